@@ -1,0 +1,146 @@
+"""The ``sdpipe`` command line: parse, compose the config once, hand it to the launcher, show progress.
+
+Usage::
+
+    sdpipe train                                  # defaults: gpt_tiny on the stdlib corpus, P=2, S=2
+    sdpipe train model=mlp train.steps=50         # Hydra overrides: key=value, group=option
+    sdpipe train cluster.pipelines=4 pipeline=deep sync=none
+    sdpipe train --cfg                            # print the composed config and exit
+    sdpipe train --help                           # config groups and their options
+
+Exit codes: 0 done, 1 a process failed (named on stderr), 2 bad input (one line, nothing
+started), 130 interrupted. rich lives here and only here: workers and the scheduler log plain text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from sdpipe_cli import __version__
+from sdpipe_cli.config import ConfigError, compose, group_options, validate
+from sdpipe_cli.data import DataError
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+TRAIN_HELP = """Train a model pipeline-parallel on P pipelines of S stages.
+
+Overrides use Hydra's grammar: key=value (train.steps=50), group=option (model=mlp),
++key=value to add. Keys and their meaning: sdpipe_cli/config.py, or `sdpipe train --cfg`."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sdpipe", description="Semi-decentralized pipeline-parallel training for "
+        "heterogeneous clusters.")
+    parser.add_argument("--version", action="version", version=f"sdpipe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups = "\n".join(f"  {g:<10} {', '.join(opts)}" for g, opts in group_options().items())
+    train = sub.add_parser(
+        "train", help="train a model", description=TRAIN_HELP,
+        epilog=f"config groups (group=option):\n{groups}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    train.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return EXIT_USAGE
+    err = Console(stderr=True)
+    try:
+        if args.command == "train":
+            return train(args.overrides, show_config=args.cfg, console=err)
+    except (ConfigError, DataError) as bad:
+        err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_USAGE
+    return EXIT_USAGE
+
+
+def train(overrides: Sequence[str], show_config: bool = False, console: Console | None = None) -> int:
+    from sdpipe_cli import data, launcher
+
+    console = console or Console(stderr=True)
+    cfg = compose(list(overrides))
+    validate(cfg)
+    if show_config:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+    if cfg.data.name == "text":  # a user's file: fail before anything starts
+        data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
+    run_cfg = launcher.prepare(cfg)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the run like Ctrl-C
+
+    display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps)
+    with display:
+        result = launcher.launch(run_cfg, on_progress=display.update)
+    console.print(f"run folder: {result.run_dir}", highlight=False)
+    if result.failure:
+        console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
+                      soft_wrap=True)
+        return result.returncode
+    _summary(console, result)
+    return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+class _ProgressDisplay:
+    """A live bar on a terminal; a plain line every 10% elsewhere (CI logs, pipes)."""
+
+    def __init__(self, console: Console, total: int):
+        self.console, self.total = console, total
+        self.live = console.is_terminal
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total} it"),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
+        self.task = self.progress.add_task("train", total=total, loss="-", rate="-")
+        self.next_report = 0.1
+
+    def __enter__(self):
+        if self.live:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.progress.stop()
+
+    def update(self, snap: dict) -> None:
+        loss = "-" if snap.get("loss") is None else f"{snap['loss']:.3f}"
+        rate = f"{snap.get('samples_per_s', 0.0):.0f}"
+        done = min(snap.get("iterations", 0), self.total)
+        self.progress.update(self.task, completed=done, loss=loss, rate=rate)
+        if not self.live and done >= self.next_report * self.total:
+            self.console.print(f"train {done}/{self.total} it  loss {loss}  {rate} samples/s",
+                               highlight=False)
+            while self.next_report * self.total <= done:
+                self.next_report += 0.1
+
+
+def _summary(console: Console, result) -> None:
+    table = Table(title=f"sdpipe train: done in {result.wall_s:.1f} s")
+    for col in ("pipeline", "iterations", "samples", "loss", "val_loss", "samples/s"):
+        table.add_column(col, justify="right")
+    for p, s in sorted(result.progress.get("pipelines", {}).items(), key=lambda kv: int(kv[0])):
+        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        table.add_row(str(p), str(s["steps"]), str(s["samples"]), fmt(s["loss"]),
+                      fmt(s["val_loss"]), f"{s['samples_per_s']:.1f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

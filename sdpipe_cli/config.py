@@ -1,0 +1,300 @@
+"""Config schema, composition and validation: the single source of truth for every setting.
+
+The dataclasses below are registered with Hydra's ConfigStore as the schema of the primary config;
+the YAML files under ``configs/`` only set values. Composition therefore rejects unknown keys and
+wrong types, and :func:`validate` adds the cross-field checks (world size, stages <= blocks, ...),
+so that a bad run stops before any process starts, with one line naming the key.
+
+Every subcommand composes once (:func:`compose`), the launcher writes the resolved YAML into the
+run folder, and child processes read that file (:func:`load_run_config`), never the YAML tree.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+SCHEDULES = ("1f1b", "gpipe")
+SYNC_MODES = ("allreduce", "none")
+DEVICES = ("cpu", "cuda", "auto")
+ARCHS = ("gpt", "mlp")
+DATASETS = ("stdlib", "text", "synthetic")
+PARTITIONS = ("uniform", "params")
+
+
+class ConfigError(ValueError):
+    """A bad setting: ``key`` names it, ``reason`` says what is wrong and how to fix it."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+@dataclass
+class ModelConfig:
+    name: str = "custom"  # config option name, e.g. gpt_tiny
+    arch: str = "gpt"  # gpt (decoder-only transformer) or mlp (per-position residual MLP)
+    vocab_size: int = 256  # byte-level vocabulary
+    seq_len: int = 64  # tokens per sample (context length)
+    d_model: int = 64  # width of the residual stream
+    n_layers: int = 4  # transformer / MLP layers; the model has n_layers + 2 blocks
+    n_heads: int = 4  # attention heads (gpt only)
+    d_hidden: int = 256  # hidden width of each MLP (both archs)
+    dropout: float = 0.0  # dropout probability; 0 keeps pipelines bit-comparable
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # stdlib | text | synthetic
+    path: Optional[str] = None  # file or folder of text files (data=text only)
+    max_bytes: int = 8_000_000  # read at most this many bytes of corpus (keeps start-up fast)
+    val_fraction: float = 0.05  # tail fraction of the corpus held out for validation
+    eval_batches: int = 4  # validation batches per evaluation
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    pipelines: int = 2  # P: data-parallel pipelines
+    device: str = "auto"  # cpu | cuda | auto (cuda when available, one GPU per worker)
+    host: str = "127.0.0.1"  # address the TCPStore binds to; keep it private (see README)
+
+
+@dataclass
+class PipelineConfig:
+    stages: int = 2  # S: stages per pipeline
+    microbatches: int = 4  # m: micro-batches per iteration
+    schedule: str = "1f1b"  # 1f1b (PipeDream-Flush) | gpipe
+    # uniform | params | explicit list of S-1 block boundaries, e.g. [3] or [2, 4, 5]
+    partition: Any = "uniform"
+
+
+@dataclass
+class SyncConfig:
+    name: str = "allreduce"  # allreduce | none
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400  # iterations of an average pipeline; P x steps pipeline-iterations in total
+    batch_size: int = 16  # samples per pipeline per iteration, split into m micro-batches
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    weight_decay: float = 0.0
+    warmup: int = 10  # linear warm-up iterations, then cosine decay to lr/10
+    grad_clip: float = 1.0  # max gradient norm per stage; 0 disables
+    seed: int = 0
+    eval_every: int = 100  # evaluate every this many iterations (0: only at the end)
+    log_every: int = 1  # push a metrics line every this many iterations
+    time_limit: Optional[float] = None  # seconds; stop all pipelines at the same iteration after it
+
+
+@dataclass
+class RunConfig:
+    dir: Optional[str] = None  # run folder; default runs/<timestamp>
+    port: int = 0  # TCPStore port; 0 picks a free one
+    timeout: float = 120.0  # seconds any rendezvous or collective may wait before failing
+    heartbeat_timeout: float = 300.0  # seconds of silence after which a worker is declared hung
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def n_blocks(model: ModelConfig | DictConfig) -> int:
+    """Blocks of a model: embedding, n_layers layers, head."""
+    return int(model.n_layers) + 2
+
+
+def config_dir() -> Path:
+    """The YAML tree: packaged beside the code when installed, ``configs/`` in a source checkout."""
+    packaged = Path(__file__).resolve().parent / "configs"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def group_options() -> dict[str, list[str]]:
+    """Config groups and their options, read from the YAML tree (for ``--help``)."""
+    root = config_dir()
+    return {
+        group.name: sorted(p.stem for p in group.glob("*.yaml"))
+        for group in sorted(root.iterdir())
+        if group.is_dir() and not group.name.startswith("_")
+    }
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose the config tree with Hydra overrides (``key=value``, ``group=option``, ``+key=value``).
+
+    Raises :class:`ConfigError` with one line naming the offending key for every Hydra or
+    OmegaConf error (unknown key, wrong type, unknown group option, bad override syntax).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    except Exception as err:  # Hydra raises many types; all become one line
+        raise _as_config_error(err, overrides) from None
+    finally:
+        GlobalHydra.instance().clear()
+    # Hydra lets ``+key=value`` add keys the schema does not have; the schema is the contract.
+    _reject_unknown_keys(cfg, OmegaConf.structured(Config))
+    return cfg
+
+
+def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> None:
+    for key in cfg.keys():
+        name = f"{prefix}{key}"
+        if key not in schema:
+            raise ConfigError(name, f"is not a setting of sdpipe (known here: {', '.join(schema.keys())})")
+        if isinstance(schema[key], DictConfig) and isinstance(cfg[key], DictConfig):
+            _reject_unknown_keys(cfg[key], schema[key], f"{name}.")
+
+
+def _as_config_error(err: Exception, overrides: list[str]) -> ConfigError:
+    """Turn a Hydra/OmegaConf exception into a one-line :class:`ConfigError`."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    cause: BaseException = err
+    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    key = getattr(cause, "full_key", None) or ""
+    text = " ".join(str(cause).split("\n")[0].split())
+    if not key:
+        # "Could not override 'x.y'", "Could not find 'model/foo'", override parse errors
+
+        text = " ".join(str(err).split("\n")[0].split())
+        missing = re.search(r"Could not find '(\w+)/([^']*)'", str(err))
+        if missing:
+            group, option = missing.groups()
+            choices = ", ".join(group_options().get(group, []))
+            return ConfigError(group, f"no option '{option}' in config group '{group}' (choices: {choices})")
+        match = re.search(r"'([A-Za-z_][\w.]*)'", str(err))
+        key = match.group(1) if match else "overrides"
+    return ConfigError(key, text)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks that types alone cannot express. Raises :class:`ConfigError`."""
+    m, p, c, t, d = cfg.model, cfg.pipeline, cfg.cluster, cfg.train, cfg.data
+
+    def need(ok: bool, key: str, reason: str) -> None:
+        if not ok:
+            raise ConfigError(key, reason)
+
+    need(m.arch in ARCHS, "model.arch", f"is '{m.arch}'; choose one of {', '.join(ARCHS)}")
+    need(m.n_layers >= 1, "model.n_layers", "must be at least 1")
+    need(m.vocab_size >= 256, "model.vocab_size", "must be at least 256 (byte-level data)")
+    need(m.seq_len >= 1, "model.seq_len", "must be at least 1")
+    need(m.d_model >= 1 and m.d_hidden >= 1, "model.d_model", "widths must be at least 1")
+    if m.arch == "gpt":
+        need(m.n_heads >= 1 and m.d_model % m.n_heads == 0, "model.n_heads",
+             f"d_model={m.d_model} must be divisible by n_heads={m.n_heads}")
+    need(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+
+    need(d.name in DATASETS, "data.name", f"is '{d.name}'; choose one of {', '.join(DATASETS)}")
+    if d.name == "text":
+        need(bool(d.path), "data.path", "is required with data=text (a file or a folder of text)")
+        need(Path(str(d.path)).expanduser().exists(), "data.path", f"'{d.path}' does not exist")
+    need(d.max_bytes > 0, "data.max_bytes", "must be positive")
+    need(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+    need(d.eval_batches >= 1, "data.eval_batches", "must be at least 1")
+
+    need(c.pipelines >= 1, "cluster.pipelines", "must be at least 1")
+    need(c.device in DEVICES, "cluster.device", f"is '{c.device}'; choose one of {', '.join(DEVICES)}")
+
+    blocks = n_blocks(m)
+    need(p.stages >= 1, "pipeline.stages", "must be at least 1")
+    need(p.stages <= blocks, "pipeline.stages",
+         f"is {p.stages} but model {m.name} has only {blocks} blocks; use at most {blocks} stages")
+    need(p.microbatches >= 1, "pipeline.microbatches", "must be at least 1")
+    need(p.schedule in SCHEDULES, "pipeline.schedule",
+         f"is '{p.schedule}'; choose one of {', '.join(SCHEDULES)}")
+    _validate_partition(p.partition, p.stages, blocks)
+
+    need(cfg.sync.name in SYNC_MODES, "sync.name",
+         f"is '{cfg.sync.name}'; choose one of {', '.join(SYNC_MODES)}")
+
+    need(t.steps >= 1, "train.steps", "must be at least 1")
+    need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
+    need(t.batch_size % p.microbatches == 0, "train.batch_size",
+         f"{t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}")
+    need(t.lr >= 0, "train.lr", "must be >= 0")
+    need(t.warmup >= 0, "train.warmup", "must be >= 0")
+    need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: evaluate only at the end)")
+    need(t.log_every >= 1, "train.log_every", "must be at least 1")
+    need(t.time_limit is None or t.time_limit > 0, "train.time_limit", "must be positive seconds")
+
+    need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
+    need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
+    need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")
+
+
+def _validate_partition(partition: Any, stages: int, blocks: int) -> None:
+    key = "pipeline.partition"
+    if isinstance(partition, str):
+        if partition not in PARTITIONS:
+            raise ConfigError(key, f"is '{partition}'; choose {', '.join(PARTITIONS)} "
+                              f"or a list of {stages - 1} block boundaries")
+        return
+    if not isinstance(partition, (list, ListConfig)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) for b in partition
+    ):
+        raise ConfigError(key, "must be uniform, params or a list of integer block boundaries")
+    bounds = list(partition)
+    if len(bounds) != stages - 1:
+        raise ConfigError(key, f"has {len(bounds)} boundaries; {stages} stages need {stages - 1}")
+    edges = [0, *bounds, blocks]
+    if any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ConfigError(key, f"boundaries {bounds} must increase strictly within 1..{blocks - 1} "
+                          "so that no stage is empty")
+
+
+def resolve_device(cfg: DictConfig) -> str:
+    """``cpu`` or ``cuda`` for this run; CUDA needs one GPU per worker on this host."""
+    import torch
+
+    workers = cfg.cluster.pipelines * cfg.pipeline.stages
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.cluster.device == "cpu":
+        return "cpu"
+    if cfg.cluster.device == "cuda":
+        if gpus == 0:
+            raise ConfigError("cluster.device", "is cuda but no CUDA device is visible here; "
+                              "use cluster.device=cpu or auto")
+        if gpus < workers:
+            raise ConfigError("cluster.device", f"cuda needs one GPU per worker: P x S = {workers} "
+                              f"but {gpus} visible; lower cluster.pipelines or pipeline.stages")
+        return "cuda"
+    return "cuda" if gpus >= workers else "cpu"
+
+
+def save_run_config(cfg: DictConfig, path: Path) -> None:
+    """Write the resolved config; child processes read this file, never the YAML tree."""
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def load_run_config(path: Path) -> DictConfig:
+    """Read a run's resolved config back, typed by the schema."""
+    schema = OmegaConf.structured(Config)
+    return OmegaConf.merge(schema, OmegaConf.load(path))

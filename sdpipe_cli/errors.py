@@ -1,0 +1,50 @@
+"""Failures travel as data: a child process records its exception in an error file.
+
+Like torchrun's ``record``, each scheduler or worker process wraps its main in :func:`record`;
+on an exception it writes ``<run>/logs/<name>.error.json`` (message, type, traceback, time, and
+who it was) before exiting non-zero, so that the launcher can name the first failure in one line
+instead of leaving the user to dig through every log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def error_file(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / "logs" / f"{name}.error.json"
+
+
+@contextmanager
+def record(run_dir: Path, name: str, **identity: Any) -> Iterator[None]:
+    """Write an error file for any exception escaping the block, then re-raise it."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as err:
+        payload = {
+            "message": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(),
+            "time": time.time(),
+            "pid": os.getpid(),
+            **identity,
+        }
+        path = error_file(run_dir, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=1))
+        raise
+
+
+def read_error(run_dir: Path, name: str) -> dict[str, Any] | None:
+    path = error_file(run_dir, name)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,213 @@
+"""The launcher: prepares a run folder, hosts the TCPStore, starts and supervises the processes.
+
+Supervision follows torchrun: every child is a plain subprocess with its own log file
+(``<run>/logs/<rank>.log``, ``scheduler.log``) and error file; the launcher polls them, and as soon
+as one exits non-zero (or is killed) it stops the others (SIGTERM, a grace period, then SIGKILL)
+and reports the first failure in one line: which worker (pipeline, stage, rank), how it ended,
+and the last lines of its error. Children run in their own session (a Ctrl-C reaches only the
+launcher, which then stops them in order) and die with the launcher (PR_SET_PDEATHSIG), so no
+process outlives a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli import models, partition, store
+from sdpipe_cli.config import ConfigError, n_blocks, resolve_device, save_run_config
+from sdpipe_cli.errors import read_error
+
+GRACE_S = 10.0  # SIGTERM -> SIGKILL
+POLL_S = 0.1
+
+
+@dataclass
+class Child:
+    name: str  # "scheduler" or the worker's rank
+    role: str  # human description, e.g. "worker rank 3 (pipeline 1, stage 1)"
+    proc: subprocess.Popen
+    log_path: Path
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    returncode: int  # 0 ok, 1 a process failed, 130 interrupted
+    failure: Optional[str] = None
+    progress: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def prepare(cfg: DictConfig) -> DictConfig:
+    """Resolve what depends on this machine (device, partition) into a concrete run config."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
+    cfg.cluster.device = resolve_device(cfg)
+    counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
+    cfg.pipeline.partition = partition.resolve(cfg.pipeline.partition, n_blocks(cfg.model),
+                                               cfg.pipeline.stages, counts)
+    return cfg
+
+
+def make_run_dir(requested: Optional[str]) -> Path:
+    """A new, empty run folder; never reuses one that already holds a run."""
+    if requested:
+        path = Path(requested).expanduser()
+        if path.exists() and any(path.iterdir()):
+            raise ConfigError("run.dir", f"'{path}' already holds files; choose a new folder "
+                              "(nothing was written)")
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        path, n = Path("runs") / stamp, 1
+        while path.exists():
+            path, n = Path("runs") / f"{stamp}-{n}", n + 1
+    try:
+        (path / "logs").mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError("run.dir", f"cannot write to '{path}': {err.strerror}") from None
+    return path
+
+
+def start_store(cfg: DictConfig):
+    try:
+        return store.host_store(cfg.cluster.host, cfg.run.port, cfg.run.timeout)
+    except Exception as err:  # the c10d error types vary by version; the cause is what matters
+        if cfg.run.port:
+            raise ConfigError("run.port", f"cannot listen on {cfg.cluster.host}:{cfg.run.port} "
+                              f"(already in use?): {str(err).splitlines()[0]}") from None
+        raise ConfigError("cluster.host", f"cannot listen on {cfg.cluster.host}: "
+                          f"{str(err).splitlines()[0]}") from None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the launcher dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str]) -> Child:
+    log_path = run_dir / "logs" / f"{name}.log"
+    with log_path.open("ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
+            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    return Child(name, role, proc, log_path)
+
+
+def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
+           run_dir: Optional[Path] = None) -> RunResult:
+    """Run a training job to the end; ``cfg`` must be validated and prepared."""
+    master = start_store(cfg)  # first: a busy port must fail before anything is written
+    run_dir = run_dir or make_run_dir(cfg.run.dir)
+    cfg.run.dir = str(run_dir)
+    save_run_config(cfg, run_dir / "config.yaml")
+    events = store.namespace(master)
+    events.set(store.T0, repr(time.time()))
+
+    P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+    base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
+            "MASTER_ADDR": cfg.cluster.host, "MASTER_PORT": str(master.port),
+            "WORLD_SIZE": str(P * S), "PYTHONUNBUFFERED": "1"}
+    if cfg.cluster.device == "cpu":
+        base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
+    children = [spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base)]
+    for rank in range(P * S):
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
+        children.append(spawn("sdpipe_cli.worker", str(rank), role, run_dir, env))
+
+    started = time.monotonic()
+    result = RunResult(run_dir, 0)
+    try:
+        result.failure = _supervise(children, run_dir, events, on_progress)
+        result.returncode = 1 if result.failure else 0
+    except KeyboardInterrupt:
+        result.failure, result.returncode = "interrupted; all processes stopped", 130
+    finally:
+        stop_all(children)
+        result.progress = store.get_json(events, store.PROGRESS, {}) or {}
+        result.wall_s = time.monotonic() - started
+    return result
+
+
+def _supervise(children: list[Child], run_dir: Path, events, on_progress) -> Optional[str]:
+    """Wait for every child; on the first failure return its description (others still run)."""
+    while True:
+        codes = [c.proc.poll() for c in children]
+        failed = [c for c, rc in zip(children, codes) if rc not in (None, 0)]
+        if failed:
+            time.sleep(0.5)  # let secondary failures land so the root cause can be picked
+            failed = [c for c in children if c.proc.poll() not in (None, 0)]
+            return describe_failure(first_failure(failed, run_dir), run_dir)
+        if all(rc == 0 for rc in codes):
+            return None
+        snapshot = store.get_json(events, store.PROGRESS)
+        if snapshot:
+            on_progress(snapshot)
+        time.sleep(POLL_S)
+
+
+def first_failure(failed: list[Child], run_dir: Path) -> Child:
+    """The root cause: a child killed by a signal, else the earliest error file."""
+    killed = [c for c in failed if c.proc.returncode < 0]
+    if killed:
+        return killed[0]
+
+    def when(c: Child) -> float:
+        err = read_error(run_dir, c.name)
+        return err["time"] if err else float("inf")
+
+    return min(failed, key=when)
+
+
+def describe_failure(child: Child, run_dir: Path) -> str:
+    rc = child.proc.returncode
+    how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+    err = read_error(run_dir, child.name)
+    detail = err["message"] if err else _tail(child.log_path, 5)
+    return f"{child.role} {how}: {detail} (log: {child.log_path})"
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return " | ".join(text[-lines:]) if text else "no output"
+
+
+def stop_all(children: list[Child], grace: float = GRACE_S) -> None:
+    """SIGTERM every live child, wait up to ``grace`` seconds, then SIGKILL the rest."""
+    live = [c for c in children if c.proc.poll() is None]
+    for c in live:
+        _signal(c, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in live:
+        try:
+            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(c, signal.SIGKILL)
+            c.proc.wait()
+
+
+def _signal(child: Child, sig: int) -> None:
+    try:
+        os.killpg(child.proc.pid, sig)  # the child's whole session, helpers included
+    except ProcessLookupError:
+        pass

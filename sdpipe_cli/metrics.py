@@ -1,0 +1,124 @@
+"""Metrics: the run's progress as the scheduler sees it, and the ``metrics.jsonl`` it writes.
+
+Workers report what only they know (the loss lives on the last stage of each pipeline) as events;
+:class:`RunTracker` folds them into per-pipeline state without doing any I/O, and
+:class:`MetricsLog` appends one JSON object per line. The launcher shows the tracker's
+:meth:`RunTracker.snapshot`; nothing flows back from here to the workers.
+
+``metrics.jsonl`` lines have a ``kind``:
+- ``train``: ``step``, ``time`` (s since the run started), ``pipeline``, ``loss``, ``samples``
+  (cumulative samples of that pipeline), ``samples_per_s`` (that pipeline's), ``lr``, plus
+  ``step_s``, ``compute_s`` and ``sync_s`` (seconds of the last iteration on the last stage);
+- ``eval``: ``step``, ``time``, ``pipeline``, ``val_loss``, ``samples``;
+- ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class PipelineState:
+    steps: int = 0  # iterations finished by the pipeline's last stage
+    samples: int = 0
+    loss: Optional[float] = None
+    val_loss: Optional[float] = None
+    samples_per_s: float = 0.0
+
+
+@dataclass
+class RunTracker:
+    """Global view of a run, built from worker events. Pure: the clock is injected."""
+
+    pipelines: int
+    stages: int
+    target_iterations: int  # P x steps pipeline-iterations end the run
+    clock: Callable[[], float] = time.monotonic
+    heartbeat_timeout: float = 300.0
+    state: dict[int, PipelineState] = field(default_factory=dict)
+    last_seen: dict[int, float] = field(default_factory=dict)
+    done: dict[int, dict[str, Any]] = field(default_factory=dict)
+    started: set = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.state = {p: PipelineState() for p in range(self.pipelines)}
+
+    @property
+    def world_size(self) -> int:
+        return self.pipelines * self.stages
+
+    def update(self, event: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Fold one event in; returns the metrics line it produces, if any."""
+        rank = int(event["rank"])
+        self.last_seen[rank] = self.clock()
+        kind = event["type"]
+        pipe = self.state[int(event["pipeline"])]
+        if kind == "start":
+            self.started.add(rank)
+            return None
+        if kind == "step" and "loss" in event:
+            pipe.steps, pipe.samples = event["step"], event["samples"]
+            pipe.loss, pipe.samples_per_s = event["loss"], event["samples_per_s"]
+            return {"kind": "train", **_without(event, "type", "rank", "stage")}
+        if kind == "eval":
+            pipe.val_loss = event["val_loss"]
+            return {"kind": "eval", **_without(event, "type", "rank", "stage")}
+        if kind == "done":
+            self.done[rank] = event
+            return {"kind": "done", **_without(event, "type")}
+        return None
+
+    def all_done(self) -> bool:
+        return len(self.done) == self.world_size
+
+    def silent_workers(self) -> list[int]:
+        """Ranks not heard from within the heartbeat timeout (not yet done)."""
+        now = self.clock()
+        return sorted(r for r, t in self.last_seen.items()
+                      if r not in self.done and now - t > self.heartbeat_timeout)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the launcher displays: totals and the latest value per pipeline."""
+        losses = [s.loss for s in self.state.values() if s.loss is not None]
+        vals = [s.val_loss for s in self.state.values() if s.val_loss is not None]
+        return {
+            "iterations": sum(s.steps for s in self.state.values()),
+            "target": self.target_iterations,
+            "samples": sum(s.samples for s in self.state.values()),
+            "samples_per_s": sum(s.samples_per_s for s in self.state.values()),
+            "loss": sum(losses) / len(losses) if losses else None,
+            "val_loss": sum(vals) / len(vals) if vals else None,
+            "started": len(self.started),
+            "done": len(self.done),
+            "pipelines": {p: vars(s) for p, s in self.state.items()},
+        }
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl``; each line is flushed so a crash loses at most one line."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every line of a ``metrics.jsonl`` (for summaries and tests)."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _without(event: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in event.items() if k not in keys}

@@ -1,0 +1,157 @@
+"""Pipeline schedules: the order in which one stage runs its forwards and backwards.
+
+A schedule is a pure function ``(stages, microbatches, stage) -> list[Action]``: no torch, no
+I/O, so it can be printed, diffed and property-tested. The stage executor (``stage.py``) runs
+the list; since each stage receives from its neighbours in list order, two neighbours' lists
+must agree on the order of micro-batches, which both schedules here guarantee (forwards and
+backwards each go in micro-batch order).
+
+:func:`gpipe` runs every forward, then every backward. :func:`one_f_one_b` (PipeDream-Flush,
+"1F1B") has three phases on stage ``s`` of ``S``:
+
+* warm-up: ``S - s - 1`` forwards (or all ``m`` if fewer). The gradient of micro-batch 0 comes back to stage ``s``
+  only after it has gone forward and backward through the ``S - s - 1`` later stages, so
+  the stage fills that wait with forwards;
+* steady state: one forward, then one backward (of the oldest micro-batch in flight);
+* cool-down: the remaining backwards.
+
+Both are flushed (every micro-batch is done before the optimizer step), so with equal
+forward and backward times they take the same number of ticks, ``2 * (m + S - 1)``: the
+bubble is the same. What 1F1B buys is memory: stage ``s`` keeps the activations of at
+most ``S - s`` micro-batches alive instead of all ``m``, because after warm-up every new
+forward is paired with a backward that frees one. This is the table :func:`timeline`
+prints for ``S = 4, m = 8`` (one column per tick, ``.`` is idle)::
+
+    stage 0: F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
+    stage 1: .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
+    stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
+    stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+__all__ = [
+    "Action",
+    "SCHEDULES",
+    "ScheduleFn",
+    "format_actions",
+    "get_schedule",
+    "gpipe",
+    "one_f_one_b",
+    "simulate",
+    "timeline",
+]
+
+
+class Action(NamedTuple):
+    """One unit of work of a stage: the forward ("F") or backward ("B") of a micro-batch."""
+
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+ScheduleFn = Callable[[int, int, int], List[Action]]
+
+
+def _check(stages: int, microbatches: int, stage: int) -> None:
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage must be in [0, {stages}), got {stage}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+
+
+def one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action]:
+    """PipeDream-Flush (1F1B) actions of ``stage``: warm-up forwards, F/B pairs, cool-down."""
+    _check(stages, microbatches, stage)
+    warmup = min(stages - stage - 1, microbatches)
+    actions = [Action("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        actions += [Action("F", warmup + i), Action("B", i)]
+    actions += [Action("B", i) for i in range(microbatches - warmup, microbatches)]
+    return actions
+
+
+def gpipe(stages: int, microbatches: int, stage: int) -> List[Action]:
+    """GPipe actions of ``stage``: every forward, then every backward."""
+    _check(stages, microbatches, stage)
+    return [Action("F", i) for i in range(microbatches)] + [
+        Action("B", i) for i in range(microbatches)
+    ]
+
+
+SCHEDULES: Dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+
+
+def get_schedule(name: str) -> ScheduleFn:
+    """The schedule function called ``name`` (a key of :data:`SCHEDULES`)."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown schedule {name!r}; valid choices: {', '.join(sorted(SCHEDULES))}"
+        ) from None
+
+
+def format_actions(actions: List[Action]) -> str:
+    """``"F0 F1 B0 ..."``: the compact form used in logs and tests."""
+    return " ".join(str(a) for a in actions)
+
+
+def simulate(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> List[List[Optional[Action]]]:
+    """Run every stage's actions on a clock where each action takes one tick.
+
+    Returns one row per stage, one entry per tick: the action run then, or None when the
+    stage is idle (waiting for a neighbour, or done). An action runs at the first tick at
+    which it is next in its stage's list and its inputs were produced at earlier ticks:
+    F(i) on s needs F(i) on s - 1; B(i) on s needs F(i) on s and B(i) on s + 1.
+    Raises ValueError if the stages' lists deadlock.
+    """
+    _check(stages, microbatches, 0)
+    plans = [schedule_fn(stages, microbatches, s) for s in range(stages)]
+    done: Dict[tuple, int] = {}  # (kind, stage, microbatch) -> tick it ran
+
+    def ready(action: Action, s: int, tick: int) -> bool:
+        def ran(kind: str, at: int) -> bool:
+            return done.get((kind, at, action.microbatch), tick) < tick
+
+        if action.kind == "F":
+            return s == 0 or ran("F", s - 1)
+        return ran("F", s) and (s == stages - 1 or ran("B", s + 1))
+
+    rows: List[List[Optional[Action]]] = [[] for _ in range(stages)]
+    position = [0] * stages
+    tick = 0
+    while any(position[s] < len(plans[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            action = plans[s][position[s]] if position[s] < len(plans[s]) else None
+            if action is not None and ready(action, s, tick):
+                done[(action.kind, s, action.microbatch)] = tick
+                position[s] += 1
+                progressed = True
+            else:
+                action = None
+            rows[s].append(action)
+        if not progressed:
+            raise ValueError(f"schedule deadlocks at tick {tick}: positions {position}")
+        tick += 1
+    return rows
+
+
+def timeline(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> str:
+    """ASCII table of :func:`simulate`: one row per stage, one column per tick, ``.`` = idle."""
+    rows = simulate(schedule_fn, stages, microbatches)
+    width = max(len(str(a)) for row in rows for a in row if a is not None)
+    digits = len(str(stages - 1))
+    lines = []
+    for s, row in enumerate(rows):
+        cells = [(str(a) if a is not None else ".").ljust(width) for a in row]
+        lines.append(f"stage {s:>{digits}}: " + " ".join(cells).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""The coordination namespace: every key that launcher, scheduler and workers share in the TCPStore.
+
+All coordination between processes goes through one ``torch.distributed.TCPStore`` (hosted by the
+launcher) and torch.distributed itself, never through pipes or shared memory, so that the same
+code runs when the processes live on different hosts. This module names the keys and moves JSON
+records over them; it holds no policy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+PG_PREFIX = "pg/"  # torch.distributed's own rendezvous keys
+PREFIX = "sdpipe/"  # ours
+EVENTS = "events"  # queue: worker -> scheduler records (start, step, eval, done)
+PROGRESS = "progress"  # scheduler -> launcher: JSON snapshot for the progress display
+T0 = "t0"  # wall-clock start of the run (seconds since the epoch), set by the launcher
+FINISHED = "finished"  # set by the scheduler when every worker reported done
+
+
+def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """The master store; ``port=0`` binds a free port (read it back from ``.port``)."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout))
+
+
+def connect(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """A client of the launcher's store."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def namespace(store: dist.Store) -> dist.PrefixStore:
+    return dist.PrefixStore(PREFIX, store)
+
+
+def push(store: dist.Store, queue: str, record: dict[str, Any]) -> None:
+    store.queue_push(queue, json.dumps(record))
+
+
+def pop_all(store: dist.Store, queue: str, limit: int = 1000) -> list[dict[str, Any]]:
+    """Every record waiting in ``queue`` (up to ``limit``), without blocking."""
+    records = []
+    for _ in range(min(store.queue_len(queue), limit)):
+        records.append(json.loads(store.queue_pop(queue, block=False)))
+    return records
+
+
+def set_json(store: dist.Store, key: str, value: Any) -> None:
+    store.set(key, json.dumps(value))
+
+
+def get_json(store: dist.Store, key: str, default: Any = None) -> Any:
+    if not store.check([key]):
+        return default
+    return json.loads(store.get(key))
+
+
+def run_clock(store: dist.Store) -> float:
+    """The run's start time, so that every process stamps metrics on one time axis."""
+    return float(store.get(T0)) if store.check([T0]) else time.time()

@@ -1,0 +1,257 @@
+"""One worker process: stage s of pipeline p, for the whole run.
+
+Started by the launcher as ``python -m sdpipe_cli.worker`` with torchrun-style environment
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+``SDPIPE_RUN_DIR``; it reads the run's resolved ``config.yaml`` and nothing else.
+
+Ranks are pipeline-major: rank = p * S + s. Per iteration the worker
+1. agrees whether to go on: the first stage decides (with its replicas, if the sync strategy needs
+   it) and passes the decision down the pipeline in a small control message, so that every stage of
+   a pipeline runs exactly the same iterations;
+2. runs the schedule's actions (forwards and backwards of m micro-batches) through the stage;
+3. lets the sync strategy act (gradient all-reduce), clips, steps the optimizer, lets the strategy
+   act again (weight averaging), and reports a step event to the scheduler.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from sdpipe_cli import data, models, partition, store
+from sdpipe_cli.config import load_run_config, n_blocks
+from sdpipe_cli.errors import record
+from sdpipe_cli.schedule import get_schedule
+from sdpipe_cli.stage import PipelineStage
+from sdpipe_cli.sync import make_sync
+
+log = logging.getLogger("sdpipe.worker")
+
+CONTROL_TAG = 7  # p2p tag of the per-iteration go/stop message (activations use other tags)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this worker sits in the P x S grid."""
+
+    rank: int
+    pipelines: int
+    stages: int
+
+    @property
+    def pipeline(self) -> int:
+        return self.rank // self.stages
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def rank_of(self, pipeline: int, stage: int) -> int:
+        return pipeline * self.stages + stage
+
+
+def lr_at(step: int, cfg: DictConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak at ``train.steps``."""
+    t = cfg.train
+    if t.warmup and step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    progress = min(1.0, (step - t.warmup) / max(1, t.steps - t.warmup))
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def param_digest(module: nn.Module) -> str:
+    """SHA-256 of the parameters' bytes: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def build_stage_module(cfg: DictConfig, stage: int) -> nn.Module:
+    """This stage's blocks; every replica builds the whole model from the same seed, then slices."""
+    torch.manual_seed(cfg.train.seed)
+    blocks = models.build_blocks(cfg.model)
+    start, stop = partition.stage_ranges(list(cfg.pipeline.partition), n_blocks(cfg.model))[stage]
+    return nn.Sequential(*blocks[start:stop])
+
+
+class Worker:
+    def __init__(self, cfg: DictConfig, where: Placement, device: torch.device, events: dist.Store):
+        self.cfg, self.where, self.device, self.events = cfg, where, device, events
+        self.t0 = store.run_clock(events)
+        p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
+        self.module = build_stage_module(cfg, s).to(device)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.train.lr,
+                                           betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
+        # Every rank creates every stage's replica group, in the same order (new_group's contract).
+        groups = [dist.new_group([where.rank_of(q, t) for q in range(P)]) if P > 1 else None
+                  for t in range(S)]
+        self.sync = make_sync(cfg.sync.name, groups[s], P, device)
+        mb = cfg.train.batch_size // cfg.pipeline.microbatches
+        self.stage = PipelineStage(
+            self.module, stage=s, num_stages=S,
+            prev_rank=None if where.first else where.rank_of(p, s - 1),
+            next_rank=None if where.last else where.rank_of(p, s + 1),
+            activation_shape=models.activation_shape(cfg.model, mb),
+            device=device, loss_fn=models.loss_fn,
+        )
+        self.actions = get_schedule(cfg.pipeline.schedule)(S, cfg.pipeline.microbatches, s)
+        self.corpus = None
+        if where.first or where.last:  # middle stages never touch data
+            self.corpus = data.load_corpus(cfg.data, cfg.train.seed)
+            data.check_corpus(self.corpus, cfg.model.seq_len)
+        self._pending: list[dist.Work] = []
+
+    # -- control ---------------------------------------------------------------------------
+    def _agree(self, step: int, started: float) -> bool:
+        """Whether the pipeline runs iteration ``step``; the same answer on every stage."""
+        w = self.where
+        if w.first:
+            limit = self.cfg.train.time_limit
+            go = step < self.cfg.train.steps and not (limit and time.time() - started >= limit)
+            go = self.sync.agree_to_continue(go)
+            flag = torch.tensor([int(go), step], dtype=torch.int64, device=self.device)
+        else:
+            flag = torch.empty(2, dtype=torch.int64, device=self.device)
+            dist.recv(flag, src=w.rank_of(w.pipeline, w.stage - 1), tag=CONTROL_TAG)
+            if int(flag[1]) != step:
+                raise RuntimeError(f"stage {w.stage} expected iteration {step}, got {int(flag[1])}")
+        if not w.last:
+            self._pending.append(dist.isend(flag, dst=w.rank_of(w.pipeline, w.stage + 1),
+                                            tag=CONTROL_TAG))
+        return bool(flag[0])
+
+    def _microbatches(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [t.to(self.device) for t in x.chunk(self.cfg.pipeline.microbatches)]
+
+    # -- the loop -----------------------------------------------------------------------------
+    def train(self) -> None:
+        cfg, w = self.cfg, self.where
+        self._emit("start", pid=os.getpid())
+        started = time.time()
+        step = 0
+        while self._agree(step, started):
+            t_step = time.perf_counter()
+            inputs = targets = None
+            if self.corpus is not None:
+                x, y = data.train_batch(self.corpus, w.pipeline, w.pipelines, cfg.train.batch_size,
+                                        cfg.model.seq_len, cfg.train.seed, step)
+                inputs, targets = self._microbatches(x), self._microbatches(y)
+            lr = lr_at(step, cfg)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.stage.run(self.actions, inputs if w.first else None,
+                                  targets if w.last else None)
+            compute_s = time.perf_counter() - t_step
+            t_sync = time.perf_counter()
+            self.sync.after_backward(self.module)
+            sync_s = time.perf_counter() - t_sync
+            if cfg.train.grad_clip > 0:
+                nn.utils.clip_grad_norm_(self.module.parameters(), cfg.train.grad_clip)
+            self.optimizer.step()
+            t_sync = time.perf_counter()
+            self.sync.after_step(self.module, step)
+            sync_s += time.perf_counter() - t_sync
+            self._wait_pending()
+            step += 1
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                elapsed = max(time.time() - started, 1e-9)
+                extra = {"loss": loss} if w.last else {}
+                self._emit("step", step=step, samples=step * cfg.train.batch_size,
+                           samples_per_s=step * cfg.train.batch_size / elapsed, lr=lr,
+                           step_s=time.perf_counter() - t_step, compute_s=compute_s,
+                           sync_s=sync_s, **extra)
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                self.evaluate(step)
+        self._wait_pending()
+        if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+            self.evaluate(step)  # always once at the end of the run
+        self._emit("done", steps=step, param_digest=param_digest(self.module))
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> None:
+        """Validation loss of this pipeline's replica on the fixed validation batches."""
+        cfg, w = self.cfg, self.where
+        batches = [(None, None)] * cfg.data.eval_batches
+        if self.corpus is not None:
+            batches = data.val_batches(self.corpus, cfg.data.eval_batches, cfg.train.batch_size,
+                                       cfg.model.seq_len, cfg.train.seed)
+        self.module.eval()
+        losses = []
+        for x, y in batches:
+            loss = self.stage.forward_only(self._microbatches(x) if w.first else None,
+                                           self._microbatches(y) if w.last else None,
+                                           microbatches=cfg.pipeline.microbatches)
+            losses.append(loss)
+        self.module.train()
+        if w.last:
+            self._emit("eval", step=step, val_loss=sum(losses) / len(losses),
+                       samples=step * cfg.train.batch_size)
+
+    def _emit(self, kind: str, **fields) -> None:
+        w = self.where
+        store.push(self.events, store.EVENTS, {
+            "type": kind, "rank": w.rank, "pipeline": w.pipeline, "stage": w.stage,
+            "time": round(time.time() - self.t0, 4), **fields})
+
+    def _wait_pending(self) -> None:
+        for work in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+def main() -> int:
+    run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack to the log
+    cfg = load_run_config(run_dir / "config.yaml")
+    where = Placement(rank, cfg.cluster.pipelines, cfg.pipeline.stages)
+    with record(run_dir, str(rank), rank=rank, pipeline=where.pipeline, stage=where.stage):
+        cuda = cfg.cluster.device == "cuda"
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        client = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               cfg.run.timeout)
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                store=dist.PrefixStore(store.PG_PREFIX, client), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=cfg.run.timeout),
+                                device_id=device if cuda else None)
+        log.info("pipeline %d stage %d on %s", where.pipeline, where.stage, device)
+        try:
+            Worker(cfg, where, device, store.namespace(client)).train()
+        finally:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

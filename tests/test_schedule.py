@@ -1,0 +1,142 @@
+"""Schedules as text: literal per-stage action orders, invariants, and the simulated timeline."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpipe_cli.schedule import (
+    SCHEDULES,
+    Action,
+    format_actions,
+    get_schedule,
+    gpipe,
+    one_f_one_b,
+    simulate,
+    timeline,
+)
+
+ONE_F_ONE_B_4x8 = [
+    "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+    "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+    "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+    "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+]
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_1f1b_four_stages_eight_microbatches(stage):
+    assert format_actions(one_f_one_b(4, 8, stage)) == ONE_F_ONE_B_4x8[stage]
+
+
+@pytest.mark.parametrize("stage", range(3))
+def test_gpipe_is_all_forwards_then_all_backwards(stage):
+    assert format_actions(gpipe(3, 4, stage)) == "F0 F1 F2 F3 B0 B1 B2 B3"
+
+
+def test_1f1b_fewer_microbatches_than_stages():
+    # Warm-up is capped at m: the first stages become GPipe.
+    assert [format_actions(one_f_one_b(4, 2, s)) for s in range(4)] == [
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 B0 F1 B1",
+    ]
+
+
+def test_single_stage_and_single_microbatch():
+    assert format_actions(one_f_one_b(1, 3, 0)) == "F0 B0 F1 B1 F2 B2"
+    assert format_actions(gpipe(1, 3, 0)) == "F0 F1 F2 B0 B1 B2"
+    assert [format_actions(one_f_one_b(3, 1, s)) for s in range(3)] == ["F0 B0"] * 3
+
+
+def test_action_str_and_fields():
+    a = Action("B", 3)
+    assert str(a) == "B3" and a.kind == "B" and a.microbatch == 3
+    assert format_actions([]) == ""
+
+
+def test_get_schedule():
+    assert get_schedule("1f1b") is one_f_one_b
+    assert get_schedule("gpipe") is gpipe
+    with pytest.raises(ValueError, match="1f1b, gpipe"):
+        get_schedule("interleaved")
+
+
+@pytest.mark.parametrize("fn", [one_f_one_b, gpipe])
+@pytest.mark.parametrize("args", [(0, 1, 0), (2, 1, 2), (2, 1, -1), (2, 0, 0)])
+def test_validation(fn, args):
+    with pytest.raises(ValueError):
+        fn(*args)
+
+
+@pytest.mark.parametrize("args", [(0, 1), (2, 0)])
+def test_simulate_validation(args):
+    with pytest.raises(ValueError):
+        simulate(one_f_one_b, *args)
+
+
+def test_timeline_table():
+    assert timeline(one_f_one_b, 2, 3) == "\n".join(
+        [
+            "stage 0: F0 F1 .  B0 F2 B1 .  B2",
+            "stage 1: .  F0 B0 F1 B1 F2 B2 .",
+        ]
+    )
+    assert timeline(gpipe, 2, 2) == "\n".join(
+        [
+            "stage 0: F0 F1 .  .  B0 B1",
+            "stage 1: .  F0 F1 B0 B1 .",
+        ]
+    )
+
+
+def test_simulate_detects_deadlock():
+    def broken(stages, m, stage):  # stage 0 waits for B0 before F1, which stage 1 needs first
+        return one_f_one_b(1, m, 0) if stage == 0 else gpipe(stages, m, stage)
+
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate(broken, 2, 2)
+
+
+shapes = st.integers(1, 6).flatmap(
+    lambda S: st.tuples(st.just(S), st.integers(1, 12), st.integers(0, S - 1))
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.sampled_from(sorted(SCHEDULES)))
+def test_every_microbatch_once_forward_before_backward(shape, name):
+    S, m, s = shape
+    actions = get_schedule(name)(S, m, s)
+    assert sorted(a for a in actions if a.kind == "F") == [Action("F", i) for i in range(m)]
+    assert [a for a in actions if a.kind == "B"] == [Action("B", i) for i in range(m)]
+    assert [a for a in actions if a.kind == "F"] == [Action("F", i) for i in range(m)]
+    for i in range(m):
+        assert actions.index(Action("F", i)) < actions.index(Action("B", i))
+
+
+def _max_in_flight(actions):
+    in_flight = peak = 0
+    for a in actions:
+        in_flight += 1 if a.kind == "F" else -1
+        peak = max(peak, in_flight)
+    return peak
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_in_flight_bound(shape):
+    S, m, s = shape
+    assert _max_in_flight(one_f_one_b(S, m, s)) == min(S - s, m)
+    assert _max_in_flight(gpipe(S, m, s)) == m
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_flushed_schedules_have_the_same_bubble(S, m):
+    ticks = {name: len(simulate(fn, S, m)[0]) for name, fn in SCHEDULES.items()}
+    assert ticks["1f1b"] == ticks["gpipe"] == 2 * (m + S - 1)
+    # Every row of the table is one stage's actions in its own order, idles removed.
+    for fn in SCHEDULES.values():
+        for s, row in enumerate(simulate(fn, S, m)):
+            assert [a for a in row if a is not None] == fn(S, m, s)
