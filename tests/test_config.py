@@ -1,0 +1,334 @@
+"""Config schema, composition, validation and the CLI's handling of bad input (exit 2, one line)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from sdpipe_cli import __version__
+from sdpipe_cli.cli import main
+from sdpipe_cli.config import (
+    ConfigError,
+    compose,
+    config_dir,
+    group_options,
+    n_blocks,
+    resolve_device,
+    validate,
+)
+
+REQUIRED_KEYS = [
+    "cluster.pipelines",
+    "cluster.device",
+    "pipeline.stages",
+    "pipeline.microbatches",
+    "pipeline.schedule",
+    "pipeline.partition",
+    "sync.name",
+    "train.steps",
+    "train.batch_size",
+    "train.lr",
+    "train.seed",
+    "train.eval_every",
+    "train.time_limit",
+    "run.dir",
+]
+
+# A config that would train as little as possible, should a "bad input" ever get past the checks.
+CHEAP = [
+    "model=mlp", "data=synthetic", "train=quick", "cluster.pipelines=1", "pipeline.stages=1",
+    "train.batch_size=4", "cluster.device=cpu",
+]
+
+MISSING = object()
+
+# ---------------------------------------------------------------------------- defaults
+
+
+@pytest.fixture(scope="module")
+def defaults():
+    cfg = compose([])
+    validate(cfg)
+    return cfg
+
+
+def test_defaults_compose_and_validate(defaults):
+    assert defaults.cluster.name == "local"
+    assert defaults.cluster.pipelines == 2
+    assert defaults.pipeline.stages == 2
+    assert defaults.model.name == "gpt_tiny"
+    assert defaults.data.name == "stdlib"
+    assert defaults.sync.name == "allreduce"
+    assert defaults.pipeline.stages <= n_blocks(defaults.model)
+
+
+@pytest.mark.parametrize("key", REQUIRED_KEYS)
+def test_required_key_exists(defaults, key):
+    assert OmegaConf.select(defaults, key, default=MISSING) is not MISSING
+
+
+def test_optional_defaults_are_null(defaults):
+    assert defaults.train.time_limit is None
+    assert defaults.run.dir is None
+
+
+def test_group_options_match_yaml_tree():
+    root = config_dir()
+    opts = group_options()
+    assert set(opts) == {"cluster", "data", "model", "pipeline", "sync", "train"}
+    for group, names in opts.items():
+        assert names == sorted(p.stem for p in (root / group).glob("*.yaml"))
+        assert names, group
+    assert "local" in opts["cluster"]
+    assert {"gpt_tiny", "mlp"} <= set(opts["model"])
+    assert {"stdlib", "synthetic", "text"} <= set(opts["data"])
+    assert {"allreduce", "none"} <= set(opts["sync"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [f"{g}={o}" for g, opts in group_options().items() for o in opts if (g, o) != ("data", "text")],
+)
+def test_every_group_option_composes_and_validates(override):
+    group, option = override.split("=")
+    cfg = compose([override])
+    validate(cfg)
+    if group in ("model", "data", "cluster", "sync"):
+        assert cfg[group].name == option
+
+
+def test_data_text_with_existing_path_validates(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world\n" * 100)
+    cfg = compose(["data=text", f"data.path={corpus}"])
+    validate(cfg)
+    assert cfg.data.name == "text"
+
+
+def test_overrides_are_applied_and_typed():
+    cfg = compose(["train.steps=7", "model=mlp", "pipeline.partition=[3]", "train.time_limit=2.5"])
+    validate(cfg)
+    assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
+    assert cfg.model.name == "mlp"
+    assert list(cfg.pipeline.partition) == [3]
+    assert cfg.train.time_limit == 2.5
+
+
+def test_config_error_str_is_key_colon_reason():
+    err = ConfigError("train.steps", "must be at least 1")
+    assert err.key == "train.steps"
+    assert err.reason == "must be at least 1"
+    assert str(err) == "train.steps: must be at least 1"
+    assert isinstance(err, ValueError)
+
+
+# ---------------------------------------------------------------------------- resolve_device
+
+
+def test_resolve_device_cpu(defaults):
+    cfg = compose(["cluster.device=cpu"])
+    assert resolve_device(cfg) == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_resolve_device_without_cuda():
+    assert resolve_device(compose(["cluster.device=auto"])) == "cpu"
+    with pytest.raises(ConfigError) as info:
+        resolve_device(compose(["cluster.device=cuda"]))
+    assert info.value.key == "cluster.device"
+
+
+# ---------------------------------------------------------------------------- bad inputs
+
+BAD = [
+    # unknown keys
+    pytest.param(["model.foo=1"], "model.foo", id="unknown-model-key"),
+    pytest.param(["+foo=1"], "foo", id="unknown-top-level-key"),
+    pytest.param(["+train.bogus=3"], "train.bogus", id="unknown-added-train-key"),
+    pytest.param(["++train.bogus=3"], "train.bogus", id="unknown-forced-train-key"),
+    # wrong types
+    pytest.param(["train.steps=abc"], "train.steps", id="steps-not-int"),
+    pytest.param(["pipeline.microbatches=1.5"], "pipeline.microbatches", id="microbatches-float"),
+    pytest.param(["train.lr=abc"], "train.lr", id="lr-not-float"),
+    # unknown group options
+    pytest.param(["model=nope"], "model", id="unknown-model-option"),
+    pytest.param(["sync=ring"], "sync", id="unknown-sync-option"),
+    # cross-field checks
+    pytest.param(["pipeline.stages=7"], "pipeline.stages", id="stages-gt-blocks"),
+    pytest.param(["pipeline.stages=0"], "pipeline.stages", id="stages-zero"),
+    pytest.param(["pipeline.microbatches=0"], "pipeline.microbatches", id="microbatches-zero"),
+    pytest.param(["train.batch_size=10"], "train.batch_size", id="batch-not-divisible"),
+    pytest.param(["pipeline.schedule=zigzag"], "pipeline.schedule", id="bad-schedule"),
+    pytest.param(["sync.name=ring"], "sync.name", id="bad-sync-name"),
+    pytest.param(["cluster.device=tpu"], "cluster.device", id="bad-device"),
+    pytest.param(["pipeline.partition=[1,2]"], "pipeline.partition", id="partition-wrong-length"),
+    pytest.param(["pipeline.partition=[6]"], "pipeline.partition", id="partition-empty-last-stage"),
+    pytest.param(["pipeline.partition=[0]"], "pipeline.partition", id="partition-empty-first-stage"),
+    pytest.param(["pipeline.stages=3", "pipeline.partition=[2,2]"], "pipeline.partition",
+                 id="partition-empty-middle-stage"),
+    pytest.param(["pipeline.stages=3", "pipeline.partition=[4,2]"], "pipeline.partition",
+                 id="partition-not-increasing"),
+    pytest.param(["pipeline.partition=bogus"], "pipeline.partition", id="partition-bad-name"),
+    pytest.param(["pipeline.partition=[1.5]"], "pipeline.partition", id="partition-not-int"),
+    pytest.param(["model.n_heads=3"], "model.n_heads", id="heads-not-dividing-d-model"),
+    pytest.param(["train.lr=-0.1"], "train.lr", id="negative-lr"),
+    pytest.param(["data=text"], "data.path", id="text-without-path"),
+    pytest.param(["data=text", "data.path=/nonexistent/sdpipe/corpus.txt"], "data.path",
+                 id="text-nonexistent-path"),
+    pytest.param(["train.steps"], "train.steps", id="bad-override-syntax"),
+    pytest.param(["train.time_limit=0"], "train.time_limit", id="time-limit-zero"),
+    pytest.param(["train.time_limit=-5"], "train.time_limit", id="time-limit-negative"),
+    pytest.param(["run.port=70000"], "run.port", id="port-too-large"),
+    pytest.param(["run.port=-1"], "run.port", id="port-negative"),
+    pytest.param(["cluster.pipelines=0"], "cluster.pipelines", id="pipelines-zero"),
+    pytest.param(["train.steps=0"], "train.steps", id="steps-zero"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", BAD)
+def test_bad_input_raises_config_error_naming_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        validate(compose(overrides))
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{key}: ")
+    assert "\n" not in str(info.value)
+
+
+def _one_error_line(err: str, key: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert err.endswith("\n")
+    line = lines[0]
+    assert line.startswith("sdpipe: error: "), line
+    assert line.startswith(f"sdpipe: error: {key}: "), line
+    assert "Traceback" not in err
+    return line
+
+
+@pytest.mark.parametrize("overrides, key", BAD)
+def test_cli_bad_input_exits_2_with_one_line(capsys, overrides, key):
+    code = main(["train", *overrides])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    _one_error_line(err, key)
+
+
+def _run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], capture_output=True,
+                          text=True, timeout=60, cwd=cwd)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.steps=abc"], "train.steps"),
+    (["pipeline.stages=7"], "pipeline.stages"),
+])
+def test_cli_bad_input_subprocess(tmp_path, overrides, key):
+    proc = _run_cli("train", *overrides, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    _one_error_line(proc.stderr, key)
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------- --cfg, --help, ...
+
+
+def test_cfg_prints_yaml_and_exits_0(capsys):
+    assert main(["train", "--cfg"]) == 0
+    out, err = capsys.readouterr()
+    assert "pipelines: 2" in out
+    assert err == ""
+    data = yaml.safe_load(out)
+    assert data["cluster"]["pipelines"] == 2
+    assert data["pipeline"]["stages"] == 2
+    assert data["model"]["name"] == "gpt_tiny"
+
+
+def test_cfg_shows_overrides(capsys):
+    assert main(["train", "--cfg", "train.steps=7", "model=mlp", "cluster.pipelines=3",
+                 "sync=none"]) == 0
+    out, _ = capsys.readouterr()
+    data = yaml.safe_load(out)
+    assert data["train"]["steps"] == 7
+    assert data["model"]["name"] == "mlp"
+    assert data["model"]["arch"] == "mlp"
+    assert data["cluster"]["pipelines"] == 3
+    assert data["sync"]["name"] == "none"
+    assert "pipelines: 3" in out
+
+
+def test_cfg_with_bad_override_still_exits_2(capsys):
+    assert main(["train", "--cfg", "train.steps=abc"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    _one_error_line(err, "train.steps")
+
+
+def test_train_help_lists_every_group_and_option(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out, _ = capsys.readouterr()
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and parts[0] in group_options():
+            rows[parts[0]] = [o.strip() for o in parts[1].split(",")]
+    assert rows == group_options()
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    out, _ = capsys.readouterr()
+    assert "usage: sdpipe" in out
+    assert "train" in out
+
+
+def test_version_subprocess():
+    proc = _run_cli("--version")
+    assert proc.returncode == 0
+    assert __version__ in proc.stdout
+
+
+# ---------------------------------------------------------------------------- run.dir, run.port
+
+
+def test_existing_nonempty_run_dir_is_rejected_untouched(tmp_path):
+    run_dir = tmp_path / "taken"
+    run_dir.mkdir()
+    keep = run_dir / "keep.txt"
+    keep.write_text("precious results\n")
+    os.utime(keep, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    before = keep.stat().st_mtime_ns
+
+    proc = _run_cli("train", *CHEAP, f"run.dir={run_dir}", cwd=tmp_path)
+
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, "run.dir")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["keep.txt"]
+    assert keep.read_text() == "precious results\n"
+    assert keep.stat().st_mtime_ns == before
+    assert not (tmp_path / "runs").exists()
+
+
+def test_busy_port_is_rejected_and_no_run_folder_created(tmp_path):
+    run_dir = tmp_path / "run"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        proc = _run_cli("train", *CHEAP, f"run.port={port}", f"run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_error_line(proc.stderr, "run.port")
+    assert str(port) in line
+    assert not run_dir.exists()
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,167 @@
+"""Partitioning: uniform splits, the exact balanced DP against brute force, ranges and resolve."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpipe_cli.partition import balanced, resolve, stage_ranges, uniform
+
+
+def sizes(bounds, blocks):
+    return [stop - start for start, stop in stage_ranges(bounds, blocks)]
+
+
+def bottleneck(costs, bounds):
+    return max(sum(costs[a:b]) for a, b in stage_ranges(bounds, len(costs)))
+
+
+def brute_force(costs, stages):
+    """The optimal bottleneck over every choice of S - 1 boundaries."""
+    n = len(costs)
+    return min(bottleneck(costs, list(c)) for c in itertools.combinations(range(1, n), stages - 1))
+
+
+# ---------------------------------------------------------------------------- uniform
+
+
+@pytest.mark.parametrize("blocks", range(1, 13))
+def test_uniform_every_split(blocks):
+    for stages in range(1, blocks + 1):
+        bounds = uniform(blocks, stages)
+        assert len(bounds) == stages - 1
+        parts = sizes(bounds, blocks)
+        assert sum(parts) == blocks
+        assert min(parts) >= 1
+        assert max(parts) - min(parts) <= 1
+        # the earlier stages take the remainder
+        assert parts == sorted(parts, reverse=True)
+        assert all(a < b for a, b in zip([0, *bounds], [*bounds, blocks]))
+
+
+def test_uniform_examples():
+    assert uniform(6, 2) == [3]
+    assert uniform(5, 3) == [2, 4]
+    assert uniform(7, 3) == [3, 5]
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 6, 10])
+def test_uniform_one_stage_is_empty(blocks):
+    assert uniform(blocks, 1) == []
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 6, 10])
+def test_uniform_one_block_each(blocks):
+    assert uniform(blocks, blocks) == list(range(1, blocks))
+    assert sizes(uniform(blocks, blocks), blocks) == [1] * blocks
+
+
+@pytest.mark.parametrize("blocks, stages", [(3, 4), (6, 7), (1, 2), (4, 0), (0, 1)])
+def test_uniform_rejects_impossible_splits(blocks, stages):
+    with pytest.raises(ValueError):
+        uniform(blocks, stages)
+
+
+# ---------------------------------------------------------------------------- balanced
+
+positive_costs = st.one_of(
+    st.lists(st.integers(min_value=1, max_value=100), min_size=1, max_size=8),
+    st.lists(st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False),
+             min_size=1, max_size=8),
+)
+
+
+@st.composite
+def costs_and_stages(draw):
+    costs = draw(positive_costs)
+    stages = draw(st.integers(min_value=1, max_value=len(costs)))
+    return costs, stages
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs_and_stages())
+def test_balanced_matches_brute_force(case):
+    costs, stages = case
+    bounds = balanced(costs, stages)
+    n = len(costs)
+    assert len(bounds) == stages - 1
+    edges = [0, *bounds, n]
+    assert all(a < b for a, b in zip(edges, edges[1:])), bounds  # strictly increasing, no empty
+    assert min(sizes(bounds, n)) >= 1
+    assert math.isclose(bottleneck(costs, bounds), brute_force(costs, stages),
+                        rel_tol=1e-9, abs_tol=1e-12)
+    assert balanced(list(costs), stages) == bounds  # deterministic
+    assert balanced(tuple(costs), stages) == bounds
+
+
+def test_balanced_examples():
+    assert balanced([1, 1, 1, 1], 2) == [2]
+    assert balanced([3, 1, 1, 1], 2) == [1]
+    assert balanced([1, 1, 1, 10], 2) == [3]
+    assert balanced([5], 1) == []
+    assert balanced([1, 2, 3], 3) == [1, 2]
+
+
+def test_balanced_ties_end_earliest():
+    # [1 | 1 1] and [1 1 | 1] both have bottleneck 2: the earlier cut wins.
+    assert balanced([1, 1, 1], 2) == [1]
+
+
+@pytest.mark.parametrize("costs, stages", [([1, 2], 3), ([], 1), ([1, 2, 3], 0)])
+def test_balanced_rejects_impossible_splits(costs, stages):
+    with pytest.raises(ValueError):
+        balanced(costs, stages)
+
+
+# ---------------------------------------------------------------------------- stage_ranges, resolve
+
+
+@pytest.mark.parametrize("blocks", range(1, 9))
+def test_stage_ranges_round_trip(blocks):
+    for stages in range(1, blocks + 1):
+        for bounds in itertools.combinations(range(1, blocks), stages - 1):
+            ranges = stage_ranges(list(bounds), blocks)
+            assert len(ranges) == stages
+            assert ranges[0][0] == 0 and ranges[-1][1] == blocks
+            assert all(r1[1] == r2[0] for r1, r2 in zip(ranges, ranges[1:]))
+            assert [start for start, _ in ranges[1:]] == list(bounds)
+
+
+def test_stage_ranges_example():
+    assert stage_ranges([2], 6) == [(0, 2), (2, 6)]
+    assert stage_ranges([], 4) == [(0, 4)]
+    assert stage_ranges([2, 4, 5], 6) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+
+
+def test_resolve_uniform():
+    assert resolve("uniform", 6, 2) == uniform(6, 2) == [3]
+    assert resolve("uniform", 6, 4) == uniform(6, 4)
+
+
+def test_resolve_params():
+    counts = [1000, 10, 10, 10, 10, 1000]
+    assert resolve("params", 6, 2, counts) == balanced(counts, 2)
+    assert resolve("params", 6, 3, counts) == balanced(counts, 3)
+
+
+def test_resolve_params_needs_counts():
+    with pytest.raises(ValueError):
+        resolve("params", 6, 2)
+
+
+def test_resolve_explicit_list():
+    assert resolve([3], 6, 2) == [3]
+    assert resolve([2, 4, 5], 6, 4) == [2, 4, 5]
+    assert resolve(("1", 3), 6, 3) == [1, 3]  # ints, whatever the list held
+
+
+@pytest.mark.parametrize("blocks, stages", [(6, 7), (2, 3)])
+def test_resolve_rejects_more_stages_than_blocks(blocks, stages):
+    with pytest.raises(ValueError):
+        resolve("uniform", blocks, stages)
+    with pytest.raises(ValueError):
+        resolve("params", blocks, stages, [1] * blocks)

@@ -1,0 +1,101 @@
+"""Supervision: a failing or killed child stops the whole run, is named, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO, metrics, run_processes, sdpipe_popen
+from sdpipe_cli import launcher
+
+pytestmark = pytest.mark.multiprocess
+
+LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8")
+
+
+def wait_for_training(run_dir: Path, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and metrics(run_dir, "train"):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail("training never started")
+
+
+def worker_pid(run_dir: Path, rank: int) -> int:
+    for p in run_processes(run_dir):
+        if "sdpipe_cli.worker" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+            return p.pid
+    raise AssertionError(f"no worker rank {rank}")
+
+
+def finish(proc, timeout: float) -> tuple[int, str, float]:
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return proc.returncode, err, time.monotonic() - start
+
+
+def test_sigkilled_worker_stops_the_run_and_is_named(run_dir):
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG)
+    wait_for_training(run_dir, proc)
+    os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
+    rc, err, took = finish(proc, timeout=60)
+    assert rc == 1
+    assert took < 30
+    lines = [line for line in err.splitlines() if line.startswith("sdpipe: error:")]
+    assert len(lines) == 1, err
+    assert "worker rank 1 (pipeline 0, stage 1) was killed by SIGKILL" in lines[0]
+    assert "Traceback" not in err
+    assert not run_processes(run_dir)
+
+
+def test_ctrl_c_stops_everything(run_dir):
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG)
+    wait_for_training(run_dir, proc)
+    children = [p.pid for p in run_processes(run_dir)]
+    assert len(children) == 5  # scheduler + 4 workers
+    proc.send_signal(signal.SIGINT)
+    rc, err, took = finish(proc, timeout=60)
+    assert rc == 130, err
+    assert "interrupted" in err
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in children)
+
+
+def test_first_error_is_reported_and_the_rest_are_stopped(tmp_path, monkeypatch):
+    """A child raising an exception: its error file names it; a long-running sibling is stopped."""
+    monkeypatch.chdir(REPO / "tests")  # so `-m children.crash` imports
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    env = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir), "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    sleeper = launcher.spawn("children.sleeper", "0", "worker rank 0 (pipeline 0, stage 0)",
+                             run_dir, {**env, "RANK": "0"})
+    crash = launcher.spawn("children.crash", "1", "worker rank 1 (pipeline 0, stage 1)",
+                           run_dir, {**env, "RANK": "1"})
+    children = [sleeper, crash]
+    try:
+        failure = launcher._supervise(children, run_dir, _NoStore(), lambda _: None)
+    finally:
+        launcher.stop_all(children, grace=5)
+    assert failure.startswith("worker rank 1 (pipeline 0, stage 1) exited with code 1: "
+                              "RuntimeError: deliberate failure on rank 1")
+    assert sleeper.proc.returncode == -signal.SIGTERM
+
+
+class _NoStore:
+    """The supervisor only reads the progress key; a run without a scheduler has none."""
+
+    def check(self, keys):
+        return False

@@ -1,0 +1,78 @@
+"""End-to-end ``sdpipe train`` runs: real processes, real gloo groups, a real TCPStore and files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import metrics, sdpipe
+
+pytestmark = pytest.mark.multiprocess
+
+FAST = ("model=mlp", "data=synthetic", "train.batch_size=8", "pipeline.microbatches=4")
+
+
+def digests(run_dir) -> dict[tuple[int, int], str]:
+    return {(d["pipeline"], d["stage"]): d["param_digest"] for d in metrics(run_dir, "done")}
+
+
+def test_default_model_learns_on_stdlib_text(run_dir):
+    """A short version of the default run: gpt_tiny on the stdlib corpus, loss falls from ~ln 256."""
+    out = sdpipe("train", f"run.dir={run_dir}", "train.steps=40", "train.eval_every=20")
+    assert out.returncode == 0, out.stderr
+    train = metrics(run_dir, "train")
+    first = [m["loss"] for m in train if m["step"] == 1]
+    assert len(first) == 2 and all(5.0 < loss < 6.0 for loss in first)
+    evals = metrics(run_dir, "eval")
+    assert sorted((m["pipeline"], m["step"]) for m in evals) == [(0, 20), (0, 40), (1, 20), (1, 40)]
+    final = [m["val_loss"] for m in evals if m["step"] == 40]
+    assert max(final) < 3.6, final
+    for line in train:
+        assert {"step", "time", "pipeline", "loss", "samples", "samples_per_s", "lr"} <= set(line)
+    assert {m["samples"] for m in train if m["step"] == 40} == {40 * 16}
+    # The run folder documents itself: resolved config, per-worker logs, summary.
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["cluster"]["device"] == "cpu" and cfg["pipeline"]["partition"] == [3]
+    assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"0.log", "1.log", "2.log",
+                                                                  "3.log", "scheduler.log"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == 80 and summary["done"] == 4
+    assert "sdpipe train: done" in out.stderr
+
+
+@pytest.mark.parametrize("sync, identical", [("allreduce", True), ("none", False)])
+def test_replicas_after_20_steps(run_dir, sync, identical):
+    """All-reduce keeps the replicas of every stage bit-identical; without sync they drift apart."""
+    out = sdpipe("train", f"run.dir={run_dir}", f"sync={sync}", "train.steps=20", *FAST)
+    assert out.returncode == 0, out.stderr
+    d = digests(run_dir)
+    assert len(d) == 4
+    for stage in (0, 1):
+        assert (d[(0, stage)] == d[(1, stage)]) is identical
+
+
+def test_four_stage_gpipe_allreduce(run_dir):
+    out = sdpipe("train", f"run.dir={run_dir}", "pipeline=deep", "pipeline.schedule=gpipe",
+                 "train.steps=10", "train.batch_size=8", "model=mlp", "data=synthetic")
+    assert out.returncode == 0, out.stderr
+    d = digests(run_dir)
+    assert len(d) == 8
+    assert all(d[(0, s)] == d[(1, s)] for s in range(4))
+    assert {m["step"] for m in metrics(run_dir, "train")} == set(range(1, 11))
+
+
+def test_time_limit_stops_every_pipeline_at_the_same_iteration(run_dir):
+    out = sdpipe("train", f"run.dir={run_dir}", "train.steps=100000", "train.time_limit=4", *FAST)
+    assert out.returncode == 0, out.stderr
+    done = metrics(run_dir, "done")
+    steps = {d["steps"] for d in done}
+    assert len(done) == 4 and len(steps) == 1 and 0 < steps.pop() < 100000
+
+
+def test_cfg_prints_without_starting_anything(tmp_path):
+    out = sdpipe("train", "--cfg", f"run.dir={tmp_path / 'never'}")
+    assert out.returncode == 0
+    assert yaml.safe_load(out.stdout)["cluster"]["pipelines"] == 2
+    assert not (tmp_path / "never").exists()
