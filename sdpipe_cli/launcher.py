@@ -63,7 +63,9 @@ def make_run_dir(requested: Optional[str]) -> Path:
     """A new, empty run folder; never reuses one that already holds a run."""
     if requested:
         path = Path(requested).expanduser()
-        if path.exists() and any(path.iterdir()):
+        if path.exists() and not path.is_dir():
+            raise ConfigError("run.dir", f"'{path}' is a file, not a folder (nothing was written)")
+        if path.is_dir() and any(path.iterdir()):
             raise ConfigError("run.dir", f"'{path}' already holds files; choose a new folder "
                               "(nothing was written)")
     else:

@@ -95,7 +95,7 @@ class RunTracker:
             "val_loss": sum(vals) / len(vals) if vals else None,
             "started": len(self.started),
             "done": len(self.done),
-            "pipelines": {p: vars(s) for p, s in self.state.items()},
+            "pipelines": {p: dict(vars(s)) for p, s in self.state.items()},
         }
 
 

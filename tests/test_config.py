@@ -332,3 +332,18 @@ def test_busy_port_is_rejected_and_no_run_folder_created(tmp_path):
     assert str(port) in line
     assert not run_dir.exists()
     assert not (tmp_path / "runs").exists()
+
+
+def test_run_dir_that_is_a_file_is_rejected_untouched(tmp_path):
+    # run.dir naming an existing regular file must be bad input (exit 2, one line), not a crash.
+    target = tmp_path / "afile"
+    target.write_text("not a folder\n")
+    before = target.stat().st_mtime_ns
+
+    proc = _run_cli("train", *CHEAP, f"run.dir={target}", cwd=tmp_path)
+
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr, "run.dir")
+    assert target.read_text() == "not a folder\n"
+    assert target.stat().st_mtime_ns == before
