@@ -15,12 +15,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 SCHEDULES = ("1f1b", "gpipe")
-SYNC_MODES = ("allreduce", "none")
+SYNC_MODES = ("sdpipe", "allreduce", "none")
 DEVICES = ("cpu", "cuda", "auto")
 ARCHS = ("gpt", "mlp")
 DATASETS = ("stdlib", "text", "synthetic")
@@ -64,6 +64,10 @@ class ClusterConfig:
     pipelines: int = 2  # P: data-parallel pipelines
     device: str = "auto"  # cpu | cuda | auto (cuda when available, one GPU per worker)
     host: str = "127.0.0.1"  # address the TCPStore binds to; keep it private (see README)
+    # Per-pipeline compute slowdown factors (3.0 = three times slower); empty: all equal.
+    slowdown: List[float] = field(default_factory=list)
+    # Modelled time of one micro-batch forward in ms (backward: twice); null: use measured time.
+    compute_ms: Optional[float] = None
 
 
 @dataclass
@@ -77,7 +81,14 @@ class PipelineConfig:
 
 @dataclass
 class SyncConfig:
-    name: str = "allreduce"  # allreduce | none
+    name: str = "sdpipe"  # sdpipe | allreduce | none
+    # sdpipe only: the group scheduler's settings (see sdpipe_cli/grouping.py)
+    min_group: int = 2  # a replica whose group is smaller than this widens its window
+    window_ms: float = 10.0  # initial waiting window of each replica
+    window_min_ms: float = 0.5  # the window shrinks (x0.9) down to this
+    window_max_ms: float = 100.0  # and grows (x2) up to this
+    connect_every: int = 8  # rounds within which a stage's groups must connect all replicas
+    global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
 
 
 @dataclass
@@ -220,6 +231,12 @@ def validate(cfg: DictConfig) -> None:
     need(d.eval_batches >= 1, "data.eval_batches", "must be at least 1")
 
     need(c.pipelines >= 1, "cluster.pipelines", "must be at least 1")
+    if len(c.slowdown) > 0:
+        need(len(c.slowdown) == c.pipelines, "cluster.slowdown",
+             f"has {len(c.slowdown)} factors for {c.pipelines} pipelines; give one per pipeline")
+        need(all(f >= 1.0 for f in c.slowdown), "cluster.slowdown",
+             "factors must be >= 1.0 (3.0 = three times slower)")
+    need(c.compute_ms is None or c.compute_ms > 0, "cluster.compute_ms", "must be positive ms")
     need(c.device in DEVICES, "cluster.device", f"is '{c.device}'; choose one of {', '.join(DEVICES)}")
 
     blocks = n_blocks(m)
@@ -231,8 +248,13 @@ def validate(cfg: DictConfig) -> None:
          f"is '{p.schedule}'; choose one of {', '.join(SCHEDULES)}")
     _validate_partition(p.partition, p.stages, blocks)
 
-    need(cfg.sync.name in SYNC_MODES, "sync.name",
-         f"is '{cfg.sync.name}'; choose one of {', '.join(SYNC_MODES)}")
+    y = cfg.sync
+    need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")
+    need(y.min_group >= 1, "sync.min_group", "must be at least 1")
+    need(0 < y.window_min_ms <= y.window_ms <= y.window_max_ms, "sync.window_ms",
+         "need 0 < sync.window_min_ms <= sync.window_ms <= sync.window_max_ms")
+    need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
+    need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
 
     need(t.steps >= 1, "train.steps", "must be at least 1")
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")

@@ -10,6 +10,11 @@ Workers report what only they know (the loss lives on the last stage of each pip
   (cumulative samples of that pipeline), ``samples_per_s`` (that pipeline's), ``lr``, plus
   ``step_s``, ``compute_s`` and ``sync_s`` (seconds of the last iteration on the last stage);
 - ``eval``: ``step``, ``time``, ``pipeline``, ``val_loss``, ``samples``;
+- ``sync`` (``sync=sdpipe``, stages other than the last, whose train lines carry the same):
+  ``step``, ``time``, ``pipeline``, ``stage``, ``group_size``, ``round``, ``group_kind``,
+  ``wait_s`` (ready signal to decision) and ``comm_s`` (the group all-reduce);
+- ``group``: one per scheduler decision: ``stage``, ``round``, ``members``, ``iterations``,
+  ``size``, ``group`` (group or global), ``stop``, ``max_wait_s``;
 - ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``.
 """
 
@@ -65,6 +70,8 @@ class RunTracker:
             pipe.steps, pipe.samples = event["step"], event["samples"]
             pipe.loss, pipe.samples_per_s = event["loss"], event["samples_per_s"]
             return {"kind": "train", **_without(event, "type", "rank", "stage")}
+        if kind == "step" and "group_size" in event:
+            return {"kind": "sync", **_without(event, "type", "rank", "samples", "samples_per_s", "lr")}
         if kind == "eval":
             pipe.val_loss = event["val_loss"]
             return {"kind": "eval", **_without(event, "type", "rank", "stage")}

@@ -1,11 +1,15 @@
 """The scheduler process: the one place that holds the run's global view.
 
 Started by the launcher as ``python -m sdpipe_cli.scheduler``, it is a client of the run's
-TCPStore like every worker. It drains the workers' event queue, folds the events into a
-:class:`~sdpipe_cli.metrics.RunTracker` (progress, heartbeats), writes ``metrics.jsonl`` and
-``summary.json``, and publishes a progress snapshot for the launcher's display. A worker that
-stays silent past ``run.heartbeat_timeout`` fails the run with its name, since a hung worker
-otherwise stalls its whole pipeline without an error anywhere.
+TCPStore like every worker. This module is the transport: it pops worker events from the store's
+queue, feeds ready signals to the pure group policy (:mod:`sdpipe_cli.grouping`) and writes each
+decision back under :func:`~sdpipe_cli.store.decision_key`, where the waiting workers read it. It
+also folds progress events into a :class:`~sdpipe_cli.metrics.RunTracker`, writes
+``metrics.jsonl`` and ``summary.json``, and publishes a snapshot for the launcher's display.
+
+The loop blocks on the event queue (no polling); a small ticker thread pushes a ``tick`` event
+when the policy's next deadline passes, and at least every :data:`TICK_S` seconds for heartbeats.
+A worker silent past ``run.heartbeat_timeout`` fails the run with its name.
 """
 
 from __future__ import annotations
@@ -14,19 +18,22 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
 from sdpipe_cli import store
 from sdpipe_cli.config import load_run_config
 from sdpipe_cli.errors import record
+from sdpipe_cli.grouping import Decision, GroupScheduler
 from sdpipe_cli.metrics import MetricsLog, RunTracker
 
 log = logging.getLogger("sdpipe.scheduler")
 
-POLL_S = 0.01  # idle wait between drains of the event queue
+TICK_S = 0.5  # longest sleep between ticks (heartbeats, time limit, progress)
 PUBLISH_S = 0.2  # how often the progress snapshot is refreshed
 
 
@@ -34,37 +41,133 @@ class WorkerHung(RuntimeError):
     pass
 
 
-def serve(cfg: DictConfig, run_dir: Path, events, clock=time.monotonic) -> RunTracker:
-    """Run until every worker reported done; returns the final tracker."""
-    P, S = cfg.cluster.pipelines, cfg.pipeline.stages
-    tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
-                         heartbeat_timeout=cfg.run.heartbeat_timeout)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    published = 0.0
-    started = clock()
+def make_policy(cfg: DictConfig, clock: Callable[[], float] = time.monotonic) -> GroupScheduler:
+    y = cfg.sync
+    return GroupScheduler(
+        cfg.cluster.pipelines, cfg.pipeline.stages, min_group=y.min_group,
+        window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
+        connect_every=y.connect_every, global_every=y.global_every,
+        total_iterations=cfg.cluster.pipelines * cfg.train.steps,
+        time_limit=cfg.train.time_limit, clock=clock)
+
+
+class Ticker(threading.Thread):
+    """Pushes ``tick`` events into the queue at the policy's deadlines (own store connection)."""
+
+    def __init__(self, connect: Callable[[], object]):
+        super().__init__(daemon=True, name="ticker")
+        self.events = store.namespace(connect())
+        self.cond = threading.Condition()
+        self.deadline: Optional[float] = None
+        self.stopped = False
+
+    def wake_at(self, deadline: Optional[float]) -> None:
+        with self.cond:
+            self.deadline = deadline
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+
+    def run(self) -> None:
+        next_beat = time.monotonic() + TICK_S
+        while True:
+            with self.cond:
+                while not self.stopped:
+                    now = time.monotonic()
+                    due = next_beat if self.deadline is None else min(self.deadline, next_beat)
+                    if due <= now:
+                        break
+                    self.cond.wait(due - now)
+                if self.stopped:
+                    return
+                self.deadline = None
+            next_beat = time.monotonic() + TICK_S
+            store.push(self.events, store.EVENTS, {"type": "tick"})
+
+
+class Scheduler:
+    """Event handling of one run; the store and the clock are injected."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, events, clock=time.monotonic):
+        P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+        self.cfg, self.events, self.clock = cfg, events, clock
+        self.tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
+                                  heartbeat_timeout=cfg.run.heartbeat_timeout)
+        self.policy = make_policy(cfg, clock) if cfg.sync.name == "sdpipe" else None
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        self.rounds = [[0] * P for _ in range(S)]  # rounds each replica took part in
+        self.group_sizes: list[int] = []
+        self.started = clock()
+        self.t0 = store.run_clock(events)  # the workers' time axis, for metrics lines
+        self.published = 0.0
+
+    def handle(self, event: dict) -> None:
+        kind = event["type"]
+        if kind == "ready":
+            self._publish(self.policy.ready(event["stage"], event["pipeline"], event["iteration"]))
+        elif kind != "tick":
+            line = self.tracker.update(event)
+            if line is not None:
+                self.metrics.write(line)
+        if self.policy is not None:
+            self._publish(self.policy.tick())
+        self._check_health()
+        if self.clock() - self.published > PUBLISH_S:
+            self.publish_progress()
+
+    def _publish(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            for p, k in zip(d.members, d.iterations):
+                store.set_json(self.events, store.decision_key(d.stage, p, k), {
+                    "members": list(d.members), "round": d.round, "kind": d.kind, "stop": d.stop})
+                self.rounds[d.stage][p] += 1
+            self.group_sizes.append(len(d.members))
+            self.metrics.write({
+                "kind": "group", "time": round(time.time() - self.t0, 4), "stage": d.stage,
+                "round": d.round, "group": d.kind, "members": list(d.members),
+                "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
+                "max_wait_s": round(max(d.waited), 6)})
+
+    def _check_health(self) -> None:
+        hung = self.tracker.silent_workers()
+        if hung:
+            raise WorkerHung(f"no report from rank(s) {hung} for {self.cfg.run.heartbeat_timeout:g} s")
+        missing = self.tracker.world_size - len(self.tracker.started)
+        if missing and self.clock() - self.started > self.cfg.run.timeout:
+            raise WorkerHung(f"{missing} worker(s) never started within run.timeout")
+
+    def publish_progress(self) -> None:
+        store.set_json(self.events, store.PROGRESS, self.tracker.snapshot())
+        self.published = self.clock()
+
+    def summary(self) -> dict:
+        summary = self.tracker.snapshot()
+        if self.policy is not None:
+            summary["rounds"] = self.rounds
+            summary["mean_group_size"] = (sum(self.group_sizes) / len(self.group_sizes)
+                                          if self.group_sizes else None)
+        return summary
+
+
+def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object]) -> Scheduler:
+    """Run until every worker reported done."""
+    scheduler = Scheduler(cfg, run_dir, events)
+    ticker = Ticker(connect)
+    ticker.start()
     try:
-        while not tracker.all_done():
-            batch = store.pop_all(events, store.EVENTS)
-            for event in batch:
-                line = tracker.update(event)
-                if line is not None:
-                    metrics.write(line)
-            # Silence only counts once training started: start-up may compile or load data.
-            hung = tracker.silent_workers()
-            if hung:
-                raise WorkerHung(f"no report from rank(s) {hung} for {cfg.run.heartbeat_timeout:g} s")
-            missing = tracker.world_size - len(tracker.started)
-            if missing and clock() - started > cfg.run.timeout:
-                raise WorkerHung(f"{missing} worker(s) never started within run.timeout")
-            if clock() - published > PUBLISH_S:
-                store.set_json(events, store.PROGRESS, tracker.snapshot())
-                published = clock()
-            if not batch:
-                time.sleep(POLL_S)
+        while not scheduler.tracker.all_done():
+            event = json.loads(events.queue_pop(store.EVENTS))
+            scheduler.handle(event)
+            if scheduler.policy is not None:
+                ticker.wake_at(scheduler.policy.next_deadline())
     finally:
-        metrics.close()
-    store.set_json(events, store.PROGRESS, tracker.snapshot())
-    return tracker
+        ticker.stop()
+        scheduler.metrics.close()
+    scheduler.publish_progress()
+    return scheduler
 
 
 def main() -> int:
@@ -73,14 +176,20 @@ def main() -> int:
                         format="%(asctime)s scheduler %(levelname)s %(message)s")
     cfg = load_run_config(run_dir / "config.yaml")
     with record(run_dir, "scheduler", role="scheduler"):
-        client = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                               cfg.run.timeout)
-        events = store.namespace(client)
-        tracker = serve(cfg, run_dir, events)
-        summary = tracker.snapshot()
+        def connect():
+            return store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 cfg.run.timeout)
+
+        events = store.namespace(connect())
+        scheduler = serve(cfg, run_dir, events, connect)
+        summary = scheduler.summary()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         for p, state in summary["pipelines"].items():
             log.info("pipeline %s: %d iterations, loss %s", p, state["steps"], state["loss"])
+        if "rounds" in summary:
+            for s, per_pipeline in enumerate(summary["rounds"]):
+                log.info("stage %d: rounds per replica %s", s, per_pipeline)
+            log.info("mean group size %.2f", summary["mean_group_size"] or 0)
         events.set(store.FINISHED, "1")
     return 0
 

@@ -63,3 +63,15 @@ def get_json(store: dist.Store, key: str, default: Any = None) -> Any:
 def run_clock(store: dist.Store) -> float:
     """The run's start time, so that every process stamps metrics on one time axis."""
     return float(store.get(T0)) if store.check([T0]) else time.time()
+
+
+def decision_key(stage: int, pipeline: int, iteration: int) -> str:
+    """Where the scheduler puts the group of (stage, pipeline, iteration); the worker deletes it."""
+    return f"group/{stage}/{pipeline}/{iteration}"
+
+
+def wait_json(store: dist.Store, key: str) -> Any:
+    """Block until ``key`` is set (up to the store's timeout), then read, delete and decode it."""
+    value = json.loads(store.get(key))
+    store.delete_key(key)
+    return value

@@ -35,9 +35,10 @@ from torch import nn
 from sdpipe_cli import data, models, partition, store
 from sdpipe_cli.config import load_run_config, n_blocks
 from sdpipe_cli.errors import record
+from sdpipe_cli.hetero import Slowdown
 from sdpipe_cli.schedule import get_schedule
 from sdpipe_cli.stage import PipelineStage
-from sdpipe_cli.sync import make_sync
+from sdpipe_cli.sync import GroupCache, make_sync
 
 log = logging.getLogger("sdpipe.worker")
 
@@ -98,17 +99,18 @@ def build_stage_module(cfg: DictConfig, stage: int) -> nn.Module:
 
 
 class Worker:
-    def __init__(self, cfg: DictConfig, where: Placement, device: torch.device, events: dist.Store):
+    def __init__(self, cfg: DictConfig, where: Placement, device: torch.device, events: dist.Store,
+                 groups: GroupCache):
         self.cfg, self.where, self.device, self.events = cfg, where, device, events
         self.t0 = store.run_clock(events)
         p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
         self.module = build_stage_module(cfg, s).to(device)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.train.lr,
                                            betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
-        # Every rank creates every stage's replica group, in the same order (new_group's contract).
-        groups = [dist.new_group([where.rank_of(q, t) for q in range(P)]) if P > 1 else None
-                  for t in range(S)]
-        self.sync = make_sync(cfg.sync.name, groups[s], P, device)
+        self.sync = make_sync(cfg.sync.name, events=events, groups=groups, rank=where.rank,
+                              pipeline=p, stage=s, pipelines=P, stages=S, device=device)
+        slow = list(cfg.cluster.slowdown)
+        self.slowdown = Slowdown(slow[p] if slow else 1.0, cfg.cluster.compute_ms)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
         self.stage = PipelineStage(
             self.module, stage=s, num_stages=S,
@@ -116,6 +118,7 @@ class Worker:
             next_rank=None if where.last else where.rank_of(p, s + 1),
             activation_shape=models.activation_shape(cfg.model, mb),
             device=device, loss_fn=models.loss_fn,
+            on_action=self.slowdown if self.slowdown.active else None,
         )
         self.actions = get_schedule(cfg.pipeline.schedule)(S, cfg.pipeline.microbatches, s)
         self.corpus = None
@@ -131,7 +134,7 @@ class Worker:
         if w.first:
             limit = self.cfg.train.time_limit
             go = step < self.cfg.train.steps and not (limit and time.time() - started >= limit)
-            go = self.sync.agree_to_continue(go)
+            go = self.sync.should_continue(step, go)
             flag = torch.tensor([int(go), step], dtype=torch.int64, device=self.device)
         else:
             flag = torch.empty(2, dtype=torch.int64, device=self.device)
@@ -177,19 +180,20 @@ class Worker:
             sync_s += time.perf_counter() - t_sync
             self._wait_pending()
             step += 1
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if step % cfg.train.log_every == 0:
                 elapsed = max(time.time() - started, 1e-9)
                 extra = {"loss": loss} if w.last else {}
                 self._emit("step", step=step, samples=step * cfg.train.batch_size,
                            samples_per_s=step * cfg.train.batch_size / elapsed, lr=lr,
                            step_s=time.perf_counter() - t_step, compute_s=compute_s,
-                           sync_s=sync_s, **extra)
+                           sync_s=sync_s, **self.sync.stats(), **extra)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 self.evaluate(step)
         self._wait_pending()
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             self.evaluate(step)  # always once at the end of the run
-        self._emit("done", steps=step, param_digest=param_digest(self.module))
+        self._emit("done", steps=step, param_digest=param_digest(self.module),
+                   slowdown_overruns=self.slowdown.overruns)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> None:
@@ -241,13 +245,15 @@ def main() -> int:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         client = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                cfg.run.timeout)
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                store=dist.PrefixStore(store.PG_PREFIX, client), rank=rank,
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(backend, store=dist.PrefixStore(store.PG_PREFIX, client), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=cfg.run.timeout),
                                 device_id=device if cuda else None)
         log.info("pipeline %d stage %d on %s", where.pipeline, where.stage, device)
         try:
-            Worker(cfg, where, device, store.namespace(client)).train()
+            groups = GroupCache(dist.PrefixStore(store.PG_PREFIX, client), rank, backend,
+                                cfg.run.timeout)
+            Worker(cfg, where, device, store.namespace(client), groups).train()
         finally:
             dist.destroy_process_group()
     return 0

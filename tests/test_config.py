@@ -66,7 +66,7 @@ def test_defaults_compose_and_validate(defaults):
     assert defaults.pipeline.stages == 2
     assert defaults.model.name == "gpt_tiny"
     assert defaults.data.name == "stdlib"
-    assert defaults.sync.name == "allreduce"
+    assert defaults.sync.name == "sdpipe"
     assert defaults.pipeline.stages <= n_blocks(defaults.model)
 
 
@@ -90,7 +90,7 @@ def test_group_options_match_yaml_tree():
     assert "local" in opts["cluster"]
     assert {"gpt_tiny", "mlp"} <= set(opts["model"])
     assert {"stdlib", "synthetic", "text"} <= set(opts["data"])
-    assert {"allreduce", "none"} <= set(opts["sync"])
+    assert {"sdpipe", "allreduce", "none"} <= set(opts["sync"])
 
 
 @pytest.mark.parametrize(

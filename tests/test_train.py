@@ -19,22 +19,27 @@ def digests(run_dir) -> dict[tuple[int, int], str]:
 
 
 def test_default_model_learns_on_stdlib_text(run_dir):
-    """A short version of the default run: gpt_tiny on the stdlib corpus, loss falls from ~ln 256."""
+    """A short version of the default run: gpt_tiny on the stdlib corpus, sdpipe sync, P=2, S=2."""
     out = sdpipe("train", f"run.dir={run_dir}", "train.steps=40", "train.eval_every=20")
     assert out.returncode == 0, out.stderr
     train = metrics(run_dir, "train")
     first = [m["loss"] for m in train if m["step"] == 1]
     assert len(first) == 2 and all(5.0 < loss < 6.0 for loss in first)
-    evals = metrics(run_dir, "eval")
-    assert sorted((m["pipeline"], m["step"]) for m in evals) == [(0, 20), (0, 40), (1, 20), (1, 40)]
-    final = [m["val_loss"] for m in evals if m["step"] == 40]
-    assert max(final) < 3.6, final
     for line in train:
         assert {"step", "time", "pipeline", "loss", "samples", "samples_per_s", "lr"} <= set(line)
-    assert {m["samples"] for m in train if m["step"] == 40} == {40 * 16}
+    done = {d["pipeline"]: d["steps"] for d in metrics(run_dir, "done") if d["stage"] == 0}
+    assert sum(done.values()) == 80  # P x steps pipeline-iterations, however they were shared
+    evals = metrics(run_dir, "eval")
+    for p, steps in done.items():  # every eval_every iterations, and once at the very end
+        expected = sorted({*range(20, steps + 1, 20), steps})
+        assert sorted(m["step"] for m in evals if m["pipeline"] == p) == expected
+    final = [m["val_loss"] for m in evals if m["step"] == done[m["pipeline"]]]
+    assert len(final) == 2 and final[0] == final[1]  # the run ends on a global sync
+    assert final[0] < 3.6, final
     # The run folder documents itself: resolved config, per-worker logs, summary.
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["cluster"]["device"] == "cpu" and cfg["pipeline"]["partition"] == [3]
+    assert cfg["sync"]["name"] == "sdpipe"
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"0.log", "1.log", "2.log",
                                                                   "3.log", "scheduler.log"}
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -64,11 +69,24 @@ def test_four_stage_gpipe_allreduce(run_dir):
 
 
 def test_time_limit_stops_every_pipeline_at_the_same_iteration(run_dir):
-    out = sdpipe("train", f"run.dir={run_dir}", "train.steps=100000", "train.time_limit=4", *FAST)
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=allreduce", "train.steps=100000",
+                 "train.time_limit=4", *FAST)
     assert out.returncode == 0, out.stderr
     done = metrics(run_dir, "done")
     steps = {d["steps"] for d in done}
     assert len(done) == 4 and len(steps) == 1 and 0 < steps.pop() < 100000
+
+
+def test_time_limit_with_group_sync_ends_on_a_global_sync(run_dir):
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "train.steps=100000",
+                 "train.time_limit=4", *FAST)
+    assert out.returncode == 0, out.stderr
+    done = metrics(run_dir, "done")
+    per_pipeline = {p: {d["steps"] for d in done if d["pipeline"] == p} for p in (0, 1)}
+    assert all(len(steps) == 1 for steps in per_pipeline.values())  # stages of a pipeline agree
+    last = [g for g in metrics(run_dir, "group") if g["stop"]]
+    assert len(last) == 2 and all(g["group"] == "global" and g["members"] == [0, 1] for g in last)
+    assert digests(run_dir)[(0, 0)] == digests(run_dir)[(1, 0)]
 
 
 def test_cfg_prints_without_starting_anything(tmp_path):

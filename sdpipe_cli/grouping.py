@@ -1,0 +1,286 @@
+"""Group scheduling policy: who averages weights with whom, and when. Pure: no I/O, injected clock.
+
+Every stage of every pipeline, after its local optimizer step, reports *ready* (stage, pipeline,
+iteration) and waits for a :class:`Decision`: the pipelines whose replicas of that stage average
+their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
+``shared/reference/method.md``):
+
+* **Window.** The first ready replica of a stage opens a window of its own adaptive length; the
+  group closes when every available replica of the stage is ready, or when the window ends, with
+  everyone ready at that moment. A replica's window doubles (up to ``window_max``) when its group
+  had fewer than ``min_group`` members and shrinks by 0.9 (down to ``window_min``) otherwise, so
+  fast replicas learn to wait a little for each other while stragglers never hold them up.
+* **Connectivity bound.** A disjoint set per stage accumulates the groups since the stage's
+  replicas were last all connected. When the next round would be the ``connect_every``-th, the
+  group does not close at the window's end but waits until it merges every component that is left.
+  So within every ``connect_every`` rounds information from each replica reaches every other,
+  which bounds how far replicas drift apart. With ``connect_every = 1`` every round waits for all
+  replicas: plain all-reduce. For ``connect_every > 1`` only one stage at a time may wait for
+  connectivity (a token), as in the reference: two stages waiting on each other's pipelines could
+  otherwise deadlock, since a pipeline only moves on when all its stages got their groups.
+* **Global sync.** Every ``global_every`` iterations of an average pipeline (P x global_every
+  pipeline-iterations in total) each pipeline p is assigned its next iteration k_p, and every stage
+  of p averages with all live replicas at k_p: a consistent model for evaluation and checkpoints.
+  The run's last round is such a global sync with ``stop`` set, placed so that the run ends after
+  ``total_iterations`` pipeline-iterations (or after ``time_limit`` seconds).
+* **Departures.** A pipeline that is gone (:meth:`GroupScheduler.leave`) never blocks a group.
+
+Connectivity is measured among the live replicas; rounds of replicas catching up to a pending global
+sync (which connects everyone when it closes) do not wait for connectivity.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One round of one stage: ``members`` (pipelines, sorted) average their replicas now."""
+
+    stage: int
+    round: int  # per-stage round number, from 1
+    members: tuple[int, ...]
+    iterations: tuple[int, ...]  # each member's iteration, in ``members`` order
+    waited: tuple[float, ...]  # seconds each member waited for the decision
+    kind: str = "group"  # "group" or "global"
+    stop: bool = False  # the members' pipelines stop after this iteration (end of the run)
+
+    def of(self, pipeline: int) -> int:
+        """The iteration this decision answers for ``pipeline``."""
+        return self.iterations[self.members.index(pipeline)]
+
+
+class DisjointSet:
+    """Union-find over replicas (pipelines)."""
+
+    def __init__(self, items: Iterable[int]):
+        self.parent = {i: i for i in items}
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, items: Iterable[int]) -> None:
+        items = [i for i in items if i in self.parent]
+        for other in items[1:]:
+            self.parent[self.find(other)] = self.find(items[0])
+
+    def components(self) -> int:
+        return len({self.find(i) for i in self.parent})
+
+    def connected_with(self, items: Iterable[int]) -> bool:
+        """Whether merging ``items`` as one group would connect everything."""
+        roots = {self.find(i) for i in items if i in self.parent}
+        return self.components() - max(0, len(roots) - 1) <= 1
+
+
+@dataclass
+class _StageState:
+    links: DisjointSet
+    waiting: dict[int, tuple[int, float]] = field(default_factory=dict)  # p -> (iteration, arrival)
+    deadline: Optional[float] = None
+    rounds: int = 0  # rounds since the replicas were last all connected
+    round_no: int = 0
+    global_pending: bool = False
+    connecting: bool = False  # past the window, waiting for the replicas that connect the rest
+
+
+class GroupScheduler:
+    """The policy for all stages of a run. Feed it events; it returns the decisions they trigger.
+
+    Times are seconds from ``clock``. The transport calls :meth:`tick` no later than
+    :meth:`next_deadline`.
+    """
+
+    def __init__(self, pipelines: int, stages: int, *, min_group: int = 2, window: float = 0.01,
+                 window_min: float = 0.0005, window_max: float = 0.1, connect_every: int = 8,
+                 global_every: int = 0, total_iterations: Optional[int] = None,
+                 time_limit: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
+        if pipelines < 1 or stages < 1 or connect_every < 1 or min_group < 1:
+            raise ValueError("pipelines, stages, connect_every and min_group must be >= 1")
+        self.P, self.S = pipelines, stages
+        self.min_group, self.window_min, self.window_max = min_group, window_min, window_max
+        self.connect_every, self.global_every = connect_every, global_every
+        self.total_iterations, self.time_limit, self.clock = total_iterations, time_limit, clock
+        self.started = clock()
+        self.live: set[int] = set(range(pipelines))
+        self.window = {(s, p): window for s in range(stages) for p in range(pipelines)}
+        self.last_ready = {p: [-1] * stages for p in range(pipelines)}
+        self.stages = [_StageState(DisjointSet(self.live)) for _ in range(stages)]
+        self.global_at: dict[int, int] = {}  # pipeline -> iteration of the pending global sync
+        self.final = False  # the pending global sync ends the run
+        self.finished = False
+        self.next_global = pipelines * global_every
+        self.token: Optional[int] = None  # the stage allowed to wait for connectivity
+
+    # -- events ---------------------------------------------------------------------------------
+    def ready(self, stage: int, pipeline: int, iteration: int) -> list[Decision]:
+        if self.finished:
+            raise ValueError(f"ready from stage {stage} of pipeline {pipeline} after the run ended")
+        if pipeline not in self.live:
+            raise ValueError(f"pipeline {pipeline} has left")
+        expected = self.last_ready[pipeline][stage] + 1
+        if iteration != expected:
+            raise ValueError(f"stage {stage} of pipeline {pipeline}: ready for iteration "
+                             f"{iteration}, expected {expected}")
+        self.last_ready[pipeline][stage] = iteration
+        self.stages[stage].waiting[pipeline] = (iteration, self.clock())
+        self._maybe_declare_global()
+        return self._decide()
+
+    def tick(self) -> list[Decision]:
+        self._maybe_declare_global()
+        return self._decide()
+
+    def leave(self, pipeline: int) -> list[Decision]:
+        """``pipeline`` is gone (failed or finished): forget it everywhere and unblock its peers."""
+        if pipeline not in self.live:
+            return []
+        self.live.discard(pipeline)
+        self.global_at.pop(pipeline, None)
+        for st in self.stages:
+            st.waiting.pop(pipeline, None)
+            st.links = self._without(st.links, pipeline)
+        return self._decide()
+
+    def next_deadline(self) -> Optional[float]:
+        """When :meth:`tick` must be called at the latest (None: only events can change anything)."""
+        times = [st.deadline for st in self.stages
+                 if st.waiting and st.deadline is not None and not st.connecting]
+        if self.time_limit is not None and not self.final and not self.finished:
+            times.append(self.started + self.time_limit)
+        return min(times) if times else None
+
+    # -- global syncs and the end of the run -----------------------------------------------------
+    def iterations_done(self) -> int:
+        """Pipeline-iterations started so far (left pipelines keep what they did)."""
+        return sum(max(last) + 1 for last in self.last_ready.values())
+
+    def _final_due(self) -> bool:
+        if self.time_limit is not None and self.clock() - self.started >= self.time_limit:
+            return True
+        # The end is declared when the live pipelines' next iterations reach the budget exactly.
+        return (self.total_iterations is not None
+                and self.iterations_done() + len(self.live) >= self.total_iterations)
+
+    def _maybe_declare_global(self) -> None:
+        if self.finished:
+            return
+        if self.global_at:  # one pending global sync at a time; it may become the last one
+            self.final = self.final or self._final_due()
+            return
+        final = self._final_due()
+        done = self.iterations_done()
+        if not final and not (self.global_every and done >= self.next_global):
+            return
+        while self.global_every and self.next_global <= done:
+            self.next_global += self.P * self.global_every
+        self.final = final
+        self.global_at = {p: max(self.last_ready[p]) + 1 for p in self.live}
+        for st in self.stages:
+            st.global_pending = True
+
+    # -- forming groups --------------------------------------------------------------------------
+    def _decide(self) -> list[Decision]:
+        decisions: list[Decision] = []
+        progress = True
+        while progress:
+            progress = False
+            for s in range(self.S):
+                decision = self._close_global(s) or self._close_group(s)
+                if decision is not None:
+                    decisions.append(decision)
+                    progress = True
+        return decisions
+
+    def _at_global(self, s: int) -> set[int]:
+        st = self.stages[s]
+        if not st.global_pending:
+            return set()
+        return {p for p, (k, _) in st.waiting.items() if self.global_at.get(p) == k}
+
+    def _close_global(self, s: int) -> Optional[Decision]:
+        st = self.stages[s]
+        arrived = self._at_global(s)
+        if not st.global_pending or not self.live or not arrived >= self.live:
+            return None
+        decision = self._emit(s, sorted(arrived), kind="global", stop=self.final)
+        st.links, st.rounds, st.global_pending = DisjointSet(self.live), 0, False
+        if self.token == s:
+            self.token = None
+        if not any(x.global_pending for x in self.stages):
+            self.global_at = {}
+            self.finished = self.final
+        return decision
+
+    def _close_group(self, s: int) -> Optional[Decision]:
+        st = self.stages[s]
+        at_global = self._at_global(s)
+        ready = {p: v for p, v in st.waiting.items() if p not in at_global}
+        if not ready:
+            st.deadline = None
+            return None
+        now = self.clock()
+        if st.deadline is None:
+            opener = min(ready, key=lambda p: (ready[p][1], p))
+            st.deadline = ready[opener][1] + self.window[(s, opener)]
+        members = set(ready)
+        everyone = members >= self.live - at_global
+        if not everyone:
+            if now < st.deadline:
+                return None
+            st.connecting = self._must_connect(s) and not st.links.connected_with(members)
+            if st.connecting:
+                return None  # wait for the components that are left
+        decision = self._emit(s, sorted(members), kind="group", stop=False)
+        st.links.union(members)
+        st.rounds += 1
+        if st.links.components() <= 1:
+            st.links, st.rounds = DisjointSet(self.live), 0
+            if self.token == s:
+                self.token = None
+        for p in members:
+            key = (s, p)
+            grow = len(members) < self.min_group
+            self.window[key] = (min(self.window[key] * 2, self.window_max) if grow
+                                else max(self.window[key] * 0.9, self.window_min))
+        return decision
+
+    def _must_connect(self, s: int) -> bool:
+        """Whether this round of stage ``s`` is due to connect all replicas (and may wait for it)."""
+        st = self.stages[s]
+        if st.global_pending or st.rounds + 1 < self.connect_every:
+            return False
+        if self.connect_every == 1:
+            return True  # every round is a full round: iteration-aligned, no token needed
+        if self.token is None:
+            self.token = s
+        return self.token == s
+
+    def _emit(self, s: int, members: list[int], kind: str, stop: bool) -> Decision:
+        st = self.stages[s]
+        now = self.clock()
+        st.round_no += 1
+        decision = Decision(stage=s, round=st.round_no, members=tuple(members),
+                            iterations=tuple(st.waiting[p][0] for p in members),
+                            waited=tuple(now - st.waiting[p][1] for p in members),
+                            kind=kind, stop=stop)
+        for p in members:
+            del st.waiting[p]
+        st.deadline, st.connecting = None, False
+        return decision
+
+    def _without(self, links: DisjointSet, gone: int) -> DisjointSet:
+        """The same connectivity among the remaining replicas."""
+        rebuilt = DisjointSet(self.live)
+        groups: dict[int, list[int]] = {}
+        for p in self.live:
+            groups.setdefault(links.find(p), []).append(p)
+        for members in groups.values():
+            rebuilt.union(members)
+        return rebuilt
