@@ -111,6 +111,7 @@ class RunConfig:
     port: int = 0  # TCPStore port; 0 picks a free one
     timeout: float = 120.0  # seconds any rendezvous or collective may wait before failing
     heartbeat_timeout: float = 300.0  # seconds of silence after which a worker is declared hung
+    save_final: bool = False  # write each replica's final weights to <run>/final/p<P>-s<S>.pt
 
 
 @dataclass

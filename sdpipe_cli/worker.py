@@ -192,6 +192,10 @@ class Worker:
         self._wait_pending()
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             self.evaluate(step)  # always once at the end of the run
+        if cfg.run.save_final:
+            final = Path(cfg.run.dir) / "final"
+            final.mkdir(exist_ok=True)
+            torch.save(self.module.state_dict(), final / f"p{w.pipeline}-s{w.stage}.pt")
         self._emit("done", steps=step, param_digest=param_digest(self.module),
                    slowdown_overruns=self.slowdown.overruns)
 
