@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 SCHEDULES = ("1f1b", "gpipe")
-SYNC_MODES = ("sdpipe", "allreduce", "none")
+SYNC_MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 DEVICES = ("cpu", "cuda", "auto")
 ARCHS = ("gpt", "mlp")
 DATASETS = ("stdlib", "text", "synthetic")
@@ -89,6 +89,8 @@ class SyncConfig:
     window_max_ms: float = 100.0  # and grows (x2) up to this
     connect_every: int = 8  # rounds within which a stage's groups must connect all replicas
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
+    # ps only: how many iterations a worker may run ahead of the slowest (0: bulk-synchronous)
+    staleness: int = 3
 
 
 @dataclass
@@ -256,6 +258,7 @@ def validate(cfg: DictConfig) -> None:
          "need 0 < sync.window_min_ms <= sync.window_ms <= sync.window_max_ms")
     need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
     need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
+    need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
 
     need(t.steps >= 1, "train.steps", "must be at least 1")
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
@@ -296,6 +299,12 @@ def _validate_partition(partition: Any, stages: int, blocks: int) -> None:
 def resolve_device(cfg: DictConfig) -> str:
     """``cpu`` or ``cuda`` for this run; CUDA needs one GPU per worker on this host."""
     import torch
+
+    if cfg.sync.name == "ps":
+        if cfg.cluster.device == "cuda":
+            raise ConfigError("cluster.device", "sync=ps runs on CPU only (its server receives "
+                              "from any worker, which NCCL cannot); use cluster.device=cpu")
+        return "cpu"
 
     workers = cfg.cluster.pipelines * cfg.pipeline.stages
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -123,9 +123,10 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     events.set(store.T0, repr(time.time()))
 
     P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+    servers = S if cfg.sync.name == "ps" else 0  # one parameter server per stage, ranks after workers
     base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
             "MASTER_ADDR": cfg.cluster.host, "MASTER_PORT": str(master.port),
-            "WORLD_SIZE": str(P * S), "PYTHONUNBUFFERED": "1"}
+            "WORLD_SIZE": str(P * S + servers), "PYTHONUNBUFFERED": "1"}
     if cfg.cluster.device == "cpu":
         base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
     children = [spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base)]
@@ -133,6 +134,11 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
         children.append(spawn("sdpipe_cli.worker", str(rank), role, run_dir, env))
+    for stage in range(servers):
+        rank = P * S + stage
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        children.append(spawn("sdpipe_cli.ps", f"ps{stage}", f"parameter server of stage {stage}",
+                              run_dir, env))
 
     started = time.monotonic()
     result = RunResult(run_dir, 0)

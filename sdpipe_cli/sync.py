@@ -3,19 +3,23 @@
 A strategy sees one stage's module at two points of every iteration: after the backward passes
 (:meth:`Sync.after_backward`, where synchronous data parallelism averages gradients) and after the
 local optimizer step (:meth:`Sync.after_step`, where weight-averaging strategies mix replicas).
-On the first stage it also decides whether the pipeline goes on (:meth:`Sync.should_continue`):
-strategies that all-reduce every iteration need every replica to stop at the same iteration, or
-the last all-reduce would wait forever for a replica that has stopped.
+On the first stage it also decides whether the pipeline goes on (:meth:`Sync.should_continue`,
+given ``local_go``: the local budget ``train.steps`` is left and ``train.time_limit`` has not
+passed): strategies that meet every iteration need every replica to stop at the same iteration,
+or the last meeting would wait forever for a replica that has stopped.
 
 - ``allreduce``: average gradients over all P replicas every iteration (replicas stay identical).
 - ``sdpipe``: after the local step, send a ready signal to the scheduler, receive a group, and
   average weights with exactly that group (a group of one: no communication). The scheduler also
   decides when the run ends, since fast pipelines do more iterations than slow ones.
+- ``adpsgd``: gossip: average with one peer per round, from a matching both sides derive alone.
+- ``ps``: push gradients to a parameter server per stage, pull its weights (stale-synchronous).
 - ``none``: no communication; every pipeline trains its own replica (the speed limit).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from datetime import timedelta
 from typing import Any
@@ -79,8 +83,9 @@ class Sync:
     """No synchronization: every hook is a no-op; each pipeline stops after ``train.steps``."""
 
     name = "none"
+    local_step = True  # whether the worker applies its own optimizer step (not with a PS)
 
-    def should_continue(self, step: int, local_go: bool) -> bool:
+    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return local_go
 
     def after_backward(self, module: nn.Module) -> None:
@@ -93,6 +98,9 @@ class Sync:
         """What the last sync did, for the step event (group size, waiting, communication)."""
         return {}
 
+    def finish(self) -> None:
+        """The worker is done training (a parameter server must stop waiting for it)."""
+
 
 class AllReduceSync(Sync):
     """Synchronous data parallelism over the stage's replica group (one flat all-reduce)."""
@@ -103,7 +111,7 @@ class AllReduceSync(Sync):
         self.groups, self.replicas, self.device = groups, replicas, device
         self.size = len(replicas)
 
-    def should_continue(self, step: int, local_go: bool) -> bool:
+    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         flag = torch.tensor([1 if local_go else 0], device=self.device)
         self.groups.all_reduce(flag, self.replicas, op=dist.ReduceOp.MIN)
         return bool(flag.item())
@@ -134,7 +142,7 @@ class GroupSync(Sync):
         self.stop = False
         self._stats: dict[str, Any] = {}
 
-    def should_continue(self, step: int, local_go: bool) -> bool:
+    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
 
     def after_step(self, module: nn.Module, step: int) -> None:
@@ -157,13 +165,110 @@ class GroupSync(Sync):
         return self._stats
 
 
+class GossipSync(Sync):
+    """AD-PSGD-style gossip without a scheduler: after each step, average with one peer.
+
+    The peers of round k come from a random perfect matching that every replica derives from
+    (seed, stage, k) alone, so both sides of a pair agree without asking anyone; an odd replica
+    out skips the round. The price of needing no coordinator is that a pair meets at the same
+    iteration: a straggler makes its partner of the round wait, and through changing partners,
+    everyone.
+    """
+
+    name = "adpsgd"
+
+    def __init__(self, groups: GroupCache, pipeline: int, pipelines: int, stage: int, stages: int,
+                 seed: int, agree: "AllReduceSync | None"):
+        self.groups, self.pipeline, self.pipelines = groups, pipeline, pipelines
+        self.stage, self.stages, self.seed, self.agree = stage, stages, seed, agree
+        self._stats: dict[str, Any] = {}
+
+    def peer(self, step: int) -> int | None:
+        order = list(range(self.pipelines))
+        random.Random(f"{self.seed}/{self.stage}/{step}").shuffle(order)
+        i = order.index(self.pipeline)
+        mate = i + 1 if i % 2 == 0 else i - 1
+        return order[mate] if mate < len(order) else None
+
+    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
+        # Every replica must take part in the same rounds: a time limit needs agreement.
+        return self.agree.should_continue(step, local_go, timed_out) if self.agree else local_go
+
+    def after_step(self, module: nn.Module, step: int) -> None:
+        start = time.perf_counter()
+        peer = self.peer(step)
+        if peer is not None:
+            average_parameters(module, self.groups,
+                               [self.pipeline * self.stages + self.stage, peer * self.stages + self.stage])
+        self._stats = {"group_size": 1 if peer is None else 2,
+                       "comm_s": time.perf_counter() - start}
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+
+class PSSync(Sync):
+    """Parameter-server baseline: push gradients to the stage's server, pull its weights.
+
+    The server (:mod:`sdpipe_cli.ps`) owns the stage's weights and optimizer; it answers pushes
+    asynchronously, except that a replica more than ``sync.staleness`` iterations ahead of the
+    slowest waits for its reply (stale-synchronous parallel). The first stage's server counts
+    pipeline-iterations and ends the run after ``train.steps x P`` of them.
+    """
+
+    name = "ps"
+    local_step = False
+    PUSH, LEAVE = 0, 1
+    HEADER_TAG, DATA_TAG = 11, 12  # distinct tags: the server receives headers from any source
+
+    def __init__(self, server: int, device: torch.device):
+        self.server, self.device = server, device
+        self.stop = False
+        self._stats: dict[str, Any] = {}
+
+    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
+        # The server ends the run; a time limit may end a pipeline earlier (no one waits for it).
+        return not self.stop and not timed_out
+
+    def after_step(self, module: nn.Module, step: int) -> None:
+        start = time.perf_counter()
+        params = list(module.parameters())
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                           for p in params])
+        header = torch.tensor([step, self.PUSH], dtype=torch.int64, device=self.device)
+        dist.send(header, self.server, tag=self.HEADER_TAG)
+        dist.send(grads, self.server, tag=self.DATA_TAG)
+        reply = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(reply, self.server, tag=self.HEADER_TAG)
+        weights = torch.empty_like(grads)
+        dist.recv(weights, self.server, tag=self.DATA_TAG)
+        with torch.no_grad():
+            vector_to_parameters(weights, params)
+        self.stop = bool(reply.item())
+        self._stats = {"wait_s": time.perf_counter() - start}
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+    def finish(self) -> None:
+        header = torch.tensor([-1, self.LEAVE], dtype=torch.int64, device=self.device)
+        dist.send(header, self.server, tag=self.HEADER_TAG)
+
+
 def make_sync(name: str, *, events: dist.Store, groups: GroupCache, rank: int, pipeline: int,
-              stage: int, pipelines: int, stages: int, device: torch.device) -> Sync:
+              stage: int, pipelines: int, stages: int, device: torch.device, seed: int = 0,
+              has_time_limit: bool = False) -> Sync:
     """The strategy for ``sync.name``."""
+    replicas = [p * stages + stage for p in range(pipelines)]
     if name == "sdpipe":
         return GroupSync(events, rank, pipeline, stage, stages, groups)
+    if name == "ps":
+        return PSSync(pipelines * stages + stage, device)
     if name == "none" or pipelines == 1:
         return Sync()
     if name == "allreduce":
-        return AllReduceSync(groups, [p * stages + stage for p in range(pipelines)], device)
+        return AllReduceSync(groups, replicas, device)
+    if name == "adpsgd":
+        agree = AllReduceSync(groups, replicas, device) if has_time_limit else None
+        return GossipSync(groups, pipeline, pipelines, stage, stages, seed, agree)
     raise ValueError(f"sync.name: unknown strategy '{name}'")

@@ -108,7 +108,8 @@ class Worker:
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.train.lr,
                                            betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
         self.sync = make_sync(cfg.sync.name, events=events, groups=groups, rank=where.rank,
-                              pipeline=p, stage=s, pipelines=P, stages=S, device=device)
+                              pipeline=p, stage=s, pipelines=P, stages=S, device=device,
+                              seed=cfg.train.seed, has_time_limit=cfg.train.time_limit is not None)
         slow = list(cfg.cluster.slowdown)
         self.slowdown = Slowdown(slow[p] if slow else 1.0, cfg.cluster.compute_ms)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
@@ -133,8 +134,9 @@ class Worker:
         w = self.where
         if w.first:
             limit = self.cfg.train.time_limit
-            go = step < self.cfg.train.steps and not (limit and time.time() - started >= limit)
-            go = self.sync.should_continue(step, go)
+            timed_out = bool(limit and time.time() - started >= limit)
+            go = self.sync.should_continue(step, step < self.cfg.train.steps and not timed_out,
+                                           timed_out)
             flag = torch.tensor([int(go), step], dtype=torch.int64, device=self.device)
         else:
             flag = torch.empty(2, dtype=torch.int64, device=self.device)
@@ -174,7 +176,8 @@ class Worker:
             sync_s = time.perf_counter() - t_sync
             if cfg.train.grad_clip > 0:
                 nn.utils.clip_grad_norm_(self.module.parameters(), cfg.train.grad_clip)
-            self.optimizer.step()
+            if self.sync.local_step:
+                self.optimizer.step()
             t_sync = time.perf_counter()
             self.sync.after_step(self.module, step)
             sync_s += time.perf_counter() - t_sync
@@ -190,6 +193,7 @@ class Worker:
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 self.evaluate(step)
         self._wait_pending()
+        self.sync.finish()
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             self.evaluate(step)  # always once at the end of the run
         if cfg.run.save_final:

@@ -1,0 +1,118 @@
+"""Parameter server of one stage (the ``sync=ps`` baseline): the centralized design SDPipe avoids.
+
+Started by the launcher as ``python -m sdpipe_cli.ps`` with rank ``P x S + s`` for stage s. It holds
+the stage's weights and optimizer; the stage's P workers push gradients after each iteration and
+pull the weights back, so all of the stage's model traffic goes through this one process — the
+bottleneck the paper measures. Replies are asynchronous, bounded by stale-synchronous parallelism:
+a worker more than ``sync.staleness`` iterations ahead of the slowest live worker gets its reply only
+when the slowest catches up. The first stage's server owns the run's length: after ``P x train.steps``
+pushes it tells each pipeline, in its next reply, to stop.
+
+Messages (gloo point-to-point; ``recv`` from any source): a worker sends an int64 header
+``[iteration, kind]`` (kind 0 = push, then the flat gradients; kind 1 = leave), and gets back
+``[stop]`` and the flat weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.nn.utils import parameters_to_vector
+
+from sdpipe_cli import store
+from sdpipe_cli.config import load_run_config
+from sdpipe_cli.errors import record
+from sdpipe_cli.sync import PSSync
+from sdpipe_cli.worker import build_stage_module, lr_at
+
+log = logging.getLogger("sdpipe.ps")
+
+
+class ParameterServer:
+    def __init__(self, cfg: DictConfig, stage: int):
+        P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+        self.cfg, self.stage = cfg, stage
+        self.module = build_stage_module(cfg, stage)
+        self.params = list(self.module.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, betas=(0.9, 0.95),
+                                           weight_decay=cfg.train.weight_decay)
+        self.numel = sum(p.numel() for p in self.params)
+        self.clock = {p * S + stage: -1 for p in range(P)}  # worker rank -> last pushed iteration
+        self.left: set[int] = set()
+        self.deferred: list[int] = []  # workers whose reply waits for the staleness bound
+        self.pushes = 0
+        self.budget = P * cfg.train.steps if stage == 0 else None
+
+    def serve(self) -> None:
+        header = torch.empty(2, dtype=torch.int64)
+        grad = torch.empty(self.numel)
+        while len(self.left) < len(self.clock):
+            src = dist.recv(header, tag=PSSync.HEADER_TAG)
+            iteration, kind = int(header[0]), int(header[1])
+            if kind == PSSync.LEAVE:
+                self.left.add(src)
+            else:
+                dist.recv(grad, src, tag=PSSync.DATA_TAG)
+                self._apply(grad, iteration)
+                self.clock[src] = iteration
+                self.pushes += 1
+                self.deferred.append(src)
+            self._release()
+        log.info("stage %d: %d pushes served", self.stage, self.pushes)
+
+    def _apply(self, grad: torch.Tensor, iteration: int) -> None:
+        offset = 0
+        for p in self.params:
+            p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(iteration, self.cfg)
+        self.optimizer.step()
+
+    def _release(self) -> None:
+        live = [k for r, k in self.clock.items() if r not in self.left]
+        slowest = min(live) if live else 0
+        waiting = []
+        for rank in self.deferred:
+            if self.clock[rank] - slowest <= self.cfg.sync.staleness:
+                self._reply(rank)
+            else:
+                waiting.append(rank)
+        self.deferred = waiting
+
+    def _reply(self, rank: int) -> None:
+        stop = self.budget is not None and self.pushes >= self.budget
+        dist.send(torch.tensor([int(stop)], dtype=torch.int64), rank, tag=PSSync.HEADER_TAG)
+        with torch.no_grad():
+            dist.send(parameters_to_vector(self.params).detach(), rank, tag=PSSync.DATA_TAG)
+
+
+def main() -> int:
+    run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = load_run_config(run_dir / "config.yaml")
+    stage = rank - cfg.cluster.pipelines * cfg.pipeline.stages
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s ps{stage} %(levelname)s %(message)s")
+    with record(run_dir, f"ps{stage}", rank=rank, role="parameter server", stage=stage):
+        torch.set_num_threads(1)
+        client = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               cfg.run.timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(store.PG_PREFIX, client), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=cfg.run.timeout))
+        try:
+            ParameterServer(cfg, stage).serve()
+        finally:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
