@@ -1,0 +1,525 @@
+"""Benchmark the sync modes of ``sdpipe train`` with equal and straggling pipelines.
+
+Run it from the repository root after ``pip install -e .``::
+
+    python scripts/bench_sync.py                          # the full benchmark: all modes, scenarios
+    python scripts/bench_sync.py --markdown               # the same, tables printed as Markdown
+    python scripts/bench_sync.py --steps 6 --modes none,allreduce --scenarios straggler \\
+        --pipelines 2 --out /tmp/benchtest                # a smoke test of the script itself
+
+Usage::
+
+    python scripts/bench_sync.py [--modes sdpipe,allreduce,ps,adpsgd,none] [--pipelines 4]
+        [--stages 2] [--steps 60] [--compute-ms 10] [--slow 3] [--scenarios equal,straggler]
+        [--target-loss auto|FLOAT] [--out runs/bench] [--timeout 600] [--markdown]
+        [--extra OVERRIDE ...]
+
+**What it runs.** For each scenario and each sync mode, one ``sdpipe train`` subprocess::
+
+    python -m sdpipe_cli train model=mlp data=synthetic cluster.pipelines=P pipeline.stages=S
+        sync=MODE train.steps=N cluster.compute_ms=X cluster.slowdown=[...] cluster.device=cpu
+        train.eval_every=K run.dir=OUT/SCENARIO-MODE [--extra overrides]
+
+``equal``: every pipeline at speed 1. ``straggler``: the last pipeline ``--slow`` times slower
+(``cluster.slowdown=[1,1,1,3]``). ``K = max(1, N // 8)``, which gives 8-9 evaluations per
+pipeline. The launcher's output goes to ``OUT/SCENARIO-MODE.log``. A run that fails or passes
+``--timeout`` is recorded as such and the benchmark goes on; a mode that the installed ``sdpipe``
+does not know (exit 2 with an error on ``sync``) is reported as ``unavailable``.
+
+**Why modelled compute.** With ``cluster.compute_ms`` set, every micro-batch forward takes
+``compute_ms x slowdown`` ms and every backward twice that: the real compute (a 34k-parameter MLP)
+runs inside that budget and the worker sleeps for the rest (``sdpipe_cli/hetero.py``). The cores
+stay mostly idle, so the figures measure scheduling and synchronization (who waits for whom), not
+how P x S processes fight over a few CPU cores, and they do not depend on the machine's core count.
+Two checks of that assumption are reported: the system-wide CPU utilization sampled with
+``psutil`` during each run (mean over the run; it includes anything else running on the machine),
+and ``overruns``, the share of forward/backward actions whose real compute did not fit in the
+modelled budget (from the ``done`` lines). Both should stay low; if not, the figures are skewed
+by CPU contention.
+
+**What it measures**, from each run's ``metrics.jsonl``:
+
+- ``samples/s``: training throughput of all pipelines together. The window runs from the earliest
+  ``train`` line of any pipeline to the latest one, and counts each pipeline's samples after its
+  own first ``train`` line (``samples`` is cumulative per pipeline). The first iteration of every
+  pipeline is therefore left out, which excludes process start-up, connection set-up and warm-up
+  from both the numerator and (mostly) the denominator. It slightly undercounts (the other
+  pipelines' first iterations end inside the window), the same way for every mode.
+- ``final val loss``: the mean over pipelines of each pipeline's last ``eval`` line. Every mode
+  trains the same total samples (P x steps x batch), so this is the loss at equal samples.
+- ``to target``: the first ``eval`` time at which the mean over pipelines of their latest
+  ``val_loss`` so far is at or below the target, in seconds from the run's first ``train`` line
+  (so that process start-up, which does not depend on the mode, is left out);
+  every pipeline must have evaluated at least once. ``--target-loss auto`` sets the target per
+  scenario, after all its modes ran, to the largest final loss of the modes that finished, times
+  1.02, so that every finished mode reaches it. ``-`` when never reached. ``results.json``
+  keeps each run's ``first_train_s`` (earliest train line) and its loss ``curve``.
+- ``mean group``: the mean ``size`` of the scheduler's ``group`` lines (``sync=sdpipe``, global
+  averaging rounds included); P for ``allreduce`` and 1 for ``none`` by definition; ``-`` otherwise.
+- ``iterations``: each pipeline's last iteration (``sync=sdpipe`` lets fast pipelines run more).
+- ``CPU %`` and ``overruns``: see above; ``wall (s)``: the whole ``sdpipe train`` subprocess.
+
+Per scenario it also prints the ratios sdpipe/allreduce of samples/s and of time to target, next to
+the targets the project aims for (straggler: samples/s >= 1.6x and time to target < 1x; equal:
+samples/s >= 0.95x). They are shown, not judged. Everything goes to ``OUT/results.json`` and
+``OUT/results.md`` (the Markdown tables, headed by the exact command line, ready for the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
+SCENARIOS = ("equal", "straggler")
+AUTO_MARGIN = 1.02  # --target-loss auto: the worst final loss of a scenario, plus 2 %
+EVALS_PER_RUN = 8
+CPU_SAMPLE_S = 0.5
+# Targets the project aims for, per scenario: (metric, comparison, value) for sdpipe/allreduce.
+TARGETS = {
+    "straggler": {"samples_per_s": (">=", 1.6), "time_to_target": ("<", 1.0)},
+    "equal": {"samples_per_s": (">=", 0.95)},
+}
+COLUMNS = ("mode", "status", "samples/s", "final val loss", "to target (s)", "mean group",
+           "iterations", "CPU %", "overruns", "wall (s)")
+
+
+# -- arguments --------------------------------------------------------------------------------
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Benchmark sdpipe's sync modes (modelled compute, CPU) with equal pipelines "
+        "and with one straggler.")
+    parser.add_argument("--modes", type=_csv(None), default=list(MODES),
+                        help=f"sync modes, comma-separated (default: {','.join(MODES)})")
+    parser.add_argument("--pipelines", type=int, default=4, help="P (default: 4)")
+    parser.add_argument("--stages", type=int, default=2, help="S (default: 2)")
+    parser.add_argument("--steps", type=int, default=60, help="train.steps (default: 60)")
+    parser.add_argument("--compute-ms", type=float, default=10.0,
+                        help="cluster.compute_ms: modelled forward of a micro-batch (default: 10)")
+    parser.add_argument("--slow", type=float, default=3.0,
+                        help="slowdown of the straggler, the last pipeline (default: 3)")
+    parser.add_argument("--scenarios", type=_csv(SCENARIOS), default=list(SCENARIOS),
+                        help="equal, straggler or both (default: equal,straggler)")
+    parser.add_argument("--target-loss", default="auto", type=_target,
+                        help="validation loss for time to target: auto or a number (default: auto)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"),
+                        help="output folder (default: runs/bench)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds allowed per run (default: 600)")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables, not rich")
+    parser.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE",
+                        help="more sdpipe overrides for every run, e.g. --extra train.lr=1e-3")
+    args = parser.parse_args(argv)
+    if args.pipelines < 1 or args.stages < 1 or args.steps < 1:
+        parser.error("--pipelines, --stages and --steps must be at least 1")
+    if args.slow < 1.0:
+        parser.error("--slow must be >= 1 (3 = three times slower)")
+    return args
+
+
+def _csv(allowed: Optional[tuple[str, ...]]):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("give at least one name")
+        bad = [t for t in items if allowed is not None and t not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(allowed)}")
+        return list(dict.fromkeys(items))
+    return parse
+
+
+def _target(text: str):
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be auto or a number") from None
+
+
+# -- one run ----------------------------------------------------------------------------------
+def slowdowns(scenario: str, pipelines: int, slow: float) -> list[float]:
+    factors = [1.0] * pipelines
+    if scenario == "straggler":
+        factors[-1] = slow
+    return factors
+
+
+def overrides_for(args: argparse.Namespace, scenario: str, mode: str, run_dir: Path) -> list[str]:
+    factors = ",".join(f"{f:g}" for f in slowdowns(scenario, args.pipelines, args.slow))
+    return [
+        "model=mlp", "data=synthetic", f"cluster.pipelines={args.pipelines}",
+        f"pipeline.stages={args.stages}", f"sync={mode}", f"train.steps={args.steps}",
+        f"cluster.compute_ms={args.compute_ms:g}", f"cluster.slowdown=[{factors}]",
+        "cluster.device=cpu", f"train.eval_every={max(1, args.steps // EVALS_PER_RUN)}",
+        f"run.dir={run_dir}", *args.extra,
+    ]
+
+
+class CpuSampler:
+    """System-wide CPU utilization, sampled in a thread while a run is going."""
+
+    def __init__(self, interval: float = CPU_SAMPLE_S):
+        self.interval, self.samples = interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        psutil.cpu_percent(interval=None)  # prime: the first call has no reference point
+        while not self._stop.is_set():
+            self.samples.append(psutil.cpu_percent(interval=self.interval))
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> Optional[float]:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def run_sdpipe(overrides: list[str], log_path: Path, timeout: float) -> tuple[Optional[int], float]:
+    """Run ``sdpipe train``, output to ``log_path``; (exit code, None on timeout; wall s)."""
+    cmd = [sys.executable, "-m", "sdpipe_cli", "train", *overrides]
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            returncode: Optional[int] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+            _stop(proc)
+        except BaseException:  # Ctrl-C: let the launcher stop its workers first
+            _stop(proc)
+            raise
+    return returncode, time.monotonic() - started
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM makes the launcher stop its children in order (up to 10 s); then SIGKILL."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def error_line(log_path: Path) -> str:
+    """The launcher's one-line ``sdpipe: error: ...`` message, if it printed one."""
+    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines()]
+    errors = [ln for ln in lines if ln.startswith("sdpipe: error:")]
+    return errors[-1] if errors else (lines[-1] if lines else "")
+
+
+def run_one(args: argparse.Namespace, scenario: str, mode: str, console: Console) -> dict[str, Any]:
+    """Run one (scenario, mode) and return its record: status, wall time, CPU and metrics."""
+    run_dir = args.out / f"{scenario}-{mode}"
+    log_path = args.out / f"{scenario}-{mode}.log"
+    overrides = overrides_for(args, scenario, mode, run_dir)
+    console.print(f"{scenario} / {mode}: running (log: {log_path})", markup=False,
+                  highlight=False)
+    with CpuSampler() as cpu:
+        returncode, wall = run_sdpipe(overrides, log_path, args.timeout)
+    record: dict[str, Any] = {
+        "scenario": scenario, "mode": mode, "returncode": returncode, "wall_s": round(wall, 2),
+        "cpu_percent": None if cpu.mean is None else round(cpu.mean, 1),
+        "run_dir": str(run_dir), "log": str(log_path), "overrides": overrides,
+    }
+    record["status"], record["error"] = classify(returncode, log_path, args.timeout)
+    metrics_path = run_dir / "metrics.jsonl"
+    if record["status"] == "ok" and metrics_path.is_file():
+        record.update(analyse(read_jsonl(metrics_path), mode, args.pipelines,
+                              microbatches(run_dir)))
+    console.print(f"  {record['status']} in {wall:.1f} s"
+                  + (f": {record['error']}" if record["error"] else ""),
+                  markup=False, highlight=False, soft_wrap=True)
+    return record
+
+
+def classify(returncode: Optional[int], log_path: Path, timeout: float) -> tuple[str, str]:
+    if returncode is None:
+        return "timeout", f"no result within {timeout:g} s"
+    if returncode == 0:
+        return "ok", ""
+    message = error_line(log_path)
+    if returncode == 2 and message.startswith("sdpipe: error: sync"):
+        return "unavailable", message
+    return f"failed ({returncode})", message
+
+
+def microbatches(run_dir: Path) -> Optional[int]:
+    """m of a run, from the resolved ``config.yaml`` it wrote."""
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return int(cfg["pipeline"]["microbatches"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+# -- metrics ----------------------------------------------------------------------------------
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def analyse(lines: list[dict[str, Any]], mode: str, pipelines: int,
+            m: Optional[int]) -> dict[str, Any]:
+    """Everything but time to target (which needs every mode's final loss first)."""
+    train = [ln for ln in lines if ln.get("kind") == "train"]
+    evals = [ln for ln in lines if ln.get("kind") == "eval"]
+    return {
+        "samples_per_s": throughput(train),
+        "first_train_s": min((ln["time"] for ln in train), default=None),
+        "final_val_loss": final_loss(evals),
+        "curve": loss_curve(evals, pipelines),
+        "mean_group_size": mean_group_size(lines, mode, pipelines),
+        "iterations": last_by_pipeline(train, "step"),
+        "overrun_fraction": overrun_fraction(lines, m),
+    }
+
+
+def last_by_pipeline(lines: list[dict[str, Any]], key: str) -> dict[int, Any]:
+    """Each pipeline's value of ``key`` in its latest line."""
+    out: dict[int, Any] = {}
+    for ln in sorted(lines, key=lambda ln: ln["time"]):
+        out[int(ln["pipeline"])] = ln[key]
+    return dict(sorted(out.items()))
+
+
+def throughput(train: list[dict[str, Any]]) -> Optional[float]:
+    """Samples after each pipeline's first train line, over (last - first train line time)."""
+    if not train:
+        return None
+    first: dict[int, dict[str, Any]] = {}
+    for ln in sorted(train, key=lambda ln: ln["time"]):
+        first.setdefault(int(ln["pipeline"]), ln)
+    last = last_by_pipeline(train, "samples")
+    samples = sum(last[p] - first[p]["samples"] for p in last)
+    window = max(ln["time"] for ln in train) - min(ln["time"] for ln in train)
+    return samples / window if window > 0 else None
+
+
+def final_loss(evals: list[dict[str, Any]]) -> Optional[float]:
+    last = last_by_pipeline(evals, "val_loss")
+    return sum(last.values()) / len(last) if last else None
+
+
+def loss_curve(evals: list[dict[str, Any]], pipelines: int) -> list[list[float]]:
+    """[time, mean over pipelines of their latest val_loss] at each eval once all have one."""
+    latest: dict[int, float] = {}
+    curve = []
+    for ln in sorted(evals, key=lambda ln: ln["time"]):
+        latest[int(ln["pipeline"])] = ln["val_loss"]
+        if len(latest) == pipelines:
+            curve.append([round(ln["time"], 4), sum(latest.values()) / pipelines])
+    return curve
+
+
+def time_to_target(curve: list[list[float]], target: Optional[float]) -> Optional[float]:
+    if target is None:
+        return None
+    return next((t for t, loss in curve if loss <= target), None)
+
+
+def mean_group_size(lines: list[dict[str, Any]], mode: str, pipelines: int) -> Optional[float]:
+    if mode == "allreduce":
+        return float(pipelines)
+    if mode == "none":
+        return 1.0
+    sizes = [ln["size"] for ln in lines if ln.get("kind") == "group"]
+    return sum(sizes) / len(sizes) if mode == "sdpipe" and sizes else None
+
+
+def overrun_fraction(lines: list[dict[str, Any]], m: Optional[int]) -> Optional[float]:
+    """Share of forward/backward actions whose real compute exceeded the modelled budget."""
+    done = [ln for ln in lines if ln.get("kind") == "done" and "slowdown_overruns" in ln]
+    actions = sum(2 * (m or 0) * ln.get("steps", 0) for ln in done)
+    if not done or not actions:
+        return None
+    return sum(ln["slowdown_overruns"] for ln in done) / actions
+
+
+# -- a scenario -------------------------------------------------------------------------------
+def scenario_target(records: list[dict[str, Any]], target_loss) -> Optional[float]:
+    if target_loss != "auto":
+        return float(target_loss)
+    finals = [r["final_val_loss"] for r in records if r.get("final_val_loss") is not None]
+    return max(finals) * AUTO_MARGIN if finals else None
+
+
+def finish_scenario(scenario: str, records: list[dict[str, Any]], target_loss) -> dict[str, Any]:
+    target = scenario_target(records, target_loss)
+    for r in records:
+        if r["status"] == "ok":
+            reached = time_to_target(r.get("curve", []), target)
+            start = r.get("first_train_s")
+            r["time_to_target_s"] = None if reached is None or start is None else reached - start
+    return {"scenario": scenario, "target_loss": target, "runs": records,
+            "ratios": ratios(scenario, records)}
+
+
+def ratios(scenario: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """sdpipe / allreduce for samples/s and time to target, with the project's targets."""
+    by_mode = {r["mode"]: r for r in records}
+    sd, ar = by_mode.get("sdpipe", {}), by_mode.get("allreduce", {})
+    out = {}
+    for key in ("samples_per_s", "time_to_target"):
+        field = "time_to_target_s" if key == "time_to_target" else key
+        a, b = sd.get(field), ar.get(field)
+        out[key] = {"value": a / b if a is not None and b else None,
+                    "target": TARGETS.get(scenario, {}).get(key)}
+    return out
+
+
+# -- output -----------------------------------------------------------------------------------
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table_rows(result: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in result["runs"]:
+        iters = r.get("iterations") or {}
+        rows.append([
+            r["mode"], r["status"], _num(r.get("samples_per_s"), ".1f"),
+            _num(r.get("final_val_loss"), ".4f"), _num(r.get("time_to_target_s"), ".2f"),
+            _num(r.get("mean_group_size"), ".2f"),
+            "/".join(str(v) for v in iters.values()) or "-", _num(r.get("cpu_percent"), ".0f"),
+            _num(None if r.get("overrun_fraction") is None else 100 * r["overrun_fraction"],
+                 ".1f") + ("%" if r.get("overrun_fraction") is not None else ""),
+            _num(r.get("wall_s"), ".1f"),
+        ])
+    return rows
+
+
+def ratio_lines(result: dict[str, Any]) -> list[str]:
+    names = {"samples_per_s": "samples/s", "time_to_target": "time to target"}
+    lines = []
+    for key, ratio in result["ratios"].items():
+        target = ratio["target"]
+        goal = f"target {target[0]} {target[1]:g}x" if target else "no target"
+        hint = " (below 1 = sdpipe faster)" if key == "time_to_target" else ""
+        value = "-" if ratio["value"] is None else f"{ratio['value']:.2f}x"
+        lines.append(f"sdpipe / allreduce {names[key]}: {value}{hint}; "
+                     f"{goal}")
+    return lines
+
+
+def notes(result: dict[str, Any]) -> list[str]:
+    """One line per run that did not finish: why, and where its log is."""
+    return [f"{r['mode']}: {r['status']}: {r['error'] or '-'} (log: {r['log']})"
+            for r in result["runs"] if r["status"] != "ok"]
+
+
+def title(result: dict[str, Any], args: argparse.Namespace) -> str:
+    factors = ",".join(f"{f:g}" for f in slowdowns(result["scenario"], args.pipelines, args.slow))
+    target = _num(result["target_loss"], ".4f")
+    how = "auto: worst final loss x 1.02" if args.target_loss == "auto" else "given"
+    return (f"{result['scenario']}: P={args.pipelines}, S={args.stages}, slowdown [{factors}], "
+            f"{args.steps} steps, compute {args.compute_ms:g} ms; target val loss {target} ({how})")
+
+
+def markdown_table(result: dict[str, Any], args: argparse.Namespace) -> str:
+    out = [f"**{title(result, args)}**", "", "| " + " | ".join(COLUMNS) + " |",
+           "|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
+    out += [""] + [f"- {line}" for line in ratio_lines(result) + notes(result)]
+    return "\n".join(out) + "\n"
+
+
+def rich_table(result: dict[str, Any], args: argparse.Namespace) -> Table:
+    table = Table(title=title(result, args), caption="\n".join(ratio_lines(result) + notes(result)),
+                  caption_justify="left")
+    for i, col in enumerate(COLUMNS):
+        table.add_column(col, justify="left" if i < 2 else "right", no_wrap=i < 2)
+    for row in table_rows(result):
+        table.add_row(*row)
+    return table
+
+
+def environment() -> dict[str, Any]:
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "?"
+    return {"python": platform.python_version(), "torch": version("torch"),
+            "sdpipe": version("sdpipe"), "cpus": os.cpu_count(), "platform": platform.platform()}
+
+
+def command_line() -> str:
+    return shlex.join(["python", *sys.argv])
+
+
+def write_results(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    env = environment()
+    (args.out / "results.json").write_text(json.dumps(
+        {"command": command_line(), "environment": env, "scenarios": results}, indent=1) + "\n")
+    head = (f"```\n$ {command_line()}\n```\n\nPython {env['python']}, torch {env['torch']}, "
+            f"sdpipe {env['sdpipe']}, {env['cpus']} CPUs ({env['platform']}).\n")
+    body = "\n".join(markdown_table(r, args) for r in results)
+    (args.out / "results.md").write_text(head + "\n" + body)
+
+
+def check_out(args: argparse.Namespace) -> Optional[str]:
+    """Run folders must be new or empty (sdpipe's rule); say so before running anything."""
+    taken = [args.out / f"{s}-{m}" for s in args.scenarios for m in args.modes
+             if (args.out / f"{s}-{m}").exists() and any((args.out / f"{s}-{m}").iterdir())]
+    if taken:
+        return (f"{taken[0]} is not empty (from an earlier benchmark?); "
+                "choose another --out or remove it")
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    progress = Console(stderr=True)
+    problem = check_out(args)
+    if problem:
+        progress.print(f"bench_sync: error: {problem}", markup=False, highlight=False,
+                       soft_wrap=True)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for scenario in args.scenarios:
+        records = [run_one(args, scenario, mode, progress) for mode in args.modes]
+        results.append(finish_scenario(scenario, records, args.target_loss))
+        write_results(results, args)  # after each scenario, so a long run leaves partial results
+    if args.markdown:
+        print("\n".join(markdown_table(r, args) for r in results), end="")
+    else:
+        out = Console(width=None if sys.stdout.isatty() else 132)
+        for r in results:
+            out.print(rich_table(r, args))
+    progress.print(f"results: {args.out / 'results.md'}, {args.out / 'results.json'}",
+                   highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
