@@ -114,9 +114,12 @@ class GroupScheduler:
         self.stages = [_StageState(DisjointSet(self.live)) for _ in range(stages)]
         self.global_at: dict[int, int] = {}  # pipeline -> iteration of the pending global sync
         self.final = False  # the pending global sync ends the run
+        self.global_closed: set[int] = set()  # stages that closed the pending global sync
+        self.global_history: list[dict[int, int]] = []  # every global sync's iteration per pipeline
         self.finished = False
         self.next_global = pipelines * global_every
         self.token: Optional[int] = None  # the stage allowed to wait for connectivity
+        self._maybe_declare_global()  # a budget of at most P iterations ends at iteration 0
 
     # -- events ---------------------------------------------------------------------------------
     def ready(self, stage: int, pipeline: int, iteration: int) -> list[Decision]:
@@ -130,12 +133,16 @@ class GroupScheduler:
                              f"{iteration}, expected {expected}")
         self.last_ready[pipeline][stage] = iteration
         self.stages[stage].waiting[pipeline] = (iteration, self.clock())
-        self._maybe_declare_global()
-        return self._decide()
+        return self.tick()
 
     def tick(self) -> list[Decision]:
-        self._maybe_declare_global()
-        return self._decide()
+        decisions: list[Decision] = []
+        while True:
+            self._maybe_declare_global()
+            new = self._decide()
+            if not new:
+                return decisions
+            decisions += new  # a global sync that just closed may let the last one be declared
 
     def leave(self, pipeline: int) -> list[Decision]:
         """``pipeline`` is gone (failed or finished): forget it everywhere and unblock its peers."""
@@ -161,27 +168,39 @@ class GroupScheduler:
         """Pipeline-iterations started so far (left pipelines keep what they did)."""
         return sum(max(last) + 1 for last in self.last_ready.values())
 
-    def _final_due(self) -> bool:
-        if self.time_limit is not None and self.clock() - self.started >= self.time_limit:
-            return True
-        # The end is declared when the live pipelines' next iterations reach the budget exactly.
+    def _time_is_up(self) -> bool:
+        return self.time_limit is not None and self.clock() - self.started >= self.time_limit
+
+    def _budget_ends_within(self, iterations: int) -> bool:
         return (self.total_iterations is not None
-                and self.iterations_done() + len(self.live) >= self.total_iterations)
+                and self.iterations_done() + iterations >= self.total_iterations)
+
+    def _final_due(self) -> bool:
+        # The end is declared when the live pipelines' next iterations reach the budget exactly.
+        return self._time_is_up() or self._budget_ends_within(len(self.live))
 
     def _maybe_declare_global(self) -> None:
         if self.finished:
             return
-        if self.global_at:  # one pending global sync at a time; it may become the last one
-            self.final = self.final or self._final_due()
+        if self.global_at:
+            # One pending global sync at a time. Past the time limit it becomes the last one, but
+            # only while no stage has closed it: every stage's round must carry the same stop flag.
+            if not self.global_closed and not self.final and self._time_is_up():
+                self.final = True
             return
         final = self._final_due()
         done = self.iterations_done()
-        if not final and not (self.global_every and done >= self.next_global):
-            return
+        periodic = bool(self.global_every) and done >= self.next_global
         while self.global_every and self.next_global <= done:
             self.next_global += self.P * self.global_every
+        if periodic and not final and self._budget_ends_within(2 * len(self.live)):
+            periodic = False  # the last global sync comes first; keeps the budget exact
+        if not (final or periodic):
+            return
         self.final = final
+        self.global_closed = set()
         self.global_at = {p: max(self.last_ready[p]) + 1 for p in self.live}
+        self.global_history.append(dict(self.global_at))
         for st in self.stages:
             st.global_pending = True
 
@@ -211,6 +230,7 @@ class GroupScheduler:
             return None
         decision = self._emit(s, sorted(arrived), kind="global", stop=self.final)
         st.links, st.rounds, st.global_pending = DisjointSet(self.live), 0, False
+        self.global_closed.add(s)
         if self.token == s:
             self.token = None
         if not any(x.global_pending for x in self.stages):
@@ -223,7 +243,9 @@ class GroupScheduler:
         at_global = self._at_global(s)
         ready = {p: v for p, v in st.waiting.items() if p not in at_global}
         if not ready:
-            st.deadline = None
+            st.deadline, st.connecting = None, False
+            if self.token == s:
+                self.token = None
             return None
         now = self.clock()
         if st.deadline is None:
@@ -254,10 +276,12 @@ class GroupScheduler:
     def _must_connect(self, s: int) -> bool:
         """Whether this round of stage ``s`` is due to connect all replicas (and may wait for it)."""
         st = self.stages[s]
-        if st.global_pending or st.rounds + 1 < self.connect_every:
+        if st.rounds + 1 < self.connect_every:
             return False
         if self.connect_every == 1:
             return True  # every round is a full round: iteration-aligned, no token needed
+        if st.global_pending:
+            return False  # the pending global sync connects everyone when it closes
         if self.token is None:
             self.token = s
         return self.token == s

@@ -1,0 +1,827 @@
+"""Properties of the group-scheduling policy (``sdpipe_cli/grouping.py``), driven by the
+discrete-event simulation in ``tests/policy_sim.py`` and by hand-written event sequences.
+
+What is checked, and where a property had to be stated differently from the first draft:
+
+1. Decisions are well formed (members sorted, unique; one iteration and one wait per member;
+   ``waited >= 0``; rounds 1, 2, 3, ... per stage) and every ``ready`` gets exactly one decision
+   naming it, unless its pipeline failed (``leave``) before it was answered.
+2. Connectivity, the docstring's rule, strictly: a group round that is the ``connect_every``-th
+   (or later) since the stage's replicas were last all connected, and that does not connect them,
+   closed while a global sync was pending for that stage, or (``connect_every > 1``) while another
+   stage held the token. With S = 1 this is the plain bound: at most ``connect_every`` rounds
+   (not counting rounds under a pending global) between connectivity points.
+   For S > 1 NO bound of the form ``connect_every * S`` holds: the token is not handed out fairly
+   (whichever due stage's window ends first takes it), so one stage can be starved: in random
+   runs stage 0 or 3 of a 4-stage run went 20+ x ``connect_every`` rounds without connectivity.
+   What is asserted for S > 1 instead: at most one stage waits for connectivity at a time, it is
+   the token holder, and the holder keeps the token for one round of its own (the round that
+   connects), except under a pending global sync (which connects everyone and releases it).
+3. A group round whose members waited longer than ``window_max`` was due for connectivity
+   (the ``connect_every``-th round or later), and the replicas that were ready by
+   ``opener + window_max`` (or by the last departure) did not connect the stage. Rounds under a
+   pending global are exempt. (``Decision.waited`` gives each member's wait.)
+4. ``connect_every = 1``: every group decision contains every live pipeline, all at the same
+   iteration -- EXCEPT rounds that close while a global sync (periodic or the final one) is
+   pending: those "catch-up" rounds do not wait (bug E below, ``test_bug_allreduce_...``).
+5. A 3x slower replica gets a decision for every ready; between two connectivity points of its
+   stage (with >= 2 live pipelines) it is in a group of size >= 2; with S = 1 two of its pairings
+   are at most ``2 * connect_every - 1`` rounds apart (global-pending rounds aside): "once every
+   connect_every rounds" holds per connectivity interval, not per sliding window.
+6. Determinism: the same run twice, and a replay of the recorded event log, give identical
+   decisions.
+7. Global syncs contain every live pipeline, at the iteration the policy assigned it, the same on
+   every stage; the run ends with a ``stop`` global on every stage. Pipeline-iterations at the end
+   (sum of last iteration + 1): exactly ``total_iterations`` when the final global was declared
+   on its own; when the end was reached while a periodic global was pending, that global becomes
+   the last one and the run ends EARLY: ``total - live <= done < total`` (bug C); and for
+   ``total_iterations <= P`` the run does ``P + 1`` (bug B). The bound asserted is the one proved.
+8. ``leave``: a failed pipeline never blocks: the others finish, no decision names it afterwards,
+   global rounds do not include it.
+9. ``time_limit`` ends the run with a stop global on every stage (with ``global_every = 0``;
+   with periodic globals, bug A makes the stop flag differ between stages).
+10. Validation: a ready for the wrong iteration, or from a departed pipeline, raises ValueError.
+
+Tests named ``test_bug_*`` encode the intended behaviour and fail on the current code (the bugs
+are described in each test).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policy_sim import Result, Sim, SimError, replay
+from sdpipe_cli.grouping import Decision, DisjointSet, GroupScheduler
+
+EPS = 1e-9
+# GROUPING_EXAMPLES=2000 for a longer hunt; the default keeps the file well under 20 s
+SETTINGS = settings(max_examples=int(os.environ.get("GROUPING_EXAMPLES", "150")), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# -- strategies --------------------------------------------------------------------------------
+
+@st.composite
+def runs(draw, *, P=st.integers(1, 6), S=st.integers(1, 4), connect_every=st.integers(1, 6),
+         global_every=st.one_of(st.just(0), st.integers(1, 5)), steps=st.integers(1, 12),
+         straggler=st.booleans(), min_P: int = 1) -> Sim:
+    """A random run: speeds per pipeline (varying per iteration), maybe a 3x straggler, policy
+    settings; it ends by ``total_iterations = P * steps``."""
+    p = max(draw(P), min_P)
+    s = draw(S)
+    durations = []
+    for _ in range(p):
+        base = draw(st.integers(5, 100)) / 1000
+        mult = draw(st.lists(st.sampled_from([0.5, 1.0, 1.0, 1.5, 2.0]), min_size=1, max_size=4))
+        durations.append([base * m for m in mult])
+    if draw(straggler):
+        slow = draw(st.integers(0, p - 1))
+        durations[slow] = [3 * d for d in durations[slow]]
+    gaps = [draw(st.integers(0, 3)) / 1000 for _ in range(p)]
+    window_max = draw(st.sampled_from([0.01, 0.05, 0.1, 0.2]))
+    window = draw(st.integers(1, int(window_max * 1000))) / 1000
+    window_min = min(window, draw(st.sampled_from([0.0001, 0.0005, 0.002])))
+    kwargs = dict(min_group=draw(st.integers(1, 4)), window=window, window_min=window_min,
+                  window_max=window_max, connect_every=draw(connect_every),
+                  global_every=draw(global_every), total_iterations=p * draw(steps))
+    return Sim(p, s, durations, gaps, kwargs)
+
+
+def run(sim: Sim) -> Result:
+    try:
+        return sim.run()
+    except SimError as exc:
+        raise AssertionError(f"{exc}\n  sim: P={sim.P} S={sim.S} durations={sim.durations} "
+                             f"gaps={sim.gaps} kwargs={sim.sched_kwargs} "
+                             f"leave_at={sim.leave_at}") from None
+
+
+# -- checkers ----------------------------------------------------------------------------------
+
+def check_well_formed(r: Result) -> None:
+    """Property 1 and 9: decision shape, waits, round numbers, one decision per ready."""
+    answered: dict[tuple[int, int, int], int] = {}
+    next_round = [1] * r.S
+    for idx, d in r.decisions:
+        assert d.members == tuple(sorted(set(d.members))), d
+        assert len(d.members) >= 1, d
+        assert len(d.iterations) == len(d.members) == len(d.waited), d
+        assert all(w >= -EPS for w in d.waited), d
+        assert d.kind in ("group", "global"), d
+        assert not d.stop or d.kind == "global", d
+        assert d.round == next_round[d.stage], (d, next_round)
+        next_round[d.stage] += 1
+        for p, k in zip(d.members, d.iterations):
+            key = (d.stage, p, k)
+            assert key not in answered, f"{key} answered twice: {d}"
+            answered[key] = idx
+            assert p in r.events[idx].before.live or r.events[idx].kind == "leave", d
+    for t, s, p, k in r.readies:
+        if (s, p, k) not in answered:
+            assert p in r.failed, f"ready {(s, p, k)} at t={t} never answered"
+    assert len(answered) <= len(r.readies)
+
+
+@dataclass
+class GroupInfo:
+    """One group round, seen from the connectivity tracker."""
+
+    event: int
+    decision: Decision
+    count: int  # rounds of its stage since its replicas were last all connected, this one included
+    connects: bool  # the union since the last connectivity point now connects all live replicas
+    links_before: DisjointSet
+    live: frozenset
+    global_pending: bool  # a global sync was pending for its stage (before or after the event)
+    token_elsewhere: bool  # another stage held the token (before or after the event)
+    last_leave: float  # time of the last departure before it closed
+
+
+def _copy(ds: DisjointSet) -> DisjointSet:
+    out = DisjointSet([])
+    out.parent = dict(ds.parent)
+    return out
+
+
+def _without(ds: DisjointSet, live) -> DisjointSet:
+    groups: dict[int, list[int]] = {}
+    for p in live:
+        groups.setdefault(ds.find(p), []).append(p)
+    out = DisjointSet(live)
+    for g in groups.values():
+        out.union(g)
+    return out
+
+
+def track(r: Result) -> tuple[dict[int, list[GroupInfo]], dict[int, list[int]]]:
+    """Replays the decisions per stage with our own union-find. Returns the group rounds with
+    their context, and per stage the lengths of the connectivity intervals (rounds from one
+    connectivity point to the next, not counting rounds under a pending global)."""
+    links = {s: DisjointSet(range(r.P)) for s in range(r.S)}
+    count = {s: 0 for s in range(r.S)}
+    count_ng = {s: 0 for s in range(r.S)}
+    infos: dict[int, list[GroupInfo]] = {s: [] for s in range(r.S)}
+    intervals: dict[int, list[int]] = {s: [] for s in range(r.S)}
+    last_leave = float("-inf")
+    for ev in r.events:
+        live = ev.after.live
+        if ev.kind == "leave":
+            last_leave = ev.time
+            for s in range(r.S):
+                links[s] = _without(links[s], live)
+        for d in ev.decisions:
+            s = d.stage
+            gp = ev.before.stages[s].global_pending or ev.after.stages[s].global_pending
+            if d.kind == "global":
+                intervals[s].append(count_ng[s] + 1)
+                links[s], count[s], count_ng[s] = DisjointSet(live), 0, 0
+                continue
+            before = _copy(links[s])
+            links[s].union(d.members)
+            count[s] += 1
+            count_ng[s] += 0 if gp else 1
+            connects = links[s].components() <= 1
+            tok = {ev.before.token, ev.after.token} - {None, s}
+            infos[s].append(GroupInfo(ev.index, d, count[s], connects, before, live, gp, bool(tok),
+                                      last_leave))
+            if connects:
+                intervals[s].append(count_ng[s])
+                links[s], count[s], count_ng[s] = DisjointSet(live), 0, 0
+    return infos, intervals
+
+
+def check_connectivity(r: Result, c: int) -> None:
+    """Property 2, the docstring's rule (strict for S = 1, token-exempt for S > 1)."""
+    infos, intervals = track(r)
+    for s, groups in infos.items():
+        for g in groups:
+            if g.count >= c and not g.connects:
+                assert g.global_pending or (c > 1 and g.token_elsewhere), (
+                    f"stage {s}: round {g.decision.round} is the {g.count}-th since the last "
+                    f"connectivity point (connect_every={c}) and does not connect "
+                    f"{sorted(g.live)}: {g.decision}")
+        if r.S == 1:
+            assert all(n <= c for n in intervals[s]), (s, intervals[s], c)
+
+
+def check_token(r: Result, c: int) -> None:
+    """Property 2 for S > 1: one stage waits for connectivity at a time, the token holder; it
+    releases the token at the round that connects (or at its global sync)."""
+    for ev in r.events:
+        waiting = [s for s, x in enumerate(ev.after.stages) if x.connecting]
+        if c > 1:
+            assert len(waiting) <= 1, (ev.index, waiting)
+            assert all(ev.after.token == s for s in waiting), (ev.index, waiting, ev.after.token)
+        if ev.after.token is not None:
+            assert c > 1
+            x = ev.after.stages[ev.after.token]
+            assert x.connecting or x.global_pending, (
+                f"event {ev.index}: stage {ev.after.token} holds the token without waiting")
+    infos, _ = track(r)
+    for s, groups in infos.items():
+        for g in groups:
+            ev = r.events[g.event]
+            if ev.before.token == s and not g.global_pending:
+                # the holder's round closes only once it connects its replicas
+                assert g.connects, (s, g.decision)
+
+
+def check_windows(r: Result, window_max: float, c: int) -> None:
+    """Property 3: waits past window_max only for a due round that could not connect yet."""
+    infos, _ = track(r)
+    for s, groups in infos.items():
+        for g in groups:
+            d = g.decision
+            longest = max(d.waited)
+            if longest <= window_max + EPS or g.global_pending:
+                continue
+            assert g.count >= c, (f"stage {s}: {d} waited {longest} > window_max={window_max} "
+                                  f"but is only round {g.count} since connectivity "
+                                  f"(connect_every={c})")
+            close = r.events[g.event].time
+            opened = close - longest
+            t_star = max(opened + window_max, g.last_leave)
+            arrived = [p for p, w in zip(d.members, d.waited) if close - w <= t_star + EPS]
+            assert close <= t_star + EPS or not g.links_before.connected_with(arrived), (
+                f"stage {s}: {d} waited {longest} > window_max={window_max}, but the replicas "
+                f"ready at t={t_star} ({arrived}) already connected the stage")
+
+
+def check_globals(r: Result) -> list[list[Decision]]:
+    """Property 7 (and 8): global rounds include every live pipeline at its assigned iteration,
+    the same on every stage. Returns the globals per stage."""
+    per_stage: list[list[Decision]] = [[] for _ in range(r.S)]
+    assigned = r.sched.global_history  # a global may close and the next be declared in one event
+    for ev in r.events:
+        for d in ev.decisions:
+            if d.kind != "global":
+                continue
+            per_stage[d.stage].append(d)
+            j = len(per_stage[d.stage]) - 1
+            assert set(d.members) == set(ev.after.live), (d, sorted(ev.after.live))
+            assert j < len(assigned), d
+            for p in d.members:
+                assert d.of(p) == assigned[j][p], (d, assigned[j])
+    for j in range(max((len(g) for g in per_stage), default=0)):
+        at: dict[int, int] = {}
+        for s in range(r.S):
+            if j < len(per_stage[s]):
+                for p in per_stage[s][j].members:
+                    assert at.setdefault(p, per_stage[s][j].of(p)) == per_stage[s][j].of(p), (
+                        j, s, per_stage[s][j], at)
+    return per_stage
+
+
+def check_end(r: Result) -> None:
+    """Every stage's last decision is a stop global; every surviving pipeline stopped there."""
+    assert r.sched.finished
+    last = {}
+    for _, d in r.decisions:
+        last[d.stage] = d
+    for s in range(r.S):
+        assert last[s].kind == "global" and last[s].stop, (s, last[s])
+    for p in range(r.P):
+        if p in r.failed:
+            continue
+        assert p in r.stopped, (p, r.stopped, r.left)
+        for s in range(r.S):
+            assert last[s].of(p) == r.stopped[p], (p, s, last[s], r.stopped[p])
+
+
+def final_was_declared_alone(r: Result) -> bool:
+    """Whether the global that ended the run was declared as the final one (not a periodic one
+    that was pending when the end came, which then became the last)."""
+    decl = [ev for ev in r.events if not ev.before.global_at and ev.after.global_at]
+    return bool(decl) and decl[-1].after.final
+
+
+def check_all(r: Result, sim: Sim) -> None:
+    kw = sim.sched_kwargs
+    c = kw.get("connect_every", 8)
+    check_well_formed(r)
+    check_connectivity(r, c)
+    check_token(r, c)
+    check_windows(r, kw.get("window_max", 0.1), c)
+    check_globals(r)
+
+
+# == hypothesis properties ======================================================================
+
+@SETTINGS
+@given(runs())
+def test_random_runs_satisfy_all_invariants(sim):
+    """Properties 1, 2, 3, 7 (globals), 9 on random runs that end by total_iterations."""
+    r = run(sim)
+    check_all(r, sim)
+    check_end(r)
+
+
+@SETTINGS
+@given(runs(S=st.just(1), straggler=st.just(True), min_P=2))
+def test_single_stage_connectivity_bound_and_straggler(sim):
+    """Properties 2 (strict, S = 1) and 5: with one stage, at most connect_every rounds between
+    connectivity points (global-pending rounds aside), and the 3x straggler is in a group of size
+    >= 2 in every interval between connectivity points."""
+    r = run(sim)
+    c = sim.sched_kwargs["connect_every"]
+    check_well_formed(r)
+    check_connectivity(r, c)
+    slow = max(range(sim.P), key=lambda p: sum(sim.durations[p]) / len(sim.durations[p]))
+    infos, _ = track(r)
+    paired = False
+    since = 0  # group rounds (not under a pending global) since the straggler was last paired
+    for ev in r.events:
+        for d in ev.decisions:
+            gp = ev.before.stages[0].global_pending or ev.after.stages[0].global_pending
+            if slow in d.members and len(d.members) >= 2:
+                since = 0
+            elif d.kind == "group" and not gp:
+                since += 1
+            # between two pairings there is a connectivity point at most c rounds after the
+            # first one, and the straggler's next pairing is at most c rounds after that
+            assert since <= 2 * c - 1 or len(ev.after.live) < 2, (d, since, c)
+            paired = paired or (slow in d.members and len(d.members) >= 2)
+    assert paired
+    ready_slow = sum(1 for _, s, p, _ in r.readies if p == slow)
+    got_slow = sum(1 for _, d in r.decisions if slow in d.members)
+    assert ready_slow == got_slow
+
+
+@SETTINGS
+@given(runs(P=st.integers(2, 6), S=st.integers(2, 4), connect_every=st.integers(2, 5),
+            straggler=st.just(True)))
+def test_multi_stage_straggler_is_paired_between_connectivity_points(sim):
+    """Property 5, S > 1 version: between consecutive connectivity points of a stage, every live
+    replica (the straggler too) has been in a group of size >= 2, and it is never starved of
+    decisions. (No round bound: see the module docstring on token starvation.)"""
+    r = run(sim)
+    check_well_formed(r)
+    for s in range(sim.S):
+        paired: set[int] = set()
+        links = DisjointSet(range(sim.P))
+        for ev in r.events:
+            for d in ev.decisions:
+                if d.stage != s:
+                    continue
+                if len(d.members) >= 2:
+                    paired |= set(d.members)
+                links.union(d.members)
+                if d.kind == "global" or links.components() <= 1:
+                    if len(ev.after.live) >= 2:
+                        assert paired >= set(ev.after.live), (s, d, paired)
+                    paired, links = set(), DisjointSet(ev.after.live)
+
+
+@SETTINGS
+@given(runs(connect_every=st.just(1)))
+def test_connect_every_one_is_all_reduce(sim):
+    """Property 4: with connect_every = 1, each round has every live pipeline, all at one
+    iteration -- except the catch-up rounds while a global sync is pending (bug E)."""
+    r = run(sim)
+    check_well_formed(r)
+    for ev in r.events:
+        for d in ev.decisions:
+            gp = ev.before.stages[d.stage].global_pending or ev.after.stages[d.stage].global_pending
+            if d.kind == "group" and gp:
+                continue
+            assert set(d.members) == set(ev.after.live), d
+            if d.kind == "group":
+                assert len(set(d.iterations)) == 1, d
+
+
+@SETTINGS
+@given(runs(global_every=st.just(0)))
+def test_connect_every_one_without_globals_until_the_end(sim):
+    """Property 4 where it holds exactly: up to the declaration of the final global sync every
+    round of an all-reduce run is a full, iteration-aligned round."""
+    sim.sched_kwargs["connect_every"] = 1
+    r = run(sim)
+    for ev in r.events:
+        if ev.after.global_at:
+            break
+        for d in ev.decisions:
+            assert d.members == tuple(range(sim.P)), d
+            assert len(set(d.iterations)) == 1, d
+
+
+@SETTINGS
+@given(runs(), st.integers(0, 2**31))
+def test_determinism_and_replay(sim, _seed):
+    """Property 6: the same run twice gives identical events and decisions, and replaying the
+    recorded events (same times) into a fresh scheduler gives the same decisions per event."""
+    r1, r2 = run(sim), run(sim)
+    assert [d for _, d in r1.decisions] == [d for _, d in r2.decisions]
+    assert r1.replay_log() == r2.replay_log()
+    replayed = replay(sim.P, sim.S, sim.sched_kwargs, r1.replay_log())
+    assert replayed == [ev.decisions for ev in r1.events]
+
+
+@SETTINGS
+@given(runs(steps=st.integers(2, 12)))
+def test_run_ends_after_total_iterations(sim):
+    """Property 7: the run ends with a stop global on every stage; pipeline-iterations done:
+    exactly total when the final global was declared on its own, else (a periodic global was
+    pending when the end came and became the last one) total - live <= done < total."""
+    r = run(sim)
+    total = sim.sched_kwargs["total_iterations"]
+    check_end(r)
+    check_globals(r)
+    done = sum(r.completed.values())
+    assert done == r.sched.iterations_done()
+    if final_was_declared_alone(r):
+        assert done == total, (done, total)
+    else:
+        assert sim.sched_kwargs["global_every"] > 0
+        assert total - sim.P <= done <= total, (done, total)
+
+
+@SETTINGS
+@given(runs(P=st.integers(2, 6)), st.data())
+def test_a_failed_pipeline_never_blocks(sim, data):
+    """Property 8: one pipeline fails mid-run (its pending readies dropped); the others finish
+    with a stop global that does not include it, without deadlock; all invariants hold."""
+    victim = data.draw(st.integers(0, sim.P - 1))
+    fastest = min(sum(d) / len(d) for d in sim.durations)
+    steps = sim.sched_kwargs["total_iterations"] // sim.P
+    when = data.draw(st.floats(0, fastest * steps, allow_nan=False))
+    sim.leave_at = {victim: round(when, 4)}
+    r = run(sim)
+    check_all(r, sim)
+    check_end(r)  # the survivors (and the victim, if the run ended first) stopped on the end
+    if victim in r.failed:
+        leave_ev = next(ev for ev in r.events if ev.kind == "leave")
+        for ev in r.events[leave_ev.index:]:
+            for d in ev.decisions:
+                assert victim not in d.members, d
+
+
+@SETTINGS
+@given(runs(global_every=st.just(0), steps=st.just(10_000)), st.integers(1, 20))
+def test_time_limit_ends_run_with_stop_global(sim, limit_tenths):
+    """Property 9: time_limit ends the run with a stop global on every stage even though
+    total_iterations is far away (with periodic globals the stop flags differ: bug A)."""
+    limit = limit_tenths / 10
+    sim.sched_kwargs["time_limit"] = limit
+    r = run(sim)
+    check_well_formed(r)
+    check_end(r)
+    assert r.sched.iterations_done() < sim.sched_kwargs["total_iterations"]
+    stop_at = min(ev.time for ev in r.events if ev.after.final)
+    assert stop_at >= limit - EPS
+    slowest = max(max(d) for d in sim.durations) + sim.S * max(sim.gaps)
+    # after the limit each pipeline finishes at most its current and one more iteration
+    assert r.end_time <= limit + 2 * (slowest + sim.sched_kwargs["window_max"]) * 1.01 + 1e-6
+
+
+@SETTINGS
+@given(runs(global_every=st.just(0), steps=st.just(10_000)), st.integers(2, 8))
+def test_without_total_pipelines_leaving_when_done(sim, iters):
+    """No global at all: pipelines finish after a fixed number of iterations and leave; nobody
+    waits for a finished pipeline, and all invariants hold."""
+    sim.sched_kwargs["total_iterations"] = None
+    sim.max_iterations = iters
+    r = run(sim)
+    check_all(r, sim)
+    assert all(r.completed[p] == iters for p in range(sim.P))
+    assert all(d.kind == "group" for _, d in r.decisions)
+
+
+# == hand-written event sequences ===============================================================
+
+class Clock:
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(P, S, **kw) -> tuple[GroupScheduler, Clock]:
+    clock = Clock()
+    return GroupScheduler(P, S, clock=clock, **kw), clock
+
+
+def test_group_closes_when_everyone_is_ready():
+    g, clock = make(3, 1, window=0.01)
+    assert g.ready(0, 0, 0) == []
+    clock.t = 0.004
+    assert g.ready(0, 1, 0) == []
+    clock.t = 0.006
+    (d,) = g.ready(0, 2, 0)
+    assert d == Decision(0, 1, (0, 1, 2), (0, 0, 0), (0.006, 0.002, 0.0), "group", False)
+    assert g.next_deadline() is None
+
+
+def test_window_closes_partial_group_and_adapts():
+    g, clock = make(3, 1, window=0.01, min_group=2, window_max=0.04, window_min=0.001,
+                    connect_every=8)
+    g.ready(0, 2, 0)
+    clock.t = 0.005
+    g.ready(0, 0, 0)
+    assert g.next_deadline() == pytest.approx(0.01)
+    clock.t = 0.01
+    (d,) = g.tick()
+    assert (d.members, d.iterations, d.round) == ((0, 2), (0, 0), 1)
+    assert d.waited == pytest.approx((0.005, 0.01))
+    assert g.window[(0, 0)] == pytest.approx(0.009) and g.window[(0, 2)] == pytest.approx(0.009)
+    clock.t = 0.02
+    g.ready(0, 1, 0)  # alone: its window doubles
+    clock.t = 0.03
+    (d,) = g.tick()
+    assert d.members == (1,)
+    assert g.window[(0, 1)] == pytest.approx(0.02)
+    for k in range(1, 4):  # keeps doubling up to window_max
+        clock.t += 1
+        g.ready(0, 1, k)
+        clock.t = g.next_deadline()
+        g.tick()
+    assert g.window[(0, 1)] == pytest.approx(0.04)
+
+
+def test_due_round_waits_for_the_missing_component():
+    g, clock = make(3, 1, window=0.01, connect_every=2)
+    g.ready(0, 0, 0)
+    g.ready(0, 1, 0)
+    clock.t = 0.01
+    (d,) = g.tick()
+    assert d.members == (0, 1)
+    clock.t = 0.02
+    g.ready(0, 0, 1)  # the 2nd round: must connect {0,1} with {2}
+    clock.t = 0.03
+    assert g.tick() == []
+    assert g.next_deadline() is None  # waits for an event, not a time
+    assert g.token == 0
+    clock.t = 0.05
+    g.ready(0, 1, 1)
+    assert g.tick() == []
+    clock.t = 0.2
+    (d,) = g.ready(0, 2, 0)
+    assert d.members == (0, 1, 2) and d.iterations == (1, 1, 0)
+    assert g.token is None and g.stages[0].rounds == 0
+
+
+def test_due_round_closes_at_window_when_already_connecting():
+    g, clock = make(3, 1, window=0.01, connect_every=2)
+    g.ready(0, 0, 0)
+    g.ready(0, 1, 0)
+    clock.t = 0.01
+    g.tick()
+    clock.t = 0.02
+    g.ready(0, 2, 0)
+    g.ready(0, 1, 1)  # {1, 2} connects {0, 1} with {2}
+    clock.t = g.next_deadline()
+    (d,) = g.tick()
+    assert d.members == (1, 2)
+    assert g.stages[0].rounds == 0 and g.token is None
+
+
+def test_only_one_stage_waits_for_connectivity_at_a_time():
+    g, clock = make(3, 2, window=0.01, connect_every=1 + 1)
+    for s in (1, 0):
+        g.ready(s, 0, 0)
+        g.ready(s, 1, 0)
+    clock.t = 0.01
+    assert len(g.tick()) == 2  # round 1 of both stages: {0, 1}
+    clock.t = 0.02
+    g.ready(1, 0, 1)
+    g.ready(0, 0, 1)
+    clock.t = 0.03
+    (d,) = g.tick()
+    # stage 0 took the token (its round is evaluated first) and waits; stage 1, due as well,
+    # closed at its window
+    assert (d.stage, d.round, d.members, d.iterations) == (1, 2, (0,), (1,))
+    assert g.token == 0
+    assert g.stages[0].connecting and not g.stages[1].connecting
+
+
+def test_connect_every_one_waits_for_all():
+    g, clock = make(3, 2, window=0.001, connect_every=1)
+    g.ready(1, 0, 0)
+    g.ready(1, 1, 0)
+    clock.t = 1.0
+    assert g.tick() == []
+    assert g.next_deadline() is None
+    (d,) = g.ready(1, 2, 0)
+    assert d.members == (0, 1, 2) and d.iterations == (0, 0, 0)
+    assert g.token is None
+
+
+def test_global_sync_every_and_final_stop():
+    """P = 2, global_every = 2, total_iterations = 14 (7 steps each), in lockstep: periodic
+    globals are declared when done reaches 4 and 8 and fall at iterations 2 and 4; the final one
+    is declared when done + live reaches 14 and falls at iteration 6, with stop on every stage."""
+    g, clock = make(2, 2, window=0.01, global_every=2, total_iterations=14, connect_every=1)
+    out: list[Decision] = []
+
+    def iteration(k):
+        for s in (1, 0):
+            for p in (0, 1):
+                clock.t += 0.001
+                out.extend(g.ready(s, p, k))
+
+    iteration(0)
+    assert g.global_at == {}
+    iteration(1)  # done = 4 >= P * global_every: the global is at everyone's next iteration
+    assert g.global_at == {0: 2, 1: 2} and not g.final
+    for k in range(2, 7):
+        iteration(k)
+    globals_ = [(d.stage, d.members, d.iterations, d.stop) for d in out if d.kind == "global"]
+    assert globals_ == [(s, (0, 1), (k, k), k == 6) for k in (2, 4, 6) for s in (1, 0)]
+    assert all(len(d.members) == 2 for d in out)
+    assert g.finished and g.iterations_done() == 14
+    with pytest.raises(ValueError):
+        g.ready(1, 0, 7)
+
+
+def test_periodic_global_is_at_each_pipelines_next_iteration():
+    """A periodic global is declared by the ready that crosses the threshold, at each pipeline's
+    next iteration, so the pipelines' k_p differ when one is ahead."""
+    g, clock = make(2, 1, window=0.01, global_every=2)
+    g.ready(0, 0, 0)
+    g.ready(0, 1, 0)  # a full round
+    g.ready(0, 0, 1)
+    clock.t = 0.02
+    (alone,) = g.tick()  # pipeline 1 is slow: pipeline 0 goes on alone
+    assert alone.members == (0,)
+    g.ready(0, 0, 2)  # 3 + 1 = 4 pipeline-iterations started: P x global_every
+    assert g.global_at == {0: 3, 1: 1}
+
+
+def test_next_global_is_declared_as_soon_as_the_last_one_closes():
+    """global_every = 1: the global at iteration 1 closes and the next one is due at once."""
+    g, clock = make(2, 1, window=0.01, global_every=1)
+    for k in range(2):
+        for p in (0, 1):
+            g.ready(0, p, k)  # iteration 1 is the first global
+    assert g.global_history == [{0: 1, 1: 1}, {0: 2, 1: 2}]
+    assert g.global_at == {0: 2, 1: 2}
+
+
+def test_leave_unblocks_a_group_and_a_global():
+    g, clock = make(3, 1, window=0.01, connect_every=1, total_iterations=6)
+    g.ready(0, 0, 0)
+    g.ready(0, 1, 0)
+    (d,) = g.leave(2)
+    assert d.members == (0, 1)
+    assert g.leave(2) == []  # idempotent
+    with pytest.raises(ValueError):
+        g.ready(0, 2, 0)
+    # done = 2 + 0 (pipeline 2 did not start) ... final global when done + live >= total
+    out = g.ready(0, 0, 1) + g.ready(0, 1, 1)
+    assert [x.kind for x in out] == ["group"]
+    out = g.ready(0, 0, 2) + g.ready(0, 1, 2)
+    assert [(x.kind, x.members, x.stop) for x in out] == [("global", (0, 1), True)]
+    assert g.finished
+
+
+def test_leave_during_pending_global():
+    g, clock = make(3, 2, window=0.01, global_every=1)
+    for s in (1, 0):
+        for p in range(3):
+            g.ready(s, p, 0)  # round 0 everyone; then done = 3 -> global at iteration 1
+    assert g.global_at == {0: 1, 1: 1, 2: 1}
+    g.ready(1, 0, 1)
+    g.ready(1, 1, 1)
+    (d,) = g.leave(2)
+    assert (d.stage, d.kind, d.members) == (1, "global", (0, 1))
+    assert 2 not in g.global_at
+
+
+def test_validation():
+    g, clock = make(2, 2)
+    with pytest.raises(ValueError):
+        g.ready(0, 0, 1)  # expected 0
+    g.ready(0, 0, 0)
+    with pytest.raises(ValueError):
+        g.ready(0, 0, 0)  # again
+    with pytest.raises(ValueError):
+        g.ready(0, 0, 2)  # skips one
+    g.leave(1)
+    with pytest.raises(ValueError):
+        g.ready(1, 1, 0)
+    for bad in (dict(pipelines=0, stages=1), dict(pipelines=1, stages=0)):
+        with pytest.raises(ValueError):
+            GroupScheduler(**bad)
+    with pytest.raises(ValueError):
+        GroupScheduler(2, 2, connect_every=0)
+    with pytest.raises(ValueError):
+        GroupScheduler(2, 2, min_group=0)
+
+
+def test_disjoint_set():
+    ds = DisjointSet(range(5))
+    assert ds.components() == 5
+    assert not ds.connected_with([0, 1])
+    ds.union([0, 1])
+    ds.union([2, 3, 9])  # unknown items are ignored
+    assert ds.components() == 3
+    assert ds.connected_with([0, 2, 4])
+    assert not ds.connected_with([1, 4])
+    assert ds.find(1) == ds.find(0)
+
+
+def test_time_limit_tick_declares_final_global():
+    g, clock = make(2, 1, window=0.01, time_limit=1.0)
+    assert g.next_deadline() == 1.0
+    g.ready(0, 0, 0)
+    clock.t = 0.01
+    g.tick()
+    clock.t = 1.0
+    assert g.tick() == []
+    assert g.final and g.global_at == {0: 1, 1: 0}
+    assert g.next_deadline() is None
+    assert g.ready(0, 1, 0) == []  # pipeline 1 is at its global iteration: waits for 0
+    clock.t = 1.1
+    (d,) = g.ready(0, 0, 1)
+    assert (d.kind, d.members, d.iterations, d.stop) == ("global", (0, 1), (1, 0), True)
+    assert g.finished
+
+
+# == bugs: the intended behaviour, failing on the current code ==================================
+
+def test_bug_A_time_limit_during_pending_global_gives_mixed_stop_flags():
+    """A periodic global is pending; stage 1 closes its global (stop=False); the time limit then
+    passes and stage 0's global of the same sync closes with stop=True. The pipeline's stages
+    disagree on whether the run ends: stage 1's worker goes on to iteration 2 while stage 0's
+    stops (and the scheduler is already ``finished``)."""
+    g, clock = make(1, 2, global_every=1, time_limit=1.0)
+    g.ready(1, 0, 0)
+    g.ready(0, 0, 0)  # done = 1 >= P * global_every: global at iteration 1
+    (d1,) = g.ready(1, 0, 1)
+    clock.t = 1.5  # past the time limit before stage 0 reports
+    (d0,) = g.ready(0, 0, 1)
+    assert d1.kind == d0.kind == "global"
+    assert d1.stop == d0.stop, (d1, d0)
+
+
+def test_bug_B_total_iterations_at_most_P_overshoots():
+    """total_iterations = P (one step per pipeline) should end after iteration 0 of each pipeline.
+    The end is checked only after a ready has been counted, so pipeline 0's next iteration is
+    already in ``iterations_done``: the final global is at {0: 1, 1: 0}, P + 1 iterations."""
+    g, clock = make(2, 1, total_iterations=2)
+    g.ready(0, 0, 0)
+    assert g.global_at == {0: 0, 1: 0}, g.global_at
+
+
+def test_bug_C_pending_periodic_global_ends_run_early():
+    """P = 2, global_every = 1, total_iterations = 6 (3 steps each). The periodic global is
+    declared at done = 2 (at iteration 1); while it is pending, done + live reaches 6, so it is
+    turned into the final one: the run stops after 4 pipeline-iterations instead of 6."""
+    g, clock = make(2, 1, global_every=1, total_iterations=6)
+    for k in range(2):
+        for p in (0, 1):
+            g.ready(0, p, k)
+    assert not g.finished, f"run ended after {g.iterations_done()} of 6 pipeline-iterations"
+
+
+def test_bug_D_stale_connecting_flag_after_leave_drops_the_window_deadline():
+    """Stage 0 is due for connectivity and waits (connecting) with only pipeline 2 ready; 2 leaves,
+    so nothing waits but ``connecting`` (and the token) stay set. The next ready's window deadline
+    is then left out of next_deadline(), although the remaining replicas are connected: the group
+    closes only at the next unrelated event (here 0.45 s later, > window_max)."""
+    g, clock = make(3, 1, window=0.01, connect_every=2)
+    g.ready(0, 0, 0)
+    g.ready(0, 1, 0)
+    clock.t = 0.01
+    g.tick()  # round 1: {0, 1}
+    clock.t = 0.02
+    g.ready(0, 2, 0)
+    clock.t = 0.03
+    assert g.tick() == []  # round 2 is due: waits for {0, 1}
+    clock.t = 0.04
+    assert g.leave(2) == []
+    clock.t = 0.05
+    assert g.ready(0, 0, 1) == []
+    assert g.next_deadline() == pytest.approx(0.059)
+
+
+def test_bug_E_all_reduce_rounds_split_before_a_global():
+    """connect_every = 1 should be plain all-reduce (method.md: "connect_every = 1 equals
+    all-reduce"). P = 2, S = 2, total_iterations = 4: the final global is declared by the second
+    ready of iteration 0 (done + live = 4), and from then on the stage-0 round of iteration 0,
+    "catching up" to the global, does not wait for connectivity: it closes at the window with
+    pipeline 0 alone. The same happens before every periodic global (see also the simulated
+    run below)."""
+    g, clock = make(2, 2, connect_every=1, total_iterations=4, window=0.005)
+    g.ready(1, 0, 0)
+    (d,) = g.ready(1, 1, 0)
+    assert d.members == (0, 1)
+    assert g.global_at == {0: 1, 1: 1} and g.final
+    clock.t = 0.001
+    assert g.ready(0, 0, 0) == []
+    clock.t = 0.006
+    partial = g.tick()
+    assert partial == [], partial  # should wait for pipeline 1's stage 0, as all-reduce does
+
+
+def test_bug_E_all_reduce_rounds_split_before_a_global_simulated():
+    sim = Sim(2, 2, [[0.05], [0.08]], [0.0, 0.02],
+              dict(connect_every=1, global_every=2, total_iterations=10, window=0.005))
+    r = run(sim)
+    partial = [d for _, d in r.decisions if len(d.members) < 2]
+    assert not partial, partial
