@@ -84,9 +84,9 @@ class SyncConfig:
     name: str = "sdpipe"  # sdpipe | allreduce | none
     # sdpipe only: the group scheduler's settings (see sdpipe_cli/grouping.py)
     min_group: int = 2  # a replica whose group is smaller than this widens its window
-    window_ms: float = 10.0  # initial waiting window of each replica
+    window_ms: float = 5.0  # initial waiting window of each replica
     window_min_ms: float = 0.5  # the window shrinks (x0.9) down to this
-    window_max_ms: float = 100.0  # and grows (x2) up to this
+    window_max_ms: float = 20.0  # and grows (x2) up to this (keep it well below an iteration)
     connect_every: int = 8  # rounds within which a stage's groups must connect all replicas
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
     # ps only: how many iterations a worker may run ahead of the slowest (0: bulk-synchronous)
