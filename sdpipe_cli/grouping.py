@@ -153,14 +153,14 @@ class GroupScheduler:
         for st in self.stages:
             st.waiting.pop(pipeline, None)
             st.links = self._without(st.links, pipeline)
-        return self._decide()
+        return self.tick()
 
     def next_deadline(self) -> Optional[float]:
         """When :meth:`tick` must be called at the latest (None: only events can change anything)."""
         times = [st.deadline for st in self.stages
                  if st.waiting and st.deadline is not None and not st.connecting]
-        if self.time_limit is not None and not self.final and not self.finished:
-            times.append(self.started + self.time_limit)
+        if self.time_limit is not None and not self.final and not self._time_is_up():
+            times.append(self.started + self.time_limit)  # once past, events take it from there
         return min(times) if times else None
 
     # -- global syncs and the end of the run -----------------------------------------------------

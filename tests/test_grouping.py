@@ -825,3 +825,13 @@ def test_bug_E_all_reduce_rounds_split_before_a_global_simulated():
     r = run(sim)
     partial = [d for _, d in r.decisions if len(d.members) < 2]
     assert not partial, partial
+
+
+def test_time_limit_deadline_is_never_in_the_past():
+    """Once the time limit passed, the transport must not be asked to tick in a loop."""
+    g, clock = make(2, 1, window=0.01, time_limit=1.0)
+    assert g.next_deadline() == 1.0
+    clock.t = 2.0
+    assert g.next_deadline() is None
+    g.tick()
+    assert g.final and g.global_at == {0: 0, 1: 0}
