@@ -140,6 +140,10 @@ def _summary(console: Console, result) -> None:
         table.add_row(str(p), str(s["steps"]), str(s["samples"]), fmt(s["loss"]),
                       fmt(s["val_loss"]), f"{s['samples_per_s']:.1f}")
     console.print(table)
+    if result.progress.get("mean_group_size") is not None:
+        rounds = "; ".join(f"stage {s}: {r}" for s, r in enumerate(result.progress["rounds"]))
+        console.print(f"group sync: mean group size {result.progress['mean_group_size']:.2f}; "
+                      f"rounds per replica: {rounds}", highlight=False)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ class Scheduler:
             raise WorkerHung(f"{missing} worker(s) never started within run.timeout")
 
     def publish_progress(self) -> None:
-        store.set_json(self.events, store.PROGRESS, self.tracker.snapshot())
+        store.set_json(self.events, store.PROGRESS, self.summary())
         self.published = self.clock()
 
     def summary(self) -> dict:
