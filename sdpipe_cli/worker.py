@@ -15,6 +15,7 @@ Ranks are pipeline-major: rank = p * S + s. Per iteration the worker
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import hashlib
 import logging
@@ -86,7 +87,8 @@ def param_digest(module: nn.Module) -> str:
     """SHA-256 of the parameters' bytes: equal digests mean bit-identical replicas."""
     h = hashlib.sha256()
     for p in module.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        flat = p.detach().cpu().contiguous()
+        h.update(ctypes.string_at(flat.data_ptr(), flat.nbytes))  # raw bytes, no numpy needed
     return h.hexdigest()[:16]
 
 
