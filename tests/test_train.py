@@ -59,8 +59,9 @@ def test_replicas_after_20_steps(run_dir, sync, identical):
 
 
 def test_four_stage_gpipe_allreduce(run_dir):
-    out = sdpipe("train", f"run.dir={run_dir}", "pipeline=deep", "pipeline.schedule=gpipe",
-                 "train.steps=10", "train.batch_size=8", "model=mlp", "data=synthetic")
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=allreduce", "pipeline=deep",
+                 "pipeline.schedule=gpipe", "train.steps=10", "train.batch_size=8", "model=mlp",
+                 "data=synthetic")
     assert out.returncode == 0, out.stderr
     d = digests(run_dir)
     assert len(d) == 8
