@@ -7,6 +7,8 @@ Usage::
     sdpipe train cluster.pipelines=4 pipeline=deep sync=none
     sdpipe train --cfg                            # print the composed config and exit
     sdpipe train --help                           # config groups and their options
+    sdpipe train checkpoint.every=100             # checkpoints in <run>/checkpoints/step_<N>/
+    sdpipe resume runs/20261129-120000 train.steps=800   # go on from the latest checkpoint
 
 Exit codes: 0 done, 1 a process failed (named on stderr), 2 bad input (one line, nothing
 started), 130 interrupted. rich lives here and only here: workers and the scheduler log plain text.
@@ -25,7 +27,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from sdpipe_cli import __version__
-from sdpipe_cli.config import ConfigError, compose, group_options, validate
+from sdpipe_cli.checkpoint import CheckpointError
+from sdpipe_cli.config import Config, ConfigError, compose, group_options, validate
 from sdpipe_cli.data import DataError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -34,6 +37,18 @@ TRAIN_HELP = """Train a model pipeline-parallel on P pipelines of S stages.
 
 Overrides use Hydra's grammar: key=value (train.steps=50), group=option (model=mlp),
 +key=value to add. Keys and their meaning: sdpipe_cli/config.py, or `sdpipe train --cfg`."""
+
+
+RESUME_HELP = """Continue a run from its latest complete checkpoint (or a given one), with the saved
+config, in the same run folder; metrics are appended. Only settings that the saved state does not
+depend on may change (KEY=VALUE)."""
+
+# What a resumed run may change: its length, logging, timeouts and where it runs. Everything else
+# (model, data, partition, sync, optimizer settings) shaped the saved state.
+RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_every",
+             "run.timeout", "run.heartbeat_timeout", "run.port", "run.save_final",
+             "checkpoint.every", "checkpoint.keep", "cluster.host", "cluster.device",
+             "data.eval_batches")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--cfg", action="store_true", help="print the composed config and exit")
     train.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+    resume = sub.add_parser(
+        "resume", help="continue a run from a checkpoint", description=RESUME_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    resume.add_argument("path", metavar="PATH", help="a run folder (its latest complete "
+                        "checkpoint) or one checkpoint folder")
+    resume.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help=f"safe changes only: {', '.join(RESUMABLE)}")
     return parser
 
 
@@ -61,7 +83,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "train":
             return train(args.overrides, show_config=args.cfg, console=err)
-    except (ConfigError, DataError) as bad:
+        if args.command == "resume":
+            return resume(args.path, args.overrides, console=err)
+    except (ConfigError, DataError, CheckpointError) as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
     return EXIT_USAGE
@@ -78,12 +102,46 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
         return 0
     if cfg.data.name == "text":  # a user's file: fail before anything starts
         data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
-    run_cfg = launcher.prepare(cfg)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the run like Ctrl-C
+    return _run(launcher.prepare(cfg), console)
 
-    display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps)
+
+def resume(path: str, overrides: Sequence[str], console: Console) -> int:
+    from sdpipe_cli import checkpoint, launcher
+
+    ckpt = checkpoint.resolve(path)
+    manifest = checkpoint.verify(ckpt)  # every shard's checksum, before anything starts
+    saved = OmegaConf.merge(OmegaConf.structured(Config), manifest["config"])
+    cfg = _apply_resume_overrides(saved, overrides)
+    cfg.run.dir = str(checkpoint.run_dir_of(ckpt))  # the run folder may have moved since
+    validate(cfg)
+    console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
+                  highlight=False)
+    return _run(launcher.prepare(cfg), console, resume=ckpt, elapsed=manifest["elapsed"],
+                done=sum(manifest["steps"].values()))
+
+
+def _apply_resume_overrides(saved, overrides: Sequence[str]):
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if "=" not in item:
+            raise ConfigError(key or "overrides", f"'{item}' is not KEY=VALUE")
+        if key not in RESUMABLE:
+            raise ConfigError(key, "cannot change when resuming: the saved state depends on it "
+                              f"(resume may change {', '.join(RESUMABLE)})")
+    try:
+        return OmegaConf.merge(saved, OmegaConf.from_dotlist(list(overrides)))
+    except Exception as err:  # OmegaConf's validation errors name the key
+        key = getattr(err, "full_key", None) or "overrides"
+        raise ConfigError(key, str(err).splitlines()[0]) from None
+
+
+def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
+    from sdpipe_cli import launcher
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the run like Ctrl-C
+    display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
     with display:
-        result = launcher.launch(run_cfg, on_progress=display.update)
+        result = launcher.launch(run_cfg, on_progress=display.update, **resume)
     console.print(f"run folder: {result.run_dir}", highlight=False)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
@@ -100,14 +158,15 @@ def _raise_interrupt(signum, frame) -> None:
 class _ProgressDisplay:
     """A live bar on a terminal; a plain line every 10% elsewhere (CI logs, pipes)."""
 
-    def __init__(self, console: Console, total: int):
+    def __init__(self, console: Console, total: int, done: int = 0):
         self.console, self.total = console, total
         self.live = console.is_terminal
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total} it"),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
-        self.task = self.progress.add_task("train", total=total, loss="-", rate="-")
+        self.task = self.progress.add_task("train", total=total, completed=done, loss="-",
+                                           rate="-")
         self.next_report = 0.1
 
     def __enter__(self):

@@ -117,6 +117,14 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Iterations between checkpoints (0: none). With sync=sdpipe a checkpoint is taken at the first
+    # global sync at or after each multiple (the only points where replicas are consistent).
+    every: int = 0
+    keep: int = 3  # keep the newest K complete checkpoints (0: all)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -125,6 +133,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def n_blocks(model: ModelConfig | DictConfig) -> int:
@@ -271,6 +280,10 @@ def validate(cfg: DictConfig) -> None:
     need(t.log_every >= 1, "train.log_every", "must be at least 1")
     need(t.time_limit is None or t.time_limit > 0, "train.time_limit", "must be positive seconds")
 
+    need(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)")
+    need(cfg.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0: keep all)")
+    need(not (cfg.checkpoint.every and y.name == "ps"), "checkpoint.every",
+         "checkpoints are not supported with sync=ps (the servers' state is not saved)")
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
     need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
     need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")
@@ -324,6 +337,12 @@ def resolve_device(cfg: DictConfig) -> str:
 def save_run_config(cfg: DictConfig, path: Path) -> None:
     """Write the resolved config; child processes read this file, never the YAML tree."""
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def load_child_config() -> tuple[Path, DictConfig]:
+    """For a child process: its run folder and the resolved config the launcher wrote for it."""
+    run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
+    return run_dir, load_run_config(Path(os.environ.get("SDPIPE_CONFIG", run_dir / "config.yaml")))
 
 
 def load_run_config(path: Path) -> DictConfig:

@@ -155,6 +155,20 @@ class GroupScheduler:
             st.links = self._without(st.links, pipeline)
         return self.tick()
 
+    def resume(self, iterations: dict[int, int]) -> None:
+        """Continue from a checkpoint taken right after a global sync, where pipeline p had done
+        ``iterations[p]`` iterations: nobody is waiting and every stage is fully connected."""
+        for p, k in iterations.items():
+            self.last_ready[p] = [k - 1] * self.S
+        done = self.iterations_done()
+        self.next_global = self.P * self.global_every
+        while self.global_every and self.next_global <= done:
+            self.next_global += self.P * self.global_every
+        self.global_at, self.final, self.finished, self.global_history = {}, False, False, []
+        for st in self.stages:
+            st.global_pending = False
+        self._maybe_declare_global()
+
     def next_deadline(self) -> Optional[float]:
         """When :meth:`tick` must be called at the latest (None: only events can change anything)."""
         times = [st.deadline for st in self.stages

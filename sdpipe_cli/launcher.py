@@ -113,20 +113,35 @@ def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str])
 
 
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
-           run_dir: Optional[Path] = None) -> RunResult:
-    """Run a training job to the end; ``cfg`` must be validated and prepared."""
+           run_dir: Optional[Path] = None, resume: Optional[Path] = None,
+           elapsed: float = 0.0) -> RunResult:
+    """Run a training job to the end; ``cfg`` must be validated and prepared.
+
+    With ``resume`` (a verified checkpoint folder), the run goes on in its own run folder: the
+    config for this leg is written beside the original (which stays as it was), metrics are
+    appended, and the run clock goes on from ``elapsed`` seconds.
+    """
     master = start_store(cfg)  # first: a busy port must fail before anything is written
-    run_dir = run_dir or make_run_dir(cfg.run.dir)
-    cfg.run.dir = str(run_dir)
-    save_run_config(cfg, run_dir / "config.yaml")
+    if resume is None:
+        run_dir = run_dir or make_run_dir(cfg.run.dir)
+        cfg.run.dir = str(run_dir)
+        config_path = run_dir / "config.yaml"
+    else:
+        run_dir = Path(cfg.run.dir)
+        config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
+    save_run_config(cfg, config_path)
     events = store.namespace(master)
-    events.set(store.T0, repr(time.time()))
+    launched = time.time()
+    events.set(store.T0, repr(launched - elapsed))
 
     P, S = cfg.cluster.pipelines, cfg.pipeline.stages
     servers = S if cfg.sync.name == "ps" else 0  # one parameter server per stage, ranks after workers
     base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
             "MASTER_ADDR": cfg.cluster.host, "MASTER_PORT": str(master.port),
-            "WORLD_SIZE": str(P * S + servers), "PYTHONUNBUFFERED": "1"}
+            "WORLD_SIZE": str(P * S + servers), "PYTHONUNBUFFERED": "1",
+            "SDPIPE_CONFIG": str(config_path.resolve())}
+    if resume is not None:
+        base["SDPIPE_RESUME"] = str(resume.resolve())
     if cfg.cluster.device == "cpu":
         base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
     children = [spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base)]
@@ -143,7 +158,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     started = time.monotonic()
     result = RunResult(run_dir, 0)
     try:
-        result.failure = _supervise(children, run_dir, events, on_progress)
+        result.failure = _supervise(children, run_dir, events, on_progress, since=launched)
         result.returncode = 1 if result.failure else 0
     except KeyboardInterrupt:
         result.failure, result.returncode = "interrupted; all processes stopped", 130
@@ -154,7 +169,16 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     return result
 
 
-def _supervise(children: list[Child], run_dir: Path, events, on_progress) -> Optional[str]:
+def _new_path(path: Path) -> Path:
+    """``path``, or ``path`` with a counter, so that nothing already written is replaced."""
+    candidate, n = path, 1
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
+    return candidate
+
+
+def _supervise(children: list[Child], run_dir: Path, events, on_progress,
+               since: float = 0.0) -> Optional[str]:
     """Wait for every child; on the first failure return its description (others still run)."""
     while True:
         codes = [c.proc.poll() for c in children]
@@ -162,7 +186,7 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress) -> Opt
         if failed:
             time.sleep(0.5)  # let secondary failures land so the root cause can be picked
             failed = [c for c in children if c.proc.poll() not in (None, 0)]
-            return describe_failure(first_failure(failed, run_dir), run_dir)
+            return describe_failure(first_failure(failed, run_dir, since), run_dir, since)
         if all(rc == 0 for rc in codes):
             return None
         snapshot = store.get_json(events, store.PROGRESS)
@@ -171,23 +195,29 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress) -> Opt
         time.sleep(POLL_S)
 
 
-def first_failure(failed: list[Child], run_dir: Path) -> Child:
+def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:
+    """The child's error file, unless it is left over from an earlier leg of a resumed run."""
+    err = read_error(run_dir, name)
+    return err if err and err.get("time", 0) >= since else None
+
+
+def first_failure(failed: list[Child], run_dir: Path, since: float = 0.0) -> Child:
     """The root cause: a child killed by a signal, else the earliest error file."""
     killed = [c for c in failed if c.proc.returncode < 0]
     if killed:
         return killed[0]
 
     def when(c: Child) -> float:
-        err = read_error(run_dir, c.name)
+        err = _error_since(run_dir, c.name, since)
         return err["time"] if err else float("inf")
 
     return min(failed, key=when)
 
 
-def describe_failure(child: Child, run_dir: Path) -> str:
+def describe_failure(child: Child, run_dir: Path, since: float = 0.0) -> str:
     rc = child.proc.returncode
     how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-    err = read_error(run_dir, child.name)
+    err = _error_since(run_dir, child.name, since)
     detail = err["message"] if err else _tail(child.log_path, 5)
     return f"{child.role} {how}: {detail} (log: {child.log_path})"
 

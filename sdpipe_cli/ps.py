@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector
 
 from sdpipe_cli import store
-from sdpipe_cli.config import load_run_config
+from sdpipe_cli.config import load_child_config
 from sdpipe_cli.errors import record
 from sdpipe_cli.sync import PSSync
 from sdpipe_cli.worker import build_stage_module, lr_at
@@ -95,9 +95,8 @@ class ParameterServer:
 
 
 def main() -> int:
-    run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = load_run_config(run_dir / "config.yaml")
+    run_dir, cfg = load_child_config()
     stage = rank - cfg.cluster.pipelines * cfg.pipeline.stages
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s ps{stage} %(levelname)s %(message)s")

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli import store
-from sdpipe_cli.config import load_run_config
+from sdpipe_cli import checkpoint, store
+from sdpipe_cli.config import load_child_config
 from sdpipe_cli.errors import record
 from sdpipe_cli.grouping import Decision, GroupScheduler
 from sdpipe_cli.metrics import MetricsLog, RunTracker
@@ -91,9 +91,10 @@ class Ticker(threading.Thread):
 class Scheduler:
     """Event handling of one run; the store and the clock are injected."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, events, clock=time.monotonic):
+    def __init__(self, cfg: DictConfig, run_dir: Path, events, clock=time.monotonic,
+                 resume: Optional[Path] = None):
         P, S = cfg.cluster.pipelines, cfg.pipeline.stages
-        self.cfg, self.events, self.clock = cfg, events, clock
+        self.cfg, self.run_dir, self.events, self.clock = cfg, run_dir, events, clock
         self.tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
         self.policy = make_policy(cfg, clock) if cfg.sync.name == "sdpipe" else None
@@ -103,11 +104,34 @@ class Scheduler:
         self.started = clock()
         self.t0 = store.run_clock(events)  # the workers' time axis, for metrics lines
         self.published = 0.0
+        self.saved: dict[int, dict[int, int]] = {}  # checkpoint id -> rank -> step
+        self.global_seen = [0] * S  # global decisions per stage, to match policy.global_history
+        self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
+        self.next_checkpoint = cfg.checkpoint.every
+        if resume is not None:
+            self._resume(resume)
+
+    def _resume(self, ckpt: Path) -> None:
+        steps = {int(p): k for p, k in checkpoint.load_shard(ckpt, "scheduler")["steps"].items()}
+        for p, k in steps.items():
+            self.tracker.state[p].steps = k
+            self.tracker.state[p].samples = k * self.cfg.train.batch_size
+        if self.policy is not None:
+            self.policy.resume(steps)
+        every = self.cfg.checkpoint.every
+        if every:
+            self.next_checkpoint = (self._average(steps) // every + 1) * every
+
+    def _average(self, steps: dict[int, int]) -> int:
+        """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""
+        return round(sum(steps.values()) / self.cfg.cluster.pipelines)
 
     def handle(self, event: dict) -> None:
         kind = event["type"]
         if kind == "ready":
             self._publish(self.policy.ready(event["stage"], event["pipeline"], event["iteration"]))
+        elif kind == "saved":
+            self._saved(event)
         elif kind != "tick":
             line = self.tracker.update(event)
             if line is not None:
@@ -120,9 +144,11 @@ class Scheduler:
 
     def _publish(self, decisions: list[Decision]) -> None:
         for d in decisions:
+            ckpt = self._checkpoint_at(d) if d.kind == "global" else None
             for p, k in zip(d.members, d.iterations):
                 store.set_json(self.events, store.decision_key(d.stage, p, k), {
-                    "members": list(d.members), "round": d.round, "kind": d.kind, "stop": d.stop})
+                    "members": list(d.members), "round": d.round, "kind": d.kind, "stop": d.stop,
+                    "checkpoint": ckpt})
                 self.rounds[d.stage][p] += 1
             self.group_sizes.append(len(d.members))
             self.metrics.write({
@@ -130,6 +156,43 @@ class Scheduler:
                 "round": d.round, "group": d.kind, "members": list(d.members),
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
                 "max_wait_s": round(max(d.waited), 6)})
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _checkpoint_at(self, d: Decision) -> Optional[int]:
+        """With sdpipe, checkpoints are taken right after the global syncs (the same one on every
+        stage) that reach the next multiple of ``checkpoint.every``."""
+        g = self.global_seen[d.stage]
+        self.global_seen[d.stage] += 1
+        if g not in self.global_checkpoint:
+            every = self.cfg.checkpoint.every
+            at = self._average({p: k + 1 for p, k in self.policy.global_history[g].items()})
+            due = bool(every) and at >= self.next_checkpoint
+            self.global_checkpoint[g] = at if due else None
+            if due:
+                self.next_checkpoint = (at // every + 1) * every
+        return self.global_checkpoint[g]
+
+    def _saved(self, event: dict) -> None:
+        """A worker wrote its shard; once every worker did, finalize the checkpoint."""
+        ckpt = int(event["checkpoint"])
+        shards = self.saved.setdefault(ckpt, {})
+        shards[int(event["rank"])] = int(event["step"])
+        if len(shards) < self.tracker.world_size:
+            return
+        del self.saved[ckpt]
+        S = self.cfg.pipeline.stages
+        steps = {p: shards[p * S] for p in range(self.cfg.cluster.pipelines)}
+        elapsed = time.time() - self.t0
+        checkpoint.save_shard(checkpoint.staging_dir(self.run_dir, ckpt), "scheduler",
+                              {"steps": steps, "elapsed": elapsed})
+        path = checkpoint.finalize(
+            self.run_dir, ckpt, keep=self.cfg.checkpoint.keep,
+            expected=[str(r) for r in range(self.tracker.world_size)] + ["scheduler"],
+            meta={"config": OmegaConf.to_container(self.cfg, resolve=True), "steps": steps,
+                  "elapsed": elapsed, "partition": list(self.cfg.pipeline.partition)})
+        self.metrics.write({"kind": "checkpoint", "step": ckpt, "time": round(elapsed, 4),
+                            "steps": steps, "path": str(path)})
+        log.info("checkpoint %s", path)
 
     def _check_health(self) -> None:
         hung = self.tracker.silent_workers()
@@ -152,9 +215,10 @@ class Scheduler:
         return summary
 
 
-def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object]) -> Scheduler:
+def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
+          resume: Optional[Path] = None) -> Scheduler:
     """Run until every worker reported done."""
-    scheduler = Scheduler(cfg, run_dir, events)
+    scheduler = Scheduler(cfg, run_dir, events, resume=resume)
     ticker = Ticker(connect)
     ticker.start()
     try:
@@ -171,17 +235,17 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object])
 
 
 def main() -> int:
-    run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s scheduler %(levelname)s %(message)s")
-    cfg = load_run_config(run_dir / "config.yaml")
+    run_dir, cfg = load_child_config()
+    resume = os.environ.get("SDPIPE_RESUME")
     with record(run_dir, "scheduler", role="scheduler"):
         def connect():
             return store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                  cfg.run.timeout)
 
         events = store.namespace(connect())
-        scheduler = serve(cfg, run_dir, events, connect)
+        scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None)
         summary = scheduler.summary()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         for p, state in summary["pipelines"].items():

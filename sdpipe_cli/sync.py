@@ -101,6 +101,13 @@ class Sync:
     def finish(self) -> None:
         """The worker is done training (a parameter server must stop waiting for it)."""
 
+    def checkpoint_due(self, step: int, every: int) -> int | None:
+        """The id of the checkpoint to take after iteration ``step`` ends, if one is due.
+
+        Lock-step strategies may save at any multiple of ``every``: every replica is there.
+        """
+        return step if every and step % every == 0 else None
+
 
 class AllReduceSync(Sync):
     """Synchronous data parallelism over the stage's replica group (one flat all-reduce)."""
@@ -140,6 +147,7 @@ class GroupSync(Sync):
             events, rank, pipeline, stage, stages)
         self.groups = groups
         self.stop = False
+        self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
@@ -157,12 +165,17 @@ class GroupSync(Sync):
             ranks = [p * self.stages + self.stage for p in members]
             average_parameters(module, self.groups, ranks)
         self.stop = bool(decision["stop"])
+        self._checkpoint = decision.get("checkpoint")
         self._stats = {"group_size": len(members), "round": decision["round"],
                        "group_kind": decision["kind"], "wait_s": got - start,
                        "comm_s": time.perf_counter() - got}
 
     def stats(self) -> dict[str, Any]:
         return self._stats
+
+    def checkpoint_due(self, step: int, every: int) -> int | None:
+        # Replicas are consistent only right after a global sync; the scheduler picks which.
+        return self._checkpoint
 
 
 class GossipSync(Sync):

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from sdpipe_cli import data, models, partition, store
-from sdpipe_cli.config import load_run_config, n_blocks
+from sdpipe_cli import checkpoint, data, models, partition, store
+from sdpipe_cli.config import load_child_config, n_blocks
 from sdpipe_cli.errors import record
 from sdpipe_cli.hetero import Slowdown
 from sdpipe_cli.schedule import get_schedule
@@ -102,7 +102,7 @@ def build_stage_module(cfg: DictConfig, stage: int) -> nn.Module:
 
 class Worker:
     def __init__(self, cfg: DictConfig, where: Placement, device: torch.device, events: dist.Store,
-                 groups: GroupCache):
+                 groups: GroupCache, resume: str | None = None):
         self.cfg, self.where, self.device, self.events = cfg, where, device, events
         self.t0 = store.run_clock(events)
         p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
@@ -129,6 +129,8 @@ class Worker:
             self.corpus = data.load_corpus(cfg.data, cfg.train.seed)
             data.check_corpus(self.corpus, cfg.model.seq_len)
         self._pending: list[dist.Work] = []
+        self.run_dir = Path(cfg.run.dir)
+        self.start_step = self._restore(Path(resume)) if resume else 0
 
     # -- control ---------------------------------------------------------------------------
     def _agree(self, step: int, started: float) -> bool:
@@ -158,7 +160,7 @@ class Worker:
         cfg, w = self.cfg, self.where
         self._emit("start", pid=os.getpid())
         started = time.time()
-        step = 0
+        step = self.start_step
         while self._agree(step, started):
             t_step = time.perf_counter()
             inputs = targets = None
@@ -189,11 +191,15 @@ class Worker:
                 elapsed = max(time.time() - started, 1e-9)
                 extra = {"loss": loss} if w.last else {}
                 self._emit("step", step=step, samples=step * cfg.train.batch_size,
-                           samples_per_s=step * cfg.train.batch_size / elapsed, lr=lr,
+                           samples_per_s=(step - self.start_step) * cfg.train.batch_size / elapsed,
+                           lr=lr,
                            step_s=time.perf_counter() - t_step, compute_s=compute_s,
                            sync_s=sync_s, **self.sync.stats(), **extra)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 self.evaluate(step)
+            ckpt = self.sync.checkpoint_due(step, cfg.checkpoint.every)
+            if ckpt is not None:
+                self._save(ckpt, step)
         self._wait_pending()
         self.sync.finish()
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
@@ -204,6 +210,25 @@ class Worker:
             torch.save(self.module.state_dict(), final / f"p{w.pipeline}-s{w.stage}.pt")
         self._emit("done", steps=step, param_digest=param_digest(self.module),
                    slowdown_overruns=self.slowdown.overruns)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _save(self, ckpt: int, step: int) -> None:
+        """This rank's shard of checkpoint ``ckpt``; the scheduler finalizes it once all are in."""
+        w = self.where
+        state = {"step": step, "pipeline": w.pipeline, "stage": w.stage,
+                 "model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
+                 "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
+        checkpoint.save_shard(checkpoint.staging_dir(self.run_dir, ckpt), str(w.rank), state)
+        self._emit("saved", checkpoint=ckpt, step=step)
+
+    def _restore(self, ckpt: Path) -> int:
+        """Load this rank's shard (checksum verified, weights only); returns the step to go on from."""
+        state = checkpoint.load_shard(ckpt, str(self.where.rank))
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d", ckpt, state["step"])
+        return int(state["step"])
 
     @torch.no_grad()
     def evaluate(self, step: int) -> None:
@@ -238,12 +263,11 @@ class Worker:
 
 
 def main() -> int:
-    run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack to the log
-    cfg = load_run_config(run_dir / "config.yaml")
+    run_dir, cfg = load_child_config()
     where = Placement(rank, cfg.cluster.pipelines, cfg.pipeline.stages)
     with record(run_dir, str(rank), rank=rank, pipeline=where.pipeline, stage=where.stage):
         cuda = cfg.cluster.device == "cuda"
@@ -263,7 +287,8 @@ def main() -> int:
         try:
             groups = GroupCache(dist.PrefixStore(store.PG_PREFIX, client), rank, backend,
                                 cfg.run.timeout)
-            Worker(cfg, where, device, store.namespace(client), groups).train()
+            Worker(cfg, where, device, store.namespace(client), groups,
+                   resume=os.environ.get("SDPIPE_RESUME")).train()
         finally:
             dist.destroy_process_group()
     return 0

@@ -1,0 +1,286 @@
+"""Checkpoints: every rank saves its own shard, one process makes the set a checkpoint atomically.
+
+A run keeps its checkpoints in ``<run>/checkpoints/step_<N>/``. During a save each process (one per
+rank, plus the scheduler) writes its shard into ``checkpoints/.staging-step_<N>/`` with
+:func:`save_shard`; the scheduler then calls :func:`finalize`, which writes ``manifest.json`` (the
+SHA-256 of every file, plus the caller's metadata), fsyncs everything and renames the staging folder
+to ``step_<N>`` in one ``rename``. So a crash in the middle of a save never touches an earlier
+checkpoint, and a folder without a manifest (or under a staging name) is never taken for one.
+
+Loading verifies the checksum first, then uses ``torch.load(weights_only=True)``: a checkpoint
+copied from elsewhere can hold tensors and plain containers, never code that runs on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+STAGING_PREFIX = ".staging-"
+DELETING_PREFIX = ".deleting-"  # a pruned checkpoint is renamed to this first, then removed
+_STEP_DIR = re.compile(r"step_(\d+)")
+_CHUNK = 1 << 20
+
+log = logging.getLogger("sdpipe.checkpoint")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be found, written or trusted; ``path`` names the culprit."""
+
+    def __init__(self, path: os.PathLike | str, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+def checkpoints_dir(run_dir: os.PathLike | str) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def staging_dir(run_dir: os.PathLike | str, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"{STAGING_PREFIX}step_{step}"
+
+
+def final_dir(run_dir: os.PathLike | str, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step}"
+
+
+def run_dir_of(ckpt_dir: os.PathLike | str) -> Path:
+    return Path(ckpt_dir).parent.parent
+
+
+def shard_name(name: str) -> str:
+    """The file of shard ``name``: ``"3"`` -> ``"3.pt"``. Hidden names are kept for temp files."""
+    if not name or name.startswith(".") or "/" in name or os.sep in name:
+        raise ValueError(f"invalid shard name {name!r}")
+    return f"{name}.pt"
+
+
+def save_shard(directory: os.PathLike | str, name: str, state: dict[str, Any]) -> Path:
+    """Write ``state`` to ``directory/<name>.pt`` atomically (temp file, fsync, rename)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / shard_name(name)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expected: list[str],
+             keep: int = 0) -> Path:
+    """Turn the staging folder of ``step`` into the checkpoint ``step_<step>``; returns its path.
+
+    ``expected`` names the shards that must be there. With ``keep > 0``, only the newest ``keep``
+    complete checkpoints survive; a failure to prune is logged, never raised.
+    """
+    staging, final = staging_dir(run_dir, step), final_dir(run_dir, step)
+    if not staging.is_dir():
+        raise CheckpointError(staging, "does not exist: no shard was saved for this step")
+    if final.exists():
+        raise CheckpointError(final, "already exists")
+    for name in expected:
+        if not (staging / shard_name(name)).is_file():
+            raise CheckpointError(staging / shard_name(name), "missing: a shard was not saved")
+    reserved = {"step", "files"} & meta.keys()
+    if reserved:
+        raise CheckpointError(staging, f"meta must not set {sorted(reserved)}")
+
+    files = {p.name: _fsync_and_hash(p) for p in _payload_files(staging)}
+    manifest = {"step": step, "torch_version": torch.__version__, "time": time.time(),
+                "files": files, **meta}
+    _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1))
+    _fsync_dir(staging)
+    try:
+        os.rename(staging, final)
+    except OSError as err:
+        raise CheckpointError(final, f"cannot rename the staging folder into place: {err}") from err
+    _fsync_dir(checkpoints_dir(run_dir))
+    if keep > 0:
+        _prune(run_dir, keep)
+    return final
+
+
+def complete_checkpoints(run_dir: os.PathLike | str) -> list[Path]:
+    """Every ``step_<N>`` folder with a readable manifest, oldest step first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and _has_manifest(entry):
+            found.append((int(match.group(1)), entry))
+    return [path for _, path in sorted(found)]
+
+
+def latest(run_dir: os.PathLike | str) -> Path | None:
+    complete = complete_checkpoints(run_dir)
+    return complete[-1] if complete else None
+
+
+def resolve(path: os.PathLike | str) -> Path:
+    """A checkpoint folder from what a user names: a checkpoint itself, or a run (its latest)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(path, "does not exist")
+    if not path.is_dir():
+        raise CheckpointError(path, "is neither a run folder nor a checkpoint folder")
+    if (path / MANIFEST).is_file():
+        return path
+    if _STEP_DIR.fullmatch(path.name) or path.name.startswith(STAGING_PREFIX):
+        raise CheckpointError(path / MANIFEST, "missing: not a complete checkpoint")
+    found = latest(path)
+    if found is None:
+        raise CheckpointError(path, f"no complete checkpoint in {checkpoints_dir(path)}")
+    return found
+
+
+def read_manifest(ckpt_dir: os.PathLike | str) -> dict[str, Any]:
+    path = Path(ckpt_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing: not a complete checkpoint") from None
+    except OSError as err:
+        raise CheckpointError(path, f"unreadable: {err}") from err
+    except ValueError as err:
+        raise CheckpointError(path, f"not valid JSON: {err}") from err
+    if not isinstance(manifest, dict) or "step" not in manifest or not _valid_files(manifest.get("files")):
+        raise CheckpointError(path, "lacks 'step' or a valid 'files' table")
+    return manifest
+
+
+def load_shard(ckpt_dir: os.PathLike | str, name: str,
+               manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Shard ``name`` of a checkpoint, after checking it against the manifest; never runs code."""
+    if manifest is None:
+        manifest = read_manifest(ckpt_dir)
+    path = Path(ckpt_dir) / shard_name(name)
+    if path.name not in manifest["files"]:
+        raise CheckpointError(path, f"not listed in {MANIFEST}")
+    _check(path, manifest["files"][path.name])
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(path, f"refused by torch.load(weights_only=True): {_refusal(err)}") from err
+    except Exception as err:  # a damaged file can fail anywhere in torch.load
+        raise CheckpointError(path, f"cannot be loaded: {type(err).__name__}: {err}") from err
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"holds a {type(state).__name__}, not a dict")
+    return state
+
+
+def verify(ckpt_dir: os.PathLike | str) -> dict[str, Any]:
+    """The manifest, once every file it lists matches its checksum."""
+    manifest = read_manifest(ckpt_dir)
+    for filename, digest in manifest["files"].items():
+        _check(Path(ckpt_dir) / filename, digest)
+    return manifest
+
+
+def _refusal(err: pickle.UnpicklingError) -> str:
+    """The gist of torch's long weights_only message (which goes on to explain how to load unsafely)."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    return f"it needs {found.group(1)}, which is neither a tensor nor plain data" if found else \
+        str(err).splitlines()[0]
+
+
+def _check(path: Path, digest: str) -> None:
+    if not path.is_file():
+        raise CheckpointError(path, "missing")
+    if _sha256(path) != digest:
+        raise CheckpointError(path, "checksum mismatch: truncated or corrupted")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_and_hash(path: Path) -> str:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+    return _sha256(path)
+
+
+def _payload_files(staging: Path) -> list[Path]:
+    """The files a checkpoint is made of: not the manifest, not temp files of interrupted saves."""
+    return sorted(p for p in staging.iterdir()
+                  if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _has_manifest(ckpt_dir: Path) -> bool:
+    try:
+        read_manifest(ckpt_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _valid_files(files: Any) -> bool:
+    """A table of plain file names (no path can reach outside the checkpoint) to hex digests."""
+    return isinstance(files, dict) and all(
+        isinstance(k, str) and isinstance(v, str) and k and "/" not in k and os.sep not in k
+        and k not in (".", "..") for k, v in files.items())
+
+
+def _prune(run_dir: os.PathLike | str, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints; a checkpoint stops being one (rename) first."""
+    root = checkpoints_dir(run_dir)
+    try:
+        old = complete_checkpoints(run_dir)[:-keep]
+        leftovers = [p for p in root.iterdir() if p.name.startswith(DELETING_PREFIX)]
+    except OSError as err:
+        log.warning("cannot list checkpoints to prune in %s: %s", root, err)
+        return
+    for ckpt in old:
+        doomed = root / f"{DELETING_PREFIX}{ckpt.name}"
+        try:
+            os.rename(ckpt, doomed)
+        except OSError as err:
+            log.warning("cannot prune checkpoint %s: %s", ckpt, err)
+            continue
+        leftovers.append(doomed)
+    for path in leftovers:
+        try:
+            shutil.rmtree(path)
+        except OSError as err:
+            log.warning("cannot remove pruned checkpoint %s: %s", path, err)
