@@ -122,6 +122,7 @@ class CheckpointConfig:
     # global sync at or after each multiple (the only points where replicas are consistent).
     every: int = 0
     keep: int = 3  # keep the newest K complete checkpoints (0: all)
+    on_exit: bool = False  # also checkpoint where the run ends (end of training, Ctrl-C, SIGTERM)
 
 
 @dataclass
@@ -284,6 +285,8 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0: keep all)")
     need(not (cfg.checkpoint.every and y.name == "ps"), "checkpoint.every",
          "checkpoints are not supported with sync=ps (the servers' state is not saved)")
+    need(not (cfg.checkpoint.on_exit and y.name in ("ps", "none")), "checkpoint.on_exit",
+         f"needs replicas that stop together; sync={y.name} has none (use checkpoint.every)")
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
     need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
     need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")

@@ -119,6 +119,7 @@ class GroupScheduler:
         self.finished = False
         self.next_global = pipelines * global_every
         self.token: Optional[int] = None  # the stage allowed to wait for connectivity
+        self.stop_requested = False
         self._maybe_declare_global()  # a budget of at most P iterations ends at iteration 0
 
     # -- events ---------------------------------------------------------------------------------
@@ -182,8 +183,14 @@ class GroupScheduler:
         """Pipeline-iterations started so far (left pipelines keep what they did)."""
         return sum(max(last) + 1 for last in self.last_ready.values())
 
+    def request_stop(self) -> list[Decision]:
+        """End the run at the next global sync (as if the time limit had passed)."""
+        self.stop_requested = True
+        return self.tick()
+
     def _time_is_up(self) -> bool:
-        return self.time_limit is not None and self.clock() - self.started >= self.time_limit
+        return self.stop_requested or (self.time_limit is not None
+                                       and self.clock() - self.started >= self.time_limit)
 
     def _budget_ends_within(self, iterations: int) -> bool:
         return (self.total_iterations is not None

@@ -158,10 +158,12 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     started = time.monotonic()
     result = RunResult(run_dir, 0)
     try:
-        result.failure = _supervise(children, run_dir, events, on_progress, since=launched)
-        result.returncode = 1 if result.failure else 0
+        result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched)
+        result.returncode = 1 if result.failure else 130 if interrupted else 0
+        if interrupted and not result.failure:
+            result.failure = "interrupted; stopped at a consistent point, every process exited"
     except KeyboardInterrupt:
-        result.failure, result.returncode = "interrupted; all processes stopped", 130
+        result.failure, result.returncode = "interrupted twice; all processes stopped", 130
     finally:
         stop_all(children)
         result.progress = store.get_json(events, store.PROGRESS, {}) or {}
@@ -178,21 +180,34 @@ def _new_path(path: Path) -> Path:
 
 
 def _supervise(children: list[Child], run_dir: Path, events, on_progress,
-               since: float = 0.0) -> Optional[str]:
-    """Wait for every child; on the first failure return its description (others still run)."""
+               since: float = 0.0) -> tuple[Optional[str], bool]:
+    """Wait for every child: (the first failure's description or None, whether interrupted).
+
+    The first Ctrl-C (or SIGTERM) asks the run to stop at its next consistent point (the same
+    iteration on every replica, or the next global sync), where it may checkpoint and end
+    normally; a second one raises KeyboardInterrupt and the caller stops everything at once.
+    """
+    interrupted = False
     while True:
-        codes = [c.proc.poll() for c in children]
-        failed = [c for c, rc in zip(children, codes) if rc not in (None, 0)]
-        if failed:
-            time.sleep(0.5)  # let secondary failures land so the root cause can be picked
-            failed = [c for c in children if c.proc.poll() not in (None, 0)]
-            return describe_failure(first_failure(failed, run_dir, since), run_dir, since)
-        if all(rc == 0 for rc in codes):
-            return None
-        snapshot = store.get_json(events, store.PROGRESS)
-        if snapshot:
-            on_progress(snapshot)
-        time.sleep(POLL_S)
+        try:
+            codes = [c.proc.poll() for c in children]
+            failed = [c for c, rc in zip(children, codes) if rc not in (None, 0)]
+            if failed:
+                time.sleep(0.5)  # let secondary failures land so the root cause can be picked
+                failed = [c for c in children if c.proc.poll() not in (None, 0)]
+                first = first_failure(failed, run_dir, since)
+                return describe_failure(first, run_dir, since), interrupted
+            if all(rc == 0 for rc in codes):
+                return None, interrupted
+            snapshot = store.get_json(events, store.PROGRESS)
+            if snapshot:
+                on_progress(snapshot)
+            time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            if interrupted:
+                raise
+            interrupted = True
+            events.set(store.STOP_REQUESTED, "1")
 
 
 def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:

@@ -137,6 +137,10 @@ class Scheduler:
             if line is not None:
                 self.metrics.write(line)
         if self.policy is not None:
+            if kind == "tick" and not self.policy.stop_requested \
+                    and self.events.check([store.STOP_REQUESTED]):
+                log.info("stop requested: ending the run at the next global sync")
+                self._publish(self.policy.request_stop())
             self._publish(self.policy.tick())
         self._check_health()
         if self.clock() - self.published > PUBLISH_S:
@@ -167,8 +171,9 @@ class Scheduler:
             every = self.cfg.checkpoint.every
             at = self._average({p: k + 1 for p, k in self.policy.global_history[g].items()})
             due = bool(every) and at >= self.next_checkpoint
+            due = due or (d.stop and self.cfg.checkpoint.on_exit)
             self.global_checkpoint[g] = at if due else None
-            if due:
+            if due and every:
                 self.next_checkpoint = (at // every + 1) * every
         return self.global_checkpoint[g]
 

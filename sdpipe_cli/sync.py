@@ -191,7 +191,7 @@ class GossipSync(Sync):
     name = "adpsgd"
 
     def __init__(self, groups: GroupCache, pipeline: int, pipelines: int, stage: int, stages: int,
-                 seed: int, agree: "AllReduceSync | None"):
+                 seed: int, agree: AllReduceSync):
         self.groups, self.pipeline, self.pipelines = groups, pipeline, pipelines
         self.stage, self.stages, self.seed, self.agree = stage, stages, seed, agree
         self._stats: dict[str, Any] = {}
@@ -204,8 +204,8 @@ class GossipSync(Sync):
         return order[mate] if mate < len(order) else None
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
-        # Every replica must take part in the same rounds: a time limit needs agreement.
-        return self.agree.should_continue(step, local_go, timed_out) if self.agree else local_go
+        # Every replica must take part in the same rounds: stopping needs agreement.
+        return self.agree.should_continue(step, local_go, timed_out)
 
     def after_step(self, module: nn.Module, step: int) -> None:
         start = time.perf_counter()
@@ -269,8 +269,7 @@ class PSSync(Sync):
 
 
 def make_sync(name: str, *, events: dist.Store, groups: GroupCache, rank: int, pipeline: int,
-              stage: int, pipelines: int, stages: int, device: torch.device, seed: int = 0,
-              has_time_limit: bool = False) -> Sync:
+              stage: int, pipelines: int, stages: int, device: torch.device, seed: int = 0) -> Sync:
     """The strategy for ``sync.name``."""
     replicas = [p * stages + stage for p in range(pipelines)]
     if name == "sdpipe":
@@ -282,6 +281,7 @@ def make_sync(name: str, *, events: dist.Store, groups: GroupCache, rank: int, p
     if name == "allreduce":
         return AllReduceSync(groups, replicas, device)
     if name == "adpsgd":
-        agree = AllReduceSync(groups, replicas, device) if has_time_limit else None
-        return GossipSync(groups, pipeline, pipelines, stage, stages, seed, agree)
+        # Replicas must stop at the same round (time limit, Ctrl-C): agree on it.
+        return GossipSync(groups, pipeline, pipelines, stage, stages, seed,
+                          AllReduceSync(groups, replicas, device))
     raise ValueError(f"sync.name: unknown strategy '{name}'")

@@ -111,7 +111,7 @@ class Worker:
                                            betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
         self.sync = make_sync(cfg.sync.name, events=events, groups=groups, rank=where.rank,
                               pipeline=p, stage=s, pipelines=P, stages=S, device=device,
-                              seed=cfg.train.seed, has_time_limit=cfg.train.time_limit is not None)
+                              seed=cfg.train.seed)
         slow = list(cfg.cluster.slowdown)
         self.slowdown = Slowdown(slow[p] if slow else 1.0, cfg.cluster.compute_ms)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
@@ -138,7 +138,8 @@ class Worker:
         w = self.where
         if w.first:
             limit = self.cfg.train.time_limit
-            timed_out = bool(limit and time.time() - started >= limit)
+            timed_out = (bool(limit and time.time() - started >= limit)
+                         or self.events.check([store.STOP_REQUESTED]))
             go = self.sync.should_continue(step, step < self.cfg.train.steps and not timed_out,
                                            timed_out)
             flag = torch.tensor([int(go), step], dtype=torch.int64, device=self.device)
@@ -202,6 +203,9 @@ class Worker:
                 self._save(ckpt, step)
         self._wait_pending()
         self.sync.finish()
+        if cfg.checkpoint.on_exit and self.sync.name != "sdpipe" and step > self.start_step:
+            if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                self._save(step, step)  # lock-step modes: every replica stopped at this step
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             self.evaluate(step)  # always once at the end of the run
         if cfg.run.save_final:

@@ -110,3 +110,44 @@ def test_run_without_checkpoints_is_refused(tmp_path):
     (tmp_path / "empty-run").mkdir()
     out = sdpipe("resume", str(tmp_path / "empty-run"), timeout=60)
     assert out.returncode == 2 and "no complete checkpoint" in out.stderr, out.stderr
+
+
+def _interrupt_when_training(run_dir, *args):
+    import signal
+    import time
+
+    from conftest import sdpipe_popen
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", *args)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "train")) >= 6:
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=90)
+    except Exception:
+        proc.kill()
+        raise
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "sdpipe"])
+def test_ctrl_c_stops_at_a_consistent_point_with_a_final_checkpoint(tmp_path, sync):
+    run_dir = tmp_path / "run"
+    rc, err = _interrupt_when_training(run_dir, f"sync={sync}", "model=mlp", "data=synthetic",
+                                       "train.steps=100000", "train.batch_size=8",
+                                       "checkpoint.on_exit=true")
+    assert rc == 130, err
+    assert "stopped at a consistent point" in err
+    done = metrics(run_dir, "done")
+    assert len(done) == 4
+    for stage in (0, 1):  # every replica of a stage ends identical (all-reduce or last global)
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+    (saved,) = metrics(run_dir, "checkpoint")
+    per_pipeline = {int(p): k for p, k in saved["steps"].items()}
+    assert per_pipeline == {d["pipeline"]: d["steps"] for d in done}
+    assert not run_processes(run_dir)
+    out = sdpipe("resume", str(run_dir), f"train.steps={saved['step'] + 3}")
+    assert out.returncode == 0, out.stderr

@@ -86,9 +86,10 @@ def test_first_error_is_reported_and_the_rest_are_stopped(tmp_path, monkeypatch)
                            run_dir, {**env, "RANK": "1"})
     children = [sleeper, crash]
     try:
-        failure = launcher._supervise(children, run_dir, _NoStore(), lambda _: None)
+        failure, interrupted = launcher._supervise(children, run_dir, _NoStore(), lambda _: None)
     finally:
         launcher.stop_all(children, grace=5)
+    assert not interrupted
     assert failure.startswith("worker rank 1 (pipeline 0, stage 1) exited with code 1: "
                               "RuntimeError: deliberate failure on rank 1")
     assert sleeper.proc.returncode == -signal.SIGTERM
@@ -99,3 +100,13 @@ class _NoStore:
 
     def check(self, keys):
         return False
+
+
+def test_second_ctrl_c_stops_at_once(run_dir):
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG)
+    wait_for_training(run_dir, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    rc, err, took = finish(proc, timeout=60)
+    assert rc == 130 and "interrupted" in err, err
+    assert not run_processes(run_dir)
