@@ -121,6 +121,7 @@ class CheckpointConfig:
     # Iterations between checkpoints (0: none). With sync=sdpipe a checkpoint is taken at the first
     # global sync at or after each multiple (the only points where replicas are consistent).
     every: int = 0
+    every_minutes: Optional[float] = None  # also checkpoint when this long passed since the last
     keep: int = 3  # keep the newest K complete checkpoints (0: all)
     on_exit: bool = False  # also checkpoint where the run ends (end of training, Ctrl-C, SIGTERM)
 
@@ -287,6 +288,10 @@ def validate(cfg: DictConfig) -> None:
          "checkpoints are not supported with sync=ps (the servers' state is not saved)")
     need(not (cfg.checkpoint.on_exit and y.name in ("ps", "none")), "checkpoint.on_exit",
          f"needs replicas that stop together; sync={y.name} has none (use checkpoint.every)")
+    minutes = cfg.checkpoint.every_minutes
+    need(minutes is None or minutes > 0, "checkpoint.every_minutes", "must be positive minutes")
+    need(minutes is None or y.name not in ("ps", "none"), "checkpoint.every_minutes",
+         f"needs replicas that agree on when; sync={y.name} has none (use checkpoint.every)")
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
     need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
     need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")

@@ -101,6 +101,11 @@ class Sync:
     def finish(self) -> None:
         """The worker is done training (a parameter server must stop waiting for it)."""
 
+    def agree_on_checkpoint(self, wanted: bool) -> bool:
+        """Whether to checkpoint after this iteration because time has come (first stage only);
+        lock-step replicas must all agree, so that every shard is of the same step."""
+        return wanted
+
     def checkpoint_due(self, step: int, every: int) -> int | None:
         """The id of the checkpoint to take after iteration ``step`` ends, if one is due.
 
@@ -121,6 +126,11 @@ class AllReduceSync(Sync):
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         flag = torch.tensor([1 if local_go else 0], device=self.device)
         self.groups.all_reduce(flag, self.replicas, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def agree_on_checkpoint(self, wanted: bool) -> bool:
+        flag = torch.tensor([1 if wanted else 0], device=self.device)
+        self.groups.all_reduce(flag, self.replicas, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def after_backward(self, module: nn.Module) -> None:
@@ -173,6 +183,9 @@ class GroupSync(Sync):
     def stats(self) -> dict[str, Any]:
         return self._stats
 
+    def agree_on_checkpoint(self, wanted: bool) -> bool:
+        return False  # the scheduler picks the global syncs to checkpoint at
+
     def checkpoint_due(self, step: int, every: int) -> int | None:
         # Replicas are consistent only right after a global sync; the scheduler picks which.
         return self._checkpoint
@@ -206,6 +219,9 @@ class GossipSync(Sync):
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         # Every replica must take part in the same rounds: stopping needs agreement.
         return self.agree.should_continue(step, local_go, timed_out)
+
+    def agree_on_checkpoint(self, wanted: bool) -> bool:
+        return self.agree.agree_on_checkpoint(wanted)
 
     def after_step(self, module: nn.Module, step: int) -> None:
         start = time.perf_counter()

@@ -130,7 +130,10 @@ class Worker:
             data.check_corpus(self.corpus, cfg.model.seq_len)
         self._pending: list[dist.Work] = []
         self.run_dir = Path(cfg.run.dir)
+        self._last_save = time.monotonic()
+        self._save_after = False
         self.start_step = self._restore(Path(resume)) if resume else 0
+        self._saved_step = self.start_step  # the step of the last checkpoint (or of the resume)
 
     # -- control ---------------------------------------------------------------------------
     def _agree(self, step: int, started: float) -> bool:
@@ -142,15 +145,19 @@ class Worker:
                          or self.events.check([store.STOP_REQUESTED]))
             go = self.sync.should_continue(step, step < self.cfg.train.steps and not timed_out,
                                            timed_out)
-            flag = torch.tensor([int(go), step], dtype=torch.int64, device=self.device)
+            minutes = self.cfg.checkpoint.every_minutes
+            save = bool(minutes) and go and self.sync.agree_on_checkpoint(
+                time.monotonic() - self._last_save >= minutes * 60)
+            flag = torch.tensor([int(go), step, int(save)], dtype=torch.int64, device=self.device)
         else:
-            flag = torch.empty(2, dtype=torch.int64, device=self.device)
+            flag = torch.empty(3, dtype=torch.int64, device=self.device)
             dist.recv(flag, src=w.rank_of(w.pipeline, w.stage - 1), tag=CONTROL_TAG)
             if int(flag[1]) != step:
                 raise RuntimeError(f"stage {w.stage} expected iteration {step}, got {int(flag[1])}")
         if not w.last:
             self._pending.append(dist.isend(flag, dst=w.rank_of(w.pipeline, w.stage + 1),
                                             tag=CONTROL_TAG))
+        self._save_after = bool(flag[2])  # a time-based checkpoint at the end of this iteration
         return bool(flag[0])
 
     def _microbatches(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -199,13 +206,14 @@ class Worker:
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 self.evaluate(step)
             ckpt = self.sync.checkpoint_due(step, cfg.checkpoint.every)
+            if ckpt is None and self._save_after:
+                ckpt = step
             if ckpt is not None:
                 self._save(ckpt, step)
         self._wait_pending()
         self.sync.finish()
-        if cfg.checkpoint.on_exit and self.sync.name != "sdpipe" and step > self.start_step:
-            if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                self._save(step, step)  # lock-step modes: every replica stopped at this step
+        if cfg.checkpoint.on_exit and self.sync.name != "sdpipe" and step != self._saved_step:
+            self._save(step, step)  # lock-step modes: every replica stopped at this step
         if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             self.evaluate(step)  # always once at the end of the run
         if cfg.run.save_final:
@@ -223,6 +231,7 @@ class Worker:
                  "model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
                  "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
         checkpoint.save_shard(checkpoint.staging_dir(self.run_dir, ckpt), str(w.rank), state)
+        self._last_save, self._saved_step = time.monotonic(), step
         self._emit("saved", checkpoint=ckpt, step=step)
 
     def _restore(self, ckpt: Path) -> int:

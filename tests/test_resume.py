@@ -151,3 +151,19 @@ def test_ctrl_c_stops_at_a_consistent_point_with_a_final_checkpoint(tmp_path, sy
     assert not run_processes(run_dir)
     out = sdpipe("resume", str(run_dir), f"train.steps={saved['step'] + 3}")
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "sdpipe"])
+def test_time_based_checkpoints(tmp_path, sync):
+    run_dir = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", f"sync={sync}", "model=mlp", "data=synthetic",
+                 "train.steps=40", "train.batch_size=8", "train.eval_every=0",
+                 "sync.global_every=5", "checkpoint.every_minutes=0.01", "checkpoint.keep=0",
+                 "checkpoint.on_exit=true")
+    assert out.returncode == 0, out.stderr
+    saved = metrics(run_dir, "checkpoint")
+    assert len(saved) >= 2  # 0.6 s apart on a run of several seconds, plus the one at the end
+    steps = [c["step"] for c in saved]
+    assert steps == sorted(set(steps))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(
+        f"step_{k}" for k in steps)
