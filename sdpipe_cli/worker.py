@@ -1,8 +1,9 @@
 """One worker process: stage s of pipeline p, for the whole run.
 
 Started by the launcher as ``python -m sdpipe_cli.worker`` with torchrun-style environment
-variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and
-``SDPIPE_RUN_DIR``; it reads the run's resolved ``config.yaml`` and nothing else.
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+``SDPIPE_RUN_DIR`` and ``SDPIPE_CONFIG`` (the resolved config the launcher wrote, the only config
+it reads), plus ``SDPIPE_RESUME`` (a verified checkpoint folder) when a run goes on.
 
 Ranks are pipeline-major: rank = p * S + s. Per iteration the worker
 1. agrees whether to go on: the first stage decides (with its replicas, if the sync strategy needs
@@ -10,7 +11,8 @@ Ranks are pipeline-major: rank = p * S + s. Per iteration the worker
    a pipeline runs exactly the same iterations;
 2. runs the schedule's actions (forwards and backwards of m micro-batches) through the stage;
 3. lets the sync strategy act (gradient all-reduce), clips, steps the optimizer, lets the strategy
-   act again (weight averaging), and reports a step event to the scheduler.
+   act again (weight averaging), and reports a step event to the scheduler;
+4. saves its checkpoint shard when one is due (the strategy or the control message says when).
 """
 
 from __future__ import annotations
@@ -200,8 +202,7 @@ class Worker:
                 extra = {"loss": loss} if w.last else {}
                 self._emit("step", step=step, samples=step * cfg.train.batch_size,
                            samples_per_s=(step - self.start_step) * cfg.train.batch_size / elapsed,
-                           lr=lr,
-                           step_s=time.perf_counter() - t_step, compute_s=compute_s,
+                           lr=lr, step_s=time.perf_counter() - t_step, compute_s=compute_s,
                            sync_s=sync_s, **self.sync.stats(), **extra)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 self.evaluate(step)
