@@ -89,6 +89,9 @@ class SyncConfig:
     window_max_ms: float = 20.0  # and grows (x2) up to this (keep it well below an iteration)
     connect_every: int = 8  # rounds within which a stage's groups must connect all replicas
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
+    # sdpipe only: seconds a group may take to form and average before its members go on alone
+    # (only a member that died makes it wait; the scheduler then drops its pipeline)
+    group_timeout: float = 30.0
     # ps only: how many iterations a worker may run ahead of the slowest (0: bulk-synchronous)
     staleness: int = 3
 
@@ -127,6 +130,13 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    # stop: any failure stops the run. continue (sync=sdpipe only): when a pipeline loses a worker,
+    # its other workers are stopped, the scheduler drops it from every group, and the rest go on.
+    on_pipeline_loss: str = "stop"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -136,6 +146,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 def n_blocks(model: ModelConfig | DictConfig) -> int:
@@ -270,6 +281,7 @@ def validate(cfg: DictConfig) -> None:
     need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
     need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
     need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
+    need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
 
     need(t.steps >= 1, "train.steps", "must be at least 1")
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
@@ -292,6 +304,10 @@ def validate(cfg: DictConfig) -> None:
     need(minutes is None or minutes > 0, "checkpoint.every_minutes", "must be positive minutes")
     need(minutes is None or y.name not in ("ps", "none"), "checkpoint.every_minutes",
          f"needs replicas that agree on when; sync={y.name} has none (use checkpoint.every)")
+    loss = cfg.fault.on_pipeline_loss
+    need(loss in ("stop", "continue"), "fault.on_pipeline_loss", f"is '{loss}'; choose stop or continue")
+    need(loss == "stop" or (y.name == "sdpipe" and c.pipelines >= 2), "fault.on_pipeline_loss",
+         "continue needs sync=sdpipe and at least 2 pipelines (all-reduce needs every replica)")
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
     need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
     need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")

@@ -38,6 +38,7 @@ class Child:
     role: str  # human description, e.g. "worker rank 3 (pipeline 1, stage 1)"
     proc: subprocess.Popen
     log_path: Path
+    rank: Optional[int] = None  # workers only
 
 
 @dataclass
@@ -149,6 +150,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
         children.append(spawn("sdpipe_cli.worker", str(rank), role, run_dir, env))
+        children[-1].rank = rank
     for stage in range(servers):
         rank = P * S + stage
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -158,7 +160,9 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     started = time.monotonic()
     result = RunResult(run_dir, 0)
     try:
-        result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched)
+        tolerate = cfg.fault.on_pipeline_loss == "continue"
+        result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched,
+                                                 S if tolerate else 0)
         result.returncode = 1 if result.failure else 130 if interrupted else 0
         if interrupted and not result.failure:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
@@ -180,24 +184,41 @@ def _new_path(path: Path) -> Path:
 
 
 def _supervise(children: list[Child], run_dir: Path, events, on_progress,
-               since: float = 0.0) -> tuple[Optional[str], bool]:
+               since: float = 0.0, stages: int = 0) -> tuple[Optional[str], bool]:
     """Wait for every child: (the first failure's description or None, whether interrupted).
 
     The first Ctrl-C (or SIGTERM) asks the run to stop at its next consistent point (the same
     iteration on every replica, or the next global sync), where it may checkpoint and end
     normally; a second one raises KeyboardInterrupt and the caller stops everything at once.
+
+    With ``stages`` set (``fault.on_pipeline_loss=continue``), a failed worker costs only its
+    pipeline: the pipeline's other workers are stopped, the scheduler is told, and the rest go on
+    (unless no pipeline is left).
     """
     interrupted = False
+    lost: set[int] = set()
+    pipelines = sum(1 for c in children if c.rank is not None) // stages if stages else 0
     while True:
         try:
             codes = [c.proc.poll() for c in children]
-            failed = [c for c, rc in zip(children, codes) if rc not in (None, 0)]
+            failed = [c for c, rc in zip(children, codes)
+                      if rc not in (None, 0) and not (stages and c.rank is not None
+                                                      and c.rank // stages in lost)]
+            if failed and stages and all(c.rank is not None for c in failed) \
+                    and len(lost | {c.rank // stages for c in failed}) < pipelines:
+                for c in failed:
+                    _lose_pipeline(c, children, stages, run_dir, events, since)
+                    lost.add(c.rank // stages)
+                continue
             if failed:
                 time.sleep(0.5)  # let secondary failures land so the root cause can be picked
-                failed = [c for c in children if c.proc.poll() not in (None, 0)]
+                failed = [c for c in children if c.proc.poll() not in (None, 0)
+                          and not (stages and c.rank is not None and c.rank // stages in lost)]
                 first = first_failure(failed, run_dir, since)
                 return describe_failure(first, run_dir, since), interrupted
-            if all(rc == 0 for rc in codes):
+            if all(rc == 0 or (stages and c.rank is not None and c.rank // stages in lost)
+                   for c, rc in zip(children, codes) if rc is not None) \
+                    and all(rc is not None for rc in codes):
                 return None, interrupted
             snapshot = store.get_json(events, store.PROGRESS)
             if snapshot:
@@ -208,6 +229,19 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                 raise
             interrupted = True
             events.set(store.STOP_REQUESTED, "1")
+
+
+def _lose_pipeline(failed: Child, children: list[Child], stages: int, run_dir: Path, events,
+                   since: float) -> None:
+    """Stop every worker of the failed worker's pipeline and tell the scheduler to drop it."""
+    pipeline = failed.rank // stages
+    mates = [c for c in children if c.rank is not None and c.rank // stages == pipeline]
+    stop_all(mates)
+    reason = describe_failure(failed, run_dir, since)
+    store.push(events, store.EVENTS, {"type": "lost", "rank": failed.rank, "pipeline": pipeline,
+                                      "reason": reason})
+    print(f"sdpipe: warning: pipeline {pipeline} lost, the others go on: {reason}",
+          file=sys.stderr, flush=True)
 
 
 def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:

@@ -62,7 +62,8 @@ class RunTracker:
         rank = int(event["rank"])
         self.last_seen[rank] = self.clock()
         kind = event["type"]
-        pipe = self.state[int(event["pipeline"])]
+        pipe_index = int(event["pipeline"])
+        pipe = self.state[pipe_index]
         if kind == "start":
             self.started.add(rank)
             return None
@@ -78,6 +79,10 @@ class RunTracker:
         if kind == "done":
             self.done[rank] = event
             return {"kind": "done", **_without(event, "type")}
+        if kind == "lost":  # the launcher stopped this pipeline after one of its workers failed
+            for r in range(pipe_index * self.stages, (pipe_index + 1) * self.stages):
+                self.done.setdefault(r, event)
+            return {"kind": "lost", **_without(event, "type", "rank")}
         return None
 
     def all_done(self) -> bool:

@@ -133,6 +133,11 @@ class Scheduler:
             self._publish(self.policy.ready(event["stage"], event["pipeline"], event["iteration"]))
         elif kind == "saved":
             self._saved(event)
+        elif kind == "lost":
+            self.metrics.write(self.tracker.update(event))
+            log.warning("pipeline %d lost: %s", event["pipeline"], event.get("reason", ""))
+            if self.policy is not None:
+                self._publish(self.policy.leave(int(event["pipeline"])))
         elif kind != "tick":
             line = self.tracker.update(event)
             if line is not None:

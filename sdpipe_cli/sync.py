@@ -19,6 +19,7 @@ or the last meeting would wait forever for a replica that has stopped.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from datetime import timedelta
@@ -30,6 +31,8 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from sdpipe_cli import store
+
+log = logging.getLogger("sdpipe.sync")
 
 
 class GroupCache:
@@ -66,6 +69,10 @@ class GroupCache:
         options = dist.AllreduceOptions()
         options.reduceOp = op
         self.get(ranks).allreduce([tensor], options).wait()
+
+    def forget(self, ranks: list[int]) -> None:
+        """Drop a communicator whose member is gone; it cannot be used again."""
+        self._groups.pop(tuple(sorted(ranks)), None)
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -173,7 +180,16 @@ class GroupSync(Sync):
         members = decision["members"]
         if len(members) > 1:
             ranks = [p * self.stages + self.stage for p in members]
-            average_parameters(module, self.groups, ranks)
+            backup = parameters_to_vector(module.parameters()).detach().clone()
+            try:
+                average_parameters(module, self.groups, ranks)
+            except (RuntimeError, dist.DistError) as err:
+                # A member died mid-round (its pipeline was lost): keep our own weights. The
+                # scheduler drops that pipeline from every later group.
+                vector_to_parameters(backup, module.parameters())
+                self.groups.forget(ranks)
+                log.warning("group %s failed (%s); going on alone", members, err)
+                members = [self.pipeline]
         self.stop = bool(decision["stop"])
         self._checkpoint = decision.get("checkpoint")
         self._stats = {"group_size": len(members), "round": decision["round"],

@@ -299,8 +299,13 @@ def main() -> int:
                                 device_id=device if cuda else None)
         log.info("pipeline %d stage %d on %s", where.pipeline, where.stage, device)
         try:
-            groups = GroupCache(dist.PrefixStore(store.PG_PREFIX, client), rank, backend,
-                                cfg.run.timeout)
+            # sdpipe's groups get their own store connection and a short timeout: a member that
+            # died between its ready signal and the average must not stall the survivors.
+            timeout = cfg.sync.group_timeout if cfg.sync.name == "sdpipe" else cfg.run.timeout
+            group_store = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                        timeout) if timeout != cfg.run.timeout else client
+            groups = GroupCache(dist.PrefixStore(store.PG_PREFIX, group_store), rank, backend,
+                                timeout)
             Worker(cfg, where, device, store.namespace(client), groups,
                    resume=os.environ.get("SDPIPE_RESUME")).train()
         finally:

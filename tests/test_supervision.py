@@ -110,3 +110,36 @@ def test_second_ctrl_c_stops_at_once(run_dir):
     rc, err, took = finish(proc, timeout=60)
     assert rc == 130 and "interrupted" in err, err
     assert not run_processes(run_dir)
+
+
+def test_lost_pipeline_is_dropped_and_the_others_go_on(run_dir):
+    """fault.on_pipeline_loss=continue (sync=sdpipe): all-reduce could not do this."""
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
+                        "cluster.pipelines=3", "train.steps=60", "train.batch_size=8",
+                        "cluster.compute_ms=5", "train.eval_every=0",
+                        "fault.on_pipeline_loss=continue")
+    wait_for_training(run_dir, proc)
+    os.kill(worker_pid(run_dir, 4), signal.SIGKILL)  # pipeline 2, stage 0
+    rc, err, took = finish(proc, timeout=180)
+    assert rc == 0, err
+    assert "pipeline 2 lost" in err and "worker rank 4 (pipeline 2, stage 0) was killed by SIGKILL" in err
+    (lost,) = metrics(run_dir, "lost")
+    assert lost["pipeline"] == 2
+    done = [d for d in metrics(run_dir, "done") if "param_digest" in d]
+    assert {d["pipeline"] for d in done} == {0, 1}
+    for stage in (0, 1):  # the survivors still end on a global sync
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+    groups = metrics(run_dir, "group")
+    after = groups[[g["time"] for g in groups].index(max(g["time"] for g in groups)):]
+    assert all(2 not in g["members"] for g in after)
+    assert not run_processes(run_dir)
+
+
+def test_lost_pipeline_without_tolerance_stops_the_run(run_dir):
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=allreduce", "cluster.pipelines=3",
+                        *LONG)
+    wait_for_training(run_dir, proc)
+    os.kill(worker_pid(run_dir, 4), signal.SIGKILL)
+    rc, err, took = finish(proc, timeout=60)
+    assert rc == 1 and "worker rank 4 (pipeline 2, stage 0) was killed by SIGKILL" in err
+    assert not run_processes(run_dir)
