@@ -197,7 +197,7 @@ class Scheduler:
         steps = {p: shards[p * S] for p in range(self.cfg.cluster.pipelines)}
         elapsed = time.time() - self.t0
         checkpoint.save_shard(checkpoint.staging_dir(self.run_dir, ckpt), "scheduler",
-                              {"steps": steps, "elapsed": elapsed})
+                              {"steps": steps, "elapsed": elapsed, "metrics": self.summary()})
         path = checkpoint.finalize(
             self.run_dir, ckpt, keep=self.cfg.checkpoint.keep,
             expected=[str(r) for r in range(self.tracker.world_size)] + ["scheduler"],

@@ -347,3 +347,14 @@ def test_run_dir_that_is_a_file_is_rejected_untouched(tmp_path):
     _one_error_line(proc.stderr, "run.dir")
     assert target.read_text() == "not a folder\n"
     assert target.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("content, reason", [(b"", "empty"), (b"tiny", "too small")])
+def test_empty_or_too_small_text_corpus_is_one_line_exit_2(tmp_path, capsys, content, reason):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(content)
+    rc = main(["train", "data=text", f"data.path={corpus}", "model=mlp",
+               f"run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("sdpipe: error: "), err
+    assert not (tmp_path / "run").exists()

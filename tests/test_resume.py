@@ -167,3 +167,30 @@ def test_time_based_checkpoints(tmp_path, sync):
     assert steps == sorted(set(steps))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(
         f"step_{k}" for k in steps)
+
+
+def test_after_a_sigkill_the_last_checkpoint_resumes(tmp_path):
+    import os
+    import signal
+    import time
+
+    from conftest import sdpipe_popen
+    run_dir = tmp_path / "run"
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=allreduce", "model=mlp",
+                        "data=synthetic", "train.steps=100000", "train.batch_size=8",
+                        "checkpoint.every=5", "train.eval_every=0")
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() or len(metrics(run_dir, "checkpoint")) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    worker = next(p for p in run_processes(run_dir) if "sdpipe_cli.worker" in " ".join(p.cmdline()))
+    os.kill(worker.pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "SIGKILL" in err
+    assert not run_processes(run_dir)
+    last = metrics(run_dir, "checkpoint")[-1]
+    out = sdpipe("resume", str(run_dir), f"train.steps={last['step'] + 5}")
+    assert out.returncode == 0, out.stderr
+    assert f"step_{last['step']}" in out.stderr
+    done = metrics(run_dir, "done")
+    assert {d["steps"] for d in done} == {last["step"] + 5}

@@ -61,12 +61,13 @@ def test_sigkilled_worker_stops_the_run_and_is_named(run_dir):
     assert not run_processes(run_dir)
 
 
-def test_ctrl_c_stops_everything(run_dir):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_everything(run_dir, sig):
     proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG)
     wait_for_training(run_dir, proc)
     children = [p.pid for p in run_processes(run_dir)]
     assert len(children) == 5  # scheduler + 4 workers
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     rc, err, took = finish(proc, timeout=60)
     assert rc == 130, err
     assert "interrupted" in err
