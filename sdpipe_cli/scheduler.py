@@ -108,7 +108,7 @@ class Scheduler:
         self.global_seen = [0] * S  # global decisions per stage, to match policy.global_history
         self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
         self.next_checkpoint = cfg.checkpoint.every
-        self.last_checkpoint = time.monotonic()
+        self.last_checkpoint = self.clock()
         if resume is not None:
             self._resume(resume)
 
@@ -179,7 +179,7 @@ class Scheduler:
             due = bool(every) and at >= self.next_checkpoint
             minutes = self.cfg.checkpoint.every_minutes
             due = due or (d.stop and self.cfg.checkpoint.on_exit) or bool(
-                minutes and time.monotonic() - self.last_checkpoint >= minutes * 60)
+                minutes and self.clock() - self.last_checkpoint >= minutes * 60)
             self.global_checkpoint[g] = at if due else None
             if due and every:
                 self.next_checkpoint = (at // every + 1) * every
@@ -203,7 +203,7 @@ class Scheduler:
             expected=[str(r) for r in range(self.tracker.world_size)] + ["scheduler"],
             meta={"config": OmegaConf.to_container(self.cfg, resolve=True), "steps": steps,
                   "elapsed": elapsed, "partition": list(self.cfg.pipeline.partition)})
-        self.last_checkpoint = time.monotonic()
+        self.last_checkpoint = self.clock()
         self.metrics.write({"kind": "checkpoint", "step": ckpt, "time": round(elapsed, 4),
                             "steps": steps, "path": str(path)})
         log.info("checkpoint %s", path)

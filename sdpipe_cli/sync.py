@@ -79,7 +79,10 @@ class GroupCache:
 
 
 def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) -> None:
-    """Replace each parameter by the mean over ``ranks`` (one flat all-reduce, exact weights 1/n)."""
+    """Replace each parameter by the mean over ``ranks`` (one flat all-reduce, exact weights 1/n).
+
+    The all-reduce works on a flat copy; the parameters change only once it completed.
+    """
     flat = parameters_to_vector(module.parameters())
     groups.all_reduce(flat, ranks)
     flat /= len(ranks)
@@ -180,13 +183,12 @@ class GroupSync(Sync):
         members = decision["members"]
         if len(members) > 1:
             ranks = [p * self.stages + self.stage for p in members]
-            backup = parameters_to_vector(module.parameters()).detach().clone()
             try:
                 average_parameters(module, self.groups, ranks)
             except (RuntimeError, dist.DistError) as err:
-                # A member died mid-round (its pipeline was lost): keep our own weights. The
-                # scheduler drops that pipeline from every later group.
-                vector_to_parameters(backup, module.parameters())
+                # A member died mid-round (its pipeline was lost). The weights are only written
+                # back after a complete all-reduce, so ours are untouched; the scheduler drops
+                # that pipeline from every later group.
                 self.groups.forget(ranks)
                 log.warning("group %s failed (%s); going on alone", members, err)
                 members = [self.pipeline]
