@@ -189,7 +189,7 @@ def compose(overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
     except Exception as err:  # Hydra raises many types; all become one line
-        raise _as_config_error(err, overrides) from None
+        raise _as_config_error(err) from None
     finally:
         GlobalHydra.instance().clear()
     # Hydra lets ``+key=value`` add keys the schema does not have; the schema is the contract.
@@ -206,7 +206,7 @@ def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") 
             _reject_unknown_keys(cfg[key], schema[key], f"{name}.")
 
 
-def _as_config_error(err: Exception, overrides: list[str]) -> ConfigError:
+def _as_config_error(err: Exception) -> ConfigError:
     """Turn a Hydra/OmegaConf exception into a one-line :class:`ConfigError`."""
     from omegaconf.errors import OmegaConfBaseException
 
@@ -217,7 +217,6 @@ def _as_config_error(err: Exception, overrides: list[str]) -> ConfigError:
     text = " ".join(str(cause).split("\n")[0].split())
     if not key:
         # "Could not override 'x.y'", "Could not find 'model/foo'", override parse errors
-
         text = " ".join(str(err).split("\n")[0].split())
         missing = re.search(r"Could not find '(\w+)/([^']*)'", str(err))
         if missing:

@@ -20,7 +20,6 @@ PREFIX = "sdpipe/"  # ours
 EVENTS = "events"  # queue: worker -> scheduler records (start, step, eval, done)
 PROGRESS = "progress"  # scheduler -> launcher: JSON snapshot for the progress display
 T0 = "t0"  # wall-clock start of the run (seconds since the epoch), set by the launcher
-FINISHED = "finished"  # set by the scheduler when every worker reported done
 STOP_REQUESTED = "stop_requested"  # set by the launcher on Ctrl-C/SIGTERM: stop at a consistent point
 
 
