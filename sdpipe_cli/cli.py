@@ -102,7 +102,10 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
         return 0
     if cfg.data.name == "text":  # a user's file: fail before anything starts
         data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
-    return _run(launcher.prepare(cfg), console)
+    run_cfg, plan = launcher.prepare(cfg)
+    if plan is not None:
+        _plan_table(console, plan)
+    return _run(run_cfg, console)
 
 
 def resume(path: str, overrides: Sequence[str], console: Console) -> int:
@@ -116,7 +119,7 @@ def resume(path: str, overrides: Sequence[str], console: Console) -> int:
     validate(cfg)
     console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
                   highlight=False)
-    return _run(launcher.prepare(cfg), console, resume=ckpt, elapsed=manifest["elapsed"],
+    return _run(launcher.prepare(cfg)[0], console, resume=ckpt, elapsed=manifest["elapsed"],
                 done=sum(manifest["steps"].values()))
 
 
@@ -188,6 +191,21 @@ class _ProgressDisplay:
                                highlight=False)
             while self.next_report * self.total <= done:
                 self.next_report += 0.1
+
+
+def _plan_table(console: Console, plan) -> None:
+    """The automatic partition next to the uniform one, with predicted per-stage times."""
+    table = Table(title="pipeline.partition=auto (predicted ms per micro-batch, forward + backward, "
+                  "slowest replica)")
+    table.add_column("stage", justify="right")
+    for col in (f"uniform {plan.uniform_bounds}", f"auto {plan.bounds}"):
+        table.add_column(col, justify="right")
+    for s, (u, a) in enumerate(zip(plan.uniform_times, plan.times)):
+        table.add_row(str(s), f"{u:.2f}", f"{a:.2f}")
+    table.add_row("bottleneck", f"{max(plan.uniform_times):.2f}", f"{max(plan.times):.2f}")
+    console.print(table)
+    console.print(f"auto partition: predicted {plan.speedup:.2f}x the uniform partition's "
+                  "throughput", highlight=False)
 
 
 def _summary(console: Console, result) -> None:

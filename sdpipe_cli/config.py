@@ -24,7 +24,8 @@ SYNC_MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 DEVICES = ("cpu", "cuda", "auto")
 ARCHS = ("gpt", "mlp")
 DATASETS = ("stdlib", "text", "synthetic")
-PARTITIONS = ("uniform", "params")
+PARTITIONS = ("uniform", "params", "auto")
+EMULATIONS = ("auto", "measured", "modelled")
 
 
 class ConfigError(ValueError):
@@ -59,15 +60,68 @@ class DataConfig:
 
 
 @dataclass
+class DeviceConfig:
+    speed: float = 1.0  # relative compute speed: 1.0 = as measured, 0.5 = twice the wall time
+    memory: Optional[float] = None  # GiB this worker may use (CPU: RSS; CUDA: allocator cap)
+
+
+@dataclass
+class NodeConfig:
+    name: str = "node"
+    devices: List[DeviceConfig] = field(default_factory=list)
+
+
+@dataclass
+class StragglerConfig:
+    # Each micro-batch (or iteration) a worker is slowed by ``factor`` with this probability.
+    probability: float = 0.0
+    factor: float = 3.0
+    per: str = "microbatch"  # microbatch | iteration
+    devices: List[str] = field(default_factory=list)  # device names ("node:index"); empty: all
+
+
+@dataclass
+class SpeedChangeConfig:
+    device: str = "?"  # device name, "node:index"
+    speed: float = 1.0  # the device's speed while the change lasts (replaces its own)
+    start: float = 0.0  # seconds of the run clock
+    end: Optional[float] = None  # null: until the end of the run
+
+
+@dataclass
+class LinkConfig:
+    latency_ms: float = 0.0  # one-way latency added to every message
+    bandwidth_gbps: Optional[float] = None  # Gbit/s; null: as fast as the real transport
+
+
+@dataclass
+class LinksConfig:
+    same_node: LinkConfig = field(default_factory=LinkConfig)
+    cross_node: LinkConfig = field(default_factory=LinkConfig)
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local"
     pipelines: int = 2  # P: data-parallel pipelines
     device: str = "auto"  # cpu | cuda | auto (cuda when available, one GPU per worker)
     host: str = "127.0.0.1"  # address the TCPStore binds to; keep it private (see README)
+    # Nodes and their devices; empty: one node "local" with one device of speed 1.0 per worker.
+    nodes: List[NodeConfig] = field(default_factory=list)
+    # Device name per (pipeline, stage): P lists of S "node:index"; empty: worker p*S+s takes the
+    # (p*S+s)-th device in node order (pipelines stay within a node when they fit).
+    placement: List[List[str]] = field(default_factory=list)
     # Per-pipeline compute slowdown factors (3.0 = three times slower); empty: all equal.
     slowdown: List[float] = field(default_factory=list)
-    # Modelled time of one micro-batch forward in ms (backward: twice); null: use measured time.
+    # measured: scale each action's measured time; modelled: each action costs a modelled time
+    # (compute_ms, or the profile's block times) and the real compute runs inside it;
+    # auto: modelled when compute_ms is set.
+    emulation: str = "auto"
+    # Modelled time of one micro-batch forward of a stage in ms (backward: twice).
     compute_ms: Optional[float] = None
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    changes: List[SpeedChangeConfig] = field(default_factory=list)  # scheduled speed changes
+    links: LinksConfig = field(default_factory=LinksConfig)  # emulated network per link class
 
 
 @dataclass
@@ -147,6 +201,9 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    # A profile.json from `sdpipe profile`: block costs for pipeline.partition=auto and for
+    # modelled emulation without cluster.compute_ms.
+    profile: Optional[str] = None
 
 
 def n_blocks(model: ModelConfig | DictConfig) -> int:
@@ -310,6 +367,56 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
     need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
     need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")
+    _validate_cluster(cfg)
+
+
+def _validate_cluster(cfg: DictConfig) -> None:
+    """Nodes, placement, emulation, stragglers and the profile they may need."""
+    from sdpipe_cli.cluster import Cluster, ClusterError
+    from sdpipe_cli.profile import ProfileError, check_model, load
+
+    c = cfg.cluster
+    try:
+        cluster = Cluster.from_config(c, cfg.pipeline.stages)
+    except ClusterError as err:
+        raise ConfigError(err.key, err.reason) from None
+    if c.emulation not in EMULATIONS:
+        raise ConfigError("cluster.emulation", f"is '{c.emulation}'; choose one of {', '.join(EMULATIONS)}")
+    modelled = emulation(cfg) == "modelled"
+    if modelled and c.compute_ms is None and not cfg.profile:
+        raise ConfigError("cluster.emulation", "modelled needs cluster.compute_ms or profile=PATH "
+                          "(block times from `sdpipe profile`)")
+    if not modelled and cluster.max_speed > 1.0:
+        raise ConfigError("cluster.nodes", f"a device speed of {cluster.max_speed:g} > 1.0 needs "
+                          "cluster.emulation=modelled (measured compute cannot be made faster)")
+    st = c.stragglers
+    if not 0.0 <= st.probability <= 1.0:
+        raise ConfigError("cluster.stragglers.probability", "must be in [0, 1]")
+    if st.factor < 1.0:
+        raise ConfigError("cluster.stragglers.factor", "must be >= 1.0 (3.0 = three times slower)")
+    if st.per not in ("microbatch", "iteration"):
+        raise ConfigError("cluster.stragglers.per", f"is '{st.per}'; choose microbatch or iteration")
+    for name in st.devices:
+        if name not in cluster.devices:
+            raise ConfigError("cluster.stragglers.devices", f"no device '{name}' (devices: "
+                              f"{', '.join(cluster.devices)})")
+    if cfg.pipeline.partition == "auto" and not cfg.profile:
+        raise ConfigError("pipeline.partition", "auto needs profile=PATH (a profile.json from "
+                          "`sdpipe profile`)")
+    if cfg.profile:
+        try:
+            check_model(load(cfg.profile), cfg.model.name, n_blocks(cfg.model),
+                        cfg.train.batch_size // cfg.pipeline.microbatches)
+        except ProfileError as err:
+            raise ConfigError("profile", str(err)) from None
+
+
+def emulation(cfg: DictConfig) -> str:
+    """``measured`` or ``modelled``: what ``cluster.emulation=auto`` means for this config."""
+    mode = cfg.cluster.emulation
+    if mode == "auto":
+        return "modelled" if cfg.cluster.compute_ms is not None else "measured"
+    return mode
 
 
 def _validate_partition(partition: Any, stages: int, blocks: int) -> None:
@@ -322,7 +429,7 @@ def _validate_partition(partition: Any, stages: int, blocks: int) -> None:
     if not isinstance(partition, (list, ListConfig)) or not all(
         isinstance(b, int) and not isinstance(b, bool) for b in partition
     ):
-        raise ConfigError(key, "must be uniform, params or a list of integer block boundaries")
+        raise ConfigError(key, "must be uniform, params, auto or a list of integer block boundaries")
     bounds = list(partition)
     if len(bounds) != stages - 1:
         raise ConfigError(key, f"has {len(bounds)} boundaries; {stages} stages need {stages - 1}")

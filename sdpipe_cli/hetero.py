@@ -1,45 +1,189 @@
-"""Heterogeneity emulation: make a worker's compute take longer, honestly.
+"""Heterogeneity emulation: make a worker's compute and links slower, honestly.
 
-``cluster.slowdown`` gives one factor per pipeline (3.0 = three times slower). Two modes:
+What slows a worker down (combined by multiplying):
 
-* measured (``cluster.compute_ms`` unset): after each forward or backward the worker sleeps
-  ``(factor - 1) x`` the time the action took, so its compute takes ``factor x`` the wall time.
-  On a busy machine the measured time already includes CPU contention, and the sleep scales it.
-* modelled (``cluster.compute_ms`` set): every micro-batch forward costs ``compute_ms x factor``
-  and every backward twice that; the real compute runs inside that budget and the worker sleeps
-  for the rest. Results then do not depend on how many processes share the cores, as long as the
-  real compute fits inside the budget (the worker counts the actions where it did not).
+* its device's ``speed`` (:mod:`sdpipe_cli.cluster`; 0.5 = twice the wall time), which scheduled
+  ``cluster.changes`` may replace between two times of the run clock;
+* its pipeline's ``cluster.slowdown`` factor (3.0 = three times slower);
+* random stragglers (``cluster.stragglers``): with probability q a micro-batch (or a whole
+  iteration) is slowed by a further factor f, from a generator seeded by (seed, rank), so runs
+  are reproducible.
+
+Two ways to turn the factor into wall time:
+
+* measured (``cluster.emulation=measured``): after each forward or backward the worker sleeps
+  ``(factor - 1) x`` the time the action took. Simple, but on a busy machine the measured time
+  already includes CPU contention, which the sleep then multiplies.
+* modelled (``cluster.emulation=modelled``): every micro-batch forward costs a modelled time
+  (``cluster.compute_ms``, or the stage's blocks' forward times from a profile) x factor, the
+  backward its own modelled time (twice the forward, or the profile's); the real compute runs
+  inside that budget and the worker sleeps for the rest. The results then do not depend on how
+  many processes share the cores, as long as the real compute fits in the budget (the worker
+  counts the actions where it did not: ``slowdown_overruns``).
+
+Links (``cluster.links``): a message to a neighbouring stage costs the link's latency plus its
+size over the link's bandwidth, slept by the sender before it posts the send (a transfer that
+is not overlapped with compute); a group all-reduce costs a ring's time on the slowest link it
+uses (:meth:`~sdpipe_cli.cluster.Cluster.allreduce_s`), slept by every member before it.
 """
 
 from __future__ import annotations
 
+import random
 import time
-from typing import Optional
+from typing import Callable, Optional
 
+import psutil
+import torch
+
+from sdpipe_cli import profile
+from sdpipe_cli.cluster import Cluster, Device
+from sdpipe_cli.config import emulation, n_blocks
+from sdpipe_cli.partition import stage_ranges
 from sdpipe_cli.schedule import Action
 
 
+class Stragglers:
+    """Random slow-downs: each draw is ``factor`` with ``probability``, else 1.0."""
+
+    def __init__(self, probability: float, factor: float, seed: object = 0):
+        self.probability, self.factor = probability, factor
+        self._rng = random.Random(str(seed))
+
+    def draw(self) -> float:
+        return self.factor if self._rng.random() < self.probability else 1.0
+
+
 class Slowdown:
-    """An ``on_action`` hook for :class:`~sdpipe_cli.stage.PipelineStage`."""
+    """An ``on_action`` hook for :class:`~sdpipe_cli.stage.PipelineStage`.
+
+    ``factor`` is the static slow-down; ``speed()`` the device's speed now (it may change during
+    the run, ``dynamic`` says it may); ``compute_ms``/``backward_ms`` the modelled cost of a forward/backward at speed 1
+    (None: measured mode); ``stragglers`` draws the random factor, per micro-batch or, with
+    ``per_iteration``, once per :meth:`new_iteration`.
+    """
 
     def __init__(self, factor: float = 1.0, compute_ms: Optional[float] = None,
-                 sleep=time.sleep):
-        self.factor, self.compute_s, self.sleep = factor, (compute_ms or 0) / 1000.0, sleep
+                 sleep: Callable[[float], None] = time.sleep, *,
+                 backward_ms: Optional[float] = None,
+                 speed: Callable[[], float] = lambda: 1.0,
+                 stragglers: Optional[Stragglers] = None, per_iteration: bool = False,
+                 dynamic: bool = False):
+        self.factor, self.sleep, self.speed, self.dynamic = factor, sleep, speed, dynamic
+        self.forward_s = (compute_ms or 0) / 1000.0
+        self.backward_s = (backward_ms / 1000.0 if backward_ms is not None else 2 * self.forward_s)
+        self.stragglers, self.per_iteration = stragglers, per_iteration
+        self._iteration_factor = 1.0
+        self.actions = 0  # actions seen
+        self.straggled = 0  # actions slowed by a random straggler
         self.overruns = 0  # actions whose real compute exceeded the modelled budget
 
     @property
     def active(self) -> bool:
-        return self.factor != 1.0 or self.compute_s > 0
+        """Whether the hook changes anything (else the worker does not install it)."""
+        return (self.factor != 1.0 or self.modelled or self.stragglers is not None
+                or self.dynamic or self.speed() != 1.0)
 
-    def target(self, action: Action, seconds: float) -> float:
+    @property
+    def modelled(self) -> bool:
+        return self.forward_s > 0 or self.backward_s > 0
+
+    def new_iteration(self) -> None:
+        """An iteration starts: draw its straggler factor (``per_iteration`` mode)."""
+        if self.stragglers is not None and self.per_iteration:
+            self._iteration_factor = self.stragglers.draw()
+
+    def target(self, action: Action, seconds: float, straggle: float = 1.0) -> float:
         """Wall time the action must take."""
-        if self.compute_s > 0:
-            return self.compute_s * self.factor * (2.0 if action.kind == "B" else 1.0)
-        return seconds * self.factor
+        factor = self.factor * straggle / self.speed()
+        if self.modelled:
+            return (self.backward_s if action.kind == "B" else self.forward_s) * factor
+        return seconds * factor
 
     def __call__(self, action: Action, seconds: float) -> None:
-        rest = self.target(action, seconds) - seconds
+        self.actions += 1
+        straggle = 1.0
+        if self.stragglers is not None:
+            straggle = self._iteration_factor if self.per_iteration else self.stragglers.draw()
+        if straggle != 1.0:
+            self.straggled += 1
+        rest = self.target(action, seconds, straggle) - seconds
         if rest > 0:
             self.sleep(rest)
-        elif self.compute_s > 0 and rest < 0:
+        elif self.modelled and rest < 0:
             self.overruns += 1
+
+    def stats(self) -> dict:
+        return {"actions": self.actions, "straggled": self.straggled, "overruns": self.overruns}
+
+
+def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
+                  clock: Callable[[], float]) -> Slowdown:
+    """The hook for worker (pipeline, stage) of a run config; ``clock()`` is the run time in s."""
+    c = cfg.cluster
+    device = cluster.device(pipeline, stage)
+    forward_ms = backward_ms = None
+    if emulation(cfg) == "modelled":
+        if c.compute_ms is not None:
+            forward_ms, backward_ms = float(c.compute_ms), 2.0 * float(c.compute_ms)
+        else:  # the stage's blocks, as the profile measured them, at speed 1.0
+            start, stop = stage_ranges(list(cfg.pipeline.partition), n_blocks(cfg.model))[stage]
+            fwd, bwd = profile.block_costs(profile.load(cfg.profile), device.name, 1.0)
+            forward_ms, backward_ms = sum(fwd[start:stop]), sum(bwd[start:stop])
+    st = c.stragglers
+    stragglers = None
+    if st.probability > 0 and st.factor != 1.0 and (not st.devices or device.name in st.devices):
+        stragglers = Stragglers(st.probability, st.factor, f"{cfg.train.seed}/{device.name}")
+    slow = list(c.slowdown)
+    return Slowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
+                    speed=lambda: cluster.speed(device, clock()), stragglers=stragglers,
+                    per_iteration=st.per == "iteration",
+                    dynamic=bool(cluster.change_points(device)))
+
+
+def link_delay(cluster: Cluster, rank: int) -> Optional[Callable[[int, torch.Tensor], None]]:
+    """A ``before_send`` hook sleeping the emulated link's transfer time (None: no emulation)."""
+    if not cluster.links_emulated:
+        return None
+
+    def delay(dst: int, tensor: torch.Tensor) -> None:
+        seconds = cluster.link(rank, dst).transfer_s(tensor.numel() * tensor.element_size())
+        if seconds > 0:
+            time.sleep(seconds)
+
+    return delay
+
+
+class MemoryLimitExceeded(RuntimeError):
+    pass
+
+
+class MemoryLimit:
+    """A device's ``memory`` limit. On CUDA the caching allocator is capped, so an allocation
+    beyond it raises torch's out-of-memory error; on CPU the process's resident set is checked
+    after every iteration and a worker over its limit stops with an error naming the device."""
+
+    def __init__(self, device: Device, torch_device: torch.device):
+        self.limit_gib, self.name, self.torch_device = device.memory_gib, device.name, torch_device
+        self.cuda = torch_device.type == "cuda"
+        self._process = psutil.Process()
+        self._peak_rss = 0
+        if self.cuda and self.limit_gib:
+            total = torch.cuda.get_device_properties(torch_device).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, self.limit_gib * 2**30 / total), torch_device)
+
+    def peak_mb(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.torch_device) / 2**20
+        self._peak_rss = max(self._peak_rss, self._process.memory_info().rss)
+        return self._peak_rss / 2**20
+
+    def check(self) -> None:
+        if self.cuda or not self.limit_gib:
+            return
+        rss = self.peak_mb() / 1024
+        if rss > self.limit_gib:
+            raise MemoryLimitExceeded(
+                f"device {self.name} is limited to {self.limit_gib:g} GiB (cluster.nodes) but "
+                f"this worker's resident memory reached {rss:.2f} GiB")

@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli import models, partition, store
+from sdpipe_cli import models, partition, profile, store
+from sdpipe_cli.cluster import Cluster
 from sdpipe_cli.config import ConfigError, n_blocks, resolve_device, save_run_config
 from sdpipe_cli.errors import read_error
 
@@ -50,14 +51,24 @@ class RunResult:
     wall_s: float = 0.0
 
 
-def prepare(cfg: DictConfig) -> DictConfig:
-    """Resolve what depends on this machine (device, partition) into a concrete run config."""
+def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
+    """Resolve what depends on this machine (device, partition, the profile's path) into a
+    concrete run config; with ``pipeline.partition=auto`` also the plan that chose it."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
     cfg.cluster.device = resolve_device(cfg)
+    if cfg.profile:
+        cfg.profile = str(Path(cfg.profile).expanduser().resolve())
+    blocks, stages = n_blocks(cfg.model), cfg.pipeline.stages
     counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
-    cfg.pipeline.partition = partition.resolve(cfg.pipeline.partition, n_blocks(cfg.model),
-                                               cfg.pipeline.stages, counts)
-    return cfg
+    plan = None
+    if cfg.pipeline.partition == "auto":
+        block_ms = profile.worker_block_ms(profile.load(cfg.profile),
+                                           Cluster.from_config(cfg.cluster, stages),
+                                           list(cfg.cluster.slowdown))
+        plan = partition.plan(partition.device_cost(block_ms), blocks, stages)
+    cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
+        cfg.pipeline.partition, blocks, stages, counts)
+    return cfg, plan
 
 
 def make_run_dir(requested: Optional[str]) -> Path:

@@ -9,7 +9,8 @@ The functions here are pure: they take block costs and return boundaries, no I/O
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 
 def uniform(blocks: int, stages: int) -> list[int]:
@@ -24,16 +25,24 @@ def uniform(blocks: int, stages: int) -> list[int]:
 
 
 def balanced(costs: Sequence[float], stages: int) -> list[int]:
-    """Boundaries that minimize the largest stage cost (exact dynamic program over contiguous ranges).
-
-    O(stages x blocks^2): trivial for the tens of blocks a pipeline has. Ties go to the partition
-    whose stages end earliest, so the result is deterministic.
-    """
-    n = len(costs)
-    _check(n, stages)
+    """Boundaries that minimize the largest stage cost, every stage on an equal device."""
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
+    return optimal(lambda s, a, b: prefix[b] - prefix[a], len(costs), stages)
+
+
+def optimal(cost: Callable[[int, int, int], float], blocks: int, stages: int) -> list[int]:
+    """Boundaries that minimize ``max_s cost(s, start_s, stop_s)``: an exact dynamic program over
+    contiguous block ranges, in which the cost of a range may depend on the stage holding it
+    (its devices).
+
+    O(stages x blocks^2) cost evaluations: trivial for the tens of blocks a pipeline has. Ties go
+    to the partition whose stages end earliest, so the result is deterministic. Every stage gets
+    at least one block.
+    """
+    n = blocks
+    _check(n, stages)
     inf = float("inf")
     # best[k][j]: smallest bottleneck when the first j blocks form k stages; cut[k][j]: last start.
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -42,7 +51,7 @@ def balanced(costs: Sequence[float], stages: int) -> list[int]:
     for k in range(1, stages + 1):
         for j in range(k, n - (stages - k) + 1):
             for i in range(k - 1, j):
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                value = max(best[k - 1][i], cost(k - 1, i, j))
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i
     bounds, j = [], n
@@ -52,14 +61,66 @@ def balanced(costs: Sequence[float], stages: int) -> list[int]:
     return bounds[::-1]
 
 
+def device_cost(block_ms: Sequence[Sequence[Sequence[float]]]) -> Callable[[int, int, int], float]:
+    """The cost of stage s holding blocks [a, b) when ``block_ms[p][s][i]`` is block i's time on
+    the device of pipeline p's stage s: the slowest replica's sum, since the slowest pipeline's
+    bottleneck stage sets the pace of a synchronous step and of the slowest replica."""
+    prefix = [[[0.0, *_accumulate(row)] for row in pipeline] for pipeline in block_ms]
+
+    def cost(s: int, a: int, b: int) -> float:
+        return max(p[s][b] - p[s][a] for p in prefix)
+
+    return cost
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An automatic partition and, for comparison, the uniform one, with predicted stage times."""
+
+    bounds: list[int]
+    times: list[float]  # predicted time of each stage (the slowest replica's)
+    uniform_bounds: list[int]
+    uniform_times: list[float]
+
+    @property
+    def speedup(self) -> float:
+        """Predicted gain of the bottleneck stage over the uniform partition."""
+        return max(self.uniform_times) / max(self.times) if max(self.times) > 0 else 1.0
+
+
+def plan(cost: Callable[[int, int, int], float], blocks: int, stages: int) -> Plan:
+    """The optimal partition for ``cost`` next to the uniform one."""
+    bounds, even = optimal(cost, blocks, stages), uniform(blocks, stages)
+    return Plan(bounds, stage_times(bounds, cost, blocks), even, stage_times(even, cost, blocks))
+
+
+def stage_times(bounds: Sequence[int], cost: Callable[[int, int, int], float], blocks: int) -> list[float]:
+    """Predicted time of each stage under ``bounds``."""
+    return [cost(s, a, b) for s, (a, b) in enumerate(stage_ranges(bounds, blocks))]
+
+
+def _accumulate(values: Sequence[float]) -> list[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += float(v)
+        out.append(total)
+    return out
+
+
 def stage_ranges(bounds: Sequence[int], blocks: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` per stage, from boundaries."""
     edges = [0, *bounds, blocks]
     return list(zip(edges, edges[1:]))
 
 
-def resolve(partition, blocks: int, stages: int, param_counts: Sequence[int] | None = None) -> list[int]:
-    """Boundaries for a ``pipeline.partition`` setting: ``uniform``, ``params`` or explicit list."""
+def resolve(partition, blocks: int, stages: int, param_counts: Sequence[int] | None = None,
+            cost: Callable[[int, int, int], float] | None = None) -> list[int]:
+    """Boundaries for a ``pipeline.partition`` setting: ``uniform``, ``params``, ``auto`` (needs
+    ``cost``, see :func:`device_cost`) or an explicit list."""
+    if partition == "auto":
+        if cost is None:
+            raise ValueError("partition=auto needs measured block costs (a profile)")
+        return optimal(cost, blocks, stages)
     if partition == "uniform":
         return uniform(blocks, stages)
     if partition == "params":

@@ -64,7 +64,8 @@ class PipelineStage:
     ``activation_shape`` is the shape of one micro-batch's activation between stages, of
     ``dtype``, on ``device``. ``before_action(action)`` is called before each action's
     compute and ``on_action(action, seconds)`` after it, with its wall time (including the
-    waits for neighbours). Neither is called by :meth:`forward_only`.
+    waits for neighbours). Neither is called by :meth:`forward_only`. ``before_send(dst,
+    tensor)`` is called before every send (the emulated network's delay).
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class PipelineStage:
         group: Optional[dist.ProcessGroup] = None,
         before_action: Optional[Callable[[Action], None]] = None,
         on_action: Optional[Callable[[Action, float], None]] = None,
+        before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
     ):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
@@ -100,6 +102,7 @@ class PipelineStage:
         self.group = group
         self.before_action = before_action
         self.on_action = on_action
+        self.before_send = before_send
         # Pending sends: (what, handles, buffer); "what" is F(i) for the activation of
         # micro-batch i, B(i) for the gradient of its input.
         self._sends: List[Tuple[Action, list, torch.Tensor]] = []
@@ -240,6 +243,8 @@ class PipelineStage:
 
     def _send(self, what: Action, tensor: torch.Tensor, dst: int, following: Optional[Action]) -> None:
         """Send without blocking; post ``following``'s receive with it if it comes from ``dst``."""
+        if self.before_send is not None:
+            self.before_send(dst, tensor)  # an emulated link's transfer time
         if self._source(following) == dst:
             buffer = self._buffer()
             works = dist.batch_isend_irecv(

@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,11 @@ class GroupCache:
     creates a given set once, so members always meet.
     """
 
-    def __init__(self, store: dist.Store, rank: int, backend: str, timeout: float):
+    def __init__(self, store: dist.Store, rank: int, backend: str, timeout: float,
+                 delay: Optional[Callable[[list[int], int], float]] = None):
         self.store, self.rank, self.backend = store, rank, backend
         self.timeout = timedelta(seconds=timeout)
+        self.delay = delay  # emulated network: seconds an all-reduce of N bytes over ranks takes
         self._groups: dict[tuple[int, ...], Any] = {}
 
     def get(self, ranks: list[int]):
@@ -66,6 +68,8 @@ class GroupCache:
 
     def all_reduce(self, tensor: torch.Tensor, ranks: list[int], op=dist.ReduceOp.SUM) -> None:
         """In-place all-reduce of ``tensor`` over ``ranks`` (this rank must be one of them)."""
+        if self.delay is not None:
+            time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
         options = dist.AllreduceOptions()
         options.reduceOp = op
         self.get(ranks).allreduce([tensor], options).wait()

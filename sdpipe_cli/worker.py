@@ -38,7 +38,8 @@ from torch import nn
 from sdpipe_cli import checkpoint, data, models, partition, store
 from sdpipe_cli.config import load_child_config, n_blocks
 from sdpipe_cli.errors import record
-from sdpipe_cli.hetero import Slowdown
+from sdpipe_cli.cluster import Cluster
+from sdpipe_cli.hetero import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.schedule import get_schedule
 from sdpipe_cli.stage import PipelineStage
 from sdpipe_cli.sync import GroupCache, make_sync
@@ -114,8 +115,10 @@ class Worker:
         self.sync = make_sync(cfg.sync.name, events=events, groups=groups, rank=where.rank,
                               pipeline=p, stage=s, pipelines=P, stages=S, device=device,
                               seed=cfg.train.seed)
-        slow = list(cfg.cluster.slowdown)
-        self.slowdown = Slowdown(slow[p] if slow else 1.0, cfg.cluster.compute_ms)
+        self.cluster = Cluster.from_config(cfg.cluster, S)
+        self.placed = self.cluster.device(p, s)
+        self.slowdown = make_slowdown(cfg, self.cluster, p, s, lambda: time.time() - self.t0)
+        self.memory = MemoryLimit(self.placed, device)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
         self.stage = PipelineStage(
             self.module, stage=s, num_stages=S,
@@ -124,6 +127,7 @@ class Worker:
             activation_shape=models.activation_shape(cfg.model, mb),
             device=device, loss_fn=models.loss_fn,
             on_action=self.slowdown if self.slowdown.active else None,
+            before_send=link_delay(self.cluster, where.rank),
         )
         self.actions = get_schedule(cfg.pipeline.schedule)(S, cfg.pipeline.microbatches, s)
         self.corpus = None
@@ -173,6 +177,7 @@ class Worker:
         step = self.start_step
         while self._agree(step, started):
             t_step = time.perf_counter()
+            self.slowdown.new_iteration()
             inputs = targets = None
             if self.corpus is not None:
                 x, y = data.train_batch(self.corpus, w.pipeline, w.pipelines, cfg.train.batch_size,
@@ -196,6 +201,7 @@ class Worker:
             self.sync.after_step(self.module, step)
             sync_s += time.perf_counter() - t_sync
             self._wait_pending()
+            self.memory.check()
             step += 1
             if step % cfg.train.log_every == 0:
                 elapsed = max(time.time() - started, 1e-9)
@@ -203,7 +209,8 @@ class Worker:
                 self._emit("step", step=step, samples=step * cfg.train.batch_size,
                            samples_per_s=(step - self.start_step) * cfg.train.batch_size / elapsed,
                            lr=lr, step_s=time.perf_counter() - t_step, compute_s=compute_s,
-                           sync_s=sync_s, **self.sync.stats(), **extra)
+                           sync_s=sync_s, straggled=self.slowdown.straggled,
+                           **self.sync.stats(), **extra)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 self.evaluate(step)
             ckpt = self.sync.checkpoint_due(step, cfg.checkpoint.every)
@@ -222,7 +229,9 @@ class Worker:
             final.mkdir(exist_ok=True)
             torch.save(self.module.state_dict(), final / f"p{w.pipeline}-s{w.stage}.pt")
         self._emit("done", steps=step, param_digest=param_digest(self.module),
-                   slowdown_overruns=self.slowdown.overruns)
+                   device=self.placed.name, slowdown_overruns=self.slowdown.overruns,
+                   actions=self.slowdown.actions, straggled=self.slowdown.straggled,
+                   peak_memory_mb=round(self.memory.peak_mb(), 1))
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _save(self, ckpt: int, step: int) -> None:
@@ -304,8 +313,9 @@ def main() -> int:
             timeout = cfg.sync.group_timeout if cfg.sync.name == "sdpipe" else cfg.run.timeout
             group_store = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                         timeout) if timeout != cfg.run.timeout else client
+            cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
             groups = GroupCache(dist.PrefixStore(store.PG_PREFIX, group_store), rank, backend,
-                                timeout)
+                                timeout, delay=cluster.allreduce_s if cluster.links_emulated else None)
             Worker(cfg, where, device, store.namespace(client), groups,
                    resume=os.environ.get("SDPIPE_RESUME")).train()
         finally:

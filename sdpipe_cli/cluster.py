@@ -1,0 +1,209 @@
+"""The cluster a run is placed on: nodes, devices, placement, speeds over time, links.
+
+A cluster config (``configs/cluster/*.yaml``) lists nodes and their devices; every worker
+(pipeline p, stage s) is placed on one device, explicitly (``cluster.placement``) or by default
+in node order, rank p*S+s on the (p*S+s)-th device, so a pipeline stays on one node when it fits
+and its replicas (which average weights) are spread across nodes. Without nodes the cluster is one
+node, ``local``, with one device of speed 1.0 per worker.
+
+Everything here is pure: :class:`Cluster` answers "which device", "how fast at run time t",
+"which link between these ranks" and "how long does this transfer take on it". The emulation
+(:mod:`sdpipe_cli.hetero`) and the transports ask it; nothing here sleeps or sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig
+
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # "node:index"
+    node: str
+    index: int  # position within its node (the CUDA device index on a real node)
+    speed: float = 1.0
+    memory_gib: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Link:
+    """An emulated link class: ``latency_s`` per message plus size over ``bandwidth`` (bytes/s)."""
+
+    kind: str  # same_node | cross_node | same_device
+    latency_s: float = 0.0
+    bandwidth: Optional[float] = None  # bytes per second; None: not emulated
+
+    @property
+    def emulated(self) -> bool:
+        return self.latency_s > 0 or self.bandwidth is not None
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Time one message of ``nbytes`` takes on this link (0 where nothing is emulated)."""
+        return self.latency_s + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+
+
+@dataclass(frozen=True)
+class SpeedChange:
+    device: str
+    speed: float
+    start: float
+    end: Optional[float] = None
+
+    def active(self, t: float) -> bool:
+        return self.start <= t and (self.end is None or t < self.end)
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be placed; ``key`` names the setting."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}")
+        self.key, self.reason = key, reason
+
+
+class Cluster:
+    """Devices, the P x S placement of workers on them, speed changes and links."""
+
+    def __init__(self, devices: Sequence[Device], placement: Sequence[Sequence[str]],
+                 changes: Sequence[SpeedChange] = (), links: Optional[dict[str, Link]] = None):
+        self.devices = {d.name: d for d in devices}
+        self.placement = [list(row) for row in placement]
+        self.pipelines = len(self.placement)
+        self.stages = len(self.placement[0]) if self.placement else 0
+        self.changes = list(changes)
+        self.links = links or {}
+
+    @classmethod
+    def from_config(cls, cluster: DictConfig, stages: int) -> "Cluster":
+        """The cluster of a (validated) ``cluster`` config section; raises :class:`ClusterError`."""
+        P, S = int(cluster.pipelines), stages
+        nodes = list(cluster.nodes)
+        if nodes:
+            devices, seen = [], set()
+            for n, node in enumerate(nodes):
+                name = str(node.name)
+                if name in seen:
+                    raise ClusterError(f"cluster.nodes[{n}].name", f"'{name}' names two nodes")
+                if not node.devices:
+                    raise ClusterError(f"cluster.nodes[{n}].devices", f"node '{name}' has no devices")
+                seen.add(name)
+                for i, dev in enumerate(node.devices):
+                    key = f"cluster.nodes[{n}].devices[{i}]"
+                    if not dev.speed > 0:
+                        raise ClusterError(f"{key}.speed", "must be positive (1.0 = as measured)")
+                    if dev.memory is not None and not dev.memory > 0:
+                        raise ClusterError(f"{key}.memory", "must be positive GiB (or null)")
+                    devices.append(Device(f"{name}:{i}", name, i, float(dev.speed),
+                                          None if dev.memory is None else float(dev.memory)))
+        else:
+            devices = [Device(f"{LOCAL}:{i}", LOCAL, i) for i in range(P * S)]
+        names = [d.name for d in devices]
+        if len(cluster.placement):
+            placement = [[str(x) for x in row] for row in cluster.placement]
+            if len(placement) != P or any(len(row) != S for row in placement):
+                raise ClusterError("cluster.placement", f"must be {P} lists (one per pipeline) of "
+                                   f"{S} device names (one per stage)")
+            for row in placement:
+                for name in row:
+                    if name not in names:
+                        raise ClusterError("cluster.placement", f"no device '{name}' (devices: "
+                                           f"{', '.join(names)})")
+        else:
+            if len(devices) < P * S:
+                raise ClusterError("cluster.nodes", f"{len(devices)} devices for P x S = {P * S} "
+                                   "workers; add devices or give cluster.placement")
+            placement = [[names[p * S + s] for s in range(S)] for p in range(P)]
+        flat = [name for row in placement for name in row]
+        if len(set(flat)) != len(flat):
+            twice = sorted({n for n in flat if flat.count(n) > 1})
+            raise ClusterError("cluster.placement", f"device {twice[0]} holds two workers; "
+                               "give each worker its own device")
+        changes = []
+        for k, ch in enumerate(cluster.changes):
+            key = f"cluster.changes[{k}]"
+            if str(ch.device) not in names:
+                raise ClusterError(f"{key}.device", f"no device '{ch.device}' (devices: "
+                                   f"{', '.join(names)})")
+            if not ch.speed > 0:
+                raise ClusterError(f"{key}.speed", "must be positive")
+            if ch.start < 0 or (ch.end is not None and ch.end <= ch.start):
+                raise ClusterError(f"{key}.end", "need 0 <= start < end (seconds of the run)")
+            changes.append(SpeedChange(str(ch.device), float(ch.speed), float(ch.start),
+                                       None if ch.end is None else float(ch.end)))
+        links = {}
+        for kind in ("same_node", "cross_node"):
+            link = cluster.links[kind]
+            if link.latency_ms < 0:
+                raise ClusterError(f"cluster.links.{kind}.latency_ms", "must be >= 0")
+            if link.bandwidth_gbps is not None and not link.bandwidth_gbps > 0:
+                raise ClusterError(f"cluster.links.{kind}.bandwidth_gbps", "must be positive "
+                                   "(or null: not emulated)")
+            links[kind] = Link(kind, link.latency_ms / 1000.0,
+                               None if link.bandwidth_gbps is None else link.bandwidth_gbps * 1e9 / 8)
+        return cls(devices, placement, changes, links)
+
+    # -- placement --------------------------------------------------------------------------
+    def device(self, pipeline: int, stage: int) -> Device:
+        return self.devices[self.placement[pipeline][stage]]
+
+    def device_of_rank(self, rank: int) -> Device:
+        return self.device(rank // self.stages, rank % self.stages)
+
+    @property
+    def nodes(self) -> list[str]:
+        """Node names in config order."""
+        return list(dict.fromkeys(d.node for d in self.devices.values()))
+
+    # -- speed ------------------------------------------------------------------------------
+    def speed(self, device: Device, t: float = 0.0) -> float:
+        """The device's speed at ``t`` seconds of the run: the last active change wins."""
+        speed = device.speed
+        for change in self.changes:
+            if change.device == device.name and change.active(t):
+                speed = change.speed
+        return speed
+
+    def change_points(self, device: Device) -> list[float]:
+        """Times at which the device's speed may change (for reports)."""
+        return sorted({x for c in self.changes if c.device == device.name
+                       for x in (c.start, c.end) if x is not None})
+
+    @property
+    def max_speed(self) -> float:
+        speeds = [d.speed for d in self.devices.values()] + [c.speed for c in self.changes]
+        return max(speeds) if speeds else 1.0
+
+    # -- links ------------------------------------------------------------------------------
+    def link(self, rank_a: int, rank_b: int) -> Link:
+        """The link class between two workers' devices."""
+        a, b = self.device_of_rank(rank_a), self.device_of_rank(rank_b)
+        kind = "same_node" if a.node == b.node else "cross_node"
+        return self.links.get(kind, Link(kind))
+
+    def slowest_link(self, ranks: Sequence[int]) -> Link:
+        """The link a ring over ``ranks`` is bound by: cross-node if the members span nodes."""
+        nodes = {self.device_of_rank(r).node for r in ranks}
+        kind = "cross_node" if len(nodes) > 1 else "same_node"
+        return self.links.get(kind, Link(kind))
+
+    def allreduce_s(self, ranks: Sequence[int], nbytes: int) -> float:
+        """Emulated time of a ring all-reduce of ``nbytes`` over ``ranks``.
+
+        A ring moves 2(n-1)/n of the data through every member's link in 2(n-1) steps, so it
+        costs 2(n-1) latencies plus 2(n-1)/n x size / bandwidth on the slowest link it uses.
+        """
+        n = len(ranks)
+        if n < 2:
+            return 0.0
+        link = self.slowest_link(ranks)
+        steps = 2 * (n - 1)
+        return steps * link.latency_s + (steps / n * nbytes / link.bandwidth if link.bandwidth else 0.0)
+
+    @property
+    def links_emulated(self) -> bool:
+        return any(link.emulated for link in self.links.values())

@@ -1,0 +1,119 @@
+"""The ``profile.json`` document: what ``sdpipe profile`` measured, and the block costs read from it.
+
+``sdpipe profile`` (:mod:`sdpipe_cli.profiling`) writes it into the run folder; ``profile=PATH``
+gives it to ``pipeline.partition=auto`` and to modelled emulation. Schema (``format`` 1; times in
+milliseconds, sizes in bytes unless the name says otherwise)::
+
+    format          "sdpipe-profile/1"
+    created, torch  when, and with which torch version
+    model           {name, arch, blocks, block_names[], block_params[], microbatch_size, seq_len,
+                     activation_bytes}
+    cluster         {name, emulation, pipelines, stages, device ("cpu" | "cuda")}
+    devices[]       one per worker: {name ("node:index"), node, speed (as configured), rank,
+                     pipeline, stage, forward_ms[], backward_ms[] (one per model block, at the
+                     micro-batch size, emulated speed included), peak_memory_mb,
+                     memory_source ("rss" | "cuda_max_allocated")}
+    p2p[]           one per pair of pipeline neighbours: {src, dst (device names), src_rank,
+                     dst_rank, link ("same_node" | "cross_node"), latency_ms, bandwidth_gbps,
+                     bytes (of the bandwidth message)}
+    allreduce[]     {stage, group_size (2..P), ranks[], bytes (the stage's weights), ms}
+
+Block costs are per device; a device the profile did not measure gets the median of the measured
+ones, normalized to speed 1.0 and divided by its own speed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Optional
+
+FORMAT = "sdpipe-profile/1"
+REQUIRED = ("format", "model", "cluster", "devices", "p2p", "allreduce")
+DEVICE_FIELDS = ("name", "node", "speed", "rank", "pipeline", "stage", "forward_ms",
+                 "backward_ms", "peak_memory_mb", "memory_source")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and what is wrong."""
+
+
+def load(path: str | Path) -> dict:
+    """Read and check a ``profile.json``; raises :class:`ProfileError` naming the file."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "profile.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"'{path}' does not exist (run `sdpipe profile` first)") from None
+    except (OSError, ValueError) as err:
+        raise ProfileError(f"'{path}' is not a readable profile: {err}") from None
+    if not isinstance(doc, dict):
+        raise ProfileError(f"'{path}' is not a profile (expected a JSON object)")
+    missing = [k for k in REQUIRED if k not in doc]
+    if missing:
+        raise ProfileError(f"'{path}' lacks {', '.join(missing)}")
+    if doc["format"] != FORMAT:
+        raise ProfileError(f"'{path}' has format {doc['format']!r}; this sdpipe reads {FORMAT!r}")
+    blocks = doc["model"].get("blocks")
+    for d in doc["devices"]:
+        lacking = [k for k in DEVICE_FIELDS if k not in d]
+        if lacking:
+            raise ProfileError(f"'{path}': device {d.get('name', '?')} lacks {', '.join(lacking)}")
+        if len(d["forward_ms"]) != blocks or len(d["backward_ms"]) != blocks:
+            raise ProfileError(f"'{path}': device {d['name']} has block times for "
+                               f"{len(d['forward_ms'])} blocks, the model has {blocks}")
+    if not doc["devices"]:
+        raise ProfileError(f"'{path}' measured no device")
+    doc["_path"] = str(path)
+    return doc
+
+
+def check_model(doc: dict, model_name: str, blocks: int, microbatch_size: int) -> None:
+    """The profile must have measured the model being trained, at its micro-batch size."""
+    m = doc["model"]
+    if m["blocks"] != blocks or m.get("name") != model_name:
+        raise ProfileError(f"'{doc['_path']}' profiled model {m.get('name')} ({m['blocks']} blocks), "
+                           f"not {model_name} ({blocks} blocks); profile this model")
+    if m.get("microbatch_size") != microbatch_size:
+        raise ProfileError(f"'{doc['_path']}' was measured at micro-batch size "
+                           f"{m.get('microbatch_size')}, this run uses {microbatch_size}; profile "
+                           "with the same train.batch_size / pipeline.microbatches")
+
+
+def block_costs(doc: dict, device: Optional[str] = None, speed: float = 1.0) -> tuple[list[float], list[float]]:
+    """(forward_ms, backward_ms) per block on ``device`` running at ``speed``.
+
+    A device the profile measured keeps its measurements, rescaled if its speed was configured
+    differently then; any other device gets the median over the measured devices at speed 1.0,
+    divided by ``speed``.
+    """
+    measured = {d["name"]: d for d in doc["devices"]}
+    if device in measured:
+        d = measured[device]
+        scale = float(d["speed"]) / speed
+        return ([x * scale for x in d["forward_ms"]], [x * scale for x in d["backward_ms"]])
+    blocks = doc["model"]["blocks"]
+    fwd = [statistics.median(d["forward_ms"][b] * float(d["speed"]) for d in doc["devices"]) / speed
+           for b in range(blocks)]
+    bwd = [statistics.median(d["backward_ms"][b] * float(d["speed"]) for d in doc["devices"]) / speed
+           for b in range(blocks)]
+    return fwd, bwd
+
+
+def worker_block_ms(doc: dict, cluster, slowdown: Optional[list] = None) -> list[list[list[float]]]:
+    """``[p][s][i]``: forward + backward time of block i on the device of pipeline p's stage s
+    (a :class:`~sdpipe_cli.cluster.Cluster`), at the device's speed at the start of the run and
+    with the pipeline's ``cluster.slowdown`` factor."""
+    out = []
+    for p in range(cluster.pipelines):
+        factor = float(slowdown[p]) if slowdown else 1.0
+        row = []
+        for s in range(cluster.stages):
+            device = cluster.device(p, s)
+            fwd, bwd = block_costs(doc, device.name, cluster.speed(device, 0.0))
+            row.append([(f + b) * factor for f, b in zip(fwd, bwd)])
+        out.append(row)
+    return out
