@@ -7,15 +7,19 @@ Workers report what only they know (the loss lives on the last stage of each pip
 
 ``metrics.jsonl`` lines have a ``kind``:
 - ``train``: ``step``, ``time`` (s since the run started), ``pipeline``, ``loss``, ``samples``
-  (cumulative samples of that pipeline), ``samples_per_s`` (that pipeline's), ``lr``, plus
-  ``step_s``, ``compute_s`` and ``sync_s`` (seconds of the last iteration on the last stage);
+  (cumulative samples of that pipeline), ``samples_per_s`` (that pipeline's, since the end of its
+  first iteration, which pays one-off set-up; waits and evaluations count), ``lr``, plus
+  ``step_s``, ``compute_s`` and ``sync_s`` (seconds of the last iteration on the last stage),
+  ``straggled`` (that worker's actions slowed by a random straggler so far);
 - ``eval``: ``step``, ``time``, ``pipeline``, ``val_loss``, ``samples``;
 - ``sync`` (``sync=sdpipe``, stages other than the last, whose train lines carry the same):
   ``step``, ``time``, ``pipeline``, ``stage``, ``group_size``, ``round``, ``group_kind``,
   ``wait_s`` (ready signal to decision) and ``comm_s`` (the group all-reduce);
 - ``group``: one per scheduler decision: ``stage``, ``round``, ``members``, ``iterations``,
   ``size``, ``group`` (group or global), ``stop``, ``max_wait_s``;
-- ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``.
+- ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``,
+  ``device`` (where it was placed), ``actions``, ``straggled``, ``slowdown_overruns`` (actions whose
+  real compute overran the modelled time) and ``peak_memory_mb``.
 """
 
 from __future__ import annotations

@@ -175,6 +175,7 @@ class Worker:
         self._emit("start", pid=os.getpid())
         started = time.time()
         step = self.start_step
+        warm = None  # (time, step) at the end of the first iteration: throughput counts from there
         while self._agree(step, started):
             t_step = time.perf_counter()
             self.slowdown.new_iteration()
@@ -203,12 +204,16 @@ class Worker:
             self._wait_pending()
             self.memory.check()
             step += 1
+            step_s = time.perf_counter() - t_step
+            if warm is None:  # the first iteration pays one-off set-up (connections, allocator)
+                warm = (time.time(), step)
             if step % cfg.train.log_every == 0:
-                elapsed = max(time.time() - started, 1e-9)
+                since, at = warm
+                rate = ((step - at) * cfg.train.batch_size / max(time.time() - since, 1e-9)
+                        if step > at else cfg.train.batch_size / step_s)
                 extra = {"loss": loss} if w.last else {}
                 self._emit("step", step=step, samples=step * cfg.train.batch_size,
-                           samples_per_s=(step - self.start_step) * cfg.train.batch_size / elapsed,
-                           lr=lr, step_s=time.perf_counter() - t_step, compute_s=compute_s,
+                           samples_per_s=rate, lr=lr, step_s=step_s, compute_s=compute_s,
                            sync_s=sync_s, straggled=self.slowdown.straggled,
                            **self.sync.stats(), **extra)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli.partition import balanced, resolve, stage_ranges, uniform
+from sdpipe_cli.partition import (balanced, device_cost, optimal, plan, resolve, stage_ranges,
+                                 stage_times, uniform)
 
 
 def sizes(bounds, blocks):
@@ -165,3 +166,62 @@ def test_resolve_rejects_more_stages_than_blocks(blocks, stages):
         resolve("uniform", blocks, stages)
     with pytest.raises(ValueError):
         resolve("params", blocks, stages, [1] * blocks)
+
+
+# ---------------------------------------------------------------------------- heterogeneous devices
+
+
+@st.composite
+def device_block_costs(draw):
+    """block_ms[p][s][i]: block i's time on the device of pipeline p's stage s."""
+    blocks = draw(st.integers(min_value=1, max_value=7))
+    stages = draw(st.integers(min_value=1, max_value=min(blocks, 4)))
+    pipelines = draw(st.integers(min_value=1, max_value=3))
+    base = draw(st.lists(st.floats(min_value=0.01, max_value=100, allow_nan=False),
+                         min_size=blocks, max_size=blocks))
+    speeds = draw(st.lists(st.lists(st.sampled_from([0.25, 0.5, 1.0, 1.5]), min_size=stages,
+                                    max_size=stages), min_size=pipelines, max_size=pipelines))
+    return [[[b / v for b in base] for v in row] for row in speeds], blocks, stages
+
+
+def brute_force_device(block_ms, blocks, stages):
+    def worst(bounds):
+        return max(max(sum(pipe[s][a:b]) for pipe in block_ms)
+                   for s, (a, b) in enumerate(stage_ranges(list(bounds), blocks)))
+    return min(worst(c) for c in itertools.combinations(range(1, blocks), stages - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(device_block_costs())
+def test_auto_partition_is_optimal_for_heterogeneous_devices(case):
+    block_ms, blocks, stages = case
+    cost = device_cost(block_ms)
+    bounds = optimal(cost, blocks, stages)
+    assert len(bounds) == stages - 1 and min(sizes(bounds, blocks)) >= 1  # never an empty stage
+    best = brute_force_device(block_ms, blocks, stages)
+    assert math.isclose(max(stage_times(bounds, cost, blocks)), best, rel_tol=1e-9, abs_tol=1e-12)
+    p = plan(cost, blocks, stages)
+    assert p.bounds == bounds and p.uniform_bounds == uniform(blocks, stages)
+    assert max(p.times) <= max(p.uniform_times) + 1e-9 and p.speedup >= 1 - 1e-9
+
+
+def test_a_slow_stage_gets_fewer_blocks():
+    # 6 equal blocks; stage 1's devices run at half speed on every pipeline
+    block_ms = [[[1.0] * 6, [2.0] * 6]] * 2
+    p = plan(device_cost(block_ms), 6, 2)
+    assert p.uniform_bounds == [3] and p.uniform_times == [3.0, 6.0]
+    assert p.bounds == [4] and p.times == [4.0, 4.0] and p.speedup == 1.5
+
+
+def test_the_slowest_replica_of_a_stage_decides():
+    fast = [[1.0] * 4, [1.0] * 4]
+    slow_stage0 = [[3.0] * 4, [1.0] * 4]
+    cost = device_cost([fast, slow_stage0])
+    assert cost(0, 0, 2) == 6.0 and cost(1, 0, 2) == 2.0
+    assert optimal(cost, 4, 2) == [1]
+
+
+def test_resolve_auto_needs_costs():
+    with pytest.raises(ValueError, match="profile"):
+        resolve("auto", 6, 2)
+    assert resolve("auto", 4, 2, cost=device_cost([[[1.0] * 4, [3.0] * 4]])) == [3]

@@ -1,0 +1,81 @@
+"""End-to-end runs on emulated heterogeneous clusters: what the metrics must show."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import yaml
+
+from conftest import metrics, sdpipe
+from test_profile import make_doc
+
+pytestmark = pytest.mark.multiprocess
+QUIET = ("train.eval_every=0", "data.eval_batches=1", "data=synthetic")
+
+
+def test_hetero_static_slow_pipeline_runs_at_a_third(run_dir):
+    """Without sync, each pipeline runs at its devices' speed: the slow one at about 1/3."""
+    out = sdpipe("train", "cluster=hetero_static", "sync=none", "train.steps=15",
+                 f"run.dir={run_dir}", *QUIET)
+    assert out.returncode == 0, out.stderr
+    train = metrics(run_dir, "train")
+    rate = {p: statistics.median(16 / m["step_s"] for m in train if m["pipeline"] == p and m["step"] > 2)
+            for p in range(3)}
+    final = {p: max((m for m in train if m["pipeline"] == p), key=lambda m: m["step"])["samples_per_s"]
+             for p in range(3)}
+    for measure in (rate, final):
+        fast = (measure[0] + measure[1]) / 2
+        assert 0.28 < measure[2] / fast < 0.42, measure
+    done = metrics(run_dir, "done")
+    assert {d["device"] for d in done} == {"fast:0", "fast:1", "fast:2", "fast:3", "slow:0", "slow:1"}
+    actions = sum(d["actions"] for d in done)
+    # single actions may overrun on a loaded machine (their time is made up later), not most
+    assert sum(d["slowdown_overruns"] for d in done) < 0.25 * actions
+
+
+def test_random_stragglers_appear_at_the_configured_rate(run_dir):
+    out = sdpipe("train", "cluster=hetero_random", "sync=none", "train.steps=6",
+                 "cluster.stragglers.per=microbatch", "cluster.stragglers.probability=0.25",
+                 f"run.dir={run_dir}", *QUIET)
+    assert out.returncode == 0, out.stderr
+    done = metrics(run_dir, "done")
+    actions, straggled = sum(d["actions"] for d in done), sum(d["straggled"] for d in done)
+    assert actions == 4 * 2 * 6 * 2 * 4  # P x S x steps x (F + B) x m
+    assert straggled / actions == pytest.approx(0.25, abs=0.07)
+    assert all("straggled" in m for m in metrics(run_dir, "train"))
+
+
+def test_mixed_cluster_pays_the_slow_link_across_nodes(run_dir):
+    out = sdpipe("train", "cluster=hetero_mixed", "train.steps=8", f"run.dir={run_dir}", *QUIET)
+    assert out.returncode == 0, out.stderr
+    done = metrics(run_dir, "done")
+    assert {d["device"] for d in done if d["pipeline"] == 2} == {"old:0", "old:1"}
+    # pipeline 2 lives on node "old": any group it joins crosses the 2 ms link (2 messages+)
+    crossing = [m["comm_s"] for m in metrics(run_dir, "train")
+                if m["pipeline"] == 2 and m.get("group_size", 1) >= 2]
+    assert crossing and min(crossing) >= 0.004
+    digests = {d["param_digest"] for d in done if d["stage"] == 0}
+    assert len(digests) == 1  # the final global sync crossed the slow link too
+
+
+def test_memory_limit_stops_the_run_naming_the_device(run_dir):
+    out = sdpipe("train", "cluster.nodes=[{name: n, devices: [{}, {memory: 0.01}, {}, {}]}]",
+                 "train.steps=5", f"run.dir={run_dir}", *QUIET)
+    assert out.returncode == 1
+    assert "device n:1 is limited to 0.01 GiB" in out.stderr
+    assert "rank 1" in out.stderr
+
+
+def test_auto_partition_from_a_profile_moves_blocks_off_slow_devices(run_dir, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(make_doc({"n:0": (1.0, [1.0] * 6)})))
+    out = sdpipe("train", "pipeline.partition=auto", f"profile={path}", "sync=none",
+                 "cluster.nodes=[{name: n, devices: [{}, {speed: 0.5}, {}, {speed: 0.5}]}]",
+                 "train.steps=2", f"run.dir={run_dir}", *QUIET)
+    assert out.returncode == 0, out.stderr
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["pipeline"]["partition"] == [4]  # 4 blocks at speed 1, 2 at speed 0.5
+    assert "uniform [3]" in out.stderr and "auto [4]" in out.stderr
+    assert "predicted 1.50x" in out.stderr
