@@ -2,9 +2,13 @@
 
 A cluster config (``configs/cluster/*.yaml``) lists nodes and their devices; every worker
 (pipeline p, stage s) is placed on one device, explicitly (``cluster.placement``) or by default
-in node order, rank p*S+s on the (p*S+s)-th device, so a pipeline stays on one node when it fits
-and its replicas (which average weights) are spread across nodes. Without nodes the cluster is one
+(:func:`default_placement`): each pipeline on one node when one has room, pipelines spread over
+the nodes, so activations stay on fast local links and replicas (which average weights) meet
+across nodes. Without nodes the cluster is one
 node, ``local``, with one device of speed 1.0 per worker.
+
+Nodes are emulated on this machine unless they give a ``host``: then they are real machines, each
+running its own launcher (``run.node``), and the first one hosts the store.
 
 Everything here is pure: :class:`Cluster` answers "which device", "how fast at run time t",
 "which link between these ranks" and "how long does this transfer take on it". The emulation
@@ -58,6 +62,28 @@ class SpeedChange:
         return self.start <= t and (self.end is None or t < self.end)
 
 
+def default_placement(devices: Sequence[Device], pipelines: int, stages: int) -> list[list[str]]:
+    """Each pipeline on one node when one has room: the node with the most free devices (the
+    first in config order on ties), so pipelines spread over the nodes and their activations stay
+    on fast local links; what does not fit takes the free devices in node order."""
+    free: dict[str, list[str]] = {}
+    for d in devices:
+        free.setdefault(d.node, []).append(d.name)
+    placement = []
+    for _ in range(pipelines):
+        roomy = [n for n, names in free.items() if len(names) >= stages]
+        if roomy:
+            node = max(roomy, key=lambda n: len(free[n]))  # max keeps the first on ties
+            row, free[node] = free[node][:stages], free[node][stages:]
+        else:
+            pool = [name for names in free.values() for name in names]
+            row = pool[:stages]
+            for n in free:
+                free[n] = [name for name in free[n] if name not in row]
+        placement.append(row)
+    return placement
+
+
 class ClusterError(ValueError):
     """A cluster description that cannot be placed; ``key`` names the setting."""
 
@@ -70,8 +96,10 @@ class Cluster:
     """Devices, the P x S placement of workers on them, speed changes and links."""
 
     def __init__(self, devices: Sequence[Device], placement: Sequence[Sequence[str]],
-                 changes: Sequence[SpeedChange] = (), links: Optional[dict[str, Link]] = None):
+                 changes: Sequence[SpeedChange] = (), links: Optional[dict[str, Link]] = None,
+                 hosts: Optional[dict[str, Optional[str]]] = None):
         self.devices = {d.name: d for d in devices}
+        self.hosts = {k: v for k, v in (hosts or {}).items() if v}  # real nodes' addresses
         self.placement = [list(row) for row in placement]
         self.pipelines = len(self.placement)
         self.stages = len(self.placement[0]) if self.placement else 0
@@ -117,7 +145,7 @@ class Cluster:
             if len(devices) < P * S:
                 raise ClusterError("cluster.nodes", f"{len(devices)} devices for P x S = {P * S} "
                                    "workers; add devices or give cluster.placement")
-            placement = [[names[p * S + s] for s in range(S)] for p in range(P)]
+            placement = default_placement(devices, P, S)
         flat = [name for row in placement for name in row]
         if len(set(flat)) != len(flat):
             twice = sorted({n for n in flat if flat.count(n) > 1})
@@ -145,7 +173,8 @@ class Cluster:
                                    "(or null: not emulated)")
             links[kind] = Link(kind, link.latency_ms / 1000.0,
                                None if link.bandwidth_gbps is None else link.bandwidth_gbps * 1e9 / 8)
-        return cls(devices, placement, changes, links)
+        hosts = {str(n.name): (None if n.get("host") is None else str(n.host)) for n in nodes}
+        return cls(devices, placement, changes, links, hosts)
 
     # -- placement --------------------------------------------------------------------------
     def device(self, pipeline: int, stage: int) -> Device:
@@ -153,6 +182,16 @@ class Cluster:
 
     def device_of_rank(self, rank: int) -> Device:
         return self.device(rank // self.stages, rank % self.stages)
+
+    def ranks_on(self, node: str) -> list[int]:
+        """The workers placed on ``node``."""
+        return [p * self.stages + s for p in range(self.pipelines) for s in range(self.stages)
+                if self.device(p, s).node == node]
+
+    @property
+    def real(self) -> bool:
+        """Whether the nodes are real machines (each runs its own launcher)."""
+        return bool(self.hosts)
 
     @property
     def nodes(self) -> list[str]:

@@ -69,6 +69,9 @@ class DeviceConfig:
 class NodeConfig:
     name: str = "node"
     devices: List[DeviceConfig] = field(default_factory=list)
+    # Address of a real machine (one `sdpipe train ... run.node=NAME` runs on each; the first
+    # node hosts the store at this address and run.port). null: a node emulated on this machine.
+    host: Optional[str] = None
 
 
 @dataclass
@@ -108,8 +111,8 @@ class ClusterConfig:
     host: str = "127.0.0.1"  # address the TCPStore binds to; keep it private (see README)
     # Nodes and their devices; empty: one node "local" with one device of speed 1.0 per worker.
     nodes: List[NodeConfig] = field(default_factory=list)
-    # Device name per (pipeline, stage): P lists of S "node:index"; empty: worker p*S+s takes the
-    # (p*S+s)-th device in node order (pipelines stay within a node when they fit).
+    # Device name per (pipeline, stage): P lists of S "node:index"; empty: each pipeline on the
+    # node with the most free devices that can hold it (see sdpipe_cli/cluster.py).
     placement: List[List[str]] = field(default_factory=list)
     # Per-pipeline compute slowdown factors (3.0 = three times slower); empty: all equal.
     slowdown: List[float] = field(default_factory=list)
@@ -171,6 +174,7 @@ class RunConfig:
     timeout: float = 120.0  # seconds any rendezvous or collective may wait before failing
     heartbeat_timeout: float = 300.0  # seconds of silence after which a worker is declared hung
     save_final: bool = False  # write each replica's final weights to <run>/final/p<P>-s<S>.pt
+    node: Optional[str] = None  # clusters of real nodes: the node this launcher runs on
 
 
 @dataclass
@@ -380,6 +384,23 @@ def _validate_cluster(cfg: DictConfig) -> None:
         cluster = Cluster.from_config(c, cfg.pipeline.stages)
     except ClusterError as err:
         raise ConfigError(err.key, err.reason) from None
+    hosts = [n.host for n in c.nodes]
+    if any(hosts):
+        if not all(hosts):
+            missing = hosts.index(None)
+            raise ConfigError(f"cluster.nodes[{missing}].host", "give every node its address, or "
+                              "none (nodes emulated on this machine)")
+        if cfg.run.node not in cluster.nodes:
+            raise ConfigError("run.node", f"name the node this launcher runs on (one of: "
+                              f"{', '.join(cluster.nodes)}); start one launcher per node")
+        if not cfg.run.port:
+            raise ConfigError("run.port", f"set a fixed port: the other nodes reach the store at "
+                              f"{hosts[0]}:run.port")
+        if cfg.fault.on_pipeline_loss != "stop":
+            raise ConfigError("fault.on_pipeline_loss", "continue is not supported across real "
+                              "nodes yet; use stop")
+    elif cfg.run.node is not None:
+        raise ConfigError("run.node", "is only for clusters of real nodes (cluster.nodes[*].host)")
     if c.emulation not in EMULATIONS:
         raise ConfigError("cluster.emulation", f"is '{c.emulation}'; choose one of {', '.join(EMULATIONS)}")
     modelled = emulation(cfg) == "modelled"
@@ -440,7 +461,8 @@ def _validate_partition(partition: Any, stages: int, blocks: int) -> None:
 
 
 def resolve_device(cfg: DictConfig) -> str:
-    """``cpu`` or ``cuda`` for this run; CUDA needs one GPU per worker on this host."""
+    """``cpu`` or ``cuda`` for this run; CUDA needs one GPU per worker on this host (on a real
+    node: GPUs up to the highest device index placed there)."""
     import torch
 
     if cfg.sync.name == "ps":
@@ -449,7 +471,14 @@ def resolve_device(cfg: DictConfig) -> str:
                               "from any worker, which NCCL cannot); use cluster.device=cpu")
         return "cpu"
 
-    workers = cfg.cluster.pipelines * cfg.pipeline.stages
+    from sdpipe_cli.cluster import Cluster
+
+    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
+    if cluster.real:  # this node's workers, each on the GPU of its device index
+        local = [cluster.device_of_rank(r).index for r in cluster.ranks_on(cfg.run.node)]
+        workers = max(local) + 1 if local else 0
+    else:
+        workers = cfg.cluster.pipelines * cfg.pipeline.stages
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.cluster.device == "cpu":
         return "cpu"
@@ -458,7 +487,7 @@ def resolve_device(cfg: DictConfig) -> str:
             raise ConfigError("cluster.device", "is cuda but no CUDA device is visible here; "
                               "use cluster.device=cpu or auto")
         if gpus < workers:
-            raise ConfigError("cluster.device", f"cuda needs one GPU per worker: P x S = {workers} "
+            raise ConfigError("cluster.device", f"cuda needs one GPU per worker: {workers} here "
                               f"but {gpus} visible; lower cluster.pipelines or pipeline.stages")
         return "cuda"
     return "cuda" if gpus >= workers else "cpu"

@@ -12,6 +12,7 @@ process outlives a run.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -97,13 +98,48 @@ def make_run_dir(requested: Optional[str]) -> Path:
 
 def start_store(cfg: DictConfig):
     try:
-        return store.host_store(cfg.cluster.host, cfg.run.port, cfg.run.timeout)
+        return store.host_store(store_host(cfg), cfg.run.port, cfg.run.timeout)
     except Exception as err:  # the c10d error types vary by version; the cause is what matters
         if cfg.run.port:
-            raise ConfigError("run.port", f"cannot listen on {cfg.cluster.host}:{cfg.run.port} "
+            raise ConfigError("run.port", f"cannot listen on {store_host(cfg)}:{cfg.run.port} "
                               f"(already in use?): {str(err).splitlines()[0]}") from None
         raise ConfigError("cluster.host", f"cannot listen on {cfg.cluster.host}: "
                           f"{str(err).splitlines()[0]}") from None
+
+
+def store_host(cfg: DictConfig) -> str:
+    """Where the store listens: the first real node's address, else ``cluster.host``."""
+    hosts = [n.host for n in cfg.cluster.nodes if n.get("host")]
+    return hosts[0] if hosts else cfg.cluster.host
+
+
+def _join(cfg: DictConfig, cluster: Cluster):
+    """A launcher on another real node: reach the first node's store, take its run config.
+
+    Every node runs the first node's resolved config (same seed, partition, settings), written
+    beside it as ``config.<node>.yaml``; the run folder has the same path on every node (a shared
+    filesystem keeps logs and checkpoints in one place; checkpoints need one).
+    """
+    host, port = store_host(cfg), cfg.run.port
+    try:
+        master = store.connect(host, port, cfg.run.timeout)
+        events = store.namespace(master)
+        run = json.loads(events.get(store.RUN))  # waits for the first node, up to run.timeout
+    except Exception as err:  # c10d raises several types; say where we looked
+        raise ConfigError("run.node", f"cannot reach the first node's store at {host}:{port} "
+                          f"within run.timeout={cfg.run.timeout:g}s ({str(err).splitlines()[0]}); "
+                          "start the first node's launcher") from None
+    primary_cfg = OmegaConf.create(run["config"])
+    if OmegaConf.to_container(primary_cfg.cluster) != OmegaConf.to_container(cfg.cluster):
+        raise ConfigError("cluster", f"differs from the first node's ({cluster.nodes[0]}); every "
+                          "node must run the same cluster config")
+    run_dir = Path(primary_cfg.run.dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config_path = _new_path(run_dir / f"config.{cfg.run.node}.yaml")
+    config_path.write_text(run["config"])
+    cfg.run.dir = str(run_dir)
+    resume = Path(run["resume"]) if run["resume"] else None
+    return master, events, run_dir, config_path, resume
 
 
 def _die_with_parent() -> None:
@@ -133,36 +169,47 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     config for this leg is written beside the original (which stays as it was), metrics are
     appended, and the run clock goes on from ``elapsed`` seconds.
     """
-    master = start_store(cfg)  # first: a busy port must fail before anything is written
-    if resume is None:
-        run_dir = run_dir or make_run_dir(cfg.run.dir)
-        cfg.run.dir = str(run_dir)
-        config_path = run_dir / "config.yaml"
+    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
+    primary = not cluster.real or cfg.run.node == cluster.nodes[0]
+    if primary:
+        master = start_store(cfg)  # first: a busy port must fail before anything is written
+        if resume is None:
+            run_dir = run_dir or make_run_dir(cfg.run.dir)
+            cfg.run.dir = str(run_dir.resolve()) if cluster.real else str(run_dir)
+            config_path = run_dir / "config.yaml"
+        else:
+            run_dir = Path(cfg.run.dir)
+            config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
+        save_run_config(cfg, config_path)
+        events = store.namespace(master)
+        launched = time.time()
+        events.set(store.T0, repr(launched - elapsed))
+        if cluster.real:  # the other nodes' launchers run exactly this config
+            store.set_json(events, store.RUN, {"config": config_path.read_text(),
+                                               "resume": str(resume.resolve()) if resume else None})
     else:
-        run_dir = Path(cfg.run.dir)
-        config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
-    save_run_config(cfg, config_path)
-    events = store.namespace(master)
-    launched = time.time()
-    events.set(store.T0, repr(launched - elapsed))
+        master, events, run_dir, config_path, resume = _join(cfg, cluster)
+        launched = float(events.get(store.T0))
 
     P, S = cfg.cluster.pipelines, cfg.pipeline.stages
     servers = S if cfg.sync.name == "ps" else 0  # one parameter server per stage, ranks after workers
     base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
-            "MASTER_ADDR": cfg.cluster.host, "MASTER_PORT": str(master.port),
+            "MASTER_ADDR": store_host(cfg), "MASTER_PORT": str(master.port),
             "WORLD_SIZE": str(P * S + servers), "PYTHONUNBUFFERED": "1",
             "SDPIPE_CONFIG": str(config_path.resolve())}
     if resume is not None:
         base["SDPIPE_RESUME"] = str(resume.resolve())
     if cfg.cluster.device == "cpu":
         base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
-    children = [spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base)]
-    for rank in range(P * S):
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    children = [spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base)] if primary else []
+    for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
+        # one GPU per worker: its index on a real node, the rank on one machine
+        local = cluster.device_of_rank(rank).index if cluster.real else rank
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local)}
         role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
         children.append(spawn("sdpipe_cli.worker", str(rank), role, run_dir, env))
         children[-1].rank = rank
-    for stage in range(servers):
+    for stage in range(servers if primary else 0):
         rank = P * S + stage
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         children.append(spawn("sdpipe_cli.ps", f"ps{stage}", f"parameter server of stage {stage}",
@@ -181,7 +228,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         result.failure, result.returncode = "interrupted twice; all processes stopped", 130
     finally:
         stop_all(children)
-        result.progress = store.get_json(events, store.PROGRESS, {}) or {}
+        result.progress = _quietly(lambda: store.get_json(events, store.PROGRESS, {})) or {}
         result.wall_s = time.monotonic() - started
     return result
 
@@ -226,12 +273,17 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                 failed = [c for c in children if c.proc.poll() not in (None, 0)
                           and not (stages and c.rank is not None and c.rank // stages in lost)]
                 first = first_failure(failed, run_dir, since)
-                return describe_failure(first, run_dir, since), interrupted
+                reason = describe_failure(first, run_dir, since)
+                _quietly(lambda: events.compare_set(store.FAILED, "", reason))  # tell other nodes
+                return reason, interrupted
             if all(rc == 0 or (stages and c.rank is not None and c.rank // stages in lost)
                    for c, rc in zip(children, codes) if rc is not None) \
                     and all(rc is not None for rc in codes):
                 return None, interrupted
-            snapshot = store.get_json(events, store.PROGRESS)
+            elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
+            if elsewhere:
+                return f"another node failed: {elsewhere.decode()}", interrupted
+            snapshot = _quietly(lambda: store.get_json(events, store.PROGRESS))
             if snapshot:
                 on_progress(snapshot)
             time.sleep(POLL_S)
@@ -240,6 +292,14 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                 raise
             interrupted = True
             events.set(store.STOP_REQUESTED, "1")
+
+
+def _quietly(read: Callable[[], Any]) -> Any:
+    """A store access that may fail once the first node's launcher (the store) is gone."""
+    try:
+        return read()
+    except Exception:  # noqa: BLE001 - c10d raises several types for a closed store
+        return None
 
 
 def _lose_pipeline(failed: Child, children: list[Child], stages: int, run_dir: Path, events,

@@ -20,6 +20,8 @@ PREFIX = "sdpipe/"  # ours
 EVENTS = "events"  # queue: worker -> scheduler records (start, step, eval, done)
 PROGRESS = "progress"  # scheduler -> launcher: JSON snapshot for the progress display
 T0 = "t0"  # wall-clock start of the run (seconds since the epoch), set by the launcher
+RUN = "run"  # first node -> other nodes' launchers: the resolved config and resume path (JSON)
+FAILED = "failed"  # any launcher -> the others: the first failure, in one line
 STOP_REQUESTED = "stop_requested"  # set by the launcher on Ctrl-C/SIGTERM: stop at a consistent point
 
 

@@ -140,3 +140,35 @@ def test_example_clusters_describe_what_they_say(option):
         assert sorted(round(1 / min(row), 2) for row in speeds) == [1.0, 1.0, 3.0]
     if option == "hetero_mixed":
         assert c.links["cross_node"].emulated and len(c.nodes) == 2 and c.changes
+
+
+def test_default_placement_spreads_pipelines_over_nodes():
+    c = cluster_of("cluster=gpu_2node", "run.node=node0", "run.port=29500")
+    assert c.placement == [["node0:0", "node0:1"], ["node1:0", "node1:1"]]
+    assert c.real and c.ranks_on("node1") == [2, 3]
+    c = cluster_of("cluster=hetero_static")  # fast: 4 devices, slow: 2
+    assert c.placement == [["fast:0", "fast:1"], ["fast:2", "fast:3"], ["slow:0", "slow:1"]]
+    # no node can hold a pipeline: free devices in node order
+    c = cluster_of("cluster.pipelines=2", "pipeline.stages=2",
+                   "cluster.nodes=[{name: a, devices: [{}]}, {name: b, devices: [{}, {}, {}]}]")
+    assert c.placement == [["b:0", "b:1"], ["a:0", "b:2"]]
+
+
+@pytest.mark.parametrize("extra, key", [
+    (("run.port=29500",), "run.node"),
+    (("run.node=node7", "run.port=29500"), "run.node"),
+    (("run.node=node0",), "run.port"),
+    (("run.node=node0", "run.port=29500", "fault.on_pipeline_loss=continue"),
+     "fault.on_pipeline_loss"),
+    (("run.node=node0", "run.port=29500", "cluster.nodes.1.host=null"), "cluster.nodes[1].host"),
+])
+def test_real_nodes_need_their_launch_settings(extra, key):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["cluster=gpu_2node", *extra]))
+    assert err.value.key == key
+
+
+def test_run_node_is_only_for_real_nodes():
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["run.node=a"]))
+    assert err.value.key == "run.node"

@@ -1,0 +1,86 @@
+"""Clusters of real nodes: one launcher per node, the first hosting the store and the scheduler.
+
+Both "nodes" run on this machine (host 127.0.0.1), each launcher started as a user would start
+it on its own machine; the run folder is shared, as it would be on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import pytest
+
+from conftest import RUN_TIMEOUT, metrics, run_processes, sdpipe_popen
+
+pytestmark = pytest.mark.multiprocess
+
+NODES = ("cluster.pipelines=2", "pipeline.stages=2", "cluster.device=cpu",
+         "cluster.nodes=[{name: a, host: 127.0.0.1, devices: [{}, {}]},"
+         " {name: b, host: 127.0.0.1, devices: [{}, {}]}]",
+         "model=mlp", "data=synthetic", "train.eval_every=0", "data.eval_batches=1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def finish(proc, timeout: float = RUN_TIMEOUT):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc.returncode, out, err
+
+
+def test_two_nodes_train_together(run_dir):
+    port = free_port()
+    common = (*NODES, f"run.port={port}", f"run.dir={run_dir}", "train.steps=12")
+    second = sdpipe_popen("train", *common, "run.node=b")  # may start first: it waits for the store
+    time.sleep(1.0)
+    first = sdpipe_popen("train", *common, "run.node=a")
+    rc_a, _, err_a = finish(first)
+    rc_b, _, err_b = finish(second)
+    assert (rc_a, rc_b) == (0, 0), (err_a, err_b)
+    done = metrics(run_dir, "done")
+    assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
+    assert {d["device"] for d in done if d["pipeline"] == 1} == {"b:0", "b:1"}
+    assert sum(d["steps"] for d in done if d["stage"] == 0) == 2 * 12
+    # the final global sync made the replicas of each stage identical across the nodes
+    for s in (0, 1):
+        assert len({d["param_digest"] for d in done if d["stage"] == s}) == 1
+    assert (run_dir / "config.yaml").exists() and (run_dir / "config.b.yaml").exists()
+    assert (run_dir / "config.b.yaml").read_text() == (run_dir / "config.yaml").read_text()
+    assert all((run_dir / "logs" / f"{r}.log").exists() for r in range(4))
+
+
+def test_a_failure_on_one_node_stops_both(run_dir):
+    port = free_port()
+    common = (*NODES, f"run.port={port}", f"run.dir={run_dir}", "train.steps=100000",
+              "cluster.compute_ms=20")
+    first = sdpipe_popen("train", *common, "run.node=a")
+    second = sdpipe_popen("train", *common, "run.node=b")
+    try:
+        deadline = time.monotonic() + 60
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            if (run_dir / "metrics.jsonl").exists() and metrics(run_dir, "train"):
+                victim = next((p for p in run_processes(run_dir)
+                               if p.environ().get("RANK") == "3"), None)
+        assert victim is not None, "node b's worker never started training"
+        victim.send_signal(signal.SIGKILL)
+        rc_b, _, err_b = finish(second, 120)
+        rc_a, _, err_a = finish(first, 120)
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+    assert rc_b == 1 and "rank 3" in err_b and "SIGKILL" in err_b, err_b
+    assert rc_a == 1, err_a
+    assert "another node failed" in err_a or "rank" in err_a
