@@ -1,0 +1,124 @@
+"""Benchmark: does emulated heterogeneity show in the metrics, and does auto partitioning pay?
+
+Two experiments, each a few real ``sdpipe`` runs on this machine:
+
+* **speeds** -- ``cluster=hetero_static`` (three pipelines, one on devices three times slower,
+  modelled compute): each pipeline's samples/s with ``sync=none`` (each pipeline alone: the
+  emulation by itself) and with ``sync=sdpipe`` (the default). Expect the slow one at about a
+  third of the others without sync.
+* **partition** -- a cluster whose second stage runs on half-speed devices (P=2, S=2, measured
+  emulation). ``sdpipe profile`` measures it; then the same training runs with the uniform and
+  with the automatic partition (``pipeline.partition=auto profile=...``). Reported: the
+  partitioner's predicted bottleneck gain and the measured samples/s gain.
+
+Usage::
+
+    python scripts/bench_hetero.py --steps 40 --out runs/bench_hetero [--only speeds|partition]
+
+Samples/s per pipeline is the last train line's ``samples_per_s`` (counted from the end of the
+pipeline's first iteration); a run's total is the sum over its pipelines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sync import last_by_pipeline, read_jsonl, run_sdpipe  # noqa: E402
+
+HALF_SPEED_STAGE_1 = "cluster.nodes=[{name: n, devices: [{}, {speed: 0.5}, {}, {speed: 0.5}]}]"
+PARTITION_RUN = ("cluster.pipelines=2", "pipeline.stages=2", "cluster.device=cpu",
+                 "cluster.emulation=measured", HALF_SPEED_STAGE_1)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="train.steps of every run")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_hetero"),
+                        help="folder for the runs (must not exist yet)")
+    parser.add_argument("--only", choices=("speeds", "partition"), help="run one experiment")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    return parser.parse_args(argv)
+
+
+def train(out: Path, name: str, overrides: list[str], timeout: float) -> dict[int, float]:
+    """One ``sdpipe train`` run; each pipeline's final samples/s."""
+    run_dir = out / name
+    rc, wall = run_sdpipe([*overrides, f"run.dir={run_dir}"], out / f"{name}.log", timeout)
+    if rc != 0:
+        raise SystemExit(f"{name}: sdpipe train exited {rc}; see {out / f'{name}.log'}")
+    train_lines = [ln for ln in read_jsonl(run_dir / "metrics.jsonl") if ln["kind"] == "train"]
+    rates = last_by_pipeline(train_lines, "samples_per_s")
+    print(f"  {name}: {wall:.1f} s, samples/s per pipeline "
+          + ", ".join(f"{p}: {r:.1f}" for p, r in rates.items()), flush=True)
+    return rates
+
+
+def speeds(args: argparse.Namespace) -> list[str]:
+    common = ["cluster=hetero_static", f"train.steps={args.steps}", "train.eval_every=0"]
+    rows = ["| sync | pipeline 0 | pipeline 1 | pipeline 2 (slow) | slow / fast |",
+            "|---|---|---|---|---|"]
+    for sync in ("none", "sdpipe"):
+        r = train(args.out, f"static-{sync}", [*common, f"sync={sync}"], args.timeout)
+        ratio = r[2] / ((r[0] + r[1]) / 2)
+        rows.append(f"| {sync} | {r[0]:.1f} | {r[1]:.1f} | {r[2]:.1f} | {ratio:.2f} |")
+    return rows
+
+
+def partition(args: argparse.Namespace) -> list[str]:
+    from sdpipe_cli import partition as part
+    from sdpipe_cli import profile as prof
+    from sdpipe_cli.cluster import Cluster
+    from sdpipe_cli.config import compose, n_blocks
+
+    prof_dir = args.out / "profile"
+    cmd = [sys.executable, "-m", "sdpipe_cli", "profile", *PARTITION_RUN, f"run.dir={prof_dir}"]
+    with (args.out / "profile.log").open("w") as log:
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode:
+            raise SystemExit(f"sdpipe profile failed; see {args.out / 'profile.log'}")
+    path = prof_dir / "profile.json"
+    cfg = compose([*PARTITION_RUN, f"profile={path}"])
+    cost = part.device_cost(prof.worker_block_ms(prof.load(path),
+                                                 Cluster.from_config(cfg.cluster, 2), []))
+    plan = part.plan(cost, n_blocks(cfg.model), 2)
+    print(f"  plan: uniform {plan.uniform_bounds} {[round(t, 2) for t in plan.uniform_times]} ms, "
+          f"auto {plan.bounds} {[round(t, 2) for t in plan.times]} ms", flush=True)
+    common = [*PARTITION_RUN, f"train.steps={args.steps}", "train.eval_every=0"]
+    uniform = train(args.out, "partition-uniform", [*common, "pipeline.partition=uniform"],
+                    args.timeout)
+    auto = train(args.out, "partition-auto", [*common, "pipeline.partition=auto", f"profile={path}"],
+                 args.timeout)
+    total_u, total_a = sum(uniform.values()), sum(auto.values())
+    return ["| partition | boundaries | predicted stage ms (fwd+bwd, slowest replica) | samples/s (sum) |",
+            "|---|---|---|---|",
+            f"| uniform | {plan.uniform_bounds} | {', '.join(f'{t:.2f}' for t in plan.uniform_times)} "
+            f"| {total_u:.1f} |",
+            f"| auto | {plan.bounds} | {', '.join(f'{t:.2f}' for t in plan.times)} | {total_a:.1f} |",
+            "",
+            f"predicted gain {plan.speedup:.2f}x, measured {total_a / total_u:.2f}x"]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=False)
+    report = []
+    if args.only in (None, "speeds"):
+        print("speeds: cluster=hetero_static", flush=True)
+        report += ["**speeds** (`cluster=hetero_static`, "
+                   f"{args.steps} steps)", "", *speeds(args), ""]
+    if args.only in (None, "partition"):
+        print("partition: stage 1 on half-speed devices", flush=True)
+        report += ["**partition** (P=2, S=2, gpt_tiny, stage 1 at speed 0.5, measured emulation, "
+                   f"{args.steps} steps)", "", *partition(args)]
+    text = "\n".join(report)
+    (args.out / "report.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
