@@ -280,12 +280,11 @@ def _profile_tables(console: Console, doc: dict, wall_s: float) -> None:
     console.print(f"(all blocks at one micro-batch; peak memory: "
                   f"{', '.join(sorted({d['memory_source'] for d in devices}))})", highlight=False)
 
-    shown, title = devices, "per block: forward/backward ms"
+    shown = devices
     if len(devices) > 4:  # the first device and the slowest keep the table readable
         slowest = max(devices, key=lambda d: sum(d["forward_ms"]) + sum(d["backward_ms"]))
         shown = [devices[0]] + ([slowest] if slowest is not devices[0] else [])
-        title += f" (the first and the slowest of {len(devices)} devices)"
-    table = Table(title=title)
+    table = Table(title="per block: forward/backward ms")
     table.add_column("block")
     table.add_column("params", justify="right")
     for d in shown:
@@ -294,12 +293,15 @@ def _profile_tables(console: Console, doc: dict, wall_s: float) -> None:
         table.add_row(m["block_names"][b], f"{m['block_params'][b]:,}",
                       *(f"{_ms(d['forward_ms'][b])}/{_ms(d['backward_ms'][b])}" for d in shown))
     console.print(table)
+    if len(shown) < len(devices):
+        console.print(f"(the first and the slowest of {len(devices)} devices; all of them in "
+                      "profile.json)", highlight=False)
 
     if doc["p2p"]:
         table = Table(title=f"p2p between pipeline neighbours (bandwidth message "
                       f"{doc['p2p'][0]['bytes'] / 2**20:g} MiB)")
         for col in ("pair", "ranks", "link", "emulated", "latency ms", "bandwidth Gbit/s"):
-            table.add_column(col, justify="left" if col in ("pair", "link", "emulated") else "right")
+            table.add_column(col, justify="right" if col.endswith(("ms", "Gbit/s")) else "left")
         for e in doc["p2p"]:
             link = c["links"][e["link"]]  # what cluster.links emulated on this link class
             emulated = [f"{link['latency_ms']:g} ms"] if link["latency_ms"] else []
@@ -321,7 +323,8 @@ def _profile_tables(console: Console, doc: dict, wall_s: float) -> None:
 
 def _ms(x: float) -> str:
     """Milliseconds to about three significant digits: 0.0762, 1.20, 12.3, 123."""
-    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 1 else f"{x:.3f}"
+    digits = 0 if x >= 100 else 1 if x >= 10 else 2 if x >= 1 else 3
+    return f"{x:.{digits}f}"
 
 
 def _plan_table(console: Console, plan) -> None:

@@ -13,8 +13,8 @@ training will cost on its device, and rank 0 writes ``<run>/profile.json`` (the 
 2. **peak memory**: :meth:`~sdpipe_cli.hetero.MemoryLimit.peak_mb` (RSS on CPU, the allocator's
    maximum on CUDA), the process's peak over the whole profile.
 3. **p2p**, for each pair of pipeline neighbours: a ping-pong of a 4-byte message (latency: half
-   the shortest round trip) and a :data:`BANDWIDTH_BYTES` message acknowledged by the receiver (bandwidth:
-   the extra bytes over the extra time, so that latency cancels out).
+   the shortest round trip) and a :data:`BANDWIDTH_BYTES` message acknowledged by the receiver
+   (bandwidth: the extra bytes over the extra time, so that latency cancels out).
 4. **all-reduce**: for each stage s and group size k = 2..P, the replicas of stage s in pipelines
    0..k-1 all-reduce a flat float32 tensor the size of stage s's weights (under the configured
    partition), through the same :class:`~sdpipe_cli.sync.GroupCache` as training.
@@ -71,7 +71,8 @@ FORWARD, BACKWARD = Action("F", 0), Action("B", 0)
 # -- the plan: the same on every rank -------------------------------------------------------------
 def neighbour_pairs(pipelines: int, stages: int) -> list[tuple[int, int]]:
     """(rank of stage s, rank of stage s+1) for every pipeline, in rank order."""
-    return [(p * stages + s, p * stages + s + 1) for p in range(pipelines) for s in range(stages - 1)]
+    return [(p * stages + s, p * stages + s + 1)
+            for p in range(pipelines) for s in range(stages - 1)]
 
 
 def replica_groups(pipelines: int, stages: int) -> list[tuple[int, list[int]]]:
@@ -114,9 +115,11 @@ def repeat(once: Callable[[], Sequence[float]], repeats: int, warmup: int = WARM
 def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
     """The profile document from every rank's results (see :mod:`sdpipe_cli.profile`)."""
     mb = cfg.train.batch_size // cfg.pipeline.microbatches
-    links = {kind: {"latency_ms": float(cfg.cluster.links[kind].latency_ms),
-                    "bandwidth_gbps": cfg.cluster.links[kind].bandwidth_gbps}
-             for kind in ("same_node", "cross_node")}
+    links = {}
+    for kind in ("same_node", "cross_node"):
+        link = cfg.cluster.links[kind]
+        links[kind] = {"latency_ms": float(link.latency_ms), "bandwidth_gbps":
+                       None if link.bandwidth_gbps is None else float(link.bandwidth_gbps)}
     ordered = sorted(results, key=lambda r: r["device"]["rank"])
     return {
         "format": profile.FORMAT,
@@ -205,7 +208,7 @@ class Profiler:
                 if i == last:
                     out = models.loss_fn(out, targets)
                 t1 = self.now()
-                out.backward(None if i == last else out_grad)  # .grad accumulates, as over micro-batches
+                out.backward(None if i == last else out_grad)  # .grad accumulates, as in training
                 t2 = self.now()
                 return (self.slowdown.target(FORWARD, t1 - t0),
                         self.slowdown.target(BACKWARD, t2 - t1))
