@@ -9,6 +9,8 @@ Usage::
     sdpipe train --help                           # config groups and their options
     sdpipe train checkpoint.every=100             # checkpoints in <run>/checkpoints/step_<N>/
     sdpipe resume runs/20261129-120000 train.steps=800   # go on from the latest checkpoint
+    sdpipe profile cluster.device=cpu             # measure blocks, memory, links -> profile.json
+    sdpipe train pipeline.partition=auto profile=runs/20261129-130000/profile.json
 
 Exit codes: 0 done, 1 a process failed (named on stderr), 2 bad input (one line, nothing
 started), 130 interrupted. rich lives here and only here: workers and the scheduler log plain text.
@@ -39,6 +41,14 @@ Overrides use Hydra's grammar: key=value (train.steps=50), group=option (model=m
 +key=value to add. Keys and their meaning: sdpipe_cli/config.py, or `sdpipe train --cfg`."""
 
 
+PROFILE_HELP = """Measure the cluster a training run would use, with the same overrides: per
+device, each model block's forward and backward time at the micro-batch size and the peak memory;
+per pair of pipeline neighbours, p2p latency and bandwidth; per stage, the all-reduce time of its
+weights for group sizes 2..P. Emulated speeds and links (cluster.nodes, cluster.links) are in the
+numbers. Writes <run>/profile.json (schema: sdpipe_cli/profile.py) for
+`sdpipe train pipeline.partition=auto profile=PATH`."""
+
+
 RESUME_HELP = """Continue a run from its latest complete checkpoint (or a given one), with the saved
 config, in the same run folder; metrics are appended. Only settings that the saved state does not
 depend on may change (KEY=VALUE)."""
@@ -64,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--cfg", action="store_true", help="print the composed config and exit")
     train.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+    prof = sub.add_parser(
+        "profile", help="measure the cluster: block times, memory, links", description=PROFILE_HELP,
+        epilog=f"config groups (group=option):\n{groups}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    prof.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    prof.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
     resume = sub.add_parser(
         "resume", help="continue a run from a checkpoint", description=RESUME_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return train(args.overrides, show_config=args.cfg, console=err)
         if args.command == "resume":
             return resume(args.path, args.overrides, console=err)
+        if args.command == "profile":
+            return profile(args.overrides, show_config=args.cfg, console=err)
     except (ConfigError, DataError, CheckpointError) as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
@@ -121,6 +139,41 @@ def resume(path: str, overrides: Sequence[str], console: Console) -> int:
                   highlight=False)
     return _run(launcher.prepare(cfg)[0], console, resume=ckpt, elapsed=manifest["elapsed"],
                 done=sum(manifest["steps"].values()))
+
+
+def profile(overrides: Sequence[str], show_config: bool = False,
+            console: Console | None = None) -> int:
+    from sdpipe_cli import launcher
+    from sdpipe_cli import profile as document
+
+    console = console or Console(stderr=True)
+    cfg = compose(list(overrides))
+    validate(cfg)
+    if show_config:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+    run_cfg, plan = launcher.prepare(cfg)
+    if plan is not None:
+        _plan_table(console, plan)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    phases = _Phases(console)
+    result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE)
+    console.print(f"run folder: {result.run_dir}", highlight=False)
+    if result.failure:
+        console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
+                      soft_wrap=True)
+        return result.returncode
+    try:
+        doc = document.load(result.run_dir / "profile.json")
+    except document.ProfileError as bad:  # every worker ended well, so this is a bug: say so
+        console.print(f"sdpipe: error: the profile was not written: {bad}", markup=False,
+                      highlight=False, soft_wrap=True)
+        return EXIT_FAILED
+    _profile_tables(console, doc, result.wall_s)
+    console.print(f"profile: {doc['_path']}", highlight=False, soft_wrap=True)
+    console.print(f"use it: sdpipe train pipeline.partition=auto profile={doc['_path']}",
+                  highlight=False, soft_wrap=True)
+    return 0
 
 
 def _apply_resume_overrides(saved, overrides: Sequence[str]):
@@ -191,6 +244,87 @@ class _ProgressDisplay:
                                highlight=False)
             while self.next_report * self.total <= done:
                 self.next_report += 0.1
+
+
+class _Phases:
+    """One line per profiling phase as rank 0 reaches it (the phases take turns, see profiling)."""
+
+    NAMES = {"blocks": "block forward/backward times", "p2p": "p2p latency and bandwidth",
+             "allreduce": "all-reduce of stage weights"}
+
+    def __init__(self, console: Console):
+        self.console, self.phase = console, None
+
+    def update(self, snap: dict) -> None:
+        phase = snap.get("phase")
+        if phase in self.NAMES and phase != self.phase:
+            self.phase = phase
+            self.console.print(f"profile: {self.NAMES[phase]} (turn {snap['turn']}/"
+                               f"{snap['turns']})", highlight=False)
+
+
+def _profile_tables(console: Console, doc: dict, wall_s: float) -> None:
+    """profile.json as tables: devices, blocks, p2p, all-reduce."""
+    m, c, devices = doc["model"], doc["cluster"], doc["devices"]
+    table = Table(title=f"sdpipe profile: {m['name']}, micro-batch {m['microbatch_size']} x "
+                  f"{m['seq_len']} tokens, P={c['pipelines']} S={c['stages']} on {c['device']} "
+                  f"({wall_s:.1f} s)")
+    for col in ("device", "node", "speed", "pipeline", "stage", "rank", "forward ms",
+                "backward ms", "peak MB"):
+        table.add_column(col, justify="left" if col in ("device", "node") else "right")
+    for d in devices:
+        table.add_row(d["name"], d["node"], f"{d['speed']:g}", str(d["pipeline"]), str(d["stage"]),
+                      str(d["rank"]), _ms(sum(d["forward_ms"])), _ms(sum(d["backward_ms"])),
+                      f"{d['peak_memory_mb']:.0f}")
+    console.print(table)
+    console.print(f"(all blocks at one micro-batch; peak memory: "
+                  f"{', '.join(sorted({d['memory_source'] for d in devices}))})", highlight=False)
+
+    shown = devices
+    if len(devices) > 4:  # the first device and the slowest keep the table readable
+        slowest = max(devices, key=lambda d: sum(d["forward_ms"]) + sum(d["backward_ms"]))
+        shown = [devices[0]] + ([slowest] if slowest is not devices[0] else [])
+    table = Table(title="per block: forward/backward ms")
+    table.add_column("block")
+    table.add_column("params", justify="right")
+    for d in shown:
+        table.add_column(d["name"], justify="right")
+    for b in range(m["blocks"]):
+        table.add_row(m["block_names"][b], f"{m['block_params'][b]:,}",
+                      *(f"{_ms(d['forward_ms'][b])}/{_ms(d['backward_ms'][b])}" for d in shown))
+    console.print(table)
+    if len(shown) < len(devices):
+        console.print(f"(the first and the slowest of {len(devices)} devices; all of them in "
+                      "profile.json)", highlight=False)
+
+    if doc["p2p"]:
+        table = Table(title=f"p2p between pipeline neighbours (bandwidth message "
+                      f"{doc['p2p'][0]['bytes'] / 2**20:g} MiB)")
+        for col in ("pair", "ranks", "link", "emulated", "latency ms", "bandwidth Gbit/s"):
+            table.add_column(col, justify="right" if col.endswith(("ms", "Gbit/s")) else "left")
+        for e in doc["p2p"]:
+            link = c["links"][e["link"]]  # what cluster.links emulated on this link class
+            emulated = [f"{link['latency_ms']:g} ms"] if link["latency_ms"] else []
+            if link["bandwidth_gbps"] is not None:
+                emulated.append(f"{link['bandwidth_gbps']:g} Gbit/s")
+            bw = "-" if e["bandwidth_gbps"] is None else f"{e['bandwidth_gbps']:.2f}"
+            table.add_row(f"{e['src']} -> {e['dst']}", f"{e['src_rank']} -> {e['dst_rank']}",
+                          e["link"], ", ".join(emulated) or "-", _ms(e["latency_ms"]), bw)
+        console.print(table)
+    if doc["allreduce"]:
+        table = Table(title="all-reduce of a stage's weights (float32)")
+        for col in ("stage", "group size", "ranks", "MiB", "ms"):
+            table.add_column(col, justify="right")
+        for e in doc["allreduce"]:
+            table.add_row(str(e["stage"]), str(e["group_size"]), " ".join(map(str, e["ranks"])),
+                          f"{e['bytes'] / 2**20:.2f}", _ms(e["ms"]))
+        console.print(table)
+
+
+def _ms(x: float) -> str:
+    """Milliseconds to about three significant digits: 0.0762, 1.20, 12.3, 123."""
+    digits = 0 if x >= 100 else 1 if x >= 10 else 2 if x >= 1 else 3
+    return f"{x:.{digits}f}"
 
 
 def _plan_table(console: Console, plan) -> None:

@@ -43,6 +43,22 @@ class Child:
     rank: Optional[int] = None  # workers only
 
 
+@dataclass(frozen=True)
+class Job:
+    """What the launcher starts besides the store: P x S workers running ``worker``, and with
+    ``helpers`` training's other processes (the scheduler; with ``sync=ps`` the parameter
+    servers). ``graceful``: the workers stop at a consistent point when asked
+    (``sdpipe/stop_requested``), so a first Ctrl-C waits for that instead of stopping them."""
+
+    worker: str
+    helpers: bool = True
+    graceful: bool = True
+
+
+TRAIN = Job("sdpipe_cli.worker")
+PROFILE = Job("sdpipe_cli.profiling", helpers=False, graceful=False)
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -162,8 +178,11 @@ def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str])
 
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
            run_dir: Optional[Path] = None, resume: Optional[Path] = None,
-           elapsed: float = 0.0) -> RunResult:
-    """Run a training job to the end; ``cfg`` must be validated and prepared.
+           elapsed: float = 0.0, job: Job = TRAIN) -> RunResult:
+    """Run a job (training, or :data:`PROFILE`) to the end; ``cfg`` must be validated and prepared.
+
+    Without ``job.helpers`` a failed worker always stops the job: there is no scheduler to drop
+    its pipeline (``fault.on_pipeline_loss=continue``).
 
     With ``resume`` (a verified checkpoint folder), the run goes on in its own run folder: the
     config for this leg is written beside the original (which stays as it was), metrics are
@@ -192,7 +211,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         launched = float(events.get(store.T0))
 
     P, S = cfg.cluster.pipelines, cfg.pipeline.stages
-    servers = S if cfg.sync.name == "ps" else 0  # one parameter server per stage, ranks after workers
+    # one parameter server per stage, ranks after the workers
+    servers = S if job.helpers and cfg.sync.name == "ps" else 0
     base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
             "MASTER_ADDR": store_host(cfg), "MASTER_PORT": str(master.port),
             "WORLD_SIZE": str(P * S + servers), "PYTHONUNBUFFERED": "1",
@@ -201,13 +221,14 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         base["SDPIPE_RESUME"] = str(resume.resolve())
     if cfg.cluster.device == "cpu":
         base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
-    children = [spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base)] if primary else []
+    children = [spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base)] \
+        if job.helpers and primary else []
     for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
         # one GPU per worker: its index on a real node, the rank on one machine
         local = cluster.device_of_rank(rank).index if cluster.real else rank
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local)}
         role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
-        children.append(spawn("sdpipe_cli.worker", str(rank), role, run_dir, env))
+        children.append(spawn(job.worker, str(rank), role, run_dir, env))
         children[-1].rank = rank
     for stage in range(servers if primary else 0):
         rank = P * S + stage
@@ -218,14 +239,15 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     started = time.monotonic()
     result = RunResult(run_dir, 0)
     try:
-        tolerate = cfg.fault.on_pipeline_loss == "continue"
+        tolerate = job.helpers and cfg.fault.on_pipeline_loss == "continue"
         result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched,
-                                                 S if tolerate else 0)
+                                                 S if tolerate else 0, graceful=job.graceful)
         result.returncode = 1 if result.failure else 130 if interrupted else 0
         if interrupted and not result.failure:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
     except KeyboardInterrupt:
-        result.failure, result.returncode = "interrupted twice; all processes stopped", 130
+        twice = "interrupted twice" if job.graceful else "interrupted"
+        result.failure, result.returncode = f"{twice}; all processes stopped", 130
     finally:
         stop_all(children)
         result.progress = _quietly(lambda: store.get_json(events, store.PROGRESS, {})) or {}
@@ -242,12 +264,14 @@ def _new_path(path: Path) -> Path:
 
 
 def _supervise(children: list[Child], run_dir: Path, events, on_progress,
-               since: float = 0.0, stages: int = 0) -> tuple[Optional[str], bool]:
+               since: float = 0.0, stages: int = 0,
+               graceful: bool = True) -> tuple[Optional[str], bool]:
     """Wait for every child: (the first failure's description or None, whether interrupted).
 
     The first Ctrl-C (or SIGTERM) asks the run to stop at its next consistent point (the same
     iteration on every replica, or the next global sync), where it may checkpoint and end
     normally; a second one raises KeyboardInterrupt and the caller stops everything at once.
+    Without ``graceful`` (a job with no consistent point to stop at) the first one does.
 
     With ``stages`` set (``fault.on_pipeline_loss=continue``), a failed worker costs only its
     pipeline: the pipeline's other workers are stopped, the scheduler is told, and the rest go on
@@ -288,7 +312,7 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                 on_progress(snapshot)
             time.sleep(POLL_S)
         except KeyboardInterrupt:
-            if interrupted:
+            if interrupted or not graceful:
                 raise
             interrupted = True
             events.set(store.STOP_REQUESTED, "1")

@@ -180,6 +180,11 @@ def activation_shape(model_cfg: Any, microbatch_size: int) -> tuple[int, ...]:
     return (int(microbatch_size), int(model_cfg.seq_len), int(model_cfg.d_model))
 
 
+def block_names(model_cfg: Any) -> list[str]:
+    """Names of the blocks for reports: ``embedding``, ``layer1`` .. ``layerN``, ``head``."""
+    return ["embedding", *(f"layer{i}" for i in range(1, int(model_cfg.n_layers) + 1)), "head"]
+
+
 def block_param_counts(model_cfg: Any) -> list[int]:
     """Parameters per block, for balancing stages; built on the meta device, allocating nothing."""
     with torch.device("meta"):

@@ -5,10 +5,13 @@ gives it to ``pipeline.partition=auto`` and to modelled emulation. Schema (``for
 milliseconds, sizes in bytes unless the name says otherwise)::
 
     format          "sdpipe-profile/1"
-    created, torch  when, and with which torch version
+    created, torch  when (ISO 8601, UTC), and with which torch version
     model           {name, arch, blocks, block_names[], block_params[], microbatch_size, seq_len,
                      activation_bytes}
-    cluster         {name, emulation, pipelines, stages, device ("cpu" | "cuda")}
+    cluster         {name, emulation ("measured": the real compute's time divided by the device's
+                     speed), pipelines, stages, device ("cpu" | "cuda"),
+                     links {same_node, cross_node: {latency_ms, bandwidth_gbps (null: not
+                     emulated)}}}
     devices[]       one per worker: {name ("node:index"), node, speed (as configured), rank,
                      pipeline, stage, forward_ms[], backward_ms[] (one per model block, at the
                      micro-batch size, emulated speed included), peak_memory_mb,
@@ -17,6 +20,17 @@ milliseconds, sizes in bytes unless the name says otherwise)::
                      dst_rank, link ("same_node" | "cross_node"), latency_ms, bandwidth_gbps,
                      bytes (of the bandwidth message)}
     allreduce[]     {stage, group_size (2..P), ranks[], bytes (the stage's weights), ms}
+
+Every time is the minimum over repeats (other processes on a shared machine only add time; see
+:mod:`sdpipe_cli.profiling`); the head's forward includes the loss. ``speed`` is the
+device's speed at the start of a run (``cluster.changes`` may name a later one); the pipelines'
+``cluster.slowdown`` factors and random stragglers are not in the times (they belong to a run, and
+whoever reads the profile applies them). ``peak_memory_mb`` is the profiling process's peak (the
+whole model's blocks at one micro-batch, plus the message buffers). ``latency_ms`` is half the
+round trip of a 4-byte message; ``bandwidth_gbps`` (Gbit/s) comes from the difference
+between a ``bytes`` message acknowledged by the receiver and that round trip, so latency cancels
+out; it is null where that difference was lost in the noise. Emulated links
+(``cluster.links``) are in both, and in the all-reduce times.
 
 Block costs are per device; a device the profile did not measure gets the median of the measured
 ones, normalized to speed 1.0 and divided by its own speed.
@@ -33,6 +47,8 @@ FORMAT = "sdpipe-profile/1"
 REQUIRED = ("format", "model", "cluster", "devices", "p2p", "allreduce")
 DEVICE_FIELDS = ("name", "node", "speed", "rank", "pipeline", "stage", "forward_ms",
                  "backward_ms", "peak_memory_mb", "memory_source")
+P2P_FIELDS = ("src", "dst", "src_rank", "dst_rank", "link", "latency_ms", "bandwidth_gbps", "bytes")
+ALLREDUCE_FIELDS = ("stage", "group_size", "ranks", "bytes", "ms")
 
 
 class ProfileError(ValueError):
@@ -67,8 +83,22 @@ def load(path: str | Path) -> dict:
                                f"{len(d['forward_ms'])} blocks, the model has {blocks}")
     if not doc["devices"]:
         raise ProfileError(f"'{path}' measured no device")
+    for section, fields in (("p2p", P2P_FIELDS), ("allreduce", ALLREDUCE_FIELDS)):
+        for n, entry in enumerate(doc[section]):
+            lacking = [k for k in fields if k not in entry]
+            if lacking:
+                raise ProfileError(f"'{path}': {section}[{n}] lacks {', '.join(lacking)}")
     doc["_path"] = str(path)
     return doc
+
+
+def write(doc: dict, run_dir: str | Path) -> Path:
+    """Write ``<run_dir>/profile.json`` atomically (a reader never sees half a document)."""
+    path = Path(run_dir) / "profile.json"
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(doc, indent=1) + "\n")
+    partial.replace(path)
+    return path
 
 
 def check_model(doc: dict, model_name: str, blocks: int, microbatch_size: int) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 PG_PREFIX = "pg/"  # torch.distributed's own rendezvous keys
 PREFIX = "sdpipe/"  # ours
 EVENTS = "events"  # queue: worker -> scheduler records (start, step, eval, done)
-PROGRESS = "progress"  # scheduler -> launcher: JSON snapshot for the progress display
+PROGRESS = "progress"  # scheduler (profiling: rank 0) -> launcher: JSON snapshot for the display
 T0 = "t0"  # wall-clock start of the run (seconds since the epoch), set by the launcher
 RUN = "run"  # first node -> other nodes' launchers: the resolved config and resume path (JSON)
 FAILED = "failed"  # any launcher -> the others: the first failure, in one line
@@ -65,6 +65,11 @@ def get_json(store: dist.Store, key: str, default: Any = None) -> Any:
 def run_clock(store: dist.Store) -> float:
     """The run's start time, so that every process stamps metrics on one time axis."""
     return float(store.get(T0)) if store.check([T0]) else time.time()
+
+
+def profile_key(rank: int) -> str:
+    """Where a profiling worker puts its measurements (JSON) for rank 0 to assemble."""
+    return f"profile/{rank}"
 
 
 def decision_key(stage: int, pipeline: int, iteration: int) -> str:

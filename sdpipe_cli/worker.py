@@ -26,9 +26,11 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -290,7 +292,27 @@ class Worker:
         self._pending.clear()
 
 
-def main() -> int:
+@dataclass(frozen=True)
+class Joined:
+    """A child process that has joined the run's process group (see :func:`joined`)."""
+
+    cfg: DictConfig
+    run_dir: Path
+    where: Placement
+    device: torch.device
+    client: dist.TCPStore  # a connection to the launcher's store
+    backend: str  # gloo | nccl
+
+
+@contextmanager
+def joined() -> Iterator[Joined]:
+    """Set up a per-(pipeline, stage) child as the launcher started it, for training or profiling.
+
+    Reads the environment and the run config, logs to stderr (the launcher's log file), records
+    any exception in the error file, picks the device (one GPU per worker, or one CPU thread per
+    ``OMP_NUM_THREADS``), connects to the store and initializes the default process group; the
+    group is destroyed when the block ends.
+    """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
@@ -313,18 +335,30 @@ def main() -> int:
                                 device_id=device if cuda else None)
         log.info("pipeline %d stage %d on %s", where.pipeline, where.stage, device)
         try:
-            # sdpipe's groups get their own store connection and a short timeout: a member that
-            # died between its ready signal and the average must not stall the survivors.
-            timeout = cfg.sync.group_timeout if cfg.sync.name == "sdpipe" else cfg.run.timeout
-            group_store = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                        timeout) if timeout != cfg.run.timeout else client
-            cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
-            groups = GroupCache(dist.PrefixStore(store.PG_PREFIX, group_store), rank, backend,
-                                timeout, delay=cluster.allreduce_s if cluster.links_emulated else None)
-            Worker(cfg, where, device, store.namespace(client), groups,
-                   resume=os.environ.get("SDPIPE_RESUME")).train()
+            yield Joined(cfg, run_dir, where, device, client, backend)
         finally:
             dist.destroy_process_group()
+
+
+def group_cache(ctx: Joined, timeout: float) -> GroupCache:
+    """Communicators over subsets of ranks, with the emulated all-reduce time when links are
+    emulated; a ``timeout`` other than ``run.timeout`` gets its own store connection."""
+    cfg = ctx.cfg
+    group_store = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                timeout) if timeout != cfg.run.timeout else ctx.client
+    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
+    return GroupCache(dist.PrefixStore(store.PG_PREFIX, group_store), ctx.where.rank, ctx.backend,
+                      timeout, delay=cluster.allreduce_s if cluster.links_emulated else None)
+
+
+def main() -> int:
+    with joined() as ctx:
+        # sdpipe's groups get their own store connection and a short timeout: a member that
+        # died between its ready signal and the average must not stall the survivors.
+        cfg = ctx.cfg
+        timeout = cfg.sync.group_timeout if cfg.sync.name == "sdpipe" else cfg.run.timeout
+        Worker(cfg, ctx.where, ctx.device, store.namespace(ctx.client), group_cache(ctx, timeout),
+               resume=os.environ.get("SDPIPE_RESUME")).train()
     return 0
 
 

@@ -1,0 +1,301 @@
+"""Measuring a cluster for ``sdpipe profile``: one process per worker, placed as training places it.
+
+Started by the launcher as ``python -m sdpipe_cli.profiling``, P x S times, with the environment,
+device and process group of :mod:`sdpipe_cli.worker` (no scheduler). Each process measures what
+training will cost on its device, and rank 0 writes ``<run>/profile.json`` (the schema is in
+:mod:`sdpipe_cli.profile`):
+
+1. **blocks**: the process builds the whole model and times each block's forward and backward
+   at the micro-batch size (``train.batch_size // pipeline.microbatches``): token ids into block
+   0, activations of :func:`~sdpipe_cli.models.activation_shape` into the others, a random output
+   gradient for the backward, and the head's forward through ``loss_fn`` (as the last stage does).
+   Untimed warm-ups, then the minimum over up to :data:`REPEATS` repeats (see below).
+2. **peak memory**: :meth:`~sdpipe_cli.hetero.MemoryLimit.peak_mb` (RSS on CPU, the allocator's
+   maximum on CUDA), the process's peak over the whole profile.
+3. **p2p**, for each pair of pipeline neighbours: a ping-pong of a 4-byte message (latency: half
+   the shortest round trip) and a :data:`BANDWIDTH_BYTES` message acknowledged by the receiver
+   (bandwidth: the extra bytes over the extra time, so that latency cancels out).
+4. **all-reduce**: for each stage s and group size k = 2..P, the replicas of stage s in pipelines
+   0..k-1 all-reduce a flat float32 tensor the size of stage s's weights (under the configured
+   partition), through the same :class:`~sdpipe_cli.sync.GroupCache` as training.
+
+Measurements take turns: one worker (or one pair, or one group) measures while all the others wait
+at a barrier, so that on a shared machine a number is not inflated by the others' compute. The
+list of turns (:func:`turns`) is the same on every rank. Every time kept is the minimum over the
+repeats, not the median: processes outside the run only ever add time (a 1 ms block that loses the
+core for a scheduler time slice takes several), and on a loaded machine most repeats can be hit.
+On the 2-core development machine under load, medians of the same layer on identical devices came
+out up to 7x apart; minima stay within tens of percent. The profile describes the devices, not the
+load they happened to share.
+
+Emulation shows up as it would in training. A device's ``speed`` goes through the same
+:class:`~sdpipe_cli.hetero.Slowdown` (measured mode): the profile records
+``Slowdown.target``, the time the action must take, rather than sleeping it, because a sleep would
+only add the timer's overshoot to sub-millisecond blocks (and could not emulate a speed above 1).
+Links are emulated by :func:`~sdpipe_cli.hetero.link_delay` on every send and by the group
+cache's all-reduce delay: those sleeps are inside the measured time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from datetime import datetime, timezone
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from sdpipe_cli import models, profile, store
+from sdpipe_cli.cluster import Cluster
+from sdpipe_cli.config import n_blocks
+from sdpipe_cli.hetero import MemoryLimit, Slowdown, link_delay
+from sdpipe_cli.partition import stage_ranges
+from sdpipe_cli.schedule import Action
+from sdpipe_cli.sync import GroupCache
+from sdpipe_cli.worker import Joined, group_cache, joined
+
+log = logging.getLogger("sdpipe.profiling")
+
+WARMUP = 2  # untimed repeats first: allocator, caches, lazily created communicators
+REPEATS = 20  # timed repeats of a block; the minimum is kept
+MIN_REPEATS = 3  # a slow block stops repeating after BLOCK_BUDGET_S, but not before this many
+BLOCK_BUDGET_S = 1.0
+COMM_REPEATS = 9  # timed repeats of a message or an all-reduce (fixed: both sides must agree)
+BANDWIDTH_BYTES = 4 * 2**20  # the bandwidth message: large enough that its transfer time dominates
+FORWARD, BACKWARD = Action("F", 0), Action("B", 0)
+
+
+# -- the plan: the same on every rank -------------------------------------------------------------
+def neighbour_pairs(pipelines: int, stages: int) -> list[tuple[int, int]]:
+    """(rank of stage s, rank of stage s+1) for every pipeline, in rank order."""
+    return [(p * stages + s, p * stages + s + 1)
+            for p in range(pipelines) for s in range(stages - 1)]
+
+
+def replica_groups(pipelines: int, stages: int) -> list[tuple[int, list[int]]]:
+    """(stage s, ranks of its replicas in pipelines 0..k-1) for every s and k = 2..P."""
+    return [(s, [q * stages + s for q in range(k)])
+            for s in range(stages) for k in range(2, pipelines + 1)]
+
+
+def turns(pipelines: int, stages: int) -> list[tuple[str, list[int]]]:
+    """Every measurement as (phase, the ranks that take part), in the order they run."""
+    world = pipelines * stages
+    return ([("blocks", [r]) for r in range(world)]
+            + [("p2p", list(pair)) for pair in neighbour_pairs(pipelines, stages)]
+            + [("allreduce", ranks) for _, ranks in replica_groups(pipelines, stages)])
+
+
+def stage_weight_bytes(cfg: DictConfig, stage: int) -> int:
+    """float32 bytes of stage ``stage``'s weights under the (resolved) partition."""
+    counts = models.block_param_counts(cfg.model)
+    start, stop = stage_ranges(list(cfg.pipeline.partition), n_blocks(cfg.model))[stage]
+    return 4 * sum(counts[start:stop])
+
+
+def repeat(once: Callable[[], Sequence[float]], repeats: int, warmup: int = WARMUP,
+           min_repeats: Optional[int] = None, budget_s: float = math.inf,
+           clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Per value that ``once()`` returns, its minimum over the timed repeats after ``warmup``
+    untimed ones; past ``budget_s`` seconds of timed repeats, stop after ``min_repeats``."""
+    for _ in range(warmup):
+        once()
+    samples: list[Sequence[float]] = []
+    start = clock()
+    while len(samples) < repeats:
+        samples.append(once())
+        if min_repeats is not None and len(samples) >= min_repeats and clock() - start > budget_s:
+            break
+    return [min(column) for column in zip(*samples)]
+
+
+def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
+    """The profile document from every rank's results (see :mod:`sdpipe_cli.profile`)."""
+    mb = cfg.train.batch_size // cfg.pipeline.microbatches
+    links = {}
+    for kind in ("same_node", "cross_node"):
+        link = cfg.cluster.links[kind]
+        links[kind] = {"latency_ms": float(link.latency_ms), "bandwidth_gbps":
+                       None if link.bandwidth_gbps is None else float(link.bandwidth_gbps)}
+    ordered = sorted(results, key=lambda r: r["device"]["rank"])
+    return {
+        "format": profile.FORMAT,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "model": {"name": cfg.model.name, "arch": cfg.model.arch, "blocks": n_blocks(cfg.model),
+                  "block_names": models.block_names(cfg.model),
+                  "block_params": models.block_param_counts(cfg.model), "microbatch_size": mb,
+                  "seq_len": int(cfg.model.seq_len),
+                  "activation_bytes": 4 * math.prod(models.activation_shape(cfg.model, mb))},
+        "cluster": {"name": cfg.cluster.name, "emulation": "measured",
+                    "pipelines": int(cfg.cluster.pipelines), "stages": int(cfg.pipeline.stages),
+                    "device": cfg.cluster.device, "links": links},
+        "devices": [r["device"] for r in ordered],
+        "p2p": sorted((e for r in ordered for e in r["p2p"]), key=lambda e: e["src_rank"]),
+        "allreduce": sorted((e for r in ordered for e in r["allreduce"]),
+                            key=lambda e: (e["stage"], e["group_size"])),
+    }
+
+
+# -- the measuring process -----------------------------------------------------------------------
+class Profiler:
+    """One worker's measurements; :meth:`run` takes part in every turn and returns its results."""
+
+    def __init__(self, ctx: Joined, groups: GroupCache):
+        self.cfg, self.where, self.device, self.groups = ctx.cfg, ctx.where, ctx.device, groups
+        self.events = store.namespace(ctx.client)
+        self.cluster = Cluster.from_config(self.cfg.cluster, self.where.stages)
+        self.placed = self.cluster.device(self.where.pipeline, self.where.stage)
+        self.speed = self.cluster.speed(self.placed, 0.0)
+        self.slowdown = Slowdown(speed=lambda: self.speed)  # measured mode: time / speed
+        self.memory = MemoryLimit(self.placed, self.device)
+        self.before_send = link_delay(self.cluster, self.where.rank)
+        self.p2p: list[dict] = []
+        self.allreduce: list[dict] = []
+        self.forward_ms: list[float] = []
+        self.backward_ms: list[float] = []
+
+    def now(self) -> float:
+        """Wall time once the device has finished what was queued (CUDA runs asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def run(self) -> dict:
+        w = self.where
+        plan = turns(w.pipelines, w.stages)
+        for n, (phase, members) in enumerate(plan):
+            if w.rank == 0:
+                store.set_json(self.events, store.PROGRESS,
+                               {"phase": phase, "turn": n + 1, "turns": len(plan)})
+            if w.rank in members:
+                if phase == "blocks":
+                    self.measure_blocks()
+                elif phase == "p2p":
+                    self.measure_p2p(*members)
+                else:
+                    self.measure_allreduce(members)
+                self.memory.peak_mb()  # the RSS peak is sampled: after each of this rank's turns
+            dist.barrier()
+        return {"device": {"name": self.placed.name, "node": self.placed.node, "speed": self.speed,
+                           "rank": w.rank, "pipeline": w.pipeline, "stage": w.stage,
+                           "forward_ms": self.forward_ms, "backward_ms": self.backward_ms,
+                           "peak_memory_mb": round(self.memory.peak_mb(), 1),
+                           "memory_source": "cuda_max_allocated" if self.memory.cuda else "rss"},
+                "p2p": self.p2p, "allreduce": self.allreduce}
+
+    # -- 1. blocks ---------------------------------------------------------------------------------
+    def measure_blocks(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)
+        blocks = [b.to(self.device).train() for b in models.build_blocks(cfg.model)]
+        mb = cfg.train.batch_size // cfg.pipeline.microbatches
+        shape = models.activation_shape(cfg.model, mb)
+        gen = torch.Generator().manual_seed(cfg.train.seed)
+        tokens, targets = (torch.randint(0, int(cfg.model.vocab_size), (mb, int(cfg.model.seq_len)),
+                                         generator=gen).to(self.device) for _ in range(2))
+        activation = torch.randn(shape, generator=gen).to(self.device)
+        out_grad = torch.randn(shape, generator=gen).to(self.device)
+        last = len(blocks) - 1
+        for i, block in enumerate(blocks):
+            def once(i=i, block=block) -> tuple[float, float]:
+                x = tokens if i == 0 else activation.detach().requires_grad_()
+                t0 = self.now()
+                out = block(x)
+                if i == last:
+                    out = models.loss_fn(out, targets)
+                t1 = self.now()
+                out.backward(None if i == last else out_grad)  # .grad accumulates, as in training
+                t2 = self.now()
+                return (self.slowdown.target(FORWARD, t1 - t0),
+                        self.slowdown.target(BACKWARD, t2 - t1))
+
+            fwd, bwd = repeat(once, REPEATS, min_repeats=MIN_REPEATS, budget_s=BLOCK_BUDGET_S)
+            self.forward_ms.append(round(fwd * 1000, 4))
+            self.backward_ms.append(round(bwd * 1000, 4))
+        log.info("blocks: forward %.2f ms, backward %.2f ms in all (speed %g)",
+                 sum(self.forward_ms), sum(self.backward_ms), self.speed)
+
+    # -- 3. p2p ------------------------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        if self.before_send is not None:
+            self.before_send(dst, tensor)  # the emulated link's transfer time
+        dist.send(tensor, dst)
+
+    def measure_p2p(self, src: int, dst: int) -> None:
+        me = self.where.rank
+        ping = torch.zeros(1, dtype=torch.float32, device=self.device)
+        bulk = torch.zeros(BANDWIDTH_BYTES // 4, dtype=torch.float32, device=self.device)
+        if me == src:
+            def round_trip() -> tuple[float]:
+                t0 = self.now()
+                self._send(ping, dst)
+                dist.recv(ping, dst)
+                return (self.now() - t0,)
+
+            def acknowledged() -> tuple[float]:
+                t0 = self.now()
+                self._send(bulk, dst)
+                dist.recv(ping, dst)
+                return (self.now() - t0,)
+        else:
+            def round_trip() -> tuple[float]:
+                dist.recv(ping, src)
+                self._send(ping, src)
+                return (0.0,)
+
+            def acknowledged() -> tuple[float]:
+                dist.recv(bulk, src)
+                self._send(ping, src)
+                return (0.0,)
+        rtt, = repeat(round_trip, COMM_REPEATS)
+        big, = repeat(acknowledged, COMM_REPEATS)
+        if me != src:
+            return
+        extra_s = big - rtt  # the bulk message's transfer minus the ping's: latency cancels
+        extra_bytes = bulk.nbytes - ping.nbytes
+        device = self.cluster.device_of_rank
+        self.p2p.append({"src": device(src).name, "dst": device(dst).name, "src_rank": src,
+                         "dst_rank": dst, "link": self.cluster.link(src, dst).kind,
+                         "latency_ms": round(rtt / 2 * 1000, 4),
+                         "bandwidth_gbps": round(extra_bytes * 8 / extra_s / 1e9, 4)
+                         if extra_s > 0 else None,
+                         "bytes": bulk.nbytes})
+
+    # -- 4. all-reduce -----------------------------------------------------------------------------
+    def measure_allreduce(self, ranks: list[int]) -> None:
+        stage = self.where.stage
+        nbytes = stage_weight_bytes(self.cfg, stage)
+        flat = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
+
+        def once() -> tuple[float]:
+            t0 = self.now()
+            self.groups.all_reduce(flat, ranks)
+            return (self.now() - t0,)
+
+        seconds, = repeat(once, COMM_REPEATS)
+        if self.where.rank == ranks[0]:
+            self.allreduce.append({"stage": stage, "group_size": len(ranks), "ranks": ranks,
+                                   "bytes": nbytes, "ms": round(seconds * 1000, 4)})
+
+
+def main() -> int:
+    with joined() as ctx:
+        profiler = Profiler(ctx, group_cache(ctx, ctx.cfg.run.timeout))
+        events = profiler.events
+        store.set_json(events, store.profile_key(ctx.where.rank), profiler.run())
+        dist.barrier()  # every rank's results are in the store
+        if ctx.where.rank == 0:
+            world = ctx.where.pipelines * ctx.where.stages
+            results = [store.get_json(events, store.profile_key(r)) for r in range(world)]
+            path = profile.write(assemble(ctx.cfg, results), ctx.run_dir)
+            store.set_json(events, store.PROGRESS, {"phase": "done", "path": str(path)})
+            log.info("wrote %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
