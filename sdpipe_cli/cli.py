@@ -68,18 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sdpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups = "\n".join(f"  {g:<10} {', '.join(opts)}" for g, opts in group_options().items())
-    train = sub.add_parser(
-        "train", help="train a model", description=TRAIN_HELP,
-        epilog=f"config groups (group=option):\n{groups}",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("--cfg", action="store_true", help="print the composed config and exit")
-    train.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
-    prof = sub.add_parser(
-        "profile", help="measure the cluster: block times, memory, links", description=PROFILE_HELP,
-        epilog=f"config groups (group=option):\n{groups}",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    prof.add_argument("--cfg", action="store_true", help="print the composed config and exit")
-    prof.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+    for name, summary, text in (
+            ("train", "train a model", TRAIN_HELP),
+            ("profile", "measure the cluster: block times, memory, links", PROFILE_HELP)):
+        command = sub.add_parser(name, help=summary, description=text,
+                                 epilog=f"config groups (group=option):\n{groups}",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+        command.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
     resume = sub.add_parser(
         "resume", help="continue a run from a checkpoint", description=RESUME_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,20 +106,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def train(overrides: Sequence[str], show_config: bool = False, console: Console | None = None) -> int:
-    from sdpipe_cli import data, launcher
+    from sdpipe_cli import data
 
     console = console or Console(stderr=True)
+    cfg = _composed(overrides, show_config)
+    if cfg is None:
+        return 0
+    if cfg.data.name == "text":  # a user's file: fail before anything starts
+        data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
+    return _run(_prepared(cfg, console), console)
+
+
+def _composed(overrides: Sequence[str], show_config: bool):
+    """The validated config, or None once ``--cfg`` printed it."""
     cfg = compose(list(overrides))
     validate(cfg)
     if show_config:
         print(OmegaConf.to_yaml(cfg), end="")
-        return 0
-    if cfg.data.name == "text":  # a user's file: fail before anything starts
-        data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
+        return None
+    return cfg
+
+
+def _prepared(cfg, console: Console):
+    """The run config for this machine; shows the automatic partition's plan if there is one."""
+    from sdpipe_cli import launcher
+
     run_cfg, plan = launcher.prepare(cfg)
     if plan is not None:
         _plan_table(console, plan)
-    return _run(run_cfg, console)
+    return run_cfg
 
 
 def resume(path: str, overrides: Sequence[str], console: Console) -> int:
@@ -147,14 +158,10 @@ def profile(overrides: Sequence[str], show_config: bool = False,
     from sdpipe_cli import profile as document
 
     console = console or Console(stderr=True)
-    cfg = compose(list(overrides))
-    validate(cfg)
-    if show_config:
-        print(OmegaConf.to_yaml(cfg), end="")
+    cfg = _composed(overrides, show_config)
+    if cfg is None:
         return 0
-    run_cfg, plan = launcher.prepare(cfg)
-    if plan is not None:
-        _plan_table(console, plan)
+    run_cfg = _prepared(cfg, console)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     phases = _Phases(console)
     result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE)
