@@ -8,8 +8,9 @@ Two experiments, each a few real ``sdpipe`` runs on this machine:
   third of the others without sync.
 * **partition** -- a cluster whose second stage runs on half-speed devices (P=2, S=2, measured
   emulation). ``sdpipe profile`` measures it; then the same training runs with the uniform and
-  with the automatic partition (``pipeline.partition=auto profile=...``). Reported: the
-  partitioner's predicted bottleneck gain and the measured samples/s gain.
+  with the automatic partition (``pipeline.partition=auto profile=...``), each pipeline alone
+  (``sync=none``: the partition's effect, not the sync's). Reported: the partitioner's predicted
+  bottleneck gain and the measured gain of the median per-iteration samples/s.
 
 Usage::
 
@@ -22,6 +23,7 @@ pipeline's first iteration); a run's total is the sum over its pipelines.
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,14 +47,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def train(out: Path, name: str, overrides: list[str], timeout: float) -> dict[int, float]:
-    """One ``sdpipe train`` run; each pipeline's final samples/s."""
+def train(out: Path, name: str, overrides: list[str], timeout: float,
+          steady: bool = False) -> dict[int, float]:
+    """One ``sdpipe train`` run; each pipeline's final samples/s, or with ``steady`` its median
+    per-iteration rate (batch / step_s: robust to a passing load on a shared machine)."""
     run_dir = out / name
     rc, wall = run_sdpipe([*overrides, f"run.dir={run_dir}"], out / f"{name}.log", timeout)
     if rc != 0:
         raise SystemExit(f"{name}: sdpipe train exited {rc}; see {out / f'{name}.log'}")
     train_lines = [ln for ln in read_jsonl(run_dir / "metrics.jsonl") if ln["kind"] == "train"]
-    rates = last_by_pipeline(train_lines, "samples_per_s")
+    if steady:
+        batch = train_lines[-1]["samples"] // train_lines[-1]["step"]
+        rates = {p: statistics.median(batch / ln["step_s"] for ln in train_lines
+                                      if ln["pipeline"] == p and ln["step"] > 1)
+                 for p in sorted({ln["pipeline"] for ln in train_lines})}
+    else:
+        rates = last_by_pipeline(train_lines, "samples_per_s")
     print(f"  {name}: {wall:.1f} s, samples/s per pipeline "
           + ", ".join(f"{p}: {r:.1f}" for p, r in rates.items()), flush=True)
     return rates
@@ -87,13 +97,14 @@ def partition(args: argparse.Namespace) -> list[str]:
     plan = part.plan(cost, n_blocks(cfg.model), 2)
     print(f"  plan: uniform {plan.uniform_bounds} {[round(t, 2) for t in plan.uniform_times]} ms, "
           f"auto {plan.bounds} {[round(t, 2) for t in plan.times]} ms", flush=True)
-    common = [*PARTITION_RUN, f"train.steps={args.steps}", "train.eval_every=0"]
+    common = [*PARTITION_RUN, f"train.steps={args.steps}", "train.eval_every=0", "sync=none"]
     uniform = train(args.out, "partition-uniform", [*common, "pipeline.partition=uniform"],
-                    args.timeout)
+                    args.timeout, steady=True)
     auto = train(args.out, "partition-auto", [*common, "pipeline.partition=auto", f"profile={path}"],
-                 args.timeout)
+                 args.timeout, steady=True)
     total_u, total_a = sum(uniform.values()), sum(auto.values())
-    return ["| partition | boundaries | predicted stage ms (fwd+bwd, slowest replica) | samples/s (sum) |",
+    return ["| partition | boundaries | predicted stage ms (fwd+bwd, slowest replica) | "
+            "samples/s (sum of medians) |",
             "|---|---|---|---|",
             f"| uniform | {plan.uniform_bounds} | {', '.join(f'{t:.2f}' for t in plan.uniform_times)} "
             f"| {total_u:.1f} |",
@@ -113,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.only in (None, "partition"):
         print("partition: stage 1 on half-speed devices", flush=True)
         report += ["**partition** (P=2, S=2, gpt_tiny, stage 1 at speed 0.5, measured emulation, "
-                   f"{args.steps} steps)", "", *partition(args)]
+                   f"sync=none, {args.steps} steps)", "", *partition(args)]
     text = "\n".join(report)
     (args.out / "report.md").write_text(text + "\n")
     print(text)
