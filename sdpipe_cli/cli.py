@@ -336,8 +336,7 @@ def _ms(x: float) -> str:
 
 def _plan_table(console: Console, plan) -> None:
     """The automatic partition next to the uniform one, with predicted per-stage times."""
-    table = Table(title="pipeline.partition=auto (predicted ms per micro-batch, forward + backward, "
-                  "slowest replica)")
+    table = Table(title="pipeline.partition=auto")
     table.add_column("stage", justify="right")
     for col in (f"uniform {plan.uniform_bounds}", f"auto {plan.bounds}"):
         table.add_column(col, justify="right")
@@ -345,7 +344,8 @@ def _plan_table(console: Console, plan) -> None:
         table.add_row(str(s), f"{u:.2f}", f"{a:.2f}")
     table.add_row("bottleneck", f"{max(plan.uniform_times):.2f}", f"{max(plan.times):.2f}")
     console.print(table)
-    console.print(f"auto partition: predicted {plan.speedup:.2f}x the uniform partition's "
+    console.print("(predicted ms per micro-batch, forward + backward, on the slowest replica's "
+                  f"device)\nauto partition: predicted {plan.speedup:.2f}x the uniform partition's "
                   "throughput", highlight=False)
 
 
