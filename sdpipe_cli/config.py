@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "async_1f1b")
 SYNC_MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 DEVICES = ("cpu", "cuda", "auto")
 ARCHS = ("gpt", "mlp")
@@ -74,7 +74,9 @@ class ClusterConfig:
 class PipelineConfig:
     stages: int = 2  # S: stages per pipeline
     microbatches: int = 4  # m: micro-batches per iteration
-    schedule: str = "1f1b"  # 1f1b (PipeDream-Flush) | gpipe
+    # 1f1b (PipeDream-Flush) | gpipe | async_1f1b (PipeDream: an update per micro-batch, weight
+    # stashing, no flush between iterations; drains only for evaluation, checkpoints, global syncs)
+    schedule: str = "1f1b"
     # uniform | params | explicit list of S-1 block boundaries, e.g. [3] or [2, 4, 5]
     partition: Any = "uniform"
 

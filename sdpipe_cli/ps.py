@@ -47,7 +47,13 @@ class ParameterServer:
         self.left: set[int] = set()
         self.deferred: list[int] = []  # workers whose reply waits for the staleness bound
         self.pushes = 0
-        self.budget = P * cfg.train.steps if stage == 0 else None
+        # With async_1f1b a worker pushes after every micro-batch: m pushes per iteration, and the
+        # stages of one pipeline are up to S updates apart, which the staleness bound must allow
+        # or a stage held back would hold back its own pipeline's stage that everyone waits for.
+        asynchronous = cfg.pipeline.schedule == "async_1f1b"
+        self.per_iteration = cfg.pipeline.microbatches if asynchronous else 1
+        self.staleness = cfg.sync.staleness * self.per_iteration + (S if asynchronous else 0)
+        self.budget = P * cfg.train.steps * self.per_iteration if stage == 0 else None
 
     def serve(self) -> None:
         header = torch.empty(2, dtype=torch.int64)
@@ -72,7 +78,7 @@ class ParameterServer:
             p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(iteration, self.cfg)
+            group["lr"] = lr_at(iteration // self.per_iteration, self.cfg)
         self.optimizer.step()
 
     def _release(self) -> None:
@@ -80,7 +86,7 @@ class ParameterServer:
         slowest = min(live) if live else 0
         waiting = []
         for rank in self.deferred:
-            if self.clock[rank] - slowest <= self.cfg.sync.staleness:
+            if self.clock[rank] - slowest <= self.staleness:
                 self._reply(rank)
             else:
                 waiting.append(rank)

@@ -358,3 +358,9 @@ def test_empty_or_too_small_text_corpus_is_one_line_exit_2(tmp_path, capsys, con
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("sdpipe: error: "), err
     assert not (tmp_path / "run").exists()
+
+
+def test_async_schedule_is_a_valid_choice():
+    validate(compose(["pipeline.schedule=async_1f1b"]))
+    with pytest.raises(ConfigError, match="1f1b, gpipe, async_1f1b"):
+        validate(compose(["pipeline.schedule=zigzag"]))
