@@ -134,10 +134,10 @@ class PipelineStage:
             i = action.microbatch
             if self.before_action is not None:
                 self.before_action(action)
-            start = time.perf_counter()
             outgoing = None  # (tensor, peer)
             if action.kind == "F":
                 x = self._input(i, inputs)
+                start = time.perf_counter()
                 y = self.module(x)
                 if self.is_last:
                     y = self.loss_fn(y, targets[i].to(self.device)) / m
@@ -151,18 +151,20 @@ class PipelineStage:
                 if not self.is_last:
                     grad = self._receive(self.next_rank)
                     self._wait_sends(lambda what: what == Action("F", i))
+                start = time.perf_counter()
                 torch.autograd.backward(y, grad)
                 if not self.is_first:
                     outgoing = (x.grad if x.grad is not None else torch.zeros_like(x), self.prev_rank)
                 del x, y, grad
+            if self.on_action is not None:
+                # Before the send: an emulated slow device must also deliver its output late.
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # time the kernels, not their launch
+                self.on_action(action, time.perf_counter() - start)
             if outgoing is not None:
                 following = actions[index + 1] if index + 1 < len(actions) else None
                 self._send(action, *outgoing, following)
                 self._wait_sends(lambda what: what.kind == "B", keep=self.num_stages - self.stage)
-            if self.on_action is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)  # time the kernels, not their launch
-                self.on_action(action, time.perf_counter() - start)
         self._wait_sends()
         return float(total) if self.is_last else None
 
