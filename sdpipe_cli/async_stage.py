@@ -11,10 +11,11 @@ iteration k, so after the warm-up every stage is busy until the segment ends.
   (the live ones, copied if they changed since the last copy) and run the blocks with them
   through ``torch.func.functional_call``; the module is never copied.
 * ``B(j)``: differentiate with respect to the input and to the stashed tensors of j's version
-  (``torch.autograd.grad``, so micro-batches sharing a version do not mix their gradients), put
-  the parameter gradients into the live parameters' ``.grad``, free the version, send the input
-  gradient back, and call ``update(j, loss)``: the worker's optimizer step and per-update sync,
-  applied to the latest weights.
+  (``torch.autograd.grad``, so micro-batches sharing a version do not mix their gradients), add
+  the parameter gradients to the live parameters' ``.grad``, free the version, send the input
+  gradient back, and call ``update(j, loss)``: the worker's optimizer step and sync, applied to
+  the latest weights, after every micro-batch (PipeDream) or after the last of an iteration,
+  the gradients of its micro-batches accumulated (PipeDream-2BW, ``versions=2``).
 
 Where a segment ends
 --------------------
@@ -33,7 +34,9 @@ needs nothing that this stage has not already sent: the deadlock-freedom argumen
 :mod:`sdpipe_cli.stage` carries over with the control counted as part of the activation.
 
 Sends are waited on as in :mod:`sdpipe_cli.stage`; a control send is waited on together with the
-activation it precedes (both have arrived once that micro-batch's gradient came back).
+activation it precedes (both have arrived once that micro-batch's gradient came back). At the end
+of a segment the stages pass a "drained" word from the last to the first (:meth:`_barrier`), so
+the first stage starts the next segment only once the whole pipeline is one consistent model.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from .stash import WeightStash
 __all__ = ["AsyncStage", "CONTROL_TAG", "Control"]
 
 CONTROL_TAG = 7  # the worker's control messages (activations and gradients use tag 0)
+DRAINED_TAG = 8  # a stage and all after it made their last update of a segment
 
 Batch = Tuple[Optional[Sequence[torch.Tensor]], Optional[Sequence[torch.Tensor]]]
 
@@ -80,16 +84,20 @@ class AsyncStage(PipelineStage):
     It takes over a configured ``stage`` (module, neighbours, activation shape, device, hooks), so
     that whatever the worker set up for the flushed executor applies here too; ``forward_only``
     (evaluation at drained points, with the live weights) is inherited. ``microbatches`` is m,
-    the micro-batches of one iteration. Set ``trace`` to a list to record ``(kind, batch id,
-    weight version)`` for every action (tests).
+    the micro-batches of one iteration. ``versions`` bounds the weight versions kept (None: as
+    many as micro-batches in flight, S - stage; 2 for PipeDream-2BW, whose weights change once
+    per iteration). Set ``trace`` to a list to record ``(kind, batch id, weight version)`` for
+    every action (tests).
     """
 
-    def __init__(self, stage: PipelineStage, microbatches: int):
+    def __init__(self, stage: PipelineStage, microbatches: int, versions: Optional[int] = None):
         vars(self).update(vars(stage))
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.microbatches = microbatches
-        self.stash = WeightStash(self.module, self.num_stages - self.stage)
+        in_flight = self.num_stages - self.stage
+        self.stash = WeightStash(self.module, in_flight if versions is None
+                                 else min(in_flight, versions))
         self.trace: Optional[List[Tuple[str, int, int]]] = None
 
     def run_segment(
@@ -128,13 +136,13 @@ class AsyncStage(PipelineStage):
                 control, end, begun = self._next_control(start, begun, decide, load, batches)
             if self.before_action is not None:
                 self.before_action(Action(action.kind, j))
-            started = time.perf_counter()
             outgoing = None  # (tensor, peer)
             if action.kind == "F":
                 k, r = divmod(i, m)
                 inputs, targets = batches[start + k]
-                version, weights = self.stash.acquire(j)
                 x = self._input(r, inputs)
+                started = time.perf_counter()  # compute only, as PipelineStage.run times it
+                version, weights = self.stash.acquire(j)
                 y = functional_call(self.module, weights, (x,))
                 if self.is_last:
                     y = self.loss_fn(y, targets[r].to(self.device))
@@ -153,6 +161,7 @@ class AsyncStage(PipelineStage):
                     control_of = j // m if j % m == 0 else None
                     self._wait_sends(lambda what: what == Action("F", j)
                                      or what == Action("C", control_of))
+                started = time.perf_counter()
                 version, weights = self.stash.get(j)
                 names = list(weights)
                 wrt = ([x] if x is not None else []) + [weights[n] for n in names]
@@ -163,12 +172,18 @@ class AsyncStage(PipelineStage):
                     grads = grads[1:]
                 live = dict(self.module.named_parameters())
                 for name, g in zip(names, grads):
-                    live[name].grad = g if g is not None else torch.zeros_like(live[name])
+                    p = live[name]
+                    g = g if g is not None else torch.zeros_like(p)
+                    p.grad = g if p.grad is None else p.grad.add_(g)  # the caller zeroes it
                 self.stash.release(j)
                 del x, y, grad, grads
                 backwarded += 1
             if self.trace is not None:
                 self.trace.append((action.kind, j, version))
+            if self.on_action is not None:  # before the send: a slow device delivers late too
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.on_action(Action(action.kind, j), time.perf_counter() - started)
             following = async_next(S, s, forwarded, backwarded, end)
             if (following is not None and following.kind == "F" and following.microbatch == begun * m
                     and outgoing is not None and outgoing[1] == self._source(following)):
@@ -180,14 +195,11 @@ class AsyncStage(PipelineStage):
                                                               first_id + following.microbatch)
                 self._send(Action(action.kind, j), *outgoing, after)
                 self._wait_sends(lambda what: what.kind == "B", keep=S - s)
-            if self.on_action is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.on_action(Action(action.kind, j), time.perf_counter() - started)
             if action.kind == "B":
                 update(j, losses.pop(j, None))
             action = following
         self._wait_sends()
+        self._barrier()
         return start + begun, control
 
     # -- control ----------------------------------------------------------------------------------
@@ -209,6 +221,22 @@ class AsyncStage(PipelineStage):
             work = dist.isend(flag, self.next_rank, tag=CONTROL_TAG, group=self.group)
             self._sends.append((Action("C", k), [work], flag))
         return control
+
+    def _barrier(self) -> None:
+        """Return on the first stage only once every stage made its last update of the segment.
+
+        A drained point is where the pipeline is one consistent model, which it is only when
+        every stage has also finished its update's sync round (a global sync's average, say).
+        Without this the first stage, done first, would start the next segment, and ask the
+        scheduler about it, while a later stage is still in the global round it drained for.
+        Each stage passes the word up once the stage after it did: from the last stage, after
+        its last gradient, in the same direction as the gradients, so matched by order too.
+        """
+        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if not self.is_last:
+            dist.recv(flag, src=self.next_rank, tag=DRAINED_TAG, group=self.group)
+        if not self.is_first:
+            dist.send(flag, self.prev_rank, tag=DRAINED_TAG, group=self.group)
 
     def _next_control(self, start: int, begun: int, decide, load, batches: Dict[int, Batch]):
         """The control of the segment's next iteration, which must say go; its data is loaded."""

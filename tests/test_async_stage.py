@@ -1,15 +1,18 @@
 """AsyncStage in real processes over gloo: asynchronous 1F1B with weight stashing, two segments.
 
-A four-stage pipeline runs iterations 0-3 as one segment and 4-5 as another (m = 2), updating
-every stage with plain SGD after each backward. Each worker records the weight version of every
-forward and backward and its final weights; the test checks them against
+A four-stage pipeline runs two segments of iterations, updating every stage with plain SGD:
+PipeDream (m = 2, iterations 0-3 and 4-5, an update after every backward) and PipeDream-2BW
+(m = 4, iterations 0-2 and 3, gradients accumulated over an iteration and one update at its end,
+at most two versions). Each worker records the weight version of every forward and backward and
+its final weights; the test checks them against
 
 * the pure schedule: every backward uses the version its forward used, which is the number of
-  updates before that forward (:func:`stash_versions`), and no stage holds more than S - s
-  versions (exactly as many as its micro-batches in flight need);
+  updates before that forward (:func:`stash_versions` for PipeDream), and no stage holds more
+  versions than its micro-batches in flight need (S - s; two with 2BW);
 * an independent single-process PipeDream: the stages' action lists run in tick order, each
   forward on a deep copy of its stage as it is at that moment, each backward through that copy,
-  its gradient applied to the live stage. Losses and final weights must match.
+  its gradient applied to the live stage (accumulated over the window). Losses and final weights
+  must match.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from sdpipe_cli.stage import PipelineStage
 pytestmark = pytest.mark.multiprocess
 
 VOCAB, WIDTH, MB, SEQ = 32, 8, 2, 3
-STAGES, M = 4, 2
-SEGMENTS = [(0, 4), (4, 6)]  # iterations [start, end) of each segment; the run stops at 6
+STAGES = 4
+# name: (m, micro-batches per update, versions bound, segments as iterations [start, end))
+MODES = {"pipedream": (2, 1, None, [(0, 4), (4, 6)]), "2bw": (4, 4, 2, [(0, 3), (3, 4)])}
 LR = 0.5
 JOIN_TIMEOUT_S = 120
 
@@ -58,11 +62,49 @@ def microbatch(j):
     return torch.randint(0, VOCAB, (MB, SEQ), generator=g), torch.randint(0, VOCAB, (MB, SEQ), generator=g)
 
 
-def sgd(module):
+def sgd(module, window):
     with torch.no_grad():
         for p in module.parameters():
-            p -= LR * p.grad
+            p -= LR * p.grad / window
     module.zero_grad(set_to_none=True)
+
+
+def run_mode(rank, mode):
+    M, window, versions, segments = MODES[mode]
+    lo, hi = bounds(rank)
+    module = nn.Sequential(*make_blocks()[lo:hi])
+    stage = AsyncStage(PipelineStage(
+        module, rank, STAGES, rank - 1 if rank else None, rank + 1 if rank < STAGES - 1 else None,
+        (MB, SEQ, WIDTH), torch.device("cpu"), loss_fn), M, versions)
+    stage.trace = []
+    ends = [end for _, end in segments]
+    losses, drained = {}, []
+
+    def decide(k):
+        return Control(go=k < ends[-1], step=k, save=False, last=k + 1 in ends)
+
+    def load(k):
+        batch = [microbatch(k * M + i) for i in range(M)]
+        return ([x for x, _ in batch] if rank == 0 else None,
+                [y for _, y in batch] if rank == STAGES - 1 else None)
+
+    def update(j, loss):
+        if loss is not None:
+            losses[j] = loss
+        if (j + 1) % window == 0:
+            sgd(module, window)
+            stage.stash.changed()
+
+    step = 0
+    while True:
+        step, control = stage.run_segment(step, decide if rank == 0 else None, load, update)
+        if not control.go:
+            break
+        drained.append(step)
+    leftovers = bool(stage._sends) or stage._posted is not None or stage.stash.in_flight
+    return {"trace": stage.trace, "drained": drained, "losses": losses,
+            "peak": stage.stash.peak_versions, "bound": stage.stash.bound, "leftovers": leftovers,
+            "weights": {n: p.detach().clone() for n, p in module.named_parameters()}}
 
 
 def worker(rank, port, results):
@@ -70,49 +112,19 @@ def worker(rank, port, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=STAGES, timeout=datetime.timedelta(seconds=60))
     try:
-        lo, hi = bounds(rank)
-        module = nn.Sequential(*make_blocks()[lo:hi])
-        stage = AsyncStage(PipelineStage(
-            module, rank, STAGES, rank - 1 if rank else None, rank + 1 if rank < STAGES - 1 else None,
-            (MB, SEQ, WIDTH), torch.device("cpu"), loss_fn), M)
-        stage.trace = []
-        ends = [end for _, end in SEGMENTS]
-        losses, drained = {}, []
-
-        def decide(k):
-            return Control(go=k < ends[-1], step=k, save=False, last=k + 1 in ends)
-
-        def load(k):
-            batch = [microbatch(k * M + i) for i in range(M)]
-            return ([x for x, _ in batch] if rank == 0 else None,
-                    [y for _, y in batch] if rank == STAGES - 1 else None)
-
-        def update(j, loss):
-            sgd(module)
-            stage.stash.changed()
-            if loss is not None:
-                losses[j] = loss
-
-        step = 0
-        while True:
-            step, control = stage.run_segment(step, decide if rank == 0 else None, load, update)
-            if not control.go:
-                break
-            drained.append(step)
-        leftovers = bool(stage._sends) or stage._posted is not None or stage.stash.in_flight
-        results[rank] = {"trace": stage.trace, "drained": drained, "losses": losses,
-                         "peak": stage.stash.peak_versions, "leftovers": leftovers,
-                         "weights": {n: p.detach().clone() for n, p in module.named_parameters()}}
+        results[rank] = {mode: run_mode(rank, mode) for mode in MODES}
     finally:
         dist.destroy_process_group()
 
 
-def reference():
+def reference(mode):
     """PipeDream by hand: deep copies as stashes, the tick order of the simulated schedule."""
+    M, window, _, segments = MODES[mode]
     blocks = make_blocks()
     live = [nn.Sequential(*blocks[lo:hi]) for lo, hi in map(bounds, range(STAGES))]
     losses = {}
-    for start, end in SEGMENTS:
+    backwards = [0] * STAGES
+    for start, end in segments:
         rows = simulate(async_one_f_one_b, STAGES, (end - start) * M)
         saved = {}  # (stage, i) -> (input, output, the copy of the stage that computed it)
         grads = {}  # (stage, i) -> gradient of that stage's input
@@ -134,23 +146,31 @@ def reference():
                     x, y, used = saved.pop((s, i))
                     y.backward(None if s == STAGES - 1 else grads.pop((s + 1, i)))
                     for p_live, p_used in zip(live[s].parameters(), used.parameters()):
-                        p_live.grad = p_used.grad
-                    sgd(live[s])
+                        p_live.grad = p_used.grad if p_live.grad is None else p_live.grad + p_used.grad
+                    backwards[s] += 1
+                    if backwards[s] % window == 0:
+                        sgd(live[s], window)
                     if s > 0:
                         grads[(s, i)] = x.grad
     return losses, [dict(m.named_parameters()) for m in live]
 
 
-def peak_versions(stage):
-    """The most distinct versions among micro-batches in flight, from the pure schedule."""
-    peak = 0
-    for start, end in SEGMENTS:
+def expected_versions(mode, stage):
+    """Each batch id's weight version, and the most versions in flight, from the pure schedule:
+    the updates before its forward (one per ``window`` backwards)."""
+    M, window, _, segments = MODES[mode]
+    versions, peak, updates = {}, 0, 0
+    for start, end in segments:
         actions = async_one_f_one_b(STAGES, (end - start) * M, stage)
-        versions, in_flight = stash_versions(actions), set()
+        per_backward = stash_versions(actions)  # backwards before each forward
+        of = {i: updates + b // window for i, b in per_backward.items()}
+        in_flight = set()
         for a in actions:
             (in_flight.add if a.kind == "F" else in_flight.discard)(a.microbatch)
-            peak = max(peak, len({versions[i] for i in in_flight}))
-    return peak
+            peak = max(peak, len({of[i] for i in in_flight}))
+        versions.update({start * M + i: v for i, v in of.items()})
+        updates += (end - start) * M // window
+    return versions, peak
 
 
 def free_port():
@@ -173,25 +193,25 @@ def test_async_pipeline_stashes_versions_and_matches_pipedream():
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    ref_losses, ref_weights = reference()
-    total = SEGMENTS[-1][1] * M
-    for s in range(STAGES):
-        r = results[s]
-        assert r["drained"] == [end for _, end in SEGMENTS], s  # every stage drains at 4 and 6
-        assert not r["leftovers"], s
-        forward = {j: v for kind, j, v in r["trace"] if kind == "F"}
-        backward = {j: v for kind, j, v in r["trace"] if kind == "B"}
-        assert forward == backward and sorted(forward) == list(range(total)), s
-        expected, updates = {}, 0
-        for start, end in SEGMENTS:
-            for i, v in stash_versions(async_one_f_one_b(STAGES, (end - start) * M, s)).items():
-                expected[start * M + i] = updates + v
-            updates += (end - start) * M
-        assert forward == expected, s
-        assert r["peak"] == peak_versions(s) == STAGES - s  # what the micro-batches in flight need
-        for name, value in r["weights"].items():
-            torch.testing.assert_close(value, ref_weights[s][name], rtol=1e-5, atol=1e-6)
-    losses = results[STAGES - 1]["losses"]
-    assert sorted(losses) == list(range(total))
-    for j, loss in losses.items():
-        assert loss == pytest.approx(ref_losses[j], rel=1e-5, abs=1e-6)
+    for mode, (M, _, bound, segments) in MODES.items():
+        ref_losses, ref_weights = reference(mode)
+        total = segments[-1][1] * M
+        for s in range(STAGES):
+            r = results[s][mode]
+            tag = f"{mode} stage {s}"
+            assert r["drained"] == [end for _, end in segments], tag  # all drain at the same ids
+            assert not r["leftovers"], tag
+            forward = {j: v for kind, j, v in r["trace"] if kind == "F"}
+            backward = {j: v for kind, j, v in r["trace"] if kind == "B"}
+            assert forward == backward and sorted(forward) == list(range(total)), tag
+            versions, peak = expected_versions(mode, s)
+            assert forward == versions, tag
+            # As many versions as the micro-batches in flight need, never more than the bound.
+            assert r["peak"] == peak == r["bound"] == min(STAGES - s, bound or STAGES), tag
+            for name, value in r["weights"].items():
+                torch.testing.assert_close(value, ref_weights[s][name], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{tag} {name}: {m}")
+        losses = results[STAGES - 1][mode]["losses"]
+        assert sorted(losses) == list(range(total)), mode
+        for j, loss in losses.items():
+            assert loss == pytest.approx(ref_losses[j], rel=1e-5, abs=1e-6), (mode, j)
