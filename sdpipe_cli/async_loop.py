@@ -4,7 +4,9 @@ The flushed loop (:meth:`sdpipe_cli.worker.Worker.train`) runs one iteration at 
 micro-batches through the pipeline, a flush, one optimizer step and one sync. Here the
 micro-batch stream crosses iteration boundaries: :class:`~sdpipe_cli.async_stage.AsyncStage`
 runs *segments* of iterations, and after every micro-batch's backward this loop updates the
-stage (sync hooks, clipping, optimizer step) and lets the sync strategy act on that update:
+stage (sync hooks, clipping, optimizer step) and lets the sync strategy act on that update
+(with ``pipeline.weight_versions=2``, PipeDream-2BW, the gradients of an iteration's
+micro-batches accumulate and the update comes after the last of them):
 
 * ``allreduce``: the micro-batch's gradient is all-reduced over the stage's replicas (every
   replica runs the same batch ids, so they stay identical);
@@ -36,6 +38,7 @@ from torch import nn
 
 from sdpipe_cli import data, store
 from sdpipe_cli.async_stage import AsyncStage, Batch, Control
+from sdpipe_cli.schedule import updates_per_iteration
 from sdpipe_cli.worker import Worker, lr_at, param_digest
 
 log = logging.getLogger("sdpipe.worker")
@@ -48,8 +51,11 @@ class AsyncLoop:
     def __init__(self, worker: Worker):
         self.w = worker
         self.cfg = worker.cfg
-        self.m = self.cfg.pipeline.microbatches
-        worker.stage = self.stage = AsyncStage(worker.stage, self.m)
+        p = self.cfg.pipeline
+        self.m = p.microbatches
+        # micro-batches per update: 1 (PipeDream) or m (2BW: one update per iteration)
+        self.window = self.m // updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
+        worker.stage = self.stage = AsyncStage(worker.stage, self.m, p.weight_versions)
         self.started = time.time()
         self.ending = False  # the first stage decided that the run ends at the next drain
         self.segment = worker.start_step  # iteration at which the current segment began
@@ -131,9 +137,18 @@ class AsyncLoop:
                 w._microbatches(y) if w.where.last else None)
 
     def _update(self, j: int, loss: Optional[float]) -> None:
-        """After batch id j's backward: sync, clip and step, as the flushed loop does per iteration."""
+        """After batch id j's backward: sync, clip and step, as the flushed loop does per iteration
+        (with 2BW only after an iteration's last micro-batch, on the mean of its gradients)."""
         w, cfg = self.w, self.cfg
         k = j // self.m
+        if loss is not None:
+            self._losses.append(loss)
+        if (j + 1) % self.window:
+            return  # 2BW: the gradient accumulates until the end of the iteration
+        if self.window > 1:
+            for p in w.module.parameters():
+                if p.grad is not None:
+                    p.grad /= self.window  # the mean over the iteration, as a flushed loss / m
         lr = lr_at(k, cfg)
         for group in w.optimizer.param_groups:
             group["lr"] = lr
@@ -145,12 +160,10 @@ class AsyncLoop:
         if w.sync.local_step:
             w.optimizer.step()
         t_sync = time.perf_counter()
-        w.sync.after_step(w.module, j)  # the round of this update (sdpipe, adpsgd, ps)
+        w.sync.after_step(w.module, j // self.window)  # this update's round (sdpipe, adpsgd, ps)
         self._sync_s += sync_s + time.perf_counter() - t_sync
         self.stage.stash.changed()  # one new weight version per update (step and averaging)
         w.optimizer.zero_grad(set_to_none=True)
-        if loss is not None:
-            self._losses.append(loss)
         if (j + 1) % self.m == 0:
             self._iteration_done(k + 1, lr)
 

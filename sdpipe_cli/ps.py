@@ -28,6 +28,7 @@ from torch.nn.utils import parameters_to_vector
 from sdpipe_cli import store
 from sdpipe_cli.config import load_child_config
 from sdpipe_cli.errors import record
+from sdpipe_cli.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.sync import PSSync
 from sdpipe_cli.worker import build_stage_module, lr_at
 
@@ -47,11 +48,14 @@ class ParameterServer:
         self.left: set[int] = set()
         self.deferred: list[int] = []  # workers whose reply waits for the staleness bound
         self.pushes = 0
-        # With async_1f1b a worker pushes after every micro-batch: m pushes per iteration, and the
-        # stages of one pipeline are up to S updates apart, which the staleness bound must allow
-        # or a stage held back would hold back its own pipeline's stage that everyone waits for.
-        asynchronous = cfg.pipeline.schedule == "async_1f1b"
-        self.per_iteration = cfg.pipeline.microbatches if asynchronous else 1
+        # With async_1f1b a worker pushes after every update (m per iteration, or one with
+        # weight_versions=2), and the stages of one pipeline are up to S updates apart, which the
+        # staleness bound must allow, or a stage held back would hold back its own pipeline's
+        # stage that everyone waits for.
+        pipe = cfg.pipeline
+        asynchronous = pipe.schedule in ASYNC_SCHEDULES
+        self.per_iteration = updates_per_iteration(pipe.schedule, pipe.microbatches,
+                                                   pipe.weight_versions)
         self.staleness = cfg.sync.staleness * self.per_iteration + (S if asynchronous else 0)
         self.budget = P * cfg.train.steps * self.per_iteration if stage == 0 else None
 

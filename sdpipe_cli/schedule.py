@@ -52,6 +52,7 @@ __all__ = [
     "simulate",
     "stash_versions",
     "timeline",
+    "updates_per_iteration",
 ]
 
 
@@ -191,6 +192,20 @@ def flushed(schedule_fn: ScheduleFn, iterations: int) -> ScheduleFn:
 # Schedules without a flush: their executor is :class:`sdpipe_cli.async_stage.AsyncStage`, which
 # runs segments of many iterations and updates after every backward.
 ASYNC_SCHEDULES: Dict[str, ScheduleFn] = {"async_1f1b": async_one_f_one_b}
+
+
+def updates_per_iteration(schedule: str, microbatches: int, weight_versions: Optional[int]) -> int:
+    """Optimizer updates (and sync rounds) per iteration on each stage.
+
+    Flushed schedules update once per iteration. Asynchronous 1F1B updates after every
+    micro-batch (PipeDream, ``weight_versions`` None), or, with ``weight_versions = 2``
+    (PipeDream-2BW), accumulates the gradients of an iteration's micro-batches and updates once at
+    its end: the weights change once per m micro-batches, so at most two versions are in flight
+    when ``m >= S``, and each update sees the iteration's batch, as a flushed one does.
+    """
+    if schedule in ASYNC_SCHEDULES and weight_versions is None:
+        return microbatches
+    return 1
 
 
 def get_schedule(name: str) -> ScheduleFn:

@@ -30,7 +30,7 @@ from sdpipe_cli.config import load_child_config
 from sdpipe_cli.errors import record
 from sdpipe_cli.grouping import AsyncGroupScheduler, Decision, GroupScheduler
 from sdpipe_cli.metrics import MetricsLog, RunTracker
-from sdpipe_cli.schedule import ASYNC_SCHEDULES
+from sdpipe_cli.schedule import ASYNC_SCHEDULES, updates_per_iteration
 
 log = logging.getLogger("sdpipe.scheduler")
 
@@ -45,8 +45,10 @@ class WorkerHung(RuntimeError):
 def make_policy(cfg: DictConfig, clock: Callable[[], float] = time.monotonic) -> GroupScheduler:
     y = cfg.sync
     policy, extra = GroupScheduler, {}
-    if cfg.pipeline.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
-        policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": cfg.pipeline.microbatches}
+    p = cfg.pipeline
+    if p.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
+        rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
+        policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}
     return policy(
         cfg.cluster.pipelines, cfg.pipeline.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
