@@ -166,14 +166,20 @@ class AsyncStage(PipelineStage):
                 names = list(weights)
                 wrt = ([x] if x is not None else []) + [weights[n] for n in names]
                 grads = torch.autograd.grad(y, wrt, grad, allow_unused=True)
+                taken = set()  # autograd may return one tensor for several inputs: never share
                 if x is not None:
                     outgoing = (grads[0] if grads[0] is not None else torch.zeros_like(x),
                                 self.prev_rank)
+                    taken.add(id(outgoing[0]))
                     grads = grads[1:]
                 live = dict(self.module.named_parameters())
                 for name, g in zip(names, grads):
                     p = live[name]
-                    g = g if g is not None else torch.zeros_like(p)
+                    if g is None:
+                        g = torch.zeros_like(p)
+                    elif id(g) in taken:  # .grad is modified in place (clipping, all-reduce)
+                        g = g.clone()
+                    taken.add(id(g))
                     p.grad = g if p.grad is None else p.grad.add_(g)  # the caller zeroes it
                 self.stash.release(j)
                 del x, y, grad, grads

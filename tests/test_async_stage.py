@@ -59,7 +59,8 @@ def loss_fn(logits, targets):
 
 def microbatch(j):
     g = torch.Generator().manual_seed(100 + j)
-    return torch.randint(0, VOCAB, (MB, SEQ), generator=g), torch.randint(0, VOCAB, (MB, SEQ), generator=g)
+    x = torch.randint(0, VOCAB, (MB, SEQ), generator=g)
+    return x, torch.randint(0, VOCAB, (MB, SEQ), generator=g)
 
 
 def sgd(module, window):
@@ -215,3 +216,41 @@ def test_async_pipeline_stashes_versions_and_matches_pipedream():
         assert sorted(losses) == list(range(total)), mode
         for j, loss in losses.items():
             assert loss == pytest.approx(ref_losses[j], rel=1e-5, abs=1e-6), (mode, j)
+
+
+class AddTwo(nn.Module):
+    """h + a + b, all of one shape: autograd returns one tensor as the gradient of a and of b."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(MB, SEQ, WIDTH))
+        self.b = nn.Parameter(torch.zeros(MB, SEQ, WIDTH))
+
+    def forward(self, h):
+        return h + self.a + self.b
+
+
+def test_single_stage_accumulates_gradients_that_autograd_returns_shared():
+    """In process (S = 1 needs no process group): four micro-batches accumulated into .grad, as
+    PipeDream-2BW does, equal one backward of their summed losses, even where autograd hands the
+    same tensor to two parameters."""
+    torch.manual_seed(0)
+    blocks = [nn.Embedding(VOCAB, WIDTH), AddTwo(), nn.Linear(WIDTH, VOCAB)]
+    module = nn.Sequential(*blocks)
+    reference = copy.deepcopy(module)
+    stage = AsyncStage(PipelineStage(module, 0, 1, None, None, (MB, SEQ, WIDTH),
+                                     torch.device("cpu"), loss_fn), 4, versions=2)
+    batch = [microbatch(i) for i in range(4)]
+    grads = {}
+
+    def update(j, loss):
+        if j == 3:
+            grads.update({n: p.grad.clone() for n, p in module.named_parameters()})
+
+    done, control = stage.run_segment(
+        0, lambda k: Control(True, k, False, True),
+        lambda k: ([x for x, _ in batch], [y for _, y in batch]), update)
+    assert done == 1 and control.last
+    sum(loss_fn(reference(x), y) for x, y in batch).backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
