@@ -126,6 +126,10 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _percent(fraction: Optional[float]) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
 def convergence(args, console: Console) -> dict[str, Any]:
     records = [run(args, f"conv-{i}", [*o, f"train.steps={args.steps}"], console)
                for i, (_, o) in enumerate(CONVERGENCE)]
@@ -201,7 +205,7 @@ def markdown(results: dict[str, Any]) -> str:
                     f"{_num(r.get('speedup'), '.2f')}x | {g['expected_speedup']:.2f}x | "
                     f"{_num(None if r.get('saved') is None else 100 * r['saved'], '.0f')}% | "
                     f"{100 * g['bubble']:.0f}% | {_num(r.get('cpu_percent'), '.0f')} | "
-                    f"{_num(None if r.get('overrun_fraction') is None else 100 * r['overrun_fraction'], '.1f')}% | "
+                    f"{_percent(r.get('overrun_fraction'))} | "
                     f"{r['wall_s']} |")
         out.append("")
     return "\n".join(out)

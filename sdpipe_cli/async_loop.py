@@ -27,7 +27,6 @@ checkpoint's iteration.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from pathlib import Path
@@ -40,8 +39,6 @@ from sdpipe_cli import data, store
 from sdpipe_cli.async_stage import AsyncStage, Batch, Control
 from sdpipe_cli.schedule import updates_per_iteration
 from sdpipe_cli.worker import Worker, lr_at, param_digest
-
-log = logging.getLogger("sdpipe.worker")
 
 
 class AsyncLoop:
