@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "async_1f1b")
 SYNC_MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
 DEVICES = ("cpu", "cuda", "auto")
 ARCHS = ("gpt", "mlp")
@@ -131,7 +131,13 @@ class ClusterConfig:
 class PipelineConfig:
     stages: int = 2  # S: stages per pipeline
     microbatches: int = 4  # m: micro-batches per iteration
-    schedule: str = "1f1b"  # 1f1b (PipeDream-Flush) | gpipe
+    # 1f1b (PipeDream-Flush) | gpipe | async_1f1b (PipeDream: an update per micro-batch, weight
+    # stashing, no flush between iterations; drains only for evaluation, checkpoints, global syncs)
+    schedule: str = "1f1b"
+    # async_1f1b only. null: PipeDream, an update per micro-batch, each forward's weights kept
+    # until its backward (at most S - s versions on stage s). 2: PipeDream-2BW, gradients
+    # accumulated over an iteration and one update at its end (two versions; needs m >= S).
+    weight_versions: Optional[int] = None
     # uniform | params | explicit list of S-1 block boundaries, e.g. [3] or [2, 4, 5]
     partition: Any = "uniform"
 
@@ -332,6 +338,14 @@ def validate(cfg: DictConfig) -> None:
     need(p.schedule in SCHEDULES, "pipeline.schedule",
          f"is '{p.schedule}'; choose one of {', '.join(SCHEDULES)}")
     _validate_partition(p.partition, p.stages, blocks)
+    if p.weight_versions is not None:
+        need(p.schedule == "async_1f1b", "pipeline.weight_versions",
+             f"only applies to pipeline.schedule=async_1f1b (schedule is {p.schedule})")
+        need(p.weight_versions == 2, "pipeline.weight_versions",
+             f"is {p.weight_versions}; use 2 (PipeDream-2BW) or null (PipeDream: up to S - s)")
+        need(p.microbatches >= p.stages, "pipeline.weight_versions",
+             f"2 needs pipeline.microbatches >= pipeline.stages (m={p.microbatches}, "
+             f"S={p.stages}): micro-batches in flight must span at most two updates")
 
     y = cfg.sync
     need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")

@@ -329,3 +329,114 @@ class GroupScheduler:
         for members in groups.values():
             rebuilt.union(members)
         return rebuilt
+
+
+class AsyncGroupScheduler(GroupScheduler):
+    """The policy for asynchronous 1F1B (``pipeline.schedule=async_1f1b``): a round per update.
+
+    Each stage of each pipeline updates its weights after every micro-batch's backward, and
+    reports ready after each of its updates, numbered consecutively: ``rounds_per_iteration``
+    rounds per iteration (m). Groups, windows and connectivity work exactly as in the base class,
+    whose ``connect_every`` therefore counts updates, as the reference's bound does.
+
+    What changes is where global syncs (and the end of the run) may fall. A pipeline with
+    micro-batches in flight has no single model to average, evaluate or save, so a global sync
+    must come at a drained point: an iteration boundary where all stages of the pipeline have
+    finished every micro-batch forwarded before it. Only the pipeline's first stage can still
+    move that point, because it decides at the start of each iteration (:meth:`begin`) whether
+    that iteration ends the pipeline's current segment; the later stages learn it from the
+    control message before their own forwards of that iteration. So a declared global sync gets
+    each pipeline's target lazily: at the pipeline's next :meth:`begin`, that iteration becomes
+    its last, and every stage's round after its last update of that iteration is the global round
+    (no stage can have reported that update earlier: it needs the iteration's forwards, which come
+    after the :meth:`begin`). The decision of that round carries ``stop`` at the end of the run.
+
+    The budget counts iterations begun by the first stages. A global sync declared while some
+    pipeline is in :meth:`begin` makes that iteration its last, and every other pipeline does one
+    more iteration (until its next :meth:`begin`), so the run ends after exactly
+    ``total_iterations`` when the last global sync is declared with ``live - 1`` of them to spare.
+    :attr:`global_history` keeps, like the base class, the last iteration of each pipeline before
+    each global sync.
+    """
+
+    def __init__(self, pipelines: int, stages: int, *, rounds_per_iteration: int = 1, **kwargs):
+        if rounds_per_iteration < 1:
+            raise ValueError("rounds_per_iteration must be >= 1")
+        self.rounds_per_iteration = rounds_per_iteration
+        self.begun = {p: 0 for p in range(pipelines)}  # iterations begun by each first stage
+        super().__init__(pipelines, stages, **kwargs)
+
+    def iterations_done(self) -> int:
+        """Pipeline-iterations begun so far (left pipelines keep what they did)."""
+        return sum(self.begun.values())
+
+    def pending(self) -> bool:
+        """Whether a global sync is declared and some stage has not closed it yet."""
+        return any(st.global_pending for st in self.stages)
+
+    def begin(self, pipeline: int, iteration: int) -> tuple[bool, list[Decision]]:
+        """The first stage of ``pipeline`` is about to start ``iteration``: whether that iteration
+        ends its segment (a global sync after it), and the decisions this triggers."""
+        if self.finished:
+            raise ValueError(f"pipeline {pipeline} begins iteration {iteration} after the run ended")
+        if pipeline not in self.live:
+            raise ValueError(f"pipeline {pipeline} has left")
+        if iteration != self.begun[pipeline]:
+            raise ValueError(f"pipeline {pipeline} begins iteration {iteration}, "
+                             f"expected {self.begun[pipeline]}")
+        if pipeline in self.global_at:
+            raise ValueError(f"pipeline {pipeline} begins iteration {iteration} before the global "
+                             "sync it drained for")
+        self.begun[pipeline] = iteration + 1
+        if not self.pending():
+            live = len(self.live)
+            done = self.iterations_done()
+            final = self._time_is_up() or self._budget_ends_within(live - 1)
+            periodic = bool(self.global_every) and done >= self.next_global
+            while self.global_every and self.next_global <= done:
+                self.next_global += self.P * self.global_every
+            if periodic and not final and self._budget_ends_within(2 * live - 2):
+                periodic = False  # the other pipelines' next iterations would pass the budget
+            if final or periodic:
+                self._declare(final)
+        last = False
+        if self.pending():
+            self.global_at[pipeline] = (iteration + 1) * self.rounds_per_iteration - 1
+            self.global_history[-1][pipeline] = iteration
+            last = True
+        return last, self.tick()
+
+    def resume(self, iterations: dict[int, int]) -> None:
+        """Continue from a checkpoint taken at a global sync, where pipeline p had done
+        ``iterations[p]`` iterations (drained: every stage made all its updates)."""
+        for p, k in iterations.items():
+            self.begun[p] = k
+            self.last_ready[p] = [k * self.rounds_per_iteration - 1] * self.S
+        done = self.iterations_done()
+        self.next_global = self.P * self.global_every
+        while self.global_every and self.next_global <= done:
+            self.next_global += self.P * self.global_every
+        self.global_at, self.final, self.finished, self.global_history = {}, False, False, []
+        for st in self.stages:
+            st.global_pending = False
+
+    def _maybe_declare_global(self) -> None:
+        # The budget is checked in begin(), the only place where it grows; here only the clock
+        # and a stop request can call for the last global sync.
+        if self.finished:
+            return
+        if self.pending():
+            if not self.global_closed and not self.final and self._time_is_up():
+                self.final = True
+            return
+        if self._time_is_up():
+            self._declare(final=True)
+
+    def _declare(self, final: bool) -> None:
+        """A global sync is due; pipelines get their targets at their next begin()."""
+        self.final = final
+        self.global_closed = set()
+        self.global_at = {}
+        self.global_history.append({})
+        for st in self.stages:
+            st.global_pending = True

@@ -28,6 +28,7 @@ from torch.nn.utils import parameters_to_vector
 from sdpipe_cli import store
 from sdpipe_cli.config import load_child_config
 from sdpipe_cli.errors import record
+from sdpipe_cli.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.sync import PSSync
 from sdpipe_cli.worker import build_stage_module, lr_at
 
@@ -47,7 +48,16 @@ class ParameterServer:
         self.left: set[int] = set()
         self.deferred: list[int] = []  # workers whose reply waits for the staleness bound
         self.pushes = 0
-        self.budget = P * cfg.train.steps if stage == 0 else None
+        # With async_1f1b a worker pushes after every update (m per iteration, or one with
+        # weight_versions=2), and the stages of one pipeline are up to S updates apart, which the
+        # staleness bound must allow, or a stage held back would hold back its own pipeline's
+        # stage that everyone waits for.
+        pipe = cfg.pipeline
+        asynchronous = pipe.schedule in ASYNC_SCHEDULES
+        self.per_iteration = updates_per_iteration(pipe.schedule, pipe.microbatches,
+                                                   pipe.weight_versions)
+        self.staleness = cfg.sync.staleness * self.per_iteration + (S if asynchronous else 0)
+        self.budget = P * cfg.train.steps * self.per_iteration if stage == 0 else None
 
     def serve(self) -> None:
         header = torch.empty(2, dtype=torch.int64)
@@ -72,7 +82,7 @@ class ParameterServer:
             p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(iteration, self.cfg)
+            group["lr"] = lr_at(iteration // self.per_iteration, self.cfg)
         self.optimizer.step()
 
     def _release(self) -> None:
@@ -80,7 +90,7 @@ class ParameterServer:
         slowest = min(live) if live else 0
         waiting = []
         for rank in self.deferred:
-            if self.clock[rank] - slowest <= self.cfg.sync.staleness:
+            if self.clock[rank] - slowest <= self.staleness:
                 self._reply(rank)
             else:
                 waiting.append(rank)

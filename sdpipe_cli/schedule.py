@@ -26,6 +26,11 @@ prints for ``S = 4, m = 8`` (one column per tick, ``.`` is idle)::
     stage 1: .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
     stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
     stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
+
+:func:`async_one_f_one_b` (PipeDream's asynchronous 1F1B, :data:`ASYNC_SCHEDULES`) has the same
+order within a *segment* that spans many iterations, with an update after every backward and no
+flush until the segment ends; :func:`async_next` is its rule, one action at a time, and
+:func:`stash_versions` says which weight version each forward uses.
 """
 
 from __future__ import annotations
@@ -33,15 +38,21 @@ from __future__ import annotations
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 __all__ = [
+    "ASYNC_SCHEDULES",
     "Action",
     "SCHEDULES",
     "ScheduleFn",
+    "async_next",
+    "async_one_f_one_b",
+    "flushed",
     "format_actions",
     "get_schedule",
     "gpipe",
     "one_f_one_b",
     "simulate",
+    "stash_versions",
     "timeline",
+    "updates_per_iteration",
 ]
 
 
@@ -89,14 +100,121 @@ def gpipe(stages: int, microbatches: int, stage: int) -> List[Action]:
 SCHEDULES: Dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
+def async_next(stages: int, stage: int, forwarded: int, backwarded: int,
+               end: Optional[int]) -> Optional[Action]:
+    """The next action of ``stage`` in a segment of asynchronous 1F1B (PipeDream), or None at its end.
+
+    ``forwarded`` and ``backwarded`` count the segment's micro-batches this stage has run forward
+    and backward so far; ``end`` is the segment's length, or None while the stage does not know
+    it yet (the micro-batch stream goes on). The rule: run a forward while fewer than
+    ``S - stage`` micro-batches are in flight and the segment has one left, otherwise the
+    backward of the oldest one in flight. It gives 1F1B's order (warm-up, one forward and one
+    backward, drain) without knowing the length in advance, which is what lets a stage decide
+    where the stream drains only when the control message of an iteration arrives.
+    """
+    if forwarded - backwarded < stages - stage and (end is None or forwarded < end):
+        return Action("F", forwarded)
+    if backwarded < forwarded:
+        return Action("B", backwarded)
+    return None
+
+
+def async_one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action]:
+    """Asynchronous 1F1B (PipeDream) actions of ``stage`` for a segment of ``microbatches``.
+
+    A segment is the stream of micro-batches between two drained points; it crosses iteration
+    boundaries (``microbatches`` is then a multiple of ``pipeline.microbatches``). The order is
+    1F1B's, but the meaning differs: the stage updates its weights after *every* backward, and
+    there is no flush until the segment ends, so after the warm-up every stage is busy. Since up
+    to ``S - stage`` micro-batches are in flight across those updates, each one's backward must
+    use the weights its forward used (:func:`stash_versions`). For ``S = 4`` and a segment of two
+    iterations of ``m = 4``, with every action one tick (:func:`timeline`)::
+
+        stage 0: F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
+        stage 1: .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
+        stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
+        stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
+
+    22 ticks, where two flushed 1F1B iterations take 2 x 14 = 28 (:func:`flushed`): the fill and
+    drain bubble, ``(S - 1) / (m + S - 1)`` of a flushed iteration, is paid once per segment
+    instead of once per iteration.
+    """
+    _check(stages, microbatches, stage)
+    actions: List[Action] = []
+    forwarded = backwarded = 0
+    while True:
+        action = async_next(stages, stage, forwarded, backwarded, microbatches)
+        if action is None:
+            return actions
+        actions.append(action)
+        if action.kind == "F":
+            forwarded += 1
+        else:
+            backwarded += 1
+
+
+def stash_versions(actions: List[Action]) -> Dict[int, int]:
+    """The weight version each micro-batch's forward uses, when an update follows every backward.
+
+    Version ``v`` is the weights after ``v`` updates of the segment, so it is the number of
+    backwards before the forward. Weight stashing keeps that version until the micro-batch's
+    backward; in the steady state the weights have moved on by ``S - stage - 1`` updates by then
+    (PipeDream's staleness), and at most ``S - stage`` versions are in flight.
+    """
+    versions: Dict[int, int] = {}
+    updates = 0
+    for action in actions:
+        if action.kind == "F":
+            versions[action.microbatch] = updates
+        elif action.kind == "B":
+            updates += 1
+    return versions
+
+
+def flushed(schedule_fn: ScheduleFn, iterations: int) -> ScheduleFn:
+    """``iterations`` consecutive iterations of a flushed schedule as one action list per stage.
+
+    Micro-batches are numbered across iterations. Fed to :func:`simulate`, the flush appears by
+    itself: the first stage starts an iteration only after its last backward of the previous one,
+    which comes after every other stage's.
+    """
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+
+    def repeated(stages: int, microbatches: int, stage: int) -> List[Action]:
+        one = schedule_fn(stages, microbatches, stage)
+        return [Action(a.kind, k * microbatches + a.microbatch)
+                for k in range(iterations) for a in one]
+
+    return repeated
+
+
+# Schedules without a flush: their executor is :class:`sdpipe_cli.async_stage.AsyncStage`, which
+# runs segments of many iterations and updates after every backward.
+ASYNC_SCHEDULES: Dict[str, ScheduleFn] = {"async_1f1b": async_one_f_one_b}
+
+
+def updates_per_iteration(schedule: str, microbatches: int, weight_versions: Optional[int]) -> int:
+    """Optimizer updates (and sync rounds) per iteration on each stage.
+
+    Flushed schedules update once per iteration. Asynchronous 1F1B updates after every
+    micro-batch (PipeDream, ``weight_versions`` None), or, with ``weight_versions = 2``
+    (PipeDream-2BW), accumulates the gradients of an iteration's micro-batches and updates once at
+    its end: the weights change once per m micro-batches, so at most two versions are in flight
+    when ``m >= S``, and each update sees the iteration's batch, as a flushed one does.
+    """
+    if schedule in ASYNC_SCHEDULES and weight_versions is None:
+        return microbatches
+    return 1
+
+
 def get_schedule(name: str) -> ScheduleFn:
-    """The schedule function called ``name`` (a key of :data:`SCHEDULES`)."""
+    """The schedule function called ``name`` (a key of :data:`SCHEDULES` or :data:`ASYNC_SCHEDULES`)."""
     try:
-        return SCHEDULES[name]
+        return SCHEDULES[name] if name in SCHEDULES else ASYNC_SCHEDULES[name]
     except KeyError:
-        raise ValueError(
-            f"unknown schedule {name!r}; valid choices: {', '.join(sorted(SCHEDULES))}"
-        ) from None
+        names = [*sorted(SCHEDULES), *sorted(ASYNC_SCHEDULES)]
+        raise ValueError(f"unknown schedule {name!r}; valid choices: {', '.join(names)}") from None
 
 
 def format_actions(actions: List[Action]) -> str:

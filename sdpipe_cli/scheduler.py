@@ -28,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli import checkpoint, store
 from sdpipe_cli.config import load_child_config
 from sdpipe_cli.errors import record
-from sdpipe_cli.grouping import Decision, GroupScheduler
+from sdpipe_cli.grouping import AsyncGroupScheduler, Decision, GroupScheduler
 from sdpipe_cli.metrics import MetricsLog, RunTracker
+from sdpipe_cli.schedule import ASYNC_SCHEDULES, updates_per_iteration
 
 log = logging.getLogger("sdpipe.scheduler")
 
@@ -43,8 +44,13 @@ class WorkerHung(RuntimeError):
 
 def make_policy(cfg: DictConfig, clock: Callable[[], float] = time.monotonic) -> GroupScheduler:
     y = cfg.sync
-    return GroupScheduler(
-        cfg.cluster.pipelines, cfg.pipeline.stages, min_group=y.min_group,
+    policy, extra = GroupScheduler, {}
+    p = cfg.pipeline
+    if p.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
+        rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
+        policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}
+    return policy(
+        cfg.cluster.pipelines, cfg.pipeline.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
         connect_every=y.connect_every, global_every=y.global_every,
         total_iterations=cfg.cluster.pipelines * cfg.train.steps,
@@ -131,6 +137,11 @@ class Scheduler:
         kind = event["type"]
         if kind == "ready":
             self._publish(self.policy.ready(event["stage"], event["pipeline"], event["iteration"]))
+        elif kind == "begin":  # asynchronous schedules: may this pipeline's segment go on?
+            last, decisions = self.policy.begin(event["pipeline"], event["iteration"])
+            store.set_json(self.events, store.begin_key(event["pipeline"], event["iteration"]),
+                           {"last": last})
+            self._publish(decisions)
         elif kind == "saved":
             self._saved(event)
         elif kind == "lost":

@@ -77,6 +77,12 @@ def decision_key(stage: int, pipeline: int, iteration: int) -> str:
     return f"group/{stage}/{pipeline}/{iteration}"
 
 
+def begin_key(pipeline: int, iteration: int) -> str:
+    """Where the scheduler answers the first stage of ``pipeline`` about to start ``iteration``
+    (asynchronous schedules: whether that iteration ends a segment); the worker deletes it."""
+    return f"begin/{pipeline}/{iteration}"
+
+
 def wait_json(store: dist.Store, key: str) -> Any:
     """Block until ``key`` is set (up to the store's timeout), then read, delete and decode it."""
     value = json.loads(store.get(key))

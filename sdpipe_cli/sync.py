@@ -127,6 +127,12 @@ class Sync:
         """
         return step if every and step % every == 0 else None
 
+    def drain_after(self, iteration: int) -> bool:
+        """Asynchronous schedules, first stage, at the start of ``iteration``: whether the
+        strategy needs the pipeline drained after it (a global sync there). Lock-step strategies
+        end the run through :meth:`should_continue` and need no other drains."""
+        return False
+
 
 class AllReduceSync(Sync):
     """Synchronous data parallelism over the stage's replica group (one flat all-reduce)."""
@@ -207,6 +213,14 @@ class GroupSync(Sync):
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
         return False  # the scheduler picks the global syncs to checkpoint at
+
+    def drain_after(self, iteration: int) -> bool:
+        # The scheduler counts the iterations begun and places global syncs at drained points.
+        store.push(self.events, store.EVENTS, {"type": "begin", "rank": self.rank,
+                                               "pipeline": self.pipeline, "stage": self.stage,
+                                               "iteration": iteration})
+        key = store.begin_key(self.pipeline, iteration)
+        return bool(store.wait_json(self.events, key)["last"])
 
     def checkpoint_due(self, step: int, every: int) -> int | None:
         # Replicas are consistent only right after a global sync; the scheduler picks which.

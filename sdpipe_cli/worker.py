@@ -173,6 +173,10 @@ class Worker:
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> None:
+        from sdpipe_cli.schedule import ASYNC_SCHEDULES
+        if self.cfg.pipeline.schedule in ASYNC_SCHEDULES:  # no flush: see sdpipe_cli/async_loop.py
+            from sdpipe_cli.async_loop import AsyncLoop  # (it imports this module)
+            return AsyncLoop(self).train()
         cfg, w = self.cfg, self.where
         self._emit("start", pid=os.getpid())
         started = time.time()

@@ -360,3 +360,25 @@ def test_empty_or_too_small_text_corpus_is_one_line_exit_2(tmp_path, capsys, con
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("sdpipe: error: "), err
     assert not (tmp_path / "run").exists()
+
+
+def test_async_schedule_is_a_valid_choice():
+    validate(compose(["pipeline.schedule=async_1f1b"]))
+    validate(compose(["pipeline.schedule=async_1f1b", "pipeline.weight_versions=2"]))
+    with pytest.raises(ConfigError, match="1f1b, gpipe, async_1f1b"):
+        validate(compose(["pipeline.schedule=zigzag"]))
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["pipeline.weight_versions=2"], "only applies to pipeline.schedule=async_1f1b"),
+    (["pipeline.schedule=async_1f1b", "pipeline.weight_versions=3"], "use 2"),
+    (["pipeline.schedule=async_1f1b", "pipeline.weight_versions=2", "pipeline=deep",
+      "pipeline.microbatches=2", "train.batch_size=8"], "microbatches >= pipeline.stages"),
+])
+def test_weight_versions_errors(overrides, reason, capsys):
+    with pytest.raises(ConfigError, match=reason) as info:
+        validate(compose(overrides))
+    assert info.value.key == "pipeline.weight_versions"
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert _one_error_line(err, "pipeline.weight_versions")

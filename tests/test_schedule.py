@@ -5,13 +5,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdpipe_cli.schedule import (
+    ASYNC_SCHEDULES,
     SCHEDULES,
     Action,
+    async_next,
+    async_one_f_one_b,
+    flushed,
     format_actions,
     get_schedule,
     gpipe,
     one_f_one_b,
     simulate,
+    stash_versions,
     timeline,
 )
 
@@ -140,3 +145,100 @@ def test_flushed_schedules_have_the_same_bubble(S, m):
     for fn in SCHEDULES.values():
         for s, row in enumerate(simulate(fn, S, m)):
             assert [a for a in row if a is not None] == fn(S, m, s)
+
+
+# -- asynchronous 1F1B (PipeDream) ---------------------------------------------------------------
+
+# A segment of 6 micro-batches: warm-up (S - s - 1 forwards), one forward and one backward, drain.
+ASYNC_SEGMENTS = {
+    2: ["F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"],
+    3: ["F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"],
+    4: ["F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"],
+}
+
+
+@pytest.mark.parametrize("stages", sorted(ASYNC_SEGMENTS))
+def test_async_1f1b_segment_order(stages):
+    for stage, expected in enumerate(ASYNC_SEGMENTS[stages]):
+        assert format_actions(async_one_f_one_b(stages, 6, stage)) == expected
+
+
+def test_async_weight_versions_and_staleness():
+    """Version v = the weights after v updates: F(i) uses the number of backwards before it."""
+    actions = async_one_f_one_b(4, 6, 0)  # F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5
+    assert stash_versions(actions) == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 2}
+    assert stash_versions(async_one_f_one_b(4, 6, 3)) == {i: i for i in range(6)}
+    assert stash_versions(async_one_f_one_b(2, 4, 0)) == {0: 0, 1: 0, 2: 1, 3: 2}
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_async_stream_without_a_known_end(shape):
+    """async_next with the end unknown gives the same prefix as the segment, never drains, and
+    keeps at most S - s micro-batches (so at most S - s weight versions) in flight."""
+    S, m, s = shape
+    segment = async_one_f_one_b(S, m, s)
+    forwarded = backwarded = 0
+    stream = []
+    for _ in range(4 * m + 2 * S):
+        action = async_next(S, s, forwarded, backwarded, None)
+        assert action is not None and forwarded - backwarded <= S - s
+        stream.append(action)
+        forwarded += action.kind == "F"
+        backwarded += action.kind == "B"
+    assert _max_in_flight(stream) == S - s
+    # Before the segment's last forward, the stream and the segment agree.
+    last_f = max(i for i, a in enumerate(segment) if a.kind == "F")
+    assert stream[: last_f + 1] == segment[: last_f + 1]
+    versions = stash_versions(segment)
+    for i in range(m):
+        # Staleness: the updates between F(i) and B(i), i.e. the version B(i) applies its gradient
+        # to minus the one F(i) used: i - version; S - s - 1 once the warm-up is over.
+        updates_before_b = sum(a.kind == "B" for a in segment[: segment.index(Action("B", i))])
+        assert updates_before_b - versions[i] == min(i, S - s - 1)
+    # The forwards of the warm-up share version 0; every later forward has its own.
+    assert len(set(versions.values())) == len(versions) - min(S - s - 1, m - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_async_segment_is_1f1b_order(shape):
+    """Within a segment the order is PipeDream-Flush's; what differs is the update per backward
+    and that a segment spans many iterations."""
+    S, m, s = shape
+    assert async_one_f_one_b(S, m, s) == one_f_one_b(S, m, s)
+
+
+@pytest.mark.parametrize("stages, m, iterations", [(4, 4, 2), (4, 2, 10), (2, 4, 5), (4, 8, 3)])
+def test_async_pays_the_bubble_once_per_segment(stages, m, iterations):
+    """k flushed iterations take k x 2(m + S - 1) ticks, one segment of k iterations 2(km + S - 1):
+    the saving tends to the bubble fraction (S - 1) / (m + S - 1) of a flushed iteration."""
+    flushed_ticks = len(simulate(flushed(one_f_one_b, iterations), stages, m)[0])
+    async_ticks = len(simulate(async_one_f_one_b, stages, iterations * m)[0])
+    assert flushed_ticks == iterations * 2 * (m + stages - 1)
+    assert async_ticks == 2 * (iterations * m + stages - 1)
+    saved = 1 - async_ticks / flushed_ticks
+    bubble = (stages - 1) / (m + stages - 1)
+    assert saved == pytest.approx(bubble * (1 - 1 / iterations))
+
+
+def test_async_timeline_table():
+    assert timeline(async_one_f_one_b, 2, 4) == "\n".join([
+        "stage 0: F0 F1 .  B0 F2 B1 F3 B2 .  B3",
+        "stage 1: .  F0 B0 F1 B1 F2 B2 F3 B3 .",
+    ])
+
+
+def test_async_schedules_registry():
+    assert get_schedule("async_1f1b") is async_one_f_one_b
+    assert "async_1f1b" in ASYNC_SCHEDULES and "async_1f1b" not in SCHEDULES
+    with pytest.raises(ValueError, match="1f1b, gpipe, async_1f1b"):
+        get_schedule("pipedream")
+    with pytest.raises(ValueError):
+        flushed(one_f_one_b, 0)
