@@ -91,8 +91,10 @@ class AsyncLoop:
             final = Path(cfg.run.dir) / "final"
             final.mkdir(exist_ok=True)
             torch.save(w.module.state_dict(), final / f"p{w.where.pipeline}-s{w.where.stage}.pt")
-        w._emit("done", steps=step, param_digest=param_digest(w.module),
-                slowdown_overruns=w.slowdown.overruns, **self.stage.stash.stats())
+        w._emit("done", steps=step, param_digest=param_digest(w.module), device=w.placed.name,
+                slowdown_overruns=w.slowdown.overruns, actions=w.slowdown.actions,
+                straggled=w.slowdown.straggled, peak_memory_mb=round(w.memory.peak_mb(), 1),
+                **self.stage.stash.stats())
 
     # -- the first stage's decisions -----------------------------------------------------------
     def _decide(self, k: int) -> Control:
@@ -167,6 +169,8 @@ class AsyncLoop:
     def _iteration_done(self, step: int, lr: float) -> None:
         """This stage made the last update of iteration ``step - 1``: report it."""
         w, cfg = self.w, self.cfg
+        w.memory.check()
+        w.slowdown.new_iteration()  # per-iteration stragglers draw for the next iteration
         now = time.perf_counter()
         step_s, sync_s = now - self._t_iteration, self._sync_s
         self._t_iteration, self._sync_s = now, 0.0
@@ -180,4 +184,4 @@ class AsyncLoop:
                 samples_per_s=(step - w.start_step) * cfg.train.batch_size / elapsed, lr=lr,
                 step_s=step_s, compute_s=step_s - sync_s, sync_s=sync_s,
                 stash_versions=stash.peak_versions, stash_bytes=stash.peak_bytes,
-                **w.sync.stats(), **extra)
+                straggled=w.slowdown.straggled, **w.sync.stats(), **extra)
