@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Optional
 
-import torch
 from torch import nn
 
 from sdpipe_cli import data, store
 from sdpipe_cli.async_stage import AsyncStage, Batch, Control
 from sdpipe_cli.schedule import updates_per_iteration
-from sdpipe_cli.worker import Worker, lr_at, param_digest
+from sdpipe_cli.worker import Worker, lr_at
 
 
 class AsyncLoop:
@@ -82,19 +80,7 @@ class AsyncLoop:
                 ckpt = step
             if ckpt is not None:
                 w._save(ckpt, step)
-        w.sync.finish()
-        if cfg.checkpoint.on_exit and w.sync.name != "sdpipe" and step != w._saved_step:
-            w._save(step, step)  # lock-step modes: every replica stopped at this step
-        if not (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-            w.evaluate(step)  # always once at the end of the run
-        if cfg.run.save_final:
-            final = Path(cfg.run.dir) / "final"
-            final.mkdir(exist_ok=True)
-            torch.save(w.module.state_dict(), final / f"p{w.where.pipeline}-s{w.where.stage}.pt")
-        w._emit("done", steps=step, param_digest=param_digest(w.module), device=w.placed.name,
-                slowdown_overruns=w.slowdown.overruns, actions=w.slowdown.actions,
-                straggled=w.slowdown.straggled, peak_memory_mb=round(w.memory.peak_mb(), 1),
-                **self.stage.stash.stats())
+        w.finish(step, **self.stage.stash.stats())
 
     # -- the first stage's decisions -----------------------------------------------------------
     def _decide(self, k: int) -> Control:

@@ -159,8 +159,12 @@ class GroupScheduler:
     def resume(self, iterations: dict[int, int]) -> None:
         """Continue from a checkpoint taken right after a global sync, where pipeline p had done
         ``iterations[p]`` iterations: nobody is waiting and every stage is fully connected."""
+        self._restart(iterations)
+        self._maybe_declare_global()
+
+    def _restart(self, iterations: dict[int, int]) -> None:
         for p, k in iterations.items():
-            self.last_ready[p] = [k - 1] * self.S
+            self._restart_pipeline(p, k)
         done = self.iterations_done()
         self.next_global = self.P * self.global_every
         while self.global_every and self.next_global <= done:
@@ -168,7 +172,10 @@ class GroupScheduler:
         self.global_at, self.final, self.finished, self.global_history = {}, False, False, []
         for st in self.stages:
             st.global_pending = False
-        self._maybe_declare_global()
+
+    def _restart_pipeline(self, pipeline: int, iterations: int) -> None:
+        """Pipeline ``pipeline`` has done ``iterations`` iterations, one round each."""
+        self.last_ready[pipeline] = [iterations - 1] * self.S
 
     def next_deadline(self) -> Optional[float]:
         """When :meth:`tick` must be called at the latest (None: only events can change anything)."""
@@ -409,16 +416,11 @@ class AsyncGroupScheduler(GroupScheduler):
     def resume(self, iterations: dict[int, int]) -> None:
         """Continue from a checkpoint taken at a global sync, where pipeline p had done
         ``iterations[p]`` iterations (drained: every stage made all its updates)."""
-        for p, k in iterations.items():
-            self.begun[p] = k
-            self.last_ready[p] = [k * self.rounds_per_iteration - 1] * self.S
-        done = self.iterations_done()
-        self.next_global = self.P * self.global_every
-        while self.global_every and self.next_global <= done:
-            self.next_global += self.P * self.global_every
-        self.global_at, self.final, self.finished, self.global_history = {}, False, False, []
-        for st in self.stages:
-            st.global_pending = False
+        self._restart(iterations)
+
+    def _restart_pipeline(self, pipeline: int, iterations: int) -> None:
+        self.begun[pipeline] = iterations
+        self.last_ready[pipeline] = [iterations * self.rounds_per_iteration - 1] * self.S
 
     def _maybe_declare_global(self) -> None:
         # The budget is checked in begin(), the only place where it grows; here only the clock

@@ -230,6 +230,12 @@ class Worker:
             if ckpt is not None:
                 self._save(ckpt, step)
         self._wait_pending()
+        self.finish(step)
+
+    def finish(self, step: int, **extra) -> None:
+        """The run ended after iteration ``step`` at a consistent point: the final checkpoint,
+        evaluation and weights, and the ``done`` event (with ``extra`` fields)."""
+        cfg, w = self.cfg, self.where
         self.sync.finish()
         if cfg.checkpoint.on_exit and self.sync.name != "sdpipe" and step != self._saved_step:
             self._save(step, step)  # lock-step modes: every replica stopped at this step
@@ -242,7 +248,7 @@ class Worker:
         self._emit("done", steps=step, param_digest=param_digest(self.module),
                    device=self.placed.name, slowdown_overruns=self.slowdown.overruns,
                    actions=self.slowdown.actions, straggled=self.slowdown.straggled,
-                   peak_memory_mb=round(self.memory.peak_mb(), 1))
+                   peak_memory_mb=round(self.memory.peak_mb(), 1), **extra)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _save(self, ckpt: int, step: int) -> None:
