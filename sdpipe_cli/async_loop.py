@@ -31,8 +31,6 @@ import os
 import time
 from typing import Optional
 
-from torch import nn
-
 from sdpipe_cli import data, store
 from sdpipe_cli.async_stage import AsyncStage, Batch, Control
 from sdpipe_cli.schedule import updates_per_iteration
@@ -61,7 +59,7 @@ class AsyncLoop:
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self) -> None:
-        w, cfg = self.w, self.cfg
+        w = self.w
         w._emit("start", pid=os.getpid())
         self.started = time.time()
         step = w.start_step
@@ -73,13 +71,7 @@ class AsyncLoop:
             if not control.go:
                 break
             step = done  # drained: every stage of the pipeline finished iteration step - 1
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                w.evaluate(step)
-            ckpt = w.sync.checkpoint_due(step, cfg.checkpoint.every)
-            if ckpt is None and control.save:
-                ckpt = step
-            if ckpt is not None:
-                w._save(ckpt, step)
+            w.consistent_point(step, control.save)
         w.finish(step, **self.stage.stash.stats())
 
     # -- the first stage's decisions -----------------------------------------------------------
@@ -137,16 +129,7 @@ class AsyncLoop:
         lr = lr_at(k, cfg)
         for group in w.optimizer.param_groups:
             group["lr"] = lr
-        t_sync = time.perf_counter()
-        w.sync.after_backward(w.module)
-        sync_s = time.perf_counter() - t_sync
-        if cfg.train.grad_clip > 0:
-            nn.utils.clip_grad_norm_(w.module.parameters(), cfg.train.grad_clip)
-        if w.sync.local_step:
-            w.optimizer.step()
-        t_sync = time.perf_counter()
-        w.sync.after_step(w.module, j // self.window)  # this update's round (sdpipe, adpsgd, ps)
-        self._sync_s += sync_s + time.perf_counter() - t_sync
+        self._sync_s += w.update(j // self.window)  # this update's round (sdpipe, adpsgd, ps)
         self.stage.stash.changed()  # one new weight version per update (step and averaging)
         w.optimizer.zero_grad(set_to_none=True)
         if (j + 1) % self.m == 0:

@@ -197,16 +197,7 @@ class Worker:
             loss = self.stage.run(self.actions, inputs if w.first else None,
                                   targets if w.last else None)
             compute_s = time.perf_counter() - t_step
-            t_sync = time.perf_counter()
-            self.sync.after_backward(self.module)
-            sync_s = time.perf_counter() - t_sync
-            if cfg.train.grad_clip > 0:
-                nn.utils.clip_grad_norm_(self.module.parameters(), cfg.train.grad_clip)
-            if self.sync.local_step:
-                self.optimizer.step()
-            t_sync = time.perf_counter()
-            self.sync.after_step(self.module, step)
-            sync_s += time.perf_counter() - t_sync
+            sync_s = self.update(step)
             self._wait_pending()
             self.memory.check()
             step += 1
@@ -222,15 +213,35 @@ class Worker:
                            samples_per_s=rate, lr=lr, step_s=step_s, compute_s=compute_s,
                            sync_s=sync_s, straggled=self.slowdown.straggled,
                            **self.sync.stats(), **extra)
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                self.evaluate(step)
-            ckpt = self.sync.checkpoint_due(step, cfg.checkpoint.every)
-            if ckpt is None and self._save_after:
-                ckpt = step
-            if ckpt is not None:
-                self._save(ckpt, step)
+            self.consistent_point(step, self._save_after)
         self._wait_pending()
         self.finish(step)
+
+    def update(self, round: int) -> float:
+        """Apply the accumulated gradients: the strategy's gradient sync, clipping, the optimizer
+        step and the strategy's weight sync for ``round``; returns the seconds spent syncing."""
+        start = time.perf_counter()
+        self.sync.after_backward(self.module)
+        sync_s = time.perf_counter() - start
+        if self.cfg.train.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
+        if self.sync.local_step:
+            self.optimizer.step()
+        start = time.perf_counter()
+        self.sync.after_step(self.module, round)
+        return sync_s + time.perf_counter() - start
+
+    def consistent_point(self, step: int, save: bool) -> None:
+        """Iteration ``step`` is done on every stage of the pipeline: evaluate if due, and save a
+        checkpoint if the strategy says one is due or ``save`` (a time-based one) asks."""
+        cfg = self.cfg
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            self.evaluate(step)
+        ckpt = self.sync.checkpoint_due(step, cfg.checkpoint.every)
+        if ckpt is None and save:
+            ckpt = step
+        if ckpt is not None:
+            self._save(ckpt, step)
 
     def finish(self, step: int, **extra) -> None:
         """The run ended after iteration ``step`` at a consistent point: the final checkpoint,
