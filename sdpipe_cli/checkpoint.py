@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from sdpipe_cli.errors import CheckpointError  # noqa: F401 - raised here, caught by callers
+
 MANIFEST = "manifest.json"
 STAGING_PREFIX = ".staging-"
 DELETING_PREFIX = ".deleting-"  # a pruned checkpoint is renamed to this first, then removed
@@ -34,15 +36,6 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 _CHUNK = 1 << 20
 
 log = logging.getLogger("sdpipe.checkpoint")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be found, written or trusted; ``path`` names the culprit."""
-
-    def __init__(self, path: os.PathLike | str, reason: str):
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"{self.path}: {reason}")
 
 
 def checkpoints_dir(run_dir: os.PathLike | str) -> Path:

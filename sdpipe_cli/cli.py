@@ -28,10 +28,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sdpipe_cli import __version__
-from sdpipe_cli.checkpoint import CheckpointError
+from sdpipe_cli import __version__, network
 from sdpipe_cli.config import Config, ConfigError, compose, group_options, validate
-from sdpipe_cli.data import DataError
+from sdpipe_cli.errors import CheckpointError, DataError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -92,6 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _parser().print_help()
         return EXIT_USAGE
     err = Console(stderr=True)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops sdpipe like Ctrl-C
     try:
         if args.command == "train":
             return train(args.overrides, show_config=args.cfg, console=err)
@@ -102,16 +102,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, DataError, CheckpointError) as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # the launcher handles its own; this is before it started anything
+        err.print("sdpipe: error: interrupted while preparing the run; nothing was started",
+                  markup=False, highlight=False, soft_wrap=True)
+        return EXIT_INTERRUPTED
     return EXIT_USAGE
 
 
 def train(overrides: Sequence[str], show_config: bool = False, console: Console | None = None) -> int:
-    from sdpipe_cli import data
-
     console = console or Console(stderr=True)
     cfg = _composed(overrides, show_config)
     if cfg is None:
         return 0
+    from sdpipe_cli import data  # torch: only once the config is known to be good
+
     if cfg.data.name == "text":  # a user's file: fail before anything starts
         data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
     return _run(_prepared(cfg, console), console)
@@ -124,6 +128,7 @@ def _composed(overrides: Sequence[str], show_config: bool):
     if show_config:
         print(OmegaConf.to_yaml(cfg), end="")
         return None
+    network.check_hosts(cfg)  # before the heavy imports: a mistyped host fails at once
     return cfg
 
 
@@ -146,6 +151,7 @@ def resume(path: str, overrides: Sequence[str], console: Console) -> int:
     cfg = _apply_resume_overrides(saved, overrides)
     cfg.run.dir = str(checkpoint.run_dir_of(ckpt))  # the run folder may have moved since
     validate(cfg)
+    network.check_hosts(cfg)
     console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
                   highlight=False)
     return _run(launcher.prepare(cfg)[0], console, resume=ckpt, elapsed=manifest["elapsed"],
@@ -162,10 +168,9 @@ def profile(overrides: Sequence[str], show_config: bool = False,
     if cfg is None:
         return 0
     run_cfg = _prepared(cfg, console)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     phases = _Phases(console)
     result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE)
-    console.print(f"run folder: {result.run_dir}", highlight=False)
+    _run_folder(console, result)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
                       soft_wrap=True)
@@ -201,11 +206,10 @@ def _apply_resume_overrides(saved, overrides: Sequence[str]):
 def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
     from sdpipe_cli import launcher
 
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the run like Ctrl-C
     display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
     with display:
         result = launcher.launch(run_cfg, on_progress=display.update, **resume)
-    console.print(f"run folder: {result.run_dir}", highlight=False)
+    _run_folder(console, result)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
                       soft_wrap=True)
@@ -216,6 +220,11 @@ def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def _run_folder(console: Console, result) -> None:
+    if result.run_dir is not None:  # None: stopped before the folder was made
+        console.print(f"run folder: {result.run_dir}", highlight=False)
 
 
 class _ProgressDisplay:

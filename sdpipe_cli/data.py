@@ -29,21 +29,14 @@ from typing import Any, Iterator
 
 import torch
 
+from sdpipe_cli.errors import DataError  # noqa: F401 - raised here, caught by callers
+
 SYNTHETIC_MAX_BYTES = 1_000_000
 SYNTHETIC_ALPHABET = 32  # distinct bytes used by the synthetic corpus
 SYNTHETIC_SUCCESSOR_PROBS = (0.6, 0.25, 0.1, 0.05)  # chance of each state's k-th successor
 STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 )
-
-
-class DataError(ValueError):
-    """A data problem: ``key`` is the config key or file path at fault, ``reason`` what to do."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 @dataclass

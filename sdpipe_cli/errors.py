@@ -1,4 +1,8 @@
-"""Failures travel as data: a child process records its exception in an error file.
+"""Failures travel as data: bad input as typed errors, a child's crash as an error file.
+
+Bad input (:class:`DataError`, :class:`CheckpointError`, and ``config.ConfigError``) names the key
+or file at fault; the CLI prints it in one line and exits 2. They live here, free of torch, so
+that the CLI reports bad input before the heavy imports.
 
 Like torchrun's ``record``, each scheduler or worker process wraps its main in :func:`record`;
 on an exception it writes ``<run>/logs/<name>.error.json`` (message, type, traceback, time, and
@@ -15,6 +19,24 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+
+class DataError(ValueError):
+    """A data problem: ``key`` is the config key or file path at fault, ``reason`` what to do."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be found, written or trusted; ``path`` names the culprit."""
+
+    def __init__(self, path: os.PathLike | str, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
 
 
 def error_file(run_dir: Path, name: str) -> Path:

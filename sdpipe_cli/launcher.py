@@ -23,14 +23,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli import models, partition, profile, store
+from sdpipe_cli import models, network, partition, profile, store
 from sdpipe_cli.cluster import Cluster
 from sdpipe_cli.config import ConfigError, n_blocks, resolve_device, save_run_config
 from sdpipe_cli.errors import read_error
 
 GRACE_S = 10.0  # SIGTERM -> SIGKILL
+RUNNING = "running"  # the launch phase after start-up
 POLL_S = 0.1
 
 
@@ -61,7 +63,7 @@ PROFILE = Job("sdpipe_cli.profiling", helpers=False, graceful=False)
 
 @dataclass
 class RunResult:
-    run_dir: Path
+    run_dir: Optional[Path]  # None when stopped before it was made
     returncode: int  # 0 ok, 1 a process failed, 130 interrupted
     failure: Optional[str] = None
     progress: dict[str, Any] = field(default_factory=dict)
@@ -72,6 +74,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
     """Resolve what depends on this machine (device, partition, the profile's path) into a
     concrete run config; with ``pipeline.partition=auto`` also the plan that chose it."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
+    network.check_hosts(cfg)
     cfg.cluster.device = resolve_device(cfg)
     if cfg.profile:
         cfg.profile = str(Path(cfg.profile).expanduser().resolve())
@@ -113,20 +116,37 @@ def make_run_dir(requested: Optional[str]) -> Path:
 
 
 def start_store(cfg: DictConfig):
+    address = network.listen_address(cfg)
     try:
-        return store.host_store(store_host(cfg), cfg.run.port, cfg.run.timeout)
+        master, bound = store.host_store(address, cfg.run.port, cfg.run.timeout)
     except Exception as err:  # the c10d error types vary by version; the cause is what matters
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
         if cfg.run.port:
-            raise ConfigError("run.port", f"cannot listen on {store_host(cfg)}:{cfg.run.port} "
-                              f"(already in use?): {str(err).splitlines()[0]}") from None
-        raise ConfigError("cluster.host", f"cannot listen on {cfg.cluster.host}: "
-                          f"{str(err).splitlines()[0]}") from None
+            raise ConfigError("run.port", f"cannot listen on {address}:{cfg.run.port} "
+                              f"(already in use?): {first}") from None
+        raise ConfigError("cluster.host", f"cannot listen on {address}: {first}") from None
+    if not bound:
+        print(f"sdpipe: warning: torch {torch.__version__} cannot take a bound socket "
+              "(master_listen_fd); the store listens on every interface, see README's Security",
+              file=sys.stderr, flush=True)
+    return master
 
 
 def store_host(cfg: DictConfig) -> str:
     """Where the store listens: the first real node's address, else ``cluster.host``."""
     hosts = [n.host for n in cfg.cluster.nodes if n.get("host")]
     return hosts[0] if hosts else cfg.cluster.host
+
+
+def pinned_interfaces(cfg: DictConfig) -> dict[str, str]:
+    """Environment that keeps gloo's and NCCL's sockets on the interface of the address this
+    node listens on (they would otherwise bind what the hostname resolves to); a variable the
+    user set is kept, and a wildcard pins nothing."""
+    address = network.listen_address(cfg)
+    interface = None if address in network.WILDCARDS else network.interface_of(address)
+    if interface is None:
+        return {}
+    return {k: os.environ.get(k, interface) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
 
 
 def _join(cfg: DictConfig, cluster: Cluster):
@@ -138,9 +158,14 @@ def _join(cfg: DictConfig, cluster: Cluster):
     """
     host, port = store_host(cfg), cfg.run.port
     try:
-        master = store.connect(host, port, cfg.run.timeout)
+        master = store.connect_patiently(host, port, cfg.run.timeout)
         events = store.namespace(master)
-        run = json.loads(events.get(store.RUN))  # waits for the first node, up to run.timeout
+        deadline = time.monotonic() + cfg.run.timeout
+        while not events.check([store.RUN]):  # polled, so that a Ctrl-C lands at once
+            if time.monotonic() > deadline:
+                raise TimeoutError("no run published")
+            time.sleep(POLL_S)
+        run = json.loads(events.get(store.RUN))
     except Exception as err:  # c10d raises several types; say where we looked
         raise ConfigError("run.node", f"cannot reach the first node's store at {host}:{port} "
                           f"within run.timeout={cfg.run.timeout:g}s ({str(err).splitlines()[0]}); "
@@ -190,69 +215,94 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     """
     cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
     primary = not cluster.real or cfg.run.node == cluster.nodes[0]
-    if primary:
-        master = start_store(cfg)  # first: a busy port must fail before anything is written
-        if resume is None:
-            run_dir = run_dir or make_run_dir(cfg.run.dir)
-            cfg.run.dir = str(run_dir.resolve()) if cluster.real else str(run_dir)
-            config_path = run_dir / "config.yaml"
-        else:
-            run_dir = Path(cfg.run.dir)
-            config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
-        save_run_config(cfg, config_path)
-        events = store.namespace(master)
-        launched = time.time()
-        events.set(store.T0, repr(launched - elapsed))
-        if cluster.real:  # the other nodes' launchers run exactly this config
-            store.set_json(events, store.RUN, {"config": config_path.read_text(),
-                                               "resume": str(resume.resolve()) if resume else None})
-    else:
-        master, events, run_dir, config_path, resume = _join(cfg, cluster)
-        launched = float(events.get(store.T0))
-
-    P, S = cfg.cluster.pipelines, cfg.pipeline.stages
-    # one parameter server per stage, ranks after the workers
-    servers = S if job.helpers and cfg.sync.name == "ps" else 0
-    base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
-            "MASTER_ADDR": store_host(cfg), "MASTER_PORT": str(master.port),
-            "WORLD_SIZE": str(P * S + servers), "PYTHONUNBUFFERED": "1",
-            "SDPIPE_CONFIG": str(config_path.resolve())}
-    if resume is not None:
-        base["SDPIPE_RESUME"] = str(resume.resolve())
-    if cfg.cluster.device == "cpu":
-        base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
-    children = [spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base)] \
-        if job.helpers and primary else []
-    for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
-        # one GPU per worker: its index on a real node, the rank on one machine
-        local = cluster.device_of_rank(rank).index if cluster.real else rank
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local)}
-        role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
-        children.append(spawn(job.worker, str(rank), role, run_dir, env))
-        children[-1].rank = rank
-    for stage in range(servers if primary else 0):
-        rank = P * S + stage
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        children.append(spawn("sdpipe_cli.ps", f"ps{stage}", f"parameter server of stage {stage}",
-                              run_dir, env))
-
+    children: list[Child] = []
     started = time.monotonic()
-    result = RunResult(run_dir, 0)
+    result = RunResult(Path(cfg.run.dir) if resume is not None else None, 0)
+    phase = _Phase("starting the store" if primary else
+                   f"waiting for the first node's store at {store_host(cfg)}:{cfg.run.port}")
+    events = None
     try:
+        if primary:
+            master = start_store(cfg)  # first: a busy port must fail before anything is written
+            phase.now = "writing the run folder"
+            if resume is None:
+                run_dir = run_dir or make_run_dir(cfg.run.dir)
+                cfg.run.dir = str(run_dir.resolve()) if cluster.real else str(run_dir)
+                config_path = run_dir / "config.yaml"
+            else:
+                run_dir = Path(cfg.run.dir)
+                config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
+            result.run_dir = run_dir
+            save_run_config(cfg, config_path)
+            events = store.namespace(master)
+            launched = time.time()
+            events.set(store.T0, repr(launched - elapsed))
+            if cluster.real:  # the other nodes' launchers run exactly this config
+                store.set_json(events, store.RUN, {
+                    "config": config_path.read_text(),
+                    "resume": str(resume.resolve()) if resume else None})
+        else:
+            master, events, run_dir, config_path, resume = _join(cfg, cluster)
+            result.run_dir = run_dir
+            launched = float(events.get(store.T0))
+
+        phase.now = "starting the processes"
+        P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+        # one parameter server per stage, ranks after the workers
+        servers = S if job.helpers and cfg.sync.name == "ps" else 0
+        base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
+                "MASTER_ADDR": network.connect_address(store_host(cfg)),
+                "MASTER_PORT": str(master.port), "WORLD_SIZE": str(P * S + servers),
+                "PYTHONUNBUFFERED": "1", "SDPIPE_CONFIG": str(config_path.resolve()),
+                **pinned_interfaces(cfg)}
+        if resume is not None:
+            base["SDPIPE_RESUME"] = str(resume.resolve())
+        if cfg.cluster.device == "cpu":
+            base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
+        if job.helpers and primary:
+            children.append(spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base))
+        for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
+            # one GPU per worker: its index on a real node, the rank on one machine
+            local = cluster.device_of_rank(rank).index if cluster.real else rank
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local)}
+            role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
+            children.append(spawn(job.worker, str(rank), role, run_dir, env))
+            children[-1].rank = rank
+        for stage in range(servers if primary else 0):
+            rank = P * S + stage
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            children.append(spawn("sdpipe_cli.ps", f"ps{stage}",
+                                  f"parameter server of stage {stage}", run_dir, env))
+
+        phase.now = "waiting for the workers to join"
         tolerate = job.helpers and cfg.fault.on_pipeline_loss == "continue"
         result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched,
-                                                 S if tolerate else 0, graceful=job.graceful)
+                                                 S if tolerate else 0, graceful=job.graceful,
+                                                 workers=P * S, phase=phase)
         result.returncode = 1 if result.failure else 130 if interrupted else 0
         if interrupted and not result.failure:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
     except KeyboardInterrupt:
-        twice = "interrupted twice" if job.graceful else "interrupted"
-        result.failure, result.returncode = f"{twice}; all processes stopped", 130
+        if phase.now == RUNNING:
+            twice = "interrupted twice" if job.graceful else "interrupted"
+            result.failure = f"{twice}; all processes stopped"
+        else:
+            result.failure = f"interrupted while {phase.now}; every started process stopped"
+        result.returncode = 130
     finally:
         stop_all(children)
-        result.progress = _quietly(lambda: store.get_json(events, store.PROGRESS, {})) or {}
+        if events is not None:
+            result.progress = _quietly(lambda: store.get_json(events, store.PROGRESS, {})) or {}
         result.wall_s = time.monotonic() - started
     return result
+
+
+class _Phase:
+    """Where a launch is, for the line that an interrupt prints: start-up phases, then
+    :data:`RUNNING` once every worker has joined (from there a first Ctrl-C stops gracefully)."""
+
+    def __init__(self, now: str):
+        self.now = now
 
 
 def _new_path(path: Path) -> Path:
@@ -264,14 +314,16 @@ def _new_path(path: Path) -> Path:
 
 
 def _supervise(children: list[Child], run_dir: Path, events, on_progress,
-               since: float = 0.0, stages: int = 0,
-               graceful: bool = True) -> tuple[Optional[str], bool]:
+               since: float = 0.0, stages: int = 0, graceful: bool = True,
+               workers: int = 0, phase: Optional[_Phase] = None) -> tuple[Optional[str], bool]:
     """Wait for every child: (the first failure's description or None, whether interrupted).
 
     The first Ctrl-C (or SIGTERM) asks the run to stop at its next consistent point (the same
     iteration on every replica, or the next global sync), where it may checkpoint and end
     normally; a second one raises KeyboardInterrupt and the caller stops everything at once.
-    Without ``graceful`` (a job with no consistent point to stop at) the first one does.
+    Without ``graceful`` (a job with no consistent point to stop at) the first one does, and so
+    does one that comes before all ``workers`` have started (``phase`` says which): start-up has
+    no consistent point yet and nothing to lose.
 
     With ``stages`` set (``fault.on_pipeline_loss=continue``), a failed worker costs only its
     pipeline: the pipeline's other workers are stopped, the scheduler is told, and the rest go on
@@ -310,9 +362,11 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
             snapshot = _quietly(lambda: store.get_json(events, store.PROGRESS))
             if snapshot:
                 on_progress(snapshot)
+                if phase is not None and snapshot.get("started", workers) >= workers:
+                    phase.now = RUNNING  # every worker joined (a profile's snapshots: it runs)
             time.sleep(POLL_S)
         except KeyboardInterrupt:
-            if interrupted or not graceful:
+            if interrupted or not graceful or (phase is not None and phase.now != RUNNING):
                 raise
             interrupted = True
             events.set(store.STOP_REQUESTED, "1")

@@ -9,11 +9,14 @@ records over them; it holds no policy.
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from sdpipe_cli import network
 
 PG_PREFIX = "pg/"  # torch.distributed's own rendezvous keys
 PREFIX = "sdpipe/"  # ours
@@ -25,15 +28,51 @@ FAILED = "failed"  # any launcher -> the others: the first failure, in one line
 STOP_REQUESTED = "stop_requested"  # set by the launcher on Ctrl-C/SIGTERM: stop at a consistent point
 
 
-def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """The master store; ``port=0`` binds a free port (read it back from ``.port``)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout))
+def host_store(host: str, port: int, timeout: float) -> tuple[dist.TCPStore, bool]:
+    """The master store, listening on exactly ``host:port`` (``port=0``: a free port, read it
+    back from ``.port``), and whether that binding held.
+
+    The socket is bound here and handed to the store (:func:`network.listen`), because the store's
+    own socket would listen on every interface. A torch without ``master_listen_fd`` gets a store
+    that binds as torch does; the second value is then False so that the caller can say so.
+    """
+    sock = network.listen(host, port)
+    bound = sock.getsockname()[1]
+    options = dict(is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    fd = sock.detach()  # the store owns the socket from here on, and closes it
+    try:
+        return dist.TCPStore(host, bound, master_listen_fd=fd, use_libuv=True, **options), True
+    except TypeError:  # torch too old to take a listening socket
+        os.close(fd)
+        return dist.TCPStore(host, bound, **options), False
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def connect(host: str, port: int, timeout: float) -> dist.TCPStore:
     """A client of the launcher's store."""
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def connect_patiently(host: str, port: int, timeout: float, attempt_s: float = 1.0) -> dist.TCPStore:
+    """:func:`connect`, retried in short attempts for up to ``timeout`` seconds.
+
+    One long attempt blocks inside torch, where a Ctrl-C is not seen until it gives up; short
+    ones return to Python in between, so an interrupt lands within ``attempt_s``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            client = connect(host, port, max(0.1, min(attempt_s, left)))
+        except Exception:  # noqa: BLE001 - c10d raises several types for "nobody there"
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        client.set_timeout(timedelta(seconds=timeout))
+        return client
 
 
 def namespace(store: dist.Store) -> dist.PrefixStore:

@@ -67,6 +67,11 @@ def test_ctrl_c_stops_everything(run_dir, sig):
     wait_for_training(run_dir, proc)
     children = [p.pid for p in run_processes(run_dir)]
     assert len(children) == 5  # scheduler + 4 workers
+    # while it runs: the store (in the launcher) and gloo listen on 127.0.0.1 only
+    listening = {pid: [c.laddr.ip for c in psutil.Process(pid).net_connections("inet")
+                       if c.status == psutil.CONN_LISTEN] for pid in [proc.pid, *children]}
+    assert listening[proc.pid], "the launcher hosts the store"
+    assert all(ip == "127.0.0.1" for ips in listening.values() for ip in ips), listening
     proc.send_signal(sig)
     rc, err, took = finish(proc, timeout=60)
     assert rc == 130, err
@@ -144,3 +149,68 @@ def test_lost_pipeline_without_tolerance_stops_the_run(run_dir):
     rc, err, took = finish(proc, timeout=60)
     assert rc == 1 and "worker rank 4 (pipeline 2, stage 0) was killed by SIGKILL" in err
     assert not run_processes(run_dir)
+
+
+def one_interrupt_line(err: str) -> str:
+    """The launcher's whole report of an interrupt during start-up: one error line, no traceback."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("sdpipe: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+TWO_NODES = ("cluster.nodes=[{name: a, host: 127.0.0.1, devices: [{}, {}]},"
+             " {name: b, host: 127.0.0.1, devices: [{}, {}]}]", "cluster.device=cpu",
+             "model=mlp", "data=synthetic", "run.timeout=120")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_while_loading_is_one_line(tmp_path, sig):
+    """An interrupt a moment after the command starts (imports, composition, preparation)."""
+    run = tmp_path / "run"
+    proc = sdpipe_popen("train", f"run.dir={run}", *LONG)
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    rc, err, _ = finish(proc, timeout=60)
+    assert rc == 130, err
+    assert "interrupted while" in one_interrupt_line(err)
+    assert not run_processes(run)
+
+
+def test_interrupt_while_the_workers_join(run_dir):
+    """Node a of two, alone: its workers wait in the rendezvous for node b's, which never come,
+    so the launcher is held in start-up; the first Ctrl-C stops it at once."""
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", *TWO_NODES, f"run.port={free_port()}",
+                        "run.node=a")
+    deadline = time.monotonic() + 60
+    while len([p for p in run_processes(run_dir) if "worker" in " ".join(p.cmdline())]) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    rc, err, took = finish(proc, timeout=60)
+    assert rc == 130, err
+    assert "interrupted while waiting for the workers to join" in one_interrupt_line(err)
+    assert took < 20
+    assert not run_processes(run_dir)
+    assert (run_dir / "config.yaml").exists()  # what was written stays
+
+
+def test_interrupt_while_waiting_for_the_first_node(tmp_path):
+    port = free_port()
+    proc = sdpipe_popen("train", f"run.dir={tmp_path / 'run'}", *TWO_NODES, f"run.port={port}",
+                        "run.node=b")
+    time.sleep(4.0)  # well inside the join, which would wait run.timeout=120 s
+    proc.send_signal(signal.SIGTERM)
+    rc, err, took = finish(proc, timeout=60)
+    assert rc == 130, err
+    assert f"waiting for the first node's store at 127.0.0.1:{port}" in one_interrupt_line(err)
+    assert took < 10

@@ -1,0 +1,161 @@
+"""Where sdpipe listens: the store on exactly the configured address, foreign hosts refused at once.
+
+No test here sends a packet anywhere but loopback: foreign addresses are documentation ranges
+(RFC 5737) that are only compared with this machine's list, never resolved or contacted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from conftest import REPO, sdpipe
+from sdpipe_cli import network, store
+from sdpipe_cli.config import ConfigError, compose, validate
+
+FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
+TWO_NODES = ("cluster.nodes=[{name: a, host: 127.0.0.1, devices: [{}, {}]},"
+             " {name: b, host: " + FOREIGN + ", devices: [{}, {}]}]",
+             "run.port=29999", "model=mlp", "data=synthetic")
+
+
+def listeners(pid: int) -> list[tuple[str, int]]:
+    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_local_addresses_include_loopback():
+    mine = network.local_addresses()
+    assert "127.0.0.1" in mine
+    assert all("%" not in a for a in mine)
+
+
+def test_check_local_accepts_this_machines_addresses_and_explicit_wildcards():
+    assert network.check_local("127.0.0.1") == "127.0.0.1"
+    assert network.check_local("localhost") in ("127.0.0.1", "::1")  # from /etc/hosts
+    assert network.check_local("0.0.0.0") == "0.0.0.0"
+    assert network.check_local("::") == "::"
+
+
+def test_check_local_refuses_a_foreign_address_and_lists_ours():
+    with pytest.raises(network.AddressError) as bad:
+        network.check_local(FOREIGN)
+    assert FOREIGN in str(bad.value) and "127.0.0.1" in str(bad.value)
+
+
+def test_interface_of_loopback():
+    assert network.interface_of("127.0.0.1") is not None
+    assert network.interface_of(FOREIGN) is None
+
+
+def test_the_store_listens_only_on_its_address():
+    """A real TCPStore server: its one listening socket is 127.0.0.1:port, and clients work."""
+    master, bound = store.host_store("127.0.0.1", 0, timeout=10)
+    assert bound  # this torch takes a listening socket
+    try:
+        mine = [entry for entry in listeners(os.getpid()) if entry[1] == master.port]
+        assert mine == [("127.0.0.1", master.port)]
+        client = store.connect("127.0.0.1", master.port, timeout=10)
+        client.set("k", "v")
+        assert master.get("k") == b"v"
+    finally:
+        del master
+
+
+def test_an_explicit_wildcard_listens_on_every_ipv4_interface():
+    master, _ = store.host_store("0.0.0.0", 0, timeout=10)
+    try:
+        assert [e for e in listeners(os.getpid()) if e[1] == master.port] == [("0.0.0.0", master.port)]
+    finally:
+        del master
+
+
+def test_a_busy_port_fails_before_a_store_exists():
+    sock = network.listen("127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError):
+            store.host_store("127.0.0.1", sock.getsockname()[1], timeout=5)
+    finally:
+        sock.close()
+
+
+def test_connect_patiently_gives_up_after_its_timeout():
+    sock = network.listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()  # nobody listens there now
+    start = time.monotonic()
+    with pytest.raises(Exception):
+        store.connect_patiently("127.0.0.1", port, timeout=1.5, attempt_s=0.5)
+    assert 1.0 < time.monotonic() - start < 10
+
+
+def test_patient_client_keeps_the_full_timeout():
+    master, _ = store.host_store("127.0.0.1", 0, timeout=10)
+    client = store.connect_patiently("127.0.0.1", master.port, timeout=30, attempt_s=0.5)
+    assert client.timeout == timedelta(seconds=30)
+    del client, master
+
+
+def test_gloo_and_nccl_are_pinned_to_the_stores_interface(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    from sdpipe_cli.launcher import pinned_interfaces
+
+    cfg = compose([])
+    lo = network.interface_of("127.0.0.1")
+    assert pinned_interfaces(cfg) == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")  # the user's choice is kept
+    assert pinned_interfaces(cfg)["GLOO_SOCKET_IFNAME"] == "mine"
+    assert pinned_interfaces(compose(["cluster.host=0.0.0.0"])) == {}
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ([f"cluster.host={FOREIGN}"], "cluster.host"),
+    ([*TWO_NODES, "run.node=b"], "cluster.nodes[1].host"),
+    (["cluster.nodes=[{name: a, host: 0.0.0.0, devices: [{}, {}]},"
+      " {name: b, host: 127.0.0.1, devices: [{}, {}]}]", "run.port=29999", "run.node=b"],
+     "cluster.nodes[0].host"),
+])
+def test_hosts_that_cannot_be_listened_on_are_refused(overrides, key):
+    cfg = compose(overrides)
+    validate(cfg)
+    with pytest.raises(ConfigError) as bad:
+        network.check_hosts(cfg)
+    assert bad.value.key == key
+
+
+def test_another_nodes_address_is_not_checked_here():
+    cfg = compose([*TWO_NODES, "run.node=a"])
+    validate(cfg)
+    network.check_hosts(cfg)  # b's address is b's launcher's business
+    assert network.listen_address(cfg) == "127.0.0.1"
+
+
+def test_foreign_host_is_one_line_exit_2_at_once_and_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    start = time.monotonic()
+    result = sdpipe("train", f"cluster.host={FOREIGN}", f"run.dir={run}", timeout=60)
+    took = time.monotonic() - start
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sdpipe: error: cluster.host:"), result.stderr
+    assert "127.0.0.1" in lines[0]
+    assert not run.exists()
+    assert took < 20  # the check itself is instant; this bounds a loaded machine's start-up
+
+
+def test_foreign_host_is_refused_before_torch_is_imported(capsys):
+    code = ("import sys; from sdpipe_cli.cli import main; "
+            f"rc = main(['train', 'cluster.host={FOREIGN}']); "
+            "print('torch' in sys.modules, rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert out.stdout.split() == ["False", "2"], out.stderr
+
