@@ -34,7 +34,7 @@ from typing import Optional
 from sdpipe_cli import data, store
 from sdpipe_cli.async_stage import AsyncStage, Batch, Control
 from sdpipe_cli.schedule import updates_per_iteration
-from sdpipe_cli.worker import Worker, lr_at
+from sdpipe_cli.worker import Worker
 
 
 class AsyncLoop:
@@ -126,14 +126,11 @@ class AsyncLoop:
             for p in w.module.parameters():
                 if p.grad is not None:
                     p.grad /= self.window  # the mean over the iteration, as a flushed loss / m
-        lr = lr_at(k, cfg)
-        for group in w.optimizer.param_groups:
-            group["lr"] = lr
-        self._sync_s += w.update(j // self.window)  # this update's round (sdpipe, adpsgd, ps)
+        self._sync_s += w.update(j // self.window, k)  # this update's round (sdpipe, adpsgd, ps)
         self.stage.stash.changed()  # one new weight version per update (step and averaging)
         w.optimizer.zero_grad(set_to_none=True)
         if (j + 1) % self.m == 0:
-            self._iteration_done(k + 1, lr)
+            self._iteration_done(k + 1, w.lr)
 
     def _iteration_done(self, step: int, lr: float) -> None:
         """This stage made the last update of iteration ``step - 1``: report it."""

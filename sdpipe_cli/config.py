@@ -21,6 +21,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 SCHEDULES = ("1f1b", "gpipe", "async_1f1b")
 SYNC_MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
+AVERAGES = ("weights_grads", "weights")  # sync.average (sdpipe)
+OPTIMIZERS = ("adamw", "sgd")  # train.optimizer
 DEVICES = ("cpu", "cuda", "auto")
 ARCHS = ("gpt", "mlp")
 DATASETS = ("stdlib", "text", "synthetic")
@@ -150,6 +152,14 @@ class SyncConfig:
     window_ms: float = 5.0  # initial waiting window of each replica
     window_min_ms: float = 0.5  # the window shrinks (x0.9) down to this
     window_max_ms: float = 20.0  # and grows (x2) up to this (keep it well below an iteration)
+    # A round also waits for the replicas predicted (from their pace) to be ready within this
+    # fraction of the opener's iteration time: equal replicas meet in full groups, a straggler
+    # is not waited for. 0: the reference's adaptive window alone.
+    patience: float = 0.2
+    # sdpipe only: what a group averages. weights_grads: weights and gradients, before the local
+    # step (exact all-reduce with full groups; global syncs also average the optimizer state).
+    # weights: weights, after the local step (the paper's rule). See docs/SYNC.md.
+    average: str = "weights_grads"
     connect_every: int = 8  # rounds within which a stage's groups must connect all replicas
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
     # sdpipe only: seconds a group may take to form and average before its members go on alone
@@ -163,7 +173,9 @@ class SyncConfig:
 class TrainConfig:
     steps: int = 400  # iterations of an average pipeline; P x steps pipeline-iterations in total
     batch_size: int = 16  # samples per pipeline per iteration, split into m micro-batches
-    lr: float = 3e-3  # peak learning rate (AdamW)
+    optimizer: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3  # peak learning rate
+    momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0
     warmup: int = 10  # linear warm-up iterations, then cosine decay to lr/10
     grad_clip: float = 1.0  # max gradient norm per stage; 0 disables
@@ -356,12 +368,17 @@ def validate(cfg: DictConfig) -> None:
     need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
     need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
     need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
+    need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
+    need(y.average in AVERAGES, "sync.average", f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
 
     need(t.steps >= 1, "train.steps", "must be at least 1")
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
     need(t.batch_size % p.microbatches == 0, "train.batch_size",
          f"{t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}")
     need(t.lr >= 0, "train.lr", "must be >= 0")
+    need(t.optimizer in OPTIMIZERS, "train.optimizer",
+         f"is '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+    need(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
     need(t.warmup >= 0, "train.warmup", "must be >= 0")
     need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
     need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: evaluate only at the end)")

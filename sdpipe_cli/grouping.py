@@ -24,6 +24,12 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   The run's last round is such a global sync with ``stop`` set, placed so that the run ends after
   ``total_iterations`` pipeline-iterations (or after ``time_limit`` seconds).
 * **Departures.** A pipeline that is gone (:meth:`GroupScheduler.leave`) never blocks a group.
+* **Prediction** (``patience > 0``). The scheduler sees every replica's ready signals, so it knows
+  each one's pace (a moving average of the interval between its rounds). When a round opens, it
+  also waits for the replicas predicted to arrive within ``patience`` x the opener's own interval:
+  replicas at the same pace (a homogeneous cluster) meet in full groups, as all-reduce would,
+  while a replica predicted far later (a straggler) is not waited for. The adaptive window still
+  applies (the round waits at least that long); ``patience = 0`` is the reference's rule alone.
 
 Connectivity is measured among the live replicas; rounds of replicas catching up to a pending global
 sync (which connects everyone when it closes) do not wait for connectivity.
@@ -79,11 +85,17 @@ class DisjointSet:
         return self.components() - max(0, len(roots) - 1) <= 1
 
 
+PACE_WEIGHT = 0.3  # weight of the newest interval in a replica's moving-average pace
+
+
 @dataclass
 class _StageState:
     links: DisjointSet
     waiting: dict[int, tuple[int, float]] = field(default_factory=dict)  # p -> (iteration, arrival)
-    deadline: Optional[float] = None
+    deadline: Optional[float] = None  # when the open round closes without everyone
+    window_end: Optional[float] = None  # the opener's window (None: no round open)
+    horizon: float = 0.0  # with patience: how long the round may wait for ``expect``
+    expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
     rounds: int = 0  # rounds since the replicas were last all connected
     round_no: int = 0
     global_pending: bool = False
@@ -100,9 +112,15 @@ class GroupScheduler:
     def __init__(self, pipelines: int, stages: int, *, min_group: int = 2, window: float = 0.01,
                  window_min: float = 0.0005, window_max: float = 0.1, connect_every: int = 8,
                  global_every: int = 0, total_iterations: Optional[int] = None,
-                 time_limit: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
+                 time_limit: Optional[float] = None, patience: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         if pipelines < 1 or stages < 1 or connect_every < 1 or min_group < 1:
             raise ValueError("pipelines, stages, connect_every and min_group must be >= 1")
+        if patience < 0:
+            raise ValueError("patience must be >= 0")
+        self.patience = patience
+        self.arrived: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> last ready time
+        self.pace: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> mean interval (s)
         self.P, self.S = pipelines, stages
         self.min_group, self.window_min, self.window_max = min_group, window_min, window_max
         self.connect_every, self.global_every = connect_every, global_every
@@ -133,8 +151,26 @@ class GroupScheduler:
             raise ValueError(f"stage {stage} of pipeline {pipeline}: ready for iteration "
                              f"{iteration}, expected {expected}")
         self.last_ready[pipeline][stage] = iteration
-        self.stages[stage].waiting[pipeline] = (iteration, self.clock())
+        now = self.clock()
+        self._observe(stage, pipeline, now)
+        self.stages[stage].waiting[pipeline] = (iteration, now)
         return self.tick()
+
+    def _observe(self, stage: int, pipeline: int, now: float) -> None:
+        """Fold the interval since this replica's last ready signal into its pace."""
+        key = (stage, pipeline)
+        if key in self.arrived:
+            interval = now - self.arrived[key]
+            self.pace[key] = (interval if key not in self.pace else
+                              (1 - PACE_WEIGHT) * self.pace[key] + PACE_WEIGHT * interval)
+        self.arrived[key] = now
+
+    def expected(self, stage: int, pipeline: int) -> Optional[float]:
+        """When ``pipeline``'s replica of ``stage`` is predicted to be ready next (None: no pace yet)."""
+        key = (stage, pipeline)
+        if key not in self.pace:
+            return None
+        return self.arrived[key] + self.pace[key]
 
     def tick(self) -> list[Decision]:
         decisions: list[Decision] = []
@@ -271,15 +307,18 @@ class GroupScheduler:
         at_global = self._at_global(s)
         ready = {p: v for p, v in st.waiting.items() if p not in at_global}
         if not ready:
-            st.deadline, st.connecting = None, False
+            st.deadline, st.window_end, st.connecting = None, None, False
             if self.token == s:
                 self.token = None
             return None
         now = self.clock()
-        if st.deadline is None:
+        if st.window_end is None:
             opener = min(ready, key=lambda p: (ready[p][1], p))
-            st.deadline = ready[opener][1] + self.window[(s, opener)]
+            self._open(s, opener, ready[opener][1], set(ready) | at_global)
         members = set(ready)
+        # wait for the predicted replicas until they came or the horizon passed
+        st.deadline = (st.window_end if st.expect <= members | at_global
+                       else max(st.window_end, st.horizon))
         everyone = members >= self.live - at_global
         if not everyone:
             if now < st.deadline:
@@ -300,6 +339,19 @@ class GroupScheduler:
             self.window[key] = (min(self.window[key] * 2, self.window_max) if grow
                                 else max(self.window[key] * 0.9, self.window_min))
         return decision
+
+    def _open(self, s: int, opener: int, opened: float, present: set[int]) -> None:
+        """A round of stage ``s`` opens: it may close without everyone after the opener's window,
+        once the replicas predicted (with ``patience``) to be ready within patience x the
+        opener's pace are there, or at that horizon if one of them is late."""
+        st = self.stages[s]
+        st.window_end = opened + self.window[(s, opener)]
+        st.horizon, st.expect = st.window_end, frozenset()
+        pace = self.pace.get((s, opener))
+        if self.patience and pace is not None:
+            st.horizon = opened + self.patience * pace
+            st.expect = frozenset(q for q in self.live - present
+                                  if (t := self.expected(s, q)) is not None and t <= st.horizon)
 
     def _must_connect(self, s: int) -> bool:
         """Whether this round of stage ``s`` is due to connect all replicas (and may wait for it)."""
@@ -324,7 +376,7 @@ class GroupScheduler:
                             kind=kind, stop=stop)
         for p in members:
             del st.waiting[p]
-        st.deadline, st.connecting = None, False
+        st.deadline, st.window_end, st.connecting = None, None, False
         return decision
 
     def _without(self, links: DisjointSet, gone: int) -> DisjointSet:

@@ -80,6 +80,8 @@ class RunTracker:
         if kind == "eval":
             pipe.val_loss = event["val_loss"]
             return {"kind": "eval", **_without(event, "type", "rank", "stage")}
+        if kind == "consensus":  # replicas' drift before a global sync, per stage
+            return {"kind": "consensus", **_without(event, "type", "rank", "pipeline")}
         if kind == "done":
             self.done[rank] = event
             return {"kind": "done", **_without(event, "type")}

@@ -25,12 +25,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector
 
-from sdpipe_cli import store
+from sdpipe_cli import optim, store
 from sdpipe_cli.config import load_child_config
 from sdpipe_cli.errors import record
 from sdpipe_cli.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.sync import PSSync
-from sdpipe_cli.worker import build_stage_module, lr_at
+from sdpipe_cli.worker import build_stage_module
 
 log = logging.getLogger("sdpipe.ps")
 
@@ -38,11 +38,10 @@ log = logging.getLogger("sdpipe.ps")
 class ParameterServer:
     def __init__(self, cfg: DictConfig, stage: int):
         P, S = cfg.cluster.pipelines, cfg.pipeline.stages
-        self.cfg, self.stage = cfg, stage
+        self.cfg, self.stage, self.P = cfg, stage, P
         self.module = build_stage_module(cfg, stage)
         self.params = list(self.module.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, betas=(0.9, 0.95),
-                                           weight_decay=cfg.train.weight_decay)
+        self.optimizer = optim.build_optimizer(self.params, cfg)
         self.numel = sum(p.numel() for p in self.params)
         self.clock = {p * S + stage: -1 for p in range(P)}  # worker rank -> last pushed iteration
         self.left: set[int] = set()
@@ -69,20 +68,21 @@ class ParameterServer:
                 self.left.add(src)
             else:
                 dist.recv(grad, src, tag=PSSync.DATA_TAG)
-                self._apply(grad, iteration)
+                self._apply(grad)
                 self.clock[src] = iteration
                 self.pushes += 1
                 self.deferred.append(src)
             self._release()
         log.info("stage %d: %d pushes served", self.stage, self.pushes)
 
-    def _apply(self, grad: torch.Tensor, iteration: int) -> None:
+    def _apply(self, grad: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
             p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(iteration // self.per_iteration, self.cfg)
+        # The run's global progress (updates served over P), as sdpipe's groups use it: the
+        # pushing worker's own iteration would decay fast pipelines early.
+        optim.set_lr(self.optimizer, optim.lr_at(self.pushes / self.P / self.per_iteration, self.cfg))
         self.optimizer.step()
 
     def _release(self) -> None:

@@ -52,7 +52,7 @@ def make_policy(cfg: DictConfig, clock: Callable[[], float] = time.monotonic) ->
     return policy(
         cfg.cluster.pipelines, cfg.pipeline.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
-        connect_every=y.connect_every, global_every=y.global_every,
+        connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
         total_iterations=cfg.cluster.pipelines * cfg.train.steps,
         time_limit=cfg.train.time_limit, clock=clock)
 
@@ -164,12 +164,14 @@ class Scheduler:
             self.publish_progress()
 
     def _publish(self, decisions: list[Decision]) -> None:
+        # the run's global progress, for the members' learning-rate schedule
+        done = self.policy.iterations_done() if decisions else None
         for d in decisions:
             ckpt = self._checkpoint_at(d) if d.kind == "global" else None
             for p, k in zip(d.members, d.iterations):
                 store.set_json(self.events, store.decision_key(d.stage, p, k), {
                     "members": list(d.members), "round": d.round, "kind": d.kind, "stop": d.stop,
-                    "checkpoint": ckpt})
+                    "checkpoint": ckpt, "done": done})
                 self.rounds[d.stage][p] += 1
             self.group_sizes.append(len(d.members))
             self.metrics.write({

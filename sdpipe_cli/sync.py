@@ -1,16 +1,22 @@
 """Sync strategies: how the P replicas of one stage keep their weights in step.
 
-A strategy sees one stage's module at two points of every iteration: after the backward passes
-(:meth:`Sync.after_backward`, where synchronous data parallelism averages gradients) and after the
-local optimizer step (:meth:`Sync.after_step`, where weight-averaging strategies mix replicas).
+A strategy sees one stage's module at two points of every update: after the backward passes
+(:meth:`Sync.after_backward`, where synchronous data parallelism averages gradients, and where
+``sync.average=weights_grads`` averages a group's weights and gradients) and after the local
+optimizer step (:meth:`Sync.after_step`, where ``sync.average=weights`` mixes replicas). It also
+says where the run is for the learning-rate schedule (:meth:`Sync.position`).
 On the first stage it also decides whether the pipeline goes on (:meth:`Sync.should_continue`,
 given ``local_go``: the local budget ``train.steps`` is left and ``train.time_limit`` has not
 passed): strategies that meet every iteration need every replica to stop at the same iteration,
 or the last meeting would wait forever for a replica that has stopped.
 
 - ``allreduce``: average gradients over all P replicas every iteration (replicas stay identical).
-- ``sdpipe``: after the local step, send a ready signal to the scheduler, receive a group, and
-  average weights with exactly that group (a group of one: no communication). The scheduler also
+- ``sdpipe``: send a ready signal to the scheduler, receive a group, and average with exactly that
+  group (a group of one: no communication). ``sync.average=weights_grads`` (default): before the
+  local step, the group averages weights *and* gradients, so each member then takes the step that
+  gradient all-reduce would take on the group's mean (exact with full groups, for AdamW too);
+  global syncs also average the optimizer state, so replicas leave them identical. ``weights``
+  (the paper's rule): after the local step, the group averages weights. The scheduler also
   decides when the run ends, since fast pipelines do more iterations than slow ones.
 - ``adpsgd``: gossip: average with one peer per round, from a matching both sides derive alone.
 - ``ps``: push gradients to a parameter server per stage, pull its weights (stale-synchronous).
@@ -20,6 +26,7 @@ or the last meeting would wait forever for a replica that has stopped.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from datetime import timedelta
@@ -30,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from sdpipe_cli import store
+from sdpipe_cli import optim, store
 
 log = logging.getLogger("sdpipe.sync")
 
@@ -87,10 +94,35 @@ def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) 
 
     The all-reduce works on a flat copy; the parameters change only once it completed.
     """
-    flat = parameters_to_vector(module.parameters())
-    groups.all_reduce(flat, ranks)
-    flat /= len(ranks)
-    vector_to_parameters(flat, module.parameters())
+    average_tensors(list(module.parameters()), groups, ranks)
+
+
+def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list[int],
+                    consensus: int = 0) -> Optional[float]:
+    """Replace each tensor by its mean over ``ranks``, in one flat all-reduce.
+
+    With ``consensus = n``, the first n tensors are the stage's weights, and their consensus
+    distance before averaging is returned: sqrt(mean over members of ||w_p - w_mean||^2) /
+    ||w_mean|| (one more all-reduce, of two numbers).
+    """
+    device = tensors[0].device
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in tensors])
+        own = flat.clone() if consensus else None
+        groups.all_reduce(flat, ranks)
+        flat /= len(ranks)
+        distance = None
+        if consensus:
+            n = sum(t.numel() for t in tensors[:consensus])
+            sums = torch.stack([(own[:n] - flat[:n]).pow(2).sum(), flat[:n].pow(2).sum()])
+            groups.all_reduce(sums, ranks)  # members' squared distances; n x ||w_mean||^2
+            distance = math.sqrt(float(sums[0]) / len(ranks)) / max(
+                math.sqrt(float(sums[1]) / len(ranks)), 1e-30)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return distance
 
 
 class Sync:
@@ -102,11 +134,16 @@ class Sync:
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return local_go
 
-    def after_backward(self, module: nn.Module) -> None:
+    def after_backward(self, module: nn.Module, step: int) -> None:
         pass
 
     def after_step(self, module: nn.Module, step: int) -> None:
         pass
+
+    def position(self, step: int) -> float:
+        """Where the run is, in iterations of an average pipeline, for the learning rate of
+        update ``step``: every replica of a lock-step or independent mode is at its own step."""
+        return float(step)
 
     def stats(self) -> dict[str, Any]:
         """What the last sync did, for the step event (group size, waiting, communication)."""
@@ -153,7 +190,7 @@ class AllReduceSync(Sync):
         self.groups.all_reduce(flag, self.replicas, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def after_backward(self, module: nn.Module) -> None:
+    def after_backward(self, module: nn.Module, step: int) -> None:
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         if not grads:
             return
@@ -167,23 +204,47 @@ class AllReduceSync(Sync):
 
 
 class GroupSync(Sync):
-    """SDPipe's worker side: ready signal -> group from the scheduler -> group weight average."""
+    """SDPipe's worker side: ready signal -> group from the scheduler -> group average.
+
+    ``average="weights_grads"``: the round comes before the local step and averages the weights
+    and the gradients (and, at global syncs, the optimizer state); ``"weights"``: it comes after
+    the step and averages the weights. ``optimizer``: whose state a global sync averages.
+    """
 
     name = "sdpipe"
 
     def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
-                 groups: GroupCache):
+                 pipelines: int, groups: GroupCache, average: str = "weights_grads",
+                 optimizer: Optional[torch.optim.Optimizer] = None):
         self.events, self.rank, self.pipeline, self.stage, self.stages = (
             events, rank, pipeline, stage, stages)
-        self.groups = groups
+        self.pipelines, self.groups, self.average = pipelines, groups, average
+        self.optimizer = optimizer
         self.stop = False
         self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
+        self._done: Optional[int] = None  # pipeline-iterations begun, at the last decision
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
 
+    def after_backward(self, module: nn.Module, step: int) -> None:
+        if self.average == "weights_grads":
+            self._round(module, step, grads=True)
+
     def after_step(self, module: nn.Module, step: int) -> None:
+        if self.average == "weights":
+            self._round(module, step, grads=False)
+
+    def position(self, step: int) -> float:
+        """The run's global progress: pipeline-iterations begun over P, as the scheduler counted
+        them at the last decision. Before the step (weights_grads) that count includes the
+        current iteration of every pipeline; after it (weights), it is the next one's."""
+        if self._done is None:
+            return float(step)
+        return self._done / self.pipelines - (1.0 if self.average == "weights_grads" else 0.0)
+
+    def _round(self, module: nn.Module, step: int, grads: bool) -> None:
         start = time.perf_counter()
         store.push(self.events, store.EVENTS, {"type": "ready", "rank": self.rank,
                                                "pipeline": self.pipeline, "stage": self.stage,
@@ -191,17 +252,35 @@ class GroupSync(Sync):
         decision = store.wait_json(self.events, store.decision_key(self.stage, self.pipeline, step))
         got = time.perf_counter()
         members = decision["members"]
+        self._done = decision.get("done", self._done)
+        distance = None
         if len(members) > 1:
             ranks = [p * self.stages + self.stage for p in members]
+            params = list(module.parameters())
+            tensors = list(params)
+            if grads:
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                tensors += [p.grad for p in params]
+                if decision["kind"] == "global" and self.optimizer is not None:
+                    tensors += optim.state_tensors(self.optimizer, params)
             try:
-                average_parameters(module, self.groups, ranks)
+                distance = average_tensors(tensors, self.groups, ranks,
+                                           consensus=len(params) if decision["kind"] == "global"
+                                           else 0)
             except (RuntimeError, dist.DistError) as err:
-                # A member died mid-round (its pipeline was lost). The weights are only written
+                # A member died mid-round (its pipeline was lost). The tensors are only written
                 # back after a complete all-reduce, so ours are untouched; the scheduler drops
                 # that pipeline from every later group.
                 self.groups.forget(ranks)
                 log.warning("group %s failed (%s); going on alone", members, err)
                 members = [self.pipeline]
+        if distance is not None and self.pipeline == members[0]:
+            store.push(self.events, store.EVENTS, {
+                "type": "consensus", "rank": self.rank, "pipeline": self.pipeline,
+                "stage": self.stage, "iteration": step, "round": decision["round"],
+                "members": members, "consensus": distance})
         self.stop = bool(decision["stop"])
         self._checkpoint = decision.get("checkpoint")
         self._stats = {"group_size": len(members), "round": decision["round"],
@@ -321,11 +400,15 @@ class PSSync(Sync):
 
 
 def make_sync(name: str, *, events: dist.Store, groups: GroupCache, rank: int, pipeline: int,
-              stage: int, pipelines: int, stages: int, device: torch.device, seed: int = 0) -> Sync:
-    """The strategy for ``sync.name``."""
+              stage: int, pipelines: int, stages: int, device: torch.device, seed: int = 0,
+              average: str = "weights_grads",
+              optimizer: Optional[torch.optim.Optimizer] = None) -> Sync:
+    """The strategy for ``sync.name`` (``average`` and ``optimizer``: sdpipe's rule, see
+    :class:`GroupSync`)."""
     replicas = [p * stages + stage for p in range(pipelines)]
     if name == "sdpipe":
-        return GroupSync(events, rank, pipeline, stage, stages, groups)
+        return GroupSync(events, rank, pipeline, stage, stages, pipelines, groups, average,
+                         optimizer)
     if name == "ps":
         return PSSync(pipelines * stages + stage, device)
     if name == "none" or pipelines == 1:

@@ -21,7 +21,6 @@ import ctypes
 import faulthandler
 import hashlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -37,7 +36,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from sdpipe_cli import checkpoint, data, models, partition, store
+from sdpipe_cli import checkpoint, data, models, optim, partition, store
 from sdpipe_cli.config import load_child_config, n_blocks
 from sdpipe_cli.errors import record
 from sdpipe_cli.cluster import Cluster
@@ -79,15 +78,6 @@ class Placement:
         return pipeline * self.stages + stage
 
 
-def lr_at(step: int, cfg: DictConfig) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak at ``train.steps``."""
-    t = cfg.train
-    if t.warmup and step < t.warmup:
-        return t.lr * (step + 1) / t.warmup
-    progress = min(1.0, (step - t.warmup) / max(1, t.steps - t.warmup))
-    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def param_digest(module: nn.Module) -> str:
     """SHA-256 of the parameters' bytes: equal digests mean bit-identical replicas."""
     h = hashlib.sha256()
@@ -112,11 +102,12 @@ class Worker:
         self.t0 = store.run_clock(events)
         p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
         self.module = build_stage_module(cfg, s).to(device)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.train.lr,
-                                           betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
+        self.optimizer = optim.build_optimizer(self.module.parameters(), cfg)
+        self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync.name, events=events, groups=groups, rank=where.rank,
                               pipeline=p, stage=s, pipelines=P, stages=S, device=device,
-                              seed=cfg.train.seed)
+                              seed=cfg.train.seed, average=cfg.sync.average,
+                              optimizer=self.optimizer)
         self.cluster = Cluster.from_config(cfg.cluster, S)
         self.placed = self.cluster.device(p, s)
         self.slowdown = make_slowdown(cfg, self.cluster, p, s, lambda: time.time() - self.t0)
@@ -190,14 +181,11 @@ class Worker:
                 x, y = data.train_batch(self.corpus, w.pipeline, w.pipelines, cfg.train.batch_size,
                                         cfg.model.seq_len, cfg.train.seed, step)
                 inputs, targets = self._microbatches(x), self._microbatches(y)
-            lr = lr_at(step, cfg)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.stage.run(self.actions, inputs if w.first else None,
                                   targets if w.last else None)
             compute_s = time.perf_counter() - t_step
-            sync_s = self.update(step)
+            sync_s = self.update(step, step)
             self._wait_pending()
             self.memory.check()
             step += 1
@@ -210,21 +198,25 @@ class Worker:
                         if step > at else cfg.train.batch_size / step_s)
                 extra = {"loss": loss} if w.last else {}
                 self._emit("step", step=step, samples=step * cfg.train.batch_size,
-                           samples_per_s=rate, lr=lr, step_s=step_s, compute_s=compute_s,
+                           samples_per_s=rate, lr=self.lr, step_s=step_s, compute_s=compute_s,
                            sync_s=sync_s, straggled=self.slowdown.straggled,
                            **self.sync.stats(), **extra)
             self.consistent_point(step, self._save_after)
         self._wait_pending()
         self.finish(step)
 
-    def update(self, round: int) -> float:
-        """Apply the accumulated gradients: the strategy's gradient sync, clipping, the optimizer
-        step and the strategy's weight sync for ``round``; returns the seconds spent syncing."""
+    def update(self, round: int, iteration: int) -> float:
+        """Apply the accumulated gradients of ``iteration``: the strategy's gradient sync,
+        clipping, the optimizer step at the schedule's learning rate and the strategy's weight
+        sync for ``round``; returns the seconds spent syncing."""
         start = time.perf_counter()
-        self.sync.after_backward(self.module)
+        self.sync.after_backward(self.module, round)
         sync_s = time.perf_counter() - start
         if self.cfg.train.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
+        # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
+        self.lr = optim.lr_at(self.sync.position(iteration), self.cfg)
+        optim.set_lr(self.optimizer, self.lr)
         if self.sync.local_step:
             self.optimizer.step()
         start = time.perf_counter()

@@ -192,6 +192,9 @@ BAD = [
     pytest.param(["run.port=-1"], "run.port", id="port-negative"),
     pytest.param(["cluster.pipelines=0"], "cluster.pipelines", id="pipelines-zero"),
     pytest.param(["train.steps=0"], "train.steps", id="steps-zero"),
+    pytest.param(["sync.average=gradients"], "sync.average", id="bad-average"),
+    pytest.param(["train.optimizer=adam"], "train.optimizer", id="bad-optimizer"),
+    pytest.param(["train.momentum=1.0"], "train.momentum", id="momentum-one"),
 ]
 
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from conftest import metrics, sdpipe
 from sdpipe_cli.config import Config
-from sdpipe_cli.sync import GroupCache, average_parameters
+from sdpipe_cli.sync import GroupCache, average_tensors
 from sdpipe_cli.worker import build_stage_module
 
 pytestmark = pytest.mark.multiprocess
@@ -50,21 +50,26 @@ def _averaging_worker(rank: int, port: int, results) -> None:
     torch.manual_seed(100 + rank)
     module = torch.nn.Linear(5, 3)
     groups = GroupCache(dist.PrefixStore("pg/", store), rank, "gloo", 60)
-    log = []
+    log, distances = [], []
     for round_groups in _random_groups(7):
         group = next(g for g in round_groups if rank in g)
+        distance = 0.0
         if len(group) > 1:
-            average_parameters(module, groups, group)
+            params = list(module.parameters())
+            distance = average_tensors(params, groups, group, consensus=len(params))
         flat = torch.nn.utils.parameters_to_vector(module.parameters()).detach()
         gathered = [torch.empty_like(flat) for _ in range(WORLD)]
         dist.all_gather(gathered, flat)
         log.append(torch.stack(gathered))
+        distances.append(distance)
     results[rank] = torch.stack(log)
+    results[f"distance{rank}"] = distances
     dist.destroy_process_group()
 
 
 def test_group_averaging_is_symmetric_and_preserves_the_mean():
-    """Members of a group end equal; the mean over all replicas never moves (W_k doubly stochastic)."""
+    """Members of a group end equal; the mean over all replicas never moves (W_k doubly stochastic);
+    the consensus distance each member gets is the group's, computed from the states before."""
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()
     port = _free_port()
@@ -84,12 +89,19 @@ def test_group_averaging_is_symmetric_and_preserves_the_mean():
         torch.manual_seed(100 + r)
         initial.append(torch.nn.utils.parameters_to_vector(torch.nn.Linear(5, 3).parameters()))
     mean0 = torch.stack(initial).detach().mean(0)
+    before = torch.stack(initial).detach()
     for k, round_groups in enumerate(_random_groups(7)):
         state = history[k]
         torch.testing.assert_close(state.mean(0), mean0, rtol=0, atol=1e-6)
         for group in round_groups:
             for member in group[1:]:
                 assert torch.equal(state[member], state[group[0]])
+            if len(group) > 1:
+                w = before[group]
+                expected = ((w - w.mean(0)).pow(2).sum(1).mean().sqrt() / w.mean(0).norm()).item()
+                for member in group:
+                    assert results[f"distance{member}"][k] == pytest.approx(expected, rel=1e-4)
+        before = state
 
 
 def _fresh_stages(run_dir) -> dict[int, torch.nn.Module]:
@@ -124,24 +136,75 @@ def _final_val(run_dir) -> float:
     return sum(last.values()) / len(last)
 
 
-def test_four_pipelines_two_stages_converge_like_allreduce(tmp_path):
-    """P = 4, S = 2: sdpipe's loss falls as all-reduce's does, and the global sync at the end
-    leaves every replica of a stage identical."""
-    common = ("model=mlp", "data=synthetic", "cluster.pipelines=4", "pipeline.stages=2",
-              "train.steps=30", "train.batch_size=8", "train.eval_every=0")
+def _losses(run_dir) -> dict[tuple[int, int], float]:
+    return {(m["pipeline"], m["step"]): m["loss"] for m in metrics(run_dir, "train")}
+
+
+P4S2 = ("model=mlp", "data=synthetic", "cluster.pipelines=4", "pipeline.stages=2",
+        "train.steps=20", "train.batch_size=8", "train.eval_every=0")
+
+
+@pytest.fixture(scope="module")
+def allreduce_run(tmp_path_factory):
+    """The reference: gradient all-reduce, AdamW, default clipping (shared by two tests)."""
+    run_dir = tmp_path_factory.mktemp("allreduce") / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=allreduce", *P4S2)
+    assert out.returncode == 0, out.stderr
+    return run_dir
+
+
+def test_full_groups_reproduce_allreduce(allreduce_run, tmp_path):
+    """sync.average=weights_grads with a full group every round (connect_every=1) takes exactly
+    all-reduce's steps, AdamW and clipping included: the same loss at every step, and the
+    replicas never drift (consensus 0 at every global sync)."""
+    run_dir = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.connect_every=1",
+                 "sync.global_every=5", *P4S2)
+    assert out.returncode == 0, out.stderr
+    ours, reference = _losses(run_dir), _losses(allreduce_run)
+    assert ours.keys() == reference.keys() and len(ours) == 4 * 20
+    worst = max(abs(ours[k] - reference[k]) for k in ours)
+    assert worst < 1e-4, worst
+    consensus = metrics(run_dir, "consensus")
+    assert {c["stage"] for c in consensus} == {0, 1}
+    assert all(c["consensus"] < 1e-6 for c in consensus), consensus
+
+
+def test_weight_averaging_after_sgd_steps_is_allreduce(tmp_path):
+    """The paper's rule (sync.average=weights) is exact for SGD with momentum: its update is
+    linear in the gradient. (Clipping each replica's gradient is not linear: off here.)"""
+    common = (*P4S2, "train.optimizer=sgd", "train.lr=0.1", "train.grad_clip=0")
     runs = {}
-    for sync in ("sdpipe", "allreduce"):
-        run_dir = tmp_path / sync
-        out = sdpipe("train", f"run.dir={run_dir}", f"sync={sync}", *common)
+    for name, extra in (("allreduce", ("sync=allreduce",)),
+                        ("weights", ("sync=sdpipe", "sync.average=weights",
+                                     "sync.connect_every=1"))):
+        runs[name] = tmp_path / name
+        out = sdpipe("train", f"run.dir={runs[name]}", *common, *extra)
         assert out.returncode == 0, out.stderr
-        runs[sync] = run_dir
-    first = [m["loss"] for m in metrics(runs["sdpipe"], "train") if m["step"] == 1]
-    val = {sync: _final_val(d) for sync, d in runs.items()}
+    ours, reference = _losses(runs["weights"]), _losses(runs["allreduce"])
+    assert ours.keys() == reference.keys()
+    assert max(abs(ours[k] - reference[k]) for k in ours) < 1e-4
+    assert reference[(0, 20)] < reference[(0, 1)] - 1.0  # and SGD did train
+
+
+def test_four_pipelines_two_stages_converge_like_allreduce(allreduce_run, tmp_path):
+    """P = 4, S = 2, default (partial) groups: sdpipe's loss falls as all-reduce's does, the
+    consensus distance is measured at global syncs, and the global sync at the end leaves every
+    replica of a stage identical."""
+    run_dir = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.global_every=10", *P4S2)
+    assert out.returncode == 0, out.stderr
+    first = [m["loss"] for m in metrics(run_dir, "train") if m["step"] == 1]
+    val = {"sdpipe": _final_val(run_dir), "allreduce": _final_val(allreduce_run)}
     assert val["sdpipe"] < min(first) - 1.0
     assert val["sdpipe"] < val["allreduce"] * 1.1, val
-    done = metrics(runs["sdpipe"], "done")
+    done = metrics(run_dir, "done")
     for stage in (0, 1):
         assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
-    assert sum(d["steps"] for d in done if d["stage"] == 0) == 4 * 30
-    sizes = [g["size"] for g in metrics(runs["sdpipe"], "group")]
+    assert sum(d["steps"] for d in done if d["stage"] == 0) == 4 * 20
+    sizes = [g["size"] for g in metrics(run_dir, "group")]
     assert sizes and max(sizes) == 4
+    consensus = metrics(run_dir, "consensus")
+    globals_ = [g for g in metrics(run_dir, "group") if g["group"] == "global"]
+    assert len(consensus) == len(globals_) >= 2
+    assert all(0 <= c["consensus"] < 0.5 for c in consensus)

@@ -835,3 +835,88 @@ def test_time_limit_deadline_is_never_in_the_past():
     assert g.next_deadline() is None
     g.tick()
     assert g.final and g.global_at == {0: 0, 1: 0}
+
+
+# == prediction (patience) ========================================================================
+
+@SETTINGS
+@given(runs(), st.sampled_from([0.1, 0.2, 0.5, 1.0]))
+def test_patience_keeps_the_invariants(sim, patience):
+    """Waiting for predicted replicas changes when rounds close, never what the policy
+    guarantees: well-formed decisions, the connectivity bound, one token, consistent global
+    syncs, the end of the run (the window bound is the one property it relaxes, by design)."""
+    sim.sched_kwargs["patience"] = patience
+    r = run(sim)
+    c = sim.sched_kwargs["connect_every"]
+    check_well_formed(r)
+    check_connectivity(r, c)
+    check_token(r, c)
+    check_globals(r)
+    check_end(r)
+
+
+def _sim(durations: list[float], patience: float, iterations: int = 120, jitter: float = 0.05):
+    """P pipelines of 2 stages at the given seconds per iteration, +-jitter, seeded."""
+    import random
+
+    rng = random.Random(0)
+    cycles = [[d * rng.uniform(1 - jitter, 1 + jitter) for _ in range(40)] for d in durations]
+    P = len(durations)
+    return Sim(P, 2, cycles, [0.005] * P, dict(
+        window=0.005, window_min=0.0005, window_max=0.02, connect_every=8, global_every=50,
+        total_iterations=P * iterations, patience=patience)).run()
+
+
+def _mean_group(r: Result) -> float:
+    sizes = [len(d.members) for _, d in r.decisions]
+    return sum(sizes) / len(sizes)
+
+
+def test_patience_meets_in_full_groups_when_replicas_keep_pace():
+    """Four equal pipelines with 5 % jitter: the adaptive window alone forms pairs, prediction
+    forms full groups (all-reduce's mixing) and is no slower."""
+    alone, predicted = _sim([0.15] * 4, 0.0), _sim([0.15] * 4, 0.2)
+    assert _mean_group(alone) < 2.5
+    assert _mean_group(predicted) > 3.9
+    assert predicted.end_time <= alone.end_time
+
+
+def test_patience_does_not_wait_for_a_straggler():
+    """[1, 1, 1, 3]: the fast replicas meet in groups of three without waiting for the slow one,
+    which joins them when it is due; the run reaches 0.85 of the limit (the sum of solo rates),
+    where the window alone reaches 0.7."""
+    speeds = [0.15, 0.15, 0.15, 0.45]
+    limit = sum(1 / d for d in speeds)
+    for patience, floor in ((0.0, 0.6), (0.2, 0.85)):
+        r = _sim(speeds, patience)
+        rate = sum(r.completed.values()) / r.end_time
+        assert rate > floor * limit, (patience, rate / limit)
+    fast_groups = [d for _, d in r.decisions if d.kind == "group" and 3 not in d.members]
+    assert fast_groups and sum(len(d.members) == 3 for d in fast_groups) > 0.7 * len(fast_groups)
+
+
+def test_a_round_waits_for_predicted_replicas_at_most_its_horizon():
+    """Unit: the opener has a pace of 100 ms; a replica predicted 10 ms later is waited for
+    (patience 0.2: up to 20 ms), and when it is late the round closes at the horizon."""
+    now = [0.0]
+    pol = GroupScheduler(3, 1, window=0.001, window_min=0.001, window_max=0.001,
+                         connect_every=100, patience=0.2, clock=lambda: now[0])
+    for k in range(2):  # paces: p0 and p1 every 100 ms, p2 every 300 ms
+        for p in (0, 1):
+            now[0] = 0.1 * k + 0.01 * p
+            pol.ready(0, p, k)
+        now[0] = 0.1 * k + 0.05
+        pol.tick()
+    now[0] = 0.2  # p0 opens; p1 is expected at 0.21 (within 0.2 + 0.02), p2 is not expected
+    assert pol.ready(0, 0, 2) == []
+    now[0] = 0.205
+    assert pol.tick() == []  # past the 1 ms window, still waiting for p1
+    now[0] = 0.21
+    (d,) = pol.ready(0, 1, 2)
+    assert d.members == (0, 1)
+    now[0] = 0.3  # p0 opens again; p1 is late this time: the round closes at the horizon
+    assert pol.ready(0, 0, 3) == []
+    assert pol.next_deadline() == pytest.approx(0.3 + 0.2 * pol.pace[(0, 0)])
+    now[0] = pol.next_deadline()
+    (d,) = pol.tick()
+    assert d.members == (0,)

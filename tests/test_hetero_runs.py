@@ -81,3 +81,19 @@ def test_auto_partition_from_a_profile_moves_blocks_off_slow_devices(run_dir, tm
     assert saved["pipeline"]["partition"] == [4]  # 4 blocks at speed 1, 2 at speed 0.5
     assert "uniform [3]" in out.stderr and "auto [4]" in out.stderr
     assert "predicted 1.50x" in out.stderr
+
+
+def test_sdpipe_learning_rate_follows_the_runs_global_progress(run_dir):
+    """A pipeline 3x slower does a third of the fast one's iterations; with the schedule on the
+    run's global progress both end near the schedule's end, where a per-replica schedule would
+    leave the slow one near its peak (and have decayed the fast one half-way through)."""
+    out = sdpipe("train", "model=mlp", "cluster.pipelines=2", "cluster.slowdown=[1,3]",
+                 "cluster.compute_ms=5", "train.steps=24", "train.warmup=0", "train.lr=0.01",
+                 f"run.dir={run_dir}", *QUIET)
+    assert out.returncode == 0, out.stderr
+    train = metrics(run_dir, "train")
+    last = {p: max((m for m in train if m["pipeline"] == p), key=lambda m: m["step"])
+            for p in (0, 1)}
+    assert last[0]["step"] > 1.5 * last[1]["step"]  # the slow pipeline did far fewer iterations
+    for p in (0, 1):  # both near the end of the cosine (lr / 10 at 24 of 24 average iterations)
+        assert last[p]["lr"] < 0.0025, last

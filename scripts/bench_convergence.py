@@ -1,0 +1,278 @@
+"""Time to accuracy of the sync modes: loss at equal samples and time to a target loss, in one run.
+
+Run it from the repository root after ``pip install -e .``::
+
+    python scripts/bench_convergence.py                        # default model and corpus, P=4, S=2
+    python scripts/bench_convergence.py --lrs 3e-3,6e-3 --variants sdpipe,allreduce \\
+        --scenarios straggler --before ../sdpipe-before        # also an older checkout's sdpipe
+
+**What it runs.** For each scenario (``equal``: every pipeline at speed 1; ``straggler``: the last
+one ``--slow`` times slower, ``cluster.slowdown=[1,1,1,3]``), each variant and each learning rate of
+the grid, one ``sdpipe train`` of the default model (gpt_tiny on the stdlib corpus) with modelled
+compute (``cluster.compute_ms``: the cores stay mostly idle, so the timing measures who waits for
+whom, not CPU contention; ``overruns`` says whether that held). Variants:
+
+- ``allreduce``: gradient all-reduce every iteration (the reference);
+- ``sdpipe``: the default group sync (``sync.average=weights_grads``);
+- ``sdpipe-weights``: the paper's rule, weights averaged after the local step;
+- ``adpsgd``, ``ps``, ``none``: gossip, parameter server, no sync;
+- ``sdpipe-before``: with ``--before DIR``, ``sync=sdpipe`` run from another checkout (the code
+  before a change), for the throughput comparison.
+
+**What it reports**, per scenario, each variant at its best learning rate (lowest final loss):
+
+- ``final val``: the mean over pipelines of their last validation loss; every run trains the same
+  samples (P x steps x batch), so this is the loss at equal samples;
+- ``to target (s)``: from the first train line to the first evaluation where the mean over
+  pipelines of their latest validation loss is at or below the target, all-reduce's final loss
+  (at its best learning rate); ``-``: never;
+- ``samples/s`` and ``of limit``: throughput, and its share of the limit, the sum of each
+  pipeline's solo rate in the ``none`` run (each pipeline's samples over its own train-line span);
+- ``consensus``: the mean and the largest consensus distance measured at global syncs
+  (sqrt(mean_p ||w_p - w_mean||^2) / ||w_mean||, per stage), ``sync=sdpipe`` only;
+- ``overruns``: the share of actions whose real compute did not fit the modelled time.
+
+Everything goes to ``OUT/results.json`` and ``OUT/results.md``, stamped with the date, the commit and
+the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sync import (  # noqa: E402 - the sibling script's analysis, shared
+    CpuSampler,
+    _stop,
+    analyse,
+    classify,
+    microbatches,
+    read_jsonl,
+    time_to_target,
+)
+
+VARIANTS = {
+    "allreduce": ["sync=allreduce"],
+    "sdpipe": ["sync=sdpipe"],
+    "sdpipe-weights": ["sync=sdpipe", "sync.average=weights"],
+    "adpsgd": ["sync=adpsgd"],
+    "ps": ["sync=ps"],
+    "none": ["sync=none"],
+}
+BEFORE = "sdpipe-before"
+SCENARIOS = ("equal", "straggler")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Time to accuracy of sdpipe's sync modes.")
+    p.add_argument("--variants", default="allreduce,sdpipe,sdpipe-weights,adpsgd,none",
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (none gives the limit)")
+    p.add_argument("--lrs", default="3e-3,6e-3", help="learning-rate grid (train.lr)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--pipelines", type=int, default=4)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--compute-ms", type=float, default=10.0)
+    p.add_argument("--slow", type=float, default=3.0)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--before", type=Path, default=None,
+                   help="a checkout whose sync=sdpipe runs as 'sdpipe-before' (at the first lr)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench_convergence"))
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE")
+    args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants: {', '.join(unknown)}")
+    args.lrs = [float(x) for x in args.lrs.split(",")]
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    return args
+
+
+def overrides(args, scenario: str, lr: float, run_dir: Path) -> list[str]:
+    slow = [1.0] * args.pipelines
+    if scenario == "straggler":
+        slow[-1] = args.slow
+    return [f"cluster.pipelines={args.pipelines}", f"pipeline.stages={args.stages}",
+            f"train.steps={args.steps}", f"train.lr={lr:g}", "cluster.device=cpu",
+            f"cluster.compute_ms={args.compute_ms:g}",
+            f"cluster.slowdown=[{','.join(f'{f:g}' for f in slow)}]",
+            f"train.eval_every={args.eval_every}", f"run.dir={run_dir}", *args.extra]
+
+
+def run(args, scenario: str, variant: str, lr: float, console: Console) -> dict[str, Any]:
+    name = f"{scenario}-{variant}-lr{lr:g}"
+    run_dir, log_path = args.out / name, args.out / f"{name}.log"
+    extra = VARIANTS["sdpipe"] if variant == BEFORE else VARIANTS[variant]
+    cmd = [sys.executable, "-m", "sdpipe_cli", "train", *extra,
+           *overrides(args, scenario, lr, run_dir.resolve())]
+    cwd = args.before.resolve() if variant == BEFORE else None
+    console.print(f"{name}: running", highlight=False)
+    started = time.monotonic()
+    with CpuSampler() as cpu, log_path.open("w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=cwd)
+        try:
+            returncode: Optional[int] = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+            _stop(proc)
+        except BaseException:
+            _stop(proc)
+            raise
+    wall = time.monotonic() - started
+    record: dict[str, Any] = {"scenario": scenario, "variant": variant, "lr": lr,
+                              "wall_s": round(wall, 1), "cpu_percent": cpu.mean,
+                              "run_dir": str(run_dir)}
+    record["status"], record["error"] = classify(returncode, log_path, args.timeout)
+    if record["status"] == "ok":
+        lines = read_jsonl(run_dir / "metrics.jsonl")
+        mode = "allreduce" if variant == "allreduce" else "none" if variant == "none" else "sdpipe"
+        record.update(analyse(lines, mode, args.pipelines, microbatches(run_dir)))
+        record["solo_rates"] = solo_rates(lines)
+        consensus = [ln["consensus"] for ln in lines if ln.get("kind") == "consensus"]
+        record["consensus_mean"] = sum(consensus) / len(consensus) if consensus else None
+        record["consensus_max"] = max(consensus) if consensus else None
+        record["mean_group_size"] = mean_group(lines)
+    console.print(f"  {record['status']} in {wall:.0f} s, final val "
+                  f"{record.get('final_val_loss')}", highlight=False)
+    return record
+
+
+def solo_rates(lines: list[dict]) -> dict[int, float]:
+    """Each pipeline's own samples/s: its samples over its own first-to-last train-line span."""
+    spans: dict[int, list[dict]] = {}
+    for ln in lines:
+        if ln.get("kind") == "train":
+            spans.setdefault(int(ln["pipeline"]), []).append(ln)
+    rates = {}
+    for p, rows in spans.items():
+        rows.sort(key=lambda r: r["time"])
+        dt = rows[-1]["time"] - rows[0]["time"]
+        if dt > 0:
+            rates[p] = (rows[-1]["samples"] - rows[0]["samples"]) / dt
+    return rates
+
+
+def mean_group(lines: list[dict]) -> Optional[float]:
+    sizes = [ln["size"] for ln in lines if ln.get("kind") == "group"]
+    return sum(sizes) / len(sizes) if sizes else None
+
+
+def summarize(scenario: str, records: list[dict]) -> dict[str, Any]:
+    """Best lr per variant; target = all-reduce's best final loss; times to it; the limit."""
+    best: dict[str, dict] = {}
+    for r in records:
+        if r["status"] != "ok" or r.get("final_val_loss") is None:
+            continue
+        b = best.get(r["variant"])
+        if b is None or r["final_val_loss"] < b["final_val_loss"]:
+            best[r["variant"]] = r
+    target = best["allreduce"]["final_val_loss"] if "allreduce" in best else None
+    limit = sum(best["none"]["solo_rates"].values()) if "none" in best else None
+    for r in records:
+        if r["status"] == "ok" and r.get("curve"):
+            reached = time_to_target(r["curve"], target)
+            r["time_to_target_s"] = None if reached is None else reached - r["first_train_s"]
+            r["fraction_of_limit"] = (r["samples_per_s"] / limit
+                                      if limit and r.get("samples_per_s") else None)
+    return {"scenario": scenario, "target_loss": target, "limit_samples_per_s": limit,
+            "best": {v: r for v, r in best.items()}, "runs": records}
+
+
+def _f(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+COLUMNS = ("variant", "best lr", "final val", "vs allreduce", "to target (s)", "vs allreduce",
+           "samples/s", "of limit", "mean group", "consensus mean/max", "overruns")
+
+
+def rows(summary: dict) -> list[list[str]]:
+    best = summary["best"]
+    ref = best.get("allreduce", {})
+    out = []
+    for v, r in best.items():
+        ratio_loss = (r["final_val_loss"] / ref["final_val_loss"]
+                      if ref.get("final_val_loss") else None)
+        t, tr = r.get("time_to_target_s"), ref.get("time_to_target_s")
+        out.append([v, f"{r['lr']:g}", _f(r["final_val_loss"], ".4f"), _f(ratio_loss, ".3f"),
+                    _f(t, ".1f"), _f(t / tr if t is not None and tr else None, ".2f"),
+                    _f(r.get("samples_per_s"), ".1f"), _f(r.get("fraction_of_limit"), ".2f"),
+                    _f(r.get("mean_group_size"), ".2f"),
+                    f"{_f(r.get('consensus_mean'), '.4f')}/{_f(r.get('consensus_max'), '.4f')}",
+                    _f(r.get("overrun_fraction"), ".1%")])
+    return out
+
+
+def grid_rows(summary: dict) -> list[str]:
+    """Every run: variant, lr, final val loss, samples/s."""
+    return [f"{r['variant']} lr={r['lr']:g}: final val {_f(r.get('final_val_loss'), '.4f')}, "
+            f"{_f(r.get('samples_per_s'), '.1f')} samples/s ({r['status']})"
+            for r in summary["runs"]]
+
+
+def stamp() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return f"{datetime.date.today().isoformat()}, commit {commit}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=200)
+    if args.out.exists() and any(args.out.iterdir()):
+        console.print(f"bench_convergence: {args.out} already holds files; choose --out")
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    for scenario in args.scenarios:
+        records = [run(args, scenario, v, lr, console) for v in args.variants for lr in args.lrs]
+        if args.before is not None:
+            records.append(run(args, scenario, BEFORE, args.lrs[0], console))
+        summaries.append(summarize(scenario, records))
+    command = "python " + shlex.join(sys.argv)
+    md = [f"`{command}` ({stamp()})", ""]
+    for s in summaries:
+        title = (f"{s['scenario']}: P={args.pipelines}, S={args.stages}, {args.steps} steps, "
+                 f"compute {args.compute_ms:g} ms; target = all-reduce's final val "
+                 f"{_f(s['target_loss'], '.4f')}; limit {_f(s['limit_samples_per_s'], '.1f')} "
+                 "samples/s")
+        table = Table(title=title)
+        for c in COLUMNS:
+            table.add_column(c, justify="left" if c == "variant" else "right")
+        body = rows(s)
+        for row in body:
+            table.add_row(*row)
+        console.print(table)
+        for line in grid_rows(s):
+            console.print("  " + line, highlight=False)
+        md += [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |",
+               "|" + "---|" * len(COLUMNS)] + ["| " + " | ".join(r) + " |" for r in body]
+        md += ["", "All runs: " + "; ".join(grid_rows(s)), ""]
+    (args.out / "results.md").write_text("\n".join(md) + "\n")
+    (args.out / "results.json").write_text(json.dumps(
+        {"command": command, "stamp": stamp(), "scenarios": summaries}, indent=1, default=str))
+    console.print(f"results: {args.out / 'results.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

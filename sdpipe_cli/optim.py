@@ -1,0 +1,79 @@
+"""The optimizer and its learning-rate schedule: one owner for both training loops and the PS.
+
+``train.optimizer`` is ``adamw`` (the default) or ``sgd`` (with ``train.momentum``): SGD's update is
+linear in the gradient, so averaging weights after local steps equals gradient all-reduce, which is
+the setting of the method's convergence analysis; AdamW's is not (see ``docs/SYNC.md``).
+
+The schedule is a function of a *position* in iterations of an average pipeline, not of one
+replica's iteration count: pipelines progress at different speeds, and a schedule that followed
+each replica's own count would decay the fast ones early while the slow ones stay at the peak.
+Lock-step modes pass their iteration (every replica is there); ``sync=sdpipe`` and ``ps`` pass the
+run's global progress, pipeline-iterations of all pipelines over P (see :meth:`Sync.position`).
+
+The optimizer state is created eagerly, with the values the optimizer would give it at its first
+step, so that it has the same shape on every replica from the start: group syncs average it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from omegaconf import DictConfig
+
+ADAMW_BETAS = (0.9, 0.95)
+
+
+def lr_at(position: float, cfg: DictConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak at ``train.steps``.
+
+    ``position``: iterations of an average pipeline done before this update (0 for the first).
+    """
+    t = cfg.train
+    position = max(0.0, position)
+    if t.warmup and position < t.warmup:
+        return t.lr * (position + 1) / t.warmup
+    progress = min(1.0, (position - t.warmup) / max(1, t.steps - t.warmup))
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: DictConfig) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``params``, its state already created (see the module's note)."""
+    t = cfg.train
+    params = list(params)
+    if t.optimizer == "sgd":
+        optimizer = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum,
+                                    weight_decay=t.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=t.lr, betas=ADAMW_BETAS,
+                                      weight_decay=t.weight_decay)
+    _create_state(optimizer, params, t.optimizer)
+    return optimizer
+
+
+def _create_state(optimizer: torch.optim.Optimizer, params: list, kind: str) -> None:
+    for p in params:
+        if kind == "sgd":
+            if optimizer.defaults["momentum"]:
+                # torch starts the buffer at the first gradient; 0.9 x 0 + g is that gradient
+                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+        else:
+            optimizer.state[p] = {"step": torch.tensor(0.0),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> list:
+    """The optimizer's per-parameter state in a fixed order (moments, and AdamW's step count),
+    for averaging in a group; the same list on every replica of a stage."""
+    tensors = []
+    for p in params:
+        state = optimizer.state.get(p, {})
+        tensors += [state[k] for k in sorted(state) if torch.is_tensor(state[k])]
+    return tensors

@@ -1,0 +1,85 @@
+"""The optimizer and its schedule: eager state changes nothing, positions drive the learning rate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpipe_cli import optim
+from sdpipe_cli.config import compose
+from sdpipe_cli.sync import GroupSync
+
+
+def _cfg(*overrides: str):
+    return compose(["model=mlp", "data=synthetic", *overrides])
+
+
+def test_schedule_warms_up_then_decays_to_a_tenth():
+    cfg = _cfg("train.lr=1.0", "train.warmup=10", "train.steps=110")
+    assert optim.lr_at(0, cfg) == pytest.approx(0.1)
+    assert optim.lr_at(9, cfg) == pytest.approx(1.0)
+    assert optim.lr_at(10, cfg) == pytest.approx(1.0)
+    assert optim.lr_at(60, cfg) == pytest.approx(0.55)
+    assert optim.lr_at(110, cfg) == pytest.approx(0.1)
+    assert optim.lr_at(500, cfg) == pytest.approx(0.1)  # a fast pipeline past the end
+    assert optim.lr_at(-0.5, cfg) == optim.lr_at(0, cfg)
+
+
+SCHEDULE = _cfg("train.lr=1.0", "train.warmup=10", "train.steps=400")
+
+
+@settings(deadline=None)
+@given(st.floats(0, 1000), st.floats(0, 1000))
+def test_schedule_never_rises_after_warm_up(a, b):
+    cfg = SCHEDULE
+    lo, hi = sorted((a + 10, b + 10))
+    assert optim.lr_at(hi, cfg) <= optim.lr_at(lo, cfg) + 1e-12
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_eager_state_takes_the_same_steps_as_torchs_lazy_state(kind):
+    """The state is created up front (so replicas can average it from the first round); the
+    steps must be bit for bit those of an optimizer that creates it at its first step."""
+    cfg = _cfg(f"train.optimizer={kind}", "train.lr=0.05", "train.weight_decay=0.01")
+    torch.manual_seed(0)
+    a = torch.nn.Linear(4, 3)
+    b = torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    ours = optim.build_optimizer(a.parameters(), cfg)
+    if kind == "sgd":
+        lazy = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    else:
+        lazy = torch.optim.AdamW(b.parameters(), lr=0.05, betas=optim.ADAMW_BETAS,
+                                 weight_decay=0.01)
+    for k in range(4):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(k))
+        for model, opt in ((a, ours), (b, lazy)):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_tensors_are_the_moments_and_the_step():
+    params = list(torch.nn.Linear(4, 3).parameters())
+    adamw = optim.build_optimizer(params, _cfg())
+    tensors = optim.state_tensors(adamw, params)
+    assert len(tensors) == 3 * len(params)  # exp_avg, exp_avg_sq, step per parameter
+    sgd = optim.build_optimizer(params, _cfg("train.optimizer=sgd"))
+    assert [t.shape for t in optim.state_tensors(sgd, params)] == [p.shape for p in params]
+    plain = optim.build_optimizer(params, _cfg("train.optimizer=sgd", "train.momentum=0"))
+    assert optim.state_tensors(plain, params) == []
+
+
+@pytest.mark.parametrize("average, offset", [("weights_grads", 1.0), ("weights", 0.0)])
+def test_group_sync_follows_the_runs_global_progress(average, offset):
+    """Before any decision a replica is at its own step; after one, at the scheduler's count of
+    pipeline-iterations begun over P (before the step that count includes the current one)."""
+    sync = GroupSync(events=None, rank=0, pipeline=0, stage=0, stages=2, pipelines=4,
+                     groups=None, average=average)
+    assert sync.position(7) == 7.0
+    sync._done = 40
+    assert sync.position(3) == 10.0 - offset
