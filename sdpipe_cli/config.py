@@ -155,7 +155,7 @@ class SyncConfig:
     # A round also waits for the replicas predicted (from their pace) to be ready within this
     # fraction of the opener's iteration time: equal replicas meet in full groups, a straggler
     # is not waited for. 0: the reference's adaptive window alone.
-    patience: float = 0.2
+    patience: float = 0.5
     # sdpipe only: what a group averages. weights_grads: weights and gradients, before the local
     # step (exact all-reduce with full groups; global syncs also average the optimizer state).
     # weights: weights, after the local step (the paper's rule). See docs/SYNC.md.
