@@ -362,14 +362,22 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
             snapshot = _quietly(lambda: store.get_json(events, store.PROGRESS))
             if snapshot:
                 on_progress(snapshot)
-                if phase is not None and snapshot.get("started", workers) >= workers:
-                    phase.now = RUNNING  # every worker joined (a profile's snapshots: it runs)
+                _note_start(phase, snapshot, workers)
             time.sleep(POLL_S)
         except KeyboardInterrupt:
+            if phase is not None and phase.now != RUNNING:  # the latest word, not the last poll's
+                _note_start(phase, _quietly(lambda: store.get_json(events, store.PROGRESS)),
+                            workers)
             if interrupted or not graceful or (phase is not None and phase.now != RUNNING):
                 raise
             interrupted = True
             events.set(store.STOP_REQUESTED, "1")
+
+
+def _note_start(phase: Optional[_Phase], snapshot: Optional[dict], workers: int) -> None:
+    """Start-up is over once every worker has started (a profile's snapshots: once it runs)."""
+    if phase is not None and snapshot and snapshot.get("started", workers) >= workers:
+        phase.now = RUNNING
 
 
 def _quietly(read: Callable[[], Any]) -> Any:

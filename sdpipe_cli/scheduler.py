@@ -160,7 +160,9 @@ class Scheduler:
                 self._publish(self.policy.request_stop())
             self._publish(self.policy.tick())
         self._check_health()
-        if self.clock() - self.published > PUBLISH_S:
+        # a worker's start is published at once: the launcher treats a Ctrl-C before every
+        # worker started as an interrupted start-up, after that as a graceful stop
+        if kind == "start" or self.clock() - self.published > PUBLISH_S:
             self.publish_progress()
 
     def _publish(self, decisions: list[Decision]) -> None:
