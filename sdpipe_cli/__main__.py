@@ -1,27 +1,33 @@
 """The ``sdpipe`` program: ``python -m sdpipe_cli`` and the console script both start here.
 
-An interrupt can come at any moment, even while torch and Hydra are still being imported, so this
-small module installs the handlers first and imports the CLI after: Ctrl-C or SIGTERM at any point
-of start-up ends with one line and exit 130, never a traceback.
+An interrupt can come at any moment, even while torch and Hydra are still being imported. An
+exception raised inside the import of a C extension leaves it half-loaded and turns into some other
+error, so until the CLI takes over, Ctrl-C and SIGTERM end the process at once with one line and
+exit 130: nothing has been started yet that would need stopping.
 """
 
+import os
 import signal
-import sys
 
 EXIT_INTERRUPTED = 130
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+def exit_on_interrupt(while_: str):
+    """Install (and return the previous) SIGINT/SIGTERM handlers that end the process at once,
+    saying what it was doing; for phases that have started nothing."""
+    line = f"sdpipe: error: interrupted while {while_}; nothing was started\n".encode()
+
+    def handler(signum, frame) -> None:
+        os.write(2, line)  # not sys.stderr: the interrupted code may hold its lock
+        os._exit(EXIT_INTERRUPTED)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def entry() -> int:
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops sdpipe like Ctrl-C
-    try:
-        from sdpipe_cli.cli import main
-    except KeyboardInterrupt:
-        print("sdpipe: error: interrupted while loading; nothing was started", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    exit_on_interrupt("loading")
+    from sdpipe_cli.cli import main
+
     return main()
 
 

@@ -29,6 +29,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from sdpipe_cli import __version__, network
+from sdpipe_cli.__main__ import exit_on_interrupt
 from sdpipe_cli.config import Config, ConfigError, compose, group_options, validate
 from sdpipe_cli.errors import CheckpointError, DataError
 
@@ -91,7 +92,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _parser().print_help()
         return EXIT_USAGE
     err = Console(stderr=True)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops sdpipe like Ctrl-C
+    # Until a launch starts processes, an interrupt ends sdpipe at once (imports of C extensions
+    # must not be interrupted by an exception); the launch then handles its own interrupts.
+    previous = exit_on_interrupt("preparing the run")
     try:
         if args.command == "train":
             return train(args.overrides, show_config=args.cfg, console=err)
@@ -102,10 +105,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, DataError, CheckpointError) as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # the launcher handles its own; this is before it started anything
-        err.print("sdpipe: error: interrupted while preparing the run; nothing was started",
-                  markup=False, highlight=False, soft_wrap=True)
-        return EXIT_INTERRUPTED
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return EXIT_USAGE
 
 
@@ -207,7 +209,7 @@ def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
     from sdpipe_cli import launcher
 
     display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
-    with display:
+    with display:  # the launcher handles interrupts from here on
         result = launcher.launch(run_cfg, on_progress=display.update, **resume)
     _run_folder(console, result)
     if result.failure:
@@ -216,10 +218,6 @@ def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
         return result.returncode
     _summary(console, result)
     return 0
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def _run_folder(console: Console, result) -> None:

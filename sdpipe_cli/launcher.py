@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -149,7 +150,7 @@ def pinned_interfaces(cfg: DictConfig) -> dict[str, str]:
     return {k: os.environ.get(k, interface) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
 
 
-def _join(cfg: DictConfig, cluster: Cluster):
+def _join(cfg: DictConfig, cluster: Cluster, phase: "_Phase"):
     """A launcher on another real node: reach the first node's store, take its run config.
 
     Every node runs the first node's resolved config (same seed, partition, settings), written
@@ -158,14 +159,17 @@ def _join(cfg: DictConfig, cluster: Cluster):
     """
     host, port = store_host(cfg), cfg.run.port
     try:
-        master = store.connect_patiently(host, port, cfg.run.timeout)
+        master = store.connect_patiently(host, port, cfg.run.timeout, check=phase.check)
         events = store.namespace(master)
         deadline = time.monotonic() + cfg.run.timeout
         while not events.check([store.RUN]):  # polled, so that a Ctrl-C lands at once
+            phase.check()
             if time.monotonic() > deadline:
                 raise TimeoutError("no run published")
             time.sleep(POLL_S)
         run = json.loads(events.get(store.RUN))
+    except _Interrupted:
+        raise
     except Exception as err:  # c10d raises several types; say where we looked
         raise ConfigError("run.node", f"cannot reach the first node's store at {host}:{port} "
                           f"within run.timeout={cfg.run.timeout:g}s ({str(err).splitlines()[0]}); "
@@ -221,10 +225,11 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     phase = _Phase("starting the store" if primary else
                    f"waiting for the first node's store at {store_host(cfg)}:{cfg.run.port}")
     events = None
+    previous = phase.install()
     try:
         if primary:
             master = start_store(cfg)  # first: a busy port must fail before anything is written
-            phase.now = "writing the run folder"
+            phase.advance("writing the run folder")
             if resume is None:
                 run_dir = run_dir or make_run_dir(cfg.run.dir)
                 cfg.run.dir = str(run_dir.resolve()) if cluster.real else str(run_dir)
@@ -242,11 +247,11 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
                     "config": config_path.read_text(),
                     "resume": str(resume.resolve()) if resume else None})
         else:
-            master, events, run_dir, config_path, resume = _join(cfg, cluster)
+            master, events, run_dir, config_path, resume = _join(cfg, cluster, phase)
             result.run_dir = run_dir
             launched = float(events.get(store.T0))
 
-        phase.now = "starting the processes"
+        phase.advance("starting the processes")
         P, S = cfg.cluster.pipelines, cfg.pipeline.stages
         # one parameter server per stage, ranks after the workers
         servers = S if job.helpers and cfg.sync.name == "ps" else 0
@@ -268,13 +273,14 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
             children.append(spawn(job.worker, str(rank), role, run_dir, env))
             children[-1].rank = rank
+            phase.check()
         for stage in range(servers if primary else 0):
             rank = P * S + stage
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             children.append(spawn("sdpipe_cli.ps", f"ps{stage}",
                                   f"parameter server of stage {stage}", run_dir, env))
 
-        phase.now = "waiting for the workers to join"
+        phase.advance("waiting for the workers to join")
         tolerate = job.helpers and cfg.fault.on_pipeline_loss == "continue"
         result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched,
                                                  S if tolerate else 0, graceful=job.graceful,
@@ -282,7 +288,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         result.returncode = 1 if result.failure else 130 if interrupted else 0
         if interrupted and not result.failure:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
-    except KeyboardInterrupt:
+    except _Interrupted:
         if phase.now == RUNNING:
             twice = "interrupted twice" if job.graceful else "interrupted"
             result.failure = f"{twice}; all processes stopped"
@@ -290,18 +296,51 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             result.failure = f"interrupted while {phase.now}; every started process stopped"
         result.returncode = 130
     finally:
-        stop_all(children)
+        stop_all(children)  # further interrupts are only counted: stopping is bounded
+        phase.restore(previous)
         if events is not None:
             result.progress = _quietly(lambda: store.get_json(events, store.PROGRESS, {})) or {}
         result.wall_s = time.monotonic() - started
     return result
 
 
+class _Interrupted(Exception):
+    """Raised by the launcher itself, at a point it chose, to stop at once."""
+
+
 class _Phase:
-    """Where a launch is, for the line that an interrupt prints: start-up phases, then
-    :data:`RUNNING` once every worker has joined (from there a first Ctrl-C stops gracefully)."""
+    """Where a launch is (for the line an interrupt prints) and the interrupts that came.
+
+    Ctrl-C and SIGTERM are only counted by the signal handler; the launcher acts on them at points
+    it chooses. An exception raised from a handler lands anywhere, and one raised inside a fork
+    handler (logging's, while a child is being spawned) is swallowed, which loses the interrupt.
+    Start-up phases stop at the first interrupt; from :data:`RUNNING` (every worker started) the
+    first asks for a graceful stop and the second stops at once.
+    """
 
     def __init__(self, now: str):
+        self.now, self.signals = now, 0
+
+    def __call__(self, signum, frame) -> None:
+        self.signals += 1
+
+    def install(self) -> dict:
+        """Count SIGINT and SIGTERM (main thread only); returns the handlers to restore."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self, previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def check(self) -> None:
+        """During start-up: stop if an interrupt came."""
+        if self.signals:
+            raise _Interrupted
+
+    def advance(self, now: str) -> None:
+        self.check()
         self.now = now
 
 
@@ -320,7 +359,7 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
 
     The first Ctrl-C (or SIGTERM) asks the run to stop at its next consistent point (the same
     iteration on every replica, or the next global sync), where it may checkpoint and end
-    normally; a second one raises KeyboardInterrupt and the caller stops everything at once.
+    normally; a second one raises :class:`_Interrupted` and the caller stops everything at once.
     Without ``graceful`` (a job with no consistent point to stop at) the first one does, and so
     does one that comes before all ``workers`` have started (``phase`` says which): start-up has
     no consistent point yet and nothing to lose.
@@ -329,49 +368,50 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
     pipeline: the pipeline's other workers are stopped, the scheduler is told, and the rest go on
     (unless no pipeline is left).
     """
-    interrupted = False
+    phase = phase or _Phase(RUNNING)
+    interrupted, handled = False, 0
     lost: set[int] = set()
     pipelines = sum(1 for c in children if c.rank is not None) // stages if stages else 0
     while True:
-        try:
-            codes = [c.proc.poll() for c in children]
-            failed = [c for c, rc in zip(children, codes)
-                      if rc not in (None, 0) and not (stages and c.rank is not None
-                                                      and c.rank // stages in lost)]
-            if failed and stages and all(c.rank is not None for c in failed) \
-                    and len(lost | {c.rank // stages for c in failed}) < pipelines:
-                for c in failed:
-                    _lose_pipeline(c, children, stages, run_dir, events, since)
-                    lost.add(c.rank // stages)
-                continue
-            if failed:
-                time.sleep(0.5)  # let secondary failures land so the root cause can be picked
-                failed = [c for c in children if c.proc.poll() not in (None, 0)
-                          and not (stages and c.rank is not None and c.rank // stages in lost)]
-                first = first_failure(failed, run_dir, since)
-                reason = describe_failure(first, run_dir, since)
-                _quietly(lambda: events.compare_set(store.FAILED, "", reason))  # tell other nodes
-                return reason, interrupted
-            if all(rc == 0 or (stages and c.rank is not None and c.rank // stages in lost)
-                   for c, rc in zip(children, codes) if rc is not None) \
-                    and all(rc is not None for rc in codes):
-                return None, interrupted
-            elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
-            if elsewhere:
-                return f"another node failed: {elsewhere.decode()}", interrupted
-            snapshot = _quietly(lambda: store.get_json(events, store.PROGRESS))
-            if snapshot:
-                on_progress(snapshot)
-                _note_start(phase, snapshot, workers)
-            time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            if phase is not None and phase.now != RUNNING:  # the latest word, not the last poll's
+        if phase.signals > handled:
+            handled = phase.signals
+            if phase.now != RUNNING:  # the latest word on who started, not the last poll's
                 _note_start(phase, _quietly(lambda: store.get_json(events, store.PROGRESS)),
                             workers)
-            if interrupted or not graceful or (phase is not None and phase.now != RUNNING):
-                raise
+            if interrupted or not graceful or phase.now != RUNNING:
+                raise _Interrupted
             interrupted = True
             events.set(store.STOP_REQUESTED, "1")
+        codes = [c.proc.poll() for c in children]
+        failed = [c for c, rc in zip(children, codes)
+                  if rc not in (None, 0) and not (stages and c.rank is not None
+                                                  and c.rank // stages in lost)]
+        if failed and stages and all(c.rank is not None for c in failed) \
+                and len(lost | {c.rank // stages for c in failed}) < pipelines:
+            for c in failed:
+                _lose_pipeline(c, children, stages, run_dir, events, since)
+                lost.add(c.rank // stages)
+            continue
+        if failed:
+            time.sleep(0.5)  # let secondary failures land so the root cause can be picked
+            failed = [c for c in children if c.proc.poll() not in (None, 0)
+                      and not (stages and c.rank is not None and c.rank // stages in lost)]
+            first = first_failure(failed, run_dir, since)
+            reason = describe_failure(first, run_dir, since)
+            _quietly(lambda: events.compare_set(store.FAILED, "", reason))  # tell other nodes
+            return reason, interrupted
+        if all(rc == 0 or (stages and c.rank is not None and c.rank // stages in lost)
+               for c, rc in zip(children, codes) if rc is not None) \
+                and all(rc is not None for rc in codes):
+            return None, interrupted
+        elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
+        if elsewhere:
+            return f"another node failed: {elsewhere.decode()}", interrupted
+        snapshot = _quietly(lambda: store.get_json(events, store.PROGRESS))
+        if snapshot:
+            on_progress(snapshot)
+            _note_start(phase, snapshot, workers)
+        time.sleep(POLL_S)
 
 
 def _note_start(phase: Optional[_Phase], snapshot: Optional[dict], workers: int) -> None:

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -55,14 +55,17 @@ def connect(host: str, port: int, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
-def connect_patiently(host: str, port: int, timeout: float, attempt_s: float = 1.0) -> dist.TCPStore:
-    """:func:`connect`, retried in short attempts for up to ``timeout`` seconds.
+def connect_patiently(host: str, port: int, timeout: float, attempt_s: float = 1.0,
+                      check: Callable[[], None] = lambda: None) -> dist.TCPStore:
+    """:func:`connect`, retried in short attempts for up to ``timeout`` seconds, calling ``check``
+    between attempts (it may raise to give up, e.g. on an interrupt).
 
-    One long attempt blocks inside torch, where a Ctrl-C is not seen until it gives up; short
-    ones return to Python in between, so an interrupt lands within ``attempt_s``.
+    One long attempt blocks inside torch, where an interrupt is not seen until it gives up; short
+    ones return to Python in between, so an interrupt is acted on within ``attempt_s``.
     """
     deadline = time.monotonic() + timeout
     while True:
+        check()
         left = deadline - time.monotonic()
         try:
             client = connect(host, port, max(0.1, min(attempt_s, left)))

@@ -173,7 +173,9 @@ def test_full_groups_reproduce_allreduce(allreduce_run, tmp_path):
 def test_weight_averaging_after_sgd_steps_is_allreduce(tmp_path):
     """The paper's rule (sync.average=weights) is exact for SGD with momentum: its update is
     linear in the gradient. (Clipping each replica's gradient is not linear: off here.)"""
-    common = (*P4S2, "train.optimizer=sgd", "train.lr=0.1", "train.grad_clip=0")
+    common = ("model=mlp", "data=synthetic", "cluster.pipelines=2", "pipeline.stages=2",
+              "train.steps=20", "train.batch_size=8", "train.eval_every=0",
+              "train.optimizer=sgd", "train.lr=0.1", "train.grad_clip=0")
     runs = {}
     for name, extra in (("allreduce", ("sync=allreduce",)),
                         ("weights", ("sync=sdpipe", "sync.average=weights",
@@ -182,7 +184,7 @@ def test_weight_averaging_after_sgd_steps_is_allreduce(tmp_path):
         out = sdpipe("train", f"run.dir={runs[name]}", *common, *extra)
         assert out.returncode == 0, out.stderr
     ours, reference = _losses(runs["weights"]), _losses(runs["allreduce"])
-    assert ours.keys() == reference.keys()
+    assert ours.keys() == reference.keys() and len(ours) == 2 * 20
     assert max(abs(ours[k] - reference[k]) for k in ours) < 1e-4
     assert reference[(0, 20)] < reference[(0, 1)] - 1.0  # and SGD did train
 

@@ -87,7 +87,8 @@ def test_sdpipe_learning_rate_follows_the_runs_global_progress(run_dir):
     """A pipeline 3x slower does a third of the fast one's iterations; with the schedule on the
     run's global progress both end near the schedule's end, where a per-replica schedule would
     leave the slow one near its peak (and have decayed the fast one half-way through)."""
-    out = sdpipe("train", "model=mlp", "cluster.pipelines=2", "cluster.slowdown=[1,3]",
+    out = sdpipe("train", "model=mlp", "cluster.pipelines=2", "pipeline.stages=1",
+                 "cluster.slowdown=[1,3]",
                  "cluster.compute_ms=5", "train.steps=24", "train.warmup=0", "train.lr=0.01",
                  f"run.dir={run_dir}", *QUIET)
     assert out.returncode == 0, out.stderr
