@@ -116,7 +116,7 @@ class AsyncLoop:
     def _update(self, j: int, loss: Optional[float]) -> None:
         """After batch id j's backward: sync, clip and step, as the flushed loop does per iteration
         (with 2BW only after an iteration's last micro-batch, on the mean of its gradients)."""
-        w, cfg = self.w, self.cfg
+        w = self.w
         k = j // self.m
         if loss is not None:
             self._losses.append(loss)

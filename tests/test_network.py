@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import psutil
 import pytest
-import torch.distributed as dist
 
 from conftest import REPO, sdpipe
 from sdpipe_cli import network, store
