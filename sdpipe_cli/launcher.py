@@ -75,7 +75,6 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
     """Resolve what depends on this machine (device, partition, the profile's path) into a
     concrete run config; with ``pipeline.partition=auto`` also the plan that chose it."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
-    network.check_hosts(cfg)
     cfg.cluster.device = resolve_device(cfg)
     if cfg.profile:
         cfg.profile = str(Path(cfg.profile).expanduser().resolve())
@@ -117,7 +116,7 @@ def make_run_dir(requested: Optional[str]) -> Path:
 
 
 def start_store(cfg: DictConfig):
-    address = network.listen_address(cfg)
+    address = network.check_hosts(cfg)
     try:
         master, bound = store.host_store(address, cfg.run.port, cfg.run.timeout)
     except Exception as err:  # the c10d error types vary by version; the cause is what matters
@@ -143,7 +142,7 @@ def pinned_interfaces(cfg: DictConfig) -> dict[str, str]:
     """Environment that keeps gloo's and NCCL's sockets on the interface of the address this
     node listens on (they would otherwise bind what the hostname resolves to); a variable the
     user set is kept, and a wildcard pins nothing."""
-    address = network.listen_address(cfg)
+    address = network.check_hosts(cfg)
     interface = None if address in network.WILDCARDS else network.interface_of(address)
     if interface is None:
         return {}

@@ -21,7 +21,6 @@ from typing import Optional
 import psutil
 from omegaconf import DictConfig
 
-from sdpipe_cli.cluster import Cluster
 from sdpipe_cli.config import ConfigError
 
 WILDCARDS = ("0.0.0.0", "::")
@@ -103,28 +102,22 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def check_hosts(cfg: DictConfig) -> None:
-    """Refuse, before anything starts, an address this launcher would listen on but cannot:
-    ``cluster.host`` on one machine; this node's ``host`` on a cluster of real nodes (the first
-    node's is the store's). Other nodes' addresses are theirs to check."""
-    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
-    if not cluster.real:
+def check_hosts(cfg: DictConfig) -> str:
+    """The address this launcher and its processes listen on: ``cluster.host`` on one machine,
+    this node's ``host`` on a cluster of real nodes (the first node's is the store's). Refused
+    with a :class:`ConfigError` before anything starts if it is not this machine's; other nodes'
+    addresses are theirs to check."""
+    nodes = cfg.cluster.nodes
+    if not any(node.get("host") for node in nodes):
         key, host = "cluster.host", cfg.cluster.host
     else:
-        for i, node in enumerate(cfg.cluster.nodes):
+        for i, node in enumerate(nodes):
             if node.host in WILDCARDS:
                 raise ConfigError(f"cluster.nodes[{i}].host", f"is {node.host}, which other nodes "
                                   "cannot reach; give the node's own address")
-        i = [str(node.name) for node in cfg.cluster.nodes].index(cfg.run.node)
-        key, host = f"cluster.nodes[{i}].host", cfg.cluster.nodes[i].host
+        i = [str(node.name) for node in nodes].index(cfg.run.node)
+        key, host = f"cluster.nodes[{i}].host", nodes[i].host
     try:
-        check_local(host)
+        return check_local(host)
     except AddressError as err:
         raise ConfigError(key, str(err)) from None
-
-
-def listen_address(cfg: DictConfig) -> str:
-    """The address this launcher and its processes listen on (see :func:`check_hosts`)."""
-    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
-    host = cluster.hosts[cfg.run.node] if cluster.real else cfg.cluster.host
-    return check_local(host)
