@@ -20,7 +20,7 @@ batch samples. ``vs reference`` is its ratio to the reference's; the target is w
 
 **(b) Throughput without the flush bubble**: S = 4 stages, small m, modelled compute
 (``cluster.compute_ms``: every micro-batch forward takes that long, its backward twice, whatever
-the real compute of the small MLP inside; see ``sdpipe_cli/hetero.py``), so that the 2 cores of a
+the real compute of the small MLP inside; see ``sdpipe_cli/hetero/emulation.py``), so that the 2 cores of a
 small machine do not decide the result; ``CPU %`` and ``overruns`` check it, as in
 ``scripts/bench_sync.py``. A flushed iteration costs ``(m + S - 1)`` forward+backward slots for
 m micro-batches; async 1F1B drains only at the end of the run (``train.eval_every=0``), so
@@ -54,7 +54,7 @@ TARGET = 1.05  # async + sdpipe within 5 % of the flushed all-reduce's validatio
 
 def convergence_runs() -> list[tuple[str, list[str]]]:
     """(label, overrides), the reference first; ``lr/sqrt(m)`` from the default config."""
-    from sdpipe_cli.config import compose
+    from sdpipe_cli.config.schema import compose
 
     defaults = compose([])
     scaled = f"train.lr={defaults.train.lr / math.sqrt(defaults.pipeline.microbatches):.6g}"

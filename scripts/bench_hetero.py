@@ -80,10 +80,10 @@ def speeds(args: argparse.Namespace) -> list[str]:
 
 
 def partition(args: argparse.Namespace) -> list[str]:
-    from sdpipe_cli import partition as part
-    from sdpipe_cli import profile as prof
-    from sdpipe_cli.cluster import Cluster
-    from sdpipe_cli.config import compose, n_blocks
+    from sdpipe_cli.core import partition as part
+    from sdpipe_cli.hetero import measurements as prof
+    from sdpipe_cli.core.cluster import Cluster
+    from sdpipe_cli.config.schema import compose, n_blocks
 
     prof_dir = args.out / "profile"
     cmd = [sys.executable, "-m", "sdpipe_cli", "profile", *PARTITION_RUN, f"run.dir={prof_dir}"]

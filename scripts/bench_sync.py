@@ -28,7 +28,7 @@ does not know (exit 2 with an error on ``sync``) is reported as ``unavailable``.
 
 **Why modelled compute.** With ``cluster.compute_ms`` set, every micro-batch forward takes
 ``compute_ms x slowdown`` ms and every backward twice that: the real compute (a 34k-parameter MLP)
-runs inside that budget and the worker sleeps for the rest (``sdpipe_cli/hetero.py``). The cores
+runs inside that budget and the worker sleeps for the rest (``sdpipe_cli/hetero/emulation.py``). The cores
 stay mostly idle, so the figures measure scheduling and synchronization (who waits for whom), not
 how P x S processes fight over a few CPU cores, and they do not depend on the machine's core count.
 Two checks of that assumption are reported: the system-wide CPU utilization sampled with

@@ -26,7 +26,7 @@ def exit_on_interrupt(while_: str):
 
 def entry() -> int:
     exit_on_interrupt("loading")
-    from sdpipe_cli.cli import main
+    from sdpipe_cli.cli.commands import main
 
     return main()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sdpipe_cli.metrics import read_metrics
+from sdpipe_cli.runtime.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 240  # seconds: any end-to-end run must finish well within this, or the test fails

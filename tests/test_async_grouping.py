@@ -2,7 +2,7 @@
 syncs and the end of the run at drained points, the budget exact.
 
 A discrete-event simulation runs P pipelines of S stages on the schedule's own rule
-(:func:`sdpipe_cli.schedule.async_next`): each action takes the pipeline's tick time (a backward
+(:func:`sdpipe_cli.core.schedule.async_next`): each action takes the pipeline's tick time (a backward
 twice that) once its inputs exist; the first stage calls ``begin`` before the first forward of
 every iteration, and that iteration ends the segment when the answer says so; after every backward
 a stage reports ready and blocks until its decision. Checked, for random speeds and settings:
@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli.grouping import AsyncGroupScheduler, Decision
-from sdpipe_cli.schedule import async_next
+from sdpipe_cli.core.grouping import AsyncGroupScheduler, Decision
+from sdpipe_cli.core.schedule import async_next
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -29,9 +29,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from sdpipe_cli.async_stage import AsyncStage, Control
-from sdpipe_cli.schedule import async_one_f_one_b, simulate, stash_versions
-from sdpipe_cli.stage import PipelineStage
+from sdpipe_cli.pipeline.async_stage import AsyncStage, Control
+from sdpipe_cli.core.schedule import async_one_f_one_b, simulate, stash_versions
+from sdpipe_cli.pipeline.stage import PipelineStage
 
 pytestmark = pytest.mark.multiprocess
 

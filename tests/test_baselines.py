@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, strategies as st
 
 from conftest import metrics, sdpipe
-from sdpipe_cli.hetero import Slowdown
-from sdpipe_cli.schedule import Action
-from sdpipe_cli.sync import GossipSync
+from sdpipe_cli.hetero.emulation import Slowdown
+from sdpipe_cli.core.schedule import Action
+from sdpipe_cli.sync.strategies import GossipSync
 
 FAST = ("model=mlp", "data=synthetic", "train.batch_size=8", "cluster.pipelines=3",
         "train.eval_every=0")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from sdpipe_cli.cli import main
-from sdpipe_cli.cluster import Cluster, ClusterError
-from sdpipe_cli.config import ConfigError, compose, validate
+from sdpipe_cli.cli.commands import main
+from sdpipe_cli.core.cluster import Cluster, ClusterError
+from sdpipe_cli.config.schema import ConfigError, compose, validate
 
 TWO_NODES = ("cluster.pipelines=2", "pipeline.stages=2",
              "cluster.nodes=[{name: a, devices: [{speed: 1.0}, {speed: 1.0}]},"

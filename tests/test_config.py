@@ -14,8 +14,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from sdpipe_cli import __version__
-from sdpipe_cli.cli import main
-from sdpipe_cli.config import (
+from sdpipe_cli.cli.commands import main
+from sdpipe_cli.config.schema import (
     ConfigError,
     compose,
     config_dir,

@@ -1,4 +1,4 @@
-"""Properties of the group-scheduling policy (``sdpipe_cli/grouping.py``), driven by the
+"""Properties of the group-scheduling policy (``sdpipe_cli/core/grouping.py``), driven by the
 discrete-event simulation in ``tests/policy_sim.py`` and by hand-written event sequences.
 
 What is checked, and where a property had to be stated differently from the first draft:
@@ -56,7 +56,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policy_sim import Result, Sim, SimError, replay
-from sdpipe_cli.grouping import Decision, DisjointSet, GroupScheduler
+from sdpipe_cli.core.grouping import Decision, DisjointSet, GroupScheduler
 
 EPS = 1e-9
 # GROUPING_EXAMPLES=2000 for a longer hunt; the default keeps the file well under 20 s

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from sdpipe_cli.cluster import Cluster, Device, SpeedChange
-from sdpipe_cli.config import compose, validate
-from sdpipe_cli.hetero import (MemoryLimit, MemoryLimitExceeded, Slowdown, Stragglers, link_delay,
+from sdpipe_cli.core.cluster import Cluster, Device, SpeedChange
+from sdpipe_cli.config.schema import compose, validate
+from sdpipe_cli.hetero.emulation import (MemoryLimit, MemoryLimitExceeded, Slowdown, Stragglers, link_delay,
                                make_slowdown)
-from sdpipe_cli.schedule import Action, one_f_one_b
-from sdpipe_cli.stage import PipelineStage
+from sdpipe_cli.core.schedule import Action, one_f_one_b
+from sdpipe_cli.pipeline.stage import PipelineStage
 
 
 @pytest.mark.parametrize("q", [0.0, 0.1, 0.3, 1.0])

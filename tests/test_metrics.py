@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sdpipe_cli.metrics import MetricsLog, RunTracker, read_metrics
+from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, read_metrics
 
 
 class FakeClock:

@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from conftest import REPO, sdpipe
-from sdpipe_cli import network, store
-from sdpipe_cli.config import ConfigError, compose, validate
+from sdpipe_cli.runtime import network, store
+from sdpipe_cli.config.schema import ConfigError, compose, validate
 
 FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
 TWO_NODES = ("cluster.nodes=[{name: a, host: 127.0.0.1, devices: [{}, {}]},"
@@ -105,7 +105,7 @@ def test_patient_client_keeps_the_full_timeout():
 def test_gloo_and_nccl_are_pinned_to_the_stores_interface(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    from sdpipe_cli.launcher import pinned_interfaces
+    from sdpipe_cli.runtime.launcher import pinned_interfaces
 
     cfg = compose([])
     lo = network.interface_of("127.0.0.1")
@@ -150,7 +150,7 @@ def test_foreign_host_is_one_line_exit_2_at_once_and_writes_nothing(tmp_path):
 
 
 def test_foreign_host_is_refused_before_torch_is_imported(capsys):
-    code = ("import sys; from sdpipe_cli.cli import main; "
+    code = ("import sys; from sdpipe_cli.cli.commands import main; "
             f"rc = main(['train', 'cluster.host={FOREIGN}']); "
             "print('torch' in sys.modules, rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli import optim
-from sdpipe_cli.config import compose
-from sdpipe_cli.sync import GroupSync
+from sdpipe_cli.training import optim
+from sdpipe_cli.config.schema import compose
+from sdpipe_cli.sync.strategies import GroupSync
 
 
 def _cfg(*overrides: str):

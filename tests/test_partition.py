@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli.partition import (balanced, device_cost, optimal, plan, resolve, stage_ranges,
+from sdpipe_cli.core.partition import (balanced, device_cost, optimal, plan, resolve, stage_ranges,
                                  stage_times, uniform)
 
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from sdpipe_cli import profile
-from sdpipe_cli.cli import main
-from sdpipe_cli.cluster import Cluster
-from sdpipe_cli.config import compose, validate
+from sdpipe_cli.hetero import measurements
+from sdpipe_cli.cli.commands import main
+from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.config.schema import compose, validate
 
 
 def make_doc(devices: dict[str, tuple[float, list[float]]], model: str = "gpt_tiny",
@@ -17,7 +17,7 @@ def make_doc(devices: dict[str, tuple[float, list[float]]], model: str = "gpt_ti
     """A profile whose device ``name`` ran at ``speed`` with forward times ``fwd`` (backward 2x)."""
     blocks = len(next(iter(devices.values()))[1])
     return {
-        "format": profile.FORMAT, "created": "2026-11-29T00:00:00", "torch": "2.13.0",
+        "format": measurements.FORMAT, "created": "2026-11-29T00:00:00", "torch": "2.13.0",
         "model": {"name": model, "blocks": blocks, "microbatch_size": microbatch},
         "cluster": {"name": "test"}, "p2p": [], "allreduce": [],
         "devices": [{"name": name, "node": name.split(":")[0], "speed": speed, "rank": r,
@@ -35,23 +35,23 @@ def write(tmp_path, doc) -> str:
 
 
 def test_measured_device_keeps_its_times_rescaled_to_the_configured_speed(tmp_path):
-    doc = profile.load(write(tmp_path, make_doc({"a:0": (1.0, [1, 2]), "b:0": (0.5, [4, 8])})))
-    assert profile.block_costs(doc, "a:0", 1.0) == ([1, 2], [2, 4])
-    assert profile.block_costs(doc, "b:0", 0.5) == ([4, 8], [8, 16])
-    assert profile.block_costs(doc, "b:0", 1.0) == ([2, 4], [4, 8])  # now configured at full speed
+    doc = measurements.load(write(tmp_path, make_doc({"a:0": (1.0, [1, 2]), "b:0": (0.5, [4, 8])})))
+    assert measurements.block_costs(doc, "a:0", 1.0) == ([1, 2], [2, 4])
+    assert measurements.block_costs(doc, "b:0", 0.5) == ([4, 8], [8, 16])
+    assert measurements.block_costs(doc, "b:0", 1.0) == ([2, 4], [4, 8])  # now configured at full speed
 
 
 def test_unmeasured_device_gets_the_median_at_its_speed(tmp_path):
-    doc = profile.load(write(tmp_path, make_doc(
+    doc = measurements.load(write(tmp_path, make_doc(
         {"a:0": (1.0, [1, 2]), "b:0": (0.5, [4, 8]), "c:0": (1.0, [3, 3])})))
     # normalized to speed 1: [1, 2], [2, 4], [3, 3] -> medians [2, 3]
-    assert profile.block_costs(doc, "z:9", 1.0) == ([2, 3], [4, 6])
-    assert profile.block_costs(doc, None, 0.25) == ([8, 12], [16, 24])
+    assert measurements.block_costs(doc, "z:9", 1.0) == ([2, 3], [4, 6])
+    assert measurements.block_costs(doc, None, 0.25) == ([8, 12], [16, 24])
 
 
 def test_load_accepts_a_run_folder(tmp_path):
     write(tmp_path, make_doc({"a:0": (1.0, [1])}))
-    assert profile.load(tmp_path)["_path"].endswith("profile.json")
+    assert measurements.load(tmp_path)["_path"].endswith("profile.json")
 
 
 @pytest.mark.parametrize("mutate, words", [
@@ -65,17 +65,17 @@ def test_bad_profiles_name_the_file_and_the_problem(tmp_path, mutate, words):
     doc = make_doc({"a:0": (1.0, [1, 2])})
     mutate(doc)
     path = write(tmp_path, doc)
-    with pytest.raises(profile.ProfileError) as err:
-        profile.load(path)
+    with pytest.raises(measurements.ProfileError) as err:
+        measurements.load(path)
     assert path in str(err.value) and words in str(err.value)
 
 
 def test_missing_or_garbled_profile(tmp_path):
-    with pytest.raises(profile.ProfileError, match="does not exist"):
-        profile.load(tmp_path / "nope.json")
+    with pytest.raises(measurements.ProfileError, match="does not exist"):
+        measurements.load(tmp_path / "nope.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(profile.ProfileError, match="not a readable profile"):
-        profile.load(tmp_path / "bad.json")
+    with pytest.raises(measurements.ProfileError, match="not a readable profile"):
+        measurements.load(tmp_path / "bad.json")
 
 
 @pytest.mark.parametrize("doc_kwargs, words", [
@@ -96,7 +96,7 @@ def test_worker_block_ms_follows_placement_speed_and_slowdown(tmp_path):
     cfg = compose(["cluster.pipelines=2", f"profile={path}", "cluster.slowdown=[1, 3]",
                    "cluster.nodes=[{name: fast, devices: [{}, {}, {}]}, {name: slow, devices: [{speed: 0.5}]}]"])
     validate(cfg)
-    ms = profile.worker_block_ms(profile.load(path), Cluster.from_config(cfg.cluster, 2),
+    ms = measurements.worker_block_ms(measurements.load(path), Cluster.from_config(cfg.cluster, 2),
                                  list(cfg.cluster.slowdown))
     assert ms[0][0] == [3.0] * 6  # forward 1 + backward 2
     assert ms[0][1] == [3.0] * 6

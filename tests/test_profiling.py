@@ -15,8 +15,10 @@ import time
 import pytest
 
 from conftest import run_processes, sdpipe, sdpipe_popen
-from sdpipe_cli import launcher, models, profile, profiling
-from sdpipe_cli.config import compose, n_blocks
+from sdpipe_cli.runtime import launcher
+from sdpipe_cli.training import models
+from sdpipe_cli.hetero import measurements, profiler
+from sdpipe_cli.config.schema import compose, n_blocks
 
 HETERO = ("cluster.device=cpu",
           "cluster.nodes=[{name: a, devices: [{speed: 1.0}, {speed: 1.0}]}, "
@@ -27,21 +29,21 @@ HETERO = ("cluster.device=cpu",
 
 # -- in-process: plan, repeats, document ---------------------------------------------------------
 def test_turns_cover_blocks_then_neighbours_then_replica_groups():
-    plan = profiling.turns(3, 2)
+    plan = profiler.turns(3, 2)
     assert plan == [("blocks", [0]), ("blocks", [1]), ("blocks", [2]), ("blocks", [3]),
                     ("blocks", [4]), ("blocks", [5]),
                     ("p2p", [0, 1]), ("p2p", [2, 3]), ("p2p", [4, 5]),
                     ("allreduce", [0, 2]), ("allreduce", [0, 2, 4]),
                     ("allreduce", [1, 3]), ("allreduce", [1, 3, 5])]
-    assert profiling.turns(1, 1) == [("blocks", [0])]  # nothing to send, nobody to average with
+    assert profiler.turns(1, 1) == [("blocks", [0])]  # nothing to send, nobody to average with
 
 
 def test_repeat_keeps_the_minimum_after_warmup_and_stops_on_budget():
     values = iter([100.0, 100.0, 5.0, 3.0, 9.0, 4.0, 8.0])  # two warm-ups, then timed repeats
-    assert profiling.repeat(lambda: (next(values),), repeats=5, warmup=2) == [3.0]
+    assert profiler.repeat(lambda: (next(values),), repeats=5, warmup=2) == [3.0]
     ticks = iter(range(100))  # each clock() call advances one second
     calls = []
-    out = profiling.repeat(lambda: calls.append(1) or (len(calls), -len(calls)), repeats=50,
+    out = profiler.repeat(lambda: calls.append(1) or (len(calls), -len(calls)), repeats=50,
                            warmup=0, min_repeats=3, budget_s=0.5, clock=lambda: next(ticks))
     assert len(calls) == 3 and out == [1, -3]
 
@@ -50,8 +52,8 @@ def test_stage_weights_follow_the_partition():
     cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu",
                                        "pipeline.partition=[1]"]))
     counts = models.block_param_counts(cfg.model)
-    assert profiling.stage_weight_bytes(cfg, 0) == 4 * counts[0]
-    assert profiling.stage_weight_bytes(cfg, 1) == 4 * sum(counts[1:])
+    assert profiler.stage_weight_bytes(cfg, 0) == 4 * counts[0]
+    assert profiler.stage_weight_bytes(cfg, 1) == 4 * sum(counts[1:])
 
 
 def _results(cfg) -> list[dict]:
@@ -74,16 +76,16 @@ def _results(cfg) -> list[dict]:
 
 def test_assembled_document_loads_and_drives_auto_partition(tmp_path):
     cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu"]))
-    path = profile.write(profiling.assemble(cfg, _results(cfg)), tmp_path)
-    doc = profile.load(path)
+    path = measurements.write(profiler.assemble(cfg, _results(cfg)), tmp_path)
+    doc = measurements.load(path)
     assert [d["rank"] for d in doc["devices"]] == [0, 1, 2, 3]
     assert doc["model"]["block_names"] == ["embedding", "layer1", "layer2", "layer3", "layer4",
                                            "head"]
     assert doc["model"]["microbatch_size"] == 4  # train.batch_size 16 over 4 micro-batches
     assert doc["model"]["activation_bytes"] == 4 * 16 * 32 * 4  # mlp: seq_len 16, d_model 32
     # A measured device keeps its times; an unmeasured one gets the median, at its own speed.
-    assert profile.block_costs(doc, "local:1", 0.5)[0] == [2.0 * (b + 1) for b in range(6)]
-    assert profile.block_costs(doc, "elsewhere:0", 2.0)[0] == [(b + 1) / 2 for b in range(6)]
+    assert measurements.block_costs(doc, "local:1", 0.5)[0] == [2.0 * (b + 1) for b in range(6)]
+    assert measurements.block_costs(doc, "elsewhere:0", 2.0)[0] == [(b + 1) / 2 for b in range(6)]
     auto, plan = launcher.prepare(compose(["model=mlp", "cluster.device=cpu",
                                            "pipeline.partition=auto", f"profile={path}"]))
     assert plan is not None and auto.pipeline.partition == plan.bounds
@@ -91,11 +93,11 @@ def test_assembled_document_loads_and_drives_auto_partition(tmp_path):
 
 def test_load_names_a_missing_measurement(tmp_path):
     cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu"]))
-    doc = profiling.assemble(cfg, _results(cfg))
+    doc = profiler.assemble(cfg, _results(cfg))
     del doc["p2p"][1]["latency_ms"]
     (tmp_path / "profile.json").write_text(json.dumps(doc))
-    with pytest.raises(profile.ProfileError, match=r"p2p\[1\] lacks latency_ms"):
-        profile.load(tmp_path)
+    with pytest.raises(measurements.ProfileError, match=r"p2p\[1\] lacks latency_ms"):
+        measurements.load(tmp_path)
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -103,8 +105,8 @@ def test_load_names_a_missing_measurement(tmp_path):
 def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
     out = sdpipe("profile", f"run.dir={run_dir}", *HETERO, timeout=180)
     assert out.returncode == 0, out.stderr
-    doc = profile.load(run_dir / "profile.json")  # every documented field, or this raises
-    assert doc["format"] == profile.FORMAT and doc["torch"] and doc["created"]
+    doc = measurements.load(run_dir / "profile.json")  # every documented field, or this raises
+    assert doc["format"] == measurements.FORMAT and doc["torch"] and doc["created"]
     assert doc["model"]["name"] == "gpt_tiny" and doc["model"]["blocks"] == 6
     assert doc["cluster"] == {"name": "local", "emulation": "measured", "pipelines": 2,
                               "stages": 2, "device": "cpu",
@@ -126,7 +128,7 @@ def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
         ("a:0", "a:1", "same_node"), ("b:0", "b:1", "same_node")]
     for e in doc["p2p"]:
         assert 20.0 <= e["latency_ms"] < 35.0, e
-        assert 0.6 < e["bandwidth_gbps"] <= 1.0 and e["bytes"] == profiling.BANDWIDTH_BYTES, e
+        assert 0.6 < e["bandwidth_gbps"] <= 1.0 and e["bytes"] == profiler.BANDWIDTH_BYTES, e
     # Replicas are on different nodes: a ring of two costs two 10 ms latencies on top.
     counts = doc["model"]["block_params"]
     assert [(e["stage"], e["group_size"], e["ranks"], e["bytes"]) for e in doc["allreduce"]] == [

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli.schedule import (
+from sdpipe_cli.core.schedule import (
     ASYNC_SCHEDULES,
     SCHEDULES,
     Action,

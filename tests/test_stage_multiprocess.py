@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from sdpipe_cli.schedule import SCHEDULES, Action, get_schedule
-from sdpipe_cli.stage import PipelineStage
+from sdpipe_cli.core.schedule import SCHEDULES, Action, get_schedule
+from sdpipe_cli.pipeline.stage import PipelineStage
 
 pytestmark = pytest.mark.multiprocess
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from sdpipe_cli.stash import WeightStash
+from sdpipe_cli.pipeline.stash import WeightStash
 
 
 def model() -> nn.Module:

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from conftest import REPO, metrics, run_processes, sdpipe_popen
-from sdpipe_cli import launcher
+from sdpipe_cli.runtime import launcher
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +31,7 @@ def wait_for_training(run_dir: Path, proc, timeout: float = 120) -> None:
 
 def worker_pid(run_dir: Path, rank: int) -> int:
     for p in run_processes(run_dir):
-        if "sdpipe_cli.worker" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+        if "sdpipe_cli.training.worker" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
             return p.pid
     raise AssertionError(f"no worker rank {rank}")
 

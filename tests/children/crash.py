@@ -4,7 +4,7 @@ import os
 import time
 from pathlib import Path
 
-from sdpipe_cli.errors import record
+from sdpipe_cli.runtime.errors import record
 
 if __name__ == "__main__":
     rank = int(os.environ["RANK"])

@@ -2,7 +2,7 @@
 
 What slows a worker down (combined by multiplying):
 
-* its device's ``speed`` (:mod:`sdpipe_cli.cluster`; 0.5 = twice the wall time), which scheduled
+* its device's ``speed`` (:mod:`sdpipe_cli.core.cluster`; 0.5 = twice the wall time), which scheduled
   ``cluster.changes`` may replace between two times of the run clock;
 * its pipeline's ``cluster.slowdown`` factor (3.0 = three times slower);
 * random stragglers (``cluster.stragglers``): with probability q a micro-batch (or a whole
@@ -24,7 +24,7 @@ Two ways to turn the factor into wall time:
 Links (``cluster.links``): a message to a neighbouring stage costs the link's latency plus its
 size over the link's bandwidth, slept by the sender before it posts the send (a transfer that
 is not overlapped with compute); a group all-reduce costs a ring's time on the slowest link it
-uses (:meth:`~sdpipe_cli.cluster.Cluster.allreduce_s`), slept by every member before it.
+uses (:meth:`~sdpipe_cli.core.cluster.Cluster.allreduce_s`), slept by every member before it.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import Callable, Optional
 import psutil
 import torch
 
-from sdpipe_cli import profile
-from sdpipe_cli.cluster import Cluster, Device
-from sdpipe_cli.config import emulation, n_blocks
-from sdpipe_cli.partition import stage_ranges
-from sdpipe_cli.schedule import Action
+from sdpipe_cli.hetero import measurements
+from sdpipe_cli.core.cluster import Cluster, Device
+from sdpipe_cli.config.schema import emulation, n_blocks
+from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.schedule import Action
 
 
 class Stragglers:
@@ -55,7 +55,7 @@ class Stragglers:
 
 
 class Slowdown:
-    """An ``on_action`` hook for :class:`~sdpipe_cli.stage.PipelineStage`.
+    """An ``on_action`` hook for :class:`~sdpipe_cli.pipeline.stage.PipelineStage`.
 
     ``factor`` is the static slow-down; ``speed()`` the device's speed now (it may change during
     the run, ``dynamic`` says it may); ``compute_ms``/``backward_ms`` the modelled cost of a forward/backward at speed 1
@@ -137,7 +137,7 @@ def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
             forward_ms, backward_ms = float(c.compute_ms), 2.0 * float(c.compute_ms)
         else:  # the stage's blocks, as the profile measured them, at speed 1.0
             start, stop = stage_ranges(list(cfg.pipeline.partition), n_blocks(cfg.model))[stage]
-            fwd, bwd = profile.block_costs(profile.load(cfg.profile), device.name, 1.0)
+            fwd, bwd = measurements.block_costs(measurements.load(cfg.profile), device.name, 1.0)
             forward_ms, backward_ms = sum(fwd[start:stop]), sum(bwd[start:stop])
     st = c.stragglers
     stragglers = None

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ARCHS, n_blocks
+from sdpipe_cli.config.schema import ARCHS, n_blocks
 
 INIT_STD = 0.02
 

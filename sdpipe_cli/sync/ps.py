@@ -1,6 +1,6 @@
 """Parameter server of one stage (the ``sync=ps`` baseline): the centralized design SDPipe avoids.
 
-Started by the launcher as ``python -m sdpipe_cli.ps`` with rank ``P x S + s`` for stage s. It holds
+Started by the launcher as ``python -m sdpipe_cli.sync.ps`` with rank ``P x S + s`` for stage s. It holds
 the stage's weights and optimizer; the stage's P workers push gradients after each iteration and
 pull the weights back, so all of the stage's model traffic goes through this one process — the
 bottleneck the paper measures. Replies are asynchronous, bounded by stale-synchronous parallelism:
@@ -25,12 +25,14 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector
 
-from sdpipe_cli import optim, store
-from sdpipe_cli.config import load_child_config
-from sdpipe_cli.errors import record
-from sdpipe_cli.schedule import ASYNC_SCHEDULES, updates_per_iteration
-from sdpipe_cli.sync import PSSync
-from sdpipe_cli.worker import build_stage_module
+from sdpipe_cli.training import optim
+
+from sdpipe_cli.runtime import store
+from sdpipe_cli.config.schema import load_child_config
+from sdpipe_cli.runtime.errors import record
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
+from sdpipe_cli.sync.strategies import PSSync
+from sdpipe_cli.training.worker import build_stage_module
 
 log = logging.getLogger("sdpipe.ps")
 

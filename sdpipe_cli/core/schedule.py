@@ -189,7 +189,7 @@ def flushed(schedule_fn: ScheduleFn, iterations: int) -> ScheduleFn:
     return repeated
 
 
-# Schedules without a flush: their executor is :class:`sdpipe_cli.async_stage.AsyncStage`, which
+# Schedules without a flush: their executor is :class:`sdpipe_cli.pipeline.async_stage.AsyncStage`, which
 # runs segments of many iterations and updates after every backward.
 ASYNC_SCHEDULES: Dict[str, ScheduleFn] = {"async_1f1b": async_one_f_one_b}
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from sdpipe_cli import network
+from sdpipe_cli.runtime import network
 
 PG_PREFIX = "pg/"  # torch.distributed's own rendezvous keys
 PREFIX = "sdpipe/"  # ours

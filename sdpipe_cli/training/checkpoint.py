@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from sdpipe_cli.errors import CheckpointError  # noqa: F401 - raised here, caught by callers
+from sdpipe_cli.runtime.errors import CheckpointError  # noqa: F401 - raised here, caught by callers
 
 MANIFEST = "manifest.json"
 STAGING_PREFIX = ".staging-"

@@ -28,24 +28,26 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sdpipe_cli import __version__, network
+from sdpipe_cli import __version__
+
+from sdpipe_cli.runtime import network
 from sdpipe_cli.__main__ import exit_on_interrupt
-from sdpipe_cli.config import Config, ConfigError, compose, group_options, validate
-from sdpipe_cli.errors import CheckpointError, DataError
+from sdpipe_cli.config.schema import Config, ConfigError, compose, group_options, validate
+from sdpipe_cli.runtime.errors import CheckpointError, DataError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 TRAIN_HELP = """Train a model pipeline-parallel on P pipelines of S stages.
 
 Overrides use Hydra's grammar: key=value (train.steps=50), group=option (model=mlp),
-+key=value to add. Keys and their meaning: sdpipe_cli/config.py, or `sdpipe train --cfg`."""
++key=value to add. Keys and their meaning: sdpipe_cli/config/schema.py, or `sdpipe train --cfg`."""
 
 
 PROFILE_HELP = """Measure the cluster a training run would use, with the same overrides: per
 device, each model block's forward and backward time at the micro-batch size and the peak memory;
 per pair of pipeline neighbours, p2p latency and bandwidth; per stage, the all-reduce time of its
 weights for group sizes 2..P. Emulated speeds and links (cluster.nodes, cluster.links) are in the
-numbers. Writes <run>/profile.json (schema: sdpipe_cli/profile.py) for
+numbers. Writes <run>/profile.json (schema: sdpipe_cli/hetero/measurements.py) for
 `sdpipe train pipeline.partition=auto profile=PATH`."""
 
 
@@ -116,7 +118,7 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
     cfg = _composed(overrides, show_config)
     if cfg is None:
         return 0
-    from sdpipe_cli import data  # torch: only once the config is known to be good
+    from sdpipe_cli.training import data  # torch: only once the config is known to be good
 
     if cfg.data.name == "text":  # a user's file: fail before anything starts
         data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
@@ -136,7 +138,7 @@ def _composed(overrides: Sequence[str], show_config: bool):
 
 def _prepared(cfg, console: Console):
     """The run config for this machine; shows the automatic partition's plan if there is one."""
-    from sdpipe_cli import launcher
+    from sdpipe_cli.runtime import launcher
 
     run_cfg, plan = launcher.prepare(cfg)
     if plan is not None:
@@ -145,7 +147,8 @@ def _prepared(cfg, console: Console):
 
 
 def resume(path: str, overrides: Sequence[str], console: Console) -> int:
-    from sdpipe_cli import checkpoint, launcher
+    from sdpipe_cli.training import checkpoint
+    from sdpipe_cli.runtime import launcher
 
     ckpt = checkpoint.resolve(path)
     manifest = checkpoint.verify(ckpt)  # every shard's checksum, before anything starts
@@ -162,8 +165,8 @@ def resume(path: str, overrides: Sequence[str], console: Console) -> int:
 
 def profile(overrides: Sequence[str], show_config: bool = False,
             console: Console | None = None) -> int:
-    from sdpipe_cli import launcher
-    from sdpipe_cli import profile as document
+    from sdpipe_cli.runtime import launcher
+    from sdpipe_cli.hetero import measurements as document
 
     console = console or Console(stderr=True)
     cfg = _composed(overrides, show_config)
@@ -206,7 +209,7 @@ def _apply_resume_overrides(saved, overrides: Sequence[str]):
 
 
 def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
-    from sdpipe_cli import launcher
+    from sdpipe_cli.runtime import launcher
 
     display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
     with display:  # the launcher handles interrupts from here on

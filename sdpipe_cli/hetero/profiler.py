@@ -1,23 +1,23 @@
 """Measuring a cluster for ``sdpipe profile``: one process per worker, placed as training places it.
 
-Started by the launcher as ``python -m sdpipe_cli.profiling``, P x S times, with the environment,
-device and process group of :mod:`sdpipe_cli.worker` (no scheduler). Each process measures what
+Started by the launcher as ``python -m sdpipe_cli.hetero.profiler``, P x S times, with the environment,
+device and process group of :mod:`sdpipe_cli.training.worker` (no scheduler). Each process measures what
 training will cost on its device, and rank 0 writes ``<run>/profile.json`` (the schema is in
-:mod:`sdpipe_cli.profile`):
+:mod:`sdpipe_cli.hetero.measurements`):
 
 1. **blocks**: the process builds the whole model and times each block's forward and backward
    at the micro-batch size (``train.batch_size // pipeline.microbatches``): token ids into block
-   0, activations of :func:`~sdpipe_cli.models.activation_shape` into the others, a random output
+   0, activations of :func:`~sdpipe_cli.training.models.activation_shape` into the others, a random output
    gradient for the backward, and the head's forward through ``loss_fn`` (as the last stage does).
    Untimed warm-ups, then the minimum over up to :data:`REPEATS` repeats (see below).
-2. **peak memory**: :meth:`~sdpipe_cli.hetero.MemoryLimit.peak_mb` (RSS on CPU, the allocator's
+2. **peak memory**: :meth:`~sdpipe_cli.hetero.emulation.MemoryLimit.peak_mb` (RSS on CPU, the allocator's
    maximum on CUDA), the process's peak over the whole profile.
 3. **p2p**, for each pair of pipeline neighbours: a ping-pong of a 4-byte message (latency: half
    the shortest round trip) and a :data:`BANDWIDTH_BYTES` message acknowledged by the receiver
    (bandwidth: the extra bytes over the extra time, so that latency cancels out).
 4. **all-reduce**: for each stage s and group size k = 2..P, the replicas of stage s in pipelines
    0..k-1 all-reduce a flat float32 tensor the size of stage s's weights (under the configured
-   partition), through the same :class:`~sdpipe_cli.sync.GroupCache` as training.
+   partition), through the same :class:`~sdpipe_cli.sync.strategies.GroupCache` as training.
 
 Measurements take turns: one worker (or one pair, or one group) measures while all the others wait
 at a barrier, so that on a shared machine a number is not inflated by the others' compute. The
@@ -29,10 +29,10 @@ out up to 7x apart; minima stay within tens of percent. The profile describes th
 load they happened to share.
 
 Emulation shows up as it would in training. A device's ``speed`` goes through the same
-:class:`~sdpipe_cli.hetero.Slowdown` (measured mode): the profile records
+:class:`~sdpipe_cli.hetero.emulation.Slowdown` (measured mode): the profile records
 ``Slowdown.target``, the time the action must take, rather than sleeping it, because a sleep would
 only add the timer's overshoot to sub-millisecond blocks (and could not emulate a speed above 1).
-Links are emulated by :func:`~sdpipe_cli.hetero.link_delay` on every send and by the group
+Links are emulated by :func:`~sdpipe_cli.hetero.emulation.link_delay` on every send and by the group
 cache's all-reduce delay: those sleeps are inside the measured time.
 """
 
@@ -48,14 +48,18 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from sdpipe_cli import models, profile, store
-from sdpipe_cli.cluster import Cluster
-from sdpipe_cli.config import n_blocks
-from sdpipe_cli.hetero import MemoryLimit, Slowdown, link_delay
-from sdpipe_cli.partition import stage_ranges
-from sdpipe_cli.schedule import Action
-from sdpipe_cli.sync import GroupCache
-from sdpipe_cli.worker import Joined, group_cache, joined
+from sdpipe_cli.training import models
+
+from sdpipe_cli.hetero import measurements
+
+from sdpipe_cli.runtime import store
+from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.config.schema import n_blocks
+from sdpipe_cli.hetero.emulation import MemoryLimit, Slowdown, link_delay
+from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.schedule import Action
+from sdpipe_cli.sync.strategies import GroupCache
+from sdpipe_cli.training.worker import Joined, group_cache, joined
 
 log = logging.getLogger("sdpipe.profiling")
 
@@ -113,7 +117,7 @@ def repeat(once: Callable[[], Sequence[float]], repeats: int, warmup: int = WARM
 
 
 def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
-    """The profile document from every rank's results (see :mod:`sdpipe_cli.profile`)."""
+    """The profile document from every rank's results (see :mod:`sdpipe_cli.hetero.measurements`)."""
     mb = cfg.train.batch_size // cfg.pipeline.microbatches
     links = {}
     for kind in ("same_node", "cross_node"):
@@ -122,7 +126,7 @@ def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
                        None if link.bandwidth_gbps is None else float(link.bandwidth_gbps)}
     ordered = sorted(results, key=lambda r: r["device"]["rank"])
     return {
-        "format": profile.FORMAT,
+        "format": measurements.FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "model": {"name": cfg.model.name, "arch": cfg.model.arch, "blocks": n_blocks(cfg.model),
@@ -291,7 +295,7 @@ def main() -> int:
         if ctx.where.rank == 0:
             world = ctx.where.pipelines * ctx.where.stages
             results = [store.get_json(events, store.profile_key(r)) for r in range(world)]
-            path = profile.write(assemble(ctx.cfg, results), ctx.run_dir)
+            path = measurements.write(assemble(ctx.cfg, results), ctx.run_dir)
             store.set_json(events, store.PROGRESS, {"phase": "done", "path": str(path)})
             log.info("wrote %s", path)
     return 0

@@ -37,7 +37,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 
-from sdpipe_cli import optim, store
+from sdpipe_cli.training import optim
+
+from sdpipe_cli.runtime import store
 
 log = logging.getLogger("sdpipe.sync")
 
@@ -354,7 +356,7 @@ class GossipSync(Sync):
 class PSSync(Sync):
     """Parameter-server baseline: push gradients to the stage's server, pull its weights.
 
-    The server (:mod:`sdpipe_cli.ps`) owns the stage's weights and optimizer; it answers pushes
+    The server (:mod:`sdpipe_cli.sync.ps`) owns the stage's weights and optimizer; it answers pushes
     asynchronously, except that a replica more than ``sync.staleness`` iterations ahead of the
     slowest waits for its reply (stale-synchronous parallel). The first stage's server counts
     pipeline-iterations and ends the run after ``train.steps x P`` of them.

@@ -1,6 +1,6 @@
 """The ``profile.json`` document: what ``sdpipe profile`` measured, and the block costs read from it.
 
-``sdpipe profile`` (:mod:`sdpipe_cli.profiling`) writes it into the run folder; ``profile=PATH``
+``sdpipe profile`` (:mod:`sdpipe_cli.hetero.profiler`) writes it into the run folder; ``profile=PATH``
 gives it to ``pipeline.partition=auto`` and to modelled emulation. Schema (``format`` 1; times in
 milliseconds, sizes in bytes unless the name says otherwise)::
 
@@ -22,7 +22,7 @@ milliseconds, sizes in bytes unless the name says otherwise)::
     allreduce[]     {stage, group_size (2..P), ranks[], bytes (the stage's weights), ms}
 
 Every time is the minimum over repeats (other processes on a shared machine only add time; see
-:mod:`sdpipe_cli.profiling`); the head's forward includes the loss. ``speed`` is the
+:mod:`sdpipe_cli.hetero.profiler`); the head's forward includes the loss. ``speed`` is the
 device's speed at the start of a run (``cluster.changes`` may name a later one); the pipelines'
 ``cluster.slowdown`` factors and random stragglers are not in the times (they belong to a run, and
 whoever reads the profile applies them). ``peak_memory_mb`` is the profiling process's peak (the
@@ -135,7 +135,7 @@ def block_costs(doc: dict, device: Optional[str] = None, speed: float = 1.0) -> 
 
 def worker_block_ms(doc: dict, cluster, slowdown: Optional[list] = None) -> list[list[list[float]]]:
     """``[p][s][i]``: forward + backward time of block i on the device of pipeline p's stage s
-    (a :class:`~sdpipe_cli.cluster.Cluster`), at the device's speed at the start of the run and
+    (a :class:`~sdpipe_cli.core.cluster.Cluster`), at the device's speed at the start of the run and
     with the pipeline's ``cluster.slowdown`` factor."""
     out = []
     for p in range(cluster.pipelines):

@@ -21,7 +21,7 @@ from typing import Optional
 import psutil
 from omegaconf import DictConfig
 
-from sdpipe_cli.config import ConfigError
+from sdpipe_cli.config.schema import ConfigError
 
 WILDCARDS = ("0.0.0.0", "::")
 BACKLOG = 2048  # pending connections: P x S workers connect at once, several times each

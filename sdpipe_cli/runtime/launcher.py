@@ -27,10 +27,16 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli import models, network, partition, profile, store
-from sdpipe_cli.cluster import Cluster
-from sdpipe_cli.config import ConfigError, n_blocks, resolve_device, save_run_config
-from sdpipe_cli.errors import read_error
+from sdpipe_cli.training import models
+
+from sdpipe_cli.runtime import network, store
+
+from sdpipe_cli.core import partition
+
+from sdpipe_cli.hetero import measurements
+from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.config.schema import ConfigError, n_blocks, resolve_device, save_run_config
+from sdpipe_cli.runtime.errors import read_error
 
 GRACE_S = 10.0  # SIGTERM -> SIGKILL
 RUNNING = "running"  # the launch phase after start-up
@@ -58,8 +64,8 @@ class Job:
     graceful: bool = True
 
 
-TRAIN = Job("sdpipe_cli.worker")
-PROFILE = Job("sdpipe_cli.profiling", helpers=False, graceful=False)
+TRAIN = Job("sdpipe_cli.training.worker")
+PROFILE = Job("sdpipe_cli.hetero.profiler", helpers=False, graceful=False)
 
 
 @dataclass
@@ -82,7 +88,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
     counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
     plan = None
     if cfg.pipeline.partition == "auto":
-        block_ms = profile.worker_block_ms(profile.load(cfg.profile),
+        block_ms = measurements.worker_block_ms(measurements.load(cfg.profile),
                                            Cluster.from_config(cfg.cluster, stages),
                                            list(cfg.cluster.slowdown))
         plan = partition.plan(partition.device_cost(block_ms), blocks, stages)
@@ -264,7 +270,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         if cfg.cluster.device == "cpu":
             base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
         if job.helpers and primary:
-            children.append(spawn("sdpipe_cli.scheduler", "scheduler", "scheduler", run_dir, base))
+            children.append(spawn("sdpipe_cli.sync.scheduler", "scheduler", "scheduler", run_dir, base))
         for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
             # one GPU per worker: its index on a real node, the rank on one machine
             local = cluster.device_of_rank(rank).index if cluster.real else rank
@@ -276,7 +282,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         for stage in range(servers if primary else 0):
             rank = P * S + stage
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            children.append(spawn("sdpipe_cli.ps", f"ps{stage}",
+            children.append(spawn("sdpipe_cli.sync.ps", f"ps{stage}",
                                   f"parameter server of stage {stage}", run_dir, env))
 
         phase.advance("waiting for the workers to join")

@@ -2,12 +2,12 @@
 after every backward, weight stashing, and drains only where the worker asks for one.
 
 :class:`AsyncStage` runs *segments*: the micro-batches of consecutive iterations, from a drained
-point to the next one, in the order of :func:`sdpipe_cli.schedule.async_next`. Unlike
+point to the next one, in the order of :func:`sdpipe_cli.core.schedule.async_next`. Unlike
 :meth:`PipelineStage.run` it does not flush at the end of an iteration: the forwards of
 iteration k + 1 fill the slots where a flushed pipeline would wait for the backwards of
 iteration k, so after the warm-up every stage is busy until the segment ends.
 
-* ``F(j)``: take the weights for micro-batch j from the :class:`~sdpipe_cli.stash.WeightStash`
+* ``F(j)``: take the weights for micro-batch j from the :class:`~sdpipe_cli.pipeline.stash.WeightStash`
   (the live ones, copied if they changed since the last copy) and run the blocks with them
   through ``torch.func.functional_call``; the module is never copied.
 * ``B(j)``: differentiate with respect to the input and to the stashed tensors of j's version
@@ -31,9 +31,9 @@ activation. So between two neighbours the control is matched by order, like the 
 (NCCL ignores tags): each side posts ``...``, ``control(k)``, ``activation(km)``, ``...`` in the
 same order. Receiving it blocks a stage only until its predecessor reaches iteration k, which
 needs nothing that this stage has not already sent: the deadlock-freedom argument of
-:mod:`sdpipe_cli.stage` carries over with the control counted as part of the activation.
+:mod:`sdpipe_cli.pipeline.stage` carries over with the control counted as part of the activation.
 
-Sends are waited on as in :mod:`sdpipe_cli.stage`; a control send is waited on together with the
+Sends are waited on as in :mod:`sdpipe_cli.pipeline.stage`; a control send is waited on together with the
 activation it precedes (both have arrived once that micro-batch's gradient came back). At the end
 of a segment the stages pass a "drained" word from the last to the first (:meth:`_barrier`), so
 the first stage starts the next segment only once the whole pipeline is one consistent model.
@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from .schedule import Action, async_next
-from .stage import PipelineStage
-from .stash import WeightStash
+from sdpipe_cli.core.schedule import Action, async_next
+from sdpipe_cli.pipeline.stage import PipelineStage
+from sdpipe_cli.pipeline.stash import WeightStash
 
 __all__ = ["AsyncStage", "CONTROL_TAG", "Control"]
 

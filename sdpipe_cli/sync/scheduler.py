@@ -1,10 +1,10 @@
 """The scheduler process: the one place that holds the run's global view.
 
-Started by the launcher as ``python -m sdpipe_cli.scheduler``, it is a client of the run's
+Started by the launcher as ``python -m sdpipe_cli.sync.scheduler``, it is a client of the run's
 TCPStore like every worker. This module is the transport: it pops worker events from the store's
-queue, feeds ready signals to the pure group policy (:mod:`sdpipe_cli.grouping`) and writes each
-decision back under :func:`~sdpipe_cli.store.decision_key`, where the waiting workers read it. It
-also folds progress events into a :class:`~sdpipe_cli.metrics.RunTracker`, writes
+queue, feeds ready signals to the pure group policy (:mod:`sdpipe_cli.core.grouping`) and writes each
+decision back under :func:`~sdpipe_cli.runtime.store.decision_key`, where the waiting workers read it. It
+also folds progress events into a :class:`~sdpipe_cli.runtime.metrics.RunTracker`, writes
 ``metrics.jsonl`` and ``summary.json``, and publishes a snapshot for the launcher's display.
 
 The loop blocks on the event queue (no polling); a small ticker thread pushes a ``tick`` event
@@ -25,12 +25,14 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli import checkpoint, store
-from sdpipe_cli.config import load_child_config
-from sdpipe_cli.errors import record
-from sdpipe_cli.grouping import AsyncGroupScheduler, Decision, GroupScheduler
-from sdpipe_cli.metrics import MetricsLog, RunTracker
-from sdpipe_cli.schedule import ASYNC_SCHEDULES, updates_per_iteration
+from sdpipe_cli.training import checkpoint
+
+from sdpipe_cli.runtime import store
+from sdpipe_cli.config.schema import load_child_config
+from sdpipe_cli.runtime.errors import record
+from sdpipe_cli.core.grouping import AsyncGroupScheduler, Decision, GroupScheduler
+from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 
 log = logging.getLogger("sdpipe.scheduler")
 

@@ -114,7 +114,7 @@ class ClusterConfig:
     # Nodes and their devices; empty: one node "local" with one device of speed 1.0 per worker.
     nodes: List[NodeConfig] = field(default_factory=list)
     # Device name per (pipeline, stage): P lists of S "node:index"; empty: each pipeline on the
-    # node with the most free devices that can hold it (see sdpipe_cli/cluster.py).
+    # node with the most free devices that can hold it (see sdpipe_cli/core/cluster.py).
     placement: List[List[str]] = field(default_factory=list)
     # Per-pipeline compute slowdown factors (3.0 = three times slower); empty: all equal.
     slowdown: List[float] = field(default_factory=list)
@@ -147,7 +147,7 @@ class PipelineConfig:
 @dataclass
 class SyncConfig:
     name: str = "sdpipe"  # sdpipe | allreduce | none
-    # sdpipe only: the group scheduler's settings (see sdpipe_cli/grouping.py)
+    # sdpipe only: the group scheduler's settings (see sdpipe_cli/core/grouping.py)
     min_group: int = 2  # a replica whose group is smaller than this widens its window
     window_ms: float = 5.0  # initial waiting window of each replica
     window_min_ms: float = 0.5  # the window shrinks (x0.9) down to this
@@ -235,10 +235,11 @@ def n_blocks(model: ModelConfig | DictConfig) -> int:
 
 def config_dir() -> Path:
     """The YAML tree: packaged beside the code when installed, ``configs/`` in a source checkout."""
-    packaged = Path(__file__).resolve().parent / "configs"
+    package = Path(__file__).resolve().parents[1]
+    packaged = package / "configs"
     if packaged.is_dir():
         return packaged
-    return Path(__file__).resolve().parent.parent / "configs"
+    return package.parent / "configs"
 
 
 def group_options() -> dict[str, list[str]]:
@@ -407,8 +408,8 @@ def validate(cfg: DictConfig) -> None:
 
 def _validate_cluster(cfg: DictConfig) -> None:
     """Nodes, placement, emulation, stragglers and the profile they may need."""
-    from sdpipe_cli.cluster import Cluster, ClusterError
-    from sdpipe_cli.profile import ProfileError, check_model, load
+    from sdpipe_cli.core.cluster import Cluster, ClusterError
+    from sdpipe_cli.hetero.measurements import ProfileError, check_model, load
 
     c = cfg.cluster
     try:
@@ -502,7 +503,7 @@ def resolve_device(cfg: DictConfig) -> str:
                               "from any worker, which NCCL cannot); use cluster.device=cpu")
         return "cpu"
 
-    from sdpipe_cli.cluster import Cluster
+    from sdpipe_cli.core.cluster import Cluster
 
     cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
     if cluster.real:  # this node's workers, each on the GPU of its device index

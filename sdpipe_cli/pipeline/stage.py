@@ -1,7 +1,7 @@
 """Executor of one pipeline stage: runs a schedule's actions and moves tensors between stages.
 
 A pipeline of ``S`` stages is ``S`` processes; :class:`PipelineStage` is the part of one
-process that, given an action list from :mod:`sdpipe_cli.schedule`, computes forwards and
+process that, given an action list from :mod:`sdpipe_cli.core.schedule`, computes forwards and
 backwards of its blocks and exchanges activations and gradients with its neighbours by
 point-to-point ``torch.distributed`` calls (gloo on CPU, NCCL on CUDA):
 
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .schedule import Action
+from sdpipe_cli.core.schedule import Action
 
 __all__ = ["PipelineStage"]
 

@@ -1,8 +1,8 @@
 """A worker's training loop under asynchronous 1F1B (``pipeline.schedule=async_1f1b``).
 
-The flushed loop (:meth:`sdpipe_cli.worker.Worker.train`) runs one iteration at a time: m
+The flushed loop (:meth:`sdpipe_cli.training.worker.Worker.train`) runs one iteration at a time: m
 micro-batches through the pipeline, a flush, one optimizer step and one sync. Here the
-micro-batch stream crosses iteration boundaries: :class:`~sdpipe_cli.async_stage.AsyncStage`
+micro-batch stream crosses iteration boundaries: :class:`~sdpipe_cli.pipeline.async_stage.AsyncStage`
 runs *segments* of iterations, and after every micro-batch's backward this loop updates the
 stage (sync hooks, clipping, optimizer step) and lets the sync strategy act on that update
 (with ``pipeline.weight_versions=2``, PipeDream-2BW, the gradients of an iteration's
@@ -31,10 +31,12 @@ import os
 import time
 from typing import Optional
 
-from sdpipe_cli import data, store
-from sdpipe_cli.async_stage import AsyncStage, Batch, Control
-from sdpipe_cli.schedule import updates_per_iteration
-from sdpipe_cli.worker import Worker
+from sdpipe_cli.training import data
+
+from sdpipe_cli.runtime import store
+from sdpipe_cli.pipeline.async_stage import AsyncStage, Batch, Control
+from sdpipe_cli.core.schedule import updates_per_iteration
+from sdpipe_cli.training.worker import Worker
 
 
 class AsyncLoop:

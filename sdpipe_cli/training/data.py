@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
-from sdpipe_cli.errors import DataError  # noqa: F401 - raised here, caught by callers
+from sdpipe_cli.runtime.errors import DataError  # noqa: F401 - raised here, caught by callers
 
 SYNTHETIC_MAX_BYTES = 1_000_000
 SYNTHETIC_ALPHABET = 32  # distinct bytes used by the synthetic corpus

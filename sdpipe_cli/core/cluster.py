@@ -12,7 +12,7 @@ running its own launcher (``run.node``), and the first one hosts the store.
 
 Everything here is pure: :class:`Cluster` answers "which device", "how fast at run time t",
 "which link between these ranks" and "how long does this transfer take on it". The emulation
-(:mod:`sdpipe_cli.hetero`) and the transports ask it; nothing here sleeps or sends.
+(:mod:`sdpipe_cli.hetero.emulation`) and the transports ask it; nothing here sleeps or sends.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One worker process: stage s of pipeline p, for the whole run.
 
-Started by the launcher as ``python -m sdpipe_cli.worker`` with torchrun-style environment
+Started by the launcher as ``python -m sdpipe_cli.training.worker`` with torchrun-style environment
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
 ``SDPIPE_RUN_DIR`` and ``SDPIPE_CONFIG`` (the resolved config the launcher wrote, the only config
 it reads), plus ``SDPIPE_RESUME`` (a verified checkpoint folder) when a run goes on.
@@ -36,14 +36,18 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from sdpipe_cli import checkpoint, data, models, optim, partition, store
-from sdpipe_cli.config import load_child_config, n_blocks
-from sdpipe_cli.errors import record
-from sdpipe_cli.cluster import Cluster
-from sdpipe_cli.hetero import MemoryLimit, link_delay, make_slowdown
-from sdpipe_cli.schedule import get_schedule
-from sdpipe_cli.stage import PipelineStage
-from sdpipe_cli.sync import GroupCache, make_sync
+from sdpipe_cli.training import checkpoint, data, models, optim
+
+from sdpipe_cli.core import partition
+
+from sdpipe_cli.runtime import store
+from sdpipe_cli.config.schema import load_child_config, n_blocks
+from sdpipe_cli.runtime.errors import record
+from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
+from sdpipe_cli.core.schedule import get_schedule
+from sdpipe_cli.pipeline.stage import PipelineStage
+from sdpipe_cli.sync.strategies import GroupCache, make_sync
 
 log = logging.getLogger("sdpipe.worker")
 
@@ -164,9 +168,9 @@ class Worker:
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> None:
-        from sdpipe_cli.schedule import ASYNC_SCHEDULES
-        if self.cfg.pipeline.schedule in ASYNC_SCHEDULES:  # no flush: see sdpipe_cli/async_loop.py
-            from sdpipe_cli.async_loop import AsyncLoop  # (it imports this module)
+        from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
+        if self.cfg.pipeline.schedule in ASYNC_SCHEDULES:  # no flush: see sdpipe_cli/training/async_loop.py
+            from sdpipe_cli.training.async_loop import AsyncLoop  # (it imports this module)
             return AsyncLoop(self).train()
         cfg, w = self.cfg, self.where
         self._emit("start", pid=os.getpid())

@@ -1,0 +1,3 @@
+"""The config schema (the single source of truth for every setting), composition and validation."""
+
+__all__ = ['schema']

@@ -1,0 +1,3 @@
+"""Heterogeneous clusters: emulating slower devices and links, and measuring a cluster."""
+
+__all__ = ['emulation', 'measurements', 'profiler']

@@ -1,0 +1,3 @@
+"""A worker's training: the model, data, optimizer, checkpoints and the training loops."""
+
+__all__ = ['async_loop', 'checkpoint', 'data', 'models', 'optim', 'worker']
