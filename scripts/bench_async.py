@@ -29,7 +29,8 @@ sample down by the bubble fraction ``(S - 1) / (m + S - 1)``. Measured: ``sample
 train lines (as in ``bench_sync.py``), and ``saved`` = 1 - (flushed samples/s) / (samples/s),
 next to ``bubble``. Rows with P = 2 and ``sync=sdpipe`` add the cost of a sync round per update.
 
-Everything goes to ``OUT/results.json`` and ``OUT/results.md``.
+Everything goes to ``OUT/results.json`` and ``OUT/results.md``; ``--markdown PATH`` also writes the
+tables there under a stamp line (date, commit, machine, command; ``scripts/_report.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any, Optional
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from bench_sync import (  # noqa: E402  (a sibling script, not a package)
     CpuSampler, classify, command_line, environment, final_loss, overrun_fraction, read_jsonl,
     run_sdpipe, throughput)
@@ -100,6 +102,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="cluster.compute_ms of the throughput runs (default: 10)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_async"))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    _report.add_markdown_option(parser)
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not set(args.parts) <= {"convergence", "throughput"} or not args.parts:
@@ -243,6 +246,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{env['cpus']} CPUs.\n\n" + markdown(results))
     (args.out / "results.md").write_text(text)
     print(text)
+    if args.markdown is not None:
+        console.print(f"markdown: {_report.write_markdown(args.markdown, markdown(results))}",
+                      markup=False, highlight=False)
     return 0
 
 

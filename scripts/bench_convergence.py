@@ -52,6 +52,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from bench_sync import (  # noqa: E402 - the sibling script's analysis, shared
     CpuSampler,
     _stop,
@@ -91,6 +92,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/bench_convergence"))
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE")
+    _report.add_markdown_option(p)
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -271,6 +273,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     (args.out / "results.json").write_text(json.dumps(
         {"command": command, "stamp": stamp(), "scenarios": summaries}, indent=1, default=str))
     console.print(f"results: {args.out / 'results.md'}")
+    if args.markdown is not None:  # the tables without the command line: the stamp carries it
+        console.print(f"markdown: {_report.write_markdown(args.markdown, chr(10).join(md[2:]))}")
     return 0
 
 

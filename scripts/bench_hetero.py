@@ -15,6 +15,7 @@ Two experiments, each a few real ``sdpipe`` runs on this machine:
 Usage::
 
     python scripts/bench_hetero.py --steps 40 --out runs/bench_hetero [--only speeds|partition]
+        [--markdown PATH]   # the tables, stamped with date, commit, machine and command
 
 Samples/s per pipeline is the last train line's ``samples_per_s`` (counted from the end of the
 pipeline's first iteration); a run's total is the sum over its pipelines.
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from bench_sync import last_by_pipeline, read_jsonl, run_sdpipe  # noqa: E402
 
 HALF_SPEED_STAGE_1 = "cluster.nodes=[{name: n, devices: [{}, {speed: 0.5}, {}, {speed: 0.5}]}]"
@@ -44,6 +46,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="folder for the runs (must not exist yet)")
     parser.add_argument("--only", choices=("speeds", "partition"), help="run one experiment")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    _report.add_markdown_option(parser)
     return parser.parse_args(argv)
 
 
@@ -128,6 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = "\n".join(report)
     (args.out / "report.md").write_text(text + "\n")
     print(text)
+    if args.markdown is not None:
+        print(f"markdown: {_report.write_markdown(args.markdown, text)}")
     return 0
 
 

@@ -4,6 +4,7 @@ Run it from the repository root after ``pip install -e .``::
 
     python scripts/bench_sync.py                          # the full benchmark: all modes, scenarios
     python scripts/bench_sync.py --markdown               # the same, tables printed as Markdown
+    python scripts/bench_sync.py --markdown runs/bench.md # also written there, stamped (_report.py)
     python scripts/bench_sync.py --steps 6 --modes none,allreduce --scenarios straggler \\
         --pipelines 2 --out /tmp/benchtest                # a smoke test of the script itself
 
@@ -11,7 +12,7 @@ Usage::
 
     python scripts/bench_sync.py [--modes sdpipe,allreduce,ps,adpsgd,none] [--pipelines 4]
         [--stages 2] [--steps 60] [--compute-ms 10] [--slow 3] [--scenarios equal,straggler]
-        [--target-loss auto|FLOAT] [--out runs/bench] [--timeout 600] [--markdown]
+        [--target-loss auto|FLOAT] [--out runs/bench] [--timeout 600] [--markdown [PATH]]
         [--extra OVERRIDE ...]
 
 **What it runs.** For each scenario and each sync mode, one ``sdpipe train`` subprocess::
@@ -83,6 +84,9 @@ from typing import Any, Optional
 
 import psutil
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402  (a sibling script, not a package)
 from rich.console import Console
 from rich.table import Table
 
@@ -122,7 +126,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="output folder (default: runs/bench)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds allowed per run (default: 600)")
-    parser.add_argument("--markdown", action="store_true", help="print Markdown tables, not rich")
+    _report.add_markdown_option(parser, stdout_flag=True)
     parser.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE",
                         help="more sdpipe overrides for every run, e.g. --extra train.lr=1e-3")
     args = parser.parse_args(argv)
@@ -510,8 +514,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         records = [run_one(args, scenario, mode, progress) for mode in args.modes]
         results.append(finish_scenario(scenario, records, args.target_loss))
         write_results(results, args)  # after each scenario, so a long run leaves partial results
-    if args.markdown:
-        print("\n".join(markdown_table(r, args) for r in results), end="")
+    tables = "\n".join(markdown_table(r, args) for r in results)
+    if args.markdown not in (None, "-"):
+        progress.print(f"markdown: {_report.write_markdown(Path(args.markdown), tables)}",
+                       highlight=False)
+    if args.markdown == "-":
+        print(tables, end="")
     else:
         out = Console(width=None if sys.stdout.isatty() else 132)
         for r in results:

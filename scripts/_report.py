@@ -1,0 +1,78 @@
+"""Markdown result tables of the benchmark scripts, stamped with when, where and how they were made.
+
+Every ``scripts/bench_*.py`` takes ``--markdown PATH`` and writes its result table there through
+:func:`write_markdown`, headed by one stamp line::
+
+    measured 2026-11-30 UTC at commit 6b99383, machine: 2 cores, torch 2.13.0+cpu, Python 3.11.7,
+    command: `python scripts/bench_sync.py --steps 6 ...`
+
+A figure without its commit and machine cannot be compared with the next one, and a table copied by
+hand into docs/BENCHMARKS.md loses both; so the script writes the stamp, and the page quotes the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """The short hash of HEAD, with ``-dirty`` when tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def torch_version() -> str:
+    try:
+        from importlib import metadata
+        return metadata.version("torch")
+    except Exception:  # not installed, or metadata missing: the stamp still gets written
+        return "?"
+
+
+def command_line(argv: Optional[Sequence[str]] = None) -> str:
+    """The command as it was typed (relative script path kept), for the stamp."""
+    return shlex.join(["python", *(sys.argv if argv is None else argv)])
+
+
+def stamp(command: Optional[str] = None) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (f"measured {now:%Y-%m-%d} UTC at commit {commit()}, machine: {os.cpu_count()} cores, "
+            f"torch {torch_version()}, Python {platform.python_version()}, "
+            f"command: `{command or command_line()}`")
+
+
+def write_markdown(path: Path, body: str, command: Optional[str] = None) -> Path:
+    """Write ``body`` (Markdown) to ``path`` under the stamp line; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(stamp(command) + "\n\n" + body.strip("\n") + "\n")
+    return path
+
+
+def add_markdown_option(parser: argparse.ArgumentParser, stdout_flag: bool = False) -> None:
+    """``--markdown PATH``: also write the result table, stamped, to PATH. With ``stdout_flag``
+    a bare ``--markdown`` keeps its older meaning (print the tables as Markdown; value ``-``)."""
+    if stdout_flag:
+        parser.add_argument("--markdown", nargs="?", const="-", default=None, metavar="PATH",
+                            help="write the result tables as stamped Markdown to PATH; "
+                            "without PATH, print them as Markdown instead of rich tables")
+    else:
+        parser.add_argument("--markdown", type=Path, default=None, metavar="PATH",
+                            help="also write the result table as stamped Markdown to PATH")
