@@ -133,7 +133,7 @@ def start_store(cfg: DictConfig):
         raise ConfigError("cluster.host", f"cannot listen on {address}: {first}") from None
     if not bound:
         print(f"sdpipe: warning: torch {torch.__version__} cannot take a bound socket "
-              "(master_listen_fd); the store listens on every interface, see README's Security",
+              "(master_listen_fd); the store listens on every interface, see docs/SECURITY.md",
               file=sys.stderr, flush=True)
     return master
 
