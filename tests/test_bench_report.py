@@ -1,0 +1,40 @@
+"""The benchmark scripts' --markdown PATH: a result table under one stamp line (scripts/_report.py)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+_report = importlib.import_module("_report")
+
+STAMP = re.compile(r"measured \d{4}-\d\d-\d\d UTC at commit ([0-9a-f]{4,}(-dirty)?|unknown), "
+                   r"machine: \d+ cores, torch \S+, Python \S+, command: `.+`")
+
+
+def test_write_markdown_stamps_the_table(tmp_path):
+    path = _report.write_markdown(tmp_path / "sub" / "t.md", "| a |\n|---|\n| 1 |\n",
+                                  command="python scripts/bench_x.py --steps 2")
+    first, blank, *table = path.read_text().splitlines()
+    assert STAMP.fullmatch(first), first
+    assert first.endswith("command: `python scripts/bench_x.py --steps 2`")
+    assert blank == "" and table == ["| a |", "|---|", "| 1 |"]
+
+
+@pytest.mark.parametrize("name", ["bench_async", "bench_convergence", "bench_hetero"])
+def test_markdown_takes_a_path(name):
+    args = importlib.import_module(name).parse_args(["--markdown", "out/table.md"])
+    assert args.markdown == Path("out/table.md")
+    assert importlib.import_module(name).parse_args([]).markdown is None
+
+
+def test_bench_sync_keeps_its_bare_flag():
+    bench_sync = importlib.import_module("bench_sync")
+    assert bench_sync.parse_args(["--markdown"]).markdown == "-"  # print Markdown, as before
+    assert bench_sync.parse_args(["--markdown", "t.md"]).markdown == "t.md"
+    assert bench_sync.parse_args([]).markdown is None
