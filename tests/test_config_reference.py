@@ -67,7 +67,12 @@ from typing import Any, List, Optional
 
 
 @dataclass
-class GossipSync:
+class SyncBase:
+    name: str = "?"  # the sync mode
+
+
+@dataclass
+class GossipSync(SyncBase):
     """Gossip with one peer per round."""
     name: str = "gossip"
     # peers per round
@@ -75,8 +80,7 @@ class GossipSync:
 
 
 @dataclass
-class GroupSync:
-    name: str = "group"
+class GroupSync(SyncBase):
     window_ms: float = 5.0  # initial waiting window
 
 
@@ -90,7 +94,7 @@ class Part:
 
 @dataclass
 class Config:
-    sync: Any = field(default_factory=GroupSync)  # how replicas agree
+    sync: SyncBase = field(default_factory=GroupSync)  # how replicas agree
     parts: List[Part] = field(default_factory=list)
     seed: int = 0  # the one seed
 
@@ -119,4 +123,5 @@ def test_nested_and_registered_dataclasses(tmp_path):
     assert "### `sync=gossip` (`GossipSync`)" in text
     assert "Gossip with one peer per round." in text
     assert "| `sync.fanout` | `int` | `1` | peers per round |" in text
+    assert "| `sync.name` | `str` | `gossip` | the sync mode |" in text  # inherited comment
     assert "| `flag` | `bool` | `true` | reached from nowhere |" in text

@@ -173,15 +173,21 @@ def rows(cls: type, source: _Source, module: ModuleType, prefix: str = "",
     """Every setting under ``cls``, nested dataclasses in place (depth first, in field order)."""
     seen = set() if seen is None else seen
     seen.add(cls)
-    hints = typing.get_type_hints(cls, vars(module))
-    written = source.fields.get(cls.__name__, {})
+    try:
+        hints = typing.get_type_hints(cls, vars(module))
+    except Exception:  # a name only importable under TYPE_CHECKING: walk by the defaults alone
+        hints = {}
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        annotation, meaning = written.get(f.name, (str(hints.get(f.name, "")), ""))
+        # the class that declares the field (a subclass inherits its base's fields and comments)
+        written = [source.fields[c.__name__][f.name] for c in cls.__mro__
+                   if f.name in source.fields.get(c.__name__, {})]
+        annotation = written[0][0] if written else str(hints.get(f.name, f.type))
+        meaning = next((text for _, text in written if text), "")  # an override may not repeat it
         default = _default(f)
         nested, is_list = _dataclass_in(hints.get(f.name))
-        if nested is None and _is_dataclass_type(type(default)):
-            nested = type(default)  # e.g. an Any field whose default is one option's dataclass
+        if not is_list and _is_dataclass_type(type(default)):
+            nested = type(default)  # the option a base-typed (or Any) field starts with
         if nested is not None and not is_list:
             yield Row(key, annotation, "(group)", meaning)
             yield from rows(nested, source, module, f"{key}.", seen)
@@ -257,10 +263,11 @@ def reference(module: Optional[ModuleType] = None, root: str = "Config",
            "each field in the schema.", ""]
     seen: set[type] = set()
     all_rows = list(rows(top, source, module, "", seen))
+    groups = {r.key for r in all_rows if r.default == "(group)" and "." not in r.key}
     sections: dict[str, list[Row]] = {}
-    for r in all_rows:
-        head = r.key.split(".", 1)[0] if "." in r.key or r.default == "(group)" else ""
-        sections.setdefault(head, []).append(r)
+    for r in all_rows:  # one section per nested dataclass of the root, the rest at the top level
+        root = re.split(r"[.\[]", r.key, maxsplit=1)[0]
+        sections.setdefault(root if root in groups else "", []).append(r)
     for head, found in sections.items():
         found = [r for r in found if r.default != "(group)" or r.key != head]
         out += [f"## `{head}`" if head else "## Top level", ""]
@@ -278,7 +285,8 @@ def reference(module: Optional[ModuleType] = None, root: str = "Config",
     for group, name, cls, peers in source.options(module):
         # A registry without a group name belongs to the root field whose default is one of its
         # classes (Config.sync defaults to the sdpipe option: the registry is the sync group's).
-        group = group or next((owner[c] for c in peers if c in owner), None)
+        group = group or next((name_ for c in peers for base, name_ in owner.items()
+                               if issubclass(c, base)), None)
         if cls is not top and (group, name) not in listed:
             listed.add((group, name))
             extra.append((group, name, cls))
