@@ -1,10 +1,11 @@
 """Pipeline schedules: the order in which one stage runs its forwards and backwards.
 
 A schedule is a pure function ``(stages, microbatches, stage) -> list[Action]``: no torch, no
-I/O, so it can be printed, diffed and property-tested. The stage executor (``stage.py``) runs
-the list; since each stage receives from its neighbours in list order, two neighbours' lists
-must agree on the order of micro-batches, which both schedules here guarantee (forwards and
-backwards each go in micro-batch order).
+I/O, so it can be printed, diffed and property-tested. An :class:`Action` is a :class:`Kind`
+(``F`` or ``B``) and a micro-batch, printed ``F0``, ``B3``. The flushed executor
+(:class:`sdpipe_cli.pipeline.stage.PipelineStage`) runs the list; since each stage receives from
+its neighbours in list order, two neighbours' lists must agree on the order of micro-batches,
+which both schedules here guarantee (forwards and backwards each go in micro-batch order).
 
 :func:`gpipe` runs every forward, then every backward. :func:`one_f_one_b` (PipeDream-Flush,
 "1F1B") has three phases on stage ``s`` of ``S``:
