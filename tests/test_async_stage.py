@@ -29,9 +29,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from sdpipe_cli.pipeline.async_stage import AsyncStage, Control
 from sdpipe_cli.core.schedule import async_one_f_one_b, simulate, stash_versions
-from sdpipe_cli.pipeline.stage import PipelineStage
+from sdpipe_cli.pipeline.async_stage import AsyncStage
+from sdpipe_cli.pipeline.executor import Executor
+from sdpipe_cli.pipeline.p2p import Control
 
 pytestmark = pytest.mark.multiprocess
 
@@ -74,7 +75,7 @@ def run_mode(rank, mode):
     M, window, versions, segments = MODES[mode]
     lo, hi = bounds(rank)
     module = nn.Sequential(*make_blocks()[lo:hi])
-    stage = AsyncStage(PipelineStage(
+    stage = AsyncStage(Executor(
         module, rank, STAGES, rank - 1 if rank else None, rank + 1 if rank < STAGES - 1 else None,
         (MB, SEQ, WIDTH), torch.device("cpu"), loss_fn), M, versions)
     stage.trace = []
@@ -102,7 +103,7 @@ def run_mode(rank, mode):
         if not control.go:
             break
         drained.append(step)
-    leftovers = bool(stage._sends) or stage._posted is not None or stage.stash.in_flight
+    leftovers = not stage.executor.link.idle or stage.stash.in_flight
     return {"trace": stage.trace, "drained": drained, "losses": losses,
             "peak": stage.stash.peak_versions, "bound": stage.stash.bound, "leftovers": leftovers,
             "weights": {n: p.detach().clone() for n, p in module.named_parameters()}}
@@ -238,8 +239,8 @@ def test_single_stage_accumulates_gradients_that_autograd_returns_shared():
     blocks = [nn.Embedding(VOCAB, WIDTH), AddTwo(), nn.Linear(WIDTH, VOCAB)]
     module = nn.Sequential(*blocks)
     reference = copy.deepcopy(module)
-    stage = AsyncStage(PipelineStage(module, 0, 1, None, None, (MB, SEQ, WIDTH),
-                                     torch.device("cpu"), loss_fn), 4, versions=2)
+    stage = AsyncStage(Executor(module, 0, 1, None, None, (MB, SEQ, WIDTH),
+                                torch.device("cpu"), loss_fn), 4, versions=2)
     batch = [microbatch(i) for i in range(4)]
     grads = {}
 

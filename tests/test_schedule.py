@@ -8,6 +8,7 @@ from sdpipe_cli.core.schedule import (
     ASYNC_SCHEDULES,
     SCHEDULES,
     Action,
+    Kind,
     async_next,
     async_one_f_one_b,
     flushed,
@@ -58,6 +59,31 @@ def test_action_str_and_fields():
     a = Action("B", 3)
     assert str(a) == "B3" and a.kind == "B" and a.microbatch == 3
     assert format_actions([]) == ""
+
+
+def test_action_kind_is_an_enum_that_prints_its_letter():
+    a = Action(Kind.F, 0)
+    assert a.kind is Kind.F and str(a) == "F0" and f"{a.kind}" == "F"
+    # The letter is another spelling of the same action: equal, same hash, converted to Kind.
+    assert Action("F", 0) == a and hash(Action("F", 0)) == hash(a)
+    assert Action("B", 2).kind is Kind.B and isinstance(Action("B", 2).kind, Kind)
+    assert {a: 1}[Action("F", 0)] == 1
+    assert all(isinstance(x.kind, Kind) for x in one_f_one_b(3, 4, 1) + async_one_f_one_b(3, 6, 0))
+    assert [k.value for k in Kind] == ["F", "B"]
+
+
+@pytest.mark.parametrize("kind", ["X", "C", "f", "", None])
+def test_unknown_action_kind_fails_where_made(kind):
+    with pytest.raises(ValueError):
+        Action(kind, 0)
+
+
+def test_action_survives_pickling_and_replace():
+    import pickle
+
+    a = Action(Kind.B, 7)
+    for b in (pickle.loads(pickle.dumps(a)), a._replace(microbatch=7)):
+        assert b == a and type(b) is Action and b.kind is Kind.B and str(b) == "B7"
 
 
 def test_get_schedule():

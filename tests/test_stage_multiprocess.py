@@ -109,7 +109,7 @@ def check_iteration(stage, stages, errors):
                 for p, want in zip(blocks[b].parameters(), ref_grads[b]):
                     if p.grad is None or not torch.allclose(p.grad, want, atol=TOL, rtol=TOL):
                         errors.append(f"{tag}: gradient of block {b} differs")
-            if pipe._sends or pipe._posted is not None:
+            if not pipe.executor.link.idle:
                 errors.append(f"{tag}: communication left in flight")
 
             loss = pipe.forward_only(inputs, targs, microbatches=m)
@@ -171,18 +171,20 @@ def test_run_rejects_bad_action_lists():
     for bad in (
         [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)],
         [Action("B", 0), Action("F", 0)],
-        [Action("F", 0), Action("X", 0)],
+        [Action("F", 0), Action("F", 1), Action("B", 0)],
         [],
     ):
         with pytest.raises(ValueError):
             pipe.run(bad, **data)
+    with pytest.raises(ValueError):  # an unknown kind cannot even be made
+        Action("X", 0)
     with pytest.raises(ValueError, match="targets"):
         pipe.run(get_schedule("1f1b")(1, 2, 0), inputs=data["inputs"])
 
 
 def test_wrong_activation_shape_fails_before_sending():
-    pipe = make_stage(0, 2, make_blocks(), 2, ranks=[0, 1])
-    pipe.activation_shape = (BATCH, SEQ, WIDTH)  # the real micro-batch is BATCH // 2
+    # Built for one micro-batch (BATCH rows), run with two of BATCH // 2 rows each.
+    pipe = make_stage(0, 2, make_blocks(), 1, ranks=[0, 1])
     tokens, _ = make_batch()
     with pytest.raises(RuntimeError, match="activation"):
         pipe.run(get_schedule("gpipe")(2, 2, 0), inputs=list(tokens.chunk(2)))

@@ -1,10 +1,11 @@
 """Pipeline schedules: the order in which one stage runs its forwards and backwards.
 
 A schedule is a pure function ``(stages, microbatches, stage) -> list[Action]``: no torch, no
-I/O, so it can be printed, diffed and property-tested. The stage executor (``stage.py``) runs
-the list; since each stage receives from its neighbours in list order, two neighbours' lists
-must agree on the order of micro-batches, which both schedules here guarantee (forwards and
-backwards each go in micro-batch order).
+I/O, so it can be printed, diffed and property-tested. An :class:`Action` is a :class:`Kind`
+(``F`` or ``B``) and a micro-batch, printed ``F0``, ``B3``. The flushed executor
+(:class:`sdpipe_cli.pipeline.stage.PipelineStage`) runs the list; since each stage receives from
+its neighbours in list order, two neighbours' lists must agree on the order of micro-batches,
+which both schedules here guarantee (forwards and backwards each go in micro-batch order).
 
 :func:`gpipe` runs every forward, then every backward. :func:`one_f_one_b` (PipeDream-Flush,
 "1F1B") has three phases on stage ``s`` of ``S``:
@@ -35,11 +36,13 @@ flush until the segment ends; :func:`async_next` is its rule, one action at a ti
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 __all__ = [
     "ASYNC_SCHEDULES",
     "Action",
+    "Kind",
     "SCHEDULES",
     "ScheduleFn",
     "async_next",
@@ -56,14 +59,36 @@ __all__ = [
 ]
 
 
-class Action(NamedTuple):
-    """One unit of work of a stage: the forward ("F") or backward ("B") of a micro-batch."""
+class Kind(StrEnum):
+    """What an action does to its micro-batch; the value is the letter schedules print.
 
-    kind: str
+    A ``StrEnum`` so that ``Kind.F == "F"`` and ``Kind("F") is Kind.F``: a schedule's text, the
+    events and the logs keep their one-letter form, and any other letter fails at once.
+    """
+
+    F = "F"  # forward: the input (read, or received from the previous stage) through the blocks
+    B = "B"  # backward: the output's gradient (received, or of the loss) back through them
+
+
+class _Action(NamedTuple):
+    kind: Kind
     microbatch: int
 
+
+class Action(_Action):
+    """One unit of work of a stage: the forward (``F``) or backward (``B``) of a micro-batch.
+
+    ``Action("F", 0)`` and ``Action(Kind.F, 0)`` are the same action: the kind is converted to
+    :class:`Kind` on construction, so an unknown kind is a ValueError where it is made.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, kind: Kind | str, microbatch: int) -> "Action":
+        return super().__new__(cls, Kind(kind), microbatch)
+
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind.value}{self.microbatch}"
 
 
 ScheduleFn = Callable[[int, int, int], List[Action]]
@@ -82,18 +107,18 @@ def one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action]:
     """PipeDream-Flush (1F1B) actions of ``stage``: warm-up forwards, F/B pairs, cool-down."""
     _check(stages, microbatches, stage)
     warmup = min(stages - stage - 1, microbatches)
-    actions = [Action("F", i) for i in range(warmup)]
+    actions = [Action(Kind.F, i) for i in range(warmup)]
     for i in range(microbatches - warmup):
-        actions += [Action("F", warmup + i), Action("B", i)]
-    actions += [Action("B", i) for i in range(microbatches - warmup, microbatches)]
+        actions += [Action(Kind.F, warmup + i), Action(Kind.B, i)]
+    actions += [Action(Kind.B, i) for i in range(microbatches - warmup, microbatches)]
     return actions
 
 
 def gpipe(stages: int, microbatches: int, stage: int) -> List[Action]:
     """GPipe actions of ``stage``: every forward, then every backward."""
     _check(stages, microbatches, stage)
-    return [Action("F", i) for i in range(microbatches)] + [
-        Action("B", i) for i in range(microbatches)
+    return [Action(Kind.F, i) for i in range(microbatches)] + [
+        Action(Kind.B, i) for i in range(microbatches)
     ]
 
 
@@ -113,9 +138,9 @@ def async_next(stages: int, stage: int, forwarded: int, backwarded: int,
     where the stream drains only when the control message of an iteration arrives.
     """
     if forwarded - backwarded < stages - stage and (end is None or forwarded < end):
-        return Action("F", forwarded)
+        return Action(Kind.F, forwarded)
     if backwarded < forwarded:
-        return Action("B", backwarded)
+        return Action(Kind.B, backwarded)
     return None
 
 
@@ -147,7 +172,7 @@ def async_one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action
         if action is None:
             return actions
         actions.append(action)
-        if action.kind == "F":
+        if action.kind is Kind.F:
             forwarded += 1
         else:
             backwarded += 1
@@ -164,9 +189,9 @@ def stash_versions(actions: List[Action]) -> Dict[int, int]:
     versions: Dict[int, int] = {}
     updates = 0
     for action in actions:
-        if action.kind == "F":
+        if action.kind is Kind.F:
             versions[action.microbatch] = updates
-        elif action.kind == "B":
+        elif action.kind is Kind.B:
             updates += 1
     return versions
 
@@ -236,12 +261,12 @@ def simulate(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> List[Li
     done: Dict[tuple, int] = {}  # (kind, stage, microbatch) -> tick it ran
 
     def ready(action: Action, s: int, tick: int) -> bool:
-        def ran(kind: str, at: int) -> bool:
+        def ran(kind: Kind, at: int) -> bool:
             return done.get((kind, at, action.microbatch), tick) < tick
 
-        if action.kind == "F":
-            return s == 0 or ran("F", s - 1)
-        return ran("F", s) and (s == stages - 1 or ran("B", s + 1))
+        if action.kind is Kind.F:
+            return s == 0 or ran(Kind.F, s - 1)
+        return ran(Kind.F, s) and (s == stages - 1 or ran(Kind.B, s + 1))
 
     rows: List[List[Optional[Action]]] = [[] for _ in range(stages)]
     position = [0] * stages

@@ -40,7 +40,7 @@ from sdpipe_cli.hetero import measurements
 from sdpipe_cli.core.cluster import Cluster, Device
 from sdpipe_cli.config.schema import emulation, n_blocks
 from sdpipe_cli.core.partition import stage_ranges
-from sdpipe_cli.core.schedule import Action
+from sdpipe_cli.core.schedule import Action, Kind
 
 
 class Stragglers:
@@ -98,7 +98,7 @@ class Slowdown:
         """Wall time the action must take."""
         factor = self.factor * straggle / self.speed()
         if self.modelled:
-            return (self.backward_s if action.kind == "B" else self.forward_s) * factor
+            return (self.backward_s if action.kind is Kind.B else self.forward_s) * factor
         return seconds * factor
 
     def __call__(self, action: Action, seconds: float) -> None:

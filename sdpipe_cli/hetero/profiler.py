@@ -57,7 +57,7 @@ from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.config.schema import n_blocks
 from sdpipe_cli.hetero.emulation import MemoryLimit, Slowdown, link_delay
 from sdpipe_cli.core.partition import stage_ranges
-from sdpipe_cli.core.schedule import Action
+from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.sync.strategies import GroupCache
 from sdpipe_cli.training.worker import Joined, group_cache, joined
 
@@ -69,7 +69,7 @@ MIN_REPEATS = 3  # a slow block stops repeating after BLOCK_BUDGET_S, but not be
 BLOCK_BUDGET_S = 1.0
 COMM_REPEATS = 9  # timed repeats of a message or an all-reduce (fixed: both sides must agree)
 BANDWIDTH_BYTES = 4 * 2**20  # the bandwidth message: large enough that its transfer time dominates
-FORWARD, BACKWARD = Action("F", 0), Action("B", 0)
+FORWARD, BACKWARD = Action(Kind.F, 0), Action(Kind.B, 0)
 
 
 # -- the plan: the same on every rank -------------------------------------------------------------

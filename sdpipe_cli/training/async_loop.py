@@ -34,7 +34,8 @@ from typing import Optional
 from sdpipe_cli.training import data
 
 from sdpipe_cli.runtime import store
-from sdpipe_cli.pipeline.async_stage import AsyncStage, Batch, Control
+from sdpipe_cli.pipeline.async_stage import AsyncStage, Batch
+from sdpipe_cli.pipeline.p2p import Control
 from sdpipe_cli.core.schedule import updates_per_iteration
 from sdpipe_cli.training.worker import Worker
 
@@ -50,7 +51,7 @@ class AsyncLoop:
         self.m = p.microbatches
         # micro-batches per update: 1 (PipeDream) or m (2BW: one update per iteration)
         self.window = self.m // updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
-        worker.stage = self.stage = AsyncStage(worker.stage, self.m, p.weight_versions)
+        worker.stage = self.stage = AsyncStage(worker.stage.executor, self.m, p.weight_versions)
         self.started = time.time()
         self.ending = False  # the first stage decided that the run ends at the next drain
         self.segment = worker.start_step  # iteration at which the current segment began

@@ -46,12 +46,11 @@ from sdpipe_cli.runtime.errors import record
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.core.schedule import get_schedule
+from sdpipe_cli.pipeline import p2p
 from sdpipe_cli.pipeline.stage import PipelineStage
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
 
 log = logging.getLogger("sdpipe.worker")
-
-CONTROL_TAG = 7  # p2p tag of the per-iteration go/stop message (activations use other tags)
 
 
 @dataclass(frozen=True)
@@ -131,7 +130,7 @@ class Worker:
         if where.first or where.last:  # middle stages never touch data
             self.corpus = data.load_corpus(cfg.data, cfg.train.seed)
             data.check_corpus(self.corpus, cfg.model.seq_len)
-        self._pending: list[dist.Work] = []
+        self._pending: list[p2p.Pending] = []
         self.run_dir = Path(cfg.run.dir)
         self._last_save = time.monotonic()
         self._save_after = False
@@ -151,17 +150,15 @@ class Worker:
             minutes = self.cfg.checkpoint.every_minutes
             save = bool(minutes) and go and self.sync.agree_on_checkpoint(
                 time.monotonic() - self._last_save >= minutes * 60)
-            flag = torch.tensor([int(go), step, int(save)], dtype=torch.int64, device=self.device)
+            control = p2p.Control(go, step, save)
         else:
-            flag = torch.empty(3, dtype=torch.int64, device=self.device)
-            dist.recv(flag, src=w.rank_of(w.pipeline, w.stage - 1), tag=CONTROL_TAG)
-            if int(flag[1]) != step:
-                raise RuntimeError(f"stage {w.stage} expected iteration {step}, got {int(flag[1])}")
+            control = p2p.receive_control(w.rank_of(w.pipeline, w.stage - 1), step, self.device,
+                                          stage=w.stage)
         if not w.last:
-            self._pending.append(dist.isend(flag, dst=w.rank_of(w.pipeline, w.stage + 1),
-                                            tag=CONTROL_TAG))
-        self._save_after = bool(flag[2])  # a time-based checkpoint at the end of this iteration
-        return bool(flag[0])
+            self._pending.append(p2p.send_control(control, w.rank_of(w.pipeline, w.stage + 1),
+                                                  self.device))
+        self._save_after = control.save  # a time-based checkpoint at the end of this iteration
+        return control.go
 
     def _microbatches(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [t.to(self.device) for t in x.chunk(self.cfg.pipeline.microbatches)]

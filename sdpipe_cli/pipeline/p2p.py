@@ -1,0 +1,285 @@
+"""Messages between neighbouring stages: the tags, the control message, and the link that sends
+and receives without deadlock.
+
+Every stage of a pipeline talks only to its two neighbours, by point-to-point
+``torch.distributed`` calls (gloo on CPU, NCCL on CUDA). Three kinds of message travel:
+
+* activations forward and gradients backward, tag :data:`TENSOR_TAG`, one tensor of the
+  pipeline's activation shape each, sent and received through a :class:`Link`;
+* the per-iteration :class:`Control` message, forward from the first stage, tag
+  :data:`CONTROL_TAG`: the flushed loop (:meth:`sdpipe_cli.training.worker.Worker._agree`) sends
+  it before each iteration, the asynchronous executor
+  (:class:`sdpipe_cli.pipeline.async_stage.AsyncStage`) just before each iteration's first
+  activation;
+* the "drained" word of :meth:`Link.pass_drained`, backward from the last stage at the end of an
+  asynchronous segment, tag :data:`DRAINED_TAG`.
+
+Messages are matched by order, not by tag (NCCL ignores tags): p2p messages of a pair arrive in
+the order sent, and both neighbours post them in the same order. Between two neighbours only
+activations and controls flow forward and only gradients and the drained word backward; both
+neighbours' action lists run forwards and backwards in micro-batch order (the executors check
+it), and a control is sent and received at the same place relative to the activations.
+
+Why it does not deadlock
+------------------------
+In 1F1B's steady state two neighbours send to each other at the same moment (stage ``s`` an
+activation, ``s + 1`` a gradient); two blocking sends would wait for each other forever. So
+every send is an ``isend`` whose handle and buffer a :class:`Link` keeps, and a stage waits on a
+send only when the receiver cannot be waiting on it in turn:
+
+* the sends to the next stage up to the activation of micro-batch ``i`` once its gradient has
+  come back (:meth:`Link.wait_delivered`): the next stage used that activation, so it received
+  it and everything sent before it (a control among them), and the wait returns at once;
+* the oldest gradient sends when more than ``S - stage`` are pending
+  (:meth:`Link.wait_gradients`): the previous stage only ever waits on this one for gradients,
+  all of which up to that one are already posted;
+* everything left, at the end of an iteration or a segment (:meth:`Link.wait_sends`).
+
+A control is received blocking, but only where its sender posts it just before the activation
+the receiver needs next; receiving it needs nothing the receiver has not already sent, so it
+counts as part of that activation in the argument above.
+
+Each handle is waited on exactly once (gloo hangs on a second wait of a receive, and its
+``is_completed()`` stays False until ``wait()``, so it cannot be polled). When the action after a
+send receives from the peer just sent to (the exchange above), the send and that receive are
+posted together with ``batch_isend_irecv``, as Megatron-LM and ``torch.distributed.pipelining``
+do: NCCL serialises a pair's operations on one stream and runs them concurrently only within one
+group call; gloo just posts the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from sdpipe_cli.core.schedule import Action, Kind
+
+__all__ = [
+    "CONTROL_TAG",
+    "Control",
+    "ControlSend",
+    "DRAINED_TAG",
+    "Link",
+    "Pending",
+    "TENSOR_TAG",
+    "receive_control",
+    "send_control",
+]
+
+TENSOR_TAG = 0  # activations (forward) and gradients (backward)
+CONTROL_TAG = 7  # the per-iteration control message (forward)
+DRAINED_TAG = 8  # a stage and all after it made their last update of a segment (backward)
+
+
+class Control(NamedTuple):
+    """The control message of one iteration, decided by the first stage and passed down.
+
+    The flushed loop reads ``go`` and ``save`` (``last`` is always False there: every iteration
+    ends in a flush); the asynchronous executor reads all four.
+    """
+
+    go: bool  # run iteration ``step`` (False: the run is over; async: read at a segment's start)
+    step: int  # the iteration it is for; a stage that gets another one fails at once
+    save: bool  # checkpoint at the end of this iteration (async: at the drain ending the segment)
+    last: bool = False  # async: this iteration ends the segment, drain after its forwards
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """Its wire form: four int64s ``[go, step, save, last]``."""
+        return torch.tensor([int(self.go), self.step, int(self.save), int(self.last)],
+                            dtype=torch.int64, device=device)
+
+    @classmethod
+    def of(cls, flag: torch.Tensor) -> "Control":
+        """The control a tensor of :meth:`tensor`'s form holds."""
+        if flag.shape != (len(cls._fields),):
+            raise ValueError(f"a control message is {len(cls._fields)} ints, got shape "
+                             f"{tuple(flag.shape)}")
+        go, step, save, last = (int(v) for v in flag.tolist())
+        return cls(bool(go), step, bool(save), bool(last))
+
+
+class ControlSend(NamedTuple):
+    """What a pending send carries when it is iteration ``step``'s control (not an action)."""
+
+    step: int
+
+    def __str__(self) -> str:
+        return f"C{self.step}"
+
+
+Sent = Union[Action, ControlSend]
+
+
+@dataclass
+class Pending:
+    """A send in flight: what it carries, where to, its handles and its buffer (kept alive until
+    the send is waited on, which happens exactly once)."""
+
+    what: Sent
+    dst: int
+    works: list
+    buffer: torch.Tensor
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def send_control(control: Control, dst: int, device: torch.device,
+                 group: Optional[dist.ProcessGroup] = None) -> Pending:
+    """Post ``control`` to ``dst`` without blocking; the caller waits on the result once."""
+    flag = control.tensor(device)
+    work = dist.isend(flag, dst, group=group, tag=CONTROL_TAG)
+    return Pending(ControlSend(control.step), dst, [work], flag)
+
+
+def receive_control(src: int, step: int, device: torch.device,
+                    group: Optional[dist.ProcessGroup] = None, stage: Optional[int] = None) -> Control:
+    """Receive (blocking) the control of iteration ``step`` from ``src``; RuntimeError if the
+    message is for another iteration (the stages would run different iterations)."""
+    flag = torch.empty(len(Control._fields), dtype=torch.int64, device=device)
+    dist.recv(flag, src=src, group=group, tag=CONTROL_TAG)
+    control = Control.of(flag)
+    if control.step != step:
+        raise RuntimeError(f"stage {stage} expected the control of iteration {step}, "
+                           f"got {control.step}")
+    return control
+
+
+class Link:
+    """One stage's point-to-point link with its neighbours: posts sends, receives, and waits.
+
+    ``prev_rank``/``next_rank`` are the neighbours' global ranks (None at the ends);
+    activations and gradients are ``activation_shape`` tensors of ``dtype`` on ``device``.
+    ``before_send(dst, tensor)`` is called before every activation or gradient send (the
+    emulated network's delay). It keeps the sends in flight until a rule of the module
+    docstring allows waiting on them, and at most one receive posted along with a send.
+    """
+
+    def __init__(
+        self,
+        prev_rank: Optional[int],
+        next_rank: Optional[int],
+        activation_shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup] = None,
+        before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
+        stage: Optional[int] = None,
+    ):
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.activation_shape = tuple(activation_shape)
+        self.dtype, self.device, self.group = dtype, torch.device(device), group
+        self.before_send = before_send
+        self.stage = stage  # for messages only
+        # Oldest first: the activation of micro-batch i is F(i), the gradient of its input B(i),
+        # the control of iteration k ControlSend(k).
+        self._sends: List[Pending] = []
+        self._posted: Optional[Tuple[int, torch.Tensor, object]] = None  # (src, buffer, work)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no send pending, no receive posted."""
+        return not self._sends and self._posted is None
+
+    # -- activations and gradients ------------------------------------------------------------
+
+    def source(self, action: Optional[Action]) -> Optional[int]:
+        """The rank ``action`` receives from (None if it receives nothing)."""
+        if action is None:
+            return None
+        return self.prev_rank if action.kind is Kind.F else self.next_rank
+
+    def destination(self, action: Action) -> Optional[int]:
+        """The rank ``action``'s output goes to (None at the pipeline's ends)."""
+        return self.next_rank if action.kind is Kind.F else self.prev_rank
+
+    def buffer(self) -> torch.Tensor:
+        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+
+    def receive(self, src: int) -> torch.Tensor:
+        """The next activation or gradient from ``src``: the posted receive if there is one."""
+        if self._posted is not None:
+            posted_src, buffer, work = self._posted
+            assert posted_src == src, (posted_src, src)
+            self._posted = None
+            work.wait()
+            return buffer
+        buffer = self.buffer()
+        dist.recv(buffer, src=src, group=self.group, tag=TENSOR_TAG)
+        return buffer
+
+    def send(self, what: Action, tensor: torch.Tensor, dst: int, following: Optional[Action]) -> None:
+        """Send without blocking; post ``following``'s receive with it if it comes from ``dst``."""
+        if self.before_send is not None:
+            self.before_send(dst, tensor)  # an emulated link's transfer time
+        if self.source(following) == dst:
+            assert self._posted is None, self._posted
+            buffer = self.buffer()
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, tensor, dst, self.group, TENSOR_TAG),
+                    dist.P2POp(dist.irecv, buffer, dst, self.group, TENSOR_TAG),
+                ]
+            )
+            # One handle per op (gloo), or a single one for both when the backend coalesces
+            # (NCCL); either way the last is waited on by the receive.
+            self._posted = (dst, buffer, works[-1])
+            works = works[:-1]
+        else:
+            works = [dist.isend(tensor, dst, group=self.group, tag=TENSOR_TAG)]
+        self._sends.append(Pending(what, dst, works, tensor))
+
+    # -- the control message -------------------------------------------------------------------
+
+    def send_control(self, control: Control) -> None:
+        """Pass ``control`` on to the next stage; waited on like the activation it precedes."""
+        self._sends.append(send_control(control, self.next_rank, self.device, self.group))
+
+    def receive_control(self, step: int) -> Control:
+        """Iteration ``step``'s control from the previous stage (blocking)."""
+        return receive_control(self.prev_rank, step, self.device, self.group, self.stage)
+
+    def pass_drained(self) -> None:
+        """Return once the stages after this one passed the drained word; pass it on.
+
+        The word goes from the last stage to the first, in the same direction as the gradients
+        and after the last of them, so it is matched by order too. On the first stage, the
+        return means every stage got there.
+        """
+        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.next_rank is not None:
+            dist.recv(flag, src=self.next_rank, group=self.group, tag=DRAINED_TAG)
+        if self.prev_rank is not None:
+            dist.send(flag, self.prev_rank, group=self.group, tag=DRAINED_TAG)
+
+    # -- waiting on sends -------------------------------------------------------------------------
+
+    def wait_sends(self, which: Callable[[Sent], bool] = lambda what: True, keep: int = 0) -> None:
+        """Wait on the pending sends selected by ``which``, oldest first, until ``keep`` remain."""
+        selected = [entry for entry in self._sends if which(entry.what)]
+        done = selected[: max(len(selected) - keep, 0)]
+        for entry in done:
+            entry.wait()
+        done_ids = {id(entry) for entry in done}
+        self._sends = [entry for entry in self._sends if id(entry) not in done_ids]
+
+    def wait_delivered(self, microbatch: int) -> None:
+        """The gradient of ``microbatch`` came back: wait on the sends to the next stage up to
+        its activation, all received already."""
+        upto = next((n for n, entry in enumerate(self._sends)
+                     if entry.what == Action(Kind.F, microbatch)), None)
+        if upto is None:
+            return
+        delivered = [entry for entry in self._sends[: upto + 1] if entry.dst == self.next_rank]
+        for entry in delivered:
+            entry.wait()
+        done_ids = {id(entry) for entry in delivered}
+        self._sends = [entry for entry in self._sends if id(entry) not in done_ids]
+
+    def wait_gradients(self, keep: int) -> None:
+        """Wait on the oldest gradient sends until ``keep`` remain (``S - stage`` in a pipeline)."""
+        self.wait_sends(lambda what: isinstance(what, Action) and what.kind is Kind.B, keep=keep)
