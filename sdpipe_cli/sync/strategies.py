@@ -320,14 +320,15 @@ class PSSync(Sync):
         dist.send(header, self.server, tag=self.HEADER_TAG)
 
 
-def make_sync(name: str, *, events: dist.Store, groups: GroupCache, where: Placement,
-              device: torch.device, seed: int = 0, average: str = "weights_grads",
+def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
+              device: torch.device, seed: int = 0,
               optimizer: Optional[torch.optim.Optimizer] = None) -> Sync:
-    """The strategy for ``sync.name`` of the worker at ``where`` (``average`` and ``optimizer``:
-    sdpipe's rule, see :class:`GroupSync`)."""
+    """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
+    whose state sdpipe's global syncs average, see :class:`GroupSync`)."""
+    name = settings.name
     p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
     if name == "sdpipe":
-        return GroupSync(events, where.rank, p, s, S, P, groups, average, optimizer)
+        return GroupSync(events, where.rank, p, s, S, P, groups, settings.average, optimizer)
     if name == "ps":
         return PSSync(where.server_rank(), device)
     if name == "none" or P == 1:

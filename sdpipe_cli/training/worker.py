@@ -65,9 +65,8 @@ class Worker:
         self.module = models.build_stage_module(cfg, s).to(device)
         self.optimizer = optim.build_optimizer(self.module.parameters(), cfg)
         self.lr = cfg.train.lr  # the learning rate of the last update
-        self.sync = make_sync(cfg.sync.name, events=events, groups=groups, where=where,
-                              device=device, seed=cfg.train.seed, average=cfg.sync.average,
-                              optimizer=self.optimizer)
+        self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
+                              device=device, seed=cfg.train.seed, optimizer=self.optimizer)
         self.pipeline_groups = pipeline_groups or groups
         self.cluster = Cluster.from_config(cfg.cluster, where.stages)
         self.placed = self.cluster.device(p, s)
