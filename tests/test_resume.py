@@ -183,7 +183,7 @@ def test_after_a_sigkill_the_last_checkpoint_resumes(tmp_path):
     while not (run_dir / "metrics.jsonl").exists() or len(metrics(run_dir, "checkpoint")) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.2)
-    worker = next(p for p in run_processes(run_dir) if "sdpipe_cli.training.worker" in " ".join(p.cmdline()))
+    worker = next(p for p in run_processes(run_dir) if "sdpipe_cli.training.main" in " ".join(p.cmdline()))
     os.kill(worker.pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "SIGKILL" in err

@@ -31,7 +31,7 @@ def wait_for_training(run_dir: Path, proc, timeout: float = 120) -> None:
 
 def worker_pid(run_dir: Path, rank: int) -> int:
     for p in run_processes(run_dir):
-        if "sdpipe_cli.training.worker" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
+        if "sdpipe_cli.training.main" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
             return p.pid
     raise AssertionError(f"no worker rank {rank}")
 

@@ -32,7 +32,8 @@ from sdpipe_cli import __version__
 
 from sdpipe_cli.runtime import network
 from sdpipe_cli.__main__ import exit_on_interrupt
-from sdpipe_cli.config.schema import Config, ConfigError, compose, group_options, validate
+from sdpipe_cli.config.schema import (ConfigError, compose, group_options, schema_for,
+                                     validate)
 from sdpipe_cli.runtime.errors import CheckpointError, DataError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -152,7 +153,7 @@ def resume(path: str, overrides: Sequence[str], console: Console) -> int:
 
     ckpt = checkpoint.resolve(path)
     manifest = checkpoint.verify(ckpt)  # every shard's checksum, before anything starts
-    saved = OmegaConf.merge(OmegaConf.structured(Config), manifest["config"])
+    saved = OmegaConf.merge(schema_for(manifest["config"]["sync"]["name"]), manifest["config"])
     cfg = _apply_resume_overrides(saved, overrides)
     cfg.run.dir = str(checkpoint.run_dir_of(ckpt))  # the run folder may have moved since
     validate(cfg)

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-SCHEDULES = ("1f1b", "gpipe", "async_1f1b")
-SYNC_MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
+from sdpipe_cli.core import schedule as _schedule
+
+SCHEDULES = (*_schedule.SCHEDULES, *_schedule.ASYNC_SCHEDULES)  # the registry is core.schedule
 AVERAGES = ("weights_grads", "weights")  # sync.average (sdpipe)
 OPTIMIZERS = ("adamw", "sgd")  # train.optimizer
 DEVICES = ("cpu", "cuda", "auto")
@@ -146,8 +147,17 @@ class PipelineConfig:
 
 @dataclass
 class SyncConfig:
-    name: str = "sdpipe"  # sdpipe | allreduce | none
-    # sdpipe only: the group scheduler's settings (see sdpipe_cli/core/grouping.py)
+    """What every sync mode has: its name. Each mode's settings are a subclass below, registered
+    as that option of the ``sync`` config group, so a key of another mode is an error."""
+
+    name: str = MISSING  # the mode: one of SYNC_MODES
+
+
+@dataclass
+class SdpipeSyncConfig(SyncConfig):
+    """``sync=sdpipe``: the group scheduler's settings (see sdpipe_cli/core/grouping.py)."""
+
+    name: str = "sdpipe"
     min_group: int = 2  # a replica whose group is smaller than this widens its window
     window_ms: float = 5.0  # initial waiting window of each replica
     window_min_ms: float = 0.5  # the window shrinks (x0.9) down to this
@@ -156,17 +166,50 @@ class SyncConfig:
     # fraction of the opener's iteration time: equal replicas meet in full groups, a straggler
     # is not waited for. 0: the reference's adaptive window alone.
     patience: float = 0.5
-    # sdpipe only: what a group averages. weights_grads: weights and gradients, before the local
-    # step (exact all-reduce with full groups; global syncs also average the optimizer state).
-    # weights: weights, after the local step (the paper's rule). See docs/SYNC.md.
+    # What a group averages. weights_grads: weights and gradients, before the local step (exact
+    # all-reduce with full groups; global syncs also average the optimizer state). weights:
+    # weights, after the local step (the paper's rule). See docs/SYNC.md.
     average: str = "weights_grads"
     connect_every: int = 8  # rounds within which a stage's groups must connect all replicas
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
-    # sdpipe only: seconds a group may take to form and average before its members go on alone
-    # (only a member that died makes it wait; the scheduler then drops its pipeline)
+    # Seconds a group may take to form and average before its members go on alone (only a
+    # member that died makes it wait; the scheduler then drops its pipeline)
     group_timeout: float = 30.0
-    # ps only: how many iterations a worker may run ahead of the slowest (0: bulk-synchronous)
-    staleness: int = 3
+
+
+@dataclass
+class AllReduceSyncConfig(SyncConfig):
+    """``sync=allreduce``: synchronous data parallelism; nothing to set."""
+
+    name: str = "allreduce"
+
+
+@dataclass
+class AdpsgdSyncConfig(SyncConfig):
+    """``sync=adpsgd``: gossip with one peer per round; nothing to set."""
+
+    name: str = "adpsgd"
+
+
+@dataclass
+class PsSyncConfig(SyncConfig):
+    """``sync=ps``: one parameter server per stage, stale-synchronous."""
+
+    name: str = "ps"
+    staleness: int = 3  # how many iterations a worker may run ahead of the slowest (0: bulk-synchronous)
+
+
+@dataclass
+class NoSyncConfig(SyncConfig):
+    """``sync=none``: every pipeline trains its own replica; nothing to set."""
+
+    name: str = "none"
+
+
+# The one registry of sync modes: name -> its settings. configs/sync/<name>.yaml sets the values.
+SYNC_CONFIGS: dict[str, type] = {c.name: c for c in (
+    SdpipeSyncConfig, AllReduceSyncConfig, PsSyncConfig, AdpsgdSyncConfig, NoSyncConfig)}
+SYNC_MODES = tuple(SYNC_CONFIGS)
 
 
 @dataclass
@@ -178,7 +221,9 @@ class TrainConfig:
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0
     warmup: int = 10  # linear warm-up iterations, then cosine decay to lr/10
-    grad_clip: float = 1.0  # max gradient norm per stage; 0 disables
+    # Max norm of the whole model's gradient, summed over a pipeline's stages (per stage under
+    # async_1f1b, whose stages update at different times); 0 disables
+    grad_clip: float = 1.0
     seed: int = 0
     eval_every: int = 100  # evaluate every this many iterations (0: only at the end)
     log_every: int = 1  # push a metrics line every this many iterations
@@ -218,7 +263,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    sync: SyncConfig = field(default_factory=SyncConfig)
+    sync: SyncConfig = MISSING  # one of SYNC_CONFIGS, chosen by the sync group
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -263,7 +308,10 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
 
-    ConfigStore.instance().store(name="base_config", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for name, node in SYNC_CONFIGS.items():  # configs/sync/<name>.yaml extends schema_<name>
+        store.store(group="sync", name=f"schema_{name}", node=node)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
@@ -273,12 +321,22 @@ def compose(overrides: list[str]) -> DictConfig:
     finally:
         GlobalHydra.instance().clear()
     # Hydra lets ``+key=value`` add keys the schema does not have; the schema is the contract.
-    _reject_unknown_keys(cfg, OmegaConf.structured(Config))
+    _reject_unknown_keys(cfg, schema_for(cfg.sync.name))
     return cfg
+
+
+def schema_for(sync: str) -> DictConfig:
+    """The typed schema of a run whose ``sync.name`` is ``sync`` (an unknown one keeps the base
+    :class:`SyncConfig`, and validation names the key)."""
+    schema = OmegaConf.structured(Config)
+    schema.sync = OmegaConf.structured(SYNC_CONFIGS.get(sync, SyncConfig))
+    return schema
 
 
 def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> None:
     for key in cfg.keys():
+        if key in schema and OmegaConf.is_missing(schema, key):
+            continue
         name = f"{prefix}{key}"
         if key not in schema:
             raise ConfigError(name, f"is not a setting of sdpipe (known here: {', '.join(schema.keys())})")
@@ -362,15 +420,18 @@ def validate(cfg: DictConfig) -> None:
 
     y = cfg.sync
     need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")
-    need(y.min_group >= 1, "sync.min_group", "must be at least 1")
-    need(0 < y.window_min_ms <= y.window_ms <= y.window_max_ms, "sync.window_ms",
-         "need 0 < sync.window_min_ms <= sync.window_ms <= sync.window_max_ms")
-    need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
-    need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
-    need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
-    need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
-    need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
-    need(y.average in AVERAGES, "sync.average", f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
+    if y.name == "sdpipe":
+        need(y.min_group >= 1, "sync.min_group", "must be at least 1")
+        need(0 < y.window_min_ms <= y.window_ms <= y.window_max_ms, "sync.window_ms",
+             "need 0 < sync.window_min_ms <= sync.window_ms <= sync.window_max_ms")
+        need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
+        need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
+        need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
+        need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
+        need(y.average in AVERAGES, "sync.average",
+             f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
+    if y.name == "ps":
+        need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
 
     need(t.steps >= 1, "train.steps", "must be at least 1")
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
@@ -538,5 +599,5 @@ def load_child_config() -> tuple[Path, DictConfig]:
 
 def load_run_config(path: Path) -> DictConfig:
     """Read a run's resolved config back, typed by the schema."""
-    schema = OmegaConf.structured(Config)
-    return OmegaConf.merge(schema, OmegaConf.load(path))
+    saved = OmegaConf.load(path)
+    return OmegaConf.merge(schema_for(OmegaConf.select(saved, "sync.name", default="")), saved)

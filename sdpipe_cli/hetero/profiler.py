@@ -1,7 +1,7 @@
 """Measuring a cluster for ``sdpipe profile``: one process per worker, placed as training places it.
 
 Started by the launcher as ``python -m sdpipe_cli.hetero.profiler``, P x S times, with the environment,
-device and process group of :mod:`sdpipe_cli.training.worker` (no scheduler). Each process measures what
+device and process group of a training worker (:func:`sdpipe_cli.runtime.bootstrap.joined`; no scheduler). Each process measures what
 training will cost on its device, and rank 0 writes ``<run>/profile.json`` (the schema is in
 :mod:`sdpipe_cli.hetero.measurements`):
 
@@ -58,8 +58,8 @@ from sdpipe_cli.config.schema import n_blocks
 from sdpipe_cli.hetero.emulation import MemoryLimit, Slowdown, link_delay
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import Action, Kind
-from sdpipe_cli.sync.strategies import GroupCache
-from sdpipe_cli.training.worker import Joined, group_cache, joined
+from sdpipe_cli.runtime.bootstrap import Joined, joined
+from sdpipe_cli.sync.groups import GroupCache, for_worker
 
 log = logging.getLogger("sdpipe.profiling")
 
@@ -288,13 +288,13 @@ class Profiler:
 
 def main() -> int:
     with joined() as ctx:
-        profiler = Profiler(ctx, group_cache(ctx, ctx.cfg.run.timeout))
+        profiler = Profiler(ctx, for_worker(ctx, ctx.cfg.run.timeout))
         events = profiler.events
         store.set_json(events, store.profile_key(ctx.where.rank), profiler.run())
         dist.barrier()  # every rank's results are in the store
         if ctx.where.rank == 0:
-            world = ctx.where.pipelines * ctx.where.stages
-            results = [store.get_json(events, store.profile_key(r)) for r in range(world)]
+            results = [store.get_json(events, store.profile_key(r))
+                       for r in range(ctx.where.workers)]
             path = measurements.write(assemble(ctx.cfg, results), ctx.run_dir)
             store.set_json(events, store.PROGRESS, {"phase": "done", "path": str(path)})
             log.info("wrote %s", path)

@@ -7,7 +7,7 @@ Every stage of a pipeline talks only to its two neighbours, by point-to-point
 * activations forward and gradients backward, tag :data:`TENSOR_TAG`, one tensor of the
   pipeline's activation shape each, sent and received through a :class:`Link`;
 * the per-iteration :class:`Control` message, forward from the first stage, tag
-  :data:`CONTROL_TAG`: the flushed loop (:meth:`sdpipe_cli.training.worker.Worker._agree`) sends
+  :data:`CONTROL_TAG`: the flushed loop (:meth:`sdpipe_cli.training.loop.FlushedLoop._agree`) sends
   it before each iteration, the asynchronous executor
   (:class:`sdpipe_cli.pipeline.async_stage.AsyncStage`) just before each iteration's first
   activation;

@@ -64,7 +64,7 @@ class Job:
     graceful: bool = True
 
 
-TRAIN = Job("sdpipe_cli.training.worker")
+TRAIN = Job("sdpipe_cli.training.main")
 PROFILE = Job("sdpipe_cli.hetero.profiler", helpers=False, graceful=False)
 
 

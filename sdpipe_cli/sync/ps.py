@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector
 
-from sdpipe_cli.training import optim
-
-from sdpipe_cli.runtime import store
 from sdpipe_cli.config.schema import load_child_config
-from sdpipe_cli.runtime.errors import record
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
+from sdpipe_cli.runtime.bootstrap import child, connect_store, process_group
 from sdpipe_cli.sync.strategies import PSSync
-from sdpipe_cli.training.worker import build_stage_module
+from sdpipe_cli.training import optim
+from sdpipe_cli.training.models import build_stage_module
 
 log = logging.getLogger("sdpipe.ps")
 
@@ -107,20 +103,12 @@ class ParameterServer:
 
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    run_dir, cfg = load_child_config()
-    stage = rank - cfg.cluster.pipelines * cfg.pipeline.stages
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s ps{stage} %(levelname)s %(message)s")
-    with record(run_dir, f"ps{stage}", rank=rank, role="parameter server", stage=stage):
+    _, cfg = load_child_config()
+    stage = rank - cfg.cluster.pipelines * cfg.pipeline.stages  # servers follow the P x S workers
+    with child(f"ps{stage}", rank=rank, role="parameter server", stage=stage):
         torch.set_num_threads(1)
-        client = store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                               cfg.run.timeout)
-        dist.init_process_group("gloo", store=dist.PrefixStore(store.PG_PREFIX, client), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=cfg.run.timeout))
-        try:
+        with process_group(cfg, connect_store(cfg), rank, world, torch.device("cpu")):
             ParameterServer(cfg, stage).serve()
-        finally:
-            dist.destroy_process_group()
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,14 +24,13 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.training import checkpoint
-
-from sdpipe_cli.runtime import store
-from sdpipe_cli.config.schema import load_child_config
-from sdpipe_cli.runtime.errors import record
+from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import AsyncGroupScheduler, Decision, GroupScheduler
-from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
+from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime.bootstrap import child, connect_store
+from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
+from sdpipe_cli.training import checkpoint
 
 log = logging.getLogger("sdpipe.scheduler")
 
@@ -115,8 +113,7 @@ class Scheduler:
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint id -> rank -> step
         self.global_seen = [0] * S  # global decisions per stage, to match policy.global_history
         self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
-        self.next_checkpoint = cfg.checkpoint.every
-        self.last_checkpoint = self.clock()
+        self.checkpoints = GlobalSyncCheckpoints(Cadence.from_config(cfg), clock())
         if resume is not None:
             self._resume(resume)
 
@@ -127,9 +124,7 @@ class Scheduler:
             self.tracker.state[p].samples = k * self.cfg.train.batch_size
         if self.policy is not None:
             self.policy.resume(steps)
-        every = self.cfg.checkpoint.every
-        if every:
-            self.next_checkpoint = (self._average(steps) // every + 1) * every
+        self.checkpoints.resume(self._average(steps))
 
     def _average(self, steps: dict[int, int]) -> int:
         """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""
@@ -186,20 +181,13 @@ class Scheduler:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _checkpoint_at(self, d: Decision) -> Optional[int]:
-        """With sdpipe, checkpoints are taken right after the global syncs (the same one on every
-        stage) that reach the next multiple of ``checkpoint.every``."""
+        """With sdpipe, checkpoints are taken right after global syncs (the same one on every
+        stage); which ones, :class:`~sdpipe_cli.core.cadence.GlobalSyncCheckpoints` decides."""
         g = self.global_seen[d.stage]
         self.global_seen[d.stage] += 1
         if g not in self.global_checkpoint:
-            every = self.cfg.checkpoint.every
             at = self._average({p: k + 1 for p, k in self.policy.global_history[g].items()})
-            due = bool(every) and at >= self.next_checkpoint
-            minutes = self.cfg.checkpoint.every_minutes
-            due = due or (d.stop and self.cfg.checkpoint.on_exit) or bool(
-                minutes and self.clock() - self.last_checkpoint >= minutes * 60)
-            self.global_checkpoint[g] = at if due else None
-            if due and every:
-                self.next_checkpoint = (at // every + 1) * every
+            self.global_checkpoint[g] = self.checkpoints.at_global_sync(at, d.stop, self.clock())
         return self.global_checkpoint[g]
 
     def _saved(self, event: dict) -> None:
@@ -220,7 +208,7 @@ class Scheduler:
             expected=[str(r) for r in range(self.tracker.world_size)] + ["scheduler"],
             meta={"config": OmegaConf.to_container(self.cfg, resolve=True), "steps": steps,
                   "elapsed": elapsed, "partition": list(self.cfg.pipeline.partition)})
-        self.last_checkpoint = self.clock()
+        self.checkpoints.saved(self.clock())
         self.metrics.write({"kind": "checkpoint", "step": ckpt, "time": round(elapsed, 4),
                             "steps": steps, "path": str(path)})
         log.info("checkpoint %s", path)
@@ -266,14 +254,12 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s scheduler %(levelname)s %(message)s")
-    run_dir, cfg = load_child_config()
     resume = os.environ.get("SDPIPE_RESUME")
-    with record(run_dir, "scheduler", role="scheduler"):
+    with child("scheduler", role="scheduler") as started:
+        run_dir, cfg = started.run_dir, started.cfg
+
         def connect():
-            return store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                 cfg.run.timeout)
+            return connect_store(cfg)
 
         events = store.namespace(connect())
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None)

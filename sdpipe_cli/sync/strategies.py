@@ -26,105 +26,21 @@ or the last meeting would wait forever for a replica that has stopped.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
-from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 
+from sdpipe_cli.core.placement import Placement
+from sdpipe_cli.sync.groups import GroupCache, average_parameters, average_tensors
+from sdpipe_cli.runtime import store
 from sdpipe_cli.training import optim
 
-from sdpipe_cli.runtime import store
-
 log = logging.getLogger("sdpipe.sync")
-
-
-class GroupCache:
-    """Communicators over subsets of ranks, created on first use by their members only.
-
-    Groups change every round, so they are made on demand and cached, and only the members take
-    part: no global collective per round. ``dist.new_group(..., use_local_synchronization=True)``
-    is not usable for this: it names a group after its ranks *and the number of groups the calling
-    process made before*, so two members with different histories rendezvous under different names
-    and hang. Here a group's rendezvous keys are named after its ranks alone, and each process
-    creates a given set once, so members always meet.
-    """
-
-    def __init__(self, store: dist.Store, rank: int, backend: str, timeout: float,
-                 delay: Optional[Callable[[list[int], int], float]] = None):
-        self.store, self.rank, self.backend = store, rank, backend
-        self.timeout = timedelta(seconds=timeout)
-        self.delay = delay  # emulated network: seconds an all-reduce of N bytes over ranks takes
-        self._groups: dict[tuple[int, ...], Any] = {}
-
-    def get(self, ranks: list[int]):
-        key = tuple(sorted(ranks))
-        if key not in self._groups:
-            prefix = dist.PrefixStore("groups/" + "-".join(map(str, key)) + "/", self.store)
-            me, size = key.index(self.rank), len(key)
-            if self.backend == "nccl":
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = self.timeout
-                self._groups[key] = dist.ProcessGroupNCCL(prefix, me, size, options)
-            else:
-                self._groups[key] = dist.ProcessGroupGloo(prefix, me, size, self.timeout)
-        return self._groups[key]
-
-    def all_reduce(self, tensor: torch.Tensor, ranks: list[int], op=dist.ReduceOp.SUM) -> None:
-        """In-place all-reduce of ``tensor`` over ``ranks`` (this rank must be one of them)."""
-        if self.delay is not None:
-            time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
-        options = dist.AllreduceOptions()
-        options.reduceOp = op
-        self.get(ranks).allreduce([tensor], options).wait()
-
-    def forget(self, ranks: list[int]) -> None:
-        """Drop a communicator whose member is gone; it cannot be used again."""
-        self._groups.pop(tuple(sorted(ranks)), None)
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-
-def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) -> None:
-    """Replace each parameter by the mean over ``ranks`` (one flat all-reduce, exact weights 1/n).
-
-    The all-reduce works on a flat copy; the parameters change only once it completed.
-    """
-    average_tensors(list(module.parameters()), groups, ranks)
-
-
-def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list[int],
-                    consensus: int = 0) -> Optional[float]:
-    """Replace each tensor by its mean over ``ranks``, in one flat all-reduce.
-
-    With ``consensus = n``, the first n tensors are the stage's weights, and their consensus
-    distance before averaging is returned: sqrt(mean over members of ||w_p - w_mean||^2) /
-    ||w_mean|| (one more all-reduce, of two numbers).
-    """
-    device = tensors[0].device
-    with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in tensors])
-        own = flat.clone() if consensus else None
-        groups.all_reduce(flat, ranks)
-        flat /= len(ranks)
-        distance = None
-        if consensus:
-            n = sum(t.numel() for t in tensors[:consensus])
-            sums = torch.stack([(own[:n] - flat[:n]).pow(2).sum(), flat[:n].pow(2).sum()])
-            groups.all_reduce(sums, ranks)  # members' squared distances; n x ||w_mean||^2
-            distance = math.sqrt(float(sums[0]) / len(ranks)) / max(
-                math.sqrt(float(sums[1]) / len(ranks)), 1e-30)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-    return distance
 
 
 class Sync:
@@ -132,6 +48,10 @@ class Sync:
 
     name = "none"
     local_step = True  # whether the worker applies its own optimizer step (not with a PS)
+    # Whether the scheduler picks the checkpoints (replicas are consistent only at its global
+    # syncs): if not, every replica stops at the same iterations, and a checkpoint may fall on any
+    # multiple of ``checkpoint.every`` and at the end of the run.
+    scheduled_checkpoints = False
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return local_go
@@ -159,12 +79,10 @@ class Sync:
         lock-step replicas must all agree, so that every shard is of the same step."""
         return wanted
 
-    def checkpoint_due(self, step: int, every: int) -> int | None:
-        """The id of the checkpoint to take after iteration ``step`` ends, if one is due.
-
-        Lock-step strategies may save at any multiple of ``every``: every replica is there.
-        """
-        return step if every and step % every == 0 else None
+    def checkpoint_due(self) -> int | None:
+        """With :attr:`scheduled_checkpoints`: the id of the checkpoint the scheduler asked for
+        after the last round, if any."""
+        return None
 
     def drain_after(self, iteration: int) -> bool:
         """Asynchronous schedules, first stage, at the start of ``iteration``: whether the
@@ -214,6 +132,7 @@ class GroupSync(Sync):
     """
 
     name = "sdpipe"
+    scheduled_checkpoints = True
 
     def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
                  pipelines: int, groups: GroupCache, average: str = "weights_grads",
@@ -303,7 +222,7 @@ class GroupSync(Sync):
         key = store.begin_key(self.pipeline, iteration)
         return bool(store.wait_json(self.events, key)["last"])
 
-    def checkpoint_due(self, step: int, every: int) -> int | None:
+    def checkpoint_due(self) -> int | None:
         # Replicas are consistent only right after a global sync; the scheduler picks which.
         return self._checkpoint
 
@@ -401,24 +320,22 @@ class PSSync(Sync):
         dist.send(header, self.server, tag=self.HEADER_TAG)
 
 
-def make_sync(name: str, *, events: dist.Store, groups: GroupCache, rank: int, pipeline: int,
-              stage: int, pipelines: int, stages: int, device: torch.device, seed: int = 0,
-              average: str = "weights_grads",
+def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
+              device: torch.device, seed: int = 0,
               optimizer: Optional[torch.optim.Optimizer] = None) -> Sync:
-    """The strategy for ``sync.name`` (``average`` and ``optimizer``: sdpipe's rule, see
-    :class:`GroupSync`)."""
-    replicas = [p * stages + stage for p in range(pipelines)]
+    """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
+    whose state sdpipe's global syncs average, see :class:`GroupSync`)."""
+    name = settings.name
+    p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
     if name == "sdpipe":
-        return GroupSync(events, rank, pipeline, stage, stages, pipelines, groups, average,
-                         optimizer)
+        return GroupSync(events, where.rank, p, s, S, P, groups, settings.average, optimizer)
     if name == "ps":
-        return PSSync(pipelines * stages + stage, device)
-    if name == "none" or pipelines == 1:
+        return PSSync(where.server_rank(), device)
+    if name == "none" or P == 1:
         return Sync()
     if name == "allreduce":
-        return AllReduceSync(groups, replicas, device)
+        return AllReduceSync(groups, where.replicas(), device)
     if name == "adpsgd":
         # Replicas must stop at the same round (time limit, Ctrl-C): agree on it.
-        return GossipSync(groups, pipeline, pipelines, stage, stages, seed,
-                          AllReduceSync(groups, replicas, device))
+        return GossipSync(groups, p, P, s, S, seed, AllReduceSync(groups, where.replicas(), device))
     raise ValueError(f"sync.name: unknown strategy '{name}'")

@@ -1,6 +1,6 @@
 """A worker's training loop under asynchronous 1F1B (``pipeline.schedule=async_1f1b``).
 
-The flushed loop (:meth:`sdpipe_cli.training.worker.Worker.train`) runs one iteration at a time: m
+The flushed loop (:mod:`sdpipe_cli.training.loop`) runs one iteration at a time: m
 micro-batches through the pipeline, a flush, one optimizer step and one sync. Here the
 micro-batch stream crosses iteration boundaries: :class:`~sdpipe_cli.pipeline.async_stage.AsyncStage`
 runs *segments* of iterations, and after every micro-batch's backward this loop updates the
@@ -23,21 +23,27 @@ whether it is the last before such a point and says so in the iteration's contro
 the stop point is known before any stage forwards that iteration. Nothing in flight survives a
 drain, so checkpoints hold no stashed weights: a resumed run starts a new segment at the
 checkpoint's iteration.
+
+Gradient clipping here is by each stage's own norm, not by the norm over the pipeline as in the
+flushed loop: the stages of an asynchronous pipeline update at different times by design (stage
+s updates batch j about 2(S - s) actions before stage 0 does), so a global norm would make every
+update wait for the backward of the same micro-batch on every other stage: the flush this
+schedule exists to remove. Each stage's norm is at most the whole model's, so this clips no more
+often than the flushed loops do.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Optional
 
-from sdpipe_cli.training import data
-
-from sdpipe_cli.runtime import store
-from sdpipe_cli.pipeline.async_stage import AsyncStage, Batch
-from sdpipe_cli.pipeline.p2p import Control
+from sdpipe_cli.core.cadence import Throughput
 from sdpipe_cli.core.schedule import updates_per_iteration
+from sdpipe_cli.pipeline.async_stage import AsyncStage
+from sdpipe_cli.pipeline.p2p import Control
 from sdpipe_cli.training.worker import Worker
+
+__all__ = ["AsyncLoop"]
 
 
 class AsyncLoop:
@@ -53,6 +59,7 @@ class AsyncLoop:
         self.window = self.m // updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
         worker.stage = self.stage = AsyncStage(worker.stage.executor, self.m, p.weight_versions)
         self.started = time.time()
+        self.rate = Throughput(self.cfg.train.batch_size)
         self.ending = False  # the first stage decided that the run ends at the next drain
         self.segment = worker.start_step  # iteration at which the current segment began
         # The iteration being finished on this stage: loss, sync time, start.
@@ -63,14 +70,14 @@ class AsyncLoop:
     # -- the loop ---------------------------------------------------------------------------------
     def train(self) -> None:
         w = self.w
-        w._emit("start", pid=os.getpid())
+        w.started()
         self.started = time.time()
         step = w.start_step
         while True:
             self.segment = step
             self._t_iteration = time.perf_counter()
             done, control = self.stage.run_segment(
-                step, self._decide if w.where.first else None, self._load, self._update)
+                step, self._decide if w.where.first else None, w.batch, self._update)
             if not control.go:
                 break
             step = done  # drained: every stage of the pipeline finished iteration step - 1
@@ -80,42 +87,25 @@ class AsyncLoop:
     # -- the first stage's decisions -----------------------------------------------------------
     def _decide(self, k: int) -> Control:
         """Iteration k's control: whether it runs (segment start), and whether it ends the segment."""
-        w, cfg = self.w, self.cfg
-        limit = cfg.train.time_limit
-        timed_out = (bool(limit and time.time() - self.started >= limit)
-                     or w.events.check([store.STOP_REQUESTED]))
-
-        def local_go(iteration: int) -> bool:
-            return iteration < cfg.train.steps and not timed_out
-
+        w, cadence = self.w, self.w.cadence
+        timed_out = w.timed_out(self.started)
         if k == self.segment:  # a drained point: the run may end here
-            go = not self.ending and w.sync.should_continue(k, local_go(k), timed_out)
+            go = not self.ending and w.sync.should_continue(k, cadence.local_go(k, timed_out),
+                                                            timed_out)
             if not go:
                 return Control(False, k, False, False)
         # Does the run go on after iteration k? Lock-step strategies agree on it here (the same
         # collective, at the same batch id, on every replica); sdpipe's scheduler answers below.
-        go_on = w.sync.should_continue(k + 1, local_go(k + 1), timed_out)
+        go_on = w.sync.should_continue(k + 1, cadence.local_go(k + 1, timed_out), timed_out)
         drain = w.sync.drain_after(k)  # sdpipe: a global sync after iteration k
-        every = cfg.checkpoint.every
         # Lock-step checkpoints fall on multiples of checkpoint.every; sdpipe's on global syncs.
-        checkpoint = w.sync.name != "sdpipe" and bool(every) and (k + 1) % every == 0
-        minutes = cfg.checkpoint.every_minutes
-        save = bool(minutes) and w.sync.agree_on_checkpoint(
-            time.monotonic() - w._last_save >= minutes * 60)
-        evaluate = bool(cfg.train.eval_every) and (k + 1) % cfg.train.eval_every == 0
+        checkpoint = not w.sync.scheduled_checkpoints and cadence.checkpoint_after(k + 1)
+        save = w.time_checkpoint()
+        evaluate = cadence.evaluate_after(k + 1)
         self.ending = not go_on
         return Control(True, k, save, not go_on or drain or checkpoint or save or evaluate)
 
     # -- every stage ----------------------------------------------------------------------------
-    def _load(self, k: int) -> Batch:
-        w, cfg = self.w, self.cfg
-        if w.corpus is None:
-            return None, None
-        x, y = data.train_batch(w.corpus, w.where.pipeline, w.where.pipelines, cfg.train.batch_size,
-                                cfg.model.seq_len, cfg.train.seed, k)
-        return (w._microbatches(x) if w.where.first else None,
-                w._microbatches(y) if w.where.last else None)
-
     def _update(self, j: int, loss: Optional[float]) -> None:
         """After batch id j's backward: sync, clip and step, as the flushed loop does per iteration
         (with 2BW only after an iteration's last micro-batch, on the mean of its gradients)."""
@@ -129,28 +119,24 @@ class AsyncLoop:
             for p in w.module.parameters():
                 if p.grad is not None:
                     p.grad /= self.window  # the mean over the iteration, as a flushed loss / m
-        self._sync_s += w.update(j // self.window, k)  # this update's round (sdpipe, adpsgd, ps)
+        # this update's round (sdpipe, adpsgd, ps); clipping by this stage's norm (see above)
+        self._sync_s += w.update(j // self.window, k, clip_over_pipeline=False)
         self.stage.stash.changed()  # one new weight version per update (step and averaging)
         w.optimizer.zero_grad(set_to_none=True)
         if (j + 1) % self.m == 0:
-            self._iteration_done(k + 1, w.lr)
+            self._iteration_done(k + 1)
 
-    def _iteration_done(self, step: int, lr: float) -> None:
+    def _iteration_done(self, step: int) -> None:
         """This stage made the last update of iteration ``step - 1``: report it."""
-        w, cfg = self.w, self.cfg
+        w = self.w
         w.memory.check()
         w.slowdown.new_iteration()  # per-iteration stragglers draw for the next iteration
         now = time.perf_counter()
         step_s, sync_s = now - self._t_iteration, self._sync_s
         self._t_iteration, self._sync_s = now, 0.0
         losses, self._losses = self._losses, []
-        if step % cfg.train.log_every:
-            return
-        elapsed = max(time.time() - self.started, 1e-9)
-        extra = {"loss": sum(losses) / len(losses)} if w.where.last and losses else {}
         stash = self.stage.stash
-        w._emit("step", step=step, samples=step * cfg.train.batch_size,
-                samples_per_s=(step - w.start_step) * cfg.train.batch_size / elapsed, lr=lr,
-                step_s=step_s, compute_s=step_s - sync_s, sync_s=sync_s,
-                stash_versions=stash.peak_versions, stash_bytes=stash.peak_bytes,
-                straggled=w.slowdown.straggled, **w.sync.stats(), **extra)
+        w.report_step(step, rate=self.rate.iteration_done(time.time(), step, step_s),
+                      step_s=step_s, sync_s=sync_s,
+                      loss=sum(losses) / len(losses) if losses else None,
+                      stash_versions=stash.peak_versions, stash_bytes=stash.peak_bytes)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdpipe_cli.config.schema import ARCHS, n_blocks
+from sdpipe_cli.core.partition import stage_ranges
 
 INIT_STD = 0.02
 
@@ -168,6 +169,16 @@ def build_blocks(model_cfg: Any) -> list[nn.Module]:
     for block in blocks:
         _init_weights(block, int(model_cfg.n_layers))
     return blocks
+
+
+def build_stage_module(cfg: Any, stage: int) -> nn.Module:
+    """Stage ``stage``'s blocks under ``pipeline.partition``: every replica (and a stage's
+    parameter server) builds the whole model from ``train.seed`` and keeps its slice, so all
+    start identical without a broadcast."""
+    torch.manual_seed(cfg.train.seed)
+    blocks = build_blocks(cfg.model)
+    start, stop = stage_ranges(list(cfg.pipeline.partition), n_blocks(cfg.model))[stage]
+    return nn.Sequential(*blocks[start:stop])
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -12,12 +12,17 @@ run's global progress, pipeline-iterations of all pipelines over P (see :meth:`S
 
 The optimizer state is created eagerly, with the values the optimizer would give it at its first
 step, so that it has the same shape on every replica from the start: group syncs average it.
+
+Gradient clipping is by the norm of the whole model's gradient, as Megatron-LM, DeepSpeed and
+torchtitan clip: each stage holds a slice of the model, so its squared norm is summed over the
+pipeline's stages (one scalar all-reduce) before torch's own clipping applies the common factor.
+Clipping each stage by its own norm would change the training math with the number of stages.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -77,3 +82,24 @@ def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Pa
         state = optimizer.state.get(p, {})
         tensors += [state[k] for k in sorted(state) if torch.is_tensor(state[k])]
     return tensors
+
+
+def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                   sum_over_stages: Optional[Callable[[torch.Tensor], None]] = None) -> float:
+    """Scale the gradients so that the model's 2-norm is at most ``max_norm``; returns the norm.
+
+    ``sum_over_stages`` sums a one-element tensor in place over the pipeline's stages (None: this
+    stage is the whole model).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    device = grads[0].device if grads else torch.device("cpu")
+    local = (torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads
+             else torch.zeros((), device=device))
+    squared = local.detach().to(torch.float64).pow(2).reshape(1)
+    if sum_over_stages is not None:
+        sum_over_stages(squared)
+    total = squared.sqrt().to(local.dtype).reshape(())
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)

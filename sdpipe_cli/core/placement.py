@@ -1,0 +1,70 @@
+"""Where a worker sits in the P x S grid, and the ranks of its neighbours and replicas.
+
+Ranks are pipeline-major, ``rank = pipeline * stages + stage``; parameter servers (``sync=ps``)
+come after the ``P * S`` workers, one per stage. This is the one place that knows the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Placement"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Worker ``rank`` of a run of ``pipelines`` pipelines of ``stages`` stages."""
+
+    rank: int
+    pipelines: int
+    stages: int
+
+    @classmethod
+    def of(cls, pipeline: int, stage: int, pipelines: int, stages: int) -> "Placement":
+        return cls(pipeline * stages + stage, pipelines, stages)
+
+    @property
+    def pipeline(self) -> int:
+        return self.rank // self.stages
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def workers(self) -> int:
+        return self.pipelines * self.stages
+
+    def rank_of(self, pipeline: int, stage: int) -> int:
+        return pipeline * self.stages + stage
+
+    @property
+    def prev_rank(self) -> int | None:
+        """The previous stage of this pipeline (None on the first stage)."""
+        return None if self.first else self.rank - 1
+
+    @property
+    def next_rank(self) -> int | None:
+        """The next stage of this pipeline (None on the last stage)."""
+        return None if self.last else self.rank + 1
+
+    def replicas(self, pipelines: list[int] | None = None) -> list[int]:
+        """The ranks holding this stage in ``pipelines`` (default: every pipeline)."""
+        members = range(self.pipelines) if pipelines is None else pipelines
+        return [self.rank_of(p, self.stage) for p in members]
+
+    def pipeline_ranks(self) -> list[int]:
+        """The ranks of this worker's pipeline, first stage first."""
+        return [self.rank_of(self.pipeline, s) for s in range(self.stages)]
+
+    def server_rank(self) -> int:
+        """The parameter server of this stage (``sync=ps``)."""
+        return self.workers + self.stage

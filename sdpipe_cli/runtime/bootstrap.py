@@ -1,0 +1,112 @@
+"""How every child process of a run starts: one bootstrap for workers, profilers, the scheduler
+and the parameter servers.
+
+The launcher starts each child with torchrun-style environment variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), ``SDPIPE_RUN_DIR`` and
+``SDPIPE_CONFIG`` (the resolved config it wrote, the only config a child reads). A child then
+logs to stderr (the launcher's per-process log file) under its name, dumps every thread's stack on
+``SIGUSR1`` (``kill -USR1 PID`` shows where a hung process is), records any exception in its error
+file (the launcher reports the first failure from those files), connects to the store, and, if it
+takes part in collectives, joins the default process group on the device it was given.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+from omegaconf import DictConfig
+
+from sdpipe_cli.config.schema import load_child_config
+from sdpipe_cli.core.placement import Placement
+from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime.errors import record
+
+__all__ = ["Child", "Joined", "child", "joined", "connect_store"]
+
+
+@dataclass(frozen=True)
+class Child:
+    """A started child: its run folder and the run's config."""
+
+    run_dir: Path
+    cfg: DictConfig
+
+
+@contextmanager
+def child(name: str, label: str | None = None, **identity: Any) -> Iterator[Child]:
+    """Logging as ``label`` (default ``name``), stack dumps on SIGUSR1, the run config, and the
+    error file ``name`` for any exception escaping the block (``identity`` says who failed: rank,
+    pipeline, stage, role)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {label or name} %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1)
+    run_dir, cfg = load_child_config()
+    with record(run_dir, name, **identity):
+        yield Child(run_dir, cfg)
+
+
+def connect_store(cfg: DictConfig, timeout: float | None = None):
+    """A new connection to the launcher's store (``run.timeout`` unless ``timeout`` is given)."""
+    return store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         cfg.run.timeout if timeout is None else timeout)
+
+
+@contextmanager
+def process_group(cfg: DictConfig, client, rank: int, world: int, device) -> Iterator[str]:
+    """Join the default process group (NCCL on a GPU, else gloo) through the store; yields the
+    backend's name and destroys the group when the block ends."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(store.PG_PREFIX, client), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=cfg.run.timeout),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        yield backend
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A worker that has joined the run's process group (see :func:`joined`)."""
+
+    cfg: DictConfig
+    run_dir: Path
+    where: Placement
+    device: Any  # torch.device
+    client: Any  # a connection to the launcher's store
+    backend: str  # gloo | nccl
+
+
+@contextmanager
+def joined() -> Iterator[Joined]:
+    """Start a per-(pipeline, stage) worker, for training or profiling: :func:`child`, the device
+    (one GPU per worker, or one CPU thread per ``OMP_NUM_THREADS``), the store and the default
+    process group."""
+    import torch
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _, cfg = load_child_config()
+    where = Placement(rank, cfg.cluster.pipelines, cfg.pipeline.stages)
+    with child(str(rank), f"rank{rank}", rank=rank, pipeline=where.pipeline, stage=where.stage) as started:
+        if cfg.cluster.device == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        client = connect_store(cfg)
+        with process_group(cfg, client, rank, world, device) as backend:
+            logging.getLogger("sdpipe.worker").info(
+                "pipeline %d stage %d on %s", where.pipeline, where.stage, device)
+            yield Joined(cfg, started.run_dir, where, device, client, backend)

@@ -1,0 +1,116 @@
+"""Communicators over subsets of a stage's replicas, and averages over them.
+
+Every sync strategy averages over some set of ranks: all replicas (all-reduce), the group the
+scheduler formed (sdpipe), a gossip pair (adpsgd); clipping sums a norm over a pipeline's stages.
+Those sets change every round, so communicators are made on demand by their members only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime.bootstrap import Joined, connect_store
+
+__all__ = ["GroupCache", "average_parameters", "average_tensors", "for_worker"]
+
+
+class GroupCache:
+    """Communicators over subsets of ranks, created on first use by their members only.
+
+    Groups change every round, so they are made on demand and cached, and only the members take
+    part: no global collective per round. ``dist.new_group(..., use_local_synchronization=True)``
+    is not usable for this: it names a group after its ranks *and the number of groups the calling
+    process made before*, so two members with different histories rendezvous under different names
+    and hang. Here a group's rendezvous keys are named after its ranks alone, and each process
+    creates a given set once, so members always meet.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, backend: str, timeout: float,
+                 delay: Optional[Callable[[list[int], int], float]] = None):
+        self.store, self.rank, self.backend = store, rank, backend
+        self.timeout = timedelta(seconds=timeout)
+        self.delay = delay  # emulated network: seconds an all-reduce of N bytes over ranks takes
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    def get(self, ranks: list[int]):
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            prefix = dist.PrefixStore("groups/" + "-".join(map(str, key)) + "/", self.store)
+            me, size = key.index(self.rank), len(key)
+            if self.backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout
+                self._groups[key] = dist.ProcessGroupNCCL(prefix, me, size, options)
+            else:
+                self._groups[key] = dist.ProcessGroupGloo(prefix, me, size, self.timeout)
+        return self._groups[key]
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: list[int], op=dist.ReduceOp.SUM) -> None:
+        """In-place all-reduce of ``tensor`` over ``ranks`` (this rank must be one of them)."""
+        if self.delay is not None:
+            time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self.get(ranks).allreduce([tensor], options).wait()
+
+    def forget(self, ranks: list[int]) -> None:
+        """Drop a communicator whose member is gone; it cannot be used again."""
+        self._groups.pop(tuple(sorted(ranks)), None)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) -> None:
+    """Replace each parameter by the mean over ``ranks`` (one flat all-reduce, exact weights 1/n).
+
+    The all-reduce works on a flat copy; the parameters change only once it completed.
+    """
+    average_tensors(list(module.parameters()), groups, ranks)
+
+
+def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list[int],
+                    consensus: int = 0) -> Optional[float]:
+    """Replace each tensor by its mean over ``ranks``, in one flat all-reduce.
+
+    With ``consensus = n``, the first n tensors are the stage's weights, and their consensus
+    distance before averaging is returned: sqrt(mean over members of ||w_p - w_mean||^2) /
+    ||w_mean|| (one more all-reduce, of two numbers).
+    """
+    device = tensors[0].device
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in tensors])
+        own = flat.clone() if consensus else None
+        groups.all_reduce(flat, ranks)
+        flat /= len(ranks)
+        distance = None
+        if consensus:
+            n = sum(t.numel() for t in tensors[:consensus])
+            sums = torch.stack([(own[:n] - flat[:n]).pow(2).sum(), flat[:n].pow(2).sum()])
+            groups.all_reduce(sums, ranks)  # members' squared distances; n x ||w_mean||^2
+            distance = math.sqrt(float(sums[0]) / len(ranks)) / max(
+                math.sqrt(float(sums[1]) / len(ranks)), 1e-30)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return distance
+
+
+def for_worker(ctx: Joined, timeout: float) -> GroupCache:
+    """A joined worker's communicators, with the emulated all-reduce time when links are
+    emulated; a ``timeout`` other than ``run.timeout`` gets its own store connection."""
+    cfg = ctx.cfg
+    client = connect_store(cfg, timeout) if timeout != cfg.run.timeout else ctx.client
+    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
+    return GroupCache(dist.PrefixStore(store.PG_PREFIX, client), ctx.where.rank, ctx.backend,
+                      timeout, delay=cluster.allreduce_s if cluster.links_emulated else None)

@@ -1,0 +1,83 @@
+"""A worker's training loop under a flushed schedule (``pipeline.schedule=1f1b`` or ``gpipe``).
+
+Per iteration:
+
+1. the pipeline agrees whether to go on: the first stage decides (with its replicas, where the
+   sync strategy needs it) and passes the decision down the pipeline in the control message, so
+   that every stage of a pipeline runs exactly the same iterations;
+2. the executor runs the schedule's forwards and backwards of m micro-batches (the flush);
+3. the worker applies the update: the strategy's gradient sync, clipping by the norm over the
+   whole pipeline, the optimizer step, the strategy's weight sync, and the step event;
+4. at that consistent point, evaluation and a checkpoint shard, when due.
+
+The asynchronous schedule has its own loop (:mod:`sdpipe_cli.training.async_loop`); both drive a
+:class:`~sdpipe_cli.training.worker.Worker` and ask the same
+:class:`~sdpipe_cli.core.cadence.Cadence`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sdpipe_cli.core.cadence import Throughput
+from sdpipe_cli.core.schedule import get_schedule
+from sdpipe_cli.pipeline import p2p
+from sdpipe_cli.training.worker import Worker
+
+__all__ = ["FlushedLoop"]
+
+
+class FlushedLoop:
+    """Trains ``worker``'s stage one flushed iteration at a time."""
+
+    def __init__(self, worker: Worker):
+        self.w = worker
+        w = worker.where
+        self.actions = get_schedule(worker.cfg.pipeline.schedule)(
+            w.stages, worker.cfg.pipeline.microbatches, w.stage)
+        self._pending: list[p2p.Pending] = []
+
+    def train(self) -> None:
+        w = self.w
+        w.started()
+        started = time.time()
+        rate = Throughput(w.cfg.train.batch_size)
+        step = w.start_step
+        while True:
+            go, save = self._agree(step, started)
+            if not go:
+                break
+            t_step = time.perf_counter()
+            w.slowdown.new_iteration()
+            inputs, targets = w.batch(step)
+            w.optimizer.zero_grad(set_to_none=True)
+            loss = w.stage.run(self.actions, inputs, targets)
+            sync_s = w.update(step, step)
+            self._wait_pending()
+            w.memory.check()
+            step += 1
+            step_s = time.perf_counter() - t_step
+            w.report_step(step, rate=rate.iteration_done(time.time(), step, step_s),
+                          step_s=step_s, sync_s=sync_s, loss=loss)
+            w.consistent_point(step, save)
+        self._wait_pending()
+        w.finish(step)
+
+    def _agree(self, step: int, started: float) -> tuple[bool, bool]:
+        """Whether the pipeline runs iteration ``step``, and whether a time-based checkpoint
+        follows it; the same answer on every stage (the first decides and passes it on)."""
+        w, where = self.w, self.w.where
+        if where.first:
+            timed_out = w.timed_out(started)
+            go = w.sync.should_continue(step, w.cadence.local_go(step, timed_out), timed_out)
+            control = p2p.Control(go, step, go and w.time_checkpoint())
+        else:
+            control = p2p.receive_control(where.prev_rank, step, w.device, stage=where.stage)
+        if not where.last:
+            self._pending.append(p2p.send_control(control, where.next_rank, w.device))
+        return control.go, control.save
+
+    def _wait_pending(self) -> None:
+        for work in self._pending:
+            work.wait()
+        self._pending.clear()

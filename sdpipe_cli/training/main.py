@@ -1,0 +1,39 @@
+"""The worker process: ``python -m sdpipe_cli.training.main``, started P x S times by the launcher.
+
+It joins the run (:func:`sdpipe_cli.runtime.bootstrap.joined`), builds its
+:class:`~sdpipe_cli.training.worker.Worker` and runs the loop of its schedule: the flushed loop
+for ``1f1b`` and ``gpipe``, the asynchronous one for ``async_1f1b``. ``SDPIPE_RESUME`` names a
+verified checkpoint folder when a run goes on.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
+from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime.bootstrap import joined
+from sdpipe_cli.sync import groups
+from sdpipe_cli.training.async_loop import AsyncLoop
+from sdpipe_cli.training.loop import FlushedLoop
+from sdpipe_cli.training.worker import Worker
+
+
+def main() -> int:
+    with joined() as ctx:
+        cfg = ctx.cfg
+        # sdpipe's groups get their own store connection and a short timeout: a member that
+        # died between its ready signal and the average must not stall the survivors.
+        timeout = cfg.sync.group_timeout if cfg.sync.name == "sdpipe" else cfg.run.timeout
+        sync_groups = groups.for_worker(ctx, timeout)
+        pipeline_groups = (groups.for_worker(ctx, cfg.run.timeout)
+                           if timeout != cfg.run.timeout else sync_groups)
+        worker = Worker(cfg, ctx.where, ctx.device, store.namespace(ctx.client), sync_groups,
+                        pipeline_groups, resume=os.environ.get("SDPIPE_RESUME"))
+        loop = AsyncLoop if cfg.pipeline.schedule in ASYNC_SCHEDULES else FlushedLoop
+        loop(worker).train()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
