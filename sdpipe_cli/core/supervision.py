@@ -24,8 +24,9 @@ tested without a process, a store or a clock (torchelastic's agent is split the 
   to stop at their next consistent point (they may checkpoint and end normally); a second one
   stops everything at once, and so does the first one during start-up (no consistent point yet,
   nothing to lose) or in a job with no consistent point (``graceful=False``: profiling). Two that
-  land between polls count as two: the user pressed twice. A failure already seen wins over an
-  interrupt that comes while the launcher settles on its culprit.
+  were counted between polls count as two: the user pressed twice. (Two sent at the same instant
+  may reach the handler as one: the kernel and Python both merge a pending signal.) A failure
+  already seen wins over an interrupt that comes while the launcher settles on its culprit.
 
 Every action that ends supervision (:class:`StopNow`, :class:`Finished`, :class:`Failed`,
 :class:`FailedElsewhere`) is final: :meth:`Supervision.decide` returns it again for any later
