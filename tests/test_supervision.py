@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -11,7 +12,7 @@ import psutil
 import pytest
 
 from conftest import REPO, metrics, run_processes, sdpipe_popen
-from sdpipe_cli.runtime import launcher
+from sdpipe_cli.runtime import launcher, store
 
 pytestmark = pytest.mark.multiprocess
 
@@ -106,6 +107,47 @@ class _NoStore:
 
     def check(self, keys):
         return False
+
+
+class _EventStore(_NoStore):
+    """Keeps what the launcher pushes for the scheduler."""
+
+    def __init__(self):
+        self.queues: dict[str, list] = {}
+
+    def queue_push(self, queue, value):
+        self.queues.setdefault(queue, []).append(json.loads(value))
+
+
+def test_a_lost_pipeline_is_stopped_and_the_rest_run_to_the_end(tmp_path, monkeypatch, capsys):
+    """The mechanism of ``fault.on_pipeline_loss=continue`` with real processes and no training:
+    pipeline 1's crash stops its mate and tells the scheduler once; pipeline 0 ends well."""
+    monkeypatch.chdir(REPO / "tests")  # so `-m children.crash` imports
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    env = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir), "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
+    children = []
+    for rank, module, extra in [(0, "children.sleeper", {"SLEEP_S": "5"}),
+                                (1, "children.sleeper", {"SLEEP_S": "5"}),
+                                (2, "children.crash", {}),
+                                (3, "children.sleeper", {})]:
+        role = f"worker rank {rank} (pipeline {rank // 2}, stage {rank % 2})"
+        child = launcher.spawn(module, str(rank), role, run_dir, {**env, "RANK": str(rank), **extra})
+        child.rank, child.pipeline = rank, rank // 2
+        children.append(child)
+    events = _EventStore()
+    try:
+        failure, interrupted = launcher._supervise(children, run_dir, events, lambda _: None,
+                                                   tolerate=True)
+    finally:
+        launcher.stop_all(children, grace=5)
+    assert (failure, interrupted) == (None, False)
+    (lost,) = events.queues[store.EVENTS]
+    assert (lost["type"], lost["rank"], lost["pipeline"]) == ("lost", 2, 1)
+    assert "RuntimeError: deliberate failure on rank 2" in lost["reason"]
+    assert [c.proc.returncode for c in children] == [0, 0, 1, -signal.SIGTERM]
+    err = capsys.readouterr().err
+    assert err.count("sdpipe: warning: pipeline 1 lost, the others go on: worker rank 2") == 1
 
 
 def test_second_ctrl_c_stops_at_once(run_dir):

@@ -7,6 +7,15 @@ and reports the first failure in one line: which worker (pipeline, stage, rank),
 and the last lines of its error. Children run in their own session (a Ctrl-C reaches only the
 launcher, which then stops them in order) and die with the launcher (PR_SET_PDEATHSIG), so no
 process outlives a run.
+
+This module is the *mechanism*: it spawns, polls the children and the store, counts interrupts
+(:class:`_Phase`), sends signals, writes store keys and prints. The *decisions* (when a run has
+finished or failed, which failure is the root cause, when a lost pipeline may be dropped, what an
+interrupt means at this point, when another node's failure ends this one) are made by the pure
+policy :class:`sdpipe_cli.core.supervision.Supervision`, to which :func:`_supervise` hands one
+observation per poll and whose action it carries out; the rules are listed and unit-tested there
+(``tests/test_supervision_policy.py``), and the end-to-end behaviour here
+(``tests/test_supervision.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from sdpipe_cli.training import models
 
 from sdpipe_cli.runtime import network, store
 
-from sdpipe_cli.core import partition
+from sdpipe_cli.core import partition, supervision
 
 from sdpipe_cli.hetero import measurements
 from sdpipe_cli.core.cluster import Cluster
@@ -50,6 +59,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     rank: Optional[int] = None  # workers only
+    pipeline: Optional[int] = None  # workers only
 
 
 @dataclass(frozen=True)
@@ -277,7 +287,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local)}
             role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
             children.append(spawn(job.worker, str(rank), role, run_dir, env))
-            children[-1].rank = rank
+            children[-1].rank, children[-1].pipeline = rank, rank // S
             phase.check()
         for stage in range(servers if primary else 0):
             rank = P * S + stage
@@ -288,7 +298,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         phase.advance("waiting for the workers to join")
         tolerate = job.helpers and cfg.fault.on_pipeline_loss == "continue"
         result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched,
-                                                 S if tolerate else 0, graceful=job.graceful,
+                                                 tolerate, graceful=job.graceful,
                                                  workers=P * S, phase=phase)
         result.returncode = 1 if result.failure else 130 if interrupted else 0
         if interrupted and not result.failure:
@@ -320,7 +330,8 @@ class _Phase:
     it chooses. An exception raised from a handler lands anywhere, and one raised inside a fork
     handler (logging's, while a child is being spawned) is swallowed, which loses the interrupt.
     Start-up phases stop at the first interrupt; from :data:`RUNNING` (every worker started) the
-    first asks for a graceful stop and the second stops at once.
+    first asks for a graceful stop and the second stops at once (during supervision that decision
+    is :class:`~sdpipe_cli.core.supervision.Supervision`'s, which also says when start-up is over).
     """
 
     def __init__(self, now: str):
@@ -358,71 +369,68 @@ def _new_path(path: Path) -> Path:
 
 
 def _supervise(children: list[Child], run_dir: Path, events, on_progress,
-               since: float = 0.0, stages: int = 0, graceful: bool = True,
+               since: float = 0.0, tolerate: bool = False, graceful: bool = True,
                workers: int = 0, phase: Optional[_Phase] = None) -> tuple[Optional[str], bool]:
     """Wait for every child: (the first failure's description or None, whether interrupted).
 
-    The first Ctrl-C (or SIGTERM) asks the run to stop at its next consistent point (the same
-    iteration on every replica, or the next global sync), where it may checkpoint and end
-    normally; a second one raises :class:`_Interrupted` and the caller stops everything at once.
-    Without ``graceful`` (a job with no consistent point to stop at) the first one does, and so
-    does one that comes before all ``workers`` have started (``phase`` says which): start-up has
-    no consistent point yet and nothing to lose.
-
-    With ``stages`` set (``fault.on_pipeline_loss=continue``), a failed worker costs only its
-    pipeline: the pipeline's other workers are stopped, the scheduler is told, and the rest go on
-    (unless no pipeline is left).
+    The mechanism only: each poll becomes a :class:`~sdpipe_cli.core.supervision.Observation`,
+    and the :class:`~sdpipe_cli.core.supervision.Supervision` policy says what to do (its module
+    has the rules: graceful and immediate stops, ``fault.on_pipeline_loss=continue`` with
+    ``tolerate``, another node's failure, which failure to name). A stop at once raises
+    :class:`_Interrupted` and the caller stops everything. The policy's view of start-up (all
+    ``workers`` started) is copied to ``phase``, whose name the caller's message uses.
     """
     phase = phase or _Phase(RUNNING)
-    interrupted, handled = False, 0
-    lost: set[int] = set()
-    pipelines = sum(1 for c in children if c.rank is not None) // stages if stages else 0
+    policy = supervision.Supervision(workers=workers, tolerate=tolerate, graceful=graceful,
+                                     started=phase.now == RUNNING)
+    by_name = {c.name: c for c in children}
+    error_times: dict[str, Optional[float]] = {}
     while True:
-        if phase.signals > handled:
-            handled = phase.signals
-            if phase.now != RUNNING:  # the latest word on who started, not the last poll's
-                _note_start(phase, _quietly(lambda: store.get_json(events, store.PROGRESS)),
-                            workers)
-            if interrupted or not graceful or phase.now != RUNNING:
-                raise _Interrupted
-            interrupted = True
+        seen = _observe(children, run_dir, events, phase, since, error_times)
+        action = policy.decide(seen)
+        if policy.started:
+            phase.now = RUNNING
+        if isinstance(action, supervision.Wait):
+            if seen.progress:
+                on_progress(seen.progress)
+            time.sleep(POLL_S)
+        elif isinstance(action, supervision.RequestStop):
             events.set(store.STOP_REQUESTED, "1")
-        codes = [c.proc.poll() for c in children]
-        failed = [c for c, rc in zip(children, codes)
-                  if rc not in (None, 0) and not (stages and c.rank is not None
-                                                  and c.rank // stages in lost)]
-        if failed and stages and all(c.rank is not None for c in failed) \
-                and len(lost | {c.rank // stages for c in failed}) < pipelines:
-            for c in failed:
-                _lose_pipeline(c, children, stages, run_dir, events, since)
-                lost.add(c.rank // stages)
-            continue
-        if failed:
-            time.sleep(0.5)  # let secondary failures land so the root cause can be picked
-            failed = [c for c in children if c.proc.poll() not in (None, 0)
-                      and not (stages and c.rank is not None and c.rank // stages in lost)]
-            first = first_failure(failed, run_dir, since)
-            reason = describe_failure(first, run_dir, since)
+        elif isinstance(action, supervision.DropPipelines):
+            for pipeline, name in action.lost:
+                _lose_pipeline(by_name[name], pipeline, children, run_dir, events, since)
+        elif isinstance(action, supervision.StopNow):
+            raise _Interrupted
+        elif isinstance(action, supervision.Finished):
+            return None, action.interrupted
+        elif isinstance(action, supervision.Failed):
+            reason = describe_failure(by_name[action.child], run_dir, since)
             _quietly(lambda: events.compare_set(store.FAILED, "", reason))  # tell other nodes
-            return reason, interrupted
-        if all(rc == 0 or (stages and c.rank is not None and c.rank // stages in lost)
-               for c, rc in zip(children, codes) if rc is not None) \
-                and all(rc is not None for rc in codes):
-            return None, interrupted
-        elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
-        if elsewhere:
-            return f"another node failed: {elsewhere.decode()}", interrupted
-        snapshot = _quietly(lambda: store.get_json(events, store.PROGRESS))
-        if snapshot:
-            on_progress(snapshot)
-            _note_start(phase, snapshot, workers)
-        time.sleep(POLL_S)
+            return reason, action.interrupted
+        else:
+            assert isinstance(action, supervision.FailedElsewhere), action
+            return f"another node failed: {action.reason}", action.interrupted
 
 
-def _note_start(phase: Optional[_Phase], snapshot: Optional[dict], workers: int) -> None:
-    """Start-up is over once every worker has started (a profile's snapshots: once it runs)."""
-    if phase is not None and snapshot and snapshot.get("started", workers) >= workers:
-        phase.now = RUNNING
+def _observe(children: list[Child], run_dir: Path, events, phase: _Phase, since: float,
+             error_times: dict[str, Optional[float]]) -> supervision.Observation:
+    """One poll. The interrupts are counted first, so that what is read after them is at least as
+    recent (a Ctrl-C right after the last worker started finds it started); then the children,
+    then the store. A failed child's error file is read once, when its exit is first seen: the
+    child writes it before it exits."""
+    signals = phase.signals
+    states = []
+    for c in children:
+        rc = c.proc.poll()
+        if rc not in (None, 0) and c.name not in error_times:
+            err = _error_since(run_dir, c.name, since)
+            error_times[c.name] = err["time"] if err else None
+        states.append(supervision.ChildState(c.name, c.pipeline, rc, error_times.get(c.name)))
+    elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
+    return supervision.Observation(
+        now=time.monotonic(), children=tuple(states), signals=signals,
+        progress=_quietly(lambda: store.get_json(events, store.PROGRESS)),
+        elsewhere=elsewhere.decode() if elsewhere else None)
 
 
 def _quietly(read: Callable[[], Any]) -> Any:
@@ -433,11 +441,10 @@ def _quietly(read: Callable[[], Any]) -> Any:
         return None
 
 
-def _lose_pipeline(failed: Child, children: list[Child], stages: int, run_dir: Path, events,
+def _lose_pipeline(failed: Child, pipeline: int, children: list[Child], run_dir: Path, events,
                    since: float) -> None:
-    """Stop every worker of the failed worker's pipeline and tell the scheduler to drop it."""
-    pipeline = failed.rank // stages
-    mates = [c for c in children if c.rank is not None and c.rank // stages == pipeline]
+    """Stop every worker of ``pipeline``, which ``failed`` cost, and tell the scheduler to drop it."""
+    mates = [c for c in children if c.pipeline == pipeline]
     stop_all(mates)
     reason = describe_failure(failed, run_dir, since)
     store.push(events, store.EVENTS, {"type": "lost", "rank": failed.rank, "pipeline": pipeline,
@@ -452,25 +459,12 @@ def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:
     return err if err and err.get("time", 0) >= since else None
 
 
-def first_failure(failed: list[Child], run_dir: Path, since: float = 0.0) -> Child:
-    """The root cause: a child killed by a signal, else the earliest error file."""
-    killed = [c for c in failed if c.proc.returncode < 0]
-    if killed:
-        return killed[0]
-
-    def when(c: Child) -> float:
-        err = _error_since(run_dir, c.name, since)
-        return err["time"] if err else float("inf")
-
-    return min(failed, key=when)
-
-
 def describe_failure(child: Child, run_dir: Path, since: float = 0.0) -> str:
-    rc = child.proc.returncode
-    how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+    """One line for the user: who (role), how it ended, its error message (else its log's last
+    lines), and where its log is."""
     err = _error_since(run_dir, child.name, since)
     detail = err["message"] if err else _tail(child.log_path, 5)
-    return f"{child.role} {how}: {detail} (log: {child.log_path})"
+    return f"{child.role} {supervision.ending(child.proc.returncode)}: {detail} (log: {child.log_path})"
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -1,6 +1,8 @@
-"""A child that would run for a long time: the supervisor must stop it."""
+"""A child that would run for a long time (``SLEEP_S`` seconds, 600 unless set): the supervisor
+must stop it, or, with ``SLEEP_S`` short, one that ends well after a while."""
 
+import os
 import time
 
 if __name__ == "__main__":
-    time.sleep(600)
+    time.sleep(float(os.environ.get("SLEEP_S", "600")))

@@ -1,0 +1,240 @@
+"""Supervision policy: what the launcher does about its children. Pure: observations in, actions out.
+
+The launcher (``runtime.launcher``) is the mechanism: it polls its children and the store, hands
+this module an :class:`Observation` and carries out the :class:`Action` that comes back (a signal,
+a store key, a message). Everything that is a *decision* lives here, so that each rule can be
+tested without a process, a store or a clock (torchelastic's agent is split the same way:
+``_monitor_workers`` observes, the agent's loop decides). The rules:
+
+* **Success.** The run is finished when every child has exited with 0; a worker of a dropped
+  pipeline counts as done however it ended. Helpers (the scheduler, parameter servers) exiting 0
+  early are no event: the run goes on until everyone has exited.
+* **Failure.** A child exiting non-zero or killed by a signal fails the run (lock-step sync has no
+  way around a missing replica). The launcher waits :data:`SETTLE_S` before naming the culprit,
+  because one crash makes its peers fail a moment later (a broken gloo connection) and the first
+  cause, not the loudest echo, is what the user needs: a child killed by a signal (nobody else
+  kills our children), else the earliest error file, else the first one in launch order.
+* **Pipeline loss** (``fault.on_pipeline_loss=continue``, sdpipe sync only). A failed *worker* costs
+  only its pipeline: its other workers are stopped and the scheduler drops it, while the rest go
+  on. Not when it would leave no pipeline, and never for a helper: without the scheduler or a
+  parameter server nobody can go on.
+* **Another node.** A failure published in the store by another node's launcher ends this one
+  too; our own children's state is looked at first, because a failure here is closer to the cause.
+* **Interrupts** (Ctrl-C, SIGTERM). The first one after every worker has started asks the workers
+  to stop at their next consistent point (they may checkpoint and end normally); a second one
+  stops everything at once, and so does the first one during start-up (no consistent point yet,
+  nothing to lose) or in a job with no consistent point (``graceful=False``: profiling). Two that
+  were counted between polls count as two: the user pressed twice. (Two sent at the same instant
+  may reach the handler as one: the kernel and Python both merge a pending signal.) A failure
+  already seen wins over an interrupt that comes while the launcher settles on its culprit.
+
+Every action that ends supervision (:class:`StopNow`, :class:`Finished`, :class:`Failed`,
+:class:`FailedElsewhere`) is final: :meth:`Supervision.decide` returns it again for any later
+observation, so a mechanism that polls once more cannot undo a decision.
+
+Out of scope here, because other processes own them: hung workers (the scheduler's heartbeat check
+fails the scheduler, which this policy sees as a helper failure) and time limits (the scheduler
+ends the run with a global sync; the workers then exit 0).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+SETTLE_S = 0.5  # seconds between seeing a failure and naming its root cause
+
+
+@dataclass(frozen=True)
+class ChildState:
+    """One child process as the launcher last saw it."""
+
+    name: str  # "scheduler", "ps<stage>", or the worker's rank; unique within a launch
+    pipeline: Optional[int] = None  # workers only; helpers (scheduler, parameter servers) have none
+    returncode: Optional[int] = None  # None while it runs; negative: killed by that signal
+    error_time: Optional[float] = None  # when it wrote its error file (this leg of the run), if it did
+
+    @property
+    def failed(self) -> bool:
+        return self.returncode not in (None, 0)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the launcher saw in one poll."""
+
+    now: float  # seconds on any monotonic clock; only differences matter
+    children: tuple[ChildState, ...]
+    signals: int = 0  # interrupts (Ctrl-C, SIGTERM) counted since supervision began, in total
+    progress: Optional[Mapping[str, Any]] = None  # the latest snapshot in the store, if any
+    elsewhere: Optional[str] = None  # a failure another node's launcher published, if any
+
+
+# -- actions -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do: show the progress and poll again after a short sleep."""
+
+
+@dataclass(frozen=True)
+class RequestStop:
+    """The first interrupt of a running job: ask the workers to stop at a consistent point, then
+    observe again at once."""
+
+
+@dataclass(frozen=True)
+class DropPipelines:
+    """Stop the other workers of each pipeline in ``lost`` and tell the scheduler to drop it, then
+    observe again at once; the rest of the run goes on."""
+
+    lost: tuple[tuple[int, str], ...]  # (pipeline, name of the child whose failure cost it), by pipeline
+
+
+@dataclass(frozen=True)
+class StopNow:
+    """Stop every child at once (final): an interrupt that leaves no graceful way out."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every child is done (final); ``interrupted``: because a graceful stop was asked for."""
+
+    interrupted: bool = False
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The run failed (final); ``child`` names the root cause, to be reported and published."""
+
+    child: str
+    interrupted: bool = False
+
+
+@dataclass(frozen=True)
+class FailedElsewhere:
+    """Another node failed (final); ``reason`` is what it published."""
+
+    reason: str
+    interrupted: bool = False
+
+
+Action = Union[Wait, RequestStop, DropPipelines, StopNow, Finished, Failed, FailedElsewhere]
+FINAL = (StopNow, Finished, Failed, FailedElsewhere)
+WAIT = Wait()
+
+
+def first_failure(failed: Sequence[ChildState]) -> ChildState:
+    """The root cause among ``failed`` (not empty): a child killed by a signal, else the one with
+    the earliest error file, else the first in launch order.
+
+    A signal comes from outside (the OOM killer, a user, a node going down), while an error file
+    may be an echo of another process's death (a broken connection), so a signal wins.
+    """
+    killed = [c for c in failed if c.returncode is not None and c.returncode < 0]
+    if killed:
+        return killed[0]
+    return min(failed, key=lambda c: math.inf if c.error_time is None else c.error_time)
+
+
+def ending(returncode: int) -> str:
+    """How a child ended, in words: ``was killed by SIGKILL`` or ``exited with code 1``."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class Supervision:
+    """The launcher's decisions over a sequence of observations (see the module docstring).
+
+    ``workers``: how many workers the whole run has, to tell from the scheduler's progress
+    snapshot (``started``) when start-up is over; a snapshot without that count (a profiling job's)
+    means it is. ``tolerate``: ``fault.on_pipeline_loss=continue``. ``graceful``: the job has a
+    consistent point to stop at when asked. ``started``: start-up is already over (a caller that
+    supervises children it knows to be running). ``settle_s``: see :data:`SETTLE_S`.
+
+    The clock is the observations' ``now``; nothing here sleeps or reads anything.
+    """
+
+    def __init__(self, *, workers: int = 0, tolerate: bool = False, graceful: bool = True,
+                 started: bool = False, settle_s: float = SETTLE_S):
+        self.workers, self.tolerate, self.graceful, self.settle_s = workers, tolerate, graceful, settle_s
+        self._started, self._interrupted = started, False
+        self._handled = 0  # interrupts already acted on
+        self._lost: set[int] = set()
+        self._failing_since: Optional[float] = None
+        self._final: Optional[Action] = None
+
+    @property
+    def started(self) -> bool:
+        """Whether every worker has started (interrupts are graceful from here on)."""
+        return self._started
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a graceful stop has been asked for."""
+        return self._interrupted
+
+    @property
+    def lost(self) -> frozenset[int]:
+        """The pipelines dropped so far."""
+        return frozenset(self._lost)
+
+    def decide(self, obs: Observation) -> Action:
+        """The action for ``obs``; the order of the checks is the order of precedence."""
+        if self._final is not None:
+            return self._final
+        self._note_start(obs.progress)
+        if self._failing_since is not None:  # settling on the culprit; nothing else counts now
+            if obs.now - self._failing_since < self.settle_s:
+                return WAIT
+            return self._end(Failed(first_failure(self._failures(obs)).name, self._interrupted))
+        if obs.signals > self._handled:
+            fresh, self._handled = obs.signals - self._handled, obs.signals
+            if self._interrupted or fresh > 1 or not self.graceful or not self._started:
+                return self._end(StopNow())
+            self._interrupted = True
+            return RequestStop()
+        failed = self._failures(obs)
+        if failed:
+            drop = self._droppable(obs, failed)
+            if drop:
+                self._lost.update(p for p, _ in drop)
+                return DropPipelines(drop)
+            self._failing_since = obs.now
+            if self.settle_s > 0:
+                return WAIT
+            return self._end(Failed(first_failure(failed).name, self._interrupted))
+        if all(c.returncode is not None for c in obs.children):
+            return self._end(Finished(self._interrupted))
+        if obs.elsewhere:
+            return self._end(FailedElsewhere(obs.elsewhere, self._interrupted))
+        return WAIT
+
+    def _failures(self, obs: Observation) -> list[ChildState]:
+        """Failed children, except the workers of dropped pipelines (they were stopped on purpose)."""
+        return [c for c in obs.children if c.failed and c.pipeline not in self._lost]
+
+    def _droppable(self, obs: Observation, failed: list[ChildState]) -> tuple[tuple[int, str], ...]:
+        """The pipelines to drop for ``failed``, each with its root cause; () if the run must stop."""
+        if not self.tolerate or any(c.pipeline is None for c in failed):
+            return ()
+        pipelines = {c.pipeline for c in obs.children if c.pipeline is not None}
+        hit = sorted({c.pipeline for c in failed})
+        if len(self._lost | set(hit)) >= len(pipelines):
+            return ()  # nobody would be left to go on
+        return tuple((p, first_failure([c for c in failed if c.pipeline == p]).name) for p in hit)
+
+    def _note_start(self, progress: Optional[Mapping[str, Any]]) -> None:
+        if progress and progress.get("started", self.workers) >= self.workers:
+            self._started = True
+
+    def _end(self, action: Action) -> Action:
+        self._final = action
+        return action
