@@ -173,6 +173,9 @@ def _join(cfg: DictConfig, cluster: Cluster, phase: "_Phase"):
     filesystem keeps logs and checkpoints in one place; checkpoints need one).
     """
     host, port = store_host(cfg), cfg.run.port
+    # Said at once: a node that waits for the first one looks hung otherwise.
+    print(f"sdpipe: node {cfg.run.node}: waiting for the first node's store at {host}:{port} "
+          f"(up to run.timeout={cfg.run.timeout:g}s)", file=sys.stderr, flush=True)
     try:
         master = store.connect_patiently(host, port, cfg.run.timeout, check=phase.check)
         events = store.namespace(master)
