@@ -70,7 +70,7 @@ class DeviceConfig:
 
 @dataclass
 class NodeConfig:
-    name: str = "node"
+    name: str = "node"  # devices are named "<node>:<index>"; with real nodes, what run.node picks
     devices: List[DeviceConfig] = field(default_factory=list)
     # Address of a real machine (one `sdpipe train ... run.node=NAME` runs on each; the first
     # node hosts the store at this address and run.port). null: a node emulated on this machine.
@@ -81,7 +81,7 @@ class NodeConfig:
 class StragglerConfig:
     # Each micro-batch (or iteration) a worker is slowed by ``factor`` with this probability.
     probability: float = 0.0
-    factor: float = 3.0
+    factor: float = 3.0  # a slowed action takes this many times as long
     per: str = "microbatch"  # microbatch | iteration
     devices: List[str] = field(default_factory=list)  # device names ("node:index"); empty: all
 
@@ -108,10 +108,10 @@ class LinksConfig:
 
 @dataclass
 class ClusterConfig:
-    name: str = "local"
+    name: str = "local"  # config option name, e.g. hetero_mixed
     pipelines: int = 2  # P: data-parallel pipelines
     device: str = "auto"  # cpu | cuda | auto (cuda when available, one GPU per worker)
-    host: str = "127.0.0.1"  # address the TCPStore binds to; keep it private (see README)
+    host: str = "127.0.0.1"  # address the TCPStore binds to; keep it private (see docs/SECURITY.md)
     # Nodes and their devices; empty: one node "local" with one device of speed 1.0 per worker.
     nodes: List[NodeConfig] = field(default_factory=list)
     # Device name per (pipeline, stage): P lists of S "node:index"; empty: each pipeline on the
@@ -219,12 +219,12 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | sgd
     lr: float = 3e-3  # peak learning rate
     momentum: float = 0.9  # sgd only
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW) or L2 (SGD)
     warmup: int = 10  # linear warm-up iterations, then cosine decay to lr/10
     # Max norm of the whole model's gradient, summed over a pipeline's stages (per stage under
     # async_1f1b, whose stages update at different times); 0 disables
     grad_clip: float = 1.0
-    seed: int = 0
+    seed: int = 0  # model initialization, data order and stragglers; equal seeds, equal runs
     eval_every: int = 100  # evaluate every this many iterations (0: only at the end)
     log_every: int = 1  # push a metrics line every this many iterations
     time_limit: Optional[float] = None  # seconds; stop all pipelines at the same iteration after it
