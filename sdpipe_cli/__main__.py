@@ -6,22 +6,7 @@ error, so until the CLI takes over, Ctrl-C and SIGTERM end the process at once w
 exit 130: nothing has been started yet that would need stopping.
 """
 
-import os
-import signal
-
-EXIT_INTERRUPTED = 130
-
-
-def exit_on_interrupt(while_: str):
-    """Install (and return the previous) SIGINT/SIGTERM handlers that end the process at once,
-    saying what it was doing; for phases that have started nothing."""
-    line = f"sdpipe: error: interrupted while {while_}; nothing was started\n".encode()
-
-    def handler(signum, frame) -> None:
-        os.write(2, line)  # not sys.stderr: the interrupted code may hold its lock
-        os._exit(EXIT_INTERRUPTED)
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+from sdpipe_cli.cli.interrupts import exit_on_interrupt
 
 
 def entry() -> int:

@@ -31,7 +31,7 @@ from rich.table import Table
 from sdpipe_cli import __version__
 
 from sdpipe_cli.runtime import network
-from sdpipe_cli.__main__ import exit_on_interrupt
+from sdpipe_cli.cli.interrupts import exit_on_interrupt
 from sdpipe_cli.config.schema import (ConfigError, compose, group_options, schema_for,
                                      validate)
 from sdpipe_cli.runtime.errors import CheckpointError, DataError
