@@ -84,7 +84,7 @@ def speeds(args: argparse.Namespace) -> list[str]:
 
 def partition(args: argparse.Namespace) -> list[str]:
     from sdpipe_cli.core import partition as part
-    from sdpipe_cli.hetero import measurements as prof
+    from sdpipe_cli.config import measurements as prof
     from sdpipe_cli.core.cluster import Cluster
     from sdpipe_cli.config.schema import compose, n_blocks
 

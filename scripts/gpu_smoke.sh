@@ -36,7 +36,7 @@ tail -n 3 "$OUT/run/metrics.jsonl"
 python3 - <<'EOF'
 import os, datetime, torch, torch.distributed as dist
 from omegaconf import OmegaConf
-from sdpipe_cli.training import optim
+from sdpipe_cli.model import optim
 from sdpipe_cli.sync.strategies import GroupCache, average_tensors
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints, Throughput
 from sdpipe_cli.core.placement import Placement
-from sdpipe_cli.training.optim import clip_gradients
+from sdpipe_cli.model.optim import clip_gradients
 
 
 def test_stop_evaluate_log_and_checkpoint_follow_the_config():

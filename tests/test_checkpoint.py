@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from sdpipe_cli.training import checkpoint as ck
-from sdpipe_cli.training.checkpoint import CheckpointError
+from sdpipe_cli.model import checkpoint as ck
+from sdpipe_cli.model.checkpoint import CheckpointError
 
 NAMES = ["0", "1", "scheduler"]
 

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import DataConfig
-from sdpipe_cli.training.data import (
+from sdpipe_cli.model.data import (
     Corpus,
     DataError,
     check_corpus,
@@ -91,7 +91,7 @@ def test_unreadable_file_names_the_file(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied")
         return open(path, *args, **kwargs)
 
-    monkeypatch.setattr("sdpipe_cli.training.data.open", deny, raising=False)
+    monkeypatch.setattr("sdpipe_cli.model.data.open", deny, raising=False)
     with pytest.raises(DataError, match="Permission denied") as info:
         load_corpus(cfg("text", path=str(tmp_path)), seed=0)
     assert info.value.key == str(tmp_path / "b.txt")

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from conftest import metrics, sdpipe
 from sdpipe_cli.config.schema import Config
 from sdpipe_cli.sync.strategies import GroupCache, average_tensors
-from sdpipe_cli.training.models import build_stage_module
+from sdpipe_cli.model.models import build_stage_module
 
 pytestmark = pytest.mark.multiprocess
 

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ModelConfig, n_blocks
-from sdpipe_cli.training.models import activation_shape, block_param_counts, build_blocks, loss_fn
+from sdpipe_cli.model.models import activation_shape, block_param_counts, build_blocks, loss_fn
 
 ARCHS = ["gpt", "mlp"]
 

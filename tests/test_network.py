@@ -105,7 +105,7 @@ def test_patient_client_keeps_the_full_timeout():
 def test_gloo_and_nccl_are_pinned_to_the_stores_interface(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    from sdpipe_cli.runtime.launcher import pinned_interfaces
+    from sdpipe_cli.cli.launcher import pinned_interfaces
 
     cfg = compose([])
     lo = network.interface_of("127.0.0.1")

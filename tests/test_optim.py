@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli.training import optim
+from sdpipe_cli.model import optim
 from sdpipe_cli.config.schema import compose
 from sdpipe_cli.sync.strategies import GroupSync
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sdpipe_cli.hetero import measurements
+from sdpipe_cli.config import measurements
 from sdpipe_cli.cli.commands import main
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.config.schema import compose, validate

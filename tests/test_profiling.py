@@ -15,9 +15,10 @@ import time
 import pytest
 
 from conftest import run_processes, sdpipe, sdpipe_popen
-from sdpipe_cli.runtime import launcher
-from sdpipe_cli.training import models
-from sdpipe_cli.hetero import measurements, profiler
+from sdpipe_cli.cli import launcher
+from sdpipe_cli.model import models
+from sdpipe_cli.hetero import profiler
+from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import compose, n_blocks
 
 HETERO = ("cluster.device=cpu",

@@ -12,7 +12,8 @@ import psutil
 import pytest
 
 from conftest import REPO, metrics, run_processes, sdpipe_popen
-from sdpipe_cli.runtime import launcher, store
+from sdpipe_cli.runtime import store
+from sdpipe_cli.cli import launcher
 
 pytestmark = pytest.mark.multiprocess
 

@@ -48,7 +48,7 @@ PROFILE_HELP = """Measure the cluster a training run would use, with the same ov
 device, each model block's forward and backward time at the micro-batch size and the peak memory;
 per pair of pipeline neighbours, p2p latency and bandwidth; per stage, the all-reduce time of its
 weights for group sizes 2..P. Emulated speeds and links (cluster.nodes, cluster.links) are in the
-numbers. Writes <run>/profile.json (schema: sdpipe_cli/hetero/measurements.py) for
+numbers. Writes <run>/profile.json (schema: sdpipe_cli/config/measurements.py) for
 `sdpipe train pipeline.partition=auto profile=PATH`."""
 
 
@@ -119,7 +119,7 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
     cfg = _composed(overrides, show_config)
     if cfg is None:
         return 0
-    from sdpipe_cli.training import data  # torch: only once the config is known to be good
+    from sdpipe_cli.model import data  # torch: only once the config is known to be good
 
     if cfg.data.name == "text":  # a user's file: fail before anything starts
         data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
@@ -139,7 +139,7 @@ def _composed(overrides: Sequence[str], show_config: bool):
 
 def _prepared(cfg, console: Console):
     """The run config for this machine; shows the automatic partition's plan if there is one."""
-    from sdpipe_cli.runtime import launcher
+    from sdpipe_cli.cli import launcher
 
     run_cfg, plan = launcher.prepare(cfg)
     if plan is not None:
@@ -148,8 +148,8 @@ def _prepared(cfg, console: Console):
 
 
 def resume(path: str, overrides: Sequence[str], console: Console) -> int:
-    from sdpipe_cli.training import checkpoint
-    from sdpipe_cli.runtime import launcher
+    from sdpipe_cli.model import checkpoint
+    from sdpipe_cli.cli import launcher
 
     ckpt = checkpoint.resolve(path)
     manifest = checkpoint.verify(ckpt)  # every shard's checksum, before anything starts
@@ -166,8 +166,8 @@ def resume(path: str, overrides: Sequence[str], console: Console) -> int:
 
 def profile(overrides: Sequence[str], show_config: bool = False,
             console: Console | None = None) -> int:
-    from sdpipe_cli.runtime import launcher
-    from sdpipe_cli.hetero import measurements as document
+    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.config import measurements as document
 
     console = console or Console(stderr=True)
     cfg = _composed(overrides, show_config)
@@ -210,7 +210,7 @@ def _apply_resume_overrides(saved, overrides: Sequence[str]):
 
 
 def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
-    from sdpipe_cli.runtime import launcher
+    from sdpipe_cli.cli import launcher
 
     display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
     with display:  # the launcher handles interrupts from here on

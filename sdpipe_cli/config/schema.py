@@ -470,7 +470,7 @@ def validate(cfg: DictConfig) -> None:
 def _validate_cluster(cfg: DictConfig) -> None:
     """Nodes, placement, emulation, stragglers and the profile they may need."""
     from sdpipe_cli.core.cluster import Cluster, ClusterError
-    from sdpipe_cli.hetero.measurements import ProfileError, check_model, load
+    from sdpipe_cli.config.measurements import ProfileError, check_model, load
 
     c = cfg.cluster
     try:

@@ -1,3 +1,3 @@
 """Heterogeneous clusters: emulating slower devices and links, and measuring a cluster."""
 
-__all__ = ['emulation', 'measurements', 'profiler']
+__all__ = ['emulation', 'profiler']

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import psutil
 import torch
 
-from sdpipe_cli.hetero import measurements
+from sdpipe_cli.config import measurements
 from sdpipe_cli.core.cluster import Cluster, Device
 from sdpipe_cli.config.schema import emulation, n_blocks
 from sdpipe_cli.core.partition import stage_ranges

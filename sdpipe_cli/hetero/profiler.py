@@ -3,11 +3,11 @@
 Started by the launcher as ``python -m sdpipe_cli.hetero.profiler``, P x S times, with the environment,
 device and process group of a training worker (:func:`sdpipe_cli.runtime.bootstrap.joined`; no scheduler). Each process measures what
 training will cost on its device, and rank 0 writes ``<run>/profile.json`` (the schema is in
-:mod:`sdpipe_cli.hetero.measurements`):
+:mod:`sdpipe_cli.config.measurements`):
 
 1. **blocks**: the process builds the whole model and times each block's forward and backward
    at the micro-batch size (``train.batch_size // pipeline.microbatches``): token ids into block
-   0, activations of :func:`~sdpipe_cli.training.models.activation_shape` into the others, a random output
+   0, activations of :func:`~sdpipe_cli.model.models.activation_shape` into the others, a random output
    gradient for the backward, and the head's forward through ``loss_fn`` (as the last stage does).
    Untimed warm-ups, then the minimum over up to :data:`REPEATS` repeats (see below).
 2. **peak memory**: :meth:`~sdpipe_cli.hetero.emulation.MemoryLimit.peak_mb` (RSS on CPU, the allocator's
@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from sdpipe_cli.training import models
+from sdpipe_cli.model import models
 
-from sdpipe_cli.hetero import measurements
+from sdpipe_cli.config import measurements
 
 from sdpipe_cli.runtime import store
 from sdpipe_cli.core.cluster import Cluster
@@ -117,7 +117,7 @@ def repeat(once: Callable[[], Sequence[float]], repeats: int, warmup: int = WARM
 
 
 def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
-    """The profile document from every rank's results (see :mod:`sdpipe_cli.hetero.measurements`)."""
+    """The profile document from every rank's results (see :mod:`sdpipe_cli.config.measurements`)."""
     mb = cfg.train.batch_size // cfg.pipeline.microbatches
     links = {}
     for kind in ("same_node", "cross_node"):

@@ -27,8 +27,8 @@ from sdpipe_cli.config.schema import load_child_config
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.runtime.bootstrap import child, connect_store, process_group
 from sdpipe_cli.sync.strategies import PSSync
-from sdpipe_cli.training import optim
-from sdpipe_cli.training.models import build_stage_module
+from sdpipe_cli.model import optim
+from sdpipe_cli.model.models import build_stage_module
 
 log = logging.getLogger("sdpipe.ps")
 

@@ -30,7 +30,7 @@ from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
-from sdpipe_cli.training import checkpoint
+from sdpipe_cli.model import checkpoint
 
 log = logging.getLogger("sdpipe.scheduler")
 

@@ -38,7 +38,7 @@ from torch.nn.utils import vector_to_parameters
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.sync.groups import GroupCache, average_parameters, average_tensors
 from sdpipe_cli.runtime import store
-from sdpipe_cli.training import optim
+from sdpipe_cli.model import optim
 
 log = logging.getLogger("sdpipe.sync")
 

@@ -1,3 +1,3 @@
 """A worker's training: the model, data, optimizer, checkpoints and the training loops."""
 
-__all__ = ['async_loop', 'checkpoint', 'data', 'models', 'optim', 'worker']
+__all__ = ['async_loop', 'loop', 'main', 'worker']

@@ -31,7 +31,7 @@ from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.pipeline.stage import PipelineStage
 from sdpipe_cli.runtime import store
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
-from sdpipe_cli.training import checkpoint, data, models, optim
+from sdpipe_cli.model import checkpoint, data, models, optim
 
 __all__ = ["Worker", "param_digest"]
 

@@ -36,13 +36,13 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.training import models
+from sdpipe_cli.model import models
 
 from sdpipe_cli.runtime import network, store
 
 from sdpipe_cli.core import partition, supervision
 
-from sdpipe_cli.hetero import measurements
+from sdpipe_cli.config import measurements
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.config.schema import ConfigError, n_blocks, resolve_device, save_run_config
 from sdpipe_cli.runtime.errors import read_error
