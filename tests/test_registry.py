@@ -1,0 +1,27 @@
+"""One registry per kind of name: every sync mode and schedule the schema accepts exists as a
+config option and as code, and nothing else does."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+from sdpipe_cli.config.schema import SCHEDULES, SYNC_CONFIGS, compose, group_options
+from sdpipe_cli.core.placement import Placement
+from sdpipe_cli.core.schedule import get_schedule
+from sdpipe_cli.sync.strategies import make_sync
+
+
+def test_every_sync_mode_is_an_option_with_its_own_settings_and_a_strategy():
+    assert set(group_options()["sync"]) == set(SYNC_CONFIGS)
+    for name, node in SYNC_CONFIGS.items():
+        cfg = compose([f"sync={name}"])
+        assert OmegaConf.get_type(cfg.sync) is node and cfg.sync.name == name
+        strategy = make_sync(cfg.sync, events=None, groups=None, where=Placement(0, 2, 2),
+                             device=torch.device("cpu"))
+        assert strategy.name == name
+
+
+def test_every_schedule_name_has_a_schedule():
+    for name in SCHEDULES:
+        assert callable(get_schedule(name))
