@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sdpipe_cli.core.schedule import Action, Kind, async_next
-from sdpipe_cli.pipeline.executor import Executor
+from sdpipe_cli.pipeline.executor import Executor, OnExecutor
 from sdpipe_cli.pipeline.p2p import Control
 from sdpipe_cli.pipeline.stash import WeightStash
 
@@ -56,7 +56,7 @@ __all__ = ["AsyncStage", "Batch"]
 Batch = Tuple[Optional[Sequence[torch.Tensor]], Optional[Sequence[torch.Tensor]]]
 
 
-class AsyncStage:
+class AsyncStage(OnExecutor):
     """Runs asynchronous 1F1B segments with weight stashing on ``executor``.
 
     The executor (module, neighbours, activation shape, device, hooks, link) is the one the
@@ -78,16 +78,6 @@ class AsyncStage:
         self.stash = WeightStash(executor.module, in_flight if versions is None
                                  else min(in_flight, versions))
         self.trace: Optional[List[Tuple[Kind, int, int]]] = None
-
-    def forward_only(
-        self,
-        inputs: Optional[Sequence[torch.Tensor]] = None,
-        targets: Optional[Sequence[torch.Tensor]] = None,
-        microbatches: Optional[int] = None,
-    ) -> Optional[float]:
-        """:meth:`Executor.forward_only <sdpipe_cli.pipeline.executor.Executor.forward_only>`;
-        only at a drained point, where the live weights are the pipeline's model."""
-        return self.executor.forward_only(inputs, targets, microbatches)
 
     def run_segment(
         self,

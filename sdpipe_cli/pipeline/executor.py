@@ -32,7 +32,7 @@ from torch.func import functional_call
 from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.pipeline.p2p import Link
 
-__all__ = ["Executor", "LossFn"]
+__all__ = ["Executor", "LossFn", "OnExecutor"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Weights = Callable[[], Mapping[str, torch.Tensor]]
@@ -235,3 +235,23 @@ class Executor:
             taken.add(id(g))
             p.grad = g if p.grad is None else p.grad.add_(g)  # the caller zeroes it
         return dx
+
+
+class OnExecutor:
+    """What both stage loops share: the :class:`Executor` they run on, its module, and
+    evaluation, which runs at points where the live weights are the pipeline's model."""
+
+    executor: Executor
+
+    @property
+    def module(self) -> nn.Module:
+        return self.executor.module
+
+    def forward_only(
+        self,
+        inputs: Optional[Sequence[torch.Tensor]] = None,
+        targets: Optional[Sequence[torch.Tensor]] = None,
+        microbatches: Optional[int] = None,
+    ) -> Optional[float]:
+        """:meth:`Executor.forward_only`."""
+        return self.executor.forward_only(inputs, targets, microbatches)

@@ -18,46 +18,23 @@ before :meth:`PipelineStage.run` with :func:`sdpipe_cli.pipeline.p2p.send_contro
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from sdpipe_cli.core.schedule import Action, Kind
-from sdpipe_cli.pipeline.executor import Executor, LossFn
+from sdpipe_cli.pipeline.executor import Executor, OnExecutor
 
 __all__ = ["PipelineStage"]
 
 
-class PipelineStage:
+class PipelineStage(OnExecutor):
     """Runs flushed iterations on an :class:`~sdpipe_cli.pipeline.executor.Executor` built from
-    the arguments (see there for their meaning); :attr:`executor` is that core, which an
-    :class:`~sdpipe_cli.pipeline.async_stage.AsyncStage` may take over."""
+    the arguments (those of ``Executor``, see there for their meaning); :attr:`executor` is that
+    core, which an :class:`~sdpipe_cli.pipeline.async_stage.AsyncStage` may take over."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        stage: int,
-        num_stages: int,
-        prev_rank: Optional[int],
-        next_rank: Optional[int],
-        activation_shape: Sequence[int],
-        device: torch.device,
-        loss_fn: LossFn,
-        dtype: torch.dtype = torch.float32,
-        group: Optional[dist.ProcessGroup] = None,
-        before_action: Optional[Callable[[Action], None]] = None,
-        on_action: Optional[Callable[[Action, float], None]] = None,
-        before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
-    ):
-        self.executor = Executor(module, stage, num_stages, prev_rank, next_rank,
-                                 activation_shape, device, loss_fn, dtype, group,
-                                 before_action, on_action, before_send)
-
-    @property
-    def module(self) -> nn.Module:
-        return self.executor.module
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.executor = Executor(*args, **kwargs)
 
     def run(
         self,
@@ -90,15 +67,6 @@ class PipelineStage:
                 ex.send(action, outgoing, actions[index + 1] if index + 1 < len(actions) else None)
         ex.link.wait_sends()
         return float(total) if ex.is_last else None
-
-    def forward_only(
-        self,
-        inputs: Optional[Sequence[torch.Tensor]] = None,
-        targets: Optional[Sequence[torch.Tensor]] = None,
-        microbatches: Optional[int] = None,
-    ) -> Optional[float]:
-        """:meth:`Executor.forward_only <sdpipe_cli.pipeline.executor.Executor.forward_only>`."""
-        return self.executor.forward_only(inputs, targets, microbatches)
 
 
 def _check_actions(actions: List[Action]) -> int:
