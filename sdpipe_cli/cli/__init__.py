@@ -1,3 +1,3 @@
-"""The command line: parse, compose the config once, hand it to the launcher, show progress."""
+"""The ``sdpipe`` command: parse, compose the config once, launch and supervise, show progress."""
 
 __all__ = ['commands', 'interrupts', 'launcher']

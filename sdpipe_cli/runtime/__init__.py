@@ -1,3 +1,3 @@
-"""Processes and their wiring: the launcher and supervisor, the store, the network, error files, metrics."""
+"""How a child process starts and talks: bootstrap, the store, the network, error files, metrics."""
 
 __all__ = ['bootstrap', 'errors', 'metrics', 'network', 'store']

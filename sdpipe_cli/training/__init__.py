@@ -1,3 +1,3 @@
-"""A worker's training: the model, data, optimizer, checkpoints and the training loops."""
+"""One worker: the Worker, its flushed and asynchronous training loops, and the worker process."""
 
 __all__ = ['async_loop', 'loop', 'main', 'worker']
