@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import statistics
+import time
 
 import pytest
+import torch
 import yaml
+from torch import nn
 
-from conftest import metrics, sdpipe
-from test_profile import make_doc
+from sdpipe_cli.core.schedule import one_f_one_b
+from sdpipe_cli.hetero.emulation import Slowdown
+from sdpipe_cli.pipeline.stage import PipelineStage
+from tests.helpers import metrics, sdpipe
+from tests.helpers import make_doc
 
 pytestmark = pytest.mark.multiprocess
 QUIET = ("train.eval_every=0", "data.eval_batches=1", "data=synthetic")
@@ -98,3 +106,45 @@ def test_sdpipe_learning_rate_follows_the_runs_global_progress(run_dir):
     assert last[0]["step"] > 1.5 * last[1]["step"]  # the slow pipeline did far fewer iterations
     for p in (0, 1):  # both near the end of the cosine (lr / 10 at 24 of 24 average iterations)
         assert last[p]["lr"] < 0.0025, last
+
+
+def _burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        x += 1
+
+
+def _stage_wall_time(speed: float, microbatches: int, compute_ms: float) -> float:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    hook = Slowdown(compute_ms=compute_ms, speed=lambda: speed)
+    stage = PipelineStage(module, 0, 1, None, None, (4, 32), torch.device("cpu"),
+                          loss_fn=lambda y, t: ((y - t) ** 2).mean(), on_action=hook)
+    data = [torch.randn(4, 32) for _ in range(microbatches)]
+    start = time.perf_counter()
+    stage.run(one_f_one_b(1, microbatches, 0), data, data)
+    return time.perf_counter() - start, hook.overruns
+
+
+def test_modelled_speed_holds_in_wall_time_on_a_loaded_machine():
+    """Speed 0.5 takes twice the wall time of speed 1.0 within 10 %, while busy processes
+    compete for the cores (more of them than there are cores)."""
+    ctx = multiprocessing.get_context("spawn")
+    burners = [ctx.Process(target=_burn, args=(60.0,), daemon=True)
+               for _ in range((os.cpu_count() or 2) + 1)]
+    for b in burners:
+        b.start()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a worker: intra-op threads would fight the burners
+    try:
+        time.sleep(0.5)
+        fast, fast_over = _stage_wall_time(1.0, 30, 10.0)
+        slow, slow_over = _stage_wall_time(0.5, 30, 10.0)
+    finally:
+        torch.set_num_threads(threads)
+        for b in burners:
+            b.terminate()
+            b.join(5)
+    assert slow / fast == pytest.approx(2.0, rel=0.10), (fast, slow, fast_over, slow_over)
+    assert fast >= 30 * 0.030  # never faster than the model

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import metrics, run_processes, sdpipe
+from tests.helpers import metrics, run_processes, sdpipe
 
 pytestmark = pytest.mark.multiprocess
 
@@ -116,7 +116,7 @@ def _interrupt_when_training(run_dir, *args):
     import signal
     import time
 
-    from conftest import sdpipe_popen
+    from tests.helpers import sdpipe_popen
     proc = sdpipe_popen("train", f"run.dir={run_dir}", *args)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -174,7 +174,7 @@ def test_after_a_sigkill_the_last_checkpoint_resumes(tmp_path):
     import signal
     import time
 
-    from conftest import sdpipe_popen
+    from tests.helpers import sdpipe_popen
     run_dir = tmp_path / "run"
     proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=allreduce", "model=mlp",
                         "data=synthetic", "train.steps=100000", "train.batch_size=8",

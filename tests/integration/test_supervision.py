@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, metrics, run_processes, sdpipe_popen
+from tests.helpers import REPO, metrics, run_processes, sdpipe_popen
 from sdpipe_cli.runtime import launcher
 
 pytestmark = pytest.mark.multiprocess

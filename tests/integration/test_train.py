@@ -7,11 +7,14 @@ import json
 import pytest
 import yaml
 
-from conftest import metrics, sdpipe
+from tests.helpers import metrics, sdpipe
 
 pytestmark = pytest.mark.multiprocess
 
 FAST = ("model=mlp", "data=synthetic", "train.batch_size=8", "pipeline.microbatches=4")
+# the baselines on three pipelines: gossip leaves one replica unpaired each round
+THREE = ("model=mlp", "data=synthetic", "train.batch_size=8", "cluster.pipelines=3",
+         "train.eval_every=0")
 
 
 def digests(run_dir) -> dict[tuple[int, int], str]:
@@ -90,8 +93,23 @@ def test_time_limit_with_group_sync_ends_on_a_global_sync(run_dir):
     assert digests(run_dir)[(0, 0)] == digests(run_dir)[(1, 0)]
 
 
-def test_cfg_prints_without_starting_anything(tmp_path):
-    out = sdpipe("train", "--cfg", f"run.dir={tmp_path / 'never'}")
-    assert out.returncode == 0
-    assert yaml.safe_load(out.stdout)["cluster"]["pipelines"] == 2
-    assert not (tmp_path / "never").exists()
+def test_adpsgd_trains(run_dir):
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=adpsgd", "train.steps=20", *THREE)
+    assert out.returncode == 0, out.stderr
+    train = metrics(run_dir, "train")
+    first = min(m["loss"] for m in train if m["step"] == 1)
+    assert max(m["loss"] for m in train if m["step"] == 20) < first - 0.5
+    assert {m["group_size"] for m in metrics(run_dir, "sync")} <= {1, 2}
+
+
+def test_parameter_server_trains_and_owns_the_run_length(run_dir):
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=ps", "sync.staleness=1", "train.steps=20",
+                 *THREE)
+    assert out.returncode == 0, out.stderr
+    done = [d for d in metrics(run_dir, "done") if d["stage"] == 0]
+    total = sum(d["steps"] for d in done)
+    assert 3 * 20 <= total < 3 * 20 + 3  # the server stops each pipeline at its next reply
+    train = metrics(run_dir, "train")
+    first = min(m["loss"] for m in train if m["step"] == 1)
+    assert max(e["val_loss"] for e in metrics(run_dir, "eval")) < first - 0.5
+    assert (run_dir / "logs" / "ps0.log").exists() and (run_dir / "logs" / "ps1.log").exists()

@@ -55,7 +55,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policy_sim import Result, Sim, SimError, replay
+from tests.policy_sim import Result, Sim, SimError, replay
 from sdpipe_cli.core.grouping import Decision, DisjointSet, GroupScheduler
 
 EPS = 1e-9
