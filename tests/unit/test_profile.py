@@ -72,7 +72,8 @@ def test_profile_of_another_model_is_refused_on_the_command_line(tmp_path, capsy
 def test_worker_block_ms_follows_placement_speed_and_slowdown(tmp_path):
     path = write(tmp_path, make_doc({"fast:0": (1.0, [1.0] * 6)}))
     cfg = compose(["cluster.pipelines=2", f"profile={path}", "cluster.slowdown=[1, 3]",
-                   "cluster.nodes=[{name: fast, devices: [{}, {}, {}]}, {name: slow, devices: [{speed: 0.5}]}]"])
+                   "cluster.nodes=[{name: fast, devices: [{}, {}, {}]},"
+                   " {name: slow, devices: [{speed: 0.5}]}]"])
     validate(cfg)
     ms = measurements.worker_block_ms(measurements.load(path), Cluster.from_config(cfg.cluster, 2),
                                  list(cfg.cluster.slowdown))
