@@ -1,7 +1,8 @@
 """Measuring a cluster for ``sdpipe profile``: one process per worker, placed as training places it.
 
-Started by the launcher as ``python -m sdpipe_cli.hetero.profiler``, P x S times, with the environment,
-device and process group of a training worker (:func:`sdpipe_cli.runtime.bootstrap.joined`; no scheduler). Each process measures what
+Started by the launcher as ``python -m sdpipe_cli.hetero.profiler``, P x S times, with the
+environment, device and process group of a training worker
+(:func:`sdpipe_cli.runtime.bootstrap.joined`; no scheduler). Each process measures what
 training will cost on its device, and rank 0 writes ``<run>/profile.json`` (the schema is in
 :mod:`sdpipe_cli.config.measurements`):
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,9 @@ from hypothesis import strategies as st
 
 from sdpipe_cli.core.partition import (balanced, device_cost, optimal, plan, resolve, stage_ranges,
                                  stage_times, uniform)
+
+# PARTITION_EXAMPLES=2000 for a longer hunt against the brute force
+PARTITION_EXAMPLES = int(os.environ.get("PARTITION_EXAMPLES", "100"))
 
 
 def sizes(bounds, blocks):
@@ -83,7 +87,7 @@ def costs_and_stages(draw):
     return costs, stages
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=PARTITION_EXAMPLES, deadline=None)
 @given(costs_and_stages())
 def test_balanced_matches_brute_force(case):
     costs, stages = case
@@ -191,7 +195,7 @@ def brute_force_device(block_ms, blocks, stages):
     return min(worst(c) for c in itertools.combinations(range(1, blocks), stages - 1))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=PARTITION_EXAMPLES, deadline=None)
 @given(device_block_costs())
 def test_auto_partition_is_optimal_for_heterogeneous_devices(case):
     block_ms, blocks, stages = case

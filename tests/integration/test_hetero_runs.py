@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import statistics
+import time
 
 import pytest
+import torch
 import yaml
+from torch import nn
 
-from conftest import metrics, sdpipe
-from test_profile import make_doc
+from sdpipe_cli.core.schedule import one_f_one_b
+from sdpipe_cli.hetero.emulation import Slowdown
+from sdpipe_cli.pipeline.stage import PipelineStage
+from tests.helpers import make_doc, metrics, sdpipe
 
 pytestmark = pytest.mark.multiprocess
-QUIET = ("train.eval_every=0", "data.eval_batches=1", "data=synthetic")
+# The emulated compute is slept, not computed: the small mlp keeps real compute far inside it.
+QUIET = ("train.eval_every=0", "data.eval_batches=1", "data=synthetic", "model=mlp")
 
 
 def test_hetero_static_slow_pipeline_runs_at_a_third(run_dir):
@@ -32,6 +40,8 @@ def test_hetero_static_slow_pipeline_runs_at_a_third(run_dir):
         assert 0.28 < measure[2] / fast < 0.42, measure
     done = metrics(run_dir, "done")
     assert {d["device"] for d in done} == {"fast:0", "fast:1", "fast:2", "fast:3", "slow:0", "slow:1"}
+    for stage in (0, 1):  # without sync, replicas trained on their own shards drift apart
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 3
     actions = sum(d["actions"] for d in done)
     # single actions may overrun on a loaded machine (their time is made up later), not most
     assert sum(d["slowdown_overruns"] for d in done) < 0.25 * actions
@@ -72,7 +82,7 @@ def test_memory_limit_stops_the_run_naming_the_device(run_dir):
 
 def test_auto_partition_from_a_profile_moves_blocks_off_slow_devices(run_dir, tmp_path):
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps(make_doc({"n:0": (1.0, [1.0] * 6)})))
+    path.write_text(json.dumps(make_doc({"n:0": (1.0, [1.0] * 6)}, model="mlp")))
     out = sdpipe("train", "pipeline.partition=auto", f"profile={path}", "sync=none",
                  "cluster.nodes=[{name: n, devices: [{}, {speed: 0.5}, {}, {speed: 0.5}]}]",
                  "train.steps=2", f"run.dir={run_dir}", *QUIET)
@@ -87,7 +97,7 @@ def test_sdpipe_learning_rate_follows_the_runs_global_progress(run_dir):
     """A pipeline 3x slower does a third of the fast one's iterations; with the schedule on the
     run's global progress both end near the schedule's end, where a per-replica schedule would
     leave the slow one near its peak (and have decayed the fast one half-way through)."""
-    out = sdpipe("train", "model=mlp", "cluster.pipelines=2", "pipeline.stages=1",
+    out = sdpipe("train", "cluster.pipelines=2", "pipeline.stages=1",
                  "cluster.slowdown=[1,3]",
                  "cluster.compute_ms=5", "train.steps=24", "train.warmup=0", "train.lr=0.01",
                  f"run.dir={run_dir}", *QUIET)
@@ -98,3 +108,45 @@ def test_sdpipe_learning_rate_follows_the_runs_global_progress(run_dir):
     assert last[0]["step"] > 1.5 * last[1]["step"]  # the slow pipeline did far fewer iterations
     for p in (0, 1):  # both near the end of the cosine (lr / 10 at 24 of 24 average iterations)
         assert last[p]["lr"] < 0.0025, last
+
+
+def _burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        x += 1
+
+
+def _stage_wall_time(speed: float, microbatches: int, compute_ms: float) -> float:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    hook = Slowdown(compute_ms=compute_ms, speed=lambda: speed)
+    stage = PipelineStage(module, 0, 1, None, None, (4, 32), torch.device("cpu"),
+                          loss_fn=lambda y, t: ((y - t) ** 2).mean(), on_action=hook)
+    data = [torch.randn(4, 32) for _ in range(microbatches)]
+    start = time.perf_counter()
+    stage.run(one_f_one_b(1, microbatches, 0), data, data)
+    return time.perf_counter() - start, hook.overruns
+
+
+def test_modelled_speed_holds_in_wall_time_on_a_loaded_machine():
+    """Speed 0.5 takes twice the wall time of speed 1.0 within 10 %, while busy processes
+    compete for the cores (more of them than there are cores)."""
+    ctx = multiprocessing.get_context("spawn")
+    burners = [ctx.Process(target=_burn, args=(60.0,), daemon=True)
+               for _ in range((os.cpu_count() or 2) + 1)]
+    for b in burners:
+        b.start()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a worker: intra-op threads would fight the burners
+    try:
+        time.sleep(0.5)
+        fast, fast_over = _stage_wall_time(1.0, 30, 10.0)
+        slow, slow_over = _stage_wall_time(0.5, 30, 10.0)
+    finally:
+        torch.set_num_threads(threads)
+        for b in burners:
+            b.terminate()
+            b.join(5)
+    assert slow / fast == pytest.approx(2.0, rel=0.10), (fast, slow, fast_over, slow_over)
+    assert fast >= 30 * 0.030  # never faster than the model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 TEST_COMMAND = "pip install torch==2.13.0 -e '.[test]' && python -m pytest -q"  # .ci/run runs it
@@ -50,7 +50,7 @@ def test_relative_links_resolve():
 
 def test_module_paths_exist():
     """Paths like sdpipe_cli/sync/scheduler.py or tests/test_hetero.py, modules like
-    sdpipe_cli.training.worker."""
+    sdpipe_cli.training.main."""
     stale = []
     for page in PAGES:
         text = page.read_text()

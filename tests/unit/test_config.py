@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
 
-from sdpipe_cli import __version__
 from sdpipe_cli.cli.commands import main
+from tests.helpers import one_error_line
 from sdpipe_cli.config.schema import (
     ConfigError,
     compose,
@@ -207,41 +202,13 @@ def test_bad_input_raises_config_error_naming_key(overrides, key):
     assert "\n" not in str(info.value)
 
 
-def _one_error_line(err: str, key: str) -> str:
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert err.endswith("\n")
-    line = lines[0]
-    assert line.startswith("sdpipe: error: "), line
-    assert line.startswith(f"sdpipe: error: {key}: "), line
-    assert "Traceback" not in err
-    return line
-
-
 @pytest.mark.parametrize("overrides, key", BAD)
 def test_cli_bad_input_exits_2_with_one_line(capsys, overrides, key):
     code = main(["train", *overrides])
     out, err = capsys.readouterr()
     assert code == 2
     assert out == ""
-    _one_error_line(err, key)
-
-
-def _run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], capture_output=True,
-                          text=True, timeout=60, cwd=cwd)
-
-
-@pytest.mark.parametrize("overrides, key", [
-    (["train.steps=abc"], "train.steps"),
-    (["pipeline.stages=7"], "pipeline.stages"),
-])
-def test_cli_bad_input_subprocess(tmp_path, overrides, key):
-    proc = _run_cli("train", *overrides, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stdout == ""
-    _one_error_line(proc.stderr, key)
-    assert not (tmp_path / "runs").exists()
+    one_error_line(err, key)
 
 
 # ---------------------------------------------------------------------------- --cfg, --help, ...
@@ -275,7 +242,7 @@ def test_cfg_with_bad_override_still_exits_2(capsys):
     assert main(["train", "--cfg", "train.steps=abc"]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    _one_error_line(err, "train.steps")
+    one_error_line(err, "train.steps")
 
 
 def test_train_help_lists_every_group_and_option(capsys):
@@ -298,60 +265,7 @@ def test_no_command_prints_help_and_exits_2(capsys):
     assert "train" in out
 
 
-def test_version_subprocess():
-    proc = _run_cli("--version")
-    assert proc.returncode == 0
-    assert __version__ in proc.stdout
-
-
-# ---------------------------------------------------------------------------- run.dir, run.port
-
-
-def test_existing_nonempty_run_dir_is_rejected_untouched(tmp_path):
-    run_dir = tmp_path / "taken"
-    run_dir.mkdir()
-    keep = run_dir / "keep.txt"
-    keep.write_text("precious results\n")
-    os.utime(keep, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
-    before = keep.stat().st_mtime_ns
-
-    proc = _run_cli("train", *CHEAP, f"run.dir={run_dir}", cwd=tmp_path)
-
-    assert proc.returncode == 2, proc.stderr
-    _one_error_line(proc.stderr, "run.dir")
-    assert sorted(p.name for p in run_dir.iterdir()) == ["keep.txt"]
-    assert keep.read_text() == "precious results\n"
-    assert keep.stat().st_mtime_ns == before
-    assert not (tmp_path / "runs").exists()
-
-
-def test_busy_port_is_rejected_and_no_run_folder_created(tmp_path):
-    run_dir = tmp_path / "run"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-        proc = _run_cli("train", *CHEAP, f"run.port={port}", f"run.dir={run_dir}", cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    line = _one_error_line(proc.stderr, "run.port")
-    assert str(port) in line
-    assert not run_dir.exists()
-    assert not (tmp_path / "runs").exists()
-
-
-def test_run_dir_that_is_a_file_is_rejected_untouched(tmp_path):
-    # run.dir naming an existing regular file must be bad input (exit 2, one line), not a crash.
-    target = tmp_path / "afile"
-    target.write_text("not a folder\n")
-    before = target.stat().st_mtime_ns
-
-    proc = _run_cli("train", *CHEAP, f"run.dir={target}", cwd=tmp_path)
-
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert proc.returncode == 2, proc.stderr
-    _one_error_line(proc.stderr, "run.dir")
-    assert target.read_text() == "not a folder\n"
-    assert target.stat().st_mtime_ns == before
+# ---------------------------------------------------------------------------- corpus, async schedule
 
 
 @pytest.mark.parametrize("content, reason", [(b"", "empty"), (b"tiny", "too small")])
@@ -384,4 +298,4 @@ def test_weight_versions_errors(overrides, reason, capsys):
     assert info.value.key == "pipeline.weight_versions"
     assert main(["train", *overrides]) == 2
     err = capsys.readouterr().err
-    assert _one_error_line(err, "pipeline.weight_versions")
+    assert one_error_line(err, "pipeline.weight_versions")

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import metrics, run_processes, sdpipe
+from tests.helpers import metrics, run_processes, sdpipe
 
 pytestmark = pytest.mark.multiprocess
 

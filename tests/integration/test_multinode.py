@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import RUN_TIMEOUT, metrics, run_processes, sdpipe_popen
+from tests.helpers import RUN_TIMEOUT, metrics, run_processes, sdpipe_popen
 
 pytestmark = pytest.mark.multiprocess
 

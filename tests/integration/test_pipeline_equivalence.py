@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import metrics, sdpipe
+from tests.helpers import metrics, sdpipe
 
 pytestmark = pytest.mark.multiprocess
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sdpipe_cli.config import reference, schema
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "CONFIG.md"
 
 
 def test_config_md_is_current():

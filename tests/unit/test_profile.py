@@ -2,36 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.cli.commands import main
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.config.schema import compose, validate
-
-
-def make_doc(devices: dict[str, tuple[float, list[float]]], model: str = "gpt_tiny",
-             microbatch: int = 4) -> dict:
-    """A profile whose device ``name`` ran at ``speed`` with forward times ``fwd`` (backward 2x)."""
-    blocks = len(next(iter(devices.values()))[1])
-    return {
-        "format": measurements.FORMAT, "created": "2026-11-29T00:00:00", "torch": "2.13.0",
-        "model": {"name": model, "blocks": blocks, "microbatch_size": microbatch},
-        "cluster": {"name": "test"}, "p2p": [], "allreduce": [],
-        "devices": [{"name": name, "node": name.split(":")[0], "speed": speed, "rank": r,
-                     "pipeline": 0, "stage": 0, "forward_ms": fwd,
-                     "backward_ms": [2 * x for x in fwd], "peak_memory_mb": 100.0,
-                     "memory_source": "rss"}
-                    for r, (name, (speed, fwd)) in enumerate(devices.items())],
-    }
-
-
-def write(tmp_path, doc) -> str:
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(doc))
-    return str(path)
+from tests.helpers import make_doc
+from tests.helpers import write_profile as write
 
 
 def test_measured_device_keeps_its_times_rescaled_to_the_configured_speed(tmp_path):
@@ -94,7 +72,8 @@ def test_profile_of_another_model_is_refused_on_the_command_line(tmp_path, capsy
 def test_worker_block_ms_follows_placement_speed_and_slowdown(tmp_path):
     path = write(tmp_path, make_doc({"fast:0": (1.0, [1.0] * 6)}))
     cfg = compose(["cluster.pipelines=2", f"profile={path}", "cluster.slowdown=[1, 3]",
-                   "cluster.nodes=[{name: fast, devices: [{}, {}, {}]}, {name: slow, devices: [{speed: 0.5}]}]"])
+                   "cluster.nodes=[{name: fast, devices: [{}, {}, {}]},"
+                   " {name: slow, devices: [{speed: 0.5}]}]"])
     validate(cfg)
     ms = measurements.worker_block_ms(measurements.load(path), Cluster.from_config(cfg.cluster, 2),
                                  list(cfg.cluster.slowdown))

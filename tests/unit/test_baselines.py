@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from conftest import metrics, sdpipe
 from sdpipe_cli.hetero.emulation import Slowdown
 from sdpipe_cli.core.schedule import Action
 from sdpipe_cli.sync.strategies import GossipSync
@@ -47,27 +46,3 @@ def test_modelled_slowdown_charges_a_fixed_budget_and_counts_overruns():
     hook(Action("F", 1), 0.050)  # real compute over budget: no sleep, counted
     assert slept == pytest.approx([0.016, 0.030])
     assert hook.overruns == 1
-
-
-@pytest.mark.multiprocess
-def test_adpsgd_trains(run_dir):
-    out = sdpipe("train", f"run.dir={run_dir}", "sync=adpsgd", "train.steps=20", *FAST)
-    assert out.returncode == 0, out.stderr
-    train = metrics(run_dir, "train")
-    first = min(m["loss"] for m in train if m["step"] == 1)
-    assert max(m["loss"] for m in train if m["step"] == 20) < first - 0.5
-    assert {m["group_size"] for m in metrics(run_dir, "sync")} <= {1, 2}
-
-
-@pytest.mark.multiprocess
-def test_parameter_server_trains_and_owns_the_run_length(run_dir):
-    out = sdpipe("train", f"run.dir={run_dir}", "sync=ps", "sync.staleness=1", "train.steps=20",
-                 *FAST)
-    assert out.returncode == 0, out.stderr
-    done = [d for d in metrics(run_dir, "done") if d["stage"] == 0]
-    total = sum(d["steps"] for d in done)
-    assert 3 * 20 <= total < 3 * 20 + 3  # the server stops each pipeline at its next reply
-    train = metrics(run_dir, "train")
-    first = min(m["loss"] for m in train if m["step"] == 1)
-    assert max(e["val_loss"] for e in metrics(run_dir, "eval")) < first - 0.5
-    assert (run_dir / "logs" / "ps0.log").exists() and (run_dir / "logs" / "ps1.log").exists()

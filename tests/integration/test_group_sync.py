@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from conftest import metrics, sdpipe
+from tests.helpers import metrics, sdpipe
 from sdpipe_cli.config.schema import Config
 from sdpipe_cli.sync.strategies import GroupCache, average_tensors
 from sdpipe_cli.model.models import build_stage_module

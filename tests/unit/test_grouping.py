@@ -55,12 +55,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policy_sim import Result, Sim, SimError, replay
+from tests.policy_sim import Result, Sim, SimError, replay
 from sdpipe_cli.core.grouping import Decision, DisjointSet, GroupScheduler
 
 EPS = 1e-9
-# GROUPING_EXAMPLES=2000 for a longer hunt; the default keeps the file well under 20 s
-SETTINGS = settings(max_examples=int(os.environ.get("GROUPING_EXAMPLES", "150")), deadline=None,
+# GROUPING_EXAMPLES=2000 for a longer hunt; the default (60 runs of a whole simulated training
+# each, per property) keeps the file under 10 s: the suite runs on every change
+SETTINGS = settings(max_examples=int(os.environ.get("GROUPING_EXAMPLES", "60")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

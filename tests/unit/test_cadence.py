@@ -23,7 +23,7 @@ def test_stop_evaluate_log_and_checkpoint_follow_the_config():
     assert [k for k in range(1, 11) if c.evaluate_after(k)] == [4, 8]
     assert [k for k in range(1, 11) if c.final_evaluation(k)] == [1, 2, 3, 5, 6, 7, 9, 10]
     assert [k for k in range(1, 11) if c.log_after(k)] == [2, 4, 6, 8, 10]
-    assert [k for k in range(0, 11) if c.checkpoint_after(k)] == [3, 6, 9]
+    assert [k for k in range(11) if c.checkpoint_after(k)] == [3, 6, 9]
 
 
 def test_zero_means_never_and_no_limit_means_none():

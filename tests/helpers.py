@@ -1,0 +1,158 @@
+"""What the tests share that is not a fixture: run the real CLI in a subprocess, read a run
+folder, find leftover processes, wait with a bound.
+
+Every wait on another process here has a timeout, so a hang fails the test instead of blocking
+the suite (pytest-timeout is not a dependency).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from sdpipe_cli.config import measurements
+from sdpipe_cli.runtime.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT = 240  # seconds: any end-to-end run must finish well within this, or the test fails
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+
+
+def sdpipe(*args: str, timeout: float = RUN_TIMEOUT, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m sdpipe_cli ARGS`` as a user would run it; a hang fails the test."""
+    return subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], cwd=cwd or REPO, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def sdpipe_popen(*args: str, cwd: Path | None = None) -> subprocess.Popen:
+    """The CLI in its own session (so signals the test sends reach only it)."""
+    return subprocess.Popen([sys.executable, "-m", "sdpipe_cli", *args], cwd=cwd or REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, str, float]:
+    """Wait for a CLI started by :func:`sdpipe_popen`: (exit code, stderr, seconds waited). On a
+    timeout its whole session is killed, so nothing outlives the test."""
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return proc.returncode, err, time.monotonic() - start
+
+
+def run_processes(run_dir: Path) -> list[psutil.Process]:
+    """Live scheduler/worker processes that belong to the run in ``run_dir``."""
+    found = []
+    target = str(Path(run_dir).resolve())
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "sdpipe_cli." in cmd and proc.environ().get("SDPIPE_RUN_DIR") == target:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def kill_leftovers(run_dir: Path) -> list[int]:
+    """Kill what is left of the run in ``run_dir``; the pids, for the caller to fail on."""
+    leftovers = run_processes(run_dir)
+    for proc in leftovers:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in leftovers]
+
+
+def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
+    lines = read_metrics(Path(run_dir) / "metrics.jsonl")
+    return [m for m in lines if kind is None or m["kind"] == kind]
+
+
+def digests(run_dir: Path) -> dict[tuple[int, int], str]:
+    """Each worker's final parameter digest, by (pipeline, stage)."""
+    return {(d["pipeline"], d["stage"]): d["param_digest"] for d in metrics(run_dir, "done")}
+
+
+def losses(lines: list[dict]) -> dict[tuple[int, int], float]:
+    """The training loss of each (pipeline, step) among metrics lines."""
+    return {(m["pipeline"], m["step"]): m["loss"] for m in lines if m["kind"] == "train"}
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120, what: str = "condition") -> None:
+    """Poll ``condition()`` until it holds; fail (killing ``proc``'s session) if ``proc`` ends
+    first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the command ended before {what}: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.2)
+
+
+def training_lines(run_dir: Path, at_least: int = 1):
+    """A condition for :func:`wait_for`: ``run_dir`` has that many train lines."""
+    return lambda: (Path(run_dir) / "metrics.jsonl").exists() and len(metrics(run_dir, "train")) >= at_least
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_doc(devices: dict[str, tuple[float, list[float]]], model: str = "gpt_tiny",
+             microbatch: int = 4) -> dict:
+    """A profile whose device ``name`` ran at ``speed`` with forward times ``fwd`` (backward 2x)."""
+    blocks = len(next(iter(devices.values()))[1])
+    return {
+        "format": measurements.FORMAT, "created": "2026-11-29T00:00:00", "torch": "2.13.0",
+        "model": {"name": model, "blocks": blocks, "microbatch_size": microbatch},
+        "cluster": {"name": "test"}, "p2p": [], "allreduce": [],
+        "devices": [{"name": name, "node": name.split(":")[0], "speed": speed, "rank": r,
+                     "pipeline": 0, "stage": 0, "forward_ms": fwd,
+                     "backward_ms": [2 * x for x in fwd], "peak_memory_mb": 100.0,
+                     "memory_source": "rss"}
+                    for r, (name, (speed, fwd)) in enumerate(devices.items())],
+    }
+
+
+def write_profile(folder: Path, doc: dict) -> str:
+    path = Path(folder) / "profile.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def one_error_line(err: str, key: str) -> str:
+    """The CLI's whole report of bad input: one ``sdpipe: error: KEY: ...`` line, no traceback."""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert err.endswith("\n")
+    line = lines[0]
+    assert line.startswith("sdpipe: error: "), line
+    assert line.startswith(f"sdpipe: error: {key}: "), line
+    assert "Traceback" not in err
+    return line

@@ -1,0 +1,142 @@
+"""The ``sdpipe`` command line in a subprocess, as a user runs it: bad input is one line and exit 2
+before anything starts, ``--cfg``/``--help``/``--version`` print and start nothing."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sdpipe_cli import __version__
+from tests.helpers import REPO, one_error_line, sdpipe
+
+FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
+# A config that would train as little as possible, should a "bad input" ever get past the checks.
+CHEAP = [
+    "model=mlp", "data=synthetic", "train=quick", "cluster.pipelines=1", "pipeline.stages=1",
+    "train.batch_size=4", "cluster.device=cpu",
+]
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return sdpipe(*args, cwd=cwd, timeout=60)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.steps=abc"], "train.steps"),
+    (["pipeline.stages=7"], "pipeline.stages"),
+])
+def test_cli_bad_input_subprocess(tmp_path, overrides, key):
+    proc = cli("train", *overrides, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    one_error_line(proc.stderr, key)
+    assert not (tmp_path / "runs").exists()
+
+
+
+def test_version_subprocess():
+    proc = cli("--version")
+    assert proc.returncode == 0
+    assert __version__ in proc.stdout
+
+
+
+def test_existing_nonempty_run_dir_is_rejected_untouched(tmp_path):
+    run_dir = tmp_path / "taken"
+    run_dir.mkdir()
+    keep = run_dir / "keep.txt"
+    keep.write_text("precious results\n")
+    os.utime(keep, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    before = keep.stat().st_mtime_ns
+
+    proc = cli("train", *CHEAP, f"run.dir={run_dir}", cwd=tmp_path)
+
+    assert proc.returncode == 2, proc.stderr
+    one_error_line(proc.stderr, "run.dir")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["keep.txt"]
+    assert keep.read_text() == "precious results\n"
+    assert keep.stat().st_mtime_ns == before
+    assert not (tmp_path / "runs").exists()
+
+
+def test_busy_port_is_rejected_and_no_run_folder_created(tmp_path):
+    run_dir = tmp_path / "run"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        proc = cli("train", *CHEAP, f"run.port={port}", f"run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    line = one_error_line(proc.stderr, "run.port")
+    assert str(port) in line
+    assert not run_dir.exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_dir_that_is_a_file_is_rejected_untouched(tmp_path):
+    # run.dir naming an existing regular file must be bad input (exit 2, one line), not a crash.
+    target = tmp_path / "afile"
+    target.write_text("not a folder\n")
+    before = target.stat().st_mtime_ns
+
+    proc = cli("train", *CHEAP, f"run.dir={target}", cwd=tmp_path)
+
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    one_error_line(proc.stderr, "run.dir")
+    assert target.read_text() == "not a folder\n"
+    assert target.stat().st_mtime_ns == before
+
+
+def test_foreign_host_is_one_line_exit_2_at_once_and_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    start = time.monotonic()
+    result = sdpipe("train", f"cluster.host={FOREIGN}", f"run.dir={run}", timeout=60)
+    took = time.monotonic() - start
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sdpipe: error: cluster.host:"), result.stderr
+    assert "127.0.0.1" in lines[0]
+    assert not run.exists()
+    assert took < 20  # the check itself is instant; this bounds a loaded machine's start-up
+
+
+def test_foreign_host_is_refused_before_torch_is_imported(capsys):
+    code = ("import sys; from sdpipe_cli.cli.commands import main; "
+            f"rc = main(['train', 'cluster.host={FOREIGN}']); "
+            "print('torch' in sys.modules, rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert out.stdout.split() == ["False", "2"], out.stderr
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model=huge", "model: no option 'huge'"),
+    ("cluster.links.same_node.latency_ms=-1", "cluster.links.same_node.latency_ms: must be >= 0"),
+    ("cluster.pipelines=0", "cluster.pipelines: must be at least 1"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, key):
+    out = sdpipe("profile", f"run.dir={tmp_path / 'never'}", override, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"sdpipe: error: {key}"), out.stderr
+    assert out.stderr.count("\n") == 1  # one line, no traceback
+    assert not (tmp_path / "never").exists()
+
+
+def test_help_names_the_document():
+    out = sdpipe("profile", "--help", timeout=60)
+    assert out.returncode == 0 and "profile.json" in out.stdout and "cluster" in out.stdout
+
+
+def test_cfg_prints_without_starting_anything(tmp_path):
+    out = sdpipe("train", "--cfg", f"run.dir={tmp_path / 'never'}")
+    assert out.returncode == 0
+    assert yaml.safe_load(out.stdout)["cluster"]["pipelines"] == 2
+    assert not (tmp_path / "never").exists()

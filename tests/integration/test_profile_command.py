@@ -1,0 +1,89 @@
+"""``sdpipe profile`` end to end: one real 2x2 CPU profile of an emulated heterogeneous cluster,
+and a Ctrl-C that stops a profile at once.
+
+The run emulates node b's devices at speed 0.5, 20 ms and 1 Gbit/s within a node, 10 ms across
+nodes, so one run shows every field of profile.json and that each emulated quantity reaches its
+measurement. Ratios are taken within that run: the machine is shared, so absolute times are not
+comparable between runs.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from sdpipe_cli.hetero import profiler
+
+from sdpipe_cli.config import measurements
+from tests.helpers import run_processes, sdpipe, sdpipe_popen
+
+pytestmark = pytest.mark.multiprocess
+
+HETERO = ("cluster.device=cpu",
+          "cluster.nodes=[{name: a, devices: [{speed: 1.0}, {speed: 1.0}]}, "
+          "{name: b, devices: [{speed: 0.5}, {speed: 0.5}]}]",
+          "cluster.links.same_node.latency_ms=20", "cluster.links.same_node.bandwidth_gbps=1",
+          "cluster.links.cross_node.latency_ms=10")
+
+
+def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
+    out = sdpipe("profile", f"run.dir={run_dir}", *HETERO, timeout=180)
+    assert out.returncode == 0, out.stderr
+    doc = measurements.load(run_dir / "profile.json")  # every documented field, or this raises
+    assert doc["format"] == measurements.FORMAT and doc["torch"] and doc["created"]
+    assert doc["model"]["name"] == "gpt_tiny" and doc["model"]["blocks"] == 6
+    assert doc["cluster"] == {"name": "local", "emulation": "measured", "pipelines": 2,
+                              "stages": 2, "device": "cpu",
+                              "links": {"same_node": {"latency_ms": 20.0, "bandwidth_gbps": 1.0},
+                                        "cross_node": {"latency_ms": 10.0,
+                                                       "bandwidth_gbps": None}}}
+    devices = {d["name"]: d for d in doc["devices"]}
+    assert [(d["name"], d["pipeline"], d["stage"], d["speed"]) for d in doc["devices"]] == [
+        ("a:0", 0, 0, 1.0), ("a:1", 0, 1, 1.0), ("b:0", 1, 0, 0.5), ("b:1", 1, 1, 0.5)]
+    for d in doc["devices"]:
+        assert all(t > 0 for t in d["forward_ms"] + d["backward_ms"])
+        assert d["memory_source"] == "rss" and 50 < d["peak_memory_mb"] < 4000
+    # Speed 0.5 takes twice the time: compare the same blocks on both nodes, measured in one run.
+    total = {n: sum(sum(d["forward_ms"]) + sum(d["backward_ms"]) for d in devices.values()
+                    if d["node"] == n) for n in ("a", "b")}
+    assert 1.5 < total["b"] / total["a"] < 2.7, total
+    # Within a node: 20 ms latency and 1 Gbit/s, as emulated.
+    assert [(e["src"], e["dst"], e["link"]) for e in doc["p2p"]] == [
+        ("a:0", "a:1", "same_node"), ("b:0", "b:1", "same_node")]
+    for e in doc["p2p"]:
+        assert 20.0 <= e["latency_ms"] < 35.0, e
+        assert 0.6 < e["bandwidth_gbps"] <= 1.0 and e["bytes"] == profiler.BANDWIDTH_BYTES, e
+    # Replicas are on different nodes: a ring of two costs two 10 ms latencies on top.
+    counts = doc["model"]["block_params"]
+    assert [(e["stage"], e["group_size"], e["ranks"], e["bytes"]) for e in doc["allreduce"]] == [
+        (0, 2, [0, 2], 4 * sum(counts[:3])), (1, 2, [1, 3], 4 * sum(counts[3:]))]
+    assert all(20.0 <= e["ms"] < 40.0 for e in doc["allreduce"]), doc["allreduce"]
+    # No scheduler: only the workers ran, and the CLI printed the tables and the next step.
+    assert {p.name for p in (run_dir / "logs").glob("*.log")} == {f"{r}.log" for r in range(4)}
+    for text in ("sdpipe profile: gpt_tiny", "per block", "p2p between pipeline neighbours",
+                 "all-reduce of a stage's weights",
+                 f"sdpipe train pipeline.partition=auto profile={run_dir / 'profile.json'}"):
+        assert text in out.stderr, text
+
+
+def test_ctrl_c_stops_a_profile_at_once(run_dir):
+    """A profile has no consistent point to wait for: the first Ctrl-C stops every process."""
+    proc = sdpipe_popen("profile", f"run.dir={run_dir}", "cluster.device=cpu", "model=mlp",
+                        "cluster.links.same_node.latency_ms=300")  # p2p alone would take > 30 s
+    deadline = time.monotonic() + 120
+    last_blocks = run_dir / "logs" / "3.log"  # rank 3 measures its blocks last, then p2p starts
+    while not (last_blocks.exists() and "blocks:" in last_blocks.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    signalled = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=60)
+    except Exception:
+        proc.kill()
+        raise
+    assert proc.returncode == 130 and "interrupted; all processes stopped" in err, err
+    assert time.monotonic() - signalled < 20
+    assert not run_processes(run_dir) and not (run_dir / "profile.json").exists()

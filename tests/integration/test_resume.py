@@ -1,0 +1,200 @@
+"""Checkpoints and ``sdpipe resume`` end to end: exact continuation, group sync, refusals, and the
+checkpoint an interrupted or killed run leaves to resume from.
+
+Each run here serves several checks: the shared all-reduce run (``allreduce_run``) is the source
+of every refusal; a Ctrl-C run is also the supervisor's test of a clean interrupt; a SIGKILL run
+is also its test of a lost pipeline without fault tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import psutil
+import pytest
+
+from sdpipe_cli.cli.commands import main
+from tests.helpers import (digests, finish, losses, metrics, run_processes, sdpipe, sdpipe_popen,
+                           training_lines, wait_for)
+
+pytestmark = pytest.mark.multiprocess
+
+LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8")
+
+
+def test_checkpoints_are_complete_and_pruned(allreduce_run):
+    ckpts = sorted(p.name for p in (allreduce_run / "checkpoints").iterdir())
+    assert ckpts == ["step_10", "step_20"]
+    files = {p.name for p in (allreduce_run / "checkpoints" / "step_10").iterdir()}
+    assert files == {"0.pt", "1.pt", "2.pt", "3.pt", "scheduler.pt", "manifest.json"}
+    assert [m["step"] for m in metrics(allreduce_run, "checkpoint")] == [10, 20]
+
+
+def test_allreduce_resume_reproduces_the_losses_exactly(allreduce_run, tmp_path):
+    """Stopped at step 10 and resumed, the run gives the same losses as the one never stopped."""
+    copy = tmp_path / "copy"
+    shutil.copytree(allreduce_run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_20")  # as if the run had stopped after step 10
+    before = len(metrics(copy))
+    out = sdpipe("resume", str(copy))
+    assert out.returncode == 0, out.stderr
+    assert "step_10" in out.stderr
+    resumed = metrics(copy)[before:]
+    reference = losses(metrics(allreduce_run))
+    continued = losses(resumed)
+    assert sorted(continued) == [(p, k) for p in (0, 1) for k in range(11, 21)]
+    assert all(continued[key] == reference[key] for key in continued)  # bit-exact
+    assert digests(copy) == digests(allreduce_run)
+    assert (copy / "config.yaml").read_text() == (allreduce_run / "config.yaml").read_text()
+    assert list(copy.glob("config.resume-step_10*.yaml"))
+    assert not run_processes(copy)
+
+
+# -- refusals: the command's own checks, run in-process (nothing may start, so no process is
+# needed to see it); exit code and stderr are what ``sdpipe resume`` prints and returns.
+def resume_in_process(capsys, *argv: str) -> tuple[int, list[str]]:
+    rc = main(["resume", *argv])
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("case, args, key", [
+    ("missing path", ("{missing}",), "does not exist"),
+    ("unsafe override", ("{run}", "model.n_layers=2"), "model.n_layers: cannot change"),
+    ("unsafe override (sync)", ("{run}", "sync.name=none"), "sync.name: cannot change"),
+    ("not key=value", ("{run}", "train.steps"), "train.steps"),
+    ("wrong type", ("{run}", "train.steps=many"), "train.steps"),
+])
+def test_bad_resume_input_is_one_line_and_starts_nothing(allreduce_run, tmp_path, capsys, case, args,
+                                                         key):
+    before = (allreduce_run / "metrics.jsonl").read_bytes()
+    rc, lines = resume_in_process(capsys, *[a.format(run=allreduce_run, missing=tmp_path / "nope")
+                                            for a in args])
+    assert rc == 2, (case, lines)
+    assert len(lines) == 1 and lines[0].startswith("sdpipe: error: ") and key in lines[0], lines
+    assert (allreduce_run / "metrics.jsonl").read_bytes() == before  # nothing written
+    assert not run_processes(allreduce_run)
+
+
+def test_corrupted_or_truncated_checkpoint_is_refused(allreduce_run, tmp_path, capsys):
+    for damage in ("truncate", "flip"):
+        copy = tmp_path / damage
+        shutil.copytree(allreduce_run, copy)
+        shard = copy / "checkpoints" / "step_20" / "1.pt"
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2] if damage == "truncate"
+                          else data[:-10] + bytes(b ^ 0xFF for b in data[-10:]))
+        rc, lines = resume_in_process(capsys, str(copy / "checkpoints" / "step_20"))
+        assert rc == 2, lines
+        assert len(lines) == 1 and "1.pt" in lines[0] and "Traceback" not in lines[0], lines
+        assert (copy / "metrics.jsonl").read_bytes() == (allreduce_run / "metrics.jsonl").read_bytes()
+
+
+def test_run_without_checkpoints_is_refused(tmp_path, capsys):
+    (tmp_path / "empty-run").mkdir()
+    rc, lines = resume_in_process(capsys, str(tmp_path / "empty-run"))
+    assert rc == 2 and len(lines) == 1 and "no complete checkpoint" in lines[0], lines
+
+
+# -- interrupts and kills: what the run leaves, and that it resumes ---------------------------------
+def test_ctrl_c_stops_everything_at_a_consistent_point_with_a_final_checkpoint(run_dir):
+    """All-reduce, SIGINT: while it runs only 127.0.0.1 listens; the interrupt stops every child at a
+    consistent point (rc 130), a final checkpoint is written, and the run resumes from it."""
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=allreduce", *LONG,
+                        "checkpoint.on_exit=true")
+    wait_for(training_lines(run_dir, 6), proc, what="six train lines")
+    children = [p.pid for p in run_processes(run_dir)]
+    assert len(children) == 5  # scheduler + 4 workers
+    # while it runs: the store (in the launcher) and gloo listen on 127.0.0.1 only
+    listening = {pid: [c.laddr.ip for c in psutil.Process(pid).net_connections("inet")
+                       if c.status == psutil.CONN_LISTEN] for pid in [proc.pid, *children]}
+    assert listening[proc.pid], "the launcher hosts the store"
+    assert all(ip == "127.0.0.1" for ips in listening.values() for ip in ips), listening
+    proc.send_signal(signal.SIGINT)
+    rc, err, _ = finish(proc, timeout=90)
+    assert rc == 130, err
+    assert "interrupted" in err and "stopped at a consistent point" in err
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in children)
+    done = metrics(run_dir, "done")
+    assert len(done) == 4
+    for stage in (0, 1):  # every replica of a stage ends identical
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+    (saved,) = metrics(run_dir, "checkpoint")
+    assert {int(p): k for p, k in saved["steps"].items()} == {d["pipeline"]: d["steps"] for d in done}
+    out = sdpipe("resume", str(run_dir), f"train.steps={saved['step'] + 3}")
+    assert out.returncode == 0, out.stderr
+    assert {d["steps"] for d in metrics(run_dir, "done")[len(done):]} == {saved["step"] + 3}
+
+
+def test_group_sync_checkpoints_at_global_syncs_and_resumes_within_the_budget(run_dir):
+    """sdpipe on three pipelines: periodic checkpoints and the one a Ctrl-C leaves are taken at a
+    global sync (replicas identical); resuming goes on from each pipeline's own iteration, keeps
+    the run's budget (P x train.steps iterations in all) and again ends on a global sync."""
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.global_every=10",
+                        "cluster.pipelines=3", "train.eval_every=0", "checkpoint.every=10",
+                        "checkpoint.on_exit=true", *LONG)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and metrics(run_dir, "checkpoint"), proc,
+             what="a periodic checkpoint")
+    proc.send_signal(signal.SIGINT)
+    rc, err, _ = finish(proc, timeout=90)
+    assert rc == 130, err
+    assert "stopped at a consistent point" in err
+    done = metrics(run_dir, "done")
+    assert len(done) == 6
+    for stage in (0, 1):  # the last global sync left every replica of a stage identical
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+    saved = metrics(run_dir, "checkpoint")
+    assert len(saved) >= 2  # at least one periodic, then the one at the interrupt
+    last = saved[-1]
+    assert {int(p): k for p, k in last["steps"].items()} == {d["pipeline"]: d["steps"] for d in done}
+    steps = last["step"] + 3
+    before = len(metrics(run_dir))
+    out = sdpipe("resume", str(run_dir), f"train.steps={steps}")
+    assert out.returncode == 0, out.stderr
+    done = [d for d in metrics(run_dir)[before:] if d["kind"] == "done"]
+    assert sum(d["steps"] for d in done if d["stage"] == 0) == 3 * steps  # the budget still holds
+    assert all(d["steps"] >= last["steps"][str(d["pipeline"])] for d in done)
+    for stage in (0, 1):  # and the run still ends on a global sync
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "sdpipe"])
+def test_time_based_checkpoints(run_dir, sync):
+    out = sdpipe("train", f"run.dir={run_dir}", f"sync={sync}", "model=mlp", "data=synthetic",
+                 "train.steps=40", "train.batch_size=8", "train.eval_every=0",
+                 "sync.global_every=5", "checkpoint.every_minutes=0.01", "checkpoint.keep=0",
+                 "checkpoint.on_exit=true")
+    assert out.returncode == 0, out.stderr
+    saved = metrics(run_dir, "checkpoint")
+    assert len(saved) >= 2  # 0.6 s apart on a run of several seconds, plus the one at the end
+    steps = [c["step"] for c in saved]
+    assert steps == sorted(set(steps))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(
+        f"step_{k}" for k in steps)
+
+
+def test_a_sigkilled_worker_stops_the_run_and_the_last_checkpoint_resumes(run_dir):
+    """All-reduce on three pipelines (no fault tolerance): a worker killed by SIGKILL stops the
+    whole run within seconds, named in one error line; the last periodic checkpoint resumes."""
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=allreduce", "cluster.pipelines=3",
+                        "checkpoint.every=5", "train.eval_every=0", *LONG)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "checkpoint")) >= 2,
+             proc, what="two checkpoints")
+    victim = next(p for p in run_processes(run_dir)
+                  if "sdpipe_cli.training.main" in " ".join(p.cmdline()) and p.environ().get("RANK") == "4")
+    os.kill(victim.pid, signal.SIGKILL)
+    rc, err, took = finish(proc, timeout=60)
+    assert rc == 1, err
+    assert took < 30
+    lines = [line for line in err.splitlines() if line.startswith("sdpipe: error:")]
+    assert len(lines) == 1, err
+    assert "worker rank 4 (pipeline 2, stage 0) was killed by SIGKILL" in lines[0]
+    assert "Traceback" not in err
+    assert not run_processes(run_dir)
+    last = metrics(run_dir, "checkpoint")[-1]
+    out = sdpipe("resume", str(run_dir), f"train.steps={last['step'] + 5}")
+    assert out.returncode == 0, out.stderr
+    assert f"step_{last['step']}" in out.stderr
+    assert {d["steps"] for d in metrics(run_dir, "done")} == {last["step"] + 5}

@@ -1,0 +1,86 @@
+"""``sdpipe profile`` in-process: the measuring plan, repeats, and the document it assembles
+(the real command runs in tests/integration/test_profile_command.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdpipe_cli.cli import launcher
+from sdpipe_cli.model import models
+from sdpipe_cli.hetero import profiler
+from sdpipe_cli.config import measurements
+from sdpipe_cli.config.schema import compose, n_blocks
+
+
+def test_turns_cover_blocks_then_neighbours_then_replica_groups():
+    plan = profiler.turns(3, 2)
+    assert plan == [("blocks", [0]), ("blocks", [1]), ("blocks", [2]), ("blocks", [3]),
+                    ("blocks", [4]), ("blocks", [5]),
+                    ("p2p", [0, 1]), ("p2p", [2, 3]), ("p2p", [4, 5]),
+                    ("allreduce", [0, 2]), ("allreduce", [0, 2, 4]),
+                    ("allreduce", [1, 3]), ("allreduce", [1, 3, 5])]
+    assert profiler.turns(1, 1) == [("blocks", [0])]  # nothing to send, nobody to average with
+
+
+def test_repeat_keeps_the_minimum_after_warmup_and_stops_on_budget():
+    values = iter([100.0, 100.0, 5.0, 3.0, 9.0, 4.0, 8.0])  # two warm-ups, then timed repeats
+    assert profiler.repeat(lambda: (next(values),), repeats=5, warmup=2) == [3.0]
+    ticks = iter(range(100))  # each clock() call advances one second
+    calls = []
+    out = profiler.repeat(lambda: calls.append(1) or (len(calls), -len(calls)), repeats=50,
+                           warmup=0, min_repeats=3, budget_s=0.5, clock=lambda: next(ticks))
+    assert len(calls) == 3 and out == [1, -3]
+
+
+def test_stage_weights_follow_the_partition():
+    cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu",
+                                       "pipeline.partition=[1]"]))
+    counts = models.block_param_counts(cfg.model)
+    assert profiler.stage_weight_bytes(cfg, 0) == 4 * counts[0]
+    assert profiler.stage_weight_bytes(cfg, 1) == 4 * sum(counts[1:])
+
+
+def _results(cfg) -> list[dict]:
+    """What four profiling workers would report: device 1 twice as slow as the others."""
+    blocks, out = n_blocks(cfg.model), []
+    for rank in range(4):
+        slow = 2.0 if rank == 1 else 1.0
+        out.append({"device": {"name": f"local:{rank}", "node": "local", "speed": 1 / slow,
+                               "rank": rank, "pipeline": rank // 2, "stage": rank % 2,
+                               "forward_ms": [slow * (b + 1) for b in range(blocks)],
+                               "backward_ms": [2 * slow * (b + 1) for b in range(blocks)],
+                               "peak_memory_mb": 300.0, "memory_source": "rss"},
+                    "p2p": [{"src": f"local:{rank}", "dst": f"local:{rank + 1}", "src_rank": rank,
+                             "dst_rank": rank + 1, "link": "same_node", "latency_ms": 0.1,
+                             "bandwidth_gbps": 10.0, "bytes": 4 << 20}] if rank % 2 == 0 else [],
+                    "allreduce": [{"stage": rank, "group_size": 2, "ranks": [rank, rank + 2],
+                                   "bytes": 1000, "ms": 0.5}] if rank < 2 else []})
+    return out[::-1]  # arrival order does not matter
+
+
+def test_assembled_document_loads_and_drives_auto_partition(tmp_path):
+    cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu"]))
+    path = measurements.write(profiler.assemble(cfg, _results(cfg)), tmp_path)
+    doc = measurements.load(path)
+    assert [d["rank"] for d in doc["devices"]] == [0, 1, 2, 3]
+    assert doc["model"]["block_names"] == ["embedding", "layer1", "layer2", "layer3", "layer4",
+                                           "head"]
+    assert doc["model"]["microbatch_size"] == 4  # train.batch_size 16 over 4 micro-batches
+    assert doc["model"]["activation_bytes"] == 4 * 16 * 32 * 4  # mlp: seq_len 16, d_model 32
+    # A measured device keeps its times; an unmeasured one gets the median, at its own speed.
+    assert measurements.block_costs(doc, "local:1", 0.5)[0] == [2.0 * (b + 1) for b in range(6)]
+    assert measurements.block_costs(doc, "elsewhere:0", 2.0)[0] == [(b + 1) / 2 for b in range(6)]
+    auto, plan = launcher.prepare(compose(["model=mlp", "cluster.device=cpu",
+                                           "pipeline.partition=auto", f"profile={path}"]))
+    assert plan is not None and auto.pipeline.partition == plan.bounds
+
+
+def test_load_names_a_missing_measurement(tmp_path):
+    cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu"]))
+    doc = profiler.assemble(cfg, _results(cfg))
+    del doc["p2p"][1]["latency_ms"]
+    (tmp_path / "profile.json").write_text(json.dumps(doc))
+    with pytest.raises(measurements.ProfileError, match=r"p2p\[1\] lacks latency_ms"):
+        measurements.load(tmp_path)
