@@ -22,9 +22,9 @@ from sdpipe_cli.training.worker import Worker
 def main() -> int:
     with joined() as ctx:
         cfg = ctx.cfg
-        # sdpipe's groups get their own store connection and a short timeout: a member that
-        # died between its ready signal and the average must not stall the survivors.
-        timeout = cfg.sync.group_timeout if cfg.sync.name == "sdpipe" else cfg.run.timeout
+        # A mode with a group timeout (sdpipe) gets its own store connection for its groups:
+        # a member that died between its ready signal and the average must not stall the rest.
+        timeout = cfg.sync.get("group_timeout") or cfg.run.timeout
         sync_groups = groups.for_worker(ctx, timeout)
         pipeline_groups = (groups.for_worker(ctx, cfg.run.timeout)
                            if timeout != cfg.run.timeout else sync_groups)

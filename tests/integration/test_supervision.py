@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.helpers import REPO, metrics, run_processes, sdpipe_popen
+from tests.helpers import REPO, finish, free_port, metrics, run_processes, sdpipe_popen, wait_for
 from sdpipe_cli.cli import launcher
 
 pytestmark = pytest.mark.multiprocess
@@ -34,17 +35,6 @@ def worker_pid(run_dir: Path, rank: int) -> int:
         if "sdpipe_cli.training.main" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
             return p.pid
     raise AssertionError(f"no worker rank {rank}")
-
-
-def finish(proc, timeout: float) -> tuple[int, str, float]:
-    start = time.monotonic()
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except Exception:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return proc.returncode, err, time.monotonic() - start
 
 
 # SIGINT: test_resume.py::test_ctrl_c_stops_everything_at_a_consistent_point_with_a_final_checkpoint
@@ -145,14 +135,6 @@ TWO_NODES = ("cluster.nodes=[{name: a, host: 127.0.0.1, devices: [{}, {}]},"
              "model=mlp", "data=synthetic", "run.timeout=120")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_while_loading_is_one_line(tmp_path, sig):
     """An interrupt a moment after the command starts (imports, composition, preparation)."""
@@ -189,9 +171,23 @@ def test_interrupt_while_waiting_for_the_first_node(tmp_path):
     port = free_port()
     proc = sdpipe_popen("train", f"run.dir={tmp_path / 'run'}", *TWO_NODES, f"run.port={port}",
                         "run.node=b")
-    time.sleep(4.0)  # well inside the join, which would wait run.timeout=120 s
-    proc.send_signal(signal.SIGTERM)
-    rc, err, took = finish(proc, timeout=60)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    waiting = f"sdpipe: node b: waiting for the first node's store at 127.0.0.1:{port}"
+    try:  # the join would wait run.timeout=120 s; interrupt it once it has begun
+        wait_for(lambda: any(line.startswith(waiting) for line in list(lines)), proc,
+                 timeout=120, what="the node's waiting line")
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    took = time.monotonic() - start
+    reader.join(10)
+    err = "".join(lines)
     assert rc == 130, err
     assert f"waiting for the first node's store at 127.0.0.1:{port}" in one_interrupt_line(err)
     assert took < 10
