@@ -37,7 +37,7 @@ python3 - <<'EOF'
 import os, datetime, torch, torch.distributed as dist
 from omegaconf import OmegaConf
 from sdpipe_cli.model import optim
-from sdpipe_cli.sync.strategies import GroupCache, average_tensors
+from sdpipe_cli.sync.groups import GroupCache, average_tensors
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))
 dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))

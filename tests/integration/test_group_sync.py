@@ -10,11 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
 
 from tests.helpers import metrics, sdpipe
-from sdpipe_cli.config.schema import Config
-from sdpipe_cli.sync.strategies import GroupCache, average_tensors
+from sdpipe_cli.config.schema import load_run_config
+from sdpipe_cli.sync.groups import GroupCache, average_tensors
 from sdpipe_cli.model.models import build_stage_module
 
 pytestmark = pytest.mark.multiprocess
@@ -105,7 +104,7 @@ def test_group_averaging_is_symmetric_and_preserves_the_mean():
 
 
 def _fresh_stages(run_dir) -> dict[int, torch.nn.Module]:
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"))
+    cfg = load_run_config(run_dir / "config.yaml")
     return {s: build_stage_module(cfg, s) for s in range(cfg.pipeline.stages)}
 
 

@@ -160,12 +160,12 @@ def test_group_sync_checkpoints_at_global_syncs_and_resumes_within_the_budget(ru
         assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
 
 
-@pytest.mark.parametrize("sync", ["allreduce", "sdpipe"])
+@pytest.mark.parametrize("sync", [("sync=allreduce",), ("sync=sdpipe", "sync.global_every=5")],
+                         ids=["allreduce", "sdpipe"])
 def test_time_based_checkpoints(run_dir, sync):
-    out = sdpipe("train", f"run.dir={run_dir}", f"sync={sync}", "model=mlp", "data=synthetic",
+    out = sdpipe("train", f"run.dir={run_dir}", *sync, "model=mlp", "data=synthetic",
                  "train.steps=40", "train.batch_size=8", "train.eval_every=0",
-                 "sync.global_every=5", "checkpoint.every_minutes=0.01", "checkpoint.keep=0",
-                 "checkpoint.on_exit=true")
+                 "checkpoint.every_minutes=0.01", "checkpoint.keep=0", "checkpoint.on_exit=true")
     assert out.returncode == 0, out.stderr
     saved = metrics(run_dir, "checkpoint")
     assert len(saved) >= 2  # 0.6 s apart on a run of several seconds, plus the one at the end

@@ -154,7 +154,7 @@ def test_interrupt_while_the_workers_join(run_dir):
     proc = sdpipe_popen("train", f"run.dir={run_dir}", *TWO_NODES, f"run.port={free_port()}",
                         "run.node=a")
     deadline = time.monotonic() + 60
-    while len([p for p in run_processes(run_dir) if "worker" in " ".join(p.cmdline())]) < 2:
+    while len([p for p in run_processes(run_dir) if "training.main" in " ".join(p.cmdline())]) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
     time.sleep(1.0)
