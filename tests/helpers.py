@@ -156,3 +156,14 @@ def one_error_line(err: str, key: str) -> str:
     assert line.startswith(f"sdpipe: error: {key}: "), line
     assert "Traceback" not in err
     return line
+
+
+def listening_only_on_loopback(proc, run_dir: Path) -> list[int]:
+    """Assert that a running launcher (``proc``, which hosts the store) and its run's children
+    listen on 127.0.0.1 only; returns the children's pids."""
+    children = [p.pid for p in run_processes(run_dir)]
+    listening = {pid: [c.laddr.ip for c in psutil.Process(pid).net_connections("inet")
+                       if c.status == psutil.CONN_LISTEN] for pid in [proc.pid, *children]}
+    assert listening[proc.pid], "the launcher hosts the store"
+    assert all(ip == "127.0.0.1" for ips in listening.values() for ip in ips), listening
+    return children

@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from sdpipe_cli.cli.commands import main
-from tests.helpers import (digests, finish, losses, metrics, run_processes, sdpipe, sdpipe_popen,
-                           training_lines, wait_for)
+from tests.helpers import (digests, finish, listening_only_on_loopback, losses, metrics, run_processes,
+                           sdpipe, sdpipe_popen, training_lines, wait_for)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -104,13 +104,9 @@ def test_ctrl_c_stops_everything_at_a_consistent_point_with_a_final_checkpoint(r
     proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=allreduce", *LONG,
                         "checkpoint.on_exit=true")
     wait_for(training_lines(run_dir, 6), proc, what="six train lines")
-    children = [p.pid for p in run_processes(run_dir)]
-    assert len(children) == 5  # scheduler + 4 workers
     # while it runs: the store (in the launcher) and gloo listen on 127.0.0.1 only
-    listening = {pid: [c.laddr.ip for c in psutil.Process(pid).net_connections("inet")
-                       if c.status == psutil.CONN_LISTEN] for pid in [proc.pid, *children]}
-    assert listening[proc.pid], "the launcher hosts the store"
-    assert all(ip == "127.0.0.1" for ips in listening.values() for ip in ips), listening
+    children = listening_only_on_loopback(proc, run_dir)
+    assert len(children) == 5  # scheduler + 4 workers
     proc.send_signal(signal.SIGINT)
     rc, err, _ = finish(proc, timeout=90)
     assert rc == 130, err

@@ -11,7 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPO, finish, free_port, metrics, run_processes, sdpipe_popen, wait_for
+from tests.helpers import (REPO, finish, free_port, listening_only_on_loopback, metrics, run_processes,
+                           sdpipe_popen, wait_for)
 from sdpipe_cli.cli import launcher
 
 pytestmark = pytest.mark.multiprocess
@@ -42,13 +43,9 @@ def worker_pid(run_dir: Path, rank: int) -> int:
 def test_ctrl_c_stops_everything(run_dir, sig):
     proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG)
     wait_for_training(run_dir, proc)
-    children = [p.pid for p in run_processes(run_dir)]
-    assert len(children) == 5  # scheduler + 4 workers
     # while it runs: the store (in the launcher) and gloo listen on 127.0.0.1 only
-    listening = {pid: [c.laddr.ip for c in psutil.Process(pid).net_connections("inet")
-                       if c.status == psutil.CONN_LISTEN] for pid in [proc.pid, *children]}
-    assert listening[proc.pid], "the launcher hosts the store"
-    assert all(ip == "127.0.0.1" for ips in listening.values() for ip in ips), listening
+    children = listening_only_on_loopback(proc, run_dir)
+    assert len(children) == 5  # scheduler + 4 workers
     proc.send_signal(sig)
     rc, err, took = finish(proc, timeout=60)
     assert rc == 130, err
