@@ -1,6 +1,6 @@
 """Supervision policy: what the launcher does about its children. Pure: observations in, actions out.
 
-The launcher (``runtime.launcher``) is the mechanism: it polls its children and the store, hands
+The launcher (``cli.launcher``) is the mechanism: it polls its children and the store, hands
 this module an :class:`Observation` and carries out the :class:`Action` that comes back (a signal,
 a store key, a message). Everything that is a *decision* lives here, so that each rule can be
 tested without a process, a store or a clock (torchelastic's agent is split the same way:
