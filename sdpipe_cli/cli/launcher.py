@@ -14,8 +14,8 @@ finished or failed, which failure is the root cause, when a lost pipeline may be
 interrupt means at this point, when another node's failure ends this one) are made by the pure
 policy :class:`sdpipe_cli.core.supervision.Supervision`, to which :func:`_supervise` hands one
 observation per poll and whose action it carries out; the rules are listed and unit-tested there
-(``tests/test_supervision_policy.py``), and the end-to-end behaviour here
-(``tests/test_supervision.py``).
+(``tests/unit/test_supervision_policy.py``), and the end-to-end behaviour here
+(``tests/integration/test_supervision.py``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ It walks the tree generically rather than naming sections: every dataclass reach
 offers as an option of a config group (a ``ConfigStore.store(group=..., name=..., node=...)`` call, or
 a module-level dict/list/tuple of dataclasses, such as one class per sync mode), then any other
 dataclass the module defines. A schema change therefore only needs the file regenerated, and
-``tests/test_config_reference.py`` fails until it is.
+``tests/unit/test_config_reference.py`` fails until it is.
 """
 
 from __future__ import annotations
