@@ -167,3 +167,22 @@ def listening_only_on_loopback(proc, run_dir: Path) -> list[int]:
     assert listening[proc.pid], "the launcher hosts the store"
     assert all(ip == "127.0.0.1" for ips in listening.values() for ip in ips), listening
     return children
+
+
+def spawn_and_join(fn, args: tuple, nprocs: int, timeout: float, what: str) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes (torch.multiprocessing) and wait
+    for all of them; a child's exception fails the test with its traceback, and a hang past
+    ``timeout`` fails it too, with every child killed."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1):  # raises ProcessRaisedException with the child's traceback
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} hung for {timeout}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

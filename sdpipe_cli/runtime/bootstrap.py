@@ -42,14 +42,15 @@ class Child:
 
 
 @contextmanager
-def child(name: str, label: str | None = None, **identity: Any) -> Iterator[Child]:
-    """Logging as ``label`` (default ``name``), stack dumps on SIGUSR1, the run config, and the
-    error file ``name`` for any exception escaping the block (``identity`` says who failed: rank,
-    pipeline, stage, role)."""
+def child(name: str, label: str | None = None, loaded: tuple[Path, DictConfig] | None = None,
+          **identity: Any) -> Iterator[Child]:
+    """Logging as ``label`` (default ``name``), stack dumps on SIGUSR1, the run config (``loaded``
+    if the caller already read it to name itself), and the error file ``name`` for any exception
+    escaping the block (``identity`` says who failed: rank, pipeline, stage, role)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {label or name} %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1)
-    run_dir, cfg = load_child_config()
+    run_dir, cfg = loaded or load_child_config()
     with record(run_dir, name, **identity):
         yield Child(run_dir, cfg)
 
@@ -96,9 +97,11 @@ def joined() -> Iterator[Joined]:
     import torch
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _, cfg = load_child_config()
+    loaded = load_child_config()
+    cfg = loaded[1]
     where = Placement(rank, cfg.cluster.pipelines, cfg.pipeline.stages)
-    with child(str(rank), f"rank{rank}", rank=rank, pipeline=where.pipeline, stage=where.stage) as started:
+    with child(str(rank), f"rank{rank}", loaded, rank=rank, pipeline=where.pipeline,
+               stage=where.stage) as started:
         if cfg.cluster.device == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)

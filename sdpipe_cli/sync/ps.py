@@ -103,9 +103,10 @@ class ParameterServer:
 
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _, cfg = load_child_config()
+    loaded = load_child_config()
+    cfg = loaded[1]
     stage = rank - cfg.cluster.pipelines * cfg.pipeline.stages  # servers follow the P x S workers
-    with child(f"ps{stage}", rank=rank, role="parameter server", stage=stage):
+    with child(f"ps{stage}", loaded=loaded, rank=rank, role="parameter server", stage=stage):
         torch.set_num_threads(1)
         with process_group(cfg, connect_store(cfg), rank, world, torch.device("cpu")):
             ParameterServer(cfg, stage).serve()

@@ -134,10 +134,11 @@ class Worker:
         self.sync.after_backward(self.module, round)
         sync_s = time.perf_counter() - start
         if self.cfg.train.grad_clip > 0:
-            ranks = self.where.pipeline_ranks() if clip_over_pipeline else [self.where.rank]
+            ranks = self.where.pipeline_ranks()
+            over_stages = clip_over_pipeline and len(ranks) > 1
             optim.clip_gradients(self.module.parameters(), self.cfg.train.grad_clip,
-                                 lambda t: self.pipeline_groups.all_reduce(t, ranks)
-                                 if len(ranks) > 1 else None)
+                                 (lambda t: self.pipeline_groups.all_reduce(t, ranks))
+                                 if over_stages else None)
         # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
         self.lr = optim.lr_at(self.sync.position(iteration), self.cfg)
         optim.set_lr(self.optimizer, self.lr)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import socket
-import time
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import free_port, spawn_and_join
 from sdpipe_cli.core.schedule import async_one_f_one_b, simulate, stash_versions
 from sdpipe_cli.pipeline.async_stage import AsyncStage
 from sdpipe_cli.pipeline.executor import Executor
@@ -175,26 +174,10 @@ def expected_versions(mode, stage):
     return versions, peak
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_async_pipeline_stashes_versions_and_matches_pipedream():
     results = mp.get_context("spawn").Manager().dict()
-    ctx = mp.start_processes(worker, args=(free_port(), results), nprocs=STAGES, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"async pipeline hung for {JOIN_TIMEOUT_S}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    spawn_and_join(worker, (free_port(), results), STAGES, JOIN_TIMEOUT_S, "async pipeline")
     for mode, (M, _, bound, segments) in MODES.items():
         ref_losses, ref_weights = reference(mode)
         total = segments[-1][1] * M

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import datetime
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import metrics, sdpipe
+from tests.helpers import free_port, metrics, sdpipe
 from sdpipe_cli.config.schema import load_run_config
 from sdpipe_cli.sync.groups import GroupCache, average_tensors
 from sdpipe_cli.model.models import build_stage_module
@@ -21,11 +20,6 @@ pytestmark = pytest.mark.multiprocess
 WORLD = 4
 ROUNDS = 12
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _random_groups(seed: int) -> list[list[list[int]]]:
@@ -71,7 +65,7 @@ def test_group_averaging_is_symmetric_and_preserves_the_mean():
     the consensus distance each member gets is the group's, computed from the states before."""
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_averaging_worker, args=(r, port, results)) for r in range(WORLD)]
     for p in procs:
         p.start()

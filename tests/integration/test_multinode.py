@@ -7,12 +7,11 @@ it on its own machine; the run folder is shared, as it would be on a shared file
 from __future__ import annotations
 
 import signal
-import socket
 import time
 
 import pytest
 
-from tests.helpers import RUN_TIMEOUT, metrics, run_processes, sdpipe_popen
+from tests.helpers import finish, free_port, metrics, run_processes, sdpipe_popen
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,21 +21,6 @@ NODES = ("cluster.pipelines=2", "pipeline.stages=2", "cluster.device=cpu",
          "model=mlp", "data=synthetic", "train.eval_every=0", "data.eval_batches=1")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def finish(proc, timeout: float = RUN_TIMEOUT):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        proc.kill()
-        proc.communicate()
-        raise
-    return proc.returncode, out, err
-
 
 def test_two_nodes_train_together(run_dir):
     port = free_port()
@@ -44,8 +28,8 @@ def test_two_nodes_train_together(run_dir):
     second = sdpipe_popen("train", *common, "run.node=b")  # may start first: it waits for the store
     time.sleep(1.0)
     first = sdpipe_popen("train", *common, "run.node=a")
-    rc_a, _, err_a = finish(first)
-    rc_b, _, err_b = finish(second)
+    rc_a, err_a, _ = finish(first)
+    rc_b, err_b, _ = finish(second)
     assert (rc_a, rc_b) == (0, 0), (err_a, err_b)
     done = metrics(run_dir, "done")
     assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
@@ -75,8 +59,8 @@ def test_a_failure_on_one_node_stops_both(run_dir):
                                if p.environ().get("RANK") == "3"), None)
         assert victim is not None, "node b's worker never started training"
         victim.send_signal(signal.SIGKILL)
-        rc_b, _, err_b = finish(second, 120)
-        rc_a, _, err_a = finish(first, 120)
+        rc_b, err_b, _ = finish(second, 120)
+        rc_a, err_a, _ = finish(first, 120)
     finally:
         for proc in (first, second):
             if proc.poll() is None:

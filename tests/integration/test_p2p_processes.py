@@ -4,14 +4,12 @@ iteration fails at once."""
 from __future__ import annotations
 
 import datetime
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.helpers import free_port, spawn_and_join
 from sdpipe_cli.pipeline import p2p
 from sdpipe_cli.pipeline.p2p import Control, ControlSend
 
@@ -41,23 +39,7 @@ def _pass_controls(rank, port):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.multiprocess
 def test_control_passes_between_processes_and_a_wrong_step_fails():
-    ctx = mp.start_processes(_pass_controls, args=(_free_port(),), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"control exchange hung for {JOIN_TIMEOUT_S}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    spawn_and_join(_pass_controls, (free_port(),), 2, JOIN_TIMEOUT_S, "control exchange")

@@ -7,16 +7,14 @@ a timeout instead of blocking the suite.
 """
 
 import datetime
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import free_port, spawn_and_join
 from sdpipe_cli.core.schedule import SCHEDULES, Action, get_schedule
 from sdpipe_cli.pipeline.stage import PipelineStage
 
@@ -134,27 +132,11 @@ def worker(rank, stages, port):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_pipeline_matches_single_process(stages):
-    ctx = mp.start_processes(
-        worker, args=(stages, free_port()), nprocs=stages, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):  # raises ProcessRaisedException with the child's traceback
-            if time.monotonic() > deadline:
-                pytest.fail(f"pipeline of {stages} stages hung for {JOIN_TIMEOUT_S}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    spawn_and_join(worker, (stages, free_port()), stages, JOIN_TIMEOUT_S,
+                   f"pipeline of {stages} stages")
 
 
 def test_single_stage_needs_no_process_group():
