@@ -17,6 +17,7 @@ Everything here is pure: :class:`Cluster` answers "which device", "how fast at r
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -60,6 +61,27 @@ class SpeedChange:
 
     def active(self, t: float) -> bool:
         return self.start <= t and (self.end is None or t < self.end)
+
+
+class Stragglers:
+    """Random slow-downs: each draw is ``factor`` with ``probability``, else 1.0. Seeded by
+    (seed, device) where runs use it, so the emulation and the simulator draw the same ones."""
+
+    def __init__(self, probability: float, factor: float, seed: object = 0):
+        self.probability, self.factor = probability, factor
+        self._rng = random.Random(str(seed))
+
+    def draw(self) -> float:
+        return self.factor if self._rng.random() < self.probability else 1.0
+
+    @classmethod
+    def of_device(cls, section, seed: int, device: str) -> Optional["Stragglers"]:
+        """The draws of ``device`` under a ``cluster.stragglers`` section (None: not a straggler)."""
+        if not (section.probability > 0 and section.factor != 1.0):
+            return None
+        if section.devices and device not in section.devices:
+            return None
+        return cls(section.probability, section.factor, f"{seed}/{device}")
 
 
 def default_placement(devices: Sequence[Device], pipelines: int, stages: int) -> list[list[str]]:

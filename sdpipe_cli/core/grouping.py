@@ -37,6 +37,7 @@ sync (which connects everyone when it closes) do not wait for connectivity.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -57,6 +58,19 @@ class Decision:
     def of(self, pipeline: int) -> int:
         """The iteration this decision answers for ``pipeline``."""
         return self.iterations[self.members.index(pipeline)]
+
+
+def gossip_peer(seed: int, stage: int, step: int, pipeline: int, pipelines: int) -> Optional[int]:
+    """AD-PSGD's partner of ``pipeline`` in round ``step`` of ``stage`` (None: the odd one out).
+
+    A random perfect matching that every replica derives from (seed, stage, step) alone, so both
+    sides of a pair agree without asking anyone.
+    """
+    order = list(range(pipelines))
+    random.Random(f"{seed}/{stage}/{step}").shuffle(order)
+    i = order.index(pipeline)
+    mate = i + 1 if i % 2 == 0 else i - 1
+    return order[mate] if mate < len(order) else None
 
 
 class DisjointSet:
@@ -129,6 +143,8 @@ class GroupScheduler:
         self.live: set[int] = set(range(pipelines))
         self.window = {(s, p): window for s in range(stages) for p in range(pipelines)}
         self.last_ready = {p: [-1] * stages for p in range(pipelines)}
+        self._high = {p: -1 for p in range(pipelines)}  # max(last_ready[p]), kept as events come
+        self._done = 0  # sum of _high[p] + 1: iterations_done() without a pass over pipelines
         self.stages = [_StageState(DisjointSet(self.live)) for _ in range(stages)]
         self.global_at: dict[int, int] = {}  # pipeline -> iteration of the pending global sync
         self.final = False  # the pending global sync ends the run
@@ -151,6 +167,9 @@ class GroupScheduler:
             raise ValueError(f"stage {stage} of pipeline {pipeline}: ready for iteration "
                              f"{iteration}, expected {expected}")
         self.last_ready[pipeline][stage] = iteration
+        if iteration > self._high[pipeline]:
+            self._done += iteration - self._high[pipeline]
+            self._high[pipeline] = iteration
         now = self.clock()
         self._observe(stage, pipeline, now)
         self.stages[stage].waiting[pipeline] = (iteration, now)
@@ -201,6 +220,8 @@ class GroupScheduler:
     def _restart(self, iterations: dict[int, int]) -> None:
         for p, k in iterations.items():
             self._restart_pipeline(p, k)
+        self._high = {p: max(last) for p, last in self.last_ready.items()}
+        self._done = sum(self._high.values()) + len(self._high)
         done = self.iterations_done()
         self.next_global = self.P * self.global_every
         while self.global_every and self.next_global <= done:
@@ -224,7 +245,7 @@ class GroupScheduler:
     # -- global syncs and the end of the run -----------------------------------------------------
     def iterations_done(self) -> int:
         """Pipeline-iterations started so far (left pipelines keep what they did)."""
-        return sum(max(last) + 1 for last in self.last_ready.values())
+        return self._done
 
     def request_stop(self) -> list[Decision]:
         """End the run at the next global sync (as if the time limit had passed)."""
@@ -263,7 +284,7 @@ class GroupScheduler:
             return
         self.final = final
         self.global_closed = set()
-        self.global_at = {p: max(self.last_ready[p]) + 1 for p in self.live}
+        self.global_at = {p: self._high[p] + 1 for p in self.live}
         self.global_history.append(dict(self.global_at))
         for st in self.stages:
             st.global_pending = True
@@ -423,11 +444,12 @@ class AsyncGroupScheduler(GroupScheduler):
             raise ValueError("rounds_per_iteration must be >= 1")
         self.rounds_per_iteration = rounds_per_iteration
         self.begun = {p: 0 for p in range(pipelines)}  # iterations begun by each first stage
+        self._begun_total = 0
         super().__init__(pipelines, stages, **kwargs)
 
     def iterations_done(self) -> int:
         """Pipeline-iterations begun so far (left pipelines keep what they did)."""
-        return sum(self.begun.values())
+        return self._begun_total
 
     def pending(self) -> bool:
         """Whether a global sync is declared and some stage has not closed it yet."""
@@ -447,6 +469,7 @@ class AsyncGroupScheduler(GroupScheduler):
             raise ValueError(f"pipeline {pipeline} begins iteration {iteration} before the global "
                              "sync it drained for")
         self.begun[pipeline] = iteration + 1
+        self._begun_total += 1
         if not self.pending():
             live = len(self.live)
             done = self.iterations_done()
@@ -471,6 +494,7 @@ class AsyncGroupScheduler(GroupScheduler):
         self._restart(iterations)
 
     def _restart_pipeline(self, pipeline: int, iterations: int) -> None:
+        self._begun_total += iterations - self.begun[pipeline]
         self.begun[pipeline] = iterations
         self.last_ready[pipeline] = [iterations * self.rounds_per_iteration - 1] * self.S
 

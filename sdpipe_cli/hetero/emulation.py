@@ -29,7 +29,6 @@ uses (:meth:`~sdpipe_cli.core.cluster.Cluster.allreduce_s`), slept by every memb
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Callable, Optional
 
@@ -37,21 +36,13 @@ import psutil
 import torch
 
 from sdpipe_cli.config import measurements
-from sdpipe_cli.core.cluster import Cluster, Device
+from sdpipe_cli.core.cluster import Cluster, Device, Stragglers
 from sdpipe_cli.config.schema import emulation, n_blocks
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import Action, Kind
 
-
-class Stragglers:
-    """Random slow-downs: each draw is ``factor`` with ``probability``, else 1.0."""
-
-    def __init__(self, probability: float, factor: float, seed: object = 0):
-        self.probability, self.factor = probability, factor
-        self._rng = random.Random(str(seed))
-
-    def draw(self) -> float:
-        return self.factor if self._rng.random() < self.probability else 1.0
+__all__ = ["Stragglers", "Slowdown", "make_slowdown", "link_delay", "MemoryLimit",
+           "MemoryLimitExceeded"]
 
 
 class Slowdown:
@@ -140,9 +131,7 @@ def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
             fwd, bwd = measurements.block_costs(measurements.load(cfg.profile), device.name, 1.0)
             forward_ms, backward_ms = sum(fwd[start:stop]), sum(bwd[start:stop])
     st = c.stragglers
-    stragglers = None
-    if st.probability > 0 and st.factor != 1.0 and (not st.devices or device.name in st.devices):
-        stragglers = Stragglers(st.probability, st.factor, f"{cfg.train.seed}/{device.name}")
+    stragglers = Stragglers.of_device(st, cfg.train.seed, device.name)
     slow = list(c.slowdown)
     return Slowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
                     speed=lambda: cluster.speed(device, clock()), stragglers=stragglers,

@@ -26,7 +26,6 @@ or the last meeting would wait forever for a replica that has stopped.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Any, Optional
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 
+from sdpipe_cli.core.grouping import gossip_peer
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.sync.groups import GroupCache, average_parameters, average_tensors
 from sdpipe_cli.runtime import store
@@ -230,9 +230,9 @@ class GroupSync(Sync):
 class GossipSync(Sync):
     """AD-PSGD-style gossip without a scheduler: after each step, average with one peer.
 
-    The peers of round k come from a random perfect matching that every replica derives from
-    (seed, stage, k) alone, so both sides of a pair agree without asking anyone; an odd replica
-    out skips the round. The price of needing no coordinator is that a pair meets at the same
+    The peers of round k come from :func:`~sdpipe_cli.core.grouping.gossip_peer`, a random perfect
+    matching that every replica derives from (seed, stage, k) alone; an odd replica out skips the
+    round. The price of needing no coordinator is that a pair meets at the same
     iteration: a straggler makes its partner of the round wait, and through changing partners,
     everyone.
     """
@@ -246,11 +246,7 @@ class GossipSync(Sync):
         self._stats: dict[str, Any] = {}
 
     def peer(self, step: int) -> int | None:
-        order = list(range(self.pipelines))
-        random.Random(f"{self.seed}/{self.stage}/{step}").shuffle(order)
-        i = order.index(self.pipeline)
-        mate = i + 1 if i % 2 == 0 else i - 1
-        return order[mate] if mate < len(order) else None
+        return gossip_peer(self.seed, self.stage, step, self.pipeline, self.pipelines)
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         # Every replica must take part in the same rounds: stopping needs agreement.
