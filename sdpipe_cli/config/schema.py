@@ -19,10 +19,11 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from sdpipe_cli.core import schedule as _schedule
+from sdpipe_cli.core import grouping, schedule as _schedule
 
 SCHEDULES = (*_schedule.SCHEDULES, *_schedule.ASYNC_SCHEDULES)  # the registry is core.schedule
 AVERAGES = ("weights_grads", "weights")  # sync.average (sdpipe)
+POLICIES = grouping.POLICIES  # sync.policy (sdpipe)
 OPTIMIZERS = ("adamw", "sgd")  # train.optimizer
 DEVICES = ("cpu", "cuda", "auto")
 ARCHS = ("gpt", "mlp")
@@ -162,15 +163,23 @@ class SdpipeSyncConfig(SyncConfig):
     window_ms: float = 5.0  # initial waiting window of each replica
     window_min_ms: float = 0.5  # the window shrinks (x0.9) down to this
     window_max_ms: float = 20.0  # and grows (x2) up to this (keep it well below an iteration)
+    # Who waits for whom. cost_aware: a round waits only for predicted replicas about as fast as
+    # its opener (a straggler waits for the fast ones, never the reverse), and a stage due to
+    # connect holds only replicas outside the fastest replica's component; connect_every counts
+    # updates (x P). classic: a round waits for every predicted replica and a due round holds
+    # everyone until it connects, one stage at a time; connect_every counts rounds.
+    policy: str = "cost_aware"
     # A round also waits for the replicas predicted (from their pace) to be ready within this
-    # fraction of the opener's iteration time: equal replicas meet in full groups, a straggler
-    # is not waited for. 0: the reference's adaptive window alone.
+    # fraction of the opener's iteration time, so equal replicas meet in full groups. 0: the
+    # reference's adaptive window alone.
     patience: float = 0.5
     # What a group averages. weights_grads: weights and gradients, before the local step (exact
     # all-reduce with full groups; global syncs also average the optimizer state). weights:
     # weights, after the local step (the paper's rule). See docs/SYNC.md.
     average: str = "weights_grads"
-    connect_every: int = 8  # rounds within which a stage's groups must connect all replicas
+    # within how many rounds (classic), or updates of an average replica (cost_aware), a stage's
+    # groups must connect all replicas
+    connect_every: int = 8
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
     # Seconds a group may take to form and average before its members go on alone (only a
     # member that died makes it wait; the scheduler then drops its pipeline)
@@ -258,6 +267,16 @@ class FaultConfig:
 
 
 @dataclass
+class SimulateConfig:
+    """What ``sdpipe simulate`` assumes beyond the cluster (the defaults: this project's CPU runs)."""
+
+    rtt_ms: float = 0.5  # worker -> scheduler -> worker round trip through the store
+    event_ms: float = 0.1  # the scheduler's handling of one event
+    collective_ms: float = 0.3  # fixed cost of one collective call (all-reduce, barrier)
+    jitter: float = 0.05  # spread of each action's time (sigma of a log-normal factor; 0: none)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -268,6 +287,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
     # A profile.json from `sdpipe profile`: block costs for pipeline.partition=auto and for
     # modelled emulation without cluster.compute_ms.
     profile: Optional[str] = None
@@ -400,6 +420,8 @@ def validate(cfg: DictConfig) -> None:
              "factors must be >= 1.0 (3.0 = three times slower)")
     need(c.compute_ms is None or c.compute_ms > 0, "cluster.compute_ms", "must be positive ms")
     need(c.device in DEVICES, "cluster.device", f"is '{c.device}'; choose one of {', '.join(DEVICES)}")
+    for key in ("rtt_ms", "event_ms", "collective_ms", "jitter"):
+        need(cfg.simulate[key] >= 0, f"simulate.{key}", "must be >= 0")
 
     blocks = n_blocks(m)
     need(p.stages >= 1, "pipeline.stages", "must be at least 1")
@@ -428,6 +450,8 @@ def validate(cfg: DictConfig) -> None:
         need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
         need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
         need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
+        need(y.policy in POLICIES, "sync.policy",
+             f"is '{y.policy}'; choose one of {', '.join(POLICIES)}")
         need(y.average in AVERAGES, "sync.average",
              f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
     if y.name == "ps":

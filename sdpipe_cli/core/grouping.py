@@ -40,7 +40,9 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
+
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,11 @@ def gossip_peer(seed: int, stage: int, step: int, pipeline: int, pipelines: int)
 
 
 class DisjointSet:
-    """Union-find over replicas (pipelines)."""
+    """Union-find over replicas (pipelines), counting its components as it merges."""
 
     def __init__(self, items: Iterable[int]):
         self.parent = {i: i for i in items}
+        self.count = len(self.parent)
 
     def find(self, i: int) -> int:
         while self.parent[i] != i:
@@ -88,18 +91,32 @@ class DisjointSet:
     def union(self, items: Iterable[int]) -> None:
         items = [i for i in items if i in self.parent]
         for other in items[1:]:
-            self.parent[self.find(other)] = self.find(items[0])
+            a, b = self.find(other), self.find(items[0])
+            if a != b:
+                self.parent[a] = b
+                self.count -= 1
 
     def components(self) -> int:
-        return len({self.find(i) for i in self.parent})
+        return self.count
+
+    def copy(self) -> "DisjointSet":
+        out = DisjointSet([])
+        out.parent, out.count = dict(self.parent), self.count
+        return out
+
+    def roots(self, items: Iterable[int]) -> set[int]:
+        return {self.find(i) for i in items if i in self.parent}
 
     def connected_with(self, items: Iterable[int]) -> bool:
         """Whether merging ``items`` as one group would connect everything."""
-        roots = {self.find(i) for i in items if i in self.parent}
-        return self.components() - max(0, len(roots) - 1) <= 1
+        return self.count - max(0, len(self.roots(items)) - 1) <= 1
 
 
 PACE_WEIGHT = 0.3  # weight of the newest interval in a replica's moving-average pace
+# cost_aware: a round waits for a predicted replica only if its pace is at most this many times the
+# opener's (pace noise on a homogeneous cluster stays well within it; a 2x straggler does not)
+AWAIT_PACE_RATIO = 1.5
+POLICIES = ("cost_aware", "classic")
 
 
 @dataclass
@@ -111,6 +128,7 @@ class _StageState:
     horizon: float = 0.0  # with patience: how long the round may wait for ``expect``
     expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
     rounds: int = 0  # rounds since the replicas were last all connected
+    updates: int = 0  # replicas' rounds (group members) since then
     round_no: int = 0
     global_pending: bool = False
     connecting: bool = False  # past the window, waiting for the replicas that connect the rest
@@ -127,12 +145,14 @@ class GroupScheduler:
                  window_min: float = 0.0005, window_max: float = 0.1, connect_every: int = 8,
                  global_every: int = 0, total_iterations: Optional[int] = None,
                  time_limit: Optional[float] = None, patience: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 policy: str = "classic", clock: Callable[[], float] = time.monotonic):
         if pipelines < 1 or stages < 1 or connect_every < 1 or min_group < 1:
             raise ValueError("pipelines, stages, connect_every and min_group must be >= 1")
         if patience < 0:
             raise ValueError("patience must be >= 0")
-        self.patience = patience
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        self.patience, self.cost_aware = patience, policy == "cost_aware"
         self.arrived: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> last ready time
         self.pace: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> mean interval (s)
         self.P, self.S = pipelines, stages
@@ -314,7 +334,7 @@ class GroupScheduler:
         if not st.global_pending or not self.live or not arrived >= self.live:
             return None
         decision = self._emit(s, sorted(arrived), kind="global", stop=self.final)
-        st.links, st.rounds, st.global_pending = DisjointSet(self.live), 0, False
+        st.links, st.rounds, st.updates, st.global_pending = DisjointSet(self.live), 0, 0, False
         self.global_closed.add(s)
         if self.token == s:
             self.token = None
@@ -344,14 +364,16 @@ class GroupScheduler:
         if not everyone:
             if now < st.deadline:
                 return None
-            st.connecting = self._must_connect(s) and not st.links.connected_with(members)
+            st.connecting = (self._must_connect(s) and not st.links.connected_with(members)
+                             and not (self.cost_aware and self._may_go_on(s, members)))
             if st.connecting:
                 return None  # wait for the components that are left
         decision = self._emit(s, sorted(members), kind="group", stop=False)
         st.links.union(members)
         st.rounds += 1
+        st.updates += len(members)
         if st.links.components() <= 1:
-            st.links, st.rounds = DisjointSet(self.live), 0
+            st.links, st.rounds, st.updates = DisjointSet(self.live), 0, 0
             if self.token == s:
                 self.token = None
         for p in members:
@@ -371,12 +393,17 @@ class GroupScheduler:
         pace = self.pace.get((s, opener))
         if self.patience and pace is not None:
             st.horizon = opened + self.patience * pace
+            slowest = AWAIT_PACE_RATIO * pace if self.cost_aware else float("inf")
             st.expect = frozenset(q for q in self.live - present
-                                  if (t := self.expected(s, q)) is not None and t <= st.horizon)
+                                  if (t := self.expected(s, q)) is not None and t <= st.horizon
+                                  and self.pace[(s, q)] <= slowest)
 
     def _must_connect(self, s: int) -> bool:
         """Whether this round of stage ``s`` is due to connect all replicas (and may wait for it)."""
         st = self.stages[s]
+        if self.cost_aware:
+            # counted in updates, as the reference does; no token (see _may_go_on)
+            return not st.global_pending and st.updates >= self.connect_every * len(self.live)
         if st.rounds + 1 < self.connect_every:
             return False
         if self.connect_every == 1:
@@ -386,6 +413,24 @@ class GroupScheduler:
         if self.token is None:
             self.token = s
         return self.token == s
+
+    def fastest(self, s: int) -> int:
+        """The live replica of stage ``s`` with the shortest pace (unknown paces last, then by
+        number)."""
+        return min(self.live, key=lambda q: (self.pace.get((s, q), float("inf")), q))
+
+    def _may_go_on(self, s: int, members: set[int]) -> bool:
+        """cost_aware: whether a round that is due to connect but does not may close anyway.
+
+        It may if it merges two components (progress), or if its members are the fastest
+        replica's component: those are the replicas whose waiting would cost the most, and the
+        others come to them. A held round thus waits only for the next arrival from another
+        component, and the fastest replica's is never held, so it arrives at every stage each
+        iteration: every held round closes within one of its iterations, without a token, and no
+        two stages can wait on each other.
+        """
+        roots = self.stages[s].links.roots(members)
+        return len(roots) > 1 or self.stages[s].links.find(self.fastest(s)) in roots
 
     def _emit(self, s: int, members: list[int], kind: str, stop: bool) -> Decision:
         st = self.stages[s]
@@ -518,3 +563,20 @@ class AsyncGroupScheduler(GroupScheduler):
         self.global_history.append({})
         for st in self.stages:
             st.global_pending = True
+
+
+def make_policy(cfg: Any, clock: Callable[[], float] = time.monotonic) -> GroupScheduler:
+    """The policy of a run config with ``sync=sdpipe``: the scheduler process and the simulator
+    (:mod:`sdpipe_cli.core.simulation`) build it here, so both run the same one."""
+    y, p = cfg.sync, cfg.pipeline
+    policy, extra = GroupScheduler, {}
+    if p.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
+        rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
+        policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}
+    return policy(
+        cfg.cluster.pipelines, p.stages, **extra, min_group=y.min_group,
+        window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
+        connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
+        policy=y.policy,
+        total_iterations=cfg.cluster.pipelines * cfg.train.steps,
+        time_limit=cfg.train.time_limit, clock=clock)

@@ -25,8 +25,7 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
-from sdpipe_cli.core.grouping import AsyncGroupScheduler, Decision, GroupScheduler
-from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
+from sdpipe_cli.core.grouping import Decision, make_policy
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
@@ -40,21 +39,6 @@ PUBLISH_S = 0.2  # how often the progress snapshot is refreshed
 
 class WorkerHung(RuntimeError):
     pass
-
-
-def make_policy(cfg: DictConfig, clock: Callable[[], float] = time.monotonic) -> GroupScheduler:
-    y = cfg.sync
-    policy, extra = GroupScheduler, {}
-    p = cfg.pipeline
-    if p.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
-        rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
-        policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}
-    return policy(
-        cfg.cluster.pipelines, cfg.pipeline.stages, **extra, min_group=y.min_group,
-        window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
-        connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
-        total_iterations=cfg.cluster.pipelines * cfg.train.steps,
-        time_limit=cfg.train.time_limit, clock=clock)
 
 
 class Ticker(threading.Thread):

@@ -144,9 +144,7 @@ class GroupInfo:
 
 
 def _copy(ds: DisjointSet) -> DisjointSet:
-    out = DisjointSet([])
-    out.parent = dict(ds.parent)
-    return out
+    return ds.copy()
 
 
 def _without(ds: DisjointSet, live) -> DisjointSet:

@@ -1,0 +1,329 @@
+"""A discrete-event simulation of a run's timing: the real group policy, modelled workers.
+
+A sync policy is judged by its samples/s against the heterogeneity limit, at scales and on
+clusters that a development machine cannot run, and without the CPU contention that blurs real
+runs on a few cores. The simulation drives the policy the scheduler process runs
+(:func:`~sdpipe_cli.core.grouping.make_policy`) through an injected clock, so the policy is the
+real one and only the workers' time is modelled. No process is started and nothing sleeps.
+
+The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPipe):
+
+* An action (one micro-batch's forward or backward) takes the stage's modelled time, times the
+  pipeline's slow-down and the worker's straggler draw, over its device's speed when the action
+  starts. This is what modelled emulation makes real workers sleep
+  (:mod:`sdpipe_cli.hetero.emulation`), with the same seeded straggler draws.
+* A forward also waits for the previous stage's forward of the micro-batch, a backward for the
+  next stage's backward, each plus the link's transfer of one activation.
+* After its last backward the worker synchronizes, per mode:
+  - ``sdpipe``: the ready signal reaches the scheduler after half a round trip. The scheduler
+    handles one event at a time (``event_s`` each) and feeds it to the policy. A decision reaches
+    its members after another half round trip; then they all-reduce the stage's payload.
+  - ``allreduce`` and ``adpsgd``: each replica waits for every other at the same iteration (the
+    gradient all-reduce; AD-PSGD agrees on stopping with such a barrier), then all-reduces over
+    all replicas (AD-PSGD: averages with its partner).
+  - ``ps``: the gradients go to the stage's server, which serves one push at a time; the weights
+    come back. A replica more than ``staleness`` iterations ahead of the slowest waits.
+  - ``none``: nothing.
+* The stage starts its next iteration when its sync is done.
+
+An all-reduce costs :meth:`~sdpipe_cli.core.cluster.Cluster.allreduce_s` (a ring on the slowest
+link) plus ``collective_s``, the fixed cost of one collective call.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from sdpipe_cli.core.cluster import Cluster, Stragglers
+from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
+from sdpipe_cli.core.schedule import Kind, get_schedule, simulate as tick_order
+
+__all__ = ["Workload", "Result", "simulate", "MODES"]
+
+MODES = ("sdpipe", "allreduce", "adpsgd", "ps", "none")
+
+
+@dataclass
+class Workload:
+    """What a run asks of the cluster, in seconds and bytes (built from a config by
+    :mod:`sdpipe_cli.hetero.simulator`)."""
+
+    cluster: Cluster
+    microbatches: int
+    batch_size: int  # samples per pipeline-iteration
+    steps: int  # budget: P x steps pipeline-iterations
+    forward_s: list[list[float]]  # [p][s] one micro-batch at speed 1, before slow-downs
+    backward_s: list[list[float]]
+    stage_bytes: list[int]  # the weights of each stage
+    activation_bytes: int  # one micro-batch's activation between stages
+    slowdown: list[float] = field(default_factory=list)  # per pipeline; empty: all 1
+    stragglers: list[list[Optional[Stragglers]]] = field(default_factory=list)  # [p][s]
+    per_iteration: bool = False  # straggler draws per iteration (else per action)
+    schedule: str = "1f1b"
+    average: str = "weights_grads"  # sdpipe's payload: weights and gradients, or weights
+    rtt_s: float = 0.0005  # worker <-> scheduler round trip through the store
+    event_s: float = 0.0001  # the scheduler's handling of one event
+    collective_s: float = 0.0003  # fixed cost of one collective call
+    jitter: float = 0.0  # sigma of a log-normal factor on each action's time
+    staleness: int = 4  # ps
+    seed: int = 0  # adpsgd's matchings
+
+    @property
+    def pipelines(self) -> int:
+        return self.cluster.pipelines
+
+    @property
+    def stages(self) -> int:
+        return self.cluster.stages
+
+
+@dataclass
+class Result:
+    """What a simulated run did. Times in seconds from its start."""
+
+    sync: str
+    iterations: list[int]  # per pipeline
+    finished_at: list[float]  # per pipeline: the end of its last iteration
+    busy_s: list[float]  # per pipeline: its first stage's compute time
+    wait_s: list[float]  # per pipeline: its first stage's time from ready to synced
+    group_sizes: list[int]  # one entry per sync round (all stages)
+    batch_size: int
+
+    @property
+    def wall_s(self) -> float:
+        return max(self.finished_at) if self.finished_at else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return sum(self.iterations) * self.batch_size / max(self.wall_s, 1e-12)
+
+    def solo_rates(self) -> list[float]:
+        """Each pipeline's own samples/s, over its own time: summed, the limit (``sync=none``)."""
+        return [k * self.batch_size / max(t, 1e-12) for k, t in zip(self.iterations, self.finished_at)]
+
+    @property
+    def mean_group_size(self) -> float:
+        return sum(self.group_sizes) / len(self.group_sizes) if self.group_sizes else 1.0
+
+
+class _Plan:
+    """One flushed iteration of a pipeline as a list of actions in an order that respects their
+    dependencies (the schedule's own tick order), with each action's dependency precomputed."""
+
+    def __init__(self, schedule: str, stages: int, microbatches: int):
+        fn = get_schedule(schedule)
+        rows = tick_order(fn, stages, microbatches)
+        order = sorted((t, s) for s, row in enumerate(rows) for t, a in enumerate(row) if a is not None)
+        position = {}
+        self.steps: list[tuple[int, bool, int]] = []  # (stage, backward, index of dependency)
+        for t, s in order:
+            action = rows[s][t]
+            backward = action.kind is Kind.B
+            dep = ((Kind.B, s + 1, action.microbatch) if backward and s + 1 < stages else
+                   (Kind.F, s - 1, action.microbatch) if not backward and s > 0 else None)
+            position[(action.kind, s, action.microbatch)] = len(self.steps)
+            self.steps.append((s, backward, position[dep] if dep is not None else -1))
+
+
+class _Run:
+    def __init__(self, work: Workload, sync: str,
+                 policy_factory: Optional[Callable[[Callable[[], float]], GroupScheduler]]):
+        if sync not in MODES:
+            raise ValueError(f"sync: cannot simulate '{sync}'; choose one of {', '.join(MODES)}")
+        if sync == "sdpipe" and policy_factory is None:
+            raise ValueError("sync=sdpipe needs its policy")
+        self.w, self.sync = work, sync
+        P, S = work.pipelines, work.stages
+        self.P, self.S = P, S
+        self.now = 0.0
+        self.policy = policy_factory(lambda: self.now) if sync == "sdpipe" else None
+        self.plan = _Plan(work.schedule, S, work.microbatches)
+        cl = work.cluster
+        self.devices = [[cl.device(p, s) for s in range(S)] for p in range(P)]
+        self.dynamic = {d.name for row in self.devices for d in row if cl.change_points(d)}
+        # transfer into stage s: from s - 1 (forward) and from s + 1 (backward)
+        self.link_in = [[(cl.link(p * S + s - 1, p * S + s).transfer_s(work.activation_bytes)
+                          if s > 0 else 0.0,
+                          cl.link(p * S + s + 1, p * S + s).transfer_s(work.activation_bytes)
+                          if s + 1 < S else 0.0) for s in range(S)] for p in range(P)]
+        self.noise = [[random.Random(f"{work.seed}/jitter/{p}/{s}") for s in range(S)]
+                      for p in range(P)]
+        self.heap: list = []
+        self.seq = 0
+        self.iteration = [0] * P  # the iteration each pipeline is in
+        self.synced = [[0.0] * S for _ in range(P)]  # when each stage finished its last sync
+        self.pending = [S] * P  # stages of the current iteration not synced yet
+        self.stopped = [False] * P
+        self.done = [0] * P
+        self.finished_at = [0.0] * P
+        self.busy = [0.0] * P
+        self.wait = [0.0] * P
+        self.ready_at: dict[tuple[int, int], float] = {}  # (p, s) -> ready time of the current iteration
+        self.groups: list[int] = []
+        self.barriers: dict[tuple[int, int], dict[int, float]] = {}
+        self.sched_free = 0.0
+        self.server_free = [0.0] * S
+        self.pushes = [[0] * P for _ in range(S)]
+        self.deferred: list[list[tuple[int, int, float, bool]]] = [[] for _ in range(S)]
+        self.budget_left = P * work.steps
+
+    # -- workers --------------------------------------------------------------------------------
+    def _factor(self, p: int, s: int, t: float, straggle: float) -> float:
+        w = self.w
+        factor = (w.slowdown[p] if w.slowdown else 1.0) * straggle
+        device = self.devices[p][s]
+        speed = w.cluster.speed(device, t) if device.name in self.dynamic else device.speed
+        return factor / speed
+
+    def _start_iteration(self, p: int) -> None:
+        """All stages of ``p`` are synced: compute its next iteration and post the ready signals."""
+        w, S = self.w, self.S
+        free = self.synced[p]
+        end = [0.0] * len(self.plan.steps)
+        at = list(free)
+        draws = w.stragglers[p] if w.stragglers else [None] * S
+        per_iteration = [d.draw() if (d is not None and w.per_iteration) else 1.0 for d in draws]
+        fwd, bwd, links = w.forward_s[p], w.backward_s[p], self.link_in[p]
+        for i, (s, backward, dep) in enumerate(self.plan.steps):
+            t = at[s]
+            if dep >= 0:
+                t = max(t, end[dep] + links[s][1 if backward else 0])
+            straggle = per_iteration[s]
+            if draws[s] is not None and not w.per_iteration:
+                straggle = draws[s].draw()
+            duration = (bwd[s] if backward else fwd[s]) * self._factor(p, s, t, straggle)
+            if w.jitter:
+                duration *= math.exp(self.noise[p][s].gauss(0.0, w.jitter))
+            if s == 0:
+                self.busy[p] += duration
+            end[i] = at[s] = t + duration
+        k = self.iteration[p]
+        self.pending[p] = S
+        for s in range(S):
+            self.ready_at[(p, s)] = at[s]
+            self._push(at[s], "ready", p, s, k)
+
+    def _push(self, t: float, kind: str, *args) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, args))
+
+    def _synced(self, p: int, s: int, k: int, t: float, stop: bool) -> None:
+        self.synced[p][s] = t
+        if s == 0:
+            self.wait[p] += t - self.ready_at[(p, s)]
+        if stop:
+            self.stopped[p] = True
+        self.pending[p] -= 1
+        if self.pending[p]:
+            return
+        self.done[p] += 1
+        self.finished_at[p] = max(self.synced[p])
+        self.iteration[p] = k + 1
+        if self.sync in ("sdpipe", "ps"):
+            go = not self.stopped[p]
+        else:
+            go = self.done[p] < self.w.steps
+        if go:
+            self._start_iteration(p)
+
+    def _allreduce_s(self, members: Sequence[int], s: int, nbytes: int) -> float:
+        if len(members) < 2:
+            return 0.0
+        ranks = [q * self.S + s for q in members]
+        return self.w.cluster.allreduce_s(ranks, nbytes) + self.w.collective_s
+
+    # -- sync modes -----------------------------------------------------------------------------
+    def _ready(self, t: float, p: int, s: int, k: int) -> None:
+        w = self.w
+        if self.sync == "none":
+            self._synced(p, s, k, t, False)
+        elif self.sync == "sdpipe":
+            self._push(t + w.rtt_s / 2, "scheduler", p, s, k)
+        elif self.sync in ("allreduce", "adpsgd"):
+            arrived = self.barriers.setdefault((s, k), {})
+            arrived[p] = t
+            if len(arrived) == self.P:
+                del self.barriers[(s, k)]
+                start = max(arrived.values()) + w.collective_s  # everyone agrees to go on
+                everyone = list(range(self.P))
+                for q in everyone:
+                    if self.sync == "allreduce":
+                        cost = self._allreduce_s(everyone, s, w.stage_bytes[s])
+                    else:
+                        mate = gossip_peer(w.seed, s, k, q, self.P)
+                        cost = self._allreduce_s([q, mate] if mate is not None else [q], s,
+                                                 w.stage_bytes[s])
+                    self._synced(q, s, k, start + cost, False)
+                self.groups.append(self.P if self.sync == "allreduce" else 2)
+        else:
+            self._push_to_server(t, p, s, k)
+
+    def _push_to_server(self, t: float, p: int, s: int, k: int) -> None:
+        """The gradients go to the stage's server (over the slowest link among its replicas),
+        which applies one push at a time; the weights come back, held while ``p`` is more than
+        ``staleness`` pushes ahead of the slowest replica. The first stage's server counts the
+        budget; replies after it is spent tell the pipeline to stop."""
+        w = self.w
+        link = w.cluster.slowest_link([q * self.S + s for q in range(self.P)])
+        start = max(t + link.transfer_s(w.stage_bytes[s]), self.server_free[s])
+        self.server_free[s] = start + w.collective_s
+        reply = self.server_free[s] + link.transfer_s(w.stage_bytes[s])
+        if s == 0:
+            self.budget_left -= 1
+        self.pushes[s][p] += 1
+        self.deferred[s].append((p, k, reply, s == 0 and self.budget_left <= 0))
+        slowest = min(self.pushes[s])
+        held = []
+        for q, kq, at, stop in self.deferred[s]:
+            if self.pushes[s][q] - slowest <= w.staleness:
+                self._synced(q, s, kq, max(at, t), stop)
+            else:
+                held.append((q, kq, at, stop))
+        self.deferred[s] = held
+
+    def _scheduler(self, t: float, p: int, s: int, k: int) -> None:
+        self.now = max(t, self.sched_free)
+        self._decided(self.policy.ready(s, p, k))
+        self.sched_free = self.now + self.w.event_s
+
+    def _decided(self, decisions) -> None:
+        w = self.w
+        for d in decisions:
+            self.groups.append(len(d.members))
+            nbytes = w.stage_bytes[d.stage] * (2 if w.average == "weights_grads" else 1)
+            if d.kind == "global" and w.average == "weights_grads":
+                nbytes *= 2  # the optimizer's two moments too
+            done = self.now + w.rtt_s / 2 + self._allreduce_s(d.members, d.stage, nbytes)
+            for q, k in zip(d.members, d.iterations):
+                self._synced(q, d.stage, k, done, d.stop)
+
+    # -- the event loop -------------------------------------------------------------------------
+    def run(self) -> Result:
+        for p in range(self.P):
+            self._start_iteration(p)
+        handlers = {"ready": self._ready, "scheduler": self._scheduler}
+        while self.heap:
+            t = self.heap[0][0]
+            if self.policy is not None:
+                due = self.policy.next_deadline()
+                if due is not None and due <= t:
+                    self.now = max(due, self.sched_free)
+                    decisions = self.policy.tick()
+                    self._decided(decisions)
+                    after = self.policy.next_deadline()
+                    if decisions or after is None or after > due:
+                        continue  # look again: a later deadline may also come before t
+            _, _, kind, args = heapq.heappop(self.heap)
+            handlers[kind](t, *args)
+        return Result(self.sync, list(self.done), list(self.finished_at), list(self.busy),
+                      list(self.wait), list(self.groups), self.w.batch_size)
+
+
+def simulate(work: Workload, sync: str,
+             policy_factory: Optional[Callable[[Callable[[], float]], GroupScheduler]] = None) -> Result:
+    """Simulate ``work`` under ``sync``; ``policy_factory(clock)`` builds sdpipe's policy."""
+    return _Run(work, sync, policy_factory).run()

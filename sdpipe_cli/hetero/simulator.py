@@ -1,0 +1,133 @@
+"""``sdpipe simulate``: a run config turned into a simulated workload, simulated under several sync
+modes, and the ``simulation.json`` document that reports it.
+
+The engine (:mod:`sdpipe_cli.core.simulation`) is pure; this module reads what it needs from the
+config: compute times (``cluster.compute_ms`` or the profile's block costs, as modelled emulation
+reads them), the stage sizes and the activation size from the model, the cluster's devices, speed
+changes, links and seeded stragglers, and the ``simulate`` section's costs of the transport.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli.config import measurements
+from sdpipe_cli.config.schema import ConfigError, emulation, n_blocks
+from sdpipe_cli.core.cluster import Cluster, ClusterError, Stragglers
+from sdpipe_cli.core.grouping import make_policy
+from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
+from sdpipe_cli.core.simulation import MODES, Result, Workload, simulate
+from sdpipe_cli.model import models
+
+__all__ = ["workload", "run", "FORMAT"]
+
+FORMAT = "sdpipe-simulation/1"
+FLOAT_BYTES = 4
+
+
+def workload(cfg: DictConfig) -> Workload:
+    """The simulated workload of a prepared run config (partition resolved); raises
+    :class:`ConfigError` for what cannot be simulated."""
+    P, S, m = cfg.cluster.pipelines, cfg.pipeline.stages, cfg.pipeline.microbatches
+    if cfg.pipeline.schedule in ASYNC_SCHEDULES:
+        raise ConfigError("pipeline.schedule", f"'{cfg.pipeline.schedule}' cannot be simulated yet; "
+                          "use 1f1b or gpipe")
+    if emulation(cfg) != "modelled":
+        raise ConfigError("cluster.compute_ms", "simulate needs modelled compute: set "
+                          "cluster.compute_ms or give profile=PATH")
+    try:
+        cluster = Cluster.from_config(cfg.cluster, S)
+    except ClusterError as err:
+        raise ConfigError(err.key, err.reason) from None
+    blocks = n_blocks(cfg.model)
+    ranges = stage_ranges(list(cfg.pipeline.partition), blocks)
+    forward, backward = [], []
+    doc = measurements.load(cfg.profile) if cfg.cluster.compute_ms is None else None
+    for p in range(P):
+        fwd_row, bwd_row = [], []
+        for s, (a, b) in enumerate(ranges):
+            if doc is None:
+                f = float(cfg.cluster.compute_ms) / 1e3
+                fwd_row.append(f)
+                bwd_row.append(2 * f)
+            else:
+                fwd, bwd = measurements.block_costs(doc, cluster.device(p, s).name, 1.0)
+                fwd_row.append(sum(fwd[a:b]) / 1e3)
+                bwd_row.append(sum(bwd[a:b]) / 1e3)
+        forward.append(fwd_row)
+        backward.append(bwd_row)
+    counts = models.block_param_counts(cfg.model)
+    micro = cfg.train.batch_size // m
+    st = cfg.cluster.stragglers
+    y = cfg.sync
+    return Workload(
+        cluster=cluster, microbatches=m, batch_size=cfg.train.batch_size, steps=cfg.train.steps,
+        forward_s=forward, backward_s=backward,
+        stage_bytes=[sum(counts[a:b]) * FLOAT_BYTES for a, b in ranges],
+        activation_bytes=math.prod(models.activation_shape(cfg.model, micro)) * FLOAT_BYTES,
+        slowdown=[float(x) for x in cfg.cluster.slowdown],
+        stragglers=[[Stragglers.of_device(st, cfg.train.seed, cluster.device(p, s).name)
+                     for s in range(S)] for p in range(P)],
+        per_iteration=st.per == "iteration", schedule=cfg.pipeline.schedule,
+        average=y.get("average", "weights_grads"),
+        rtt_s=cfg.simulate.rtt_ms / 1e3, event_s=cfg.simulate.event_ms / 1e3,
+        collective_s=cfg.simulate.collective_ms / 1e3, jitter=cfg.simulate.jitter,
+        staleness=int(y.get("staleness", 3)), seed=cfg.train.seed)
+
+
+def _with_sync(cfg: DictConfig, sync: str) -> DictConfig:
+    """``cfg`` with another sync mode's defaults (for the comparison rows)."""
+    from sdpipe_cli.config.schema import SYNC_CONFIGS
+
+    if cfg.sync.name == sync:
+        return cfg
+    other = OmegaConf.to_container(cfg, resolve=True)
+    other["sync"] = OmegaConf.to_container(OmegaConf.structured(SYNC_CONFIGS[sync]))
+    return OmegaConf.create(other)
+
+
+def _row(result: Result, limit: float, wall_clock_s: float) -> dict:
+    sps = result.samples_per_s
+    return {"sync": result.sync, "samples_per_s": sps, "limit_samples_per_s": limit,
+            "fraction_of_limit": sps / limit if limit else None,
+            "mean_group_size": result.mean_group_size, "wall_s": result.wall_s,
+            "iterations": result.iterations, "sync_wait_fraction": [
+                w / max(t, 1e-12) for w, t in zip(result.wait_s, result.finished_at)],
+            "simulated_in_s": wall_clock_s}
+
+
+def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
+    """Simulate ``cfg`` (its own sync mode, then each of ``compare``) and the limit; the
+    ``simulation.json`` document."""
+    modes = [cfg.sync.name] + [m for m in compare if m != cfg.sync.name]
+    for m in modes:
+        if m not in MODES:
+            raise ConfigError("--compare", f"'{m}' is not a sync mode; choose from {', '.join(MODES)}")
+    started = time.perf_counter()
+    solo = simulate(workload(_with_sync(cfg, "none")), "none")
+    limit = sum(solo.solo_rates())
+    rows = []
+    for mode in modes:
+        mode_cfg = _with_sync(cfg, mode)
+        begun = time.perf_counter()
+        result = solo if mode == "none" else simulate(
+            workload(mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, clock)))
+        rows.append(_row(result, limit, time.perf_counter() - begun))
+    doc = {"format": FORMAT, **rows[0], "pipelines": cfg.cluster.pipelines,
+           "stages": cfg.pipeline.stages, "solo_samples_per_s": solo.solo_rates(),
+           "compare": rows[1:], "simulated_in_s": time.perf_counter() - started,
+           "config": OmegaConf.to_container(cfg, resolve=True)}
+    return doc
+
+
+def write(doc: dict, run_dir: Path) -> Path:
+    path = run_dir / "simulation.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
