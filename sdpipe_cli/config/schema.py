@@ -268,12 +268,15 @@ class FaultConfig:
 
 @dataclass
 class SimulateConfig:
-    """What ``sdpipe simulate`` assumes beyond the cluster (the defaults: this project's CPU runs)."""
+    """What ``sdpipe simulate`` assumes beyond the cluster's devices and links. The defaults are
+    fitted to real runs of the small models on a 2-core CPU machine with gloo (docs/SIMULATOR.md);
+    on GPUs with NCCL the fixed costs are lower."""
 
-    rtt_ms: float = 0.5  # worker -> scheduler -> worker round trip through the store
-    event_ms: float = 0.1  # the scheduler's handling of one event
-    collective_ms: float = 0.3  # fixed cost of one collective call (all-reduce, barrier)
-    jitter: float = 0.05  # spread of each action's time (sigma of a log-normal factor; 0: none)
+    rtt_ms: float = 2.0  # worker -> scheduler -> worker round trip through the store
+    event_ms: float = 0.2  # the scheduler's handling of one event
+    collective_ms: float = 5.0  # fixed cost of one collective call (all-reduce, barrier)
+    p2p_ms: float = 1.0  # fixed cost of one message between stages, on top of its link
+    jitter: float = 0.1  # spread of each action's time (sigma of a log-normal factor; 0: none)
 
 
 @dataclass
@@ -420,7 +423,7 @@ def validate(cfg: DictConfig) -> None:
              "factors must be >= 1.0 (3.0 = three times slower)")
     need(c.compute_ms is None or c.compute_ms > 0, "cluster.compute_ms", "must be positive ms")
     need(c.device in DEVICES, "cluster.device", f"is '{c.device}'; choose one of {', '.join(DEVICES)}")
-    for key in ("rtt_ms", "event_ms", "collective_ms", "jitter"):
+    for key in ("rtt_ms", "event_ms", "collective_ms", "p2p_ms", "jitter"):
         need(cfg.simulate[key] >= 0, f"simulate.{key}", "must be >= 0")
 
     blocks = n_blocks(m)

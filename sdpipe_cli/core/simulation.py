@@ -10,10 +10,10 @@ The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPip
 
 * An action (one micro-batch's forward or backward) takes the stage's modelled time, times the
   pipeline's slow-down and the worker's straggler draw, over its device's speed when the action
-  starts. This is what modelled emulation makes real workers sleep
+  starts, times a seeded log-normal ``jitter``. This is what modelled emulation makes real workers sleep
   (:mod:`sdpipe_cli.hetero.emulation`), with the same seeded straggler draws.
 * A forward also waits for the previous stage's forward of the micro-batch, a backward for the
-  next stage's backward, each plus the link's transfer of one activation.
+  next stage's backward, each plus the link's transfer of one activation and ``p2p_s``.
 * After its last backward the worker synchronizes, per mode:
   - ``sdpipe``: the ready signal reaches the scheduler after half a round trip. The scheduler
     handles one event at a time (``event_s`` each) and feeds it to the policy. A decision reaches
@@ -68,6 +68,7 @@ class Workload:
     rtt_s: float = 0.0005  # worker <-> scheduler round trip through the store
     event_s: float = 0.0001  # the scheduler's handling of one event
     collective_s: float = 0.0003  # fixed cost of one collective call
+    p2p_s: float = 0.0  # fixed cost of one message between stages, on top of its link
     jitter: float = 0.0  # sigma of a log-normal factor on each action's time
     staleness: int = 4  # ps
     seed: int = 0  # adpsgd's matchings
@@ -146,9 +147,10 @@ class _Run:
         self.devices = [[cl.device(p, s) for s in range(S)] for p in range(P)]
         self.dynamic = {d.name for row in self.devices for d in row if cl.change_points(d)}
         # transfer into stage s: from s - 1 (forward) and from s + 1 (backward)
-        self.link_in = [[(cl.link(p * S + s - 1, p * S + s).transfer_s(work.activation_bytes)
+        hop = work.p2p_s
+        self.link_in = [[(hop + cl.link(p * S + s - 1, p * S + s).transfer_s(work.activation_bytes)
                           if s > 0 else 0.0,
-                          cl.link(p * S + s + 1, p * S + s).transfer_s(work.activation_bytes)
+                          hop + cl.link(p * S + s + 1, p * S + s).transfer_s(work.activation_bytes)
                           if s + 1 < S else 0.0) for s in range(S)] for p in range(P)]
         self.noise = [[random.Random(f"{work.seed}/jitter/{p}/{s}") for s in range(S)]
                       for p in range(P)]

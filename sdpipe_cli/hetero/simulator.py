@@ -78,7 +78,8 @@ def workload(cfg: DictConfig) -> Workload:
         per_iteration=st.per == "iteration", schedule=cfg.pipeline.schedule,
         average=y.get("average", "weights_grads"),
         rtt_s=cfg.simulate.rtt_ms / 1e3, event_s=cfg.simulate.event_ms / 1e3,
-        collective_s=cfg.simulate.collective_ms / 1e3, jitter=cfg.simulate.jitter,
+        collective_s=cfg.simulate.collective_ms / 1e3, p2p_s=cfg.simulate.p2p_ms / 1e3,
+        jitter=cfg.simulate.jitter,
         staleness=int(y.get("staleness", 3)), seed=cfg.train.seed)
 
 
