@@ -11,6 +11,8 @@ Usage::
     sdpipe resume runs/20261129-120000 train.steps=800   # go on from the latest checkpoint
     sdpipe profile cluster.device=cpu             # measure blocks, memory, links -> profile.json
     sdpipe train pipeline.partition=auto profile=runs/20261129-130000/profile.json
+    sdpipe simulate cluster.pipelines=1024 pipeline.stages=1 cluster.compute_ms=10 \
+        'cluster.slowdown=[...]' --compare allreduce,none   # the policy at any scale, no processes
 
 Exit codes: 0 done, 1 a process failed (named on stderr), 2 bad input (one line, nothing
 started), 130 interrupted. rich lives here and only here: workers and the scheduler log plain text.
@@ -52,6 +54,13 @@ numbers. Writes <run>/profile.json (schema: sdpipe_cli/config/measurements.py) f
 `sdpipe train pipeline.partition=auto profile=PATH`."""
 
 
+SIMULATE_HELP = """Simulate a training run's timing without starting any process: the real group
+policy of sync=sdpipe (the scheduler's own classes) driven by modelled workers (compute_ms or the
+profile's block times, slow-downs, stragglers, speed changes, links; the simulate.* costs). Reports
+samples/s against the limit (each pipeline's solo rate, summed) for the config's sync mode and each
+mode in --compare, and writes <run>/simulation.json. See docs/SIMULATOR.md."""
+
+
 RESUME_HELP = """Continue a run from its latest complete checkpoint (or a given one), with the saved
 config, in the same run folder; metrics are appended. Only settings that the saved state does not
 depend on may change (KEY=VALUE)."""
@@ -79,6 +88,14 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         command.add_argument("--cfg", action="store_true", help="print the composed config and exit")
         command.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+    sim = sub.add_parser("simulate", help="simulate a run's timing under sync policies",
+                         description=SIMULATE_HELP,
+                         epilog=f"config groups (group=option):\n{groups}",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--compare", default="allreduce,none", metavar="MODES",
+                     help="comma-separated sync modes to simulate too (default: allreduce,none)")
+    sim.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    sim.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
     resume = sub.add_parser(
         "resume", help="continue a run from a checkpoint", description=RESUME_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return resume(args.path, args.overrides, console=err)
         if args.command == "profile":
             return profile(args.overrides, show_config=args.cfg, console=err)
+        if args.command == "simulate":
+            return simulate(args.overrides, args.compare, show_config=args.cfg, console=err)
     except (ConfigError, DataError, CheckpointError) as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
@@ -191,6 +210,35 @@ def profile(overrides: Sequence[str], show_config: bool = False,
     console.print(f"profile: {doc['_path']}", highlight=False, soft_wrap=True)
     console.print(f"use it: sdpipe train pipeline.partition=auto profile={doc['_path']}",
                   highlight=False, soft_wrap=True)
+    return 0
+
+
+def simulate(overrides: Sequence[str], compare: str, show_config: bool = False,
+             console: Console | None = None) -> int:
+    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.hetero import simulator
+
+    console = console or Console(stderr=True)
+    cfg = _composed(overrides, show_config)
+    if cfg is None:
+        return 0
+    run_cfg = _prepared(cfg, console)
+    modes = [m for m in compare.split(",") if m]
+    doc = simulator.run(run_cfg, modes)  # bad input raises before the run folder exists
+    path = simulator.write(doc, launcher.make_run_dir(run_cfg.run.dir))
+    table = Table(title=f"simulated: P={doc['pipelines']}, S={doc['stages']}, "
+                        f"{run_cfg.train.steps} steps; limit {doc['limit_samples_per_s']:.1f} "
+                        f"samples/s (simulated in {doc['simulated_in_s']:.1f} s)")
+    for name in ("sync", "samples/s", "of limit", "mean group", "wall (s)", "iterations",
+                 "waiting"):
+        table.add_column(name, justify="left" if name == "sync" else "right")
+    for row in [doc, *doc["compare"]]:
+        its, waits = row["iterations"], row["sync_wait_fraction"]
+        table.add_row(row["sync"], f"{row['samples_per_s']:.1f}", f"{row['fraction_of_limit']:.2f}",
+                      f"{row['mean_group_size']:.2f}", f"{row['wall_s']:.1f}",
+                      f"{min(its)}-{max(its)}", f"{100 * sum(waits) / len(waits):.0f}%")
+    Console().print(table)
+    console.print(f"simulation: {path}", highlight=False)
     return 0
 
 

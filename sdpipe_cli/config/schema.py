@@ -169,6 +169,10 @@ class SdpipeSyncConfig(SyncConfig):
     # updates (x P). classic: a round waits for every predicted replica and a due round holds
     # everyone until it connects, one stage at a time; connect_every counts rounds.
     policy: str = "cost_aware"
+    # Most replicas in one round (0: no cap; global syncs always include everyone). A round closes
+    # as soon as this many are ready: it bounds a round's all-reduce (a ring pays 2(n-1)
+    # latencies), the communicators a replica needs and the scheduler's work per event.
+    max_group: int = 0
     # A round also waits for the replicas predicted (from their pace) to be ready within this
     # fraction of the opener's iteration time, so equal replicas meet in full groups. 0: the
     # reference's adaptive window alone.
@@ -276,7 +280,7 @@ class SimulateConfig:
     event_ms: float = 0.2  # the scheduler's handling of one event
     collective_ms: float = 5.0  # fixed cost of one collective call (all-reduce, barrier)
     p2p_ms: float = 1.0  # fixed cost of one message between stages, on top of its link
-    jitter: float = 0.1  # spread of each action's time (sigma of a log-normal factor; 0: none)
+    jitter: float = 0.1  # spread of a worker's iteration time (sigma of a log-normal factor; 0: none)
 
 
 @dataclass
@@ -453,6 +457,8 @@ def validate(cfg: DictConfig) -> None:
         need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
         need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
         need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
+        need(y.max_group == 0 or y.max_group >= 2, "sync.max_group",
+             "must be 0 (no cap) or at least 2")
         need(y.policy in POLICIES, "sync.policy",
              f"is '{y.policy}'; choose one of {', '.join(POLICIES)}")
         need(y.average in AVERAGES, "sync.average",

@@ -37,6 +37,7 @@ sync (which connects everyone when it closes) do not wait for connectivity.
 
 from __future__ import annotations
 
+import heapq
 import random
 import time
 from dataclasses import dataclass, field
@@ -132,6 +133,8 @@ class _StageState:
     round_no: int = 0
     global_pending: bool = False
     connecting: bool = False  # past the window, waiting for the replicas that connect the rest
+    arrivals: list = field(default_factory=list)  # heap of (predicted ready time, pipeline)
+    parked: set = field(default_factory=set)  # waiting at their iteration of the pending global sync
 
 
 class GroupScheduler:
@@ -145,14 +148,18 @@ class GroupScheduler:
                  window_min: float = 0.0005, window_max: float = 0.1, connect_every: int = 8,
                  global_every: int = 0, total_iterations: Optional[int] = None,
                  time_limit: Optional[float] = None, patience: float = 0.0,
-                 policy: str = "classic", clock: Callable[[], float] = time.monotonic):
+                 policy: str = "classic", max_group: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
         if pipelines < 1 or stages < 1 or connect_every < 1 or min_group < 1:
             raise ValueError("pipelines, stages, connect_every and min_group must be >= 1")
         if patience < 0:
             raise ValueError("patience must be >= 0")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        if max_group < 0 or max_group == 1:
+            raise ValueError("max_group must be 0 (no cap) or at least 2")
         self.patience, self.cost_aware = patience, policy == "cost_aware"
+        self.max_group = max_group
         self.arrived: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> last ready time
         self.pace: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> mean interval (s)
         self.P, self.S = pipelines, stages
@@ -192,7 +199,10 @@ class GroupScheduler:
             self._high[pipeline] = iteration
         now = self.clock()
         self._observe(stage, pipeline, now)
-        self.stages[stage].waiting[pipeline] = (iteration, now)
+        st = self.stages[stage]
+        st.waiting[pipeline] = (iteration, now)
+        if st.global_pending and self.global_at.get(pipeline) == iteration:
+            st.parked.add(pipeline)
         return self.tick()
 
     def _observe(self, stage: int, pipeline: int, now: float) -> None:
@@ -203,6 +213,8 @@ class GroupScheduler:
             self.pace[key] = (interval if key not in self.pace else
                               (1 - PACE_WEIGHT) * self.pace[key] + PACE_WEIGHT * interval)
         self.arrived[key] = now
+        if key in self.pace:  # stale entries of the heap are dropped when they surface
+            heapq.heappush(self.stages[stage].arrivals, (now + self.pace[key], pipeline))
 
     def expected(self, stage: int, pipeline: int) -> Optional[float]:
         """When ``pipeline``'s replica of ``stage`` is predicted to be ready next (None: no pace yet)."""
@@ -228,6 +240,7 @@ class GroupScheduler:
         self.global_at.pop(pipeline, None)
         for st in self.stages:
             st.waiting.pop(pipeline, None)
+            st.parked.discard(pipeline)
             st.links = self._without(st.links, pipeline)
         return self.tick()
 
@@ -324,9 +337,7 @@ class GroupScheduler:
 
     def _at_global(self, s: int) -> set[int]:
         st = self.stages[s]
-        if not st.global_pending:
-            return set()
-        return {p for p, (k, _) in st.waiting.items() if self.global_at.get(p) == k}
+        return st.parked if st.global_pending else set()
 
     def _close_global(self, s: int) -> Optional[Decision]:
         st = self.stages[s]
@@ -346,7 +357,8 @@ class GroupScheduler:
     def _close_group(self, s: int) -> Optional[Decision]:
         st = self.stages[s]
         at_global = self._at_global(s)
-        ready = {p: v for p, v in st.waiting.items() if p not in at_global}
+        ready = st.waiting if not at_global else {
+            p: v for p, v in st.waiting.items() if p not in at_global}
         if not ready:
             st.deadline, st.window_end, st.connecting = None, None, False
             if self.token == s:
@@ -357,12 +369,15 @@ class GroupScheduler:
             opener = min(ready, key=lambda p: (ready[p][1], p))
             self._open(s, opener, ready[opener][1], set(ready) | at_global)
         members = set(ready)
+        full = bool(self.max_group) and len(members) >= self.max_group
+        if full:
+            members = self._pick(s, ready)
         # wait for the predicted replicas until they came or the horizon passed
         st.deadline = (st.window_end if st.expect <= members | at_global
                        else max(st.window_end, st.horizon))
-        everyone = members >= self.live - at_global
+        everyone = len(members) == len(self.live) - len(at_global)  # members: live, not at_global
         if not everyone:
-            if now < st.deadline:
+            if now < st.deadline and not full:  # a full round does not wait for more
                 return None
             st.connecting = (self._must_connect(s) and not st.links.connected_with(members)
                              and not (self.cost_aware and self._may_go_on(s, members)))
@@ -394,9 +409,25 @@ class GroupScheduler:
         if self.patience and pace is not None:
             st.horizon = opened + self.patience * pace
             slowest = AWAIT_PACE_RATIO * pace if self.cost_aware else float("inf")
-            st.expect = frozenset(q for q in self.live - present
-                                  if (t := self.expected(s, q)) is not None and t <= st.horizon
-                                  and self.pace[(s, q)] <= slowest)
+            room = self.max_group - len(present) if self.max_group else len(self.live)
+            st.expect = frozenset(self._predicted(s, st.horizon, present, slowest, room))
+
+    def _predicted(self, s: int, horizon: float, present: set[int], slowest: float,
+                   room: int) -> list[int]:
+        """Up to ``room`` replicas of stage ``s``, earliest first, that are not ``present`` and
+        are predicted to be ready by ``horizon``, with a pace of at most ``slowest``. Reads the
+        stage's heap of predictions without a pass over every replica."""
+        heap, found, seen = self.stages[s].arrivals, [], []
+        while heap and heap[0][0] <= horizon and len(found) < room:
+            t, q = heapq.heappop(heap)
+            if q not in self.live or self.expected(s, q) != t:
+                continue  # superseded by a later arrival, or gone: dropped for good
+            seen.append((t, q))
+            if q not in present and self.pace[(s, q)] <= slowest:
+                found.append(q)
+        for entry in seen:
+            heapq.heappush(heap, entry)
+        return found
 
     def _must_connect(self, s: int) -> bool:
         """Whether this round of stage ``s`` is due to connect all replicas (and may wait for it)."""
@@ -413,6 +444,20 @@ class GroupScheduler:
         if self.token is None:
             self.token = s
         return self.token == s
+
+    def _pick(self, s: int, ready: dict[int, tuple[int, float]]) -> set[int]:
+        """A full round's members: the ``max_group`` earliest, but with one replica of another
+        component in place of the last when they are all of one component (so that a round due
+        to connect still merges)."""
+        order = sorted(ready, key=lambda p: (ready[p][1], p))
+        members = order[:self.max_group]
+        links = self.stages[s].links
+        if len(links.roots(members)) == 1:
+            root = links.find(members[0])
+            other = next((p for p in order[self.max_group:] if links.find(p) != root), None)
+            if other is not None:
+                members[-1] = other
+        return set(members)
 
     def fastest(self, s: int) -> int:
         """The live replica of stage ``s`` with the shortest pace (unknown paces last, then by
@@ -442,6 +487,7 @@ class GroupScheduler:
                             kind=kind, stop=stop)
         for p in members:
             del st.waiting[p]
+            st.parked.discard(p)
         st.deadline, st.window_end, st.connecting = None, None, False
         return decision
 
@@ -577,6 +623,6 @@ def make_policy(cfg: Any, clock: Callable[[], float] = time.monotonic) -> GroupS
         cfg.cluster.pipelines, p.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
         connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
-        policy=y.policy,
+        policy=y.policy, max_group=y.max_group,
         total_iterations=cfg.cluster.pipelines * cfg.train.steps,
         time_limit=cfg.train.time_limit, clock=clock)

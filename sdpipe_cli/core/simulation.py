@@ -10,7 +10,8 @@ The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPip
 
 * An action (one micro-batch's forward or backward) takes the stage's modelled time, times the
   pipeline's slow-down and the worker's straggler draw, over its device's speed when the action
-  starts, times a seeded log-normal ``jitter``. This is what modelled emulation makes real workers sleep
+  starts, times a seeded log-normal ``jitter`` drawn per iteration (the spread of iteration
+  times that real runs show). This is what modelled emulation makes real workers sleep
   (:mod:`sdpipe_cli.hetero.emulation`), with the same seeded straggler draws.
 * A forward also waits for the previous stage's forward of the micro-batch, a backward for the
   next stage's backward, each plus the link's transfer of one activation and ``p2p_s``.
@@ -69,7 +70,7 @@ class Workload:
     event_s: float = 0.0001  # the scheduler's handling of one event
     collective_s: float = 0.0003  # fixed cost of one collective call
     p2p_s: float = 0.0  # fixed cost of one message between stages, on top of its link
-    jitter: float = 0.0  # sigma of a log-normal factor on each action's time
+    jitter: float = 0.0  # sigma of a log-normal factor on a worker's iteration
     staleness: int = 4  # ps
     seed: int = 0  # adpsgd's matchings
 
@@ -174,35 +175,43 @@ class _Run:
         self.budget_left = P * work.steps
 
     # -- workers --------------------------------------------------------------------------------
-    def _factor(self, p: int, s: int, t: float, straggle: float) -> float:
-        w = self.w
-        factor = (w.slowdown[p] if w.slowdown else 1.0) * straggle
-        device = self.devices[p][s]
-        speed = w.cluster.speed(device, t) if device.name in self.dynamic else device.speed
-        return factor / speed
-
     def _start_iteration(self, p: int) -> None:
         """All stages of ``p`` are synced: compute its next iteration and post the ready signals."""
         w, S = self.w, self.S
-        free = self.synced[p]
         end = [0.0] * len(self.plan.steps)
-        at = list(free)
+        at = list(self.synced[p])
         draws = w.stragglers[p] if w.stragglers else [None] * S
-        per_iteration = [d.draw() if (d is not None and w.per_iteration) else 1.0 for d in draws]
+        per_action = any(d is not None for d in draws) and not w.per_iteration
+        # per iteration and stage: slow-down x straggler x jitter (x 1/speed unless it changes)
+        scale = []
+        for s in range(S):
+            x = w.slowdown[p] if w.slowdown else 1.0
+            if draws[s] is not None and w.per_iteration:
+                x *= draws[s].draw()
+            if w.jitter:
+                x *= math.exp(self.noise[p][s].gauss(0.0, w.jitter))
+            device = self.devices[p][s]
+            scale.append(x if device.name in self.dynamic else x / device.speed)
         fwd, bwd, links = w.forward_s[p], w.backward_s[p], self.link_in[p]
+        slow = per_action or bool(self.dynamic)
+        busy = 0.0
         for i, (s, backward, dep) in enumerate(self.plan.steps):
             t = at[s]
             if dep >= 0:
-                t = max(t, end[dep] + links[s][1 if backward else 0])
-            straggle = per_iteration[s]
-            if draws[s] is not None and not w.per_iteration:
-                straggle = draws[s].draw()
-            duration = (bwd[s] if backward else fwd[s]) * self._factor(p, s, t, straggle)
-            if w.jitter:
-                duration *= math.exp(self.noise[p][s].gauss(0.0, w.jitter))
+                arrival = end[dep] + links[s][1 if backward else 0]
+                if arrival > t:
+                    t = arrival
+            duration = (bwd[s] if backward else fwd[s]) * scale[s]
+            if slow:
+                if per_action and draws[s] is not None:
+                    duration *= draws[s].draw()
+                device = self.devices[p][s]
+                if device.name in self.dynamic:
+                    duration /= w.cluster.speed(device, t)
             if s == 0:
-                self.busy[p] += duration
+                busy += duration
             end[i] = at[s] = t + duration
+        self.busy[p] += busy
         k = self.iteration[p]
         self.pending[p] = S
         for s in range(S):
