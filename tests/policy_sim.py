@@ -37,6 +37,7 @@ class StageSnap:
     global_pending: bool
     rounds: int
     deadline: Optional[float]
+    fastest: int  # the live replica with the shortest pace (GroupScheduler.fastest)
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,9 @@ class Snap:
 
 def snap(sched: GroupScheduler) -> Snap:
     return Snap(token=sched.token,
-                stages=tuple(StageSnap(st.connecting, st.global_pending, st.rounds, st.deadline)
-                             for st in sched.stages),
+                stages=tuple(StageSnap(st.connecting, st.global_pending, st.rounds, st.deadline,
+                                       sched.fastest(s) if sched.live else -1)
+                             for s, st in enumerate(sched.stages)),
                 live=frozenset(sched.live), global_at=tuple(sorted(sched.global_at.items())),
                 final=sched.final, finished=sched.finished)
 

@@ -293,9 +293,39 @@ class GroupScheduler:
         return (self.total_iterations is not None
                 and self.iterations_done() + iterations >= self.total_iterations)
 
-    def _final_due(self) -> bool:
-        # The end is declared when the live pipelines' next iterations reach the budget exactly.
-        return self._time_is_up() or self._budget_ends_within(len(self.live))
+    def _ahead(self) -> dict[int, int]:
+        """How many more iterations each live pipeline does before the next global sync.
+
+        classic: one each, so a fast pipeline waits for the slowest one's next iteration.
+        cost_aware: as many as each fits (from its pace) before the slowest one's next iteration
+        is predicted to end, so that they all arrive at about the same time and the fast ones
+        train instead of waiting. One each while any pace is unknown.
+        """
+        ahead = {p: 1 for p in self.live}
+        if not self.cost_aware or not ahead:
+            return ahead
+        last, pace = {}, {}
+        for p in self.live:
+            k = self._high[p]
+            seen = [self.arrived[(s, p)] for s in range(self.S)
+                    if self.last_ready[p][s] == k and (s, p) in self.arrived]
+            paces = [self.pace[(s, p)] for s in range(self.S) if (s, p) in self.pace]
+            if not seen or not paces:
+                return ahead
+            last[p], pace[p] = max(seen), max(paces)
+        horizon = max(last[p] + pace[p] for p in self.live)
+        return {p: max(1, int((horizon - last[p]) / pace[p] + 1e-9)) for p in self.live}
+
+    @staticmethod
+    def _trim(ahead: dict[int, int], budget: int) -> dict[int, int]:
+        """``ahead`` cut down (the most first) to sum to ``budget``, keeping one each."""
+        ahead = dict(ahead)
+        while sum(ahead.values()) > budget:
+            p = max(ahead, key=lambda q: (ahead[q], q))
+            if ahead[p] == 1:
+                break
+            ahead[p] -= 1
+        return ahead
 
     def _maybe_declare_global(self) -> None:
         if self.finished:
@@ -306,18 +336,22 @@ class GroupScheduler:
             if not self.global_closed and not self.final and self._time_is_up():
                 self.final = True
             return
-        final = self._final_due()
+        ahead = self._ahead()
+        # the end is declared when the live pipelines' iterations ahead reach the budget
+        final = self._time_is_up() or self._budget_ends_within(sum(ahead.values()))
         done = self.iterations_done()
         periodic = bool(self.global_every) and done >= self.next_global
         while self.global_every and self.next_global <= done:
             self.next_global += self.P * self.global_every
-        if periodic and not final and self._budget_ends_within(2 * len(self.live)):
+        if periodic and not final and self._budget_ends_within(sum(ahead.values()) + len(self.live)):
             periodic = False  # the last global sync comes first; keeps the budget exact
         if not (final or periodic):
             return
+        if final and not self._time_is_up() and self.total_iterations is not None:
+            ahead = self._trim(ahead, self.total_iterations - done)
         self.final = final
         self.global_closed = set()
-        self.global_at = {p: self._high[p] + 1 for p in self.live}
+        self.global_at = {p: self._high[p] + ahead[p] for p in self.live}
         self.global_history.append(dict(self.global_at))
         for st in self.stages:
             st.global_pending = True

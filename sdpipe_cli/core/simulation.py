@@ -92,8 +92,9 @@ class Result:
     finished_at: list[float]  # per pipeline: the end of its last iteration
     busy_s: list[float]  # per pipeline: its first stage's compute time
     wait_s: list[float]  # per pipeline: its first stage's time from ready to synced
-    group_sizes: list[int]  # one entry per sync round (all stages)
+    group_sizes: list[int]  # one entry per group round (all stages)
     batch_size: int
+    global_sizes: list[int] = field(default_factory=list)  # sdpipe's global syncs
 
     @property
     def wall_s(self) -> float:
@@ -109,7 +110,9 @@ class Result:
 
     @property
     def mean_group_size(self) -> float:
-        return sum(self.group_sizes) / len(self.group_sizes) if self.group_sizes else 1.0
+        """Over every round, global syncs included (as the scheduler's summary counts it)."""
+        sizes = self.group_sizes + self.global_sizes
+        return sum(sizes) / len(sizes) if sizes else 1.0
 
 
 class _Plan:
@@ -167,6 +170,7 @@ class _Run:
         self.wait = [0.0] * P
         self.ready_at: dict[tuple[int, int], float] = {}  # (p, s) -> ready time of the current iteration
         self.groups: list[int] = []
+        self.globals: list[int] = []
         self.barriers: dict[tuple[int, int], dict[int, float]] = {}
         self.sched_free = 0.0
         self.server_free = [0.0] * S
@@ -304,7 +308,7 @@ class _Run:
     def _decided(self, decisions) -> None:
         w = self.w
         for d in decisions:
-            self.groups.append(len(d.members))
+            (self.globals if d.kind == "global" else self.groups).append(len(d.members))
             nbytes = w.stage_bytes[d.stage] * (2 if w.average == "weights_grads" else 1)
             if d.kind == "global" and w.average == "weights_grads":
                 nbytes *= 2  # the optimizer's two moments too
@@ -331,7 +335,7 @@ class _Run:
             _, _, kind, args = heapq.heappop(self.heap)
             handlers[kind](t, *args)
         return Result(self.sync, list(self.done), list(self.finished_at), list(self.busy),
-                      list(self.wait), list(self.groups), self.w.batch_size)
+                      list(self.wait), list(self.groups), self.w.batch_size, list(self.globals))
 
 
 def simulate(work: Workload, sync: str,
