@@ -10,9 +10,20 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   everyone ready at that moment. A replica's window doubles (up to ``window_max``) when its group
   had fewer than ``min_group`` members and shrinks by 0.9 (down to ``window_min``) otherwise, so
   fast replicas learn to wait a little for each other while stragglers never hold them up.
-* **Connectivity bound.** A disjoint set per stage accumulates the groups since the stage's
-  replicas were last all connected. When the next round would be the ``connect_every``-th, the
-  group does not close at the window's end but waits until it merges every component that is left.
+* **Who waits for whom** (``policy``). The scheduler sees every replica's pace, so it can choose
+  who waits. ``cost_aware``: a round waits for a predicted replica only if it is at most
+  :data:`AWAIT_PACE_RATIO` x slower than the opener, so a straggler waits for fast replicas (a
+  little of a small share of the throughput) and never the reverse (a lot of a large share); a
+  stage due to connect (``connect_every`` x live updates since it was last connected, as the
+  reference counts) holds a round only if it would merge nothing and its members are outside the
+  component of the stage's fastest replica, until a replica of another component arrives. The
+  fastest replica is never held, so every held round closes within one of its iterations: no
+  token, no stage waiting on another, and a due stage connects within one round of each of its
+  replicas. Global syncs give each pipeline as many iterations as fit before the slowest one's
+  next, so that they arrive together. ``classic`` is the rule below, kept for comparison.
+* **Connectivity bound** (``classic``). A disjoint set per stage accumulates the groups since the
+  stage's replicas were last all connected. When the next round would be the ``connect_every``-th,
+  the group does not close at the window's end but waits until it merges every component that is left.
   So within every ``connect_every`` rounds information from each replica reaches every other,
   which bounds how far replicas drift apart. With ``connect_every = 1`` every round waits for all
   replicas: plain all-reduce. For ``connect_every > 1`` only one stage at a time may wait for
@@ -30,6 +41,11 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   replicas at the same pace (a homogeneous cluster) meet in full groups, as all-reduce would,
   while a replica predicted far later (a straggler) is not waited for. The adaptive window still
   applies (the round waits at least that long); ``patience = 0`` is the reference's rule alone.
+
+* **Group cap** (``max_group > 0``). A round closes as soon as that many are ready (a due round
+  swaps in a replica of another component, and merging two components is then enough: with
+  fewer than P members no round connects everyone, so ``connect_every = 1`` is all-reduce only
+  without a cap); global syncs always include everyone.
 
 Connectivity is measured among the live replicas; rounds of replicas catching up to a pending global
 sync (which connects everyone when it closes) do not wait for connectivity.
@@ -117,6 +133,9 @@ PACE_WEIGHT = 0.3  # weight of the newest interval in a replica's moving-average
 # cost_aware: a round waits for a predicted replica only if its pace is at most this many times the
 # opener's (pace noise on a homogeneous cluster stays well within it; a 2x straggler does not)
 AWAIT_PACE_RATIO = 1.5
+# cost_aware: a predicted replica later than its prediction by more than this x the opener's pace
+# is straggling this time (a random slow-down) and is not waited for up to the whole horizon
+LATE_SLACK = 0.1
 POLICIES = ("cost_aware", "classic")
 
 
@@ -413,8 +432,10 @@ class GroupScheduler:
         if not everyone:
             if now < st.deadline and not full:  # a full round does not wait for more
                 return None
+            # a full round cannot hold everyone: merging two components is progress enough
             st.connecting = (self._must_connect(s) and not st.links.connected_with(members)
-                             and not (self.cost_aware and self._may_go_on(s, members)))
+                             and not (self.cost_aware and self._may_go_on(s, members))
+                             and not (full and len(st.links.roots(members)) > 1))
             if st.connecting:
                 return None  # wait for the components that are left
         decision = self._emit(s, sorted(members), kind="group", stop=False)
@@ -445,6 +466,10 @@ class GroupScheduler:
             slowest = AWAIT_PACE_RATIO * pace if self.cost_aware else float("inf")
             room = self.max_group - len(present) if self.max_group else len(self.live)
             st.expect = frozenset(self._predicted(s, st.horizon, present, slowest, room))
+            if self.cost_aware and st.expect:
+                # a replica later than predicted by more than this is straggling this time
+                latest = max(self.expected(s, q) for q in st.expect)
+                st.horizon = min(st.horizon, latest + LATE_SLACK * pace)
 
     def _predicted(self, s: int, horizon: float, present: set[int], slowest: float,
                    room: int) -> list[int]:

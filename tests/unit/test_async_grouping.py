@@ -46,9 +46,10 @@ class Pipe:
     drains: list = field(default_factory=list)  # iterations at which the pipeline drained
 
 
-class AsyncSim:
+class AsyncSim:  # noqa: D101
     def __init__(self, P, S, m, ticks, **policy):
         self.P, self.S, self.m = P, S, m
+        self.args = (P, S, m, ticks, policy)
         self.now = 0.0
         self.policy = AsyncGroupScheduler(P, S, rounds_per_iteration=m, clock=lambda: self.now,
                                           **policy)
@@ -161,13 +162,15 @@ class AsyncSim:
 
 
 @st.composite
-def sims(draw, time_limit=False):
+def sims(draw, time_limit=False, policy=st.just("classic")):
     P, S, m = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
     ticks = [draw(st.sampled_from([0.001, 0.002, 0.003, 0.006])) for _ in range(P)]
     kwargs = dict(min_group=2, window=draw(st.sampled_from([0.0005, 0.002, 0.01])),
                   window_min=0.0001, window_max=0.02, connect_every=draw(st.integers(1, 6)),
                   global_every=draw(st.sampled_from([0, 1, 2, 5])),
-                  total_iterations=None if time_limit else P * draw(st.integers(1, 8)))
+                  total_iterations=None if time_limit else P * draw(st.integers(1, 8)),
+                  policy=draw(policy), patience=draw(st.sampled_from([0.0, 0.5])),
+                  max_group=draw(st.sampled_from([0, 2])))
     if time_limit:
         kwargs["time_limit"] = draw(st.sampled_from([0.0, 0.01, 0.05]))
     return AsyncSim(P, S, m, ticks, **kwargs)
@@ -196,7 +199,7 @@ def check(sim: AsyncSim) -> None:
 
 
 @SETTINGS
-@given(sims())
+@given(sims(policy=st.sampled_from(["classic", "cost_aware"])))
 def test_async_policy_random_runs(sim):
     sim.run()
     check(sim)
@@ -205,7 +208,7 @@ def test_async_policy_random_runs(sim):
 
 
 @SETTINGS
-@given(sims(time_limit=True))
+@given(sims(time_limit=True, policy=st.sampled_from(["classic", "cost_aware"])))
 def test_async_policy_time_limit_ends_on_a_drained_global(sim):
     sim.run()
     check(sim)
@@ -219,6 +222,7 @@ def test_async_policy_connect_every_one_is_allreduce(sim):
     pipeline make more updates than another before a global sync, so unlike the flushed policy
     the members of a later round need not be at the same update."""
     sim.policy.connect_every = 1
+    sim.policy.max_group = 0  # with a cap below P no round holds everyone
     sim.run()
     check(sim)
     for d in sim.decisions:
