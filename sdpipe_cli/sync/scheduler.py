@@ -177,7 +177,7 @@ class Scheduler:
                 "kind": "group", "time": round(time.time() - self.t0, 4), "stage": d.stage,
                 "round": d.round, "group": d.kind, "members": list(d.members),
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
-                "max_wait_s": round(max(d.waited), 6)})
+                "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]})
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _checkpoint_at(self, d: Decision) -> Optional[int]:
