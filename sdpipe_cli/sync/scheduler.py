@@ -69,8 +69,13 @@ class Ticker(threading.Thread):
 
     def wake_at(self, deadline: Optional[float]) -> None:
         with self.cond:
+            # Only a sooner deadline needs the thread now: a later one (or none) is seen when it
+            # wakes for the one it sleeps towards, and it goes back to sleep without a tick. Waking
+            # it on every event costs a context switch per event under load.
+            sooner = deadline is not None and (self.deadline is None or deadline < self.deadline)
             self.deadline = deadline
-            self.cond.notify()
+            if sooner:
+                self.cond.notify()
 
     def stop(self) -> None:
         with self.cond:
