@@ -172,10 +172,13 @@ class Scheduler:
         done = self.policy.iterations_done() if decisions else None
         for d in decisions:
             ckpt = self._checkpoint_at(d) if d.kind == "global" else None
-            for p, k in zip(d.members, d.iterations):
-                store.set_json(self.events, store.decision_key(d.stage, p, k), {
-                    "members": list(d.members), "round": d.round, "kind": d.kind, "stop": d.stop,
-                    "checkpoint": ckpt, "done": done})
+            # every member gets the same record, in one message: a set per member is a send and a
+            # wake-up of the store each, which the last member of a large group waits behind
+            value = json.dumps({"members": list(d.members), "round": d.round, "kind": d.kind,
+                                "stop": d.stop, "checkpoint": ckpt, "done": done})
+            keys = [store.decision_key(d.stage, p, k) for p, k in zip(d.members, d.iterations)]
+            self.events.multi_set(keys, [value] * len(keys))
+            for p in d.members:
                 self.rounds[d.stage][p] += 1
             self.group_sizes.append(len(d.members))
             self.metrics.write({
