@@ -160,7 +160,8 @@ class Scheduler:
                     and self.events.check([store.STOP_REQUESTED]):
                 log.info("stop requested: ending the run at the next global sync")
                 self._publish(self.policy.request_stop())
-            self._publish(self.policy.tick())
+            if kind not in ("ready", "begin"):  # those two ran the policy's tick already
+                self._publish(self.policy.tick())
         self._check_health()
         # a worker's start is published at once: the launcher treats a Ctrl-C before every
         # worker started as an interrupted start-up, after that as a graceful stop
