@@ -162,7 +162,8 @@ class Scheduler:
                 self._publish(self.policy.request_stop())
             if kind not in ("ready", "begin"):  # those two ran the policy's tick already
                 self._publish(self.policy.tick())
-        self._check_health()
+        if kind == "tick":  # silence and start-up are measured in time: one look per tick will do
+            self._check_health()
         # a worker's start is published at once: the launcher treats a Ctrl-C before every
         # worker started as an interrupted start-up, after that as a graceful stop
         if kind == "start" or self.clock() - self.published > PUBLISH_S:
