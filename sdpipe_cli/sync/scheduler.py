@@ -160,7 +160,12 @@ class Scheduler:
                     and self.events.check([store.STOP_REQUESTED]):
                 log.info("stop requested: ending the run at the next global sync")
                 self._publish(self.policy.request_stop())
-            if kind not in ("ready", "begin"):  # those two ran the policy's tick already
+            # ready and begin ran the policy's tick already. After other events a tick can only
+            # close a round whose deadline passed (the ticker's tick for it may be queued behind
+            # them); otherwise it is a pass over every replica that changes nothing.
+            due = self.policy.next_deadline()
+            if kind == "tick" or (kind not in ("ready", "begin")
+                                  and due is not None and due <= self.clock()):
                 self._publish(self.policy.tick())
         if kind == "tick":  # silence and start-up are measured in time: one look per tick will do
             self._check_health()
