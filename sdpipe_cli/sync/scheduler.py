@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
@@ -249,6 +250,15 @@ class Scheduler:
         return summary
 
 
+def next_event(events) -> bytes:
+    """The next queued event. A blocking pop is two round trips to the store (wait, then pop);
+    while events are queued (a backlog, when it matters) one non-blocking pop is enough."""
+    try:
+        return events.queue_pop(store.EVENTS, block=False)
+    except dist.QueueEmptyError:
+        return events.queue_pop(store.EVENTS)
+
+
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
           resume: Optional[Path] = None) -> Scheduler:
     """Run until every worker reported done."""
@@ -257,7 +267,7 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
     ticker.start()
     try:
         while not scheduler.tracker.all_done():
-            event = json.loads(events.queue_pop(store.EVENTS))
+            event = json.loads(next_event(events))
             scheduler.handle(event)
             if scheduler.policy is not None:
                 ticker.wake_at(scheduler.policy.next_deadline())
