@@ -25,7 +25,8 @@ minus the time the policy held the round open for that member (``waits`` in the 
 ``group`` line): queueing behind other events, handling, publishing, store round trips. p50, p99,
 max over all rounds. Events/s the scheduler handled (ready, step, done). Its CPU (user + sys, psutil)
 per second and per decision, and the time its threads were runnable but waiting for a core
-(``queued``, from schedstat: on a shared machine, CPU starvation); the replica processes' CPU.
+(``queued``, from schedstat: on a shared machine, CPU starvation); the replica processes' CPU; the
+machine's 1-minute load average when the clock started.
 ``--profile`` runs the scheduler under cProfile (``queue_pop`` includes idle waiting).
 """
 
@@ -58,7 +59,7 @@ SLOW, JITTER = 3.0, 0.1  # the last pipeline's slowdown; relative jitter of each
 GO = "bench/go"  # set once the scheduler has seen every replica start
 COLUMNS = ("P x S", "events/s", "decisions", "mean group", "p50 ms", "p99 ms", "max ms",
            "sched CPU s/s", "sched CPU ms/decision", "sched queued s/s", "replicas CPU s/s",
-           "wall s")
+           "wall s", "load")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -230,6 +231,7 @@ def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:
                     queued_s(sched.pid))
 
         first = last = sample()
+        load = os.getloadavg()[0]  # the machine's, shared with whatever else runs on it
         events.set(GO, "1")
         # the scheduler writes summary.json right after its loop: the sample before is the end
         while not (run_dir / "summary.json").exists():
@@ -268,7 +270,7 @@ def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:
             "scheduler_cpu_ms_per_decision": cpu / len(groups) * 1e3,
             "scheduler_queued_per_s": queued / wall,
             "replicas_cpu_per_s": sum(r["cpu_s"] for r in replicas) / wall, "wall_s": wall,
-            "run_dir": str(run_dir)}
+            "load_avg_1m": load, "run_dir": str(run_dir)}
 
 
 def pct(ascending: list[float], q: float) -> float:
@@ -283,7 +285,7 @@ def cells(r: dict[str, Any]) -> list[str]:
             f"{r['mean_group']:.2f}", f"{lat['p50']:.2f}", f"{lat['p99']:.2f}", f"{lat['max']:.2f}",
             f"{r['scheduler_cpu_per_s']:.2f}", f"{r['scheduler_cpu_ms_per_decision']:.2f}",
             f"{r['scheduler_queued_per_s']:.2f}", f"{r['replicas_cpu_per_s']:.2f}",
-            f"{r['wall_s']:.1f}"]
+            f"{r['wall_s']:.1f}", f"{r['load_avg_1m']:.1f}"]
 
 
 def goal_line(results: list[dict[str, Any]]) -> str:
