@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
@@ -53,8 +54,13 @@ class Ticker(threading.Thread):
 
     def wake_at(self, deadline: Optional[float]) -> None:
         with self.cond:
+            # Only a sooner deadline needs the thread now: a later one (or none) is seen when it
+            # wakes for the one it sleeps towards, and it goes back to sleep without a tick. Waking
+            # it on every event costs a context switch per event under load.
+            sooner = deadline is not None and (self.deadline is None or deadline < self.deadline)
             self.deadline = deadline
-            self.cond.notify()
+            if sooner:
+                self.cond.notify()
 
     def stop(self) -> None:
         with self.cond:
@@ -139,8 +145,15 @@ class Scheduler:
                     and self.events.check([store.STOP_REQUESTED]):
                 log.info("stop requested: ending the run at the next global sync")
                 self._publish(self.policy.request_stop())
-            self._publish(self.policy.tick())
-        self._check_health()
+            # ready and begin ran the policy's tick already. After other events a tick can only
+            # close a round whose deadline passed (the ticker's tick for it may be queued behind
+            # them); otherwise it is a pass over every replica that changes nothing.
+            due = self.policy.next_deadline()
+            if kind == "tick" or (kind not in ("ready", "begin")
+                                  and due is not None and due <= self.clock()):
+                self._publish(self.policy.tick())
+        if kind == "tick":  # silence and start-up are measured in time: one look per tick will do
+            self._check_health()
         # a worker's start is published at once: the launcher treats a Ctrl-C before every
         # worker started as an interrupted start-up, after that as a graceful stop
         if kind == "start" or self.clock() - self.published > PUBLISH_S:
@@ -151,17 +164,20 @@ class Scheduler:
         done = self.policy.iterations_done() if decisions else None
         for d in decisions:
             ckpt = self._checkpoint_at(d) if d.kind == "global" else None
-            for p, k in zip(d.members, d.iterations):
-                store.set_json(self.events, store.decision_key(d.stage, p, k), {
-                    "members": list(d.members), "round": d.round, "kind": d.kind, "stop": d.stop,
-                    "checkpoint": ckpt, "done": done})
+            # every member gets the same record, in one message: a set per member is a send and a
+            # wake-up of the store each, which the last member of a large group waits behind
+            value = json.dumps({"members": list(d.members), "round": d.round, "kind": d.kind,
+                                "stop": d.stop, "checkpoint": ckpt, "done": done})
+            keys = [store.decision_key(d.stage, p, k) for p, k in zip(d.members, d.iterations)]
+            self.events.multi_set(keys, [value] * len(keys))
+            for p in d.members:
                 self.rounds[d.stage][p] += 1
             self.group_sizes.append(len(d.members))
             self.metrics.write({
                 "kind": "group", "time": round(time.time() - self.t0, 4), "stage": d.stage,
                 "round": d.round, "group": d.kind, "members": list(d.members),
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
-                "max_wait_s": round(max(d.waited), 6)})
+                "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]})
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _checkpoint_at(self, d: Decision) -> Optional[int]:
@@ -218,6 +234,15 @@ class Scheduler:
         return summary
 
 
+def next_event(events) -> bytes:
+    """The next queued event. A blocking pop is two round trips to the store (wait, then pop);
+    while events are queued (a backlog, when it matters) one non-blocking pop is enough."""
+    try:
+        return events.queue_pop(store.EVENTS, block=False)
+    except dist.QueueEmptyError:
+        return events.queue_pop(store.EVENTS)
+
+
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
           resume: Optional[Path] = None) -> Scheduler:
     """Run until every worker reported done."""
@@ -226,7 +251,7 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
     ticker.start()
     try:
         while not scheduler.tracker.all_done():
-            event = json.loads(events.queue_pop(store.EVENTS))
+            event = json.loads(next_event(events))
             scheduler.handle(event)
             if scheduler.policy is not None:
                 ticker.wake_at(scheduler.policy.next_deadline())

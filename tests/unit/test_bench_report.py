@@ -26,7 +26,7 @@ def test_write_markdown_stamps_the_table(tmp_path):
     assert blank == "" and table == ["| a |", "|---|", "| 1 |"]
 
 
-@pytest.mark.parametrize("name", ["bench_async", "bench_convergence", "bench_hetero"])
+@pytest.mark.parametrize("name", ["bench_async", "bench_convergence", "bench_hetero", "bench_scheduler"])
 def test_markdown_takes_a_path(name):
     args = importlib.import_module(name).parse_args(["--markdown", "out/table.md"])
     assert args.markdown == Path("out/table.md")

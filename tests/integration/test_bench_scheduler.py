@@ -1,0 +1,62 @@
+"""scripts/bench_scheduler.py end to end at a tiny size: the real scheduler process and simulated
+replicas, the JSON and Markdown results, and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+
+from tests.helpers import REPO, finish
+
+MARK = "SDPIPE_BENCH_SCHEDULER_TEST"  # in the environment of every process the script starts
+
+
+def marked(value: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARK) == value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_tiny_run_reports_latency_and_cpu(tmp_path):
+    results, table = tmp_path / "results.json", tmp_path / "table.md"
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/bench_scheduler.py", "--pipelines", "4", "--stages", "2",
+         "--steps", "4", "--compute-ms", "10", "--processes", "1", "--timeout", "40",
+         "--out", str(tmp_path / "out"), "--json", str(results), "--markdown", str(table)],
+        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", MARK: str(tmp_path)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        rc, err, _ = finish(proc, timeout=60)  # kills the script's session on a hang
+    finally:
+        left = marked(str(tmp_path))
+        for p in left:
+            p.kill()
+    assert rc == 0, err
+    assert not left, f"processes left behind: {[p.pid for p in left]}"
+
+    [r] = json.loads(results.read_text())
+    assert (r["pipelines"], r["stages"]) == (4, 2)
+    assert r["decisions"] > 0 and r["rounds"] >= 4 * 2 and r["events_per_s"] > 0
+    assert 1 <= r["mean_group"] <= 4
+    lat = r["latency_ms"]
+    assert 0 <= lat["min"] <= lat["p50"] <= lat["p99"] <= lat["max"] < 40_000
+    assert r["wall_s"] > 0
+    assert 0 <= r["scheduler_cpu_per_s"] <= os.cpu_count()
+    assert r["scheduler_cpu_ms_per_decision"] >= 0 and r["scheduler_queued_per_s"] >= 0
+    assert r["replicas_cpu_per_s"] >= 0
+
+    lines = table.read_text().splitlines()
+    assert lines[0].startswith("measured ") and "scripts/bench_scheduler.py" in lines[0]
+    [header] = [line for line in lines if line.startswith("| P x S |")]
+    assert all(f"| {c} |" in header for c in ("p50 ms", "p99 ms", "max ms", "sched CPU s/s",
+                                              "sched CPU ms/decision", "decisions", "mean group"))
+    assert len([line for line in lines if line.startswith("| 4 x 2 |")]) == 1
