@@ -16,7 +16,7 @@ Workers report what only they know (the loss lives on the last stage of each pip
   ``step``, ``time``, ``pipeline``, ``stage``, ``group_size``, ``round``, ``group_kind``,
   ``wait_s`` (ready signal to decision) and ``comm_s`` (the group all-reduce);
 - ``group``: one per scheduler decision: ``stage``, ``round``, ``members``, ``iterations``,
-  ``size``, ``group`` (group or global), ``stop``, ``max_wait_s``;
+  ``size``, ``group`` (group or global), ``stop``, ``max_wait_s``, ``waits`` (each member's);
 - ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``,
   ``device`` (where it was placed), ``actions``, ``straggled``, ``slowdown_overruns`` (actions whose
   real compute overran the modelled time) and ``peak_memory_mb``.
