@@ -136,6 +136,8 @@ AWAIT_PACE_RATIO = 1.5
 # cost_aware: a predicted replica later than its prediction by more than this x the opener's pace
 # is straggling this time (a random slow-down) and is not waited for up to the whole horizon
 LATE_SLACK = 0.1
+# cost_aware: replicas predicted within this x the opener's pace arrive "with" it (jitter)
+JITTER_BAND = 0.25
 POLICIES = ("cost_aware", "classic")
 
 
@@ -456,20 +458,37 @@ class GroupScheduler:
     def _open(self, s: int, opener: int, opened: float, present: set[int]) -> None:
         """A round of stage ``s`` opens: it may close without everyone after the opener's window,
         once the replicas predicted (with ``patience``) to be ready within patience x the
-        opener's pace are there, or at that horizon if one of them is late."""
+        opener's pace are there, or at that horizon if one of them is late.
+
+        cost_aware waits less, and only where waiting is cheap: for replicas about as fast as the
+        opener (:data:`AWAIT_PACE_RATIO`), each only until :data:`LATE_SLACK` x pace after its
+        predicted time (later, it is straggling this time). Replicas predicted within
+        :data:`JITTER_BAND` x pace are the round's core; it waits for the later ones only if the
+        core is a minority of the live replicas and does not hold the fastest one: a lone
+        replica half an iteration out of phase waits for the others and is in phase from then
+        on, where the majority waiting for it would keep the phases apart (both sides waiting
+        for each other shift together).
+        """
         st = self.stages[s]
         st.window_end = opened + self.window[(s, opener)]
         st.horizon, st.expect = st.window_end, frozenset()
         pace = self.pace.get((s, opener))
-        if self.patience and pace is not None:
-            st.horizon = opened + self.patience * pace
-            slowest = AWAIT_PACE_RATIO * pace if self.cost_aware else float("inf")
+        if not self.patience or pace is None:
+            return
+        st.horizon = opened + self.patience * pace
+        if not self.cost_aware:
             room = self.max_group - len(present) if self.max_group else len(self.live)
-            st.expect = frozenset(self._predicted(s, st.horizon, present, slowest, room))
-            if self.cost_aware and st.expect:
-                # a replica later than predicted by more than this is straggling this time
-                latest = max(self.expected(s, q) for q in st.expect)
-                st.horizon = min(st.horizon, latest + LATE_SLACK * pace)
+            st.expect = frozenset(self._predicted(s, st.horizon, present, float("inf"), room))
+            return
+        room = self.max_group - len(present) if self.max_group else len(self.live)
+        awaited = self._predicted(s, st.horizon, present, AWAIT_PACE_RATIO * pace, room)
+        core = present | {q for q in awaited if self.expected(s, q) <= opened + JITTER_BAND * pace}
+        if self.fastest(s) in core or 2 * len(core) > len(self.live):
+            awaited = [q for q in awaited if q in core]
+        st.expect = frozenset(awaited)
+        if awaited:
+            latest = max(self.expected(s, q) for q in awaited)
+            st.horizon = min(st.horizon, latest + LATE_SLACK * pace)
 
     def _predicted(self, s: int, horizon: float, present: set[int], slowest: float,
                    room: int) -> list[int]:
