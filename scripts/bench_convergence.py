@@ -15,6 +15,7 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
 - ``allreduce``: gradient all-reduce every iteration (the reference);
 - ``sdpipe``: the default group sync (``sync.average=weights_grads``);
 - ``sdpipe-weights``: the paper's rule, weights averaged after the local step;
+- ``sdpipe-classic``: the group policy before who-waits-for-whom (``sync.policy=classic``);
 - ``adpsgd``, ``ps``, ``none``: gossip, parameter server, no sync;
 - ``sdpipe-before``: with ``--before DIR``, ``sync=sdpipe`` run from another checkout (the code
   before a change), for the throughput comparison.
@@ -67,6 +68,7 @@ VARIANTS = {
     "allreduce": ["sync=allreduce"],
     "sdpipe": ["sync=sdpipe"],
     "sdpipe-weights": ["sync=sdpipe", "sync.average=weights"],
+    "sdpipe-classic": ["sync=sdpipe", "sync.policy=classic"],
     "adpsgd": ["sync=adpsgd"],
     "ps": ["sync=ps"],
     "none": ["sync=none"],

@@ -135,7 +135,7 @@ PACE_WEIGHT = 0.3  # weight of the newest interval in a replica's moving-average
 AWAIT_PACE_RATIO = 1.5
 # cost_aware: a predicted replica later than its prediction by more than this x the opener's pace
 # is straggling this time (a random slow-down) and is not waited for up to the whole horizon
-LATE_SLACK = 0.1
+LATE_SLACK = 0.2
 # cost_aware: replicas predicted within this x the opener's pace arrive "with" it (jitter)
 JITTER_BAND = 0.25
 POLICIES = ("cost_aware", "classic")
@@ -464,7 +464,7 @@ class GroupScheduler:
         opener (:data:`AWAIT_PACE_RATIO`), each only until :data:`LATE_SLACK` x pace after its
         predicted time (later, it is straggling this time). Replicas predicted within
         :data:`JITTER_BAND` x pace are the round's core; it waits for the later ones only if the
-        core is a minority of the live replicas and does not hold the fastest one: a lone
+        core is a minority of the live replicas (or exactly half, without the fastest one): a lone
         replica half an iteration out of phase waits for the others and is in phase from then
         on, where the majority waiting for it would keep the phases apart (both sides waiting
         for each other shift together).
@@ -483,7 +483,8 @@ class GroupScheduler:
         room = self.max_group - len(present) if self.max_group else len(self.live)
         awaited = self._predicted(s, st.horizon, present, AWAIT_PACE_RATIO * pace, room)
         core = present | {q for q in awaited if self.expected(s, q) <= opened + JITTER_BAND * pace}
-        if self.fastest(s) in core or 2 * len(core) > len(self.live):
+        half = 2 * len(core) - len(self.live)  # > 0: a majority; 0: exactly half
+        if half > 0 or (half == 0 and self.fastest(s) in core):
             awaited = [q for q in awaited if q in core]
         st.expect = frozenset(awaited)
         if awaited:
