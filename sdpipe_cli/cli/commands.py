@@ -166,6 +166,12 @@ def _prepared(cfg, console: Console):
     return run_cfg
 
 
+def _run_config(overrides: Sequence[str], show_config: bool, console: Console):
+    """The prepared run config of a command's overrides, or None once ``--cfg`` printed it."""
+    cfg = _composed(overrides, show_config)
+    return None if cfg is None else _prepared(cfg, console)
+
+
 def resume(path: str, overrides: Sequence[str], console: Console) -> int:
     from sdpipe_cli.model import checkpoint
     from sdpipe_cli.cli import launcher
@@ -189,10 +195,9 @@ def profile(overrides: Sequence[str], show_config: bool = False,
     from sdpipe_cli.config import measurements as document
 
     console = console or Console(stderr=True)
-    cfg = _composed(overrides, show_config)
-    if cfg is None:
+    run_cfg = _run_config(overrides, show_config, console)
+    if run_cfg is None:
         return 0
-    run_cfg = _prepared(cfg, console)
     phases = _Phases(console)
     result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE)
     _run_folder(console, result)
@@ -219,10 +224,9 @@ def simulate(overrides: Sequence[str], compare: str, show_config: bool = False,
     from sdpipe_cli.hetero import simulator
 
     console = console or Console(stderr=True)
-    cfg = _composed(overrides, show_config)
-    if cfg is None:
+    run_cfg = _run_config(overrides, show_config, console)
+    if run_cfg is None:
         return 0
-    run_cfg = _prepared(cfg, console)
     modes = [m for m in compare.split(",") if m]
     doc = simulator.run(run_cfg, modes)  # bad input raises before the run folder exists
     path = simulator.write(doc, launcher.make_run_dir(run_cfg.run.dir))
