@@ -136,6 +136,8 @@ AWAIT_PACE_RATIO = 1.5
 # cost_aware: a predicted replica later than its prediction by more than this x the opener's pace
 # is straggling this time (a random slow-down) and is not waited for up to the whole horizon
 LATE_SLACK = 0.2
+# cost_aware: most iterations a pipeline is given before a global sync (a faster one waits)
+MAX_AHEAD = 8
 # cost_aware: replicas predicted within this x the opener's pace arrive "with" it (jitter)
 JITTER_BAND = 0.25
 POLICIES = ("cost_aware", "classic")
@@ -193,6 +195,8 @@ class GroupScheduler:
         self.last_ready = {p: [-1] * stages for p in range(pipelines)}
         self._high = {p: -1 for p in range(pipelines)}  # max(last_ready[p]), kept as events come
         self._done = 0  # sum of _high[p] + 1: iterations_done() without a pass over pipelines
+        self._latest: dict[int, float] = {}  # pipeline -> last ready time at its _high iteration
+        self._ahead_sum = pipelines * MAX_AHEAD  # the last sum of _ahead()
         self.stages = [_StageState(DisjointSet(self.live)) for _ in range(stages)]
         self.global_at: dict[int, int] = {}  # pipeline -> iteration of the pending global sync
         self.final = False  # the pending global sync ends the run
@@ -215,10 +219,12 @@ class GroupScheduler:
             raise ValueError(f"stage {stage} of pipeline {pipeline}: ready for iteration "
                              f"{iteration}, expected {expected}")
         self.last_ready[pipeline][stage] = iteration
+        now = self.clock()
         if iteration > self._high[pipeline]:
             self._done += iteration - self._high[pipeline]
             self._high[pipeline] = iteration
-        now = self.clock()
+        if iteration == self._high[pipeline]:
+            self._latest[pipeline] = now  # when the pipeline last reached its newest iteration
         self._observe(stage, pipeline, now)
         st = self.stages[stage]
         st.waiting[pipeline] = (iteration, now)
@@ -325,17 +331,14 @@ class GroupScheduler:
         ahead = {p: 1 for p in self.live}
         if not self.cost_aware or not ahead:
             return ahead
-        last, pace = {}, {}
-        for p in self.live:
-            k = self._high[p]
-            seen = [self.arrived[(s, p)] for s in range(self.S)
-                    if self.last_ready[p][s] == k and (s, p) in self.arrived]
-            paces = [self.pace[(s, p)] for s in range(self.S) if (s, p) in self.pace]
-            if not seen or not paces:
-                return ahead
-            last[p], pace[p] = max(seen), max(paces)
+        try:  # a pipeline's pace: its first stage's (its stages keep one pace over time)
+            last = {p: self._latest[p] for p in self.live}
+            pace = {p: self.pace[(0, p)] for p in self.live}
+        except KeyError:
+            return ahead
         horizon = max(last[p] + pace[p] for p in self.live)
-        return {p: max(1, int((horizon - last[p]) / pace[p] + 1e-9)) for p in self.live}
+        return {p: min(MAX_AHEAD, max(1, int((horizon - last[p]) / pace[p] + 1e-9)))
+                for p in self.live}
 
     @staticmethod
     def _trim(ahead: dict[int, int], budget: int) -> dict[int, int]:
@@ -357,11 +360,19 @@ class GroupScheduler:
             if not self.global_closed and not self.final and self._time_is_up():
                 self.final = True
             return
-        ahead = self._ahead()
-        # the end is declared when the live pipelines' iterations ahead reach the budget
-        final = self._time_is_up() or self._budget_ends_within(sum(ahead.values()))
         done = self.iterations_done()
         periodic = bool(self.global_every) and done >= self.next_global
+        if not (periodic or self._time_is_up()
+                or self._budget_ends_within(min(MAX_AHEAD * len(self.live),
+                                                self._ahead_sum + len(self.live)))):
+            # nothing due: spares _ahead()'s pass over the pipelines on every event (the last
+            # sum stands in until the budget comes within it and one more iteration each, so the
+            # end is never declared with fewer iterations left than live pipelines)
+            return
+        ahead = self._ahead()
+        self._ahead_sum = sum(ahead.values())
+        # the end is declared when the live pipelines' iterations ahead reach the budget
+        final = self._time_is_up() or self._budget_ends_within(sum(ahead.values()))
         while self.global_every and self.next_global <= done:
             self.next_global += self.P * self.global_every
         if periodic and not final and self._budget_ends_within(sum(ahead.values()) + len(self.live)):
