@@ -171,8 +171,9 @@ class SdpipeSyncConfig(SyncConfig):
     policy: str = "cost_aware"
     # Most replicas in one round (0: no cap; global syncs always include everyone). A round closes
     # as soon as this many are ready: it bounds a round's all-reduce (a ring pays 2(n-1)
-    # latencies), the communicators a replica needs and the scheduler's work per event.
-    max_group: int = 0
+    # latencies), the communicators a replica needs, the scheduler's work per event and the wait
+    # for the last of many (docs/SIMULATOR.md#many-pipelines). No effect up to 32 pipelines.
+    max_group: int = 32
     # A round also waits for the replicas predicted (from their pace) to be ready within this
     # fraction of the opener's iteration time, so equal replicas meet in full groups. 0: the
     # reference's adaptive window alone.

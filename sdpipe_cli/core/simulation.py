@@ -265,9 +265,10 @@ class _Run:
                 del self.barriers[(s, k)]
                 start = max(arrived.values()) + w.collective_s  # everyone agrees to go on
                 everyone = list(range(self.P))
+                full = self._allreduce_s(everyone, s, w.stage_bytes[s])  # one ring, computed once
                 for q in everyone:
                     if self.sync == "allreduce":
-                        cost = self._allreduce_s(everyone, s, w.stage_bytes[s])
+                        cost = full
                     else:
                         mate = gossip_peer(w.seed, s, k, q, self.P)
                         cost = self._allreduce_s([q, mate] if mate is not None else [q], s,
