@@ -107,7 +107,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # overrides may come after an option (`simulate --compare allreduce train.steps=50`): argparse
+    # leaves those out of the positional list, so they are taken back here, in order
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.command is None:
         _parser().print_help()
         return EXIT_USAGE

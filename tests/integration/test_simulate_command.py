@@ -55,3 +55,16 @@ def test_simulate_never_writes_into_an_existing_run_folder(tmp_path, capsys):
     assert main([*ARGS, f"run.dir={busy}"]) == 2
     assert "run.dir" in capsys.readouterr().err
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+
+
+def test_overrides_may_follow_an_option(tmp_path, capsys):
+    """`sdpipe simulate A=1 --compare none B=2`: B=2 is an override too, applied after A=1."""
+    out = tmp_path / "sim"
+    assert main(["simulate", *ARGS[1:], "train.steps=5", "--compare", "none",
+                 "train.steps=7", f"run.dir={out}"]) == 0
+    doc = json.loads((out / "simulation.json").read_text())
+    assert sum(doc["iterations"]) == 4 * 7
+    assert [row["sync"] for row in doc["compare"]] == ["none"]
+    with pytest.raises(SystemExit) as stopped:  # an unknown option is still an error
+        main(["simulate", *ARGS[1:], "--bogus"])
+    assert stopped.value.code == 2 and "--bogus" in capsys.readouterr().err
