@@ -43,9 +43,9 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   applies (the round waits at least that long); ``patience = 0`` is the reference's rule alone.
 
 * **Group cap** (``max_group > 0``). A round closes as soon as that many are ready (a due round
-  swaps in a replica of another component, and merging two components is then enough: with
-  fewer than P members no round connects everyone, so ``connect_every = 1`` is all-reduce only
-  without a cap); global syncs always include everyone.
+  swaps in a replica of another component, and merging two components is then enough); global
+  syncs always include everyone, and so does every round with ``connect_every = 1`` (all-reduce:
+  the cap and ``cost_aware`` do not apply there).
 
 Connectivity is measured among the live replicas; rounds of replicas catching up to a pending global
 sync (which connects everyone when it closes) do not wait for connectivity.
@@ -181,8 +181,9 @@ class GroupScheduler:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         if max_group < 0 or max_group == 1:
             raise ValueError("max_group must be 0 (no cap) or at least 2")
-        self.patience, self.cost_aware = patience, policy == "cost_aware"
-        self.max_group = max_group
+        # connect_every = 1 is all-reduce: every round waits for everyone, under either policy
+        self.patience, self.cost_aware = patience, policy == "cost_aware" and connect_every > 1
+        self.max_group = max_group if connect_every > 1 else 0  # all-reduce has no cap
         self.arrived: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> last ready time
         self.pace: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> mean interval (s)
         self.P, self.S = pipelines, stages
