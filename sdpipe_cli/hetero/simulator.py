@@ -18,7 +18,7 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import measurements
-from sdpipe_cli.config.schema import ConfigError, emulation, n_blocks
+from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation, n_blocks
 from sdpipe_cli.core.cluster import Cluster, ClusterError, Stragglers
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.partition import stage_ranges
@@ -85,8 +85,6 @@ def workload(cfg: DictConfig) -> Workload:
 
 def _with_sync(cfg: DictConfig, sync: str) -> DictConfig:
     """``cfg`` with another sync mode's defaults (for the comparison rows)."""
-    from sdpipe_cli.config.schema import SYNC_CONFIGS
-
     if cfg.sync.name == sync:
         return cfg
     other = OmegaConf.to_container(cfg, resolve=True)
