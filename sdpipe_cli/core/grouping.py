@@ -373,10 +373,10 @@ class GroupScheduler:
         ahead = self._ahead()
         self._ahead_sum = sum(ahead.values())
         # the end is declared when the live pipelines' iterations ahead reach the budget
-        final = self._time_is_up() or self._budget_ends_within(sum(ahead.values()))
+        final = self._time_is_up() or self._budget_ends_within(self._ahead_sum)
         while self.global_every and self.next_global <= done:
             self.next_global += self.P * self.global_every
-        if periodic and not final and self._budget_ends_within(sum(ahead.values()) + len(self.live)):
+        if periodic and not final and self._budget_ends_within(self._ahead_sum + len(self.live)):
             periodic = False  # the last global sync comes first; keeps the budget exact
         if not (final or periodic):
             return

@@ -41,6 +41,7 @@ from typing import Callable, Optional, Sequence
 
 from sdpipe_cli.core.cluster import Cluster, Stragglers
 from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
+from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.schedule import Kind, get_schedule, simulate as tick_order
 
 __all__ = ["Workload", "Result", "simulate", "MODES"]
@@ -151,11 +152,14 @@ class _Run:
         self.devices = [[cl.device(p, s) for s in range(S)] for p in range(P)]
         self.dynamic = {d.name for row in self.devices for d in row if cl.change_points(d)}
         # transfer into stage s: from s - 1 (forward) and from s + 1 (backward)
-        hop = work.p2p_s
-        self.link_in = [[(hop + cl.link(p * S + s - 1, p * S + s).transfer_s(work.activation_bytes)
-                          if s > 0 else 0.0,
-                          hop + cl.link(p * S + s + 1, p * S + s).transfer_s(work.activation_bytes)
-                          if s + 1 < S else 0.0) for s in range(S)] for p in range(P)]
+        self.where = [[Placement.of(p, s, P, S) for s in range(S)] for p in range(P)]
+
+        def hop(src: Optional[int], dst: int) -> float:
+            return 0.0 if src is None else (
+                work.p2p_s + cl.link(src, dst).transfer_s(work.activation_bytes))
+
+        self.link_in = [[(hop(x.prev_rank, x.rank), hop(x.next_rank, x.rank)) for x in row]
+                        for row in self.where]
         self.noise = [[random.Random(f"{work.seed}/jitter/{p}/{s}") for s in range(S)]
                       for p in range(P)]
         self.heap: list = []
@@ -248,7 +252,7 @@ class _Run:
     def _allreduce_s(self, members: Sequence[int], s: int, nbytes: int) -> float:
         if len(members) < 2:
             return 0.0
-        ranks = [q * self.S + s for q in members]
+        ranks = self.where[0][s].replicas(list(members))
         return self.w.cluster.allreduce_s(ranks, nbytes) + self.w.collective_s
 
     # -- sync modes -----------------------------------------------------------------------------
@@ -284,7 +288,7 @@ class _Run:
         ``staleness`` pushes ahead of the slowest replica. The first stage's server counts the
         budget; replies after it is spent tell the pipeline to stop."""
         w = self.w
-        link = w.cluster.slowest_link([q * self.S + s for q in range(self.P)])
+        link = w.cluster.slowest_link(self.where[p][s].replicas())
         start = max(t + link.transfer_s(w.stage_bytes[s]), self.server_free[s])
         self.server_free[s] = start + w.collective_s
         reply = self.server_free[s] + link.transfer_s(w.stage_bytes[s])
