@@ -66,9 +66,6 @@ class GroupCache:
         """Drop a communicator whose member is gone; it cannot be used again."""
         self._groups.pop(tuple(sorted(ranks)), None)
 
-    def __len__(self) -> int:
-        return len(self._groups)
-
 
 def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) -> None:
     """Replace each parameter by the mean over ``ranks`` (one flat all-reduce, exact weights 1/n).

@@ -50,13 +50,16 @@ def param_digest(module: nn.Module) -> str:
 class Worker:
     """Stage ``where.stage`` of pipeline ``where.pipeline``.
 
-    ``groups`` makes the sync strategy's communicators; ``pipeline_groups`` the ones over this
-    pipeline's stages (the global gradient norm), with the run's timeout. ``resume``: a verified
-    checkpoint folder to start from.
+    ``groups`` makes the sync strategy's communicators (sdpipe: with ``sync.group_timeout``);
+    ``pipeline_groups`` the ones over this pipeline's stages (the global gradient norm), with
+    ``run.timeout``: a stage whose group round fails on a lost member spends up to the group
+    timeout there, and the other stages of its pipeline must outwait that in the clip's
+    all-reduce, or one loss takes a surviving pipeline with it. ``resume``: a verified checkpoint
+    folder to start from.
     """
 
     def __init__(self, cfg: DictConfig, where: Placement, device: torch.device, events: dist.Store,
-                 groups: GroupCache, pipeline_groups: Optional[GroupCache] = None,
+                 groups: GroupCache, pipeline_groups: GroupCache,
                  resume: str | None = None):
         self.cfg, self.where, self.device, self.events = cfg, where, device, events
         self.t0 = store.run_clock(events)
@@ -67,7 +70,7 @@ class Worker:
         self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
                               device=device, seed=cfg.train.seed, optimizer=self.optimizer)
-        self.pipeline_groups = pipeline_groups or groups
+        self.pipeline_groups = pipeline_groups
         self.cluster = Cluster.from_config(cfg.cluster, where.stages)
         self.placed = self.cluster.device(p, s)
         self.slowdown = make_slowdown(cfg, self.cluster, p, s, lambda: time.time() - self.t0)
