@@ -20,6 +20,7 @@ import psutil
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.runtime.metrics import read_metrics
+from sdpipe_cli.runtime.processes import read_pid
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 240  # seconds: any end-to-end run must finish well within this, or the test fails
@@ -59,18 +60,32 @@ def finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, s
 
 
 def run_processes(run_dir: Path) -> list[psutil.Process]:
-    """Live scheduler/worker processes that belong to the run in ``run_dir``."""
+    """Live scheduler/worker processes that belong to the run in ``run_dir``: the launcher records
+    each child's pid in ``logs/<name>.pid`` (a forked child's command line and environment are
+    its fork server's, so they cannot tell). A pid reused by a later process does not count."""
     found = []
-    target = str(Path(run_dir).resolve())
-    for proc in psutil.process_iter(["cmdline"]):
+    for pid_file in sorted((Path(run_dir) / "logs").glob("*.pid")):
         try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if "sdpipe_cli." in cmd and proc.environ().get("SDPIPE_RUN_DIR") == target:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            proc = psutil.Process(int(pid_file.read_text().split()[0]))
+            if (proc.create_time() <= pid_file.stat().st_mtime + 1
+                    and proc.status() != psutil.STATUS_ZOMBIE):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError, ValueError, IndexError):
             continue
     return found
+
+
+def worker_process(run_dir: Path, rank: int) -> psutil.Process | None:
+    """Worker ``rank`` of the run in ``run_dir``, if it is alive."""
+    return next((p for p in run_processes(run_dir)
+                 if p.pid == read_pid(Path(run_dir) / "logs" / f"{rank}.log")), None)
+
+
+def worker_processes(run_dir: Path) -> list[psutil.Process]:
+    """The run's live workers (not the scheduler or parameter servers)."""
+    logs = Path(run_dir) / "logs"
+    pids = {read_pid(f.with_suffix(".log")) for f in logs.glob("*.pid") if f.stem.isdigit()}
+    return [p for p in run_processes(run_dir) if p.pid in pids]
 
 
 def kill_leftovers(run_dir: Path) -> list[int]:

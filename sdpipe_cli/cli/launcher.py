@@ -20,7 +20,6 @@ observation per poll and whose action it carries out; the rules are listed and u
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -38,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.model import models
 
-from sdpipe_cli.runtime import network, store
+from sdpipe_cli.runtime import network, processes, store
 
 from sdpipe_cli.core import partition, supervision
 
@@ -56,7 +55,7 @@ POLL_S = 0.1
 class Child:
     name: str  # "scheduler" or the worker's rank
     role: str  # human description, e.g. "worker rank 3 (pipeline 1, stage 1)"
-    proc: subprocess.Popen
+    proc: processes.ChildProcess
     log_path: Path
     rank: Optional[int] = None  # workers only
     pipeline: Optional[int] = None  # workers only
@@ -76,6 +75,7 @@ class Job:
 
 TRAIN = Job("sdpipe_cli.training.main")
 PROFILE = Job("sdpipe_cli.hetero.profiler", helpers=False, graceful=False)
+SCHEDULER, PS = "sdpipe_cli.sync.scheduler", "sdpipe_cli.sync.ps"
 
 
 @dataclass
@@ -205,22 +205,10 @@ def _join(cfg: DictConfig, cluster: Cluster, phase: "_Phase"):
     return master, events, run_dir, config_path, resume
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the launcher dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str]) -> Child:
+    """Start ``module`` as the child ``name`` (see :mod:`sdpipe_cli.runtime.processes`)."""
     log_path = run_dir / "logs" / f"{name}.log"
-    with log_path.open("ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
-            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    return Child(name, role, proc, log_path)
+    return Child(name, role, processes.start(module, log_path, env), log_path)
 
 
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
@@ -282,8 +270,11 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             base["SDPIPE_RESUME"] = str(resume.resolve())
         if cfg.cluster.device == "cpu":
             base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
+        helpers = [SCHEDULER] if job.helpers and primary else []
+        helpers += [PS] if servers and primary else []
+        processes.preload([job.worker, *helpers], base)
         if job.helpers and primary:
-            children.append(spawn("sdpipe_cli.sync.scheduler", "scheduler", "scheduler", run_dir, base))
+            children.append(spawn(SCHEDULER, "scheduler", "scheduler", run_dir, base))
         for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
             # one GPU per worker: its index on a real node, the rank on one machine
             local = cluster.device_of_rank(rank).index if cluster.real else rank
@@ -295,7 +286,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         for stage in range(servers if primary else 0):
             rank = P * S + stage
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            children.append(spawn("sdpipe_cli.sync.ps", f"ps{stage}",
+            children.append(spawn(PS, f"ps{stage}",
                                   f"parameter server of stage {stage}", run_dir, env))
 
         phase.advance("waiting for the workers to join")
@@ -496,4 +487,7 @@ def _signal(child: Child, sig: int) -> None:
     try:
         os.killpg(child.proc.pid, sig)  # the child's whole session, helpers included
     except ProcessLookupError:
-        pass
+        try:  # a forked child a moment old may not have its own session yet
+            os.kill(child.proc.pid, sig)
+        except ProcessLookupError:
+            pass

@@ -4,5 +4,11 @@ must stop it, or, with ``SLEEP_S`` short, one that ends well after a while."""
 import os
 import time
 
-if __name__ == "__main__":
+
+def main() -> int:
     time.sleep(float(os.environ.get("SLEEP_S", "600")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers import finish, free_port, metrics, run_processes, sdpipe_popen
+from tests.helpers import finish, free_port, metrics, sdpipe_popen, worker_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,8 +55,7 @@ def test_a_failure_on_one_node_stops_both(run_dir):
         while victim is None and time.monotonic() < deadline:
             time.sleep(0.5)
             if (run_dir / "metrics.jsonl").exists() and metrics(run_dir, "train"):
-                victim = next((p for p in run_processes(run_dir)
-                               if p.environ().get("RANK") == "3"), None)
+                victim = worker_process(run_dir, 3)
         assert victim is not None, "node b's worker never started training"
         victim.send_signal(signal.SIGKILL)
         rc_b, err_b, _ = finish(second, 120)

@@ -17,7 +17,7 @@ import pytest
 
 from sdpipe_cli.cli.commands import main
 from tests.helpers import (digests, finish, listening_only_on_loopback, losses, metrics, run_processes,
-                           sdpipe, sdpipe_popen, training_lines, wait_for)
+                           sdpipe, sdpipe_popen, training_lines, wait_for, worker_process)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -178,8 +178,8 @@ def test_a_sigkilled_worker_stops_the_run_and_the_last_checkpoint_resumes(run_di
                         "checkpoint.every=5", "train.eval_every=0", *LONG)
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "checkpoint")) >= 2,
              proc, what="two checkpoints")
-    victim = next(p for p in run_processes(run_dir)
-                  if "sdpipe_cli.training.main" in " ".join(p.cmdline()) and p.environ().get("RANK") == "4")
+    victim = worker_process(run_dir, 4)
+    assert victim is not None
     os.kill(victim.pid, signal.SIGKILL)
     rc, err, took = finish(proc, timeout=60)
     assert rc == 1, err

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.helpers import (REPO, finish, free_port, listening_only_on_loopback, metrics, run_processes,
-                           sdpipe_popen, wait_for)
+                           sdpipe_popen, wait_for, worker_process, worker_processes)
 from sdpipe_cli.cli import launcher
 
 pytestmark = pytest.mark.multiprocess
@@ -32,10 +32,9 @@ def wait_for_training(run_dir: Path, proc, timeout: float = 120) -> None:
 
 
 def worker_pid(run_dir: Path, rank: int) -> int:
-    for p in run_processes(run_dir):
-        if "sdpipe_cli.training.main" in " ".join(p.cmdline()) and p.environ().get("RANK") == str(rank):
-            return p.pid
-    raise AssertionError(f"no worker rank {rank}")
+    proc = worker_process(run_dir, rank)
+    assert proc is not None, f"no worker rank {rank}"
+    return proc.pid
 
 
 # SIGINT: test_resume.py::test_ctrl_c_stops_everything_at_a_consistent_point_with_a_final_checkpoint
@@ -54,18 +53,21 @@ def test_ctrl_c_stops_everything(run_dir, sig):
                    for pid in children)
 
 
-def test_first_error_is_reported_and_the_rest_are_stopped(tmp_path, monkeypatch):
-    """A child raising an exception: its error file names it; a long-running sibling is stopped."""
-    monkeypatch.chdir(REPO / "tests")  # so `-m children.crash` imports
+@pytest.mark.parametrize("spawn", ["fork", "exec"])
+def test_first_error_is_reported_and_the_rest_are_stopped(tmp_path, monkeypatch, spawn):
+    """A child raising an exception: its error file names it; a long-running sibling is stopped.
+    Children forked from the fork server and fresh interpreters (``SDPIPE_SPAWN=exec``) alike."""
+    monkeypatch.setenv("SDPIPE_SPAWN", spawn)
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
-    env = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir), "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
-    sleeper = launcher.spawn("children.sleeper", "0", "worker rank 0 (pipeline 0, stage 0)",
+    env = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir), "PYTHONPATH": str(REPO)}
+    sleeper = launcher.spawn("tests.children.sleeper", "0", "worker rank 0 (pipeline 0, stage 0)",
                              run_dir, {**env, "RANK": "0"})
-    crash = launcher.spawn("children.crash", "1", "worker rank 1 (pipeline 0, stage 1)",
+    crash = launcher.spawn("tests.children.crash", "1", "worker rank 1 (pipeline 0, stage 1)",
                            run_dir, {**env, "RANK": "1"})
     children = [sleeper, crash]
     try:
+        assert len(run_processes(run_dir)) == 2  # each child's pid is in logs/<name>.pid
         failure, interrupted = launcher._supervise(children, run_dir, _NoStore(), lambda _: None)
     finally:
         launcher.stop_all(children, grace=5)
@@ -73,6 +75,8 @@ def test_first_error_is_reported_and_the_rest_are_stopped(tmp_path, monkeypatch)
     assert failure.startswith("worker rank 1 (pipeline 0, stage 1) exited with code 1: "
                               "RuntimeError: deliberate failure on rank 1")
     assert sleeper.proc.returncode == -signal.SIGTERM
+    assert "deliberate failure on rank 1" in (run_dir / "logs" / "1.log").read_text()  # its stderr
+    assert not run_processes(run_dir)
 
 
 class _NoStore:
@@ -151,7 +155,7 @@ def test_interrupt_while_the_workers_join(run_dir):
     proc = sdpipe_popen("train", f"run.dir={run_dir}", *TWO_NODES, f"run.port={free_port()}",
                         "run.node=a")
     deadline = time.monotonic() + 60
-    while len([p for p in run_processes(run_dir) if "training.main" in " ".join(p.cmdline())]) < 2:
+    while len(worker_processes(run_dir)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
     time.sleep(1.0)

@@ -1,0 +1,153 @@
+"""Starting a run's child processes: forks of a server that has imported torch once.
+
+Every worker, the scheduler, the parameter servers and the profilers run code that needs torch.
+Started as fresh interpreters, each imports torch on its own, about 3 CPU-seconds apiece: the
+P x S workers of a run on a machine with few cores spend their first seconds importing, one
+after another. The launcher starts them instead from :mod:`multiprocessing`'s fork server, which
+imports the children's modules once (``preload``). A child is a fork of that server (torch's pages
+are shared copy-on-write) that then makes itself the child the launcher asked for:
+
+- its own session, so a Ctrl-C at the terminal reaches only the launcher, which stops the children
+  in order (the server itself ignores SIGINT);
+- stdin from /dev/null, stdout and stderr appended to its log file;
+- exactly the environment the launcher gave it (``RANK``, ``MASTER_ADDR``, ...);
+- SIGTERM when its parent dies (PR_SET_PDEATHSIG): the server exits when the launcher does, so
+  no child outlives the launcher;
+- then the module's ``main()``, whose return value is the exit code.
+
+A forked child keeps the server's command line and initial environment, so ``ps`` and
+``/proc/PID/environ`` no longer say who it is: :func:`start` writes ``<name>.pid`` beside the
+child's log instead (:func:`read_pid`).
+
+Where the platform has no fork server (Windows), or with ``SDPIPE_SPAWN=exec``, a child is a
+fresh ``python -m MODULE`` as before; both kinds answer the same calls (``pid``, ``poll()``,
+``wait(timeout)``, ``returncode``), those of :class:`subprocess.Popen`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Protocol, Sequence
+
+__all__ = ["ChildProcess", "start", "read_pid", "preload"]
+
+
+class ChildProcess(Protocol):
+    """What the launcher needs of a child: the part of :class:`subprocess.Popen` it uses."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> Optional[int]: ...
+
+    def poll(self) -> Optional[int]: ...
+
+    def wait(self, timeout: Optional[float] = None) -> int: ...
+
+
+def _forking() -> bool:
+    return (os.environ.get("SDPIPE_SPAWN", "fork") != "exec"
+            and "forkserver" in multiprocessing.get_all_start_methods())
+
+
+def preload(modules: Sequence[str], env: dict[str, str]) -> None:
+    """Start the fork server, which imports ``modules``, in environment ``env``.
+
+    The server's environment matters for what libraries read when they load (OpenMP reads
+    ``OMP_NUM_THREADS`` when torch is imported), and it is what ``/proc/PID/environ`` shows for
+    every child. A server already running (a second launch in one process) keeps what it has;
+    a child imports any other module itself.
+    """
+    if not _forking():
+        return
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _become(module: str, env: dict[str, str], log_path: str) -> None:
+    """Runs in the forked child: become the launcher's child ``module``, then run its main()."""
+    os.setsid()
+    _die_with_parent()
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    sys.stdout.reconfigure(line_buffering=True, write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    raise SystemExit(importlib.import_module(module).main())
+
+
+class _Forked:
+    """A child forked from the server, answering as :class:`subprocess.Popen` does."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self._process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode  # -N when killed by signal N, as Popen says it
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"child {self.pid}", timeout or 0.0)
+        return self._process.exitcode
+
+
+def start(module: str, log_path: Path, env: dict[str, str]) -> ChildProcess:
+    """Start ``module``'s ``main()`` as a child with environment ``env`` (the whole of it), its
+    output appended to ``log_path``; its pid goes to ``log_path`` with the suffix ``.pid``."""
+    if _forking():
+        ctx = multiprocessing.get_context("forkserver")
+        process = ctx.Process(target=_become, args=(module, env, str(log_path)),
+                              name=log_path.stem, daemon=False)
+        process.start()
+        child: ChildProcess = _Forked(process)
+    else:
+        with log_path.open("ab") as log_file:
+            child = subprocess.Popen(
+                [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent)
+    log_path.with_suffix(".pid").write_text(f"{child.pid}\n")
+    return child
+
+
+def read_pid(log_path: Path) -> Optional[int]:
+    """The pid :func:`start` recorded for the child logging to ``log_path``, if any."""
+    try:
+        return int(log_path.with_suffix(".pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
