@@ -181,7 +181,7 @@ def write_config(args: argparse.Namespace, P: int, S: int, run_dir: Path) -> Pat
 
 def start_scheduler(run_dir: Path, port: int, world: int, profile: bool) -> subprocess.Popen:
     """The scheduler, as the launcher starts it (environment, own session, dies with us)."""
-    from sdpipe_cli.cli.launcher import _die_with_parent
+    from sdpipe_cli.runtime.processes import die_with_parent
 
     env = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1",
@@ -191,7 +191,7 @@ def start_scheduler(run_dir: Path, port: int, world: int, profile: bool) -> subp
         return subprocess.Popen([sys.executable, *wrap, "-m", "sdpipe_cli.sync.scheduler"],
                                 env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
 
 
 def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The launcher: prepares a run folder, hosts the TCPStore, starts and supervises the processes.
 
-Supervision follows torchrun: every child is a plain subprocess with its own log file
-(``<run>/logs/<rank>.log``, ``scheduler.log``) and error file; the launcher polls them, and as soon
+Supervision follows torchrun: every child is a process of its own (forked from a fork server that
+imported torch once: :mod:`sdpipe_cli.runtime.processes`) with its own log file
+(``<run>/logs/<rank>.log``, ``scheduler.log``), pid file and error file; the launcher polls them, and as soon
 as one exits non-zero (or is killed) it stops the others (SIGTERM, a grace period, then SIGKILL)
 and reports the first failure in one line: which worker (pipeline, stage, rank), how it ended,
 and the last lines of its error. Children run in their own session (a Ctrl-C reaches only the

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Protocol, Sequence
 
-__all__ = ["ChildProcess", "start", "read_pid", "preload"]
+__all__ = ["ChildProcess", "die_with_parent", "preload", "read_pid", "start"]
 
 
 class ChildProcess(Protocol):
@@ -79,7 +79,7 @@ def preload(modules: Sequence[str], env: dict[str, str]) -> None:
         os.environ.update(saved)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """SIGTERM this process when its parent dies (Linux)."""
     if sys.platform.startswith("linux"):
         try:
@@ -91,7 +91,7 @@ def _die_with_parent() -> None:
 def _become(module: str, env: dict[str, str], log_path: str) -> None:
     """Runs in the forked child: become the launcher's child ``module``, then run its main()."""
     os.setsid()
-    _die_with_parent()
+    die_with_parent()
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(null, 0)
@@ -140,7 +140,7 @@ def start(module: str, log_path: Path, env: dict[str, str]) -> ChildProcess:
             child = subprocess.Popen(
                 [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent)
+                preexec_fn=die_with_parent)
     log_path.with_suffix(".pid").write_text(f"{child.pid}\n")
     return child
 
