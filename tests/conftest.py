@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import kill_leftovers
+
+# Processes the tests start themselves (helpers.spawn_and_join, launcher.spawn) are forks of one
+# fork server per session, which imports torch once, as the launcher's does.
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main"])
 
 
 @pytest.fixture

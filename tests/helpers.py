@@ -185,12 +185,13 @@ def listening_only_on_loopback(proc, run_dir: Path) -> list[int]:
 
 
 def spawn_and_join(fn, args: tuple, nprocs: int, timeout: float, what: str) -> None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes (torch.multiprocessing) and wait
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes (torch.multiprocessing) and wait
     for all of them; a child's exception fails the test with its traceback, and a hang past
     ``timeout`` fails it too, with every child killed."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    # Forked from the session's fork server, which has imported torch (tests/conftest.py).
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1):  # raises ProcessRaisedException with the child's traceback
