@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from sdpipe_cli.runtime.processes import LAZY_TORCH
 from tests.helpers import kill_leftovers
 
 # Processes the tests start themselves (helpers.spawn_and_join, launcher.spawn) are forks of one
 # fork server per session, which imports torch once, as the launcher's does.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main"])
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main",
+                                        *LAZY_TORCH])
 
 
 @pytest.fixture

@@ -57,8 +57,14 @@ def _forking() -> bool:
             and "forkserver" in multiprocessing.get_all_start_methods())
 
 
+# Imported lazily by torch itself, so a child module's imports miss it: the first optimizer
+# built imports torch._dynamo (about 1.6 CPU-s).
+LAZY_TORCH = ("torch._dynamo",)
+
+
 def preload(modules: Sequence[str], env: dict[str, str]) -> None:
-    """Start the fork server, which imports ``modules``, in environment ``env``.
+    """Start the fork server, which imports ``modules`` (and :data:`LAZY_TORCH`), in
+    environment ``env``.
 
     The server's environment matters for what libraries read when they load (OpenMP reads
     ``OMP_NUM_THREADS`` when torch is imported), and it is what ``/proc/PID/environ`` shows for
@@ -69,7 +75,7 @@ def preload(modules: Sequence[str], env: dict[str, str]) -> None:
         return
     from multiprocessing import forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*modules, *LAZY_TORCH])
     saved = dict(os.environ)
     os.environ.update(env)
     try:
