@@ -100,8 +100,8 @@ def joined() -> Iterator[Joined]:
     loaded = load_child_config()
     cfg = loaded[1]
     where = Placement(rank, cfg.cluster.pipelines, cfg.pipeline.stages)
-    with child(str(rank), f"rank{rank}", loaded, rank=rank, pipeline=where.pipeline,
-               stage=where.stage) as started:
+    identity = {"rank": rank, "pipeline": where.pipeline, "stage": where.stage}
+    with child(str(rank), f"rank{rank}", loaded, **identity) as started:
         if cfg.cluster.device == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
@@ -109,7 +109,8 @@ def joined() -> Iterator[Joined]:
             device = torch.device("cpu")
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         client = connect_store(cfg)
-        with process_group(cfg, client, rank, world, device) as backend:
+        with (process_group(cfg, client, rank, world, device) as backend,
+              record(started.run_dir, str(rank), **identity)):  # before the group is torn down
             logging.getLogger("sdpipe.worker").info(
                 "pipeline %d stage %d on %s", where.pipeline, where.stage, device)
             yield Joined(cfg, started.run_dir, where, device, client, backend)

@@ -45,12 +45,20 @@ def error_file(run_dir: Path, name: str) -> Path:
 
 @contextmanager
 def record(run_dir: Path, name: str, **identity: Any) -> Iterator[None]:
-    """Write an error file for any exception escaping the block, then re-raise it."""
+    """Write an error file for any exception escaping the block, then re-raise it.
+
+    Blocks may nest: the innermost writes the file and the outer ones leave it (its time is the
+    failure's). A worker records inside its process group, before tearing it down: its peers see
+    their connections close, fail, and write their own error files, and those must come later.
+    """
     try:
         yield
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as err:
+        if getattr(err, "_sdpipe_recorded", False):
+            raise
+        err._sdpipe_recorded = True
         payload = {
             "message": f"{type(err).__name__}: {err}",
             "traceback": traceback.format_exc(),
