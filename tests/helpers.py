@@ -1,5 +1,5 @@
-"""What the tests share that is not a fixture: run the real CLI in a subprocess, read a run
-folder, find leftover processes, wait with a bound.
+"""What the tests share that is not a fixture: run the CLI (in this process, or as its own), read
+a run folder, find leftover processes, wait with a bound.
 
 Every wait on another process here has a timeout, so a hang fails the test instead of blocking
 the suite (pytest-timeout is not a dependency).
@@ -7,6 +7,8 @@ the suite (pytest-timeout is not a dependency).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -30,10 +32,54 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 
 
-def sdpipe(*args: str, timeout: float = RUN_TIMEOUT, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m sdpipe_cli ARGS`` as a user would run it; a hang fails the test."""
+def sdpipe_process(*args: str, timeout: float = RUN_TIMEOUT,
+                   cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m sdpipe_cli ARGS`` in a process of its own, as a user would run it; a hang fails
+    the test. For what only a process shows: exit codes from ``__main__``, signals, imports."""
     return subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], cwd=cwd or REPO, env=_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+class _Overdue(Exception):
+    pass
+
+
+def _overdue(signum, frame):
+    raise _Overdue
+
+
+def sdpipe(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    """``sdpipe ARGS`` run by its ``main()`` in this process, stdout and stderr captured.
+
+    The command is the same code as in its own process, and its children are real processes;
+    they are forked from this session's fork server, which imported torch once, so a run costs
+    its training rather than two interpreters' imports. A run past ``timeout`` seconds is
+    interrupted (the launcher then stops its children) and fails the test.
+    """
+    from sdpipe_cli.cli.commands import main
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = signal.signal(signal.SIGALRM, _overdue)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    saved_columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "200"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as exit_:  # argparse's usage errors
+                rc = exit_.code if isinstance(exit_.code, int) else 2
+    except _Overdue:
+        raise AssertionError(f"sdpipe {' '.join(args)} took more than {timeout} s: "
+                             f"{err.getvalue()[-2000:]}") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if saved_columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved_columns
+    return subprocess.CompletedProcess(["sdpipe", *args], rc, out.getvalue(), err.getvalue())
 
 
 def sdpipe_popen(*args: str, cwd: Path | None = None) -> subprocess.Popen:

@@ -1,8 +1,7 @@
 """Runs that several integration modules check: each configuration is trained once per session.
 
-A run costs mostly the start-up of its processes (each imports torch), so tests that only read a
-finished run's metrics, summary or checkpoints share one; tests that change a run's folder work
-on a copy.
+A run costs mostly the start-up of its processes, so tests that only read a finished run's
+metrics, summary or checkpoints share one; tests that change a run's folder work on a copy.
 """
 
 from __future__ import annotations

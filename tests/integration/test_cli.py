@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sdpipe_cli import __version__
-from tests.helpers import REPO, one_error_line, sdpipe
+from tests.helpers import REPO, one_error_line, sdpipe_process
 
 FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
 # A config that would train as little as possible, should a "bad input" ever get past the checks.
@@ -25,7 +25,7 @@ CHEAP = [
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return sdpipe(*args, cwd=cwd, timeout=60)
+    return sdpipe_process(*args, cwd=cwd, timeout=60)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -98,7 +98,7 @@ def test_run_dir_that_is_a_file_is_rejected_untouched(tmp_path):
 def test_foreign_host_is_one_line_exit_2_at_once_and_writes_nothing(tmp_path):
     run = tmp_path / "run"
     start = time.monotonic()
-    result = sdpipe("train", f"cluster.host={FOREIGN}", f"run.dir={run}", timeout=60)
+    result = sdpipe_process("train", f"cluster.host={FOREIGN}", f"run.dir={run}", timeout=60)
     took = time.monotonic() - start
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -123,7 +123,7 @@ def test_foreign_host_is_refused_before_torch_is_imported(capsys):
     ("cluster.pipelines=0", "cluster.pipelines: must be at least 1"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, key):
-    out = sdpipe("profile", f"run.dir={tmp_path / 'never'}", override, timeout=60)
+    out = sdpipe_process("profile", f"run.dir={tmp_path / 'never'}", override, timeout=60)
     assert out.returncode == 2
     assert out.stderr.startswith(f"sdpipe: error: {key}"), out.stderr
     assert out.stderr.count("\n") == 1  # one line, no traceback
@@ -131,12 +131,12 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, 
 
 
 def test_help_names_the_document():
-    out = sdpipe("profile", "--help", timeout=60)
+    out = sdpipe_process("profile", "--help", timeout=60)
     assert out.returncode == 0 and "profile.json" in out.stdout and "cluster" in out.stdout
 
 
 def test_cfg_prints_without_starting_anything(tmp_path):
-    out = sdpipe("train", "--cfg", f"run.dir={tmp_path / 'never'}")
+    out = sdpipe_process("train", "--cfg", f"run.dir={tmp_path / 'never'}")
     assert out.returncode == 0
     assert yaml.safe_load(out.stdout)["cluster"]["pipelines"] == 2
     assert not (tmp_path / "never").exists()
