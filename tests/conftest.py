@@ -13,6 +13,7 @@ from tests.helpers import kill_leftovers
 # Processes the tests start themselves (helpers.spawn_and_join, launcher.spawn) are forks of one
 # fork server per session, which imports torch once, as the launcher's does.
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main",
+                                        "sdpipe_cli.sync.scheduler", "sdpipe_cli.sync.ps",
                                         *LAZY_TORCH])
 
 
