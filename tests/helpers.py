@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,11 +33,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 
 
-def sdpipe_process(*args: str, timeout: float = RUN_TIMEOUT,
-                   cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m sdpipe_cli ARGS`` in a process of its own, as a user would run it; a hang fails
-    the test. For what only a process shows: exit codes from ``__main__``, signals, imports."""
-    return subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], cwd=cwd or REPO, env=_env(),
+def sdpipe_process(*args: str, timeout: float = RUN_TIMEOUT, cwd: Path | None = None,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m sdpipe_cli ARGS`` in a process of its own, as a user would run it (``env`` adds
+    to the environment); a hang fails the test. For what only a process shows: exit codes from
+    ``__main__``, signals, imports, the environment."""
+    return subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], cwd=cwd or REPO,
+                          env={**_env(), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -82,9 +85,11 @@ def sdpipe(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(["sdpipe", *args], rc, out.getvalue(), err.getvalue())
 
 
-def sdpipe_popen(*args: str, cwd: Path | None = None) -> subprocess.Popen:
-    """The CLI in its own session (so signals the test sends reach only it)."""
-    return subprocess.Popen([sys.executable, "-m", "sdpipe_cli", *args], cwd=cwd or REPO, env=_env(),
+def sdpipe_popen(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The CLI in its own session (so signals the test sends reach only it); ``env`` adds to
+    this process's environment."""
+    return subprocess.Popen([sys.executable, "-m", "sdpipe_cli", *args], cwd=cwd or REPO,
+                            env={**_env(), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -179,10 +184,16 @@ def training_lines(run_dir: Path, at_least: int = 1):
     return lambda: (Path(run_dir) / "metrics.jsonl").exists() and len(metrics(run_dir, "train")) >= at_least
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(within: range | None = None) -> int:
+    """A port nothing listens on now (the kernel's pick, or one ``within`` a range)."""
+    for port in random.sample(within, min(len(within), 500)) if within else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise AssertionError(f"no free port in {within}")
 
 
 def make_doc(devices: dict[str, tuple[float, list[float]]], model: str = "gpt_tiny",

@@ -21,6 +21,7 @@ started), 130 interrupted. rich lives here and only here: workers and the schedu
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Optional, Sequence
@@ -34,6 +35,7 @@ from sdpipe_cli import __version__
 
 from sdpipe_cli.runtime import network
 from sdpipe_cli.cli.interrupts import exit_on_interrupt
+from sdpipe_cli.config import job_env
 from sdpipe_cli.config.schema import (ConfigError, compose, group_options, schema_for,
                                      validate)
 from sdpipe_cli.runtime.errors import CheckpointError, DataError
@@ -156,12 +158,26 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
 def _composed(overrides: Sequence[str], show_config: bool):
     """The validated config, or None once ``--cfg`` printed it."""
     cfg = compose(list(overrides))
+    _place_by_job(cfg)
     validate(cfg)
     if show_config:
         print(OmegaConf.to_yaml(cfg), end="")
         return None
     network.check_hosts(cfg)  # before the heavy imports: a mistyped host fails at once
     return cfg
+
+
+def _place_by_job(cfg) -> None:
+    """Under srun or torchrun, fill in this node's ``run.node``, the job's ``run.port`` and the
+    hosts of nodes named by hostname, where the user left them unset; says so in one line."""
+    job = job_env.detect(os.environ)
+    placed = job_env.infer(list(cfg.cluster.nodes), cfg.run.node, cfg.run.port, job)
+    for key, value in placed.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    if placed:
+        shown = " ".join(f"{k}={v}" for k, v in placed.items() if k.startswith("run."))
+        print(f"sdpipe: {job.describe()} of the job: {shown or 'hosts from the node names'}",
+              file=sys.stderr, flush=True)
 
 
 def _prepared(cfg, console: Console):

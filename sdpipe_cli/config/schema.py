@@ -247,11 +247,11 @@ class TrainConfig:
 @dataclass
 class RunConfig:
     dir: Optional[str] = None  # run folder; default runs/<timestamp>
-    port: int = 0  # TCPStore port; 0 picks a free one
+    port: int = 0  # TCPStore port; 0 picks a free one (real nodes under srun or torchrun: the job's)
     timeout: float = 120.0  # seconds any rendezvous or collective may wait before failing
     heartbeat_timeout: float = 300.0  # seconds of silence after which a worker is declared hung
     save_final: bool = False  # write each replica's final weights to <run>/final/p<P>-s<S>.pt
-    node: Optional[str] = None  # clusters of real nodes: the node this launcher runs on
+    node: Optional[str] = None  # clusters of real nodes: the node this launcher runs on (srun, torchrun: found)
 
 
 @dataclass

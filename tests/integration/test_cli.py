@@ -24,8 +24,21 @@ CHEAP = [
 ]
 
 
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return sdpipe_process(*args, cwd=cwd, timeout=60)
+def cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return sdpipe_process(*args, cwd=cwd, timeout=60, env=env)
+
+
+@pytest.mark.parametrize("env, key", [
+    ({"SLURM_JOB_ID": "5", "SLURM_NODEID": "7", "SLURM_JOB_NODELIST": "gpu[1-2]"}, "run.node"),
+    ({"SLURM_JOB_ID": "5", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "gpu[1-2"}, "SLURM_JOB_NODELIST"),
+    ({"GROUP_RANK": "one", "MASTER_PORT": "29500"}, "GROUP_RANK"),
+])
+def test_a_job_environment_that_does_not_fit_is_one_line(tmp_path, env, key):
+    """srun or torchrun placing this launcher where the cluster config has no node."""
+    proc = cli("train", "cluster=gpu_2node", f"run.dir={tmp_path / 'run'}", env=env)
+    assert proc.returncode == 2, proc.stderr
+    one_error_line(proc.stderr, key)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("overrides, key", [

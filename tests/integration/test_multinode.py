@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from sdpipe_cli.config import job_env
 from tests.helpers import finish, free_port, metrics, sdpipe_popen, worker_process
 
 pytestmark = pytest.mark.multiprocess
@@ -41,6 +42,36 @@ def test_two_nodes_train_together(run_dir):
     assert (run_dir / "config.yaml").exists() and (run_dir / "config.b.yaml").exists()
     assert (run_dir / "config.b.yaml").read_text() == (run_dir / "config.yaml").read_text()
     assert all((run_dir / "logs" / f"{r}.log").exists() for r in range(4))
+
+
+def _job(kind: str, node: int, port: int) -> dict[str, str]:
+    """The environment srun (one task per node) or torchrun gives the launcher on node ``node``,
+    for a job whose store port is ``port``."""
+    if kind == "slurm":
+        return {"SLURM_JOB_ID": str(port - job_env.PORT_BASE), "SLURM_NODEID": str(node),
+                "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURMD_NODENAME": f"gpu0{7 + node}",
+                "SLURM_JOB_NUM_NODES": "2"}
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "GROUP_RANK": str(node),
+            "RANK": str(node), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "t"}
+
+
+@pytest.mark.parametrize("kind", ["slurm", "torchrun"])
+def test_srun_and_torchrun_place_each_launcher_without_run_node_or_port(run_dir, kind):
+    """Two launchers given only what srun or torchrun sets: each finds its node and the job's
+    port, and they train together."""
+    port = free_port(range(job_env.PORT_BASE, job_env.PORT_BASE + job_env.PORT_SPAN))
+    common = (*NODES, f"run.dir={run_dir}", "train.steps=4")
+    second = sdpipe_popen("train", *common, env=_job(kind, 1, port))
+    first = sdpipe_popen("train", *common, env=_job(kind, 0, port))
+    rc_a, err_a, _ = finish(first)
+    rc_b, err_b, _ = finish(second)
+    assert (rc_a, rc_b) == (0, 0), (err_a, err_b)
+    source = "SLURM" if kind == "slurm" else "torchrun"
+    assert f"sdpipe: {source} node 0" in err_a and f"run.node=a run.port={port}" in err_a
+    assert f"sdpipe: {source} node 1" in err_b and f"run.node=b run.port={port}" in err_b
+    done = metrics(run_dir, "done")
+    assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
+    assert {d["device"] for d in done if d["pipeline"] == 1} == {"b:0", "b:1"}
 
 
 def test_a_failure_on_one_node_stops_both(run_dir):
