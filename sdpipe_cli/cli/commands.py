@@ -225,6 +225,9 @@ def profile(overrides: Sequence[str], show_config: bool = False,
     phases = _Phases(console)
     result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE)
     _run_folder(console, result)
+    if result.trace is not None:
+        console.print(f"trace: {result.trace} (open in ui.perfetto.dev or chrome://tracing)",
+                      markup=False, highlight=False, soft_wrap=True)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
                       soft_wrap=True)
@@ -292,6 +295,9 @@ def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
     with display:  # the launcher handles interrupts from here on
         result = launcher.launch(run_cfg, on_progress=display.update, **resume)
     _run_folder(console, result)
+    if result.trace is not None:
+        console.print(f"trace: {result.trace} (open in ui.perfetto.dev or chrome://tracing)",
+                      markup=False, highlight=False, soft_wrap=True)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
                       soft_wrap=True)

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.model import models
 
-from sdpipe_cli.runtime import network, processes, store
+from sdpipe_cli.runtime import network, processes, store, trace
 
 from sdpipe_cli.core import partition, supervision
 
@@ -86,6 +86,7 @@ class RunResult:
     failure: Optional[str] = None
     progress: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    trace: Optional[Path] = None  # <run>/trace.json, with run.trace
 
 
 def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
@@ -308,6 +309,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     finally:
         stop_all(children)  # further interrupts are only counted: stopping is bounded
         phase.restore(previous)
+        if cfg.run.trace and result.run_dir is not None and primary:
+            result.trace = _quietly(lambda: trace.merge(result.run_dir))
         if events is not None:
             result.progress = _quietly(lambda: store.get_json(events, store.PROGRESS, {})) or {}
         result.wall_s = time.monotonic() - started

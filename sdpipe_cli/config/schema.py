@@ -251,6 +251,9 @@ class RunConfig:
     timeout: float = 120.0  # seconds any rendezvous or collective may wait before failing
     heartbeat_timeout: float = 300.0  # seconds of silence after which a worker is declared hung
     save_final: bool = False  # write each replica's final weights to <run>/final/p<P>-s<S>.pt
+    # Record every worker's timeline to <run>/trace.json (Chrome trace: Perfetto, chrome://tracing)
+    trace: bool = False
+    trace_events: int = 50000  # per worker: the newest this many events are kept
     node: Optional[str] = None  # clusters of real nodes: the node this launcher runs on (srun, torchrun: found)
 
 
@@ -498,6 +501,7 @@ def validate(cfg: DictConfig) -> None:
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
     need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
     need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")
+    need(cfg.run.trace_events > 0, "run.trace_events", "must be at least 1")
     _validate_cluster(cfg)
 
 

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,6 +31,7 @@ from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.pipeline.stage import PipelineStage
 from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
 from sdpipe_cli.model import checkpoint, data, models, optim
 
@@ -75,14 +77,18 @@ class Worker:
         self.placed = self.cluster.device(p, s)
         self.slowdown = make_slowdown(cfg, self.cluster, p, s, lambda: time.time() - self.t0)
         self.memory = MemoryLimit(self.placed, device)
+        self.tracer = (Tracer(where.rank, f"rank {where.rank} (pipeline {p}, stage {s})",
+                              lambda: time.time() - self.t0, cfg.run.trace_events)
+                       if cfg.run.trace else None)
+        on_action, before_send, before_action = self._executor_hooks(
+            self.slowdown if self.slowdown.active else None, link_delay(self.cluster, where.rank))
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
         self.stage = PipelineStage(
             self.module, stage=s, num_stages=where.stages,
             prev_rank=where.prev_rank, next_rank=where.next_rank,
             activation_shape=models.activation_shape(cfg.model, mb),
-            device=device, loss_fn=models.loss_fn,
-            on_action=self.slowdown if self.slowdown.active else None,
-            before_send=link_delay(self.cluster, where.rank),
+            device=device, loss_fn=models.loss_fn, before_action=before_action,
+            on_action=on_action, before_send=before_send,
         )
         self.corpus = None
         if where.first or where.last:  # middle stages never touch data
@@ -92,6 +98,43 @@ class Worker:
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
         self._saved_step = self.start_step  # the step of the last checkpoint (or of the resume)
+
+    def _executor_hooks(self, slowdown, send_delay):
+        """The executor's hooks: the emulation's, and with ``run.trace`` the tracer's around them
+        (an emulated slow compute shows as compute)."""
+        t = self.tracer
+        if t is None:
+            return slowdown, send_delay, None
+
+        def on_action(action, seconds: float) -> None:
+            called = t.clock()
+            if slowdown is not None:
+                slowdown(action, seconds)
+            t.computed(action, seconds, called)
+
+        def before_send(dst: int, tensor: torch.Tensor) -> None:
+            t.sent(dst, tensor)
+            if send_delay is not None:
+                send_delay(dst, tensor)
+
+        return on_action, before_send, t.before_action
+
+    def _traced(self, name: str, cat: str):
+        return self.tracer.timed(name, cat) if self.tracer is not None else nullcontext()
+
+    def _trace_sync(self, start: float, end: float) -> None:
+        """The strategy's part of an update, from ``start`` to ``end`` (run clock): sdpipe's
+        wait for its group and the group's all-reduce, else the strategy's communication."""
+        if self.tracer is None or end - start < 1e-5:
+            return
+        stats = self.sync.stats()
+        if "wait_s" in stats and "comm_s" in stats:
+            comm_start = end - stats["comm_s"]
+            self.tracer.span("wait group", "wait", start, comm_start)
+            self.tracer.span("group all-reduce", "sync", comm_start, end,
+                             size=stats.get("group_size"), kind=stats.get("group_kind"))
+        else:
+            self.tracer.span(f"{self.sync.name} sync", "sync", start, end)
 
     # -- data ---------------------------------------------------------------------------------
     def microbatches(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -133,23 +176,28 @@ class Worker:
         model would. ``clip_over_pipeline=False`` clips by this stage's own norm (asynchronous
         1F1B, whose stages update at different times: see :mod:`sdpipe_cli.training.async_loop`).
         """
-        start = time.perf_counter()
+        start, clock = time.perf_counter(), time.time() - self.t0
         self.sync.after_backward(self.module, round)
         sync_s = time.perf_counter() - start
+        self._trace_sync(clock, clock + sync_s)
         if self.cfg.train.grad_clip > 0:
             ranks = self.where.pipeline_ranks()
             over_stages = clip_over_pipeline and len(ranks) > 1
-            optim.clip_gradients(self.module.parameters(), self.cfg.train.grad_clip,
-                                 (lambda t: self.pipeline_groups.all_reduce(t, ranks))
-                                 if over_stages else None)
+            with self._traced("clip", "update"):
+                optim.clip_gradients(self.module.parameters(), self.cfg.train.grad_clip,
+                                     (lambda t: self.pipeline_groups.all_reduce(t, ranks))
+                                     if over_stages else None)
         # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
         self.lr = optim.lr_at(self.sync.position(iteration), self.cfg)
         optim.set_lr(self.optimizer, self.lr)
         if self.sync.local_step:
-            self.optimizer.step()
-        start = time.perf_counter()
+            with self._traced("optimizer step", "update"):
+                self.optimizer.step()
+        start, clock = time.perf_counter(), time.time() - self.t0
         self.sync.after_step(self.module, round)
-        return sync_s + time.perf_counter() - start
+        after_s = time.perf_counter() - start
+        self._trace_sync(clock, clock + after_s)
+        return sync_s + after_s
 
     # -- consistent points ----------------------------------------------------------------------
     def consistent_point(self, step: int, save: bool) -> None:
@@ -157,7 +205,8 @@ class Worker:
         checkpoint if the strategy or the cadence says one is due, or ``save`` (a time-based one)
         asks."""
         if self.cadence.evaluate_after(step):
-            self.evaluate(step)
+            with self._traced("eval", "eval"):
+                self.evaluate(step)
         if self.sync.scheduled_checkpoints:
             ckpt = self.sync.checkpoint_due()
         else:
@@ -165,7 +214,8 @@ class Worker:
         if ckpt is None and save:
             ckpt = step
         if ckpt is not None:
-            self.save(ckpt, step)
+            with self._traced("checkpoint", "checkpoint"):
+                self.save(ckpt, step)
 
     def finish(self, step: int, **extra: Any) -> None:
         """The run ended after iteration ``step`` at a consistent point: the final checkpoint,
@@ -181,6 +231,8 @@ class Worker:
             final = Path(cfg.run.dir) / "final"
             final.mkdir(exist_ok=True)
             torch.save(self.module.state_dict(), final / f"p{w.pipeline}-s{w.stage}.pt")
+        if self.tracer is not None:
+            self.tracer.write(trace_path(self.run_dir, w.rank))
         self.emit("done", steps=step, param_digest=param_digest(self.module),
                   device=self.placed.name, slowdown_overruns=self.slowdown.overruns,
                   actions=self.slowdown.actions, straggled=self.slowdown.straggled,
