@@ -37,36 +37,41 @@ def trace_path(run_dir: Path, rank: int) -> Path:
 
 class Tracer:
     """Worker ``rank``'s events; ``clock()`` is the run clock in seconds; ``capacity`` bounds
-    the buffer (the oldest events go first)."""
+    the buffer (the oldest events go first).
+
+    An event is held as a flat tuple until :meth:`write` (tuples of plain values are left alone by
+    the garbage collector, which would otherwise walk tens of thousands of dicts on every full
+    collection); recording one costs about 1.5 us.
+    """
 
     def __init__(self, rank: int, label: str, clock: Callable[[], float], capacity: int):
         self.rank, self.label, self.clock = rank, label, clock
-        self.events: deque[dict[str, Any]] = deque(maxlen=capacity)
-        self.dropped = 0
+        self.events: deque[tuple] = deque(maxlen=capacity)
+        self.recorded = 0
         self._before: Optional[float] = None
 
-    def span(self, name: str, cat: str, start: float, end: float, **args: Any) -> None:
-        """A completed span from ``start`` to ``end`` (run-clock seconds)."""
-        if len(self.events) == self.events.maxlen:
-            self.dropped += 1
-        self.events.append({"name": name, "cat": cat, "ph": "X", "ts": round(start * US, 1),
-                            "dur": round(max(end - start, 0.0) * US, 1), "pid": self.rank,
-                            "tid": 0, **({"args": args} if args else {})})
+    @property
+    def dropped(self) -> int:
+        return self.recorded - len(self.events)
 
-    def instant(self, name: str, cat: str, **args: Any) -> None:
-        if len(self.events) == self.events.maxlen:
-            self.dropped += 1
-        self.events.append({"name": name, "cat": cat, "ph": "i", "s": "t",
-                            "ts": round(self.clock() * US, 1), "pid": self.rank, "tid": 0,
-                            **({"args": args} if args else {})})
+    def span(self, name: str, cat: str, start: float, end: float, *args: Any) -> None:
+        """A completed span from ``start`` to ``end`` (run-clock seconds); ``args``: alternating
+        names and values shown with it."""
+        self.recorded += 1
+        self.events.append(("X", name, cat, start, end, args))
+
+    def instant(self, name: str, cat: str, *args: Any) -> None:
+        self.recorded += 1
+        now = self.clock()
+        self.events.append(("i", name, cat, now, now, args))
 
     @contextmanager
-    def timed(self, name: str, cat: str, **args: Any) -> Iterator[None]:
+    def timed(self, name: str, cat: str) -> Iterator[None]:
         start = self.clock()
         try:
             yield
         finally:
-            self.span(name, cat, start, self.clock(), **args)
+            self.span(name, cat, start, self.clock())
 
     # -- the executor's hooks ----------------------------------------------------------------
     def before_action(self, action: Any) -> None:
@@ -83,13 +88,28 @@ class Tracer:
         self._before = None
 
     def sent(self, dst: int, tensor: Any) -> None:
-        self.instant("send", "p2p", to=dst, bytes=tensor.numel() * tensor.element_size())
+        self.instant("send", "p2p", "to", dst)
 
     # -- output -------------------------------------------------------------------------------
+    def chrome_events(self) -> list[dict[str, Any]]:
+        """The buffer as Chrome trace events (microseconds), on this worker's track."""
+        out = []
+        for ph, name, cat, start, end, args in self.events:
+            event = {"name": name, "cat": cat, "ph": ph, "ts": round(start * US, 1),
+                     "pid": self.rank, "tid": 0}
+            if ph == "X":
+                event["dur"] = round(max(end - start, 0.0) * US, 1)
+            else:
+                event["s"] = "t"
+            if args:
+                event["args"] = dict(zip(args[::2], args[1::2]))
+            out.append(event)
+        return out
+
     def write(self, path: Path) -> None:
         """This worker's events and its track's name, atomically."""
         doc = {"rank": self.rank, "label": self.label, "dropped": self.dropped,
-               "events": list(self.events)}
+               "events": self.chrome_events()}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, path)

@@ -132,7 +132,7 @@ class Worker:
             comm_start = end - stats["comm_s"]
             self.tracer.span("wait group", "wait", start, comm_start)
             self.tracer.span("group all-reduce", "sync", comm_start, end,
-                             size=stats.get("group_size"), kind=stats.get("group_kind"))
+                             "size", stats.get("group_size"), "kind", stats.get("group_kind"))
         else:
             self.tracer.span(f"{self.sync.name} sync", "sync", start, end)
 

@@ -20,7 +20,7 @@ def test_the_buffer_keeps_the_newest_events_and_counts_the_rest():
     t = Tracer(0, "rank 0", Clock(), capacity=3)
     for k in range(5):
         t.span(f"s{k}", "update", k, k + 0.5)
-    assert [e["name"] for e in t.events] == ["s2", "s3", "s4"]
+    assert [e["name"] for e in t.chrome_events()] == ["s2", "s3", "s4"]
     assert t.dropped == 2
 
 
@@ -31,7 +31,7 @@ def test_compute_and_the_wait_before_it_from_the_executor_hooks():
     t.before_action(Action("F", 0))
     clock.now = 1.5  # on_action called: 0.2 s of compute after 0.3 s waiting for the input
     t.computed(Action("F", 0), 0.2, called=1.5)
-    wait, compute = t.events
+    wait, compute = t.chrome_events()
     assert (wait["name"], wait["ts"], wait["dur"]) == ("wait input", 1.0e6, 0.3e6)
     assert (compute["name"], compute["ts"], compute["dur"]) == ("F0", 1.3e6, 0.2e6)
 
