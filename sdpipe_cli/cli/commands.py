@@ -63,6 +63,13 @@ samples/s against the limit (each pipeline's solo rate, summed) for the config's
 mode in --compare, and writes <run>/simulation.json. See docs/SIMULATOR.md."""
 
 
+REPORT_HELP = """Plot one or more runs, overlaid and labelled by the settings in which they differ:
+loss against time and samples, samples/s per pipeline, sdpipe's group sizes per stage (over time
+and as a histogram), the distribution of waits and all-reduce times, and the consensus distance.
+Reads only config.yaml and metrics.jsonl, so a run still going, failed or interrupted works too.
+Needs matplotlib: pip install matplotlib."""
+
+
 RESUME_HELP = """Continue a run from its latest complete checkpoint (or a given one), with the saved
 config, in the same run folder; metrics are appended. Only settings that the saved state does not
 depend on may change (KEY=VALUE)."""
@@ -105,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
                         "checkpoint) or one checkpoint folder")
     resume.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help=f"safe changes only: {', '.join(RESUMABLE)}")
+    rep = sub.add_parser("report", help="plot runs: loss, throughput, groups, waits",
+                         description=REPORT_HELP,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run folders (running, failed or done)")
+    rep.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN/report)")
     return parser
 
 
@@ -134,6 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return profile(args.overrides, show_config=args.cfg, console=err)
         if args.command == "simulate":
             return simulate(args.overrides, args.compare, show_config=args.cfg, console=err)
+        if args.command == "report":
+            return report(args.runs, args.out, console=err)
     except (ConfigError, DataError, CheckpointError) as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
@@ -270,6 +284,20 @@ def simulate(overrides: Sequence[str], compare: str, show_config: bool = False,
                       f"{min(its)}-{max(its)}", f"{100 * sum(waits) / len(waits):.0f}%")
     Console().print(table)
     console.print(f"simulation: {path}", highlight=False)
+    return 0
+
+
+def report(paths: Sequence[str], out: Optional[str], console: Console) -> int:
+    from sdpipe_cli.cli import report as figures
+
+    runs = [figures.load(path) for path in paths]  # bad input: one line before anything is written
+    try:
+        import matplotlib  # noqa: F401 - an optional extra
+    except ImportError:
+        raise ConfigError("report", "needs matplotlib: pip install matplotlib (or, in a "
+                          "checkout, pip install -e '.[report]')") from None
+    for path in figures.report(runs, figures.default_out(runs, out)):
+        print(path)
     return 0
 
 

@@ -1,0 +1,236 @@
+"""``sdpipe report RUN [RUN ...] [--out DIR]``: pictures of runs, several overlaid.
+
+A run folder holds ``config.yaml`` and ``metrics.jsonl``; that is all a report reads, so it works
+on a run that is still going, failed or was interrupted (a torn last line is skipped). Runs are
+labelled by the settings in which they differ (``sync.name=sdpipe``, ``train.lr=0.003``), so a
+comparison of sync modes names itself. Each figure is a PNG in ``--out`` (default: the first
+run's folder, ``report/``):
+
+- ``loss.png``: training loss (mean over pipelines, per logged step) and validation loss, against
+  wall time and against samples seen;
+- ``throughput.png``: samples/s of each pipeline over time;
+- ``groups.png``: sdpipe's group size per stage over time, and its histogram (the paper's view);
+- ``waits.png``: the distribution of the wait for a group and of the group all-reduce (or, for
+  the other modes, of the time spent syncing);
+- ``consensus.png``: the consensus distance at global syncs, where the run has it.
+
+A figure with nothing to show (``groups.png`` for all-reduce runs only) is not written.
+matplotlib is an optional extra (``pip install -e '.[report]'``); the data part here is plain
+Python and is unit-tested without it.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from sdpipe_cli.config.schema import ConfigError
+
+__all__ = ["Run", "load", "labels", "report"]
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any]  # flattened: "train.lr" -> 0.003
+    lines: list[dict[str, Any]]
+    label: str = ""
+
+    def kind(self, kind: str) -> list[dict[str, Any]]:
+        return [m for m in self.lines if m.get("kind") == kind]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: json.dumps(tree) if isinstance(tree, list) else tree}
+
+
+def load(path: str | Path) -> Run:
+    """A run folder's config and metrics; ConfigError naming the path if it is not one."""
+    folder = Path(path)
+    config, metrics = folder / "config.yaml", folder / "metrics.jsonl"
+    if not folder.is_dir():
+        raise ConfigError(str(path), "is not a folder; give run folders (runs/<timestamp>)")
+    if not config.is_file() or not metrics.is_file():
+        raise ConfigError(str(path), "is not a run folder (no config.yaml and metrics.jsonl)")
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
+    except Exception as err:  # OmegaConf raises several types for a broken file
+        raise ConfigError(str(config), f"cannot be read: {str(err).splitlines()[0]}") from None
+    lines = []
+    for text in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            lines.append(json.loads(text))
+        except ValueError:
+            continue  # a line being written while we read
+    return Run(folder, _flatten(tree), lines)
+
+
+IGNORED = ("run.dir", "run.port", "run.node", "profile")  # differ between runs, say nothing
+
+
+def labels(runs: Sequence[Run], most: int = 4) -> list[str]:
+    """Each run's label: the settings whose values differ among ``runs`` (or its folder name).
+
+    A setting that some of the runs do not have (``sync.window_ms`` beside an all-reduce run) is
+    a consequence of one that differs (``sync.name``), and is left out while others remain."""
+    keys = sorted({k for r in runs for k in r.config} - set(IGNORED))
+    differing = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
+    shared = [k for k in differing if all(r.config.get(k) is not None for r in runs)]
+    shown = (shared or differing)[:most]
+    out = []
+    for run in runs:
+        parts = [f"{k}={run.config.get(k)}" for k in shown]
+        out.append(" ".join(parts) if parts and len(runs) > 1 else run.path.name)
+    return out
+
+
+def _pipelines(run: Run) -> list[int]:
+    return sorted({m["pipeline"] for m in run.kind("train")}) or [0]
+
+
+def mean_loss(run: Run) -> tuple[list[float], list[float], list[float]]:
+    """(times, samples, loss): after each logged step, the samples all pipelines have seen and the
+    mean of each pipeline's latest training loss. Pipelines at different speeds (sdpipe) are
+    compared at equal time, not at equal step."""
+    latest: dict[int, tuple[float, float]] = {}
+    times, samples, loss = [], [], []
+    for m in sorted(run.kind("train"), key=lambda m: m["time"]):
+        if m.get("loss") is None:
+            continue
+        latest[m["pipeline"]] = (m["samples"], m["loss"])
+        times.append(m["time"])
+        samples.append(sum(n for n, _ in latest.values()))
+        loss.append(sum(v for _, v in latest.values()) / len(latest))
+    return times, samples, loss
+
+
+def validation(run: Run) -> tuple[list[float], list[float], list[float]]:
+    """(times, samples, val_loss): each evaluation, with the samples all pipelines had seen then."""
+    times, seen, _ = mean_loss(run)
+    evals = sorted(run.kind("eval"), key=lambda m: m["time"])
+    at = [seen[max(bisect_right(times, m["time"]) - 1, 0)] if seen else 0 for m in evals]
+    return [m["time"] for m in evals], at, [m["val_loss"] for m in evals]
+
+
+def sync_times(run: Run) -> dict[str, list[float]]:
+    """Seconds per update spent waiting for a group and in the group all-reduce (sdpipe), or
+    syncing (the other modes), over every stage's lines."""
+    lines = run.kind("train") + run.kind("sync")
+    if any("wait_s" in m and "comm_s" in m for m in lines):
+        return {"wait for the group": [m["wait_s"] for m in lines if "wait_s" in m],
+                "group all-reduce": [m["comm_s"] for m in lines if "comm_s" in m]}
+    return {"sync": [m["sync_s"] for m in lines if "sync_s" in m]}
+
+
+def consensus(run: Run) -> dict[int, tuple[list[float], list[float]]]:
+    """Per stage: (times, consensus distances) at its global syncs; a measurement is timed by
+    its round's group line."""
+    when = {(g["stage"], g["round"]): g["time"] for g in run.kind("group")}
+    out: dict[int, tuple[list[float], list[float]]] = {}
+    for c in run.kind("consensus"):
+        t = c.get("time", when.get((c["stage"], c.get("round"))))
+        if t is not None:
+            times, values = out.setdefault(c["stage"], ([], []))
+            times.append(t)
+            values.append(c["consensus"])
+    return dict(sorted(out.items()))
+
+
+def report(runs: Sequence[Run], out: Path) -> list[Path]:
+    """Write the figures for ``runs`` into ``out``; the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = labels(runs)
+    for run, name in zip(runs, names):
+        run.label = name
+    written = []
+
+    def save(fig, name: str) -> None:
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    for run in runs:
+        t, n, loss = mean_loss(run)
+        vt, vn, val = validation(run)
+        line, = axes[0].plot(t, loss, alpha=0.6, label=f"{run.label} train")
+        axes[1].plot(n, loss, alpha=0.6, color=line.get_color(), label=f"{run.label} train")
+        if val:
+            axes[0].plot(vt, val, "o-", color=line.get_color(), label=f"{run.label} val")
+            axes[1].plot(vn, val, "o-", color=line.get_color(), label=f"{run.label} val")
+    for ax, x in zip(axes, ("seconds", "samples (all pipelines)")):
+        ax.set_xlabel(x)
+        ax.set_ylabel("loss (nats/byte)")
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0].set_title("loss against time")
+    axes[1].set_title("loss against samples")
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for run in runs:
+        for p in _pipelines(run):
+            ms = [m for m in run.kind("train") if m["pipeline"] == p and "samples_per_s" in m]
+            ax.plot([m["time"] for m in ms], [m["samples_per_s"] for m in ms],
+                    label=f"{run.label} p{p}")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("samples/s")
+    ax.set_title("throughput per pipeline")
+    ax.legend(fontsize=7)
+    save(fig, "throughput.png")
+
+    grouped = [run for run in runs if run.kind("group")]
+    if grouped:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+        for run in grouped:
+            for stage in sorted({g["stage"] for g in run.kind("group")}):
+                gs = [g for g in run.kind("group") if g["stage"] == stage]
+                axes[0].plot([g["time"] for g in gs], [g["size"] for g in gs], ".", alpha=0.5,
+                             label=f"{run.label} stage {stage}")
+            sizes = [g["size"] for g in run.kind("group")]
+            axes[1].hist(sizes, bins=range(1, max(sizes) + 2), alpha=0.5, align="left",
+                         label=run.label)
+        axes[0].set(xlabel="seconds", ylabel="group size", title="group size per stage")
+        axes[1].set(xlabel="group size", ylabel="rounds", title="group sizes")
+        for ax in axes:
+            ax.legend(fontsize=7)
+        save(fig, "groups.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for run in runs:
+        for what, seconds in sync_times(run).items():
+            if seconds:
+                ax.hist([s * 1e3 for s in seconds], bins=40, alpha=0.5, label=f"{run.label} {what}")
+    ax.set(xlabel="milliseconds per update", ylabel="updates", title="waiting and syncing")
+    ax.legend(fontsize=7)
+    save(fig, "waits.png")
+
+    with_consensus = [run for run in runs if run.kind("consensus")]
+    if with_consensus:
+        fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+        for run in with_consensus:
+            for stage, (times, values) in consensus(run).items():
+                ax.plot(times, values, "o-", label=f"{run.label} stage {stage}")
+        ax.set(xlabel="seconds", ylabel="consensus distance", title="replica drift at global syncs")
+        ax.legend(fontsize=7)
+        save(fig, "consensus.png")
+    return written
+
+
+def default_out(runs: Sequence[Run], out: Optional[str]) -> Path:
+    return Path(out) if out else runs[0].path / "report"

@@ -1,0 +1,73 @@
+"""What `sdpipe report` reads from a run folder and how it labels runs (no matplotlib needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdpipe_cli.cli import report
+from sdpipe_cli.config.schema import ConfigError
+
+
+def write_run(folder, config: str, lines: list[dict], torn: str = ""):
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(config)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + torn)
+    return folder
+
+
+SDPIPE = "sync:\n  name: sdpipe\n  window_ms: 5.0\ntrain:\n  lr: 0.001\nrun:\n  dir: /a\n"
+ALLREDUCE = "sync:\n  name: allreduce\ntrain:\n  lr: 0.001\nrun:\n  dir: /b\n"
+
+
+def train(p, step, t, loss):
+    return {"kind": "train", "pipeline": p, "step": step, "time": t, "samples": step * 8,
+            "samples_per_s": 100.0, "loss": loss, "sync_s": 0.01}
+
+
+def test_runs_are_labelled_by_what_differs_and_not_by_what_follows_from_it(tmp_path):
+    a = report.load(write_run(tmp_path / "a", SDPIPE, []))
+    b = report.load(write_run(tmp_path / "b", ALLREDUCE, []))
+    assert report.labels([a, b]) == ["sync.name=sdpipe", "sync.name=allreduce"]  # not window_ms, run.dir
+    assert report.labels([a]) == ["a"]
+
+
+def test_loss_is_compared_at_equal_time_across_pipelines_of_different_speeds(tmp_path):
+    lines = [train(0, 1, 1.0, 5.0), train(0, 2, 2.0, 4.0), train(1, 1, 2.5, 5.2),
+             train(0, 3, 3.0, 3.0), {"kind": "eval", "pipeline": 0, "step": 3, "time": 3.1,
+                                     "val_loss": 3.5, "samples": 24}]
+    run = report.load(write_run(tmp_path / "r", SDPIPE, lines))
+    times, samples, loss = report.mean_loss(run)
+    assert times == [1.0, 2.0, 2.5, 3.0]
+    assert samples == [8, 16, 24, 32]  # every pipeline's latest count, summed
+    assert loss == [5.0, 4.0, pytest.approx(4.6), pytest.approx(4.1)]
+    assert report.validation(run) == ([3.1], [32], [3.5])
+
+
+def test_a_run_still_being_written_is_read_up_to_its_torn_line(tmp_path):
+    run = report.load(write_run(tmp_path / "r", SDPIPE, [train(0, 1, 1.0, 5.0)], torn='{"kind": "tr'))
+    assert len(run.lines) == 1
+
+
+def test_consensus_is_timed_by_its_rounds_group_line(tmp_path):
+    lines = [{"kind": "group", "stage": 0, "round": 7, "time": 4.2, "size": 2},
+             {"kind": "consensus", "stage": 0, "round": 7, "consensus": 0.01}]
+    run = report.load(write_run(tmp_path / "r", SDPIPE, lines))
+    assert report.consensus(run) == {0: ([4.2], [0.01])}
+
+
+def test_waits_split_for_sdpipe_and_whole_for_the_others(tmp_path):
+    sd = report.load(write_run(tmp_path / "s", SDPIPE, [{**train(0, 1, 1.0, 5.0), "wait_s": 0.2,
+                                                         "comm_s": 0.01}]))
+    ar = report.load(write_run(tmp_path / "a", ALLREDUCE, [train(0, 1, 1.0, 5.0)]))
+    assert report.sync_times(sd) == {"wait for the group": [0.2], "group all-reduce": [0.01]}
+    assert report.sync_times(ar) == {"sync": [0.01]}
+
+
+def test_what_is_not_a_run_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="is not a folder"):
+        report.load(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is not a run folder"):
+        report.load(tmp_path / "empty")
