@@ -11,6 +11,8 @@ run folder, and child processes read that file (:func:`load_run_config`), never 
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 import re
 from dataclasses import dataclass, field
@@ -275,6 +277,12 @@ class FaultConfig:
 
 
 @dataclass
+class MetricsConfig:
+    # Also write metrics.jsonl's numbers as TensorBoard scalars under <run>/tb (needs tensorboard)
+    tensorboard: bool = False
+
+
+@dataclass
 class SimulateConfig:
     """What ``sdpipe simulate`` assumes beyond the cluster's devices and links. The defaults are
     fitted to real runs of the small models on a 2-core CPU machine with gloo (docs/SIMULATOR.md);
@@ -299,6 +307,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # A profile.json from `sdpipe profile`: block costs for pipeline.partition=auto and for
     # modelled emulation without cluster.compute_ms.
     profile: Optional[str] = None
@@ -502,6 +511,8 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
     need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")
     need(cfg.run.trace_events > 0, "run.trace_events", "must be at least 1")
+    need(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+         "metrics.tensorboard", "needs the tensorboard package: pip install tensorboard")
     _validate_cluster(cfg)
 
 

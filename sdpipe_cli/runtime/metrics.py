@@ -118,18 +118,69 @@ class RunTracker:
 
 
 class MetricsLog:
-    """Append-only ``metrics.jsonl``; each line is flushed so a crash loses at most one line."""
+    """Append-only ``metrics.jsonl``; each line is flushed so a crash loses at most one line.
 
-    def __init__(self, path: Path):
+    With ``tensorboard`` (a folder, ``metrics.tensorboard=true``), every line is also written
+    as TensorBoard scalars there (:func:`scalars` says which), through
+    ``torch.utils.tensorboard`` (the ``tensorboard`` package is an optional extra).
+    """
+
+    def __init__(self, path: Path, tensorboard: Optional[Path] = None):
         self.path = Path(path)
         self._file = self.path.open("a", encoding="utf-8")
+        self._board = None
+        if tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._board = SummaryWriter(log_dir=str(tensorboard), flush_secs=5)
 
     def write(self, line: dict[str, Any]) -> None:
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
+        if self._board is not None:
+            for tag, value, step, seconds in scalars(line):
+                self._board.add_scalar(tag, value, step, walltime=seconds)
 
     def close(self) -> None:
         self._file.close()
+        if self._board is not None:
+            self._board.close()
+
+
+# metrics.jsonl fields shown as TensorBoard scalars, per kind of line.
+_PIPELINE_FIELDS = ("loss", "samples_per_s", "lr", "step_s", "sync_s", "wait_s", "comm_s",
+                    "group_size")
+
+
+def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]]]:
+    """The TensorBoard scalars of one metrics line: (tag, value, step, run-clock seconds).
+
+    Pipelines' series are on their own iterations (``pipeline1/loss``, ``pipeline1/stage0/wait_s``
+    for stages other than the last), validation as ``pipeline1/val_loss``; sdpipe's decisions
+    and consensus on the stage's rounds (``stage0/group_size``, ``stage0/max_wait_s``,
+    ``stage0/consensus``)."""
+    kind, t = line.get("kind"), line.get("time")
+    out: list[tuple[str, float, int, Optional[float]]] = []
+
+    def add(tag: str, value: Any, step: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and step is not None:
+            out.append((tag, float(value), int(step), t))
+
+    if kind == "train":
+        for name in _PIPELINE_FIELDS:
+            add(f"pipeline{line['pipeline']}/{name}", line.get(name), line.get("step"))
+    elif kind == "sync":
+        for name in ("wait_s", "comm_s", "group_size"):
+            add(f"pipeline{line['pipeline']}/stage{line['stage']}/{name}", line.get(name),
+                line.get("step"))
+    elif kind == "eval":
+        add(f"pipeline{line['pipeline']}/val_loss", line.get("val_loss"), line.get("step"))
+    elif kind == "group":
+        add(f"stage{line['stage']}/group_size", line.get("size"), line.get("round"))
+        add(f"stage{line['stage']}/max_wait_s", line.get("max_wait_s"), line.get("round"))
+    elif kind == "consensus":
+        add(f"stage{line['stage']}/consensus", line.get("consensus"), line.get("round"))
+    return out
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -94,7 +94,8 @@ class Scheduler:
         self.tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
         self.policy = make_policy(cfg, clock) if cfg.sync.name == "sdpipe" else None
-        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl",
+                                  tensorboard=run_dir / "tb" if cfg.metrics.tensorboard else None)
         self.rounds = [[0] * P for _ in range(S)]  # rounds each replica took part in
         self.group_sizes: list[int] = []
         self.started = clock()

@@ -299,3 +299,16 @@ def test_weight_versions_errors(overrides, reason, capsys):
     assert main(["train", *overrides]) == 2
     err = capsys.readouterr().err
     assert one_error_line(err, "pipeline.weight_versions")
+
+
+def test_tensorboard_without_its_package_is_named(monkeypatch):
+    import importlib.util
+
+    from sdpipe_cli.config.schema import ConfigError, compose, validate
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["metrics.tensorboard=true"]))
+    assert err.value.key == "metrics.tensorboard" and "pip install tensorboard" in str(err.value)

@@ -271,3 +271,24 @@ def test_tracker_lines_through_log(tmp_path, clock):
     assert [line["kind"] for line in back] == ["train", "eval", "done"]
     assert back[0]["loss"] == 1.5
     assert back[1]["val_loss"] == 1.4
+
+
+def test_tensorboard_scalars_of_each_kind_of_line():
+    from sdpipe_cli.runtime.metrics import scalars
+
+    train = {"kind": "train", "pipeline": 1, "step": 7, "time": 3.5, "loss": 2.0, "lr": 1e-3,
+             "group_kind": "group", "straggled": 0, "wait_s": 0.1}
+    assert scalars(train) == [("pipeline1/loss", 2.0, 7, 3.5), ("pipeline1/lr", 1e-3, 7, 3.5),
+                              ("pipeline1/wait_s", 0.1, 7, 3.5)]
+    assert scalars({"kind": "group", "stage": 0, "round": 4, "size": 3, "max_wait_s": 0.2,
+                    "time": 1.0}) == [("stage0/group_size", 3.0, 4, 1.0),
+                                      ("stage0/max_wait_s", 0.2, 4, 1.0)]
+    assert scalars({"kind": "consensus", "stage": 1, "round": 9, "consensus": 0.01}) == [
+        ("stage1/consensus", 0.01, 9, None)]
+    assert scalars({"kind": "sync", "pipeline": 0, "stage": 0, "step": 2, "time": 1.0,
+                    "wait_s": 0.3}) == [("pipeline0/stage0/wait_s", 0.3, 2, 1.0)]
+    assert scalars({"kind": "eval", "pipeline": 0, "step": 5, "time": 2.0, "val_loss": 1.5}) == [
+        ("pipeline0/val_loss", 1.5, 5, 2.0)]
+    assert scalars({"kind": "done", "pipeline": 0, "steps": 5}) == []
+    assert scalars({**train, "loss": None}) == [("pipeline1/lr", 1e-3, 7, 3.5),
+                                               ("pipeline1/wait_s", 0.1, 7, 3.5)]

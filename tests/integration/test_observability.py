@@ -1,0 +1,70 @@
+"""What a run shows besides metrics.jsonl, on one shared run: the timeline (``run.trace=true``,
+``<run>/trace.json`` in the Chrome trace format) and TensorBoard scalars
+(``metrics.tensorboard=true``, ``<run>/tb``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdpipe_cli.core.schedule import get_schedule
+from tests.helpers import kill_leftovers, metrics, sdpipe
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    """sdpipe, P = S = 2, 4 micro-batches, 4 steps, evaluations and checkpoints, both outputs on."""
+    run_dir = tmp_path_factory.mktemp("observed") / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic", "train.steps=4",
+                 "train.batch_size=8", "pipeline.microbatches=4", "train.eval_every=2",
+                 "checkpoint.every=2", "sync.global_every=2", "run.trace=true",
+                 "metrics.tensorboard=true")
+    assert not kill_leftovers(run_dir)
+    assert out.returncode == 0, out.stderr
+    return run_dir, out
+
+
+def test_a_traced_run_shows_every_worker_and_the_1f1b_order(observed):
+    run_dir, out = observed
+    assert f"trace: {run_dir / 'trace.json'}" in out.stderr
+    doc = json.loads((run_dir / "trace.json").read_text())
+    events = doc["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {r: f"rank {r} (pipeline {r // 2}, stage {r % 2})" for r in range(4)}
+    steps = {d["rank"]: d["steps"] for d in metrics(run_dir, "done")}
+    assert sum(steps[r] for r in (0, 2)) == 2 * 4  # sdpipe's budget: P x train.steps in all
+    for rank in range(4):
+        mine = [e for e in events if e["pid"] == rank and e["ph"] != "M"]
+        assert all(e["ph"] in ("X", "i") and e["ts"] >= 0 for e in mine)
+        compute = [e["name"] for e in mine if e["cat"] == "compute"]
+        one = [str(a) for a in get_schedule("1f1b")(2, 4, rank % 2)]
+        assert compute[:len(one)] == one  # the first iteration, in 1F1B order
+        assert len(compute) == steps[rank] * len(one)  # every iteration's (evaluation untraced)
+        cats = {e["cat"] for e in mine}
+        assert {"compute", "update", "eval", "checkpoint"} <= cats, cats
+        assert any(e["name"] == "group all-reduce" for e in mine)  # sdpipe's rounds
+    assert any(e["name"] == "wait input" for e in events if e["pid"] % 2 == 1)  # stage 1 waits
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 for e in spans)
+
+
+def test_tensorboard_scalars_read_back_as_the_metrics_say(observed):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = observed
+    board = EventAccumulator(str(run_dir / "tb"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"pipeline0/loss", "pipeline1/loss", "pipeline0/val_loss", "pipeline0/lr",
+            "pipeline0/samples_per_s", "pipeline0/stage0/wait_s", "stage0/group_size",
+            "stage1/group_size", "stage0/consensus"} <= tags, tags
+    for p in (0, 1):
+        lines = {m["step"]: m["loss"] for m in metrics(run_dir, "train") if m["pipeline"] == p}
+        board_loss = {e.step: e.value for e in board.Scalars(f"pipeline{p}/loss")}
+        assert board_loss.keys() == lines.keys()
+        assert all(board_loss[k] == pytest.approx(lines[k], rel=1e-6) for k in lines)
+    groups = metrics(run_dir, "group")
+    assert len(board.Scalars("stage0/group_size")) == sum(g["stage"] == 0 for g in groups)
