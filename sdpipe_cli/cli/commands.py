@@ -96,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
                                  epilog=f"config groups (group=option):\n{groups}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         command.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+        if name == "train":
+            command.add_argument("-m", "--multirun", action="store_true",
+                                 help="a sweep: one run per combination of swept values "
+                                 "(sync=allreduce,sdpipe train.lr=1e-3,3e-3), then a comparison")
         command.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
     sim = sub.add_parser("simulate", help="simulate a run's timing under sync policies",
                          description=SIMULATE_HELP,
@@ -138,6 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # must not be interrupted by an exception); the launch then handles its own interrupts.
     previous = exit_on_interrupt("preparing the run")
     try:
+        if args.command == "train" and args.multirun:
+            return sweep_train(args.overrides, console=err)
         if args.command == "train":
             return train(args.overrides, show_config=args.cfg, console=err)
         if args.command == "resume":
@@ -167,6 +173,76 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
     if cfg.data.name == "text":  # a user's file: fail before anything starts
         data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
     return _run(_prepared(cfg, console), console)
+
+
+def sweep_train(overrides: Sequence[str], console: Console) -> int:
+    """``sdpipe train -m``: every combination validated first, then run one after another in
+    one sweep folder (``run.dir``, or ``runs/sweep-<timestamp>``), then one comparison table
+    (also ``<sweep>/sweep.json``). A failed run is reported and the sweep goes on; an interrupt
+    ends it."""
+    import json
+    from datetime import datetime
+    from pathlib import Path
+
+    from sdpipe_cli.cli import launcher, report as figures
+    from sdpipe_cli.config import sweep
+
+    combos = sweep.expand(overrides)
+    first = _composed(combos[0].overrides, False)
+    folder = first.run.dir or f"runs/sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    cfgs = [_composed([*c.overrides, f"run.dir={Path(folder) / c.name}"], False) for c in combos]
+    root = launcher.make_run_dir(folder)  # after every combination passed validation
+    console.print(f"sweep: {len(combos)} runs in {root}", markup=False, highlight=False)
+    rows = []
+    for combo, cfg in zip(combos, cfgs):
+        console.print(f"sweep run {combo.index + 1}/{len(combos)}: {' '.join(combo.varied)}",
+                      markup=False, highlight=False)
+        rc = _run(_prepared(cfg, console), console)
+        rows.append({"run": combo.name, "overrides": list(combo.varied), "exit": rc,
+                     **_outcome(figures, Path(cfg.run.dir))})
+        (root / "sweep.json").write_text(json.dumps({"runs": rows}, indent=1))
+        if rc == EXIT_INTERRUPTED:
+            break
+    table = Table(title=f"sweep {root}")
+    for column in ("run", "exit", "loss", "val_loss", "best loss after (s)", "samples/s"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for row in rows:
+        table.add_row(row["run"], str(row["exit"]), _num(row.get("loss")), _num(row.get("val_loss")),
+                      _num(row.get("best_loss_s"), 1), _num(row.get("samples_per_s"), 1))
+    console.print(table)
+    codes = {row["exit"] for row in rows}
+    return EXIT_INTERRUPTED if EXIT_INTERRUPTED in codes else EXIT_FAILED if codes - {0} else 0
+
+
+def _outcome(figures, run_dir) -> dict:
+    """A sweep run's figures for the table: final loss and val_loss, samples/s, and how many
+    seconds of training the mean training loss took to reach its lowest (whatever a failed run
+    got to)."""
+    import json
+
+    out: dict = {}
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        out.update(loss=summary.get("loss"), val_loss=summary.get("val_loss"),
+                   samples_per_s=summary.get("samples_per_s"))
+    except (OSError, ValueError):
+        pass
+    try:
+        run = figures.load(run_dir)
+    except ConfigError:
+        return out
+    times, _, loss = figures.mean_loss(run)
+    if loss:
+        # from the first iteration's start: a sweep's first run also started the fork server
+        began = min(m["time"] - m.get("step_s", 0.0) for m in run.kind("train"))
+        best = min(range(len(loss)), key=loss.__getitem__)
+        out.update(best_loss=loss[best], best_loss_s=times[best] - began)
+        out.setdefault("loss", loss[-1])
+    return out
+
+
+def _num(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _composed(overrides: Sequence[str], show_config: bool):
@@ -290,7 +366,7 @@ def simulate(overrides: Sequence[str], compare: str, show_config: bool = False,
 def report(paths: Sequence[str], out: Optional[str], console: Console) -> int:
     from sdpipe_cli.cli import report as figures
 
-    runs = [figures.load(path) for path in paths]  # bad input: one line before anything is written
+    runs = figures.load_all(paths)  # bad input: one line before anything is written
     try:
         import matplotlib  # noqa: F401 - an optional extra
     except ImportError:

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ConfigError
 
-__all__ = ["Run", "load", "labels", "report"]
+__all__ = ["Run", "load", "load_all", "labels", "report"]
 
 
 @dataclass
@@ -73,6 +73,28 @@ def load(path: str | Path) -> Run:
         except ValueError:
             continue  # a line being written while we read
     return Run(folder, _flatten(tree), lines)
+
+
+def load_all(paths: Sequence[str | Path]) -> list[Run]:
+    """Runs from run folders and sweep folders (``sdpipe train -m``: every run in it, in the
+    sweep's order)."""
+    runs = []
+    for path in paths:
+        folder = Path(path)
+        inner = []
+        if folder.is_dir() and not (folder / "config.yaml").exists():
+            inner = sorted((p for p in folder.iterdir() if (p / "config.yaml").is_file()),
+                           key=_sweep_order)
+        if inner:
+            runs.extend(load(p) for p in inner)
+        else:
+            runs.append(load(path))
+    return runs
+
+
+def _sweep_order(path: Path) -> tuple[int, str]:
+    head = path.name.split("-", 1)[0]
+    return (int(head) if head.isdigit() else 1 << 30, path.name)
 
 
 IGNORED = ("run.dir", "run.port", "run.node", "profile")  # differ between runs, say nothing
