@@ -176,10 +176,11 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
 
 
 def sweep_train(overrides: Sequence[str], console: Console) -> int:
-    """``sdpipe train -m``: every combination validated first, then run one after another in
-    one sweep folder (``run.dir``, or ``runs/sweep-<timestamp>``), then one comparison table
-    (also ``<sweep>/sweep.json``). A failed run is reported and the sweep goes on; an interrupt
-    ends it."""
+    """``sdpipe train -m``: every combination validated first, then Hydra's multirun runs one
+    job per combination (its basic launcher: one after another in this process; or the launcher
+    the overrides pick, e.g. ``hydra/launcher=submitit_slurm``) into one sweep folder
+    (``run.dir``, or ``runs/sweep-<timestamp>``), then one comparison table (also
+    ``<sweep>/sweep.json``). A failed run is reported and the sweep goes on; Ctrl-C ends it."""
     import json
     from datetime import datetime
     from pathlib import Path
@@ -187,31 +188,55 @@ def sweep_train(overrides: Sequence[str], console: Console) -> int:
     from sdpipe_cli.cli import launcher, report as figures
     from sdpipe_cli.config import sweep
 
-    combos = sweep.expand(overrides)
+    ours = [o for o in overrides if not sweep.for_hydra(o)]
+    combos = sweep.expand(ours)
     first = _composed(combos[0].overrides, False)
     folder = first.run.dir or f"runs/sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    cfgs = [_composed([*c.overrides, f"run.dir={Path(folder) / c.name}"], False) for c in combos]
-    root = launcher.make_run_dir(folder)  # after every combination passed validation
+    for combo in combos:  # bad input stops the sweep before anything is written
+        _composed([*combo.overrides, f"run.dir={Path(folder) / combo.name}"], False)
+    root = launcher.make_run_dir(folder).resolve()
     console.print(f"sweep: {len(combos)} runs in {root}", markup=False, highlight=False)
+    interrupted = sweep.multirun(_sweep_job, [o for o in overrides if not o.startswith("run.dir=")],
+                                 root, combos)
     rows = []
-    for combo, cfg in zip(combos, cfgs):
-        console.print(f"sweep run {combo.index + 1}/{len(combos)}: {' '.join(combo.varied)}",
-                      markup=False, highlight=False)
-        rc = _run(_prepared(cfg, console), console)
-        rows.append({"run": combo.name, "overrides": list(combo.varied), "exit": rc,
-                     **_outcome(figures, Path(cfg.run.dir))})
-        (root / "sweep.json").write_text(json.dumps({"runs": rows}, indent=1))
-        if rc == EXIT_INTERRUPTED:
-            break
+    for combo in combos:  # Hydra named each job's folder <k>-<what varies>
+        run_dir = next(root.glob(f"{combo.index}-*"), root / combo.name)
+        status = ("done" if (run_dir / "summary.json").exists() else
+                  "not run" if not (run_dir / "config.yaml").exists() else "failed")
+        rows.append({"run": run_dir.name, "overrides": list(combo.varied), "status": status,
+                     **_outcome(figures, run_dir)})
+    if interrupted:  # the last run that started is the one Ctrl-C stopped
+        started = [row for row in rows if row["status"] != "not run"]
+        if started:
+            started[-1]["status"] = "interrupted"
+    (root / "sweep.json").write_text(json.dumps({"runs": rows}, indent=1))
     table = Table(title=f"sweep {root}")
-    for column in ("run", "exit", "loss", "val_loss", "best loss after (s)", "samples/s"):
-        table.add_column(column, justify="left" if column == "run" else "right")
+    for column in ("run", "status", "loss", "val_loss", "best loss after (s)", "samples/s"):
+        table.add_column(column, justify="left" if column in ("run", "status") else "right")
     for row in rows:
-        table.add_row(row["run"], str(row["exit"]), _num(row.get("loss")), _num(row.get("val_loss")),
+        table.add_row(row["run"], row["status"], _num(row.get("loss")), _num(row.get("val_loss")),
                       _num(row.get("best_loss_s"), 1), _num(row.get("samples_per_s"), 1))
     console.print(table)
-    codes = {row["exit"] for row in rows}
-    return EXIT_INTERRUPTED if EXIT_INTERRUPTED in codes else EXIT_FAILED if codes - {0} else 0
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return 0 if all(row["status"] == "done" for row in rows) else EXIT_FAILED
+
+
+def _sweep_job(cfg) -> int:
+    """One job of a sweep, as Hydra's launcher calls it (in this process, or in one the launcher
+    started, on this machine or another): the run in the job's folder, as ``sdpipe train``
+    would run it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    console = Console(stderr=True)
+    cfg.run.dir = HydraConfig.get().runtime.output_dir
+    _place_by_job(cfg)
+    validate(cfg)
+    network.check_hosts(cfg)
+    rc = _run(_prepared(cfg, console), console)
+    if rc == EXIT_INTERRUPTED:
+        raise KeyboardInterrupt  # ends the sweep: the next jobs are not started
+    return rc
 
 
 def _outcome(figures, run_dir) -> dict:

@@ -1,11 +1,11 @@
 """Sweeps (``sdpipe train -m A=x,y B=u,v``): every combination of the swept values, one run each.
 
-Hydra's own grammar says what is swept (``a,b``, ``range(1,4)``, ``choice(...)``); its parser
-expands each override here, and the combinations are their product in the order given, the last
-override varying fastest, as Hydra's basic sweeper orders them. Each combination becomes a plain
-list of overrides that ``sdpipe train`` composes and validates like any other; the CLI runs them
-one after another in one sweep folder (``<sweep>/<k>-<what varies>``) and compares them in one
-table. Pure: no config is composed and nothing runs here.
+:func:`expand` (pure) reads the sweep with Hydra's own override parser (``a,b``, ``range(1,4)``,
+``choice(...)``) into its combinations, in Hydra's order (the last override varies fastest), so
+that the CLI can compose and validate every one before anything runs. :func:`multirun` then hands
+the sweep to Hydra's multirun, whose launcher runs one job per combination: the basic launcher,
+one after another in this process, or a plug-in the overrides pick (``hydra/launcher=
+submitit_slurm``: one SLURM job each). Each job lands in ``<sweep>/<k>-<what varies>``.
 """
 
 from __future__ import annotations
@@ -58,3 +58,41 @@ def expand(overrides: Sequence[str]) -> list[Combination]:
             axes.append([text])
     return [Combination(index, tuple(combo), tuple(combo[i] for i in swept))
             for index, combo in enumerate(itertools.product(*axes))]
+
+
+def for_hydra(override: str) -> bool:
+    """Whether ``override`` sets Hydra itself (``hydra/launcher=submitit_slurm``,
+    ``hydra.launcher.timeout_min=60``) rather than the run."""
+    return override.startswith(("hydra/", "hydra.", "+hydra"))
+
+
+def multirun(task, overrides: Sequence[str], root, combos: Sequence[Combination]) -> bool:
+    """Run ``task(cfg)`` for every combination through Hydra's multirun, with its launcher
+    (basic unless ``overrides`` pick another), each job in ``root/<k>-<what varies>`` (Hydra's
+    ``override_dirname`` of the swept overrides, sorted by key). Returns whether a job was
+    interrupted (which ends the sweep)."""
+    import sys
+
+    import hydra
+
+    from sdpipe_cli.config.schema import compose, config_dir
+
+    compose([])  # puts the schema in Hydra's ConfigStore, as a composition does
+    varied = {v.split("=", 1)[0] for c in combos for v in c.varied}
+    fixed = sorted({o.split("=", 1)[0].lstrip("+~") for o in overrides if not for_hydra(o)} - varied)
+    argv = ["sdpipe", "-m", *overrides, f"hydra.sweep.dir={root}",
+            "hydra.sweep.subdir=${hydra.job.num}-${hydra.job.override_dirname}",
+            "hydra.job.config.override_dirname.kv_sep=-",
+            "hydra.job.config.override_dirname.item_sep=_",
+            f"hydra.job.config.override_dirname.exclude_keys=[{','.join(fixed)}]",
+            "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    main = hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(task)
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        main()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.argv = saved
+    return False

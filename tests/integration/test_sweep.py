@@ -1,4 +1,6 @@
-"""`sdpipe train -m`: a 2 x 2 sweep in one folder, its table, and `sdpipe report` on the folder."""
+"""`sdpipe train -m`: a 2 x 2 sweep in one folder, its table, and `sdpipe report` on the folder;
+the same through a Hydra launcher plug-in (submitit's local launcher: each job its own process,
+as submitit_slurm makes each a SLURM job)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def test_a_two_by_two_sweep_runs_compares_and_plots(tmp_path):
     rows = json.loads((sweep / "sweep.json").read_text())["runs"]
     assert [r["run"] for r in rows] == names
     for row in rows:
-        assert row["exit"] == 0 and row["loss"] < 5.6 and row["samples_per_s"] > 0
+        assert row["status"] == "done" and row["loss"] < 5.6 and row["samples_per_s"] > 0
         assert 0 < row["best_loss_s"] < 60
         assert not kill_leftovers(sweep / row["run"])
         assert (sweep / row["run"] / "summary.json").exists()
@@ -41,3 +43,17 @@ def test_a_sweep_with_one_bad_combination_starts_nothing(tmp_path):
     assert out.returncode == 2
     one_error_line(out.stderr, "train.steps")
     assert not sweep.exists()
+
+
+def test_a_hydra_launcher_plugin_runs_the_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    out = sdpipe("train", "-m", "sync=allreduce,sdpipe", *SMALL, f"run.dir={sweep}",
+                 "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((sweep / "sweep.json").read_text())["runs"]
+    assert [(r["run"], r["status"]) for r in rows] == [("0-sync-allreduce", "done"),
+                                                       ("1-sync-sdpipe", "done")]
+    logs = list((sweep / ".submitit").rglob("*_log.out"))
+    assert len(logs) == 2  # each job ran in a process of submitit's
+    for row in rows:
+        assert not kill_leftovers(sweep / row["run"])
