@@ -230,8 +230,7 @@ def _sweep_job(cfg) -> int:
 
     console = Console(stderr=True)
     cfg.run.dir = HydraConfig.get().runtime.output_dir
-    _place_by_job(cfg)
-    validate(cfg)
+    _validated(cfg)
     network.check_hosts(cfg)
     rc = _run(_prepared(cfg, console), console)
     if rc == EXIT_INTERRUPTED:
@@ -272,13 +271,18 @@ def _num(value, digits: int = 4) -> str:
 
 def _composed(overrides: Sequence[str], show_config: bool):
     """The validated config, or None once ``--cfg`` printed it."""
-    cfg = compose(list(overrides))
-    _place_by_job(cfg)
-    validate(cfg)
+    cfg = _validated(compose(list(overrides)))
     if show_config:
         print(OmegaConf.to_yaml(cfg), end="")
         return None
     network.check_hosts(cfg)  # before the heavy imports: a mistyped host fails at once
+    return cfg
+
+
+def _validated(cfg):
+    """``cfg`` placed by the job scheduler's environment (if any) and validated."""
+    _place_by_job(cfg)
+    validate(cfg)
     return cfg
 
 
@@ -340,9 +344,6 @@ def profile(overrides: Sequence[str], show_config: bool = False,
     phases = _Phases(console)
     result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE)
     _run_folder(console, result)
-    if result.trace is not None:
-        console.print(f"trace: {result.trace} (open in ui.perfetto.dev or chrome://tracing)",
-                      markup=False, highlight=False, soft_wrap=True)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
                       soft_wrap=True)
@@ -424,9 +425,6 @@ def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
     with display:  # the launcher handles interrupts from here on
         result = launcher.launch(run_cfg, on_progress=display.update, **resume)
     _run_folder(console, result)
-    if result.trace is not None:
-        console.print(f"trace: {result.trace} (open in ui.perfetto.dev or chrome://tracing)",
-                      markup=False, highlight=False, soft_wrap=True)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
                       soft_wrap=True)
@@ -438,6 +436,9 @@ def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
 def _run_folder(console: Console, result) -> None:
     if result.run_dir is not None:  # None: stopped before the folder was made
         console.print(f"run folder: {result.run_dir}", highlight=False)
+    if result.trace is not None:
+        console.print(f"trace: {result.trace} (open in ui.perfetto.dev or chrome://tracing)",
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 class _ProgressDisplay:

@@ -6,8 +6,8 @@ labelled by the settings in which they differ (``sync.name=sdpipe``, ``train.lr=
 comparison of sync modes names itself. Each figure is a PNG in ``--out`` (default: the first
 run's folder, ``report/``):
 
-- ``loss.png``: training loss (mean over pipelines, per logged step) and validation loss, against
-  wall time and against samples seen;
+- ``loss.png``: training loss (at each moment, the mean of every pipeline's latest) and
+  validation loss, against wall time and against the samples all pipelines have seen;
 - ``throughput.png``: samples/s of each pipeline over time;
 - ``groups.png``: sdpipe's group size per stage over time, and its histogram (the paper's view);
 - ``waits.png``: the distribution of the wait for a group and of the group all-reduce (or, for

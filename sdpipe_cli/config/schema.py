@@ -337,6 +337,17 @@ def group_options() -> dict[str, list[str]]:
     }
 
 
+def register_schema() -> None:
+    """Put the schema in Hydra's ConfigStore, where ``configs/config.yaml`` finds it
+    (``base_config``; ``configs/sync/<name>.yaml`` extends ``sync/schema_<name>``)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for name, node in SYNC_CONFIGS.items():
+        store.store(group="sync", name=f"schema_{name}", node=node)
+
+
 def compose(overrides: list[str]) -> DictConfig:
     """Compose the config tree with Hydra overrides (``key=value``, ``group=option``, ``+key=value``).
 
@@ -345,13 +356,9 @@ def compose(overrides: list[str]) -> DictConfig:
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
 
-    store = ConfigStore.instance()
-    store.store(name="base_config", node=Config)
-    for name, node in SYNC_CONFIGS.items():  # configs/sync/<name>.yaml extends schema_<name>
-        store.store(group="sync", name=f"schema_{name}", node=node)
+    register_schema()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):

@@ -75,9 +75,9 @@ def multirun(task, overrides: Sequence[str], root, combos: Sequence[Combination]
 
     import hydra
 
-    from sdpipe_cli.config.schema import compose, config_dir
+    from sdpipe_cli.config.schema import config_dir, register_schema
 
-    compose([])  # puts the schema in Hydra's ConfigStore, as a composition does
+    register_schema()
     varied = {v.split("=", 1)[0] for c in combos for v in c.varied}
     fixed = sorted({o.split("=", 1)[0].lstrip("+~") for o in overrides if not for_hydra(o)} - varied)
     argv = ["sdpipe", "-m", *overrides, f"hydra.sweep.dir={root}",

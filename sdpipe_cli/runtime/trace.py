@@ -74,6 +74,25 @@ class Tracer:
             self.span(name, cat, start, self.clock())
 
     # -- the executor's hooks ----------------------------------------------------------------
+    def hooks(self, on_action: Optional[Callable[[Any, float], None]],
+              before_send: Optional[Callable[[int, Any], None]]):
+        """The executor's ``(on_action, before_send, before_action)`` hooks: these record, and
+        call the given ones (an emulated device's slowdown, an emulated link's delay) inside,
+        so that an emulated slow compute is traced as compute."""
+
+        def traced_action(action: Any, seconds: float) -> None:
+            called = self.clock()
+            if on_action is not None:
+                on_action(action, seconds)
+            self.computed(action, seconds, called)
+
+        def traced_send(dst: int, tensor: Any) -> None:
+            self.sent(dst, tensor)
+            if before_send is not None:
+                before_send(dst, tensor)
+
+        return traced_action, traced_send, self.before_action
+
     def before_action(self, action: Any) -> None:
         self._before = self.clock()
 

@@ -80,8 +80,10 @@ class Worker:
         self.tracer = (Tracer(where.rank, f"rank {where.rank} (pipeline {p}, stage {s})",
                               lambda: time.time() - self.t0, cfg.run.trace_events)
                        if cfg.run.trace else None)
-        on_action, before_send, before_action = self._executor_hooks(
-            self.slowdown if self.slowdown.active else None, link_delay(self.cluster, where.rank))
+        on_action = self.slowdown if self.slowdown.active else None
+        before_send, before_action = link_delay(self.cluster, where.rank), None
+        if self.tracer is not None:  # around the emulation's: a slow compute shows as compute
+            on_action, before_send, before_action = self.tracer.hooks(on_action, before_send)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
         self.stage = PipelineStage(
             self.module, stage=s, num_stages=where.stages,
@@ -98,26 +100,6 @@ class Worker:
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
         self._saved_step = self.start_step  # the step of the last checkpoint (or of the resume)
-
-    def _executor_hooks(self, slowdown, send_delay):
-        """The executor's hooks: the emulation's, and with ``run.trace`` the tracer's around them
-        (an emulated slow compute shows as compute)."""
-        t = self.tracer
-        if t is None:
-            return slowdown, send_delay, None
-
-        def on_action(action, seconds: float) -> None:
-            called = t.clock()
-            if slowdown is not None:
-                slowdown(action, seconds)
-            t.computed(action, seconds, called)
-
-        def before_send(dst: int, tensor: torch.Tensor) -> None:
-            t.sent(dst, tensor)
-            if send_delay is not None:
-                send_delay(dst, tensor)
-
-        return on_action, before_send, t.before_action
 
     def _traced(self, name: str, cat: str):
         return self.tracer.timed(name, cat) if self.tracer is not None else nullcontext()
