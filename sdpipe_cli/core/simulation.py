@@ -160,6 +160,12 @@ class _Run:
 
         self.link_in = [[(hop(x.prev_rank, x.rank), hop(x.next_rank, x.rank)) for x in row]
                         for row in self.where]
+        # Per pipeline, per action of the flushed iteration: its cost at speed 1 and the transfer
+        # before it (the inner loop of _start_iteration runs P x steps x actions times).
+        self.action_s = [[(work.backward_s[p][s] if b else work.forward_s[p][s])
+                          for s, b, _ in self.plan.steps] for p in range(P)]
+        self.action_link = [[self.link_in[p][s][1 if b else 0] for s, b, _ in self.plan.steps]
+                            for p in range(P)]
         self.noise = [[random.Random(f"{work.seed}/jitter/{p}/{s}") for s in range(S)]
                       for p in range(P)]
         self.heap: list = []
@@ -200,16 +206,16 @@ class _Run:
                 x *= math.exp(self.noise[p][s].gauss(0.0, w.jitter))
             device = self.devices[p][s]
             scale.append(x if device.name in self.dynamic else x / device.speed)
-        fwd, bwd, links = w.forward_s[p], w.backward_s[p], self.link_in[p]
+        cost, link = self.action_s[p], self.action_link[p]
         slow = per_action or bool(self.dynamic)
         busy = 0.0
-        for i, (s, backward, dep) in enumerate(self.plan.steps):
+        for i, (s, _, dep) in enumerate(self.plan.steps):
             t = at[s]
             if dep >= 0:
-                arrival = end[dep] + links[s][1 if backward else 0]
+                arrival = end[dep] + link[i]
                 if arrival > t:
                     t = arrival
-            duration = (bwd[s] if backward else fwd[s]) * scale[s]
+            duration = cost[i] * scale[s]
             if slow:
                 if per_action and draws[s] is not None:
                     duration *= draws[s].draw()
