@@ -17,7 +17,7 @@ from typing import Sequence
 
 from sdpipe_cli.config.schema import ConfigError
 
-__all__ = ["Combination", "expand"]
+__all__ = ["Combination", "expand", "for_hydra", "multirun"]
 
 
 @dataclass(frozen=True)
