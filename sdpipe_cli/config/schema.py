@@ -273,7 +273,14 @@ class CheckpointConfig:
 class FaultConfig:
     # stop: any failure stops the run. continue (sync=sdpipe only): when a pipeline loses a worker,
     # its other workers are stopped, the scheduler drops it from every group, and the rest go on.
+    # restart (sync=sdpipe only): as continue, then the pipeline's workers are started again and
+    # copy each stage's weights and optimizer state from a live replica (up to max_restarts).
     on_pipeline_loss: str = "stop"
+    # stop: a failure ends the run. restart (sync=allreduce or adpsgd, with checkpoints): the whole
+    # run starts again from its latest checkpoint, up to max_restarts times (torchrun's --max-restarts)
+    on_failure: str = "stop"
+    max_restarts: int = 3  # restarts in total over the run (of pipelines, or of the whole run)
+    restart_backoff: float = 1.0  # seconds before the first restart; doubled for each one after
 
 
 @dataclass
@@ -413,13 +420,15 @@ def _as_config_error(err: Exception) -> ConfigError:
     return ConfigError(key, text)
 
 
+def need(ok: bool, key: str, reason: str) -> None:
+    """Raise :class:`ConfigError` for ``key`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(key, reason)
+
+
 def validate(cfg: DictConfig) -> None:
     """Cross-field checks that types alone cannot express. Raises :class:`ConfigError`."""
     m, p, c, t, d = cfg.model, cfg.pipeline, cfg.cluster, cfg.train, cfg.data
-
-    def need(ok: bool, key: str, reason: str) -> None:
-        if not ok:
-            raise ConfigError(key, reason)
 
     need(m.arch in ARCHS, "model.arch", f"is '{m.arch}'; choose one of {', '.join(ARCHS)}")
     need(m.n_layers >= 1, "model.n_layers", "must be at least 1")
@@ -510,10 +519,7 @@ def validate(cfg: DictConfig) -> None:
     need(minutes is None or minutes > 0, "checkpoint.every_minutes", "must be positive minutes")
     need(minutes is None or y.name not in ("ps", "none"), "checkpoint.every_minutes",
          f"needs replicas that agree on when; sync={y.name} has none (use checkpoint.every)")
-    loss = cfg.fault.on_pipeline_loss
-    need(loss in ("stop", "continue"), "fault.on_pipeline_loss", f"is '{loss}'; choose stop or continue")
-    need(loss == "stop" or (y.name == "sdpipe" and c.pipelines >= 2), "fault.on_pipeline_loss",
-         "continue needs sync=sdpipe and at least 2 pipelines (all-reduce needs every replica)")
+    _validate_fault(cfg)
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
     need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
     need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")
@@ -521,6 +527,27 @@ def validate(cfg: DictConfig) -> None:
     need(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "metrics.tensorboard", "needs the tensorboard package: pip install tensorboard")
     _validate_cluster(cfg)
+
+
+def _validate_fault(cfg: DictConfig) -> None:
+    """What a run does about a failure: each mode of recovery needs what it rebuilds from."""
+    f, y = cfg.fault, cfg.sync
+    loss, failure = f.on_pipeline_loss, f.on_failure
+    need(loss in ("stop", "continue", "restart"), "fault.on_pipeline_loss",
+         f"is '{loss}'; choose stop, continue or restart")
+    need(loss == "stop" or (y.name == "sdpipe" and cfg.cluster.pipelines >= 2),
+         "fault.on_pipeline_loss", f"{loss} needs sync=sdpipe and at least 2 pipelines (a lost "
+         f"pipeline is healed from a live replica; sync={y.name} has no way around a missing one)")
+    need(failure in ("stop", "restart"), "fault.on_failure", f"is '{failure}'; choose stop or restart")
+    need(failure == "stop" or y.name in ("allreduce", "adpsgd"), "fault.on_failure",
+         f"restart is for lock-step sync (allreduce, adpsgd), not sync={y.name}"
+         + ("; use fault.on_pipeline_loss=restart" if y.name == "sdpipe" else
+            " (no consistent checkpoint to restart from)"))
+    need(failure == "stop" or cfg.checkpoint.every > 0 or cfg.checkpoint.every_minutes,
+         "fault.on_failure", "restart needs checkpoints to restart from: set checkpoint.every "
+         "or checkpoint.every_minutes")
+    need(f.max_restarts >= 0, "fault.max_restarts", f"is {f.max_restarts}; must be >= 0")
+    need(f.restart_backoff >= 0, "fault.restart_backoff", "must be >= 0 seconds")
 
 
 def _validate_cluster(cfg: DictConfig) -> None:
@@ -546,8 +573,8 @@ def _validate_cluster(cfg: DictConfig) -> None:
             raise ConfigError("run.port", f"set a fixed port: the other nodes reach the store at "
                               f"{hosts[0]}:run.port")
         if cfg.fault.on_pipeline_loss != "stop":
-            raise ConfigError("fault.on_pipeline_loss", "continue is not supported across real "
-                              "nodes yet; use stop")
+            raise ConfigError("fault.on_pipeline_loss", f"{cfg.fault.on_pipeline_loss} is not "
+                              "supported across real nodes yet; use stop")
     elif cfg.run.node is not None:
         raise ConfigError("run.node", "is only for clusters of real nodes (cluster.nodes[*].host)")
     if c.emulation not in EMULATIONS:
