@@ -150,6 +150,33 @@ def ending(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+class Restarts:
+    """How many restarts are left, and how long to back off before each (``fault.max_restarts``,
+    ``fault.restart_backoff``). One budget for the run: restarts of lost pipelines and restarts of
+    the whole run from a checkpoint both draw on it.
+
+    The back-off doubles with each restart (torchelastic and Kubernetes back off the same way): a
+    fault that comes back at once, such as a device that keeps failing, costs little time before
+    the budget runs out, and a transient one is retried soon.
+    """
+
+    def __init__(self, limit: int, backoff_s: float):
+        if limit < 0 or backoff_s < 0:
+            raise ValueError("limit and backoff_s must be >= 0")
+        self.limit, self.backoff_s, self.used = limit, backoff_s, 0
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def take(self) -> Optional[float]:
+        """Use one restart: the seconds to wait before it, or None when none is left."""
+        if self.used >= self.limit:
+            return None
+        self.used += 1
+        return self.backoff_s * 2 ** (self.used - 1)
+
+
 class Supervision:
     """The launcher's decisions over a sequence of observations (see the module docstring).
 
