@@ -10,6 +10,9 @@ Model (see ``sdpipe_cli/core/grouping.py`` and ``shared/reference/method.md``):
   decision for it had ``stop=True`` (then it ends after k), or it reached the simulation's own
   ``max_iterations`` cutoff (then it finishes and calls ``leave(p)``, as a finished pipeline would).
 * ``leave_at[p] = t``: pipeline p fails at time t: ``leave(p)``, its pending readies are dropped.
+* ``rejoin_at[p] = t`` (after its ``leave_at``): pipeline p was restarted; every stage calls
+  ``rejoin(s, p)`` at t and waits for a decision that heals it; once every stage is healed, p goes
+  on from the iteration the heal names. If the run ends first, p ends unhealed.
 * Events are processed in time order: the next arrival (or leave) versus ``next_deadline()``;
   ``tick()`` is called at the deadline, never at a time earlier than now. Arrivals at exactly the
   deadline are processed before the tick (they are "ready at that moment").
@@ -86,6 +89,8 @@ class Result:
     stopped: dict[int, int]  # pipeline -> iteration after which it stopped on a stop decision
     left: dict[int, float]  # pipeline -> time it left (failure or cutoff)
     failed: set[int]  # pipelines that left by failure (leave_at)
+    healed: dict[int, list[tuple[int, Decision]]]  # pipeline -> (event index, healing decision)
+    unhealed: set[int]  # rejoined pipelines the end of the run found still healing
     readies: list[tuple[float, int, int, int]]  # (time, stage, pipeline, iteration)
     end_time: float
 
@@ -105,6 +110,7 @@ class Sim:
     sched_kwargs: dict = field(default_factory=dict)
     max_iterations: Optional[int] = None  # sim-side cutoff (pipelines then leave)
     leave_at: dict[int, float] = field(default_factory=dict)
+    rejoin_at: dict[int, float] = field(default_factory=dict)
     max_steps: int = 200_000
     start_time: float = 0.0
 
@@ -131,6 +137,10 @@ class Sim:
         failed: set[int] = set()
         events: list[Event] = []
         decisions: list[tuple[int, Decision]] = []
+        healed: dict[int, list[tuple[int, Decision]]] = {}
+        healing: dict[int, set[int]] = {}  # pipeline -> stages healed since it rejoined
+        unhealed: set[int] = set()
+        died: dict[int, int] = {}  # pipeline -> the last event sequence number before it failed
         readies: list[tuple[float, int, int, int]] = []
 
         def start_iteration(p: int, k: int, t0: float) -> None:
@@ -145,6 +155,8 @@ class Sim:
                     out = sched.ready(*args)
                 elif kind == "tick":
                     out = sched.tick()
+                elif kind == "rejoin":
+                    out = sched.rejoin(*args)
                 else:
                     out = sched.leave(*args)
             except ValueError as exc:
@@ -155,6 +167,19 @@ class Sim:
                 decisions.append((ev.index, d))
             for d in out:
                 deliver(d)
+                for p, k in d.heal:
+                    heal(ev.index, d, p, k)
+
+        def heal(index: int, d: Decision, p: int, k: int) -> None:
+            if state[p] != "healing":
+                raise SimError(f"decision {d} heals pipeline {p}, which is {state[p]}")
+            if d.stage in healing[p]:
+                raise SimError(f"decision {d} heals stage {d.stage} of pipeline {p} twice")
+            healed.setdefault(p, []).append((index, d))
+            healing[p].add(d.stage)
+            if len(healing[p]) == S:  # every stage has its state: the pipeline trains on
+                state[p], cur[p], got[p] = "running", k, set()
+                start_iteration(p, k, now[0])
 
         def deliver(d: Decision) -> None:
             for p, k in zip(d.members, d.iterations):
@@ -189,17 +214,25 @@ class Sim:
             start_iteration(p, 0, now[0])
         for p, t in self.leave_at.items():
             push(t, 0, "leave", (p,))
+        for p, t in self.rejoin_at.items():
+            push(t, 0, "rejoin", (p,))
 
         steps = 0
         while True:
             steps += 1
             if steps > self.max_steps:
                 raise SimError(f"no end after {self.max_steps} steps (t={now[0]})")
-            if all(v != "running" for v in state.values()):
+            if sched.finished:
+                for p in [p for p, v in state.items() if v == "healing"]:
+                    state[p] = "left"  # the run ended before it was healed
+                    unhealed.add(p)
+            if all(v != "running" for v in state.values()) and not any(
+                    kind == "rejoin" for _, _, _, kind, _, _ in heap):
                 break
             # drop events of pipelines that are gone
-            while heap and state[heap[0][4]] != "running":
-                heapq.heappop(heap)
+            while heap and ((state[heap[0][4]] != "running" and heap[0][3] != "rejoin")
+                            or (heap[0][3] == "ready" and heap[0][2] <= died.get(heap[0][4], 0))):
+                heapq.heappop(heap)  # (a ready of a failed pipeline's lost incarnation too)
             ta = heap[0][0] if heap else None
             td = sched.next_deadline()
             if ta is None and td is None:
@@ -209,8 +242,17 @@ class Sim:
             if ta is not None and (td is None or ta <= td):
                 t, _, _, kind, _, payload = heapq.heappop(heap)
                 now[0] = max(now[0], t)
-                if kind == "leave":
+                if kind == "rejoin":
                     p = payload[0]
+                    if sched.finished:
+                        unhealed.add(p)
+                        continue
+                    state[p], healing[p] = "healing", set()
+                    for s in range(S):
+                        call("rejoin", (s, p))
+                elif kind == "leave":
+                    p = payload[0]
+                    died[p] = seq[0]
                     state[p] = "left"
                     left[p] = now[0]
                     failed.add(p)
@@ -234,7 +276,7 @@ class Sim:
         if pending:
             raise SimError(f"run ended with readies never answered: {pending}")
         return Result(P, S, sched, events, decisions, completed, stopped, left, failed,
-                      readies, now[0])
+                      healed, unhealed, readies, now[0])
 
 
 def replay(P: int, S: int, sched_kwargs: dict, log: list[tuple[float, str, tuple]],

@@ -35,6 +35,15 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   The run's last round is such a global sync with ``stop`` set, placed so that the run ends after
   ``total_iterations`` pipeline-iterations (or after ``time_limit`` seconds).
 * **Departures.** A pipeline that is gone (:meth:`GroupScheduler.leave`) never blocks a group.
+  Its iterations that not every stage finished (no decision yet) no longer count: the budget is
+  spent by iterations that were done, and a restarted pipeline redoes them.
+* **Rejoining** (``fault.on_pipeline_loss=restart``). Each stage of a restarted pipeline asks to
+  rejoin (:meth:`GroupScheduler.rejoin`); the next group round of that stage (not a global sync,
+  and none pending) names one member, the first, as its source: after its update, that replica
+  sends its weights and optimizer state to the restarted one (``Decision.heal``). A replica healed
+  then is a copy of a live one, so it joins its source's component. The pipeline is live again once
+  every stage is healed, and goes on from the first iteration it had not finished. While a global
+  sync is pending no stage is healed, so a pipeline never becomes live halfway through one.
 * **Prediction** (``patience > 0``). The scheduler sees every replica's ready signals, so it knows
   each one's pace (a moving average of the interval between its rounds). When a round opens, it
   also waits for the replicas predicted to arrive within ``patience`` x the opener's own interval:
@@ -73,6 +82,9 @@ class Decision:
     waited: tuple[float, ...]  # seconds each member waited for the decision
     kind: str = "group"  # "group" or "global"
     stop: bool = False  # the members' pipelines stop after this iteration (end of the run)
+    # restarted pipelines this stage's first member heals after this round: (pipeline, the
+    # iteration it goes on from)
+    heal: tuple[tuple[int, int], ...] = ()
 
     def of(self, pipeline: int) -> int:
         """The iteration this decision answers for ``pipeline``."""
@@ -115,6 +127,10 @@ class DisjointSet:
 
     def components(self) -> int:
         return self.count
+
+    def add(self, item: int, joining: int) -> None:
+        """A new element, in the component of ``joining``."""
+        self.parent[item] = self.find(joining)
 
     def copy(self) -> "DisjointSet":
         out = DisjointSet([])
@@ -207,6 +223,9 @@ class GroupScheduler:
         self.next_global = pipelines * global_every
         self.token: Optional[int] = None  # the stage allowed to wait for connectivity
         self.stop_requested = False
+        self._decided = {p: [-1] * stages for p in range(pipelines)}  # last iteration decided
+        self.resume_at: dict[int, int] = {}  # left pipeline -> the iteration it would go on from
+        self.healing: dict[int, dict[int, Optional[int]]] = {}  # p -> stage -> source (None: waits)
         self._maybe_declare_global()  # a budget of at most P iterations ends at iteration 0
 
     # -- events ---------------------------------------------------------------------------------
@@ -261,16 +280,78 @@ class GroupScheduler:
             decisions += new  # a global sync that just closed may let the last one be declared
 
     def leave(self, pipeline: int) -> list[Decision]:
-        """``pipeline`` is gone (failed or finished): forget it everywhere and unblock its peers."""
+        """``pipeline`` is gone (failed or finished): forget it everywhere and unblock its peers.
+        Its unfinished iterations are given back to the budget (see the module docstring)."""
+        self.healing.pop(pipeline, None)
         if pipeline not in self.live:
             return []
         self.live.discard(pipeline)
-        self.global_at.pop(pipeline, None)
+        finished = min(self._decided[pipeline])
+        self.resume_at[pipeline] = finished + 1
+        self._uncount(pipeline, finished)
+        target = self.global_at.pop(pipeline, None)
+        if target is not None and self.final and not self.global_closed and not self._time_is_up():
+            self._hand_over(target - finished)
         for st in self.stages:
             st.waiting.pop(pipeline, None)
             st.parked.discard(pipeline)
             st.links = self._without(st.links, pipeline)
         return self.tick()
+
+    def _hand_over(self, owed: int) -> None:
+        """The last global sync is declared but no stage closed it, and a pipeline that owed
+        ``owed`` of its iterations left: the live pipelines do them, the fastest first, so that
+        the run still ends after exactly ``total_iterations``. A replica parked at its old target
+        goes on (its ready there becomes an ordinary round)."""
+        order = sorted(self.live, key=lambda q: (self.pace.get((0, q), float("inf")), q))
+        for i in range(owed if order else 0):
+            q = order[i % len(order)]
+            self.global_at[q] += 1
+            self.global_history[-1][q] = self.global_at[q]
+        for st in self.stages:
+            st.parked = {q for q in st.parked if st.waiting[q][0] == self.global_at[q]}
+
+    def _uncount(self, pipeline: int, finished: int) -> None:
+        """Pipeline-iterations count up to ``finished`` (inclusive) for a pipeline that left."""
+        if self._high[pipeline] > finished:
+            self._done -= self._high[pipeline] - finished
+            self._high[pipeline] = finished
+
+    def rejoin(self, stage: int, pipeline: int) -> list[Decision]:
+        """Stage ``stage`` of ``pipeline``, which left, was restarted and waits for a source to
+        heal from (see the module docstring)."""
+        if pipeline in self.live:
+            raise ValueError(f"pipeline {pipeline} rejoins but never left")
+        if pipeline not in self.resume_at:
+            raise ValueError(f"pipeline {pipeline} rejoins but was never live")
+        self.healing.setdefault(pipeline, {})[stage] = None
+        return self.tick()
+
+    def _heal(self, s: int, source: int) -> tuple[tuple[int, int], ...]:
+        """The restarted replicas that ``source``, a member of a group round of stage ``s``
+        closing now, heals; a pipeline healed at every stage is live again."""
+        if self.global_at or self.finished:
+            return ()
+        waiting = sorted(p for p, stages in self.healing.items() if stages.get(s, 0) is None)
+        healed = tuple((p, self.resume_at[p]) for p in waiting)
+        for p in waiting:
+            self.healing[p][s] = source
+            if len(self.healing[p]) == self.S and None not in self.healing[p].values():
+                self._admit(p, self.healing.pop(p))
+        return healed
+
+    def _admit(self, pipeline: int, sources: dict[int, int]) -> None:
+        """``pipeline`` was healed at every stage: live again, from ``resume_at``, each replica in
+        its source's component; its pace is learned anew."""
+        k = self.resume_at.pop(pipeline)
+        self.live.add(pipeline)
+        self.last_ready[pipeline] = [k - 1] * self.S
+        self._decided[pipeline] = [k - 1] * self.S
+        for s, st in enumerate(self.stages):
+            st.links.add(pipeline, sources[s])
+            self.pace.pop((s, pipeline), None)
+            self.arrived.pop((s, pipeline), None)
+        self._latest.pop(pipeline, None)
 
     def resume(self, iterations: dict[int, int]) -> None:
         """Continue from a checkpoint taken right after a global sync, where pipeline p had done
@@ -294,6 +375,7 @@ class GroupScheduler:
     def _restart_pipeline(self, pipeline: int, iterations: int) -> None:
         """Pipeline ``pipeline`` has done ``iterations`` iterations, one round each."""
         self.last_ready[pipeline] = [iterations - 1] * self.S
+        self._decided[pipeline] = [iterations - 1] * self.S
 
     def next_deadline(self) -> Optional[float]:
         """When :meth:`tick` must be called at the latest (None: only events can change anything)."""
@@ -572,11 +654,13 @@ class GroupScheduler:
         st = self.stages[s]
         now = self.clock()
         st.round_no += 1
+        heal = self._heal(s, members[0]) if kind == "group" and self.healing else ()
         decision = Decision(stage=s, round=st.round_no, members=tuple(members),
                             iterations=tuple(st.waiting[p][0] for p in members),
                             waited=tuple(now - st.waiting[p][1] for p in members),
-                            kind=kind, stop=stop)
+                            kind=kind, stop=stop, heal=heal)
         for p in members:
+            self._decided[p][s] = st.waiting[p][0]
             del st.waiting[p]
             st.parked.discard(p)
         st.deadline, st.window_end, st.connecting = None, None, False
@@ -679,6 +763,7 @@ class AsyncGroupScheduler(GroupScheduler):
         self._begun_total += iterations - self.begun[pipeline]
         self.begun[pipeline] = iterations
         self.last_ready[pipeline] = [iterations * self.rounds_per_iteration - 1] * self.S
+        self._decided[pipeline] = list(self.last_ready[pipeline])
 
     def _maybe_declare_global(self) -> None:
         # The budget is checked in begin(), the only place where it grows; here only the clock

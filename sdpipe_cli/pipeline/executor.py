@@ -47,7 +47,8 @@ class Executor:
     it waits for its input) and ``on_action(action, seconds)`` after its compute, with the
     compute's wall time (not the waits for neighbours), before its output is sent. Neither is
     called by :meth:`forward_only`. ``before_send(dst, tensor)`` is called before every send
-    (the emulated network's delay).
+    (the emulated network's delay). ``rank_offset``: the global rank of ``group``'s rank 0
+    (see :class:`~sdpipe_cli.pipeline.p2p.Link`).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class Executor:
         before_action: Optional[Callable[[Action], None]] = None,
         on_action: Optional[Callable[[Action, float], None]] = None,
         before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
+        rank_offset: int = 0,
     ):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
@@ -80,7 +82,7 @@ class Executor:
         self.before_action = before_action
         self.on_action = on_action
         self.link = Link(prev_rank, next_rank, activation_shape, dtype, self.device, group,
-                         before_send, stage=stage)
+                         before_send, stage=stage, rank_offset=rank_offset)
 
     @property
     def is_first(self) -> bool:

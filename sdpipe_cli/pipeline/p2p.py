@@ -129,19 +129,21 @@ class Pending:
 
 
 def send_control(control: Control, dst: int, device: torch.device,
-                 group: Optional[dist.ProcessGroup] = None) -> Pending:
-    """Post ``control`` to ``dst`` without blocking; the caller waits on the result once."""
+                 group: Optional[dist.ProcessGroup] = None, offset: int = 0) -> Pending:
+    """Post ``control`` to ``dst`` without blocking; the caller waits on the result once.
+    ``offset``: the global rank of the process group's rank 0 (see :class:`Link`)."""
     flag = control.tensor(device)
-    work = dist.isend(flag, dst, group=group, tag=CONTROL_TAG)
+    work = dist.isend(flag, dst - offset, group=group, tag=CONTROL_TAG)
     return Pending(ControlSend(control.step), dst, [work], flag)
 
 
 def receive_control(src: int, step: int, device: torch.device,
-                    group: Optional[dist.ProcessGroup] = None, stage: Optional[int] = None) -> Control:
+                    group: Optional[dist.ProcessGroup] = None, stage: Optional[int] = None,
+                    offset: int = 0) -> Control:
     """Receive (blocking) the control of iteration ``step`` from ``src``; RuntimeError if the
     message is for another iteration (the stages would run different iterations)."""
     flag = torch.empty(len(Control._fields), dtype=torch.int64, device=device)
-    dist.recv(flag, src=src, group=group, tag=CONTROL_TAG)
+    dist.recv(flag, src=src - offset, group=group, tag=CONTROL_TAG)
     control = Control.of(flag)
     if control.step != step:
         raise RuntimeError(f"stage {stage} expected the control of iteration {step}, "
@@ -155,7 +157,9 @@ class Link:
     ``prev_rank``/``next_rank`` are the neighbours' global ranks (None at the ends);
     activations and gradients are ``activation_shape`` tensors of ``dtype`` on ``device``.
     ``before_send(dst, tensor)`` is called before every activation or gradient send (the
-    emulated network's delay). It keeps the sends in flight until a rule of the module
+    emulated network's delay). ``rank_offset``: the global rank of the process group's rank 0,
+    when the group is the pipeline rather than the run (a restarted pipeline cannot rejoin a
+    group of the whole run, so its stages talk in a group of their own). It keeps the sends in flight until a rule of the module
     docstring allows waiting on them, and at most one receive posted along with a send.
     """
 
@@ -169,8 +173,10 @@ class Link:
         group: Optional[dist.ProcessGroup] = None,
         before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
         stage: Optional[int] = None,
+        rank_offset: int = 0,
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.rank_offset = rank_offset
         self.activation_shape = tuple(activation_shape)
         self.dtype, self.device, self.group = dtype, torch.device(device), group
         self.before_send = before_send
@@ -209,7 +215,7 @@ class Link:
             work.wait()
             return buffer
         buffer = self.buffer()
-        dist.recv(buffer, src=src, group=self.group, tag=TENSOR_TAG)
+        dist.recv(buffer, src=src - self.rank_offset, group=self.group, tag=TENSOR_TAG)
         return buffer
 
     def send(self, what: Action, tensor: torch.Tensor, dst: int, following: Optional[Action]) -> None:
@@ -218,11 +224,11 @@ class Link:
             self.before_send(dst, tensor)  # an emulated link's transfer time
         if self.source(following) == dst:
             assert self._posted is None, self._posted
-            buffer = self.buffer()
+            buffer, peer = self.buffer(), dst - self.rank_offset
             works = dist.batch_isend_irecv(
                 [
-                    dist.P2POp(dist.isend, tensor, dst, self.group, TENSOR_TAG),
-                    dist.P2POp(dist.irecv, buffer, dst, self.group, TENSOR_TAG),
+                    dist.P2POp(dist.isend, tensor, peer, self.group, TENSOR_TAG),
+                    dist.P2POp(dist.irecv, buffer, peer, self.group, TENSOR_TAG),
                 ]
             )
             # One handle per op (gloo), or a single one for both when the backend coalesces
@@ -230,18 +236,20 @@ class Link:
             self._posted = (dst, buffer, works[-1])
             works = works[:-1]
         else:
-            works = [dist.isend(tensor, dst, group=self.group, tag=TENSOR_TAG)]
+            works = [dist.isend(tensor, dst - self.rank_offset, group=self.group, tag=TENSOR_TAG)]
         self._sends.append(Pending(what, dst, works, tensor))
 
     # -- the control message -------------------------------------------------------------------
 
     def send_control(self, control: Control) -> None:
         """Pass ``control`` on to the next stage; waited on like the activation it precedes."""
-        self._sends.append(send_control(control, self.next_rank, self.device, self.group))
+        self._sends.append(send_control(control, self.next_rank, self.device, self.group,
+                                        self.rank_offset))
 
     def receive_control(self, step: int) -> Control:
         """Iteration ``step``'s control from the previous stage (blocking)."""
-        return receive_control(self.prev_rank, step, self.device, self.group, self.stage)
+        return receive_control(self.prev_rank, step, self.device, self.group, self.stage,
+                               self.rank_offset)
 
     def pass_drained(self) -> None:
         """Return once the stages after this one passed the drained word; pass it on.
@@ -252,9 +260,9 @@ class Link:
         """
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.next_rank is not None:
-            dist.recv(flag, src=self.next_rank, group=self.group, tag=DRAINED_TAG)
+            dist.recv(flag, src=self.next_rank - self.rank_offset, group=self.group, tag=DRAINED_TAG)
         if self.prev_rank is not None:
-            dist.send(flag, self.prev_rank, group=self.group, tag=DRAINED_TAG)
+            dist.send(flag, self.prev_rank - self.rank_offset, group=self.group, tag=DRAINED_TAG)
 
     # -- waiting on sends -------------------------------------------------------------------------
 

@@ -8,6 +8,13 @@ logs to stderr (the launcher's per-process log file) under its name, dumps every
 ``SIGUSR1`` (``kill -USR1 PID`` shows where a hung process is), records any exception in its error
 file (the launcher reports the first failure from those files), connects to the store, and, if it
 takes part in collectives, joins the default process group on the device it was given.
+
+That group is the whole run (profiling, parameter servers) or, for training, the worker's own
+pipeline: a pipeline that is restarted after a failure (``fault.on_pipeline_loss=restart``) gets
+new processes, which cannot join a group of the whole run that is already formed, so each
+pipeline forms its own, named after its incarnation (``SDPIPE_INCARNATION``: 0 at the start, one
+more at each restart). Replicas of a stage meet in communicators of their own
+(:class:`sdpipe_cli.sync.groups.GroupCache`), never in the default group.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig
 
@@ -62,13 +69,16 @@ def connect_store(cfg: DictConfig, timeout: float | None = None):
 
 
 @contextmanager
-def process_group(cfg: DictConfig, client, rank: int, world: int, device) -> Iterator[str]:
-    """Join the default process group (NCCL on a GPU, else gloo) through the store; yields the
-    backend's name and destroys the group when the block ends."""
+def process_group(cfg: DictConfig, client, rank: int, world: int, device,
+                  prefix: str = "") -> Iterator[str]:
+    """Join the default process group (NCCL on a GPU, else gloo) through the store, its
+    rendezvous under ``prefix``; yields the backend's name and destroys the group when the block
+    ends."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore(store.PG_PREFIX, client), rank=rank,
+    rendezvous = dist.PrefixStore(store.PG_PREFIX + prefix, client)
+    dist.init_process_group(backend, store=rendezvous, rank=rank,
                             world_size=world, timeout=timedelta(seconds=cfg.run.timeout),
                             device_id=device if device.type == "cuda" else None)
     try:
@@ -87,19 +97,27 @@ class Joined:
     device: Any  # torch.device
     client: Any  # a connection to the launcher's store
     backend: str  # gloo | nccl
+    incarnation: int = 0  # how many times this worker's pipeline was restarted
+    rank_offset: int = 0  # the global rank of the default process group's rank 0
 
 
 @contextmanager
-def joined() -> Iterator[Joined]:
+def joined(pipeline_group: Callable[[DictConfig], bool] = lambda cfg: False) -> Iterator[Joined]:
     """Start a per-(pipeline, stage) worker, for training or profiling: :func:`child`, the device
     (one GPU per worker, or one CPU thread per ``OMP_NUM_THREADS``), the store and the default
-    process group."""
+    process group: the whole run's, or, where ``pipeline_group(cfg)``, this pipeline
+    incarnation's."""
     import torch
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    incarnation = int(os.environ.get("SDPIPE_INCARNATION", "0"))
     loaded = load_child_config()
     cfg = loaded[1]
     where = Placement(rank, cfg.cluster.pipelines, cfg.pipeline.stages)
+    group_rank, size, prefix, offset = rank, world, "", 0
+    if pipeline_group(cfg):
+        group_rank, size, offset = where.stage, where.stages, where.pipeline_ranks()[0]
+        prefix = f"pipeline{where.pipeline}.{incarnation}/"
     identity = {"rank": rank, "pipeline": where.pipeline, "stage": where.stage}
     with child(str(rank), f"rank{rank}", loaded, **identity) as started:
         if cfg.cluster.device == "cuda":
@@ -109,8 +127,8 @@ def joined() -> Iterator[Joined]:
             device = torch.device("cpu")
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         client = connect_store(cfg)
-        with (process_group(cfg, client, rank, world, device) as backend,
+        with (process_group(cfg, client, group_rank, size, device, prefix) as backend,
               record(started.run_dir, str(rank), **identity)):  # before the group is torn down
             logging.getLogger("sdpipe.worker").info(
                 "pipeline %d stage %d on %s", where.pipeline, where.stage, device)
-            yield Joined(cfg, started.run_dir, where, device, client, backend)
+            yield Joined(cfg, started.run_dir, where, device, client, backend, incarnation, offset)

@@ -125,6 +125,11 @@ def begin_key(pipeline: int, iteration: int) -> str:
     return f"begin/{pipeline}/{iteration}"
 
 
+def heal_key(stage: int, pipeline: int, incarnation: int) -> str:
+    """Where the scheduler answers a restarted replica (its source, or stop); it deletes it."""
+    return f"heal/{stage}/{pipeline}/{incarnation}"
+
+
 def wait_json(store: dist.Store, key: str) -> Any:
     """Block until ``key`` is set (up to the store's timeout), then read, delete and decode it."""
     value = json.loads(store.get(key))

@@ -20,7 +20,8 @@ from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import Joined, connect_store
 
-__all__ = ["GroupCache", "average_parameters", "average_tensors", "for_worker"]
+__all__ = ["GroupCache", "average_parameters", "average_tensors", "flatten", "for_worker",
+           "unflatten"]
 
 
 class GroupCache:
@@ -41,11 +42,16 @@ class GroupCache:
         self.delay = delay  # emulated network: seconds an all-reduce of N bytes over ranks takes
         self._groups: dict[tuple[int, ...], Any] = {}
 
-    def get(self, ranks: list[int]):
-        key = tuple(sorted(ranks))
+    @staticmethod
+    def _key(ranks: list[int], incarnations: Optional[list[int]]) -> tuple[tuple[int, int], ...]:
+        return tuple(sorted(zip(ranks, incarnations or [0] * len(ranks))))
+
+    def get(self, ranks: list[int], incarnations: Optional[list[int]] = None):
+        key = self._key(ranks, incarnations)
         if key not in self._groups:
-            prefix = dist.PrefixStore("groups/" + "-".join(map(str, key)) + "/", self.store)
-            me, size = key.index(self.rank), len(key)
+            name = "-".join(f"{r}.{g}" if g else str(r) for r, g in key)
+            prefix = dist.PrefixStore(f"groups/{name}/", self.store)
+            me, size = [r for r, _ in key].index(self.rank), len(key)
             if self.backend == "nccl":
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.timeout
@@ -54,17 +60,28 @@ class GroupCache:
                 self._groups[key] = dist.ProcessGroupGloo(prefix, me, size, self.timeout)
         return self._groups[key]
 
-    def all_reduce(self, tensor: torch.Tensor, ranks: list[int], op=dist.ReduceOp.SUM) -> None:
+    def all_reduce(self, tensor: torch.Tensor, ranks: list[int], op=dist.ReduceOp.SUM,
+                   incarnations: Optional[list[int]] = None) -> None:
         """In-place all-reduce of ``tensor`` over ``ranks`` (this rank must be one of them)."""
         if self.delay is not None:
             time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
         options = dist.AllreduceOptions()
         options.reduceOp = op
-        self.get(ranks).allreduce([tensor], options).wait()
+        self.get(ranks, incarnations).allreduce([tensor], options).wait()
 
-    def forget(self, ranks: list[int]) -> None:
+    def broadcast(self, tensor: torch.Tensor, ranks: list[int], root: int,
+                  incarnations: Optional[list[int]] = None) -> None:
+        """In-place broadcast of ``tensor`` from rank ``root`` to the other ``ranks``."""
+        if self.delay is not None:
+            time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
+        group_ranks = [r for r, _ in self._key(ranks, incarnations)]
+        options = dist.BroadcastOptions()
+        options.rootRank = group_ranks.index(root)
+        self.get(ranks, incarnations).broadcast([tensor], options).wait()
+
+    def forget(self, ranks: list[int], incarnations: Optional[list[int]] = None) -> None:
         """Drop a communicator whose member is gone; it cannot be used again."""
-        self._groups.pop(tuple(sorted(ranks)), None)
+        self._groups.pop(self._key(ranks, incarnations), None)
 
 
 def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) -> None:
@@ -76,31 +93,43 @@ def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) 
 
 
 def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list[int],
-                    consensus: int = 0) -> Optional[float]:
+                    consensus: int = 0, incarnations: Optional[list[int]] = None
+                    ) -> Optional[float]:
     """Replace each tensor by its mean over ``ranks``, in one flat all-reduce.
 
     With ``consensus = n``, the first n tensors are the stage's weights, and their consensus
     distance before averaging is returned: sqrt(mean over members of ||w_p - w_mean||^2) /
-    ||w_mean|| (one more all-reduce, of two numbers).
+    ||w_mean|| (one more all-reduce, of two numbers). ``incarnations``: see :class:`GroupCache`.
     """
-    device = tensors[0].device
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in tensors])
+        flat = flatten(tensors)
         own = flat.clone() if consensus else None
-        groups.all_reduce(flat, ranks)
+        groups.all_reduce(flat, ranks, incarnations=incarnations)
         flat /= len(ranks)
         distance = None
         if consensus:
             n = sum(t.numel() for t in tensors[:consensus])
             sums = torch.stack([(own[:n] - flat[:n]).pow(2).sum(), flat[:n].pow(2).sum()])
-            groups.all_reduce(sums, ranks)  # members' squared distances; n x ||w_mean||^2
+            groups.all_reduce(sums, ranks, incarnations=incarnations)  # n x ||w_mean||^2 too
             distance = math.sqrt(float(sums[0]) / len(ranks)) / max(
                 math.sqrt(float(sums[1]) / len(ranks)), 1e-30)
-        offset = 0
+        unflatten(flat, tensors)
+    return distance
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 vector of ``tensors``, on the first one's device (a copy)."""
+    device = tensors[0].device
+    return torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy :func:`flatten`'s vector back into ``tensors``, in place."""
+    offset = 0
+    with torch.no_grad():
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
-    return distance
 
 
 def for_worker(ctx: Joined, timeout: float) -> GroupCache:

@@ -36,7 +36,8 @@ from torch.nn.utils import vector_to_parameters
 
 from sdpipe_cli.core.grouping import gossip_peer
 from sdpipe_cli.core.placement import Placement
-from sdpipe_cli.sync.groups import GroupCache, average_parameters, average_tensors
+from sdpipe_cli.sync.groups import (GroupCache, average_parameters, average_tensors, flatten,
+                                    unflatten)
 from sdpipe_cli.runtime import store
 from sdpipe_cli.model import optim
 
@@ -136,15 +137,16 @@ class GroupSync(Sync):
 
     def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
                  pipelines: int, groups: GroupCache, average: str = "weights_grads",
-                 optimizer: Optional[torch.optim.Optimizer] = None):
+                 optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0):
         self.events, self.rank, self.pipeline, self.stage, self.stages = (
             events, rank, pipeline, stage, stages)
         self.pipelines, self.groups, self.average = pipelines, groups, average
-        self.optimizer = optimizer
+        self.optimizer, self.incarnation = optimizer, incarnation
         self.stop = False
         self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
         self._done: Optional[int] = None  # pipeline-iterations begun, at the last decision
+        self._heal: list[dict[str, int]] = []  # replicas to heal after this update (their ids)
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
@@ -156,6 +158,9 @@ class GroupSync(Sync):
     def after_step(self, module: nn.Module, step: int) -> None:
         if self.average == "weights":
             self._round(module, step, grads=False)
+        for target in self._heal:  # after the step: the state the replica goes on from
+            self._give_heal(module, target)
+        self._heal = []
 
     def position(self, step: int) -> float:
         """The run's global progress: pipeline-iterations begun over P, as the scheduler counted
@@ -173,7 +178,9 @@ class GroupSync(Sync):
         decision = store.wait_json(self.events, store.decision_key(self.stage, self.pipeline, step))
         got = time.perf_counter()
         members = decision["members"]
+        incarnations = decision.get("incarnations")
         self._done = decision.get("done", self._done)
+        self._heal = decision.get("heal", [])
         distance = None
         if len(members) > 1:
             ranks = [p * self.stages + self.stage for p in members]
@@ -189,12 +196,12 @@ class GroupSync(Sync):
             try:
                 distance = average_tensors(tensors, self.groups, ranks,
                                            consensus=len(params) if decision["kind"] == "global"
-                                           else 0)
+                                           else 0, incarnations=incarnations)
             except (RuntimeError, dist.DistError) as err:
                 # A member died mid-round (its pipeline was lost). The tensors are only written
                 # back after a complete all-reduce, so ours are untouched; the scheduler drops
                 # that pipeline from every later group.
-                self.groups.forget(ranks)
+                self.groups.forget(ranks, incarnations)
                 log.warning("group %s failed (%s); going on alone", members, err)
                 members = [self.pipeline]
         if distance is not None and self.pipeline == members[0]:
@@ -210,6 +217,48 @@ class GroupSync(Sync):
 
     def stats(self) -> dict[str, Any]:
         return self._stats
+
+    # -- healing a restarted replica (fault.on_pipeline_loss=restart) ---------------------------
+    def _state(self, module: nn.Module) -> list[torch.Tensor]:
+        """What a replica is: its weights and its optimizer's state, in a fixed order."""
+        params = list(module.parameters())
+        return params + (optim.state_tensors(self.optimizer, params) if self.optimizer else [])
+
+    def _give_heal(self, module: nn.Module, target: dict[str, int]) -> None:
+        """Send this replica's state to a restarted one (the scheduler chose us as its source)."""
+        ranks = [self.rank, target["pipeline"] * self.stages + self.stage]
+        incarnations = [self.incarnation, target["incarnation"]]
+        try:
+            self.groups.broadcast(flatten(self._state(module)), ranks, self.rank, incarnations)
+        except (RuntimeError, dist.DistError) as err:  # it died again; its pipeline is lost again
+            self.groups.forget(ranks, incarnations)
+            log.warning("healing pipeline %d failed (%s); going on", target["pipeline"], err)
+
+    def rejoin(self, module: nn.Module) -> Optional[int]:
+        """A restarted replica: ask the scheduler for a source, take its state; returns the
+        iteration to go on from, or None when the run ended first (``stop`` is then set)."""
+        start = time.perf_counter()
+        store.push(self.events, store.EVENTS, {"type": "rejoin", "rank": self.rank,
+                                               "pipeline": self.pipeline, "stage": self.stage,
+                                               "incarnation": self.incarnation})
+        answer = store.wait_json(self.events, store.heal_key(self.stage, self.pipeline,
+                                                             self.incarnation))
+        if answer["stop"]:
+            self.stop = True
+            return None
+        source = answer["source"] * self.stages + self.stage
+        state = self._state(module)
+        flat = flatten(state)
+        self.groups.broadcast(flat, [source, self.rank], source,
+                              [answer["source_incarnation"], self.incarnation])
+        unflatten(flat, state)
+        self._done = answer.get("done")
+        store.push(self.events, store.EVENTS, {
+            "type": "healed", "rank": self.rank, "pipeline": self.pipeline, "stage": self.stage,
+            "incarnation": self.incarnation, "source": answer["source"],
+            "iteration": answer["iteration"], "bytes": flat.numel() * flat.element_size(),
+            "seconds": round(time.perf_counter() - start, 4)})
+        return int(answer["iteration"])
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
         return False  # the scheduler picks the global syncs to checkpoint at
@@ -318,13 +367,14 @@ class PSSync(Sync):
 
 def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
               device: torch.device, seed: int = 0,
-              optimizer: Optional[torch.optim.Optimizer] = None) -> Sync:
+              optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0) -> Sync:
     """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
     whose state sdpipe's global syncs average, see :class:`GroupSync`)."""
     name = settings.name
     p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
     if name == "sdpipe":
-        return GroupSync(events, where.rank, p, s, S, P, groups, settings.average, optimizer)
+        return GroupSync(events, where.rank, p, s, S, P, groups, settings.average, optimizer,
+                         incarnation)
     if name == "ps":
         return PSSync(where.server_rank(), device)
     if name == "none" or P == 1:

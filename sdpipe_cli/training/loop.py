@@ -72,9 +72,11 @@ class FlushedLoop:
             go = w.sync.should_continue(step, w.cadence.local_go(step, timed_out), timed_out)
             control = p2p.Control(go, step, go and w.time_checkpoint())
         else:
-            control = p2p.receive_control(where.prev_rank, step, w.device, stage=where.stage)
+            control = p2p.receive_control(where.prev_rank, step, w.device, stage=where.stage,
+                                          offset=w.rank_offset)
         if not where.last:
-            self._pending.append(p2p.send_control(control, where.next_rank, w.device))
+            self._pending.append(p2p.send_control(control, where.next_rank, w.device,
+                                                  offset=w.rank_offset))
         return control.go, control.save
 
     def _wait_pending(self) -> None:

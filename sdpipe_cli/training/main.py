@@ -19,8 +19,14 @@ from sdpipe_cli.training.loop import FlushedLoop
 from sdpipe_cli.training.worker import Worker
 
 
+def own_group(cfg) -> bool:
+    """Whether a worker's process group is its pipeline: always, except with parameter servers,
+    which talk to every worker (see :mod:`sdpipe_cli.runtime.bootstrap`)."""
+    return cfg.sync.name != "ps"
+
+
 def main() -> int:
-    with joined() as ctx:
+    with joined(own_group) as ctx:
         cfg = ctx.cfg
         # A mode with a group timeout (sdpipe) gets its own store connection for its groups:
         # a member that died between its ready signal and the average must not stall the rest.
@@ -29,7 +35,10 @@ def main() -> int:
         pipeline_groups = (groups.for_worker(ctx, cfg.run.timeout)
                            if timeout != cfg.run.timeout else sync_groups)
         worker = Worker(cfg, ctx.where, ctx.device, store.namespace(ctx.client), sync_groups,
-                        pipeline_groups, resume=os.environ.get("SDPIPE_RESUME"))
+                        pipeline_groups, resume=os.environ.get("SDPIPE_RESUME"),
+                        incarnation=ctx.incarnation, rank_offset=ctx.rank_offset)
+        if ctx.incarnation:
+            worker.rejoin()
         loop = AsyncLoop if cfg.pipeline.schedule in ASYNC_SCHEDULES else FlushedLoop
         loop(worker).train()
     return 0

@@ -57,13 +57,16 @@ class Worker:
     ``run.timeout``: a stage whose group round fails on a lost member spends up to the group
     timeout there, and the other stages of its pipeline must outwait that in the clip's
     all-reduce, or one loss takes a surviving pipeline with it. ``resume``: a verified checkpoint
-    folder to start from.
+    folder to start from. ``incarnation``: how many times this pipeline was restarted (a
+    restarted worker calls :meth:`rejoin` before it trains); ``rank_offset``: the global rank of
+    the default process group's rank 0 (see :mod:`sdpipe_cli.runtime.bootstrap`).
     """
 
     def __init__(self, cfg: DictConfig, where: Placement, device: torch.device, events: dist.Store,
                  groups: GroupCache, pipeline_groups: GroupCache,
-                 resume: str | None = None):
+                 resume: str | None = None, incarnation: int = 0, rank_offset: int = 0):
         self.cfg, self.where, self.device, self.events = cfg, where, device, events
+        self.incarnation, self.rank_offset = incarnation, rank_offset
         self.t0 = store.run_clock(events)
         self.cadence = Cadence.from_config(cfg)
         p, s = where.pipeline, where.stage
@@ -71,7 +74,8 @@ class Worker:
         self.optimizer = optim.build_optimizer(self.module.parameters(), cfg)
         self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
-                              device=device, seed=cfg.train.seed, optimizer=self.optimizer)
+                              device=device, seed=cfg.train.seed, optimizer=self.optimizer,
+                              incarnation=incarnation)
         self.pipeline_groups = pipeline_groups
         self.cluster = Cluster.from_config(cfg.cluster, where.stages)
         self.placed = self.cluster.device(p, s)
@@ -90,7 +94,7 @@ class Worker:
             prev_rank=where.prev_rank, next_rank=where.next_rank,
             activation_shape=models.activation_shape(cfg.model, mb),
             device=device, loss_fn=models.loss_fn, before_action=before_action,
-            on_action=on_action, before_send=before_send,
+            on_action=on_action, before_send=before_send, rank_offset=rank_offset,
         )
         self.corpus = None
         if where.first or where.last:  # middle stages never touch data
@@ -100,6 +104,13 @@ class Worker:
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
         self._saved_step = self.start_step  # the step of the last checkpoint (or of the resume)
+
+    def rejoin(self) -> None:
+        """A restarted worker: take this stage's state from a live replica, at the point the
+        scheduler picks, and go on from the iteration it names (or stop, if the run ended)."""
+        step = self.sync.rejoin(self.module)
+        if step is not None:
+            self.start_step = self._saved_step = step
 
     def _traced(self, name: str, cat: str):
         return self.tracer.timed(name, cat) if self.tracer is not None else nullcontext()
@@ -167,7 +178,8 @@ class Worker:
             over_stages = clip_over_pipeline and len(ranks) > 1
             with self._traced("clip", "update"):
                 optim.clip_gradients(self.module.parameters(), self.cfg.train.grad_clip,
-                                     (lambda t: self.pipeline_groups.all_reduce(t, ranks))
+                                     (lambda t: self.pipeline_groups.all_reduce(
+                                         t, ranks, incarnations=[self.incarnation] * len(ranks)))
                                      if over_stages else None)
         # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
         self.lr = optim.lr_at(self.sync.position(iteration), self.cfg)
@@ -207,7 +219,8 @@ class Worker:
         if (cfg.checkpoint.on_exit and not self.sync.scheduled_checkpoints
                 and step != self._saved_step):
             self.save(step, step)  # lock-step modes: every replica stopped at this step
-        if self.cadence.final_evaluation(step):
+        trained = step > self.start_step or not self.incarnation  # a restart may end unhealed
+        if self.cadence.final_evaluation(step) and trained:
             self.evaluate(step)  # always once at the end of the run
         if cfg.run.save_final:
             final = Path(cfg.run.dir) / "final"
@@ -215,6 +228,8 @@ class Worker:
             torch.save(self.module.state_dict(), final / f"p{w.pipeline}-s{w.stage}.pt")
         if self.tracer is not None:
             self.tracer.write(trace_path(self.run_dir, w.rank))
+        if self.incarnation:
+            extra["healed"] = trained
         self.emit("done", steps=step, param_digest=param_digest(self.module),
                   device=self.placed.name, slowdown_overruns=self.slowdown.overruns,
                   actions=self.slowdown.actions, straggled=self.slowdown.straggled,
