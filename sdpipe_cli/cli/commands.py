@@ -418,19 +418,97 @@ def _apply_resume_overrides(saved, overrides: Sequence[str]):
         raise ConfigError(key, str(err).splitlines()[0]) from None
 
 
-def _run(run_cfg, console: Console, done: int = 0, **resume) -> int:
-    from sdpipe_cli.cli import launcher
+def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float = 0.0) -> int:
+    """Launch the run and show it: from ``resume`` (a verified checkpoint) at run-clock ``elapsed``
+    seconds if given (``sdpipe resume``). With ``fault.on_failure=restart`` a failed launch is
+    followed by another from the run's latest checkpoint while the budget lasts (:func:`_restart`)."""
+    import time
 
-    display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
-    with display:  # the launcher handles interrupts from here on
-        result = launcher.launch(run_cfg, on_progress=display.update, **resume)
+    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.core.supervision import Restarts
+
+    restarts = (Restarts(run_cfg.fault.max_restarts, run_cfg.fault.restart_backoff)
+                if run_cfg.fault.on_failure == "restart" else None)
+    began, origin = time.monotonic(), time.time() - elapsed  # origin: the run clock's zero
+    run_dir = None  # the first launch makes the run folder (or resumes in its own)
+    while True:
+        display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
+        with display:  # the launcher handles interrupts from here on
+            result = launcher.launch(run_cfg, on_progress=display.update, run_dir=run_dir,
+                                     resume=resume, elapsed=elapsed)
+        if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
+                or result.run_dir is None):
+            break  # an interrupt is never restarted, nor a run stopped before its folder existed
+        leg = _restart(console, result, restarts, origin)
+        if leg is None:
+            break
+        run_dir, (resume, done) = result.run_dir, leg
+        elapsed = time.time() - origin
     _run_folder(console, result)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
                       soft_wrap=True)
         return result.returncode
-    _summary(console, result)
+    _summary(console, result, time.monotonic() - began, restarts.used if restarts else 0)
     return 0
+
+
+def _restart(console: Console, failed, restarts, origin: float):
+    """What follows the ``failed`` launch of a run with ``fault.on_failure=restart``: (the
+    checkpoint to resume from, or None to start again from scratch, and the iterations it holds),
+    once the back-off has passed; None when the run ends instead, with ``failed`` saying why (the
+    budget is used up, or an interrupt came during the back-off).
+
+    The checkpoint is the run's newest complete one whose files check out; without one the run
+    starts again in its folder. Says so on stderr and in ``metrics.jsonl`` (a ``restart`` line,
+    with the iterations each pipeline will do again: the last it reached minus the checkpoint's).
+    """
+    import time
+
+    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.model import checkpoint
+    from sdpipe_cli.runtime.metrics import MetricsLog
+
+    wait = restarts.take()
+    if wait is None:
+        failed.failure += f" (restarts used up: fault.max_restarts={restarts.limit})"
+        return None
+    ckpt, steps = None, {}
+    for candidate in reversed(checkpoint.complete_checkpoints(failed.run_dir)):
+        try:
+            steps = checkpoint.verify(candidate)["steps"]
+        except CheckpointError:
+            continue
+        ckpt = candidate
+        break
+    reached = {str(p): s["steps"] for p, s in failed.progress.get("pipelines", {}).items()}
+    redone = {p: max(0, k - int(steps.get(p, 0))) for p, k in sorted(reached.items())}
+    where = (f"{ckpt.relative_to(failed.run_dir)}" if ckpt is not None
+             else "the start (no checkpoint yet)")
+    console.print(f"sdpipe: warning: {failed.failure}; restarting from {where} (restart "
+                  f"{restarts.used} of {restarts.limit}, in {wait:.1f} s)", markup=False,
+                  highlight=False, soft_wrap=True)
+    log = MetricsLog(failed.run_dir / "metrics.jsonl")
+    try:
+        log.write({"kind": "restart", "restart": restarts.used,
+                   "time": round(time.time() - origin, 4), "reason": failed.failure,
+                   "from_checkpoint": None if ckpt is None else int(ckpt.name.split("_")[-1]),
+                   "redone": redone, "backoff_s": wait})
+    finally:
+        log.close()
+    phase = launcher._Phase("waiting to restart")  # counts Ctrl-C and SIGTERM while nothing runs
+    previous = phase.install()
+    try:
+        deadline = time.monotonic() + wait
+        while not phase.signals and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    finally:
+        phase.restore(previous)
+    if phase.signals:
+        failed.returncode = EXIT_INTERRUPTED
+        failed.failure = "interrupted while waiting to restart; no process of the run was running"
+        return None
+    return ckpt, sum(int(k) for k in steps.values())
 
 
 def _run_folder(console: Console, result) -> None:
@@ -572,8 +650,9 @@ def _plan_table(console: Console, plan) -> None:
                   "throughput", highlight=False)
 
 
-def _summary(console: Console, result) -> None:
-    table = Table(title=f"sdpipe train: done in {result.wall_s:.1f} s")
+def _summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
+    again = f" after {restarts} restart{'s' if restarts > 1 else ''}" if restarts else ""
+    table = Table(title=f"sdpipe train: done in {wall_s:.1f} s{again}")
     for col in ("pipeline", "iterations", "samples", "loss", "val_loss", "samples/s"):
         table.add_column(col, justify="right")
     for p, s in sorted(result.progress.get("pipelines", {}).items(), key=lambda kv: int(kv[0])):

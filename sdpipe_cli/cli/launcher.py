@@ -87,6 +87,7 @@ class RunResult:
     progress: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
     trace: Optional[Path] = None  # <run>/trace.json, with run.trace
+    interrupted: bool = False  # Ctrl-C or SIGTERM came (also when a failure followed)
 
 
 def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
@@ -223,7 +224,9 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
 
     With ``resume`` (a verified checkpoint folder), the run goes on in its own run folder: the
     config for this leg is written beside the original (which stays as it was), metrics are
-    appended, and the run clock goes on from ``elapsed`` seconds.
+    appended, and the run clock goes on from ``elapsed`` seconds. With ``run_dir`` (a folder
+    that already holds this run) and no ``resume``, the run starts again from scratch there,
+    in the same way: its config is written as ``config-<n>.yaml``, nothing is replaced.
     """
     cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
     primary = not cluster.real or cfg.run.node == cluster.nodes[0]
@@ -238,10 +241,10 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         if primary:
             master = start_store(cfg)  # first: a busy port must fail before anything is written
             phase.advance("writing the run folder")
-            if resume is None:
+            if resume is None:  # a new run, or (``run_dir`` given) one started again from scratch
                 run_dir = run_dir or make_run_dir(cfg.run.dir)
                 cfg.run.dir = str(run_dir.resolve()) if cluster.real else str(run_dir)
-                config_path = run_dir / "config.yaml"
+                config_path = _new_path(run_dir / "config.yaml")
             else:
                 run_dir = Path(cfg.run.dir)
                 config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
@@ -297,9 +300,11 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
                                                  tolerate, graceful=job.graceful,
                                                  workers=P * S, phase=phase)
         result.returncode = 1 if result.failure else 130 if interrupted else 0
+        result.interrupted = interrupted
         if interrupted and not result.failure:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
     except _Interrupted:
+        result.interrupted = True
         if phase.now == RUNNING:
             twice = "interrupted twice" if job.graceful else "interrupted"
             result.failure = f"{twice}; all processes stopped"

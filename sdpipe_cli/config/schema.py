@@ -575,6 +575,9 @@ def _validate_cluster(cfg: DictConfig) -> None:
         if cfg.fault.on_pipeline_loss != "stop":
             raise ConfigError("fault.on_pipeline_loss", f"{cfg.fault.on_pipeline_loss} is not "
                               "supported across real nodes yet; use stop")
+        if cfg.fault.on_failure != "stop":
+            raise ConfigError("fault.on_failure", f"{cfg.fault.on_failure} is not supported "
+                              "across real nodes yet; use stop")
     elif cfg.run.node is not None:
         raise ConfigError("run.node", "is only for clusters of real nodes (cluster.nodes[*].host)")
     if c.emulation not in EMULATIONS:

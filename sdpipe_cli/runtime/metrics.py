@@ -19,7 +19,13 @@ Workers report what only they know (the loss lives on the last stage of each pip
   ``size``, ``group`` (group or global), ``stop``, ``max_wait_s``, ``waits`` (each member's);
 - ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``,
   ``device`` (where it was placed), ``actions``, ``straggled``, ``slowdown_overruns`` (actions whose
-  real compute overran the modelled time) and ``peak_memory_mb``.
+  real compute overran the modelled time) and ``peak_memory_mb``;
+- ``restart`` (``fault.on_failure=restart``; written by the CLI between two launches, while no
+  process of the run is running): ``restart`` (its number), ``time``, ``reason`` (the failure's
+  line), ``from_checkpoint`` (its step; null: the run starts again from scratch), ``redone``
+  (per pipeline, the iterations that will be done again: the last reached minus the
+  checkpoint's) and ``backoff_s``. The train lines of the redone iterations come twice, the
+  later ones after this line.
 """
 
 from __future__ import annotations

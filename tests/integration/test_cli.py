@@ -134,9 +134,14 @@ def test_foreign_host_is_refused_before_torch_is_imported(capsys):
     ("model=huge", "model: no option 'huge'"),
     ("cluster.links.same_node.latency_ms=-1", "cluster.links.same_node.latency_ms: must be >= 0"),
     ("cluster.pipelines=0", "cluster.pipelines: must be at least 1"),
+    ("fault.on_failure=restart sync=none checkpoint.every=5",
+     "fault.on_failure: restart is for lock-step sync (allreduce, adpsgd), not sync=none"),
+    ("fault.on_failure=restart sync=allreduce",
+     "fault.on_failure: restart needs checkpoints to restart from"),
+    ("fault.max_restarts=-1", "fault.max_restarts: is -1; must be >= 0"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, key):
-    out = sdpipe_process("profile", f"run.dir={tmp_path / 'never'}", override, timeout=60)
+    out = sdpipe_process("profile", f"run.dir={tmp_path / 'never'}", *override.split(), timeout=60)
     assert out.returncode == 2
     assert out.stderr.startswith(f"sdpipe: error: {key}"), out.stderr
     assert out.stderr.count("\n") == 1  # one line, no traceback

@@ -160,6 +160,8 @@ def test_default_placement_spreads_pipelines_over_nodes():
     (("run.node=node0",), "run.port"),
     (("run.node=node0", "run.port=29500", "fault.on_pipeline_loss=continue"),
      "fault.on_pipeline_loss"),
+    (("run.node=node0", "run.port=29500", "sync=allreduce", "checkpoint.every=5",
+      "fault.on_failure=restart"), "fault.on_failure"),
     (("run.node=node0", "run.port=29500", "cluster.nodes.1.host=null"), "cluster.nodes[1].host"),
 ])
 def test_real_nodes_need_their_launch_settings(extra, key):
