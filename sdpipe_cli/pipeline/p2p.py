@@ -159,8 +159,9 @@ class Link:
     ``before_send(dst, tensor)`` is called before every activation or gradient send (the
     emulated network's delay). ``rank_offset``: the global rank of the process group's rank 0,
     when the group is the pipeline rather than the run (a restarted pipeline cannot rejoin a
-    group of the whole run, so its stages talk in a group of their own). It keeps the sends in flight until a rule of the module
-    docstring allows waiting on them, and at most one receive posted along with a send.
+    group of the whole run, so its stages talk in a group of their own). It keeps the sends in
+    flight until a rule of the module docstring allows waiting on them, and at most one receive
+    posted along with a send.
     """
 
     def __init__(
