@@ -60,6 +60,8 @@ class Child:
     log_path: Path
     rank: Optional[int] = None  # workers only
     pipeline: Optional[int] = None  # workers only
+    since: float = 0.0  # when it was started (time.time()): older error files are not its own
+    incarnation: int = 0  # workers: restarts of its pipeline before it
 
 
 @dataclass(frozen=True)
@@ -280,13 +282,19 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         processes.preload([job.worker, *helpers], base)
         if job.helpers and primary:
             children.append(spawn(SCHEDULER, "scheduler", "scheduler", run_dir, base))
-        for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
+        def start_worker(rank: int, incarnation: int = 0) -> Child:
             # one GPU per worker: its index on a real node, the rank on one machine
             local = cluster.device_of_rank(rank).index if cluster.real else rank
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local)}
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local),
+                   "SDPIPE_INCARNATION": str(incarnation)}
             role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
-            children.append(spawn(job.worker, str(rank), role, run_dir, env))
-            children[-1].rank, children[-1].pipeline = rank, rank // S
+            child = spawn(job.worker, str(rank), role, run_dir, env)
+            child.rank, child.pipeline, child.since = rank, rank // S, time.time()
+            child.incarnation = incarnation
+            return child
+
+        for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
+            children.append(start_worker(rank))
             phase.check()
         for stage in range(servers if primary else 0):
             rank = P * S + stage
@@ -295,10 +303,20 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
                                   f"parameter server of stage {stage}", run_dir, env))
 
         phase.advance("waiting for the workers to join")
-        tolerate = job.helpers and cfg.fault.on_pipeline_loss == "continue"
+        tolerate = job.helpers and cfg.fault.on_pipeline_loss in ("continue", "restart")
+        restarts = (supervision.Restarts(cfg.fault.max_restarts, cfg.fault.restart_backoff)
+                    if tolerate and cfg.fault.on_pipeline_loss == "restart" else None)
+        incarnations = [0] * P
+
+        def restart(pipeline: int) -> list[Child]:
+            incarnations[pipeline] += 1
+            return [start_worker(rank, incarnations[pipeline])
+                    for rank in range(pipeline * S, (pipeline + 1) * S)]
+
         result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched,
                                                  tolerate, graceful=job.graceful,
-                                                 workers=P * S, phase=phase)
+                                                 workers=P * S, phase=phase, restarts=restarts,
+                                                 restart=restart)
         result.returncode = 1 if result.failure else 130 if interrupted else 0
         result.interrupted = interrupted
         if interrupted and not result.failure:
@@ -373,7 +391,10 @@ def _new_path(path: Path) -> Path:
 
 def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                since: float = 0.0, tolerate: bool = False, graceful: bool = True,
-               workers: int = 0, phase: Optional[_Phase] = None) -> tuple[Optional[str], bool]:
+               workers: int = 0, phase: Optional[_Phase] = None,
+               restarts: Optional[supervision.Restarts] = None,
+               restart: Callable[[int], list[Child]] = lambda p: []
+               ) -> tuple[Optional[str], bool]:
     """Wait for every child: (the first failure's description or None, whether interrupted).
 
     The mechanism only: each poll becomes a :class:`~sdpipe_cli.core.supervision.Observation`,
@@ -382,10 +403,11 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
     ``tolerate``, another node's failure, which failure to name). A stop at once raises
     :class:`_Interrupted` and the caller stops everything. The policy's view of start-up (all
     ``workers`` started) is copied to ``phase``, whose name the caller's message uses.
+    ``restart(pipeline)`` starts a lost pipeline's workers again (``restarts``: the budget).
     """
     phase = phase or _Phase(RUNNING)
     policy = supervision.Supervision(workers=workers, tolerate=tolerate, graceful=graceful,
-                                     started=phase.now == RUNNING)
+                                     started=phase.now == RUNNING, restarts=restarts)
     by_name = {c.name: c for c in children}
     error_times: dict[str, Optional[float]] = {}
     while True:
@@ -400,8 +422,26 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
         elif isinstance(action, supervision.RequestStop):
             events.set(store.STOP_REQUESTED, "1")
         elif isinstance(action, supervision.DropPipelines):
-            for pipeline, name in action.lost:
-                _lose_pipeline(by_name[name], pipeline, children, run_dir, events, since)
+            again = action.restart or (False,) * len(action.lost)
+            for (pipeline, name), again in zip(action.lost, again):
+                _lose_pipeline(by_name[name], pipeline, children, run_dir, events, since, again)
+        elif isinstance(action, supervision.Respawn):
+            fresh = restart(action.pipeline)
+            children[:] = [c for c in children if c.pipeline != action.pipeline] + fresh
+            by_name.update((c.name, c) for c in fresh)
+            for c in fresh:
+                error_times.pop(c.name, None)
+            store.push(events, store.EVENTS, {
+                "type": "restart", "rank": fresh[0].rank, "pipeline": action.pipeline,
+                "incarnation": fresh[0].incarnation, "restart": action.restart, "backoff_s": action.backoff_s,
+                "time": round(time.time() - since, 4)})
+            print(f"sdpipe: pipeline {action.pipeline} restarted (restart {action.restart} of "
+                  f"{restarts.limit if restarts else 0})", file=sys.stderr, flush=True)
+        elif isinstance(action, supervision.Kill):
+            for name in action.names:
+                print(f"sdpipe: warning: {by_name[name].role} is hung (silent past "
+                      "run.heartbeat_timeout); killing it", file=sys.stderr, flush=True)
+                _signal(by_name[name], signal.SIGKILL)
         elif isinstance(action, supervision.StopNow):
             raise _Interrupted
         elif isinstance(action, supervision.Finished):
@@ -426,14 +466,16 @@ def _observe(children: list[Child], run_dir: Path, events, phase: _Phase, since:
     for c in children:
         rc = c.proc.poll()
         if rc not in (None, 0) and c.name not in error_times:
-            err = _error_since(run_dir, c.name, since)
+            err = _error_since(run_dir, c.name, max(since, c.since))
             error_times[c.name] = err["time"] if err else None
         states.append(supervision.ChildState(c.name, c.pipeline, rc, error_times.get(c.name)))
     elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
+    hung = _quietly(lambda: store.get_json(events, store.HUNG, [])) or []
     return supervision.Observation(
         now=time.monotonic(), children=tuple(states), signals=signals,
         progress=_quietly(lambda: store.get_json(events, store.PROGRESS)),
-        elsewhere=elsewhere.decode() if elsewhere else None)
+        elsewhere=elsewhere.decode() if elsewhere else None,
+        hung=tuple(str(rank) for rank in hung))
 
 
 def _quietly(read: Callable[[], Any]) -> Any:
@@ -445,14 +487,17 @@ def _quietly(read: Callable[[], Any]) -> Any:
 
 
 def _lose_pipeline(failed: Child, pipeline: int, children: list[Child], run_dir: Path, events,
-                   since: float) -> None:
-    """Stop every worker of ``pipeline``, which ``failed`` cost, and tell the scheduler to drop it."""
+                   since: float, restart: bool = False) -> None:
+    """Stop every worker of ``pipeline``, which ``failed`` cost, and tell the scheduler to drop it
+    (``restart``: until its new workers rejoin)."""
     mates = [c for c in children if c.pipeline == pipeline]
     stop_all(mates)
     reason = describe_failure(failed, run_dir, since)
     store.push(events, store.EVENTS, {"type": "lost", "rank": failed.rank, "pipeline": pipeline,
-                                      "reason": reason})
-    print(f"sdpipe: warning: pipeline {pipeline} lost, the others go on: {reason}",
+                                      "reason": reason, "restart": restart,
+                                      "time": round(time.time() - since, 4)})
+    then = "it will be restarted" if restart else "the others go on"
+    print(f"sdpipe: warning: pipeline {pipeline} lost, {then}: {reason}",
           file=sys.stderr, flush=True)
 
 
@@ -465,7 +510,7 @@ def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:
 def describe_failure(child: Child, run_dir: Path, since: float = 0.0) -> str:
     """One line for the user: who (role), how it ended, its error message (else its log's last
     lines), and where its log is."""
-    err = _error_since(run_dir, child.name, since)
+    err = _error_since(run_dir, child.name, max(since, child.since))
     detail = err["message"] if err else _tail(child.log_path, 5)
     return f"{child.role} {supervision.ending(child.proc.returncode)}: {detail} (log: {child.log_path})"
 

@@ -538,6 +538,9 @@ def _validate_fault(cfg: DictConfig) -> None:
     need(loss == "stop" or (y.name == "sdpipe" and cfg.cluster.pipelines >= 2),
          "fault.on_pipeline_loss", f"{loss} needs sync=sdpipe and at least 2 pipelines (a lost "
          f"pipeline is healed from a live replica; sync={y.name} has no way around a missing one)")
+    need(loss != "restart" or cfg.pipeline.schedule not in _schedule.ASYNC_SCHEDULES,
+         "fault.on_pipeline_loss", "restart is not supported with an asynchronous schedule yet "
+         f"(pipeline.schedule={cfg.pipeline.schedule}); use continue")
     need(failure in ("stop", "restart"), "fault.on_failure", f"is '{failure}'; choose stop or restart")
     need(failure == "stop" or y.name in ("allreduce", "adpsgd"), "fault.on_failure",
          f"restart is for lock-step sync (allreduce, adpsgd), not sync={y.name}"

@@ -18,6 +18,12 @@ tested without a process, a store or a clock (torchelastic's agent is split the 
   only its pipeline: its other workers are stopped and the scheduler drops it, while the rest go
   on. Not when it would leave no pipeline, and never for a helper: without the scheduler or a
   parameter server nobody can go on.
+* **Restart** (``fault.on_pipeline_loss=restart``). As pipeline loss, and the lost pipeline's
+  workers are started again after a back-off, while the run's :class:`Restarts` budget lasts;
+  past it, the pipeline is dropped as with ``continue``. The new workers rejoin and heal from live
+  replicas (the scheduler's part).
+* **Hung workers** (``continue`` and ``restart``). A worker the scheduler names hung (silent past
+  ``run.heartbeat_timeout``, e.g. stopped by SIGSTOP) is killed; its exit then counts as a loss.
 * **Another node.** A failure published in the store by another node's launcher ends this one
   too; our own children's state is looked at first, because a failure here is closer to the cause.
 * **Interrupts** (Ctrl-C, SIGTERM). The first one after every worker has started asks the workers
@@ -32,9 +38,10 @@ Every action that ends supervision (:class:`StopNow`, :class:`Finished`, :class:
 :class:`FailedElsewhere`) is final: :meth:`Supervision.decide` returns it again for any later
 observation, so a mechanism that polls once more cannot undo a decision.
 
-Out of scope here, because other processes own them: hung workers (the scheduler's heartbeat check
-fails the scheduler, which this policy sees as a helper failure) and time limits (the scheduler
-ends the run with a global sync; the workers then exit 0).
+Out of scope here, because other processes own them: noticing hung workers (the scheduler's
+heartbeat check; without a tolerated loss it fails the scheduler, which this policy sees as a
+helper failure) and time limits (the scheduler ends the run with a global sync; the workers then
+exit 0).
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ class Observation:
     signals: int = 0  # interrupts (Ctrl-C, SIGTERM) counted since supervision began, in total
     progress: Optional[Mapping[str, Any]] = None  # the latest snapshot in the store, if any
     elsewhere: Optional[str] = None  # a failure another node's launcher published, if any
+    hung: tuple[str, ...] = ()  # children the scheduler named hung
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -92,6 +100,23 @@ class DropPipelines:
     observe again at once; the rest of the run goes on."""
 
     lost: tuple[tuple[int, str], ...]  # (pipeline, name of the child whose failure cost it), by pipeline
+    restart: tuple[bool, ...] = ()  # per pipeline in ``lost``: whether it will be started again
+
+
+@dataclass(frozen=True)
+class Respawn:
+    """Start the workers of ``pipeline`` again (its back-off has passed), then observe again."""
+
+    pipeline: int
+    restart: int  # restarts in the run so far, this one included
+    backoff_s: float
+
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL these children (named hung), then observe again; their exits are then losses."""
+
+    names: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -122,7 +147,8 @@ class FailedElsewhere:
     interrupted: bool = False
 
 
-Action = Union[Wait, RequestStop, DropPipelines, StopNow, Finished, Failed, FailedElsewhere]
+Action = Union[Wait, RequestStop, DropPipelines, Respawn, Kill, StopNow, Finished, Failed,
+               FailedElsewhere]
 FINAL = (StopNow, Finished, Failed, FailedElsewhere)
 WAIT = Wait()
 
@@ -185,13 +211,18 @@ class Supervision:
     means it is. ``tolerate``: ``fault.on_pipeline_loss=continue``. ``graceful``: the job has a
     consistent point to stop at when asked. ``started``: start-up is already over (a caller that
     supervises children it knows to be running). ``settle_s``: see :data:`SETTLE_S`.
+    ``restarts``: with ``tolerate``, lost pipelines are started again while it lasts.
 
     The clock is the observations' ``now``; nothing here sleeps or reads anything.
     """
 
     def __init__(self, *, workers: int = 0, tolerate: bool = False, graceful: bool = True,
-                 started: bool = False, settle_s: float = SETTLE_S):
+                 started: bool = False, settle_s: float = SETTLE_S,
+                 restarts: Optional[Restarts] = None):
         self.workers, self.tolerate, self.graceful, self.settle_s = workers, tolerate, graceful, settle_s
+        self.restarts = restarts
+        self._respawn: dict[int, tuple[float, int, float]] = {}  # p -> (when, restart, back-off)
+        self._killed: set[str] = set()
         self._started, self._interrupted = started, False
         self._handled = 0  # interrupts already acted on
         self._lost: set[int] = set()
@@ -228,21 +259,44 @@ class Supervision:
                 return self._end(StopNow())
             self._interrupted = True
             return RequestStop()
+        hung = tuple(n for n in obs.hung if n not in self._killed and self._running(obs, n))
+        if hung and self.tolerate:
+            self._killed.update(hung)
+            return Kill(hung)
         failed = self._failures(obs)
         if failed:
             drop = self._droppable(obs, failed)
             if drop:
                 self._lost.update(p for p, _ in drop)
-                return DropPipelines(drop)
+                return DropPipelines(drop, tuple(self._plan_restart(p, obs.now) for p, _ in drop))
             self._failing_since = obs.now
             if self.settle_s > 0:
                 return WAIT
             return self._end(Failed(first_failure(failed).name, self._interrupted))
+        due = [p for p, (when, _, _) in self._respawn.items() if when <= obs.now]
+        if due:  # even after a stop request: the new workers learn from the scheduler to stop
+            p = min(due)
+            _, restart, backoff = self._respawn.pop(p)
+            self._lost.discard(p)
+            self._killed -= {c.name for c in obs.children if c.pipeline == p}
+            return Respawn(p, restart, backoff)
         if all(c.returncode is not None for c in obs.children):
             return self._end(Finished(self._interrupted))
         if obs.elsewhere:
             return self._end(FailedElsewhere(obs.elsewhere, self._interrupted))
         return WAIT
+
+    def _plan_restart(self, pipeline: int, now: float) -> bool:
+        """Whether lost ``pipeline`` is started again (after its back-off), drawing on the budget."""
+        backoff = self.restarts.take() if self.restarts is not None else None
+        if backoff is None:
+            return False
+        self._respawn[pipeline] = (now + backoff, self.restarts.used, backoff)
+        return True
+
+    @staticmethod
+    def _running(obs: Observation, name: str) -> bool:
+        return any(c.name == name and c.returncode is None for c in obs.children)
 
     def _failures(self, obs: Observation) -> list[ChildState]:
         """Failed children, except the workers of dropped pipelines (they were stopped on purpose)."""

@@ -17,10 +17,18 @@ Workers report what only they know (the loss lives on the last stage of each pip
   ``wait_s`` (ready signal to decision) and ``comm_s`` (the group all-reduce);
 - ``group``: one per scheduler decision: ``stage``, ``round``, ``members``, ``iterations``,
   ``size``, ``group`` (group or global), ``stop``, ``max_wait_s``, ``waits`` (each member's);
+- ``lost``: a pipeline the launcher stopped after one of its workers failed: ``pipeline``,
+  ``reason``, ``restart`` (whether it is started again);
+- ``restart``, of a pipeline (``fault.on_pipeline_loss=restart``): a lost pipeline's processes
+  started again: ``pipeline``, ``incarnation`` (restarts of that pipeline), ``restart`` (restarts
+  in the run so far), ``backoff_s``, ``time``;
+- ``heal``: a restarted replica took a live replica's state: ``pipeline``, ``stage``, ``source``
+  (the pipeline it copied), ``iteration`` (where it goes on from), ``bytes``, ``seconds`` (from
+  its request to having the state);
 - ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``,
   ``device`` (where it was placed), ``actions``, ``straggled``, ``slowdown_overruns`` (actions whose
   real compute overran the modelled time) and ``peak_memory_mb``;
-- ``restart`` (``fault.on_failure=restart``; written by the CLI between two launches, while no
+- ``restart``, of the whole run (``fault.on_failure=restart``; written by the CLI between two launches, while no
   process of the run is running): ``restart`` (its number), ``time``, ``reason`` (the failure's
   line), ``from_checkpoint`` (its step; null: the run starts again from scratch), ``redone``
   (per pipeline, the iterations that will be done again: the last reached minus the
@@ -93,8 +101,16 @@ class RunTracker:
             return {"kind": "done", **_without(event, "type")}
         if kind == "lost":  # the launcher stopped this pipeline after one of its workers failed
             for r in range(pipe_index * self.stages, (pipe_index + 1) * self.stages):
-                self.done.setdefault(r, event)
+                if event.get("restart"):  # its new processes will report, and be done, later
+                    self.last_seen.pop(r, None)
+                else:
+                    self.done.setdefault(r, event)
             return {"kind": "lost", **_without(event, "type", "rank")}
+        if kind == "restart":  # the launcher started a lost pipeline's processes again
+            self.last_seen.pop(rank, None)
+            return {"kind": "restart", **_without(event, "type", "rank")}
+        if kind == "healed":  # a restarted replica took a live one's state
+            return {"kind": "heal", **_without(event, "type", "rank")}
         return None
 
     def all_done(self) -> bool:

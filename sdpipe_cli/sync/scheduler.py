@@ -9,7 +9,15 @@ also folds progress events into a :class:`~sdpipe_cli.runtime.metrics.RunTracker
 
 The loop blocks on the event queue (no polling); a small ticker thread pushes a ``tick`` event
 when the policy's next deadline passes, and at least every :data:`TICK_S` seconds for heartbeats.
-A worker silent past ``run.heartbeat_timeout`` fails the run with its name.
+A worker silent past ``run.heartbeat_timeout`` fails the run with its name; where a run survives
+a lost pipeline (``fault.on_pipeline_loss=continue|restart``) it is named under
+:data:`~sdpipe_cli.runtime.store.HUNG` instead, and the launcher kills it and handles the loss.
+
+Restarted pipelines (``restart``): the launcher says so with the ``lost`` event (``restart``) and a
+``restart`` event when it starts the new processes; each of their workers asks to ``rejoin``, and
+the policy's decision that heals it names its source, which the scheduler writes under
+:func:`~sdpipe_cli.runtime.store.heal_key` (or ``stop``, when the run ended first). Every
+decision carries its members' incarnations, which name their communicators.
 """
 
 from __future__ import annotations
@@ -104,6 +112,11 @@ class Scheduler:
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint id -> rank -> step
         self.global_seen = [0] * S  # global decisions per stage, to match policy.global_history
         self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
+        self.incarnation = [0] * P  # of each pipeline's processes: restarts so far
+        self.rejoining: set[tuple[int, int]] = set()  # (stage, pipeline) waiting to be healed
+        self.tolerant = cfg.fault.on_pipeline_loss != "stop"
+        self.hung: set[int] = set()  # ranks named hung, until their pipeline is lost
+        self.heals = self.restarts = 0
         self.checkpoints = GlobalSyncCheckpoints(Cadence.from_config(cfg), clock())
         if resume is not None:
             self._resume(resume)
@@ -133,14 +146,20 @@ class Scheduler:
         elif kind == "saved":
             self._saved(event)
         elif kind == "lost":
+            self._lost(event)
+        elif kind == "restart":  # the launcher started a lost pipeline's processes again
+            self.restarts += 1
+            self.incarnation[int(event["pipeline"])] = int(event["incarnation"])
             self.metrics.write(self.tracker.update(event))
-            log.warning("pipeline %d lost: %s", event["pipeline"], event.get("reason", ""))
-            if self.policy is not None:
-                self._publish(self.policy.leave(int(event["pipeline"])))
+        elif kind == "rejoin":
+            self._rejoin(event)
         elif kind != "tick":
             line = self.tracker.update(event)
             if line is not None:
                 self.metrics.write(line)
+            self.heals += kind == "healed"
+        if self.rejoining and self.policy is not None and self.policy.finished:
+            self._answer_rejoins()
         if self.policy is not None:
             if kind == "tick" and not self.policy.stop_requested \
                     and self.events.check([store.STOP_REQUESTED]):
@@ -160,17 +179,55 @@ class Scheduler:
         if kind == "start" or self.clock() - self.published > PUBLISH_S:
             self.publish_progress()
 
+    def _lost(self, event: dict) -> None:
+        p = int(event["pipeline"])
+        self.metrics.write(self.tracker.update(event))
+        log.warning("pipeline %d lost%s: %s", p, " (restarting)" if event.get("restart") else "",
+                    event.get("reason", ""))
+        S = self.cfg.pipeline.stages
+        self.hung -= set(range(p * S, (p + 1) * S))
+        self.rejoining = {(s, q) for s, q in self.rejoining if q != p}
+        if self.policy is not None:
+            self._publish(self.policy.leave(p))
+
+    def _rejoin(self, event: dict) -> None:
+        s, p = int(event["stage"]), int(event["pipeline"])
+        self.tracker.update(event)
+        if int(event["incarnation"]) != self.incarnation[p]:
+            return  # a process of an incarnation that is gone already
+        self.rejoining.add((s, p))
+        if not self.policy.finished:
+            self._publish(self.policy.rejoin(s, p))
+
+    def _answer_rejoins(self) -> None:
+        """The run ended while some restarted replicas waited to be healed: they stop."""
+        for s, p in sorted(self.rejoining):
+            store.set_json(self.events, store.heal_key(s, p, self.incarnation[p]), {"stop": True})
+        self.rejoining.clear()
+
     def _publish(self, decisions: list[Decision]) -> None:
         # the run's global progress, for the members' learning-rate schedule
         done = self.policy.iterations_done() if decisions else None
         for d in decisions:
             ckpt = self._checkpoint_at(d) if d.kind == "global" else None
+            # the restarted replicas this round's first member heals after its update
+            heal = [{"pipeline": q, "incarnation": self.incarnation[q]} for q, _ in d.heal]
             # every member gets the same record, in one message: a set per member is a send and a
             # wake-up of the store each, which the last member of a large group waits behind
             value = json.dumps({"members": list(d.members), "round": d.round, "kind": d.kind,
-                                "stop": d.stop, "checkpoint": ckpt, "done": done})
+                                "stop": d.stop, "checkpoint": ckpt, "done": done,
+                                "incarnations": [self.incarnation[p] for p in d.members]})
             keys = [store.decision_key(d.stage, p, k) for p, k in zip(d.members, d.iterations)]
-            self.events.multi_set(keys, [value] * len(keys))
+            values = [value] * len(keys)
+            if heal:
+                values[0] = json.dumps({**json.loads(value), "heal": heal})  # to the source only
+            for q, k in d.heal:
+                self.rejoining.discard((d.stage, q))
+                keys.append(store.heal_key(d.stage, q, self.incarnation[q]))
+                values.append(json.dumps({"stop": False, "source": d.members[0],
+                                          "source_incarnation": self.incarnation[d.members[0]],
+                                          "iteration": k, "done": done}))
+            self.events.multi_set(keys, values)
             for p in d.members:
                 self.rounds[d.stage][p] += 1
             self.group_sizes.append(len(d.members))
@@ -186,6 +243,8 @@ class Scheduler:
         stage); which ones, :class:`~sdpipe_cli.core.cadence.GlobalSyncCheckpoints` decides."""
         g = self.global_seen[d.stage]
         self.global_seen[d.stage] += 1
+        if g not in self.global_checkpoint and len(self.policy.live) < self.cfg.cluster.pipelines:
+            self.global_checkpoint[g] = None  # a checkpoint needs every pipeline's shards
         if g not in self.global_checkpoint:
             at = self._average({p: k + 1 for p, k in self.policy.global_history[g].items()})
             self.global_checkpoint[g] = self.checkpoints.at_global_sync(at, d.stop, self.clock())
@@ -216,7 +275,13 @@ class Scheduler:
 
     def _check_health(self) -> None:
         hung = self.tracker.silent_workers()
-        if hung:
+        if hung and self.tolerant:
+            if not set(hung) <= self.hung:  # the launcher kills them; their pipelines are lost
+                self.hung |= set(hung)
+                log.warning("no report from rank(s) %s for %g s: named hung", hung,
+                            self.cfg.run.heartbeat_timeout)
+                store.set_json(self.events, store.HUNG, sorted(self.hung))
+        elif hung:
             raise WorkerHung(f"no report from rank(s) {hung} for {self.cfg.run.heartbeat_timeout:g} s")
         missing = self.tracker.world_size - len(self.tracker.started)
         if missing and self.clock() - self.started > self.cfg.run.timeout:
@@ -228,6 +293,8 @@ class Scheduler:
 
     def summary(self) -> dict:
         summary = self.tracker.snapshot()
+        if self.restarts or self.heals:
+            summary["restarts"], summary["heals"] = self.restarts, self.heals
         if self.policy is not None:
             summary["rounds"] = self.rounds
             summary["mean_group_size"] = (sum(self.group_sizes) / len(self.group_sizes)
@@ -235,7 +302,7 @@ class Scheduler:
         return summary
 
 
-URGENT = ("ready", "begin", "lost")  # events a worker blocks on, or that unblock its peers
+URGENT = ("ready", "begin", "lost", "rejoin")  # events a worker blocks on, or that unblock its peers
 BATCH = 512  # most events taken from the queue at once
 
 
