@@ -62,6 +62,7 @@ class Child:
     pipeline: Optional[int] = None  # workers only
     since: float = 0.0  # when it was started (time.time()): older error files are not its own
     incarnation: int = 0  # workers: restarts of its pipeline before it
+    log_start: int = 0  # where its output begins in the log (a restarted worker appends)
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,8 @@ def _join(cfg: DictConfig, cluster: Cluster, phase: "_Phase"):
 def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str]) -> Child:
     """Start ``module`` as the child ``name`` (see :mod:`sdpipe_cli.runtime.processes`)."""
     log_path = run_dir / "logs" / f"{name}.log"
-    return Child(name, role, processes.start(module, log_path, env), log_path)
+    start = log_path.stat().st_size if log_path.exists() else 0
+    return Child(name, role, processes.start(module, log_path, env), log_path, log_start=start)
 
 
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
@@ -470,12 +472,13 @@ def _observe(children: list[Child], run_dir: Path, events, phase: _Phase, since:
             error_times[c.name] = err["time"] if err else None
         states.append(supervision.ChildState(c.name, c.pipeline, rc, error_times.get(c.name)))
     elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
-    hung = _quietly(lambda: store.get_json(events, store.HUNG, [])) or []
+    hung = {(rank, incarnation) for rank, incarnation
+            in _quietly(lambda: store.get_json(events, store.HUNG, [])) or []}
     return supervision.Observation(
         now=time.monotonic(), children=tuple(states), signals=signals,
         progress=_quietly(lambda: store.get_json(events, store.PROGRESS)),
         elsewhere=elsewhere.decode() if elsewhere else None,
-        hung=tuple(str(rank) for rank in hung))
+        hung=tuple(c.name for c in children if (c.rank, c.incarnation) in hung))
 
 
 def _quietly(read: Callable[[], Any]) -> Any:
@@ -511,13 +514,15 @@ def describe_failure(child: Child, run_dir: Path, since: float = 0.0) -> str:
     """One line for the user: who (role), how it ended, its error message (else its log's last
     lines), and where its log is."""
     err = _error_since(run_dir, child.name, max(since, child.since))
-    detail = err["message"] if err else _tail(child.log_path, 5)
+    detail = err["message"] if err else _tail(child.log_path, 5, child.log_start)
     return f"{child.role} {supervision.ending(child.proc.returncode)}: {detail} (log: {child.log_path})"
 
 
-def _tail(path: Path, lines: int) -> str:
+def _tail(path: Path, lines: int, start: int = 0) -> str:
     try:
-        text = path.read_text(errors="replace").strip().splitlines()
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return "no log"
     return " | ".join(text[-lines:]) if text else "no output"

@@ -541,6 +541,10 @@ def _validate_fault(cfg: DictConfig) -> None:
     need(loss != "restart" or cfg.pipeline.schedule not in _schedule.ASYNC_SCHEDULES,
          "fault.on_pipeline_loss", "restart is not supported with an asynchronous schedule yet "
          f"(pipeline.schedule={cfg.pipeline.schedule}); use continue")
+    need(loss == "stop" or cfg.run.heartbeat_timeout > y.get("group_timeout", 0),
+         "run.heartbeat_timeout", f"must exceed sync.group_timeout ({y.get('group_timeout')} s) "
+         f"with fault.on_pipeline_loss={loss}: a replica waiting that long for a lost member "
+         "would be taken for hung")
     need(failure in ("stop", "restart"), "fault.on_failure", f"is '{failure}'; choose stop or restart")
     need(failure == "stop" or y.name in ("allreduce", "adpsgd"), "fault.on_failure",
          f"restart is for lock-step sync (allreduce, adpsgd), not sync={y.name}"

@@ -154,6 +154,8 @@ class Scheduler:
         elif kind == "rejoin":
             self._rejoin(event)
         elif kind != "tick":
+            if kind == "healed":  # the restarted worker's clock may not be the run's yet
+                event["time"] = round(time.time() - self.t0, 4)
             line = self.tracker.update(event)
             if line is not None:
                 self.metrics.write(line)
@@ -185,7 +187,9 @@ class Scheduler:
         log.warning("pipeline %d lost%s: %s", p, " (restarting)" if event.get("restart") else "",
                     event.get("reason", ""))
         S = self.cfg.pipeline.stages
-        self.hung -= set(range(p * S, (p + 1) * S))
+        if self.hung & set(range(p * S, (p + 1) * S)):
+            self.hung -= set(range(p * S, (p + 1) * S))
+            self._name_hung()
         self.rejoining = {(s, q) for s, q in self.rejoining if q != p}
         if self.policy is not None:
             self._publish(self.policy.leave(p))
@@ -280,12 +284,19 @@ class Scheduler:
                 self.hung |= set(hung)
                 log.warning("no report from rank(s) %s for %g s: named hung", hung,
                             self.cfg.run.heartbeat_timeout)
-                store.set_json(self.events, store.HUNG, sorted(self.hung))
+                self._name_hung()
         elif hung:
             raise WorkerHung(f"no report from rank(s) {hung} for {self.cfg.run.heartbeat_timeout:g} s")
         missing = self.tracker.world_size - len(self.tracker.started)
         if missing and self.clock() - self.started > self.cfg.run.timeout:
             raise WorkerHung(f"{missing} worker(s) never started within run.timeout")
+
+    def _name_hung(self) -> None:
+        """Tell the launcher which processes are hung: (rank, incarnation), so that a restarted
+        process is never taken for the one it replaced."""
+        S = self.cfg.pipeline.stages
+        store.set_json(self.events, store.HUNG,
+                       [[r, self.incarnation[r // S]] for r in sorted(self.hung)])
 
     def publish_progress(self) -> None:
         store.set_json(self.events, store.PROGRESS, self.summary())

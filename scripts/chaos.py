@@ -1,0 +1,261 @@
+"""Fault injection for ``fault.on_pipeline_loss=restart``: kill or stop random workers of a real run.
+
+In the spirit of torchft's punisher: one ``sdpipe train`` run with sync=sdpipe, and, while it
+trains, N faults at random times, each on a random worker: SIGKILL (a crash) or SIGSTOP (a hang,
+which the scheduler must notice within ``run.heartbeat_timeout`` and the launcher then kills). Run
+it from the repository root after ``pip install -e .``::
+
+    python scripts/chaos.py                                # 10 faults in a P=4, S=2 run
+    python scripts/chaos.py --kills 8 --stops 2 --baseline # and a run without faults to compare
+    python scripts/chaos.py --kills 2 --stops 0 --steps 40 --out /tmp/chaos   # a smoke test
+
+Usage::
+
+    python scripts/chaos.py [--kills 8] [--stops 2] [--pipelines 4] [--stages 2] [--steps 300]
+        [--compute-ms 10] [--gap 1.0 3.0] [--seed 0] [--heartbeat 8] [--out runs/chaos]
+        [--timeout 900] [--baseline] [--extra OVERRIDE ...]
+
+**Faults.** The first comes once training runs (a ``train`` line), each next one a uniform random
+``--gap`` seconds after the previous pipeline was healed again (its ``heal`` lines are in), so
+that at most one pipeline is down at a time and every fault hits a full run. Kills and stops
+come in a random order; the victim is a random worker. A fault is not injected once the run has
+reached 90% of its budget (a loss during the last global sync is not made good, see
+docs/FAULT_TOLERANCE.md).
+
+**Checks** (:func:`check`), printed as a table and written to ``OUT/chaos.json``:
+
+- ``exit 0``: the run completed;
+- ``budget``: the pipelines' final iterations sum to P x ``train.steps``;
+- ``identical``: at the end every stage's replicas have one parameter digest (replicas that were
+  still healing when the run ended are left out, and counted);
+- ``no orphans``: no process whose pid a ``logs/*.pid`` file or a fault recorded is still alive;
+- ``checkpoints``: every complete checkpoint passes ``checkpoint.verify`` (checksums, manifest);
+- ``restarts`` and ``heals``: one restart per fault, S heals per restart;
+- per fault, the pipeline's **downtime**: from the fault to its stages' heals (for a stop, this
+  includes the ``run.heartbeat_timeout`` it takes to notice); and the **time lost**
+  per fault: (this run's wall time - the baseline's) / faults, with ``--baseline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from sdpipe_cli.model import checkpoint  # noqa: E402
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            continue
+    return lines
+
+
+def command(args, run_dir: Path, faults: int) -> list[str]:
+    return [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", "model=mlp",
+            "data=synthetic", f"cluster.pipelines={args.pipelines}",
+            f"pipeline.stages={args.stages}", f"train.steps={args.steps}", "train.eval_every=0",
+            f"cluster.compute_ms={args.compute_ms}", "cluster.device=cpu",
+            "fault.on_pipeline_loss=restart", f"fault.max_restarts={faults}",
+            "fault.restart_backoff=0.2", f"run.heartbeat_timeout={args.heartbeat}",
+            f"sync.group_timeout={args.heartbeat / 2:g}",
+            f"checkpoint.every={max(1, args.steps // 4)}", *args.extra]
+
+
+def pid_of(run_dir: Path, rank: int) -> int | None:
+    try:
+        return int((run_dir / "logs" / f"{rank}.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def punish(run_dir: Path, proc: subprocess.Popen, plan: list[str], workers: int, stages: int,
+           gap: tuple[float, float], budget: int, rng: random.Random,
+           log=print) -> list[dict]:
+    """Inject ``plan`` (``kill`` or ``stop`` each) into the run, as the module docstring says;
+    returns what was done: time (s since the first train line), rank, signal, pid."""
+    done: list[dict] = []
+    start = None
+    while start is None and proc.poll() is None:
+        if any(m["kind"] == "train" for m in read_metrics(run_dir)):
+            start = time.monotonic()
+        time.sleep(0.05)
+    for fault in plan:
+        deadline = time.monotonic() + rng.uniform(*gap)
+        while proc.poll() is None:
+            lines = read_metrics(run_dir)
+            restarts = sum(m["kind"] == "restart" for m in lines)
+            heals = sum(m["kind"] == "heal" for m in lines)
+            healed = restarts == len(done) and heals >= stages * restarts
+            if healed and time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        progress = sum(m["step"] for m in _last_train(read_metrics(run_dir)).values())
+        if proc.poll() is not None or progress >= 0.9 * budget:
+            log(f"chaos: run too far along for more faults ({progress}/{budget} iterations)")
+            break
+        rank = rng.randrange(workers)
+        pid = pid_of(run_dir, rank)
+        if pid is None:
+            continue
+        sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            continue
+        entry = {"time": round(time.monotonic() - start, 3), "rank": rank,
+                 "pipeline": rank // stages, "signal": sig.name, "pid": pid}
+        done.append(entry)
+        log(f"chaos: {sig.name} to rank {rank} (pipeline {rank // stages}) at "
+            f"{entry['time']:.1f} s")
+    return done
+
+
+def _last_train(lines: list[dict]) -> dict[int, dict]:
+    last: dict[int, dict] = {}
+    for m in lines:
+        if m["kind"] == "train":
+            last[m["pipeline"]] = m
+    return last
+
+
+def orphans(run_dir: Path, pids: list[int]) -> list[int]:
+    """Live processes among ``pids`` and those the run's pid files name."""
+    named = [pid_of(run_dir, int(f.stem)) for f in (run_dir / "logs").glob("*.pid")
+             if f.stem.isdigit()]
+    alive = []
+    for pid in {p for p in [*pids, *named] if p}:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return sorted(alive)
+
+
+def check(run_dir: Path, returncode: int, faults: list[dict], pipelines: int, stages: int,
+          steps: int) -> dict:
+    """The checks of the module docstring, as a dict (``ok``: all of them passed)."""
+    lines = read_metrics(run_dir)
+    done: dict[int, dict] = {}
+    for m in lines:
+        if m["kind"] == "done":
+            done[m["rank"]] = m  # the last incarnation's
+    last = _last_train(lines)  # a pipeline dropped for good reports no done line
+    finals = {p: last[p]["step"] if p in last else 0 for p in range(pipelines)}
+    unhealed = sorted(r for r, d in done.items() if d.get("healed") is False)
+    digests = {s: {d["param_digest"] for r, d in done.items()
+                   if d["stage"] == s and r not in unhealed} for s in range(stages)}
+    invalid = []
+    for ckpt in checkpoint.complete_checkpoints(run_dir):
+        try:
+            checkpoint.verify(ckpt)
+        except Exception as err:  # noqa: BLE001 - any refusal counts
+            invalid.append(f"{ckpt.name}: {err}")
+    restarts = [m for m in lines if m["kind"] == "restart"]
+    heals = [m for m in lines if m["kind"] == "heal"]
+    lost = [m for m in lines if m["kind"] == "lost"]
+    # the faults' clock starts at the first train line (polled every 50 ms): on the run's clock
+    first = min((m["time"] for m in lines if m["kind"] == "train"), default=0.0)
+    downtime = []
+    for fault in faults:
+        at = first + fault["time"]
+        later = sorted(h["time"] for h in heals if h["pipeline"] == fault["pipeline"]
+                       and h["time"] >= at)
+        downtime.append(round(later[stages - 1] - at, 3) if len(later) >= stages else None)
+    result = {
+        "exit": returncode, "budget": sum(finals.values()), "target": pipelines * steps,
+        "final_iterations": finals, "identical": all(len(v) == 1 for v in digests.values()),
+        "unhealed_at_end": unhealed, "checkpoints": len(checkpoint.complete_checkpoints(run_dir)),
+        "invalid_checkpoints": invalid, "faults": len(faults), "lost": len(lost),
+        "restarts": len(restarts), "heals": len(heals),
+        "heal_bytes": sorted({h["bytes"] for h in heals}),
+        "heal_seconds": [h["seconds"] for h in heals], "downtime_s": downtime,
+        "orphans": orphans(run_dir, [f["pid"] for f in faults]),
+    }
+    result["ok"] = (returncode == 0 and result["budget"] == result["target"]
+                    and result["identical"] and not invalid and not result["orphans"]
+                    and len(lost) == len(faults) and len(restarts) == len(faults))
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=8)
+    parser.add_argument("--stops", type=int, default=2)
+    parser.add_argument("--pipelines", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--compute-ms", type=float, default=10)
+    parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 3.0))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heartbeat", type=float, default=8.0)
+    parser.add_argument("--out", type=Path, default=Path("runs/chaos"))
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--baseline", action="store_true", help="also a run without faults")
+    parser.add_argument("--extra", nargs="*", default=[])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    plan = ["kill"] * args.kills + ["stop"] * args.stops
+    rng.shuffle(plan)
+    report: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v)
+                                 for k, v in vars(args).items()}}
+    if args.baseline:
+        run_dir = args.out / "baseline"
+        started = time.monotonic()
+        rc = subprocess.run(command(args, run_dir, 0), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, timeout=args.timeout).returncode
+        report["baseline"] = {"exit": rc, "wall_s": round(time.monotonic() - started, 2)}
+        print(f"baseline: exit {rc}, {report['baseline']['wall_s']} s")
+    run_dir = args.out / "chaos"
+    log_path = args.out / "chaos.log"
+    started = time.monotonic()
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(command(args, run_dir, len(plan)), stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            faults = punish(run_dir, proc, plan, args.pipelines * args.stages, args.stages,
+                            tuple(args.gap), args.pipelines * args.steps, rng)
+            rc = proc.wait(timeout=args.timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    wall = time.monotonic() - started
+    result = check(run_dir, rc, faults, args.pipelines, args.stages, args.steps)
+    result["wall_s"] = round(wall, 2)
+    if "baseline" in report and faults:
+        result["time_lost_per_fault_s"] = round(
+            (wall - report["baseline"]["wall_s"]) / len(faults), 2)
+    report.update(chaos=result, faults=faults)
+    (args.out / "chaos.json").write_text(json.dumps(report, indent=1))
+    for key in ("ok", "exit", "faults", "lost", "restarts", "heals", "budget", "target",
+                "identical", "unhealed_at_end", "checkpoints", "invalid_checkpoints", "orphans",
+                "heal_bytes", "downtime_s", "wall_s", "time_lost_per_fault_s"):
+        if key in result:
+            print(f"{key:>22}: {result[key]}")
+    print(f"log: {log_path}; results: {args.out / 'chaos.json'}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
