@@ -268,7 +268,9 @@ class Supervision:
             drop = self._droppable(obs, failed)
             if drop:
                 self._lost.update(p for p, _ in drop)
-                return DropPipelines(drop, tuple(self._plan_restart(p, obs.now) for p, _ in drop))
+                again = (tuple(self._plan_restart(p, obs.now) for p, _ in drop)
+                         if self.restarts is not None else ())
+                return DropPipelines(drop, again)
             self._failing_since = obs.now
             if self.settle_s > 0:
                 return WAIT

@@ -139,6 +139,10 @@ def test_foreign_host_is_refused_before_torch_is_imported(capsys):
     ("fault.on_failure=restart sync=allreduce",
      "fault.on_failure: restart needs checkpoints to restart from"),
     ("fault.max_restarts=-1", "fault.max_restarts: is -1; must be >= 0"),
+    ("fault.on_pipeline_loss=restart sync=none",
+     "fault.on_pipeline_loss: restart needs sync=sdpipe and at least 2 pipelines"),
+    ("fault.on_pipeline_loss=restart run.heartbeat_timeout=10",
+     "run.heartbeat_timeout: must exceed sync.group_timeout (30.0 s)"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, key):
     out = sdpipe_process("profile", f"run.dir={tmp_path / 'never'}", *override.split(), timeout=60)

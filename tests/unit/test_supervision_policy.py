@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdpipe_cli.core.supervision import (SETTLE_S, ChildState, DropPipelines, Failed,
-                                         FailedElsewhere, Finished, Observation, RequestStop,
-                                         StopNow, Supervision, Wait, ending, first_failure)
+                                         FailedElsewhere, Finished, Kill, Observation,
+                                         RequestStop, Respawn, Restarts, StopNow, Supervision,
+                                         Wait, ending, first_failure)
 
 KILLED = -signal.SIGKILL
 TERMED = -signal.SIGTERM
@@ -165,6 +166,57 @@ def test_a_helper_failing_with_a_worker_fails_the_run():
     policy = Supervision(started=True, tolerate=True, settle_s=0)
     children = run(P=3, codes={"4": 1, "scheduler": 1}, errors={"4": 1.0, "scheduler": 2.0})
     assert policy.decide(see(children)) == Failed("4")
+
+
+# == restart (fault.on_pipeline_loss=restart) ==================================================
+
+
+def test_restarts_back_off_doubling_until_the_budget_is_used():
+    budget = Restarts(3, 0.5)
+    assert [budget.take() for _ in range(4)] == [0.5, 1.0, 2.0, None]
+    assert budget.left == 0 and Restarts(0, 1.0).take() is None
+    with pytest.raises(ValueError):
+        Restarts(-1, 1.0)
+
+
+def test_a_lost_pipeline_is_started_again_after_its_back_off():
+    policy = Supervision(started=True, tolerate=True, restarts=Restarts(2, 1.0))
+    assert policy.decide(see(run(P=3, codes={"4": KILLED}), now=10)) == DropPipelines(
+        ((2, "4"),), (True,))
+    stopped = run(P=3, codes={"4": KILLED, "5": TERMED})
+    assert policy.decide(see(stopped, now=10.5)) == Wait()  # backing off
+    assert policy.decide(see(stopped, now=11)) == Respawn(2, restart=1, backoff_s=1.0)
+    assert policy.lost == frozenset()  # its new workers' failures count again
+    assert policy.decide(see(run(P=3), now=12)) == Wait()
+    # the second loss backs off twice as long; the third is past the budget: dropped for good
+    assert policy.decide(see(run(P=3, codes={"2": 1}), now=20)).restart == (True,)
+    assert policy.decide(see(run(P=3, codes={"2": 1}), now=21)) == Wait()
+    assert policy.decide(see(run(P=3, codes={"2": 1}), now=22)) == Respawn(1, 2, 2.0)
+    assert policy.decide(see(run(P=3, codes={"0": KILLED}), now=30)) == DropPipelines(
+        ((0, "0"),), (False,))
+    done = all_exit(P=3) | {"0": KILLED, "1": TERMED}
+    assert policy.decide(see(run(P=3, codes=done), now=31)) == Finished()
+
+
+def test_a_restart_is_still_made_after_a_stop_request():
+    """Its new workers learn from the scheduler that the run ends; not starting them would
+    leave the scheduler waiting for a pipeline that never comes back."""
+    policy = Supervision(started=True, tolerate=True, restarts=Restarts(1, 1.0))
+    policy.decide(see(run(P=3, codes={"4": KILLED}), now=0))
+    assert policy.decide(see(run(P=3, codes={"4": KILLED}), now=0.1, signals=1)) == RequestStop()
+    assert policy.decide(see(run(P=3, codes={"4": KILLED}), now=2, signals=1)) == Respawn(2, 1, 1.0)
+
+
+def test_a_hung_worker_is_killed_once_where_a_loss_is_tolerated():
+    policy = Supervision(started=True, tolerate=True, restarts=Restarts(1, 0.0))
+    hung = Observation(0, run(P=3), hung=("2", "3"))
+    assert policy.decide(hung) == Kill(("2", "3"))
+    assert policy.decide(hung) == Wait()  # killed already: its exit is what counts now
+    assert policy.decide(see(run(P=3, codes={"2": KILLED, "3": KILLED}), now=1)) == DropPipelines(
+        ((1, "2"),), (True,))
+    assert policy.decide(see(run(P=3, codes={"2": KILLED, "3": KILLED}), now=1)) == Respawn(1, 1, 0.0)
+    assert policy.decide(Observation(2, run(P=3), hung=("2",))) == Kill(("2",))  # the new one
+    assert Supervision(started=True).decide(Observation(0, run(), hung=("1",))) == Wait()
 
 
 # == another node ===============================================================================
