@@ -12,7 +12,7 @@ it from the repository root after ``pip install -e .``::
 Usage::
 
     python scripts/chaos.py [--kills 8] [--stops 2] [--pipelines 4] [--stages 2] [--steps 300]
-        [--compute-ms 10] [--gap 1.0 3.0] [--seed 0] [--heartbeat 8] [--out runs/chaos]
+        [--compute-ms 10] [--gap 1.0 3.0] [--seed 0] [--heartbeat 8] [--model mlp] [--out runs/chaos]
         [--timeout 900] [--baseline] [--extra OVERRIDE ...]
 
 **Faults.** The first comes once training runs (a ``train`` line), each next one a uniform random
@@ -70,7 +70,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def command(args, run_dir: Path, faults: int) -> list[str]:
-    return [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", "model=mlp",
+    return [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", f"model={args.model}",
             "data=synthetic", f"cluster.pipelines={args.pipelines}",
             f"pipeline.stages={args.stages}", f"train.steps={args.steps}", "train.eval_every=0",
             f"cluster.compute_ms={args.compute_ms}", "cluster.device=cpu",
@@ -188,7 +188,8 @@ def check(run_dir: Path, returncode: int, faults: list[dict], pipelines: int, st
         "invalid_checkpoints": invalid, "faults": len(faults), "lost": len(lost),
         "restarts": len(restarts), "heals": len(heals),
         "heal_bytes": sorted({h["bytes"] for h in heals}),
-        "heal_seconds": [h["seconds"] for h in heals], "downtime_s": downtime,
+        "heal_seconds": [h["seconds"] for h in heals],
+        "heal_transfer_s": [h.get("transfer_s") for h in heals], "downtime_s": downtime,
         "orphans": orphans(run_dir, [f["pid"] for f in faults]),
     }
     result["ok"] = (returncode == 0 and result["budget"] == result["target"]
@@ -199,6 +200,7 @@ def check(run_dir: Path, returncode: int, faults: list[dict], pipelines: int, st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="mlp", help="a model config (heal time per stage size)")
     parser.add_argument("--kills", type=int, default=8)
     parser.add_argument("--stops", type=int, default=2)
     parser.add_argument("--pipelines", type=int, default=4)
@@ -250,7 +252,8 @@ def main() -> int:
     (args.out / "chaos.json").write_text(json.dumps(report, indent=1))
     for key in ("ok", "exit", "faults", "lost", "restarts", "heals", "budget", "target",
                 "identical", "unhealed_at_end", "checkpoints", "invalid_checkpoints", "orphans",
-                "heal_bytes", "downtime_s", "wall_s", "time_lost_per_fault_s"):
+                "heal_bytes", "heal_seconds", "heal_transfer_s", "downtime_s", "wall_s",
+                "time_lost_per_fault_s"):
         if key in result:
             print(f"{key:>22}: {result[key]}")
     print(f"log: {log_path}; results: {args.out / 'chaos.json'}")

@@ -24,7 +24,7 @@ Workers report what only they know (the loss lives on the last stage of each pip
   in the run so far), ``backoff_s``, ``time``;
 - ``heal``: a restarted replica took a live replica's state: ``pipeline``, ``stage``, ``source``
   (the pipeline it copied), ``iteration`` (where it goes on from), ``bytes``, ``seconds`` (from
-  its request to having the state);
+  its request to having the state), ``transfer_s`` (of which the transfer itself);
 - ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``,
   ``device`` (where it was placed), ``actions``, ``straggled``, ``slowdown_overruns`` (actions whose
   real compute overran the modelled time) and ``peak_memory_mb``;

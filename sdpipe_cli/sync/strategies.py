@@ -243,6 +243,7 @@ class GroupSync(Sync):
                                                "incarnation": self.incarnation})
         answer = store.wait_json(self.events, store.heal_key(self.stage, self.pipeline,
                                                              self.incarnation))
+        answered = time.perf_counter()
         if answer["stop"]:
             self.stop = True
             return None
@@ -257,7 +258,8 @@ class GroupSync(Sync):
             "type": "healed", "rank": self.rank, "pipeline": self.pipeline, "stage": self.stage,
             "incarnation": self.incarnation, "source": answer["source"],
             "iteration": answer["iteration"], "bytes": flat.numel() * flat.element_size(),
-            "seconds": round(time.perf_counter() - start, 4)})
+            "seconds": round(time.perf_counter() - start, 4),
+            "transfer_s": round(time.perf_counter() - answered, 4)})
         return int(answer["iteration"])
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
