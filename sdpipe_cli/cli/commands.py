@@ -469,7 +469,7 @@ def _restart(console: Console, failed, restarts, origin: float):
     from sdpipe_cli.model import checkpoint
     from sdpipe_cli.runtime.metrics import MetricsLog
 
-    wait = restarts.take()
+    wait = restarts.take("run", time.monotonic())
     if wait is None:
         failed.failure += f" (restarts used up: fault.max_restarts={restarts.limit})"
         return None

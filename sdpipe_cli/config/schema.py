@@ -280,7 +280,8 @@ class FaultConfig:
     # run starts again from its latest checkpoint, up to max_restarts times (torchrun's --max-restarts)
     on_failure: str = "stop"
     max_restarts: int = 3  # restarts in total over the run (of pipelines, or of the whole run)
-    restart_backoff: float = 1.0  # seconds before the first restart; doubled for each one after
+    # seconds before a restart; doubled for a pipeline (or run) failing again within 60 s of its last
+    restart_backoff: float = 1.0
 
 
 @dataclass

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 SETTLE_S = 0.5  # seconds between seeing a failure and naming its root cause
+RESET_S = 60.0  # a restarted pipeline (or run) that ran this long backs off from the start again
 
 
 @dataclass(frozen=True)
@@ -181,26 +182,35 @@ class Restarts:
     ``fault.restart_backoff``). One budget for the run: restarts of lost pipelines and restarts of
     the whole run from a checkpoint both draw on it.
 
-    The back-off doubles with each restart (torchelastic and Kubernetes back off the same way): a
-    fault that comes back at once, such as a device that keeps failing, costs little time before
-    the budget runs out, and a transient one is retried soon.
+    The back-off doubles for each restart of the same thing (a pipeline, or the run) that failed
+    again within :data:`RESET_S` of its last restart (torchelastic and Kubernetes back off the same
+    way), and is back to ``backoff_s`` once it ran longer: a fault that comes back at once, such
+    as a device that keeps failing, costs little time before the budget runs out, while
+    unrelated faults hours apart are each retried soon.
     """
 
-    def __init__(self, limit: int, backoff_s: float):
+    def __init__(self, limit: int, backoff_s: float, reset_s: float = None):
         if limit < 0 or backoff_s < 0:
             raise ValueError("limit and backoff_s must be >= 0")
         self.limit, self.backoff_s, self.used = limit, backoff_s, 0
+        self.reset_s = RESET_S if reset_s is None else reset_s
+        self._last: dict[Any, tuple[float, int]] = {}  # what -> (restarted at, doublings)
 
     @property
     def left(self) -> int:
         return self.limit - self.used
 
-    def take(self) -> Optional[float]:
-        """Use one restart: the seconds to wait before it, or None when none is left."""
+    def take(self, what: Any = "run", now: float = 0.0) -> Optional[float]:
+        """Use one restart of ``what`` failing at ``now`` (seconds, any monotonic clock): the
+        seconds to wait before it, or None when none is left."""
         if self.used >= self.limit:
             return None
         self.used += 1
-        return self.backoff_s * 2 ** (self.used - 1)
+        last, doublings = self._last.get(what, (None, -1))
+        doublings = doublings + 1 if last is not None and now - last < self.reset_s else 0
+        wait = self.backoff_s * 2 ** doublings
+        self._last[what] = (now + wait, doublings)
+        return wait
 
 
 class Supervision:
@@ -290,7 +300,7 @@ class Supervision:
 
     def _plan_restart(self, pipeline: int, now: float) -> bool:
         """Whether lost ``pipeline`` is started again (after its back-off), drawing on the budget."""
-        backoff = self.restarts.take() if self.restarts is not None else None
+        backoff = self.restarts.take(pipeline, now) if self.restarts is not None else None
         if backoff is None:
             return False
         self._respawn[pipeline] = (now + backoff, self.restarts.used, backoff)

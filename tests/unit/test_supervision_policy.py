@@ -175,6 +175,16 @@ def test_restarts_back_off_doubling_until_the_budget_is_used():
     budget = Restarts(3, 0.5)
     assert [budget.take() for _ in range(4)] == [0.5, 1.0, 2.0, None]
     assert budget.left == 0 and Restarts(0, 1.0).take() is None
+
+
+def test_the_back_off_doubles_per_pipeline_and_resets_after_a_good_while():
+    budget = Restarts(6, 1.0, reset_s=60)
+    assert budget.take(0, now=0) == 1.0
+    assert budget.take(1, now=5) == 1.0  # another pipeline: its own back-off
+    assert budget.take(0, now=10) == 2.0  # failed again 9 s after its restart
+    assert budget.take(0, now=20) == 4.0
+    assert budget.take(0, now=100) == 1.0  # ran 76 s since: from the start again
+    assert budget.take(1, now=200) == 1.0 and budget.left == 0
     with pytest.raises(ValueError):
         Restarts(-1, 1.0)
 
@@ -188,10 +198,10 @@ def test_a_lost_pipeline_is_started_again_after_its_back_off():
     assert policy.decide(see(stopped, now=11)) == Respawn(2, restart=1, backoff_s=1.0)
     assert policy.lost == frozenset()  # its new workers' failures count again
     assert policy.decide(see(run(P=3), now=12)) == Wait()
-    # the second loss backs off twice as long; the third is past the budget: dropped for good
-    assert policy.decide(see(run(P=3, codes={"2": 1}), now=20)).restart == (True,)
-    assert policy.decide(see(run(P=3, codes={"2": 1}), now=21)) == Wait()
-    assert policy.decide(see(run(P=3, codes={"2": 1}), now=22)) == Respawn(1, 2, 2.0)
+    # pipeline 2 again soon after its restart: twice the back-off; the next is past the budget
+    assert policy.decide(see(run(P=3, codes={"4": 1}), now=20)).restart == (True,)
+    assert policy.decide(see(run(P=3, codes={"4": 1}), now=21)) == Wait()
+    assert policy.decide(see(run(P=3, codes={"4": 1}), now=22)) == Respawn(2, 2, 2.0)
     assert policy.decide(see(run(P=3, codes={"0": KILLED}), now=30)) == DropPipelines(
         ((0, "0"),), (False,))
     done = all_exit(P=3) | {"0": KILLED, "1": TERMED}
