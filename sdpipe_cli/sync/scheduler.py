@@ -279,13 +279,15 @@ class Scheduler:
 
     def _check_health(self) -> None:
         hung = self.tracker.silent_workers()
-        if hung and self.tolerant:
+        S = self.cfg.pipeline.stages
+        live = set(self.policy.live) if self.policy is not None else set()
+        if hung and self.tolerant and live - {r // S for r in hung}:
             if not set(hung) <= self.hung:  # the launcher kills them; their pipelines are lost
                 self.hung |= set(hung)
                 log.warning("no report from rank(s) %s for %g s: named hung", hung,
                             self.cfg.run.heartbeat_timeout)
                 self._name_hung()
-        elif hung:
+        elif hung:  # (every live pipeline silent is the run's hang, not a replica's)
             raise WorkerHung(f"no report from rank(s) {hung} for {self.cfg.run.heartbeat_timeout:g} s")
         missing = self.tracker.world_size - len(self.tracker.started)
         if missing and self.clock() - self.started > self.cfg.run.timeout:
