@@ -215,6 +215,8 @@ def main() -> int:
     parser.add_argument("--baseline", action="store_true", help="also a run without faults")
     parser.add_argument("--extra", nargs="*", default=[])
     args = parser.parse_args()
+    # a SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the run's session is killed too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     plan = ["kill"] * args.kills + ["stop"] * args.stops

@@ -539,9 +539,6 @@ def _validate_fault(cfg: DictConfig) -> None:
     need(loss == "stop" or (y.name == "sdpipe" and cfg.cluster.pipelines >= 2),
          "fault.on_pipeline_loss", f"{loss} needs sync=sdpipe and at least 2 pipelines (a lost "
          f"pipeline is healed from a live replica; sync={y.name} has no way around a missing one)")
-    need(loss != "restart" or cfg.pipeline.schedule not in _schedule.ASYNC_SCHEDULES,
-         "fault.on_pipeline_loss", "restart is not supported with an asynchronous schedule yet "
-         f"(pipeline.schedule={cfg.pipeline.schedule}); use continue")
     need(loss == "stop" or cfg.run.heartbeat_timeout > y.get("group_timeout", 0),
          "run.heartbeat_timeout", f"must exceed sync.group_timeout ({y.get('group_timeout')} s) "
          f"with fault.on_pipeline_loss={loss}: a replica waiting that long for a lost member "

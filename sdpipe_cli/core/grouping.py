@@ -286,12 +286,10 @@ class GroupScheduler:
         if pipeline not in self.live:
             return []
         self.live.discard(pipeline)
-        finished = min(self._decided[pipeline])
-        self.resume_at[pipeline] = finished + 1
-        self._uncount(pipeline, finished)
+        self.resume_at[pipeline] = self._give_back(pipeline)
         target = self.global_at.pop(pipeline, None)
         if target is not None and self.final and not self.global_closed and not self._time_is_up():
-            self._hand_over(target - finished)
+            self._hand_over(target - self.resume_at[pipeline] + 1)
         for st in self.stages:
             st.waiting.pop(pipeline, None)
             st.parked.discard(pipeline)
@@ -311,11 +309,14 @@ class GroupScheduler:
         for st in self.stages:
             st.parked = {q for q in st.parked if st.waiting[q][0] == self.global_at[q]}
 
-    def _uncount(self, pipeline: int, finished: int) -> None:
-        """Pipeline-iterations count up to ``finished`` (inclusive) for a pipeline that left."""
+    def _give_back(self, pipeline: int) -> int:
+        """A pipeline left: its iterations count up to the last one every stage finished, and the
+        next is where it would go on from."""
+        finished = min(self._decided[pipeline])
         if self._high[pipeline] > finished:
             self._done -= self._high[pipeline] - finished
             self._high[pipeline] = finished
+        return finished + 1
 
     def rejoin(self, stage: int, pipeline: int) -> list[Decision]:
         """Stage ``stage`` of ``pipeline``, which left, was restarted and waits for a source to
@@ -330,7 +331,7 @@ class GroupScheduler:
     def _heal(self, s: int, source: int) -> tuple[tuple[int, int], ...]:
         """The restarted replicas that ``source``, a member of a group round of stage ``s``
         closing now, heals; a pipeline healed at every stage is live again."""
-        if self.global_at or self.finished:
+        if self.finished or any(st.global_pending for st in self.stages):
             return ()
         waiting = sorted(p for p, stages in self.healing.items() if stages.get(s, 0) is None)
         healed = tuple((p, self.resume_at[p]) for p in waiting)
@@ -345,8 +346,7 @@ class GroupScheduler:
         its source's component; its pace is learned anew."""
         k = self.resume_at.pop(pipeline)
         self.live.add(pipeline)
-        self.last_ready[pipeline] = [k - 1] * self.S
-        self._decided[pipeline] = [k - 1] * self.S
+        self._restart_pipeline(pipeline, k)
         for s, st in enumerate(self.stages):
             st.links.add(pipeline, sources[s])
             self.pace.pop((s, pipeline), None)
@@ -764,6 +764,18 @@ class AsyncGroupScheduler(GroupScheduler):
         self.begun[pipeline] = iterations
         self.last_ready[pipeline] = [iterations * self.rounds_per_iteration - 1] * self.S
         self._decided[pipeline] = list(self.last_ready[pipeline])
+
+    def _give_back(self, pipeline: int) -> int:
+        """The budget counts iterations begun: a pipeline that left keeps those every stage
+        finished (all their rounds decided); it would go on from the next one."""
+        finished = (min(self._decided[pipeline]) + 1) // self.rounds_per_iteration
+        self._begun_total -= self.begun[pipeline] - finished
+        self.begun[pipeline] = finished
+        return finished
+
+    def _hand_over(self, owed: int) -> None:
+        """Targets are set at each pipeline's next begin(), so a pending global sync owes nothing
+        to hand over; a pipeline lost while one is pending takes the iterations it had begun."""
 
     def _maybe_declare_global(self) -> None:
         # The budget is checked in begin(), the only place where it grows; here only the clock

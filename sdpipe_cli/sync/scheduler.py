@@ -206,7 +206,8 @@ class Scheduler:
     def _answer_rejoins(self) -> None:
         """The run ended while some restarted replicas waited to be healed: they stop."""
         for s, p in sorted(self.rejoining):
-            store.set_json(self.events, store.heal_key(s, p, self.incarnation[p]), {"stop": True})
+            store.set_json(self.events, store.heal_key(s, p, self.incarnation[p]),
+                           {"stop": True, "iteration": self.policy.resume_at.get(p)})
         self.rejoining.clear()
 
     def _publish(self, decisions: list[Decision]) -> None:

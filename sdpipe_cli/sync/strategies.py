@@ -147,6 +147,7 @@ class GroupSync(Sync):
         self._stats: dict[str, Any] = {}
         self._done: Optional[int] = None  # pipeline-iterations begun, at the last decision
         self._heal: list[dict[str, int]] = []  # replicas to heal after this update (their ids)
+        self.resume_at: Optional[int] = None  # a restarted replica the run ended for: where it was
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
@@ -246,6 +247,7 @@ class GroupSync(Sync):
         answered = time.perf_counter()
         if answer["stop"]:
             self.stop = True
+            self.resume_at = answer.get("iteration")
             return None
         source = answer["source"] * self.stages + self.stage
         state = self._state(module)

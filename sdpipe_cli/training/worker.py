@@ -107,8 +107,18 @@ class Worker:
 
     def rejoin(self) -> None:
         """A restarted worker: take this stage's state from a live replica, at the point the
-        scheduler picks, and go on from the iteration it names (or stop, if the run ended)."""
+        scheduler picks, and go on from the iteration it names (or stop, if the run ended).
+
+        The pipeline's stages are healed one by one; they start together, once all are (the
+        scheduler counts the pipeline live only then), and stop together if any of them learnt
+        that the run ended first: one all-reduce over the pipeline's own process group.
+        """
         step = self.sync.rejoin(self.module)
+        ended = torch.tensor([float(step is None)], device=self.device)
+        dist.all_reduce(ended, op=dist.ReduceOp.MAX)
+        if ended.item():
+            self.sync.stop = True
+        step = step if step is not None else self.sync.resume_at
         if step is not None:
             self.start_step = self._saved_step = step
 

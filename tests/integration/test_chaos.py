@@ -40,3 +40,22 @@ def test_random_kills_and_a_hang_are_healed_and_the_run_completes(run_dir):
                                        for h in heals)
     summary = (run_dir / "summary.json").read_text()
     assert '"restarts": 3' in summary and '"heals": 6' in summary
+
+
+def test_async_1f1b_pipeline_restarts_and_heals(run_dir):
+    """The asynchronous schedule: a killed worker's pipeline is restarted, healed and goes on
+    from its last finished iteration; the budget is exact and the replicas end identical."""
+    steps = 30
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
+                        "cluster.pipelines=2", f"pipeline.stages={S}", f"train.steps={steps}",
+                        "train.eval_every=0", "cluster.compute_ms=10",
+                        "pipeline.schedule=async_1f1b", "fault.on_pipeline_loss=restart",
+                        "fault.restart_backoff=0.1")
+    try:
+        faults = chaos.punish(run_dir, proc, ["kill"], 2 * S, S, (0.2, 0.5), 2 * steps,
+                              random.Random(3), log=lambda line: None)
+    finally:
+        rc, err, _ = finish(proc, timeout=180)
+    assert rc == 0, err
+    result = chaos.check(run_dir, rc, faults, 2, S, steps)
+    assert result["ok"] and result["heals"] == S, result

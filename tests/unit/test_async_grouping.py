@@ -274,3 +274,34 @@ def test_async_policy_resume():
     assert pol.begin(0, 6) == (False, [])
     with pytest.raises(ValueError):
         pol.ready(0, 1, 15)  # already done before the checkpoint
+
+
+def test_async_policy_a_lost_pipeline_rejoins_at_its_last_finished_iteration():
+    """m = 2 rounds per iteration, S = 2: pipeline 1 finished iteration 0 on both stages, began
+    iteration 1 and made one of its rounds there when it was lost. Iteration 1 no longer counts;
+    once both stages are healed (by rounds of pipeline 0), pipeline 1 begins iteration 1 again."""
+    now = [0.0]
+    pol = AsyncGroupScheduler(2, 2, rounds_per_iteration=2, window=0.01, total_iterations=20,
+                              clock=lambda: now[0])
+    for p in (0, 1):
+        pol.begin(p, 0)
+        pol.begin(p, 1)
+    for r in (0, 1):
+        for s in (1, 0):
+            for p in (0, 1):
+                pol.ready(s, p, r)
+    pol.ready(1, 1, 2)
+    (d,) = pol.ready(1, 0, 2)
+    assert d.members == (0, 1)  # stage 1 of pipeline 1 made round 2 (iteration 1); stage 0 not
+    assert pol.iterations_done() == 4
+    pol.leave(1)
+    assert pol.iterations_done() == 3 and pol.resume_at == {1: 1}
+    pol.rejoin(0, 1)
+    pol.rejoin(1, 1)
+    now[0] = 1.0
+    (d,) = pol.ready(0, 0, 2)
+    assert d.members == (0,) and d.heal == ((1, 1),) and 1 not in pol.live
+    (d,) = pol.ready(1, 0, 3)
+    assert d.heal == ((1, 1),) and 1 in pol.live
+    assert pol.begun[1] == 1 and pol.last_ready[1] == [1, 1]
+    assert pol.begin(1, 1) == (False, []) and pol.iterations_done() == 4
