@@ -318,7 +318,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched,
                                                  tolerate, graceful=job.graceful,
                                                  workers=P * S, phase=phase, restarts=restarts,
-                                                 restart=restart)
+                                                 restart=restart, pipelines=P)
         result.returncode = 1 if result.failure else 130 if interrupted else 0
         result.interrupted = interrupted
         if interrupted and not result.failure:
@@ -395,7 +395,7 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                since: float = 0.0, tolerate: bool = False, graceful: bool = True,
                workers: int = 0, phase: Optional[_Phase] = None,
                restarts: Optional[supervision.Restarts] = None,
-               restart: Callable[[int], list[Child]] = lambda p: []
+               restart: Callable[[int], list[Child]] = lambda p: [], pipelines: int = 0
                ) -> tuple[Optional[str], bool]:
     """Wait for every child: (the first failure's description or None, whether interrupted).
 
@@ -405,15 +405,19 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
     ``tolerate``, another node's failure, which failure to name). A stop at once raises
     :class:`_Interrupted` and the caller stops everything. The policy's view of start-up (all
     ``workers`` started) is copied to ``phase``, whose name the caller's message uses.
-    ``restart(pipeline)`` starts a lost pipeline's workers again (``restarts``: the budget).
+    ``restart(pipeline)`` starts a lost pipeline's workers again (``restarts``: the budget, which
+    the nodes' launchers share through the store's :data:`~sdpipe_cli.runtime.store.RESTARTS`
+    count); ``pipelines``: how many the run has, on every node.
     """
     phase = phase or _Phase(RUNNING)
     policy = supervision.Supervision(workers=workers, tolerate=tolerate, graceful=graceful,
-                                     started=phase.now == RUNNING, restarts=restarts)
+                                     started=phase.now == RUNNING, restarts=restarts,
+                                     pipelines=pipelines)
     by_name = {c.name: c for c in children}
     error_times: dict[str, Optional[float]] = {}
     while True:
-        seen = _observe(children, run_dir, events, phase, since, error_times)
+        seen = _observe(children, run_dir, events, phase, since, error_times,
+                        restarts.used if restarts else 0)
         action = policy.decide(seen)
         if policy.started:
             phase.now = RUNNING
@@ -427,6 +431,8 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
             again = action.restart or (False,) * len(action.lost)
             for (pipeline, name), again in zip(action.lost, again):
                 _lose_pipeline(by_name[name], pipeline, children, run_dir, events, since, again)
+                if again:
+                    _quietly(lambda: events.add(store.RESTARTS, 1))
         elif isinstance(action, supervision.Respawn):
             fresh = restart(action.pipeline)
             children[:] = [c for c in children if c.pipeline != action.pipeline] + fresh
@@ -458,11 +464,13 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
 
 
 def _observe(children: list[Child], run_dir: Path, events, phase: _Phase, since: float,
-             error_times: dict[str, Optional[float]]) -> supervision.Observation:
+             error_times: dict[str, Optional[float]], restarted: int = 0
+             ) -> supervision.Observation:
     """One poll. The interrupts are counted first, so that what is read after them is at least as
     recent (a Ctrl-C right after the last worker started finds it started); then the children,
     then the store. A failed child's error file is read once, when its exit is first seen: the
-    child writes it before it exits."""
+    child writes it before it exits. ``restarted``: pipeline restarts this launcher made (the
+    rest of the store's count are other nodes')."""
     signals = phase.signals
     states = []
     for c in children:
@@ -478,7 +486,9 @@ def _observe(children: list[Child], run_dir: Path, events, phase: _Phase, since:
         now=time.monotonic(), children=tuple(states), signals=signals,
         progress=_quietly(lambda: store.get_json(events, store.PROGRESS)),
         elsewhere=elsewhere.decode() if elsewhere else None,
-        hung=tuple(c.name for c in children if (c.rank, c.incarnation) in hung))
+        hung=tuple(c.name for c in children if (c.rank, c.incarnation) in hung),
+        restarts_elsewhere=max(0, (_quietly(lambda: events.add(store.RESTARTS, 0)) or 0)
+                               - restarted))
 
 
 def _quietly(read: Callable[[], Any]) -> Any:

@@ -210,6 +210,11 @@ class Cluster:
         return [p * self.stages + s for p in range(self.pipelines) for s in range(self.stages)
                 if self.device(p, s).node == node]
 
+    def split_pipelines(self) -> list[int]:
+        """The pipelines whose stages are on more than one node."""
+        return [p for p in range(self.pipelines)
+                if len({self.device(p, s).node for s in range(self.stages)}) > 1]
+
     @property
     def real(self) -> bool:
         """Whether the nodes are real machines (each runs its own launcher)."""

@@ -79,6 +79,7 @@ class Observation:
     progress: Optional[Mapping[str, Any]] = None  # the latest snapshot in the store, if any
     elsewhere: Optional[str] = None  # a failure another node's launcher published, if any
     hung: tuple[str, ...] = ()  # children the scheduler named hung
+    restarts_elsewhere: int = 0  # pipeline restarts other nodes' launchers made
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -200,10 +201,11 @@ class Restarts:
     def left(self) -> int:
         return self.limit - self.used
 
-    def take(self, what: Any = "run", now: float = 0.0) -> Optional[float]:
+    def take(self, what: Any = "run", now: float = 0.0, elsewhere: int = 0) -> Optional[float]:
         """Use one restart of ``what`` failing at ``now`` (seconds, any monotonic clock): the
-        seconds to wait before it, or None when none is left."""
-        if self.used >= self.limit:
+        seconds to wait before it, or None when none is left (``elsewhere``: restarts other nodes'
+        launchers made, which the budget also counts)."""
+        if self.used + elsewhere >= self.limit:
             return None
         self.used += 1
         last, doublings = self._last.get(what, (None, -1))
@@ -222,15 +224,17 @@ class Supervision:
     consistent point to stop at when asked. ``started``: start-up is already over (a caller that
     supervises children it knows to be running). ``settle_s``: see :data:`SETTLE_S`.
     ``restarts``: with ``tolerate``, lost pipelines are started again while it lasts.
+    ``pipelines``: how many the whole run has (a node's launcher sees only its own children).
 
     The clock is the observations' ``now``; nothing here sleeps or reads anything.
     """
 
     def __init__(self, *, workers: int = 0, tolerate: bool = False, graceful: bool = True,
                  started: bool = False, settle_s: float = SETTLE_S,
-                 restarts: Optional[Restarts] = None):
+                 restarts: Optional[Restarts] = None, pipelines: int = 0):
         self.workers, self.tolerate, self.graceful, self.settle_s = workers, tolerate, graceful, settle_s
-        self.restarts = restarts
+        self.restarts, self.pipelines = restarts, pipelines
+        self._elsewhere = 0  # restarts made by other nodes' launchers, as last observed
         self._respawn: dict[int, tuple[float, int, float]] = {}  # p -> (when, restart, back-off)
         self._killed: set[str] = set()
         self._started, self._interrupted = started, False
@@ -269,6 +273,7 @@ class Supervision:
                 return self._end(StopNow())
             self._interrupted = True
             return RequestStop()
+        self._elsewhere = obs.restarts_elsewhere
         hung = tuple(n for n in obs.hung if n not in self._killed and self._running(obs, n))
         if hung and self.tolerate:
             self._killed.update(hung)
@@ -300,7 +305,8 @@ class Supervision:
 
     def _plan_restart(self, pipeline: int, now: float) -> bool:
         """Whether lost ``pipeline`` is started again (after its back-off), drawing on the budget."""
-        backoff = self.restarts.take(pipeline, now) if self.restarts is not None else None
+        backoff = (self.restarts.take(pipeline, now, self._elsewhere)
+                   if self.restarts is not None else None)
         if backoff is None:
             return False
         self._respawn[pipeline] = (now + backoff, self.restarts.used, backoff)
@@ -318,9 +324,9 @@ class Supervision:
         """The pipelines to drop for ``failed``, each with its root cause; () if the run must stop."""
         if not self.tolerate or any(c.pipeline is None for c in failed):
             return ()
-        pipelines = {c.pipeline for c in obs.children if c.pipeline is not None}
+        pipelines = self.pipelines or len({c.pipeline for c in obs.children if c.pipeline is not None})
         hit = sorted({c.pipeline for c in failed})
-        if len(self._lost | set(hit)) >= len(pipelines):
+        if len(self._lost | set(hit)) >= pipelines:
             return ()  # nobody would be left to go on
         return tuple((p, first_failure([c for c in failed if c.pipeline == p]).name) for p in hit)
 

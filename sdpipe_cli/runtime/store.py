@@ -26,6 +26,7 @@ T0 = "t0"  # wall-clock start of the run (seconds since the epoch), set by the l
 RUN = "run"  # first node -> other nodes' launchers: the resolved config and resume path (JSON)
 FAILED = "failed"  # any launcher -> the others: the first failure, in one line
 STOP_REQUESTED = "stop_requested"  # set by the launcher on Ctrl-C/SIGTERM: stop at a consistent point
+RESTARTS = "restarts"  # counter: pipeline restarts so far, by every node's launcher
 HUNG = "hung"  # scheduler -> launcher: ranks silent past run.heartbeat_timeout (JSON list), to kill
 
 

@@ -98,3 +98,45 @@ def test_a_failure_on_one_node_stops_both(run_dir):
     assert rc_b == 1 and "rank 3" in err_b and "SIGKILL" in err_b, err_b
     assert rc_a == 1, err_a
     assert "another node failed" in err_a or "rank" in err_a
+
+
+def test_a_lost_pipeline_is_restarted_by_its_own_nodes_launcher(run_dir):
+    """fault.on_pipeline_loss=restart on two nodes, a pipeline each: node b's worker is killed;
+    node b's launcher restarts its pipeline, which heals from node a's replicas over the network,
+    and both launchers end well with identical replicas and the budget exact."""
+    port = free_port()
+    steps = 40
+    common = (*NODES, "cluster.pipelines=4", "cluster.nodes.0.devices=[{}, {}, {}, {}]",
+              "cluster.nodes.1.devices=[{}, {}, {}, {}]", f"run.port={port}",
+              f"run.dir={run_dir}", f"train.steps={steps}", "cluster.compute_ms=10",
+              "fault.on_pipeline_loss=restart", "fault.restart_backoff=0.1")
+    first = sdpipe_popen("train", *common, "run.node=a")
+    second = sdpipe_popen("train", *common, "run.node=b")
+    try:
+        deadline = time.monotonic() + 60
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "train")) >= 8:
+                victim = worker_process(run_dir, 6)  # pipeline 3, stage 0: on node b
+        assert victim is not None, "node b's worker never started training"
+        victim.send_signal(signal.SIGKILL)
+        rc_b, err_b, _ = finish(second, 120)
+        rc_a, err_a, _ = finish(first, 120)
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+    assert (rc_a, rc_b) == (0, 0), (err_a, err_b)
+    assert "pipeline 3 lost, it will be restarted" in err_b and "pipeline 3 restarted" in err_b
+    (restart,) = metrics(run_dir, "restart")
+    assert restart["pipeline"] == 3 and restart["incarnation"] == 1
+    heals = metrics(run_dir, "heal")
+    assert sorted(h["stage"] for h in heals) == [0, 1] and all(h["pipeline"] == 3 for h in heals)
+    last = {}
+    for m in metrics(run_dir, "train"):
+        last[m["pipeline"]] = m["step"]
+    assert sum(last.values()) == 4 * steps
+    done = {d["rank"]: d for d in metrics(run_dir, "done")}
+    for s in (0, 1):
+        assert len({d["param_digest"] for d in done.values() if d["stage"] == s}) == 1

@@ -158,8 +158,8 @@ def test_default_placement_spreads_pipelines_over_nodes():
     (("run.port=29500",), "run.node"),
     (("run.node=node7", "run.port=29500"), "run.node"),
     (("run.node=node0",), "run.port"),
-    (("run.node=node0", "run.port=29500", "fault.on_pipeline_loss=continue"),
-     "fault.on_pipeline_loss"),
+    (("run.node=node0", "run.port=29500", "fault.on_pipeline_loss=restart",  # splits pipelines
+      "cluster.placement=[[node0:0, node1:0], [node0:1, node1:1]]"), "fault.on_pipeline_loss"),
     (("run.node=node0", "run.port=29500", "sync=allreduce", "checkpoint.every=5",
       "fault.on_failure=restart"), "fault.on_failure"),
     (("run.node=node0", "run.port=29500", "cluster.nodes.1.host=null"), "cluster.nodes[1].host"),
@@ -168,6 +168,15 @@ def test_real_nodes_need_their_launch_settings(extra, key):
     with pytest.raises(ConfigError) as err:
         validate(compose(["cluster=gpu_2node", *extra]))
     assert err.value.key == key
+
+
+def test_a_lost_pipeline_across_real_nodes_is_handled_when_each_pipeline_is_on_one_node():
+    for loss in ("continue", "restart"):
+        validate(compose(["cluster=gpu_2node", "run.node=node0", "run.port=29500",
+                          f"fault.on_pipeline_loss={loss}"]))
+    assert cluster_of("cluster=gpu_2node", "run.node=node0", "run.port=29500",
+                      "cluster.placement=[[node0:0, node1:0], [node0:1, node1:1]]"
+                      ).split_pipelines() == [0, 1]
 
 
 def test_run_node_is_only_for_real_nodes():
