@@ -438,13 +438,8 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
             children[:] = [c for c in children if c.pipeline != action.pipeline] + fresh
             by_name.update((c.name, c) for c in fresh)
             for c in fresh:
-                error_times.pop(c.name, None)
-            store.push(events, store.EVENTS, {
-                "type": "restart", "rank": fresh[0].rank, "pipeline": action.pipeline,
-                "incarnation": fresh[0].incarnation, "restart": action.restart, "backoff_s": action.backoff_s,
-                "time": round(time.time() - since, 4)})
-            print(f"sdpipe: pipeline {action.pipeline} restarted (restart {action.restart} of "
-                  f"{restarts.limit if restarts else 0})", file=sys.stderr, flush=True)
+                error_times.pop(c.name, None)  # a new process: its own error file, when it fails
+            _announce_restart(action, fresh, events, since, restarts.limit if restarts else 0)
         elif isinstance(action, supervision.Kill):
             for name in action.names:
                 print(f"sdpipe: warning: {by_name[name].role} is hung (silent past "
@@ -511,6 +506,17 @@ def _lose_pipeline(failed: Child, pipeline: int, children: list[Child], run_dir:
                                       "time": round(time.time() - since, 4)})
     then = "it will be restarted" if restart else "the others go on"
     print(f"sdpipe: warning: pipeline {pipeline} lost, {then}: {reason}",
+          file=sys.stderr, flush=True)
+
+
+def _announce_restart(action: supervision.Respawn, fresh: list[Child], events, since: float,
+                      limit: int) -> None:
+    """Tell the scheduler (and the user) that a lost pipeline's workers were started again."""
+    store.push(events, store.EVENTS, {
+        "type": "restart", "rank": fresh[0].rank, "pipeline": action.pipeline,
+        "incarnation": fresh[0].incarnation, "restart": action.restart,
+        "backoff_s": action.backoff_s, "time": round(time.time() - since, 4)})
+    print(f"sdpipe: pipeline {action.pipeline} restarted (restart {action.restart} of {limit})",
           file=sys.stderr, flush=True)
 
 
