@@ -664,6 +664,10 @@ def _summary(console: Console, result, wall_s: float, restarts: int = 0) -> None
         rounds = "; ".join(f"stage {s}: {r}" for s, r in enumerate(result.progress["rounds"]))
         console.print(f"group sync: mean group size {result.progress['mean_group_size']:.2f}; "
                       f"rounds per replica: {rounds}", highlight=False)
+    if result.progress.get("restarts"):
+        console.print(f"recovered: {result.progress['restarts']} pipeline restart(s), "
+                      f"{result.progress['heals']} replica(s) healed from live ones "
+                      "(restart and heal lines in metrics.jsonl)", highlight=False)
 
 
 if __name__ == "__main__":

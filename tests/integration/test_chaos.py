@@ -35,6 +35,7 @@ def test_random_kills_and_a_hang_are_healed_and_the_run_completes(run_dir):
     assert result["budget"] == P * STEPS and result["identical"] and not result["orphans"]
     assert result["checkpoints"] >= 1 and not result["invalid_checkpoints"]
     assert "is hung (silent past run.heartbeat_timeout); killing it" in err
+    assert "recovered: 3 pipeline restart(s), 6 replica(s) healed from live ones" in err
     heals = metrics(run_dir, "heal")
     assert len(heals) == 3 * S and all(h["bytes"] > 0 and h["source"] != h["pipeline"]
                                        for h in heals)
