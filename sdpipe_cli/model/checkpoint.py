@@ -79,6 +79,13 @@ def save_shard(directory: os.PathLike | str, name: str, state: dict[str, Any]) -
     return path
 
 
+def stand_in(directory: os.PathLike | str, source: str, name: str, changes: dict[str, Any]) -> Path:
+    """Shard ``name`` in the staging ``directory`` as a copy of shard ``source`` with ``changes``
+    (for a replica known to be identical to the source's, which could not save its own)."""
+    state = torch.load(Path(directory) / shard_name(source), weights_only=True, map_location="cpu")
+    return save_shard(directory, name, {**state, **changes})
+
+
 def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expected: list[str],
              keep: int = 0) -> Path:
     """Turn the staging folder of ``step`` into the checkpoint ``step_<step>``; returns its path.

@@ -110,6 +110,8 @@ class Scheduler:
         self.t0 = store.run_clock(events)  # the workers' time axis, for metrics lines
         self.published = 0.0
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint id -> rank -> step
+        self.shards_from: dict[int, set[int]] = {}  # checkpoint id -> pipelines that save a shard
+        self.stand_ins: dict[int, dict[int, int]] = {}  # checkpoint id -> the others' iterations
         self.global_seen = [0] * S  # global decisions per stage, to match policy.global_history
         self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
         self.incarnation = [0] * P  # of each pipeline's processes: restarts so far
@@ -193,6 +195,11 @@ class Scheduler:
         self.rejoining = {(s, q) for s, q in self.rejoining if q != p}
         if self.policy is not None:
             self._publish(self.policy.leave(p))
+        for ckpt, pipelines in list(self.shards_from.items()):  # its shards will not come
+            if p in pipelines:
+                pipelines.discard(p)
+                self.stand_ins[ckpt][p] = self.policy.resume_at.get(p, 0)
+                self._finalize(ckpt)
 
     def _rejoin(self, event: dict) -> None:
         s, p = int(event["stage"]), int(event["pipeline"])
@@ -248,31 +255,55 @@ class Scheduler:
         stage); which ones, :class:`~sdpipe_cli.core.cadence.GlobalSyncCheckpoints` decides."""
         g = self.global_seen[d.stage]
         self.global_seen[d.stage] += 1
-        if g not in self.global_checkpoint and len(self.policy.live) < self.cfg.cluster.pipelines:
-            self.global_checkpoint[g] = None  # a checkpoint needs every pipeline's shards
         if g not in self.global_checkpoint:
-            at = self._average({p: k + 1 for p, k in self.policy.global_history[g].items()})
-            self.global_checkpoint[g] = self.checkpoints.at_global_sync(at, d.stop, self.clock())
+            steps = {**self._missing_steps(d.members),
+                     **{p: k + 1 for p, k in self.policy.global_history[g].items()}}
+            ckpt = self.checkpoints.at_global_sync(self._average(steps), d.stop, self.clock())
+            self.global_checkpoint[g] = ckpt
+            if ckpt is not None:
+                self.shards_from[ckpt] = set(d.members)
+                self.stand_ins[ckpt] = self._missing_steps(d.members)
         return self.global_checkpoint[g]
 
+    def _missing_steps(self, members) -> dict[int, int]:
+        """Pipelines not at a global sync (lost, or restarting): the iterations each has done."""
+        return {q: self.policy.resume_at.get(q, 0)
+                for q in range(self.cfg.cluster.pipelines) if q not in members}
+
     def _saved(self, event: dict) -> None:
-        """A worker wrote its shard; once every worker did, finalize the checkpoint."""
+        """A worker wrote its shard; once every worker due to did, finalize the checkpoint."""
         ckpt = int(event["checkpoint"])
-        shards = self.saved.setdefault(ckpt, {})
-        shards[int(event["rank"])] = int(event["step"])
-        if len(shards) < self.tracker.world_size:
+        self.saved.setdefault(ckpt, {})[int(event["rank"])] = int(event["step"])
+        self._finalize(ckpt)
+
+    def _finalize(self, ckpt: int) -> None:
+        """Finalize checkpoint ``ckpt`` once the shards of the pipelines at its global sync are
+        in. Right after a global sync every replica of a stage is identical, so a pipeline that
+        was missing (lost, or restarting) gets a copy of a present replica's shard, at its own
+        iteration count: the checkpoint is complete, and a resume restarts that pipeline too."""
+        S, P = self.cfg.pipeline.stages, self.cfg.cluster.pipelines
+        shards = self.saved.get(ckpt, {})
+        present = sorted(self.shards_from.get(ckpt, range(P)))
+        if not present or any(p * S + s not in shards for p in present for s in range(S)):
             return
         del self.saved[ckpt]
-        S = self.cfg.pipeline.stages
-        steps = {p: shards[p * S] for p in range(self.cfg.cluster.pipelines)}
+        self.shards_from.pop(ckpt, None)
+        staging = checkpoint.staging_dir(self.run_dir, ckpt)
+        steps = {p: shards[p * S] for p in present}
+        for q, k in sorted(self.stand_ins.pop(ckpt, {}).items()):
+            for s in range(S):
+                checkpoint.stand_in(staging, str(present[0] * S + s), str(q * S + s),
+                                    {"step": k, "pipeline": q})
+            steps[q] = k
         elapsed = time.time() - self.t0
-        checkpoint.save_shard(checkpoint.staging_dir(self.run_dir, ckpt), "scheduler",
+        checkpoint.save_shard(staging, "scheduler",
                               {"steps": steps, "elapsed": elapsed, "metrics": self.summary()})
         path = checkpoint.finalize(
             self.run_dir, ckpt, keep=self.cfg.checkpoint.keep,
             expected=[str(r) for r in range(self.tracker.world_size)] + ["scheduler"],
             meta={"config": OmegaConf.to_container(self.cfg, resolve=True), "steps": steps,
-                  "elapsed": elapsed, "partition": list(self.cfg.pipeline.partition)})
+                  "elapsed": elapsed, "partition": list(self.cfg.pipeline.partition),
+                  "stand_ins": sorted(set(range(P)) - set(present))})
         self.checkpoints.saved(self.clock())
         self.metrics.write({"kind": "checkpoint", "step": ckpt, "time": round(elapsed, 4),
                             "steps": steps, "path": str(path)})

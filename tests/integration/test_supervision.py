@@ -14,6 +14,7 @@ import pytest
 from tests.helpers import (REPO, finish, free_port, listening_only_on_loopback, metrics, run_processes,
                            sdpipe_popen, wait_for, worker_process, worker_processes)
 from sdpipe_cli.cli import launcher
+from sdpipe_cli.model import checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -100,8 +101,8 @@ def test_lost_pipeline_is_dropped_and_the_others_go_on(run_dir):
     """fault.on_pipeline_loss=continue (sync=sdpipe): all-reduce could not do this."""
     proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
                         "cluster.pipelines=3", "train.steps=60", "train.batch_size=8",
-                        "cluster.compute_ms=5", "train.eval_every=0",
-                        "fault.on_pipeline_loss=continue")
+                        "cluster.compute_ms=5", "train.eval_every=0", "checkpoint.every=20",
+                        "checkpoint.keep=0", "fault.on_pipeline_loss=continue")
     wait_for_training(run_dir, proc)
     os.kill(worker_pid(run_dir, 4), signal.SIGKILL)  # pipeline 2, stage 0
     rc, err, took = finish(proc, timeout=180)
@@ -117,6 +118,13 @@ def test_lost_pipeline_is_dropped_and_the_others_go_on(run_dir):
     after = groups[[g["time"] for g in groups].index(max(g["time"] for g in groups)):]
     assert all(2 not in g["members"] for g in after)
     assert not run_processes(run_dir)
+    # checkpoints after the loss are still complete: pipeline 2's shards stand in from a replica
+    # that was identical at that global sync, at pipeline 2's own iteration count
+    last = checkpoint.latest(run_dir)
+    manifest = checkpoint.verify(last)
+    assert manifest["stand_ins"] == [2] and len(manifest["files"]) == 3 * 2 + 1
+    assert manifest["steps"]["2"] == checkpoint.load_shard(last, "4")["step"] < 60
+    assert not list((run_dir / "checkpoints").glob(f"{checkpoint.STAGING_PREFIX}*"))
 
 
 # Without fault tolerance a lost pipeline stops the run, its worker named in one line:
