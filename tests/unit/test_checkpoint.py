@@ -393,3 +393,13 @@ def test_non_dict_shard_is_refused(tmp_path):
     ckpt = ck.finalize(tmp_path, 10, {}, ["0"])
     with raises_about(ckpt / "0.pt", "not a dict"):
         ck.load_shard(ckpt, "0")
+
+
+def test_a_stand_in_is_a_copy_of_another_shard_with_its_own_fields(tmp_path):
+    staging = tmp_path / "staging"
+    ck.save_shard(staging, "0", {"step": 9, "pipeline": 0, "model": {"w": torch.ones(3)}})
+    ck.stand_in(staging, "0", "4", {"step": 5, "pipeline": 2})
+    stood = torch.load(staging / "4.pt", weights_only=True)
+    assert stood["step"] == 5 and stood["pipeline"] == 2 and torch.equal(stood["model"]["w"],
+                                                                           torch.ones(3))
+    assert torch.load(staging / "0.pt", weights_only=True)["step"] == 9  # the source is untouched
