@@ -297,8 +297,8 @@ class Supervision:
             self._lost.discard(p)
             self._killed -= {c.name for c in obs.children if c.pipeline == p}
             return Respawn(p, restart, backoff)
-        if all(c.returncode is not None for c in obs.children):
-            return self._end(Finished(self._interrupted))
+        if not self._respawn and all(c.returncode is not None for c in obs.children):
+            return self._end(Finished(self._interrupted))  # (a pipeline to restart is not done)
         if obs.elsewhere:
             return self._end(FailedElsewhere(obs.elsewhere, self._interrupted))
         return WAIT

@@ -1,5 +1,5 @@
 """fault.on_pipeline_loss=restart under injected faults (scripts/chaos.py's punisher and checks):
-random SIGKILLs and a SIGSTOP on a real run; it completes with its budget exact, identical
+a SIGKILL and a SIGSTOP on random workers of a real run; it completes with its budget exact, identical
 replicas, valid checkpoints and no process left."""
 
 from __future__ import annotations
@@ -13,40 +13,40 @@ from tests.helpers import REPO, finish, metrics, sdpipe_popen
 sys.path.insert(0, str(REPO / "scripts"))
 chaos = importlib.import_module("chaos")
 
-P, S, STEPS = 3, 2, 60
+P, S, STEPS = 3, 2, 40
 
 
 def test_random_kills_and_a_hang_are_healed_and_the_run_completes(run_dir):
     proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
                         f"cluster.pipelines={P}", f"pipeline.stages={S}", f"train.steps={STEPS}",
-                        "train.eval_every=0", "cluster.compute_ms=10", "checkpoint.every=15",
-                        "fault.on_pipeline_loss=restart", "fault.max_restarts=3",
+                        "train.eval_every=0", "cluster.compute_ms=10", "checkpoint.every=10",
+                        "fault.on_pipeline_loss=restart", "fault.max_restarts=2",
                         "fault.restart_backoff=0.1", "run.heartbeat_timeout=3",
                         "sync.group_timeout=1.5")
     try:
-        faults = chaos.punish(run_dir, proc, ["kill", "stop", "kill"], P * S, S, (0.3, 0.8),
+        faults = chaos.punish(run_dir, proc, ["kill", "stop"], P * S, S, (0.2, 0.5),
                               P * STEPS, random.Random(1), log=lambda line: None)
     finally:
         rc, err, _ = finish(proc, timeout=180)
     assert rc == 0, err
-    assert [f["signal"] for f in faults] == ["SIGKILL", "SIGSTOP", "SIGKILL"], faults
+    assert [f["signal"] for f in faults] == ["SIGKILL", "SIGSTOP"], faults
     result = chaos.check(run_dir, rc, faults, P, S, STEPS)
     assert result["ok"], result
     assert result["budget"] == P * STEPS and result["identical"] and not result["orphans"]
     assert result["checkpoints"] >= 1 and not result["invalid_checkpoints"]
     assert "is hung (silent past run.heartbeat_timeout); killing it" in err
-    assert "recovered: 3 pipeline restart(s), 6 replica(s) healed from live ones" in err
+    assert "recovered: 2 pipeline restart(s), 4 replica(s) healed from live ones" in err
     heals = metrics(run_dir, "heal")
-    assert len(heals) == 3 * S and all(h["bytes"] > 0 and h["source"] != h["pipeline"]
+    assert len(heals) == 2 * S and all(h["bytes"] > 0 and h["source"] != h["pipeline"]
                                        for h in heals)
     summary = (run_dir / "summary.json").read_text()
-    assert '"restarts": 3' in summary and '"heals": 6' in summary
+    assert '"restarts": 2' in summary and '"heals": 4' in summary
 
 
 def test_async_1f1b_pipeline_restarts_and_heals(run_dir):
     """The asynchronous schedule: a killed worker's pipeline is restarted, healed and goes on
     from its last finished iteration; the budget is exact and the replicas end identical."""
-    steps = 30
+    steps = 20
     proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
                         "cluster.pipelines=2", f"pipeline.stages={S}", f"train.steps={steps}",
                         "train.eval_every=0", "cluster.compute_ms=10",

@@ -208,6 +208,19 @@ def test_a_lost_pipeline_is_started_again_after_its_back_off():
     assert policy.decide(see(run(P=3, codes=done), now=31)) == Finished()
 
 
+def test_a_node_whose_only_pipeline_waits_to_restart_is_not_finished():
+    """On a cluster of real nodes a launcher may hold one pipeline and no scheduler: while it
+    backs off, every child it has has exited, yet its run is not over."""
+    policy = Supervision(started=True, tolerate=True, restarts=Restarts(1, 1.0), pipelines=2)
+    alone = run(P=1, helpers=())
+    assert policy.decide(see(run(P=1, codes={"0": KILLED}, helpers=()), now=0)) == DropPipelines(
+        ((0, "0"),), (True,))
+    assert policy.decide(see(run(P=1, codes={"0": KILLED, "1": TERMED}, helpers=()), now=0.5)) == Wait()
+    assert policy.decide(see(run(P=1, codes={"0": KILLED, "1": TERMED}, helpers=()), now=1)) == Respawn(
+        0, 1, 1.0)
+    assert policy.decide(see(alone, now=2)) == Wait()
+
+
 def test_a_restart_is_still_made_after_a_stop_request():
     """Its new workers learn from the scheduler that the run ends; not starting them would
     leave the scheduler waiting for a pipeline that never comes back."""
