@@ -100,9 +100,10 @@ def test_second_ctrl_c_stops_at_once(run_dir):
 def test_lost_pipeline_is_dropped_and_the_others_go_on(run_dir):
     """fault.on_pipeline_loss=continue (sync=sdpipe): all-reduce could not do this."""
     proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
-                        "cluster.pipelines=3", "train.steps=60", "train.batch_size=8",
+                        "cluster.pipelines=3", "train.steps=40", "train.batch_size=8",
                         "cluster.compute_ms=5", "train.eval_every=0", "checkpoint.every=20",
-                        "checkpoint.keep=0", "fault.on_pipeline_loss=continue")
+                        "checkpoint.keep=0", "fault.on_pipeline_loss=continue",
+                        "sync.group_timeout=3")  # a group with the dead replica gives up soon
     wait_for_training(run_dir, proc)
     os.kill(worker_pid(run_dir, 4), signal.SIGKILL)  # pipeline 2, stage 0
     rc, err, took = finish(proc, timeout=180)
@@ -123,7 +124,7 @@ def test_lost_pipeline_is_dropped_and_the_others_go_on(run_dir):
     last = checkpoint.latest(run_dir)
     manifest = checkpoint.verify(last)
     assert manifest["stand_ins"] == [2] and len(manifest["files"]) == 3 * 2 + 1
-    assert manifest["steps"]["2"] == checkpoint.load_shard(last, "4")["step"] < 60
+    assert manifest["steps"]["2"] == checkpoint.load_shard(last, "4")["step"] < 40
     assert not list((run_dir / "checkpoints").glob(f"{checkpoint.STAGING_PREFIX}*"))
 
 
