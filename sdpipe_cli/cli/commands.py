@@ -496,7 +496,7 @@ def _restart(console: Console, failed, restarts, origin: float):
                    "redone": redone, "backoff_s": wait})
     finally:
         log.close()
-    phase = launcher._Phase("waiting to restart")  # counts Ctrl-C and SIGTERM while nothing runs
+    phase = launcher.Phase("waiting to restart")  # counts Ctrl-C and SIGTERM while nothing runs
     previous = phase.install()
     try:
         deadline = time.monotonic() + wait

@@ -10,7 +10,7 @@ launcher, which then stops them in order) and die with the launcher (PR_SET_PDEA
 process outlives a run.
 
 This module is the *mechanism*: it spawns, polls the children and the store, counts interrupts
-(:class:`_Phase`), sends signals, writes store keys and prints. The *decisions* (when a run has
+(:class:`Phase`), sends signals, writes store keys and prints. The *decisions* (when a run has
 finished or failed, which failure is the root cause, when a lost pipeline may be dropped, what an
 interrupt means at this point, when another node's failure ends this one) are made by the pure
 policy :class:`sdpipe_cli.core.supervision.Supervision`, to which :func:`_supervise` hands one
@@ -171,7 +171,7 @@ def pinned_interfaces(cfg: DictConfig) -> dict[str, str]:
     return {k: os.environ.get(k, interface) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
 
 
-def _join(cfg: DictConfig, cluster: Cluster, phase: "_Phase"):
+def _join(cfg: DictConfig, cluster: Cluster, phase: "Phase"):
     """A launcher on another real node: reach the first node's store, take its run config.
 
     Every node runs the first node's resolved config (same seed, partition, settings), written
@@ -237,7 +237,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     children: list[Child] = []
     started = time.monotonic()
     result = RunResult(Path(cfg.run.dir) if resume is not None else None, 0)
-    phase = _Phase("starting the store" if primary else
+    phase = Phase("starting the store" if primary else
                    f"waiting for the first node's store at {store_host(cfg)}:{cfg.run.port}")
     events = None
     previous = phase.install()
@@ -346,7 +346,7 @@ class _Interrupted(Exception):
     """Raised by the launcher itself, at a point it chose, to stop at once."""
 
 
-class _Phase:
+class Phase:
     """Where a launch is (for the line an interrupt prints) and the interrupts that came.
 
     Ctrl-C and SIGTERM are only counted by the signal handler; the launcher acts on them at points
@@ -393,7 +393,7 @@ def _new_path(path: Path) -> Path:
 
 def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                since: float = 0.0, tolerate: bool = False, graceful: bool = True,
-               workers: int = 0, phase: Optional[_Phase] = None,
+               workers: int = 0, phase: Optional[Phase] = None,
                restarts: Optional[supervision.Restarts] = None,
                restart: Callable[[int], list[Child]] = lambda p: [], pipelines: int = 0
                ) -> tuple[Optional[str], bool]:
@@ -409,7 +409,7 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
     the nodes' launchers share through the store's :data:`~sdpipe_cli.runtime.store.RESTARTS`
     count); ``pipelines``: how many the run has, on every node.
     """
-    phase = phase or _Phase(RUNNING)
+    phase = phase or Phase(RUNNING)
     policy = supervision.Supervision(workers=workers, tolerate=tolerate, graceful=graceful,
                                      started=phase.now == RUNNING, restarts=restarts,
                                      pipelines=pipelines)
@@ -458,7 +458,7 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
             return f"another node failed: {action.reason}", action.interrupted
 
 
-def _observe(children: list[Child], run_dir: Path, events, phase: _Phase, since: float,
+def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: float,
              error_times: dict[str, Optional[float]], restarted: int = 0
              ) -> supervision.Observation:
     """One poll. The interrupts are counted first, so that what is read after them is at least as
