@@ -74,19 +74,18 @@ def test_srun_and_torchrun_place_each_launcher_without_run_node_or_port(run_dir,
     assert {d["device"] for d in done if d["pipeline"] == 1} == {"b:0", "b:1"}
 
 
-def test_a_failure_on_one_node_stops_both(run_dir):
-    port = free_port()
-    common = (*NODES, f"run.port={port}", f"run.dir={run_dir}", "train.steps=100000",
-              "cluster.compute_ms=20")
+def kill_on_node_b(run_dir, common: tuple, rank: int, after: int) -> list[tuple[int, str]]:
+    """Start both nodes' launchers, SIGKILL worker ``rank`` (on node b) once ``after`` train
+    lines are in, and wait for both: [(exit code, stderr) of node a, of node b]."""
     first = sdpipe_popen("train", *common, "run.node=a")
     second = sdpipe_popen("train", *common, "run.node=b")
     try:
         deadline = time.monotonic() + 60
         victim = None
         while victim is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-            if (run_dir / "metrics.jsonl").exists() and metrics(run_dir, "train"):
-                victim = worker_process(run_dir, 3)
+            time.sleep(0.2)
+            if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "train")) >= after:
+                victim = worker_process(run_dir, rank)
         assert victim is not None, "node b's worker never started training"
         victim.send_signal(signal.SIGKILL)
         rc_b, err_b, _ = finish(second, 120)
@@ -95,6 +94,14 @@ def test_a_failure_on_one_node_stops_both(run_dir):
         for proc in (first, second):
             if proc.poll() is None:
                 proc.kill()
+    return [(rc_a, err_a), (rc_b, err_b)]
+
+
+def test_a_failure_on_one_node_stops_both(run_dir):
+    port = free_port()
+    common = (*NODES, f"run.port={port}", f"run.dir={run_dir}", "train.steps=100000",
+              "cluster.compute_ms=20")
+    (rc_a, err_a), (rc_b, err_b) = kill_on_node_b(run_dir, common, rank=3, after=1)
     assert rc_b == 1 and "rank 3" in err_b and "SIGKILL" in err_b, err_b
     assert rc_a == 1, err_a
     assert "another node failed" in err_a or "rank" in err_a
@@ -109,23 +116,8 @@ def test_a_lost_pipeline_is_restarted_by_its_own_nodes_launcher(run_dir):
     common = (*NODES, f"run.port={port}", f"run.dir={run_dir}", f"train.steps={steps}",
               "cluster.compute_ms=10", "fault.on_pipeline_loss=restart",
               "fault.restart_backoff=0.1")
-    first = sdpipe_popen("train", *common, "run.node=a")
-    second = sdpipe_popen("train", *common, "run.node=b")
-    try:
-        deadline = time.monotonic() + 60
-        victim = None
-        while victim is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-            if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "train")) >= 4:
-                victim = worker_process(run_dir, 2)  # pipeline 1, stage 0: on node b
-        assert victim is not None, "node b's worker never started training"
-        victim.send_signal(signal.SIGKILL)
-        rc_b, err_b, _ = finish(second, 120)
-        rc_a, err_a, _ = finish(first, 120)
-    finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                proc.kill()
+    # rank 2: pipeline 1, stage 0, on node b
+    (rc_a, err_a), (rc_b, err_b) = kill_on_node_b(run_dir, common, rank=2, after=4)
     assert (rc_a, rc_b) == (0, 0), (err_a, err_b)
     assert "pipeline 1 lost, it will be restarted" in err_b and "pipeline 1 restarted" in err_b
     (restart,) = metrics(run_dir, "restart")
