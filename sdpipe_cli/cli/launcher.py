@@ -416,8 +416,8 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
     by_name = {c.name: c for c in children}
     error_times: dict[str, Optional[float]] = {}
     while True:
-        seen = _observe(children, run_dir, events, phase, since, error_times,
-                        restarts.used if restarts else 0)
+        seen = _observe(children, run_dir, events, phase, since, error_times, tolerate,
+                        restarts.used if restarts else None)
         action = policy.decide(seen)
         if policy.started:
             phase.now = RUNNING
@@ -459,13 +459,14 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
 
 
 def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: float,
-             error_times: dict[str, Optional[float]], restarted: int = 0
-             ) -> supervision.Observation:
+             error_times: dict[str, Optional[float]], tolerate: bool = False,
+             restarted: Optional[int] = None) -> supervision.Observation:
     """One poll. The interrupts are counted first, so that what is read after them is at least as
     recent (a Ctrl-C right after the last worker started finds it started); then the children,
     then the store. A failed child's error file is read once, when its exit is first seen: the
-    child writes it before it exits. ``restarted``: pipeline restarts this launcher made (the
-    rest of the store's count are other nodes')."""
+    child writes it before it exits. Hung workers are read only where a loss is tolerated
+    (``tolerate``), the restart count only with a restart budget (``restarted``: the pipeline
+    restarts this launcher made; the rest of the store's count are other nodes')."""
     signals = phase.signals
     states = []
     for c in children:
@@ -476,14 +477,16 @@ def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: 
         states.append(supervision.ChildState(c.name, c.pipeline, rc, error_times.get(c.name)))
     elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
     hung = {(rank, incarnation) for rank, incarnation
-            in _quietly(lambda: store.get_json(events, store.HUNG, [])) or []}
+            in (_quietly(lambda: store.get_json(events, store.HUNG, [])) if tolerate else None) or []}
+    elsewhere_restarts = 0
+    if restarted is not None:
+        elsewhere_restarts = max(0, (_quietly(lambda: events.add(store.RESTARTS, 0)) or 0) - restarted)
     return supervision.Observation(
         now=time.monotonic(), children=tuple(states), signals=signals,
         progress=_quietly(lambda: store.get_json(events, store.PROGRESS)),
         elsewhere=elsewhere.decode() if elsewhere else None,
         hung=tuple(c.name for c in children if (c.rank, c.incarnation) in hung),
-        restarts_elsewhere=max(0, (_quietly(lambda: events.add(store.RESTARTS, 0)) or 0)
-                               - restarted))
+        restarts_elsewhere=elsewhere_restarts)
 
 
 def _quietly(read: Callable[[], Any]) -> Any:

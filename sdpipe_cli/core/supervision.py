@@ -190,7 +190,7 @@ class Restarts:
     unrelated faults hours apart are each retried soon.
     """
 
-    def __init__(self, limit: int, backoff_s: float, reset_s: float = None):
+    def __init__(self, limit: int, backoff_s: float, reset_s: Optional[float] = None):
         if limit < 0 or backoff_s < 0:
             raise ValueError("limit and backoff_s must be >= 0")
         self.limit, self.backoff_s, self.used = limit, backoff_s, 0

@@ -147,7 +147,6 @@ class GroupSync(Sync):
         self._stats: dict[str, Any] = {}
         self._done: Optional[int] = None  # pipeline-iterations begun, at the last decision
         self._heal: list[dict[str, int]] = []  # replicas to heal after this update (their ids)
-        self.resume_at: Optional[int] = None  # a restarted replica the run ended for: where it was
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
@@ -237,7 +236,8 @@ class GroupSync(Sync):
 
     def rejoin(self, module: nn.Module) -> Optional[int]:
         """A restarted replica: ask the scheduler for a source, take its state; returns the
-        iteration to go on from, or None when the run ended first (``stop`` is then set)."""
+        iteration to go on from. When the run ended first, ``stop`` is set instead and the state
+        is not taken (the iteration is then where the pipeline was, if the scheduler knows)."""
         start = time.perf_counter()
         store.push(self.events, store.EVENTS, {"type": "rejoin", "rank": self.rank,
                                                "pipeline": self.pipeline, "stage": self.stage,
@@ -247,8 +247,7 @@ class GroupSync(Sync):
         answered = time.perf_counter()
         if answer["stop"]:
             self.stop = True
-            self.resume_at = answer.get("iteration")
-            return None
+            return answer.get("iteration")
         source = answer["source"] * self.stages + self.stage
         state = self._state(module)
         flat = flatten(state)

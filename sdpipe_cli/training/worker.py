@@ -114,11 +114,10 @@ class Worker:
         that the run ended first: one all-reduce over the pipeline's own process group.
         """
         step = self.sync.rejoin(self.module)
-        ended = torch.tensor([float(step is None)], device=self.device)
+        ended = torch.tensor([float(self.sync.stop)], device=self.device)
         dist.all_reduce(ended, op=dist.ReduceOp.MAX)
         if ended.item():
             self.sync.stop = True
-        step = step if step is not None else self.sync.resume_at
         if step is not None:
             self.start_step = self._saved_step = step
 
