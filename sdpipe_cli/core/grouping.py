@@ -288,12 +288,12 @@ class GroupScheduler:
         self.live.discard(pipeline)
         self.resume_at[pipeline] = self._give_back(pipeline)
         target = self.global_at.pop(pipeline, None)
-        if target is not None and self.final and not self.global_closed and not self._time_is_up():
-            self._hand_over(target - self.resume_at[pipeline] + 1)
         for st in self.stages:
             st.waiting.pop(pipeline, None)
             st.parked.discard(pipeline)
             st.links = self._without(st.links, pipeline)
+        if target is not None and self.final and not self.global_closed and not self._time_is_up():
+            self._hand_over(target - self.resume_at[pipeline] + 1)
         return self.tick()
 
     def _hand_over(self, owed: int) -> None:

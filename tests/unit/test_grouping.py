@@ -466,7 +466,8 @@ def test_a_restarted_pipeline_is_healed_and_the_budget_stays_exact(sim, data):
     stages is healed once, by a group round (never a global sync) whose first member is the
     source; it is named in no decision until every stage is healed, then goes on from the first
     iteration it had not finished; the run ends with it stopped at the last global sync (or
-    unhealed, if the run ended first); pipeline-iterations done stay exact."""
+    unhealed, some of its stages perhaps healed, if the run ended first); pipeline-iterations done
+    stay exact."""
     victim = data.draw(st.integers(0, sim.P - 1))
     fastest = min(sum(d) / len(d) for d in sim.durations)
     steps = sim.sched_kwargs["total_iterations"] // sim.P
@@ -478,7 +479,11 @@ def test_a_restarted_pipeline_is_healed_and_the_budget_stays_exact(sim, data):
     check_globals(r)
     check_end(r)
     heals = r.healed.get(victim, [])
-    assert sorted(d.stage for _, d in heals) == ([] if victim in r.unhealed else list(range(r.S)))
+    stages = sorted(d.stage for _, d in heals)
+    if victim in r.unhealed:  # the run ended first: some stages may have been healed already
+        assert len(set(stages)) == len(stages) < r.S, heals
+    else:
+        assert stages == list(range(r.S)), heals
     for _, d in heals:
         assert d.kind == "group" and not d.stop, d
         assert victim not in d.members, d
