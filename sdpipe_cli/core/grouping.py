@@ -33,7 +33,8 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   pipeline-iterations in total) each pipeline p is assigned its next iteration k_p, and every stage
   of p averages with all live replicas at k_p: a consistent model for evaluation and checkpoints.
   The run's last round is such a global sync with ``stop`` set, placed so that the run ends after
-  ``total_iterations`` pipeline-iterations (or after ``time_limit`` seconds).
+  ``total_iterations`` pipeline-iterations (or after ``time_limit`` seconds); cost_aware places
+  it so that the run ends as early as that budget allows (:meth:`GroupScheduler._last_fits`).
 * **Departures.** A pipeline that is gone (:meth:`GroupScheduler.leave`) never blocks a group.
   Its iterations that not every stage finished (no decision yet) no longer count: the budget is
   spent by iterations that were done, and a restarted pipeline redoes them.
@@ -154,6 +155,7 @@ AWAIT_PACE_RATIO = 1.5
 LATE_SLACK = 0.2
 # cost_aware: most iterations a pipeline is given before a global sync (a faster one waits)
 MAX_AHEAD = 8
+END_CHECKS = 32  # passes over the pipelines, per P iterations, looking for the run's end
 # cost_aware: replicas predicted within this x the opener's pace arrive "with" it (jitter)
 JITTER_BAND = 0.25
 POLICIES = ("cost_aware", "classic")
@@ -213,7 +215,6 @@ class GroupScheduler:
         self._high = {p: -1 for p in range(pipelines)}  # max(last_ready[p]), kept as events come
         self._done = 0  # sum of _high[p] + 1: iterations_done() without a pass over pipelines
         self._latest: dict[int, float] = {}  # pipeline -> last ready time at its _high iteration
-        self._ahead_sum = pipelines * MAX_AHEAD  # the last sum of _ahead()
         self.stages = [_StageState(DisjointSet(self.live)) for _ in range(stages)]
         self.global_at: dict[int, int] = {}  # pipeline -> iteration of the pending global sync
         self.final = False  # the pending global sync ends the run
@@ -224,6 +225,7 @@ class GroupScheduler:
         self.token: Optional[int] = None  # the stage allowed to wait for connectivity
         self.stop_requested = False
         self._decided = {p: [-1] * stages for p in range(pipelines)}  # last iteration decided
+        self._end_checked = -pipelines  # iterations done at the last look for the end
         self.resume_at: dict[int, int] = {}  # left pipeline -> the iteration it would go on from
         self.healing: dict[int, dict[int, Optional[int]]] = {}  # p -> stage -> source (None: waits)
         self._maybe_declare_global()  # a budget of at most P iterations ends at iteration 0
@@ -369,6 +371,7 @@ class GroupScheduler:
         while self.global_every and self.next_global <= done:
             self.next_global += self.P * self.global_every
         self.global_at, self.final, self.finished, self.global_history = {}, False, False, []
+        self._end_checked = -self.P
         for st in self.stages:
             st.global_pending = False
 
@@ -423,6 +426,71 @@ class GroupScheduler:
         return {p: min(MAX_AHEAD, max(1, int((horizon - last[p]) / pace[p] + 1e-9)))
                 for p in self.live}
 
+    def _paces(self) -> Optional[dict[int, tuple[float, float]]]:
+        """Each live pipeline's (when it last reached its newest iteration, pace): its first
+        stage's pace (its stages keep one pace over time); None while any is unknown."""
+        try:
+            return {p: (self._latest[p], self.pace[(0, p)]) for p in self.live}
+        except KeyError:
+            return None
+
+    def _ending(self, left: int, done: int) -> bool:
+        """Whether the last global sync is due, ``left`` iterations before the budget ends:
+        classic, once the live pipelines' next iterations reach it; cost_aware, once it is best
+        placed now (:meth:`_last_fits`). That is a pass over the pipelines, made only within
+        MAX_AHEAD iterations each of the end, and with many pipelines once per
+        ``live // END_CHECKS`` iterations begun (and at each of the last ones): O(1) per event."""
+        live = len(self.live)
+        if not self.cost_aware:
+            return left <= live
+        every = live // END_CHECKS
+        if left > MAX_AHEAD * live or (every > 1 and done - self._end_checked < every
+                                       and left > live + every):
+            return False
+        self._end_checked = done
+        return self._last_fits(left)
+
+    def _last_fits(self, budget: int) -> bool:
+        """cost_aware: whether the remaining ``budget`` is best placed now, in the last global
+        sync: it fits, at least one iteration each and at most :data:`MAX_AHEAD`, before the
+        slowest pipeline would end the iteration after its next one.
+
+        Waiting longer cannot end the run sooner. Once the slowest pipeline starts that
+        iteration, the run cannot end before it does; and whatever the fast pipelines could not
+        fill by then, they would wait for. Declared now, :meth:`_fill` lets a slower pipeline
+        wait for them instead (cheap: it holds a small share of the throughput). Declaring
+        only when the budget fits before the slowest one's *next* iteration ends would make
+        the fast ones wait for up to one of its iterations at the end of every run.
+        """
+        paces = self._paces()
+        if paces is None:
+            return self._budget_ends_within(len(self.live))
+        slowest = max(paces, key=lambda p: (paces[p][0] + paces[p][1], p))
+        until = sum(paces[slowest]) + paces[slowest][1]
+        fits = sum(min(MAX_AHEAD, max(1, int((until - last) / pace + 1e-9)))
+                   for last, pace in paces.values())
+        return budget <= fits
+
+    def _fill(self, budget: int) -> dict[int, int]:
+        """The last global sync under cost_aware: ``budget`` iterations, at least one each, each
+        further one given to the pipeline that would end it soonest (at most :data:`MAX_AHEAD`),
+        so that the run ends as early as the budget allows."""
+        paces = self._paces()
+        if paces is None:
+            return self._trim({p: 1 for p in self.live}, budget)
+        ahead = {p: 1 for p in self.live}
+        ends = [(last + 2 * pace, p) for p, (last, pace) in paces.items() if MAX_AHEAD > 1]
+        heapq.heapify(ends)
+        for _ in range(budget - len(ahead)):
+            if not ends:
+                break
+            _, p = heapq.heappop(ends)
+            ahead[p] += 1
+            if ahead[p] < MAX_AHEAD:
+                last, pace = paces[p]
+                heapq.heappush(ends, (last + (ahead[p] + 1) * pace, p))
+        return ahead
+
     @staticmethod
     def _trim(ahead: dict[int, int], budget: int) -> dict[int, int]:
         """``ahead`` cut down (the most first) to sum to ``budget``, keeping one each."""
@@ -445,25 +513,21 @@ class GroupScheduler:
             return
         done = self.iterations_done()
         periodic = bool(self.global_every) and done >= self.next_global
-        if not (periodic or self._time_is_up()
-                or self._budget_ends_within(min(MAX_AHEAD * len(self.live),
-                                                self._ahead_sum + len(self.live)))):
-            # nothing due: spares _ahead()'s pass over the pipelines on every event (the last
-            # sum stands in until the budget comes within it and one more iteration each, so the
-            # end is never declared with fewer iterations left than live pipelines)
+        left = None if self.total_iterations is None else self.total_iterations - done
+        ending = left is not None and self._ending(left, done)
+        if not (periodic or ending or self._time_is_up()):
             return
         ahead = self._ahead()
-        self._ahead_sum = sum(ahead.values())
-        # the end is declared when the live pipelines' iterations ahead reach the budget
-        final = self._time_is_up() or self._budget_ends_within(self._ahead_sum)
+        final = self._time_is_up() or ending
         while self.global_every and self.next_global <= done:
             self.next_global += self.P * self.global_every
-        if periodic and not final and self._budget_ends_within(self._ahead_sum + len(self.live)):
+        if periodic and not final and self._budget_ends_within(sum(ahead.values())
+                                                               + len(self.live)):
             periodic = False  # the last global sync comes first; keeps the budget exact
         if not (final or periodic):
             return
-        if final and not self._time_is_up() and self.total_iterations is not None:
-            ahead = self._trim(ahead, self.total_iterations - done)
+        if final and not self._time_is_up() and left is not None:
+            ahead = self._fill(left) if self.cost_aware else self._trim(ahead, left)
         self.final = final
         self.global_closed = set()
         self.global_at = {p: self._high[p] + ahead[p] for p in self.live}

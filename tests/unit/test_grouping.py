@@ -1076,6 +1076,23 @@ def test_cost_aware_fast_replicas_never_wait_for_a_straggler():
     assert rates["cost_aware"] >= 0.9 * limit, rates["cost_aware"] / limit
 
 
+def test_cost_aware_run_ends_with_the_slow_pipeline_waiting_not_the_fast_ones():
+    """[1, 1, 1, 3]: the last global sync is declared once the budget left fits before the
+    slowest pipeline's iteration after next, and filled where iterations end soonest. The fast
+    pipelines then fill the slow one's last iteration, and it waits for them where the budget
+    does not divide evenly. Declared only once the budget fits before its *next* iteration ends
+    (the rule before), the fast ones waited at the end for 0.25 s on average, up to one of its
+    iterations (0.46 s). Over 15 budgets (ends in every phase), exactly spent."""
+    fast_waits = []
+    for n in range(30, 45):
+        r = _sim([0.15, 0.15, 0.15, 0.45], 0.5, iterations=n, policy="cost_aware")
+        assert sum(r.completed.values()) == 4 * n
+        (last,) = [d for _, d in r.by_stage(0) if d.kind == "global" and d.stop]
+        fast_waits.append(max(w for p, w in zip(last.members, last.waited) if p != 3))
+    assert sum(fast_waits) / len(fast_waits) < 0.15  # less than one fast iteration
+    assert max(fast_waits) < 0.3
+
+
 def test_cost_aware_holds_only_the_slow_component():
     """Unit: stage due to connect; the fast pair {0, 1} arrives and closes at its window
     (it is the fastest replica's component), the straggler 2 arrives later and is held until a
