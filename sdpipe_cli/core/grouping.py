@@ -64,6 +64,7 @@ sync (which connects everyone when it closes) do not wait for connectivity.
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -86,6 +87,9 @@ class Decision:
     # restarted pipelines this stage's first member heals after this round: (pipeline, the
     # iteration it goes on from)
     heal: tuple[tuple[int, int], ...] = ()
+    # every member is known to hold the same weights and optimizer state (the policy's
+    # ``twins``): averaging the weights changes nothing, only the gradients need it
+    twins: bool = False
 
     def of(self, pipeline: int) -> int:
         """The iteration this decision answers for ``pipeline``."""
@@ -189,7 +193,7 @@ class GroupScheduler:
                  window_min: float = 0.0005, window_max: float = 0.1, connect_every: int = 8,
                  global_every: int = 0, total_iterations: Optional[int] = None,
                  time_limit: Optional[float] = None, patience: float = 0.0,
-                 policy: str = "classic", max_group: int = 0,
+                 policy: str = "classic", max_group: int = 0, twins: bool = False,
                  clock: Callable[[], float] = time.monotonic):
         if pipelines < 1 or stages < 1 or connect_every < 1 or min_group < 1:
             raise ValueError("pipelines, stages, connect_every and min_group must be >= 1")
@@ -228,6 +232,10 @@ class GroupScheduler:
         self._end_checked = -pipelines  # iterations done at the last look for the end
         self.resume_at: dict[int, int] = {}  # left pipeline -> the iteration it would go on from
         self.healing: dict[int, dict[int, Optional[int]]] = {}  # p -> stage -> source (None: waits)
+        self.twins = twins
+        self._lineage = {p: 0 for p in range(pipelines)}  # equal: the same state (all start alike)
+        self._rounds_of: dict[int, dict[int, tuple]] = {p: {} for p in range(pipelines)}
+        self._fresh = itertools.count(1)
         self._maybe_declare_global()  # a budget of at most P iterations ends at iteration 0
 
     # -- events ---------------------------------------------------------------------------------
@@ -289,6 +297,7 @@ class GroupScheduler:
             return []
         self.live.discard(pipeline)
         self.resume_at[pipeline] = self._give_back(pipeline)
+        self._forget_twins(pipeline)
         target = self.global_at.pop(pipeline, None)
         for st in self.stages:
             st.waiting.pop(pipeline, None)
@@ -372,6 +381,8 @@ class GroupScheduler:
             self.next_global += self.P * self.global_every
         self.global_at, self.final, self.finished, self.global_history = {}, False, False, []
         self._end_checked = -self.P
+        self._lineage = {p: 0 for p in self._lineage}  # a checkpoint follows a global sync
+        self._rounds_of = {p: {} for p in self._lineage}
         for st in self.stages:
             st.global_pending = False
 
@@ -719,16 +730,51 @@ class GroupScheduler:
         now = self.clock()
         st.round_no += 1
         heal = self._heal(s, members[0]) if kind == "group" and self.healing else ()
+        twins = (self.twins and kind == "group" and len(members) > 1
+                 and len({self._lineage[p] for p in members}) == 1)
         decision = Decision(stage=s, round=st.round_no, members=tuple(members),
                             iterations=tuple(st.waiting[p][0] for p in members),
                             waited=tuple(now - st.waiting[p][1] for p in members),
-                            kind=kind, stop=stop, heal=heal)
+                            kind=kind, stop=stop, heal=heal, twins=twins)
+        if self.twins:
+            self._note(decision)
         for p in members:
             self._decided[p][s] = st.waiting[p][0]
             del st.waiting[p]
             st.parked.discard(p)
         st.deadline, st.window_end, st.connecting = None, None, False
         return decision
+
+    # -- twins (sync.average=weights_grads) -----------------------------------------------------
+    def _note(self, d: Decision) -> None:
+        """Fold round ``d`` into its members' lineage; equal lineages mean the same state.
+
+        With weights_grads a round gives its members the same weights and gradients, and each
+        member's step depends only on those, its optimizer state and the learning rate its
+        decision carries, except for clipping, whose norm sums over the pipeline's stages. So two
+        pipelines that held the same state and took an iteration in the same round at *every*
+        stage hold the same state again (any iteration numbers: AdamW's step count is averaged
+        at global syncs too). An iteration whose rounds were all global syncs leaves every
+        replica alike whatever came before. Replicas start alike (seeded), and a resume starts
+        from a global sync. The flushed schedules make every stage of a pipeline finish an
+        iteration before any stage of it signals the next, so its lineage is folded before its
+        next round is decided."""
+        key = (d.kind, d.stage, d.round)
+        for p in d.members:
+            rounds = self._rounds_of[p]
+            rounds[d.stage] = key
+            if len(rounds) == self.S:
+                keys = tuple(rounds[s] for s in range(self.S))
+                self._lineage[p] = hash(keys if all(k[0] == "global" for k in keys)
+                                        else (self._lineage[p], keys))
+                rounds.clear()
+
+    def _forget_twins(self, gone: int) -> None:
+        """A pipeline left: a round it was in may have failed, leaving its other members on
+        their own state, so nobody counts as anybody's twin until the next global sync."""
+        for p in self._lineage:
+            self._lineage[p] = hash(("own", p, next(self._fresh)))
+        self._rounds_of[gone] = {}
 
     def _without(self, links: DisjointSet, gone: int) -> DisjointSet:
         """The same connectivity among the remaining replicas."""
@@ -876,5 +922,6 @@ def make_policy(cfg: Any, clock: Callable[[], float] = time.monotonic) -> GroupS
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
         connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
         policy=y.policy, max_group=y.max_group,
+        twins=y.average == "weights_grads" and policy is GroupScheduler,
         total_iterations=cfg.cluster.pipelines * cfg.train.steps,
         time_limit=cfg.train.time_limit, clock=clock)

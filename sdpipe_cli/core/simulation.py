@@ -320,7 +320,8 @@ class _Run:
         w = self.w
         for d in decisions:
             (self.globals if d.kind == "global" else self.groups).append(len(d.members))
-            nbytes = w.stage_bytes[d.stage] * (2 if w.average == "weights_grads" else 1)
+            twice = w.average == "weights_grads" and not d.twins  # twins: gradients only
+            nbytes = w.stage_bytes[d.stage] * (2 if twice else 1)
             if d.kind == "global" and w.average == "weights_grads":
                 nbytes *= 2  # the optimizer's two moments too
             done = self.now + w.rtt_s / 2 + self._allreduce_s(d.members, d.stage, nbytes)

@@ -228,6 +228,7 @@ class Scheduler:
             # wake-up of the store each, which the last member of a large group waits behind
             value = json.dumps({"members": list(d.members), "round": d.round, "kind": d.kind,
                                 "stop": d.stop, "checkpoint": ckpt, "done": done,
+                                "twins": d.twins,
                                 "incarnations": [self.incarnation[p] for p in d.members]})
             keys = [store.decision_key(d.stage, p, k) for p, k in zip(d.members, d.iterations)]
             values = [value] * len(keys)
@@ -247,6 +248,7 @@ class Scheduler:
                 "kind": "group", "time": round(time.time() - self.t0, 4), "stage": d.stage,
                 "round": d.round, "group": d.kind, "members": list(d.members),
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
+                "twins": d.twins,
                 "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]})
 
     # -- checkpoints ----------------------------------------------------------------------------

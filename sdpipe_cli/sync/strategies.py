@@ -190,6 +190,8 @@ class GroupSync(Sync):
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
+                if decision.get("twins"):  # the same weights already (never at a global sync)
+                    tensors = []
                 tensors += [p.grad for p in params]
                 if decision["kind"] == "global" and self.optimizer is not None:
                     tensors += optim.state_tensors(self.optimizer, params)

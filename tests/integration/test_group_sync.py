@@ -149,7 +149,8 @@ def allreduce_run(tmp_path_factory):
 def test_full_groups_reproduce_allreduce(allreduce_run, tmp_path):
     """sync.average=weights_grads with a full group every round (connect_every=1) takes exactly
     all-reduce's steps, AdamW and clipping included: the same loss at every step, and the
-    replicas never drift (consensus 0 at every global sync)."""
+    replicas never drift (consensus 0 at every global sync). They start alike and stay alike, so
+    every group round (not the global syncs) averages the gradients only, as all-reduce does."""
     run_dir = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.connect_every=1",
                  "sync.global_every=5", *P4S2)
@@ -161,6 +162,8 @@ def test_full_groups_reproduce_allreduce(allreduce_run, tmp_path):
     consensus = metrics(run_dir, "consensus")
     assert {c["stage"] for c in consensus} == {0, 1}
     assert all(c["consensus"] < 1e-6 for c in consensus), consensus
+    groups = metrics(run_dir, "group")
+    assert all(g["twins"] == (g["group"] == "group") for g in groups), groups
 
 
 def test_weight_averaging_after_sgd_steps_is_allreduce(tmp_path):

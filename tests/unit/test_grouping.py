@@ -474,10 +474,12 @@ def test_a_restarted_pipeline_is_healed_and_the_budget_stays_exact(sim, data):
     when = data.draw(st.floats(0, fastest * steps, allow_nan=False))
     back = when + data.draw(st.floats(0, fastest * steps / 2, allow_nan=False))
     sim.leave_at, sim.rejoin_at = {victim: round(when, 4)}, {victim: round(back, 4) + 1e-4}
+    sim.sched_kwargs.update(twins=True)
     r = run(sim)
     check_well_formed(r)
     check_globals(r)
     check_end(r)
+    check_twins(r, complete=False)
     heals = r.healed.get(victim, [])
     stages = sorted(d.stage for _, d in heals)
     if victim in r.unhealed:  # the run ended first: some stages may have been healed already
@@ -987,6 +989,58 @@ def test_a_round_waits_for_predicted_replicas_at_most_its_horizon():
     now[0] = pol.next_deadline()
     (d,) = pol.tick()
     assert d.members == (0,)
+
+
+# == twins: rounds that average gradients only ====================================================
+
+def check_twins(r: Result, complete: bool) -> None:
+    """Twins (``sync.average=weights_grads``), replayed with our own model of a pipeline's state:
+    the same for all at the start; after an iteration, made of its state before and the rounds
+    it took at every stage, or, where those were all global syncs, of them alone; after any
+    departure, its own. A round flagged ``twins`` is a group round whose members are in the same
+    state; with ``complete`` (no departures), every group round of members in the same state is
+    flagged (none is averaged for nothing)."""
+    state: dict[int, tuple] = {p: ("start",) for p in range(r.P)}
+    rounds: dict[int, dict[int, tuple]] = {p: {} for p in range(r.P)}
+    for ev in r.events:
+        if ev.kind == "leave":
+            state = {p: ("own", p, ev.index) for p in state}
+            rounds[ev.args[0]] = {}
+        for d in ev.decisions:
+            same = len({state[p] for p in d.members}) == 1
+            if d.twins:
+                assert d.kind == "group" and len(d.members) > 1 and same, (ev.index, d)
+            elif complete and d.kind == "group" and len(d.members) > 1:
+                assert not same, (ev.index, d)
+            for p in d.members:
+                rounds[p][d.stage] = (d.kind, d.stage, d.round)
+                if len(rounds[p]) == r.S:
+                    keys = tuple(rounds[p][s] for s in range(r.S))
+                    alike = all(k[0] == "global" for k in keys)
+                    state[p] = ("global", keys) if alike else ("iteration", state[p], keys)
+                    rounds[p] = {}
+
+
+@SETTINGS
+@given(runs(), st.sampled_from(["classic", "cost_aware"]), st.sampled_from([0.0, 0.5]))
+def test_twins_are_the_pipelines_in_the_same_state(sim, policy, patience):
+    """Rounds are flagged twins exactly where every member holds the same state (our replay),
+    under either policy; with equal pipelines most rounds after the start are."""
+    sim.sched_kwargs.update(policy=policy, patience=patience, twins=True)
+    r = run(sim)
+    check_well_formed(r)
+    check_end(r)
+    check_twins(r, complete=True)
+
+
+def test_equal_pipelines_average_gradients_only():
+    """Four equal pipelines with 5 % jitter, prediction on: full rounds keep every replica
+    alike, so most group rounds move gradients only (here 70 of 121); a partial round ends that
+    until the next global sync."""
+    r = _sim([0.15] * 4, 0.5, twins=True)
+    groups = [d for _, d in r.decisions if d.kind == "group" and len(d.members) > 1]
+    assert sum(d.twins for d in groups) > 0.5 * len(groups), sum(d.twins for d in groups)
+    check_twins(r, complete=True)
 
 
 # == cost_aware: who waits for whom ==============================================================
