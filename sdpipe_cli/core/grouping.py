@@ -490,7 +490,7 @@ class GroupScheduler:
         if paces is None:
             return self._trim({p: 1 for p in self.live}, budget)
         ahead = {p: 1 for p in self.live}
-        ends = [(last + 2 * pace, p) for p, (last, pace) in paces.items() if MAX_AHEAD > 1]
+        ends = [(last + 2 * pace, p) for p, (last, pace) in paces.items()]
         heapq.heapify(ends)
         for _ in range(budget - len(ahead)):
             if not ends:
