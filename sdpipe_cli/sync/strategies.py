@@ -13,8 +13,9 @@ or the last meeting would wait forever for a replica that has stopped.
 - ``allreduce``: average gradients over all P replicas every iteration (replicas stay identical).
 - ``sdpipe``: send a ready signal to the scheduler, receive a group, and average with exactly that
   group (a group of one: no communication). ``sync.average=weights_grads`` (default): before the
-  local step, the group averages weights *and* gradients, so each member then takes the step that
-  gradient all-reduce would take on the group's mean (exact with full groups, for AdamW too);
+  local step, the group averages weights *and* gradients (gradients only where the scheduler knows
+  the members hold the same state: ``twins``), so each member then takes the step that gradient
+  all-reduce would take on the group's mean (exact with full groups, for AdamW too);
   global syncs also average the optimizer state, so replicas leave them identical. ``weights``
   (the paper's rule): after the local step, the group averages weights. The scheduler also
   decides when the run ends, since fast pipelines do more iterations than slow ones.
