@@ -666,12 +666,14 @@ class GroupScheduler:
         are predicted to be ready by ``horizon``, with a pace of at most ``slowest``. Reads the
         stage's heap of predictions without a pass over every replica."""
         heap, found, seen = self.stages[s].arrivals, [], []
+        live, arrived, paces, pop = self.live, self.arrived, self.pace, heapq.heappop
         while heap and heap[0][0] <= horizon and len(found) < room:
-            t, q = heapq.heappop(heap)
-            if q not in self.live or self.expected(s, q) != t:
+            t, q = pop(heap)
+            pace = paces.get((s, q))  # (expected(), inlined: this loop is the policy's hot spot)
+            if q not in live or pace is None or arrived[(s, q)] + pace != t:
                 continue  # superseded by a later arrival, or gone: dropped for good
             seen.append((t, q))
-            if q not in present and self.pace[(s, q)] <= slowest:
+            if q not in present and pace <= slowest:
                 found.append(q)
         for entry in seen:
             heapq.heappush(heap, entry)
