@@ -426,16 +426,10 @@ class GroupScheduler:
         train instead of waiting. One each while any pace is unknown.
         """
         ahead = {p: 1 for p in self.live}
-        if not self.cost_aware or not ahead:
+        paces = self._paces() if self.cost_aware and ahead else None
+        if paces is None:
             return ahead
-        try:  # a pipeline's pace: its first stage's (its stages keep one pace over time)
-            last = {p: self._latest[p] for p in self.live}
-            pace = {p: self.pace[(0, p)] for p in self.live}
-        except KeyError:
-            return ahead
-        horizon = max(last[p] + pace[p] for p in self.live)
-        return {p: min(MAX_AHEAD, max(1, int((horizon - last[p]) / pace[p] + 1e-9)))
-                for p in self.live}
+        return self._fits_by(paces, max(last + pace for last, pace in paces.values()))
 
     def _paces(self) -> Optional[dict[int, tuple[float, float]]]:
         """Each live pipeline's (when it last reached its newest iteration, pace): its first
@@ -444,6 +438,13 @@ class GroupScheduler:
             return {p: (self._latest[p], self.pace[(0, p)]) for p in self.live}
         except KeyError:
             return None
+
+    @staticmethod
+    def _fits_by(paces: dict[int, tuple[float, float]], until: float) -> dict[int, int]:
+        """The iterations each pipeline ends by ``until`` at its pace: at least one, at most
+        :data:`MAX_AHEAD`."""
+        return {p: min(MAX_AHEAD, max(1, int((until - last) / pace + 1e-9)))
+                for p, (last, pace) in paces.items()}
 
     def _ending(self, left: int, done: int) -> bool:
         """Whether the last global sync is due, ``left`` iterations before the budget ends:
@@ -478,9 +479,7 @@ class GroupScheduler:
             return self._budget_ends_within(len(self.live))
         slowest = max(paces, key=lambda p: (paces[p][0] + paces[p][1], p))
         until = sum(paces[slowest]) + paces[slowest][1]
-        fits = sum(min(MAX_AHEAD, max(1, int((until - last) / pace + 1e-9)))
-                   for last, pace in paces.values())
-        return budget <= fits
+        return budget <= sum(self._fits_by(paces, until).values())
 
     def _fill(self, budget: int) -> dict[int, int]:
         """The last global sync under cost_aware: ``budget`` iterations, at least one each, each
