@@ -590,7 +590,7 @@ class GroupScheduler:
         now = self.clock()
         if st.window_end is None:
             opener = min(ready, key=lambda p: (ready[p][1], p))
-            self._open(s, opener, ready[opener][1], set(ready) | at_global)
+            self._open(s, opener, ready[opener][1], ready, at_global)
         members = set(ready)
         full = bool(self.max_group) and len(members) >= self.max_group
         if full:
@@ -623,10 +623,12 @@ class GroupScheduler:
                                 else max(self.window[key] * 0.9, self.window_min))
         return decision
 
-    def _open(self, s: int, opener: int, opened: float, present: set[int]) -> None:
+    def _open(self, s: int, opener: int, opened: float, ready: dict, parked: set[int]) -> None:
         """A round of stage ``s`` opens: it may close without everyone after the opener's window,
         once the replicas predicted (with ``patience``) to be ready within patience x the
-        opener's pace are there, or at that horizon if one of them is late.
+        opener's pace are there, or at that horizon if one of them is late. ``ready`` and
+        ``parked`` (at the pending global sync) are the replicas waiting now, two disjoint sets,
+        passed apart because their union would be a pass over every parked replica per round.
 
         cost_aware waits less, and only where waiting is cheap: for replicas about as fast as the
         opener (:data:`AWAIT_PACE_RATIO`), each only until :data:`LATE_SLACK` x pace after its
@@ -644,26 +646,33 @@ class GroupScheduler:
         if not self.patience or pace is None:
             return
         st.horizon = opened + self.patience * pace
+        present = len(ready) + len(parked)
+        room = self.max_group - present if self.max_group else len(self.live)
         if not self.cost_aware:
-            room = self.max_group - len(present) if self.max_group else len(self.live)
-            st.expect = frozenset(self._predicted(s, st.horizon, present, float("inf"), room))
+            found = self._predicted(s, st.horizon, ready, parked, float("inf"), room)
+            st.expect = frozenset(q for _, q in found)
             return
-        room = self.max_group - len(present) if self.max_group else len(self.live)
-        awaited = self._predicted(s, st.horizon, present, AWAIT_PACE_RATIO * pace, room)
-        core = present | {q for q in awaited if self.expected(s, q) <= opened + JITTER_BAND * pace}
-        half = 2 * len(core) - len(self.live)  # > 0: a majority; 0: exactly half
-        if half > 0 or (half == 0 and self.fastest(s) in core):
-            awaited = [q for q in awaited if q in core]
-        st.expect = frozenset(awaited)
+        awaited = self._predicted(s, st.horizon, ready, parked, AWAIT_PACE_RATIO * pace, room)
+        band = opened + JITTER_BAND * pace
+        core = [(t, q) for t, q in awaited if t <= band]  # earliest first, so a prefix
+        half = 2 * (present + len(core)) - len(self.live)  # > 0: a majority; 0: exactly half
+        if half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
+            awaited = core
+        st.expect = frozenset(q for _, q in awaited)
         if awaited:
-            latest = max(self.expected(s, q) for q in awaited)
-            st.horizon = min(st.horizon, latest + LATE_SLACK * pace)
+            st.horizon = min(st.horizon, awaited[-1][0] + LATE_SLACK * pace)
 
-    def _predicted(self, s: int, horizon: float, present: set[int], slowest: float,
-                   room: int) -> list[int]:
-        """Up to ``room`` replicas of stage ``s``, earliest first, that are not ``present`` and
-        are predicted to be ready by ``horizon``, with a pace of at most ``slowest``. Reads the
-        stage's heap of predictions without a pass over every replica."""
+    def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
+        """Whether the fastest replica of stage ``s`` is waiting now or among ``core``."""
+        fastest = self.fastest(s)
+        return fastest in ready or fastest in parked or any(q == fastest for _, q in core)
+
+    def _predicted(self, s: int, horizon: float, ready: dict, parked: set[int], slowest: float,
+                   room: int) -> list[tuple[float, int]]:
+        """Up to ``room`` replicas of stage ``s`` with their predicted ready times, earliest
+        first, that are neither ``ready`` nor ``parked`` and are predicted to be ready by
+        ``horizon``, with a pace of at most ``slowest``. Reads the stage's heap of predictions
+        without a pass over every replica."""
         heap, found, seen = self.stages[s].arrivals, [], []
         live, arrived, paces, pop = self.live, self.arrived, self.pace, heapq.heappop
         while heap and heap[0][0] <= horizon and len(found) < room:
@@ -672,8 +681,8 @@ class GroupScheduler:
             if q not in live or pace is None or arrived[(s, q)] + pace != t:
                 continue  # superseded by a later arrival, or gone: dropped for good
             seen.append((t, q))
-            if q not in present and pace <= slowest:
-                found.append(q)
+            if q not in ready and q not in parked and pace <= slowest:
+                found.append((t, q))
         for entry in seen:
             heapq.heappush(heap, entry)
         return found
