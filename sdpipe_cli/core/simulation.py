@@ -133,6 +133,35 @@ class _Plan:
                    (Kind.F, s - 1, action.microbatch) if not backward and s > 0 else None)
             position[(action.kind, s, action.microbatch)] = len(self.steps)
             self.steps.append((s, backward, position[dep] if dep is not None else -1))
+        self.fused, self.members = self._fuse(self.steps)
+
+    @staticmethod
+    def _fuse(steps: list[tuple[int, bool, int]]
+              ) -> tuple[list[tuple[int, bool, int]], list[list[int]]]:
+        """The same iteration with each run of a stage's actions that nothing in between
+        observes taken as one: an action that waits for no other stage joins the stage's
+        previous one if no other stage waits for that. With a fixed scale per stage and
+        iteration the ends that matter are unchanged; a pipeline of one stage becomes a single
+        action, which is what makes many-pipeline simulations fast. Returns the fused actions as
+        :attr:`steps` lists them (with the first one's direction) and the actions each sums."""
+        observed = {dep for _, _, dep in steps if dep >= 0}
+        fused: list[tuple[int, bool, int]] = []
+        members: list[list[int]] = []
+        at: dict[int, int] = {}  # original action -> its fused action
+        open_: dict[int, int] = {}  # stage -> the fused action its next one may join
+        for i, (s, backward, dep) in enumerate(steps):
+            j = open_.get(s) if dep < 0 else None
+            if j is None:
+                j = len(fused)
+                fused.append((s, backward, at[dep] if dep >= 0 else -1))
+                members.append([])
+            members[j].append(i)
+            at[i] = j
+            if i in observed:
+                open_.pop(s, None)
+            else:
+                open_[s] = j
+        return fused, members
 
 
 class _Run:
@@ -166,6 +195,9 @@ class _Run:
                           for s, b, _ in self.plan.steps] for p in range(P)]
         self.action_link = [[self.link_in[p][s][1 if b else 0] for s, b, _ in self.plan.steps]
                             for p in range(P)]
+        # the same for the fused plan, used when every action of a stage has the same scale
+        self.fused_s = [[sum(costs[i] for i in m) for m in self.plan.members] for costs in self.action_s]
+        self.fused_link = [[links[m[0]] for m in self.plan.members] for links in self.action_link]
         self.noise = [[random.Random(f"{work.seed}/jitter/{p}/{s}") for s in range(S)]
                       for p in range(P)]
         self.heap: list = []
@@ -192,7 +224,6 @@ class _Run:
     def _start_iteration(self, p: int) -> None:
         """All stages of ``p`` are synced: compute its next iteration and post the ready signals."""
         w, S = self.w, self.S
-        end = [0.0] * len(self.plan.steps)
         at = list(self.synced[p])
         draws = w.stragglers[p] if w.stragglers else [None] * S
         per_action = any(d is not None for d in draws) and not w.per_iteration
@@ -206,10 +237,14 @@ class _Run:
                 x *= math.exp(self.noise[p][s].gauss(0.0, w.jitter))
             device = self.devices[p][s]
             scale.append(x if device.name in self.dynamic else x / device.speed)
-        cost, link = self.action_s[p], self.action_link[p]
-        slow = per_action or bool(self.dynamic)
+        slow = per_action or bool(self.dynamic)  # a scale per action, not per stage
+        if slow:
+            steps, cost, link = self.plan.steps, self.action_s[p], self.action_link[p]
+        else:
+            steps, cost, link = self.plan.fused, self.fused_s[p], self.fused_link[p]
+        end = [0.0] * len(steps)
         busy = 0.0
-        for i, (s, _, dep) in enumerate(self.plan.steps):
+        for i, (s, _, dep) in enumerate(steps):
             t = at[s]
             if dep >= 0:
                 arrival = end[dep] + link[i]

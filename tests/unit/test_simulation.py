@@ -42,6 +42,25 @@ def test_a_solo_pipeline_takes_the_flushed_schedules_time(stages, schedule):
     assert r.solo_rates() == pytest.approx([cfg.train.batch_size / iteration] * 2)
 
 
+@pytest.mark.parametrize("stages, schedule", [(1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (4, "gpipe")])
+def test_fused_actions_time_an_iteration_as_the_actions_one_by_one(stages, schedule):
+    """With one scale per stage and iteration the simulator times the fused plan (runs of a
+    stage's actions that no other stage waits for, summed). Stragglers that never straggle
+    force the action-by-action path, with the same durations: the runs must agree, with
+    slow-downs, jitter, links and sdpipe's rounds in play."""
+    common = ("cluster.pipelines=3", f"pipeline.stages={stages}", f"pipeline.schedule={schedule}",
+              "pipeline.microbatches=4", "train.steps=12", "cluster.slowdown=[1,1.7,3]",
+              "simulate.jitter=0.1", "simulate.p2p_ms=1", "simulate.rtt_ms=2",
+              "simulate.collective_ms=3")
+    fused = run(config(*common))
+    one_by_one = run(config(*common, "cluster.stragglers.probability=1e-12",
+                            "cluster.stragglers.factor=3", "cluster.stragglers.per=microbatch"))
+    assert one_by_one.iterations == fused.iterations
+    assert one_by_one.finished_at == pytest.approx(fused.finished_at, rel=1e-9)
+    assert one_by_one.busy_s == pytest.approx(fused.busy_s, rel=1e-9)
+    assert one_by_one.group_sizes == fused.group_sizes
+
+
 def test_allreduce_runs_at_the_slowest_pipelines_pace():
     cfg = config("cluster.pipelines=4", "cluster.slowdown=[1,1,1,3]", "train.steps=20",
                  "sync=allreduce")
