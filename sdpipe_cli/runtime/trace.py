@@ -5,7 +5,9 @@ stage waited for which neighbour, and who waited for the straggler in a group ro
 keeps its own events in a ring buffer (the last ``run.trace_events``), on the run clock shared by
 every process, and writes them to ``logs/<rank>.trace.json`` when it finishes; the launcher then
 merges them into ``<run>/trace.json``, one track per worker, for Perfetto (ui.perfetto.dev) or
-chrome://tracing.
+chrome://tracing. The scheduler adds a track numbered after the last rank: each batch of events
+it handled, and per stage each ready signal it took from the queue and each round, from its first
+member's arrival to the publication of its decision.
 
 Recorded: each forward and backward's compute (``F3``, ``B3``, including an emulated slow
 device's extra time), the wait for a neighbour's input before it, sends (instants), the wait for
@@ -48,22 +50,25 @@ class Tracer:
         self.rank, self.label, self.clock = rank, label, clock
         self.events: deque[tuple] = deque(maxlen=capacity)
         self.recorded = 0
+        self.rows: dict[int, str] = {}  # names of the track's rows other than the first
         self._before: Optional[float] = None
 
     @property
     def dropped(self) -> int:
         return self.recorded - len(self.events)
 
-    def span(self, name: str, cat: str, start: float, end: float, *args: Any) -> None:
+    def span(self, name: str, cat: str, start: float, end: float, *args: Any, row: int = 0
+             ) -> None:
         """A completed span from ``start`` to ``end`` (run-clock seconds); ``args``: alternating
-        names and values shown with it."""
+        names and values shown with it; ``row``: the track's row (its thread, see
+        :attr:`rows`)."""
         self.recorded += 1
-        self.events.append(("X", name, cat, start, end, args))
+        self.events.append(("X", name, cat, start, end, args, row))
 
-    def instant(self, name: str, cat: str, *args: Any) -> None:
+    def instant(self, name: str, cat: str, *args: Any, row: int = 0) -> None:
         self.recorded += 1
         now = self.clock()
-        self.events.append(("i", name, cat, now, now, args))
+        self.events.append(("i", name, cat, now, now, args, row))
 
     @contextmanager
     def timed(self, name: str, cat: str) -> Iterator[None]:
@@ -113,9 +118,9 @@ class Tracer:
     def chrome_events(self) -> list[dict[str, Any]]:
         """The buffer as Chrome trace events (microseconds), on this worker's track."""
         out = []
-        for ph, name, cat, start, end, args in self.events:
+        for ph, name, cat, start, end, args, row in self.events:
             event = {"name": name, "cat": cat, "ph": ph, "ts": round(start * US, 1),
-                     "pid": self.rank, "tid": 0}
+                     "pid": self.rank, "tid": row}
             if ph == "X":
                 event["dur"] = round(max(end - start, 0.0) * US, 1)
             else:
@@ -128,7 +133,7 @@ class Tracer:
     def write(self, path: Path) -> None:
         """This worker's events and its track's name, atomically."""
         doc = {"rank": self.rank, "label": self.label, "dropped": self.dropped,
-               "events": self.chrome_events()}
+               "rows": self.rows, "events": self.chrome_events()}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, path)
@@ -153,6 +158,9 @@ def merge(run_dir: Path) -> Optional[Path]:
                        "args": {"name": part["label"]}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank,
                        "args": {"sort_index": rank}})
+        for row, name in part.get("rows", {}).items():
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": int(row),
+                           "args": {"name": name}})
         events.extend(part["events"])
     out = run_dir / "trace.json"
     tmp = out.with_suffix(".tmp")

@@ -38,6 +38,7 @@ from sdpipe_cli.core.grouping import Decision, make_policy
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
+from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.model import checkpoint
 
 log = logging.getLogger("sdpipe.scheduler")
@@ -120,8 +121,17 @@ class Scheduler:
         self.hung: set[int] = set()  # ranks named hung, until their pipeline is lost
         self.heals = self.restarts = 0
         self.checkpoints = GlobalSyncCheckpoints(Cadence.from_config(cfg), clock())
+        self.tracer = self._tracer() if cfg.run.trace and self.policy is not None else None
         if resume is not None:
             self._resume(resume)
+
+    def _tracer(self) -> Tracer:
+        """The scheduler's track of ``trace.json``: row 0 the batches of events, row 1 + s the
+        ready signals and rounds of stage s."""
+        world = self.cfg.cluster.pipelines * self.cfg.pipeline.stages
+        tracer = Tracer(world, "scheduler", lambda: time.time() - self.t0, self.cfg.run.trace_events)
+        tracer.rows = {0: "events", **{1 + s: f"stage {s}" for s in range(self.cfg.pipeline.stages)}}
+        return tracer
 
     def _resume(self, ckpt: Path) -> None:
         steps = {int(p): k for p, k in checkpoint.load_shard(ckpt, "scheduler")["steps"].items()}
@@ -139,6 +149,10 @@ class Scheduler:
     def handle(self, event: dict) -> None:
         kind = event["type"]
         if kind == "ready":
+            if self.tracer is not None:
+                self.tracer.instant(f"ready {event['pipeline']}", "ready", "pipeline",
+                                    event["pipeline"], "iteration", event["iteration"],
+                                    row=1 + event["stage"])
             self._publish(self.policy.ready(event["stage"], event["pipeline"], event["iteration"]))
         elif kind == "begin":  # asynchronous schedules: may this pipeline's segment go on?
             last, decisions = self.policy.begin(event["pipeline"], event["iteration"])
@@ -241,6 +255,11 @@ class Scheduler:
                                           "source_incarnation": self.incarnation[d.members[0]],
                                           "iteration": k, "done": done}))
             self.events.multi_set(keys, values)
+            if self.tracer is not None:
+                published = self.tracer.clock()
+                self.tracer.span(f"{d.kind} {d.round}", "round", published - max(d.waited),
+                                 published, "members", list(d.members), "iterations",
+                                 list(d.iterations), "twins", d.twins, row=1 + d.stage)
             for p in d.members:
                 self.rounds[d.stage][p] += 1
             self.group_sizes.append(len(d.members))
@@ -379,15 +398,23 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
     scheduler = Scheduler(cfg, run_dir, events, resume=resume)
     ticker = Ticker(connect)
     ticker.start()
+    tracer = scheduler.tracer
     try:
         while not scheduler.tracker.all_done():
-            for event in next_events(events):
+            batch = next_events(events)
+            popped = tracer.clock() if tracer is not None else 0.0
+            for event in batch:
                 scheduler.handle(event)
             if scheduler.policy is not None:
                 ticker.wake_at(scheduler.policy.next_deadline())
+            if tracer is not None:
+                tracer.span(f"{len(batch)} events", "scheduler", popped, tracer.clock(),
+                            "events", len(batch))
     finally:
         ticker.stop()
         scheduler.metrics.close()
+        if tracer is not None:
+            tracer.write(trace_path(run_dir, tracer.rank))
     scheduler.publish_progress()
     return scheduler
 

@@ -33,7 +33,8 @@ def test_a_traced_run_shows_every_worker_and_the_1f1b_order(observed):
     doc = json.loads((run_dir / "trace.json").read_text())
     events = doc["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert names == {r: f"rank {r} (pipeline {r // 2}, stage {r % 2})" for r in range(4)}
+    assert names == {**{r: f"rank {r} (pipeline {r // 2}, stage {r % 2})" for r in range(4)},
+                     4: "scheduler"}
     steps = {d["rank"]: d["steps"] for d in metrics(run_dir, "done")}
     assert sum(steps[r] for r in (0, 2)) == 2 * 4  # sdpipe's budget: P x train.steps in all
     for rank in range(4):
@@ -49,6 +50,30 @@ def test_a_traced_run_shows_every_worker_and_the_1f1b_order(observed):
     assert any(e["name"] == "wait input" for e in events if e["pid"] % 2 == 1)  # stage 1 waits
     spans = [e for e in events if e["ph"] == "X"]
     assert all(e["dur"] >= 0 for e in spans)
+
+
+def test_the_scheduler_track_shows_each_ready_signal_and_each_round(observed):
+    """Row 1 + s of the scheduler's track: an instant per ready signal it took, and a span per
+    round of stage s, as metrics.jsonl's group lines list them, ending after its members'
+    ready signals were taken."""
+    run_dir, _ = observed
+    events = [e for e in json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+              if e["pid"] == 4]
+    rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert rows == {0: "events", 1: "stage 0", 2: "stage 1"}
+    assert sum(e["args"]["events"] for e in events if e.get("cat") == "scheduler") > 0
+    groups = metrics(run_dir, "group")
+    for s in (0, 1):
+        ready = {(e["args"]["pipeline"], e["args"]["iteration"]): e["ts"] for e in events
+                 if e.get("cat") == "ready" and e["tid"] == 1 + s}
+        rounds = [e for e in events if e.get("cat") == "round" and e["tid"] == 1 + s]
+        mine = [g for g in groups if g["stage"] == s]
+        assert [(r["name"], r["args"]["members"], r["args"]["iterations"]) for r in rounds] == [
+            (f"{g['group']} {g['round']}", g["members"], g["iterations"]) for g in mine]
+        assert len(ready) == sum(len(g["members"]) for g in mine)
+        for r in rounds:
+            assert all(ready[(p, k)] <= r["ts"] + r["dur"] + 1.0  # (rounded to 0.1 us)
+                       for p, k in zip(r["args"]["members"], r["args"]["iterations"]))
 
 
 def test_tensorboard_scalars_read_back_as_the_metrics_say(observed):

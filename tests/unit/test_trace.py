@@ -49,6 +49,21 @@ def test_merge_gives_one_named_track_per_worker_and_skips_a_torn_file(tmp_path):
     assert sum(e["name"] == "F0" for e in doc["traceEvents"]) == 2
 
 
+def test_a_track_s_rows_are_named_and_hold_their_events(tmp_path):
+    (tmp_path / "logs").mkdir()
+    t = Tracer(4, "scheduler", Clock(), capacity=10)
+    t.rows = {0: "events", 2: "stage 1"}
+    t.span("group 1", "round", 0.0, 0.1, "members", [0, 1], row=2)
+    t.instant("ready 1", "ready", row=2)
+    t.span("3 events", "scheduler", 0.0, 0.1)
+    t.write(trace_path(tmp_path, 4))
+    events = json.loads(merge(tmp_path).read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {0: "events", 2: "stage 1"}
+    assert [(e["name"], e["tid"]) for e in events if e["ph"] != "M"] == [
+        ("group 1", 2), ("ready 1", 2), ("3 events", 0)]
+
+
 def test_no_worker_traces_no_file(tmp_path):
     (tmp_path / "logs").mkdir()
     assert merge(tmp_path) is None and not (tmp_path / "trace.json").exists()
