@@ -49,6 +49,10 @@ def test_tiny_run_reports_latency_and_cpu(tmp_path):
     assert 1 <= r["mean_group"] <= 4
     lat = r["latency_ms"]
     assert 0 <= lat["min"] <= lat["p50"] <= lat["p99"] <= lat["max"] < 40_000
+    # the split from the scheduler's timeline: queue + sched + wake is the latency, per round
+    parts = r["parts_ms"]
+    assert set(parts) == {"queue", "sched", "wake"}
+    assert all(0 <= x["p50"] <= x["p99"] <= lat["max"] + 1 for x in parts.values()), parts
     assert r["wall_s"] > 0
     assert 0 <= r["scheduler_cpu_per_s"] <= os.cpu_count()
     assert r["scheduler_cpu_ms_per_decision"] >= 0 and r["scheduler_queued_per_s"] >= 0
@@ -58,5 +62,6 @@ def test_tiny_run_reports_latency_and_cpu(tmp_path):
     assert lines[0].startswith("measured ") and "scripts/bench_scheduler.py" in lines[0]
     [header] = [line for line in lines if line.startswith("| P x S |")]
     assert all(f"| {c} |" in header for c in ("p50 ms", "p99 ms", "max ms", "sched CPU s/s",
+                                              "queue p50/p99", "sched p50/p99", "wake p50/p99",
                                               "sched CPU ms/decision", "decisions", "mean group"))
     assert len([line for line in lines if line.startswith("| 4 x 2 |")]) == 1
