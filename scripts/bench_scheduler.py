@@ -93,7 +93,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.pipelines is None) != (args.stages is None):
         parser.error("give both --pipelines and --stages, or neither")
-    if args.pin and len(os.sched_getaffinity(0)) < 2:
+    args.cores = sorted(os.sched_getaffinity(0))  # before --pin narrows this process's
+    if args.pin and len(args.cores) < 2:
         parser.error("--pin needs at least 2 cores")
     return args
 
@@ -246,11 +247,10 @@ def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:
         for proc in procs:
             proc.start()
         if args.pin:
-            cores = sorted(os.sched_getaffinity(0))
-            os.sched_setaffinity(sched.pid, cores[-1:])
-            os.sched_setaffinity(0, cores[-1:])  # the store's thread
+            os.sched_setaffinity(sched.pid, args.cores[-1:])
+            os.sched_setaffinity(0, args.cores[-1:])  # the store's thread
             for proc in procs:
-                os.sched_setaffinity(proc.pid, cores[:-1])
+                os.sched_setaffinity(proc.pid, args.cores[:-1])
         while (store.get_json(events, store.PROGRESS) or {}).get("started", 0) < P * S:
             check("before every replica started")
         def sample() -> tuple[float, float, float]:
