@@ -38,3 +38,14 @@ def test_bench_sync_keeps_its_bare_flag():
     assert bench_sync.parse_args(["--markdown"]).markdown == "-"  # print Markdown, as before
     assert bench_sync.parse_args(["--markdown", "t.md"]).markdown == "t.md"
     assert bench_sync.parse_args([]).markdown is None
+
+
+def test_bench_convergence_takes_a_variant_with_its_own_budget():
+    bench = importlib.import_module("bench_convergence")
+    args = bench.parse_args(["--variants", "allreduce,sdpipe@400"])
+    assert [bench.split(v) for v in args.variants] == [("allreduce", None), ("sdpipe", 400)]
+    assert "train.steps=400" in bench.overrides(args, "straggler", 3e-3, Path("r"), 400)
+    assert "train.steps=200" in bench.overrides(args, "straggler", 3e-3, Path("r"))
+    for bad in ("sdpipe@0", "sdpipe@x", "nope@10", "nope"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--variants", bad])
