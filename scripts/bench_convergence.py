@@ -30,7 +30,7 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
   samples (P x steps x batch), so this is the loss at equal samples;
 - ``to target (s)``: from the first train line to the first evaluation where the mean over
   pipelines of their latest validation loss is at or below the target, all-reduce's final loss
-  (at its best learning rate); ``-``: never;
+  (at its best learning rate) or ``--target``; ``-``: never;
 - ``samples/s`` and ``of limit``: throughput, and its share of the limit, the sum of each
   pipeline's solo rate in the ``none`` run (each pipeline's samples over its own train-line span);
 - ``consensus``: the mean and the largest consensus distance measured at global syncs
@@ -98,6 +98,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/bench_convergence"))
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE")
+    p.add_argument("--target", type=float, default=None,
+                   help="the target loss (default: all-reduce's final loss in this run)")
     _report.add_markdown_option(p)
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
@@ -190,8 +192,10 @@ def mean_group(lines: list[dict]) -> Optional[float]:
     return sum(sizes) / len(sizes) if sizes else None
 
 
-def summarize(scenario: str, records: list[dict]) -> dict[str, Any]:
-    """Best lr per variant; target = all-reduce's best final loss; times to it; the limit."""
+def summarize(scenario: str, records: list[dict], target: Optional[float] = None
+              ) -> dict[str, Any]:
+    """Best lr per variant; target = ``target`` or all-reduce's best final loss; times to it;
+    the limit."""
     best: dict[str, dict] = {}
     for r in records:
         if r["status"] != "ok" or r.get("final_val_loss") is None:
@@ -199,7 +203,8 @@ def summarize(scenario: str, records: list[dict]) -> dict[str, Any]:
         b = best.get(r["variant"])
         if b is None or r["final_val_loss"] < b["final_val_loss"]:
             best[r["variant"]] = r
-    target = best["allreduce"]["final_val_loss"] if "allreduce" in best else None
+    if target is None and "allreduce" in best:
+        target = best["allreduce"]["final_val_loss"]
     limit = sum(best["none"]["solo_rates"].values()) if "none" in best else None
     for r in records:
         if r["status"] == "ok" and r.get("curve"):
@@ -264,12 +269,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         records = [run(args, scenario, v, lr, console) for v in args.variants for lr in args.lrs]
         if args.before is not None:
             records.append(run(args, scenario, BEFORE, args.lrs[0], console))
-        summaries.append(summarize(scenario, records))
+        summaries.append(summarize(scenario, records, args.target))
     command = "python " + shlex.join(sys.argv)
     md = [f"`{command}` ({stamp()})", ""]
+    source = "--target" if args.target is not None else "all-reduce's final val"
     for s in summaries:
         title = (f"{s['scenario']}: P={args.pipelines}, S={args.stages}, {args.steps} steps, "
-                 f"compute {args.compute_ms:g} ms; target = all-reduce's final val "
+                 f"compute {args.compute_ms:g} ms; target = {source} "
                  f"{_f(s['target_loss'], '.4f')}; limit {_f(s['limit_samples_per_s'], '.1f')} "
                  "samples/s")
         table = Table(title=title)

@@ -49,3 +49,13 @@ def test_bench_convergence_takes_a_variant_with_its_own_budget():
     for bad in ("sdpipe@0", "sdpipe@x", "nope@10", "nope"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--variants", bad])
+
+
+def test_bench_convergence_times_a_given_target():
+    bench = importlib.import_module("bench_convergence")
+    run = {"status": "ok", "variant": "sdpipe@400", "lr": 3e-3, "final_val_loss": 2.1,
+           "curve": [[10.0, 2.5], [20.0, 2.2], [30.0, 2.1]], "first_train_s": 5.0,
+           "samples_per_s": 1.0}
+    assert bench.summarize("straggler", [dict(run)], 2.25)["runs"][0]["time_to_target_s"] == 15.0
+    assert bench.summarize("straggler", [dict(run)])["runs"][0]["time_to_target_s"] is None
+    assert bench.parse_args(["--target", "2.2392"]).target == 2.2392
