@@ -12,8 +12,9 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   fast replicas learn to wait a little for each other while stragglers never hold them up.
 * **Who waits for whom** (``policy``). The scheduler sees every replica's pace, so it can choose
   who waits. ``cost_aware``: a round waits for a predicted replica only if it is at most
-  :data:`AWAIT_PACE_RATIO` x slower than the opener, so a straggler waits for fast replicas (a
-  little of a small share of the throughput) and never the reverse (a lot of a large share); a
+  :data:`AWAIT_PACE_RATIO` x slower than the fastest member present (the opener, or a faster
+  replica that joined since), so a straggler waits for fast replicas (a little of a small share
+  of the throughput) and never the reverse (a lot of a large share); a
   stage due to connect (``connect_every`` x live updates since it was last connected, as the
   reference counts) holds a round only if it would merge nothing and its members are outside the
   component of the stage's fastest replica, until a replica of another component arrives. The
@@ -173,6 +174,7 @@ class _StageState:
     window_end: Optional[float] = None  # the opener's window (None: no round open)
     horizon: float = 0.0  # with patience: how long the round may wait for ``expect``
     expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
+    slowest_expected: float = 0.0  # cost_aware: the largest pace in ``expect``
     rounds: int = 0  # rounds since the replicas were last all connected
     updates: int = 0  # replicas' rounds (group members) since then
     round_no: int = 0
@@ -260,6 +262,10 @@ class GroupScheduler:
         st.waiting[pipeline] = (iteration, now)
         if st.global_pending and self.global_at.get(pipeline) == iteration:
             st.parked.add(pipeline)
+        elif st.slowest_expected and st.window_end is not None:
+            pace = self.pace.get((stage, pipeline))
+            if pace is not None and AWAIT_PACE_RATIO * pace < st.slowest_expected:
+                self._narrow(stage, pace)
         return self.tick()
 
     def _observe(self, stage: int, pipeline: int, now: float) -> None:
@@ -641,7 +647,7 @@ class GroupScheduler:
         """
         st = self.stages[s]
         st.window_end = opened + self.window[(s, opener)]
-        st.horizon, st.expect = st.window_end, frozenset()
+        st.horizon, st.expect, st.slowest_expected = st.window_end, frozenset(), 0.0
         pace = self.pace.get((s, opener))
         if not self.patience or pace is None:
             return
@@ -652,7 +658,8 @@ class GroupScheduler:
             found = self._predicted(s, st.horizon, ready, parked, float("inf"), room)
             st.expect = frozenset(q for _, q in found)
             return
-        awaited = self._predicted(s, st.horizon, ready, parked, AWAIT_PACE_RATIO * pace, room)
+        quickest = min([pace] + [self.pace[(s, q)] for q in ready if (s, q) in self.pace])
+        awaited = self._predicted(s, st.horizon, ready, parked, AWAIT_PACE_RATIO * quickest, room)
         band = opened + JITTER_BAND * pace
         core = [(t, q) for t, q in awaited if t <= band]  # earliest first, so a prefix
         half = 2 * (present + len(core)) - len(self.live)  # > 0: a majority; 0: exactly half
@@ -661,6 +668,29 @@ class GroupScheduler:
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
             st.horizon = min(st.horizon, awaited[-1][0] + LATE_SLACK * pace)
+            st.slowest_expected = max(self.pace[(s, q)] for _, q in awaited)
+
+    def _narrow(self, s: int, joined: float) -> None:
+        """cost_aware: a replica of pace ``joined`` joined the open round of stage ``s``, faster
+        than some replica the round waits for allows (:data:`AWAIT_PACE_RATIO`).
+
+        A round opened by a slow replica waits for the faster ones it predicted, which is cheap:
+        the slow one waits. Once a fast one is in, waiting for another slow one would hold the
+        fast one, the costly way round; so the round stops waiting for the replicas slower than
+        its fastest member allows, and for the rest only until :data:`LATE_SLACK` x that
+        member's pace after their predicted time. (A round's members at its opening bound it
+        the same way, in :meth:`_open`.) Equal replicas are all within the ratio: their rounds
+        are unchanged."""
+        st = self.stages[s]
+        bound = AWAIT_PACE_RATIO * joined
+        keep = [q for q in st.expect
+                if q in st.waiting or self.pace.get((s, q), float("inf")) <= bound]
+        st.expect = frozenset(keep)
+        late = [q for q in keep if q not in st.waiting]
+        st.slowest_expected = max((self.pace[(s, q)] for q in late), default=0.0)
+        if late:
+            latest = max(self.expected(s, q) for q in late)
+            st.horizon = min(st.horizon, latest + LATE_SLACK * joined)
 
     def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
         """Whether the fastest replica of stage ``s`` is waiting now or among ``core``."""
