@@ -637,8 +637,9 @@ class GroupScheduler:
         passed apart because their union would be a pass over every parked replica per round.
 
         cost_aware waits less, and only where waiting is cheap: for replicas about as fast as the
-        opener (:data:`AWAIT_PACE_RATIO`), each only until :data:`LATE_SLACK` x pace after its
-        predicted time (later, it is straggling this time). Replicas predicted within
+        fastest one waiting (:data:`AWAIT_PACE_RATIO`; see :meth:`_narrow`), each only until
+        :data:`LATE_SLACK` x pace after its predicted time (later, it is straggling this time).
+        Replicas predicted within
         :data:`JITTER_BAND` x pace are the round's core; it waits for the later ones only if the
         core is a minority of the live replicas (or exactly half, without the fastest one): a lone
         replica half an iteration out of phase waits for the others and is in phase from then
