@@ -128,8 +128,7 @@ class Scheduler:
     def _tracer(self) -> Tracer:
         """The scheduler's track of ``trace.json``: row 0 the batches of events, row 1 + s the
         ready signals and rounds of stage s."""
-        world = self.cfg.cluster.pipelines * self.cfg.pipeline.stages
-        tracer = Tracer(world, "scheduler", lambda: time.time() - self.t0, self.cfg.run.trace_events)
+        tracer = Tracer(self.tracker.world_size, "scheduler", lambda: time.time() - self.t0, self.cfg.run.trace_events)
         tracer.rows = {0: "events", **{1 + s: f"stage {s}" for s in range(self.cfg.pipeline.stages)}}
         return tracer
 
