@@ -14,7 +14,8 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   who waits. ``cost_aware``: a round waits for a predicted replica only if it is at most
   :data:`AWAIT_PACE_RATIO` x slower than the fastest member present (the opener, or a faster
   replica that joined since), so a straggler waits for fast replicas (a little of a small share
-  of the throughput) and never the reverse (a lot of a large share); a
+  of the throughput) and never the reverse (a lot of a large share), and past its forecast only
+  about as long as its forecasts usually miss (:meth:`GroupScheduler._slack`); a
   stage due to connect (``connect_every`` x live updates since it was last connected, as the
   reference counts) holds a round only if it would merge nothing and its members are outside the
   component of the stage's fastest replica, until a replica of another component arrives. The
@@ -46,12 +47,14 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   then is a copy of a live one, so it joins its source's component. The pipeline is live again once
   every stage is healed, and goes on from the first iteration it had not finished. While a global
   sync is pending no stage is healed, so a pipeline never becomes live halfway through one.
-* **Prediction** (``patience > 0``). The scheduler sees every replica's ready signals, so it knows
-  each one's pace (a moving average of the interval between its rounds). When a round opens, it
-  also waits for the replicas predicted to arrive within ``patience`` x the opener's own interval:
-  replicas at the same pace (a homogeneous cluster) meet in full groups, as all-reduce would,
-  while a replica predicted far later (a straggler) is not waited for. The adaptive window still
-  applies (the round waits at least that long); ``patience = 0`` is the reference's rule alone.
+* **Prediction** (``patience > 0``). The scheduler sees every replica's ready signals and knows
+  when it released each one, so it forecasts each replica's next ready signal from its release
+  and its compute time (:mod:`~sdpipe_cli.core.forecast`), and knows its pace (a moving average
+  of the interval between its rounds). When a round opens, it also waits for the replicas
+  forecast within ``patience`` x the opener's own interval: replicas at the same pace (a
+  homogeneous cluster) meet in full groups, as all-reduce would, while a replica forecast far
+  later (a straggler) is not waited for. The adaptive window still applies (the round waits at
+  least that long); ``patience = 0`` is the reference's rule alone.
 
 * **Group cap** (``max_group > 0``). A round closes as soon as that many are ready (a due round
   swaps in a replica of another component, and merging two components is then enough); global
@@ -71,6 +74,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
+from sdpipe_cli.core.forecast import Forecast
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 
 
@@ -151,13 +155,15 @@ class DisjointSet:
         return self.count - max(0, len(self.roots(items)) - 1) <= 1
 
 
-PACE_WEIGHT = 0.3  # weight of the newest interval in a replica's moving-average pace
 # cost_aware: a round waits for a predicted replica only if its pace is at most this many times the
 # opener's (pace noise on a homogeneous cluster stays well within it; a 2x straggler does not)
 AWAIT_PACE_RATIO = 1.5
-# cost_aware: a predicted replica later than its prediction by more than this x the opener's pace
-# is straggling this time (a random slow-down) and is not waited for up to the whole horizon
+# cost_aware: a round waits for a replica past its forecast SLACK_ERRORS x as long as its forecasts
+# usually miss by, within SLACK_FLOOR and LATE_SLACK x the opener's pace (LATE_SLACK while the miss
+# is not known yet); later, it is straggling this time and the round goes on without it
 LATE_SLACK = 0.2
+SLACK_ERRORS = 2.0
+SLACK_FLOOR = 0.01
 # cost_aware: most iterations a pipeline is given before a global sync (a faster one waits)
 MAX_AHEAD = 8
 END_CHECKS = 32  # passes over the pipelines, per P iterations, looking for the run's end
@@ -180,7 +186,6 @@ class _StageState:
     round_no: int = 0
     global_pending: bool = False
     connecting: bool = False  # past the window, waiting for the replicas that connect the rest
-    arrivals: list = field(default_factory=list)  # heap of (predicted ready time, pipeline)
     parked: set = field(default_factory=set)  # waiting at their iteration of the pending global sync
 
 
@@ -208,8 +213,8 @@ class GroupScheduler:
         # connect_every = 1 is all-reduce: every round waits for everyone, under either policy
         self.patience, self.cost_aware = patience, policy == "cost_aware" and connect_every > 1
         self.max_group = max_group if connect_every > 1 else 0  # all-reduce has no cap
-        self.arrived: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> last ready time
-        self.pace: dict[tuple[int, int], float] = {}  # (stage, pipeline) -> mean interval (s)
+        self.forecast = Forecast(stages)
+        self.pace = self.forecast.pace  # (stage, pipeline) -> mean interval between ready signals
         self.P, self.S = pipelines, stages
         self.min_group, self.window_min, self.window_max = min_group, window_min, window_max
         self.connect_every, self.global_every = connect_every, global_every
@@ -257,34 +262,22 @@ class GroupScheduler:
             self._high[pipeline] = iteration
         if iteration == self._high[pipeline]:
             self._latest[pipeline] = now  # when the pipeline last reached its newest iteration
-        self._observe(stage, pipeline, now)
+        self.forecast.ready(stage, pipeline, now)
         st = self.stages[stage]
         st.waiting[pipeline] = (iteration, now)
         if st.global_pending and self.global_at.get(pipeline) == iteration:
             st.parked.add(pipeline)
-        elif st.slowest_expected and st.window_end is not None:
+        elif st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
             pace = self.pace.get((stage, pipeline))
-            if pace is not None and AWAIT_PACE_RATIO * pace < st.slowest_expected:
-                self._narrow(stage, pace)
+            if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
+                                     or now + self.patience * pace < st.horizon):
+                self._narrow(stage, pace, now)
         return self.tick()
 
-    def _observe(self, stage: int, pipeline: int, now: float) -> None:
-        """Fold the interval since this replica's last ready signal into its pace."""
-        key = (stage, pipeline)
-        if key in self.arrived:
-            interval = now - self.arrived[key]
-            self.pace[key] = (interval if key not in self.pace else
-                              (1 - PACE_WEIGHT) * self.pace[key] + PACE_WEIGHT * interval)
-        self.arrived[key] = now
-        if key in self.pace:  # stale entries of the heap are dropped when they surface
-            heapq.heappush(self.stages[stage].arrivals, (now + self.pace[key], pipeline))
-
     def expected(self, stage: int, pipeline: int) -> Optional[float]:
-        """When ``pipeline``'s replica of ``stage`` is predicted to be ready next (None: no pace yet)."""
-        key = (stage, pipeline)
-        if key not in self.pace:
-            return None
-        return self.arrived[key] + self.pace[key]
+        """When ``pipeline``'s replica of ``stage`` is forecast to be ready next (None: it is
+        waiting now, or its compute time is not known yet); see :mod:`~sdpipe_cli.core.forecast`."""
+        return self.forecast.expected(stage, pipeline)
 
     def tick(self) -> list[Decision]:
         decisions: list[Decision] = []
@@ -302,6 +295,7 @@ class GroupScheduler:
         if pipeline not in self.live:
             return []
         self.live.discard(pipeline)
+        self.forecast.forget(pipeline, self.S)
         self.resume_at[pipeline] = self._give_back(pipeline)
         self._forget_twins(pipeline)
         target = self.global_at.pop(pipeline, None)
@@ -366,8 +360,7 @@ class GroupScheduler:
         self._restart_pipeline(pipeline, k)
         for s, st in enumerate(self.stages):
             st.links.add(pipeline, sources[s])
-            self.pace.pop((s, pipeline), None)
-            self.arrived.pop((s, pipeline), None)
+        self.forecast.forget(pipeline, self.S)
         self._latest.pop(pipeline, None)
 
     def resume(self, iterations: dict[int, int]) -> None:
@@ -631,20 +624,19 @@ class GroupScheduler:
 
     def _open(self, s: int, opener: int, opened: float, ready: dict, parked: set[int]) -> None:
         """A round of stage ``s`` opens: it may close without everyone after the opener's window,
-        once the replicas predicted (with ``patience``) to be ready within patience x the
+        once the replicas forecast (with ``patience``) to be ready within patience x the
         opener's pace are there, or at that horizon if one of them is late. ``ready`` and
         ``parked`` (at the pending global sync) are the replicas waiting now, two disjoint sets,
         passed apart because their union would be a pass over every parked replica per round.
 
         cost_aware waits less, and only where waiting is cheap: for replicas about as fast as the
-        fastest one waiting (:data:`AWAIT_PACE_RATIO`; see :meth:`_narrow`), each only until
-        :data:`LATE_SLACK` x pace after its predicted time (later, it is straggling this time).
-        Replicas predicted within
-        :data:`JITTER_BAND` x pace are the round's core; it waits for the later ones only if the
-        core is a minority of the live replicas (or exactly half, without the fastest one): a lone
-        replica half an iteration out of phase waits for the others and is in phase from then
-        on, where the majority waiting for it would keep the phases apart (both sides waiting
-        for each other shift together).
+        fastest one waiting (:data:`AWAIT_PACE_RATIO`; see :meth:`_narrow`), each only a little
+        past its forecast (:meth:`_slack`; later, it is straggling this time). Replicas forecast
+        within :data:`JITTER_BAND` x pace are the round's core; it waits for the later ones only
+        if the core is a minority of the live replicas (or exactly half, without the fastest
+        one): a lone replica half an iteration out of phase waits for the others and is in phase
+        from then on, where the majority waiting for it would keep the phases apart (both sides
+        waiting for each other shift together).
         """
         st = self.stages[s]
         st.window_end = opened + self.window[(s, opener)]
@@ -668,30 +660,45 @@ class GroupScheduler:
             awaited = core
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
-            st.horizon = min(st.horizon, awaited[-1][0] + LATE_SLACK * pace)
-            st.slowest_expected = max(self.pace[(s, q)] for _, q in awaited)
+            late = [q for _, q in awaited]
+            st.horizon = min(st.horizon, awaited[-1][0] + self._slack(s, late, pace))
+            st.slowest_expected = max(self.pace[(s, q)] for q in late)
 
-    def _narrow(self, s: int, joined: float) -> None:
-        """cost_aware: a replica of pace ``joined`` joined the open round of stage ``s``, faster
-        than some replica the round waits for allows (:data:`AWAIT_PACE_RATIO`).
+    def _slack(self, s: int, replicas: list[int], pace: float) -> float:
+        """How long past their forecasts a round waits for ``replicas`` of stage ``s``:
+        :data:`SLACK_ERRORS` x the largest of their usual misses, within :data:`SLACK_FLOOR` and
+        :data:`LATE_SLACK` x ``pace`` (the round's fastest member's); :data:`LATE_SLACK` x pace
+        while a miss is not known. Precise forecasts (a steady GPU cluster) make late replicas
+        stragglers within a few milliseconds; noisy ones (shared CPUs) earn more patience."""
+        errors = [self.forecast.error(s, q) for q in replicas]
+        if None in errors:
+            return LATE_SLACK * pace
+        return min(LATE_SLACK * pace, max(SLACK_FLOOR * pace, SLACK_ERRORS * max(errors)))
+
+    def _narrow(self, s: int, joined: float, now: float) -> None:
+        """cost_aware: a replica of pace ``joined`` joined the open round of stage ``s`` at
+        ``now``, faster than the round's wait allows: some replica it waits for is slower than
+        :data:`AWAIT_PACE_RATIO` x ``joined``, or its horizon is later than the joiner's own
+        would be (``now`` + patience x ``joined``).
 
         A round opened by a slow replica waits for the faster ones it predicted, which is cheap:
-        the slow one waits. Once a fast one is in, waiting for another slow one would hold the
-        fast one, the costly way round; so the round stops waiting for the replicas slower than
-        its fastest member allows, and for the rest only until :data:`LATE_SLACK` x that
-        member's pace after their predicted time. (A round's members at its opening bound it
-        the same way, in :meth:`_open`.) Equal replicas are all within the ratio: their rounds
-        are unchanged."""
+        the slow one waits. Once a fast one is in, waiting for another slow one, or for a fast
+        one's *next* iteration (inside the slow opener's long horizon), would hold the fast one,
+        the costly way round; so the round keeps only the replicas its fastest member would have
+        waited for had it opened the round, each only :meth:`_slack` (at that member's pace) past
+        its forecast. (A round's members at its opening bound its pace the same way, in
+        :meth:`_open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
         st = self.stages[s]
-        bound = AWAIT_PACE_RATIO * joined
+        bound, horizon, inf = AWAIT_PACE_RATIO * joined, now + self.patience * joined, float("inf")
         keep = [q for q in st.expect
-                if q in st.waiting or self.pace.get((s, q), float("inf")) <= bound]
+                if q in st.waiting or (self.pace.get((s, q), inf) <= bound
+                                       and (self.expected(s, q) or 0.0) <= horizon)]
         st.expect = frozenset(keep)
-        late = [q for q in keep if q not in st.waiting]
+        late = [q for q in keep if q not in st.waiting and self.expected(s, q) is not None]
         st.slowest_expected = max((self.pace[(s, q)] for q in late), default=0.0)
         if late:
             latest = max(self.expected(s, q) for q in late)
-            st.horizon = min(st.horizon, latest + LATE_SLACK * joined)
+            st.horizon = min(st.horizon, latest + self._slack(s, late, joined))
 
     def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
         """Whether the fastest replica of stage ``s`` is waiting now or among ``core``."""
@@ -704,19 +711,9 @@ class GroupScheduler:
         first, that are neither ``ready`` nor ``parked`` and are predicted to be ready by
         ``horizon``, with a pace of at most ``slowest``. Reads the stage's heap of predictions
         without a pass over every replica."""
-        heap, found, seen = self.stages[s].arrivals, [], []
-        live, arrived, paces, pop = self.live, self.arrived, self.pace, heapq.heappop
-        while heap and heap[0][0] <= horizon and len(found) < room:
-            t, q = pop(heap)
-            pace = paces.get((s, q))  # (expected(), inlined: this loop is the policy's hot spot)
-            if q not in live or pace is None or arrived[(s, q)] + pace != t:
-                continue  # superseded by a later arrival, or gone: dropped for good
-            seen.append((t, q))
-            if q not in ready and q not in parked and pace <= slowest:
-                found.append((t, q))
-        for entry in seen:
-            heapq.heappush(heap, entry)
-        return found
+        paces, inf = self.pace, float("inf")
+        return self.forecast.due_by(
+            s, horizon, lambda q: q in ready or q in parked or paces.get((s, q), inf) > slowest, room)
 
     def _must_connect(self, s: int) -> bool:
         """Whether this round of stage ``s`` is due to connect all replicas (and may wait for it)."""
@@ -781,10 +778,19 @@ class GroupScheduler:
             self._note(decision)
         for p in members:
             self._decided[p][s] = st.waiting[p][0]
+            self._release(s, p, st.waiting[p][0], now)
             del st.waiting[p]
             st.parked.discard(p)
         st.deadline, st.window_end, st.connecting = None, None, False
         return decision
+
+    def _release(self, s: int, p: int, iteration: int, now: float) -> None:
+        """Stage ``s`` of pipeline ``p`` got its decision for ``iteration``. In the flushed
+        schedules each stage's next iteration waits for data from the others, so the pipeline
+        goes on (and its forecasts start) when the last of its stages got its decision."""
+        if min(self._decided[p]) >= iteration:
+            for x in range(self.S):
+                self.forecast.release(x, p, now)
 
     # -- twins (sync.average=weights_grads) -----------------------------------------------------
     def _note(self, d: Decision) -> None:
@@ -923,6 +929,11 @@ class AsyncGroupScheduler(GroupScheduler):
         self._begun_total -= self.begun[pipeline] - finished
         self.begun[pipeline] = finished
         return finished
+
+    def _release(self, s: int, p: int, iteration: int, now: float) -> None:
+        """A round per update: a stage goes on with its next micro-batches once its own round
+        is decided, without waiting for the pipeline's other stages to be."""
+        self.forecast.release(s, p, now)
 
     def _hand_over(self, owed: int) -> None:
         """Targets are set at each pipeline's next begin(), so a pending global sync owes nothing

@@ -1,0 +1,91 @@
+"""The forecast of replicas' ready signals (``sdpipe_cli/core/forecast.py``): pure, times given."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpipe_cli.core.forecast import BUSY_SAMPLES, OUTLIER, Forecast
+
+
+def _cycle(f: Forecast, start: float, busy: float, wait: float, stage: int = 0, pipeline: int = 0
+           ) -> float:
+    """One iteration of one replica: released at ``start``, ready after ``busy``, waits ``wait``."""
+    f.release(stage, pipeline, start)
+    f.ready(stage, pipeline, start + busy)
+    return start + busy + wait
+
+
+def test_the_forecast_is_release_plus_compute_whatever_the_waits():
+    """Waits of 0 to 90 ms between 100 ms iterations: the interval pace swings with them, the
+    forecast does not (it counts from the release)."""
+    f, t = Forecast(1), 0.0
+    f.ready(0, 0, t)
+    for wait in (0.09, 0.0, 0.05, 0.0, 0.09):
+        t = _cycle(f, t, 0.1, wait)
+    assert f.expected(0, 0) is None  # ready now: no forecast until it goes on
+    f.release(0, 0, 7.0)
+    assert f.expected(0, 0) == pytest.approx(7.1)
+    assert f.pace[(0, 0)] > 0.11  # waits included
+
+
+def test_one_straggle_in_three_does_not_move_the_forecast_and_a_lasting_change_does():
+    f, t = Forecast(1), 0.0
+    for busy in (0.1, 0.1, 0.3):
+        t = _cycle(f, t, busy, 0.0)
+    f.release(0, 0, t)
+    assert f.expected(0, 0) == pytest.approx(t + 0.1)
+    for busy in (0.3, 0.3):  # two more: it is slower now
+        t = _cycle(f, t, busy, 0.0)
+    f.release(0, 0, t)
+    assert f.expected(0, 0) == pytest.approx(t + 0.3)
+
+
+def test_the_error_follows_usual_misses_and_ignores_straggles():
+    f, t = Forecast(1), 0.0
+    for busy in (0.100, 0.100, 0.100, 0.102, 0.098, 0.102, 0.098):
+        t = _cycle(f, t, busy, 0.0)
+    usual = f.error(0, 0)
+    assert 0.0 < usual <= 0.004 + 1e-12  # the spread of the spans, not of a straggle
+    t = _cycle(f, t, 0.100 * (1 + 2 * OUTLIER), 0.0)  # a straggle: not a miss of the forecast
+    assert f.error(0, 0) == pytest.approx(usual)
+
+
+def test_forget_drops_everything_known_of_a_pipeline():
+    f, t = Forecast(2), 0.0
+    for _ in range(3):
+        for s in range(2):
+            _cycle(f, t, 0.1, 0.0, stage=s, pipeline=1)
+        t += 0.1
+    for s in range(2):
+        f.release(s, 1, t)
+    assert f.due_by(0, t + 1, lambda q: False, 9) == [(pytest.approx(t + 0.1), 1)]
+    f.forget(1, 2)
+    assert f.expected(0, 1) is None and f.error(0, 1) is None and (0, 1) not in f.pace
+    assert f.due_by(0, t + 1, lambda q: False, 9) == []
+    f.release(0, 1, t)  # starts afresh: no compute time known
+    assert f.expected(0, 1) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(busy=st.lists(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=8), min_size=1, max_size=6),
+       horizon=st.floats(0.0, 2.0), room=st.integers(1, 6), skip=st.sets(st.integers(0, 5)))
+def test_due_by_finds_exactly_the_current_forecasts_by_the_horizon(busy, horizon, room, skip):
+    """Replicas with several past iterations (so stale heap entries abound), then released at 0:
+    due_by returns the ``room`` earliest current forecasts up to ``horizon`` that are not
+    skipped, earliest first, and leaves the heap able to answer again the same way."""
+    f = Forecast(1)
+    for p, spans in enumerate(busy):
+        t = -100.0
+        for b in spans:
+            f.release(0, p, t)
+            f.ready(0, p, t + b)
+            t += 10.0
+        f.release(0, p, 0.0)
+    want = sorted((f.expected(0, p), p) for p in range(len(busy))
+                  if p not in skip and f.expected(0, p) <= horizon)[:room]
+    for _ in range(2):
+        assert f.due_by(0, horizon, lambda q: q in skip, room) == want
+    assert len(busy[0]) < BUSY_SAMPLES or f.expected(0, 0) == pytest.approx(
+        sorted(busy[0][-BUSY_SAMPLES:])[BUSY_SAMPLES // 2])
