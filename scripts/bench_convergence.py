@@ -7,7 +7,9 @@ Run it from the repository root after ``pip install -e .``::
         --scenarios straggler --before ../sdpipe-before        # also an older checkout's sdpipe
 
 **What it runs.** For each scenario (``equal``: every pipeline at speed 1; ``straggler``: the last
-one ``--slow`` times slower, ``cluster.slowdown=[1,1,1,3]``), each variant and each learning rate of
+one ``--slow`` times slower, ``cluster.slowdown=[1,1,1,3]``; ``random``: equal pipelines whose
+workers are each ``--slow`` times slower in a seeded 10 % of their iterations, as in
+``cluster=hetero_random``), each variant and each learning rate of
 the grid, one ``sdpipe train`` of the default model (gpt_tiny on the stdlib corpus) with modelled
 compute (``cluster.compute_ms``: the cores stay mostly idle, so the timing measures who waits for
 whom, not CPU contention; ``overruns`` says whether that held). Variants:
@@ -78,7 +80,9 @@ VARIANTS = {
     "none": ["sync=none"],
 }
 BEFORE = "sdpipe-before"
-SCENARIOS = ("equal", "straggler")
+SCENARIOS = ("equal", "straggler", "random")
+# random: each iteration, each worker is --slow times slower with this probability (seeded)
+RANDOM_STRAGGLE = 0.1
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -124,11 +128,14 @@ def overrides(args, scenario: str, lr: float, run_dir: Path, steps: Optional[int
     slow = [1.0] * args.pipelines
     if scenario == "straggler":
         slow[-1] = args.slow
+    random = ([f"cluster.stragglers.probability={RANDOM_STRAGGLE:g}",
+               f"cluster.stragglers.factor={args.slow:g}", "cluster.stragglers.per=iteration"]
+              if scenario == "random" else [])
     return [f"cluster.pipelines={args.pipelines}", f"pipeline.stages={args.stages}",
             f"train.steps={steps or args.steps}", f"train.lr={lr:g}", "cluster.device=cpu",
             f"cluster.compute_ms={args.compute_ms:g}",
             f"cluster.slowdown=[{','.join(f'{f:g}' for f in slow)}]",
-            f"train.eval_every={args.eval_every}", f"run.dir={run_dir}", *args.extra]
+            *random, f"train.eval_every={args.eval_every}", f"run.dir={run_dir}", *args.extra]
 
 
 def run(args, scenario: str, variant: str, lr: float, console: Console) -> dict[str, Any]:

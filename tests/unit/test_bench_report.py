@@ -59,3 +59,15 @@ def test_bench_convergence_times_a_given_target():
     assert bench.summarize("straggler", [dict(run)], 2.25)["runs"][0]["time_to_target_s"] == 15.0
     assert bench.summarize("straggler", [dict(run)])["runs"][0]["time_to_target_s"] is None
     assert bench.parse_args(["--target", "2.2392"]).target == 2.2392
+
+
+def test_bench_convergence_random_scenario_is_a_valid_run_with_random_straggles():
+    from sdpipe_cli.config.schema import compose, validate
+
+    bench = importlib.import_module("bench_convergence")
+    args = bench.parse_args(["--scenarios", "random"])
+    cfg = compose(bench.overrides(args, "random", 3e-3, Path("r")))
+    validate(cfg)
+    st = cfg.cluster.stragglers
+    assert (st.probability, st.factor, st.per) == (0.1, 3.0, "iteration")
+    assert list(cfg.cluster.slowdown) == [1.0] * 4
