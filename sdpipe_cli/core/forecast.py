@@ -37,83 +37,113 @@ ERROR_WEIGHT = 0.3  # weight of the newest miss in a replica's moving-average er
 Key = tuple[int, int]  # (stage, pipeline)
 
 
+class _Replica:
+    """What the forecast knows of one replica (a slotted record: one lookup per ready signal)."""
+
+    __slots__ = ("arrived", "released", "spans", "busy", "due", "error")
+
+    def __init__(self) -> None:
+        self.arrived: Optional[float] = None  # last ready signal
+        self.released: Optional[float] = None  # last release, until its next ready signal
+        self.spans: list[float] = []  # the last BUSY_SAMPLES release-to-ready spans
+        self.busy: Optional[float] = None  # their median
+        self.due: Optional[float] = None  # forecast of the next ready signal (None: ready now)
+        self.error: Optional[float] = None
+
+
 class Forecast:
     """Pace, compute time, forecast and error of every replica, and per stage a heap of the
     forecasts so that a round finds the replicas due soon without a pass over all of them."""
 
     def __init__(self, stages: int):
         self.pace: dict[Key, float] = {}  # moving-average interval between ready signals (s)
-        self.arrived: dict[Key, float] = {}  # last ready signal
-        self._spans: dict[Key, list[float]] = {}  # the last BUSY_SAMPLES release-to-ready spans
-        self._busy: dict[Key, float] = {}  # their median
-        self._released: dict[Key, float] = {}
-        self._due: dict[Key, float] = {}  # forecast of the next ready signal (None: ready now)
-        self._error: dict[Key, float] = {}
+        self._replicas: list[dict[int, _Replica]] = [{} for _ in range(stages)]
         self._heaps: list[list[tuple[float, int]]] = [[] for _ in range(stages)]
 
     def ready(self, stage: int, pipeline: int, now: float) -> None:
-        """The replica reported ready at ``now``: fold it into its pace, compute time and error."""
-        key = (stage, pipeline)
-        if key in self.arrived:
-            interval = now - self.arrived[key]
-            self.pace[key] = (interval if key not in self.pace else
-                              (1 - PACE_WEIGHT) * self.pace[key] + PACE_WEIGHT * interval)
-        self.arrived[key] = now
-        due = self._due.pop(key, None)  # its heap entry is stale from now on
-        busy = self._busy.get(key)
+        """The replica reported ready at ``now``: fold it into its pace, compute time and error.
+        (Called once per replica and round: the policy's hot path.)"""
+        r = self._replicas[stage].get(pipeline)
+        if r is None:
+            r = self._replicas[stage][pipeline] = _Replica()
+        if r.arrived is not None:
+            key, interval = (stage, pipeline), now - r.arrived
+            pace = self.pace.get(key)
+            self.pace[key] = interval if pace is None else pace + PACE_WEIGHT * (interval - pace)
+        r.arrived = now
+        if r.released is None:  # never released, so never forecast either
+            return
+        due, busy, r.due = r.due, r.busy, None  # its heap entry is stale from now on
         if due is not None and busy is not None:
             miss = abs(now - due)
             if miss < OUTLIER * busy:
-                error = self._error.get(key)
-                self._error[key] = miss if error is None else (
-                    (1 - ERROR_WEIGHT) * error + ERROR_WEIGHT * miss)
-        start = self._released.pop(key, None)
-        if start is not None:
-            spans = self._spans.setdefault(key, [])
-            spans.append(now - start)
-            if len(spans) > BUSY_SAMPLES:
-                del spans[0]
-            self._busy[key] = sorted(spans)[len(spans) // 2]
+                r.error = miss if r.error is None else r.error + ERROR_WEIGHT * (miss - r.error)
+        spans = r.spans
+        spans.append(now - r.released)
+        r.released = None
+        if len(spans) > BUSY_SAMPLES:
+            del spans[0]
+        r.busy = sorted(spans)[len(spans) // 2]
 
     def release(self, stage: int, pipeline: int, now: float) -> None:
         """The replica goes on computing from ``now``: forecast its next ready signal."""
-        key = (stage, pipeline)
-        self._released[key] = now
-        busy = self._busy.get(key)
-        if busy is not None:
-            self._due[key] = now + busy
-            heapq.heappush(self._heaps[stage], (now + busy, pipeline))
+        r = self._replicas[stage].get(pipeline)
+        if r is None:
+            r = self._replicas[stage][pipeline] = _Replica()
+        r.released = now
+        if r.busy is not None:
+            r.due = now + r.busy
+            heapq.heappush(self._heaps[stage], (r.due, pipeline))
 
     def expected(self, stage: int, pipeline: int) -> Optional[float]:
         """When the replica's next ready signal is forecast (None: it is ready now, or its compute
         time is not known yet)."""
-        return self._due.get((stage, pipeline))
+        r = self._replicas[stage].get(pipeline)
+        return None if r is None else r.due
 
     def error(self, stage: int, pipeline: int) -> Optional[float]:
         """How far its forecasts usually miss (None: not known yet)."""
-        return self._error.get((stage, pipeline))
+        r = self._replicas[stage].get(pipeline)
+        return None if r is None else r.error
+
+    def worst_error(self, stage: int, pipelines: list[int]) -> Optional[float]:
+        """The largest usual miss among ``pipelines``' replicas of ``stage`` (None: one of them
+        is not known yet). One call per round rather than one per replica: the policy's hot path."""
+        replicas, worst = self._replicas[stage], 0.0
+        for q in pipelines:
+            r = replicas.get(q)
+            if r is None or r.error is None:
+                return None
+            if r.error > worst:
+                worst = r.error
+        return worst
 
     def forget(self, pipeline: int, stages: int) -> None:
         """The pipeline left or restarts: what it did says nothing about what it will do."""
         for s in range(stages):
-            key = (s, pipeline)
-            for table in (self.pace, self.arrived, self._spans, self._busy, self._released,
-                          self._due, self._error):
-                table.pop(key, None)
+            self.pace.pop((s, pipeline), None)
+            self._replicas[s].pop(pipeline, None)
 
-    def due_by(self, stage: int, horizon: float, skip, room: int) -> list[tuple[float, int]]:
+    def due_by(self, stage: int, horizon: float, room: int, slowest: float = float("inf"),
+               exclude: tuple = ()) -> list[tuple[float, int]]:
         """Up to ``room`` replicas of ``stage`` forecast to be ready by ``horizon``, with their
-        forecasts, earliest first, leaving out those for which ``skip(pipeline)`` holds. Reads
-        the stage's heap: entries superseded by a ready signal are dropped for good, the others
-        are put back."""
-        heap, found, kept = self._heaps[stage], [], []
-        due, pop = self._due, heapq.heappop
+        forecasts, earliest first, leaving out those with a pace above ``slowest`` and those in
+        any of the containers ``exclude``. Reads the stage's heap: entries superseded by a ready
+        signal are dropped for good, the others are put back."""
+        heap, replicas, found, kept = self._heaps[stage], self._replicas[stage], [], []
+        paces, pop, inf = self.pace, heapq.heappop, float("inf")
         while heap and heap[0][0] <= horizon and len(found) < room:
             t, q = pop(heap)
-            if due.get((stage, q)) != t:
+            r = replicas.get(q)
+            if r is None or r.due != t:
                 continue
             kept.append((t, q))
-            if not skip(q):
+            if paces.get((stage, q), inf) > slowest:
+                continue
+            for c in exclude:
+                if q in c:
+                    break
+            else:
                 found.append((t, q))
         for entry in kept:
             heapq.heappush(heap, entry)

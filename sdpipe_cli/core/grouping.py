@@ -181,6 +181,7 @@ class _StageState:
     horizon: float = 0.0  # with patience: how long the round may wait for ``expect``
     expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
     slowest_expected: float = 0.0  # cost_aware: the largest pace in ``expect``
+    last_due: float = 0.0  # cost_aware: the latest forecast in ``expect``
     rounds: int = 0  # rounds since the replicas were last all connected
     updates: int = 0  # replicas' rounds (group members) since then
     round_no: int = 0
@@ -270,7 +271,7 @@ class GroupScheduler:
         elif st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
             pace = self.pace.get((stage, pipeline))
             if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
-                                     or now + self.patience * pace < st.horizon):
+                                     or now + self.patience * pace < st.last_due):
                 self._narrow(stage, pace, now)
         return self.tick()
 
@@ -660,8 +661,8 @@ class GroupScheduler:
             awaited = core
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
-            late = [q for _, q in awaited]
-            st.horizon = min(st.horizon, awaited[-1][0] + self._slack(s, late, pace))
+            late, st.last_due = [q for _, q in awaited], awaited[-1][0]
+            st.horizon = min(st.horizon, st.last_due + self._slack(s, late, pace))
             st.slowest_expected = max(self.pace[(s, q)] for q in late)
 
     def _slack(self, s: int, replicas: list[int], pace: float) -> float:
@@ -670,10 +671,10 @@ class GroupScheduler:
         :data:`LATE_SLACK` x ``pace`` (the round's fastest member's); :data:`LATE_SLACK` x pace
         while a miss is not known. Precise forecasts (a steady GPU cluster) make late replicas
         stragglers within a few milliseconds; noisy ones (shared CPUs) earn more patience."""
-        errors = [self.forecast.error(s, q) for q in replicas]
-        if None in errors:
+        error = self.forecast.worst_error(s, replicas)
+        if error is None:
             return LATE_SLACK * pace
-        return min(LATE_SLACK * pace, max(SLACK_FLOOR * pace, SLACK_ERRORS * max(errors)))
+        return min(LATE_SLACK * pace, max(SLACK_FLOOR * pace, SLACK_ERRORS * error))
 
     def _narrow(self, s: int, joined: float, now: float) -> None:
         """cost_aware: a replica of pace ``joined`` joined the open round of stage ``s`` at
@@ -688,16 +689,23 @@ class GroupScheduler:
         waited for had it opened the round, each only :meth:`_slack` (at that member's pace) past
         its forecast. (A round's members at its opening bound its pace the same way, in
         :meth:`_open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
-        st = self.stages[s]
+        st, due, paces = self.stages[s], self.forecast.expected, self.pace
         bound, horizon, inf = AWAIT_PACE_RATIO * joined, now + self.patience * joined, float("inf")
-        keep = [q for q in st.expect
-                if q in st.waiting or (self.pace.get((s, q), inf) <= bound
-                                       and (self.expected(s, q) or 0.0) <= horizon)]
+        keep, late, latest = [], [], 0.0
+        for q in st.expect:
+            if q in st.waiting:
+                keep.append(q)
+                continue
+            t = due(s, q)
+            if paces.get((s, q), inf) <= bound and (t is None or t <= horizon):
+                keep.append(q)
+                if t is not None:
+                    late.append(q)
+                    latest = max(latest, t)
         st.expect = frozenset(keep)
-        late = [q for q in keep if q not in st.waiting and self.expected(s, q) is not None]
-        st.slowest_expected = max((self.pace[(s, q)] for q in late), default=0.0)
+        st.slowest_expected = max((paces[(s, q)] for q in late), default=0.0)
+        st.last_due = latest
         if late:
-            latest = max(self.expected(s, q) for q in late)
             st.horizon = min(st.horizon, latest + self._slack(s, late, joined))
 
     def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
@@ -711,9 +719,7 @@ class GroupScheduler:
         first, that are neither ``ready`` nor ``parked`` and are predicted to be ready by
         ``horizon``, with a pace of at most ``slowest``. Reads the stage's heap of predictions
         without a pass over every replica."""
-        paces, inf = self.pace, float("inf")
-        return self.forecast.due_by(
-            s, horizon, lambda q: q in ready or q in parked or paces.get((s, q), inf) > slowest, room)
+        return self.forecast.due_by(s, horizon, room, slowest, (ready, parked))
 
     def _must_connect(self, s: int) -> bool:
         """Whether this round of stage ``s`` is due to connect all replicas (and may wait for it)."""

@@ -60,21 +60,24 @@ def test_forget_drops_everything_known_of_a_pipeline():
         t += 0.1
     for s in range(2):
         f.release(s, 1, t)
-    assert f.due_by(0, t + 1, lambda q: False, 9) == [(pytest.approx(t + 0.1), 1)]
+    assert f.due_by(0, t + 1, 9) == [(pytest.approx(t + 0.1), 1)]
     f.forget(1, 2)
     assert f.expected(0, 1) is None and f.error(0, 1) is None and (0, 1) not in f.pace
-    assert f.due_by(0, t + 1, lambda q: False, 9) == []
+    assert f.due_by(0, t + 1, 9) == []
     f.release(0, 1, t)  # starts afresh: no compute time known
     assert f.expected(0, 1) is None
 
 
 @settings(max_examples=60, deadline=None)
 @given(busy=st.lists(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=8), min_size=1, max_size=6),
-       horizon=st.floats(0.0, 2.0), room=st.integers(1, 6), skip=st.sets(st.integers(0, 5)))
-def test_due_by_finds_exactly_the_current_forecasts_by_the_horizon(busy, horizon, room, skip):
+       horizon=st.floats(0.0, 2.0), room=st.integers(1, 6), skip=st.sets(st.integers(0, 5)),
+       slowest=st.floats(9.5, 10.5))
+def test_due_by_finds_exactly_the_current_forecasts_by_the_horizon(busy, horizon, room, skip,
+                                                                   slowest):
     """Replicas with several past iterations (so stale heap entries abound), then released at 0:
-    due_by returns the ``room`` earliest current forecasts up to ``horizon`` that are not
-    skipped, earliest first, and leaves the heap able to answer again the same way."""
+    due_by returns the ``room`` earliest current forecasts up to ``horizon`` that are neither
+    excluded nor slower than ``slowest``, earliest first, and leaves the heap able to answer
+    again the same way."""
     f = Forecast(1)
     for p, spans in enumerate(busy):
         t = -100.0
@@ -84,8 +87,9 @@ def test_due_by_finds_exactly_the_current_forecasts_by_the_horizon(busy, horizon
             t += 10.0
         f.release(0, p, 0.0)
     want = sorted((f.expected(0, p), p) for p in range(len(busy))
-                  if p not in skip and f.expected(0, p) <= horizon)[:room]
+                  if p not in skip and f.expected(0, p) <= horizon
+                  and f.pace.get((0, p), float("inf")) <= slowest)[:room]
     for _ in range(2):
-        assert f.due_by(0, horizon, lambda q: q in skip, room) == want
+        assert f.due_by(0, horizon, room, slowest, (skip,)) == want
     assert len(busy[0]) < BUSY_SAMPLES or f.expected(0, 0) == pytest.approx(
         sorted(busy[0][-BUSY_SAMPLES:])[BUSY_SAMPLES // 2])
