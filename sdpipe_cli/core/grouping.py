@@ -163,7 +163,7 @@ AWAIT_PACE_RATIO = 1.5
 # is not known yet); later, it is straggling this time and the round goes on without it
 LATE_SLACK = 0.2
 SLACK_ERRORS = 2.0
-SLACK_FLOOR = 0.01
+SLACK_FLOOR = 0.05
 # cost_aware: most iterations a pipeline is given before a global sync (a faster one waits)
 MAX_AHEAD = 8
 END_CHECKS = 32  # passes over the pipelines, per P iterations, looking for the run's end

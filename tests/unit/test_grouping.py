@@ -1189,7 +1189,8 @@ def test_cost_aware_holds_only_the_slow_component():
 def test_cost_aware_waits_for_a_late_replica_about_as_long_as_its_forecasts_miss():
     """Four equal pipelines whose 100 ms iterations vary by +-1 ms; pipeline 3 straggles 3x at
     iteration 10. The others' round waits for it past its forecast only a couple of its usual
-    misses (here under 5 ms), not a fixed share of an iteration (20 ms before)."""
+    misses, here under the floor of 5 % of the pace (5 ms; the forecast is about 1 ms early),
+    not a fixed 20 % of an iteration (21 ms before)."""
     import random
 
     rng = random.Random(1)
@@ -1200,5 +1201,5 @@ def test_cost_aware_waits_for_a_late_replica_about_as_long_as_its_forecasts_miss
         total_iterations=4 * 30, patience=0.5, policy="cost_aware")).run()
     (without,) = [d for _, d in r.decisions if 0 in d.members and d.of(0) == 10]
     assert 3 not in without.members
-    assert max(without.waited) < 0.005
+    assert max(without.waited) < 0.007
     check_end(r)
