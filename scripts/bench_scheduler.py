@@ -26,9 +26,10 @@ minus the time the policy held the round open for that member (``waits`` in the 
 max over all rounds. Split in three with the scheduler's own track of the timeline (the run has
 ``run.trace=true``; every stamp is on the run clock): ``queue`` (the push to the moment the
 scheduler took the signal from the queue: the replica's send, the store, the scheduler's wake-up
-and the events it handled first), ``sched`` (taken to its decision published, less the policy's
-wait: what the scheduler process owns) and ``wake`` (published to the replica's read: the store
-and the replica's wake-up). Events/s the scheduler handled (ready, step, done). Its CPU (user +
+and the events it handled first), ``sched`` (taken to its decision sent to the store, less the
+policy's wait: what the scheduler process owns) and ``wake`` (sent to the replica's read: the
+store's write and the replica's wake-up; stamped before the send, so that a read can never
+precede it). Events/s the scheduler handled (ready, step, done). Its CPU (user +
 sys, psutil) per second and per decision, and the time its threads were runnable but waiting for
 a core (``queued``, from schedstat: on a shared machine, CPU starvation); the replica processes'
 CPU; the machine's 1-minute load average when the clock started.

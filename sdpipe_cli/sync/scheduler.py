@@ -253,9 +253,11 @@ class Scheduler:
                 values.append(json.dumps({"stop": False, "source": d.members[0],
                                           "source_incarnation": self.incarnation[d.members[0]],
                                           "iteration": k, "done": done}))
+            # stamped before the write: a member may read the decision before the write returns
+            # here, and a stamp after it would then be later than the read it caused
+            published = self.tracer.clock() if self.tracer is not None else None
             self.events.multi_set(keys, values)
             if self.tracer is not None:
-                published = self.tracer.clock()
                 self.tracer.span(f"{d.kind} {d.round}", "round", published - max(d.waited),
                                  published, "members", list(d.members), "iterations",
                                  list(d.iterations), "twins", d.twins, row=1 + d.stage)
