@@ -118,9 +118,9 @@ class Forecast:
                 worst = r.error
         return worst
 
-    def forget(self, pipeline: int, stages: int) -> None:
+    def forget(self, pipeline: int) -> None:
         """The pipeline left or restarts: what it did says nothing about what it will do."""
-        for s in range(stages):
+        for s in range(len(self._replicas)):
             self.pace.pop((s, pipeline), None)
             self._replicas[s].pop(pipeline, None)
 

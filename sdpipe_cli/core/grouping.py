@@ -296,7 +296,7 @@ class GroupScheduler:
         if pipeline not in self.live:
             return []
         self.live.discard(pipeline)
-        self.forecast.forget(pipeline, self.S)
+        self.forecast.forget(pipeline)
         self.resume_at[pipeline] = self._give_back(pipeline)
         self._forget_twins(pipeline)
         target = self.global_at.pop(pipeline, None)
@@ -361,7 +361,7 @@ class GroupScheduler:
         self._restart_pipeline(pipeline, k)
         for s, st in enumerate(self.stages):
             st.links.add(pipeline, sources[s])
-        self.forecast.forget(pipeline, self.S)
+        self.forecast.forget(pipeline)
         self._latest.pop(pipeline, None)
 
     def resume(self, iterations: dict[int, int]) -> None:

@@ -61,7 +61,7 @@ def test_forget_drops_everything_known_of_a_pipeline():
     for s in range(2):
         f.release(s, 1, t)
     assert f.due_by(0, t + 1, 9) == [(pytest.approx(t + 0.1), 1)]
-    f.forget(1, 2)
+    f.forget(1)
     assert f.expected(0, 1) is None and f.error(0, 1) is None and (0, 1) not in f.pace
     assert f.due_by(0, t + 1, 9) == []
     f.release(0, 1, t)  # starts afresh: no compute time known
