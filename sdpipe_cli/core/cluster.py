@@ -127,6 +127,8 @@ class Cluster:
         self.stages = len(self.placement[0]) if self.placement else 0
         self.changes = list(changes)
         self.links = links or {}
+        # rank -> its node: a ring's slowest link is looked up once per simulated round
+        self._node_of_rank = [self.devices[name].node for row in self.placement for name in row]
 
     @classmethod
     def from_config(cls, cluster: DictConfig, stages: int) -> "Cluster":
@@ -253,7 +255,8 @@ class Cluster:
 
     def slowest_link(self, ranks: Sequence[int]) -> Link:
         """The link a ring over ``ranks`` is bound by: cross-node if the members span nodes."""
-        nodes = {self.device_of_rank(r).node for r in ranks}
+        node_of = self._node_of_rank
+        nodes = {node_of[r] for r in ranks}
         kind = "cross_node" if len(nodes) > 1 else "same_node"
         return self.links.get(kind, Link(kind))
 

@@ -24,7 +24,7 @@ policy decides that and calls :meth:`Forecast.release` for each stage then.
 
 from __future__ import annotations
 
-import heapq
+from bisect import bisect_left, insort
 from typing import Optional
 
 __all__ = ["Forecast", "BUSY_SAMPLES", "OUTLIER", "PACE_WEIGHT"]
@@ -52,13 +52,16 @@ class _Replica:
 
 
 class Forecast:
-    """Pace, compute time, forecast and error of every replica, and per stage a heap of the
-    forecasts so that a round finds the replicas due soon without a pass over all of them."""
+    """Pace, compute time, forecast and error of every replica, and per stage its current
+    forecasts in order, so that a round finds the replicas due soon without a pass over all of
+    them. (A sorted list rather than a heap: a round reads the first few dozen in order, which a
+    list gives without popping and pushing them back, and a ready signal removes its replica's
+    entry at once, so none is ever stale.)"""
 
     def __init__(self, stages: int):
         self.pace: dict[Key, float] = {}  # moving-average interval between ready signals (s)
         self._replicas: list[dict[int, _Replica]] = [{} for _ in range(stages)]
-        self._heaps: list[list[tuple[float, int]]] = [[] for _ in range(stages)]
+        self._due: list[list[tuple[float, int]]] = [[] for _ in range(stages)]  # sorted
 
     def ready(self, stage: int, pipeline: int, now: float) -> None:
         """The replica reported ready at ``now``: fold it into its pace, compute time and error.
@@ -73,7 +76,9 @@ class Forecast:
         r.arrived = now
         if r.released is None:  # never released, so never forecast either
             return
-        due, busy, r.due = r.due, r.busy, None  # its heap entry is stale from now on
+        due, busy, r.due = r.due, r.busy, None
+        if due is not None:
+            self._drop(stage, due, pipeline)
         if due is not None and busy is not None:
             miss = abs(now - due)
             if miss < OUTLIER * busy:
@@ -91,9 +96,16 @@ class Forecast:
         if r is None:
             r = self._replicas[stage][pipeline] = _Replica()
         r.released = now
+        if r.due is not None:
+            self._drop(stage, r.due, pipeline)
+            r.due = None
         if r.busy is not None:
             r.due = now + r.busy
-            heapq.heappush(self._heaps[stage], (r.due, pipeline))
+            insort(self._due[stage], (r.due, pipeline))
+
+    def _drop(self, stage: int, due: float, pipeline: int) -> None:
+        entries = self._due[stage]
+        del entries[bisect_left(entries, (due, pipeline))]
 
     def expected(self, stage: int, pipeline: int) -> Optional[float]:
         """When the replica's next ready signal is forecast (None: it is ready now, or its compute
@@ -122,29 +134,30 @@ class Forecast:
         """The pipeline left or restarts: what it did says nothing about what it will do."""
         for s in range(len(self._replicas)):
             self.pace.pop((s, pipeline), None)
-            self._replicas[s].pop(pipeline, None)
+            r = self._replicas[s].pop(pipeline, None)
+            if r is not None and r.due is not None:
+                self._drop(s, r.due, pipeline)
 
     def due_by(self, stage: int, horizon: float, room: int, slowest: float = float("inf"),
                exclude: tuple = ()) -> list[tuple[float, int]]:
         """Up to ``room`` replicas of ``stage`` forecast to be ready by ``horizon``, with their
         forecasts, earliest first, leaving out those with a pace above ``slowest`` and those in
-        any of the containers ``exclude``. Reads the stage's heap: entries superseded by a ready
-        signal are dropped for good, the others are put back."""
-        heap, replicas, found, kept = self._heaps[stage], self._replicas[stage], [], []
-        paces, pop, inf = self.pace, heapq.heappop, float("inf")
-        while heap and heap[0][0] <= horizon and len(found) < room:
-            t, q = pop(heap)
-            r = replicas.get(q)
-            if r is None or r.due != t:
-                continue
-            kept.append((t, q))
+        any of the containers ``exclude``."""
+        found: list[tuple[float, int]] = []
+        if room <= 0:
+            return found
+        paces, inf = self.pace, float("inf")
+        for entry in self._due[stage]:
+            t, q = entry
+            if t > horizon:
+                break
             if paces.get((stage, q), inf) > slowest:
                 continue
             for c in exclude:
                 if q in c:
                     break
             else:
-                found.append((t, q))
-        for entry in kept:
-            heapq.heappush(heap, entry)
+                found.append(entry)
+                if len(found) >= room:
+                    break
         return found

@@ -285,9 +285,10 @@ class GroupScheduler:
         while True:
             self._maybe_declare_global()
             new = self._decide()
-            if not new:
+            decisions += new
+            # only a global sync that just closed can let the next (or the last) be declared
+            if not any(d.kind == "global" for d in new):
                 return decisions
-            decisions += new  # a global sync that just closed may let the last one be declared
 
     def leave(self, pipeline: int) -> list[Decision]:
         """``pipeline`` is gone (failed or finished): forget it everywhere and unblock its peers.
@@ -591,13 +592,13 @@ class GroupScheduler:
         if st.window_end is None:
             opener = min(ready, key=lambda p: (ready[p][1], p))
             self._open(s, opener, ready[opener][1], ready, at_global)
-        members = set(ready)
-        full = bool(self.max_group) and len(members) >= self.max_group
-        if full:
-            members = self._pick(s, ready)
+        full = bool(self.max_group) and len(ready) >= self.max_group
+        members = self._pick(s, ready) if full else ready
         # wait for the predicted replicas until they came or the horizon passed
-        st.deadline = (st.window_end if st.expect <= members | at_global
-                       else max(st.window_end, st.horizon))
+        missing = st.expect.difference(members)
+        if missing and at_global:
+            missing -= at_global
+        st.deadline = max(st.window_end, st.horizon) if missing else st.window_end
         everyone = len(members) == len(self.live) - len(at_global)  # members: live, not at_global
         if not everyone:
             if now < st.deadline and not full:  # a full round does not wait for more
@@ -608,6 +609,7 @@ class GroupScheduler:
                              and not (full and len(st.links.roots(members)) > 1))
             if st.connecting:
                 return None  # wait for the components that are left
+        members = set(members)
         decision = self._emit(s, sorted(members), kind="group", stop=False)
         st.links.union(members)
         st.rounds += 1
@@ -812,14 +814,15 @@ class GroupScheduler:
         from a global sync. The flushed schedules make every stage of a pipeline finish an
         iteration before any stage of it signals the next, so its lineage is folded before its
         next round is decided."""
-        key = (d.kind, d.stage, d.round)
+        stage, S, rounds_of, lineage = d.stage, self.S, self._rounds_of, self._lineage
+        key = (d.kind, stage, d.round)
         for p in d.members:
-            rounds = self._rounds_of[p]
-            rounds[d.stage] = key
-            if len(rounds) == self.S:
-                keys = tuple(rounds[s] for s in range(self.S))
-                self._lineage[p] = hash(keys if all(k[0] == "global" for k in keys)
-                                        else (self._lineage[p], keys))
+            rounds = rounds_of[p]
+            rounds[stage] = key
+            if len(rounds) == S:
+                keys = tuple(map(rounds.__getitem__, range(S)))
+                lineage[p] = hash(keys if all(k[0] == "global" for k in keys)
+                                  else (lineage[p], keys))
                 rounds.clear()
 
     def _forget_twins(self, gone: int) -> None:

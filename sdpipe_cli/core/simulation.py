@@ -180,6 +180,9 @@ class _Run:
         cl = work.cluster
         self.devices = [[cl.device(p, s) for s in range(S)] for p in range(P)]
         self.dynamic = {d.name for row in self.devices for d in row if cl.change_points(d)}
+        # per worker: its fixed speed (None: it changes during the run, looked up per action)
+        self.speed = [[None if d.name in self.dynamic else d.speed for d in row]
+                      for row in self.devices]
         # transfer into stage s: from s - 1 (forward) and from s + 1 (backward)
         self.where = [[Placement.of(p, s, P, S) for s in range(S)] for p in range(P)]
 
@@ -226,17 +229,18 @@ class _Run:
         w, S = self.w, self.S
         at = list(self.synced[p])
         draws = w.stragglers[p] if w.stragglers else [None] * S
-        per_action = any(d is not None for d in draws) and not w.per_iteration
+        per_action = not w.per_iteration and any(d is not None for d in draws)
         # per iteration and stage: slow-down x straggler x jitter (x 1/speed unless it changes)
         scale = []
+        slowdown, speeds, noise = w.slowdown[p] if w.slowdown else 1.0, self.speed[p], self.noise[p]
         for s in range(S):
-            x = w.slowdown[p] if w.slowdown else 1.0
-            if draws[s] is not None and w.per_iteration:
+            x = slowdown
+            if w.per_iteration and draws[s] is not None:
                 x *= draws[s].draw()
             if w.jitter:
-                x *= math.exp(self.noise[p][s].gauss(0.0, w.jitter))
-            device = self.devices[p][s]
-            scale.append(x if device.name in self.dynamic else x / device.speed)
+                x *= math.exp(noise[s].gauss(0.0, w.jitter))
+            speed = speeds[s]
+            scale.append(x if speed is None else x / speed)
         slow = per_action or bool(self.dynamic)  # a scale per action, not per stage
         if slow:
             steps, cost, link = self.plan.steps, self.action_s[p], self.action_link[p]

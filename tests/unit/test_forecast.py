@@ -74,10 +74,9 @@ def test_forget_drops_everything_known_of_a_pipeline():
        slowest=st.floats(9.5, 10.5))
 def test_due_by_finds_exactly_the_current_forecasts_by_the_horizon(busy, horizon, room, skip,
                                                                    slowest):
-    """Replicas with several past iterations (so stale heap entries abound), then released at 0:
-    due_by returns the ``room`` earliest current forecasts up to ``horizon`` that are neither
-    excluded nor slower than ``slowest``, earliest first, and leaves the heap able to answer
-    again the same way."""
+    """Replicas with several past iterations (so superseded forecasts abound), then released at
+    0: due_by returns the ``room`` earliest current forecasts up to ``horizon`` that are neither
+    excluded nor slower than ``slowest``, earliest first, and can answer again the same way."""
     f = Forecast(1)
     for p, spans in enumerate(busy):
         t = -100.0
@@ -93,3 +92,22 @@ def test_due_by_finds_exactly_the_current_forecasts_by_the_horizon(busy, horizon
         assert f.due_by(0, horizon, room, slowest, (skip,)) == want
     assert len(busy[0]) < BUSY_SAMPLES or f.expected(0, 0) == pytest.approx(
         sorted(busy[0][-BUSY_SAMPLES:])[BUSY_SAMPLES // 2])
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["ready", "release", "forget"]), st.integers(0, 4),
+                              st.floats(0.001, 0.5)), max_size=60))
+def test_due_by_holds_one_current_forecast_per_replica_whatever_the_order_of_events(ops):
+    """Ready signals, releases (twice in a row too, as a restart does) and forgotten pipelines in
+    any order: the table answers with exactly the replicas forecast now, each once."""
+    f, t = Forecast(1), 0.0
+    for op, p, dt in ops:
+        t += dt
+        if op == "ready":
+            f.ready(0, p, t)
+        elif op == "release":
+            f.release(0, p, t)
+        else:
+            f.forget(p)
+    current = sorted((f.expected(0, p), p) for p in range(5) if f.expected(0, p) is not None)
+    assert f.due_by(0, float("inf"), 10) == current
