@@ -719,7 +719,7 @@ class GroupScheduler:
                    room: int) -> list[tuple[float, int]]:
         """Up to ``room`` replicas of stage ``s`` with their predicted ready times, earliest
         first, that are neither ``ready`` nor ``parked`` and are predicted to be ready by
-        ``horizon``, with a pace of at most ``slowest``. Reads the stage's heap of predictions
+        ``horizon``, with a pace of at most ``slowest``. Reads the stage's sorted forecasts
         without a pass over every replica."""
         return self.forecast.due_by(s, horizon, room, slowest, (ready, parked))
 
