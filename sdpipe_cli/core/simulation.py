@@ -267,9 +267,14 @@ class _Run:
         self.busy[p] += busy
         k = self.iteration[p]
         self.pending[p] = S
+        # sdpipe's ready signal does nothing but travel to the scheduler: one event, not two
+        to_scheduler = self.w.rtt_s / 2 if self.sync == "sdpipe" else None
         for s in range(S):
             self.ready_at[(p, s)] = at[s]
-            self._push(at[s], "ready", p, s, k)
+            if to_scheduler is None:
+                self._push(at[s], "ready", p, s, k)
+            else:
+                self._push(at[s] + to_scheduler, "scheduler", p, s, k)
 
     def _push(self, t: float, kind: str, *args) -> None:
         self.seq += 1
@@ -305,8 +310,6 @@ class _Run:
         w = self.w
         if self.sync == "none":
             self._synced(p, s, k, t, False)
-        elif self.sync == "sdpipe":
-            self._push(t + w.rtt_s / 2, "scheduler", p, s, k)
         elif self.sync in ("allreduce", "adpsgd"):
             arrived = self.barriers.setdefault((s, k), {})
             arrived[p] = t
@@ -372,19 +375,24 @@ class _Run:
         for p in range(self.P):
             self._start_iteration(p)
         handlers = {"ready": self._ready, "scheduler": self._scheduler}
-        while self.heap:
-            t = self.heap[0][0]
-            if self.policy is not None:
-                due = self.policy.next_deadline()
-                if due is not None and due <= t:
-                    self.now = max(due, self.sched_free)
-                    decisions = self.policy.tick()
-                    self._decided(decisions)
-                    after = self.policy.next_deadline()
-                    if decisions or after is None or after > due:
-                        continue  # look again: a later deadline may also come before t
-            _, _, kind, args = heapq.heappop(self.heap)
+        policy, heap = self.policy, self.heap
+        # The policy's deadline changes only when the policy is called (its clock is self.now,
+        # which moves only then), so it is asked after each call rather than at every event.
+        due = policy.next_deadline() if policy is not None else None
+        while heap:
+            t = heap[0][0]
+            if due is not None and due <= t:
+                self.now = max(due, self.sched_free)
+                decisions = policy.tick()
+                self._decided(decisions)
+                after = due
+                due = policy.next_deadline()
+                if decisions or due is None or due > after:
+                    continue  # look again: a later deadline may also come before t
+            _, _, kind, args = heapq.heappop(heap)
             handlers[kind](t, *args)
+            if policy is not None and kind == "scheduler":
+                due = policy.next_deadline()
         return Result(self.sync, list(self.done), list(self.finished_at), list(self.busy),
                       list(self.wait), list(self.groups), self.w.batch_size, list(self.globals))
 
