@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import random
 import time
 from dataclasses import dataclass, field
@@ -169,6 +170,7 @@ MAX_AHEAD = 8
 END_CHECKS = 32  # passes over the pipelines, per P iterations, looking for the run's end
 # cost_aware: replicas predicted within this x the opener's pace arrive "with" it (jitter)
 JITTER_BAND = 0.25
+_IS_GLOBAL = operator.itemgetter(0)  # of a round's key in _note
 POLICIES = ("cost_aware", "classic")
 
 
@@ -286,8 +288,9 @@ class GroupScheduler:
             self._maybe_declare_global()
             new = self._decide()
             decisions += new
-            # only a global sync that just closed can let the next (or the last) be declared
-            if not any(d.kind == "global" for d in new):
+            # Only a global sync that just closed, or a healed pipeline that is live again, can
+            # change what _maybe_declare_global declares; group rounds cannot.
+            if not any(d.kind == "global" or d.heal for d in new):
                 return decisions
 
     def leave(self, pipeline: int) -> list[Decision]:
@@ -815,14 +818,13 @@ class GroupScheduler:
         iteration before any stage of it signals the next, so its lineage is folded before its
         next round is decided."""
         stage, S, rounds_of, lineage = d.stage, self.S, self._rounds_of, self._lineage
-        key = (d.kind, stage, d.round)
+        key = (d.kind == "global", stage, d.round)  # (is it global, the round's own number)
         for p in d.members:
             rounds = rounds_of[p]
             rounds[stage] = key
             if len(rounds) == S:
                 keys = tuple(map(rounds.__getitem__, range(S)))
-                lineage[p] = hash(keys if all(k[0] == "global" for k in keys)
-                                  else (lineage[p], keys))
+                lineage[p] = hash(keys if all(map(_IS_GLOBAL, keys)) else (lineage[p], keys))
                 rounds.clear()
 
     def _forget_twins(self, gone: int) -> None:
