@@ -176,7 +176,7 @@ def expected_versions(mode, stage):
 
 
 def test_async_pipeline_stashes_versions_and_matches_pipedream():
-    results = mp.get_context("spawn").Manager().dict()
+    results = mp.get_context("forkserver").Manager().dict()
     spawn_and_join(worker, (free_port(), results), STAGES, JOIN_TIMEOUT_S, "async pipeline")
     for mode, (M, _, bound, segments) in MODES.items():
         ref_losses, ref_weights = reference(mode)

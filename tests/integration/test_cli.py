@@ -1,5 +1,5 @@
-"""The ``sdpipe`` command line in a subprocess, as a user runs it: bad input is one line and exit 2
-before anything starts, ``--cfg``/``--help``/``--version`` print and start nothing."""
+"""The ``sdpipe`` command line as a user runs it, mostly in a subprocess: bad input is one line
+and exit 2 before anything starts, ``--cfg``/``--help``/``--version`` print and start nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sdpipe_cli import __version__
-from tests.helpers import REPO, one_error_line, sdpipe_process
+from tests.helpers import REPO, one_error_line, sdpipe, sdpipe_process
 
 FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
 # A config that would train as little as possible, should a "bad input" ever get past the checks.
@@ -145,10 +145,20 @@ def test_foreign_host_is_refused_before_torch_is_imported(capsys):
      "run.heartbeat_timeout: must exceed sync.group_timeout (30.0 s)"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, key):
-    out = sdpipe_process("profile", f"run.dir={tmp_path / 'never'}", *override.split(), timeout=60)
+    """Each check by ``main()`` in this process (the same code, without an interpreter's start
+    per case); the next test shows the exit code of a process of its own."""
+    out = sdpipe("profile", f"run.dir={tmp_path / 'never'}", *override.split(), timeout=60)
     assert out.returncode == 2
     assert out.stderr.startswith(f"sdpipe: error: {key}"), out.stderr
     assert out.stderr.count("\n") == 1  # one line, no traceback
+    assert not (tmp_path / "never").exists()
+
+
+def test_bad_input_in_a_process_of_its_own_exits_2_with_one_line(tmp_path):
+    out = sdpipe_process("profile", f"run.dir={tmp_path / 'never'}", "cluster.pipelines=0",
+                         timeout=60)
+    assert out.returncode == 2
+    assert out.stderr == "sdpipe: error: cluster.pipelines: must be at least 1\n", out.stderr
     assert not (tmp_path / "never").exists()
 
 

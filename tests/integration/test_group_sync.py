@@ -63,7 +63,7 @@ def _averaging_worker(rank: int, port: int, results) -> None:
 def test_group_averaging_is_symmetric_and_preserves_the_mean():
     """Members of a group end equal; the mean over all replicas never moves (W_k doubly stochastic);
     the consensus distance each member gets is the group's, computed from the states before."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # forks of the session's server, torch imported once
     results = ctx.Manager().dict()
     port = free_port()
     procs = [ctx.Process(target=_averaging_worker, args=(r, port, results)) for r in range(WORLD)]

@@ -132,7 +132,7 @@ def _stage_wall_time(speed: float, microbatches: int, compute_ms: float) -> floa
 def test_modelled_speed_holds_in_wall_time_on_a_loaded_machine():
     """Speed 0.5 takes twice the wall time of speed 1.0 within 10 %, while busy processes
     compete for the cores (more of them than there are cores)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
     burners = [ctx.Process(target=_burn, args=(60.0,), daemon=True)
                for _ in range((os.cpu_count() or 2) + 1)]
     for b in burners:
