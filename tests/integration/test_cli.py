@@ -33,9 +33,12 @@ def cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) 
     ({"SLURM_JOB_ID": "5", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "gpu[1-2"}, "SLURM_JOB_NODELIST"),
     ({"GROUP_RANK": "one", "MASTER_PORT": "29500"}, "GROUP_RANK"),
 ])
-def test_a_job_environment_that_does_not_fit_is_one_line(tmp_path, env, key):
-    """srun or torchrun placing this launcher where the cluster config has no node."""
-    proc = cli("train", "cluster=gpu_2node", f"run.dir={tmp_path / 'run'}", env=env)
+def test_a_job_environment_that_does_not_fit_is_one_line(tmp_path, monkeypatch, env, key):
+    """srun or torchrun placing this launcher where the cluster config has no node (by
+    ``main()`` in this process, its environment set as srun or torchrun would)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    proc = sdpipe("train", "cluster=gpu_2node", f"run.dir={tmp_path / 'run'}", timeout=60)
     assert proc.returncode == 2, proc.stderr
     one_error_line(proc.stderr, key)
     assert not (tmp_path / "run").exists()

@@ -47,13 +47,13 @@ def test_a_sweep_with_one_bad_combination_starts_nothing(tmp_path):
 
 def test_a_hydra_launcher_plugin_runs_the_jobs(tmp_path):
     sweep = tmp_path / "sweep"
-    out = sdpipe("train", "-m", "sync=allreduce,sdpipe", *SMALL, f"run.dir={sweep}",
+    # one job: the combinations themselves are the 2 x 2 test's; this one is the plug-in's path
+    out = sdpipe("train", "-m", "sync=sdpipe", *SMALL, f"run.dir={sweep}",
                  "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5")
     assert out.returncode == 0, out.stderr
     rows = json.loads((sweep / "sweep.json").read_text())["runs"]
-    assert [(r["run"], r["status"]) for r in rows] == [("0-sync-allreduce", "done"),
-                                                       ("1-sync-sdpipe", "done")]
+    assert [r["status"] for r in rows] == ["done"]
     logs = list((sweep / ".submitit").rglob("*_log.out"))
-    assert len(logs) == 2  # each job ran in a process of submitit's
+    assert len(logs) == 1  # the job ran in a process of submitit's
     for row in rows:
         assert not kill_leftovers(sweep / row["run"])
