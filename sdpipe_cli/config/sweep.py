@@ -80,8 +80,10 @@ def multirun(task, overrides: Sequence[str], root, combos: Sequence[Combination]
     register_schema()
     varied = {v.split("=", 1)[0] for c in combos for v in c.varied}
     fixed = sorted({o.split("=", 1)[0].lstrip("+~") for o in overrides if not for_hydra(o)} - varied)
+    # the folder Combination.name gives: Hydra's override_dirname is empty when nothing varies
+    what = "${hydra.job.override_dirname}" if varied else "run"
     argv = ["sdpipe", "-m", *overrides, f"hydra.sweep.dir={root}",
-            "hydra.sweep.subdir=${hydra.job.num}-${hydra.job.override_dirname}",
+            "hydra.sweep.subdir=${hydra.job.num}-" + what,
             "hydra.job.config.override_dirname.kv_sep=-",
             "hydra.job.config.override_dirname.item_sep=_",
             f"hydra.job.config.override_dirname.exclude_keys=[{','.join(fixed)}]",
