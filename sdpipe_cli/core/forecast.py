@@ -79,9 +79,8 @@ class Forecast:
         due, busy, r.due = r.due, r.busy, None
         if due is not None:
             self._drop(stage, due, pipeline)
-        if due is not None and busy is not None:
             miss = abs(now - due)
-            if miss < OUTLIER * busy:
+            if busy is not None and miss < OUTLIER * busy:
                 r.error = miss if r.error is None else r.error + ERROR_WEIGHT * (miss - r.error)
         spans = r.spans
         spans.append(now - r.released)
@@ -104,6 +103,7 @@ class Forecast:
             insort(self._due[stage], (r.due, pipeline))
 
     def _drop(self, stage: int, due: float, pipeline: int) -> None:
+        """Remove the replica's forecast ``due`` from the stage's sorted list."""
         entries = self._due[stage]
         del entries[bisect_left(entries, (due, pipeline))]
 
