@@ -116,15 +116,20 @@ def profile_key(rank: int) -> str:
     return f"profile/{rank}"
 
 
-def decision_key(stage: int, pipeline: int, iteration: int) -> str:
-    """Where the scheduler puts the group of (stage, pipeline, iteration); the worker deletes it."""
-    return f"group/{stage}/{pipeline}/{iteration}"
+def decision_key(stage: int, pipeline: int, iteration: int, incarnation: int = 0) -> str:
+    """Where the scheduler puts the group of (stage, pipeline, iteration); the worker deletes it.
+
+    The key names the pipeline's incarnation: a decision published for a process that died before
+    it read it stays in the store, and a restarted replica that goes on from an earlier iteration
+    must not take that stale group (with the dead process's communicators) for its own."""
+    return f"group/{stage}/{pipeline}.{incarnation}/{iteration}"
 
 
-def begin_key(pipeline: int, iteration: int) -> str:
+def begin_key(pipeline: int, iteration: int, incarnation: int = 0) -> str:
     """Where the scheduler answers the first stage of ``pipeline`` about to start ``iteration``
-    (asynchronous schedules: whether that iteration ends a segment); the worker deletes it."""
-    return f"begin/{pipeline}/{iteration}"
+    (asynchronous schedules: whether that iteration ends a segment); the worker deletes it. Named
+    after the incarnation, as :func:`decision_key` is."""
+    return f"begin/{pipeline}.{incarnation}/{iteration}"
 
 
 def heal_key(stage: int, pipeline: int, incarnation: int) -> str:

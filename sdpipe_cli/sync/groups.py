@@ -31,8 +31,14 @@ class GroupCache:
     part: no global collective per round. ``dist.new_group(..., use_local_synchronization=True)``
     is not usable for this: it names a group after its ranks *and the number of groups the calling
     process made before*, so two members with different histories rendezvous under different names
-    and hang. Here a group's rendezvous keys are named after its ranks alone, and each process
-    creates a given set once, so members always meet.
+    and hang. Here a group's rendezvous keys are named after its ranks (and their incarnations),
+    so members always meet.
+
+    A communicator that failed is forgotten, and its members may need one over the same ranks
+    again. Its rendezvous keys are still in the store and hold the dead communicator's addresses,
+    so a second rendezvous under the same name could connect to them. Callers that can fail and
+    retry (sdpipe's rounds) pass a ``tag`` that both members know, such as the round that first
+    needed the communicator; it names the rendezvous of that creation only, not the cache entry.
     """
 
     def __init__(self, store: dist.Store, rank: int, backend: str, timeout: float,
@@ -46,10 +52,10 @@ class GroupCache:
     def _key(ranks: list[int], incarnations: Optional[list[int]]) -> tuple[tuple[int, int], ...]:
         return tuple(sorted(zip(ranks, incarnations or [0] * len(ranks))))
 
-    def get(self, ranks: list[int], incarnations: Optional[list[int]] = None):
+    def get(self, ranks: list[int], incarnations: Optional[list[int]] = None, tag: str = ""):
         key = self._key(ranks, incarnations)
         if key not in self._groups:
-            name = "-".join(f"{r}.{g}" if g else str(r) for r, g in key)
+            name = "-".join(f"{r}.{g}" if g else str(r) for r, g in key) + (f"@{tag}" if tag else "")
             prefix = dist.PrefixStore(f"groups/{name}/", self.store)
             me, size = [r for r, _ in key].index(self.rank), len(key)
             if self.backend == "nccl":
@@ -61,23 +67,23 @@ class GroupCache:
         return self._groups[key]
 
     def all_reduce(self, tensor: torch.Tensor, ranks: list[int], op=dist.ReduceOp.SUM,
-                   incarnations: Optional[list[int]] = None) -> None:
+                   incarnations: Optional[list[int]] = None, tag: str = "") -> None:
         """In-place all-reduce of ``tensor`` over ``ranks`` (this rank must be one of them)."""
         if self.delay is not None:
             time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
         options = dist.AllreduceOptions()
         options.reduceOp = op
-        self.get(ranks, incarnations).allreduce([tensor], options).wait()
+        self.get(ranks, incarnations, tag).allreduce([tensor], options).wait()
 
     def broadcast(self, tensor: torch.Tensor, ranks: list[int], root: int,
-                  incarnations: Optional[list[int]] = None) -> None:
+                  incarnations: Optional[list[int]] = None, tag: str = "") -> None:
         """In-place broadcast of ``tensor`` from rank ``root`` to the other ``ranks``."""
         if self.delay is not None:
             time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
         group_ranks = [r for r, _ in self._key(ranks, incarnations)]
         options = dist.BroadcastOptions()
         options.rootRank = group_ranks.index(root)
-        self.get(ranks, incarnations).broadcast([tensor], options).wait()
+        self.get(ranks, incarnations, tag).broadcast([tensor], options).wait()
 
     def forget(self, ranks: list[int], incarnations: Optional[list[int]] = None) -> None:
         """Drop a communicator whose member is gone; it cannot be used again."""
@@ -93,24 +99,25 @@ def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) 
 
 
 def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list[int],
-                    consensus: int = 0, incarnations: Optional[list[int]] = None
-                    ) -> Optional[float]:
+                    consensus: int = 0, incarnations: Optional[list[int]] = None,
+                    tag: str = "") -> Optional[float]:
     """Replace each tensor by its mean over ``ranks``, in one flat all-reduce.
 
     With ``consensus = n``, the first n tensors are the stage's weights, and their consensus
     distance before averaging is returned: sqrt(mean over members of ||w_p - w_mean||^2) /
-    ||w_mean|| (one more all-reduce, of two numbers). ``incarnations``: see :class:`GroupCache`.
+    ||w_mean|| (one more all-reduce, of two numbers). ``incarnations``, ``tag``: see
+    :class:`GroupCache`.
     """
     with torch.no_grad():
         flat = flatten(tensors)
         own = flat.clone() if consensus else None
-        groups.all_reduce(flat, ranks, incarnations=incarnations)
+        groups.all_reduce(flat, ranks, incarnations=incarnations, tag=tag)
         flat /= len(ranks)
         distance = None
         if consensus:
             n = sum(t.numel() for t in tensors[:consensus])
             sums = torch.stack([(own[:n] - flat[:n]).pow(2).sum(), flat[:n].pow(2).sum()])
-            groups.all_reduce(sums, ranks, incarnations=incarnations)  # n x ||w_mean||^2 too
+            groups.all_reduce(sums, ranks, incarnations=incarnations, tag=tag)  # n x ||w_mean||^2 too
             distance = math.sqrt(float(sums[0]) / len(ranks)) / max(
                 math.sqrt(float(sums[1]) / len(ranks)), 1e-30)
         unflatten(flat, tensors)

@@ -155,7 +155,9 @@ class Scheduler:
             self._publish(self.policy.ready(event["stage"], event["pipeline"], event["iteration"]))
         elif kind == "begin":  # asynchronous schedules: may this pipeline's segment go on?
             last, decisions = self.policy.begin(event["pipeline"], event["iteration"])
-            store.set_json(self.events, store.begin_key(event["pipeline"], event["iteration"]),
+            p = int(event["pipeline"])
+            store.set_json(self.events,
+                           store.begin_key(p, event["iteration"], self.incarnation[p]),
                            {"last": last})
             self._publish(decisions)
         elif kind == "saved":
@@ -236,14 +238,16 @@ class Scheduler:
         for d in decisions:
             ckpt = self._checkpoint_at(d) if d.kind == "global" else None
             # the restarted replicas this round's first member heals after its update
-            heal = [{"pipeline": q, "incarnation": self.incarnation[q]} for q, _ in d.heal]
+            heal = [{"pipeline": q, "incarnation": self.incarnation[q], "round": d.round}
+                    for q, _ in d.heal]
             # every member gets the same record, in one message: a set per member is a send and a
             # wake-up of the store each, which the last member of a large group waits behind
             value = json.dumps({"members": list(d.members), "round": d.round, "kind": d.kind,
                                 "stop": d.stop, "checkpoint": ckpt, "done": done,
                                 "twins": d.twins,
                                 "incarnations": [self.incarnation[p] for p in d.members]})
-            keys = [store.decision_key(d.stage, p, k) for p, k in zip(d.members, d.iterations)]
+            keys = [store.decision_key(d.stage, p, k, self.incarnation[p])
+                    for p, k in zip(d.members, d.iterations)]
             values = [value] * len(keys)
             if heal:
                 values[0] = json.dumps({**json.loads(value), "heal": heal})  # to the source only
@@ -252,7 +256,7 @@ class Scheduler:
                 keys.append(store.heal_key(d.stage, q, self.incarnation[q]))
                 values.append(json.dumps({"stop": False, "source": d.members[0],
                                           "source_incarnation": self.incarnation[d.members[0]],
-                                          "iteration": k, "done": done}))
+                                          "iteration": k, "done": done, "round": d.round}))
             # stamped before the write: a member may read the decision before the write returns
             # here, and a stamp after it would then be later than the read it caused
             published = self.tracer.clock() if self.tracer is not None else None

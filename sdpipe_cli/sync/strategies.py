@@ -176,7 +176,8 @@ class GroupSync(Sync):
         store.push(self.events, store.EVENTS, {"type": "ready", "rank": self.rank,
                                                "pipeline": self.pipeline, "stage": self.stage,
                                                "iteration": step})
-        decision = store.wait_json(self.events, store.decision_key(self.stage, self.pipeline, step))
+        decision = store.wait_json(self.events, store.decision_key(self.stage, self.pipeline, step,
+                                                                   self.incarnation))
         got = time.perf_counter()
         members = decision["members"]
         incarnations = decision.get("incarnations")
@@ -199,7 +200,8 @@ class GroupSync(Sync):
             try:
                 distance = average_tensors(tensors, self.groups, ranks,
                                            consensus=len(params) if decision["kind"] == "global"
-                                           else 0, incarnations=incarnations)
+                                           else 0, incarnations=incarnations,
+                                           tag=f"r{decision['round']}")
             except (RuntimeError, dist.DistError) as err:
                 # A member died mid-round (its pipeline was lost). The tensors are only written
                 # back after a complete all-reduce, so ours are untouched; the scheduler drops
@@ -232,7 +234,8 @@ class GroupSync(Sync):
         ranks = [self.rank, target["pipeline"] * self.stages + self.stage]
         incarnations = [self.incarnation, target["incarnation"]]
         try:
-            self.groups.broadcast(flatten(self._state(module)), ranks, self.rank, incarnations)
+            self.groups.broadcast(flatten(self._state(module)), ranks, self.rank, incarnations,
+                                  tag=f"heal{target['round']}")
         except (RuntimeError, dist.DistError) as err:  # it died again; its pipeline is lost again
             self.groups.forget(ranks, incarnations)
             log.warning("healing pipeline %d failed (%s); going on", target["pipeline"], err)
@@ -255,7 +258,8 @@ class GroupSync(Sync):
         state = self._state(module)
         flat = flatten(state)
         self.groups.broadcast(flat, [source, self.rank], source,
-                              [answer["source_incarnation"], self.incarnation])
+                              [answer["source_incarnation"], self.incarnation],
+                              tag=f"heal{answer['round']}")
         unflatten(flat, state)
         self._done = answer.get("done")
         store.push(self.events, store.EVENTS, {
@@ -274,7 +278,7 @@ class GroupSync(Sync):
         store.push(self.events, store.EVENTS, {"type": "begin", "rank": self.rank,
                                                "pipeline": self.pipeline, "stage": self.stage,
                                                "iteration": iteration})
-        key = store.begin_key(self.pipeline, iteration)
+        key = store.begin_key(self.pipeline, iteration, self.incarnation)
         return bool(store.wait_json(self.events, key)["last"])
 
     def checkpoint_due(self) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import random
+import time
 
 import pytest
 import torch
@@ -95,6 +96,43 @@ def test_group_averaging_is_symmetric_and_preserves_the_mean():
                 for member in group:
                     assert results[f"distance{member}"][k] == pytest.approx(expected, rel=1e-4)
         before = state
+
+
+def _retag_worker(rank: int, port: int, results) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=20))
+    groups = GroupCache(dist.PrefixStore("pg/", store), rank, "gloo", 20)
+    t = torch.tensor([float(rank + 1)])
+    groups.all_reduce(t, [0, 1], tag="r1")
+    got = [t.item()]
+    groups.forget([0, 1])  # the round failed somewhere: both drop the communicator
+    store.add("forgot", 1)
+    while store.add("forgot", 0) < 2:
+        time.sleep(0.01)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 makes the new one first, rank 1's old address still in the store
+    t = torch.tensor([float(10 * (rank + 1))])
+    groups.all_reduce(t, [0, 1], tag="r7")
+    results[rank] = got + [t.item()]
+
+
+def test_a_forgotten_group_is_made_again_under_its_new_tag_whoever_comes_first():
+    """A communicator that failed is made again under a new rendezvous name (the round's tag): a
+    member that makes it before its peer waits for the peer's new address rather than connecting
+    to the one the dead communicator left in the store."""
+    ctx = mp.get_context("forkserver")
+    results = ctx.Manager().dict()
+    port = free_port()
+    procs = [ctx.Process(target=_retag_worker, args=(r, port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+    assert not hung, "a member hung"
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert dict(results) == {0: [3.0, 30.0], 1: [3.0, 30.0]}
 
 
 def _fresh_stages(run_dir) -> dict[int, torch.nn.Module]:

@@ -10,6 +10,7 @@ comparable between runs.
 from __future__ import annotations
 
 import signal
+import statistics
 import time
 
 import pytest
@@ -46,9 +47,13 @@ def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
         assert all(t > 0 for t in d["forward_ms"] + d["backward_ms"])
         assert d["memory_source"] == "rss" and 50 < d["peak_memory_mb"] < 4000
     # Speed 0.5 takes twice the time: compare the same blocks on both nodes, measured in one run.
-    total = {n: sum(sum(d["forward_ms"]) + sum(d["backward_ms"]) for d in devices.values()
-                    if d["node"] == n) for n in ("a", "b")}
-    assert 1.5 < total["b"] / total["a"] < 2.7, total
+    # Each block's forward and backward on b over a, and the median of those ratios: a block that
+    # lost its core for a whole measurement (a loaded CI host) moves one ratio, not the verdict.
+    times = {n: [t for d in devices.values() if d["node"] == n
+                 for t in d["forward_ms"] + d["backward_ms"]] for n in ("a", "b")}
+    ratios = sorted(b / a for a, b in zip(times["a"], times["b"]))
+    assert len(ratios) == 2 * 2 * 6
+    assert 1.5 < statistics.median(ratios) < 2.7, ratios
     # Within a node: 20 ms latency and 1 Gbit/s, as emulated.
     assert [(e["src"], e["dst"], e["link"]) for e in doc["p2p"]] == [
         ("a:0", "a:1", "same_node"), ("b:0", "b:1", "same_node")]

@@ -1,0 +1,56 @@
+"""The scheduler's answers to a restarted pipeline, on a real TCPStore: a decision published for
+a process that died before reading it stays in the store, and the restarted replica, which goes
+on from an earlier iteration, must get its own decision rather than that stale one."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from sdpipe_cli.config.schema import compose
+from sdpipe_cli.runtime import store
+from sdpipe_cli.sync.scheduler import Scheduler
+
+P, S = 2, 2
+
+
+def test_a_restarted_replica_never_reads_a_decision_meant_for_its_dead_incarnation(tmp_path):
+    cfg = compose(["model=mlp", "data=synthetic", f"cluster.pipelines={P}",
+                   f"pipeline.stages={S}", "fault.on_pipeline_loss=restart", "train.steps=20"])
+    cfg.run.dir = str(tmp_path)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    events = store.namespace(master)
+    now = [0.0]
+    sched = Scheduler(cfg, tmp_path, events, clock=lambda: now[0])
+
+    def ready(stage: int, pipeline: int, iteration: int) -> None:
+        sched.handle({"type": "ready", "rank": pipeline * S + stage, "pipeline": pipeline,
+                      "stage": stage, "iteration": iteration})
+
+    # Iteration 0: the last stage of both pipelines is decided, then pipeline 0 dies before its
+    # last stage reads that decision and before its first stage reached its own round.
+    ready(1, 0, 0)
+    ready(1, 1, 0)
+    stale = store.decision_key(1, 0, 0, incarnation=0)
+    assert store.get_json(events, stale)["members"] == [0, 1]
+    sched.handle({"type": "lost", "rank": 1, "pipeline": 0, "restart": True, "reason": "killed"})
+    sched.handle({"type": "restart", "rank": 0, "pipeline": 0, "incarnation": 1})
+    for s in range(S):
+        sched.handle({"type": "rejoin", "rank": s, "pipeline": 0, "stage": s, "incarnation": 1})
+    ready(0, 1, 0)  # pipeline 1's rounds heal the restarted replicas, stage by stage
+    ready(0, 1, 1)
+    ready(1, 1, 1)
+    for s in range(S):
+        heal = store.get_json(events, store.heal_key(s, 0, 1))
+        assert heal["source"] == 1 and heal["iteration"] == 0, heal
+    # The restarted pipeline goes on from iteration 0: its last stage asks for round 0 again.
+    fresh = store.decision_key(1, 0, 0, incarnation=1)
+    assert not events.check([fresh])  # nothing is waiting for it there
+    ready(1, 0, 0)
+    now[0] = 60.0  # past any round's deadline
+    sched.handle({"type": "tick"})
+    decision = store.get_json(events, fresh)
+    assert decision["incarnations"][decision["members"].index(0)] == 1, decision
+    assert store.get_json(events, stale)["incarnations"] == [0, 0]  # the dead one's, unread
