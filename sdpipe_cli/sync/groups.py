@@ -86,7 +86,8 @@ class GroupCache:
         self.get(ranks, incarnations, tag).broadcast([tensor], options).wait()
 
     def forget(self, ranks: list[int], incarnations: Optional[list[int]] = None) -> None:
-        """Drop a communicator whose member is gone; it cannot be used again."""
+        """Drop a communicator that failed (a member died or timed out); it cannot be used again,
+        and one over the same ranks is made anew, under a new ``tag``, when next needed."""
         self._groups.pop(self._key(ranks, incarnations), None)
 
 
