@@ -23,6 +23,25 @@ ROUNDS = 12
 
 
 
+def _run_ranks(target, world: int, timeout: float) -> dict:
+    """Run ``target(rank, port, results)`` in ``world`` processes (forks of the session's fork
+    server: torch imported once); fail if one hangs past ``timeout`` or exits non-zero."""
+    ctx = mp.get_context("forkserver")
+    results = ctx.Manager().dict()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+    assert not hung, f"{target.__name__}: {len(hung)} process(es) hung"
+    assert [p.exitcode for p in procs] == [0] * world
+    return results
+
+
 def _random_groups(seed: int) -> list[list[list[int]]]:
     """The same random partitions into groups on every rank (like the scheduler's decisions)."""
     rng = random.Random(seed)
@@ -64,19 +83,7 @@ def _averaging_worker(rank: int, port: int, results) -> None:
 def test_group_averaging_is_symmetric_and_preserves_the_mean():
     """Members of a group end equal; the mean over all replicas never moves (W_k doubly stochastic);
     the consensus distance each member gets is the group's, computed from the states before."""
-    ctx = mp.get_context("forkserver")  # forks of the session's server, torch imported once
-    results = ctx.Manager().dict()
-    port = free_port()
-    procs = [ctx.Process(target=_averaging_worker, args=(r, port, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    assert not hung, "averaging processes hung"
-    assert all(p.exitcode == 0 for p in procs)
+    results = _run_ranks(_averaging_worker, WORLD, timeout=120)
     history = results[0]  # rounds x WORLD x params, as seen by rank 0
     initial = []
     for r in range(WORLD):
@@ -119,19 +126,7 @@ def test_a_forgotten_group_is_made_again_under_its_new_tag_whoever_comes_first()
     """A communicator that failed is made again under a new rendezvous name (the round's tag): a
     member that makes it before its peer waits for the peer's new address rather than connecting
     to the one the dead communicator left in the store."""
-    ctx = mp.get_context("forkserver")
-    results = ctx.Manager().dict()
-    port = free_port()
-    procs = [ctx.Process(target=_retag_worker, args=(r, port, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    assert not hung, "a member hung"
-    assert [p.exitcode for p in procs] == [0, 0]
+    results = _run_ranks(_retag_worker, 2, timeout=60)
     assert dict(results) == {0: [3.0, 30.0], 1: [3.0, 30.0]}
 
 
