@@ -1,6 +1,7 @@
-"""The scheduler's answers to a restarted pipeline, on a real TCPStore: a decision published for
-a process that died before reading it stays in the store, and the restarted replica, which goes
-on from an earlier iteration, must get its own decision rather than that stale one."""
+"""The scheduler's answers to a restarted pipeline, on a real TCPStore: a decision (or an
+asynchronous pipeline's begin answer) published for a process that died before reading it stays
+in the store, and the restarted replica, which goes on from an earlier iteration, must get its
+own answer rather than that stale one."""
 
 from __future__ import annotations
 
@@ -54,3 +55,56 @@ def test_a_restarted_replica_never_reads_a_decision_meant_for_its_dead_incarnati
     decision = store.get_json(events, fresh)
     assert decision["incarnations"][decision["members"].index(0)] == 1, decision
     assert store.get_json(events, stale)["incarnations"] == [0, 0]  # the dead one's, unread
+
+
+def test_async_answers_to_a_restarted_pipeline_name_its_incarnation(tmp_path):
+    """Asynchronous 1F1B (two rounds per iteration): pipeline 1 began iteration 1, and its last
+    stage made round 2 there, when it was lost. Restarted, it begins iteration 1 again and that
+    stage asks for round 2 again: both answers are new, the dead process's stay unread."""
+    cfg = compose(["model=mlp", "data=synthetic", f"cluster.pipelines={P}",
+                   f"pipeline.stages={S}", "fault.on_pipeline_loss=restart", "train.steps=10",
+                   "pipeline.schedule=async_1f1b", "pipeline.microbatches=2"])
+    cfg.run.dir = str(tmp_path)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    events = store.namespace(master)
+    now = [0.0]
+    sched = Scheduler(cfg, tmp_path, events, clock=lambda: now[0])
+    assert sched.policy.rounds_per_iteration == 2
+
+    def event(kind: str, stage: int, pipeline: int, **more) -> None:
+        sched.handle({"type": kind, "rank": pipeline * S + stage, "pipeline": pipeline,
+                      "stage": stage, **more})
+
+    for p in range(P):
+        event("begin", 0, p, iteration=0)
+        event("begin", 0, p, iteration=1)
+    for r in (0, 1):
+        for s in (1, 0):
+            for p in range(P):
+                event("ready", s, p, iteration=r)
+    event("ready", 1, 1, iteration=2)
+    event("ready", 1, 0, iteration=2)
+    stale_begin, stale_round = store.begin_key(1, 1, 0), store.decision_key(1, 1, 2, 0)
+    assert store.get_json(events, stale_begin) == {"last": False}
+    assert store.get_json(events, stale_round)["members"] == [0, 1]
+    event("lost", 1, 1, restart=True, reason="killed")
+    event("restart", 0, 1, incarnation=1)
+    for s in range(S):
+        event("rejoin", s, 1, incarnation=1)
+    now[0] = 1.0
+    event("ready", 0, 0, iteration=2)
+    event("ready", 1, 0, iteration=3)
+    assert all(store.get_json(events, store.heal_key(s, 1, 1))["iteration"] == 1
+               for s in range(S))
+    fresh_begin, fresh_round = store.begin_key(1, 1, 1), store.decision_key(1, 1, 2, 1)
+    assert not events.check([fresh_begin]) and not events.check([fresh_round])
+    event("begin", 0, 1, iteration=1)
+    assert store.get_json(events, fresh_begin) == {"last": False}
+    event("ready", 1, 1, iteration=2)
+    now[0] = 60.0
+    sched.handle({"type": "tick"})
+    decision = store.get_json(events, fresh_round)
+    assert decision["incarnations"][decision["members"].index(1)] == 1, decision
+    assert store.get_json(events, stale_round)["incarnations"] == [0, 0]
+    assert store.get_json(events, stale_begin) == {"last": False}
