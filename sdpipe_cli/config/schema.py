@@ -189,7 +189,8 @@ class SdpipeSyncConfig(SyncConfig):
     connect_every: int = 8
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
     # Seconds a group may take to form and average before its members go on alone (only a
-    # member that died makes it wait; the scheduler then drops its pipeline)
+    # member that died makes it wait; the scheduler then drops its pipeline); also how long past
+    # its forecast a silent replica may hold cost_aware's rounds due to connect
     group_timeout: float = 30.0
 
 

@@ -21,7 +21,9 @@ their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
   component of the stage's fastest replica, until a replica of another component arrives. The
   fastest replica is never held, so every held round closes within one of its iterations: no
   token, no stage waiting on another, and a due stage connects within one round of each of its
-  replicas. Global syncs give each pipeline as many iterations as fit before the slowest one's
+  replicas. A fastest replica that goes silent (``suspect_after`` past its forecast: a hang) is
+  no longer the one held rounds wait for; the next fastest is (:meth:`GroupScheduler._anchor`).
+  Global syncs give each pipeline as many iterations as fit before the slowest one's
   next, so that they arrive together. ``classic`` is the rule below, kept for comparison.
 * **Connectivity bound** (``classic``). A disjoint set per stage accumulates the groups since the
   stage's replicas were last all connected. When the next round would be the ``connect_every``-th,
@@ -189,6 +191,7 @@ class _StageState:
     round_no: int = 0
     global_pending: bool = False
     connecting: bool = False  # past the window, waiting for the replicas that connect the rest
+    hold_until: Optional[float] = None  # cost_aware, connecting: when its anchor turns suspect
     parked: set = field(default_factory=set)  # waiting at their iteration of the pending global sync
 
 
@@ -204,6 +207,7 @@ class GroupScheduler:
                  global_every: int = 0, total_iterations: Optional[int] = None,
                  time_limit: Optional[float] = None, patience: float = 0.0,
                  policy: str = "classic", max_group: int = 0, twins: bool = False,
+                 suspect_after: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic):
         if pipelines < 1 or stages < 1 or connect_every < 1 or min_group < 1:
             raise ValueError("pipelines, stages, connect_every and min_group must be >= 1")
@@ -213,6 +217,9 @@ class GroupScheduler:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         if max_group < 0 or max_group == 1:
             raise ValueError("max_group must be 0 (no cap) or at least 2")
+        if suspect_after is not None and suspect_after <= 0:
+            raise ValueError("suspect_after must be positive seconds (or None)")
+        self.suspect_after = suspect_after
         # connect_every = 1 is all-reduce: every round waits for everyone, under either policy
         self.patience, self.cost_aware = patience, policy == "cost_aware" and connect_every > 1
         self.max_group = max_group if connect_every > 1 else 0  # all-reduce has no cap
@@ -399,6 +406,8 @@ class GroupScheduler:
         """When :meth:`tick` must be called at the latest (None: only events can change anything)."""
         times = [st.deadline for st in self.stages
                  if st.waiting and st.deadline is not None and not st.connecting]
+        times += [st.hold_until for st in self.stages
+                  if st.connecting and st.waiting and st.hold_until is not None]
         if self.time_limit is not None and not self.final and not self._time_is_up():
             times.append(self.started + self.time_limit)  # once past, events take it from there
         return min(times) if times else None
@@ -761,6 +770,23 @@ class GroupScheduler:
         number)."""
         return min(self.live, key=lambda q: (self.pace.get((s, q), float("inf")), q))
 
+    def _anchor(self, s: int) -> int:
+        """cost_aware: the replica whose component a held round of stage ``s`` waits for, the
+        stage's fastest (see :meth:`_may_go_on`), unless it is overdue by more than
+        ``suspect_after`` (a hang or a long stall): then the fastest of the others. Every held
+        round waits on the fastest replica's next arrival; while that one is silent, the others'
+        rounds would wait with it, and be as silent as a hang themselves."""
+        fastest = self.fastest(s)
+        if self.suspect_after is None or not self._suspect(s, fastest):
+            return fastest
+        others = [q for q in self.live if not self._suspect(s, q)]
+        return min(others, key=lambda q: (self.pace.get((s, q), float("inf")), q),
+                   default=fastest)
+
+    def _suspect(self, s: int, q: int) -> bool:
+        due = self.forecast.expected(s, q)
+        return due is not None and self.clock() >= due + self.suspect_after  # as hold_until
+
     def _may_go_on(self, s: int, members: set[int]) -> bool:
         """cost_aware: whether a round that is due to connect but does not may close anyway.
 
@@ -771,8 +797,14 @@ class GroupScheduler:
         iteration: every held round closes within one of its iterations, without a token, and no
         two stages can wait on each other.
         """
-        roots = self.stages[s].links.roots(members)
-        return len(roots) > 1 or self.stages[s].links.find(self.fastest(s)) in roots
+        st = self.stages[s]
+        roots = st.links.roots(members)
+        if len(roots) > 1:
+            return True
+        anchor = self._anchor(s)
+        due = self.forecast.expected(s, anchor) if self.suspect_after is not None else None
+        st.hold_until = due + self.suspect_after if due is not None else None
+        return st.links.find(anchor) in roots
 
     def _emit(self, s: int, members: list[int], kind: str, stop: bool) -> Decision:
         st = self.stages[s]
@@ -984,7 +1016,7 @@ def make_policy(cfg: Any, clock: Callable[[], float] = time.monotonic) -> GroupS
         cfg.cluster.pipelines, p.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
         connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
-        policy=y.policy, max_group=y.max_group,
+        policy=y.policy, max_group=y.max_group, suspect_after=y.group_timeout,
         twins=y.average == "weights_grads" and policy is GroupScheduler,
         total_iterations=cfg.cluster.pipelines * cfg.train.steps,
         time_limit=cfg.train.time_limit, clock=clock)

@@ -1186,6 +1186,51 @@ def test_cost_aware_holds_only_the_slow_component():
     assert joined.members == (0, 2) and g.stages[0].links.components() == g.P
 
 
+@pytest.mark.parametrize("suspect_after", [None, 1.0])
+def test_cost_aware_a_silent_fastest_replica_holds_the_others_only_until_it_is_suspect(
+        suspect_after):
+    """As above, but the fast pair then goes silent (a hang): the straggler's held round waits
+    for the fastest replica's component until that replica is ``suspect_after`` past its
+    forecast, and then closes on its own (``next_deadline`` says when). Without a bound it waits
+    as long as the silence lasts."""
+    now = [0.0]
+    g = GroupScheduler(3, 1, window=0.01, window_min=0.01, window_max=0.01, connect_every=2,
+                       policy="cost_aware", suspect_after=suspect_after, clock=lambda: now[0])
+    for k in range(3):
+        now[0] = 0.1 * k
+        g.ready(0, 0, k), g.ready(0, 1, k)
+        now[0] += 0.011
+        g.tick()
+    g.stages[0].updates = 99
+    now[0] = 0.3
+    g.ready(0, 0, 3), g.ready(0, 1, 3)
+    now[0] = 0.311
+    (pair,) = g.tick()
+    assert pair.members == (0, 1)
+    now[0] = 0.35
+    assert g.ready(0, 2, 0) == []
+    now[0] = 0.39
+    assert g.tick() == [] and g.stages[0].connecting  # held: the fastest's next is due soon
+    if suspect_after is None:
+        assert g.next_deadline() is None
+        now[0] = 100.0
+        assert g.tick() == []  # held for as long as 0 and 1 are silent
+        return
+    first, last = sorted(g.forecast.expected(0, q) + suspect_after for q in (0, 1))
+    assert g.next_deadline() == pytest.approx(first)  # 0, the fastest, turns suspect first
+    now[0] = first - 0.001
+    assert g.tick() == []
+    decisions = []
+    for _ in range(2):  # 0, then 1 (the next fastest), each at the deadline the policy names
+        now[0] = g.next_deadline()
+        assert now[0] <= last
+        decisions = g.tick()
+        if decisions:
+            break
+    (alone,) = decisions
+    assert alone.members == (2,) and not g.stages[0].connecting
+
+
 def test_cost_aware_waits_for_a_late_replica_about_as_long_as_its_forecasts_miss():
     """Four equal pipelines whose 100 ms iterations vary by +-1 ms; pipeline 3 straggles 3x at
     iteration 10. The others' round waits for it past its forecast only a couple of its usual
