@@ -16,15 +16,21 @@ from sdpipe_cli.sync.scheduler import Scheduler
 P, S = 2, 2
 
 
-def test_a_restarted_replica_never_reads_a_decision_meant_for_its_dead_incarnation(tmp_path):
+def scheduler(tmp_path, *overrides: str):
+    """A real scheduler of a P x S run that restarts lost pipelines, on a real TCPStore, with a
+    clock the test moves (``now[0]``)."""
     cfg = compose(["model=mlp", "data=synthetic", f"cluster.pipelines={P}",
-                   f"pipeline.stages={S}", "fault.on_pipeline_loss=restart", "train.steps=20"])
+                   f"pipeline.stages={S}", "fault.on_pipeline_loss=restart", *overrides])
     cfg.run.dir = str(tmp_path)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=10))
     events = store.namespace(master)
     now = [0.0]
-    sched = Scheduler(cfg, tmp_path, events, clock=lambda: now[0])
+    return Scheduler(cfg, tmp_path, events, clock=lambda: now[0]), events, now, master
+
+
+def test_a_restarted_replica_never_reads_a_decision_meant_for_its_dead_incarnation(tmp_path):
+    sched, events, now, _ = scheduler(tmp_path, "train.steps=20")
 
     def ready(stage: int, pipeline: int, iteration: int) -> None:
         sched.handle({"type": "ready", "rank": pipeline * S + stage, "pipeline": pipeline,
@@ -61,15 +67,8 @@ def test_async_answers_to_a_restarted_pipeline_name_its_incarnation(tmp_path):
     """Asynchronous 1F1B (two rounds per iteration): pipeline 1 began iteration 1, and its last
     stage made round 2 there, when it was lost. Restarted, it begins iteration 1 again and that
     stage asks for round 2 again: both answers are new, the dead process's stay unread."""
-    cfg = compose(["model=mlp", "data=synthetic", f"cluster.pipelines={P}",
-                   f"pipeline.stages={S}", "fault.on_pipeline_loss=restart", "train.steps=10",
-                   "pipeline.schedule=async_1f1b", "pipeline.microbatches=2"])
-    cfg.run.dir = str(tmp_path)
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=10))
-    events = store.namespace(master)
-    now = [0.0]
-    sched = Scheduler(cfg, tmp_path, events, clock=lambda: now[0])
+    sched, events, now, _ = scheduler(tmp_path, "train.steps=10", "pipeline.schedule=async_1f1b",
+                                      "pipeline.microbatches=2")
     assert sched.policy.rounds_per_iteration == 2
 
     def event(kind: str, stage: int, pipeline: int, **more) -> None:
