@@ -284,6 +284,12 @@ class GroupScheduler:
                 self._narrow(stage, pace, now)
         return self.tick()
 
+    def held(self) -> list[tuple[int, int]]:
+        """(stage, pipeline) of every replica that sent its ready signal and waits for its
+        decision now: in a round that has not closed, or parked at a pending global sync. Such a
+        replica is silent because the policy holds it, not because it hangs."""
+        return [(s, p) for s, st in enumerate(self.stages) for p in st.waiting]
+
     def expected(self, stage: int, pipeline: int) -> Optional[float]:
         """When ``pipeline``'s replica of ``stage`` is forecast to be ready next (None: it is
         waiting now, or its compute time is not known yet); see :mod:`~sdpipe_cli.core.forecast`."""

@@ -42,7 +42,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 
 @dataclass
@@ -115,6 +115,13 @@ class RunTracker:
 
     def all_done(self) -> bool:
         return len(self.done) == self.world_size
+
+    def heard(self, ranks: Iterable[int]) -> None:
+        """Count ``ranks`` as heard from now (workers known to be alive without a report)."""
+        now = self.clock()
+        for r in ranks:
+            if r in self.last_seen:
+                self.last_seen[r] = now
 
     def silent_workers(self) -> list[int]:
         """Ranks not heard from within the heartbeat timeout (not yet done)."""

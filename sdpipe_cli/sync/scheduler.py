@@ -336,8 +336,12 @@ class Scheduler:
         log.info("checkpoint %s", path)
 
     def _check_health(self) -> None:
-        hung = self.tracker.silent_workers()
         S = self.cfg.pipeline.stages
+        if self.policy is not None:
+            # a replica the policy holds (a round not closed, a global sync waiting for a hung
+            # replica) waits for us: as good as a report, so its silence starts when we let it go
+            self.tracker.heard(p * S + s for s, p in self.policy.held())
+        hung = self.tracker.silent_workers()
         live = set(self.policy.live) if self.policy is not None else set()
         if hung and self.tolerant and live - {r // S for r in hung}:
             if not set(hung) <= self.hung:  # the launcher kills them; their pipelines are lost

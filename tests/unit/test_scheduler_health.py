@@ -23,9 +23,9 @@ class Clock:
         return self.t
 
 
-def scheduler(tmp_path, loss: str):
+def scheduler(tmp_path, loss: str, *overrides: str):
     cfg = compose(["model=mlp", "data=synthetic", f"cluster.pipelines={P}", f"pipeline.stages={S}",
-                   f"fault.on_pipeline_loss={loss}", "run.heartbeat_timeout=40"])
+                   f"fault.on_pipeline_loss={loss}", "run.heartbeat_timeout=40", *overrides])
     cfg.run.dir = str(tmp_path)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=10))
@@ -64,3 +64,26 @@ def test_every_live_pipeline_silent_is_a_hung_run(tmp_path, loss):
     with pytest.raises(WorkerHung, match=r"no report from rank\(s\) \[0, 1, 2, 3, 4, 5\]"):
         sched.handle({"type": "tick"})
     assert not events.check([store.HUNG])
+
+
+def test_replicas_held_by_a_global_sync_are_not_taken_for_hung(tmp_path):
+    """train.steps=1: iteration 0 ends the run on a global sync, which waits for every live
+    replica. Pipelines 0 and 1 are there, held by the scheduler; pipeline 2 never comes. Past the
+    heartbeat only pipeline 2 is named hung: the others are silent because they wait for it."""
+    sched, events, clock, _ = scheduler(tmp_path, "restart", "train.steps=1")
+    heard(sched, range(P * S))
+    for p in (0, 1):
+        for s in range(S):
+            sched.handle({"type": "ready", "rank": p * S + s, "pipeline": p, "stage": s,
+                          "iteration": 0})
+    assert sorted(sched.policy.held()) == [(s, p) for s in range(S) for p in (0, 1)]
+    clock.t = 50.0
+    sched.handle({"type": "tick"})
+    assert store.get_json(events, store.HUNG) == [[4, 0], [5, 0]]
+    # the launcher kills it; the global sync closes without it and lets the others go, whose
+    # silence only starts now: they are not named at the next tick
+    sched.handle({"type": "lost", "rank": 4, "pipeline": 2, "restart": True, "reason": "hung"})
+    assert (0, 0) not in sched.policy.held() and events.check([store.decision_key(0, 0, 0)])
+    clock.t = 50.5
+    sched.handle({"type": "tick"})
+    assert store.get_json(events, store.HUNG) == []
