@@ -154,8 +154,8 @@ class Scheduler:
                                     row=1 + event["stage"])
             self._publish(self.policy.ready(event["stage"], event["pipeline"], event["iteration"]))
         elif kind == "begin":  # asynchronous schedules: may this pipeline's segment go on?
-            last, decisions = self.policy.begin(event["pipeline"], event["iteration"])
             p = int(event["pipeline"])
+            last, decisions = self.policy.begin(p, event["iteration"])
             store.set_json(self.events,
                            store.begin_key(p, event["iteration"], self.incarnation[p]),
                            {"last": last})
