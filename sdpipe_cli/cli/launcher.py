@@ -44,7 +44,8 @@ from sdpipe_cli.core import partition, supervision
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.cluster import Cluster
-from sdpipe_cli.config.schema import ConfigError, n_blocks, resolve_device, save_run_config
+from sdpipe_cli.config.schema import (ConfigError, num_classes, objective, resolve_device,
+                                      save_run_config, validate_partition)
 from sdpipe_cli.runtime.errors import read_error
 
 GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -100,7 +101,14 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
     cfg.cluster.device = resolve_device(cfg)
     if cfg.profile:
         cfg.profile = str(Path(cfg.profile).expanduser().resolve())
-    blocks, stages = n_blocks(cfg.model), cfg.pipeline.stages
+    if cfg.model.num_classes is None and objective(cfg) == "classify":
+        cfg.model.num_classes = num_classes(cfg)  # the data set's
+    blocks, stages = models.count_blocks(cfg.model), cfg.pipeline.stages
+    if stages > blocks:
+        raise ConfigError("pipeline.stages", f"is {stages} but model {cfg.model.name} has only "
+                          f"{blocks} blocks; use at most {blocks} stages")
+    if not isinstance(cfg.pipeline.partition, str):
+        validate_partition(cfg.pipeline.partition, stages, blocks)
     counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
     plan = None
     if cfg.pipeline.partition == "auto":
@@ -110,6 +118,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
         plan = partition.plan(partition.device_cost(block_ms), blocks, stages)
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages, counts)
+    models.check(cfg)
     return cfg, plan
 
 

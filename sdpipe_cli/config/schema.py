@@ -17,19 +17,28 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from sdpipe_cli.core import grouping, schedule as _schedule
 
 SCHEDULES = (*_schedule.SCHEDULES, *_schedule.ASYNC_SCHEDULES)  # the registry is core.schedule
+ASYNC_SCHEDULES = _schedule.ASYNC_SCHEDULES
 AVERAGES = ("weights_grads", "weights")  # sync.average (sdpipe)
 POLICIES = grouping.POLICIES  # sync.policy (sdpipe)
 OPTIMIZERS = ("adamw", "sgd")  # train.optimizer
 DEVICES = ("cpu", "cuda", "auto")
-ARCHS = ("gpt", "mlp")
-DATASETS = ("stdlib", "text", "synthetic")
+# model.arch: byte-level models of the project, ResNets written in the project, transformers'
+# GPT-2 and BERT (the hf extra), or any importable callable (model._target_)
+ARCHS = ("gpt", "mlp", "resnet18", "resnet50", "resnet_cifar", "gpt2", "bert", "custom")
+HF_ARCHS = ("gpt2", "bert")
+RESNET_BLOCKS = {"resnet18": 10, "resnet50": 18, "resnet_cifar": 11}  # stem, residual blocks, head
+OBJECTIVES = ("auto", "clm", "mlm", "classify")
+DATASETS = ("stdlib", "text", "synthetic", "digits")
+IMAGE_DATASETS = ("digits",)
+PRECISIONS = ("fp32", "bf16", "fp16")
+LR_SCHEDULES = ("cosine", "linear", "step", "constant")
 PARTITIONS = ("uniform", "params", "auto")
 EMULATIONS = ("auto", "measured", "modelled")
 
@@ -46,14 +55,33 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "custom"  # config option name, e.g. gpt_tiny
-    arch: str = "gpt"  # gpt (decoder-only transformer) or mlp (per-position residual MLP)
-    vocab_size: int = 256  # byte-level vocabulary
+    # gpt | mlp (byte-level, the project's own) | resnet18 | resnet50 | resnet_cifar | gpt2 | bert
+    # (transformers, the hf extra) | custom (model._target_); see docs/MODELS.md
+    arch: str = "gpt"
+    # custom: the importable callable (pkg.module.fn or a class) that returns the model's blocks;
+    # the model node's other keys (+model.width=64) are its keyword arguments, kept in kwargs
+    _target_: Optional[str] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # custom: keyword arguments of _target_
+    # cross_entropy (over the last dimension; targets of -100 are ignored), or a node with
+    # _target_ naming a callable (output, target) -> scalar loss, or a loss class
+    loss: Any = "cross_entropy"
+    # What the targets are: clm (next token), mlm (masked tokens, 15 %), classify (one label per
+    # sample); auto: classify on image data, else clm
+    objective: str = "auto"
+    vocab_size: int = 256  # token vocabulary (bytes: 256; mlm adds a mask token: at least 257)
     seq_len: int = 64  # tokens per sample (context length)
-    d_model: int = 64  # width of the residual stream
+    d_model: int = 64  # width of the residual stream (gpt, mlp, gpt2, bert)
     n_layers: int = 4  # transformer / MLP layers; the model has n_layers + 2 blocks
-    n_heads: int = 4  # attention heads (gpt only)
-    d_hidden: int = 256  # hidden width of each MLP (both archs)
+    n_heads: int = 4  # attention heads (gpt, gpt2, bert)
+    d_hidden: int = 256  # hidden width of each MLP
     dropout: float = 0.0  # dropout probability; 0 keeps pipelines bit-comparable
+    num_classes: Optional[int] = None  # classifiers; null: the data set's
+    hf: Dict[str, Any] = field(default_factory=dict)  # gpt2, bert: more transformers config keys
+    pretrained: Optional[str] = None  # gpt2, bert: a local folder of save_pretrained weights
+    # Input and output embeddings share one weight (gpt2, bert, custom models that share a
+    # parameter between blocks); across stages each holds a copy, kept equal (docs/MODELS.md).
+    # false: two independent weights.
+    tie_embeddings: bool = True
 
 
 @dataclass
@@ -61,7 +89,7 @@ class DataConfig:
     name: str = "stdlib"  # stdlib | text | synthetic
     path: Optional[str] = None  # file or folder of text files (data=text only)
     max_bytes: int = 8_000_000  # read at most this many bytes of corpus (keeps start-up fast)
-    val_fraction: float = 0.05  # tail fraction of the corpus held out for validation
+    val_fraction: float = 0.05  # held out for validation (corpora: the tail; images: a seeded split)
     eval_batches: int = 4  # validation batches per evaluation
 
 
@@ -146,6 +174,9 @@ class PipelineConfig:
     weight_versions: Optional[int] = None
     # uniform | params | explicit list of S-1 block boundaries, e.g. [3] or [2, 4, 5]
     partition: Any = "uniform"
+    # Recompute each micro-batch's activations inside the stage's blocks during its backward,
+    # keeping only the blocks' inputs: less memory for more compute (torch.utils.checkpoint)
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -237,7 +268,16 @@ class TrainConfig:
     lr: float = 3e-3  # peak learning rate
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0  # decoupled weight decay (AdamW) or L2 (SGD)
-    warmup: int = 10  # linear warm-up iterations, then cosine decay to lr/10
+    warmup: int = 10  # linear warm-up iterations, then train.schedule
+    # After the warm-up: cosine or linear decay to lr x final_lr at train.steps, step (x
+    # decay_factor every decay_every iterations), or constant
+    schedule: str = "cosine"
+    final_lr: float = 0.1  # cosine, linear: the last learning rate as a fraction of the peak
+    decay_every: int = 30  # step: iterations between decays
+    decay_factor: float = 0.2  # step: the learning rate is multiplied by this at each decay
+    # fp32 | bf16 | fp16: autocast of each stage's compute, fp32 weights and optimizer state;
+    # fp16 scales the loss (dynamic, one skip-or-step decision per pipeline and sync group)
+    precision: str = "fp32"
     # Max norm of the whole model's gradient, summed over a pipeline's stages (per stage under
     # async_1f1b, whose stages update at different times); 0 disables
     grad_clip: float = 1.0
@@ -322,9 +362,28 @@ class Config:
     profile: Optional[str] = None
 
 
-def n_blocks(model: ModelConfig | DictConfig) -> int:
-    """Blocks of a model: embedding, n_layers layers, head."""
+def n_blocks(model: ModelConfig | DictConfig) -> Optional[int]:
+    """Blocks of a built-in model (embedding, layers, head; a ResNet's stem, residual blocks and
+    head); None for a custom one, whose blocks are known only once it is built."""
+    if model.arch == "custom":
+        return None
+    if model.arch in RESNET_BLOCKS:
+        return RESNET_BLOCKS[model.arch]
     return int(model.n_layers) + 2
+
+
+def objective(cfg: DictConfig) -> str:
+    """What the targets are: ``model.objective``, or for ``auto`` what the data implies."""
+    if cfg.model.objective != "auto":
+        return cfg.model.objective
+    return "classify" if cfg.data.name in IMAGE_DATASETS else "clm"
+
+
+def num_classes(cfg: DictConfig) -> Optional[int]:
+    """Classes of a classifier: ``model.num_classes``, else the data set's."""
+    if cfg.model.num_classes is not None:
+        return int(cfg.model.num_classes)
+    return {"digits": 10}.get(cfg.data.name)
 
 
 def config_dir() -> Path:
@@ -376,9 +435,24 @@ def compose(overrides: list[str]) -> DictConfig:
         raise _as_config_error(err) from None
     finally:
         GlobalHydra.instance().clear()
+    _gather_kwargs(cfg)
     # Hydra lets ``+key=value`` add keys the schema does not have; the schema is the contract.
     _reject_unknown_keys(cfg, schema_for(cfg.sync.name))
     return cfg
+
+
+def _gather_kwargs(cfg: DictConfig) -> None:
+    """``model=custom``: keys of the model node that the schema does not know
+    (``+model.width=64``) are the callable's keyword arguments: move them into ``model.kwargs``."""
+    from omegaconf import open_dict
+
+    if cfg.model.get("arch") != "custom":
+        return
+    known = set(OmegaConf.structured(ModelConfig).keys())
+    with open_dict(cfg):
+        for key in [k for k in cfg.model.keys() if k not in known]:
+            cfg.model.kwargs[key] = cfg.model[key]
+            del cfg.model[key]
 
 
 def schema_for(sync: str) -> DictConfig:
@@ -396,7 +470,8 @@ def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") 
         name = f"{prefix}{key}"
         if key not in schema:
             raise ConfigError(name, f"is not a setting of sdpipe (known here: {', '.join(schema.keys())})")
-        if isinstance(schema[key], DictConfig) and isinstance(cfg[key], DictConfig):
+        free_form = OmegaConf.get_type(schema, key) is dict  # Dict[str, Any]: model.hf, model.kwargs
+        if isinstance(schema[key], DictConfig) and isinstance(cfg[key], DictConfig) and not free_form:
             _reject_unknown_keys(cfg[key], schema[key], f"{name}.")
 
 
@@ -433,16 +508,9 @@ def validate(cfg: DictConfig) -> None:
     m, p, c, t, d = cfg.model, cfg.pipeline, cfg.cluster, cfg.train, cfg.data
 
     need(m.arch in ARCHS, "model.arch", f"is '{m.arch}'; choose one of {', '.join(ARCHS)}")
-    need(m.n_layers >= 1, "model.n_layers", "must be at least 1")
-    need(m.vocab_size >= 256, "model.vocab_size", "must be at least 256 (byte-level data)")
-    need(m.seq_len >= 1, "model.seq_len", "must be at least 1")
-    need(m.d_model >= 1 and m.d_hidden >= 1, "model.d_model", "widths must be at least 1")
-    if m.arch == "gpt":
-        need(m.n_heads >= 1 and m.d_model % m.n_heads == 0, "model.n_heads",
-             f"d_model={m.d_model} must be divisible by n_heads={m.n_heads}")
-    need(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-
     need(d.name in DATASETS, "data.name", f"is '{d.name}'; choose one of {', '.join(DATASETS)}")
+    _validate_model(cfg)
+
     if d.name == "text":
         need(bool(d.path), "data.path", "is required with data=text (a file or a folder of text)")
         need(Path(str(d.path)).expanduser().exists(), "data.path", f"'{d.path}' does not exist")
@@ -461,14 +529,15 @@ def validate(cfg: DictConfig) -> None:
     for key in ("rtt_ms", "event_ms", "collective_ms", "p2p_ms", "jitter"):
         need(cfg.simulate[key] >= 0, f"simulate.{key}", "must be >= 0")
 
-    blocks = n_blocks(m)
+    blocks = n_blocks(m)  # custom models: checked once built (models.check)
     need(p.stages >= 1, "pipeline.stages", "must be at least 1")
-    need(p.stages <= blocks, "pipeline.stages",
+    need(blocks is None or p.stages <= blocks, "pipeline.stages",
          f"is {p.stages} but model {m.name} has only {blocks} blocks; use at most {blocks} stages")
     need(p.microbatches >= 1, "pipeline.microbatches", "must be at least 1")
     need(p.schedule in SCHEDULES, "pipeline.schedule",
          f"is '{p.schedule}'; choose one of {', '.join(SCHEDULES)}")
-    _validate_partition(p.partition, p.stages, blocks)
+    if blocks is not None:
+        validate_partition(p.partition, p.stages, blocks)
     if p.weight_versions is not None:
         need(p.schedule == "async_1f1b", "pipeline.weight_versions",
              f"only applies to pipeline.schedule=async_1f1b (schedule is {p.schedule})")
@@ -506,6 +575,13 @@ def validate(cfg: DictConfig) -> None:
          f"is '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
     need(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
     need(t.warmup >= 0, "train.warmup", "must be >= 0")
+    need(t.schedule in LR_SCHEDULES, "train.schedule",
+         f"is '{t.schedule}'; choose one of {', '.join(LR_SCHEDULES)}")
+    need(0.0 <= t.final_lr <= 1.0, "train.final_lr", "must be in [0, 1] (a fraction of train.lr)")
+    need(t.decay_every >= 1, "train.decay_every", "must be at least 1 iteration")
+    need(0.0 < t.decay_factor <= 1.0, "train.decay_factor", "must be in (0, 1]")
+    need(t.precision in PRECISIONS, "train.precision",
+         f"is '{t.precision}'; choose one of {', '.join(PRECISIONS)}")
     need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
     need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: evaluate only at the end)")
     need(t.log_every >= 1, "train.log_every", "must be at least 1")
@@ -529,6 +605,49 @@ def validate(cfg: DictConfig) -> None:
     need(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "metrics.tensorboard", "needs the tensorboard package: pip install tensorboard")
     _validate_cluster(cfg)
+
+
+def _validate_model(cfg: DictConfig) -> None:
+    """The model, its objective and the data it needs; the extras it imports."""
+    m, d = cfg.model, cfg.data
+    goal = objective(cfg)
+    need(m.objective in OBJECTIVES, "model.objective",
+         f"is '{m.objective}'; choose one of {', '.join(OBJECTIVES)}")
+    image = d.name in IMAGE_DATASETS
+    need(goal == "classify" or not image, "model.objective",
+         f"{goal} needs token data, but data={d.name} is images; use a classifier (e.g. model=resnet_cifar)")
+    need(goal != "classify" or image or m.arch == "custom", "data.name",
+         f"{m.arch} classifies images, but data={d.name} is text; use data=digits")
+    need(m.arch not in RESNET_BLOCKS or goal == "classify", "model.objective",
+         f"{m.arch} is a classifier; its objective is classify")
+    need(m.arch != "custom" or bool(m.get("_target_")), "model._target_",
+         "model=custom needs the callable that builds it: model._target_=PKG.MODULE.FN")
+    need(m.n_layers >= 1, "model.n_layers", "must be at least 1")
+    need(m.seq_len >= 1, "model.seq_len", "must be at least 1")
+    need(m.d_model >= 1 and m.d_hidden >= 1, "model.d_model", "widths must be at least 1")
+    if not image:
+        need(m.vocab_size >= 256, "model.vocab_size", "must be at least 256 (byte-level data)")
+        need(goal != "mlm" or m.vocab_size >= 257, "model.vocab_size",
+             "must be at least 257 with objective mlm (bytes and a mask token)")
+    if m.arch in ("gpt", "gpt2", "bert"):
+        need(m.n_heads >= 1 and m.d_model % m.n_heads == 0, "model.n_heads",
+             f"d_model={m.d_model} must be divisible by n_heads={m.n_heads}")
+    need(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+    if goal == "classify":
+        classes = num_classes(cfg)
+        need(classes is not None and classes >= 2, "model.num_classes",
+             "a classifier needs at least 2 classes (set model.num_classes)")
+    need(m.pretrained is None or m.arch in HF_ARCHS, "model.pretrained",
+         f"loads transformers weights (model=gpt2 or bert), not model.arch={m.arch}")
+    if m.pretrained is not None:
+        need(Path(str(m.pretrained)).expanduser().is_dir(), "model.pretrained",
+             f"'{m.pretrained}' is not a folder (one written by save_pretrained)")
+    extras = {"transformers": (m.arch in HF_ARCHS, "model.arch", f"{m.arch} needs Hugging Face "
+                               "transformers: pip install -e '.[hf]'"),
+              "sklearn": (d.name == "digits", "data.name", "digits needs scikit-learn: "
+                          "pip install -e '.[digits]'")}
+    for module, (needed, key, reason) in extras.items():
+        need(not needed or importlib.util.find_spec(module) is not None, key, reason)
 
 
 def _validate_fault(cfg: DictConfig) -> None:
@@ -627,7 +746,8 @@ def emulation(cfg: DictConfig) -> str:
     return mode
 
 
-def _validate_partition(partition: Any, stages: int, blocks: int) -> None:
+def validate_partition(partition: Any, stages: int, blocks: int) -> None:
+    """``pipeline.partition`` is a known name or S - 1 increasing block boundaries."""
     key = "pipeline.partition"
     if isinstance(partition, str):
         if partition not in PARTITIONS:

@@ -37,7 +37,7 @@ import torch
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.cluster import Cluster, Device, Stragglers
-from sdpipe_cli.config.schema import emulation, n_blocks
+from sdpipe_cli.config.schema import emulation
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import Action, Kind
 
@@ -127,8 +127,8 @@ def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
         if c.compute_ms is not None:
             forward_ms, backward_ms = float(c.compute_ms), 2.0 * float(c.compute_ms)
         else:  # the stage's blocks, as the profile measured them, at speed 1.0
-            start, stop = stage_ranges(list(cfg.pipeline.partition), n_blocks(cfg.model))[stage]
             fwd, bwd = measurements.block_costs(measurements.load(cfg.profile), device.name, 1.0)
+            start, stop = stage_ranges(list(cfg.pipeline.partition), len(fwd))[stage]
             forward_ms, backward_ms = sum(fwd[start:stop]), sum(bwd[start:stop])
     st = c.stragglers
     stragglers = Stragglers.of_device(st, cfg.train.seed, device.name)

@@ -49,13 +49,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from sdpipe_cli.model import models
+from sdpipe_cli.model import data, models
+from sdpipe_cli.pipeline.executor import to_device
 
 from sdpipe_cli.config import measurements
 
 from sdpipe_cli.runtime import store
 from sdpipe_cli.core.cluster import Cluster
-from sdpipe_cli.config.schema import n_blocks
 from sdpipe_cli.hetero.emulation import MemoryLimit, Slowdown, link_delay
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import Action, Kind
@@ -94,10 +94,28 @@ def turns(pipelines: int, stages: int) -> list[tuple[str, list[int]]]:
             + [("allreduce", ranks) for _, ranks in replica_groups(pipelines, stages)])
 
 
+def tensors_of(value) -> list:
+    """The tensors of a block's input or output: a tensor, or a tuple or dict of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return list(value.values()) if isinstance(value, dict) else list(value)
+
+
+def fresh_input(value):
+    """``value`` as a received activation: detached, its floating tensors leaves needing a grad."""
+    def leaf(t):
+        return t.detach().requires_grad_() if t.is_floating_point() else t
+    if isinstance(value, torch.Tensor):
+        return leaf(value)
+    if isinstance(value, dict):
+        return {k: leaf(t) for k, t in value.items()}
+    return type(value)(leaf(t) for t in value)
+
+
 def stage_weight_bytes(cfg: DictConfig, stage: int) -> int:
     """float32 bytes of stage ``stage``'s weights under the (resolved) partition."""
     counts = models.block_param_counts(cfg.model)
-    start, stop = stage_ranges(list(cfg.pipeline.partition), n_blocks(cfg.model))[stage]
+    start, stop = stage_ranges(list(cfg.pipeline.partition), len(counts))[stage]
     return 4 * sum(counts[start:stop])
 
 
@@ -130,11 +148,12 @@ def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
         "format": measurements.FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "model": {"name": cfg.model.name, "arch": cfg.model.arch, "blocks": n_blocks(cfg.model),
+        "model": {"name": cfg.model.name, "arch": cfg.model.arch,
+                  "blocks": models.count_blocks(cfg.model),
                   "block_names": models.block_names(cfg.model),
                   "block_params": models.block_param_counts(cfg.model), "microbatch_size": mb,
                   "seq_len": int(cfg.model.seq_len),
-                  "activation_bytes": 4 * math.prod(models.activation_shape(cfg.model, mb))},
+                  "activation_bytes": models.activation_bytes(cfg, data.example(cfg, mb)[0])},
         "cluster": {"name": cfg.cluster.name, "emulation": "measured",
                     "pipelines": int(cfg.cluster.pipelines), "stages": int(cfg.pipeline.stages),
                     "device": cfg.cluster.device, "links": links},
@@ -196,24 +215,26 @@ class Profiler:
     def measure_blocks(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
-        blocks = [b.to(self.device).train() for b in models.build_blocks(cfg.model)]
+        blocks = [b.to(self.device).train() for b in models.build(cfg.model)[0]]
+        loss_fn = models.loss_function(cfg.model)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
-        shape = models.activation_shape(cfg.model, mb)
-        gen = torch.Generator().manual_seed(cfg.train.seed)
-        tokens, targets = (torch.randint(0, int(cfg.model.vocab_size), (mb, int(cfg.model.seq_len)),
-                                         generator=gen).to(self.device) for _ in range(2))
-        activation = torch.randn(shape, generator=gen).to(self.device)
-        out_grad = torch.randn(shape, generator=gen).to(self.device)
+        inputs, targets = to_device(data.example(cfg, mb), self.device)
+        ins = [inputs]  # each block's input: the previous block's output on the example
+        with torch.no_grad():
+            for block in blocks[:-1]:
+                ins.append(block(ins[-1]))
         last = len(blocks) - 1
         for i, block in enumerate(blocks):
             def once(i=i, block=block) -> tuple[float, float]:
-                x = tokens if i == 0 else activation.detach().requires_grad_()
+                x = ins[i] if i == 0 else fresh_input(ins[i])
                 t0 = self.now()
                 out = block(x)
                 if i == last:
-                    out = models.loss_fn(out, targets)
+                    out = loss_fn(out, targets)
                 t1 = self.now()
-                out.backward(None if i == last else out_grad)  # .grad accumulates, as in training
+                outs = [out] if i == last else [t for t in tensors_of(out) if t.requires_grad]
+                # .grad accumulates, as in training; ones stand in for the next block's gradient
+                torch.autograd.backward(outs, None if i == last else [torch.ones_like(t) for t in outs])
                 t2 = self.now()
                 return (self.slowdown.target(FORWARD, t1 - t0),
                         self.slowdown.target(BACKWARD, t2 - t1))

@@ -10,7 +10,6 @@ changes, links and seeded stragglers, and the ``simulate`` section's costs of th
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Sequence
@@ -18,13 +17,13 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import measurements
-from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation, n_blocks
+from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation
 from sdpipe_cli.core.cluster import Cluster, ClusterError, Stragglers
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.core.simulation import MODES, Result, Workload, simulate
-from sdpipe_cli.model import models
+from sdpipe_cli.model import data, models
 
 __all__ = ["workload", "run", "FORMAT"]
 
@@ -46,7 +45,7 @@ def workload(cfg: DictConfig) -> Workload:
         cluster = Cluster.from_config(cfg.cluster, S)
     except ClusterError as err:
         raise ConfigError(err.key, err.reason) from None
-    blocks = n_blocks(cfg.model)
+    blocks = models.count_blocks(cfg.model)
     ranges = stage_ranges(list(cfg.pipeline.partition), blocks)
     forward, backward = [], []
     doc = measurements.load(cfg.profile) if cfg.cluster.compute_ms is None else None
@@ -71,7 +70,7 @@ def workload(cfg: DictConfig) -> Workload:
         cluster=cluster, microbatches=m, batch_size=cfg.train.batch_size, steps=cfg.train.steps,
         forward_s=forward, backward_s=backward,
         stage_bytes=[sum(counts[a:b]) * FLOAT_BYTES for a, b in ranges],
-        activation_bytes=math.prod(models.activation_shape(cfg.model, micro)) * FLOAT_BYTES,
+        activation_bytes=models.activation_bytes(cfg, data.example(cfg, micro)[0]),
         slowdown=[float(x) for x in cfg.cluster.slowdown],
         stragglers=[[Stragglers.of_device(st, cfg.train.seed, cluster.device(p, s).name)
                      for s in range(S)] for p in range(P)],

@@ -239,3 +239,106 @@ def val_batches(
         _windows(corpus.val, torch.randint(0, high, (batch_size,), generator=g), seq_len)
         for _ in range(count)
     ]
+
+
+# ----------------------------------------------------------------------------- what a run reads
+
+MLM_PROBABILITY = 0.15  # BERT: the share of tokens predicted, of which 80 % masked, 10 % random
+
+
+def mask_tokens(tokens: torch.Tensor, g: torch.Generator, mask_id: int, vocab: int = 256
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's masked-LM inputs and targets from ``tokens``: 15 % of the positions are predicted
+    (target: the token; elsewhere -100, ignored by the loss); of those, 80 % become ``mask_id``,
+    10 % a random token below ``vocab`` and 10 % stay as they are."""
+    chosen = torch.rand(tokens.shape, generator=g) < MLM_PROBABILITY
+    fate = torch.rand(tokens.shape, generator=g)
+    randoms = torch.randint(0, vocab, tokens.shape, generator=g)
+    inputs = torch.where(chosen & (fate < 0.8), torch.full_like(tokens, mask_id), tokens)
+    inputs = torch.where(chosen & (fate >= 0.8) & (fate < 0.9), randoms, inputs)
+    return inputs, torch.where(chosen, tokens, torch.full_like(tokens, -100))
+
+
+class TokenSource:
+    """Batches of a byte corpus: next-byte windows (``clm``), or BERT's masked windows (``mlm``,
+    the mask token is ``vocab_size - 1``, drawn from the batch's own generator)."""
+
+    def __init__(self, corpus: Corpus, seq_len: int, objective: str, vocab_size: int):
+        check_corpus(corpus, seq_len)
+        self.corpus, self.seq_len, self.objective = corpus, int(seq_len), objective
+        self.mask_id = int(vocab_size) - 1
+
+    def _shape(self, batch: tuple[torch.Tensor, torch.Tensor], *key: object
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.objective != "mlm":
+            return batch
+        return mask_tokens(batch[0], torch.Generator().manual_seed(_seed_of("mlm", *key)), self.mask_id)
+
+    def train_batch(self, shard: int, num_shards: int, batch_size: int, seed: int, index: int):
+        batch = train_batch(self.corpus, shard, num_shards, batch_size, self.seq_len, seed, index)
+        return self._shape(batch, seed, shard, index)
+
+    def val_batches(self, count: int, batch_size: int, seed: int):
+        return [self._shape(b, "val", seed, i) for i, b in
+                enumerate(val_batches(self.corpus, count, batch_size, self.seq_len, seed))]
+
+
+class ImageSource:
+    """Batches of labelled images: each pipeline samples from its own shard of the train split,
+    randomly cropped; evaluation reads every full batch of the validation split."""
+
+    def __init__(self, images):
+        self.images = images
+
+    def train_batch(self, shard: int, num_shards: int, batch_size: int, seed: int, index: int):
+        from sdpipe_cli.model.images import random_crop
+
+        start, end = shard_bounds(len(self.images.train_y), shard, num_shards)
+        if end - start < 1:
+            raise DataError("cluster.pipelines", f"{num_shards} pipelines share "
+                            f"{len(self.images.train_y)} training images; use fewer pipelines")
+        g = torch.Generator().manual_seed(_seed_of("train", seed, shard, index))
+        picks = start + torch.randint(0, end - start, (batch_size,), generator=g)
+        return random_crop(self.images.train_x[picks], g), self.images.train_y[picks]
+
+    def val_batches(self, count: int, batch_size: int, seed: int):
+        n = len(self.images.val_y) // batch_size
+        if n < 1:
+            raise DataError("data.val_fraction", f"the validation split has {len(self.images.val_y)} "
+                            f"images, fewer than one batch of train.batch_size={batch_size}")
+        return [(self.images.val_x[i * batch_size:(i + 1) * batch_size],
+                 self.images.val_y[i * batch_size:(i + 1) * batch_size]) for i in range(n)]
+
+
+def open_source(cfg: Any):
+    """The run's data, read or generated, ready to give batches (first and last stages only)."""
+    from sdpipe_cli.config.schema import objective
+
+    if cfg.data.name == "digits":
+        from sdpipe_cli.model.images import load_digits
+
+        return ImageSource(load_digits(float(cfg.data.val_fraction), int(cfg.train.seed)))
+    return TokenSource(load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len, objective(cfg),
+                       cfg.model.vocab_size)
+
+
+def val_count(cfg: Any) -> int:
+    """Validation batches per evaluation, known to every stage without reading the data:
+    ``data.eval_batches`` of a corpus; every full batch of an image set's validation split."""
+    if cfg.data.name == "digits":
+        from sdpipe_cli.model.images import DIGITS_COUNT
+
+        return max(1, int(DIGITS_COUNT * float(cfg.data.val_fraction)) // int(cfg.train.batch_size))
+    return int(cfg.data.eval_batches)
+
+
+def example(cfg: Any, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An input and target batch of the run's shapes and dtypes (zeros), without reading data:
+    what every stage infers the pipeline's boundaries from."""
+    if cfg.data.name == "digits":
+        from sdpipe_cli.model import images
+
+        return (torch.zeros(batch_size, images.CHANNELS, images.SIZE, images.SIZE),
+                torch.zeros(batch_size, dtype=torch.int64))
+    tokens = torch.zeros(batch_size, int(cfg.model.seq_len), dtype=torch.int64)
+    return tokens, tokens.clone()

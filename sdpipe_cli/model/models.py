@@ -1,203 +1,332 @@
-"""Byte-level language models, written as a flat list of blocks.
+"""What is trained: any model as an ordered list of blocks, its loss, and what crosses each stage.
 
-A pipeline stage owns a contiguous range of blocks, so the model is not one ``nn.Module`` but a
-list: block 0 embeds bytes, blocks ``1..n_layers`` are identical residual layers, and the last
-block turns the residual stream into logits. Between any two consecutive blocks flows one float
-tensor of :func:`activation_shape`, which is exactly what one stage sends to the next. Weights
-are not tied across blocks because the blocks may live in different processes.
+A pipeline stage owns a contiguous range of blocks, so a model here is a list of modules, each
+taking one value (a tensor, or a tuple or dict of tensors) and returning one. ``model.arch``
+picks the builder (the registry below):
 
-Two architectures: ``gpt`` (pre-LN decoder-only transformer, nanoGPT style) and ``mlp`` (a
-per-position residual MLP with no attention, cheap enough for tests).
+* ``gpt``, ``mlp``: the project's byte-level models (:mod:`sdpipe_cli.model.bytes_lm`);
+* ``resnet18``, ``resnet50``, ``resnet_cifar``: ResNets written in the project with
+  torchvision's parameter names (:mod:`sdpipe_cli.model.resnet`), split at residual blocks;
+* ``gpt2``, ``bert``: Hugging Face transformers models built from their configs
+  (:mod:`sdpipe_cli.model.hf`, the ``hf`` extra), split at transformer layers;
+* ``custom``: ``model._target_`` names any importable callable, called with ``model.kwargs``,
+  that returns a ``torch.nn.Sequential``, a list of modules, or an object with a
+  ``pipeline_blocks()`` method returning either.
 
-The module does no I/O and knows nothing of ``torch.distributed``.
+Every process builds the whole model from ``train.seed`` and keeps its slice, so all replicas
+start identical without a broadcast. Parameters that one block shares with another (tied input
+and output embeddings) are found by identity (:func:`tied_parameters`): across stages each holds
+a copy, and the worker keeps the copies equal.
+
+The layout of the value between two blocks is inferred once, on the meta device, from an example
+micro-batch (:func:`boundaries`): the same on every process, nothing allocated, and a block whose
+output does not fit the next one is an error before any process starts.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from sdpipe_cli.config.schema import ARCHS, n_blocks
+from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.model import bytes_lm
+from sdpipe_cli.model.boundary import Boundary
 
-INIT_STD = 0.02
+__all__ = ["build", "build_stage_module", "boundaries", "block_param_counts", "count_blocks",
+           "loss_function", "tied_parameters"]
 
-
-class Embedding(nn.Module):
-    """Block 0: byte ids (B, T) -> token + learned position embeddings (B, T, d_model)."""
-
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int, dropout: float):
-        super().__init__()
-        self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))
+Blocks = Tuple[List[nn.Module], List[str]]
+IGNORE_INDEX = -100  # targets that take no part in the loss (masked LM: the unmasked tokens)
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where position t only sees positions <= t."""
+# -- builders -------------------------------------------------------------------------------------
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
-        super().__init__()
-        self.n_heads = n_heads
-        self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.proj.residual_proj = True
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.drop(self.proj(y))
+def _bytes_lm(m: DictConfig) -> Blocks:
+    names = ["embedding", *(f"layer{i}" for i in range(1, int(m.n_layers) + 1)), "head"]
+    return bytes_lm.build_blocks(m), names
 
 
-class MLP(nn.Module):
-    """Position-wise feed-forward network: Linear -> GELU -> Linear."""
+def _resnet(m: DictConfig) -> Blocks:
+    from sdpipe_cli.model import resnet
 
-    def __init__(self, d_model: int, d_hidden: int, dropout: float):
-        super().__init__()
-        self.fc = nn.Linear(d_model, d_hidden)
-        self.proj = nn.Linear(d_hidden, d_model)
-        self.proj.residual_proj = True
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+    return resnet.build(m.arch, num_classes=int(m.num_classes)).blocks()
 
 
-class TransformerLayer(nn.Module):
-    """gpt layer: pre-LN attention then pre-LN MLP, each added to the residual stream."""
+def _hf(m: DictConfig) -> Blocks:
+    from sdpipe_cli.model import hf
 
-    def __init__(self, d_model: int, n_heads: int, d_hidden: int, dropout: float):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, d_hidden, dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    try:
+        return hf.build_blocks(m.arch, hf_overrides(m), m.pretrained, bool(m.tie_embeddings))
+    except (ImportError, ValueError) as err:
+        raise ConfigError(*_split_key(str(err), "model.arch")) from None
 
 
-class MLPLayer(nn.Module):
-    """mlp layer: pre-LN residual MLP applied to each position independently (no attention)."""
-
-    def __init__(self, d_model: int, d_hidden: int, dropout: float):
-        super().__init__()
-        self.ln = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, d_hidden, dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.ln(x))
-
-
-class Head(nn.Module):
-    """Last block: final LayerNorm and projection to byte logits (B, T, vocab_size)."""
-
-    def __init__(self, d_model: int, vocab_size: int):
-        super().__init__()
-        self.ln = nn.LayerNorm(d_model)
-        self.out = nn.Linear(d_model, vocab_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.ln(x))
-
-
-def _check(model_cfg: Any) -> None:
-    """Reject settings that cannot build a model, naming the offending key."""
-    if model_cfg.arch not in ARCHS:
-        raise ValueError(
-            f"model.arch: unknown architecture {model_cfg.arch!r}; choose one of {', '.join(ARCHS)}"
-        )
-    if model_cfg.arch == "gpt" and int(model_cfg.d_model) % int(model_cfg.n_heads) != 0:
-        raise ValueError(
-            f"model.d_model: {model_cfg.d_model} is not divisible by "
-            f"model.n_heads={model_cfg.n_heads}"
-        )
-
-
-def _construct(model_cfg: Any) -> list[nn.Module]:
-    """The blocks with PyTorch's default initialisation (see :func:`build_blocks`)."""
-    _check(model_cfg)
-    d, h, p = int(model_cfg.d_model), int(model_cfg.d_hidden), float(model_cfg.dropout)
-    if model_cfg.arch == "gpt":
-        make_layer = lambda: TransformerLayer(d, int(model_cfg.n_heads), h, p)  # noqa: E731
+def hf_overrides(m: DictConfig) -> Dict[str, Any]:
+    """transformers config keys from the model's settings, then ``model.hf`` on top."""
+    if m.arch == "gpt2":
+        base = {"vocab_size": m.vocab_size, "n_positions": m.seq_len, "n_embd": m.d_model,
+                "n_layer": m.n_layers, "n_head": m.n_heads, "n_inner": m.d_hidden,
+                "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout}
     else:
-        make_layer = lambda: MLPLayer(d, h, p)  # noqa: E731
-    blocks: list[nn.Module] = [Embedding(int(model_cfg.vocab_size), int(model_cfg.seq_len), d, p)]
-    blocks += [make_layer() for _ in range(int(model_cfg.n_layers))]
-    blocks.append(Head(d, int(model_cfg.vocab_size)))
-    assert len(blocks) == n_blocks(model_cfg)
-    return blocks
+        base = {"vocab_size": m.vocab_size, "max_position_embeddings": m.seq_len,
+                "hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
+                "num_attention_heads": m.n_heads, "intermediate_size": m.d_hidden,
+                "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout}
+    return {**base, **OmegaConf.to_container(m.hf, resolve=True)}
 
 
-def _init_weights(block: nn.Module, n_layers: int) -> None:
-    """GPT-2 init: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 * n_layers)."""
-    residual_std = INIT_STD / math.sqrt(2 * max(n_layers, 1))
-    for module in block.modules():
-        if isinstance(module, nn.Linear):
-            std = residual_std if getattr(module, "residual_proj", False) else INIT_STD
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+def _custom(m: DictConfig) -> Blocks:
+    target = m.get("_target_")
+    fn = _import(target, "model._target_")
+    kwargs = OmegaConf.to_container(m.kwargs, resolve=True)
+    try:
+        made = fn(**kwargs)
+    except TypeError as err:
+        raise ConfigError("model.kwargs", f"{target}: {err}") from None
+    if hasattr(made, "pipeline_blocks") and callable(made.pipeline_blocks):
+        made = made.pipeline_blocks()
+    names: Optional[List[str]] = None
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], (list, tuple)) \
+            and all(isinstance(n, str) for n in made[1]):
+        made, names = made[0], list(made[1])
+    if isinstance(made, nn.Sequential):
+        names = names or [name for name, _ in made.named_children()]
+        blocks = list(made.children())
+    elif isinstance(made, (list, tuple, nn.ModuleList)):
+        blocks = list(made)
+    else:
+        raise ConfigError("model._target_", f"{target} returned a {type(made).__name__}; return a "
+                          "torch.nn.Sequential, a list of modules, or an object with pipeline_blocks()")
+    if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+        raise ConfigError("model._target_", f"{target} returned no blocks" if not blocks else
+                          f"{target} returned a block that is not a torch.nn.Module")
+    names = names or [f"block{i}" for i in range(len(blocks))]
+    if len(names) != len(blocks):
+        raise ConfigError("model._target_", f"{target} named {len(names)} of {len(blocks)} blocks")
+    return blocks, names
 
 
-def build_blocks(model_cfg: Any) -> list[nn.Module]:
-    """The whole model as ``n_layers + 2`` blocks, initialised from the caller's torch RNG.
-
-    Callers seed torch (``torch.manual_seed``) first, so every replica of the model, in any
-    process, starts from identical weights.
-    """
-    blocks = _construct(model_cfg)
-    for block in blocks:
-        _init_weights(block, int(model_cfg.n_layers))
-    return blocks
+BUILDERS: Dict[str, Callable[[DictConfig], Blocks]] = {
+    "gpt": _bytes_lm, "mlp": _bytes_lm, "custom": _custom,
+    **{arch: _resnet for arch in RESNET_BLOCKS}, **{arch: _hf for arch in HF_ARCHS}}
 
 
-def build_stage_module(cfg: Any, stage: int) -> nn.Module:
-    """Stage ``stage``'s blocks under ``pipeline.partition``: every replica (and a stage's
-    parameter server) builds the whole model from ``train.seed`` and keeps its slice, so all
-    start identical without a broadcast."""
+def build(model_cfg: DictConfig) -> Blocks:
+    """The whole model's blocks and their names, initialised from the caller's torch RNG (callers
+    seed it first). Raises :class:`ConfigError` naming the key when it cannot be built."""
+    blocks, names = BUILDERS[model_cfg.arch](model_cfg)
+    if not model_cfg.tie_embeddings:
+        _untie(blocks)
+    return blocks, names
+
+
+def build_stage_module(cfg: DictConfig, stage: int) -> nn.Module:
+    """Stage ``stage``'s blocks under ``pipeline.partition``."""
     torch.manual_seed(cfg.train.seed)
-    blocks = build_blocks(cfg.model)
-    start, stop = stage_ranges(list(cfg.pipeline.partition), n_blocks(cfg.model))[stage]
+    blocks, names = build(cfg.model)
+    start, stop = stage_ranges(list(cfg.pipeline.partition), len(blocks))[stage]
     return nn.Sequential(*blocks[start:stop])
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position: logits (B, T, V), targets (B, T) int64."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def activation_shape(model_cfg: Any, microbatch_size: int) -> tuple[int, ...]:
-    """Shape of the float tensor passed between two consecutive blocks (and thus stages)."""
-    return (int(microbatch_size), int(model_cfg.seq_len), int(model_cfg.d_model))
-
-
-def block_names(model_cfg: Any) -> list[str]:
-    """Names of the blocks for reports: ``embedding``, ``layer1`` .. ``layerN``, ``head``."""
-    return ["embedding", *(f"layer{i}" for i in range(1, int(model_cfg.n_layers) + 1)), "head"]
-
-
-def block_param_counts(model_cfg: Any) -> list[int]:
-    """Parameters per block, for balancing stages; built on the meta device, allocating nothing."""
+@functools.lru_cache(maxsize=8)
+def _meta_blocks(model_yaml: str) -> Blocks:
     with torch.device("meta"):
-        blocks = _construct(model_cfg)
-    return [sum(param.numel() for param in block.parameters()) for block in blocks]
+        return build(OmegaConf.create(model_yaml))
+
+
+def meta_blocks(model_cfg: DictConfig) -> Blocks:
+    """The blocks built on the meta device (no memory, no initialisation cost); cached."""
+    return _meta_blocks(OmegaConf.to_yaml(model_cfg, resolve=True))
+
+
+def count_blocks(model_cfg: DictConfig) -> int:
+    return len(meta_blocks(model_cfg)[0])
+
+
+def block_names(model_cfg: DictConfig) -> List[str]:
+    return list(meta_blocks(model_cfg)[1])
+
+
+def block_param_counts(model_cfg: DictConfig) -> List[int]:
+    """Parameters per block, for balancing stages (a tied weight counts in each block)."""
+    return [sum(p.numel() for p in block.parameters()) for block in meta_blocks(model_cfg)[0]]
+
+
+# -- stage boundaries --------------------------------------------------------------------------------
+
+def boundaries(cfg: DictConfig, example: Any) -> List[Boundary]:
+    """The layout after each block but the last, for an example micro-batch input (of the real
+    shapes and dtypes), by a forward on the meta device; a model that reads values on the way
+    (``.item()`` has no meta version) runs once for real, on the CPU, without touching the RNG.
+    ConfigError if a block fails on what the block before it returns."""
+    try:
+        return _trace(*meta_blocks(cfg.model), _to_meta(example))
+    except ConfigError:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(cfg.train.seed))
+            blocks, names = build(cfg.model)
+            for block in blocks:
+                block.eval()
+            return _trace(blocks, names, example)
+
+
+def _trace(blocks: Sequence[nn.Module], names: Sequence[str], value: Any) -> List[Boundary]:
+    out: List[Boundary] = []
+    with torch.no_grad():
+        for i, (block, name) in enumerate(zip(blocks, names)):
+            try:
+                value = block(value)
+            except Exception as err:  # any error of user code: name the block
+                got = "the input" if i == 0 else f"{names[i - 1]}'s output {out[-1]}"
+                text = " ".join(str(err).split())[:300]
+                raise ConfigError("model", f"block {i} ({name}) fails on {got}: "
+                                  f"{type(err).__name__}: {text}") from None
+            if i < len(blocks) - 1:
+                try:
+                    out.append(Boundary.of(value, f"block {i} ({name})'s output"))
+                except TypeError as err:
+                    raise ConfigError("model", str(err)) from None
+    return out
+
+
+def activation_bytes(cfg: DictConfig, example: Any) -> int:
+    """Bytes of the largest message between two stages (the simulator's and the profile's
+    activation size): a pipeline is as slow as its slowest link."""
+    return max((b.nbytes for b in boundaries(cfg, example)), default=0)
+
+
+def stage_boundaries(cfg: DictConfig, example: Any, stage: int
+                     ) -> Tuple[Optional[Boundary], Optional[Boundary]]:
+    """What stage ``stage`` receives and sends (None at the pipeline's ends)."""
+    after = boundaries(cfg, example)
+    ranges = stage_ranges(list(cfg.pipeline.partition), len(after) + 1)
+    start, stop = ranges[stage]
+    return (after[start - 1] if start > 0 else None,
+            after[stop - 1] if stop < len(after) + 1 else None)
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+# -- tied parameters -----------------------------------------------------------------------------
+
+def tied_parameters(blocks: Sequence[nn.Module]) -> List[Tuple[Tuple[int, str], ...]]:
+    """For each parameter held by more than one block, where it is: ``((block, name), ...)``."""
+    where: Dict[int, List[Tuple[int, str]]] = {}
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters(remove_duplicate=False):
+            places = where.setdefault(id(p), [])
+            if all(b != i for b, _ in places):
+                places.append((i, name))
+    return [tuple(places) for places in where.values() if len(places) > 1]
+
+
+def _untie(blocks: Sequence[nn.Module]) -> None:
+    """Give every block but the first its own copy of each shared parameter."""
+    for places in tied_parameters(blocks):
+        for b, name in places[1:]:
+            owner, _, attr = name.rpartition(".")
+            module = blocks[b].get_submodule(owner) if owner else blocks[b]
+            setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
+
+
+# -- loss ------------------------------------------------------------------------------------------
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the last dimension of ``output`` (language models and classifiers
+    alike); targets of -100 take no part."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def loss_function(model_cfg: DictConfig) -> Callable[[Any, Any], torch.Tensor]:
+    """``model.loss``: ``cross_entropy``, or a node whose ``_target_`` is a function (called with
+    its other keys as keyword arguments) or a loss class (instantiated with them)."""
+    loss = model_cfg.loss
+    if loss == "cross_entropy":
+        return cross_entropy
+    if isinstance(loss, str) or not OmegaConf.is_dict(loss) or "_target_" not in loss:
+        raise ConfigError("model.loss", f"is {loss!r}; use cross_entropy or a node with _target_")
+    kwargs = {k: v for k, v in OmegaConf.to_container(loss, resolve=True).items() if k != "_target_"}
+    fn = _import(loss.get("_target_"), "model.loss._target_")
+    if isinstance(fn, type):
+        return fn(**kwargs)
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def _import(target: Any, key: str) -> Any:
+    from hydra.utils import get_object
+
+    if not target or not isinstance(target, str):
+        raise ConfigError(key, "name an importable callable, e.g. mypkg.models.build")
+    try:
+        obj = get_object(target)
+    except Exception as err:  # ImportError, AttributeError, or the module's own failure
+        cause = err.__cause__ or err
+        raise ConfigError(key, f"cannot import {target!r}: {' '.join(str(cause).split())[:200]}") from None
+    if not callable(obj):
+        raise ConfigError(key, f"{target!r} is not callable")
+    return obj
+
+
+def _split_key(message: str, default: str) -> Tuple[str, str]:
+    key, sep, reason = message.partition(": ")
+    return (key, reason) if sep and key.startswith("model.") else (default, message)
+
+
+def stage_ties(cfg: DictConfig, stage: int) -> List[Tuple[Tuple[int, ...], str]]:
+    """The shared parameters that stage ``stage`` holds a copy of while other stages hold
+    theirs: for each, the stages that hold one, and its name in this stage's module."""
+    blocks, _ = meta_blocks(cfg.model)
+    ranges = stage_ranges(list(cfg.pipeline.partition), len(blocks))
+    stage_of = {b: s for s, (lo, hi) in enumerate(ranges) for b in range(lo, hi)}
+    out = []
+    for places in tied_parameters(blocks):
+        stages = tuple(sorted({stage_of[b] for b, _ in places}))
+        mine = [(b, name) for b, name in places if stage_of[b] == stage]
+        if len(stages) > 1 and mine:
+            b, name = mine[0]
+            out.append((stages, f"{b - ranges[stage][0]}.{name}"))
+    return out
+
+
+def check(cfg: DictConfig) -> None:
+    """What only building the model shows, before any process starts (the launcher checked that
+    it builds and has enough blocks for the stages): each block takes what the one before it
+    returns, and its tied weights are possible here. Raises :class:`ConfigError`."""
+    from sdpipe_cli.config.schema import ASYNC_SCHEDULES
+    from sdpipe_cli.model import data
+
+    p = cfg.pipeline
+    mb = cfg.train.batch_size // p.microbatches
+    boundaries(cfg, data.example(cfg, mb)[0])
+    asynchronous = p.schedule in ASYNC_SCHEDULES
+    if asynchronous and any(stage_ties(cfg, s) for s in range(p.stages)):
+        raise ConfigError("model.tie_embeddings", "tied weights on different stages need a "
+                              "flushed schedule (their copies are summed once per iteration); use "
+                              "pipeline.schedule=1f1b or model.tie_embeddings=false")
+    if asynchronous and cfg.train.precision == "fp16":
+        raise ConfigError("train.precision", "fp16's skip-or-step decision needs a flushed "
+                          "schedule; use bf16 with async_1f1b")
+    if cfg.data.name == "digits":
+        from sdpipe_cli.model.images import DIGITS_COUNT
+
+        held = int(DIGITS_COUNT * float(cfg.data.val_fraction))
+        if held < cfg.train.batch_size:
+            raise ConfigError("data.val_fraction", f"holds out {held} images, fewer than one "
+                              f"batch of train.batch_size={cfg.train.batch_size}")

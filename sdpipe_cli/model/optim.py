@@ -22,7 +22,7 @@ Clipping each stage by its own norm would change the training math with the numb
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional
+from typing import Callable, Collection, Iterable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -31,7 +31,9 @@ ADAMW_BETAS = (0.9, 0.95)
 
 
 def lr_at(position: float, cfg: DictConfig) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak at ``train.steps``.
+    """Linear warm-up, then ``train.schedule``: cosine or linear decay to ``train.final_lr`` of
+    the peak at ``train.steps``, step decay (x ``decay_factor`` every ``decay_every``
+    iterations after the warm-up, the ResNet recipe's), or constant.
 
     ``position``: iterations of an average pipeline done before this update (0 for the first).
     """
@@ -39,8 +41,16 @@ def lr_at(position: float, cfg: DictConfig) -> float:
     position = max(0.0, position)
     if t.warmup and position < t.warmup:
         return t.lr * (position + 1) / t.warmup
-    progress = min(1.0, (position - t.warmup) / max(1, t.steps - t.warmup))
-    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    after = position - t.warmup
+    schedule = t.get("schedule", "cosine")
+    if schedule == "constant":
+        return t.lr
+    if schedule == "step":
+        return t.lr * t.decay_factor ** int(after // t.decay_every)
+    final = t.get("final_lr", 0.1)
+    progress = min(1.0, after / max(1, t.steps - t.warmup))
+    shape = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return t.lr * (final + (1 - final) * shape)
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: DictConfig) -> torch.optim.Optimizer:
@@ -84,15 +94,25 @@ def state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Pa
     return tensors
 
 
+def scale_gradients(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
+    """Multiply every gradient by ``factor`` (fp16: undo the loss scale)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
+
+
 def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float,
-                   sum_over_stages: Optional[Callable[[torch.Tensor], None]] = None) -> float:
-    """Scale the gradients so that the model's 2-norm is at most ``max_norm``; returns the norm.
+                   sum_over_stages: Optional[Callable[[torch.Tensor], None]] = None,
+                   exclude: Collection[int] = ()) -> float:
+    """Scale the gradients so that the model's 2-norm is at most ``max_norm``; returns the norm
+    (not finite if any gradient is not).
 
     ``sum_over_stages`` sums a one-element tensor in place over the pipeline's stages (None: this
-    stage is the whole model).
+    stage is the whole model). ``exclude``: ids of parameters another stage counts in the norm
+    (a tied weight's copy); they are still clipped.
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in params if id(p) not in exclude]
     device = grads[0].device if grads else torch.device("cpu")
     local = (torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads
              else torch.zeros((), device=device))

@@ -122,7 +122,7 @@ class AsyncStage(OnExecutor):
                                             weights=lambda: stash.acquire(j)[1])
                 version = stash.get(j)[0]
                 if ex.is_last:
-                    losses[j] = float(y.detach())
+                    losses[j] = float(y.detach()) / ex.loss_scale
                 in_flight[j] = (x, y)
                 if r == m - 1:
                     del batches[start + k]

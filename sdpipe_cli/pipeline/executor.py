@@ -6,12 +6,17 @@ when is the loops' business: :meth:`sdpipe_cli.pipeline.stage.PipelineStage.run`
 schedule's list (1F1B, GPipe), :meth:`sdpipe_cli.pipeline.async_stage.AsyncStage.run_segment`
 the asynchronous stream. What one action does is the same for both and lives here:
 
-* forward ``F(i)``: the first stage reads micro-batch ``i``'s tokens; the others receive the
+* forward ``F(i)``: the first stage reads micro-batch ``i``'s inputs; the others receive the
   activation from the previous stage. Non-last stages return their output to send forward; the
-  last stage turns it into ``loss_fn(logits, targets[i])`` (divided by ``scale``).
+  last stage turns it into ``loss_fn(output, targets[i])`` (divided by ``scale``).
 * backward ``B(i)``: the last stage back-propagates the loss; the others receive the gradient
   of their output from the next stage. Non-first stages return the gradient of their input to
   send back.
+
+An activation is whatever the stage's blocks return, a tensor or a tuple or dict of tensors; its
+layout at each boundary (:class:`~sdpipe_cli.model.boundary.Boundary`) is fixed when the
+pipeline is set up, checked on every send, and travels as one message; gradients travel back
+for its floating-point tensors.
 
 Both run on the live parameters (gradients accumulate in ``.grad``), or, given ``weights``, on
 a stashed version of them through ``torch.func.functional_call``, the parameter gradients
@@ -22,28 +27,34 @@ and when a send may be waited on, is :mod:`sdpipe_cli.pipeline.p2p`'s.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from contextlib import nullcontext
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from sdpipe_cli.core.schedule import Action, Kind
+from sdpipe_cli.model.boundary import Boundary
 from sdpipe_cli.pipeline.p2p import Link
 
-__all__ = ["Executor", "LossFn", "OnExecutor"]
+__all__ = ["Executor", "LossFn", "OnExecutor", "StageBoundaries"]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
 Weights = Callable[[], Mapping[str, torch.Tensor]]
+# What a stage receives from the previous one and sends to the next (None at the ends); or one
+# tensor shape, the same at every boundary of the pipeline.
+StageBoundaries = Union[Tuple[Optional[Boundary], Optional[Boundary]], Sequence[int]]
 
 
 class Executor:
     """One stage of one pipeline: ``module`` holds blocks ``[a, b)`` of the model.
 
     ``prev_rank``/``next_rank`` are the neighbours' global ranks (None at the ends);
-    ``activation_shape`` is the shape of one micro-batch's activation between stages, of
-    ``dtype``, on ``device``. ``before_action(action)`` is called before each action (before
+    ``boundaries`` the layouts of one micro-batch's activation coming in and going out (or one
+    shape of ``dtype`` for both), on ``device``. ``before_action(action)`` is called before each action (before
     it waits for its input) and ``on_action(action, seconds)`` after its compute, with the
     compute's wall time (not the waits for neighbours), before its output is sent. Neither is
     called by :meth:`forward_only`. ``before_send(dst, tensor)`` is called before every send
@@ -58,7 +69,7 @@ class Executor:
         num_stages: int,
         prev_rank: Optional[int],
         next_rank: Optional[int],
-        activation_shape: Sequence[int],
+        boundaries: StageBoundaries,
         device: torch.device,
         loss_fn: LossFn,
         dtype: torch.dtype = torch.float32,
@@ -67,6 +78,8 @@ class Executor:
         on_action: Optional[Callable[[Action, float], None]] = None,
         before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
         rank_offset: int = 0,
+        autocast: Optional[torch.dtype] = None,
+        checkpointing: bool = False,
     ):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
@@ -81,7 +94,17 @@ class Executor:
         self.loss_fn = loss_fn
         self.before_action = before_action
         self.on_action = on_action
-        self.link = Link(prev_rank, next_rank, activation_shape, dtype, self.device, group,
+        self.autocast, self.checkpointing = autocast, checkpointing
+        self.loss_scale = 1.0  # fp16: the last stage multiplies the loss by it before backward
+        if not (isinstance(boundaries, tuple) and len(boundaries) == 2
+                and all(b is None or isinstance(b, Boundary) for b in boundaries)):
+            same = Boundary.tensor(boundaries, dtype)
+            boundaries = (same, same)
+        self.incoming = None if self.is_first else boundaries[0]
+        self.outgoing = None if self.is_last else boundaries[1]
+        sizes = (0 if self.incoming is None else self.incoming.nbytes,
+                 0 if self.outgoing is None else self.outgoing.grads().nbytes)
+        self.link = Link(prev_rank, next_rank, sizes, self.device, group,
                          before_send, stage=stage, rank_offset=rank_offset)
 
     @property
@@ -96,45 +119,58 @@ class Executor:
 
     def forward(self, action: Action, index: int, inputs, targets, scale: int = 1,
                 weights: Optional[Weights] = None
-                ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+                ) -> Tuple[Optional[List[torch.Tensor]], Any, Optional[torch.Tensor]]:
         """Run forward ``action`` on micro-batch ``index`` of ``inputs``/``targets`` (the first
-        and the last stage's data; the others receive). Returns the input to keep for the
-        backward (None on the first stage), the output (the loss on the last stage, divided by
-        ``scale``) and the tensor to send forward (None on the last stage). ``weights()``, if
+        and the last stage's data; the others receive). Returns what the backward needs of the
+        input (None on the first stage), of the output (the loss on the last stage, divided by
+        ``scale``) and the message to send forward (None on the last stage). ``weights()``, if
         given, is called once the input is in and gives the tensors to run the blocks with."""
         self._before(action)
-        x = self.input(index, inputs)
+        x, leaves = self.input(index, inputs)
         started = time.perf_counter()  # compute only, not the wait for the input
-        y = self.module(x) if weights is None else functional_call(self.module, weights(), (x,))
+        tensors = None if weights is None else weights()
+        run = ((lambda v: self.module(v)) if tensors is None else
+               (lambda v: functional_call(self.module, tensors, (v,))))
+        with self._precision():
+            y = checkpoint(run, x, use_reentrant=False) if self.checkpointing else run(x)
+            if self.is_last:
+                y = self.loss_fn(y, to_device(targets[index], self.device))
         outgoing = None
         if self.is_last:
-            y = self.loss_fn(y, targets[index].to(self.device))
             if scale != 1:
                 y = y / scale
+            if self.loss_scale != 1:
+                y = y.float() * self.loss_scale
         else:
-            outgoing = self.checked(y).detach()
+            tensors = self.outgoing.flatten(y, f"stage {self.stage}'s output")
+            outgoing = self.outgoing.pack(tensors, self.device)
+            y = [tensors[i] for i in self.outgoing.differentiable()]
         self._after(action, started)
-        return (None if self.is_first else x), y, outgoing
+        return leaves, y, outgoing
 
-    def backward(self, action: Action, x: Optional[torch.Tensor], y: torch.Tensor,
+    def backward(self, action: Action, x: Optional[List[torch.Tensor]], y: Any,
                  weights: Optional[Weights] = None) -> Optional[torch.Tensor]:
-        """Run backward ``action`` of a forward that took ``x`` (None on the first stage) to
-        ``y``: receive the output's gradient (unless last), add the parameter gradients to the
-        live ``.grad`` and return the input's gradient to send back (None on the first stage).
-        ``weights()``, if given, gives the tensors the forward ran the blocks with."""
+        """Run backward ``action`` of a forward that returned ``x`` and ``y``: receive the
+        output's gradient (unless last), add the parameter gradients to the live ``.grad`` and
+        return the input's gradient to send back (None on the first stage). ``weights()``, if
+        given, gives the tensors the forward ran the blocks with."""
         self._before(action)
-        grad = None
+        outputs, grads = [y], None
         if not self.is_last:
-            grad = self.link.receive(self.link.next_rank)
+            buffer = self.link.receive(self.link.next_rank)
             self.link.wait_delivered(action.microbatch)
+            pairs = [(t, g.to(t.dtype)) for t, g in zip(y, self.outgoing.grads().unpack(buffer))
+                     if t.requires_grad]
+            outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
         started = time.perf_counter()
         if weights is None:
-            torch.autograd.backward(y, grad)
-            dx = None if x is None else x.grad if x.grad is not None else torch.zeros_like(x)
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            dxs = None if x is None else [t.grad if t.grad is not None else torch.zeros_like(t) for t in x]
         else:
-            dx = self._stashed_backward(x, y, grad, weights())
+            dxs = self._stashed_backward(x, outputs, grads, weights())
         self._after(action, started)
-        return dx
+        return None if dxs is None else self.incoming.grads().pack(dxs, self.device)
 
     def send(self, action: Action, tensor: torch.Tensor, following: Optional[Action]) -> None:
         """Send ``action``'s output (forward: to the next stage, backward: to the previous one);
@@ -146,15 +182,17 @@ class Executor:
 
     def forward_only(
         self,
-        inputs: Optional[Sequence[torch.Tensor]] = None,
-        targets: Optional[Sequence[torch.Tensor]] = None,
+        inputs: Optional[Sequence[Any]] = None,
+        targets: Optional[Sequence[Any]] = None,
         microbatches: Optional[int] = None,
+        observe: Optional[Callable[[Any, Any], None]] = None,
     ) -> Optional[float]:
         """Forward micro-batches through the pipeline without autograd; mean loss on the last stage.
 
         The micro-batch count comes from ``inputs`` or ``targets``; a middle stage has neither,
         so it must be given ``microbatches``. The module's train/eval mode is the caller's. It
         runs on the live parameters, so an asynchronous pipeline calls it only when drained.
+        ``observe(output, target)`` sees each micro-batch's output on the last stage (accuracy).
         """
         known = inputs if self.is_first else targets if self.is_last else None
         m = len(known) if known is not None else microbatches
@@ -164,12 +202,19 @@ class Executor:
         total = None
         with torch.no_grad():
             for i in range(m):
-                y = self.module(self.input(i, inputs, requires_grad=False))
+                with self._precision():
+                    y = self.module(self.input(i, inputs, requires_grad=False)[0])
                 if self.is_last:
-                    loss = self.loss_fn(y, targets[i].to(self.device))
+                    target = to_device(targets[i], self.device)
+                    with self._precision():
+                        loss = self.loss_fn(y, target).float()
                     total = loss if total is None else total + loss
+                    if observe is not None:
+                        observe(y, target)
                 else:
-                    self.link.send(Action(Kind.F, i), self.checked(y), self.link.next_rank, None)
+                    tensors = self.outgoing.flatten(y, f"stage {self.stage}'s output")
+                    self.link.send(Action(Kind.F, i), self.outgoing.pack(tensors, self.device),
+                                   self.link.next_rank, None)
                     self.link.wait_sends(keep=self.num_stages - self.stage)
         self.link.wait_sends()
         return float(total) / m if self.is_last else None
@@ -183,23 +228,20 @@ class Executor:
                 got = "None" if data is None else len(data)
                 raise ValueError(f"stage {self.stage} needs {m} {name} (one per micro-batch), got {got}")
 
-    def input(self, i: int, inputs, requires_grad: bool = True) -> torch.Tensor:
-        """Micro-batch ``i``'s input: read on the first stage, received on the others."""
+    def input(self, i: int, inputs, requires_grad: bool = True) -> Tuple[Any, Optional[List[torch.Tensor]]]:
+        """Micro-batch ``i``'s input, read on the first stage, received on the others, and the
+        received floating-point tensors that the backward differentiates (None on the first)."""
         if self.is_first:
-            return inputs[i].to(self.device)
-        x = self.link.receive(self.link.prev_rank)
-        return x.requires_grad_(requires_grad)
+            return to_device(inputs[i], self.device), None
+        tensors = self.incoming.unpack(self.link.receive(self.link.prev_rank))
+        leaves = [tensors[k].requires_grad_(requires_grad) for k in self.incoming.differentiable()]
+        return self.incoming.unflatten(tensors), leaves
 
-    def checked(self, y: torch.Tensor) -> torch.Tensor:
-        """``y``, contiguous, if it is what the next stage expects; a wrong size would hang or
-        misalign the receiver instead of failing here."""
-        shape, dtype = self.link.activation_shape, self.link.dtype
-        if tuple(y.shape) != shape or y.dtype != dtype:
-            raise RuntimeError(
-                f"stage {self.stage} output is {tuple(y.shape)} {y.dtype}, but the pipeline "
-                f"sends activations of {shape} {dtype}"
-            )
-        return y.contiguous()
+    def _precision(self):
+        """Autocast of the stage's compute (mixed precision), or nothing."""
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     def _before(self, action: Action) -> None:
         if self.before_action is not None:
@@ -212,23 +254,24 @@ class Executor:
                 torch.cuda.synchronize(self.device)  # time the kernels, not their launch
             self.on_action(action, time.perf_counter() - started)
 
-    def _stashed_backward(self, x: Optional[torch.Tensor], y: torch.Tensor,
-                          grad: Optional[torch.Tensor],
-                          weights: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    def _stashed_backward(self, x: Optional[List[torch.Tensor]], outputs: List[torch.Tensor],
+                          grads: Optional[List[torch.Tensor]],
+                          weights: Mapping[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """Differentiate with respect to the input and the stashed ``weights`` (``autograd.grad``,
         so micro-batches sharing a version do not mix their gradients), and add the parameter
-        gradients to the live parameters' ``.grad``; returns the input's gradient."""
+        gradients to the live parameters' ``.grad``; returns the input's gradients."""
         names = list(weights)
-        wrt = ([x] if x is not None else []) + [weights[n] for n in names]
-        grads = torch.autograd.grad(y, wrt, grad, allow_unused=True)
+        inputs = list(x or [])
+        wrt = inputs + [weights[n] for n in names]
+        found = (torch.autograd.grad(outputs, wrt, grads, allow_unused=True) if outputs
+                 else (None,) * len(wrt))
         taken = set()  # autograd may return one tensor for several inputs: never share
-        dx = None
+        dxs = None
         if x is not None:
-            dx = grads[0] if grads[0] is not None else torch.zeros_like(x)
-            taken.add(id(dx))
-            grads = grads[1:]
+            dxs = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
+            taken.update(id(g) for g in dxs)
         live: Dict[str, nn.Parameter] = dict(self.module.named_parameters())
-        for name, g in zip(names, grads):
+        for name, g in zip(names, found[len(inputs):]):
             p = live[name]
             if g is None:
                 g = torch.zeros_like(p)
@@ -236,7 +279,18 @@ class Executor:
                 g = g.clone()
             taken.add(id(g))
             p.grad = g if p.grad is None else p.grad.add_(g)  # the caller zeroes it
-        return dx
+        return dxs
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor, or a tuple, list or dict of them) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
 
 
 class OnExecutor:
@@ -251,9 +305,10 @@ class OnExecutor:
 
     def forward_only(
         self,
-        inputs: Optional[Sequence[torch.Tensor]] = None,
-        targets: Optional[Sequence[torch.Tensor]] = None,
+        inputs: Optional[Sequence[Any]] = None,
+        targets: Optional[Sequence[Any]] = None,
         microbatches: Optional[int] = None,
+        observe: Optional[Callable[[Any, Any], None]] = None,
     ) -> Optional[float]:
         """:meth:`Executor.forward_only`."""
-        return self.executor.forward_only(inputs, targets, microbatches)
+        return self.executor.forward_only(inputs, targets, microbatches, observe)

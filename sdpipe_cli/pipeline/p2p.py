@@ -4,8 +4,9 @@ and receives without deadlock.
 Every stage of a pipeline talks only to its two neighbours, by point-to-point
 ``torch.distributed`` calls (gloo on CPU, NCCL on CUDA). Three kinds of message travel:
 
-* activations forward and gradients backward, tag :data:`TENSOR_TAG`, one tensor of the
-  pipeline's activation shape each, sent and received through a :class:`Link`;
+* activations forward and gradients backward, tag :data:`TENSOR_TAG`, one flat byte message
+  each (whatever tensors a boundary carries, packed by :mod:`sdpipe_cli.model.boundary`),
+  sent and received through a :class:`Link`;
 * the per-iteration :class:`Control` message, forward from the first stage, tag
   :data:`CONTROL_TAG`: the flushed loop (:meth:`sdpipe_cli.training.loop.FlushedLoop._agree`) sends
   it before each iteration, the asynchronous executor
@@ -50,7 +51,7 @@ group call; gloo just posts the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -154,8 +155,10 @@ def receive_control(src: int, step: int, device: torch.device,
 class Link:
     """One stage's point-to-point link with its neighbours: posts sends, receives, and waits.
 
-    ``prev_rank``/``next_rank`` are the neighbours' global ranks (None at the ends);
-    activations and gradients are ``activation_shape`` tensors of ``dtype`` on ``device``.
+    ``prev_rank``/``next_rank`` are the neighbours' global ranks (None at the ends); an
+    activation or gradient is one flat ``uint8`` message on ``device``
+    (:class:`~sdpipe_cli.model.boundary.Boundary` packs and unpacks it), of
+    ``sizes = (bytes from prev_rank, bytes from next_rank)``.
     ``before_send(dst, tensor)`` is called before every activation or gradient send (the
     emulated network's delay). ``rank_offset``: the global rank of the process group's rank 0,
     when the group is the pipeline rather than the run (a restarted pipeline cannot rejoin a
@@ -168,8 +171,7 @@ class Link:
         self,
         prev_rank: Optional[int],
         next_rank: Optional[int],
-        activation_shape: Sequence[int],
-        dtype: torch.dtype,
+        sizes: Tuple[int, int],
         device: torch.device,
         group: Optional[dist.ProcessGroup] = None,
         before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
@@ -178,8 +180,8 @@ class Link:
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.rank_offset = rank_offset
-        self.activation_shape = tuple(activation_shape)
-        self.dtype, self.device, self.group = dtype, torch.device(device), group
+        self.sizes = {prev_rank: int(sizes[0]), next_rank: int(sizes[1])}
+        self.device, self.group = torch.device(device), group
         self.before_send = before_send
         self.stage = stage  # for messages only
         # Oldest first: the activation of micro-batch i is F(i), the gradient of its input B(i),
@@ -204,8 +206,9 @@ class Link:
         """The rank ``action``'s output goes to (None at the pipeline's ends)."""
         return self.next_rank if action.kind is Kind.F else self.prev_rank
 
-    def buffer(self) -> torch.Tensor:
-        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+    def buffer(self, src: int) -> torch.Tensor:
+        """A buffer for the next message from ``src``."""
+        return torch.empty(self.sizes[src], dtype=torch.uint8, device=self.device)
 
     def receive(self, src: int) -> torch.Tensor:
         """The next activation or gradient from ``src``: the posted receive if there is one."""
@@ -215,7 +218,7 @@ class Link:
             self._posted = None
             work.wait()
             return buffer
-        buffer = self.buffer()
+        buffer = self.buffer(src)
         dist.recv(buffer, src=src - self.rank_offset, group=self.group, tag=TENSOR_TAG)
         return buffer
 
@@ -225,7 +228,7 @@ class Link:
             self.before_send(dst, tensor)  # an emulated link's transfer time
         if self.source(following) == dst:
             assert self._posted is None, self._posted
-            buffer, peer = self.buffer(), dst - self.rank_offset
+            buffer, peer = self.buffer(dst), dst - self.rank_offset
             works = dist.batch_isend_irecv(
                 [
                     dist.P2POp(dist.isend, tensor, peer, self.group, TENSOR_TAG),

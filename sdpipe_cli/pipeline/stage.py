@@ -57,7 +57,8 @@ class PipelineStage(OnExecutor):
             if action.kind is Kind.F:
                 x, y, outgoing = ex.forward(action, i, inputs, targets, scale=m)
                 if ex.is_last:
-                    total = y.detach() if total is None else total + y.detach()
+                    loss = y.detach() / ex.loss_scale if ex.loss_scale != 1 else y.detach()
+                    total = loss if total is None else total + loss
                 stash[i] = (x, y)
             else:
                 x, y = stash.pop(i)

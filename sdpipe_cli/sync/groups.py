@@ -91,12 +91,20 @@ class GroupCache:
         self._groups.pop(self._key(ranks, incarnations), None)
 
 
+def statistics(module: nn.Module) -> list[torch.Tensor]:
+    """The module's floating-point buffers: normalisation layers' running statistics, which are
+    part of a replica as much as its weights (BatchNorm evaluates with them). Integer buffers
+    (BatchNorm's batch count) stay each replica's own."""
+    return [b for b in module.buffers() if b.is_floating_point()]
+
+
 def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) -> None:
-    """Replace each parameter by the mean over ``ranks`` (one flat all-reduce, exact weights 1/n).
+    """Replace each parameter (and running statistic) by the mean over ``ranks`` (one flat
+    all-reduce, exact weights 1/n).
 
     The all-reduce works on a flat copy; the parameters change only once it completed.
     """
-    average_tensors(list(module.parameters()), groups, ranks)
+    average_tensors(list(module.parameters()) + statistics(module), groups, ranks)
 
 
 def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list[int],

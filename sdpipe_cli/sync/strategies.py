@@ -38,6 +38,7 @@ from torch.nn.utils import vector_to_parameters
 from sdpipe_cli.core.grouping import gossip_peer
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.sync.groups import (GroupCache, average_parameters, average_tensors, flatten,
+                                    statistics,
                                     unflatten)
 from sdpipe_cli.runtime import store
 from sdpipe_cli.model import optim
@@ -50,6 +51,9 @@ class Sync:
 
     name = "none"
     local_step = True  # whether the worker applies its own optimizer step (not with a PS)
+    # whether replicas' weights are averaged in groups of one stage (a tied weight's copies on
+    # different stages then drift apart and are averaged again: training/tied.py)
+    mixes_weights = False
     # Whether the scheduler picks the checkpoints (replicas are consistent only at its global
     # syncs): if not, every replica stops at the same iterations, and a checkpoint may fall on any
     # multiple of ``checkpoint.every`` and at the end of the run.
@@ -113,16 +117,18 @@ class AllReduceSync(Sync):
         return bool(flag.item())
 
     def after_backward(self, module: nn.Module, step: int) -> None:
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        if not grads:
+        # The gradients, and the normalisation layers' running statistics (averaged where DDP
+        # broadcasts rank 0's: every replica then evaluates with the same, better estimate).
+        tensors = [p.grad for p in module.parameters() if p.grad is not None] + statistics(module)
+        if not tensors:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
         self.groups.all_reduce(flat, self.replicas)
         flat /= self.size
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class GroupSync(Sync):
@@ -135,6 +141,7 @@ class GroupSync(Sync):
 
     name = "sdpipe"
     scheduled_checkpoints = True
+    mixes_weights = True
 
     def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
                  pipelines: int, groups: GroupCache, average: str = "weights_grads",
@@ -187,7 +194,7 @@ class GroupSync(Sync):
         if len(members) > 1:
             ranks = [p * self.stages + self.stage for p in members]
             params = list(module.parameters())
-            tensors = list(params)
+            tensors = params + statistics(module)
             if grads:
                 for p in params:
                     if p.grad is None:
@@ -227,7 +234,8 @@ class GroupSync(Sync):
     def _state(self, module: nn.Module) -> list[torch.Tensor]:
         """What a replica is: its weights and its optimizer's state, in a fixed order."""
         params = list(module.parameters())
-        return params + (optim.state_tensors(self.optimizer, params) if self.optimizer else [])
+        return params + statistics(module) + (optim.state_tensors(self.optimizer, params)
+                                              if self.optimizer else [])
 
     def _give_heal(self, module: nn.Module, target: dict[str, int]) -> None:
         """Send this replica's state to a restarted one (the scheduler chose us as its source)."""
@@ -297,6 +305,7 @@ class GossipSync(Sync):
     """
 
     name = "adpsgd"
+    mixes_weights = True
 
     def __init__(self, groups: GroupCache, pipeline: int, pipelines: int, stage: int, stages: int,
                  seed: int, agree: AllReduceSync):
@@ -338,6 +347,7 @@ class PSSync(Sync):
 
     name = "ps"
     local_step = False
+    mixes_weights = True
     PUSH, LEAVE = 0, 1
     HEADER_TAG, DATA_TAG = 11, 12  # distinct tags: the server receives headers from any source
 

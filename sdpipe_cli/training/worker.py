@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -25,7 +26,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from sdpipe_cli.config.schema import objective
 from sdpipe_cli.core.cadence import Cadence
+from sdpipe_cli.core.loss_scale import LossScale
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
@@ -33,11 +36,13 @@ from sdpipe_cli.pipeline.stage import PipelineStage
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
+from sdpipe_cli.training.tied import TiedCopies
 from sdpipe_cli.model import checkpoint, data, models, optim
 
 __all__ = ["Worker", "param_digest"]
 
 log = logging.getLogger("sdpipe.worker")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtypes
 
 
 def param_digest(module: nn.Module) -> str:
@@ -71,6 +76,7 @@ class Worker:
         self.cadence = Cadence.from_config(cfg)
         p, s = where.pipeline, where.stage
         self.module = models.build_stage_module(cfg, s).to(device)
+        self.ties = TiedCopies(models.stage_ties(cfg, s), where, incarnation)
         self.optimizer = optim.build_optimizer(self.module.parameters(), cfg)
         self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
@@ -89,17 +95,22 @@ class Worker:
         if self.tracer is not None:  # around the emulation's: a slow compute shows as compute
             on_action, before_send, before_action = self.tracer.hooks(on_action, before_send)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
+        boundaries = models.stage_boundaries(cfg, data.example(cfg, mb)[0], s)
+        low = PRECISIONS[cfg.train.precision]
+        if low is not None:  # activations and their gradients travel in the low precision
+            boundaries = tuple(None if b is None else b.with_floats(low) for b in boundaries)
         self.stage = PipelineStage(
             self.module, stage=s, num_stages=where.stages,
-            prev_rank=where.prev_rank, next_rank=where.next_rank,
-            activation_shape=models.activation_shape(cfg.model, mb),
-            device=device, loss_fn=models.loss_fn, before_action=before_action,
+            prev_rank=where.prev_rank, next_rank=where.next_rank, boundaries=boundaries,
+            device=device, loss_fn=models.loss_function(cfg.model), before_action=before_action,
             on_action=on_action, before_send=before_send, rank_offset=rank_offset,
+            autocast=low, checkpointing=cfg.pipeline.activation_checkpointing,
         )
-        self.corpus = None
+        self.loss_scale = LossScale() if cfg.train.precision == "fp16" else None
+        self.classify = objective(cfg) == "classify"
+        self.source = None
         if where.first or where.last:  # middle stages never touch data
-            self.corpus = data.load_corpus(cfg.data, cfg.train.seed)
-            data.check_corpus(self.corpus, cfg.model.seq_len)
+            self.source = data.open_source(cfg)
         self.run_dir = Path(cfg.run.dir)
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
@@ -142,14 +153,20 @@ class Worker:
     def microbatches(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [t.to(self.device) for t in x.chunk(self.cfg.pipeline.microbatches)]
 
+    def _scaled(self) -> None:
+        """fp16: the loss scale the last stage multiplies by for the coming backward."""
+        if self.loss_scale is not None:
+            self.stage.executor.loss_scale = self.loss_scale.value
+
     def batch(self, step: int) -> tuple[Optional[list[torch.Tensor]], Optional[list[torch.Tensor]]]:
         """Iteration ``step``'s micro-batches this stage needs: inputs on the first stage, targets
         on the last, None elsewhere."""
-        if self.corpus is None:
+        self._scaled()
+        if self.source is None:
             return None, None
         cfg, w = self.cfg, self.where
-        x, y = data.train_batch(self.corpus, w.pipeline, w.pipelines, cfg.train.batch_size,
-                                cfg.model.seq_len, cfg.train.seed, step)
+        x, y = self.source.train_batch(w.pipeline, w.pipelines, cfg.train.batch_size,
+                                       cfg.train.seed, step)
         return (self.microbatches(x) if w.first else None,
                 self.microbatches(y) if w.last else None)
 
@@ -178,26 +195,35 @@ class Worker:
         model would. ``clip_over_pipeline=False`` clips by this stage's own norm (asynchronous
         1F1B, whose stages update at different times: see :mod:`sdpipe_cli.training.async_loop`).
         """
+        if self.loss_scale is not None:  # before any average: replicas may differ in scale
+            optim.scale_gradients(self.module.parameters(), 1.0 / self.loss_scale.value)
+        self.ties.reduce_gradients(self.module, self.pipeline_groups)
         start, clock = time.perf_counter(), time.time() - self.t0
         self.sync.after_backward(self.module, round)
         sync_s = time.perf_counter() - start
         self._trace_sync(clock, clock + sync_s)
-        if self.cfg.train.grad_clip > 0:
+        step = True
+        if self.cfg.train.grad_clip > 0 or self.loss_scale is not None:
             ranks = self.where.pipeline_ranks()
             over_stages = clip_over_pipeline and len(ranks) > 1
             with self._traced("clip", "update"):
-                optim.clip_gradients(self.module.parameters(), self.cfg.train.grad_clip,
-                                     (lambda t: self.pipeline_groups.all_reduce(
-                                         t, ranks, incarnations=[self.incarnation] * len(ranks)))
-                                     if over_stages else None)
+                norm = optim.clip_gradients(
+                    self.module.parameters(), self.cfg.train.grad_clip or float("inf"),
+                    (lambda t: self.pipeline_groups.all_reduce(
+                        t, ranks, incarnations=[self.incarnation] * len(ranks)))
+                    if over_stages else None, exclude=self.ties.counted_elsewhere(self.module))
+            if self.loss_scale is not None:  # the same norm, so the same verdict, on every stage
+                step = self.loss_scale.update(math.isfinite(norm))
         # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
         self.lr = optim.lr_at(self.sync.position(iteration), self.cfg)
         optim.set_lr(self.optimizer, self.lr)
-        if self.sync.local_step:
+        if self.sync.local_step and step:
             with self._traced("optimizer step", "update"):
                 self.optimizer.step()
         start, clock = time.perf_counter(), time.time() - self.t0
         self.sync.after_step(self.module, round)
+        if self.sync.mixes_weights:
+            self.ties.retie(self.module, self.pipeline_groups)
         after_s = time.perf_counter() - start
         self._trace_sync(clock, clock + after_s)
         return sync_s + after_s
@@ -268,21 +294,29 @@ class Worker:
     def evaluate(self, step: int) -> None:
         """Validation loss of this pipeline's replica on the fixed validation batches."""
         cfg, w = self.cfg, self.where
-        batches = [(None, None)] * cfg.data.eval_batches
-        if self.corpus is not None:
-            batches = data.val_batches(self.corpus, cfg.data.eval_batches, cfg.train.batch_size,
-                                       cfg.model.seq_len, cfg.train.seed)
+        batches = [(None, None)] * data.val_count(cfg)
+        if self.source is not None:
+            batches = self.source.val_batches(data.val_count(cfg), cfg.train.batch_size,
+                                              cfg.train.seed)
         self.module.eval()
-        losses = []
+        losses, hits = [], [0, 0]
+
+        def observe(output: torch.Tensor, target: torch.Tensor) -> None:
+            counted = target != models.IGNORE_INDEX
+            hits[0] += int((output.argmax(-1) == target)[counted].sum())
+            hits[1] += int(counted.sum())
+
         for x, y in batches:
             loss = self.stage.forward_only(self.microbatches(x) if w.first else None,
                                            self.microbatches(y) if w.last else None,
-                                           microbatches=cfg.pipeline.microbatches)
+                                           microbatches=cfg.pipeline.microbatches,
+                                           observe=observe if self.classify else None)
             losses.append(loss)
         self.module.train()
         if w.last:
+            extra = {"val_accuracy": hits[0] / hits[1]} if self.classify and hits[1] else {}
             self.emit("eval", step=step, val_loss=sum(losses) / len(losses),
-                      samples=step * cfg.train.batch_size)
+                      samples=step * cfg.train.batch_size, **extra)
 
     # -- events ----------------------------------------------------------------------------------
     def started(self) -> None:

@@ -69,7 +69,7 @@ def make_stage(stage, stages, blocks, m, ranks=None, **hooks):
         num_stages=stages,
         prev_rank=ranks[stage - 1] if stage > 0 else None,
         next_rank=ranks[stage + 1] if stage < stages - 1 else None,
-        activation_shape=(BATCH // m, SEQ, WIDTH),
+        boundaries=(BATCH // m, SEQ, WIDTH),
         device=torch.device("cpu"),
         loss_fn=loss_fn,
         **hooks,
@@ -168,7 +168,7 @@ def test_wrong_activation_shape_fails_before_sending():
     # Built for one micro-batch (BATCH rows), run with two of BATCH // 2 rows each.
     pipe = make_stage(0, 2, make_blocks(), 1, ranks=[0, 1])
     tokens, _ = make_batch()
-    with pytest.raises(RuntimeError, match="activation"):
+    with pytest.raises(RuntimeError, match="must keep its shape"):
         pipe.run(get_schedule("gpipe")(2, 2, 0), inputs=list(tokens.chunk(2)))
 
 

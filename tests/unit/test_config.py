@@ -96,7 +96,12 @@ def test_every_group_option_composes_and_validates(override):
     group, option = override.split("=")
     # a cluster of real machines needs to know which node this is, and a fixed port
     real = ["run.node=node0", "run.port=29500"] if override == "cluster=gpu_2node" else []
-    cfg = compose([override, *real])
+    # what some options need beside them: images for a classifier, a callable for a custom model
+    needs = {"model=resnet18": ["data=digits"], "model=resnet50": ["data=digits"],
+             "model=resnet_cifar": ["data=digits"], "data=digits": ["model=resnet_cifar"],
+             "model=custom": ["model._target_=torch.nn.Sequential"],
+             "train=digits": ["model=resnet_cifar", "data=digits"]}
+    cfg = compose([override, *real, *needs.get(override, [])])
     validate(cfg)
     if group in ("model", "data", "cluster", "sync"):
         assert cfg[group].name == option

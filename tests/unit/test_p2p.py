@@ -54,7 +54,7 @@ class FakeWork:
 
 def link_with(*entries):
     """A middle stage's link (previous rank 0, next rank 2) holding ``(what, dst)`` sends."""
-    link = Link(0, 2, (1,), torch.float32, CPU, stage=1)
+    link = Link(0, 2, (4, 4), CPU, stage=1)
     for what, dst in entries:
         link._sends.append(Pending(what, dst, [FakeWork()], torch.zeros(1)))
     return link
@@ -97,7 +97,7 @@ def test_gradient_sends_kept_up_to_the_bound_oldest_first():
 
 
 def test_link_directions():
-    link = Link(0, 2, (1,), torch.float32, CPU)
+    link = Link(0, 2, (4, 4), CPU)
     assert link.source(Action("F", 0)) == 0 and link.source(Action("B", 0)) == 2
     assert link.destination(Action("F", 0)) == 2 and link.destination(Action("B", 0)) == 0
     assert link.source(None) is None and link.idle
