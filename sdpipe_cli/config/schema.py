@@ -449,10 +449,13 @@ def _gather_kwargs(cfg: DictConfig) -> None:
     if cfg.model.get("arch") != "custom":
         return
     known = set(OmegaConf.structured(ModelConfig).keys())
-    with open_dict(cfg):
-        for key in [k for k in cfg.model.keys() if k not in known]:
-            cfg.model.kwargs[key] = cfg.model[key]
-            del cfg.model[key]
+    node = OmegaConf.to_container(cfg.model)
+    extra = {k: node.pop(k) for k in list(node) if k not in known}
+    if extra:
+        node["kwargs"] = {**node.get("kwargs", {}), **extra}
+        with open_dict(cfg):
+            # a structured node cannot drop keys; it can be replaced
+            cfg.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), node)
 
 
 def schema_for(sync: str) -> DictConfig:

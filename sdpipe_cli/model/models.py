@@ -270,10 +270,18 @@ def loss_function(model_cfg: DictConfig) -> Callable[[Any, Any], torch.Tensor]:
 # -- helpers ---------------------------------------------------------------------------------------
 
 def _import(target: Any, key: str) -> Any:
+    """The object ``target`` names, importable from ``PYTHONPATH`` or the current folder (as for
+    ``python -m``: run processes are forks of a server whose import path was fixed earlier)."""
+    import os
+    import sys
+
     from hydra.utils import get_object
 
     if not target or not isinstance(target, str):
         raise ConfigError(key, "name an importable callable, e.g. mypkg.models.build")
+    for folder in [*os.environ.get("PYTHONPATH", "").split(os.pathsep), os.getcwd()]:
+        if folder and folder not in sys.path:
+            sys.path.append(folder)
     try:
         obj = get_object(target)
     except Exception as err:  # ImportError, AttributeError, or the module's own failure

@@ -113,13 +113,15 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float,
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params if id(p) not in exclude]
-    device = grads[0].device if grads else torch.device("cpu")
-    local = (torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads
-             else torch.zeros((), device=device))
-    squared = local.detach().to(torch.float64).pow(2).reshape(1)
+    device = params[0].grad.device if params else torch.device("cpu")
+    # Squared norms in float64, summed: the same total (to float64 rounding) however the model
+    # is cut into stages, so the clipping factor, and the training, do not depend on the cut.
+    squared = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        squared += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).pow(2)
     if sum_over_stages is not None:
         sum_over_stages(squared)
-    total = squared.sqrt().to(local.dtype).reshape(())
+    total = squared.sqrt().to(torch.float32).reshape(())
     if params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return float(total)

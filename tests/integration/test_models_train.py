@@ -1,0 +1,153 @@
+"""Users' models end to end: the built-in ResNets and transformers, a model of one's own, bad input.
+
+Exactness: with one pipeline and all-reduce, cutting a model (BatchNorm, tied embeddings, an
+attention mask) into 1, 2 or 4 stages must not change the loss at any step. Tied weights stay
+bit-identical between the stages that hold a copy, under lock-step and semi-decentralized sync.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from tests.helpers import metrics, sdpipe
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 5
+EXACT = ("sync=allreduce", "cluster.pipelines=1", f"train.steps={STEPS}", "train.eval_every=0",
+         "train.batch_size=8", "pipeline.microbatches=4", "train.warmup=1")
+MODELS = {
+    "resnet_cifar": ("model=resnet_cifar", "data=digits", "train.optimizer=sgd", "train.lr=0.05"),
+    "bert_tiny": ("model=bert_tiny", "data=synthetic", "train.lr=3e-3"),
+}
+
+
+def losses(run_dir, *overrides: str) -> list[float]:
+    out = sdpipe("train", f"run.dir={run_dir}", *overrides)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(metrics(run_dir, "train"), key=lambda m: m["step"])
+    return [m["loss"] for m in lines]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_cutting_a_model_into_stages_keeps_every_loss(tmp_path, model):
+    reference = losses(tmp_path / "s1", *EXACT, *MODELS[model], "pipeline.stages=1")
+    assert len(reference) == STEPS
+    for stages in (2, 4):
+        got = losses(tmp_path / f"s{stages}", *EXACT, *MODELS[model], f"pipeline.stages={stages}")
+        assert got == pytest.approx(reference, rel=0, abs=1e-5), stages
+
+
+def tied_copies(run_dir, pipeline: int) -> tuple[torch.Tensor, torch.Tensor]:
+    first = torch.load(run_dir / "final" / f"p{pipeline}-s0.pt")
+    last = torch.load(run_dir / "final" / f"p{pipeline}-s1.pt")
+    (emb,) = [v for k, v in first.items() if k.endswith("word_embeddings.weight")]
+    (dec,) = [v for k, v in last.items() if k.endswith("decoder.weight")]
+    return emb, dec
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "sdpipe"])
+def test_tied_embeddings_stay_bit_identical_across_stages(tmp_path, sync):
+    out = sdpipe("train", f"run.dir={tmp_path}", "model=bert_tiny", "data=synthetic", f"sync={sync}",
+                 "train.steps=20", "train.eval_every=0", "train.batch_size=8",
+                 "pipeline.stages=2", "run.save_final=true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for p in range(2):
+        emb, dec = tied_copies(tmp_path, p)
+        assert torch.equal(emb, dec), (sync, p, (emb - dec).abs().max())
+    train = [m for m in metrics(tmp_path, "train") if "loss" in m]
+    assert train[-1]["loss"] < train[0]["loss"]
+
+
+USER_MODEL = '''
+    """A user's model: the width changes between blocks and a tuple crosses stages."""
+    import torch
+    from torch import nn
+
+    class Embed(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.emb = nn.Embedding(256, width)
+        def forward(self, ids):
+            return self.emb(ids), (ids % 2).to(torch.int64)  # hidden states and an integer side input
+
+    class Widen(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.fc = nn.Linear(width, 2 * width)
+        def forward(self, pair):
+            h, parity = pair
+            return torch.relu(self.fc(h)) + parity.unsqueeze(-1), parity
+
+    class Narrow(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.fc = nn.Linear(2 * width, width)
+        def forward(self, pair):
+            return self.fc(pair[0])
+
+    def build(width=16):
+        return nn.Sequential(Embed(width), Widen(width), Narrow(width), nn.Linear(width, 256))
+'''
+
+
+def test_a_model_of_ones_own_trains_on_three_stages(tmp_path, monkeypatch):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "user_nets.py").write_text(textwrap.dedent(USER_MODEL))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    run = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run}", "model=custom", "model._target_=user_nets.build",
+                 "+model.width=24", "data=synthetic", "model.seq_len=16", "cluster.pipelines=2",
+                 "pipeline.stages=3", "sync=sdpipe", "train.steps=30", "train.eval_every=0",
+                 "train.batch_size=8", "train.lr=1e-2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    train = [m for m in metrics(run, "train") if "loss" in m]
+    first = [m["loss"] for m in train[:4]]
+    last = [m["loss"] for m in train[-4:]]
+    assert sum(last) / 4 < sum(first) / 4 - 0.5, (first, last)
+
+
+def test_bad_models_are_one_line_and_exit_2(tmp_path, monkeypatch):
+    (tmp_path / "bad_nets.py").write_text(textwrap.dedent('''
+        from torch import nn
+        def empty():
+            return nn.Sequential()
+        def misfit():
+            return [nn.Embedding(256, 8), nn.Linear(9, 256)]
+        def two():
+            return [nn.Embedding(256, 8), nn.Linear(8, 256)]
+    '''))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    cases = {
+        "model._target_=bad_nets.nothing": "model._target_: cannot import 'bad_nets.nothing'",
+        "model._target_=bad_nets.empty": "model._target_: bad_nets.empty returned no blocks",
+        "model._target_=bad_nets.misfit": "model: block 1 (block1) fails on block0's output (4, 64, 8)",
+        "model._target_=bad_nets.two pipeline.stages=3": "pipeline.stages: is 3 but model custom has only 2 blocks",
+    }
+    for case, message in cases.items():
+        run = tmp_path / f"run-{len(message)}"
+        out = sdpipe("train", "model=custom", *case.split(), f"run.dir={run}", "cluster.pipelines=1")
+        assert out.returncode == 2, (case, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("sdpipe: error: "), (case, out.stderr)
+        assert message in lines[0], (case, lines[0])
+        assert not run.exists()
+
+
+def test_a_missing_extra_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("transformers", "sklearn") else real(name, *a))
+    for args, message in (
+            (["model=gpt2"], "model.arch: gpt2 needs Hugging Face transformers: pip install -e '.[hf]'"),
+            (["model=resnet_cifar", "data=digits"],
+             "data.name: digits needs scikit-learn: pip install -e '.[digits]'")):
+        out = sdpipe("train", *args, f"run.dir={tmp_path / 'run'}")
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0] == f"sdpipe: error: {message}"
+        assert not (tmp_path / "run").exists()

@@ -1,0 +1,180 @@
+"""Any model as blocks: the registry, custom callables, losses, tied weights, stage boundaries."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from sdpipe_cli.config.schema import ConfigError, compose, validate
+from sdpipe_cli.model import models
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module of the user's own, outside the package, importable from PYTHONPATH."""
+    (tmp_path / "my_models.py").write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        class Pair(nn.Module):
+            def forward(self, x):
+                return x.float(), x.sum(-1)
+
+        class Use(nn.Module):
+            def forward(self, pair):
+                return pair[0] * 2
+
+        class Tied:
+            def __init__(self, width):
+                self.emb = nn.Embedding(10, width)
+                self.head = nn.Linear(width, 10, bias=False)
+                self.head.weight = self.emb.weight
+            def pipeline_blocks(self):
+                return [self.emb, nn.Linear(8, 8), self.head], ["emb", "mid", "head"]
+
+        def sequential(width=4):
+            return nn.Sequential(nn.Linear(width, 8), nn.ReLU(), nn.Linear(8, 3))
+
+        def as_list():
+            return [Pair(), Use()]
+
+        def tied(width=8):
+            return Tied(width)
+
+        def empty():
+            return []
+
+        def not_modules():
+            return [1, 2]
+
+        def wrong_kind():
+            return "model"
+
+        def bad_fit():
+            return [nn.Linear(4, 8), nn.Linear(5, 2)]
+
+        def reads_values():
+            class Item(nn.Module):
+                def forward(self, x):
+                    return x * float(x.abs().max().item() > -1)
+            return [nn.Linear(4, 4), Item(), nn.Linear(4, 2)]
+
+        def my_loss(output, target, weight=1.0):
+            return weight * torch.nn.functional.cross_entropy(output, target)
+    '''))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    yield "my_models"
+    sys.modules.pop("my_models", None)
+    if str(tmp_path) in sys.path:
+        sys.path.remove(str(tmp_path))
+
+
+def custom(target: str, *more: str):
+    cfg = compose(["model=custom", f"model._target_={target}", "cluster.pipelines=1",
+                   "pipeline.stages=1", *more])
+    validate(cfg)
+    return cfg
+
+
+def test_a_sequential_a_list_and_pipeline_blocks_all_give_named_blocks(user_module):
+    blocks, names = models.build(custom(f"{user_module}.sequential", "+model.width=4").model)
+    assert [type(b) for b in blocks] == [nn.Linear, nn.ReLU, nn.Linear] and names == ["0", "1", "2"]
+    blocks, names = models.build(custom(f"{user_module}.as_list").model)
+    assert len(blocks) == 2 and names == ["block0", "block1"]
+    blocks, names = models.build(custom(f"{user_module}.tied").model)
+    assert names == ["emb", "mid", "head"]
+
+
+def test_extra_model_keys_become_the_callables_keyword_arguments(user_module):
+    cfg = custom(f"{user_module}.sequential", "+model.width=6")
+    assert cfg.model.kwargs == {"width": 6} and "width" not in cfg.model
+    assert models.build(cfg.model)[0][0].in_features == 6
+    with pytest.raises(ConfigError, match="model.kwargs: .*unexpected keyword"):
+        models.build(custom(f"{user_module}.as_list", "+model.depth=3").model)
+
+
+@pytest.mark.parametrize("target, message", [
+    ("nowhere.build", "model._target_: cannot import 'nowhere.build'"),
+    ("{m}.missing", "model._target_: cannot import"),
+    ("{m}.empty", "returned no blocks"),
+    ("{m}.not_modules", "returned a block that is not a torch.nn.Module"),
+    ("{m}.wrong_kind", "returned a str; return a torch.nn.Sequential"),
+])
+def test_a_target_that_builds_no_blocks_is_one_line_naming_the_key(user_module, target, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        models.build(custom(target.format(m=user_module)).model)
+    assert "\n" not in str(err.value)
+
+
+def test_a_custom_model_needs_its_target():
+    with pytest.raises(ConfigError, match="model._target_"):
+        validate(compose(["model=custom"]))
+
+
+def test_boundaries_are_inferred_per_block_and_a_misfit_names_the_block(user_module):
+    cfg = custom(f"{user_module}.as_list")
+    (b,) = models.boundaries(cfg, torch.zeros(2, 5, dtype=torch.int64))
+    assert str(b) == "((2, 5) float32, (2,) int64)"
+    with pytest.raises(ConfigError, match=r"block 1 \(block1\) fails on block0's output \(2, 8\) float32"):
+        models.boundaries(custom(f"{user_module}.bad_fit"), torch.zeros(2, 4))
+
+
+def test_a_model_that_reads_values_is_traced_for_real(user_module):
+    cfg = custom(f"{user_module}.reads_values")  # .item() has no meta version
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    assert [str(b) for b in models.boundaries(cfg, torch.zeros(3, 4))] == ["(3, 4) float32"] * 2
+    assert torch.equal(state, torch.get_rng_state())  # the real trace leaves the RNG as it was
+
+
+def test_tied_parameters_are_found_by_identity_and_untied_on_request(user_module):
+    cfg = custom(f"{user_module}.tied")
+    blocks, _ = models.build(cfg.model)
+    assert models.tied_parameters(blocks) == [((0, "weight"), (2, "weight"))]
+    cfg.model.tie_embeddings = False
+    blocks, _ = models.build(cfg.model)
+    assert models.tied_parameters(blocks) == []
+    assert torch.equal(blocks[0].weight, blocks[2].weight)  # equal, but two parameters
+
+
+def test_stage_ties_name_the_copy_in_each_stage(user_module):
+    cfg = custom(f"{user_module}.tied")
+    cfg.pipeline.partition = [1, 2]
+    cfg.pipeline.stages = 3
+    assert models.stage_ties(cfg, 0) == [((0, 2), "0.weight")]
+    assert models.stage_ties(cfg, 1) == []
+    assert models.stage_ties(cfg, 2) == [((0, 2), "0.weight")]
+    cfg.pipeline.partition = [2, 2][:0] + [2]
+    cfg.pipeline.stages = 2
+    assert models.stage_ties(cfg, 0) == [((0, 1), "0.weight")]
+
+
+def test_losses_by_name_function_or_class(user_module):
+    out, target = torch.randn(4, 3), torch.tensor([0, 1, 2, 1])
+    ce = models.loss_function(OmegaConf.create({"loss": "cross_entropy"}))
+    torch.testing.assert_close(ce(out, target), nn.functional.cross_entropy(out, target))
+    fn = models.loss_function(OmegaConf.create({"loss": {"_target_": f"{user_module}.my_loss",
+                                                         "weight": 2.0}}))
+    torch.testing.assert_close(fn(out, target), 2 * nn.functional.cross_entropy(out, target))
+    cls = models.loss_function(OmegaConf.create({"loss": {"_target_": "torch.nn.MSELoss"}}))
+    assert isinstance(cls, nn.MSELoss)
+    with pytest.raises(ConfigError, match="model.loss"):
+        models.loss_function(OmegaConf.create({"loss": "hinge"}))
+
+
+def test_cross_entropy_ignores_minus_100_and_works_per_token():
+    logits, target = torch.randn(2, 3, 5), torch.tensor([[1, -100, 2], [-100, -100, 4]])
+    kept = target != -100
+    manual = nn.functional.cross_entropy(logits[kept], target[kept])
+    torch.testing.assert_close(models.cross_entropy(logits, target), manual)
+
+
+@pytest.mark.parametrize("arch, blocks", [("resnet_cifar", 11), ("resnet18", 10), ("resnet50", 18)])
+def test_resnet_block_counts_match_the_schema(arch, blocks):
+    cfg = compose([f"model={arch}", "data=digits", "model.num_classes=10"])
+    assert models.count_blocks(cfg.model) == blocks
