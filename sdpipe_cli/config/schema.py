@@ -278,6 +278,7 @@ class TrainConfig:
     # fp32 | bf16 | fp16: autocast of each stage's compute, fp32 weights and optimizer state;
     # fp16 scales the loss (dynamic, one skip-or-step decision per pipeline and sync group)
     precision: str = "fp32"
+    loss_scale: float = 65536.0  # fp16: the initial loss scale (halved on overflow, doubled after 2000 good steps)
     # Max norm of the whole model's gradient, summed over a pipeline's stages (per stage under
     # async_1f1b, whose stages update at different times); 0 disables
     grad_clip: float = 1.0
@@ -583,6 +584,7 @@ def validate(cfg: DictConfig) -> None:
     need(0.0 <= t.final_lr <= 1.0, "train.final_lr", "must be in [0, 1] (a fraction of train.lr)")
     need(t.decay_every >= 1, "train.decay_every", "must be at least 1 iteration")
     need(0.0 < t.decay_factor <= 1.0, "train.decay_factor", "must be in (0, 1]")
+    need(t.loss_scale >= 1, "train.loss_scale", "must be at least 1")
     need(t.precision in PRECISIONS, "train.precision",
          f"is '{t.precision}'; choose one of {', '.join(PRECISIONS)}")
     need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")

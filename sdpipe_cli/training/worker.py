@@ -106,7 +106,8 @@ class Worker:
             on_action=on_action, before_send=before_send, rank_offset=rank_offset,
             autocast=low, checkpointing=cfg.pipeline.activation_checkpointing,
         )
-        self.loss_scale = LossScale() if cfg.train.precision == "fp16" else None
+        self.loss_scale = (LossScale(float(cfg.train.loss_scale)) if cfg.train.precision == "fp16"
+                           else None)
         self.classify = objective(cfg) == "classify"
         self.source = None
         if where.first or where.last:  # middle stages never touch data
@@ -329,6 +330,8 @@ class Worker:
         if not self.cadence.log_after(step):
             return
         fields = {"loss": loss} if self.where.last and loss is not None else {}
+        if self.loss_scale is not None:
+            fields.update(loss_scale=self.loss_scale.value, skipped_steps=self.loss_scale.skipped)
         self.emit("step", step=step, samples=step * self.cfg.train.batch_size,
                   samples_per_s=rate, lr=self.lr, step_s=step_s, compute_s=step_s - sync_s,
                   sync_s=sync_s, straggled=self.slowdown.straggled, **extra,

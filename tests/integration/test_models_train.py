@@ -151,3 +151,28 @@ def test_a_missing_extra_is_one_line_and_exit_2(tmp_path, monkeypatch):
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and lines[0] == f"sdpipe: error: {message}"
         assert not (tmp_path / "run").exists()
+
+
+def test_activation_checkpointing_recomputes_the_same_training(tmp_path):
+    base = (*EXACT, *MODELS["bert_tiny"], "pipeline.stages=2")
+    plain = losses(tmp_path / "plain", *base)
+    again = losses(tmp_path / "ckpt", *base, "pipeline.activation_checkpointing=true")
+    assert again == plain
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_and_fp16_skips_together(tmp_path, precision):
+    # fp16 starts from a scale that overflows, so that it must skip steps and shrink it
+    out = sdpipe("train", f"run.dir={tmp_path}", "model=mlp", "data=synthetic", "train.steps=30",
+                 "train.eval_every=0", "pipeline.stages=2", f"train.precision={precision}",
+                 f"train.loss_scale={2.0 ** 26}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = metrics(tmp_path, "train")
+    train = [m["loss"] for m in lines if "loss" in m]
+    assert all(map(lambda v: v == v and abs(v) < 1e6, train)) and train[-1] < train[0] - 0.5
+    if precision == "fp16":  # every stage of a pipeline made the same skip-or-step decisions
+        by = {}
+        for m in lines:
+            by.setdefault((m["pipeline"], m["step"]), set()).add((m["skipped_steps"], m["loss_scale"]))
+        assert by and all(len(v) == 1 for v in by.values()), by
+        assert max(m["skipped_steps"] for m in lines) > 0

@@ -27,15 +27,30 @@ def test_schedule_warms_up_then_decays_to_a_tenth():
     assert optim.lr_at(-0.5, cfg) == optim.lr_at(0, cfg)
 
 
-SCHEDULE = _cfg("train.lr=1.0", "train.warmup=10", "train.steps=400")
+def test_step_linear_and_constant_schedules():
+    step = _cfg("train.lr=1.0", "train.warmup=5", "train.schedule=step", "train.decay_every=30",
+                "train.decay_factor=0.2")
+    assert optim.lr_at(4, step) == pytest.approx(1.0)
+    assert [optim.lr_at(5 + k, step) for k in (0, 29, 30, 59, 60)] == pytest.approx(
+        [1.0, 1.0, 0.2, 0.2, 0.04])
+    linear = _cfg("train.lr=1.0", "train.warmup=0", "train.steps=100", "train.schedule=linear",
+                  "train.final_lr=0")
+    assert [optim.lr_at(k, linear) for k in (0, 50, 100, 200)] == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    constant = _cfg("train.lr=0.3", "train.warmup=2", "train.schedule=constant")
+    assert [optim.lr_at(k, constant) for k in (0, 1, 2, 10_000)] == pytest.approx([0.15, 0.3, 0.3, 0.3])
 
 
-@settings(deadline=None)
-@given(st.floats(0, 1000), st.floats(0, 1000))
-def test_schedule_never_rises_after_warm_up(a, b):
-    cfg = SCHEDULE
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "step"])
+@settings(deadline=None, max_examples=30)
+@given(a=st.floats(0, 1000), b=st.floats(0, 1000))
+def test_no_schedule_rises_after_warm_up(schedule, a, b):
+    cfg = SCHEDULES[schedule]
     lo, hi = sorted((a + 10, b + 10))
     assert optim.lr_at(hi, cfg) <= optim.lr_at(lo, cfg) + 1e-12
+
+
+SCHEDULES = {s: _cfg("train.lr=1.0", "train.warmup=10", "train.steps=400", f"train.schedule={s}")
+             for s in ("cosine", "linear", "step")}
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])

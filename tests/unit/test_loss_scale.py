@@ -1,0 +1,34 @@
+"""fp16's loss-scale policy: shrink and skip on overflow, grow after a run of good steps."""
+
+from __future__ import annotations
+
+from hypothesis import given, strategies as st
+
+from sdpipe_cli.core.loss_scale import LossScale
+
+
+def test_overflow_halves_and_skips_good_steps_grow():
+    s = LossScale(value=1024.0, growth_interval=3)
+    assert s.update(False) is False and s.value == 512.0 and s.skipped == 1
+    assert [s.update(True) for _ in range(3)] == [True] * 3
+    assert s.value == 1024.0 and s.good_steps == 0
+    s.update(True)
+    s.update(False)  # an overflow restarts the count of good steps
+    assert s.value == 512.0 and s.good_steps == 0
+
+
+@given(st.lists(st.booleans(), max_size=200))
+def test_the_scale_stays_within_bounds_and_every_overflow_is_a_skip(verdicts):
+    s = LossScale(value=2.0 ** 8, growth_interval=5, minimum=1.0)
+    steps = [s.update(v) for v in verdicts]
+    assert steps == verdicts
+    assert s.skipped == verdicts.count(False)
+    assert s.value >= 1.0
+    assert s.value <= 2.0 ** 8 * 2 ** (len(verdicts) // 5)
+
+
+def test_two_stages_fed_the_same_verdicts_hold_the_same_scale():
+    a, b = LossScale(), LossScale()
+    for v in [True, False, True, True, False, False, True]:
+        assert a.update(v) == b.update(v)
+    assert a == b
