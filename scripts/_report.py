@@ -76,3 +76,19 @@ def add_markdown_option(parser: argparse.ArgumentParser, stdout_flag: bool = Fal
     else:
         parser.add_argument("--markdown", type=Path, default=None, metavar="PATH",
                             help="also write the result table as stamped Markdown to PATH")
+
+
+def rows_table(rows: Sequence[dict]) -> str:
+    """A Markdown table of ``rows`` (dicts), one column per key of the first row."""
+    if not rows:
+        return "(no rows)\n"
+    keys = list(rows[0])
+
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "" if value is None else str(value).replace("|", "/")
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

@@ -71,6 +71,9 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
+
 MB = 2 ** 20
 COMBOS = [(precision, ckpt) for precision in ("fp32", "bf16") for ckpt in (False, True)]
 # autograd nodes that only view or cast their one input: a saved tensor reached from a parameter
@@ -406,7 +409,7 @@ def main() -> int:
               "microbatches": args.microbatches, "memory": memory(args)}
     if not args.no_runs:
         result["runs"] = {"steps": args.steps, "pairs": args.pairs, **runs(args)}
-    print(json.dumps(result, indent=1))
+    print(json.dumps({"measured": _report.stamp(), **result}, indent=1))
     return 0
 
 

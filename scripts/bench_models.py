@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
+
 MODELS = {
     "resnet_cifar": ["model=resnet_cifar", "data=digits", "train.optimizer=sgd", "train.lr=0.05"],
     "resnet18": ["model=resnet18", "data=digits", "train.optimizer=sgd", "train.lr=0.05"],
@@ -123,11 +126,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="matrix: 3; mlm: 300")
     parser.add_argument("--target", type=float, default=0.9, help="digits: validation accuracy")
     parser.add_argument("--seed", type=int, default=0)
+    _report.add_markdown_option(parser)
     args = parser.parse_args()
     args.steps = args.steps or (3 if args.what == "matrix" else 300)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = {"matrix": matrix, "digits": digits, "mlm": mlm}[args.what](args)
     (args.out / f"{args.what}.json").write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        print(f"markdown: {_report.write_markdown(args.markdown, _report.rows_table(rows))}")
     failed = [r for r in rows if r["rc"]]
     print(f"{len(rows) - len(failed)} ok, {len(failed)} failed", flush=True)
     return 1 if failed else 0

@@ -66,6 +66,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
+
 DEFAULT_MODEL = "model=gpt_tiny model.d_model=128 model.n_layers=4 model.d_hidden=512 model.seq_len=64"
 GRACE_S = 20.0  # after SIGTERM, before SIGKILL
 
@@ -275,7 +278,7 @@ def main() -> int:
               "median_sdpipe": round(statistics.median(sdpipe), 1),
               "median_torch": round(statistics.median(peer), 1),
               "sdpipe_over_torch": round(statistics.median(sdpipe) / statistics.median(peer), 3)}
-    print(json.dumps(result, indent=1))
+    print(json.dumps({"measured": _report.stamp(), **result}, indent=1))
     return 0
 
 

@@ -653,12 +653,16 @@ def _plan_table(console: Console, plan) -> None:
 def _summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
     again = f" after {restarts} restart{'s' if restarts > 1 else ''}" if restarts else ""
     table = Table(title=f"sdpipe train: done in {wall_s:.1f} s{again}")
-    for col in ("pipeline", "iterations", "samples", "loss", "val_loss", "samples/s"):
+    pipelines = sorted(result.progress.get("pipelines", {}).items(), key=lambda kv: int(kv[0]))
+    accuracy = any(s.get("val_accuracy") is not None for _, s in pipelines)
+    for col in ("pipeline", "iterations", "samples", "loss", "val_loss",
+                *(("val_acc",) if accuracy else ()), "samples/s"):
         table.add_column(col, justify="right")
-    for p, s in sorted(result.progress.get("pipelines", {}).items(), key=lambda kv: int(kv[0])):
+    for p, s in pipelines:
         fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        acc = ("-" if s.get("val_accuracy") is None else f"{100 * s['val_accuracy']:.1f}%",)
         table.add_row(str(p), str(s["steps"]), str(s["samples"]), fmt(s["loss"]),
-                      fmt(s["val_loss"]), f"{s['samples_per_s']:.1f}")
+                      fmt(s["val_loss"]), *(acc if accuracy else ()), f"{s['samples_per_s']:.1f}")
     console.print(table)
     if result.progress.get("mean_group_size") is not None:
         rounds = "; ".join(f"stage {s}: {r}" for s, r in enumerate(result.progress["rounds"]))

@@ -111,6 +111,12 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
         validate_partition(cfg.pipeline.partition, stages, blocks)
     counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
     plan = None
+    if cfg.profile:
+        try:
+            measurements.check_model(measurements.load(cfg.profile), cfg.model.name, blocks,
+                                     cfg.train.batch_size // cfg.pipeline.microbatches)
+        except measurements.ProfileError as err:
+            raise ConfigError("profile", str(err)) from None
     if cfg.pipeline.partition == "auto":
         block_ms = measurements.worker_block_ms(measurements.load(cfg.profile),
                                            Cluster.from_config(cfg.cluster, stages),
@@ -290,7 +296,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
         helpers = [SCHEDULER] if job.helpers and primary else []
         helpers += [PS] if servers and primary else []
-        processes.preload([job.worker, *helpers], base)
+        processes.preload([job.worker, *helpers, *models.imports(cfg.model)], base)
         if job.helpers and primary:
             children.append(spawn(SCHEDULER, "scheduler", "scheduler", run_dir, base))
         def start_worker(rank: int, incarnation: int = 0) -> Child:

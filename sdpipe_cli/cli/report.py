@@ -8,6 +8,7 @@ run's folder, ``report/``):
 
 - ``loss.png``: training loss (at each moment, the mean of every pipeline's latest) and
   validation loss, against wall time and against the samples all pipelines have seen;
+- ``accuracy.png``: validation accuracy of classifiers, against time and samples;
 - ``throughput.png``: samples/s of each pipeline over time;
 - ``groups.png``: sdpipe's group size per stage over time, and its histogram (the paper's view);
 - ``waits.png``: the distribution of the wait for a group and of the group all-reduce (or, for
@@ -198,11 +199,27 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
             axes[1].plot(vn, val, "o-", color=line.get_color(), label=f"{run.label} val")
     for ax, x in zip(axes, ("seconds", "samples (all pipelines)")):
         ax.set_xlabel(x)
-        ax.set_ylabel("loss (nats/byte)")
+        ax.set_ylabel("loss (nats)")
         ax.legend(fontsize=7, loc="upper right")
     axes[0].set_title("loss against time")
     axes[1].set_title("loss against samples")
     save(fig, "loss.png")
+
+    classified = [run for run in runs if any("val_accuracy" in m for m in run.kind("eval"))]
+    if classified:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+        for run in classified:
+            vt, vn, _ = validation(run)
+            acc = [100 * m.get("val_accuracy", float("nan"))
+                   for m in sorted(run.kind("eval"), key=lambda m: m["time"])]
+            axes[0].plot(vt, acc, "o-", label=run.label)
+            axes[1].plot(vn, acc, "o-", label=run.label)
+        for ax, x in zip(axes, ("seconds", "samples (all pipelines)")):
+            ax.set(xlabel=x, ylabel="validation accuracy (%, top-1)")
+            ax.legend(fontsize=7, loc="lower right")
+        axes[0].set_title("accuracy against time")
+        axes[1].set_title("accuracy against samples")
+        save(fig, "accuracy.png")
 
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     for run in runs:

@@ -101,10 +101,11 @@ def write(doc: dict, run_dir: str | Path) -> Path:
     return path
 
 
-def check_model(doc: dict, model_name: str, blocks: int, microbatch_size: int) -> None:
-    """The profile must have measured the model being trained, at its micro-batch size."""
+def check_model(doc: dict, model_name: str, blocks: Optional[int], microbatch_size: int) -> None:
+    """The profile must have measured the model being trained, at its micro-batch size
+    (``blocks``: None for a custom model not built yet; the launcher checks its count)."""
     m = doc["model"]
-    if m["blocks"] != blocks or m.get("name") != model_name:
+    if (blocks is not None and m["blocks"] != blocks) or m.get("name") != model_name:
         raise ProfileError(f"'{doc['_path']}' profiled model {m.get('name')} ({m['blocks']} blocks), "
                            f"not {model_name} ({blocks} blocks); profile this model")
     if m.get("microbatch_size") != microbatch_size:

@@ -130,7 +130,7 @@ def _check(model_cfg: Any) -> None:
         )
 
 
-def _construct(model_cfg: Any) -> list[nn.Module]:
+def construct(model_cfg: Any) -> list[nn.Module]:
     """The blocks with PyTorch's default initialisation (see :func:`build_blocks`)."""
     _check(model_cfg)
     d, h, p = int(model_cfg.d_model), int(model_cfg.d_hidden), float(model_cfg.dropout)
@@ -159,7 +159,7 @@ def _init_weights(block: nn.Module, n_layers: int) -> None:
 
 def build_blocks(model_cfg: Any) -> list[nn.Module]:
     """The whole model as ``n_layers + 2`` blocks, initialised from the caller's torch RNG."""
-    blocks = _construct(model_cfg)
+    blocks = construct(model_cfg)
     for block in blocks:
         _init_weights(block, int(model_cfg.n_layers))
     return blocks

@@ -49,6 +49,8 @@ IGNORE_INDEX = -100  # targets that take no part in the loss (masked LM: the unm
 
 def _bytes_lm(m: DictConfig) -> Blocks:
     names = ["embedding", *(f"layer{i}" for i in range(1, int(m.n_layers) + 1)), "head"]
+    if torch.empty(0).is_meta:  # shapes only: initialising on meta costs a second of imports
+        return bytes_lm.construct(m), names
     return bytes_lm.build_blocks(m), names
 
 
@@ -115,6 +117,16 @@ def _custom(m: DictConfig) -> Blocks:
 BUILDERS: Dict[str, Callable[[DictConfig], Blocks]] = {
     "gpt": _bytes_lm, "mlp": _bytes_lm, "custom": _custom,
     **{arch: _resnet for arch in RESNET_BLOCKS}, **{arch: _hf for arch in HF_ARCHS}}
+
+
+def imports(model_cfg: DictConfig) -> List[str]:
+    """Modules every worker of this model imports: the fork server imports them once for all
+    (transformers' model code takes seconds of CPU per process)."""
+    if model_cfg.arch == "gpt2":
+        return ["transformers.models.gpt2.modeling_gpt2", "transformers.masking_utils"]
+    if model_cfg.arch == "bert":
+        return ["transformers.models.bert.modeling_bert", "transformers.masking_utils"]
+    return []
 
 
 def build(model_cfg: DictConfig) -> Blocks:

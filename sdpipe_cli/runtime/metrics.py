@@ -11,7 +11,8 @@ Workers report what only they know (the loss lives on the last stage of each pip
   first iteration, which pays one-off set-up; waits and evaluations count), ``lr``, plus
   ``step_s``, ``compute_s`` and ``sync_s`` (seconds of the last iteration on the last stage),
   ``straggled`` (that worker's actions slowed by a random straggler so far);
-- ``eval``: ``step``, ``time``, ``pipeline``, ``val_loss``, ``samples``;
+- ``eval``: ``step``, ``time``, ``pipeline``, ``val_loss``, ``samples`` (classifiers also
+  ``val_accuracy``, top-1);
 - ``sync`` (``sync=sdpipe``, stages other than the last, whose train lines carry the same):
   ``step``, ``time``, ``pipeline``, ``stage``, ``group_size``, ``round``, ``group_kind``,
   ``wait_s`` (ready signal to decision) and ``comm_s`` (the group all-reduce);
@@ -52,6 +53,7 @@ class PipelineState:
     loss: Optional[float] = None
     val_loss: Optional[float] = None
     samples_per_s: float = 0.0
+    val_accuracy: Optional[float] = None  # classifiers: top-1 on the validation split
 
 
 @dataclass
@@ -93,6 +95,7 @@ class RunTracker:
             return {"kind": "sync", **_without(event, "type", "rank", "samples", "samples_per_s", "lr")}
         if kind == "eval":
             pipe.val_loss = event["val_loss"]
+            pipe.val_accuracy = event.get("val_accuracy")
             return {"kind": "eval", **_without(event, "type", "rank", "stage")}
         if kind == "consensus":  # replicas' drift before a global sync, per stage
             return {"kind": "consensus", **_without(event, "type", "rank", "pipeline")}
@@ -133,6 +136,7 @@ class RunTracker:
         """What the launcher displays: totals and the latest value per pipeline."""
         losses = [s.loss for s in self.state.values() if s.loss is not None]
         vals = [s.val_loss for s in self.state.values() if s.val_loss is not None]
+        accs = [s.val_accuracy for s in self.state.values() if s.val_accuracy is not None]
         return {
             "iterations": sum(s.steps for s in self.state.values()),
             "target": self.target_iterations,
@@ -140,6 +144,7 @@ class RunTracker:
             "samples_per_s": sum(s.samples_per_s for s in self.state.values()),
             "loss": sum(losses) / len(losses) if losses else None,
             "val_loss": sum(vals) / len(vals) if vals else None,
+            "val_accuracy": sum(accs) / len(accs) if accs else None,
             "started": len(self.started),
             "done": len(self.done),
             "pipelines": {p: dict(vars(s)) for p, s in self.state.items()},
@@ -204,6 +209,7 @@ def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]
                 line.get("step"))
     elif kind == "eval":
         add(f"pipeline{line['pipeline']}/val_loss", line.get("val_loss"), line.get("step"))
+        add(f"pipeline{line['pipeline']}/val_accuracy", line.get("val_accuracy"), line.get("step"))
     elif kind == "group":
         add(f"stage{line['stage']}/group_size", line.get("size"), line.get("round"))
         add(f"stage{line['stage']}/max_wait_s", line.get("max_wait_s"), line.get("round"))

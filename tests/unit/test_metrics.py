@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, read_metrics
+from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, read_metrics, scalars
 
 
 class FakeClock:
@@ -112,6 +112,16 @@ def test_eval_produces_eval_line(tracker):
     assert "type" not in line and "rank" not in line
     assert tracker.snapshot()["val_loss"] == 1.75
     assert tracker.snapshot()["pipelines"][1]["val_loss"] == 1.75
+    assert tracker.snapshot()["val_accuracy"] is None  # not a classifier
+
+
+def test_a_classifiers_accuracy_reaches_the_summary_and_tensorboard(tracker):
+    for p, acc in ((0, 0.5), (1, 0.75)):
+        line = tracker.update({**evaluate(p * 2 + 1, p, 1, 5, 1.0), "val_accuracy": acc})
+        assert line["val_accuracy"] == acc
+        assert (f"pipeline{p}/val_accuracy", acc, 5) in [(t, v, s) for t, v, s, _ in scalars(line)]
+    assert tracker.snapshot()["val_accuracy"] == 0.625
+    assert tracker.snapshot()["pipelines"][1]["val_accuracy"] == 0.75
 
 
 def test_done_lines_and_all_done(tracker):
