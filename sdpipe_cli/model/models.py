@@ -334,7 +334,13 @@ def check(cfg: DictConfig) -> None:
 
     p = cfg.pipeline
     mb = cfg.train.batch_size // p.microbatches
-    boundaries(cfg, data.example(cfg, mb)[0])
+    after = boundaries(cfg, data.example(cfg, mb)[0])
+    names = block_names(cfg.model)
+    for cut in p.partition:  # what a stage sends must carry a gradient back
+        if not after[cut - 1].differentiable():
+            raise ConfigError("pipeline.partition", f"the stages meet after block {cut - 1} "
+                              f"({names[cut - 1]}), whose output {after[cut - 1]} has no floating-"
+                              "point tensor to carry a gradient back; cut elsewhere")
     asynchronous = p.schedule in ASYNC_SCHEDULES
     if asynchronous and any(stage_ties(cfg, s) for s in range(p.stages)):
         raise ConfigError("model.tie_embeddings", "tied weights on different stages need a "

@@ -107,16 +107,22 @@ class AllReduceSync(Sync):
         self.size = len(replicas)
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
+        if self.size == 1:  # one pipeline: nobody to agree with
+            return local_go
         flag = torch.tensor([1 if local_go else 0], device=self.device)
         self.groups.all_reduce(flag, self.replicas, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
+        if self.size == 1:
+            return wanted
         flag = torch.tensor([1 if wanted else 0], device=self.device)
         self.groups.all_reduce(flag, self.replicas, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def after_backward(self, module: nn.Module, step: int) -> None:
+        if self.size == 1:  # the mean over one replica is itself
+            return
         # The gradients, and the normalisation layers' running statistics (averaged where DDP
         # broadcasts rank 0's: every replica then evaluates with the same, better estimate).
         tensors = [p.grad for p in module.parameters() if p.grad is not None] + statistics(module)

@@ -64,6 +64,13 @@ def user_module(tmp_path, monkeypatch):
                     return x * float(x.abs().max().item() > -1)
             return [nn.Linear(4, 4), Item(), nn.Linear(4, 2)]
 
+        class Ids(nn.Module):
+            def forward(self, x):
+                return (x * 10).long()
+
+        def int_cut():
+            return [Ids(), nn.Embedding(64, 4), nn.Linear(4, 2)]
+
         def my_loss(output, target, weight=1.0):
             return weight * torch.nn.functional.cross_entropy(output, target)
     '''))
@@ -178,3 +185,14 @@ def test_cross_entropy_ignores_minus_100_and_works_per_token():
 def test_resnet_block_counts_match_the_schema(arch, blocks):
     cfg = compose([f"model={arch}", "data=digits", "model.num_classes=10"])
     assert models.count_blocks(cfg.model) == blocks
+
+
+def test_a_cut_where_no_gradient_can_flow_back_is_refused(user_module):
+    from sdpipe_cli.cli.launcher import prepare
+
+    cfg = custom(f"{user_module}.int_cut", "pipeline.stages=2", "pipeline.partition=[1]",
+                 "data=synthetic", "model.seq_len=4")
+    with pytest.raises(ConfigError, match=r"pipeline.partition: the stages meet after block 0 \(block0\)"):
+        prepare(cfg)
+    cfg.pipeline.partition = [2]
+    prepare(cfg)  # after the embedding, floats flow
