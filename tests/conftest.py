@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 from pathlib import Path
 
@@ -13,13 +12,11 @@ from tests.helpers import kill_leftovers
 
 # Processes the tests start themselves (helpers.spawn_and_join, launcher.spawn) are forks of one
 # fork server per session, which imports torch once, as the launcher's does.
-# With transformers installed, its GPT-2 and BERT code too, as the launcher preloads it for runs
-# of those models (about 5 CPU-seconds per worker that would import it itself).
-HF = (["transformers.models.gpt2.modeling_gpt2", "transformers.models.bert.modeling_bert",
-       "transformers.masking_utils"] if importlib.util.find_spec("transformers") else [])
+# (Not transformers: a server holding it slowed every other run's children more than it saved
+# the few runs of transformers models.)
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main",
                                         "sdpipe_cli.sync.scheduler", "sdpipe_cli.sync.ps",
-                                        *LAZY_TORCH, *HF])
+                                        *LAZY_TORCH])
 
 
 @pytest.fixture
