@@ -10,8 +10,9 @@ Run it from the repository root after ``pip install -e '.[hf,digits]'``::
 
 **matrix.** ``sdpipe train`` with P = 2, S = 2, a few iterations of each built-in model (the
 ResNets on ``data=digits``, the transformers on byte text) under each ``sync`` mode and each
-``pipeline.schedule``; a row per run: exit code, first and last loss, seconds. The models are
-the real sizes (GPT-2 124M, BERT-base 110M), so a run of those costs tens of seconds on a CPU.
+``pipeline.schedule``, batches of 4 in 2 micro-batches; a row per run: exit code, first and last
+loss, seconds. The models are the real sizes (GPT-2 124M, BERT-base 110M; sequences of 32 tokens
+here), so a run of those costs tens of seconds on a CPU.
 Tied embeddings need a flushed schedule, so under ``async_1f1b`` the transformers run with
 ``model.tie_embeddings=false``.
 
@@ -37,11 +38,11 @@ import _report  # noqa: E402
 
 MODELS = {
     "resnet_cifar": ["model=resnet_cifar", "data=digits", "train.optimizer=sgd", "train.lr=0.05"],
+    "bert_tiny": ["model=bert_tiny", "data=stdlib"],
     "resnet18": ["model=resnet18", "data=digits", "train.optimizer=sgd", "train.lr=0.05"],
     "resnet50": ["model=resnet50", "data=digits", "train.optimizer=sgd", "train.lr=0.05"],
-    "gpt2": ["model=gpt2", "data=stdlib", "model.seq_len=64", "train.lr=3e-4"],
-    "bert_tiny": ["model=bert_tiny", "data=stdlib"],
-    "bert_base": ["model=bert_base", "data=stdlib", "model.seq_len=64", "train.lr=1e-4"],
+    "gpt2": ["model=gpt2", "data=stdlib", "model.seq_len=32", "train.lr=3e-4"],
+    "bert_base": ["model=bert_base", "data=stdlib", "model.seq_len=32", "train.lr=1e-4"],
 }
 SYNCS = ["sdpipe", "allreduce", "ps", "adpsgd", "none"]
 SCHEDULES = ["1f1b", "gpipe", "async_1f1b"]
@@ -72,7 +73,7 @@ def matrix(args) -> list[dict]:
                 run_dir = args.out / f"{model}-{sync}-{schedule}"
                 rc, seconds, tail = train(run_dir, *MODELS[model], *extra, f"sync={sync}",
                                           f"pipeline.schedule={schedule}", f"train.steps={args.steps}",
-                                          "train.batch_size=8", "pipeline.microbatches=2",
+                                          "train.batch_size=4", "pipeline.microbatches=2",
                                           "train.eval_every=0", "data.eval_batches=1", "train.warmup=1")
                 losses = [m["loss"] for m in lines(run_dir, "train") if "loss" in m]
                 row = {"model": model, "sync": sync, "schedule": schedule, "rc": rc,
