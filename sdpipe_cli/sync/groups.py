@@ -94,8 +94,13 @@ class GroupCache:
 def statistics(module: nn.Module) -> list[torch.Tensor]:
     """The module's floating-point buffers: normalisation layers' running statistics, which are
     part of a replica as much as its weights (BatchNorm evaluates with them). Integer buffers
-    (BatchNorm's batch count) stay each replica's own."""
-    return [b for b in module.buffers() if b.is_floating_point()]
+    (BatchNorm's batch count) stay each replica's own.
+
+    They are returned as ``.data`` aliases: an average written into them must not count as an
+    in-place change for autograd, because under asynchronous 1F1B a micro-batch in flight saved
+    them in its graph (BatchNorm's backward reads them only in eval mode, so the change is
+    harmless to it)."""
+    return [b.data for b in module.buffers() if b.is_floating_point()]
 
 
 def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) -> None:

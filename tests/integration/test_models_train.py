@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 USER_MODEL = '''
-    """A user's model: the width changes between blocks and a tuple crosses stages."""
+    """A user's model: the width changes between blocks, a tuple crosses stages, BatchNorm."""
     import torch
     from torch import nn
 
@@ -35,8 +35,9 @@ USER_MODEL = '''
         def __init__(self, width):
             super().__init__()
             self.fc = nn.Linear(2 * width, width)
+            self.norm = nn.BatchNorm1d(width)  # running statistics, updated by every forward
         def forward(self, pair):
-            return self.fc(pair[0])
+            return self.norm(self.fc(pair[0]).transpose(1, 2)).transpose(1, 2)
 
     def build(width=16):
         return nn.Sequential(Embed(width), Widen(width), Narrow(width), nn.Linear(width, 256))
@@ -44,13 +45,16 @@ USER_MODEL = '''
 
 
 def test_a_model_of_ones_own_trains_on_three_stages(tmp_path, monkeypatch):
+    # asynchronous 1F1B: group averages of the BatchNorm statistics land while micro-batches
+    # that saved them are in flight
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "user_nets.py").write_text(textwrap.dedent(USER_MODEL))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", "model=custom", "model._target_=user_nets.build",
                  "+model.width=24", "data=synthetic", "model.seq_len=16", "cluster.pipelines=2",
-                 "pipeline.stages=3", "sync=sdpipe", "train.steps=30", "train.eval_every=0",
+                 "pipeline.stages=3", "sync=sdpipe", "pipeline.schedule=async_1f1b",
+                 "train.steps=30", "train.eval_every=0",
                  "train.batch_size=8", "train.lr=1e-2")
     assert out.returncode == 0, out.stderr[-3000:]
     train = [m for m in metrics(run, "train") if "loss" in m]
