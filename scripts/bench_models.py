@@ -3,14 +3,15 @@ accuracy an image model reaches on real data.
 
 Run it from the repository root after ``pip install -e '.[hf,digits]'``::
 
-    python scripts/bench_models.py matrix --out runs/bench-models      # 6 models x 5 syncs x 3 schedules
+    python scripts/bench_models.py matrix --out runs/bench-models      # 6 models: 5 syncs, 3 schedules
     python scripts/bench_models.py matrix --models bert_tiny --steps 2  # a smoke test
     python scripts/bench_models.py digits --out runs/bench-digits      # ResNet-20 on the digits
     python scripts/bench_models.py mlm --out runs/bench-mlm            # bert_tiny on the default corpus
 
 **matrix.** ``sdpipe train`` with P = 2, S = 2, a few iterations of each built-in model (the
 ResNets on ``data=digits``, the transformers on byte text) under each ``sync`` mode and each
-``pipeline.schedule``, batches of 4 in 2 micro-batches; a row per run: exit code, first and last
+``pipeline.schedule`` (each mode under 1F1B and each schedule under sdpipe; ``--cross``: every
+pair), batches of 4 in 2 micro-batches; a row per run: exit code, first and last
 loss, seconds. The models are the real sizes (GPT-2 124M, BERT-base 110M; sequences of 32 tokens
 here), so a run of those costs tens of seconds on a CPU.
 Tied embeddings need a flushed schedule, so under ``async_1f1b`` the transformers run with
@@ -63,26 +64,34 @@ def lines(run_dir: Path, kind: str) -> list[dict]:
     return [m for m in map(json.loads, path.read_text().splitlines()) if m.get("kind") == kind]
 
 
+def combinations(args) -> list[tuple[str, str]]:
+    """(sync, schedule) pairs: every sync mode under 1F1B and every schedule under sdpipe, or
+    (``--cross``) every pair."""
+    if args.cross:
+        return [(sync, schedule) for sync in args.syncs for schedule in args.schedules]
+    pairs = [(sync, "1f1b") for sync in args.syncs]
+    return pairs + [("sdpipe", s) for s in args.schedules if ("sdpipe", s) not in pairs]
+
+
 def matrix(args) -> list[dict]:
     rows = []
     for model in args.models:
-        for sync in args.syncs:
-            for schedule in args.schedules:
-                extra = ["model.tie_embeddings=false"] if (
-                    schedule == "async_1f1b" and model in ("gpt2", "bert_tiny", "bert_base")) else []
-                run_dir = args.out / f"{model}-{sync}-{schedule}"
-                rc, seconds, tail = train(run_dir, *MODELS[model], *extra, f"sync={sync}",
-                                          f"pipeline.schedule={schedule}", f"train.steps={args.steps}",
-                                          "train.batch_size=4", "pipeline.microbatches=2",
-                                          "train.eval_every=0", "data.eval_batches=1", "train.warmup=1")
-                losses = [m["loss"] for m in lines(run_dir, "train") if "loss" in m]
-                row = {"model": model, "sync": sync, "schedule": schedule, "rc": rc,
-                       "first_loss": losses[0] if losses else None,
-                       "last_loss": losses[-1] if losses else None, "seconds": round(seconds, 1)}
-                if rc:
-                    row["error"] = tail
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        for sync, schedule in combinations(args):
+            extra = ["model.tie_embeddings=false"] if (
+                schedule == "async_1f1b" and model in ("gpt2", "bert_tiny", "bert_base")) else []
+            run_dir = args.out / f"{model}-{sync}-{schedule}"
+            rc, seconds, tail = train(run_dir, *MODELS[model], *extra, f"sync={sync}",
+                                      f"pipeline.schedule={schedule}", f"train.steps={args.steps}",
+                                      "train.batch_size=4", "pipeline.microbatches=2",
+                                      "train.eval_every=0", "data.eval_batches=1", "train.warmup=1")
+            losses = [m["loss"] for m in lines(run_dir, "train") if "loss" in m]
+            row = {"model": model, "sync": sync, "schedule": schedule, "rc": rc,
+                   "first_loss": losses[0] if losses else None,
+                   "last_loss": losses[-1] if losses else None, "seconds": round(seconds, 1)}
+            if rc:
+                row["error"] = tail
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 
@@ -124,6 +133,9 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--syncs", nargs="+", default=SYNCS, choices=SYNCS)
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
+    parser.add_argument("--cross", action="store_true",
+                        help="matrix: every sync mode under every schedule (default: each sync "
+                        "mode under 1F1B, each schedule under sdpipe)")
     parser.add_argument("--steps", type=int, default=None, help="matrix: 3; mlm: 300")
     parser.add_argument("--target", type=float, default=0.9, help="digits: validation accuracy")
     parser.add_argument("--seed", type=int, default=0)
