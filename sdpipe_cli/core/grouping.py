@@ -2,8 +2,8 @@
 
 Every stage of every pipeline, after its local optimizer step, reports *ready* (stage, pipeline,
 iteration) and waits for a :class:`Decision`: the pipelines whose replicas of that stage average
-their weights now. Each stage is scheduled on its own. The rules (SDPipe's, see
-``shared/reference/method.md``):
+their weights now. Each stage is scheduled on its own. The rules (SDPipe's, PVLDB 2023; see
+docs/SYNC.md):
 
 * **Window.** The first ready replica of a stage opens a window of its own adaptive length; the
   group closes when every available replica of the stage is ready, or when the window ends, with
