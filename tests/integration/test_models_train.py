@@ -55,7 +55,7 @@ def test_a_model_of_ones_own_trains_on_three_stages(tmp_path, monkeypatch):
                  "+model.width=24", "data=synthetic", "model.seq_len=16", "cluster.pipelines=2",
                  "pipeline.stages=3", "sync=sdpipe", "pipeline.schedule=async_1f1b",
                  "train.steps=30", "train.eval_every=0",
-                 "train.batch_size=8", "train.lr=1e-2")
+                 "train.batch_size=8", "pipeline.microbatches=2", "train.lr=1e-2")
     assert out.returncode == 0, out.stderr[-3000:]
     train = [m for m in metrics(run, "train") if "loss" in m]
     first = [m["loss"] for m in train[:4]]
