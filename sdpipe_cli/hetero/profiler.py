@@ -50,6 +50,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from sdpipe_cli.model import data, models
+from sdpipe_cli.model.boundary import map_tensors, tensors_of
 from sdpipe_cli.pipeline.executor import to_device
 
 from sdpipe_cli.config import measurements
@@ -94,22 +95,9 @@ def turns(pipelines: int, stages: int) -> list[tuple[str, list[int]]]:
             + [("allreduce", ranks) for _, ranks in replica_groups(pipelines, stages)])
 
 
-def tensors_of(value) -> list:
-    """The tensors of a block's input or output: a tensor, or a tuple or dict of them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return list(value.values()) if isinstance(value, dict) else list(value)
-
-
 def fresh_input(value):
     """``value`` as a received activation: detached, its floating tensors leaves needing a grad."""
-    def leaf(t):
-        return t.detach().requires_grad_() if t.is_floating_point() else t
-    if isinstance(value, torch.Tensor):
-        return leaf(value)
-    if isinstance(value, dict):
-        return {k: leaf(t) for k, t in value.items()}
-    return type(value)(leaf(t) for t in value)
+    return map_tensors(lambda t: t.detach().requires_grad_() if t.is_floating_point() else t, value)
 
 
 def stage_weight_bytes(cfg: DictConfig, stage: int) -> int:

@@ -21,11 +21,11 @@ zero gradient, so both sides always exchange the same layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Boundary", "TensorSpec"]
+__all__ = ["Boundary", "TensorSpec", "map_tensors", "tensors_of"]
 
 ALIGN = 16  # bytes: every tensor starts aligned in the buffer, so a view as its dtype is legal
 
@@ -129,6 +129,25 @@ class Boundary:
 
     def __str__(self) -> str:
         return _describe(self.specs, self.keys, self.single)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` (a tensor, or a tuple, list or dict of tensors) with ``fn`` applied to each
+    tensor, in the same structure; anything else is kept as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(fn, v) for v in value)
+    return value
+
+
+def tensors_of(value: Any) -> List[torch.Tensor]:
+    """The tensors of a value between blocks, in :meth:`Boundary.flatten`'s order."""
+    found: List[torch.Tensor] = []
+    map_tensors(found.append, value)
+    return found
 
 
 def _padded(n: int) -> int:

@@ -36,7 +36,7 @@ from torch import nn
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model import bytes_lm
-from sdpipe_cli.model.boundary import Boundary
+from sdpipe_cli.model.boundary import Boundary, map_tensors
 
 __all__ = ["build", "build_stage_module", "boundaries", "block_param_counts", "count_blocks",
            "loss_function", "tied_parameters"]
@@ -178,7 +178,8 @@ def boundaries(cfg: DictConfig, example: Any) -> List[Boundary]:
     (``.item()`` has no meta version) runs once for real, on the CPU, without touching the RNG.
     ConfigError if a block fails on what the block before it returns."""
     try:
-        return _trace(*meta_blocks(cfg.model), _to_meta(example))
+        return _trace(*meta_blocks(cfg.model), map_tensors(
+            lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), example))
     except ConfigError:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(cfg.train.seed))
@@ -221,16 +222,6 @@ def stage_boundaries(cfg: DictConfig, example: Any, stage: int
     start, stop = ranges[stage]
     return (after[start - 1] if start > 0 else None,
             after[stop - 1] if stop < len(after) + 1 else None)
-
-
-def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_meta(v) for v in value)
-    return value
 
 
 # -- tied parameters -----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from sdpipe_cli.core.schedule import Action, Kind
-from sdpipe_cli.model.boundary import Boundary
+from sdpipe_cli.model.boundary import Boundary, map_tensors
 from sdpipe_cli.pipeline.p2p import Link
 
 __all__ = ["Executor", "LossFn", "OnExecutor", "StageBoundaries"]
@@ -284,13 +284,7 @@ class Executor:
 
 def to_device(value: Any, device: torch.device) -> Any:
     """``value`` (a tensor, or a tuple, list or dict of them) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
-    return value
+    return map_tensors(lambda t: t.to(device), value)
 
 
 class OnExecutor:
