@@ -240,10 +240,13 @@ def static_bytes(module) -> int:
 
 
 def microbatch(cfg, mb: int):
-    from sdpipe_cli.model import data
+    from sdpipe_cli.data.loader import Loader
+    from sdpipe_cli.data.sampling import Order
+    from sdpipe_cli.data.sources import open_splits
 
-    x, y = data.open_source(cfg).train_batch(0, 1, mb, int(cfg.train.seed), 0)
-    return x[:mb], y[:mb]
+    train = open_splits(cfg).train
+    batch = Loader(train, Order(len(train), 0, 1, int(cfg.train.seed)), mb).get(0)
+    return batch.inputs, batch.targets
 
 
 def ratio(a: float, b: float):

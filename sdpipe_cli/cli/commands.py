@@ -79,7 +79,13 @@ depend on may change (KEY=VALUE)."""
 RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_every",
              "run.timeout", "run.heartbeat_timeout", "run.port", "run.save_final",
              "checkpoint.every", "checkpoint.keep", "cluster.host", "cluster.device",
-             "data.eval_batches")
+             "data.eval_batches", "data.num_workers", "data.prefetch", "data.verify")
+
+PREPARE_HELP = """Tokenize text into memory-mapped shards for data=tokens data.path=DIR: text files,
+JSON lines (--text-key), parquet, folders of them, or `stdlib` (the Python standard library's
+sources). The tokenizer is bytes, a BPE or WordPiece vocabulary trained here (bpe:VOCAB,
+wordpiece:VOCAB, Hugging Face tokenizers), or an existing tokenizer.json. DIR gets the shards, the
+tokenizer and manifest.json (token counts and a SHA-256 per shard); it must not exist yet."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,6 +122,26 @@ def _parser() -> argparse.ArgumentParser:
                         "checkpoint) or one checkpoint folder")
     resume.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help=f"safe changes only: {', '.join(RESUMABLE)}")
+    prep = sub.add_parser("prepare", help="tokenize text into shards for data=tokens",
+                          description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    kinds = prep.add_subparsers(dest="kind", metavar="KIND", required=True)
+    text = kinds.add_parser("text", help="text, JSON lines or parquet -> token shards",
+                            description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    text.add_argument("sources", nargs="+", metavar="SRC", help="files, folders, or stdlib")
+    text.add_argument("--out", required=True, metavar="DIR", help="the new folder of shards")
+    text.add_argument("--tokenizer", default="bytes", metavar="SPEC",
+                      help="bytes | bpe:VOCAB | wordpiece:VOCAB | PATH/tokenizer.json (default: bytes)")
+    text.add_argument("--text-key", default="text", metavar="KEY",
+                      help="the text field of JSON lines and parquet rows (default: text)")
+    text.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
+                      help="the tail of the token stream held out for validation (default: 0.01)")
+    text.add_argument("--shard-tokens", type=int, default=2**27, metavar="N",
+                      help="tokens per shard file at most (default: 2**27)")
+    text.add_argument("--dtype", choices=("uint16", "uint32"),
+                      help="token type on disk (default: the smallest that holds the vocabulary)")
+    text.add_argument("--max-bytes", type=int, metavar="N", help="read at most N bytes of text")
+    text.add_argument("--dataset", metavar="FORMAT", help="read SRC with datasets.load_dataset(FORMAT, "
+                      "data_files=SRC) (needs: pip install datasets)")
     rep = sub.add_parser("report", help="plot runs: loss, throughput, groups, waits",
                          description=REPORT_HELP,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,6 +180,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return simulate(args.overrides, args.compare, show_config=args.cfg, console=err)
         if args.command == "report":
             return report(args.runs, args.out, console=err)
+        if args.command == "prepare":
+            return prepare_text(args, console=err)
     except (ConfigError, DataError, CheckpointError) as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
@@ -168,11 +196,28 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
     cfg = _composed(overrides, show_config)
     if cfg is None:
         return 0
-    from sdpipe_cli.model import data  # torch: only once the config is known to be good
-
-    if cfg.data.name == "text":  # a user's file: fail before anything starts
-        data.check_corpus(data.load_corpus(cfg.data, cfg.train.seed), cfg.model.seq_len)
     return _run(_prepared(cfg, console), console)
+
+
+def prepare_text(args: argparse.Namespace, console: Console) -> int:
+    """``sdpipe prepare text``: see :mod:`sdpipe_cli.data.prepare`."""
+    from sdpipe_cli.data.prepare import prepare_text as prepare
+
+    if not 0.0 < args.val_fraction < 1.0:
+        raise DataError("--val-fraction", f"must be between 0 and 1 (exclusive), got {args.val_fraction}")
+    if args.shard_tokens < 1:
+        raise DataError("--shard-tokens", f"must be at least 1, got {args.shard_tokens}")
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise DataError("--max-bytes", f"must be at least 1, got {args.max_bytes}")
+    manifest = prepare(args.sources, args.out, args.tokenizer, text_key=args.text_key,
+                       val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, dtype=args.dtype,
+                       max_bytes=args.max_bytes, dataset_format=args.dataset,
+                       log=lambda line: console.print(line, markup=False, highlight=False))
+    tokens = {split: sum(s["tokens"] for s in shards) for split, shards in manifest["splits"].items()}
+    console.print(f"wrote {args.out}: {tokens['train']:,} training and {tokens['val']:,} validation "
+                  f"tokens, vocabulary {manifest['tokenizer']['vocab_size']:,}; train with "
+                  f"data=tokens data.path={args.out}", markup=False, highlight=False, soft_wrap=True)
+    return 0
 
 
 def sweep_train(overrides: Sequence[str], console: Console) -> int:
@@ -668,6 +713,14 @@ def _summary(console: Console, result, wall_s: float, restarts: int = 0) -> None
         rounds = "; ".join(f"stage {s}: {r}" for s, r in enumerate(result.progress["rounds"]))
         console.print(f"group sync: mean group size {result.progress['mean_group_size']:.2f}; "
                       f"rounds per replica: {rounds}", highlight=False)
+    if result.progress.get("unreadable"):
+        bad = result.progress["unreadable"]
+        console.print(f"data: {len(bad)} unreadable sample(s) replaced by the next, e.g. {bad[0]} "
+                      "(all in metrics.jsonl, kind unreadable)", markup=False, highlight=False, soft_wrap=True)
+    share = result.progress.get("data_wait_share")
+    if share is not None and share > 0.05:
+        console.print(f"data: a reading stage waited for its batches {share:.0%} of the time; raise "
+                      "data.num_workers", markup=False, highlight=False)
     if result.progress.get("restarts"):
         console.print(f"recovered: {result.progress['restarts']} pipeline restart(s), "
                       f"{result.progress['heals']} replica(s) healed from live ones "

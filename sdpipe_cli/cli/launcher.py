@@ -44,6 +44,7 @@ from sdpipe_cli.core import partition, supervision
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.data import sources
 from sdpipe_cli.config.schema import (ConfigError, num_classes, objective, resolve_device,
                                       save_run_config, validate_partition)
 from sdpipe_cli.runtime.errors import read_error
@@ -101,8 +102,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
     cfg.cluster.device = resolve_device(cfg)
     if cfg.profile:
         cfg.profile = str(Path(cfg.profile).expanduser().resolve())
-    if cfg.model.num_classes is None and objective(cfg) == "classify":
-        cfg.model.num_classes = num_classes(cfg)  # the data set's
+    _resolve_data(cfg)
     blocks, stages = models.count_blocks(cfg.model), cfg.pipeline.stages
     if stages > blocks:
         raise ConfigError("pipeline.stages", f"is {stages} but model {cfg.model.name} has only "
@@ -126,6 +126,27 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
         cfg.pipeline.partition, blocks, stages, counts)
     models.check(cfg)
     return cfg, plan
+
+
+def _resolve_data(cfg: DictConfig) -> None:
+    """Open the data once (bad data is bad input: one line, nothing written) and let it settle
+    what the model's config leaves open: the classes, the vocabulary, the evaluation's size."""
+    cfg.data.resolved = resolved = sources.resolve(cfg)
+    if cfg.model.num_classes is None and objective(cfg) == "classify":
+        cfg.model.num_classes = num_classes(cfg)
+        if cfg.model.num_classes is None:
+            raise ConfigError("model.num_classes", f"data={cfg.data.name} does not say how many classes "
+                              "it has (no `classes` attribute); set model.num_classes")
+    vocab = resolved.get("vocab_size")
+    if vocab is not None and vocab != cfg.model.vocab_size:
+        if cfg.model.pretrained and vocab > cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size", f"the pretrained model has {cfg.model.vocab_size} "
+                              f"tokens, the data's tokenizer {vocab}; prepare the data with the "
+                              "model's own tokenizer (--tokenizer PATH/tokenizer.json)")
+        if not cfg.model.pretrained:
+            cfg.model.vocab_size = vocab  # a new model takes the data's tokenizer
+    count = sources.val_count(cfg)
+    cfg.data.eval_batches = count
 
 
 def make_run_dir(requested: Optional[str]) -> Path:

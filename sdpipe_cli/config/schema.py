@@ -35,8 +35,8 @@ ARCHS = ("gpt", "mlp", "resnet18", "resnet50", "resnet_cifar", "gpt2", "bert", "
 HF_ARCHS = ("gpt2", "bert")
 RESNET_BLOCKS = {"resnet18": 10, "resnet50": 18, "resnet_cifar": 11}  # stem, residual blocks, head
 OBJECTIVES = ("auto", "clm", "mlm", "classify")
-DATASETS = ("stdlib", "text", "synthetic", "digits")
-IMAGE_DATASETS = ("digits",)
+DATASETS = ("stdlib", "text", "synthetic", "tokens", "digits", "imagefolder", "cifar10", "custom")
+IMAGE_DATASETS = ("digits", "imagefolder", "cifar10")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("cosine", "linear", "step", "constant")
 PARTITIONS = ("uniform", "params", "auto")
@@ -86,11 +86,29 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"  # stdlib | text | synthetic
-    path: Optional[str] = None  # file or folder of text files (data=text only)
-    max_bytes: int = 8_000_000  # read at most this many bytes of corpus (keeps start-up fast)
-    val_fraction: float = 0.05  # held out for validation (corpora: the tail; images: a seeded split)
-    eval_batches: int = 4  # validation batches per evaluation
+    # stdlib | text | synthetic (bytes) | tokens (sdpipe prepare text) | digits | imagefolder |
+    # cifar10 | custom (data._target_); see docs/TRAINING.md
+    name: str = "stdlib"
+    path: Optional[str] = None  # text: file or folder; tokens: prepared folder; images: the data set's folder
+    max_bytes: int = 8_000_000  # byte corpora: read at most this many bytes (keeps start-up fast)
+    # held out for validation where the data has no split of its own (corpora: the tail; image
+    # folders without train/ and val/, and custom sets without a validation set: a seeded draw)
+    val_fraction: float = 0.05
+    eval_batches: Optional[int] = 4  # validation batches per evaluation; null: every full batch
+    # custom: the callable returning the Dataset (or (train, val)); +data.KEY=VALUE are its kwargs
+    _target_: Optional[str] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    image_size: Optional[int] = None  # images: side of the training crop (null: the data set's own)
+    mean: Optional[List[float]] = None  # images: per-channel normalisation (null: the data set's)
+    std: Optional[List[float]] = None
+    # background processes preparing batches per reading stage; null: 0 for data in memory,
+    # 2 for data decoded from files (image folders, CIFAR's augmentation, custom sets)
+    num_workers: Optional[int] = None
+    prefetch: int = 2  # batches each background process prepares ahead
+    verify: bool = True  # tokens: check every shard's SHA-256 against the manifest at start
+    # written by the launcher, never set by hand: what was read (paths, sizes, checksums), the
+    # split sizes, a sample's shapes; config.yaml keeps it as the run's record of its data
+    resolved: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -377,6 +395,8 @@ def objective(cfg: DictConfig) -> str:
     """What the targets are: ``model.objective``, or for ``auto`` what the data implies."""
     if cfg.model.objective != "auto":
         return cfg.model.objective
+    if cfg.data.name == "custom":  # the model says what it is
+        return "classify" if cfg.model.arch in RESNET_BLOCKS or cfg.model.num_classes else "clm"
     return "classify" if cfg.data.name in IMAGE_DATASETS else "clm"
 
 
@@ -384,7 +404,8 @@ def num_classes(cfg: DictConfig) -> Optional[int]:
     """Classes of a classifier: ``model.num_classes``, else the data set's."""
     if cfg.model.num_classes is not None:
         return int(cfg.model.num_classes)
-    return {"digits": 10}.get(cfg.data.name)
+    resolved = cfg.data.get("resolved") or {}
+    return resolved.get("classes") or {"digits": 10, "cifar10": 10}.get(cfg.data.name)
 
 
 def config_dir() -> Path:
@@ -443,20 +464,22 @@ def compose(overrides: list[str]) -> DictConfig:
 
 
 def _gather_kwargs(cfg: DictConfig) -> None:
-    """``model=custom``: keys of the model node that the schema does not know
-    (``+model.width=64``) are the callable's keyword arguments: move them into ``model.kwargs``."""
+    """``model=custom``, ``data=custom``: keys of the node that the schema does not know
+    (``+model.width=64``) are the callable's keyword arguments: move them into ``kwargs``."""
     from omegaconf import open_dict
 
-    if cfg.model.get("arch") != "custom":
-        return
-    known = set(OmegaConf.structured(ModelConfig).keys())
-    node = OmegaConf.to_container(cfg.model)
-    extra = {k: node.pop(k) for k in list(node) if k not in known}
-    if extra:
-        node["kwargs"] = {**node.get("kwargs", {}), **extra}
-        with open_dict(cfg):
-            # a structured node cannot drop keys; it can be replaced
-            cfg.model = OmegaConf.merge(OmegaConf.structured(ModelConfig), node)
+    for key, schema in (("model", ModelConfig), ("data", DataConfig)):
+        node_cfg = cfg[key]
+        if node_cfg.get("arch" if key == "model" else "name") != "custom":
+            continue
+        known = set(OmegaConf.structured(schema).keys())
+        node = OmegaConf.to_container(node_cfg)
+        extra = {k: node.pop(k) for k in list(node) if k not in known}
+        if extra:
+            node["kwargs"] = {**node.get("kwargs", {}), **extra}
+            with open_dict(cfg):
+                # a structured node cannot drop keys; it can be replaced
+                cfg[key] = OmegaConf.merge(OmegaConf.structured(schema), node)
 
 
 def schema_for(sync: str) -> DictConfig:
@@ -518,9 +541,19 @@ def validate(cfg: DictConfig) -> None:
     if d.name == "text":
         need(bool(d.path), "data.path", "is required with data=text (a file or a folder of text)")
         need(Path(str(d.path)).expanduser().exists(), "data.path", f"'{d.path}' does not exist")
+    need(d.name not in ("tokens", "imagefolder", "cifar10") or bool(d.path), "data.path",
+         f"is required with data={d.name} (the data set's folder)")
+    need(d.name != "custom" or bool(d.get("_target_")), "data._target_",
+         "data=custom needs the callable that returns the Dataset: data._target_=PKG.MODULE.FN")
     need(d.max_bytes > 0, "data.max_bytes", "must be positive")
     need(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
-    need(d.eval_batches >= 1, "data.eval_batches", "must be at least 1")
+    need(d.eval_batches is None or d.eval_batches >= 1, "data.eval_batches", "must be at least 1 (or null)")
+    need(d.image_size is None or d.image_size >= 1, "data.image_size", "must be at least 1 pixel")
+    for key in ("mean", "std"):
+        need(d[key] is None or len(d[key]) in (1, 3), f"data.{key}", "needs 1 or 3 values (per channel)")
+    need(d.std is None or all(v > 0 for v in d.std), "data.std", "must be positive")
+    need(d.num_workers is None or d.num_workers >= 0, "data.num_workers", "must be 0 or more")
+    need(d.prefetch >= 1, "data.prefetch", "must be at least 1")
 
     need(c.pipelines >= 1, "cluster.pipelines", "must be at least 1")
     if len(c.slowdown) > 0:
@@ -621,7 +654,7 @@ def _validate_model(cfg: DictConfig) -> None:
     image = d.name in IMAGE_DATASETS
     need(goal == "classify" or not image, "model.objective",
          f"{goal} needs token data, but data={d.name} is images; use a classifier (e.g. model=resnet_cifar)")
-    need(goal != "classify" or image or m.arch == "custom", "data.name",
+    need(goal != "classify" or image or "custom" in (m.arch, d.name), "data.name",
          f"{m.arch} classifies images, but data={d.name} is text; use data=digits")
     need(m.arch not in RESNET_BLOCKS or goal == "classify", "model.objective",
          f"{m.arch} is a classifier; its objective is classify")
@@ -639,9 +672,10 @@ def _validate_model(cfg: DictConfig) -> None:
              f"d_model={m.d_model} must be divisible by n_heads={m.n_heads}")
     need(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
     if goal == "classify":
-        classes = num_classes(cfg)
-        need(classes is not None and classes >= 2, "model.num_classes",
-             "a classifier needs at least 2 classes (set model.num_classes)")
+        classes = num_classes(cfg)  # image folders and custom sets: their own, found at launch
+        need(classes is not None or d.name in ("imagefolder", "custom"), "model.num_classes",
+             "a classifier needs its number of classes (set model.num_classes)")
+        need(classes is None or classes >= 2, "model.num_classes", "a classifier needs at least 2 classes")
     need(m.pretrained is None or m.arch in HF_ARCHS, "model.pretrained",
          f"loads transformers weights (model=gpt2 or bert), not model.arch={m.arch}")
     if m.pretrained is not None:
@@ -650,7 +684,9 @@ def _validate_model(cfg: DictConfig) -> None:
     extras = {"transformers": (m.arch in HF_ARCHS, "model.arch", f"{m.arch} needs Hugging Face "
                                "transformers: pip install -e '.[hf]'"),
               "sklearn": (d.name == "digits", "data.name", "digits needs scikit-learn: "
-                          "pip install -e '.[digits]'")}
+                          "pip install -e '.[digits]'"),
+              "PIL": (d.name == "imagefolder", "data.name", "imagefolder reads images with pillow: "
+                      "pip install -e '.[images]'")}
     for module, (needed, key, reason) in extras.items():
         need(not needed or importlib.util.find_spec(module) is not None, key, reason)
 

@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from sdpipe_cli.model import data, models
+from sdpipe_cli.data import sources
+from sdpipe_cli.model import models
 from sdpipe_cli.model.boundary import map_tensors, tensors_of
 from sdpipe_cli.pipeline.executor import to_device
 
@@ -141,7 +142,7 @@ def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
                   "block_names": models.block_names(cfg.model),
                   "block_params": models.block_param_counts(cfg.model), "microbatch_size": mb,
                   "seq_len": int(cfg.model.seq_len),
-                  "activation_bytes": models.activation_bytes(cfg, data.example(cfg, mb)[0])},
+                  "activation_bytes": models.activation_bytes(cfg, sources.example(cfg, mb)[0])},
         "cluster": {"name": cfg.cluster.name, "emulation": "measured",
                     "pipelines": int(cfg.cluster.pipelines), "stages": int(cfg.pipeline.stages),
                     "device": cfg.cluster.device, "links": links},
@@ -206,7 +207,7 @@ class Profiler:
         blocks = [b.to(self.device).train() for b in models.build(cfg.model)[0]]
         loss_fn = models.loss_function(cfg.model)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
-        inputs, targets = to_device(data.example(cfg, mb), self.device)
+        inputs, targets = to_device(sources.example(cfg, mb), self.device)
         ins = [inputs]  # each block's input: the previous block's output on the example
         with torch.no_grad():
             for block in blocks[:-1]:

@@ -23,7 +23,8 @@ from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.core.simulation import MODES, Result, Workload, simulate
-from sdpipe_cli.model import data, models
+from sdpipe_cli.data import sources
+from sdpipe_cli.model import models
 
 __all__ = ["workload", "run", "FORMAT"]
 
@@ -70,7 +71,7 @@ def workload(cfg: DictConfig) -> Workload:
         cluster=cluster, microbatches=m, batch_size=cfg.train.batch_size, steps=cfg.train.steps,
         forward_s=forward, backward_s=backward,
         stage_bytes=[sum(counts[a:b]) * FLOAT_BYTES for a, b in ranges],
-        activation_bytes=models.activation_bytes(cfg, data.example(cfg, micro)[0]),
+        activation_bytes=models.activation_bytes(cfg, sources.example(cfg, micro)[0]),
         slowdown=[float(x) for x in cfg.cluster.slowdown],
         stragglers=[[Stragglers.of_device(st, cfg.train.seed, cluster.device(p, s).name)
                      for s in range(S)] for p in range(P)],

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
+from sdpipe_cli.config.targets import import_callable
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model import bytes_lm
 from sdpipe_cli.model.boundary import Boundary, map_tensors
@@ -85,7 +86,7 @@ def hf_overrides(m: DictConfig) -> Dict[str, Any]:
 
 def _custom(m: DictConfig) -> Blocks:
     target = m.get("_target_")
-    fn = _import(target, "model._target_")
+    fn = import_callable(target, "model._target_")
     kwargs = OmegaConf.to_container(m.kwargs, resolve=True)
     try:
         made = fn(**kwargs)
@@ -264,36 +265,13 @@ def loss_function(model_cfg: DictConfig) -> Callable[[Any, Any], torch.Tensor]:
     if isinstance(loss, str) or not OmegaConf.is_dict(loss) or "_target_" not in loss:
         raise ConfigError("model.loss", f"is {loss!r}; use cross_entropy or a node with _target_")
     kwargs = {k: v for k, v in OmegaConf.to_container(loss, resolve=True).items() if k != "_target_"}
-    fn = _import(loss.get("_target_"), "model.loss._target_")
+    fn = import_callable(loss.get("_target_"), "model.loss._target_")
     if isinstance(fn, type):
         return fn(**kwargs)
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-def _import(target: Any, key: str) -> Any:
-    """The object ``target`` names, importable from ``PYTHONPATH`` or the current folder (as for
-    ``python -m``: run processes are forks of a server whose import path was fixed earlier)."""
-    import os
-    import sys
-
-    from hydra.utils import get_object
-
-    if not target or not isinstance(target, str):
-        raise ConfigError(key, "name an importable callable, e.g. mypkg.models.build")
-    for folder in [*os.environ.get("PYTHONPATH", "").split(os.pathsep), os.getcwd()]:
-        if folder and folder not in sys.path:
-            sys.path.append(folder)
-    try:
-        obj = get_object(target)
-    except Exception as err:  # ImportError, AttributeError, or the module's own failure
-        cause = err.__cause__ or err
-        raise ConfigError(key, f"cannot import {target!r}: {' '.join(str(cause).split())[:200]}") from None
-    if not callable(obj):
-        raise ConfigError(key, f"{target!r} is not callable")
-    return obj
-
 
 def _split_key(message: str, default: str) -> Tuple[str, str]:
     key, sep, reason = message.partition(": ")
@@ -321,11 +299,11 @@ def check(cfg: DictConfig) -> None:
     it builds and has enough blocks for the stages): each block takes what the one before it
     returns, and its tied weights are possible here. Raises :class:`ConfigError`."""
     from sdpipe_cli.config.schema import ASYNC_SCHEDULES
-    from sdpipe_cli.model import data
+    from sdpipe_cli.data import sources
 
     p = cfg.pipeline
     mb = cfg.train.batch_size // p.microbatches
-    after = boundaries(cfg, data.example(cfg, mb)[0])
+    after = boundaries(cfg, sources.example(cfg, mb)[0])
     names = block_names(cfg.model)
     for cut in p.partition:  # what a stage sends must carry a gradient back
         if not after[cut - 1].differentiable():
@@ -340,10 +318,4 @@ def check(cfg: DictConfig) -> None:
     if asynchronous and cfg.train.precision == "fp16":
         raise ConfigError("train.precision", "fp16's skip-or-step decision needs a flushed "
                           "schedule; use bf16 with async_1f1b")
-    if cfg.data.name == "digits":
-        from sdpipe_cli.model.images import DIGITS_COUNT
 
-        held = int(DIGITS_COUNT * float(cfg.data.val_fraction))
-        if held < cfg.train.batch_size:
-            raise ConfigError("data.val_fraction", f"holds out {held} images, fewer than one "
-                              f"batch of train.batch_size={cfg.train.batch_size}")

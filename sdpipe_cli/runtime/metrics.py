@@ -11,6 +11,12 @@ Workers report what only they know (the loss lives on the last stage of each pip
   first iteration, which pays one-off set-up; waits and evaluations count), ``lr``, plus
   ``step_s``, ``compute_s`` and ``sync_s`` (seconds of the last iteration on the last stage),
   ``straggled`` (that worker's actions slowed by a random straggler so far);
+  ``data_s`` (seconds the stage waited for the loader's batch in that iteration);
+- ``data``: the first stage's own wait for its batch (where no ``sync`` line carries it):
+  ``step``, ``time``, ``pipeline``, ``stage``, ``step_s``, ``data_s``;
+- ``unreadable``: a sample the loader could not read, the first time a reading stage met it (it
+  was replaced by the next sample): ``pipeline``, ``stage``, ``step``, ``sample`` (its file),
+  ``error``;
 - ``eval``: ``step``, ``time``, ``pipeline``, ``val_loss``, ``samples`` (classifiers also
   ``val_accuracy``, top-1);
 - ``sync`` (``sync=sdpipe``, stages other than the last, whose train lines carry the same):
@@ -69,6 +75,8 @@ class RunTracker:
     last_seen: dict[int, float] = field(default_factory=dict)
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
     started: set = field(default_factory=set)
+    unreadable: dict[str, str] = field(default_factory=dict)  # sample -> error, over all readers
+    waits: dict[int, list[float]] = field(default_factory=dict)  # rank -> [data_s, step_s] totals
 
     def __post_init__(self) -> None:
         self.state = {p: PipelineState() for p in range(self.pipelines)}
@@ -87,12 +95,22 @@ class RunTracker:
         if kind == "start":
             self.started.add(rank)
             return None
+        if kind == "step" and "data_s" in event:
+            totals = self.waits.setdefault(rank, [0.0, 0.0])
+            totals[0] += event["data_s"]
+            totals[1] += event["step_s"]
+        if kind == "unreadable":
+            self.unreadable.setdefault(event["sample"], event["error"])
+            return {"kind": "unreadable", **_without(event, "type", "rank")}
         if kind == "step" and "loss" in event:
             pipe.steps, pipe.samples = event["step"], event["samples"]
             pipe.loss, pipe.samples_per_s = event["loss"], event["samples_per_s"]
             return {"kind": "train", **_without(event, "type", "rank", "stage")}
         if kind == "step" and "group_size" in event:
             return {"kind": "sync", **_without(event, "type", "rank", "samples", "samples_per_s", "lr")}
+        if kind == "step" and "data_s" in event:
+            return {"kind": "data", **{k: event[k] for k in ("step", "time", "pipeline", "stage",
+                                                             "step_s", "data_s")}}
         if kind == "eval":
             pipe.val_loss = event["val_loss"]
             pipe.val_accuracy = event.get("val_accuracy")
@@ -148,6 +166,9 @@ class RunTracker:
             "started": len(self.started),
             "done": len(self.done),
             "pipelines": {p: dict(vars(s)) for p, s in self.state.items()},
+            # the reading stage that waited most for data, as a share of its iterations' time
+            "data_wait_share": max((w / t for w, t in self.waits.values() if t > 0), default=None),
+            "unreadable": sorted(self.unreadable),
         }
 
 

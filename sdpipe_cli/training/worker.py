@@ -37,7 +37,9 @@ from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
 from sdpipe_cli.training.tied import TiedCopies
-from sdpipe_cli.model import checkpoint, data, models, optim
+from sdpipe_cli.data import sources
+from sdpipe_cli.data.feed import Feed
+from sdpipe_cli.model import checkpoint, models, optim
 
 __all__ = ["Worker", "param_digest"]
 
@@ -95,7 +97,7 @@ class Worker:
         if self.tracer is not None:  # around the emulation's: a slow compute shows as compute
             on_action, before_send, before_action = self.tracer.hooks(on_action, before_send)
         mb = cfg.train.batch_size // cfg.pipeline.microbatches
-        boundaries = models.stage_boundaries(cfg, data.example(cfg, mb)[0], s)
+        boundaries = models.stage_boundaries(cfg, sources.example(cfg, mb)[0], s)
         low = PRECISIONS[cfg.train.precision]
         if low is not None:  # activations and their gradients travel in the low precision
             boundaries = tuple(None if b is None else b.with_floats(low) for b in boundaries)
@@ -109,9 +111,10 @@ class Worker:
         self.loss_scale = (LossScale(float(cfg.train.loss_scale)) if cfg.train.precision == "fp16"
                            else None)
         self.classify = objective(cfg) == "classify"
-        self.source = None
+        self.feed = None
         if where.first or where.last:  # middle stages never touch data
-            self.source = data.open_source(cfg)
+            self.feed = Feed(cfg, p, where.pipelines, pin_memory=device.type == "cuda")
+        self.data_wait_s = 0.0  # the last batch's wait for the loader
         self.run_dir = Path(cfg.run.dir)
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
@@ -151,8 +154,15 @@ class Worker:
             self.tracer.span(f"{self.sync.name} sync", "sync", start, end)
 
     # -- data ---------------------------------------------------------------------------------
-    def microbatches(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [t.to(self.device) for t in x.chunk(self.cfg.pipeline.microbatches)]
+    def microbatches(self, x: Any) -> list[Any]:
+        """``x`` (a tensor, or a tuple or dict of them) cut into the micro-batches, on the device."""
+        m = self.cfg.pipeline.microbatches
+        if isinstance(x, torch.Tensor):
+            return [t.to(self.device, non_blocking=True) for t in x.chunk(m)]
+        if isinstance(x, dict):
+            parts = {k: self.microbatches(v) for k, v in x.items()}
+            return [{k: v[i] for k, v in parts.items()} for i in range(m)]
+        return [type(x)(p) for p in zip(*(self.microbatches(v) for v in x))]
 
     def _scaled(self) -> None:
         """fp16: the loss scale the last stage multiplies by for the coming backward."""
@@ -163,13 +173,15 @@ class Worker:
         """Iteration ``step``'s micro-batches this stage needs: inputs on the first stage, targets
         on the last, None elsewhere."""
         self._scaled()
-        if self.source is None:
+        if self.feed is None:
             return None, None
-        cfg, w = self.cfg, self.where
-        x, y = self.source.train_batch(w.pipeline, w.pipelines, cfg.train.batch_size,
-                                       cfg.train.seed, step)
-        return (self.microbatches(x) if w.first else None,
-                self.microbatches(y) if w.last else None)
+        w, waited = self.where, self.feed.loader.waited_s
+        batch = self.feed.batch(step)
+        self.data_wait_s = self.feed.loader.waited_s - waited
+        for name, error in self.feed.new_bad():
+            self.emit("unreadable", sample=name, error=error, step=step)
+        return (self.microbatches(batch.inputs) if w.first else None,
+                self.microbatches(batch.targets) if w.last else None)
 
     # -- decisions the loops share ------------------------------------------------------------
     def timed_out(self, started: float) -> bool:
@@ -264,6 +276,9 @@ class Worker:
             torch.save(self.module.state_dict(), final / f"p{w.pipeline}-s{w.stage}.pt")
         if self.tracer is not None:
             self.tracer.write(trace_path(self.run_dir, w.rank))
+        if self.feed is not None:
+            self.feed.close()
+            extra.update(unreadable=len(self.feed.seen_bad), unreadable_reads=self.feed.bad_reads)
         if self.incarnation:
             extra["healed"] = trained
         self.emit("done", steps=step, param_digest=param_digest(self.module),
@@ -278,6 +293,8 @@ class Worker:
         state = {"step": step, "pipeline": w.pipeline, "stage": w.stage,
                  "model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
                  "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
+        if self.feed is not None:
+            state["data"] = self.feed.state_dict(step)
         checkpoint.save_shard(checkpoint.staging_dir(self.run_dir, ckpt), str(w.rank), state)
         self._last_save, self._saved_step = time.monotonic(), step
         self.emit("saved", checkpoint=ckpt, step=step)
@@ -288,6 +305,8 @@ class Worker:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
+        if self.feed is not None and "data" in state:
+            self.feed.load_state_dict(state["data"])
         log.info("resumed from %s at step %d", ckpt, state["step"])
         return int(state["step"])
 
@@ -295,10 +314,9 @@ class Worker:
     def evaluate(self, step: int) -> None:
         """Validation loss of this pipeline's replica on the fixed validation batches."""
         cfg, w = self.cfg, self.where
-        batches = [(None, None)] * data.val_count(cfg)
-        if self.source is not None:
-            batches = self.source.val_batches(data.val_count(cfg), cfg.train.batch_size,
-                                              cfg.train.seed)
+        count = sources.val_count(cfg)
+        batches = ([(None, None)] * count if self.feed is None else
+                   ((b.inputs, b.targets) for b in self.feed.validation(count)))
         self.module.eval()
         losses, hits = [], [0, 0]
 
@@ -332,6 +350,8 @@ class Worker:
         fields = {"loss": loss} if self.where.last and loss is not None else {}
         if self.loss_scale is not None:
             fields.update(loss_scale=self.loss_scale.value, skipped_steps=self.loss_scale.skipped)
+        if self.feed is not None:
+            fields["data_s"] = round(self.data_wait_s, 6)
         self.emit("step", step=step, samples=step * self.cfg.train.batch_size,
                   samples_per_s=rate, lr=self.lr, step_s=step_s, compute_s=step_s - sync_s,
                   sync_s=sync_s, straggled=self.slowdown.straggled, **extra,

@@ -100,7 +100,10 @@ def test_every_group_option_composes_and_validates(override):
     needs = {"model=resnet18": ["data=digits"], "model=resnet50": ["data=digits"],
              "model=resnet_cifar": ["data=digits"], "data=digits": ["model=resnet_cifar"],
              "model=custom": ["model._target_=torch.nn.Sequential"],
-             "train=digits": ["model=resnet_cifar", "data=digits"]}
+             "train=digits": ["model=resnet_cifar", "data=digits"],
+             "data=cifar10": ["model=resnet_cifar", "data.path=/cifar"],
+             "data=imagefolder": ["model=resnet_cifar", "data.path=/images"],
+             "data=tokens": ["data.path=/tokens"], "data=custom": ["data._target_=pkg.make"]}
     cfg = compose([override, *real, *needs.get(override, [])])
     validate(cfg)
     if group in ("model", "data", "cluster", "sync"):

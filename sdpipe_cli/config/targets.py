@@ -1,0 +1,36 @@
+"""Users' code named in a config: ``model._target_``, ``model.loss``, ``data._target_``.
+
+Hydra's convention (a dotted path to a callable) resolved the way ``python -m`` would: from
+``PYTHONPATH`` or the current folder. Run processes are forks of a server whose import path was
+fixed before the user's folder was known, so the folders are added here, where the name is
+looked up. A name that does not import is bad input: one line naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from sdpipe_cli.config.schema import ConfigError
+
+__all__ = ["import_callable"]
+
+
+def import_callable(target: Any, key: str) -> Any:
+    """The callable ``target`` names; :class:`ConfigError` on ``key`` when it cannot be had."""
+    from hydra.utils import get_object
+
+    if not target or not isinstance(target, str):
+        raise ConfigError(key, "name an importable callable, e.g. mypkg.module.build")
+    for folder in [*os.environ.get("PYTHONPATH", "").split(os.pathsep), os.getcwd()]:
+        if folder and folder not in sys.path:
+            sys.path.append(folder)
+    try:
+        obj = get_object(target)
+    except Exception as err:  # ImportError, AttributeError, or the module's own failure
+        cause = err.__cause__ or err
+        raise ConfigError(key, f"cannot import {target!r}: {' '.join(str(cause).split())[:200]}") from None
+    if not callable(obj):
+        raise ConfigError(key, f"{target!r} is not callable")
+    return obj

@@ -1,0 +1,69 @@
+"""Your own dataset: ``data=custom data._target_=PKG.MODULE.FN``.
+
+The callable (keyword arguments: ``+data.KEY=VALUE``, gathered into ``data.kwargs``) returns a
+map-style torch ``Dataset`` whose items are ``(inputs, target)``, or a pair ``(train, val)``, or a
+dict with ``train`` and ``val``. Without a validation set, a seeded ``data.val_fraction`` of the
+training set is held out. sdpipe shards, orders, batches and resumes it like its own data sets;
+randomness in the dataset's transforms should come from torch's RNG, which the loader seeds per
+sample (see :mod:`sdpipe_cli.data.loader`). A ``classes`` attribute, as torchvision's data sets
+have, gives a classifier its number of classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from sdpipe_cli.config.targets import import_callable
+from sdpipe_cli.runtime.errors import DataError
+
+__all__ = ["open_custom"]
+
+KEY = "data._target_"
+
+
+def _map_style(ds: Any, what: str) -> Dataset:
+    if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+        raise DataError(KEY, f"returned {type(ds).__name__} as the {what} set; it must be a map-style "
+                        "torch Dataset (with __len__ and __getitem__)")
+    if len(ds) == 0:
+        raise DataError(KEY, f"the {what} set is empty")
+    return ds
+
+
+def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    n = len(ds)  # type: ignore[arg-type]
+    held = int(n * val_fraction)
+    if held < 1 or held >= n:
+        raise DataError("data.val_fraction", f"holds out {held} of {n} samples; the data set has no "
+                        "validation split of its own, so hold out at least one and keep one to train")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed))).tolist()
+    return Subset(ds, order[held:]), Subset(ds, order[:held])
+
+
+def open_custom(data_cfg: Any, seed: int) -> tuple[Dataset, Dataset, Optional[int]]:
+    """The user's train and validation sets, and their number of classes if they say."""
+    target = data_cfg.get("_target_")
+    fn = import_callable(target, KEY)
+    kwargs = dict(data_cfg.get("kwargs") or {})
+    try:
+        made = fn(**kwargs)
+    except Exception as err:  # the user's code: its failure is their input's
+        raise DataError(KEY, f"{target}({', '.join(kwargs)}) failed: {type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:200]}") from None
+    if isinstance(made, dict):
+        train, val = made.get("train"), made.get("val")
+    elif isinstance(made, (tuple, list)) and len(made) == 2:
+        train, val = made
+    else:
+        train, val = made, None
+    train = _map_style(train, "training")
+    if val is None:
+        train, val = _split(train, float(data_cfg.val_fraction), seed)
+    else:
+        val = _map_style(val, "validation")
+    base = train.dataset if isinstance(train, Subset) else train
+    classes = getattr(base, "classes", None)
+    return train, val, (len(classes) if classes else None)

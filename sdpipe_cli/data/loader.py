@@ -1,0 +1,171 @@
+"""A pipeline's stream of batches: prepared ahead in background processes, resumable, and honest
+about the time the stage waited for it.
+
+:class:`Loader` wraps torch's ``DataLoader`` around any map-style data set. The order comes from
+:class:`~sdpipe_cli.data.sampling.Order` (a pure function of the position), so the loader's whole
+state is one number, the *position*: the samples this pipeline has consumed. A checkpoint stores
+it; a resume, or a healed pipeline, starts the stream there again.
+
+Randomness in a sample's transform (crop, flip, BERT's masking) is drawn from torch's global RNG,
+which is seeded per sample from the sample's key before the data set is asked for it: the batch is
+then the same whichever background process makes it, in whichever stage, on every resume. Users'
+transforms that draw from torch's RNG (as torchvision's do) get the same guarantee.
+
+A sample that cannot be read (a truncated JPEG, a file that vanished) does not stop a run at step
+10 000: the next sample of the data set takes its place, deterministically, so the first and last
+stages still agree, and the batch carries the name of the file and the error, which the worker
+logs once and counts. Only :data:`MAX_BAD_IN_A_ROW` consecutive failures, which mean the data set
+itself is broken, end the run with a :class:`DataError`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from sdpipe_cli.data.sampling import Order, seed_of
+from sdpipe_cli.runtime.errors import DataError
+
+__all__ = ["Batch", "Loader", "evaluation_batches", "MAX_BAD_IN_A_ROW"]
+
+MAX_BAD_IN_A_ROW = 16  # consecutive unreadable samples that mean the data set itself is broken
+
+
+@dataclass
+class Batch:
+    """Inputs and targets of one batch, and the samples replaced because they could not be read
+    (``(name, error)`` each). ``broken`` is set instead when the data set failed outright."""
+
+    inputs: Any = None
+    targets: Any = None
+    bad: list[tuple[str, str]] = field(default_factory=list)
+    broken: Optional[str] = None
+
+
+def _name(dataset: Dataset, index: int) -> str:
+    describe = getattr(dataset, "describe", None)
+    return str(describe(index)) if callable(describe) else f"sample {index}"
+
+
+class _Keyed(Dataset):
+    """``dataset`` asked by ``(index, key)``: seeds the RNG from the key, replaces an unreadable
+    sample by the next one, and returns ``(inputs, targets, bad, broken)``."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+        self.n = len(dataset)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, key = item
+        bad: list[tuple[str, str]] = []
+        in_worker = torch.utils.data.get_worker_info() is not None
+        for attempt in range(MAX_BAD_IN_A_ROW):
+            at = (index + attempt) % self.n
+            try:
+                if in_worker:  # a loader process: its RNG is its own
+                    x, y = self._seeded(at, key)
+                else:  # the training process: leave its RNG (dropout's) as it was
+                    state = random.getstate()
+                    with torch.random.fork_rng(devices=[]):
+                        x, y = self._seeded(at, key)
+                    random.setstate(state)
+                return x, y, bad, None
+            except Exception as err:  # noqa: BLE001 - any sample may fail; the run must not
+                bad.append((_name(self.dataset, at), " ".join(str(err).split())[:200] or type(err).__name__))
+        return None, None, bad, (f"{MAX_BAD_IN_A_ROW} samples in a row could not be read, the last "
+                                 f"{bad[-1][0]}: {bad[-1][1]}")
+
+    def _seeded(self, index: int, key: int):
+        torch.manual_seed(key)
+        random.seed(key)
+        sample = self.dataset[index]
+        if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            raise DataError("data", f"a data set item must be (inputs, target); item {index} is "
+                            f"{type(sample).__name__}")
+        return sample
+
+
+def _collate(samples: list) -> Batch:
+    bad = [b for s in samples for b in s[2]]
+    broken = next((s[3] for s in samples if s[3] is not None), None)
+    if broken is not None:
+        return Batch(bad=bad, broken=broken)
+    return Batch(default_collate([s[0] for s in samples]), default_collate([s[1] for s in samples]),
+                 bad)
+
+
+class _Stream:
+    """The batch sampler: ``order``'s batches from ``position`` on (a ``DataLoader`` asks it
+    lazily, ``prefetch`` batches ahead per background process)."""
+
+    def __init__(self, order: Order, position: int, batch_size: int):
+        self.order, self.position, self.batch_size = order, position, batch_size
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        return self.order.batches(self.position, self.batch_size)
+
+
+class Loader:
+    """The training batches of one pipeline: ``get(position)`` returns the batch of
+    ``batch_size`` samples that starts at ``position``; asked in sequence, batches come from
+    ``workers`` background processes that stay ``prefetch`` batches ahead (``workers=0``: made
+    in this process, on demand). ``waited_s``: the total time :meth:`get` blocked."""
+
+    def __init__(self, dataset: Dataset, order: Order, batch_size: int, *, workers: int = 0,
+                 prefetch: int = 2, pin_memory: bool = False):
+        self.dataset, self.order, self.batch_size = _Keyed(dataset), order, int(batch_size)
+        self.workers, self.prefetch, self.pin_memory = int(workers), int(prefetch), pin_memory
+        self.waited_s = 0.0
+        self._it: Optional[Iterator[Batch]] = None
+        self._next = -1  # the position the running stream gives next
+
+    def _start(self, position: int) -> None:
+        self.close()
+        extra = {"prefetch_factor": self.prefetch} if self.workers else {}
+        # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
+        self._it = iter(DataLoader(self.dataset, batch_sampler=_Stream(self.order, position, self.batch_size),
+                                   num_workers=self.workers, collate_fn=_collate,
+                                   pin_memory=self.pin_memory, generator=torch.Generator(), **extra))
+        self._next = position
+
+    def get(self, position: int) -> Batch:
+        start = time.perf_counter()
+        if self._it is None or position != self._next:
+            self._start(position)
+        batch = next(self._it)  # type: ignore[arg-type]
+        self._next += self.batch_size
+        self.waited_s += time.perf_counter() - start
+        if batch.broken is not None:
+            raise DataError("data", batch.broken)
+        return batch
+
+    def close(self) -> None:
+        """Stop the background processes (also done when the loader is collected)."""
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def evaluation_batches(dataset: Dataset, count: int, batch_size: int, seed: int,
+                       workers: int = 0) -> Iterator[Batch]:
+    """The validation batches: the data set's first ``count x batch_size`` samples in order (again
+    from the start if the split is smaller), the same for every pipeline and every evaluation
+    (their keys depend on the index only), so that losses compare across pipelines and time."""
+    n = len(dataset)  # type: ignore[arg-type]
+    plan = [[(i % n, seed_of("val", seed, i % n)) for i in range(b * batch_size, (b + 1) * batch_size)]
+            for b in range(count)]
+    # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
+    for batch in DataLoader(_Keyed(dataset), batch_sampler=plan, num_workers=min(workers, count),
+                            collate_fn=_collate, generator=torch.Generator()):
+        if batch.broken is not None:
+            raise DataError("data", batch.broken)
+        yield batch

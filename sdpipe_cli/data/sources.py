@@ -1,0 +1,238 @@
+"""The one place that turns ``data.name`` into data sets: train and validation splits, what was
+read, and the shapes a sample has.
+
+Every data set, whichever its origin, ends as a pair of map-style torch ``Dataset``\\ s whose items
+are ``(inputs, target)``; the loader does the rest (order, batches, background reading, resume).
+
+The launcher calls :func:`resolve` once, before any process starts: it opens the data (so that a
+bad folder, an empty corpus or a corrupt shard is one line and exit 2, with nothing written),
+checks a first sample, and records in ``data.resolved`` what was read (paths, sizes, checksums),
+the split sizes and a sample's shapes. Workers read that record: a middle stage learns the shapes
+it receives without touching the data, and a checkpoint stores the data's fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from sdpipe_cli.data.loader import MAX_BAD_IN_A_ROW
+from sdpipe_cli.data.sampling import seed_of
+from sdpipe_cli.runtime.errors import DataError
+
+__all__ = ["Splits", "open_splits", "resolve", "example", "val_count", "workers", "fingerprint"]
+
+CORPORA = ("stdlib", "text", "synthetic")
+DECODED = ("imagefolder", "cifar10", "custom")  # work per sample worth a background process
+DEFAULT_WORKERS = 2
+
+
+@dataclass
+class Splits:
+    """A data set's train and validation splits, and what a run records about it."""
+
+    train: Dataset
+    val: Dataset
+    classes: Optional[int] = None  # classification: the number of classes
+    vocab_size: Optional[int] = None  # token data: the tokenizer's vocabulary
+    read: dict[str, Any] = field(default_factory=dict)  # paths, sizes, checksums
+
+
+def _windows(shards_train, shards_val, cfg: Any, mask_id: Optional[int], vocab: int) -> tuple:
+    from sdpipe_cli.config.schema import objective
+    from sdpipe_cli.data.tokens import TokenWindows
+
+    goal, seq = objective(cfg), int(cfg.model.seq_len)
+    return tuple(TokenWindows(shards, seq, goal, mask_id, vocab) for shards in (shards_train, shards_val))
+
+
+def _corpus(cfg: Any) -> Splits:
+    from sdpipe_cli.data.corpus import check_corpus, load_corpus
+
+    corpus = load_corpus(cfg.data, cfg.train.seed)
+    check_corpus(corpus, int(cfg.model.seq_len))
+    # bytes: the mask token is the model's last id, above every byte (the model has >= 257)
+    train, val = _windows([corpus.train], [corpus.val], cfg, int(cfg.model.vocab_size) - 1, 256)
+    read = {"bytes": len(corpus.train) + len(corpus.val)}
+    if cfg.data.path:
+        read["path"] = str(Path(str(cfg.data.path)).expanduser().resolve())
+    return Splits(train, val, read=read)
+
+
+def _tokens(cfg: Any, verify: bool) -> Splits:
+    from sdpipe_cli.data.tokens import fingerprint as token_fingerprint, open_tokens
+
+    corpus = open_tokens(str(cfg.data.path), verify=verify)
+    vocab = corpus.vocab_size
+    mask = corpus.mask_id if corpus.mask_id is not None else vocab - 1
+    train, val = _windows(corpus.shards("train"), corpus.shards("val"), cfg, mask, vocab)
+    read = {"path": str(corpus.root.resolve()), "tokenizer": corpus.manifest["tokenizer"]["spec"],
+            "tokens": {s: corpus.tokens(s) for s in ("train", "val")},
+            "fingerprint": token_fingerprint(corpus)}
+    return Splits(train, val, vocab_size=vocab, read=read)
+
+
+def _normalisation(cfg: Any, mean: tuple, std: tuple) -> tuple[tuple, tuple]:
+    d = cfg.data
+    return (tuple(d.mean) if d.mean is not None else mean, tuple(d.std) if d.std is not None else std)
+
+
+def _native(cfg: Any, side: int) -> int:
+    """The side of a fixed-size data set's images: its own (no resizing is offered)."""
+    if cfg.data.image_size not in (None, side):
+        raise DataError("data.image_size", f"{cfg.data.name} images are {side}x{side}; leave "
+                        "data.image_size unset (or use data=imagefolder for other sizes)")
+    return side
+
+
+def _digits(cfg: Any) -> Splits:
+    from sdpipe_cli.data import images
+    from sdpipe_cli.data.transforms import ImageTransform
+
+    train_x, train_y, val_x, val_y, mean, std = images.load_digits(float(cfg.data.val_fraction),
+                                                                   int(cfg.train.seed))
+    size = _native(cfg, images.DIGITS_SIZE)
+    mean, std = _normalisation(cfg, mean, std)
+    train = images.ArrayImages(train_x, train_y, ImageTransform("pad_crop", size, 2, mean, std))
+    val = images.ArrayImages(val_x, val_y, ImageTransform("none", size, 0, mean, std))
+    return Splits(train, val, classes=images.DIGITS_CLASSES, read={"images": len(train_y) + len(val_y)})
+
+
+def _cifar10(cfg: Any) -> Splits:
+    from sdpipe_cli.data import images
+    from sdpipe_cli.data.transforms import ImageTransform
+
+    train_x, train_y, val_x, val_y, classes = images.load_cifar10(str(cfg.data.path))
+    size = _native(cfg, 32)
+    mean, std = _normalisation(cfg, images.CIFAR10_MEAN, images.CIFAR10_STD)
+    train = images.ArrayImages(train_x, train_y, ImageTransform("pad_crop_flip", size, 4, mean, std), classes)
+    val = images.ArrayImages(val_x, val_y, ImageTransform("none", size, 0, mean, std), classes)
+    root = Path(str(cfg.data.path)).expanduser().resolve()
+    return Splits(train, val, classes=len(classes),
+                  read={"path": str(root), "images": {"train": len(train_y), "val": len(val_y)}})
+
+
+def _imagefolder(cfg: Any) -> Splits:
+    from sdpipe_cli.data import images
+    from sdpipe_cli.data.transforms import ImageTransform
+
+    root = str(Path(str(cfg.data.path)).expanduser())
+    train_files, val_files, classes = images.index_image_folder(root, float(cfg.data.val_fraction),
+                                                                int(cfg.train.seed))
+    size = int(cfg.data.image_size or 224)
+    mean, std = _normalisation(cfg, images.IMAGENET_MEAN, images.IMAGENET_STD)
+    train = images.ImageFolder(train_files, classes, ImageTransform("resized_crop_flip", size, 0, mean, std))
+    val = images.ImageFolder(val_files, classes, ImageTransform("resize_center", size, 0, mean, std))
+    listing = hashlib.sha256(json.dumps([train_files, val_files]).encode()).hexdigest()[:16]
+    return Splits(train, val, classes=len(classes),
+                  read={"path": str(Path(root).resolve()), "classes": len(classes),
+                        "images": {"train": len(train_files), "val": len(val_files)}, "listing": listing})
+
+
+def _custom(cfg: Any) -> Splits:
+    from sdpipe_cli.data.custom import open_custom
+
+    train, val, classes = open_custom(cfg.data, int(cfg.train.seed))
+    return Splits(train, val, classes=classes, read={"target": str(cfg.data.get("_target_")),
+                                                     "samples": {"train": len(train), "val": len(val)}})
+
+
+def open_splits(cfg: Any, verify: bool = False) -> Splits:
+    """The run's data (``verify``: also every token shard's checksum, which the launcher does
+    once; workers check sizes only)."""
+    name = cfg.data.name
+    if name in CORPORA:
+        return _corpus(cfg)
+    if name == "tokens":
+        return _tokens(cfg, verify)
+    opener = {"digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder, "custom": _custom}
+    if name not in opener:
+        raise DataError("data.name", f"unknown data set {name!r}")
+    return opener[name](cfg)
+
+
+# ----------------------------------------------------------------------------- the record
+
+
+def _spec(value: Any, what: str) -> dict[str, Any]:
+    """Shape and dtype of one sample's ``value`` (a tensor or a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise DataError("data", f"a sample's {what} must be a tensor or a number, not {type(value).__name__}")
+    t = torch.as_tensor(value)
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def _first_sample(ds: Dataset, seed: int) -> tuple[Any, Any]:
+    """A readable sample (the first of ``ds`` that reads) under a fixed seed, the RNG untouched."""
+    last = ""
+    for i in range(min(MAX_BAD_IN_A_ROW, len(ds))):  # type: ignore[arg-type]
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed_of("probe", seed))
+                x, y = ds[i]
+            return x, y
+        except DataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an unreadable file: try the next
+            last = f"{' '.join(str(err).split())[:200]}"
+    raise DataError("data", f"none of the first {MAX_BAD_IN_A_ROW} samples could be read: {last}")
+
+
+def resolve(cfg: Any) -> dict[str, Any]:
+    """Open the data once and describe it: ``data.resolved`` (see the module's docstring)."""
+    splits = open_splits(cfg, verify=bool(cfg.data.verify))
+    if len(splits.train) == 0 or len(splits.val) == 0:  # type: ignore[arg-type]
+        empty = "training" if len(splits.train) == 0 else "validation"  # type: ignore[arg-type]
+        raise DataError("data.path" if cfg.data.path else "data", f"the {empty} split is empty")
+    x, y = _first_sample(splits.train, int(cfg.train.seed))
+    out = {"train": len(splits.train), "val": len(splits.val),  # type: ignore[arg-type]
+           "input": _spec(x, "input"), "target": _spec(y, "target"), "read": splits.read}
+    if splits.classes is not None:
+        out["classes"] = splits.classes
+    if splits.vocab_size is not None:
+        out["vocab_size"] = splits.vocab_size
+    return out
+
+
+def _resolved(cfg: Any) -> dict[str, Any]:
+    return cfg.data.get("resolved") or resolve(cfg)
+
+
+def fingerprint(cfg: Any) -> str:
+    """A short digest of what the run reads: a checkpoint keeps it, a resume compares it."""
+    return hashlib.sha256(json.dumps(_resolved(cfg)["read"], sort_keys=True, default=str)
+                          .encode()).hexdigest()[:16]
+
+
+def example(cfg: Any, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An input and target batch of the run's shapes and dtypes (zeros), from the record: what
+    every stage infers the pipeline's boundaries from without reading data."""
+    r = _resolved(cfg)
+    return tuple(torch.zeros(batch_size, *r[k]["shape"], dtype=getattr(torch, r[k]["dtype"]))
+                 for k in ("input", "target"))  # type: ignore[return-value]
+
+
+def val_count(cfg: Any) -> int:
+    """Validation batches per evaluation: ``data.eval_batches``, or every full batch."""
+    if cfg.data.eval_batches is not None:
+        return int(cfg.data.eval_batches)
+    full = int(_resolved(cfg)["val"]) // int(cfg.train.batch_size)
+    if full < 1:
+        raise DataError("data.val_fraction", f"the validation split has {_resolved(cfg)['val']} samples, "
+                        f"fewer than one batch of train.batch_size={cfg.train.batch_size}")
+    return full
+
+
+def workers(cfg: Any) -> int:
+    """Background reading processes per reading stage (``data.num_workers``, or the default:
+    none for data in memory or memory-mapped, where a batch costs microseconds)."""
+    if cfg.data.num_workers is not None:
+        return int(cfg.data.num_workers)
+    return min(DEFAULT_WORKERS, os.cpu_count() or 1) if cfg.data.name in DECODED else 0
