@@ -73,10 +73,12 @@ class _Keyed(Dataset):
                 if in_worker:  # a loader process: its RNG is its own
                     x, y = self._seeded(at, key)
                 else:  # the training process: leave its RNG (dropout's) as it was
-                    state = random.getstate()
-                    with torch.random.fork_rng(devices=[]):
+                    states = torch.default_generator.get_state(), random.getstate()
+                    try:
                         x, y = self._seeded(at, key)
-                    random.setstate(state)
+                    finally:
+                        torch.default_generator.set_state(states[0])
+                        random.setstate(states[1])
                 return x, y, bad, None
             except Exception as err:  # noqa: BLE001 - any sample may fail; the run must not
                 bad.append((_name(self.dataset, at), " ".join(str(err).split())[:200] or type(err).__name__))
@@ -84,7 +86,7 @@ class _Keyed(Dataset):
                                  f"{bad[-1][0]}: {bad[-1][1]}")
 
     def _seeded(self, index: int, key: int):
-        torch.manual_seed(key)
+        torch.default_generator.manual_seed(key)  # CPU only: torch.manual_seed costs ~2 ms a call
         random.seed(key)
         sample = self.dataset[index]
         if not isinstance(sample, (tuple, list)) or len(sample) != 2:
