@@ -20,6 +20,7 @@ itself is broken, end the run with a :class:`DataError`.
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,13 @@ def _collate(samples: list) -> Batch:
                  bad)
 
 
+def _context() -> str | None:
+    """Fork where there is fork: a worker runs in a fork server's child, whose default start
+    method would start each background process from scratch (seconds of imports); a fork
+    shares the data set already open."""
+    return "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
 class _Stream:
     """The batch sampler: ``order``'s batches from ``position`` on (a ``DataLoader`` asks it
     lazily, ``prefetch`` batches ahead per background process)."""
@@ -131,7 +139,7 @@ class Loader:
 
     def _start(self, position: int) -> None:
         self.close()
-        extra = {"prefetch_factor": self.prefetch} if self.workers else {}
+        extra = {"prefetch_factor": self.prefetch, "multiprocessing_context": _context()} if self.workers else {}
         # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
         self._it = iter(DataLoader(self.dataset, batch_sampler=_Stream(self.order, position, self.batch_size),
                                    num_workers=self.workers, collate_fn=_collate,
@@ -166,8 +174,9 @@ def evaluation_batches(dataset: Dataset, count: int, batch_size: int, seed: int,
     plan = [[(i % n, seed_of("val", seed, i % n)) for i in range(b * batch_size, (b + 1) * batch_size)]
             for b in range(count)]
     # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
+    extra = {"multiprocessing_context": _context()} if workers else {}
     for batch in DataLoader(_Keyed(dataset), batch_sampler=plan, num_workers=min(workers, count),
-                            collate_fn=_collate, generator=torch.Generator()):
+                            collate_fn=_collate, generator=torch.Generator(), **extra):
         if batch.broken is not None:
             raise DataError("data", batch.broken)
         yield batch

@@ -67,7 +67,7 @@ def _corpus(cfg: Any) -> Splits:
 
 
 def _tokens(cfg: Any, verify: bool) -> Splits:
-    from sdpipe_cli.data.tokens import fingerprint as token_fingerprint, open_tokens
+    from sdpipe_cli.data.tokens import MANIFEST, file_sha256, fingerprint as token_fingerprint, open_tokens
 
     corpus = open_tokens(str(cfg.data.path), verify=verify)
     vocab = corpus.vocab_size
@@ -75,7 +75,8 @@ def _tokens(cfg: Any, verify: bool) -> Splits:
     train, val = _windows(corpus.shards("train"), corpus.shards("val"), cfg, mask, vocab)
     read = {"path": str(corpus.root.resolve()), "tokenizer": corpus.manifest["tokenizer"]["spec"],
             "tokens": {s: corpus.tokens(s) for s in ("train", "val")},
-            "fingerprint": token_fingerprint(corpus)}
+            "fingerprint": token_fingerprint(corpus),
+            "manifest_sha256": file_sha256(corpus.root / MANIFEST)}
     return Splits(train, val, vocab_size=vocab, read=read)
 
 

@@ -76,7 +76,7 @@ class RunTracker:
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
     started: set = field(default_factory=set)
     unreadable: dict[str, str] = field(default_factory=dict)  # sample -> error, over all readers
-    waits: dict[int, list[float]] = field(default_factory=dict)  # rank -> [data_s, step_s] totals
+    waits: dict[int, list] = field(default_factory=dict)  # rank -> [data_s, step_s, steps] totals
 
     def __post_init__(self) -> None:
         self.state = {p: PipelineState() for p in range(self.pipelines)}
@@ -96,9 +96,12 @@ class RunTracker:
             self.started.add(rank)
             return None
         if kind == "step" and "data_s" in event:
-            totals = self.waits.setdefault(rank, [0.0, 0.0])
-            totals[0] += event["data_s"]
-            totals[1] += event["step_s"]
+            if rank in self.waits:  # the first batch waits for the loader's start: not counted
+                self.waits[rank][0] += event["data_s"]
+                self.waits[rank][1] += event["step_s"]
+                self.waits[rank][2] += 1
+            else:
+                self.waits[rank] = [0.0, 0.0, 0]
         if kind == "unreadable":
             self.unreadable.setdefault(event["sample"], event["error"])
             return {"kind": "unreadable", **_without(event, "type", "rank")}
@@ -167,7 +170,9 @@ class RunTracker:
             "done": len(self.done),
             "pipelines": {p: dict(vars(s)) for p, s in self.state.items()},
             # the reading stage that waited most for data, as a share of its iterations' time
-            "data_wait_share": max((w / t for w, t in self.waits.values() if t > 0), default=None),
+            # (over 10 iterations at least: a shorter run says little about its loader)
+            "data_wait_share": max((w / t for w, t, n in self.waits.values() if t > 0 and n >= 10),
+                                   default=None),
             "unreadable": sorted(self.unreadable),
         }
 

@@ -92,7 +92,7 @@ def test_cifar10_from_disk_trains(tmp_path):
     write_cifar(tmp_path / "cifar")
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", *RESNET, "data=cifar10", f"data.path={tmp_path / 'cifar'}",
-                 "train.steps=3", "train.eval_every=3", "cluster.pipelines=2")
+                 "train.steps=2", "train.eval_every=2", "cluster.pipelines=1")
     assert out.returncode == 0, out.stderr[-3000:]
     evals = metrics(run, "eval")
     assert evals and all(0.0 <= e["val_accuracy"] <= 1.0 for e in evals)
@@ -172,7 +172,8 @@ def test_a_dataset_of_ones_own_trains(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", *RESNET, "data=custom", "data._target_=user_data.build",
-                 "+data.size=48", "train.steps=4", "train.eval_every=4", "cluster.pipelines=2")
+                 "+data.size=48", "train.steps=2", "train.eval_every=2", "cluster.pipelines=2",
+                 "data.num_workers=0")
     assert out.returncode == 0, out.stderr[-3000:]
     config = __import__("yaml").safe_load((run / "config.yaml").read_text())
     assert config["data"]["kwargs"] == {"size": 48} and config["model"]["num_classes"] == 3

@@ -302,3 +302,25 @@ def test_tensorboard_scalars_of_each_kind_of_line():
     assert scalars({"kind": "done", "pipeline": 0, "steps": 5}) == []
     assert scalars({**train, "loss": None}) == [("pipeline1/lr", 1e-3, 7, 3.5),
                                                ("pipeline1/wait_s", 0.1, 7, 3.5)]
+
+
+def test_data_waits_and_unreadable_samples_are_summed_up():
+    tracker = RunTracker(pipelines=1, stages=2, target_iterations=12)
+    for n in range(1, 13):  # the first stage waits 10 ms of 100 after its first (loader start)
+        first = step(0, 0, 0, n)
+        first["data_s"] = 5.0 if n == 1 else 0.01
+        assert tracker.update(first) == {"kind": "data", "step": n, "time": 1.0, "pipeline": 0,
+                                         "stage": 0, "step_s": 0.1, "data_s": first["data_s"]}
+        last = step(1, 0, 1, n, loss=2.0)
+        last["data_s"] = 0.0
+        assert tracker.update(last)["kind"] == "train"
+    assert tracker.snapshot()["data_wait_share"] == pytest.approx(0.1)
+    bad = {"type": "unreadable", "rank": 0, "pipeline": 0, "stage": 0, "time": 3.0, "step": 4,
+           "sample": "/d/train/cat/x.jpg", "error": "truncated"}
+    assert tracker.update(bad)["kind"] == "unreadable"
+    tracker.update({**bad, "rank": 1, "stage": 1})  # the last stage met it too: one sample
+    assert tracker.snapshot()["unreadable"] == ["/d/train/cat/x.jpg"]
+    short = RunTracker(pipelines=1, stages=1, target_iterations=2)
+    short.update({**step(0, 0, 0, 1, loss=1.0), "data_s": 0.05})
+    short.update({**step(0, 0, 0, 2, loss=1.0), "data_s": 0.05})
+    assert short.snapshot()["data_wait_share"] is None  # too short to judge

@@ -1,0 +1,91 @@
+"""What the launcher learns from the data before anything starts, and users' datasets."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sdpipe_cli.config.schema import ConfigError, compose
+from sdpipe_cli.data import sources
+from sdpipe_cli.runtime.errors import DataError
+
+
+def cfg(*overrides: str):
+    return compose(list(overrides))
+
+
+def test_a_byte_corpus_is_described_without_the_stages_reading_it():
+    c = cfg("data=synthetic", "model=mlp", "data.max_bytes=20000")
+    c.data.resolved = sources.resolve(c)
+    seq = c.model.seq_len
+    assert c.data.resolved["input"] == {"shape": [seq], "dtype": "int64"}
+    assert c.data.resolved["target"] == {"shape": [seq], "dtype": "int64"}
+    assert c.data.resolved["train"] == (19000 - 1) // seq and c.data.resolved["read"] == {"bytes": 20000}
+    x, y = sources.example(c, 3)
+    assert x.shape == y.shape == (3, seq) and x.dtype == torch.int64
+    assert sources.val_count(c) == c.data.eval_batches == 4
+    c.data.eval_batches = None
+    assert sources.val_count(c) == c.data.resolved["val"] // c.train.batch_size
+    assert sources.workers(c) == 0 and sources.fingerprint(c) == sources.fingerprint(c)
+
+
+USER = '''
+    import torch
+    from torch.utils.data import Dataset
+
+    class Squares(Dataset):
+        classes = ["even", "odd"]
+        def __len__(self):
+            return 40
+        def __getitem__(self, i):
+            return torch.full((2, 4), float(i)), i % 2
+
+    def plain():
+        return Squares()
+
+    def pair():
+        return Squares(), Squares()
+
+    def nothing(**kw):
+        return 42
+
+    def empty(**kw):
+        return []
+
+    def broken(size):
+        raise RuntimeError("no disk")
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "user_sets.py").write_text(textwrap.dedent(USER))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_sets"
+    sys.modules.pop("user_sets", None)
+
+
+def test_a_users_dataset_is_split_when_it_has_no_validation_set(user_module):
+    c = cfg("model=resnet_cifar", "data=custom", f"data._target_={user_module}.plain", "data.val_fraction=0.25")
+    splits = sources.open_splits(c)
+    assert (len(splits.train), len(splits.val), splits.classes) == (30, 10, 2)
+    held = {int(splits.val[i][0][0, 0]) for i in range(10)}
+    assert held.isdisjoint(int(splits.train[i][0][0, 0]) for i in range(30))
+    record = sources.resolve(c)
+    assert record["input"] == {"shape": [2, 4], "dtype": "float32"}
+    assert record["target"] == {"shape": [], "dtype": "int64"} and record["classes"] == 2
+    c2 = cfg("model=resnet_cifar", "data=custom", f"data._target_={user_module}.pair")
+    assert len(sources.open_splits(c2).val) == 40
+
+
+@pytest.mark.parametrize("fn, words", [("nothing", "map-style"), ("empty", "is empty"),
+                                       ("broken", "failed: RuntimeError: no disk"),
+                                       ("missing", "cannot import")])
+def test_a_bad_users_dataset_is_one_error_naming_the_key(user_module, fn, words):
+    c = cfg("model=resnet_cifar", "data=custom", f"data._target_={user_module}.{fn}", "+data.size=3")
+    with pytest.raises((DataError, ConfigError)) as info:
+        sources.resolve(c)
+    assert info.value.key == "data._target_" and words in str(info.value)
