@@ -3,6 +3,8 @@ part of its checkpoint.
 
 Only the first stage (inputs) and the last (targets) of a pipeline open the data; both read the
 same batches, since the order and every sample's randomness are functions of the position alone.
+A last stage whose data set can give a label without reading the sample (``target(i)``: image
+folders, CIFAR, digits) reads labels only, in its own process: it decodes no image.
 
 The position of iteration ``step`` is ``base + (step - base_step) x batch_size``: ``(0, 0)`` for a
 new run, the checkpoint's ``(position, step)`` after a resume, so a resume continues at exactly the
@@ -24,16 +26,20 @@ log = logging.getLogger("sdpipe.data")
 
 
 class Feed:
-    """Pipeline ``pipeline`` of ``pipelines``' data; ``pin_memory`` on CUDA."""
+    """Pipeline ``pipeline`` of ``pipelines``' data, for a stage that needs the ``inputs`` (the
+    first) or only the targets (the last); ``pin_memory`` on CUDA."""
 
-    def __init__(self, cfg: Any, pipeline: int, pipelines: int, pin_memory: bool = False):
+    def __init__(self, cfg: Any, pipeline: int, pipelines: int, *, inputs: bool = True,
+                 pin_memory: bool = False):
         self.cfg = cfg
         self.batch_size = int(cfg.train.batch_size)
         self.splits = sources.open_splits(cfg)
-        self.workers = sources.workers(cfg)
+        self.labels_only = not inputs and callable(getattr(self.splits.train, "target", None))
+        self.workers = 0 if self.labels_only else sources.workers(cfg)
         order = Order(len(self.splits.train), pipeline, pipelines, int(cfg.train.seed))  # type: ignore[arg-type]
         self.loader = Loader(self.splits.train, order, self.batch_size, workers=self.workers,
-                             prefetch=int(cfg.data.prefetch), pin_memory=pin_memory)
+                             prefetch=int(cfg.data.prefetch), pin_memory=pin_memory,
+                             labels_only=self.labels_only)
         self.fingerprint = sources.fingerprint(cfg)
         self.base, self.base_step = 0, 0
         self.seen_bad: dict[str, str] = {}  # unreadable samples: name -> error
@@ -52,7 +58,7 @@ class Feed:
     def validation(self, count: int):
         """The fixed validation batches (see :func:`~sdpipe_cli.data.loader.evaluation_batches`)."""
         for batch in evaluation_batches(self.splits.val, count, self.batch_size, int(self.cfg.train.seed),
-                                        self.workers):
+                                        self.workers, self.labels_only):
             self._note(batch)
             yield batch
 

@@ -77,6 +77,10 @@ class ImageFolder(Dataset):
         """The file of sample ``i``."""
         return self.samples[i][0]
 
+    def target(self, i: int) -> int:
+        """Sample ``i``'s label without decoding its file (what the last stage needs)."""
+        return self.targets[i]
+
 
 def decode_image(path: str) -> torch.Tensor:
     """The image file at ``path`` as an RGB uint8 ``(3, H, W)`` tensor.
@@ -216,6 +220,10 @@ class ArrayImages(Dataset):
     def describe(self, i: int) -> str:
         """Sample ``i`` by position (in-memory images have no file)."""
         return f"image {i}"
+
+    def target(self, i: int) -> int:
+        """Sample ``i``'s label without transforming its image."""
+        return self.targets[i]
 
 
 # ----------------------------------------------------------------------------- CIFAR-10

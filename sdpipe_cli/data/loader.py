@@ -20,6 +20,7 @@ itself is broken, end the run with a :class:`DataError`.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import random
 import time
@@ -55,21 +56,39 @@ def _name(dataset: Dataset, index: int) -> str:
 
 class _Keyed(Dataset):
     """``dataset`` asked by ``(index, key)``: seeds the RNG from the key, replaces an unreadable
-    sample by the next one, and returns ``(inputs, targets, bad, broken)``."""
+    sample, and returns ``(inputs, targets, bad, broken)``.
 
-    def __init__(self, dataset: Dataset):
+    A data set with a ``target(i)`` method (the label without reading the sample) replaces an
+    unreadable sample by the next one *of the same target*, so that a stage that needs only the
+    targets (``labels_only``: the last stage of a pipeline) need not decode anything and still
+    agrees with the first stage, which decodes. Others take the next sample.
+    """
+
+    def __init__(self, dataset: Dataset, labels_only: bool = False):
         self.dataset = dataset
         self.n = len(dataset)  # type: ignore[arg-type]
+        self.target = getattr(dataset, "target", None)
+        self.labels_only = labels_only and callable(self.target)
 
     def __len__(self) -> int:
         return self.n
 
+    def _candidates(self, index: int) -> Iterator[int]:
+        """``index``, then the samples that may replace it, in order."""
+        yield index
+        label = self.target(index) if callable(self.target) else None
+        for step in range(1, self.n):
+            at = (index + step) % self.n
+            if label is None or self.target(at) == label:  # type: ignore[misc]
+                yield at
+
     def __getitem__(self, item: tuple[int, int]):
         index, key = item
+        if self.labels_only:
+            return None, self.target(index), [], None  # type: ignore[misc]
         bad: list[tuple[str, str]] = []
         in_worker = torch.utils.data.get_worker_info() is not None
-        for attempt in range(MAX_BAD_IN_A_ROW):
-            at = (index + attempt) % self.n
+        for at in itertools.islice(self._candidates(index), MAX_BAD_IN_A_ROW):
             try:
                 if in_worker:  # a loader process: its RNG is its own
                     x, y = self._seeded(at, key)
@@ -83,7 +102,7 @@ class _Keyed(Dataset):
                 return x, y, bad, None
             except Exception as err:  # noqa: BLE001 - any sample may fail; the run must not
                 bad.append((_name(self.dataset, at), " ".join(str(err).split())[:200] or type(err).__name__))
-        return None, None, bad, (f"{MAX_BAD_IN_A_ROW} samples in a row could not be read, the last "
+        return None, None, bad, (f"{len(bad)} samples in a row could not be read, the last "
                                  f"{bad[-1][0]}: {bad[-1][1]}")
 
     def _seeded(self, index: int, key: int):
@@ -101,8 +120,8 @@ def _collate(samples: list) -> Batch:
     broken = next((s[3] for s in samples if s[3] is not None), None)
     if broken is not None:
         return Batch(bad=bad, broken=broken)
-    return Batch(default_collate([s[0] for s in samples]), default_collate([s[1] for s in samples]),
-                 bad)
+    inputs = None if samples[0][0] is None else default_collate([s[0] for s in samples])
+    return Batch(inputs, default_collate([s[1] for s in samples]), bad)
 
 
 def _context() -> str | None:
@@ -130,8 +149,8 @@ class Loader:
     in this process, on demand). ``waited_s``: the total time :meth:`get` blocked."""
 
     def __init__(self, dataset: Dataset, order: Order, batch_size: int, *, workers: int = 0,
-                 prefetch: int = 2, pin_memory: bool = False):
-        self.dataset, self.order, self.batch_size = _Keyed(dataset), order, int(batch_size)
+                 prefetch: int = 2, pin_memory: bool = False, labels_only: bool = False):
+        self.dataset, self.order, self.batch_size = _Keyed(dataset, labels_only), order, int(batch_size)
         self.workers, self.prefetch, self.pin_memory = int(workers), int(prefetch), pin_memory
         self.waited_s = 0.0
         self._it: Optional[Iterator[Batch]] = None
@@ -166,7 +185,7 @@ class Loader:
 
 
 def evaluation_batches(dataset: Dataset, count: int, batch_size: int, seed: int,
-                       workers: int = 0) -> Iterator[Batch]:
+                       workers: int = 0, labels_only: bool = False) -> Iterator[Batch]:
     """The validation batches: the data set's first ``count x batch_size`` samples in order (again
     from the start if the split is smaller), the same for every pipeline and every evaluation
     (their keys depend on the index only), so that losses compare across pipelines and time."""
@@ -175,7 +194,7 @@ def evaluation_batches(dataset: Dataset, count: int, batch_size: int, seed: int,
             for b in range(count)]
     # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
     extra = {"multiprocessing_context": _context()} if workers else {}
-    for batch in DataLoader(_Keyed(dataset), batch_sampler=plan, num_workers=min(workers, count),
+    for batch in DataLoader(_Keyed(dataset, labels_only), batch_sampler=plan, num_workers=min(workers, count),
                             collate_fn=_collate, generator=torch.Generator(), **extra):
         if batch.broken is not None:
             raise DataError("data", batch.broken)

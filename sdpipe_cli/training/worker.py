@@ -113,7 +113,7 @@ class Worker:
         self.classify = objective(cfg) == "classify"
         self.feed = None
         if where.first or where.last:  # middle stages never touch data
-            self.feed = Feed(cfg, p, where.pipelines, pin_memory=device.type == "cuda")
+            self.feed = Feed(cfg, p, where.pipelines, inputs=where.first, pin_memory=device.type == "cuda")
         self.data_wait_s = 0.0  # the last batch's wait for the loader
         self.run_dir = Path(cfg.run.dir)
         self._last_save = time.monotonic()

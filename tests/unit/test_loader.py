@@ -104,3 +104,26 @@ def test_validation_batches_are_fixed_and_wrap_a_small_split():
     assert [b.targets.tolist() for b in one] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
     assert all(same(a, b) for a, b in zip(one, two))
     assert torch.equal(one[2].inputs[2:], one[0].inputs[:2])  # a sample's draw depends on it alone
+
+
+class Labelled(Noisy):
+    """Labels 0/1 alternate; ``target(i)`` gives one without reading (as image folders do)."""
+
+    def __getitem__(self, i: int):
+        x, _ = super().__getitem__(i)
+        return x, i % 2
+
+    def target(self, i: int) -> int:
+        return i % 2
+
+
+def test_a_labels_only_stage_reads_nothing_and_agrees_on_replacements():
+    order = Order(16, 0, 1, seed=0)
+    picks = [i for i, _ in order.take(0, 8)]
+    broken = frozenset({picks[1]})
+    first = Loader(Labelled(16, broken), Order(16, 0, 1, seed=0), 8).get(0)
+    last = Loader(Labelled(16, broken), Order(16, 0, 1, seed=0), 8, labels_only=True).get(0)
+    assert last.inputs is None and last.bad == []  # it read no sample, so met no broken one
+    assert torch.equal(first.targets, last.targets)
+    # the broken sample was replaced by the next of its own class, two indexes on
+    assert first.inputs[1].floor().item() == (picks[1] + 2) % 16
