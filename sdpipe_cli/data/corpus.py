@@ -78,7 +78,7 @@ def _split(data: torch.Tensor, val_fraction: float) -> Corpus:
     return Corpus(train=data[: len(data) - n_val], val=data[len(data) - n_val :])
 
 
-def _sorted_files(root: Path, skip_dirs: frozenset[str] = frozenset()) -> Iterator[Path]:
+def sorted_files(root: Path, skip_dirs: frozenset[str] = frozenset()) -> Iterator[Path]:
     """Regular files under ``root`` in a fixed order (sorted names, depth first)."""
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in skip_dirs)
@@ -106,7 +106,7 @@ def _read_capped(paths: Iterator[Path], max_bytes: int, *, skip_unreadable: bool
 def _stdlib_bytes(max_bytes: int) -> torch.Tensor:
     """The standard library's own ``.py`` sources, in sorted order, without its tests."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    sources = (p for p in _sorted_files(root, STDLIB_SKIP_DIRS) if p.suffix == ".py")
+    sources = (p for p in sorted_files(root, STDLIB_SKIP_DIRS) if p.suffix == ".py")
     data = _read_capped(sources, max_bytes, skip_unreadable=True)
     if not data:
         raise DataError(
@@ -121,7 +121,7 @@ def _text_bytes(path: str | None, max_bytes: int) -> torch.Tensor:
         raise DataError("data.path", "data=text needs a file or folder: set data.path=/some/text")
     root = Path(os.path.expanduser(str(path)))
     if root.is_dir():
-        files = list(_sorted_files(root))
+        files = list(sorted_files(root))
         if not files:
             raise DataError("data.path", f"folder {root} contains no files")
     elif root.exists():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from sdpipe_cli.data.corpus import STDLIB_SKIP_DIRS, _sorted_files
+from sdpipe_cli.data.corpus import STDLIB_SKIP_DIRS, sorted_files
 from sdpipe_cli.data.tokens import FORMAT, ITEMSIZE, MANIFEST, VERSION, file_sha256
 from sdpipe_cli.runtime.errors import DataError
 
@@ -53,7 +53,7 @@ def _resolve_sources(sources: list[str]) -> list[tuple[str, list[Path] | None]]:
             continue
         path = Path(source).expanduser()
         if path.is_dir():
-            files = list(_sorted_files(path))
+            files = list(sorted_files(path))
             if not files:
                 raise DataError(source, "the folder contains no files")
             out.append((str(path.resolve()), files))
@@ -67,7 +67,7 @@ def _resolve_sources(sources: list[str]) -> list[tuple[str, list[Path] | None]]:
 def _stdlib_files() -> Iterator[Path]:
     """The standard library's ``.py`` sources, in ``corpus._stdlib_bytes``'s order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return (p for p in _sorted_files(root, STDLIB_SKIP_DIRS) if p.suffix == ".py")
+    return (p for p in sorted_files(root, STDLIB_SKIP_DIRS) if p.suffix == ".py")
 
 
 def _text_file(path: Path, *, skip_unreadable: bool = False) -> Iterator[str]:

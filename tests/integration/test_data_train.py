@@ -113,7 +113,7 @@ def test_token_shards_train_gpt_tiny_and_resume_exactly(token_shards, tmp_path):
     assert manifest["tokenizer"]["vocab_size"] == 4096 and manifest["dtype"] == "uint16"
     run = tmp_path / "run"
     args = ("data=tokens", f"data.path={token_shards}", "model.seq_len=64", "train.batch_size=8",
-            "train.steps=40", "train.eval_every=20", "checkpoint.every=20", "train.lr=3e-3",
+            "train.steps=24", "train.eval_every=12", "checkpoint.every=12", "train.lr=3e-3",
             "sync=allreduce")
     out = sdpipe("train", f"run.dir={run}", *args)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -128,12 +128,12 @@ def test_token_shards_train_gpt_tiny_and_resume_exactly(token_shards, tmp_path):
 
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step_40")
+    shutil.rmtree(copy / "checkpoints" / "step_24")
     before = len(metrics(copy))
     again = sdpipe("resume", str(copy))
     assert again.returncode == 0, again.stderr[-3000:]
     continued = losses(metrics(copy)[before:])
-    assert sorted(continued) == [(p, k) for p in (0, 1) for k in range(21, 41)]
+    assert sorted(continued) == [(p, k) for p in (0, 1) for k in range(13, 25)]
     reference = losses(metrics(run))
     assert all(continued[key] == reference[key] for key in continued)
 

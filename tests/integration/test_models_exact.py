@@ -43,7 +43,8 @@ def tied_copies(run_dir, pipeline: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_cutting_a_model_into_stages_keeps_every_loss(tmp_path, model):
     reference = losses(tmp_path / "s1", *EXACT, *MODELS[model], "pipeline.stages=1")
     assert len(reference) == STEPS
-    for stages in (2, 4):
+    # ResNet-20's BatchNorm and BERT's tied embeddings on 2 stages; BERT also on 4
+    for stages in (2, 4) if model == "bert_tiny" else (2,):
         # two stages with activation checkpointing: recomputing changes nothing either
         more = ("pipeline.activation_checkpointing=true", "run.save_final=true") if stages == 2 else ()
         got = losses(tmp_path / f"s{stages}", *EXACT, *MODELS[model], f"pipeline.stages={stages}", *more)

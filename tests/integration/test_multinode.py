@@ -23,27 +23,6 @@ NODES = ("cluster.pipelines=2", "pipeline.stages=2", "cluster.device=cpu",
 
 
 
-def test_two_nodes_train_together(run_dir):
-    port = free_port()
-    common = (*NODES, f"run.port={port}", f"run.dir={run_dir}", "train.steps=12")
-    second = sdpipe_popen("train", *common, "run.node=b")  # may start first: it waits for the store
-    time.sleep(1.0)
-    first = sdpipe_popen("train", *common, "run.node=a")
-    rc_a, err_a, _ = finish(first)
-    rc_b, err_b, _ = finish(second)
-    assert (rc_a, rc_b) == (0, 0), (err_a, err_b)
-    done = metrics(run_dir, "done")
-    assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
-    assert {d["device"] for d in done if d["pipeline"] == 1} == {"b:0", "b:1"}
-    assert sum(d["steps"] for d in done if d["stage"] == 0) == 2 * 12
-    # the final global sync made the replicas of each stage identical across the nodes
-    for s in (0, 1):
-        assert len({d["param_digest"] for d in done if d["stage"] == s}) == 1
-    assert (run_dir / "config.yaml").exists() and (run_dir / "config.b.yaml").exists()
-    assert (run_dir / "config.b.yaml").read_text() == (run_dir / "config.yaml").read_text()
-    assert all((run_dir / "logs" / f"{r}.log").exists() for r in range(4))
-
-
 def _job(kind: str, node: int, port: int) -> dict[str, str]:
     """The environment srun (one task per node) or torchrun gives the launcher on node ``node``,
     for a job whose store port is ``port``."""
@@ -58,10 +37,12 @@ def _job(kind: str, node: int, port: int) -> dict[str, str]:
 @pytest.mark.parametrize("kind", ["slurm", "torchrun"])
 def test_srun_and_torchrun_place_each_launcher_without_run_node_or_port(run_dir, kind):
     """Two launchers given only what srun or torchrun sets: each finds its node and the job's
-    port, and they train together."""
+    port, and they train together (the second node's launcher may start first: it waits for the
+    store). The failure and restart tests below place their launchers with run.node."""
     port = free_port(range(job_env.PORT_BASE, job_env.PORT_BASE + job_env.PORT_SPAN))
     common = (*NODES, f"run.dir={run_dir}", "train.steps=4")
     second = sdpipe_popen("train", *common, env=_job(kind, 1, port))
+    time.sleep(1.0)
     first = sdpipe_popen("train", *common, env=_job(kind, 0, port))
     rc_a, err_a, _ = finish(first)
     rc_b, err_b, _ = finish(second)
@@ -72,6 +53,12 @@ def test_srun_and_torchrun_place_each_launcher_without_run_node_or_port(run_dir,
     done = metrics(run_dir, "done")
     assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
     assert {d["device"] for d in done if d["pipeline"] == 1} == {"b:0", "b:1"}
+    assert sum(d["steps"] for d in done if d["stage"] == 0) == 2 * 4
+    # the final global sync made the replicas of each stage identical across the nodes
+    for s in (0, 1):
+        assert len({d["param_digest"] for d in done if d["stage"] == s}) == 1
+    assert (run_dir / "config.b.yaml").read_text() == (run_dir / "config.yaml").read_text()
+    assert all((run_dir / "logs" / f"{r}.log").exists() for r in range(4))
 
 
 def kill_on_node_b(run_dir, common: tuple, rank: int, after: int) -> list[tuple[int, str]]:
