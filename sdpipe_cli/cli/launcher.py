@@ -132,6 +132,9 @@ def _resolve_data(cfg: DictConfig) -> None:
     """Open the data once (bad data is bad input: one line, nothing written) and let it settle
     what the model's config leaves open: the classes, the vocabulary, the evaluation's size."""
     cfg.data.resolved = resolved = sources.resolve(cfg)
+    if resolved["train"] < cfg.cluster.pipelines:
+        raise ConfigError("cluster.pipelines", f"{cfg.cluster.pipelines} pipelines share {resolved['train']} "
+                          "training samples, fewer than one each; use more data or fewer pipelines")
     if cfg.model.num_classes is None and objective(cfg) == "classify":
         cfg.model.num_classes = num_classes(cfg)
         if cfg.model.num_classes is None:

@@ -395,8 +395,10 @@ def objective(cfg: DictConfig) -> str:
     """What the targets are: ``model.objective``, or for ``auto`` what the data implies."""
     if cfg.model.objective != "auto":
         return cfg.model.objective
-    if cfg.data.name == "custom":  # the model says what it is
-        return "classify" if cfg.model.arch in RESNET_BLOCKS or cfg.model.num_classes else "clm"
+    if cfg.data.name == "custom":  # the model says what it is, or the data set's classes
+        resolved = cfg.data.get("resolved") or {}
+        classifier = cfg.model.arch in RESNET_BLOCKS or cfg.model.num_classes or resolved.get("classes")
+        return "classify" if classifier else "clm"
     return "classify" if cfg.data.name in IMAGE_DATASETS else "clm"
 
 
@@ -551,6 +553,8 @@ def validate(cfg: DictConfig) -> None:
     need(d.image_size is None or d.image_size >= 1, "data.image_size", "must be at least 1 pixel")
     for key in ("mean", "std"):
         need(d[key] is None or len(d[key]) in (1, 3), f"data.{key}", "needs 1 or 3 values (per channel)")
+    need(d.mean is None or d.std is None or len(d.mean) == len(d.std), "data.std",
+         "needs as many values as data.mean")
     need(d.std is None or all(v > 0 for v in d.std), "data.std", "must be positive")
     need(d.num_workers is None or d.num_workers >= 0, "data.num_workers", "must be 0 or more")
     need(d.prefetch >= 1, "data.prefetch", "must be at least 1")
@@ -686,7 +690,9 @@ def _validate_model(cfg: DictConfig) -> None:
               "sklearn": (d.name == "digits", "data.name", "digits needs scikit-learn: "
                           "pip install -e '.[digits]'"),
               "PIL": (d.name == "imagefolder", "data.name", "imagefolder reads images with pillow: "
-                      "pip install -e '.[images]'")}
+                      "pip install -e '.[images]'"),
+              "numpy": (d.name == "cifar10", "data.name", "cifar10's files hold numpy arrays: "
+                        "pip install numpy")}
     for module, (needed, key, reason) in extras.items():
         need(not needed or importlib.util.find_spec(module) is not None, key, reason)
 

@@ -3,7 +3,9 @@
 The callable (keyword arguments: ``+data.KEY=VALUE``, gathered into ``data.kwargs``) returns a
 map-style torch ``Dataset`` whose items are ``(inputs, target)``, or a pair ``(train, val)``, or a
 dict with ``train`` and ``val``. Without a validation set, a seeded ``data.val_fraction`` of the
-training set is held out. sdpipe shards, orders, batches and resumes it like its own data sets;
+training set is held out. The callable runs in every process that reads data, with torch's,
+Python's and numpy's RNGs seeded alike (and restored after), so a split or shuffle it draws is
+the same in each. sdpipe shards, orders, batches and resumes it like its own data sets;
 randomness in the dataset's transforms should come from torch's RNG, which the loader seeds per
 sample (see :mod:`sdpipe_cli.data.loader`). A ``classes`` attribute, as torchvision's data sets
 have, gives a classifier its number of classes.
@@ -11,12 +13,17 @@ have, gives a classifier its number of classes.
 
 from __future__ import annotations
 
+import random
+import sys
 from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import Dataset, Subset
 
 from sdpipe_cli.config.targets import import_callable
+from sdpipe_cli.data.loader import rng_kept
+from sdpipe_cli.data.sampling import seed_of
 from sdpipe_cli.runtime.errors import DataError
 
 __all__ = ["open_custom"]
@@ -33,6 +40,15 @@ def _map_style(ds: Any, what: str) -> Dataset:
     return ds
 
 
+class _Part(Subset):
+    """A seeded part of the user's set that keeps its ``target(i)`` (labels without reading)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "target" and callable(getattr(self.dataset, "target", None)):
+            return lambda i: self.dataset.target(self.indices[i])
+        raise AttributeError(name)
+
+
 def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     n = len(ds)  # type: ignore[arg-type]
     held = int(n * val_fraction)
@@ -40,16 +56,22 @@ def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Datase
         raise DataError("data.val_fraction", f"holds out {held} of {n} samples; the data set has no "
                         "validation split of its own, so hold out at least one and keep one to train")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed))).tolist()
-    return Subset(ds, order[held:]), Subset(ds, order[:held])
+    return _Part(ds, order[held:]), _Part(ds, order[:held])
 
 
 def open_custom(data_cfg: Any, seed: int) -> tuple[Dataset, Dataset, Optional[int]]:
     """The user's train and validation sets, and their number of classes if they say."""
     target = data_cfg.get("_target_")
     fn = import_callable(target, KEY)
-    kwargs = dict(data_cfg.get("kwargs") or {})
+    kwargs = OmegaConf.to_container(data_cfg.kwargs, resolve=True) if data_cfg.get("kwargs") else {}
     try:
-        made = fn(**kwargs)
+        with rng_kept():
+            draws = seed_of("data", seed)
+            torch.default_generator.manual_seed(draws)
+            random.seed(draws)
+            if "numpy" in sys.modules:
+                sys.modules["numpy"].random.seed(draws % 2**32)
+            made = fn(**kwargs)
     except Exception as err:  # the user's code: its failure is their input's
         raise DataError(KEY, f"{target}({', '.join(kwargs)}) failed: {type(err).__name__}: "
                         f"{' '.join(str(err).split())[:200]}") from None

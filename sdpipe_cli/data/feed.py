@@ -8,7 +8,12 @@ folders, CIFAR, digits) reads labels only, in its own process: it decodes no ima
 
 The position of iteration ``step`` is ``base + (step - base_step) x batch_size``: ``(0, 0)`` for a
 new run, the checkpoint's ``(position, step)`` after a resume, so a resume continues at exactly the
-next sample even if ``train.batch_size`` changed in between.
+next sample.
+
+Each reading process opens the data itself; it checks that it sees what the launcher recorded
+(``data.resolved``: split sizes, paths, checksums), since two stages that read different copies
+(another node's folder, another Python's standard library) would pair inputs with the wrong
+targets without any error.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 from sdpipe_cli.data import sources
 from sdpipe_cli.data.loader import Batch, Loader, evaluation_batches
 from sdpipe_cli.data.sampling import Order
+from sdpipe_cli.runtime.errors import DataError
 
 __all__ = ["Feed"]
 
@@ -34,6 +40,7 @@ class Feed:
         self.cfg = cfg
         self.batch_size = int(cfg.train.batch_size)
         self.splits = sources.open_splits(cfg)
+        self._check_same_data(cfg.data.get("resolved"))
         self.labels_only = not inputs and callable(getattr(self.splits.train, "target", None))
         self.workers = 0 if self.labels_only else sources.workers(cfg)
         order = Order(len(self.splits.train), pipeline, pipelines, int(cfg.train.seed))  # type: ignore[arg-type]
@@ -45,6 +52,16 @@ class Feed:
         self.seen_bad: dict[str, str] = {}  # unreadable samples: name -> error
         self.bad_reads = 0  # how many times one was met (both stages, every epoch)
         self._new_bad: list[tuple[str, str]] = []
+
+    def _check_same_data(self, resolved: Any) -> None:
+        if not resolved:
+            return
+        seen = {"train": len(self.splits.train), "val": len(self.splits.val), "read": self.splits.read}  # type: ignore[arg-type]
+        for key, value in seen.items():
+            if value != resolved[key]:
+                raise DataError("data", f"this process reads other data than the launcher did ({key}: "
+                                f"{value} here, {resolved[key]} at launch); every node needs the same "
+                                "copy of the data, unchanged during the run")
 
     def position(self, step: int) -> int:
         """Samples this pipeline has consumed before iteration ``step``."""
@@ -84,10 +101,6 @@ class Feed:
         if state.get("fingerprint") != self.fingerprint:
             log.warning("the data differs from the checkpoint's (fingerprint %s, now %s): the "
                         "resumed run reads a different stream", state.get("fingerprint"), self.fingerprint)
-        if state.get("pipelines") != self.loader.order.pipelines:
-            log.warning("the checkpoint's data positions were for %s pipelines, now %d: each pipeline "
-                        "continues at its own position in the new shards", state.get("pipelines"),
-                        self.loader.order.pipelines)
         self.base, self.base_step = int(state["position"]), int(state["step"])
 
     def close(self) -> None:

@@ -25,7 +25,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from torch.utils.data import Dataset
 
 from sdpipe_cli.runtime.errors import DataError
@@ -88,6 +87,8 @@ def decode_image(path: str) -> torch.Tensor:
     Raises OSError (unreadable), ``PIL.UnidentifiedImageError`` (not an image) or ValueError
     (an image too large to be trusted, which pillow refuses as a decompression bomb).
     """
+    from PIL import Image  # the images extra: only image folders need it
+
     try:
         with Image.open(path) as img:
             rgb = img.convert("RGB")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import random
+import sys
+from contextlib import contextmanager
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -47,6 +49,28 @@ class Batch:
     targets: Any = None
     bad: list[tuple[str, str]] = field(default_factory=list)
     broken: Optional[str] = None
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies (the ``DataLoader``'s pinning thread calls this on CUDA), so that
+        the copy to the device can overlap the compute."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return Batch(pin_memory(self.inputs), pin_memory(self.targets), self.bad, self.broken)
+
+
+@contextmanager
+def rng_kept():
+    """torch's CPU generator, Python's and numpy's as they were before the block."""
+    numpy = sys.modules.get("numpy")
+    saved = (torch.default_generator.get_state(), random.getstate(),
+             numpy.random.get_state() if numpy is not None else None)
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(saved[0])
+        random.setstate(saved[1])
+        if saved[2] is not None:
+            numpy.random.set_state(saved[2])  # type: ignore[union-attr]
 
 
 def _name(dataset: Dataset, index: int) -> str:
@@ -93,12 +117,8 @@ class _Keyed(Dataset):
                 if in_worker:  # a loader process: its RNG is its own
                     x, y = self._seeded(at, key)
                 else:  # the training process: leave its RNG (dropout's) as it was
-                    states = torch.default_generator.get_state(), random.getstate()
-                    try:
+                    with rng_kept():
                         x, y = self._seeded(at, key)
-                    finally:
-                        torch.default_generator.set_state(states[0])
-                        random.setstate(states[1])
                 return x, y, bad, None
             except Exception as err:  # noqa: BLE001 - any sample may fail; the run must not
                 bad.append((_name(self.dataset, at), " ".join(str(err).split())[:200] or type(err).__name__))
@@ -108,6 +128,9 @@ class _Keyed(Dataset):
     def _seeded(self, index: int, key: int):
         torch.default_generator.manual_seed(key)  # CPU only: torch.manual_seed costs ~2 ms a call
         random.seed(key)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:  # users' transforms may draw from numpy's global RNG
+            numpy.random.seed(key % 2**32)
         sample = self.dataset[index]
         if not isinstance(sample, (tuple, list)) or len(sample) != 2:
             raise DataError("data", f"a data set item must be (inputs, target); item {index} is "
@@ -120,8 +143,23 @@ def _collate(samples: list) -> Batch:
     broken = next((s[3] for s in samples if s[3] is not None), None)
     if broken is not None:
         return Batch(bad=bad, broken=broken)
-    inputs = None if samples[0][0] is None else default_collate([s[0] for s in samples])
-    return Batch(inputs, default_collate([s[1] for s in samples]), bad)
+    try:
+        inputs = None if samples[0][0] is None else default_collate([s[0] for s in samples])
+        return Batch(inputs, default_collate([s[1] for s in samples]), bad)
+    except (RuntimeError, TypeError) as err:  # samples of different shapes or types
+        return Batch(bad=bad, broken=f"the samples cannot be batched together: {' '.join(str(err).split())[:200]}")
+
+
+def _die_with_parent(_worker_id: int) -> None:
+    """A background process ends with the training process, however that ends (SIGKILL too):
+    a forked loader holds the parent's sockets and device handles open while it lives."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: torch's own watchdog ends it within seconds
 
 
 def _context() -> str | None:
@@ -158,7 +196,8 @@ class Loader:
 
     def _start(self, position: int) -> None:
         self.close()
-        extra = {"prefetch_factor": self.prefetch, "multiprocessing_context": _context()} if self.workers else {}
+        extra = ({"prefetch_factor": self.prefetch, "multiprocessing_context": _context(),
+                  "worker_init_fn": _die_with_parent} if self.workers else {})
         # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
         self._it = iter(DataLoader(self.dataset, batch_sampler=_Stream(self.order, position, self.batch_size),
                                    num_workers=self.workers, collate_fn=_collate,
@@ -193,7 +232,7 @@ def evaluation_batches(dataset: Dataset, count: int, batch_size: int, seed: int,
     plan = [[(i % n, seed_of("val", seed, i % n)) for i in range(b * batch_size, (b + 1) * batch_size)]
             for b in range(count)]
     # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
-    extra = {"multiprocessing_context": _context()} if workers else {}
+    extra = {"multiprocessing_context": _context(), "worker_init_fn": _die_with_parent} if workers else {}
     for batch in DataLoader(_Keyed(dataset, labels_only), batch_sampler=plan, num_workers=min(workers, count),
                             collate_fn=_collate, generator=torch.Generator(), **extra):
         if batch.broken is not None:

@@ -123,15 +123,15 @@ def _parquet_rows(path: Path, text_key: str) -> Iterator[str]:
 
 
 def _hf_rows(sources: list[str], dataset_format: str, text_key: str) -> Iterator[str]:
-    """Documents read by Hugging Face ``datasets`` (``--dataset-format``)."""
+    """Documents read by Hugging Face ``datasets`` (``--dataset``)."""
     try:
         import datasets
     except ImportError as e:
-        raise DataError("--dataset-format", "needs Hugging Face datasets: pip install datasets") from e
+        raise DataError("--dataset", "needs Hugging Face datasets: pip install datasets") from e
     try:
         ds = datasets.load_dataset(dataset_format, data_files=sources, split="train")
     except Exception as e:  # datasets raises many types for bad input
-        raise DataError("--dataset-format", f"datasets could not load {dataset_format!r} from the "
+        raise DataError("--dataset", f"datasets could not load {dataset_format!r} from the "
                         f"sources: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     if text_key not in ds.column_names:
         raise DataError("--text-key", f"no column {text_key!r} (columns: {', '.join(ds.column_names)})")

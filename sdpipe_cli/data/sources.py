@@ -82,7 +82,13 @@ def _tokens(cfg: Any, verify: bool) -> Splits:
 
 def _normalisation(cfg: Any, mean: tuple, std: tuple) -> tuple[tuple, tuple]:
     d = cfg.data
-    return (tuple(d.mean) if d.mean is not None else mean, tuple(d.std) if d.std is not None else std)
+    mean = tuple(d.mean) if d.mean is not None else tuple(mean)
+    std = tuple(d.std) if d.std is not None else tuple(std)
+    if len(mean) != len(std):  # one value set beside the data set's three: it stands for each channel
+        if min(len(mean), len(std)) != 1:
+            raise DataError("data.std", f"has {len(std)} values, data.mean {len(mean)}")
+        mean, std = mean * (len(std) if len(mean) == 1 else 1), std * (len(mean) if len(std) == 1 else 1)
+    return mean, std
 
 
 def _native(cfg: Any, side: int) -> int:
@@ -163,11 +169,27 @@ def open_splits(cfg: Any, verify: bool = False) -> Splits:
 
 
 def _spec(value: Any, what: str) -> dict[str, Any]:
-    """Shape and dtype of one sample's ``value`` (a tensor or a number)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-        raise DataError("data", f"a sample's {what} must be a tensor or a number, not {type(value).__name__}")
-    t = torch.as_tensor(value)
+    """Shape and dtype of one sample's ``value``: a tensor, a number or an array, or a dict or
+    tuple of them (a tokenizer's ``input_ids`` and ``attention_mask``), nested as the value is."""
+    if isinstance(value, dict):
+        return {"dict": {str(k): _spec(v, f"{what}[{k!r}]") for k, v in value.items()}}
+    if isinstance(value, (tuple, list)):
+        return {"tuple": [_spec(v, f"{what}[{i}]") for i, v in enumerate(value)]}
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, RuntimeError, ValueError):
+        t = None
+    if t is None or isinstance(value, (bool, str, bytes)):
+        raise DataError("data", f"a sample's {what} must be tensors or numbers, not {type(value).__name__}")
     return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def _zeros(spec: dict[str, Any], batch_size: int) -> Any:
+    if "dict" in spec:
+        return {k: _zeros(v, batch_size) for k, v in spec["dict"].items()}
+    if "tuple" in spec:
+        return tuple(_zeros(v, batch_size) for v in spec["tuple"])
+    return torch.zeros(batch_size, *spec["shape"], dtype=getattr(torch, spec["dtype"]))
 
 
 def _first_sample(ds: Dataset, seed: int) -> tuple[Any, Any]:
@@ -212,12 +234,11 @@ def fingerprint(cfg: Any) -> str:
                           .encode()).hexdigest()[:16]
 
 
-def example(cfg: Any, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def example(cfg: Any, batch_size: int) -> tuple[Any, Any]:
     """An input and target batch of the run's shapes and dtypes (zeros), from the record: what
     every stage infers the pipeline's boundaries from without reading data."""
     r = _resolved(cfg)
-    return tuple(torch.zeros(batch_size, *r[k]["shape"], dtype=getattr(torch, r[k]["dtype"]))
-                 for k in ("input", "target"))  # type: ignore[return-value]
+    return _zeros(r["input"], batch_size), _zeros(r["target"], batch_size)
 
 
 def val_count(cfg: Any) -> int:

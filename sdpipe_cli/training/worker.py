@@ -307,6 +307,9 @@ class Worker:
         torch.set_rng_state(state["rng"])
         if self.feed is not None and "data" in state:
             self.feed.load_state_dict(state["data"])
+        elif self.feed is not None:
+            log.warning("%s holds no data position (an older checkpoint): the data stream goes on "
+                        "from the step's usual place, unchecked", ckpt)
         log.info("resumed from %s at step %d", ckpt, state["step"])
         return int(state["step"])
 

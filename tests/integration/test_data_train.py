@@ -180,6 +180,48 @@ def test_a_dataset_of_ones_own_trains(tmp_path, monkeypatch):
     assert config["data"]["resolved"]["train"] == 48 and config["data"]["eval_batches"] == 2
 
 
+DICT_DATA = '''
+    """Samples whose inputs are a dict (as a tokenizer gives), and a model whose first block takes it."""
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    class Tokenized(Dataset):
+        def __len__(self):
+            return 120
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "attention_mask": ids % 5 != 0}, int(ids.sum() % 3)
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+
+        def forward(self, batch):
+            return (self.emb(batch["input_ids"]) * batch["attention_mask"].unsqueeze(-1)).mean(1)
+
+    def data():
+        return Tokenized()
+
+    def model(num_classes=3):
+        return nn.Sequential(Embed(), nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, num_classes))
+'''
+
+
+def test_dict_inputs_cross_three_stages(tmp_path, monkeypatch):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "dict_data.py").write_text(textwrap.dedent(DICT_DATA))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    run = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run}", "model=custom", "model._target_=dict_data.model",
+                 "data=custom", "data._target_=dict_data.data", "model.num_classes=3", "pipeline.stages=3",
+                 "data.val_fraction=0.2", "train.steps=4", "train.eval_every=4", "data.num_workers=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert metrics(run, "eval") and len(metrics(run, "train")) == 2 * 4
+
+
 # -- bad data: one line, exit 2, nothing written (run in-process: nothing may start)
 def refused(capsys, tmp_path, key: str, *argv: str) -> str:
     run = tmp_path / "never"

@@ -57,6 +57,32 @@ USER = '''
 
     def broken(size):
         raise RuntimeError("no disk")
+
+    class Shuffled(Squares):
+        """Its split is drawn from numpy's global RNG, as users' code often does."""
+        def __init__(self):
+            import numpy
+            self.order = numpy.random.permutation(40).tolist()
+        def __getitem__(self, i):
+            return super().__getitem__(self.order[i])
+
+    def shuffled():
+        return Shuffled()
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return 12
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(6) + i, "attention_mask": torch.ones(6, dtype=torch.bool)}, i % 3
+
+    def tokens():
+        return Tokens()
+
+    def ragged():
+        class Ragged(Squares):
+            def __getitem__(self, i):
+                return torch.zeros(1 + i % 2), 0
+        return Ragged()
 '''
 
 
@@ -89,3 +115,50 @@ def test_a_bad_users_dataset_is_one_error_naming_the_key(user_module, fn, words)
     with pytest.raises((DataError, ConfigError)) as info:
         sources.resolve(c)
     assert info.value.key == "data._target_" and words in str(info.value)
+
+
+def test_a_users_random_split_is_the_same_in_every_process_and_moves_no_rng(user_module):
+    import numpy
+
+    c = cfg("model=resnet_cifar", "data=custom", f"data._target_={user_module}.shuffled")
+    numpy.random.seed(1)
+    torch.manual_seed(1)
+    before = numpy.random.rand(), torch.rand(1)
+    numpy.random.seed(1)
+    torch.manual_seed(1)
+    a, b = sources.open_splits(c), sources.open_splits(c)
+    assert (numpy.random.rand(), torch.rand(1)) == before  # the training process's draws unmoved
+    assert a.train.dataset.order == b.train.dataset.order
+
+
+def test_dict_inputs_are_described_and_rebuilt_for_every_stage(user_module):
+    c = cfg("model=custom", "model._target_=torch.nn.Sequential", "data=custom",
+            f"data._target_={user_module}.tokens", "model.num_classes=3", "data.val_fraction=0.25")
+    c.data.resolved = sources.resolve(c)
+    assert c.data.resolved["input"] == {"dict": {"input_ids": {"shape": [6], "dtype": "int64"},
+                                                 "attention_mask": {"shape": [6], "dtype": "bool"}}}
+    x, y = sources.example(c, 4)
+    assert x["input_ids"].shape == (4, 6) and x["attention_mask"].dtype == torch.bool
+    assert y.shape == (4,)
+
+
+def test_samples_that_cannot_be_batched_are_one_error(user_module):
+    from sdpipe_cli.data.loader import Loader
+    from sdpipe_cli.data.sampling import Order
+
+    c = cfg("model=resnet_cifar", "data=custom", f"data._target_={user_module}.ragged")
+    train = sources.open_splits(c).train
+    with pytest.raises(DataError, match="cannot be batched together") as info:
+        Loader(train, Order(len(train), 0, 1, 0), 4).get(0)
+    assert info.value.key == "data"
+
+
+def test_a_process_that_sees_other_data_than_the_launcher_stops(user_module):
+    from sdpipe_cli.data.feed import Feed
+
+    c = cfg("model=resnet_cifar", "data=custom", f"data._target_={user_module}.plain")
+    c.data.resolved = sources.resolve(c)
+    Feed(c, 0, 2).close()
+    c.data.resolved.train = 31  # as if another node's copy had one sample more
+    with pytest.raises(DataError, match="other data than the launcher"):
+        Feed(c, 0, 2)

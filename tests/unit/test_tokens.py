@@ -245,7 +245,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[dict, str]]:
         ({"sources": [str(tmp_path / "empty")]}, str(tmp_path / "empty")),
         ({"sources": [str(tmp_path / "blank")]}, "sources"),
         ({"sources": [str(tmp_path / "tiny.txt")]}, "--val-fraction"),
-        ({**ok, "dataset_format": "json"}, "--dataset-format"),  # datasets hidden below
+        ({**ok, "dataset_format": "json"}, "--dataset"),  # datasets hidden below
     ]
 
 
