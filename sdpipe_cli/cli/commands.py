@@ -74,9 +74,11 @@ RESUME_HELP = """Continue a run from its latest complete checkpoint (or a given 
 config, in the same run folder; metrics are appended. Only settings that the saved state does not
 depend on may change (KEY=VALUE)."""
 
-# What a resumed run may change: its length, logging, timeouts and where it runs. Everything else
-# (model, data, partition, sync, optimizer settings) shaped the saved state.
-RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_every",
+# What a resumed run may change: its length, logging, timeouts, where it runs, and the learning
+# rate and clipping (to go back before a divergence with a lower rate). Everything else (model,
+# data, partition, sync, the optimizer's kind and state) shaped the saved state.
+RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_every", "train.lr",
+             "train.grad_clip", "train.on_nonfinite", "train.max_skipped",
              "run.timeout", "run.heartbeat_timeout", "run.port", "run.save_final",
              "checkpoint.every", "checkpoint.keep", "cluster.host", "cluster.device",
              "data.eval_batches", "data.num_workers", "data.prefetch", "data.verify")

@@ -12,7 +12,7 @@ run folder, and child processes read that file (:func:`load_run_config`), never 
 from __future__ import annotations
 
 import importlib.util
-
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -300,6 +300,11 @@ class TrainConfig:
     # Max norm of the whole model's gradient, summed over a pipeline's stages (per stage under
     # async_1f1b, whose stages update at different times); 0 disables
     grad_clip: float = 1.0
+    # A loss or gradient norm that is not finite (divergence): stop the run (no checkpoint of
+    # the bad state is written; the error names the last good one), or skip the step and stop
+    # after max_skipped in a row. fp16's loss scaler skips its own overflows either way.
+    on_nonfinite: str = "stop"  # stop | skip
+    max_skipped: int = 10  # skip: consecutive skipped steps that end the run
     seed: int = 0  # model initialization, data order and stragglers; equal seeds, equal runs
     eval_every: int = 100  # evaluate every this many iterations (0: only at the end)
     log_every: int = 1  # push a metrics line every this many iterations
@@ -611,7 +616,13 @@ def validate(cfg: DictConfig) -> None:
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
     need(t.batch_size % p.microbatches == 0, "train.batch_size",
          f"{t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}")
+    for key in ("lr", "momentum", "weight_decay", "grad_clip", "loss_scale", "final_lr", "decay_factor"):
+        need(math.isfinite(t[key]), f"train.{key}", f"must be a finite number, got {t[key]}")
     need(t.lr >= 0, "train.lr", "must be >= 0")
+    need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite",
+         f"is '{t.on_nonfinite}'; choose stop or skip")
+    need(t.max_skipped >= 1, "train.max_skipped", "must be at least 1")
     need(t.optimizer in OPTIMIZERS, "train.optimizer",
          f"is '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
     need(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")

@@ -101,6 +101,12 @@ def scale_gradients(parameters: Iterable[torch.nn.Parameter], factor: float) -> 
         torch._foreach_mul_(grads, factor)
 
 
+def finite_gradients(parameters: Iterable[torch.nn.Parameter]) -> bool:
+    """Whether every gradient is finite (one norm over them all, so one host sync)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+
+
 def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float,
                    sum_over_stages: Optional[Callable[[torch.Tensor], None]] = None,
                    exclude: Collection[int] = ()) -> float:

@@ -30,6 +30,11 @@ class DataError(ValueError):
         self.reason = reason
 
 
+class Diverged(RuntimeError):
+    """Training produced a loss or gradient that is not finite; the message says where, and
+    which checkpoint to go on from."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be found, written or trusted; ``path`` names the culprit."""
 

@@ -46,6 +46,7 @@ Workers report what only they know (the loss lives on the last stage of each pip
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,7 +196,7 @@ class MetricsLog:
             self._board = SummaryWriter(log_dir=str(tensorboard), flush_secs=5)
 
     def write(self, line: dict[str, Any]) -> None:
-        self._file.write(json.dumps(line) + "\n")
+        self._file.write(strict_json(line) + "\n")
         self._file.flush()
         if self._board is not None:
             for tag, value, step, seconds in scalars(line):
@@ -242,6 +243,21 @@ def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]
     elif kind == "consensus":
         add(f"stage{line['stage']}/consensus", line.get("consensus"), line.get("round"))
     return out
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(value: Any, **kwargs: Any) -> str:
+    """JSON that every parser reads: a NaN or infinite number (a diverged loss) becomes null."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

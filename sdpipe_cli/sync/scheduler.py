@@ -37,7 +37,7 @@ from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision, make_policy
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
-from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
+from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
 from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.model import checkpoint
 
@@ -439,7 +439,7 @@ def main() -> int:
         events = store.namespace(connect())
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None)
         summary = scheduler.summary()
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (run_dir / "summary.json").write_text(strict_json(summary, indent=1))
         for p, state in summary["pipelines"].items():
             log.info("pipeline %s: %d iterations, loss %s", p, state["steps"], state["loss"])
         if "rounds" in summary:

@@ -34,6 +34,7 @@ from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.pipeline.stage import PipelineStage
 from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime.errors import Diverged
 from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
 from sdpipe_cli.training.tied import TiedCopies
@@ -110,6 +111,7 @@ class Worker:
         )
         self.loss_scale = (LossScale(float(cfg.train.loss_scale)) if cfg.train.precision == "fp16"
                            else None)
+        self.skipped = self.skipped_in_a_row = 0  # steps skipped for a non-finite gradient
         self.classify = objective(cfg) == "classify"
         self.feed = None
         if where.first or where.last:  # middle stages never touch data
@@ -211,22 +213,35 @@ class Worker:
         if self.loss_scale is not None:  # before any average: replicas may differ in scale
             optim.scale_gradients(self.module.parameters(), 1.0 / self.loss_scale.value)
         self.ties.reduce_gradients(self.module, self.pipeline_groups)
+        own = True  # whether this replica's own gradient is finite (checked where groups mix it)
+        if self.loss_scale is None and self.sync.mixes_weights:
+            own = self._finite_or_stop(optim.finite_gradients(self.module.parameters()), iteration,
+                                       "this replica's gradient is not finite")
+            if not own:  # skipped: share nothing non-finite with the group, take no step
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
         start, clock = time.perf_counter(), time.time() - self.t0
         self.sync.after_backward(self.module, round)
         sync_s = time.perf_counter() - start
         self._trace_sync(clock, clock + sync_s)
-        step = True
-        if self.cfg.train.grad_clip > 0 or self.loss_scale is not None:
-            ranks = self.where.pipeline_ranks()
-            over_stages = clip_over_pipeline and len(ranks) > 1
-            with self._traced("clip", "update"):
-                norm = optim.clip_gradients(
-                    self.module.parameters(), self.cfg.train.grad_clip or float("inf"),
-                    (lambda t: self.pipeline_groups.all_reduce(
-                        t, ranks, incarnations=[self.incarnation] * len(ranks)))
-                    if over_stages else None, exclude=self.ties.counted_elsewhere(self.module))
-            if self.loss_scale is not None:  # the same norm, so the same verdict, on every stage
-                step = self.loss_scale.update(math.isfinite(norm))
+        # The norm of the whole gradient, for clipping and for the divergence guard: every stage
+        # of the pipeline gets the same value, so the same verdict (fp16: the loss scaler's).
+        ranks = self.where.pipeline_ranks()
+        over_stages = clip_over_pipeline and len(ranks) > 1
+        with self._traced("clip", "update"):
+            norm = optim.clip_gradients(
+                self.module.parameters(), self.cfg.train.grad_clip or float("inf"),
+                (lambda t: self.pipeline_groups.all_reduce(
+                    t, ranks, incarnations=[self.incarnation] * len(ranks)))
+                if over_stages else None, exclude=self.ties.counted_elsewhere(self.module))
+        if self.loss_scale is not None:
+            step = self.loss_scale.update(math.isfinite(norm))
+        else:  # lock-step replicas share a non-finite average: they all skip or stop alike
+            step = self._finite_or_stop(math.isfinite(norm), iteration,
+                                        f"the gradient norm is {norm}") and own
+            if step:
+                self.skipped_in_a_row = 0
         # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
         self.lr = optim.lr_at(self.sync.position(iteration), self.cfg)
         optim.set_lr(self.optimizer, self.lr)
@@ -240,6 +255,27 @@ class Worker:
         after_s = time.perf_counter() - start
         self._trace_sync(clock, clock + after_s)
         return sync_s + after_s
+
+    def _finite_or_stop(self, finite: bool, iteration: int, what: str) -> bool:
+        """Whether the step may go on: yes if ``finite``; with ``train.on_nonfinite=skip`` no,
+        up to ``train.max_skipped`` times in a row; else the run stops here (:class:`Diverged`),
+        before the optimizer step, before any group averages this replica's state (where groups
+        mix it, its own gradient is checked before the round) and before a checkpoint could
+        hold it. ``what``: the value at fault, for the message."""
+        if finite:
+            return True
+        self.skipped += 1
+        self.skipped_in_a_row += 1
+        t, w = self.cfg.train, self.where
+        where = f"at step {iteration + 1} (pipeline {w.pipeline}, stage {w.stage})"
+        if t.on_nonfinite == "skip" and self.skipped_in_a_row <= t.max_skipped:
+            log.warning("%s %s: step skipped (%d in a row)", what, where, self.skipped_in_a_row)
+            return False
+        latest = checkpoint.latest(self.run_dir)
+        then = (f"go back to its last checkpoint with a lower rate: sdpipe resume {latest} train.lr=..."
+                if latest is not None else "no checkpoint was written yet; start again with a lower train.lr")
+        again = f", {self.skipped_in_a_row} steps in a row" if t.on_nonfinite == "skip" else ""
+        raise Diverged(f"training diverged: {what} {where}{again}; {then}")
 
     # -- consistent points ----------------------------------------------------------------------
     def consistent_point(self, step: int, save: bool) -> None:
@@ -290,6 +326,11 @@ class Worker:
     def save(self, ckpt: int, step: int) -> None:
         """This rank's shard of checkpoint ``ckpt``; the scheduler finalizes it once all are in."""
         w = self.where
+        bad = next((name for name, t in self.module.state_dict().items()
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+        if bad is not None:  # never a checkpoint that a resume would inherit the divergence from
+            raise Diverged(f"{bad} (pipeline {w.pipeline}, stage {w.stage}) is not finite at step {step}; "
+                           f"checkpoint {ckpt} was not written")
         state = {"step": step, "pipeline": w.pipeline, "stage": w.stage,
                  "model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
                  "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
@@ -353,6 +394,8 @@ class Worker:
         fields = {"loss": loss} if self.where.last and loss is not None else {}
         if self.loss_scale is not None:
             fields.update(loss_scale=self.loss_scale.value, skipped_steps=self.loss_scale.skipped)
+        elif self.skipped:
+            fields["skipped_steps"] = self.skipped
         if self.feed is not None:
             fields["data_s"] = round(self.data_wait_s, 6)
         self.emit("step", step=step, samples=step * self.cfg.train.batch_size,

@@ -198,6 +198,18 @@ BAD = [
     pytest.param(["sync.average=gradients"], "sync.average", id="bad-average"),
     pytest.param(["train.optimizer=adam"], "train.optimizer", id="bad-optimizer"),
     pytest.param(["train.momentum=1.0"], "train.momentum", id="momentum-one"),
+    pytest.param(["train.lr=inf"], "train.lr", id="lr-infinite"),
+    pytest.param(["train.lr=nan"], "train.lr", id="lr-nan"),
+    pytest.param(["train.grad_clip=inf"], "train.grad_clip", id="clip-infinite"),
+    pytest.param(["train.weight_decay=-1"], "train.weight_decay", id="weight-decay-negative"),
+    pytest.param(["train.momentum=nan"], "train.momentum", id="momentum-nan"),
+    pytest.param(["train.on_nonfinite=ignore"], "train.on_nonfinite", id="bad-on-nonfinite"),
+    pytest.param(["train.max_skipped=0"], "train.max_skipped", id="max-skipped-zero"),
+    pytest.param(["data=tokens"], "data.path", id="tokens-without-path"),
+    pytest.param(["data=custom"], "data._target_", id="custom-data-without-target"),
+    pytest.param(["data.std=[0]"], "data.std", id="std-zero"),
+    pytest.param(["data.mean=[0.1,0.2]"], "data.mean", id="mean-two-channels"),
+    pytest.param(["data.num_workers=-1"], "data.num_workers", id="workers-negative"),
 ]
 
 

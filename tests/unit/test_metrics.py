@@ -324,3 +324,14 @@ def test_data_waits_and_unreadable_samples_are_summed_up():
     short.update({**step(0, 0, 0, 1, loss=1.0), "data_s": 0.05})
     short.update({**step(0, 0, 0, 2, loss=1.0), "data_s": 0.05})
     assert short.snapshot()["data_wait_share"] is None  # too short to judge
+
+
+def test_a_diverged_loss_is_written_as_json_null(tmp_path):
+    from sdpipe_cli.runtime.metrics import strict_json
+
+    assert strict_json({"loss": float("nan"), "x": [1.0, float("inf")], "n": {"v": -float("inf")}}) == \
+        '{"loss": null, "x": [1.0, null], "n": {"v": null}}'
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"kind": "train", "loss": float("nan")})
+    log.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"kind": "train", "loss": None}
