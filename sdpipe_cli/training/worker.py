@@ -225,10 +225,12 @@ class Worker:
         self.sync.after_backward(self.module, round)
         sync_s = time.perf_counter() - start
         self._trace_sync(clock, clock + sync_s)
-        # The norm of the whole gradient, for clipping and for the divergence guard: every stage
-        # of the pipeline gets the same value, so the same verdict (fp16: the loss scaler's).
-        ranks = self.where.pipeline_ranks()
-        over_stages = clip_over_pipeline and len(ranks) > 1
+        # The norm of the whole gradient, for clipping and for the divergence guard: summed over
+        # the pipeline's stages where they must agree (the clip factor, fp16's or skip's verdict;
+        # a stop needs no agreement: a non-finite loss makes every stage's gradient non-finite).
+        t, ranks = self.cfg.train, self.where.pipeline_ranks()
+        agree = t.grad_clip > 0 or self.loss_scale is not None or t.on_nonfinite == "skip"
+        over_stages = clip_over_pipeline and len(ranks) > 1 and agree
         with self._traced("clip", "update"):
             norm = optim.clip_gradients(
                 self.module.parameters(), self.cfg.train.grad_clip or float("inf"),
@@ -271,9 +273,11 @@ class Worker:
         if t.on_nonfinite == "skip" and self.skipped_in_a_row <= t.max_skipped:
             log.warning("%s %s: step skipped (%d in a row)", what, where, self.skipped_in_a_row)
             return False
-        latest = checkpoint.latest(self.run_dir)
-        then = (f"go back to its last checkpoint with a lower rate: sdpipe resume {latest} train.lr=..."
-                if latest is not None else "no checkpoint was written yet; start again with a lower train.lr")
+        # the scheduler may still be completing the last checkpoint: name the run, whose latest
+        # complete checkpoint `sdpipe resume` takes
+        then = (f"go back to its latest checkpoint with a lower rate: sdpipe resume {self.run_dir} "
+                "train.lr=..." if self._saved_step > 0 or checkpoint.latest(self.run_dir) is not None
+                else "no checkpoint was written yet; start again with a lower train.lr")
         again = f", {self.skipped_in_a_row} steps in a row" if t.on_nonfinite == "skip" else ""
         raise Diverged(f"training diverged: {what} {where}{again}; {then}")
 
