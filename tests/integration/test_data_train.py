@@ -138,48 +138,6 @@ def test_token_shards_train_gpt_tiny_and_resume_exactly(token_shards, tmp_path):
     assert all(continued[key] == reference[key] for key in continued)
 
 
-USER_DATA = '''
-    """A user's data set: 3x32x32 images whose class is the brightest channel, randomly flipped."""
-    import torch
-    from torch.utils.data import Dataset
-
-    class Bright(Dataset):
-        classes = ["red", "green", "blue"]
-
-        def __init__(self, n, offset=0):
-            self.n, self.offset = n, offset
-
-        def __len__(self):
-            return self.n
-
-        def __getitem__(self, i):
-            g = torch.Generator().manual_seed(i + self.offset)
-            label = int(torch.randint(0, 3, (), generator=g))
-            x = torch.rand(3, 32, 32, generator=g)
-            x[label] += 1.0
-            if torch.rand(()) < 0.5:  # torch's RNG: seeded per sample by the loader
-                x = x.flip(-1)
-            return x, label
-
-    def build(size=64):
-        return Bright(size), Bright(16, offset=10_000)
-'''
-
-
-def test_a_dataset_of_ones_own_trains(tmp_path, monkeypatch):
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "user_data.py").write_text(textwrap.dedent(USER_DATA))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
-    run = tmp_path / "run"
-    out = sdpipe("train", f"run.dir={run}", *RESNET, "data=custom", "data._target_=user_data.build",
-                 "+data.size=48", "train.steps=2", "train.eval_every=2", "cluster.pipelines=2",
-                 "data.num_workers=0")
-    assert out.returncode == 0, out.stderr[-3000:]
-    config = __import__("yaml").safe_load((run / "config.yaml").read_text())
-    assert config["data"]["kwargs"] == {"size": 48} and config["model"]["num_classes"] == 3
-    assert config["data"]["resolved"]["train"] == 48 and config["data"]["eval_batches"] == 2
-
-
 DICT_DATA = '''
     """Samples whose inputs are a dict (as a tokenizer gives), and a model whose first block takes it."""
     import torch
@@ -187,8 +145,13 @@ DICT_DATA = '''
     from torch.utils.data import Dataset
 
     class Tokenized(Dataset):
+        classes = ["low", "mid", "high"]  # what gives the model its number of classes
+
+        def __init__(self, size):
+            self.size = size
+
         def __len__(self):
-            return 120
+            return self.size
 
         def __getitem__(self, i):
             ids = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(i))
@@ -202,24 +165,27 @@ DICT_DATA = '''
         def forward(self, batch):
             return (self.emb(batch["input_ids"]) * batch["attention_mask"].unsqueeze(-1)).mean(1)
 
-    def data():
-        return Tokenized()
+    def data(size=60):
+        return Tokenized(size)
 
     def model(num_classes=3):
         return nn.Sequential(Embed(), nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, num_classes))
 '''
 
 
-def test_dict_inputs_cross_three_stages(tmp_path, monkeypatch):
+def test_a_dataset_of_ones_own_with_dict_inputs_crosses_three_stages(tmp_path, monkeypatch):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "dict_data.py").write_text(textwrap.dedent(DICT_DATA))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", "model=custom", "model._target_=dict_data.model",
-                 "data=custom", "data._target_=dict_data.data", "model.num_classes=3", "pipeline.stages=3",
-                 "data.val_fraction=0.2", "train.steps=4", "train.eval_every=4", "data.num_workers=0")
+                 "data=custom", "data._target_=dict_data.data", "+data.size=120", "pipeline.stages=3",
+                 "data.val_fraction=0.2", "train.steps=4", "train.eval_every=4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert metrics(run, "eval") and len(metrics(run, "train")) == 2 * 4
+    config = __import__("yaml").safe_load((run / "config.yaml").read_text())
+    assert config["data"]["kwargs"] == {"size": 120} and config["model"]["num_classes"] == 3
+    assert config["data"]["resolved"]["train"] == 96 and config["data"]["eval_batches"] == 1
 
 
 # -- bad data: one line, exit 2, nothing written (run in-process: nothing may start)

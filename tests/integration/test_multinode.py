@@ -23,31 +23,28 @@ NODES = ("cluster.pipelines=2", "pipeline.stages=2", "cluster.device=cpu",
 
 
 
-def _job(kind: str, node: int, port: int) -> dict[str, str]:
-    """The environment srun (one task per node) or torchrun gives the launcher on node ``node``,
-    for a job whose store port is ``port``."""
-    if kind == "slurm":
-        return {"SLURM_JOB_ID": str(port - job_env.PORT_BASE), "SLURM_NODEID": str(node),
-                "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURMD_NODENAME": f"gpu0{7 + node}",
-                "SLURM_JOB_NUM_NODES": "2"}
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "GROUP_RANK": str(node),
-            "RANK": str(node), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "t"}
+def _job(node: int, port: int) -> dict[str, str]:
+    """The environment srun (one task per node) gives the launcher on node ``node``, for a job
+    whose store port is ``port``. (torchrun's environment is read by the same code into the same
+    overrides: tests/unit/test_job_env.py.)"""
+    return {"SLURM_JOB_ID": str(port - job_env.PORT_BASE), "SLURM_NODEID": str(node),
+            "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURMD_NODENAME": f"gpu0{7 + node}",
+            "SLURM_JOB_NUM_NODES": "2"}
 
 
-@pytest.mark.parametrize("kind", ["slurm", "torchrun"])
-def test_srun_and_torchrun_place_each_launcher_without_run_node_or_port(run_dir, kind):
-    """Two launchers given only what srun or torchrun sets: each finds its node and the job's
-    port, and they train together (the second node's launcher may start first: it waits for the
-    store). The failure and restart tests below place their launchers with run.node."""
+def test_srun_places_each_launcher_without_run_node_or_port(run_dir):
+    """Two launchers given only what srun sets: each finds its node and the job's port, and
+    they train together (the second node's launcher may start first: it waits for the store).
+    The failure and restart tests below place their launchers with run.node."""
     port = free_port(range(job_env.PORT_BASE, job_env.PORT_BASE + job_env.PORT_SPAN))
     common = (*NODES, f"run.dir={run_dir}", "train.steps=4")
-    second = sdpipe_popen("train", *common, env=_job(kind, 1, port))
+    second = sdpipe_popen("train", *common, env=_job(1, port))
     time.sleep(1.0)
-    first = sdpipe_popen("train", *common, env=_job(kind, 0, port))
+    first = sdpipe_popen("train", *common, env=_job(0, port))
     rc_a, err_a, _ = finish(first)
     rc_b, err_b, _ = finish(second)
     assert (rc_a, rc_b) == (0, 0), (err_a, err_b)
-    source = "SLURM" if kind == "slurm" else "torchrun"
+    source = "SLURM"
     assert f"sdpipe: {source} node 0" in err_a and f"run.node=a run.port={port}" in err_a
     assert f"sdpipe: {source} node 1" in err_b and f"run.node=b run.port={port}" in err_b
     done = metrics(run_dir, "done")
