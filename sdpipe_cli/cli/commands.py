@@ -152,11 +152,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hydra_cfg(argv: Optional[Sequence[str]]) -> list[str]:
+    """``--cfg job`` and ``--cfg all`` (Hydra's spellings) mean ``--cfg``: sdpipe prints the one
+    config a run reads."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out: list[str] = []
+    for arg in args:
+        if arg in ("job", "all") and out and out[-1] == "--cfg":
+            continue
+        out.append("--cfg" if arg in ("--cfg=job", "--cfg=all") else arg)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     # overrides may come after an option (`simulate --compare allreduce train.steps=50`): argparse
     # leaves those out of the positional list, so they are taken back here, in order
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_hydra_cfg(argv))
     stray = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")

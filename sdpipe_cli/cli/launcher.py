@@ -156,11 +156,15 @@ def make_run_dir(requested: Optional[str]) -> Path:
     """A new, empty run folder; never reuses one that already holds a run."""
     if requested:
         path = Path(requested).expanduser()
-        if path.exists() and not path.is_dir():
-            raise ConfigError("run.dir", f"'{path}' is a file, not a folder (nothing was written)")
-        if path.is_dir() and any(path.iterdir()):
-            raise ConfigError("run.dir", f"'{path}' already holds files; choose a new folder "
-                              "(nothing was written)")
+        try:
+            if path.exists() and not path.is_dir():
+                raise ConfigError("run.dir", f"'{path}' is a file, not a folder (nothing was written)")
+            if path.is_dir() and any(path.iterdir()):
+                raise ConfigError("run.dir", f"'{path}' already holds files; choose a new folder "
+                                  "(nothing was written)")
+        except OSError as err:  # a name too long, a folder that cannot be listed
+            shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:77]}..."
+            raise ConfigError("run.dir", f"cannot use '{shown}': {err.strerror}") from None
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         path, n = Path("runs") / stamp, 1
@@ -172,7 +176,8 @@ def make_run_dir(requested: Optional[str]) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise ConfigError("run.dir", f"cannot write to '{path}': {err.strerror}") from None
+        shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:77]}..."
+        raise ConfigError("run.dir", f"cannot write to '{shown}': {err.strerror}") from None
     return path
 
 

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from sdpipe_cli import __version__
+from sdpipe_cli.cli.commands import main
 from tests.helpers import REPO, one_error_line, sdpipe, sdpipe_process
 
 FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
@@ -109,6 +110,19 @@ def test_run_dir_that_is_a_file_is_rejected_untouched(tmp_path):
     one_error_line(proc.stderr, "run.dir")
     assert target.read_text() == "not a folder\n"
     assert target.stat().st_mtime_ns == before
+
+
+def test_a_run_dir_name_too_long_is_one_line(tmp_path, capsys):
+    code = main(["train", *CHEAP, f"run.dir={tmp_path / ('x' * 300)}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "File name too long" in one_error_line(err, "run.dir")
+
+
+def test_hydras_cfg_spellings_print_the_config(capsys):
+    for spelling in (["--cfg", "job"], ["--cfg=all"]):
+        assert main(["train", *spelling, "model=mlp"]) == 0
+        assert "name: mlp" in capsys.readouterr().out
 
 
 def test_foreign_host_is_one_line_exit_2_at_once_and_writes_nothing(tmp_path):
