@@ -379,6 +379,9 @@ def resume(path: str, overrides: Sequence[str], console: Console) -> int:
     from sdpipe_cli.cli import launcher
 
     ckpt = checkpoint.resolve(path)
+    for skipped in checkpoint.damaged(checkpoint.run_dir_of(ckpt)):
+        console.print(f"sdpipe: warning: {skipped} has no readable manifest (cut short or damaged): "
+                      "passed over, and kept", markup=False, highlight=False, soft_wrap=True)
     manifest = checkpoint.verify(ckpt)  # every shard's checksum, before anything starts
     saved = OmegaConf.merge(schema_for(manifest["config"]["sync"]["name"]), manifest["config"])
     cfg = _apply_resume_overrides(saved, overrides)
@@ -731,8 +734,8 @@ def _summary(console: Console, result, wall_s: float, restarts: int = 0) -> None
         bad = result.progress["unreadable"]
         console.print(f"data: {len(bad)} unreadable sample(s) replaced by the next, e.g. {bad[0]} "
                       "(all in metrics.jsonl, kind unreadable)", markup=False, highlight=False, soft_wrap=True)
-    share = result.progress.get("data_wait_share")
-    if share is not None and share > 0.05:
+    share, wait = result.progress.get("data_wait_share"), result.progress.get("data_wait_s")
+    if share is not None and share > 0.05 and wait is not None and wait > 0.005:  # not a toy's 1 ms
         console.print(f"data: a reading stage waited for its batches {share:.0%} of the time; raise "
                       "data.num_workers", markup=False, highlight=False)
     if result.progress.get("restarts"):

@@ -96,8 +96,6 @@ def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expect
     staging, final = staging_dir(run_dir, step), final_dir(run_dir, step)
     if not staging.is_dir():
         raise CheckpointError(staging, "does not exist: no shard was saved for this step")
-    if final.exists():
-        raise CheckpointError(final, "already exists")
     for name in expected:
         if not (staging / shard_name(name)).is_file():
             raise CheckpointError(staging / shard_name(name), "missing: a shard was not saved")
@@ -110,6 +108,10 @@ def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expect
                 "files": files, **meta}
     _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1))
     _fsync_dir(staging)
+    if final.exists():  # a damaged one, or another timeline's (a resume of an older checkpoint)
+        aside = _free_name(final, ".superseded")
+        os.rename(final, aside)
+        log.warning("%s already existed: kept as %s (never pruned)", final, aside.name)
     try:
         os.rename(staging, final)
     except OSError as err:
@@ -118,6 +120,23 @@ def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expect
     if keep > 0:
         _prune(run_dir, keep)
     return final
+
+
+def _free_name(path: Path, suffix: str) -> Path:
+    n = 1
+    while path.with_name(f"{path.name}{suffix}-{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}{suffix}-{n}")
+
+
+def damaged(run_dir: os.PathLike | str) -> list[Path]:
+    """``step_<N>`` folders without a readable manifest (a write cut short, a damaged file):
+    a resume passes over them, and should say so."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(entry for entry in root.iterdir()
+                  if _STEP_DIR.fullmatch(entry.name) and entry.is_dir() and not _has_manifest(entry))
 
 
 def complete_checkpoints(run_dir: os.PathLike | str) -> list[Path]:

@@ -138,6 +138,11 @@ class RunTracker:
             return {"kind": "heal", **_without(event, "type", "rank")}
         return None
 
+    def _worst_wait(self) -> dict[str, Any]:
+        judged = [(w / t, w / n) for w, t, n in self.waits.values() if t > 0 and n >= 10]
+        share, mean = max(judged, default=(None, None))
+        return {"data_wait_share": share, "data_wait_s": mean}
+
     def all_done(self) -> bool:
         return len(self.done) == self.world_size
 
@@ -171,9 +176,9 @@ class RunTracker:
             "done": len(self.done),
             "pipelines": {p: dict(vars(s)) for p, s in self.state.items()},
             # the reading stage that waited most for data, as a share of its iterations' time
-            # (over 10 iterations at least: a shorter run says little about its loader)
-            "data_wait_share": max((w / t for w, t, n in self.waits.values() if t > 0 and n >= 10),
-                                   default=None),
+            # (over 10 iterations at least: a shorter run says little about its loader), and
+            # that stage's mean wait per iteration in seconds
+            **self._worst_wait(),
             "unreadable": sorted(self.unreadable),
         }
 

@@ -194,3 +194,18 @@ def test_a_sigkilled_worker_stops_the_run_and_the_last_checkpoint_resumes(run_di
     assert out.returncode == 0, out.stderr
     assert f"step_{last['step']}" in out.stderr
     assert {d["steps"] for d in metrics(run_dir, "done")} == {last["step"] + 5}
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_and_kept(allreduce_run, tmp_path):
+    """The newest checkpoint's manifest is garbage: resume warns, goes on from the one before,
+    and writing its own step_20 keeps the damaged folder beside it (nothing of the run is lost)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(allreduce_run, copy)
+    (copy / "checkpoints" / "step_20" / "manifest.json").write_text("garbage")
+    out = sdpipe("resume", str(copy))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "step_20 has no readable manifest" in out.stderr and "step_10" in out.stderr
+    names = sorted(p.name for p in (copy / "checkpoints").iterdir())
+    assert names == ["step_10", "step_20", "step_20.superseded-1"]
+    assert (copy / "checkpoints" / "step_20.superseded-1" / "manifest.json").read_text() == "garbage"
+    assert digests(copy) == digests(allreduce_run)  # the same training as the run never damaged

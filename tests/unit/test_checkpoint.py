@@ -328,20 +328,22 @@ def test_finalize_without_staging(tmp_path):
         ck.finalize(tmp_path, 10, {}, [])
 
 
-def test_final_dir_already_exists(tmp_path):
+def test_an_existing_final_dir_is_kept_aside_never_replaced(tmp_path):
+    """Another timeline's step_10 (a resume of an older checkpoint) or a damaged one: finalizing
+    the new step_10 keeps the old folder, byte for byte, under a name pruning never touches."""
     first = save_step(tmp_path, 10)
     before = {p.name: p.read_bytes() for p in first.iterdir()}
     ck.save_shard(ck.staging_dir(tmp_path, 10), "0", {"x": 2})
-    with raises_about(first, "already exists"):
-        ck.finalize(tmp_path, 10, {}, ["0"])
-    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
-
-
-def test_finalize_refuses_empty_existing_final_dir(tmp_path):
-    ck.final_dir(tmp_path, 10).mkdir(parents=True)  # rename(2) would silently replace it
-    ck.save_shard(ck.staging_dir(tmp_path, 10), "0", {"x": 2})
-    with raises_about(ck.final_dir(tmp_path, 10), "already exists"):
-        ck.finalize(tmp_path, 10, {}, ["0"])
+    new = ck.finalize(tmp_path, 10, {}, ["0"], keep=1)
+    aside = ck.checkpoints_dir(tmp_path) / "step_10.superseded-1"
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
+    assert ck.complete_checkpoints(tmp_path) == [new]
+    ck.final_dir(tmp_path, 12).mkdir(parents=True)  # an empty one, as a cut-short write leaves
+    assert ck.damaged(tmp_path) == [ck.final_dir(tmp_path, 12)]
+    ck.save_shard(ck.staging_dir(tmp_path, 12), "0", {"x": 3})
+    ck.finalize(tmp_path, 12, {}, ["0"], keep=1)
+    assert sorted(p.name for p in ck.checkpoints_dir(tmp_path).iterdir()) == [
+        "step_10.superseded-1", "step_12", "step_12.superseded-1"]  # pruned step_10 only
 
 
 def test_meta_cannot_overwrite_files(tmp_path):
