@@ -318,6 +318,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
                 "MASTER_ADDR": network.connect_address(store_host(cfg)),
                 "MASTER_PORT": str(master.port), "WORLD_SIZE": str(P * S + servers),
                 "PYTHONUNBUFFERED": "1", "SDPIPE_CONFIG": str(config_path.resolve()),
+                "SDPIPE_LAUNCHER_PID": str(os.getpid()),  # its children end when it is gone
                 **pinned_interfaces(cfg)}
         if resume is not None:
             base["SDPIPE_RESUME"] = str(resume.resolve())

@@ -33,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Protocol, Sequence
 
@@ -94,10 +95,47 @@ def die_with_parent() -> None:
             pass
 
 
+LAUNCHER_POLL_S = 1.0  # how often a child looks whether its launcher is still there
+
+
+def exit_with_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> None:
+    """End this child and its process group (its data loaders) once the launcher ``pid`` is gone.
+
+    A forked child's parent is the fork server, so the kernel's parent-death signal follows the
+    server, not the launcher; and CPython hands every child the server's liveness pipe, so the
+    server, and the resource tracker, live as long as any child does. A launcher killed with
+    SIGKILL cannot stop them: each child watches for it instead (a daemon thread, one check a
+    second; a pid reused by another process does not count as the launcher)."""
+    import threading
+
+    import psutil
+
+    try:
+        born = psutil.Process(pid).create_time()
+    except psutil.Error:
+        born = None
+
+    def alive() -> bool:
+        try:
+            proc = psutil.Process(pid)
+            return proc.create_time() == born and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def watch() -> None:
+        while alive():
+            time.sleep(poll_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
+
+
 def _become(module: str, env: dict[str, str], log_path: str) -> None:
     """Runs in the forked child: become the launcher's child ``module``, then run its main()."""
     os.setsid()
     die_with_parent()
+    if env.get("SDPIPE_LAUNCHER_PID"):
+        exit_with_launcher(int(env["SDPIPE_LAUNCHER_PID"]))
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(null, 0)

@@ -201,3 +201,36 @@ def test_interrupt_while_waiting_for_the_first_node(tmp_path):
     assert rc == 130, err
     assert f"waiting for the first node's store at 127.0.0.1:{port}" in one_interrupt_line(err)
     assert took < 10
+
+
+def _forkservers_of(run_dir: Path) -> list[psutil.Process]:
+    """The fork server (and resource tracker) started for this run: their environment names it."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            line = " ".join(proc.info["cmdline"] or [])
+            if ("multiprocessing.forkserver" in line or "resource_tracker" in line) and \
+                    proc.environ().get("SDPIPE_RUN_DIR") == str(run_dir.resolve()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_a_sigkilled_launcher_leaves_nothing_behind(run_dir):
+    """SIGKILL gives the launcher no chance to stop anything: its children notice it is gone
+    (within a second) and end, and with them the fork server and the resource tracker. Killed
+    while the processes start (none has trained yet: before, they waited for the dead store
+    for run.timeout, and the fork server with them; once training, losing the store ends them)."""
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
+                        "train.steps=100000", "cluster.compute_ms=20")
+    try:
+        wait_for(lambda: (run_dir / "logs" / "scheduler.pid").exists(), proc, what="the scheduler")
+        assert run_processes(run_dir)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 15
+    while (run_processes(run_dir) or _forkservers_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not run_processes(run_dir) and not _forkservers_of(run_dir)
