@@ -259,3 +259,26 @@ def spawn_and_join(fn, args: tuple, nprocs: int, timeout: float, what: str) -> N
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def user_module(tmp_path: Path, monkeypatch, name: str, source: str) -> None:
+    """A user's module ``name`` (``source``, dedented) in a folder on PYTHONPATH, as a user
+    would keep their model or dataset beside the run."""
+    import textwrap
+
+    (tmp_path / "lib").mkdir(exist_ok=True)
+    (tmp_path / "lib" / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+
+
+def resumed_losses(run: Path, copy: Path, drop: str) -> dict[tuple[int, int], float]:
+    """``run`` copied to ``copy`` as if it had been killed before checkpoint ``drop`` (removed),
+    resumed with ``sdpipe resume``: the losses of the iterations it did again."""
+    import shutil
+
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / drop)
+    before = len(metrics(copy))
+    again = sdpipe("resume", str(copy))
+    assert again.returncode == 0, again.stderr[-3000:]
+    return losses(metrics(copy)[before:])

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
-import textwrap
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from sdpipe_cli.cli.commands import main
-from tests.helpers import losses, metrics, one_error_line, run_processes, sdpipe
+from tests.helpers import losses, metrics, one_error_line, resumed_losses, run_processes, sdpipe, user_module
 
 pytestmark = pytest.mark.multiprocess
 
@@ -63,13 +61,7 @@ def test_an_image_folder_trains_counts_the_broken_file_and_resumes_exactly(image
     assert resolved["data"]["eval_batches"] == 1  # every full batch of 12
     assert not run_processes(run)
 
-    copy = tmp_path / "copy"  # killed after the checkpoint of step 4: resume from it
-    shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step_8")
-    before = len(metrics(copy))
-    again = sdpipe("resume", str(copy))
-    assert again.returncode == 0, again.stderr[-3000:]
-    continued = losses(metrics(copy)[before:])
+    continued = resumed_losses(run, tmp_path / "copy", "step_8")  # killed after step 4's checkpoint
     assert sorted(continued) == [(p, k) for p in (0, 1) for k in range(5, 9)]
     reference = losses(metrics(run))
     assert all(continued[key] == reference[key] for key in continued)  # the same samples, bit-exact
@@ -92,7 +84,7 @@ def test_cifar10_from_disk_trains(tmp_path):
     write_cifar(tmp_path / "cifar")
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", *RESNET, "data=cifar10", f"data.path={tmp_path / 'cifar'}",
-                 "train.steps=2", "train.eval_every=2", "cluster.pipelines=1")
+                 "train.steps=2", "train.eval_every=2")
     assert out.returncode == 0, out.stderr[-3000:]
     evals = metrics(run, "eval")
     assert evals and all(0.0 <= e["val_accuracy"] <= 1.0 for e in evals)
@@ -126,13 +118,7 @@ def test_token_shards_train_gpt_tiny_and_resume_exactly(token_shards, tmp_path):
     assert config["model"]["vocab_size"] == 4096  # the model took the tokenizer's vocabulary
     assert config["data"]["resolved"]["read"]["fingerprint"]
 
-    copy = tmp_path / "copy"
-    shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step_24")
-    before = len(metrics(copy))
-    again = sdpipe("resume", str(copy))
-    assert again.returncode == 0, again.stderr[-3000:]
-    continued = losses(metrics(copy)[before:])
+    continued = resumed_losses(run, tmp_path / "copy", "step_24")
     assert sorted(continued) == [(p, k) for p in (0, 1) for k in range(13, 25)]
     reference = losses(metrics(run))
     assert all(continued[key] == reference[key] for key in continued)
@@ -174,9 +160,7 @@ DICT_DATA = '''
 
 
 def test_a_dataset_of_ones_own_with_dict_inputs_crosses_three_stages(tmp_path, monkeypatch):
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "dict_data.py").write_text(textwrap.dedent(DICT_DATA))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    user_module(tmp_path, monkeypatch, "dict_data", DICT_DATA)
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", "model=custom", "model._target_=dict_data.model",
                  "data=custom", "data._target_=dict_data.data", "+data.size=120", "pipeline.stages=3",

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 import torch
 
-from tests.helpers import metrics, sdpipe
+from tests.helpers import metrics, sdpipe, user_module
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,9 +44,7 @@ RUN = ("model=custom", "model._target_=spike.build", "data=synthetic", "model.se
 
 @pytest.fixture
 def spike(tmp_path, monkeypatch):
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "spike.py").write_text(textwrap.dedent(SPIKE))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    user_module(tmp_path, monkeypatch, "spike", SPIKE)
 
 
 def finite_checkpoints(run) -> list[str]:

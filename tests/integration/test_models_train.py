@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import metrics, sdpipe
+from tests.helpers import metrics, sdpipe, user_module
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,9 +47,7 @@ USER_MODEL = '''
 def test_a_model_of_ones_own_trains_on_three_stages(tmp_path, monkeypatch):
     # asynchronous 1F1B: group averages of the BatchNorm statistics land while micro-batches
     # that saved them are in flight
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "user_nets.py").write_text(textwrap.dedent(USER_MODEL))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    user_module(tmp_path, monkeypatch, "user_nets", USER_MODEL)
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", "model=custom", "model._target_=user_nets.build",
                  "+model.width=24", "data=synthetic", "model.seq_len=16", "cluster.pipelines=2",
