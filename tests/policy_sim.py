@@ -1,7 +1,7 @@
 """A small discrete-event simulation that drives :class:`sdpipe_cli.core.grouping.GroupScheduler`
 the way the real system does, and records everything the property tests need.
 
-Model (see ``sdpipe_cli/core/grouping.py`` and ``shared/reference/method.md``):
+Model (see ``sdpipe_cli/core/grouping.py`` and docs/SYNC.md):
 
 * P pipelines of S stages. Pipeline p runs iteration k for ``durations[p][k % len]`` seconds;
   its stages then finish in order S-1, S-2, ..., 0, ``gaps[p]`` seconds apart, and each one
