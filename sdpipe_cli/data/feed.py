@@ -49,6 +49,7 @@ class Feed:
                              labels_only=self.labels_only)
         self.fingerprint = sources.fingerprint(cfg)
         self.base, self.base_step = 0, 0
+        self.waited_s = 0.0  # the last batch's wait for the loader
         self.seen_bad: dict[str, str] = {}  # unreadable samples: name -> error
         self.bad_reads = 0  # how many times one was met (both stages, every epoch)
         self._new_bad: list[tuple[str, str]] = []
@@ -68,7 +69,10 @@ class Feed:
         return self.base + (step - self.base_step) * self.batch_size
 
     def batch(self, step: int) -> Batch:
+        """Iteration ``step``'s batch; ``waited_s``: how long this call blocked for it."""
+        waited = self.loader.waited_s
         batch = self.loader.get(self.position(step))
+        self.waited_s = self.loader.waited_s - waited
         self._note(batch)
         return batch
 

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from sdpipe_cli.data.sampling import Order, seed_of
 from sdpipe_cli.runtime.errors import DataError
 
-__all__ = ["Batch", "Loader", "evaluation_batches", "MAX_BAD_IN_A_ROW"]
+__all__ = ["Batch", "Loader", "evaluation_batches", "read_sample", "MAX_BAD_IN_A_ROW"]
 
 MAX_BAD_IN_A_ROW = 16  # consecutive unreadable samples that mean the data set itself is broken
 
@@ -221,6 +221,15 @@ class Loader:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+
+
+def read_sample(dataset: Dataset, key: int) -> tuple[Any, Any]:
+    """The data set's first readable sample, read as the loader reads one (seeded by ``key``,
+    this process's RNGs kept, an unreadable one replaced): what the launcher learns shapes from."""
+    x, y, _, broken = _Keyed(dataset)[(0, key)]
+    if broken is not None:
+        raise DataError("data", broken)
+    return x, y
 
 
 def evaluation_batches(dataset: Dataset, count: int, batch_size: int, seed: int,

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Dataset
 
-from sdpipe_cli.data.loader import MAX_BAD_IN_A_ROW
+from sdpipe_cli.data.loader import read_sample
 from sdpipe_cli.data.sampling import seed_of
 from sdpipe_cli.runtime.errors import DataError
 
@@ -192,29 +192,13 @@ def _zeros(spec: dict[str, Any], batch_size: int) -> Any:
     return torch.zeros(batch_size, *spec["shape"], dtype=getattr(torch, spec["dtype"]))
 
 
-def _first_sample(ds: Dataset, seed: int) -> tuple[Any, Any]:
-    """A readable sample (the first of ``ds`` that reads) under a fixed seed, the RNG untouched."""
-    last = ""
-    for i in range(min(MAX_BAD_IN_A_ROW, len(ds))):  # type: ignore[arg-type]
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed_of("probe", seed))
-                x, y = ds[i]
-            return x, y
-        except DataError:
-            raise
-        except Exception as err:  # noqa: BLE001 - an unreadable file: try the next
-            last = f"{' '.join(str(err).split())[:200]}"
-    raise DataError("data", f"none of the first {MAX_BAD_IN_A_ROW} samples could be read: {last}")
-
-
 def resolve(cfg: Any) -> dict[str, Any]:
     """Open the data once and describe it: ``data.resolved`` (see the module's docstring)."""
     splits = open_splits(cfg, verify=bool(cfg.data.verify))
     if len(splits.train) == 0 or len(splits.val) == 0:  # type: ignore[arg-type]
         empty = "training" if len(splits.train) == 0 else "validation"  # type: ignore[arg-type]
         raise DataError("data.path" if cfg.data.path else "data", f"the {empty} split is empty")
-    x, y = _first_sample(splits.train, int(cfg.train.seed))
+    x, y = read_sample(splits.train, seed_of("probe", int(cfg.train.seed)))
     out = {"train": len(splits.train), "val": len(splits.val),  # type: ignore[arg-type]
            "input": _spec(x, "input"), "target": _spec(y, "target"), "read": splits.read}
     if splits.classes is not None:

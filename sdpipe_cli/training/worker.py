@@ -116,7 +116,6 @@ class Worker:
         self.feed = None
         if where.first or where.last:  # middle stages never touch data
             self.feed = Feed(cfg, p, where.pipelines, inputs=where.first, pin_memory=device.type == "cuda")
-        self.data_wait_s = 0.0  # the last batch's wait for the loader
         self.run_dir = Path(cfg.run.dir)
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
@@ -177,9 +176,7 @@ class Worker:
         self._scaled()
         if self.feed is None:
             return None, None
-        w, waited = self.where, self.feed.loader.waited_s
-        batch = self.feed.batch(step)
-        self.data_wait_s = self.feed.loader.waited_s - waited
+        w, batch = self.where, self.feed.batch(step)
         for name, error in self.feed.new_bad():
             self.emit("unreadable", sample=name, error=error, step=step)
         return (self.microbatches(batch.inputs) if w.first else None,
@@ -401,7 +398,7 @@ class Worker:
         elif self.skipped:
             fields["skipped_steps"] = self.skipped
         if self.feed is not None:
-            fields["data_s"] = round(self.data_wait_s, 6)
+            fields["data_s"] = round(self.feed.waited_s, 6)
         self.emit("step", step=step, samples=step * self.cfg.train.batch_size,
                   samples_per_s=rate, lr=self.lr, step_s=step_s, compute_s=step_s - sync_s,
                   sync_s=sync_s, straggled=self.slowdown.straggled, **extra,
