@@ -103,7 +103,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 # -- the replicas: threads in spawned processes ----------------------------------------------------
 def replica(p: int, s: int, S: int, port: int, compute_s: float, timeout: float,
             barrier: threading.Barrier, records: list) -> None:
-    from sdpipe_cli.runtime import store
+    from sdpipe_cli.runtime import protocol, store
 
     events = store.namespace(store.connect("127.0.0.1", port, timeout))
     who = {"rank": p * S + s, "pipeline": p, "stage": s}
@@ -113,7 +113,8 @@ def replica(p: int, s: int, S: int, port: int, compute_s: float, timeout: float,
     def clock() -> float:
         return time.time() - t0
 
-    store.push(events, store.EVENTS, {"type": "start", **who, "time": 0.0, "pid": os.getpid()})
+    store.push(events, store.EVENTS, protocol.Report("start", **who, time=0.0,
+                                                     fields={"pid": os.getpid()}))
     events.wait([GO])
     started, k = clock(), 0
     while True:
@@ -121,24 +122,23 @@ def replica(p: int, s: int, S: int, port: int, compute_s: float, timeout: float,
         time.sleep(compute_s * rng.uniform(1 - JITTER, 1 + JITTER))
         key = store.decision_key(s, p, k)
         pushed = clock()
-        store.push(events, store.EVENTS, {"type": "ready", **who, "iteration": k})
-        raw = events.get(key)  # blocks until the scheduler decides (or the store's timeout)
+        store.push(events, store.EVENTS, protocol.Ready(**who, iteration=k))
+        decision = store.take(events, key, protocol.Group)  # blocks until the scheduler decides
         read = clock()
-        events.delete_key(key)
-        decision = json.loads(raw)
         records.append((s, p, k, pushed, read))
         k += 1
         step = {"step": k, "samples": 16 * k, "samples_per_s": 16 * k / (read - started),
                 "lr": 1e-3, "step_s": read - t_step, "compute_s": pushed - t_step,
-                "sync_s": read - pushed, "straggled": 0, "group_size": len(decision["members"]),
-                "round": decision["round"], "group_kind": decision["kind"],
+                "sync_s": read - pushed, "straggled": 0, "group_size": len(decision.members),
+                "round": decision.round, "group_kind": decision.kind,
                 "wait_s": read - pushed, "comm_s": 0.0, **({"loss": 1.0} if s == S - 1 else {})}
-        store.push(events, store.EVENTS, {"type": "step", **who, "time": read - started, **step})
-        if decision["stop"]:
+        store.push(events, store.EVENTS, protocol.Report("step", **who, time=read - started,
+                                                         fields=step))
+        if decision.stop:
             break
         barrier.wait()  # the pipeline's next iteration needs every stage's group
-    store.push(events, store.EVENTS, {"type": "done", **who, "steps": k,
-                                      "time": clock() - started})
+    store.push(events, store.EVENTS, protocol.Report("done", **who, time=clock() - started,
+                                                     fields={"steps": k}))
 
 
 def replica_process(pipelines: list[int], S: int, slowdown: list[float], port: int,
@@ -252,7 +252,7 @@ def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:
             os.sched_setaffinity(0, args.cores[-1:])  # the store's thread
             for proc in procs:
                 os.sched_setaffinity(proc.pid, args.cores[:-1])
-        while (store.get_json(events, store.PROGRESS) or {}).get("started", 0) < P * S:
+        while (store.read_progress(events) or {}).get("started", 0) < P * S:
             check("before every replica started")
         def sample() -> tuple[float, float, float]:
             return (time.monotonic(), sum(psutil.Process(sched.pid).cpu_times()[:2]),

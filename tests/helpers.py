@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -282,3 +283,11 @@ def resumed_losses(run: Path, copy: Path, drop: str) -> dict[tuple[int, int], fl
     again = sdpipe("resume", str(copy))
     assert again.returncode == 0, again.stderr[-3000:]
     return losses(metrics(copy)[before:])
+
+
+def event(**record: Any):
+    """The typed event a process would send as ``record``, through the protocol's own decoding
+    (so a test's event is exactly what the scheduler would read from the store)."""
+    from sdpipe_cli.runtime import protocol
+
+    return protocol.decode_event(json.dumps(record))

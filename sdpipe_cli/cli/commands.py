@@ -27,6 +27,7 @@ import sys
 from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -36,6 +37,7 @@ from sdpipe_cli import __version__
 from sdpipe_cli.runtime import network
 from sdpipe_cli.cli.interrupts import exit_on_interrupt
 from sdpipe_cli.config import job_env
+from sdpipe_cli.core.errors import BadInput
 from sdpipe_cli.config.schema import (ConfigError, compose, group_options, schema_for,
                                      validate)
 from sdpipe_cli.runtime.errors import CheckpointError, DataError
@@ -196,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return report(args.runs, args.out, console=err)
         if args.command == "prepare":
             return prepare_text(args, console=err)
-    except (ConfigError, DataError, CheckpointError) as bad:
+    except BadInput as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
     finally:
@@ -382,8 +384,12 @@ def resume(path: str, overrides: Sequence[str], console: Console) -> int:
     for skipped in checkpoint.damaged(checkpoint.run_dir_of(ckpt)):
         console.print(f"sdpipe: warning: {skipped} has no readable manifest (cut short or damaged): "
                       "passed over, and kept", markup=False, highlight=False, soft_wrap=True)
-    manifest = checkpoint.verify(ckpt)  # every shard's checksum, before anything starts
-    saved = OmegaConf.merge(schema_for(manifest["config"]["sync"]["name"]), manifest["config"])
+    manifest = checkpoint.verify_run(ckpt)  # every shard's checksum, before anything starts
+    try:
+        saved = OmegaConf.merge(schema_for(manifest["config"]["sync"]["name"]), manifest["config"])
+    except (ConfigError, OmegaConfBaseException) as err:
+        raise CheckpointError(ckpt / checkpoint.MANIFEST,
+                              f"its config does not fit this sdpipe: {str(err).splitlines()[0]}") from None
     cfg = _apply_resume_overrides(saved, overrides)
     cfg.run.dir = str(checkpoint.run_dir_of(ckpt))  # the run folder may have moved since
     validate(cfg)

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.model import models
 
-from sdpipe_cli.runtime import network, processes, store, trace
+from sdpipe_cli.runtime import network, processes, protocol, store, trace
 
 from sdpipe_cli.core import partition, supervision
 
@@ -87,12 +87,13 @@ SCHEDULER, PS = "sdpipe_cli.sync.scheduler", "sdpipe_cli.sync.ps"
 @dataclass
 class RunResult:
     run_dir: Optional[Path]  # None when stopped before it was made
-    returncode: int  # 0 ok, 1 a process failed, 130 interrupted
+    returncode: int  # 0 ok, 1 a process failed, 2 bad input a child found, 130 interrupted
     failure: Optional[str] = None
     progress: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
     trace: Optional[Path] = None  # <run>/trace.json, with run.trace
     interrupted: bool = False  # Ctrl-C or SIGTERM came (also when a failure followed)
+    bad_input: bool = False  # the failure was bad input a child found (a damaged checkpoint shard)
 
 
 def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
@@ -355,16 +356,23 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
                     if tolerate and cfg.fault.on_pipeline_loss == "restart" else None)
         incarnations = [0] * P
 
-        def restart(pipeline: int) -> list[Child]:
+        def restart(pipeline: int, announce: Callable[[int, int], None]) -> list[Child]:
             incarnations[pipeline] += 1
+            # announced before the processes start: the scheduler then knows the incarnation
+            # before any event of it arrives, and refuses events of one it does not know
+            announce(pipeline * S, incarnations[pipeline])
             return [start_worker(rank, incarnations[pipeline])
                     for rank in range(pipeline * S, (pipeline + 1) * S)]
 
-        result.failure, interrupted = _supervise(children, run_dir, events, on_progress, launched,
+        result.failure, interrupted, result.bad_input = _supervise(children, run_dir, events, on_progress, launched,
                                                  tolerate, graceful=job.graceful,
                                                  workers=P * S, phase=phase, restarts=restarts,
-                                                 restart=restart, pipelines=P)
-        result.returncode = 1 if result.failure else 130 if interrupted else 0
+                                                 restart=restart, pipelines=P,
+                                                 # a stranded worker gives up at run.timeout
+                                                 stranded_s=min(supervision.STRANDED_S,
+                                                                cfg.run.timeout / 2))
+        result.returncode = (2 if result.bad_input else 1) if result.failure else \
+            130 if interrupted else 0
         result.interrupted = interrupted
         if interrupted and not result.failure:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
@@ -382,7 +390,10 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         if cfg.run.trace and result.run_dir is not None and primary:
             result.trace = _quietly(lambda: trace.merge(result.run_dir))
         if events is not None:
-            result.progress = _quietly(lambda: store.get_json(events, store.PROGRESS, {})) or {}
+            try:
+                result.progress = _quietly(lambda: store.read_progress(events, {})) or {}
+            except protocol.ProtocolError:  # supervision has failed the run for it already
+                result.progress = {}
         result.wall_s = time.monotonic() - started
     return result
 
@@ -440,9 +451,11 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                since: float = 0.0, tolerate: bool = False, graceful: bool = True,
                workers: int = 0, phase: Optional[Phase] = None,
                restarts: Optional[supervision.Restarts] = None,
-               restart: Callable[[int], list[Child]] = lambda p: [], pipelines: int = 0
-               ) -> tuple[Optional[str], bool]:
-    """Wait for every child: (the first failure's description or None, whether interrupted).
+               restart: Callable[[int, Callable[[int, int], None]], list[Child]] = lambda p, a: [],
+               pipelines: int = 0, stranded_s: float = supervision.STRANDED_S
+               ) -> tuple[Optional[str], bool, bool]:
+    """Wait for every child: (the first failure's description or None, whether interrupted,
+    whether that failure was bad input a child found, such as a damaged checkpoint shard).
 
     The mechanism only: each poll becomes a :class:`~sdpipe_cli.core.supervision.Observation`,
     and the :class:`~sdpipe_cli.core.supervision.Supervision` policy says what to do (its module
@@ -452,12 +465,13 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
     ``workers`` started) is copied to ``phase``, whose name the caller's message uses.
     ``restart(pipeline)`` starts a lost pipeline's workers again (``restarts``: the budget, which
     the nodes' launchers share through the store's :data:`~sdpipe_cli.runtime.store.RESTARTS`
-    count); ``pipelines``: how many the run has, on every node.
+    count); ``pipelines``: how many the run has, on every node; ``stranded_s``: see
+    :data:`~sdpipe_cli.core.supervision.STRANDED_S`.
     """
     phase = phase or Phase(RUNNING)
     policy = supervision.Supervision(workers=workers, tolerate=tolerate, graceful=graceful,
                                      started=phase.now == RUNNING, restarts=restarts,
-                                     pipelines=pipelines)
+                                     pipelines=pipelines, stranded_s=stranded_s)
     by_name = {c.name: c for c in children}
     error_times: dict[str, Optional[float]] = {}
     while True:
@@ -479,12 +493,12 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                 if again:
                     _quietly(lambda: events.add(store.RESTARTS, 1))
         elif isinstance(action, supervision.Respawn):
-            fresh = restart(action.pipeline)
+            fresh = restart(action.pipeline, lambda rank, incarnation: _announce_restart(
+                action, rank, incarnation, events, since, restarts.limit if restarts else 0))
             children[:] = [c for c in children if c.pipeline != action.pipeline] + fresh
             by_name.update((c.name, c) for c in fresh)
             for c in fresh:
                 error_times.pop(c.name, None)  # a new process: its own error file, when it fails
-            _announce_restart(action, fresh, events, since, restarts.limit if restarts else 0)
         elif isinstance(action, supervision.Kill):
             for name in action.names:
                 print(f"sdpipe: warning: {by_name[name].role} is hung (silent past "
@@ -493,14 +507,18 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
         elif isinstance(action, supervision.StopNow):
             raise _Interrupted
         elif isinstance(action, supervision.Finished):
-            return None, action.interrupted
+            return None, action.interrupted, False
         elif isinstance(action, supervision.Failed):
             reason = describe_failure(by_name[action.child], run_dir, since)
+            err = _error_since(run_dir, action.child, max(since, by_name[action.child].since))
             _quietly(lambda: events.compare_set(store.FAILED, "", reason))  # tell other nodes
-            return reason, action.interrupted
+            return reason, action.interrupted, bool(err and err.get("bad_input"))
+        elif isinstance(action, supervision.Broken):
+            _quietly(lambda: events.compare_set(store.FAILED, "", action.reason))
+            return action.reason, action.interrupted, False
         else:
             assert isinstance(action, supervision.FailedElsewhere), action
-            return f"another node failed: {action.reason}", action.interrupted
+            return f"another node failed: {action.reason}", action.interrupted, False
 
 
 def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: float,
@@ -521,23 +539,31 @@ def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: 
             error_times[c.name] = err["time"] if err else None
         states.append(supervision.ChildState(c.name, c.pipeline, rc, error_times.get(c.name)))
     elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
-    hung = {(rank, incarnation) for rank, incarnation
-            in (_quietly(lambda: store.get_json(events, store.HUNG, [])) if tolerate else None) or []}
+    malformed = None
+    try:
+        hung = set((_quietly(lambda: store.read(events, store.HUNG, protocol.Hung))
+                    or protocol.Hung([])).ranks if tolerate else [])
+        progress = _quietly(lambda: store.read_progress(events))
+    except protocol.ProtocolError as err:
+        malformed, hung, progress = str(err), set(), None
     elsewhere_restarts = 0
     if restarted is not None:
         elsewhere_restarts = max(0, (_quietly(lambda: events.add(store.RESTARTS, 0)) or 0) - restarted)
     return supervision.Observation(
-        now=time.monotonic(), children=tuple(states), signals=signals,
-        progress=_quietly(lambda: store.get_json(events, store.PROGRESS)),
-        elsewhere=elsewhere.decode() if elsewhere else None,
+        now=time.monotonic(), children=tuple(states), signals=signals, progress=progress,
+        elsewhere=elsewhere.decode(errors="replace") if elsewhere else None,
         hung=tuple(c.name for c in children if (c.rank, c.incarnation) in hung),
-        restarts_elsewhere=elsewhere_restarts)
+        restarts_elsewhere=elsewhere_restarts, malformed=malformed)
 
 
 def _quietly(read: Callable[[], Any]) -> Any:
-    """A store access that may fail once the first node's launcher (the store) is gone."""
+    """A store access that may fail once the first node's launcher (the store) is gone. A value
+    that is there but malformed is not such a failure: its
+    :class:`~sdpipe_cli.runtime.protocol.ProtocolError` goes through."""
     try:
         return read()
+    except protocol.ProtocolError:
+        raise
     except Exception:  # noqa: BLE001 - c10d raises several types for a closed store
         return None
 
@@ -549,21 +575,19 @@ def _lose_pipeline(failed: Child, pipeline: int, children: list[Child], run_dir:
     mates = [c for c in children if c.pipeline == pipeline]
     stop_all(mates)
     reason = describe_failure(failed, run_dir, since)
-    store.push(events, store.EVENTS, {"type": "lost", "rank": failed.rank, "pipeline": pipeline,
-                                      "reason": reason, "restart": restart,
-                                      "time": round(time.time() - since, 4)})
+    store.push(events, store.EVENTS, protocol.Lost(failed.rank, pipeline, reason, restart,
+                                                   round(time.time() - since, 4)))
     then = "it will be restarted" if restart else "the others go on"
     print(f"sdpipe: warning: pipeline {pipeline} lost, {then}: {reason}",
           file=sys.stderr, flush=True)
 
 
-def _announce_restart(action: supervision.Respawn, fresh: list[Child], events, since: float,
-                      limit: int) -> None:
-    """Tell the scheduler (and the user) that a lost pipeline's workers were started again."""
-    store.push(events, store.EVENTS, {
-        "type": "restart", "rank": fresh[0].rank, "pipeline": action.pipeline,
-        "incarnation": fresh[0].incarnation, "restart": action.restart,
-        "backoff_s": action.backoff_s, "time": round(time.time() - since, 4)})
+def _announce_restart(action: supervision.Respawn, rank: int, incarnation: int, events,
+                      since: float, limit: int) -> None:
+    """Tell the scheduler (and the user) that a lost pipeline's workers are started again."""
+    store.push(events, store.EVENTS, protocol.Restart(
+        rank, action.pipeline, incarnation, action.restart, action.backoff_s,
+        round(time.time() - since, 4)))
     print(f"sdpipe: pipeline {action.pipeline} restarted (restart {action.restart} of {limit})",
           file=sys.stderr, flush=True)
 

@@ -67,13 +67,60 @@ def load(path: str | Path) -> Run:
         tree = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
     except Exception as err:  # OmegaConf raises several types for a broken file
         raise ConfigError(str(config), f"cannot be read: {str(err).splitlines()[0]}") from None
+    return Run(folder, _flatten(tree), read_lines(metrics))
+
+
+_NUMBER = (int, float)
+_INT = (int,)
+# the fields the figures read, per kind of line: (types, may be null)
+FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "train": {"time": (_NUMBER, False), "pipeline": (_INT, False), "samples": (_NUMBER, False),
+              "loss": (_NUMBER, True), "wait_s": (_NUMBER, False), "comm_s": (_NUMBER, False),
+              "sync_s": (_NUMBER, False)},
+    "sync": {"wait_s": (_NUMBER, False), "comm_s": (_NUMBER, False), "sync_s": (_NUMBER, False)},
+    "eval": {"time": (_NUMBER, False), "val_loss": (_NUMBER, True)},
+    "group": {"time": (_NUMBER, False), "stage": (_INT, False), "round": (_INT, False)},
+    "consensus": {"stage": (_INT, False), "consensus": (_NUMBER, True), "time": (_NUMBER, False),
+                  "round": (_INT, False)},
+}
+REQUIRED = {"train": ("time", "pipeline", "samples"), "eval": ("time", "val_loss"),
+            "group": ("time", "stage", "round"), "consensus": ("stage", "consensus")}
+
+
+def read_lines(metrics: Path) -> list[dict[str, Any]]:
+    """The lines of ``metrics.jsonl``, each checked where the figures read it: a line that is not
+    a JSON object, or whose field has the wrong type, is a ConfigError naming ``file:line``. A
+    last line cut short (being written while we read) is left out."""
+    try:
+        texts = metrics.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(str(metrics), f"cannot be read: {err}") from None
     lines = []
-    for text in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+    for number, text in enumerate(texts, 1):
+        if not text.strip():
+            continue
+        where = f"{metrics}:{number}"
         try:
-            lines.append(json.loads(text))
-        except ValueError:
-            continue  # a line being written while we read
-    return Run(folder, _flatten(tree), lines)
+            line = json.loads(text)
+        except ValueError as err:
+            if number == len(texts):
+                continue
+            raise ConfigError(where, f"not JSON ({err})") from None
+        if not isinstance(line, dict):
+            raise ConfigError(where, f"a metrics line is a JSON object, not {type(line).__name__}")
+        kind = line.get("kind")
+        for name in REQUIRED.get(kind, ()):
+            if name not in line:
+                raise ConfigError(where, f"a {kind} line lacks {name!r}")
+        for name, (types, nullable) in FIELDS.get(kind, {}).items():
+            value = line.get(name)
+            if name in line and not (value is None and nullable) and (
+                    isinstance(value, bool) or not isinstance(value, types)):
+                raise ConfigError(where, f"{name!r} of a {kind} line should be "
+                                         f"{'a number' if types is _NUMBER else 'an integer'}"
+                                         f"{' or null' if nullable else ''}, not {json.dumps(value)[:30]}")
+        lines.append(line)
+    return lines
 
 
 def load_all(paths: Sequence[str | Path]) -> list[Run]:

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from sdpipe_cli.core import grouping, schedule as _schedule
+from sdpipe_cli.core.errors import BadInput
 
 SCHEDULES = (*_schedule.SCHEDULES, *_schedule.ASYNC_SCHEDULES)  # the registry is core.schedule
 ASYNC_SCHEDULES = _schedule.ASYNC_SCHEDULES
@@ -43,13 +44,8 @@ PARTITIONS = ("uniform", "params", "auto")
 EMULATIONS = ("auto", "measured", "modelled")
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     """A bad setting: ``key`` names it, ``reason`` says what is wrong and how to fix it."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 @dataclass

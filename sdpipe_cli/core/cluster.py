@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 
+from sdpipe_cli.core.errors import BadInput
+
 LOCAL = "local"
 
 
@@ -106,12 +108,8 @@ def default_placement(devices: Sequence[Device], pipelines: int, stages: int) ->
     return placement
 
 
-class ClusterError(ValueError):
+class ClusterError(BadInput):
     """A cluster description that cannot be placed; ``key`` names the setting."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}")
-        self.key, self.reason = key, reason
 
 
 class Cluster:

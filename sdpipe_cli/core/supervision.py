@@ -24,6 +24,12 @@ tested without a process, a store or a clock (torchelastic's agent is split the 
   replicas (the scheduler's part).
 * **Hung workers** (``continue`` and ``restart``). A worker the scheduler names hung (silent past
   ``run.heartbeat_timeout``, e.g. stopped by SIGSTOP) is killed; its exit then counts as a loss.
+* **Malformed coordination.** A value in the store that no process of the run could have written
+  (the scheduler's list of hung workers or its progress snapshot, malformed) fails the run with the
+  reader's message naming the key: acting on it could kill the wrong process or show wrong figures.
+* **Stranded workers.** The scheduler exits 0 once every worker reported done, and each worker's
+  report is its last act; workers still running :data:`STRANDED_S` later wait for a scheduler that
+  is gone (a forged report ended it early), so the run fails then instead of at their timeout.
 * **Another node.** A failure published in the store by another node's launcher ends this one
   too; our own children's state is looked at first, because a failure here is closer to the cause.
 * **Interrupts** (Ctrl-C, SIGTERM). The first one after every worker has started asks the workers
@@ -52,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 SETTLE_S = 0.5  # seconds between seeing a failure and naming its root cause
+STRANDED_S = 30.0  # seconds workers may still run after the scheduler ended, before the run fails
 RESET_S = 60.0  # a restarted pipeline (or run) that ran this long backs off from the start again
 
 
@@ -80,6 +87,7 @@ class Observation:
     elsewhere: Optional[str] = None  # a failure another node's launcher published, if any
     hung: tuple[str, ...] = ()  # children the scheduler named hung
     restarts_elsewhere: int = 0  # pipeline restarts other nodes' launchers made
+    malformed: Optional[str] = None  # a store value no process of the run wrote: what was wrong
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -149,9 +157,18 @@ class FailedElsewhere:
     interrupted: bool = False
 
 
+@dataclass(frozen=True)
+class Broken:
+    """The run's coordination broke (final): ``reason`` says how (a malformed store value,
+    workers stranded by a scheduler that ended)."""
+
+    reason: str
+    interrupted: bool = False
+
+
 Action = Union[Wait, RequestStop, DropPipelines, Respawn, Kill, StopNow, Finished, Failed,
-               FailedElsewhere]
-FINAL = (StopNow, Finished, Failed, FailedElsewhere)
+               FailedElsewhere, Broken]
+FINAL = (StopNow, Finished, Failed, FailedElsewhere, Broken)
 WAIT = Wait()
 
 
@@ -231,8 +248,11 @@ class Supervision:
 
     def __init__(self, *, workers: int = 0, tolerate: bool = False, graceful: bool = True,
                  started: bool = False, settle_s: float = SETTLE_S,
-                 restarts: Optional[Restarts] = None, pipelines: int = 0):
+                 restarts: Optional[Restarts] = None, pipelines: int = 0,
+                 stranded_s: float = STRANDED_S):
         self.workers, self.tolerate, self.graceful, self.settle_s = workers, tolerate, graceful, settle_s
+        self.stranded_s = stranded_s
+        self._scheduler_gone: Optional[float] = None  # when the scheduler was first seen exited 0
         self.restarts, self.pipelines = restarts, pipelines
         self._elsewhere = 0  # restarts made by other nodes' launchers, as last observed
         self._respawn: dict[int, tuple[float, int, float]] = {}  # p -> (when, restart, back-off)
@@ -290,6 +310,11 @@ class Supervision:
             if self.settle_s > 0:
                 return WAIT
             return self._end(Failed(first_failure(failed).name, self._interrupted))
+        if obs.malformed:
+            return self._end(Broken(obs.malformed, self._interrupted))
+        stranded = self._stranded(obs)
+        if stranded:
+            return self._end(Broken(stranded, self._interrupted))
         due = [p for p, (when, _, _) in self._respawn.items() if when <= obs.now]
         if due:  # even after a stop request: the new workers learn from the scheduler to stop
             p = min(due)
@@ -302,6 +327,21 @@ class Supervision:
         if obs.elsewhere:
             return self._end(FailedElsewhere(obs.elsewhere, self._interrupted))
         return WAIT
+
+    def _stranded(self, obs: Observation) -> Optional[str]:
+        """Workers still running :attr:`stranded_s` after the scheduler exited 0, in words."""
+        if not any(c.name == "scheduler" and c.returncode == 0 for c in obs.children):
+            return None
+        running = [c.name for c in obs.children if c.pipeline is not None
+                   and c.pipeline not in self._lost and c.returncode is None]
+        if not running:
+            return None
+        if self._scheduler_gone is None:
+            self._scheduler_gone = obs.now
+        if obs.now - self._scheduler_gone < self.stranded_s:
+            return None
+        return (f"the scheduler ended (every worker had reported done) but worker(s) "
+                f"{', '.join(running)} still ran {self.stranded_s:g} s later; see their logs")
 
     def _plan_restart(self, pipeline: int, now: float) -> bool:
         """Whether lost ``pipeline`` is started again (after its back-off), drawing on the budget."""

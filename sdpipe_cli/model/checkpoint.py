@@ -23,11 +23,11 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from sdpipe_cli.runtime.errors import CheckpointError  # noqa: F401 - raised here, caught by callers
+from sdpipe_cli.runtime.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 STAGING_PREFIX = ".staging-"
@@ -186,7 +186,32 @@ def read_manifest(ckpt_dir: os.PathLike | str) -> dict[str, Any]:
         raise CheckpointError(path, f"not valid JSON: {err}") from err
     if not isinstance(manifest, dict) or "step" not in manifest or not _valid_files(manifest.get("files")):
         raise CheckpointError(path, "lacks 'step' or a valid 'files' table")
+    _check_fields(path, manifest)
     return manifest
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# what a resume reads from a manifest, and the test each value must pass
+_FIELDS = {
+    "step": (_count, "a count"),
+    "steps": (lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and k.isdigit() and _count(n) for k, n in v.items()),
+        "a table of pipeline -> iterations"),
+    "elapsed": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                "seconds"),
+    "config": (lambda v: isinstance(v, dict), "the run's config"),
+    "stand_ins": (lambda v: isinstance(v, list) and all(_count(q) for q in v), "a list of pipelines"),
+}
+
+
+def _check_fields(path: Path, manifest: dict[str, Any]) -> None:
+    for name, (valid, meaning) in _FIELDS.items():
+        if name in manifest and not valid(manifest[name]):
+            raise CheckpointError(path, f"{name!r} should be {meaning}, not "
+                                        f"{json.dumps(manifest[name])[:40]}")
 
 
 def load_shard(ckpt_dir: os.PathLike | str, name: str,
@@ -209,11 +234,76 @@ def load_shard(ckpt_dir: os.PathLike | str, name: str,
     return state
 
 
+def check_tensors(path: os.PathLike | str, what: str, expected: Mapping[str, torch.Tensor],
+                  found: Any) -> None:
+    """``found`` holds exactly ``expected``'s tensors, each of its dtype and shape; else a
+    :class:`CheckpointError` naming the first mismatch. ``load_state_dict`` would cast a wrong
+    dtype silently (integers into float weights) and name only some shape mismatches."""
+    if not isinstance(found, Mapping):
+        raise CheckpointError(path, f"{what} is a {type(found).__name__}, not a table of tensors")
+    missing = [k for k in expected if k not in found]
+    if missing:
+        raise CheckpointError(path, f"{what} lacks {missing[0]!r} (and {len(missing) - 1} more): "
+                                    "saved from another model or partition?")
+    extra = [k for k in found if k not in expected]
+    if extra:
+        raise CheckpointError(path, f"{what} holds {extra[0]!r}, which this stage does not have: "
+                                    "saved from another model or partition?")
+    for name, want in expected.items():
+        _check_tensor(path, f"{what} {name!r}", want, found[name])
+
+
+def check_optimizer(path: os.PathLike | str, optimizer: torch.optim.Optimizer, found: Any) -> None:
+    """An optimizer state saved for the same parameters: as many groups and parameters, and
+    every per-parameter tensor (momentum, Adam's moments) of its parameter's dtype and shape."""
+    if not isinstance(found, Mapping) or not isinstance(found.get("param_groups"), list) \
+            or not isinstance(found.get("state"), Mapping):
+        raise CheckpointError(path, "optimizer state lacks 'state' or 'param_groups'")
+    groups = optimizer.param_groups
+    saved = found["param_groups"]
+    if len(saved) != len(groups) or any(
+            not isinstance(g, Mapping) or len(g.get("params", ())) != len(h["params"])
+            for g, h in zip(saved, groups)):
+        raise CheckpointError(path, "optimizer state is for other parameters (group or "
+                                    "parameter counts differ): saved by another optimizer?")
+    params = {pid: p for g, h in zip(saved, groups) for pid, p in zip(g["params"], h["params"])}
+    for pid, entry in found["state"].items():
+        if pid not in params or not isinstance(entry, Mapping):
+            raise CheckpointError(path, f"optimizer state names parameter {pid!r}, which none is")
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                _check_tensor(path, f"optimizer {name!r} of parameter {pid}", params[pid], value)
+
+
+def _check_tensor(path: os.PathLike | str, what: str, want: torch.Tensor, got: Any) -> None:
+    if not isinstance(got, torch.Tensor):
+        raise CheckpointError(path, f"{what} is a {type(got).__name__}, not a tensor")
+    if got.dtype != want.dtype:
+        raise CheckpointError(path, f"{what} is {got.dtype}, the model's is {want.dtype}")
+    if got.shape != want.shape:
+        raise CheckpointError(path, f"{what} has shape {tuple(got.shape)}, the model's is "
+                                    f"{tuple(want.shape)}")
+
+
 def verify(ckpt_dir: os.PathLike | str) -> dict[str, Any]:
     """The manifest, once every file it lists matches its checksum."""
     manifest = read_manifest(ckpt_dir)
     for filename, digest in manifest["files"].items():
         _check(Path(ckpt_dir) / filename, digest)
+    return manifest
+
+
+def verify_run(ckpt_dir: os.PathLike | str) -> dict[str, Any]:
+    """:func:`verify`, and the manifest holds what a resume needs: the run's config (with its
+    sync mode), every pipeline's iterations and the run clock."""
+    manifest = verify(ckpt_dir)
+    path = Path(ckpt_dir) / MANIFEST
+    for name in ("config", "steps", "elapsed"):
+        if name not in manifest:
+            raise CheckpointError(path, f"lacks {name!r}: not a checkpoint of an sdpipe run")
+    sync = manifest["config"].get("sync")
+    if not isinstance(sync, dict) or not isinstance(sync.get("name"), str):
+        raise CheckpointError(path, "its config lacks sync.name")
     return manifest
 
 

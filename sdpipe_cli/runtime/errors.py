@@ -1,8 +1,10 @@
 """Failures travel as data: bad input as typed errors, a child's crash as an error file.
 
-Bad input (:class:`DataError`, :class:`CheckpointError`, and ``config.ConfigError``) names the key
-or file at fault; the CLI prints it in one line and exits 2. They live here, free of torch, so
-that the CLI reports bad input before the heavy imports.
+Bad input (:class:`DataError`, :class:`CheckpointError`, like ``config.ConfigError``, a
+:class:`~sdpipe_cli.core.errors.BadInput`) names the key or file at fault; the CLI prints it in one
+line and exits 2. They live here, free of torch, so that the CLI reports bad input before the heavy
+imports. A child's error file says whether its failure was bad input, and the launcher then exits 2
+too.
 
 Like torchrun's ``record``, each scheduler or worker process wraps its main in :func:`record`;
 on an exception it writes ``<run>/logs/<name>.error.json`` (message, type, traceback, time, and
@@ -20,14 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from sdpipe_cli.core.errors import BadInput
 
-class DataError(ValueError):
+
+class DataError(BadInput):
     """A data problem: ``key`` is the config key or file path at fault, ``reason`` what to do."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 class Diverged(RuntimeError):
@@ -35,13 +34,12 @@ class Diverged(RuntimeError):
     which checkpoint to go on from."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A checkpoint that cannot be found, written or trusted; ``path`` names the culprit."""
 
     def __init__(self, path: os.PathLike | str, reason: str):
+        super().__init__(str(path), reason)
         self.path = str(path)
-        self.reason = reason
-        super().__init__(f"{self.path}: {reason}")
 
 
 def error_file(run_dir: Path, name: str) -> Path:
@@ -66,6 +64,7 @@ def record(run_dir: Path, name: str, **identity: Any) -> Iterator[None]:
         err._sdpipe_recorded = True
         payload = {
             "message": f"{type(err).__name__}: {err}",
+            "bad_input": isinstance(err, BadInput),  # the launcher then exits 2, as for its own
             "traceback": traceback.format_exc(),
             "time": time.time(),
             "pid": os.getpid(),

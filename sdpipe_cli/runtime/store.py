@@ -3,7 +3,8 @@
 All coordination between processes goes through one ``torch.distributed.TCPStore`` (hosted by the
 launcher) and torch.distributed itself, never through pipes or shared memory, so that the same
 code runs when the processes live on different hosts. This module names the keys and moves JSON
-records over them; it holds no policy.
+messages over them (their types and their decoding are :mod:`~sdpipe_cli.runtime.protocol`'s);
+it holds no policy.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from sdpipe_cli.runtime import network
+from sdpipe_cli.runtime import network, protocol
 
 PG_PREFIX = "pg/"  # torch.distributed's own rendezvous keys
 PREFIX = "sdpipe/"  # ours
@@ -84,16 +85,14 @@ def namespace(store: dist.Store) -> dist.PrefixStore:
     return dist.PrefixStore(PREFIX, store)
 
 
-def push(store: dist.Store, queue: str, record: dict[str, Any]) -> None:
-    store.queue_push(queue, json.dumps(record))
+def push(store: dist.Store, queue: str, message: Any) -> None:
+    """Append a :mod:`~sdpipe_cli.runtime.protocol` message to ``queue``."""
+    store.queue_push(queue, protocol.encode(message))
 
 
-def pop_all(store: dist.Store, queue: str, limit: int = 1000) -> list[dict[str, Any]]:
-    """Every record waiting in ``queue`` (up to ``limit``), without blocking."""
-    records = []
-    for _ in range(min(store.queue_len(queue), limit)):
-        records.append(json.loads(store.queue_pop(queue, block=False)))
-    return records
+def put(store: dist.Store, key: str, message: Any) -> None:
+    """Set ``key`` to a :mod:`~sdpipe_cli.runtime.protocol` message."""
+    store.set(key, protocol.encode(message))
 
 
 def set_json(store: dist.Store, key: str, value: Any) -> None:
@@ -104,6 +103,20 @@ def get_json(store: dist.Store, key: str, default: Any = None) -> Any:
     if not store.check([key]):
         return default
     return json.loads(store.get(key))
+
+
+def read(store: dist.Store, key: str, cls: type, default: Any = None) -> Any:
+    """The message of class ``cls`` under ``key`` (``default`` while it is unset)."""
+    if not store.check([key]):
+        return default
+    return protocol.decode(store.get(key), cls, PREFIX + key)
+
+
+def read_progress(store: dist.Store, default: Any = None) -> Any:
+    """The progress snapshot, checked (:func:`~sdpipe_cli.runtime.protocol.decode_progress`)."""
+    if not store.check([PROGRESS]):
+        return default
+    return protocol.decode_progress(store.get(PROGRESS), PREFIX + PROGRESS)
 
 
 def run_clock(store: dist.Store) -> float:
@@ -137,8 +150,9 @@ def heal_key(stage: int, pipeline: int, incarnation: int) -> str:
     return f"heal/{stage}/{pipeline}/{incarnation}"
 
 
-def wait_json(store: dist.Store, key: str) -> Any:
-    """Block until ``key`` is set (up to the store's timeout), then read, delete and decode it."""
-    value = json.loads(store.get(key))
+def take(store: dist.Store, key: str, cls: type) -> Any:
+    """Block until ``key`` is set (up to the store's timeout), then read, delete and decode the
+    message of class ``cls`` under it."""
+    raw = store.get(key)
     store.delete_key(key)
-    return value
+    return protocol.decode(raw, cls, PREFIX + key)

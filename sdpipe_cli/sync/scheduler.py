@@ -22,20 +22,20 @@ decision carries its members' incarnations, which name their communicators.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision, make_policy
-from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
 from sdpipe_cli.runtime.trace import Tracer, trace_path
@@ -90,7 +90,7 @@ class Ticker(threading.Thread):
                     return
                 self.deadline = None
             next_beat = time.monotonic() + TICK_S
-            store.push(self.events, store.EVENTS, {"type": "tick"})
+            store.push(self.events, store.EVENTS, protocol.Tick())
 
 
 class Scheduler:
@@ -124,6 +124,11 @@ class Scheduler:
         self.tracer = self._tracer() if cfg.run.trace and self.policy is not None else None
         if resume is not None:
             self._resume(resume)
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            protocol.Tick: lambda _: None, protocol.Ready: self._ready,
+            protocol.Begin: self._begin, protocol.Saved: self._saved,
+            protocol.Lost: self._lost, protocol.Restart: self._restart,
+            protocol.Rejoin: self._rejoin, protocol.Report: self._report}
 
     def _tracer(self) -> Tracer:
         """The scheduler's track of ``trace.json``: row 0 the batches of events, row 1 + s the
@@ -145,38 +150,12 @@ class Scheduler:
         """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""
         return round(sum(steps.values()) / self.cfg.cluster.pipelines)
 
-    def handle(self, event: dict) -> None:
-        kind = event["type"]
-        if kind == "ready":
-            if self.tracer is not None:
-                self.tracer.instant(f"ready {event['pipeline']}", "ready", "pipeline",
-                                    event["pipeline"], "iteration", event["iteration"],
-                                    row=1 + event["stage"])
-            self._publish(self.policy.ready(event["stage"], event["pipeline"], event["iteration"]))
-        elif kind == "begin":  # asynchronous schedules: may this pipeline's segment go on?
-            p = int(event["pipeline"])
-            last, decisions = self.policy.begin(p, event["iteration"])
-            store.set_json(self.events,
-                           store.begin_key(p, event["iteration"], self.incarnation[p]),
-                           {"last": last})
-            self._publish(decisions)
-        elif kind == "saved":
-            self._saved(event)
-        elif kind == "lost":
-            self._lost(event)
-        elif kind == "restart":  # the launcher started a lost pipeline's processes again
-            self.restarts += 1
-            self.incarnation[int(event["pipeline"])] = int(event["incarnation"])
-            self.metrics.write(self.tracker.update(event))
-        elif kind == "rejoin":
-            self._rejoin(event)
-        elif kind != "tick":
-            if kind == "healed":  # the restarted worker's clock may not be the run's yet
-                event["time"] = round(time.time() - self.t0, 4)
-            line = self.tracker.update(event)
-            if line is not None:
-                self.metrics.write(line)
-            self.heals += kind == "healed"
+    def handle(self, event: protocol.Event) -> None:
+        """Act on one event; one from a process of a replaced incarnation is dropped."""
+        if not self._admit(event):
+            return
+        kind = event.type
+        self._handlers[type(event)](event)
         if self.rejoining and self.policy is not None and self.policy.finished:
             self._answer_rejoins()
         if self.policy is not None:
@@ -198,11 +177,74 @@ class Scheduler:
         if kind == "start" or self.clock() - self.published > PUBLISH_S:
             self.publish_progress()
 
-    def _lost(self, event: dict) -> None:
-        p = int(event["pipeline"])
-        self.metrics.write(self.tracker.update(event))
-        log.warning("pipeline %d lost%s: %s", p, " (restarting)" if event.get("restart") else "",
-                    event.get("reason", ""))
+    def _admit(self, event: protocol.Event) -> bool:
+        """Whether ``event`` is acted on. Its sender must be a process of this run: rank, pipeline
+        and stage in range and consistent (:class:`~sdpipe_cli.runtime.protocol.ProtocolError`
+        otherwise). A worker's event from an incarnation its pipeline has left behind is stale
+        (the process was stopped after it sent it) and is dropped; one from an incarnation the
+        launcher never announced cannot come from this run."""
+        if isinstance(event, protocol.Tick):
+            return True
+        P, S = self.cfg.cluster.pipelines, self.cfg.pipeline.stages
+        key = store.PREFIX + store.EVENTS
+        stage = getattr(event, "stage", event.rank % S)
+        if not (0 <= event.pipeline < P and 0 <= stage < S and event.rank == event.pipeline * S + stage):
+            raise protocol.ProtocolError(key, f"{event.type} event from rank {event.rank}, pipeline "
+                                              f"{event.pipeline}, stage {stage}: no such worker "
+                                              f"in a run of {P} pipeline(s) x {S} stage(s)")
+        if isinstance(event, (protocol.Lost, protocol.Restart)):
+            return True
+        known = self.incarnation[event.pipeline]
+        if event.incarnation > known:
+            raise protocol.ProtocolError(key, f"{event.type} event from incarnation "
+                                              f"{event.incarnation} of pipeline {event.pipeline}, "
+                                              f"which was never started (latest: {known})")
+        if event.incarnation < known:
+            log.debug("dropped a stale %s event of pipeline %d", event.type, event.pipeline)
+            return False
+        return True
+
+    def _ready(self, event: protocol.Ready) -> None:
+        if self.tracer is not None:
+            self.tracer.instant(f"ready {event.pipeline}", "ready", "pipeline", event.pipeline,
+                                "iteration", event.iteration, row=1 + event.stage)
+        self._publish(self._policy().ready(event.stage, event.pipeline, event.iteration))
+
+    def _begin(self, event: protocol.Begin) -> None:
+        """Asynchronous schedules: may this pipeline's segment go on?"""
+        last, decisions = self._policy().begin(event.pipeline, event.iteration)
+        store.put(self.events, store.begin_key(event.pipeline, event.iteration,
+                                               self.incarnation[event.pipeline]),
+                  protocol.BeginAnswer(last))
+        self._publish(decisions)
+
+    def _restart(self, event: protocol.Restart) -> None:
+        """The launcher starts a lost pipeline's processes again."""
+        self.restarts += 1
+        self.incarnation[event.pipeline] = event.incarnation
+        self.metrics.write(self.tracker.update(protocol.record(event)))
+
+    def _report(self, event: protocol.Report) -> None:
+        record = event.record()
+        if event.type == "healed":  # the restarted worker's clock may not be the run's yet
+            record["time"] = round(time.time() - self.t0, 4)
+        line = self.tracker.update(record)
+        if line is not None:
+            self.metrics.write(line)
+        self.heals += event.type == "healed"
+
+    def _policy(self):
+        """The group policy; an sdpipe event in a run without one cannot come from this run."""
+        if self.policy is None:
+            raise protocol.ProtocolError(store.PREFIX + store.EVENTS,
+                                         f"a group event in a run with sync={self.cfg.sync.name}")
+        return self.policy
+
+    def _lost(self, event: protocol.Lost) -> None:
+        p = event.pipeline
+        self.metrics.write(self.tracker.update(protocol.record(event)))
+        log.warning("pipeline %d lost%s: %s", p, " (restarting)" if event.restart else "",
+                    event.reason)
         S = self.cfg.pipeline.stages
         if self.hung & set(range(p * S, (p + 1) * S)):
             self.hung -= set(range(p * S, (p + 1) * S))
@@ -216,20 +258,19 @@ class Scheduler:
                 self.stand_ins[ckpt][p] = self.policy.resume_at.get(p, 0)
                 self._finalize(ckpt)
 
-    def _rejoin(self, event: dict) -> None:
-        s, p = int(event["stage"]), int(event["pipeline"])
-        self.tracker.update(event)
-        if int(event["incarnation"]) != self.incarnation[p]:
-            return  # a process of an incarnation that is gone already
+    def _rejoin(self, event: protocol.Rejoin) -> None:
+        s, p = event.stage, event.pipeline
+        policy = self._policy()
+        self.tracker.update(protocol.record(event))
         self.rejoining.add((s, p))
-        if not self.policy.finished:
-            self._publish(self.policy.rejoin(s, p))
+        if not policy.finished:
+            self._publish(policy.rejoin(s, p))
 
     def _answer_rejoins(self) -> None:
         """The run ended while some restarted replicas waited to be healed: they stop."""
         for s, p in sorted(self.rejoining):
-            store.set_json(self.events, store.heal_key(s, p, self.incarnation[p]),
-                           {"stop": True, "iteration": self.policy.resume_at.get(p)})
+            store.put(self.events, store.heal_key(s, p, self.incarnation[p]),
+                      protocol.HealAnswer(stop=True, iteration=self.policy.resume_at.get(p)))
         self.rejoining.clear()
 
     def _publish(self, decisions: list[Decision]) -> None:
@@ -238,25 +279,25 @@ class Scheduler:
         for d in decisions:
             ckpt = self._checkpoint_at(d) if d.kind == "global" else None
             # the restarted replicas this round's first member heals after its update
-            heal = [{"pipeline": q, "incarnation": self.incarnation[q], "round": d.round}
-                    for q, _ in d.heal]
+            heal = [protocol.HealTarget(q, self.incarnation[q], d.round) for q, _ in d.heal]
             # every member gets the same record, in one message: a set per member is a send and a
             # wake-up of the store each, which the last member of a large group waits behind
-            value = json.dumps({"members": list(d.members), "round": d.round, "kind": d.kind,
-                                "stop": d.stop, "checkpoint": ckpt, "done": done,
-                                "twins": d.twins,
-                                "incarnations": [self.incarnation[p] for p in d.members]})
+            group = protocol.Group(
+                members=list(d.members), round=d.round, kind=d.kind, stop=d.stop,
+                incarnations=[self.incarnation[p] for p in d.members], checkpoint=ckpt,
+                done=done, twins=d.twins)
             keys = [store.decision_key(d.stage, p, k, self.incarnation[p])
                     for p, k in zip(d.members, d.iterations)]
-            values = [value] * len(keys)
-            if heal:
-                values[0] = json.dumps({**json.loads(value), "heal": heal})  # to the source only
+            values = [protocol.encode(group)] * len(keys)
+            if heal:  # to the source only
+                values[0] = protocol.encode(dataclasses.replace(group, heal=heal))
             for q, k in d.heal:
                 self.rejoining.discard((d.stage, q))
                 keys.append(store.heal_key(d.stage, q, self.incarnation[q]))
-                values.append(json.dumps({"stop": False, "source": d.members[0],
-                                          "source_incarnation": self.incarnation[d.members[0]],
-                                          "iteration": k, "done": done, "round": d.round}))
+                values.append(protocol.encode(protocol.HealAnswer(
+                    stop=False, source=d.members[0],
+                    source_incarnation=self.incarnation[d.members[0]], iteration=k, done=done,
+                    round=d.round)))
             # stamped before the write: a member may read the decision before the write returns
             # here, and a stamp after it would then be later than the read it caused
             published = self.tracer.clock() if self.tracer is not None else None
@@ -296,10 +337,10 @@ class Scheduler:
         return {q: self.policy.resume_at.get(q, 0)
                 for q in range(self.cfg.cluster.pipelines) if q not in members}
 
-    def _saved(self, event: dict) -> None:
+    def _saved(self, event: protocol.Saved) -> None:
         """A worker wrote its shard; once every worker due to did, finalize the checkpoint."""
-        ckpt = int(event["checkpoint"])
-        self.saved.setdefault(ckpt, {})[int(event["rank"])] = int(event["step"])
+        ckpt = event.checkpoint
+        self.saved.setdefault(ckpt, {})[event.rank] = event.step
         self._finalize(ckpt)
 
     def _finalize(self, ckpt: int) -> None:
@@ -359,8 +400,8 @@ class Scheduler:
         """Tell the launcher which processes are hung: (rank, incarnation), so that a restarted
         process is never taken for the one it replaced."""
         S = self.cfg.pipeline.stages
-        store.set_json(self.events, store.HUNG,
-                       [[r, self.incarnation[r // S]] for r in sorted(self.hung)])
+        store.put(self.events, store.HUNG,
+                  protocol.Hung([(r, self.incarnation[r // S]) for r in sorted(self.hung)]))
 
     def publish_progress(self) -> None:
         store.set_json(self.events, store.PROGRESS, self.summary())
@@ -377,11 +418,13 @@ class Scheduler:
         return summary
 
 
-URGENT = ("ready", "begin", "lost", "rejoin")  # events a worker blocks on, or that unblock its peers
+# events a worker blocks on, that unblock its peers, or that say which incarnation is live (the
+# restart comes before the events of the processes it announces)
+URGENT = ("ready", "begin", "lost", "restart", "rejoin")
 BATCH = 512  # most events taken from the queue at once
 
 
-def next_events(events) -> list[dict]:
+def next_events(events) -> list[protocol.Event]:
     """The queued events (at least one, up to :data:`BATCH`), those a worker blocks on first.
 
     A blocking pop is two round trips to the store (wait, then pop); while events are queued a
@@ -397,8 +440,8 @@ def next_events(events) -> list[dict]:
             break
     if not raw:
         raw.append(events.queue_pop(store.EVENTS))
-    batch = [json.loads(r) for r in raw]
-    return sorted(batch, key=lambda e: e["type"] not in URGENT)  # stable: order kept within each
+    batch = [protocol.decode_event(r, store.PREFIX + store.EVENTS) for r in raw]
+    return sorted(batch, key=lambda e: e.type not in URGENT)  # stable: order kept within each
 
 
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],

@@ -40,7 +40,7 @@ from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.sync.groups import (GroupCache, average_parameters, average_tensors, flatten,
                                     statistics,
                                     unflatten)
-from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.model import optim
 
 log = logging.getLogger("sdpipe.sync")
@@ -160,7 +160,13 @@ class GroupSync(Sync):
         self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
         self._done: Optional[int] = None  # pipeline-iterations begun, at the last decision
-        self._heal: list[dict[str, int]] = []  # replicas to heal after this update (their ids)
+        self._heal: list[protocol.HealTarget] = []  # replicas to heal after this update
+        self._t0: Optional[float] = None  # the run's time axis, for the reports; read when needed
+
+    def _clock(self) -> float:
+        if self._t0 is None:
+            self._t0 = store.run_clock(self.events)
+        return round(time.time() - self._t0, 4)
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
@@ -186,16 +192,15 @@ class GroupSync(Sync):
 
     def _round(self, module: nn.Module, step: int, grads: bool) -> None:
         start = time.perf_counter()
-        store.push(self.events, store.EVENTS, {"type": "ready", "rank": self.rank,
-                                               "pipeline": self.pipeline, "stage": self.stage,
-                                               "iteration": step})
-        decision = store.wait_json(self.events, store.decision_key(self.stage, self.pipeline, step,
-                                                                   self.incarnation))
+        store.push(self.events, store.EVENTS, protocol.Ready(
+            self.rank, self.pipeline, self.stage, step, self.incarnation))
+        decision = store.take(self.events, store.decision_key(self.stage, self.pipeline, step,
+                                                              self.incarnation), protocol.Group)
         got = time.perf_counter()
-        members = decision["members"]
-        incarnations = decision.get("incarnations")
-        self._done = decision.get("done", self._done)
-        self._heal = decision.get("heal", [])
+        members, incarnations = decision.members, decision.incarnations
+        if decision.done is not None:
+            self._done = decision.done
+        self._heal = decision.heal
         distance = None
         if len(members) > 1:
             ranks = [p * self.stages + self.stage for p in members]
@@ -205,16 +210,16 @@ class GroupSync(Sync):
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                if decision.get("twins"):  # the same weights already (never at a global sync)
+                if decision.twins:  # the same weights already (never at a global sync)
                     tensors = []
                 tensors += [p.grad for p in params]
-                if decision["kind"] == "global" and self.optimizer is not None:
+                if decision.kind == "global" and self.optimizer is not None:
                     tensors += optim.state_tensors(self.optimizer, params)
             try:
                 distance = average_tensors(tensors, self.groups, ranks,
-                                           consensus=len(params) if decision["kind"] == "global"
+                                           consensus=len(params) if decision.kind == "global"
                                            else 0, incarnations=incarnations,
-                                           tag=f"r{decision['round']}")
+                                           tag=f"r{decision.round}")
             except (RuntimeError, dist.DistError) as err:
                 # A member died mid-round (its pipeline was lost). The tensors are only written
                 # back after a complete all-reduce, so ours are untouched; the scheduler drops
@@ -223,14 +228,14 @@ class GroupSync(Sync):
                 log.warning("group %s failed (%s); going on alone", members, err)
                 members = [self.pipeline]
         if distance is not None and self.pipeline == members[0]:
-            store.push(self.events, store.EVENTS, {
-                "type": "consensus", "rank": self.rank, "pipeline": self.pipeline,
-                "stage": self.stage, "iteration": step, "round": decision["round"],
-                "members": members, "consensus": distance})
-        self.stop = bool(decision["stop"])
-        self._checkpoint = decision.get("checkpoint")
-        self._stats = {"group_size": len(members), "round": decision["round"],
-                       "group_kind": decision["kind"], "wait_s": got - start,
+            store.push(self.events, store.EVENTS, protocol.Report(
+                "consensus", self.rank, self.pipeline, self.stage, self._clock(),
+                self.incarnation, {"iteration": step, "round": decision.round,
+                                   "members": members, "consensus": distance}))
+        self.stop = decision.stop
+        self._checkpoint = decision.checkpoint
+        self._stats = {"group_size": len(members), "round": decision.round,
+                       "group_kind": decision.kind, "wait_s": got - start,
                        "comm_s": time.perf_counter() - got}
 
     def stats(self) -> dict[str, Any]:
@@ -243,57 +248,55 @@ class GroupSync(Sync):
         return params + statistics(module) + (optim.state_tensors(self.optimizer, params)
                                               if self.optimizer else [])
 
-    def _give_heal(self, module: nn.Module, target: dict[str, int]) -> None:
+    def _give_heal(self, module: nn.Module, target: protocol.HealTarget) -> None:
         """Send this replica's state to a restarted one (the scheduler chose us as its source)."""
-        ranks = [self.rank, target["pipeline"] * self.stages + self.stage]
-        incarnations = [self.incarnation, target["incarnation"]]
+        ranks = [self.rank, target.pipeline * self.stages + self.stage]
+        incarnations = [self.incarnation, target.incarnation]
         try:
             self.groups.broadcast(flatten(self._state(module)), ranks, self.rank, incarnations,
-                                  tag=f"heal{target['round']}")
+                                  tag=f"heal{target.round}")
         except (RuntimeError, dist.DistError) as err:  # it died again; its pipeline is lost again
             self.groups.forget(ranks, incarnations)
-            log.warning("healing pipeline %d failed (%s); going on", target["pipeline"], err)
+            log.warning("healing pipeline %d failed (%s); going on", target.pipeline, err)
 
     def rejoin(self, module: nn.Module) -> Optional[int]:
         """A restarted replica: ask the scheduler for a source, take its state; returns the
         iteration to go on from. When the run ended first, ``stop`` is set instead and the state
         is not taken (the iteration is then where the pipeline was, if the scheduler knows)."""
         start = time.perf_counter()
-        store.push(self.events, store.EVENTS, {"type": "rejoin", "rank": self.rank,
-                                               "pipeline": self.pipeline, "stage": self.stage,
-                                               "incarnation": self.incarnation})
-        answer = store.wait_json(self.events, store.heal_key(self.stage, self.pipeline,
-                                                             self.incarnation))
+        store.push(self.events, store.EVENTS, protocol.Rejoin(
+            self.rank, self.pipeline, self.stage, self.incarnation))
+        answer = store.take(self.events, store.heal_key(self.stage, self.pipeline,
+                                                        self.incarnation), protocol.HealAnswer)
         answered = time.perf_counter()
-        if answer["stop"]:
+        if answer.stop:
             self.stop = True
-            return answer.get("iteration")
-        source = answer["source"] * self.stages + self.stage
+            return answer.iteration
+        source = answer.source * self.stages + self.stage
         state = self._state(module)
         flat = flatten(state)
         self.groups.broadcast(flat, [source, self.rank], source,
-                              [answer["source_incarnation"], self.incarnation],
-                              tag=f"heal{answer['round']}")
+                              [answer.source_incarnation, self.incarnation],
+                              tag=f"heal{answer.round}")
         unflatten(flat, state)
-        self._done = answer.get("done")
-        store.push(self.events, store.EVENTS, {
-            "type": "healed", "rank": self.rank, "pipeline": self.pipeline, "stage": self.stage,
-            "incarnation": self.incarnation, "source": answer["source"],
-            "iteration": answer["iteration"], "bytes": flat.numel() * flat.element_size(),
-            "seconds": round(time.perf_counter() - start, 4),
-            "transfer_s": round(time.perf_counter() - answered, 4)})
-        return int(answer["iteration"])
+        self._done = answer.done
+        store.push(self.events, store.EVENTS, protocol.Report(
+            "healed", self.rank, self.pipeline, self.stage, self._clock(), self.incarnation,
+            {"source": answer.source, "iteration": answer.iteration,
+             "bytes": flat.numel() * flat.element_size(),
+             "seconds": round(time.perf_counter() - start, 4),
+             "transfer_s": round(time.perf_counter() - answered, 4)}))
+        return answer.iteration
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
         return False  # the scheduler picks the global syncs to checkpoint at
 
     def drain_after(self, iteration: int) -> bool:
         # The scheduler counts the iterations begun and places global syncs at drained points.
-        store.push(self.events, store.EVENTS, {"type": "begin", "rank": self.rank,
-                                               "pipeline": self.pipeline, "stage": self.stage,
-                                               "iteration": iteration})
+        store.push(self.events, store.EVENTS, protocol.Begin(
+            self.rank, self.pipeline, self.stage, iteration, self.incarnation))
         key = store.begin_key(self.pipeline, iteration, self.incarnation)
-        return bool(store.wait_json(self.events, key)["last"])
+        return store.take(self.events, key, protocol.BeginAnswer).last
 
     def checkpoint_due(self) -> int | None:
         # Replicas are consistent only right after a global sync; the scheduler picks which.

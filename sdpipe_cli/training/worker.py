@@ -33,8 +33,8 @@ from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.pipeline.stage import PipelineStage
-from sdpipe_cli.runtime import store
-from sdpipe_cli.runtime.errors import Diverged
+from sdpipe_cli.runtime import protocol, store
+from sdpipe_cli.runtime.errors import CheckpointError, Diverged
 from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
 from sdpipe_cli.training.tied import TiedCopies
@@ -344,9 +344,17 @@ class Worker:
     def _restore(self, ckpt: Path) -> int:
         """Load this rank's shard (checksum verified, weights only); returns the step to go on from."""
         state = checkpoint.load_shard(ckpt, str(self.where.rank))
+        path = ckpt / checkpoint.shard_name(str(self.where.rank))
+        if not isinstance(state.get("step"), int) or state["step"] < 0:
+            raise CheckpointError(path, "lacks a valid 'step'")
+        rng = state.get("rng")
+        if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+            raise CheckpointError(path, "lacks a valid 'rng' state (a uint8 tensor)")
+        checkpoint.check_tensors(path, "model", self.module.state_dict(), state.get("model"))
+        checkpoint.check_optimizer(path, self.optimizer, state.get("optimizer"))
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(rng)
         if self.feed is not None and "data" in state:
             self.feed.load_state_dict(state["data"])
         elif self.feed is not None:
@@ -406,6 +414,11 @@ class Worker:
 
     def emit(self, kind: str, **fields: Any) -> None:
         w = self.where
-        store.push(self.events, store.EVENTS, {
-            "type": kind, "rank": w.rank, "pipeline": w.pipeline, "stage": w.stage,
-            "time": round(time.time() - self.t0, 4), **fields})
+        now = round(time.time() - self.t0, 4)
+        if kind == "saved":
+            message = protocol.Saved(w.rank, w.pipeline, w.stage, fields["checkpoint"],
+                                     fields["step"], self.incarnation, now)
+        else:
+            message = protocol.Report(kind, w.rank, w.pipeline, w.stage, now, self.incarnation,
+                                      fields)
+        store.push(self.events, store.EVENTS, message)

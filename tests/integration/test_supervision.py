@@ -69,10 +69,11 @@ def test_first_error_is_reported_and_the_rest_are_stopped(tmp_path, monkeypatch,
     children = [sleeper, crash]
     try:
         assert len(run_processes(run_dir)) == 2  # each child's pid is in logs/<name>.pid
-        failure, interrupted = launcher._supervise(children, run_dir, _NoStore(), lambda _: None)
+        failure, interrupted, bad_input = launcher._supervise(children, run_dir, _NoStore(),
+                                                              lambda _: None)
     finally:
         launcher.stop_all(children, grace=5)
-    assert not interrupted
+    assert not interrupted and not bad_input
     assert failure.startswith("worker rank 1 (pipeline 0, stage 1) exited with code 1: "
                               "RuntimeError: deliberate failure on rank 1")
     assert sleeper.proc.returncode == -signal.SIGTERM

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from sdpipe_cli.config.schema import compose
 from sdpipe_cli.runtime import store
 from sdpipe_cli.sync.scheduler import Scheduler, WorkerHung
+from tests.helpers import event as as_event
 
 P, S = 3, 2
 
@@ -36,8 +37,9 @@ def scheduler(tmp_path, loss: str, *overrides: str):
 
 def heard(sched, ranks, kind="start"):
     for r in ranks:
-        sched.handle({"type": kind, "rank": r, "pipeline": r // S, "stage": r % S, "step": 1,
-                      "samples": 8, "samples_per_s": 1.0, "loss": 5.0, "time": 0.0})
+        sched.handle(as_event(type=kind, rank=r, pipeline=r // S, stage=r % S, step=1,
+                              samples=8, samples_per_s=1.0, step_s=0.1, loss=5.0, time=0.0,
+                              pid=1))
 
 
 def test_silent_workers_are_named_hung_for_the_launcher(tmp_path):
@@ -45,14 +47,14 @@ def test_silent_workers_are_named_hung_for_the_launcher(tmp_path):
     heard(sched, range(P * S))
     clock.t = 50.0
     heard(sched, [0, 1, 2, 3], kind="step")  # pipeline 2 went silent
-    sched.handle({"type": "tick"})
+    sched.handle(as_event(type="tick"))
     assert store.get_json(events, store.HUNG) == [[4, 0], [5, 0]]
-    sched.handle({"type": "lost", "rank": 4, "pipeline": 2, "restart": True, "reason": "hung"})
+    sched.handle(as_event(type="lost", rank=4, pipeline=2, restart=True, reason="hung"))
     assert store.get_json(events, store.HUNG) == []  # its restart is not taken for hung
-    sched.handle({"type": "restart", "rank": 4, "pipeline": 2, "incarnation": 1})
+    sched.handle(as_event(type="restart", rank=4, pipeline=2, incarnation=1))
     clock.t = 100.0
     heard(sched, [0, 1, 2, 3], kind="step")
-    sched.handle({"type": "tick"})  # the restarted pipeline has not reported yet: not silent
+    sched.handle(as_event(type="tick"))  # the restarted pipeline has not reported yet: not silent
     assert store.get_json(events, store.HUNG) == []
 
 
@@ -62,7 +64,7 @@ def test_every_live_pipeline_silent_is_a_hung_run(tmp_path, loss):
     heard(sched, range(P * S))
     clock.t = 50.0
     with pytest.raises(WorkerHung, match=r"no report from rank\(s\) \[0, 1, 2, 3, 4, 5\]"):
-        sched.handle({"type": "tick"})
+        sched.handle(as_event(type="tick"))
     assert not events.check([store.HUNG])
 
 
@@ -74,16 +76,16 @@ def test_replicas_held_by_a_global_sync_are_not_taken_for_hung(tmp_path):
     heard(sched, range(P * S))
     for p in (0, 1):
         for s in range(S):
-            sched.handle({"type": "ready", "rank": p * S + s, "pipeline": p, "stage": s,
-                          "iteration": 0})
+            sched.handle(as_event(type="ready", rank=p * S + s, pipeline=p, stage=s,
+                          iteration=0))
     assert sorted(sched.policy.held()) == [(s, p) for s in range(S) for p in (0, 1)]
     clock.t = 50.0
-    sched.handle({"type": "tick"})
+    sched.handle(as_event(type="tick"))
     assert store.get_json(events, store.HUNG) == [[4, 0], [5, 0]]
     # the launcher kills it; the global sync closes without it and lets the others go, whose
     # silence only starts now: they are not named at the next tick
-    sched.handle({"type": "lost", "rank": 4, "pipeline": 2, "restart": True, "reason": "hung"})
+    sched.handle(as_event(type="lost", rank=4, pipeline=2, restart=True, reason="hung"))
     assert (0, 0) not in sched.policy.held() and events.check([store.decision_key(0, 0, 0)])
     clock.t = 50.5
-    sched.handle({"type": "tick"})
+    sched.handle(as_event(type="tick"))
     assert store.get_json(events, store.HUNG) == []

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from sdpipe_cli.config.schema import compose
-from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync.scheduler import Scheduler
+from tests.helpers import event as as_event
 
 P, S = 2, 2
 
@@ -32,9 +34,9 @@ def scheduler(tmp_path, *overrides: str):
 def test_a_restarted_replica_never_reads_a_decision_meant_for_its_dead_incarnation(tmp_path):
     sched, events, now, _ = scheduler(tmp_path, "train.steps=20")
 
-    def ready(stage: int, pipeline: int, iteration: int) -> None:
-        sched.handle({"type": "ready", "rank": pipeline * S + stage, "pipeline": pipeline,
-                      "stage": stage, "iteration": iteration})
+    def ready(stage: int, pipeline: int, iteration: int, incarnation: int = 0) -> None:
+        sched.handle(as_event(type="ready", rank=pipeline * S + stage, pipeline=pipeline,
+                              stage=stage, iteration=iteration, incarnation=incarnation))
 
     # Iteration 0: the last stage of both pipelines is decided, then pipeline 0 dies before its
     # last stage reads that decision and before its first stage reached its own round.
@@ -42,10 +44,10 @@ def test_a_restarted_replica_never_reads_a_decision_meant_for_its_dead_incarnati
     ready(1, 1, 0)
     stale = store.decision_key(1, 0, 0, incarnation=0)
     assert store.get_json(events, stale)["members"] == [0, 1]
-    sched.handle({"type": "lost", "rank": 1, "pipeline": 0, "restart": True, "reason": "killed"})
-    sched.handle({"type": "restart", "rank": 0, "pipeline": 0, "incarnation": 1})
+    sched.handle(as_event(type="lost", rank=1, pipeline=0, restart=True, reason="killed"))
+    sched.handle(as_event(type="restart", rank=0, pipeline=0, incarnation=1))
     for s in range(S):
-        sched.handle({"type": "rejoin", "rank": s, "pipeline": 0, "stage": s, "incarnation": 1})
+        sched.handle(as_event(type="rejoin", rank=s, pipeline=0, stage=s, incarnation=1))
     ready(0, 1, 0)  # pipeline 1's rounds heal the restarted replicas, stage by stage
     ready(0, 1, 1)
     ready(1, 1, 1)
@@ -55,9 +57,11 @@ def test_a_restarted_replica_never_reads_a_decision_meant_for_its_dead_incarnati
     # The restarted pipeline goes on from iteration 0: its last stage asks for round 0 again.
     fresh = store.decision_key(1, 0, 0, incarnation=1)
     assert not events.check([fresh])  # nothing is waiting for it there
-    ready(1, 0, 0)
+    ready(1, 0, 0, incarnation=0)  # a last word of the dead process: dropped
+    assert not events.check([fresh])
+    ready(1, 0, 0, incarnation=1)
     now[0] = 60.0  # past any round's deadline
-    sched.handle({"type": "tick"})
+    sched.handle(as_event(type="tick"))
     decision = store.get_json(events, fresh)
     assert decision["incarnations"][decision["members"].index(0)] == 1, decision
     assert store.get_json(events, stale)["incarnations"] == [0, 0]  # the dead one's, unread
@@ -72,8 +76,9 @@ def test_async_answers_to_a_restarted_pipeline_name_its_incarnation(tmp_path):
     assert sched.policy.rounds_per_iteration == 2
 
     def event(kind: str, stage: int, pipeline: int, **more) -> None:
-        sched.handle({"type": kind, "rank": pipeline * S + stage, "pipeline": pipeline,
-                      "stage": stage, **more})
+        where = {} if kind in ("lost", "restart") else {"stage": stage}
+        sched.handle(as_event(type=kind, rank=pipeline * S + stage, pipeline=pipeline,
+                              **where, **more))
 
     for p in range(P):
         event("begin", 0, p, iteration=0)
@@ -98,12 +103,31 @@ def test_async_answers_to_a_restarted_pipeline_name_its_incarnation(tmp_path):
                for s in range(S))
     fresh_begin, fresh_round = store.begin_key(1, 1, 1), store.decision_key(1, 1, 2, 1)
     assert not events.check([fresh_begin]) and not events.check([fresh_round])
-    event("begin", 0, 1, iteration=1)
+    event("begin", 0, 1, iteration=1, incarnation=1)
     assert store.get_json(events, fresh_begin) == {"last": False}
-    event("ready", 1, 1, iteration=2)
+    event("ready", 1, 1, iteration=2, incarnation=1)
     now[0] = 60.0
-    sched.handle({"type": "tick"})
+    sched.handle(as_event(type="tick"))
     decision = store.get_json(events, fresh_round)
     assert decision["incarnations"][decision["members"].index(1)] == 1, decision
     assert store.get_json(events, stale_round)["incarnations"] == [0, 0]
     assert store.get_json(events, stale_begin) == {"last": False}
+
+
+def test_events_no_process_of_the_run_could_send_fail_it_by_name(tmp_path):
+    """A rank outside the run, a stage that does not match the rank, an incarnation the launcher
+    never announced, a group event in a run without groups: each is a ProtocolError naming the
+    store key, never a decision made on it."""
+    sched, events, now, _ = scheduler(tmp_path, "train.steps=20")
+    bad = [dict(type="ready", rank=9, pipeline=4, stage=1, iteration=0),
+           dict(type="ready", rank=1, pipeline=0, stage=0, iteration=0),
+           dict(type="ready", rank=1, pipeline=0, stage=1, iteration=0, incarnation=3),
+           dict(type="lost", rank=7, pipeline=0)]
+    for record in bad:
+        with pytest.raises(protocol.ProtocolError, match="sdpipe/events"):
+            sched.handle(as_event(**record))
+    assert not events.check([store.decision_key(1, 0, 0)])
+    (tmp_path / "ps").mkdir()
+    ps, _, _, _ = scheduler(tmp_path / "ps", "train.steps=20", "sync=ps")
+    with pytest.raises(protocol.ProtocolError, match="sync=ps"):
+        ps.handle(as_event(type="ready", rank=1, pipeline=0, stage=1, iteration=0))

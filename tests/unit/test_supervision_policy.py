@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli.core.supervision import (SETTLE_S, ChildState, DropPipelines, Failed,
+from sdpipe_cli.core.supervision import (SETTLE_S, Broken, ChildState, DropPipelines, Failed,
                                          FailedElsewhere, Finished, Kill, Observation,
                                          RequestStop, Respawn, Restarts, StopNow, Supervision,
                                          Wait, ending, first_failure)
@@ -58,6 +58,24 @@ def test_a_helper_exiting_0_early_is_no_event():
     assert policy.decide(see(run(codes={"scheduler": 0}))) == Wait()
     assert policy.decide(see(run(codes={"scheduler": 0, "0": 0, "1": 0}))) == Wait()
     assert policy.decide(see(run(codes=all_exit()))) == Finished()
+
+
+def test_workers_still_running_long_after_the_scheduler_ended_break_the_run():
+    """Each worker's done report is its last act: workers still there STRANDED_S after the
+    scheduler ended (it saw every report) wait for a scheduler that is gone."""
+    policy = Supervision(started=True, stranded_s=10.0)
+    assert policy.decide(see(run(codes={"scheduler": 0}), now=0.0)) == Wait()
+    assert policy.decide(see(run(codes={"scheduler": 0, "0": 0}), now=9.0)) == Wait()
+    action = policy.decide(see(run(codes={"scheduler": 0, "0": 0}), now=10.5))
+    assert isinstance(action, Broken) and "worker(s) 1, 2, 3 still ran 10 s" in action.reason
+    assert policy.decide(see(run(codes=all_exit()), now=11.0)) == action  # final
+
+
+def test_a_malformed_store_value_breaks_the_run_even_when_everyone_exits_0():
+    policy = Supervision(started=True)
+    seen = Observation(0.0, run(codes=all_exit()), malformed="malformed message under store key "
+                                                              "'sdpipe/hung': not JSON")
+    assert policy.decide(seen) == Broken(seen.malformed)
 
 
 def test_no_children_is_finished():

@@ -1,0 +1,396 @@
+"""The coordination protocol: every message launcher, scheduler and workers exchange through the
+store, as a typed record, and the one place that turns them into JSON and back.
+
+The processes share nothing but the store, so a message is the only contract between them. Each
+one is a frozen dataclass here: a renamed field breaks the sender and the receiver in the same
+file, and :func:`decode` checks every value read against the field's type before anything acts on
+it. A value that does not conform (a process of another version, a key written by hand, a damaged
+store) raises :class:`ProtocolError` naming the store key and the field, which ends the reading
+process with that line instead of a ``KeyError`` later, a hang or a quietly wrong metric.
+
+Messages:
+
+* worker/launcher -> scheduler, on the ``events`` queue, told apart by ``type``:
+  :class:`Tick`, :class:`Ready`, :class:`Begin`, :class:`Rejoin`, :class:`Saved` (coordination),
+  :class:`Lost`, :class:`Restart` (the launcher), and :class:`Report` (metrics: start, step,
+  eval, consensus, healed, unreadable, done), whose open ``fields`` are checked against
+  :data:`REPORT_FIELDS`;
+* scheduler -> worker, one key per answer: :class:`Group`, :class:`BeginAnswer`,
+  :class:`HealAnswer`;
+* scheduler -> launcher: :class:`Hung`, and the progress snapshot (:func:`decode_progress`).
+
+Whether an event's sender may send it (its rank, its incarnation) depends on the run, which only
+the scheduler knows; it checks that, with :class:`ProtocolError` for what no process could send.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+
+class ProtocolError(RuntimeError):
+    """A value in the store that no process of this run could have written."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"malformed message under store key {key!r}: {reason}")
+        self.key, self.reason = key, reason
+
+
+# -- events: worker or launcher -> scheduler ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The scheduler's own ticker: a deadline passed, or it is time for a heartbeat check."""
+
+    type = "tick"
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A replica finished ``iteration``'s backward (or update) and waits for its group."""
+
+    type = "ready"
+    rank: int
+    pipeline: int
+    stage: int
+    iteration: int
+    incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Asynchronous schedules: the first stage of ``pipeline`` is about to start ``iteration``."""
+
+    type = "begin"
+    rank: int
+    pipeline: int
+    stage: int
+    iteration: int
+    incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """A restarted replica asks for a source to heal from."""
+
+    type = "rejoin"
+    rank: int
+    pipeline: int
+    stage: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A worker wrote its shard of checkpoint ``checkpoint`` at its iteration ``step``."""
+
+    type = "saved"
+    rank: int
+    pipeline: int
+    stage: int
+    checkpoint: int
+    step: int
+    incarnation: int = 0
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The launcher stopped ``pipeline`` after its worker ``rank`` failed (``restart``: it will
+    start it again)."""
+
+    type = "lost"
+    rank: int
+    pipeline: int
+    reason: str = ""
+    restart: bool = False
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The launcher is starting a lost pipeline's processes again, as ``incarnation``."""
+
+    type = "restart"
+    rank: int
+    pipeline: int
+    incarnation: int
+    restart: int = 1  # restarts in the run so far, this one included
+    backoff_s: float = 0.0
+    time: float = 0.0
+
+
+JSON = Union[None, bool, int, float, str, list, dict]
+
+# The fields of each report kind that a reader acts on, and their types: (required, optional).
+# A report may carry more (a sync mode's statistics), left as they are.
+REPORT_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "start": ({"pid": int}, {}),
+    "step": ({"step": int, "samples": int, "samples_per_s": float, "step_s": float},
+             {"lr": float, "compute_s": float, "sync_s": float, "loss": Optional[float],
+              "data_s": float, "group_size": int, "round": int, "skipped_steps": int}),
+    "eval": ({"step": int, "val_loss": Optional[float]},
+             {"samples": int, "val_accuracy": Optional[float]}),
+    "consensus": ({"iteration": int, "round": int, "members": list[int],
+                   "consensus": Optional[float]}, {}),
+    "healed": ({"source": int, "iteration": int}, {"bytes": int, "seconds": float}),
+    "unreadable": ({"sample": str, "error": str, "step": int}, {}),
+    "done": ({"steps": int}, {}),
+}
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a worker reports for the metrics (``type`` one of :data:`REPORT_FIELDS`); on the wire
+    its ``fields`` sit beside the header, as one flat JSON object."""
+
+    type: str
+    rank: int
+    pipeline: int
+    stage: int
+    time: float
+    incarnation: int = 0
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """The flat record, as a metrics line is made from it."""
+        return {"type": self.type, "rank": self.rank, "pipeline": self.pipeline,
+                "stage": self.stage, "time": self.time, **self.fields}
+
+
+Event = Union[Tick, Ready, Begin, Rejoin, Saved, Lost, Restart, Report]
+EVENTS: dict[str, type] = {cls.type: cls for cls in (Tick, Ready, Begin, Rejoin, Saved, Lost, Restart)}
+
+
+# -- answers: scheduler -> worker or launcher ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HealTarget:
+    """A restarted replica that a group's first member heals after its update."""
+
+    pipeline: int
+    incarnation: int
+    round: int
+
+
+@dataclass(frozen=True)
+class Group:
+    """The scheduler's decision for one member: average with ``members`` now."""
+
+    members: list[int]
+    round: int
+    kind: str  # "group" or "global"
+    stop: bool  # the members' pipelines stop after this iteration
+    incarnations: list[int]  # of the members, in order: they name the communicator
+    checkpoint: Optional[int] = None  # global syncs: the checkpoint to write after it
+    done: Optional[int] = None  # pipeline-iterations begun in the run (the lr schedule's clock)
+    twins: bool = False  # the members hold the same weights already
+    heal: list[HealTarget] = field(default_factory=list)  # to the first member only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("group", "global"):
+            raise ValueError(f"kind: {self.kind!r} is neither 'group' nor 'global'")
+        if not self.members or len(self.incarnations) != len(self.members):
+            raise ValueError("members and incarnations must be non-empty and of one length")
+
+
+@dataclass(frozen=True)
+class BeginAnswer:
+    """Asynchronous schedules: whether the iteration about to begin ends a segment."""
+
+    last: bool
+
+
+@dataclass(frozen=True)
+class HealAnswer:
+    """The scheduler's answer to a :class:`Rejoin`: take ``source``'s state, or stop."""
+
+    stop: bool
+    iteration: Optional[int] = None  # where the replica goes on from (stop: where it was)
+    source: Optional[int] = None
+    source_incarnation: Optional[int] = None
+    done: Optional[int] = None
+    round: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not self.stop and None in (self.iteration, self.source, self.source_incarnation,
+                                      self.round):
+            raise ValueError("a heal names its iteration, source, source_incarnation and round")
+
+
+@dataclass(frozen=True)
+class Hung:
+    """Workers the scheduler found silent past ``run.heartbeat_timeout``: (rank, incarnation)."""
+
+    ranks: list[tuple[int, int]]
+
+
+# progress snapshot: an open record (training and profiling publish different ones); these keys
+# are checked where present
+PROGRESS_FIELDS: dict[str, Any] = {
+    "iterations": int, "target": int, "samples": int, "samples_per_s": float,
+    "loss": Optional[float], "val_loss": Optional[float], "val_accuracy": Optional[float],
+    "started": int, "done": int, "pipelines": dict[str, dict[str, Any]],
+    "rounds": list[list[int]], "mean_group_size": Optional[float], "restarts": int, "heals": int,
+    "unreadable": list[str], "phase": str, "turn": int, "turns": int,
+}
+
+
+# -- encoding and decoding -------------------------------------------------------------------------
+
+
+def record(message: Any) -> dict[str, Any]:
+    """An event as the flat record a metrics line is made from."""
+    if isinstance(message, Report):
+        return message.record()
+    return {"type": message.type, **dataclasses.asdict(message)}
+
+
+
+def encode(message: Any) -> str:
+    """One message as JSON (events carry their ``type``; a :class:`Report` is flat)."""
+    if isinstance(message, Report):
+        return json.dumps(message.record() | {"incarnation": message.incarnation})
+    if isinstance(message, Hung):
+        return json.dumps([list(pair) for pair in message.ranks])
+    body = dataclasses.asdict(message)
+    if type(message) in EVENTS.values():
+        body = {"type": message.type, **body}
+    return json.dumps(body)
+
+
+def decode(raw: Union[str, bytes], cls: type, key: str) -> Any:
+    """The message of class ``cls`` stored under ``key``; :class:`ProtocolError` if it is not
+    one."""
+    value = _json(raw, key)
+    if cls is Hung:
+        return Hung([tuple(pair) for pair in _conform(value, list[tuple[int, int]], key, "ranks")])
+    return _build(cls, value, key)
+
+
+def decode_event(raw: Union[str, bytes], key: str = "events") -> Event:
+    """One record of the ``events`` queue, as its typed event."""
+    value = _json(raw, key)
+    if not isinstance(value, dict):
+        raise ProtocolError(key, f"an event is a JSON object, not {_show(value)}")
+    kind = value.get("type")
+    if kind in EVENTS:
+        return _build(EVENTS[kind], {k: v for k, v in value.items() if k != "type"}, key)
+    if kind in REPORT_FIELDS:
+        header = {k: value[k] for k in ("rank", "pipeline", "stage", "time", "incarnation")
+                  if k in value}
+        rest = {k: v for k, v in value.items() if k not in header and k != "type"}
+        required, optional = REPORT_FIELDS[kind]
+        for name, hint in {**required, **optional}.items():
+            if name in rest:
+                rest[name] = _conform(rest[name], hint, key, name)
+            elif name in required:
+                raise ProtocolError(key, f"a {kind} report lacks field {name!r}")
+        return _build(Report, {"type": kind, **header, "fields": rest}, key)
+    raise ProtocolError(key, f"unknown event type {_show(kind)}")
+
+
+def decode_progress(raw: Union[str, bytes], key: str) -> dict[str, Any]:
+    """The progress snapshot, its known keys checked."""
+    value = _json(raw, key)
+    if not isinstance(value, dict):
+        raise ProtocolError(key, f"the progress snapshot is a JSON object, not {_show(value)}")
+    for name, hint in PROGRESS_FIELDS.items():
+        if name in value:
+            _conform(value[name], hint, key, name)
+    return value
+
+
+def _json(raw: Union[str, bytes], key: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ProtocolError(key, f"not JSON ({err})") from None
+
+
+def _build(cls: type, value: Any, key: str) -> Any:
+    if not isinstance(value, dict):
+        raise ProtocolError(key, f"{cls.__name__} is a JSON object, not {_show(value)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ProtocolError(key, f"{cls.__name__} has no field {unknown[0]!r}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in value
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ProtocolError(key, f"{cls.__name__} lacks field {missing[0]!r}")
+    args = {name: _conform(v, hints[name], key, name) for name, v in value.items()}
+    try:
+        return cls(**args)
+    except ValueError as err:
+        raise ProtocolError(key, f"{cls.__name__}: {err}") from None
+
+
+def _conform(value: Any, hint: Any, key: str, name: str) -> Any:
+    """``value`` checked against the type ``hint`` (and nested dataclasses built)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        for option in args:
+            try:
+                return _conform(value, option, key, name)
+            except ProtocolError:
+                pass
+        raise _wrong(key, name, hint, value)
+    if hint is type(None):
+        if value is None:
+            return None
+        raise _wrong(key, name, hint, value)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _wrong(key, name, hint, value)
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _wrong(key, name, hint, value)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _wrong(key, name, hint, value)
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _wrong(key, name, hint, value)
+    if origin is list and isinstance(value, list):
+        return [_conform(v, args[0], key, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple and isinstance(value, list) and len(value) == len(args):
+        return tuple(_conform(v, a, key, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin in (dict, collections.abc.Mapping):
+        if isinstance(value, dict):
+            inner = args[1] if args else Any
+            return {k: _conform(v, inner, key, f"{name}.{k}") for k, v in value.items()}
+    raise _wrong(key, name, hint, value)
+
+
+def _wrong(key: str, name: str, hint: Any, value: Any) -> ProtocolError:
+    expected = getattr(hint, "__name__", None) if typing.get_origin(hint) is None else None
+    return ProtocolError(key, f"field {name!r} should be {expected or _hint_text(hint)}, "
+                              f"not {_show(value)}")
+
+
+def _hint_text(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("NoneType", "None")
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    return f"{type(value).__name__} {text[:40]}"
