@@ -1,0 +1,280 @@
+"""Hostile input, as a table: bad values, damaged files, forged store values and signals at odd
+moments. Each row says what it does, the exit code it must get and a part of its one-line error.
+
+Bad input a user can fix exits 2 with one line naming the key or file; a store value that no
+process of the run wrote fails the run (exit 1) naming the store key, within a bounded time; an
+interrupt exits 130. No row may leave a traceback on the terminal or a process behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sdpipe_cli.model import checkpoint as ck
+from sdpipe_cli.runtime import store
+from tests.helpers import (finish, free_port, kill_leftovers, run_processes, sdpipe,
+                           sdpipe_popen)
+
+TINY = ("model=mlp", "data=synthetic", "train.steps=4", "train.batch_size=8")
+LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8",
+        "cluster.pipelines=2", "pipeline.stages=2", "checkpoint.every=0", "train.eval_every=0",
+        "run.timeout=20")
+
+
+@dataclass
+class Row:
+    name: str
+    args: Callable[[Path, Path], list[str]]  # (tmp_path, a copy of a finished run) -> CLI args
+    code: int
+    message: str  # a part of the error line
+    inject: Optional[Callable[[dist.Store], None]] = None  # forged store values, once running
+    signal_at: Optional[float] = None  # SIGTERM the CLI this many seconds after its start
+
+
+def fixed(*args: str) -> Callable[[Path, Path], list[str]]:
+    return lambda tmp, run: list(args)
+
+
+def train(*args: str) -> Callable[[Path, Path], list[str]]:
+    return lambda tmp, run: ["train", f"run.dir={tmp / 'new'}", *TINY, *args]
+
+
+# -- damaged files ---------------------------------------------------------------------------------
+
+
+def _rehash(ckpt: Path, name: str) -> None:
+    """Make the manifest agree with a rewritten shard, as a careless tool would."""
+    manifest = json.loads((ckpt / ck.MANIFEST).read_text())
+    manifest["files"][name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+    (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
+
+
+def shard_changed(change: Callable[[dict], None]) -> Callable[[Path, Path], list[str]]:
+    def args(tmp: Path, run: Path) -> list[str]:
+        newest = ck.latest(run)
+        state = torch.load(newest / "0.pt", weights_only=True)
+        change(state)
+        torch.save(state, newest / "0.pt")
+        _rehash(newest, "0.pt")
+        return ["resume", str(run)]
+    return args
+
+
+def first_weight(state: dict, to: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    key = next(iter(state["model"]))
+    state["model"][key] = to(state["model"][key])
+
+
+def manifest_changed(change: Callable[[dict], None], every: bool = False):
+    """Change the newest checkpoint's manifest and resume that checkpoint by name (a run folder
+    would pass over it to the one before), or (``every``) every manifest and resume the run."""
+    def args(tmp: Path, run: Path) -> list[str]:
+        chosen = ck.complete_checkpoints(run) if every else [ck.latest(run)]
+        for ckpt in chosen:
+            manifest = json.loads((ckpt / ck.MANIFEST).read_text())
+            change(manifest)
+            (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
+        return ["resume", str(run if every else chosen[0])]
+    return args
+
+
+def flipped_bytes(tmp: Path, run: Path) -> list[str]:
+    shard = ck.latest(run) / "1.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return ["resume", str(run)]
+
+
+def metrics_file(text: str) -> Callable[[Path, Path], list[str]]:
+    def args(tmp: Path, run: Path) -> list[str]:
+        folder = tmp / "reported"
+        folder.mkdir()
+        shutil.copy(run / "config.yaml", folder / "config.yaml")
+        (folder / "metrics.jsonl").write_text(text)
+        return ["report", str(folder), "--out", str(tmp / "figures")]
+    return args
+
+
+def config_bytes(tmp: Path, run: Path) -> list[str]:
+    (run / "config.yaml").write_bytes(b"\xff\xfe not yaml: [")
+    return ["report", str(run), "--out", str(tmp / "figures")]
+
+
+def empty_folder(tmp: Path, run: Path) -> list[str]:
+    (tmp / "images").mkdir()
+    return ["train", f"run.dir={tmp / 'new'}", "data=imagefolder", f"data.path={tmp / 'images'}",
+            "model=resnet_cifar", "train.steps=2"]
+
+
+# -- forged store values -------------------------------------------------------------------------
+
+
+def push_raw(text: str) -> Callable[[dist.Store], None]:
+    return lambda events: events.queue_push(store.EVENTS, text)
+
+
+def push_record(**record) -> Callable[[dist.Store], None]:
+    return push_raw(json.dumps(record))
+
+
+def forged_done(events: dist.Store) -> None:
+    for rank in range(4):
+        events.queue_push(store.EVENTS, json.dumps({
+            "type": "done", "rank": rank, "pipeline": rank // 2, "stage": rank % 2, "time": 1.0,
+            "steps": 1}))
+
+
+def long_run(*args: str) -> Callable[[Path, Path], list[str]]:
+    return lambda tmp, run: ["train", f"run.dir={tmp / 'new'}", *LONG, *args]
+
+
+TRAIN_LR = "train.lr"
+ROWS = [
+    # values
+    Row("lr infinite", train("train.lr=inf"), 2, TRAIN_LR),
+    Row("lr negative", train("train.lr=-1"), 2, TRAIN_LR),
+    Row("lr not a number", train("train.lr=fast"), 2, TRAIN_LR),
+    Row("momentum above 1", train("train.optimizer=sgd", "train.momentum=1.5"), 2, "train.momentum"),
+    Row("weight decay nan", train("train.weight_decay=nan"), 2, "train.weight_decay"),
+    Row("negative clip", train("train.grad_clip=-1"), 2, "train.grad_clip"),
+    Row("no pipelines", train("cluster.pipelines=0"), 2, "cluster.pipelines"),
+    Row("no stages", train("pipeline.stages=0"), 2, "pipeline.stages"),
+    Row("empty batch", train("train.batch_size=0"), 2, "train.batch_size"),
+    Row("negative steps", train("train.steps=-5"), 2, "train.steps"),
+    Row("unknown model", train("model=nonexistent"), 2, "model"),
+    Row("unknown sync mode", train("sync=bogus"), 2, "sync"),
+    Row("unknown key", train("+foo.bar=1"), 2, "foo"),
+    Row("run.dir too long", lambda tmp, run: ["train", f"run.dir={tmp / ('d' * 300)}", *TINY], 2,
+        "run.dir"),
+    Row("on_nonfinite unknown", train("train.on_nonfinite=maybe"), 2, "train.on_nonfinite"),
+    Row("port out of range", train("run.port=70000"), 2, "run.port"),
+    Row("partition of the wrong length", train("pipeline.stages=2", "pipeline.partition=[1,2,3]"), 2,
+        "pipeline.partition"),
+    Row("dataset that does not import", train("data=custom", "data._target_=no.such.maker"), 2,
+        "data._target_"),
+    Row("image folder without images", empty_folder, 2, "data.path"),
+    # files
+    Row("resume of nothing", lambda tmp, run: ["resume", str(tmp / "absent")], 2, "does not exist"),
+    Row("garbage manifest everywhere", manifest_changed(lambda m: m.clear(), every=True), 2,
+        "no complete checkpoint"),
+    Row("manifest steps of the wrong type", manifest_changed(lambda m: m.update(steps="many")), 2,
+        "'steps' should be"),
+    Row("manifest without its config", manifest_changed(lambda m: m.pop("config")), 2,
+        "lacks 'config'"),
+    Row("shard bytes flipped", flipped_bytes, 2, "checksum mismatch"),
+    Row("weights saved as integers",
+        shard_changed(lambda s: first_weight(s, lambda t: t.to(torch.int64))), 2,
+        "is torch.int64, the model's is torch.float32"),
+    Row("weights of another shape",
+        shard_changed(lambda s: first_weight(s, lambda t: t[:1])), 2, "has shape"),
+    Row("a weight missing", shard_changed(lambda s: s["model"].popitem()), 2, "model lacks"),
+    Row("optimizer of other parameters",
+        shard_changed(lambda s: s["optimizer"]["param_groups"][0]["params"].pop()), 2,
+        "optimizer state is for other parameters"),
+    Row("metrics line not JSON", metrics_file('{"kind": "note"}\n{oops\n{"kind": "x"}\n'), 2,
+        "metrics.jsonl:2"),
+    Row("metrics loss of the wrong type", metrics_file(
+        '{"kind": "train", "time": 1, "pipeline": 0, "samples": 8, "loss": "low"}\n'), 2,
+        "'loss' of a train line"),
+    Row("metrics line not an object", metrics_file("[1, 2]\n{}\n"), 2, "a metrics line is a JSON object"),
+    Row("config.yaml not text", config_bytes, 2, "config.yaml"),
+    # forged store values, while a P=2 x S=2 run trains
+    Row("an event that is not JSON", long_run(), 1, "store key 'sdpipe/events': not JSON",
+        inject=push_raw("{garbage")),
+    Row("an event of the wrong type", long_run(), 1, "field 'iteration' should be int",
+        inject=push_record(type="ready", rank=1, pipeline=0, stage=1, iteration="one")),
+    Row("an event from no worker of the run", long_run(), 1, "no such worker",
+        inject=push_record(type="ready", rank=9, pipeline=4, stage=1, iteration=0)),
+    Row("an event from an incarnation never started", long_run(), 1, "never started",
+        inject=push_record(type="saved", rank=0, pipeline=0, stage=0, checkpoint=1, step=1,
+                           incarnation=5)),
+    Row("forged done reports", long_run(), 1, "still ran", inject=forged_done),
+    Row("a malformed hung list", long_run("fault.on_pipeline_loss=restart"), 1,
+        "store key 'sdpipe/hung'", inject=lambda events: events.set(store.HUNG, "[[1]]")),
+    # signals
+    Row("SIGTERM while starting", long_run(), 130, "interrupted", signal_at=1.0),
+]
+
+
+@pytest.fixture
+def run_copy(allreduce_run, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(allreduce_run, copy)
+    return copy
+
+
+def _inject(port: int, inject: Callable[[dist.Store], None], stop: threading.Event) -> None:
+    """Once the run's workers have all started, forge its store values."""
+    deadline = time.monotonic() + 120
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                                   timeout=timedelta(seconds=2))
+            break
+        except Exception:  # noqa: BLE001 - not listening yet
+            time.sleep(0.2)
+    else:
+        return
+    events = store.namespace(client)
+    while not stop.is_set() and time.monotonic() < deadline:
+        progress = store.get_json(events, store.PROGRESS) or {}
+        if progress.get("started", 0) >= 4 and progress.get("iterations", 0) > 0:
+            inject(events)
+            return
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_hostile_input(row: Row, tmp_path, run_copy):
+    args = row.args(tmp_path, run_copy)
+    before = {p: p.read_bytes() for p in run_copy.rglob("*") if p.is_file() and p.suffix != ".pid"}
+    if row.signal_at is not None:
+        proc = sdpipe_popen(*args)
+        time.sleep(row.signal_at)
+        proc.send_signal(signal.SIGTERM)
+        code, err, _ = finish(proc, timeout=60)
+    elif row.inject is not None:
+        port = free_port()
+        stop = threading.Event()
+        forger = threading.Thread(target=_inject, args=(port, row.inject, stop), daemon=True)
+        forger.start()
+        try:
+            out = sdpipe(*args, f"run.port={port}", timeout=120)
+        finally:
+            stop.set()
+            forger.join(5)
+        code, err = out.returncode, out.stderr
+    else:
+        out = sdpipe(*args)
+        code, err = out.returncode, out.stderr
+    assert code == row.code, err
+    assert row.message in err, err
+    assert "Traceback" not in err, err
+    if row.code == 2:
+        assert [line for line in err.splitlines() if line.startswith("sdpipe: error:")] == \
+            [err.splitlines()[-1]], err
+    for folder in (tmp_path / "new", run_copy):
+        assert not kill_leftovers(folder) and not run_processes(folder)
+    # nothing already written is lost or overwritten (logs and metrics may grow)
+    changed = [p for p, data in before.items()
+               if not p.exists() or not p.read_bytes().startswith(data)]
+    assert not changed, changed
+
+
+def test_the_table_holds_at_least_thirty_rows_of_each_kind_of_hostility():
+    kinds = {"store": [r for r in ROWS if r.inject], "signal": [r for r in ROWS if r.signal_at]}
+    assert len(ROWS) >= 30 and len(kinds["store"]) >= 4 and kinds["signal"]
