@@ -66,3 +66,42 @@ def test_module_paths_exist():
                     or base.parent.with_suffix(".py").exists()):  # a module's attribute
                 stale.append(f"{page.name}: {module}")
     assert not stale, "stale module paths:\n" + "\n".join(stale)
+
+
+def readme_commands(program: str) -> list[list[str]]:
+    """The ``sdpipe PROGRAM ...`` lines of the README's code blocks, split as a shell would
+    (``$HOME`` expanded, comments dropped), without ``sdpipe PROGRAM``."""
+    import os
+    import shlex
+
+    out, fenced = [], False
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif fenced and line.startswith(f"sdpipe {program} "):
+            words = shlex.split(os.path.expandvars(line), comments=True)
+            out.append(words[2:])
+    return out
+
+
+def test_every_training_example_in_the_readme_composes_and_validates():
+    """What the README tells users to type is read by the same parser and checks as theirs
+    would be (a ``data.path=~/corpus`` that Hydra's lexer refuses fails here); files and devices
+    it names are not looked at."""
+    from sdpipe_cli.config.schema import compose, validate
+    from sdpipe_cli.config.sweep import expand
+
+    examples = readme_commands("train") + readme_commands("simulate")
+    assert len(examples) >= 20
+    checked = 0
+    for words in examples:
+        overrides = [w for w in words if "=" in w and not w.startswith("-")]
+        for combination in expand(overrides):
+            cfg = compose(list(combination.overrides))
+            # the user's own files and GPUs are theirs to have
+            if cfg.cluster.device != "cuda" and not any(
+                    w.startswith(("data.path=", "profile=", "data._target_=", "model._target_="))
+                    for w in combination.overrides):
+                validate(cfg)
+            checked += 1
+    assert checked >= len(examples)
