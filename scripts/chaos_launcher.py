@@ -115,10 +115,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="train.steps of each run")
     parser.add_argument("--grace", type=float, default=5.0)
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--out", type=Path, default=Path("runs/chaos-launcher"))
+    parser.add_argument("--out", type=Path, default=Path(time.strftime("runs/chaos-launcher-%Y%m%d-%H%M%S")))
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.out.exists():
+        parser.error(f"--out {args.out} exists: each kill needs a fresh run folder")
+    args.out.mkdir(parents=True)
     rows, delay = [], args.start
     while delay <= args.to + 1e-9:
         row = one(delay, args.out, args.steps, args.grace, args.timeout)

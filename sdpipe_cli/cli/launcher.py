@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.model import models
+from sdpipe_cli.model import checkpoint, models
 
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
 
@@ -386,6 +386,10 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         result.returncode = 130
     finally:
         stop_all(children)  # further interrupts are only counted: stopping is bounded
+        if result.run_dir is not None and primary and children:
+            for staging in checkpoint.discard_staging(result.run_dir):  # saves cut short
+                print(f"sdpipe: warning: removed {staging}: a checkpoint save that did not "
+                      "complete", file=sys.stderr, flush=True)
         phase.restore(previous)
         if cfg.run.trace and result.run_dir is not None and primary:
             result.trace = _quietly(lambda: trace.merge(result.run_dir))

@@ -66,17 +66,46 @@ def save_shard(directory: os.PathLike | str, name: str, state: dict[str, Any]) -
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / shard_name(name)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise SaveFailed(path, err) from err
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) or "No space left" in str(err):  # torch wraps write errors
+            raise SaveFailed(path, err) from err
         raise
     return path
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint file that could not be written (a full disk, a lost mount): names the file
+    and the latest complete checkpoint, which the failed save left as it was."""
+
+    def __init__(self, path: Path, err: BaseException):
+        run = path.parent.parent.parent  # <run>/checkpoints/.staging-step_N/<file>
+        newest = latest(run) if run.is_dir() else None
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+        super().__init__(f"{path}: cannot be written ({reason}); the latest complete checkpoint "
+                         f"is {newest or 'none yet'}")
+
+
+def discard_staging(run_dir: os.PathLike | str) -> list[Path]:
+    """Remove the staging folders of saves that never completed (call once no process of the
+    run is left to finish them); returns what was removed. A staging folder is never a
+    checkpoint, so nothing complete is lost."""
+    removed = []
+    folder = checkpoints_dir(run_dir)
+    for staging in sorted(folder.glob(STAGING_PREFIX + "*")) if folder.is_dir() else []:
+        shutil.rmtree(staging, ignore_errors=True)
+        removed.append(staging)
+    return removed
 
 
 def stand_in(directory: os.PathLike | str, source: str, name: str, changes: dict[str, Any]) -> Path:
@@ -106,8 +135,11 @@ def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expect
     files = {p.name: _fsync_and_hash(p) for p in _payload_files(staging)}
     manifest = {"step": step, "torch_version": torch.__version__, "time": time.time(),
                 "files": files, **meta}
-    _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1))
-    _fsync_dir(staging)
+    try:
+        _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1))
+        _fsync_dir(staging)
+    except OSError as err:
+        raise SaveFailed(staging / MANIFEST, err) from err
     if final.exists():  # a damaged one, or another timeline's (a resume of an older checkpoint)
         aside = _free_name(final, ".superseded")
         os.rename(final, aside)

@@ -76,7 +76,9 @@ def preload(modules: Sequence[str], env: dict[str, str]) -> None:
         return
     from multiprocessing import forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload([*modules, *LAZY_TORCH])
+    # first the guard that ends the server with its launcher, even while it imports the rest
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["sdpipe_cli.runtime.fork_server", *modules, *LAZY_TORCH])
     saved = dict(os.environ)
     os.environ.update(env)
     try:

@@ -405,3 +405,19 @@ def test_a_stand_in_is_a_copy_of_another_shard_with_its_own_fields(tmp_path):
     assert stood["step"] == 5 and stood["pipeline"] == 2 and torch.equal(stood["model"]["w"],
                                                                            torch.ones(3))
     assert torch.load(staging / "0.pt", weights_only=True)["step"] == 9  # the source is untouched
+
+
+def test_a_save_that_cannot_be_written_names_the_file_and_the_last_complete_checkpoint(tmp_path):
+    """A full disk (here: a staging folder that is a file) fails the save with the file and the
+    checkpoint to go on from; the complete checkpoint stays, and the cut-short staging folder is
+    discarded once nobody can finish it."""
+    save_step(tmp_path, 10)
+    blocked = ck.staging_dir(tmp_path, 20)
+    blocked.mkdir(parents=True)
+    (blocked / "0.pt").mkdir()  # os.replace onto a folder fails as a write to a full disk would
+    with pytest.raises(ck.SaveFailed, match=r"0\.pt: cannot be written .*the latest complete "
+                                            r"checkpoint is .*step_10"):
+        ck.save_shard(blocked, "0", {"x": torch.ones(2)})
+    assert ck.latest(tmp_path) == ck.final_dir(tmp_path, 10)
+    assert ck.discard_staging(tmp_path) == [blocked]
+    assert sorted(p.name for p in ck.checkpoints_dir(tmp_path).iterdir()) == ["step_10"]

@@ -1,0 +1,37 @@
+"""Imported first by the fork server (see :func:`~sdpipe_cli.runtime.processes.preload`): it
+ends with its launcher.
+
+The fork server is the launcher's child, started before any worker, and it then spends seconds
+importing torch and the children's modules. Until it reaches its loop it does not notice that
+the launcher is gone; after that it lives on while any child holds its pipe, and the resource
+tracker lives as long as the server. So, before importing anything heavy, the server asks the
+kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``, Linux), and ends at once if the
+launcher died before it asked. Elsewhere (a process whose parent is not the launcher named in
+``SDPIPE_LAUNCHER_PID``) importing this module does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def _guard() -> None:
+    launcher = os.environ.get("SDPIPE_LAUNCHER_PID", "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    if os.getppid() != int(launcher):
+        return  # not the launcher's fork server, or the launcher is already gone (checked below)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # it died between the two looks: no signal will come
+        os._exit(1)
+
+
+_guard()
