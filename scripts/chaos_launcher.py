@@ -35,10 +35,10 @@ from scripts._report import write_markdown  # noqa: E402
 from sdpipe_cli.model import checkpoint  # noqa: E402
 
 
-def command(run_dir: Path, steps: int) -> list[str]:
+def command(run_dir: Path, steps: int, sync: str) -> list[str]:
     return [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", "model=mlp",
             "data=synthetic", "cluster.pipelines=2", "pipeline.stages=2", f"train.steps={steps}",
-            "train.eval_every=0", "cluster.compute_ms=20", "checkpoint.every=5"]
+            "train.eval_every=0", "cluster.compute_ms=20", "checkpoint.every=5", f"sync={sync}"]
 
 
 def watch(proc: subprocess.Popen, until: float) -> dict[int, float]:
@@ -80,9 +80,9 @@ def phase(run_dir: Path) -> str:
     return "starting"
 
 
-def one(delay: float, out: Path, steps: int, grace: float, timeout: float) -> dict:
+def one(delay: float, out: Path, steps: int, grace: float, timeout: float, sync: str) -> dict:
     run_dir = out / f"kill-{delay:g}s"
-    proc = subprocess.Popen(command(run_dir, steps), cwd=REPO, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(command(run_dir, steps, sync), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     seen = watch(proc, time.monotonic() + delay)
     finished = proc.poll() is not None
@@ -113,6 +113,8 @@ def main() -> int:
     parser.add_argument("--to", type=float, default=6.0)
     parser.add_argument("--step", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=40, help="train.steps of each run")
+    parser.add_argument("--sync", default="sdpipe", help="sync mode of each run (allreduce: a "
+                        "checkpoint every 5 steps; sdpipe: at the global syncs after them)")
     parser.add_argument("--grace", type=float, default=5.0)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", type=Path, default=Path(time.strftime("runs/chaos-launcher-%Y%m%d-%H%M%S")))
@@ -123,7 +125,7 @@ def main() -> int:
     args.out.mkdir(parents=True)
     rows, delay = [], args.start
     while delay <= args.to + 1e-9:
-        row = one(delay, args.out, args.steps, args.grace, args.timeout)
+        row = one(delay, args.out, args.steps, args.grace, args.timeout, args.sync)
         rows.append(row)
         print(f"kill at {delay:4.1f} s ({row['phase']}): {row['seen']} processes seen, "
               f"{len(row['left'])} alive {args.grace:g} s later; checkpoint {row['checkpoint']}, "
