@@ -161,6 +161,11 @@ class Sim:
                     out = sched.leave(*args)
             except ValueError as exc:
                 raise SimError(f"t={now[0]}: {kind}{args} raised {exc!r}") from exc
+            for s_, st_ in enumerate(sched.stages):  # the free set is kept as events come
+                parked = st_.parked if st_.global_pending else set()
+                if st_.free != {q: v for q, v in st_.waiting.items() if q not in parked}:
+                    raise SimError(f"t={now[0]}: stage {s_}: free {sorted(st_.free)} is not "
+                                   f"waiting {sorted(st_.waiting)} less parked {sorted(parked)}")
             ev = Event(len(events), now[0], kind, args, before, snap(sched), list(out))
             events.append(ev)
             for d in out:

@@ -90,20 +90,24 @@ def default_placement(devices: Sequence[Device], pipelines: int, stages: int) ->
     """Each pipeline on one node when one has room: the node with the most free devices (the
     first in config order on ties), so pipelines spread over the nodes and their activations stay
     on fast local links; what does not fit takes the free devices in node order."""
-    free: dict[str, list[str]] = {}
+    names: dict[str, list[str]] = {}
     for d in devices:
-        free.setdefault(d.node, []).append(d.name)
+        names.setdefault(d.node, []).append(d.name)
+    taken = {n: 0 for n in names}  # a node's devices are taken in order: the first ``taken[n]``
     placement = []
     for _ in range(pipelines):
-        roomy = [n for n, names in free.items() if len(names) >= stages]
+        left = {n: len(names[n]) - taken[n] for n in names}
+        roomy = [n for n in names if left[n] >= stages]
         if roomy:
-            node = max(roomy, key=lambda n: len(free[n]))  # max keeps the first on ties
-            row, free[node] = free[node][:stages], free[node][stages:]
+            node = max(roomy, key=lambda n: left[n])  # max keeps the first on ties
+            row = names[node][taken[node]:taken[node] + stages]
+            taken[node] += stages
         else:
-            pool = [name for names in free.values() for name in names]
-            row = pool[:stages]
-            for n in free:
-                free[n] = [name for name in free[n] if name not in row]
+            row = []
+            for n in names:
+                take = min(stages - len(row), left[n])
+                row += names[n][taken[n]:taken[n] + take]
+                taken[n] += take
         placement.append(row)
     return placement
 

@@ -193,6 +193,9 @@ class _StageState:
     connecting: bool = False  # past the window, waiting for the replicas that connect the rest
     hold_until: Optional[float] = None  # cost_aware, connecting: when its anchor turns suspect
     parked: set = field(default_factory=set)  # waiting at their iteration of the pending global sync
+    # ``waiting`` less ``parked``: the replicas a group round may take, kept as events come (built
+    # per event it would cost a pass over every waiting replica, P^2 in a run)
+    free: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 class GroupScheduler:
@@ -277,11 +280,13 @@ class GroupScheduler:
         st.waiting[pipeline] = (iteration, now)
         if st.global_pending and self.global_at.get(pipeline) == iteration:
             st.parked.add(pipeline)
-        elif st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
-            pace = self.pace.get((stage, pipeline))
-            if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
-                                     or now + self.patience * pace < st.last_due):
-                self._narrow(stage, pace, now)
+        else:
+            st.free[pipeline] = (iteration, now)
+            if st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
+                pace = self.pace.get((stage, pipeline))
+                if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
+                                         or now + self.patience * pace < st.last_due):
+                    self._narrow(stage, pace, now)
         return self.tick()
 
     def held(self) -> list[tuple[int, int]]:
@@ -320,6 +325,7 @@ class GroupScheduler:
         for st in self.stages:
             st.waiting.pop(pipeline, None)
             st.parked.discard(pipeline)
+            st.free.pop(pipeline, None)
             st.links = self._without(st.links, pipeline)
         if target is not None and self.final and not self.global_closed and not self._time_is_up():
             self._hand_over(target - self.resume_at[pipeline] + 1)
@@ -337,6 +343,7 @@ class GroupScheduler:
             self.global_history[-1][q] = self.global_at[q]
         for st in self.stages:
             st.parked = {q for q in st.parked if st.waiting[q][0] == self.global_at[q]}
+            st.free = {q: v for q, v in st.waiting.items() if q not in st.parked}
 
     def _give_back(self, pipeline: int) -> int:
         """A pipeline left: its iterations count up to the last one every stage finished, and the
@@ -599,8 +606,7 @@ class GroupScheduler:
     def _close_group(self, s: int) -> Optional[Decision]:
         st = self.stages[s]
         at_global = self._at_global(s)
-        ready = st.waiting if not at_global else {
-            p: v for p, v in st.waiting.items() if p not in at_global}
+        ready = st.free
         if not ready:
             st.deadline, st.window_end, st.connecting = None, None, False
             if self.token == s:
@@ -830,6 +836,7 @@ class GroupScheduler:
             self._release(s, p, st.waiting[p][0], now)
             del st.waiting[p]
             st.parked.discard(p)
+            st.free.pop(p, None)
         st.deadline, st.window_end, st.connecting = None, None, False
         return decision
 

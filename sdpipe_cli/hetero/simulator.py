@@ -9,9 +9,11 @@ changes, links and seeded stragglers, and the ``simulate`` section's costs of th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
@@ -50,11 +52,14 @@ def workload(cfg: DictConfig) -> Workload:
     ranges = stage_ranges(list(cfg.pipeline.partition), blocks)
     forward, backward = [], []
     doc = measurements.load(cfg.profile) if cfg.cluster.compute_ms is None else None
+    # read once: a config lookup costs microseconds, and these loops run P x S times
+    f = None if doc is not None else float(cfg.cluster.compute_ms) / 1e3
+    st = SimpleNamespace(**OmegaConf.to_container(cfg.cluster.stragglers, resolve=True))
+    seed = cfg.train.seed
     for p in range(P):
         fwd_row, bwd_row = [], []
         for s, (a, b) in enumerate(ranges):
-            if doc is None:
-                f = float(cfg.cluster.compute_ms) / 1e3
+            if f is not None:
                 fwd_row.append(f)
                 bwd_row.append(2 * f)
             else:
@@ -65,22 +70,29 @@ def workload(cfg: DictConfig) -> Workload:
         backward.append(bwd_row)
     counts = models.block_param_counts(cfg.model)
     micro = cfg.train.batch_size // m
-    st = cfg.cluster.stragglers
-    y = cfg.sync
     return Workload(
         cluster=cluster, microbatches=m, batch_size=cfg.train.batch_size, steps=cfg.train.steps,
         forward_s=forward, backward_s=backward,
         stage_bytes=[sum(counts[a:b]) * FLOAT_BYTES for a, b in ranges],
         activation_bytes=models.activation_bytes(cfg, sources.example(cfg, micro)[0]),
         slowdown=[float(x) for x in cfg.cluster.slowdown],
-        stragglers=[[Stragglers.of_device(st, cfg.train.seed, cluster.device(p, s).name)
+        stragglers=[[Stragglers.of_device(st, seed, cluster.device(p, s).name)
                      for s in range(S)] for p in range(P)],
         per_iteration=st.per == "iteration", schedule=cfg.pipeline.schedule,
-        average=y.get("average", "weights_grads"),
         rtt_s=cfg.simulate.rtt_ms / 1e3, event_s=cfg.simulate.event_ms / 1e3,
         collective_s=cfg.simulate.collective_ms / 1e3, p2p_s=cfg.simulate.p2p_ms / 1e3,
         jitter=cfg.simulate.jitter,
-        staleness=int(y.get("staleness", 3)), seed=cfg.train.seed)
+        seed=cfg.train.seed, **_sync_settings(cfg))
+
+
+def _for_sync(work: Workload, cfg: DictConfig) -> Workload:
+    """``work`` under ``cfg``'s sync settings (the only part of a workload they change)."""
+    return dataclasses.replace(work, **_sync_settings(cfg))
+
+
+def _sync_settings(cfg: DictConfig) -> dict:
+    return {"average": cfg.sync.get("average", "weights_grads"),
+            "staleness": int(cfg.sync.get("staleness", 3))}
 
 
 def _with_sync(cfg: DictConfig, sync: str) -> DictConfig:
@@ -110,14 +122,15 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
         if m not in MODES:
             raise ConfigError("--compare", f"'{m}' is not a sync mode; choose from {', '.join(MODES)}")
     started = time.perf_counter()
-    solo = simulate(workload(_with_sync(cfg, "none")), "none")
+    work = workload(cfg)  # built once (P x S devices, draws, costs): only the sync settings differ
+    solo = simulate(_for_sync(work, _with_sync(cfg, "none")), "none")
     limit = sum(solo.solo_rates())
     rows = []
     for mode in modes:
         mode_cfg = _with_sync(cfg, mode)
         begun = time.perf_counter()
         result = solo if mode == "none" else simulate(
-            workload(mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, clock)))
+            _for_sync(work, mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, clock)))
         rows.append(_row(result, limit, time.perf_counter() - begun))
     doc = {"format": FORMAT, **rows[0], "pipelines": cfg.cluster.pipelines,
            "stages": cfg.pipeline.stages, "solo_samples_per_s": solo.solo_rates(),
