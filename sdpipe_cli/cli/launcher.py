@@ -33,10 +33,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.model import checkpoint, models
+from sdpipe_cli.model import checkpoint, memory, models
 
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
 
@@ -126,7 +127,43 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages, counts)
     models.check(cfg)
+    if cfg.run.memory_check:
+        _check_memory(cfg)
     return cfg, plan
+
+
+def _check_memory(cfg: DictConfig) -> None:
+    """Refuse a run that cannot fit (:mod:`~sdpipe_cli.model.memory`): on CPU the workers of this
+    machine together against its available RAM, on CUDA each worker against its GPU."""
+    mb = cfg.train.batch_size // cfg.pipeline.microbatches
+    stages = memory.estimate(cfg, sources.example(cfg, mb)[0])
+    if stages is None:
+        return
+    S = cfg.pipeline.stages
+    cluster = Cluster.from_config(cfg.cluster, S)
+    ranks = cluster.ranks_on(cfg.run.node) if cluster.real else range(cfg.cluster.pipelines * S)
+    fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "
+             "pipeline.activation_checkpointing=true (run.memory_check=false to try anyway)")
+    worst = max(stages, key=lambda e: e.total)
+    if cfg.cluster.device == "cpu":
+        need = sum(stages[r % S].total for r in ranks)
+        have = psutil.virtual_memory().available
+        if need > have:
+            raise ConfigError("train.batch_size", f"the {len(ranks)} workers on this machine need "
+                              f"about {need / memory.GIB:.1f} GiB (stage {worst.stage}: "
+                              f"{worst.describe()}), but {have / memory.GIB:.1f} GiB is available; "
+                              + fixes)
+        return
+    for r in ranks:
+        index = cluster.device_of_rank(r).index if cluster.real else r
+        if index is None or index >= torch.cuda.device_count():
+            continue
+        have = torch.cuda.get_device_properties(index).total_memory
+        need = stages[r % S]
+        if need.total > have:
+            raise ConfigError("train.batch_size", f"a worker of stage {need.stage} needs about "
+                              f"{need.total / memory.GIB:.1f} GiB ({need.describe()}), but GPU "
+                              f"{index} has {have / memory.GIB:.1f} GiB; " + fixes)
 
 
 def _resolve_data(cfg: DictConfig) -> None:

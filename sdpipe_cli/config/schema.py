@@ -318,6 +318,8 @@ class RunConfig:
     trace: bool = False
     trace_events: int = 50000  # per worker: the newest this many events are kept
     node: Optional[str] = None  # clusters of real nodes: the node this launcher runs on (srun, torchrun: found)
+    # refuse a run whose estimated memory does not fit this machine (RAM on CPU, each GPU's memory)
+    memory_check: bool = True
 
 
 @dataclass

@@ -196,6 +196,16 @@ def stash_versions(actions: List[Action]) -> Dict[int, int]:
     return versions
 
 
+def in_flight(actions: List[Action]) -> int:
+    """The most micro-batches between their forward and their backward at once: whose
+    activations a stage holds together (1F1B: ``S - stage``; GPipe: all of them)."""
+    most = held = 0
+    for action in actions:
+        held += 1 if action.kind is Kind.F else -1
+        most = max(most, held)
+    return most
+
+
 def flushed(schedule_fn: ScheduleFn, iterations: int) -> ScheduleFn:
     """``iterations`` consecutive iterations of a flushed schedule as one action list per stage.
 

@@ -1,0 +1,131 @@
+"""What a worker's memory will hold, estimated before anything starts.
+
+A batch far too large for the machine is otherwise found out the slow way: P x S workers grow
+together until the machine swaps or the kernel's OOM killer picks one, minutes into the run. The
+launcher instead estimates each stage's worker from the model built on the meta device (no
+memory, no compute), and refuses a run that cannot fit with the estimate in the message.
+
+Per worker of stage ``s`` (bytes):
+
+- weights, their gradients and the optimizer's state (AdamW: two slots per parameter; SGD with
+  momentum: one), and the flat buffers a group all-reduce copies them into;
+- the tensors its forward saves for the backward, measured per micro-batch by running the
+  stage's blocks on meta tensors with autograd's saved-tensor hooks (parameters left out), times
+  the micro-batches the schedule keeps in flight at once (1F1B: ``S - s``; GPipe: all of them);
+  with activation checkpointing, each block's input instead, and one block's saved tensors;
+- an asynchronous schedule's stashed weight versions (one per micro-batch in flight);
+- the interpreter and torch (:data:`PROCESS_BYTES`, CPU only: on a GPU it is host memory).
+
+It is an estimate from above for the tensors and a typical figure for the process: allocator
+fragmentation, cuDNN workspaces and data loaders are not in it. A model whose forward cannot run
+on meta tensors (one that reads values) gets no estimate, and nothing is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, get_schedule, in_flight
+from sdpipe_cli.model.boundary import map_tensors
+from sdpipe_cli.model.models import meta_blocks
+
+log = logging.getLogger("sdpipe.memory")
+
+GIB = 2**30
+PROCESS_BYTES = 300 * 2**20  # a CPU worker's interpreter, torch and its libraries, resident
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    weights: int  # parameters and buffers
+    training: int  # gradients, optimizer state, all-reduce buffers
+    activations: int  # saved for the backward, one micro-batch
+    in_flight: int  # micro-batches whose activations are held at once
+    stashed: int  # weight versions an asynchronous schedule keeps
+    process: int  # the process itself
+
+    @property
+    def total(self) -> int:
+        return (self.weights * (1 + self.stashed) + self.training
+                + self.activations * self.in_flight + self.process)
+
+    def describe(self) -> str:
+        return (f"weights {self.weights / GIB:.2f} GiB, gradients and optimizer "
+                f"{self.training / GIB:.2f} GiB, activations {self.activations / GIB:.2f} GiB "
+                f"x {self.in_flight} micro-batch(es) in flight")
+
+
+def estimate(cfg: DictConfig, example: Any) -> Optional[list[StageMemory]]:
+    """Each stage's worker, for a prepared config and an example micro-batch input; None when
+    the model cannot run on meta tensors."""
+    blocks, _ = meta_blocks(cfg.model)
+    p, t = cfg.pipeline, cfg.train
+    try:
+        saved, inputs = _saved_per_block(blocks, example)
+    except Exception as err:  # noqa: BLE001 - any model code may refuse meta tensors
+        log.debug("no memory estimate: the forward does not run on meta tensors (%s)", err)
+        return None
+    slots = 2 if t.optimizer != "sgd" else (1 if t.momentum else 0)
+    sync_copies = 2 if cfg.sync.name in ("sdpipe", "adpsgd", "allreduce", "ps") else 0
+    schedule = get_schedule(p.schedule)
+    asynchronous = p.schedule in ASYNC_SCHEDULES
+    out = []
+    for s, (a, b) in enumerate(stage_ranges(list(p.partition), len(blocks))):
+        params = sum(_nbytes(x) for block in blocks[a:b] for x in block.parameters())
+        buffers = sum(_nbytes(x) for block in blocks[a:b] for x in block.buffers())
+        if p.activation_checkpointing:
+            held = sum(inputs[a:b]) + max(saved[a:b], default=0)
+        else:
+            held = sum(saved[a:b])
+        flying = in_flight(schedule(p.stages, p.microbatches, s))
+        out.append(StageMemory(
+            stage=s, weights=params + buffers, training=params * (1 + slots + sync_copies),
+            activations=held, in_flight=flying, stashed=flying if asynchronous else 0,
+            process=PROCESS_BYTES if cfg.cluster.device == "cpu" else 0))
+    return out
+
+
+def _saved_per_block(blocks: Sequence[nn.Module], example: Any) -> tuple[list[int], list[int]]:
+    """Per block: the bytes its forward saves for the backward (its parameters left out), and
+    the bytes of its input; on meta tensors, with gradients on."""
+    value = map_tensors(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), example)
+    saved, inputs = [], []
+    for block in blocks:
+        params = {id(x) for x in block.parameters()}
+        count = [0]
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            base = x._base if x._base is not None else x
+            if id(x) not in params and id(base) not in params:
+                count[0] += _nbytes(x)
+            return x
+
+        inputs.append(_tree_bytes(value))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            value = block(value)
+        saved.append(count[0])
+    saved[-1] += 2 * _tree_bytes(value)  # the loss keeps the output and its log-softmax
+    return saved, inputs
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _tree_bytes(value: Any) -> int:
+    total = [0]
+
+    def add(x: torch.Tensor) -> torch.Tensor:
+        total[0] += _nbytes(x)
+        return x
+
+    map_tensors(add, value)
+    return total[0]
