@@ -201,10 +201,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BadInput as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
+    except _Ended as ended:
+        result = ended.result
+        outcome = "ended" if result.returncode == 0 else f"failed (exit {result.returncode})"
+        err.print(f"sdpipe: interrupted after the run {outcome}; nothing is running, its folder is "
+                  f"{result.run_dir}", markup=False, highlight=False, soft_wrap=True)
+        return result.returncode
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return EXIT_USAGE
+
+
+class _Ended(Exception):
+    """An interrupt after a launch returned: only what sdpipe prints about the run is cut short."""
+
+    def __init__(self, result):
+        super().__init__("interrupted after the run")
+        self.result = result
+
+
+def _reporting(result) -> None:
+    """From here on no process of the launch is left and the run's files are written: an
+    interrupt only cuts the summary short, so sdpipe then exits with the run's own code (a
+    finished run stays 0) instead of the "preparing" handler's 130. The next launch of a
+    restarted run installs its own handlers over this one."""
+    def handler(signum, frame) -> None:
+        raise _Ended(result)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def train(overrides: Sequence[str], show_config: bool = False, console: Console | None = None) -> int:
@@ -411,6 +437,7 @@ def profile(overrides: Sequence[str], show_config: bool = False,
         return 0
     phases = _Phases(console)
     result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE)
+    _reporting(result)
     _run_folder(console, result)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
@@ -504,6 +531,7 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
         with display:  # the launcher handles interrupts from here on
             result = launcher.launch(run_cfg, on_progress=display.update, run_dir=run_dir,
                                      resume=resume, elapsed=elapsed)
+        _reporting(result)
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
             break  # an interrupt is never restarted, nor a run stopped before its folder existed

@@ -189,3 +189,19 @@ def test_cfg_prints_without_starting_anything(tmp_path):
     assert out.returncode == 0
     assert yaml.safe_load(out.stdout)["cluster"]["pipelines"] == 2
     assert not (tmp_path / "never").exists()
+
+
+def test_an_interrupt_after_the_run_ended_keeps_its_exit_code(tmp_path, monkeypatch):
+    """SIGTERM while sdpipe prints the summary of a finished run: the run is done and nothing is
+    running, so the exit code is the run's (0), with one line saying so, not an interrupted
+    start-up's 130."""
+    import signal
+
+    from sdpipe_cli.cli import commands
+
+    monkeypatch.setattr(commands, "_summary", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    out = sdpipe("train", f"run.dir={tmp_path / 'run'}", "model=mlp", "data=synthetic",
+                 "train.steps=2", "cluster.pipelines=1", "pipeline.stages=1")
+    assert out.returncode == 0, out.stderr
+    assert "sdpipe: interrupted after the run ended; nothing is running" in out.stderr
+    assert (tmp_path / "run" / "summary.json").is_file()
