@@ -209,3 +209,18 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_kept(allreduce_run, tmp_
     assert names == ["step_10", "step_20", "step_20.superseded-1"]
     assert (copy / "checkpoints" / "step_20.superseded-1" / "manifest.json").read_text() == "garbage"
     assert digests(copy) == digests(allreduce_run)  # the same training as the run never damaged
+
+
+def test_resuming_an_older_checkpoint_keeps_every_checkpoint_of_the_run(allreduce_run, tmp_path):
+    """Resume step_10 of a finished run: the new timeline writes its own step_20, and the first
+    timeline's step_20 is kept as step_20.superseded-1, byte for byte; no staging folder is left."""
+    copy = tmp_path / "copy"
+    shutil.copytree(allreduce_run, copy)
+    first = {p.name: p.read_bytes() for p in (copy / "checkpoints" / "step_20").iterdir()}
+    out = sdpipe("resume", str(copy / "checkpoints" / "step_10"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = sorted(p.name for p in (copy / "checkpoints").iterdir())
+    assert names == ["step_10", "step_20", "step_20.superseded-1"]
+    kept = copy / "checkpoints" / "step_20.superseded-1"
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == first
+    assert digests(copy) == digests(allreduce_run)  # allreduce on CPU: the same training again
