@@ -24,6 +24,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
@@ -47,7 +48,9 @@ EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 TRAIN_HELP = """Train a model pipeline-parallel on P pipelines of S stages.
 
 Overrides use Hydra's grammar: key=value (train.steps=50), group=option (model=mlp),
-+key=value to add. Keys and their meaning: sdpipe_cli/config/schema.py, or `sdpipe train --cfg`."""
++key=value to add; -m with comma-separated values runs a sweep. Every key, its type, default and
+meaning: docs/CONFIG.md; the composed config: `sdpipe train --cfg`. Your own config files:
+--config-dir DIR (docs/CLUSTERS.md, "Describe your cluster")."""
 
 
 PROFILE_HELP = """Measure the cluster a training run would use, with the same overrides: per
@@ -106,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
                                  epilog=f"config groups (group=option):\n{groups}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         command.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+        _config_dir_option(command)
         if name == "train":
             command.add_argument("-m", "--multirun", action="store_true",
                                  help="a sweep: one run per combination of swept values "
@@ -118,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--compare", default="allreduce,none", metavar="MODES",
                      help="comma-separated sync modes to simulate too (default: allreduce,none)")
     sim.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    _config_dir_option(sim)
     sim.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
     resume = sub.add_parser(
         "resume", help="continue a run from a checkpoint", description=RESUME_HELP,
@@ -154,6 +159,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_dir_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("-cd", "--config-dir", action="append", default=[], metavar="DIR",
+                         help="a folder of your own config files, searched before sdpipe's: "
+                         "DIR/cluster/mine.yaml is cluster=mine (repeatable; docs/CLUSTERS.md)")
+
+
+def _searchpath(dirs: Sequence[str]) -> list[str]:
+    """``--config-dir`` as the Hydra override that adds the folders to the config search path
+    (so sweeps, ``--cfg`` and every command composing the config see them). A folder that is not
+    there is bad input."""
+    if not dirs:
+        return []
+    paths = []
+    for d in dirs:
+        path = Path(d).expanduser().resolve()
+        if not path.is_dir():
+            raise ConfigError("--config-dir", f"{d} is not a folder")
+        paths.append(f"file://{path}")
+    return [f"hydra.searchpath=[{','.join(paths)}]"]
+
+
 def _hydra_cfg(argv: Optional[Sequence[str]]) -> list[str]:
     """``--cfg job`` and ``--cfg all`` (Hydra's spellings) mean ``--cfg``: sdpipe prints the one
     config a run reads."""
@@ -180,6 +206,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _parser().print_help()
         return EXIT_USAGE
     err = Console(stderr=True)
+    try:
+        args.overrides = [*_searchpath(getattr(args, "config_dir", [])), *args.overrides]
+    except ConfigError as bad:
+        err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_USAGE
     # Until a launch starts processes, an interrupt ends sdpipe at once (imports of C extensions
     # must not be interrupted by an exception); the launch then handles its own interrupts.
     previous = exit_on_interrupt("preparing the run")
@@ -276,11 +307,12 @@ def sweep_train(overrides: Sequence[str], console: Console) -> int:
     from sdpipe_cli.config import sweep
 
     ours = [o for o in overrides if not sweep.for_hydra(o)]
+    search = [o for o in overrides if o.startswith("hydra.searchpath=")]  # --config-dir
     combos = sweep.expand(ours)
-    first = _composed(combos[0].overrides, False)
+    first = _composed([*search, *combos[0].overrides], False)
     folder = first.run.dir or f"runs/sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     for combo in combos:  # bad input stops the sweep before anything is written
-        _composed([*combo.overrides, f"run.dir={Path(folder) / combo.name}"], False)
+        _composed([*search, *combo.overrides, f"run.dir={Path(folder) / combo.name}"], False)
     root = launcher.make_run_dir(folder).resolve()
     console.print(f"sweep: {len(combos)} runs in {root}", markup=False, highlight=False)
     interrupted = sweep.multirun(_sweep_job, [o for o in overrides if not o.startswith("run.dir=")],

@@ -501,32 +501,86 @@ def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") 
             continue
         name = f"{prefix}{key}"
         if key not in schema:
-            raise ConfigError(name, f"is not a setting of sdpipe (known here: {', '.join(schema.keys())})")
+            import difflib
+
+            close = difflib.get_close_matches(str(key), [str(k) for k in schema.keys()], n=1, cutoff=0.6)
+            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            raise ConfigError(name, f"is not a setting of sdpipe ({hint}known here: "
+                                    f"{', '.join(schema.keys())})")
         free_form = OmegaConf.get_type(schema, key) is dict  # Dict[str, Any]: model.hf, model.kwargs
         if isinstance(schema[key], DictConfig) and isinstance(cfg[key], DictConfig) and not free_form:
             _reject_unknown_keys(cfg[key], schema[key], f"{name}.")
 
 
 def _as_config_error(err: Exception) -> ConfigError:
-    """Turn a Hydra/OmegaConf exception into a one-line :class:`ConfigError`."""
-    from omegaconf.errors import OmegaConfBaseException
+    """Turn a Hydra/OmegaConf exception into a one-line :class:`ConfigError` that points at the
+    place: ``FILE:LINE:COLUMN`` for a YAML syntax error, else the key's full path with the whole
+    reason (the config file it came from, the nearest valid key for a misspelled one, the fix
+    for two common override mistakes)."""
+    import yaml
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-    cause: BaseException = err
-    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
-        cause = cause.__cause__
-    key = getattr(cause, "full_key", None) or ""
-    text = " ".join(str(cause).split("\n")[0].split())
-    if not key:
-        # "Could not override 'x.y'", "Could not find 'model/foo'", override parse errors
-        text = " ".join(str(err).split("\n")[0].split())
-        missing = re.search(r"Could not find '(\w+)/([^']*)'", str(err))
-        if missing:
-            group, option = missing.groups()
-            choices = ", ".join(group_options().get(group, []))
-            return ConfigError(group, f"no option '{option}' in config group '{group}' (choices: {choices})")
-        match = re.search(r"'([A-Za-z_][\w.]*)'", str(err))
-        key = match.group(1) if match else "overrides"
-    return ConfigError(key, text)
+    chain = _causes(err)
+    text = " ".join(str(err).split("\n")[0].split())
+    syntax = next((e for e in chain if isinstance(e, yaml.MarkedYAMLError)), None)
+    if syntax is not None:
+        mark = syntax.problem_mark or syntax.context_mark
+        where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else "a config file"
+        what = " ".join(p for p in (syntax.context, syntax.problem) if p)
+        return ConfigError(where, f"YAML syntax: {what}")
+    source = re.search(r"In '([\w./-]+)'", str(err))
+    within = f" (in config file {source.group(1)}.yaml)" if source else ""
+    keyed = next((e for e in chain if isinstance(e, OmegaConfBaseException)
+                  and getattr(e, "full_key", None)), None)
+    if keyed is not None:
+        key = keyed.full_key
+        reason = " ".join(str(getattr(keyed, "msg", None) or keyed).split("\n")[0].split())
+        if isinstance(keyed, (ConfigKeyError, AttributeError)) or "not in" in reason:
+            reason = f"is not a setting of sdpipe{_nearest(key)}"
+        return ConfigError(key, reason + within)
+    if "Ambiguous value for argument" in text:
+        arg = re.search(r"argument '([^']*)'", text)
+        key = arg.group(1).split("=", 1)[0] if arg else "overrides"
+        return ConfigError(key, "a comma-separated value is a sweep: run it with -m (sdpipe train "
+                                f"-m {arg.group(1) if arg else '...'}), or quote a list: "
+                                f"'{key}=[a,b]'")
+    if "Error parsing override" in text or "LexerNoViableAlt" in text:
+        arg = re.search(r"override '([^']*)'", text) or re.search(r"Exception: (\S+)", text)
+        key = (arg.group(1).split("=", 1)[0] if arg else "overrides").strip()
+        return ConfigError(key, f"an override is KEY=VALUE in one word: write {key}=VALUE "
+                                f"(not '{key} VALUE'), and quote a value with spaces")
+    missing = re.search(r"Could not find '(\w+)/([^']*)'", str(err))
+    if missing:
+        group, option = missing.groups()
+        choices = ", ".join(group_options().get(group, []))
+        return ConfigError(group, f"no option '{option}' in config group '{group}' (choices: {choices})")
+    match = re.search(r"'([A-Za-z_][\w.]*)'", str(err))
+    return ConfigError(match.group(1) if match else "overrides", text)
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return chain
+
+
+def _nearest(key: str) -> str:
+    """``; did you mean 'train.steps'?`` for a misspelled ``train.stepz``, else ``''``."""
+    import difflib
+
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.structured(Config)
+    try:
+        node = OmegaConf.select(node, parent) if parent else node
+    except Exception:  # noqa: BLE001 - a parent that is not a node: no suggestion
+        return ""
+    if not isinstance(node, DictConfig):
+        return ""
+    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1, cutoff=0.6)
+    return f"; did you mean '{parent + '.' if parent else ''}{close[0]}'?" if close else ""
 
 
 def need(ok: bool, key: str, reason: str) -> None:
