@@ -159,6 +159,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _console() -> Console:
+    """Where sdpipe writes: stderr. Off a terminal (a log file, a CI job, a pipe) rich would
+    assume 80 columns and cut table cells mid-word; there the width is ``COLUMNS``, else 160."""
+    if sys.stderr.isatty():
+        return Console(stderr=True)
+    return Console(stderr=True, width=int(os.environ.get("COLUMNS", "0") or 0) or 160)
+
+
 def _config_dir_option(command: argparse.ArgumentParser) -> None:
     command.add_argument("-cd", "--config-dir", action="append", default=[], metavar="DIR",
                          help="a folder of your own config files, searched before sdpipe's: "
@@ -205,9 +213,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         _parser().print_help()
         return EXIT_USAGE
-    err = Console(stderr=True)
+    err = _console()
     try:
-        args.overrides = [*_searchpath(getattr(args, "config_dir", [])), *args.overrides]
+        if getattr(args, "config_dir", None):
+            args.overrides = [*_searchpath(args.config_dir), *args.overrides]
     except ConfigError as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
@@ -265,7 +274,7 @@ def _reporting(result) -> None:
 
 
 def train(overrides: Sequence[str], show_config: bool = False, console: Console | None = None) -> int:
-    console = console or Console(stderr=True)
+    console = console or _console()
     cfg = _composed(overrides, show_config)
     if cfg is None:
         return 0
@@ -347,7 +356,7 @@ def _sweep_job(cfg) -> int:
     would run it."""
     from hydra.core.hydra_config import HydraConfig
 
-    console = Console(stderr=True)
+    console = _console()
     cfg.run.dir = HydraConfig.get().runtime.output_dir
     _validated(cfg)
     network.check_hosts(cfg)
@@ -463,12 +472,13 @@ def profile(overrides: Sequence[str], show_config: bool = False,
     from sdpipe_cli.cli import launcher
     from sdpipe_cli.config import measurements as document
 
-    console = console or Console(stderr=True)
+    console = console or _console()
     run_cfg = _run_config(overrides, show_config, console)
     if run_cfg is None:
         return 0
     phases = _Phases(console)
-    result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE)
+    result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE,
+                             on_folder=lambda d: console.print(f"run folder: {d}", highlight=False))
     _reporting(result)
     _run_folder(console, result)
     if result.failure:
@@ -493,7 +503,7 @@ def simulate(overrides: Sequence[str], compare: str, show_config: bool = False,
     from sdpipe_cli.cli import launcher
     from sdpipe_cli.hetero import simulator
 
-    console = console or Console(stderr=True)
+    console = console or _console()
     run_cfg = _run_config(overrides, show_config, console)
     if run_cfg is None:
         return 0
@@ -562,7 +572,8 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
         display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
         with display:  # the launcher handles interrupts from here on
             result = launcher.launch(run_cfg, on_progress=display.update, run_dir=run_dir,
-                                     resume=resume, elapsed=elapsed)
+                                     resume=resume, elapsed=elapsed,
+                                     on_folder=display.folder if run_dir is None else _nothing)
         _reporting(result)
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
@@ -639,6 +650,10 @@ def _restart(console: Console, failed, restarts, origin: float):
     return ckpt, sum(int(k) for k in steps.values())
 
 
+def _nothing(*_) -> None:
+    pass
+
+
 def _run_folder(console: Console, result) -> None:
     if result.run_dir is not None:  # None: stopped before the folder was made
         console.print(f"run folder: {result.run_dir}", highlight=False)
@@ -669,6 +684,10 @@ class _ProgressDisplay:
     def __exit__(self, *exc) -> None:
         if self.live:
             self.progress.stop()
+
+    def folder(self, run_dir: Path) -> None:
+        """Said as soon as the run folder exists: where the logs are while the run goes on."""
+        self.console.print(f"run folder: {run_dir} (logs: {run_dir / 'logs'})", highlight=False)
 
     def update(self, snap: dict) -> None:
         loss = "-" if snap.get("loss") is None else f"{snap['loss']:.3f}"

@@ -302,7 +302,8 @@ def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str])
 
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
            run_dir: Optional[Path] = None, resume: Optional[Path] = None,
-           elapsed: float = 0.0, job: Job = TRAIN) -> RunResult:
+           elapsed: float = 0.0, job: Job = TRAIN,
+           on_folder: Callable[[Path], None] = lambda _: None) -> RunResult:
     """Run a job (training, or :data:`PROFILE`) to the end; ``cfg`` must be validated and prepared.
 
     Without ``job.helpers`` a failed worker always stops the job: there is no scheduler to drop
@@ -313,6 +314,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     appended, and the run clock goes on from ``elapsed`` seconds. With ``run_dir`` (a folder
     that already holds this run) and no ``resume``, the run starts again from scratch there,
     in the same way: its config is written as ``config-<n>.yaml``, nothing is replaced.
+    ``on_folder(run_dir)`` is called once the run folder exists, before any process starts.
     """
     cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
     primary = not cluster.real or cfg.run.node == cluster.nodes[0]
@@ -348,6 +350,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             result.run_dir = run_dir
             launched = float(events.get(store.T0))
 
+        on_folder(run_dir)  # the user can look at the logs from here on
         phase.advance("starting the processes")
         P, S = cfg.cluster.pipelines, cfg.pipeline.stages
         # one parameter server per stage, ranks after the workers

@@ -7,7 +7,8 @@ comparison of sync modes names itself. Each figure is a PNG in ``--out`` (defaul
 run's folder, ``report/``):
 
 - ``loss.png``: training loss (at each moment, the mean of every pipeline's latest) and
-  validation loss, against wall time and against the samples all pipelines have seen;
+  validation loss, against wall time and against the samples all pipelines have seen; every
+  run's clock starts when its first iteration began, so start-up does not skew a comparison;
 - ``accuracy.png``: validation accuracy of classifiers, against time and samples;
 - ``throughput.png``: samples/s of each pipeline over time;
 - ``groups.png``: sdpipe's group size per stage over time, and its histogram (the paper's view);
@@ -67,9 +68,24 @@ def load(path: str | Path) -> Run:
         tree = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
     except Exception as err:  # OmegaConf raises several types for a broken file
         raise ConfigError(str(config), f"cannot be read: {str(err).splitlines()[0]}") from None
-    return Run(folder, _flatten(tree), read_lines(metrics))
+    return Run(folder, _flatten(tree), from_first_iteration(read_lines(metrics)))
 
 
+def from_first_iteration(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``lines`` with their clock starting when the run's first iteration began (the first
+    ``train`` line's time less its ``step_s``). A run's own clock starts at its launch, and the
+    start-up before the first iteration differs between runs (the first run of a sweep in one
+    process also starts the fork server): compared on that clock, equal runs look unequal."""
+    starts = [m["time"] - (m.get("step_s") or 0.0) for m in lines
+              if m.get("kind") == "train" and isinstance(m.get("time"), (int, float))]
+    if not starts:
+        return lines
+    origin = min(starts)
+    return [{**m, "time": m["time"] - origin} if isinstance(m.get("time"), (int, float)) else m
+            for m in lines]
+
+
+TIME_AXIS = "seconds since the first iteration began"
 _NUMBER = (int, float)
 _INT = (int,)
 # the fields the figures read, per kind of line: (types, may be null)
@@ -244,7 +260,7 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
         if val:
             axes[0].plot(vt, val, "o-", color=line.get_color(), label=f"{run.label} val")
             axes[1].plot(vn, val, "o-", color=line.get_color(), label=f"{run.label} val")
-    for ax, x in zip(axes, ("seconds", "samples (all pipelines)")):
+    for ax, x in zip(axes, (TIME_AXIS, "samples (all pipelines)")):
         ax.set_xlabel(x)
         ax.set_ylabel("loss (nats)")
         ax.legend(fontsize=7, loc="upper right")
@@ -261,7 +277,7 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
                    for m in sorted(run.kind("eval"), key=lambda m: m["time"])]
             axes[0].plot(vt, acc, "o-", label=run.label)
             axes[1].plot(vn, acc, "o-", label=run.label)
-        for ax, x in zip(axes, ("seconds", "samples (all pipelines)")):
+        for ax, x in zip(axes, (TIME_AXIS, "samples (all pipelines)")):
             ax.set(xlabel=x, ylabel="validation accuracy (%, top-1)")
             ax.legend(fontsize=7, loc="lower right")
         axes[0].set_title("accuracy against time")
@@ -274,7 +290,7 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
             ms = [m for m in run.kind("train") if m["pipeline"] == p and "samples_per_s" in m]
             ax.plot([m["time"] for m in ms], [m["samples_per_s"] for m in ms],
                     label=f"{run.label} p{p}")
-    ax.set_xlabel("seconds")
+    ax.set_xlabel(TIME_AXIS)
     ax.set_ylabel("samples/s")
     ax.set_title("throughput per pipeline")
     ax.legend(fontsize=7)

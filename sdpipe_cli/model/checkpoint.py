@@ -193,6 +193,10 @@ def resolve(path: os.PathLike | str) -> Path:
     """A checkpoint folder from what a user names: a checkpoint itself, or a run (its latest)."""
     path = Path(path)
     if not path.exists():
+        there = complete_checkpoints(path.parent.parent) if path.parent.name == "checkpoints" else []
+        if there:  # a step that has no checkpoint of its own (sdpipe's are at global syncs)
+            raise CheckpointError(path, "does not exist; this run's complete checkpoints: "
+                                        + ", ".join(c.name for c in there))
         raise CheckpointError(path, "does not exist")
     if not path.is_dir():
         raise CheckpointError(path, "is neither a run folder nor a checkpoint folder")

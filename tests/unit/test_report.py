@@ -21,9 +21,9 @@ SDPIPE = "sync:\n  name: sdpipe\n  window_ms: 5.0\ntrain:\n  lr: 0.001\nrun:\n  
 ALLREDUCE = "sync:\n  name: allreduce\ntrain:\n  lr: 0.001\nrun:\n  dir: /b\n"
 
 
-def train(p, step, t, loss):
+def train(p, step, t, loss, step_s=1.0):
     return {"kind": "train", "pipeline": p, "step": step, "time": t, "samples": step * 8,
-            "samples_per_s": 100.0, "loss": loss, "sync_s": 0.01}
+            "samples_per_s": 100.0, "loss": loss, "sync_s": 0.01, "step_s": step_s}
 
 
 def test_runs_are_labelled_by_what_differs_and_not_by_what_follows_from_it(tmp_path):
@@ -43,6 +43,21 @@ def test_loss_is_compared_at_equal_time_across_pipelines_of_different_speeds(tmp
     assert samples == [8, 16, 24, 32]  # every pipeline's latest count, summed
     assert loss == [5.0, 4.0, pytest.approx(4.6), pytest.approx(4.1)]
     assert report.validation(run) == ([3.1], [32], [3.5])
+
+
+def test_runs_of_equal_iterations_take_equal_time_whatever_their_start_up(tmp_path):
+    """Two runs of the same 3 iterations of 0.5 s: the first of a sweep spent 2.5 s more
+    starting (the fork server). From their first iteration on, their clocks agree."""
+    def lines(startup):
+        return [{"kind": "group", "stage": 0, "round": 1, "time": startup + 0.4, "size": 2}] + [
+            train(0, k, startup + 0.5 * k, 5.0 - k, step_s=0.5) for k in (1, 2, 3)] + [
+            {"kind": "eval", "pipeline": 0, "step": 3, "time": startup + 1.6, "val_loss": 2.0}]
+    slow = report.load(write_run(tmp_path / "first", SDPIPE, lines(2.87)))
+    fast = report.load(write_run(tmp_path / "second", SDPIPE, lines(0.38)))
+    assert report.mean_loss(slow)[0] == pytest.approx([0.5, 1.0, 1.5])
+    assert report.mean_loss(fast)[0] == pytest.approx(report.mean_loss(slow)[0])
+    assert report.validation(fast)[0] == pytest.approx(report.validation(slow)[0]) == [1.6]
+    assert slow.kind("group")[0]["time"] == pytest.approx(0.4)
 
 
 def test_a_run_still_being_written_is_read_up_to_its_torn_line(tmp_path):
