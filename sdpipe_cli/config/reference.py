@@ -140,7 +140,7 @@ def _plain(value: Any) -> Any:
 
 def _show(value: Any) -> str:
     """A default as it would be written in an override (YAML's null/true, lists as JSON)."""
-    if value is dataclasses.MISSING:
+    if value is dataclasses.MISSING or value == "???":  # OmegaConf's MISSING: a group sets it
         return "(required)"
     value = _plain(value)
     if value is None or isinstance(value, (bool, list, dict)):
@@ -236,7 +236,8 @@ def _groups_section(config_root: Optional[Path]) -> list[str]:
                 else:
                     sets.append(f"`{k}={_show(v)}`")
             name = f"**{path.stem}**" if chosen.get(group.name) == path.stem else path.stem
-            first = re.split(r"(?<=[.!?])\s", " ".join(about), maxsplit=1)[0]  # first sentence
+            # the first sentence (an "e.g." or "i.e." does not end one)
+            first = re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s", " ".join(about), maxsplit=1)[0]
             out.append(f"| `{group.name}` | {name} | {_escape(first)} | "
                        f"{_escape(', '.join(sets))} |")
     return out + [""]

@@ -186,7 +186,8 @@ class PipelineConfig:
     # until its backward (at most S - s versions on stage s). 2: PipeDream-2BW, gradients
     # accumulated over an iteration and one update at its end (two versions; needs m >= S).
     weight_versions: Optional[int] = None
-    # uniform | params | explicit list of S-1 block boundaries, e.g. [3] or [2, 4, 5]
+    # uniform | params (balance parameter counts) | auto (balance the measured block times of
+    # profile=PATH on this cluster's devices) | explicit list of S-1 block boundaries, e.g. [3]
     partition: Any = "uniform"
     # Recompute each micro-batch's activations inside the stage's blocks during its backward,
     # keeping only the blocks' inputs: less memory for more compute (torch.utils.checkpoint)
@@ -198,7 +199,7 @@ class SyncConfig:
     """What every sync mode has: its name. Each mode's settings are a subclass below, registered
     as that option of the ``sync`` config group, so a key of another mode is an error."""
 
-    name: str = MISSING  # the mode: one of SYNC_MODES
+    name: str = MISSING  # the mode, set by sync=MODE: sdpipe, allreduce, adpsgd, ps or none
 
 
 @dataclass
@@ -301,7 +302,9 @@ class TrainConfig:
     # after max_skipped in a row. fp16's loss scaler skips its own overflows either way.
     on_nonfinite: str = "stop"  # stop | skip
     max_skipped: int = 10  # skip: consecutive skipped steps that end the run
-    seed: int = 0  # model initialization, data order and stragglers; equal seeds, equal runs
+    # model initialization, data order and stragglers; equal seeds give equal runs in the
+    # lock-step modes (allreduce, none), while sdpipe's groups follow arrival times
+    seed: int = 0
     eval_every: int = 100  # evaluate every this many iterations (0: only at the end)
     log_every: int = 1  # push a metrics line every this many iterations
     time_limit: Optional[float] = None  # seconds; stop all pipelines at the same iteration after it
@@ -372,7 +375,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    sync: SyncConfig = MISSING  # one of SYNC_CONFIGS, chosen by the sync group
+    sync: SyncConfig = MISSING  # chosen with sync=MODE; each mode's own keys are listed below
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
