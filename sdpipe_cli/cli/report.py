@@ -71,6 +71,39 @@ def load(path: str | Path) -> Run:
     return Run(folder, _flatten(tree), from_first_iteration(read_lines(metrics)))
 
 
+def timelines(run: Run) -> list[Run]:
+    """``run`` as the timelines it holds. Resuming a checkpoint older than the run's progress (an
+    earlier step of a finished run, or the last checkpoint after a crash) branches the run: the
+    new leg goes on from that checkpoint's iterations, in the same ``metrics.jsonl``. Each
+    ``resume`` line whose iterations are behind a ``train`` line before it starts a timeline: the
+    lines up to the checkpoint's moment (``at``, its past) and the lines after it; the lines it
+    left behind stay in the timeline before. Labels say where each began."""
+    cuts = []
+    reached: dict[int, int] = {}  # pipeline -> the furthest iteration a train line reported
+    for i, m in enumerate(run.lines):
+        if m.get("kind") == "resume" and isinstance(m.get("steps"), dict) and any(
+                reached.get(int(p), -1) > k for p, k in m["steps"].items()
+                if str(p).isdigit() and isinstance(k, int)):
+            cuts.append(i)
+        if m.get("kind") == "train" and isinstance(m.get("step"), int):
+            reached[m["pipeline"]] = max(reached.get(m["pipeline"], -1), m["step"])
+    if not cuts:
+        return [run]
+    out, starts = [], [0, *cuts]
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(run.lines)
+        lines, label = run.lines[start:end], run.label
+        if start:
+            branch = run.lines[start]
+            at = branch.get("at", branch["time"])
+            past = [m for m in run.lines[:start]
+                    if not isinstance(m.get("time"), (int, float)) or m["time"] <= at]
+            lines = past + lines
+            label = f"{run.label} (resumed from {branch.get('checkpoint', 'a checkpoint')})"
+        out.append(Run(run.path, run.config, lines, label))
+    return out
+
+
 def from_first_iteration(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``lines`` with their clock starting when the run's first iteration began (the first
     ``train`` line's time less its ``step_s``). A run's own clock starts at its launch, and the
@@ -81,7 +114,8 @@ def from_first_iteration(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not starts:
         return lines
     origin = min(starts)
-    return [{**m, "time": m["time"] - origin} if isinstance(m.get("time"), (int, float)) else m
+    return [{**m, **{k: m[k] - origin for k in ("time", "at")
+                     if isinstance(m.get(k), (int, float)) and not isinstance(m[k], bool)}}
             for m in lines]
 
 
@@ -243,6 +277,7 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
     names = labels(runs)
     for run, name in zip(runs, names):
         run.label = name
+    runs = [part for run in runs for part in timelines(run)]
     written = []
 
     def save(fig, name: str) -> None:

@@ -138,13 +138,20 @@ class Scheduler:
         return tracer
 
     def _resume(self, ckpt: Path) -> None:
-        steps = {int(p): k for p, k in checkpoint.load_shard(ckpt, "scheduler")["steps"].items()}
+        shard = checkpoint.load_shard(ckpt, "scheduler")
+        steps = {int(p): k for p, k in shard["steps"].items()}
         for p, k in steps.items():
             self.tracker.state[p].steps = k
             self.tracker.state[p].samples = k * self.cfg.train.batch_size
         if self.policy is not None:
             self.policy.resume(steps)
         self.checkpoints.resume(self._average(steps))
+        # where this leg begins: readers of metrics.jsonl tell timelines apart by it (a leg
+        # resumed from an older checkpoint goes back in iterations); ``at``: the checkpoint's
+        # moment on the run clock, where its past ends
+        self.metrics.write({"kind": "resume", "time": round(time.time() - self.t0, 4),
+                            "checkpoint": ckpt.name, "steps": steps,
+                            "at": round(float(shard.get("elapsed", 0.0)), 4)})
 
     def _average(self, steps: dict[int, int]) -> int:
         """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""

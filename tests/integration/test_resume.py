@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli import report
 from tests.helpers import (digests, finish, listening_only_on_loopback, losses, metrics, run_processes,
                            sdpipe, sdpipe_popen, training_lines, wait_for, worker_process)
 
@@ -224,3 +225,6 @@ def test_resuming_an_older_checkpoint_keeps_every_checkpoint_of_the_run(allreduc
     kept = copy / "checkpoints" / "step_20.superseded-1"
     assert {p.name: p.read_bytes() for p in kept.iterdir()} == first
     assert digests(copy) == digests(allreduce_run)  # allreduce on CPU: the same training again
+    run = report.load(copy)  # and `sdpipe report` draws the two timelines apart
+    run.label = "copy"
+    assert [t.label for t in report.timelines(run)] == ["copy", "copy (resumed from step_10)"]

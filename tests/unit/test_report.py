@@ -60,6 +60,27 @@ def test_runs_of_equal_iterations_take_equal_time_whatever_their_start_up(tmp_pa
     assert slow.kind("group")[0]["time"] == pytest.approx(0.4)
 
 
+def test_a_resume_of_an_older_checkpoint_is_a_timeline_of_its_own(tmp_path):
+    """A finished run (steps 1-10 at 1 s each) resumed from its step_4 checkpoint (taken at
+    4.05 s): the new leg goes back to iteration 4. The report keeps the first run whole and draws
+    the second from its past (up to 4.05 s) on; a resume that does not go back (after a stop)
+    splits nothing."""
+    first = [train(0, k, float(k), 10.0 - k) for k in range(1, 11)]
+    again = [{"kind": "resume", "time": 6.5, "checkpoint": "step_4", "steps": {"0": 4},
+              "at": 4.05}] + [
+        train(0, k, k + 2.6, 10.0 - k - 0.5) for k in range(5, 11)]
+    run = report.load(write_run(tmp_path / "r", SDPIPE, first + again))
+    run.label = "r"
+    old, new = report.timelines(run)
+    assert old.label == "r" and new.label == "r (resumed from step_4)"
+    assert [m["step"] for m in old.kind("train")] == list(range(1, 11))
+    assert [m["step"] for m in new.kind("train")] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert report.mean_loss(new)[2][-1] == pytest.approx(-0.5)  # the new leg's, not the old's
+    stopped = report.load(write_run(tmp_path / "s", SDPIPE, first + [
+        {"kind": "resume", "time": 13.5, "checkpoint": "step_10", "steps": {"0": 10}, "at": 10.2}]))
+    assert len(report.timelines(stopped)) == 1
+
+
 def test_a_run_still_being_written_is_read_up_to_its_torn_line(tmp_path):
     run = report.load(write_run(tmp_path / "r", SDPIPE, [train(0, 1, 1.0, 5.0)], torn='{"kind": "tr'))
     assert len(run.lines) == 1
