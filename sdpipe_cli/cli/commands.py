@@ -573,7 +573,8 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
         with display:  # the launcher handles interrupts from here on
             result = launcher.launch(run_cfg, on_progress=display.update, run_dir=run_dir,
                                      resume=resume, elapsed=elapsed,
-                                     on_folder=display.folder if run_dir is None else _nothing)
+                                     on_folder=display.folder if run_dir is None else _nothing,
+                                     on_phase=display.phase)
         _reporting(result)
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
@@ -669,11 +670,12 @@ class _ProgressDisplay:
         self.console, self.total = console, total
         self.live = console.is_terminal
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total} it"),
+            TextColumn("[bold]{task.fields[status]}"), BarColumn(),
+            TextColumn("{task.completed}/{task.total} it"),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
         self.task = self.progress.add_task("train", total=total, completed=done, loss="-",
-                                           rate="-")
+                                           rate="-", status="starting")
         self.next_report = 0.1
 
     def __enter__(self):
@@ -689,7 +691,13 @@ class _ProgressDisplay:
         """Said as soon as the run folder exists: where the logs are while the run goes on."""
         self.console.print(f"run folder: {run_dir} (logs: {run_dir / 'logs'})", highlight=False)
 
+    def phase(self, what: str) -> None:
+        """A step of the start-up, shown where the bar's label is until training reports."""
+        self.progress.update(self.task, status=what)
+
     def update(self, snap: dict) -> None:
+        if snap.get("iterations"):
+            self.progress.update(self.task, status="train")
         loss = "-" if snap.get("loss") is None else f"{snap['loss']:.3f}"
         rate = f"{snap.get('samples_per_s', 0.0):.0f}"
         done = min(snap.get("iterations", 0), self.total)

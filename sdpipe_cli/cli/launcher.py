@@ -303,7 +303,8 @@ def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str])
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
            run_dir: Optional[Path] = None, resume: Optional[Path] = None,
            elapsed: float = 0.0, job: Job = TRAIN,
-           on_folder: Callable[[Path], None] = lambda _: None) -> RunResult:
+           on_folder: Callable[[Path], None] = lambda _: None,
+           on_phase: Callable[[str], None] = lambda _: None) -> RunResult:
     """Run a job (training, or :data:`PROFILE`) to the end; ``cfg`` must be validated and prepared.
 
     Without ``job.helpers`` a failed worker always stops the job: there is no scheduler to drop
@@ -314,7 +315,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     appended, and the run clock goes on from ``elapsed`` seconds. With ``run_dir`` (a folder
     that already holds this run) and no ``resume``, the run starts again from scratch there,
     in the same way: its config is written as ``config-<n>.yaml``, nothing is replaced.
-    ``on_folder(run_dir)`` is called once the run folder exists, before any process starts.
+    ``on_folder(run_dir)`` is called once the run folder exists, before any process starts;
+    ``on_phase(what)`` at each step of the start-up (for a status line).
     """
     cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
     primary = not cluster.real or cfg.run.node == cluster.nodes[0]
@@ -322,7 +324,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     started = time.monotonic()
     result = RunResult(Path(cfg.run.dir) if resume is not None else None, 0)
     phase = Phase("starting the store" if primary else
-                   f"waiting for the first node's store at {store_host(cfg)}:{cfg.run.port}")
+                   f"waiting for the first node's store at {store_host(cfg)}:{cfg.run.port}",
+                  on_phase)
     events = None
     previous = phase.install()
     try:
@@ -457,8 +460,9 @@ class Phase:
     is :class:`~sdpipe_cli.core.supervision.Supervision`'s, which also says when start-up is over).
     """
 
-    def __init__(self, now: str):
-        self.now, self.signals = now, 0
+    def __init__(self, now: str, on_change: Callable[[str], None] = lambda _: None):
+        self.now, self.signals, self.on_change = now, 0, on_change
+        on_change(now)
 
     def __call__(self, signum, frame) -> None:
         self.signals += 1
@@ -481,6 +485,7 @@ class Phase:
     def advance(self, now: str) -> None:
         self.check()
         self.now = now
+        self.on_change(now)
 
 
 def _new_path(path: Path) -> Path:

@@ -205,3 +205,17 @@ def test_an_interrupt_after_the_run_ended_keeps_its_exit_code(tmp_path, monkeypa
     assert out.returncode == 0, out.stderr
     assert "sdpipe: interrupted after the run ended; nothing is running" in out.stderr
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_the_status_line_says_each_step_of_the_start_up(tmp_path, monkeypatch):
+    """Until training reports, the bar's label says what the launch waits for."""
+    from sdpipe_cli.cli import commands
+
+    seen: list[str] = []
+    monkeypatch.setattr(commands._ProgressDisplay, "phase", lambda self, what: seen.append(what))
+    out = sdpipe("train", f"run.dir={tmp_path / 'run'}", "model=mlp", "data=synthetic",
+                 "train.steps=2", "cluster.pipelines=1", "pipeline.stages=1")
+    assert out.returncode == 0, out.stderr
+    assert seen == ["starting the store", "writing the run folder", "starting the processes",
+                    "waiting for the workers to join"]
+    assert out.stderr.startswith(f"run folder: {tmp_path / 'run'} (logs: ")  # said first
