@@ -272,6 +272,7 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     out.mkdir(parents=True, exist_ok=True)
     names = labels(runs)
@@ -348,14 +349,24 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
             ax.legend(fontsize=7)
         save(fig, "groups.png")
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    # one panel per quantity, each run an outline over shared bins: filled histograms of several
+    # runs stacked on one axis blend into one colour
+    series: dict[str, list[tuple[str, list[float]]]] = {}
     for run in runs:
         for what, seconds in sync_times(run).items():
             if seconds:
-                ax.hist([s * 1e3 for s in seconds], bins=40, alpha=0.5, label=f"{run.label} {what}")
-    ax.set(xlabel="milliseconds per update", ylabel="updates", title="waiting and syncing")
-    ax.legend(fontsize=7)
-    save(fig, "waits.png")
+                series.setdefault(what, []).append((run.label, [x * 1e3 for x in seconds]))
+    if series:
+        fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.5),
+                                 layout="constrained", squeeze=False)
+        for ax, (what, per_run) in zip(axes[0], series.items()):
+            every = [x for _, xs in per_run for x in xs]
+            edges = np.histogram_bin_edges(every, bins=40)
+            for label, xs in per_run:
+                ax.hist(xs, bins=edges, histtype="step", linewidth=1.5, label=label)
+            ax.set(xlabel="milliseconds per update", ylabel="updates", title=what)
+            ax.legend(fontsize=7)
+        save(fig, "waits.png")
 
     with_consensus = [run for run in runs if run.kind("consensus")]
     if with_consensus:
@@ -363,7 +374,13 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
         for run in with_consensus:
             for stage, (times, values) in consensus(run).items():
                 ax.plot(times, values, "o-", label=f"{run.label} stage {stage}")
-        ax.set(xlabel="seconds", ylabel="consensus distance", title="replica drift at global syncs")
+        # on the runs' whole time axis: a short run's few global syncs are points in its time,
+        # not spread over an axis of a few milliseconds
+        ends = [m["time"] for run in with_consensus for m in run.kind("train")]
+        if ends:
+            ax.set_xlim(0, max(ends) * 1.02)
+        ax.set_ylim(bottom=0)
+        ax.set(xlabel=TIME_AXIS, ylabel="consensus distance", title="replica drift at global syncs")
         ax.legend(fontsize=7)
         save(fig, "consensus.png")
     return written
