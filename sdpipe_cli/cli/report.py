@@ -13,8 +13,10 @@ run's folder, ``report/``):
 - ``throughput.png``: samples/s of each pipeline over time;
 - ``groups.png``: sdpipe's group size per stage over time, and its histogram (the paper's view);
 - ``waits.png``: the distribution of the wait for a group and of the group all-reduce (or, for
-  the other modes, of the time spent syncing);
+  the other modes, of the time spent syncing), a panel each, every run an outline;
 - ``consensus.png``: the consensus distance at global syncs, where the run has it.
+
+A run resumed from an older checkpoint is drawn as two timelines (:func:`timelines`).
 
 A figure with nothing to show (``groups.png`` for all-reduce runs only) is not written.
 matplotlib is an optional extra (``pip install -e '.[report]'``); the data part here is plain
