@@ -33,7 +33,22 @@ def config_dir(tmp_path) -> Path:
     (folder / "cluster" / "broken.yaml").write_text("pipelines: 2\nnodes: [a, b\n")
     (folder / "cluster" / "badtype.yaml").write_text("pipelines: three\n")
     (folder / "cluster" / "unknown.yaml").write_text("pipelinez: 2\n")
+    (folder / "experiment").mkdir()
+    (folder / "experiment" / "quick.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /cluster: mine\n  - override /model: mlp\n"
+        "train:\n  steps: 7\n  lr: 0.002\n")
     return folder
+
+
+def test_an_experiment_file_sets_a_whole_run(config_dir):
+    """Hydra's experiment pattern: one file of the config folder picks groups and sets values."""
+    import yaml
+
+    out = sdpipe("train", "-cd", str(config_dir), "+experiment=quick", "data=synthetic", "--cfg")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert (cfg["cluster"]["slowdown"], cfg["model"]["arch"], cfg["train"]["steps"],
+            cfg["train"]["lr"]) == ([1, 3], "mlp", 7, 0.002)
 
 
 def test_a_cluster_file_of_ones_own_drives_train_resume_simulate_profile_and_a_sweep(config_dir, tmp_path):
