@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,6 +191,17 @@ def _resolve_data(cfg: DictConfig) -> None:
     cfg.data.eval_batches = count
 
 
+def _copy_config_dirs(cfg: DictConfig, run_dir: Path) -> None:
+    """The YAML files of the run's ``--config-dir`` folders, copied into ``config-dirs/``: the
+    files the run was described by, beside the config it resolved to."""
+    for i, folder in enumerate(cfg.run.get("config_dirs") or []):
+        source = Path(folder)
+        for path in sorted(source.rglob("*.yaml")) if source.is_dir() else []:
+            target = run_dir / "config-dirs" / f"{i}-{source.name}" / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+
+
 def make_run_dir(requested: Optional[str]) -> Path:
     """A new, empty run folder; never reuses one that already holds a run."""
     if requested:
@@ -341,6 +353,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
                 config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
             result.run_dir = run_dir
             save_run_config(cfg, config_path)
+            if resume is None:
+                _copy_config_dirs(cfg, run_dir)
             events = store.namespace(master)
             launched = time.time()
             events.set(store.T0, repr(launched - elapsed))

@@ -323,6 +323,9 @@ class RunConfig:
     node: Optional[str] = None  # clusters of real nodes: the node this launcher runs on (srun, torchrun: found)
     # refuse a run whose estimated memory does not fit this machine (RAM on CPU, each GPU's memory)
     memory_check: bool = True
+    # the --config-dir folders the config was composed from (set by the CLI); the run folder keeps
+    # a copy of their YAML files in config-dirs/
+    config_dirs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -468,6 +471,10 @@ def compose(overrides: list[str]) -> DictConfig:
     _gather_kwargs(cfg)
     # Hydra lets ``+key=value`` add keys the schema does not have; the schema is the contract.
     _reject_unknown_keys(cfg, schema_for(cfg.sync.name))
+    searched = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.searchpath=")]
+    if searched:
+        cfg.run.config_dirs = [d.removeprefix("file://") for d in searched[-1].strip("[]").split(",")
+                               if d.startswith("file://")]
     return cfg
 
 

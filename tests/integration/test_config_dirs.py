@@ -57,6 +57,8 @@ def test_a_cluster_file_of_ones_own_drives_train_resume_simulate_profile_and_a_s
                  "checkpoint.every=2", "sync=allreduce", f"run.dir={run}")
     assert out.returncode == 0, out.stderr
     saved = (run / "config.yaml").read_text()
+    copied = run / "config-dirs" / f"0-{config_dir.name}" / "cluster" / "mine.yaml"
+    assert copied.read_text() == MINE  # the run folder keeps the files it was described by
     assert "slowdown:\n  - 1\n  - 3" in saved.replace("- 1.0", "- 1").replace("- 3.0", "- 3")
     resumed = sdpipe("resume", str(run / "checkpoints" / "step_2"))
     assert resumed.returncode == 0, resumed.stderr
