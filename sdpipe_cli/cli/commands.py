@@ -358,6 +358,9 @@ def _sweep_job(cfg) -> int:
 
     console = _console()
     cfg.run.dir = HydraConfig.get().runtime.output_dir
+    # --config-dir came as hydra.searchpath: the run folder keeps a copy, as for sdpipe train
+    cfg.run.config_dirs = [d.removeprefix("file://") for d in HydraConfig.get().searchpath
+                           if str(d).startswith("file://")]
     _validated(cfg)
     network.check_hosts(cfg)
     rc = _run(_prepared(cfg, console), console)

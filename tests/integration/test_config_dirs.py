@@ -76,6 +76,9 @@ def test_a_cluster_file_of_ones_own_drives_train_resume_simulate_profile_and_a_s
     assert sweep.returncode == 0, sweep.stderr
     rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"]
     assert [r["status"] for r in rows] == ["done", "done"]
+    for row in rows:
+        assert (tmp_path / "sweep" / row["run"] / "config-dirs" / f"0-{config_dir.name}" /
+                "cluster" / "mine.yaml").read_text() == MINE
 
 
 BAD = [

@@ -53,7 +53,9 @@ def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
                  for t in d["forward_ms"] + d["backward_ms"]] for n in ("a", "b")}
     ratios = sorted(b / a for a, b in zip(times["a"], times["b"]))
     assert len(ratios) == 2 * 2 * 6
-    assert 1.5 < statistics.median(ratios) < 2.7, ratios
+    # (an unslowed device would give 1.0; under a busy suite the median came to 1.499 once, as the
+    # sleeps that slow b do not compete for the cores that a's compute waits for)
+    assert 1.4 < statistics.median(ratios) < 2.7, ratios
     # Within a node: 20 ms latency and 1 Gbit/s, as emulated.
     assert [(e["src"], e["dst"], e["link"]) for e in doc["p2p"]] == [
         ("a:0", "a:1", "same_node"), ("b:0", "b:1", "same_node")]
