@@ -199,7 +199,7 @@ class SyncConfig:
     """What every sync mode has: its name. Each mode's settings are a subclass below, registered
     as that option of the ``sync`` config group, so a key of another mode is an error."""
 
-    name: str = MISSING  # the mode, set by sync=MODE: sdpipe, allreduce, adpsgd, ps or none
+    name: str = MISSING  # the mode, set by sync=MODE: sdpipe, allreduce, adpsgd, ps, diloco or none
 
 
 @dataclass
@@ -263,6 +263,18 @@ class PsSyncConfig(SyncConfig):
 
 
 @dataclass
+class DilocoSyncConfig(SyncConfig):
+    """``sync=diloco``: local SGD with an outer optimizer (DiLoCo): every replica takes
+    ``local_steps`` steps alone, then the stage's replicas average their change and apply it with
+    Nesterov momentum; lock-step at each outer step (sdpipe_cli/sync/diloco.py)."""
+
+    name: str = "diloco"
+    local_steps: int = 8  # inner steps of each replica between two outer steps
+    outer_lr: float = 0.7  # the outer step's learning rate (1.0 with momentum 0: plain averaging)
+    outer_momentum: float = 0.9  # the outer step's Nesterov momentum
+
+
+@dataclass
 class NoSyncConfig(SyncConfig):
     """``sync=none``: every pipeline trains its own replica; nothing to set."""
 
@@ -271,7 +283,8 @@ class NoSyncConfig(SyncConfig):
 
 # The one registry of sync modes: name -> its settings. configs/sync/<name>.yaml sets the values.
 SYNC_CONFIGS: dict[str, type] = {c.name: c for c in (
-    SdpipeSyncConfig, AllReduceSyncConfig, PsSyncConfig, AdpsgdSyncConfig, NoSyncConfig)}
+    SdpipeSyncConfig, AllReduceSyncConfig, PsSyncConfig, AdpsgdSyncConfig, DilocoSyncConfig,
+    NoSyncConfig)}
 SYNC_MODES = tuple(SYNC_CONFIGS)
 
 
@@ -345,8 +358,9 @@ class FaultConfig:
     # restart (sync=sdpipe only): as continue, then the pipeline's workers are started again and
     # copy each stage's weights and optimizer state from a live replica (up to max_restarts).
     on_pipeline_loss: str = "stop"
-    # stop: a failure ends the run. restart (sync=allreduce or adpsgd, with checkpoints): the whole
-    # run starts again from its latest checkpoint, up to max_restarts times (torchrun's --max-restarts)
+    # stop: a failure ends the run. restart (sync=allreduce, adpsgd or diloco, with checkpoints):
+    # the whole run starts again from its latest checkpoint, up to max_restarts times (torchrun's
+    # --max-restarts)
     on_failure: str = "stop"
     max_restarts: int = 3  # restarts in total over the run (of pipelines, or of the whole run)
     # seconds before a restart; doubled for a pipeline (or run) failing again within 60 s of its last
@@ -673,6 +687,15 @@ def validate(cfg: DictConfig) -> None:
              f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
     if y.name == "ps":
         need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
+    if y.name == "diloco":
+        need(y.local_steps >= 1, "sync.local_steps", "must be at least 1")
+        need(math.isfinite(y.outer_lr) and y.outer_lr > 0, "sync.outer_lr",
+             f"must be a positive finite number, got {y.outer_lr}")
+        need(math.isfinite(y.outer_momentum) and 0 <= y.outer_momentum < 1, "sync.outer_momentum",
+             f"must be in [0, 1), got {y.outer_momentum}")
+        need(p.schedule not in ASYNC_SCHEDULES, "pipeline.schedule",
+             f"sync=diloco counts an iteration's updates: use a flushed schedule (1f1b, gpipe), "
+             f"not {p.schedule}")
 
     need(t.steps >= 1, "train.steps", "must be at least 1")
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
@@ -784,8 +807,8 @@ def _validate_fault(cfg: DictConfig) -> None:
          f"with fault.on_pipeline_loss={loss}: a replica waiting that long for a lost member "
          "would be taken for hung")
     need(failure in ("stop", "restart"), "fault.on_failure", f"is '{failure}'; choose stop or restart")
-    need(failure == "stop" or y.name in ("allreduce", "adpsgd"), "fault.on_failure",
-         f"restart is for lock-step sync (allreduce, adpsgd), not sync={y.name}"
+    need(failure == "stop" or y.name in ("allreduce", "adpsgd", "diloco"), "fault.on_failure",
+         f"restart is for lock-step sync (allreduce, adpsgd, diloco), not sync={y.name}"
          + ("; use fault.on_pipeline_loss=restart" if y.name == "sdpipe" else
             " (no consistent checkpoint to restart from)"))
     need(failure == "stop" or cfg.checkpoint.every > 0 or cfg.checkpoint.every_minutes,

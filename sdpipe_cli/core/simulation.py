@@ -24,6 +24,8 @@ The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPip
     all replicas (AD-PSGD: averages with its partner).
   - ``ps``: the gradients go to the stage's server, which serves one push at a time; the weights
     come back. A replica more than ``staleness`` iterations ahead of the slowest waits.
+  - ``diloco``: nothing for ``local_steps - 1`` iterations, then, as ``allreduce``, every replica
+    waits for every other and all-reduces the stage's weights (their change).
   - ``none``: nothing.
 * The stage starts its next iteration when its sync is done.
 
@@ -46,7 +48,7 @@ from sdpipe_cli.core.schedule import Kind, get_schedule, simulate as tick_order
 
 __all__ = ["Workload", "Result", "simulate", "MODES"]
 
-MODES = ("sdpipe", "allreduce", "adpsgd", "ps", "none")
+MODES = ("sdpipe", "allreduce", "adpsgd", "ps", "diloco", "none")
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Workload:
     p2p_s: float = 0.0  # fixed cost of one message between stages, on top of its link
     jitter: float = 0.0  # sigma of a log-normal factor on a worker's iteration
     staleness: int = 4  # ps
+    local_steps: int = 1  # diloco: iterations between outer steps
     seed: int = 0  # adpsgd's matchings
 
     @property
@@ -308,9 +311,9 @@ class _Run:
     # -- sync modes -----------------------------------------------------------------------------
     def _ready(self, t: float, p: int, s: int, k: int) -> None:
         w = self.w
-        if self.sync == "none":
+        if self.sync == "none" or (self.sync == "diloco" and (k + 1) % w.local_steps):
             self._synced(p, s, k, t, False)
-        elif self.sync in ("allreduce", "adpsgd"):
+        elif self.sync in ("allreduce", "adpsgd", "diloco"):
             arrived = self.barriers.setdefault((s, k), {})
             arrived[p] = t
             if len(arrived) == self.P:
@@ -319,14 +322,14 @@ class _Run:
                 everyone = list(range(self.P))
                 full = self._allreduce_s(everyone, s, w.stage_bytes[s])  # one ring, computed once
                 for q in everyone:
-                    if self.sync == "allreduce":
+                    if self.sync != "adpsgd":
                         cost = full
                     else:
                         mate = gossip_peer(w.seed, s, k, q, self.P)
                         cost = self._allreduce_s([q, mate] if mate is not None else [q], s,
                                                  w.stage_bytes[s])
                     self._synced(q, s, k, start + cost, False)
-                self.groups.append(self.P if self.sync == "allreduce" else 2)
+                self.groups.append(2 if self.sync == "adpsgd" else self.P)
         else:
             self._push_to_server(t, p, s, k)
 

@@ -92,7 +92,8 @@ def _for_sync(work: Workload, cfg: DictConfig) -> Workload:
 
 def _sync_settings(cfg: DictConfig) -> dict:
     return {"average": cfg.sync.get("average", "weights_grads"),
-            "staleness": int(cfg.sync.get("staleness", 3))}
+            "staleness": int(cfg.sync.get("staleness", 3)),
+            "local_steps": int(cfg.sync.get("local_steps", 1))}
 
 
 def _with_sync(cfg: DictConfig, sync: str) -> DictConfig:

@@ -74,7 +74,8 @@ def estimate(cfg: DictConfig, example: Any) -> Optional[list[StageMemory]]:
         log.debug("no memory estimate: the forward does not run on meta tensors (%s)", err)
         return None
     slots = 2 if t.optimizer != "sgd" else (1 if t.momentum else 0)
-    sync_copies = 2 if cfg.sync.name in ("sdpipe", "adpsgd", "allreduce", "ps") else 0
+    # flat all-reduce buffers; diloco also keeps its anchor and its outer momentum
+    sync_copies = {"sdpipe": 2, "adpsgd": 2, "allreduce": 2, "ps": 2, "diloco": 3}.get(cfg.sync.name, 0)
     schedule = get_schedule(p.schedule)
     asynchronous = p.schedule in ASYNC_SCHEDULES
     out = []

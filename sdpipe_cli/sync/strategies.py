@@ -21,6 +21,8 @@ or the last meeting would wait forever for a replica that has stopped.
   decides when the run ends, since fast pipelines do more iterations than slow ones.
 - ``adpsgd``: gossip: average with one peer per round, from a matching both sides derive alone.
 - ``ps``: push gradients to a parameter server per stage, pull its weights (stale-synchronous).
+- ``diloco``: local SGD with an outer Nesterov step every ``sync.local_steps`` updates
+  (:mod:`sdpipe_cli.sync.diloco`).
 - ``none``: no communication; every pipeline trains its own replica (the speed limit).
 """
 
@@ -95,6 +97,14 @@ class Sync:
         strategy needs the pipeline drained after it (a global sync there). Lock-step strategies
         end the run through :meth:`should_continue` and need no other drains."""
         return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the strategy itself holds that a resume needs (in the worker's checkpoint
+        shard); most hold nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class AllReduceSync(Sync):
@@ -406,6 +416,12 @@ def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: P
                          incarnation)
     if name == "ps":
         return PSSync(where.server_rank(), device)
+    if name == "diloco":
+        from sdpipe_cli.sync.diloco import DilocoSync  # it builds on this module's classes
+
+        agree = AllReduceSync(groups, where.replicas(), device) if P > 1 else None
+        return DilocoSync(groups, where.replicas(), settings.local_steps, settings.outer_lr,
+                          settings.outer_momentum, agree)
     if name == "none" or P == 1:
         return Sync()
     if name == "allreduce":

@@ -337,6 +337,8 @@ class Worker:
                  "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
         if self.feed is not None:
             state["data"] = self.feed.state_dict(step)
+        if self.sync.state_dict():
+            state["sync"] = self.sync.state_dict()
         checkpoint.save_shard(checkpoint.staging_dir(self.run_dir, ckpt), str(w.rank), state)
         self._last_save, self._saved_step = time.monotonic(), step
         self.emit("saved", checkpoint=ckpt, step=step)
@@ -355,6 +357,8 @@ class Worker:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(rng)
+        if "sync" in state:  # the strategy's own state (sync=diloco: its anchor and momentum)
+            self.sync.load_state_dict(state["sync"])
         if self.feed is not None and "data" in state:
             self.feed.load_state_dict(state["data"])
         elif self.feed is not None:

@@ -152,7 +152,7 @@ def test_foreign_host_is_refused_before_torch_is_imported(capsys):
     ("cluster.links.same_node.latency_ms=-1", "cluster.links.same_node.latency_ms: must be >= 0"),
     ("cluster.pipelines=0", "cluster.pipelines: must be at least 1"),
     ("fault.on_failure=restart sync=none checkpoint.every=5",
-     "fault.on_failure: restart is for lock-step sync (allreduce, adpsgd), not sync=none"),
+     "fault.on_failure: restart is for lock-step sync (allreduce, adpsgd, diloco), not sync=none"),
     ("fault.on_failure=restart sync=allreduce",
      "fault.on_failure: restart needs checkpoints to restart from"),
     ("fault.max_restarts=-1", "fault.max_restarts: is -1; must be >= 0"),

@@ -70,6 +70,23 @@ def test_allreduce_runs_at_the_slowest_pipelines_pace():
     assert r.mean_group_size == 4
 
 
+@pytest.mark.parametrize("local_steps", [1, 4, 20])
+def test_diloco_meets_every_local_steps_and_is_lock_step_there(local_steps):
+    """One outer step (a barrier and an all-reduce of the stage) every ``local_steps``
+    iterations; with 1 it is all-reduce's timing, and whatever the count the straggler, met
+    at each outer step, still ends the run."""
+    cfg = config("cluster.pipelines=4", "cluster.slowdown=[1,1,1,3]", "train.steps=20",
+                 "sync=diloco", f"sync.local_steps={local_steps}")
+    r = run(cfg)
+    stages = cfg.pipeline.stages
+    assert len(r.group_sizes) == stages * (20 // local_steps)  # a group of 4 per stage, outer step
+    assert set(r.group_sizes) == {4}
+    slow = (cfg.pipeline.microbatches + 1) * 0.030 * 3
+    assert r.wall_s == pytest.approx(20 * slow)
+    if local_steps == 1:
+        assert r.wall_s == pytest.approx(run(cfg, "allreduce").wall_s)
+
+
 def test_sdpipe_reaches_the_limit_on_a_straggler_pattern():
     """[1, 1, 1, 3] at zero transport cost and without jitter: the cost-aware policy reaches
     >= 0.95 of the limit (each pipeline's solo rate, summed), all-reduce 4 x the slowest rate

@@ -1,0 +1,94 @@
+"""``sync=diloco``: local SGD with an outer optimizer (DiLoCo), the communication-light baseline.
+
+Each replica takes ``sync.local_steps`` steps of its own optimizer without talking to anyone.
+Then the stage's replicas average their change since the last outer step (the outer gradient,
+``anchor - weights``), and every replica applies the same outer step to the anchor, SGD with
+Nesterov momentum (``sync.outer_lr``, ``sync.outer_momentum``; DiLoCo's defaults 0.7 and 0.9), so
+all replicas leave an outer step identical. Communication falls by ``local_steps``, but each
+outer step waits for every replica, as all-reduce does each iteration: a straggler still sets
+the pace, once per outer step.
+
+With ``local_steps=1``, ``outer_lr=1`` and ``outer_momentum=0`` the outer step is the mean of the
+replicas' updated weights: for plain SGD, exactly gradient all-reduce.
+
+The anchor, the outer momentum and the count of updates are the strategy's state: they are in
+the worker's checkpoint shard (``sync``), so a resumed run takes its next outer step where the
+interrupted one would have.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from sdpipe_cli.sync.groups import GroupCache, flatten, statistics, unflatten
+from sdpipe_cli.sync.strategies import AllReduceSync, Sync
+
+
+class DilocoSync(Sync):
+    name = "diloco"
+    mixes_weights = True  # the replicas' weights are averaged (tied copies: training/tied.py)
+
+    def __init__(self, groups: Optional[GroupCache], replicas: list[int], local_steps: int,
+                 outer_lr: float, outer_momentum: float, agree: Optional[AllReduceSync]):
+        self.groups, self.replicas = groups, replicas
+        self.local_steps, self.outer_lr, self.mu = local_steps, outer_lr, outer_momentum
+        self.agree = agree  # lock-step: every replica must stop at the same update
+        self.updates = 0
+        self.anchor: Optional[torch.Tensor] = None  # the weights after the last outer step
+        self.momentum: Optional[torch.Tensor] = None
+        self._stats: dict[str, Any] = {}
+
+    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
+        return self.agree.should_continue(step, local_go, timed_out) if self.agree else local_go
+
+    def agree_on_checkpoint(self, wanted: bool) -> bool:
+        return self.agree.agree_on_checkpoint(wanted) if self.agree else wanted
+
+    def after_backward(self, module: nn.Module, step: int) -> None:
+        if self.anchor is None:  # before the first local step: where the first round starts
+            self.anchor = flatten(list(module.parameters()))
+
+    def after_step(self, module: nn.Module, step: int) -> None:
+        self.updates += 1
+        if self.updates % self.local_steps:
+            self._stats = {"group_size": 1, "comm_s": 0.0}
+            return
+        start = time.perf_counter()
+        params = list(module.parameters())
+        if self.anchor.device != params[0].device:  # restored from a checkpoint, on the CPU
+            self.anchor = self.anchor.to(params[0].device)
+            self.momentum = None if self.momentum is None else self.momentum.to(params[0].device)
+        outer_grad = self.anchor - flatten(params)
+        buffers = statistics(module)
+        if len(self.replicas) > 1:
+            # one all-reduce: the outer gradient and the running statistics, averaged
+            flat = torch.cat([outer_grad] + [b.reshape(-1).float() for b in buffers])
+            self.groups.all_reduce(flat, self.replicas)
+            flat /= len(self.replicas)
+            outer_grad = flat[:outer_grad.numel()]
+            if buffers:
+                unflatten(flat[outer_grad.numel():], buffers)
+        self.momentum = (outer_grad.clone() if self.momentum is None
+                         else self.mu * self.momentum + outer_grad)
+        self.anchor = self.anchor - self.outer_lr * (outer_grad + self.mu * self.momentum)
+        unflatten(self.anchor, params)
+        self._stats = {"group_size": len(self.replicas), "comm_s": time.perf_counter() - start}
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"updates": self.updates}
+        if self.anchor is not None:
+            state["anchor"] = self.anchor.detach().cpu()
+        if self.momentum is not None:
+            state["momentum"] = self.momentum.detach().cpu()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updates = int(state.get("updates", 0))
+        self.anchor, self.momentum = state.get("anchor"), state.get("momentum")
