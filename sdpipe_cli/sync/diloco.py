@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from sdpipe_cli.sync.groups import GroupCache, flatten, statistics, unflatten
-from sdpipe_cli.sync.strategies import AllReduceSync, Sync
+from sdpipe_cli.sync.base import Sync
 
 
 class DilocoSync(Sync):
@@ -33,7 +33,7 @@ class DilocoSync(Sync):
     mixes_weights = True  # the replicas' weights are averaged (tied copies: training/tied.py)
 
     def __init__(self, groups: Optional[GroupCache], replicas: list[int], local_steps: int,
-                 outer_lr: float, outer_momentum: float, agree: Optional[AllReduceSync]):
+                 outer_lr: float, outer_momentum: float, agree: Optional[Sync]):
         self.groups, self.replicas = groups, replicas
         self.local_steps, self.outer_lr, self.mu = local_steps, outer_lr, outer_momentum
         self.agree = agree  # lock-step: every replica must stop at the same update

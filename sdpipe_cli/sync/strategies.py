@@ -43,68 +43,11 @@ from sdpipe_cli.sync.groups import (GroupCache, average_parameters, average_tens
                                     statistics,
                                     unflatten)
 from sdpipe_cli.runtime import protocol, store
+from sdpipe_cli.sync.base import Sync
+from sdpipe_cli.sync.diloco import DilocoSync
 from sdpipe_cli.model import optim
 
 log = logging.getLogger("sdpipe.sync")
-
-
-class Sync:
-    """No synchronization: every hook is a no-op; each pipeline stops after ``train.steps``."""
-
-    name = "none"
-    local_step = True  # whether the worker applies its own optimizer step (not with a PS)
-    # whether replicas' weights are averaged in groups of one stage (a tied weight's copies on
-    # different stages then drift apart and are averaged again: training/tied.py)
-    mixes_weights = False
-    # Whether the scheduler picks the checkpoints (replicas are consistent only at its global
-    # syncs): if not, every replica stops at the same iterations, and a checkpoint may fall on any
-    # multiple of ``checkpoint.every`` and at the end of the run.
-    scheduled_checkpoints = False
-
-    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
-        return local_go
-
-    def after_backward(self, module: nn.Module, step: int) -> None:
-        pass
-
-    def after_step(self, module: nn.Module, step: int) -> None:
-        pass
-
-    def position(self, step: int) -> float:
-        """Where the run is, in iterations of an average pipeline, for the learning rate of
-        update ``step``: every replica of a lock-step or independent mode is at its own step."""
-        return float(step)
-
-    def stats(self) -> dict[str, Any]:
-        """What the last sync did, for the step event (group size, waiting, communication)."""
-        return {}
-
-    def finish(self) -> None:
-        """The worker is done training (a parameter server must stop waiting for it)."""
-
-    def agree_on_checkpoint(self, wanted: bool) -> bool:
-        """Whether to checkpoint after this iteration because time has come (first stage only);
-        lock-step replicas must all agree, so that every shard is of the same step."""
-        return wanted
-
-    def checkpoint_due(self) -> int | None:
-        """With :attr:`scheduled_checkpoints`: the id of the checkpoint the scheduler asked for
-        after the last round, if any."""
-        return None
-
-    def drain_after(self, iteration: int) -> bool:
-        """Asynchronous schedules, first stage, at the start of ``iteration``: whether the
-        strategy needs the pipeline drained after it (a global sync there). Lock-step strategies
-        end the run through :meth:`should_continue` and need no other drains."""
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the strategy itself holds that a resume needs (in the worker's checkpoint
-        shard); most hold nothing."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 class AllReduceSync(Sync):
@@ -417,8 +360,6 @@ def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: P
     if name == "ps":
         return PSSync(where.server_rank(), device)
     if name == "diloco":
-        from sdpipe_cli.sync.diloco import DilocoSync  # it builds on this module's classes
-
         agree = AllReduceSync(groups, where.replicas(), device) if P > 1 else None
         return DilocoSync(groups, where.replicas(), settings.local_steps, settings.outer_lr,
                           settings.outer_momentum, agree)
