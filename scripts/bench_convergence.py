@@ -18,7 +18,8 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
 - ``sdpipe``: the default group sync (``sync.average=weights_grads``);
 - ``sdpipe-weights``: the paper's rule, weights averaged after the local step;
 - ``sdpipe-classic``: the group policy before who-waits-for-whom (``sync.policy=classic``);
-- ``adpsgd``, ``ps``, ``none``: gossip, parameter server, no sync;
+- ``adpsgd``, ``diloco``, ``ps``, ``none``: gossip, local SGD with an outer step, parameter
+  server, no sync;
 - ``sdpipe-before``: with ``--before DIR``, ``sync=sdpipe`` run from another checkout (the code
   before a change), for the throughput comparison;
 - ``VARIANT@N``: that variant with a budget of N steps instead of ``--steps``. Equal samples
@@ -76,6 +77,7 @@ VARIANTS = {
     "sdpipe-weights": ["sync=sdpipe", "sync.average=weights"],
     "sdpipe-classic": ["sync=sdpipe", "sync.policy=classic"],
     "adpsgd": ["sync=adpsgd"],
+    "diloco": ["sync=diloco"],
     "ps": ["sync=ps"],
     "none": ["sync=none"],
 }

@@ -10,7 +10,7 @@ Run it from the repository root after ``pip install -e .``::
 
 Usage::
 
-    python scripts/bench_sync.py [--modes sdpipe,allreduce,ps,adpsgd,none] [--pipelines 4]
+    python scripts/bench_sync.py [--modes sdpipe,allreduce,ps,adpsgd,diloco,none] [--pipelines 4]
         [--stages 2] [--steps 60] [--compute-ms 10] [--slow 3] [--scenarios equal,straggler]
         [--target-loss auto|FLOAT] [--out runs/bench] [--timeout 600] [--markdown [PATH]]
         [--extra OVERRIDE ...]
@@ -90,7 +90,7 @@ import _report  # noqa: E402  (a sibling script, not a package)
 from rich.console import Console
 from rich.table import Table
 
-MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "none")
+MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "diloco", "none")
 SCENARIOS = ("equal", "straggler")
 AUTO_MARGIN = 1.02  # --target-loss auto: the worst final loss of a scenario, plus 2 %
 EVALS_PER_RUN = 8
