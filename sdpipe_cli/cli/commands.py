@@ -253,24 +253,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return EXIT_USAGE
 
 
-class _Ended(Exception):
-    """An interrupt after a launch returned: only what sdpipe prints about the run is cut short."""
+class _Ended(BaseException):
+    """An interrupt after a launch returned: only what sdpipe prints about the run is cut short.
+    Not an ``Exception``: a sweep's job runner (Hydra) must not take it for a failed job."""
 
     def __init__(self, result):
         super().__init__("interrupted after the run")
         self.result = result
 
 
-def _reporting(result) -> None:
+def _reporting(result) -> dict:
     """From here on no process of the launch is left and the run's files are written: an
     interrupt only cuts the summary short, so sdpipe then exits with the run's own code (a
-    finished run stays 0) instead of the "preparing" handler's 130. The next launch of a
-    restarted run installs its own handlers over this one."""
+    finished run stays 0) instead of the "preparing" handler's 130. Returns the handlers it
+    replaced, for the caller to put back once the report is printed (a sweep's next job, a
+    restarted run's next leg, is preparing again)."""
     def handler(signum, frame) -> None:
         raise _Ended(result)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def train(overrides: Sequence[str], show_config: bool = False, console: Console | None = None) -> int:
@@ -482,7 +483,7 @@ def profile(overrides: Sequence[str], show_config: bool = False,
     phases = _Phases(console)
     result = launcher.launch(run_cfg, on_progress=phases.update, job=launcher.PROFILE,
                              on_folder=lambda d: console.print(f"run folder: {d}", highlight=False))
-    _reporting(result)
+    _reporting(result)  # profile's report is the last thing sdpipe does: nothing to put back
     _run_folder(console, result)
     if result.failure:
         console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
@@ -567,10 +568,12 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
     from sdpipe_cli.cli import launcher
     from sdpipe_cli.core.supervision import Restarts
 
+    launcher.check_memory(run_cfg)  # bad input: before anything is written
     restarts = (Restarts(run_cfg.fault.max_restarts, run_cfg.fault.restart_backoff)
                 if run_cfg.fault.on_failure == "restart" else None)
     began, origin = time.monotonic(), time.time() - elapsed  # origin: the run clock's zero
     run_dir = None  # the first launch makes the run folder (or resumes in its own)
+    preparing: Optional[dict] = None  # the handlers before the first launch's report
     while True:
         display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
         with display:  # the launcher handles interrupts from here on
@@ -578,7 +581,8 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
                                      resume=resume, elapsed=elapsed,
                                      on_folder=display.folder if run_dir is None else _nothing,
                                      on_phase=display.phase)
-        _reporting(result)
+        replaced = _reporting(result)
+        preparing = replaced if preparing is None else preparing
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
             break  # an interrupt is never restarted, nor a run stopped before its folder existed
@@ -587,13 +591,17 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
             break
         run_dir, (resume, done) = result.run_dir, leg
         elapsed = time.time() - origin
-    _run_folder(console, result)
-    if result.failure:
-        console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
-                      soft_wrap=True)
-        return result.returncode
-    _summary(console, result, time.monotonic() - began, restarts.used if restarts else 0)
-    return 0
+    try:
+        _run_folder(console, result)
+        if result.failure:
+            console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
+                          soft_wrap=True)
+            return result.returncode
+        _summary(console, result, time.monotonic() - began, restarts.used if restarts else 0)
+        return 0
+    finally:  # reported: what comes next (a sweep's next job) is preparing again
+        for sig, handler in (preparing or {}).items():
+            signal.signal(sig, handler)
 
 
 def _restart(console: Console, failed, restarts, origin: float):

@@ -128,14 +128,16 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages, counts)
     models.check(cfg)
-    if cfg.run.memory_check:
-        _check_memory(cfg)
     return cfg, plan
 
 
-def _check_memory(cfg: DictConfig) -> None:
-    """Refuse a run that cannot fit (:mod:`~sdpipe_cli.model.memory`): on CPU the workers of this
-    machine together against its available RAM, on CUDA each worker against its GPU."""
+def check_memory(cfg: DictConfig) -> None:
+    """Refuse a training run that cannot fit (:mod:`~sdpipe_cli.model.memory`; a prepared config,
+    ``run.memory_check``): on CPU the workers of this machine together against its available
+    RAM, on CUDA each worker against its GPU. Not for ``simulate`` or ``profile``, which train
+    nothing of that size here."""
+    if not cfg.run.memory_check:
+        return
     mb = cfg.train.batch_size // cfg.pipeline.microbatches
     stages = memory.estimate(cfg, sources.example(cfg, mb)[0])
     if stages is None:
@@ -145,8 +147,8 @@ def _check_memory(cfg: DictConfig) -> None:
     ranks = cluster.ranks_on(cfg.run.node) if cluster.real else range(cfg.cluster.pipelines * S)
     fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "
              "pipeline.activation_checkpointing=true (run.memory_check=false to try anyway)")
-    worst = max(stages, key=lambda e: e.total)
     if cfg.cluster.device == "cpu":
+        worst = max(stages, key=lambda e: e.total)
         need = sum(stages[r % S].total for r in ranks)
         have = psutil.virtual_memory().available
         if need > have:
@@ -425,9 +427,10 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
                                                  tolerate, graceful=job.graceful,
                                                  workers=P * S, phase=phase, restarts=restarts,
                                                  restart=restart, pipelines=P,
-                                                 # a stranded worker gives up at run.timeout
-                                                 stranded_s=min(supervision.STRANDED_S,
-                                                                cfg.run.timeout / 2))
+                                                 # a stranded worker gives up at run.timeout;
+                                                 # 10 s at least for a slow teardown (NCCL)
+                                                 stranded_s=max(10.0, min(supervision.STRANDED_S,
+                                                                          cfg.run.timeout / 2)))
         result.returncode = (2 if result.bad_input else 1) if result.failure else \
             130 if interrupted else 0
         result.interrupted = interrupted

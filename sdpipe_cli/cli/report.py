@@ -83,7 +83,8 @@ def timelines(run: Run) -> list[Run]:
     cuts = []
     reached: dict[int, int] = {}  # pipeline -> the furthest iteration a train line reported
     for i, m in enumerate(run.lines):
-        if m.get("kind") == "resume" and isinstance(m.get("steps"), dict) and any(
+        if m.get("kind") == "resume" and _number(m.get("time")) and isinstance(
+                m.get("steps"), dict) and any(
                 reached.get(int(p), -1) > k for p, k in m["steps"].items()
                 if str(p).isdigit() and isinstance(k, int)):
             cuts.append(i)
@@ -97,13 +98,17 @@ def timelines(run: Run) -> list[Run]:
         lines, label = run.lines[start:end], run.label
         if start:
             branch = run.lines[start]
-            at = branch.get("at", branch["time"])
+            at = branch["at"] if _number(branch.get("at")) else branch["time"]
             past = [m for m in run.lines[:start]
                     if not isinstance(m.get("time"), (int, float)) or m["time"] <= at]
             lines = past + lines
             label = f"{run.label} (resumed from {branch.get('checkpoint', 'a checkpoint')})"
         out.append(Run(run.path, run.config, lines, label))
     return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def from_first_iteration(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -140,12 +145,13 @@ REQUIRED = {"train": ("time", "pipeline", "samples"), "eval": ("time", "val_loss
 
 
 def read_lines(metrics: Path) -> list[dict[str, Any]]:
-    """The lines of ``metrics.jsonl``, each checked where the figures read it: a line that is not
-    a JSON object, or whose field has the wrong type, is a ConfigError naming ``file:line``. A
-    last line cut short (being written while we read) is left out."""
+    """The lines of ``metrics.jsonl``, each checked where the figures read it: a JSON value that is
+    not an object, or whose field has the wrong type, is a ConfigError naming ``file:line``. A
+    line cut short is left out: the last one may be being written while we read, and a process
+    killed mid-line (then restarted, appending) leaves one inside the file."""
     try:
-        texts = metrics.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
+        texts = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as err:
         raise ConfigError(str(metrics), f"cannot be read: {err}") from None
     lines = []
     for number, text in enumerate(texts, 1):
@@ -154,21 +160,19 @@ def read_lines(metrics: Path) -> list[dict[str, Any]]:
         where = f"{metrics}:{number}"
         try:
             line = json.loads(text)
-        except ValueError as err:
-            if number == len(texts):
-                continue
-            raise ConfigError(where, f"not JSON ({err})") from None
+        except ValueError:
+            continue
         if not isinstance(line, dict):
             raise ConfigError(where, f"a metrics line is a JSON object, not {type(line).__name__}")
         kind = line.get("kind")
         for name in REQUIRED.get(kind, ()):
             if name not in line:
-                raise ConfigError(where, f"a {kind} line lacks {name!r}")
+                raise ConfigError(where, f"a {kind!r} line lacks {name!r}")
         for name, (types, nullable) in FIELDS.get(kind, {}).items():
             value = line.get(name)
             if name in line and not (value is None and nullable) and (
                     isinstance(value, bool) or not isinstance(value, types)):
-                raise ConfigError(where, f"{name!r} of a {kind} line should be "
+                raise ConfigError(where, f"{name!r} of a {kind!r} line should be "
                                          f"{'a number' if types is _NUMBER else 'an integer'}"
                                          f"{' or null' if nullable else ''}, not {json.dumps(value)[:30]}")
         lines.append(line)
@@ -280,7 +284,8 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
     names = labels(runs)
     for run, name in zip(runs, names):
         run.label = name
-    runs = [part for run in runs for part in timelines(run)]
+    # loss and accuracy per timeline; the other figures count each update once, per run
+    branches = [part for run in runs for part in timelines(run)]
     written = []
 
     def save(fig, name: str) -> None:
@@ -290,7 +295,7 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
         written.append(path)
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
-    for run in runs:
+    for run in branches:
         t, n, loss = mean_loss(run)
         vt, vn, val = validation(run)
         line, = axes[0].plot(t, loss, alpha=0.6, label=f"{run.label} train")
@@ -306,7 +311,7 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
     axes[1].set_title("loss against samples")
     save(fig, "loss.png")
 
-    classified = [run for run in runs if any("val_accuracy" in m for m in run.kind("eval"))]
+    classified = [run for run in branches if any("val_accuracy" in m for m in run.kind("eval"))]
     if classified:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
         for run in classified:

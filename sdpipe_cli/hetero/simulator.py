@@ -9,6 +9,7 @@ changes, links and seeded stragglers, and the ``simulate`` section's costs of th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -87,7 +88,10 @@ def workload(cfg: DictConfig) -> Workload:
 
 def _for_sync(work: Workload, cfg: DictConfig) -> Workload:
     """``work`` under ``cfg``'s sync settings (the only part of a workload they change)."""
-    return dataclasses.replace(work, **_sync_settings(cfg))
+    # the straggler draws are generators: each mode gets its own copy, as it had its own workload,
+    # so every mode sees the same slow-downs whatever was simulated before it
+    return dataclasses.replace(work, stragglers=copy.deepcopy(work.stragglers),
+                               **_sync_settings(cfg))
 
 
 def _sync_settings(cfg: DictConfig) -> dict:

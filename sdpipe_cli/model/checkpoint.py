@@ -78,22 +78,28 @@ def save_shard(directory: os.PathLike | str, name: str, state: dict[str, Any]) -
         os.replace(tmp, path)
     except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError) or "No space left" in str(err):  # torch wraps write errors
+        # torch wraps a failed write in a RuntimeError ("file write failed")
+        if isinstance(err, OSError) or any(t in str(err) for t in ("No space left", "write failed")):
             raise SaveFailed(path, err) from err
         raise
     return path
 
 
 class SaveFailed(RuntimeError):
-    """A checkpoint file that could not be written (a full disk, a lost mount): names the file
-    and the latest complete checkpoint, which the failed save left as it was."""
+    """A checkpoint that could not be written (a full disk, a lost mount, a shard that never
+    came): names the file and the latest complete checkpoint, which the failed save left as it
+    was. Not bad input: the run may be restarted."""
 
-    def __init__(self, path: Path, err: BaseException):
-        run = path.parent.parent.parent  # <run>/checkpoints/.staging-step_N/<file>
+    def __init__(self, path: Path, err: "BaseException | str"):
+        folder = path if path.name.startswith((STAGING_PREFIX, "step_")) else path.parent
+        run = folder.parent.parent  # <run>/checkpoints/<staging or step folder>
         newest = latest(run) if run.is_dir() else None
-        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
-        super().__init__(f"{path}: cannot be written ({reason}); the latest complete checkpoint "
-                         f"is {newest or 'none yet'}")
+        what = err if isinstance(err, str) else (
+            getattr(err, "strerror", None) or str(err).splitlines()[0])
+        self.path = str(path)
+        self.reason = (f"cannot be written ({what}); the latest complete checkpoint is "
+                       f"{newest or 'none yet'}")
+        super().__init__(f"{self.path}: {self.reason}")
 
 
 def discard_staging(run_dir: os.PathLike | str) -> list[Path]:
@@ -124,10 +130,10 @@ def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expect
     """
     staging, final = staging_dir(run_dir, step), final_dir(run_dir, step)
     if not staging.is_dir():
-        raise CheckpointError(staging, "does not exist: no shard was saved for this step")
+        raise SaveFailed(staging, "does not exist: no shard was saved for this step")
     for name in expected:
         if not (staging / shard_name(name)).is_file():
-            raise CheckpointError(staging / shard_name(name), "missing: a shard was not saved")
+            raise SaveFailed(staging / shard_name(name), "missing: a shard was not saved")
     reserved = {"step", "files"} & meta.keys()
     if reserved:
         raise CheckpointError(staging, f"meta must not set {sorted(reserved)}")
@@ -147,7 +153,7 @@ def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expect
     try:
         os.rename(staging, final)
     except OSError as err:
-        raise CheckpointError(final, f"cannot rename the staging folder into place: {err}") from err
+        raise SaveFailed(final, err) from err
     _fsync_dir(checkpoints_dir(run_dir))
     if keep > 0:
         _prune(run_dir, keep)

@@ -12,26 +12,18 @@ launcher died before it asked. Elsewhere (a process whose parent is not the laun
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import sys
 
-PR_SET_PDEATHSIG = 1
+from sdpipe_cli.runtime.processes import die_with_parent
 
 
 def _guard() -> None:
     launcher = os.environ.get("SDPIPE_LAUNCHER_PID", "")
-    if not launcher.isdigit() or not sys.platform.startswith("linux"):
-        return
-    if os.getppid() != int(launcher):
+    if not launcher.isdigit() or os.getppid() != int(launcher):
         return  # not the launcher's fork server, or the launcher is already gone (checked below)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(launcher):  # it died between the two looks: no signal will come
-        os._exit(1)
+    if die_with_parent(signal.SIGKILL) and os.getppid() != int(launcher):
+        os._exit(1)  # it died between the two looks: no signal will come
 
 
 _guard()

@@ -88,13 +88,16 @@ def preload(modules: Sequence[str], env: dict[str, str]) -> None:
         os.environ.update(saved)
 
 
-def die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux)."""
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux); whether it
+    could."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+            return True
+        except (OSError, AttributeError):
             pass
+    return False
 
 
 LAUNCHER_POLL_S = 1.0  # how often a child looks whether its launcher is still there

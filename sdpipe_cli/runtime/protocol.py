@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import json
 import math
 import types
@@ -127,8 +128,6 @@ class Restart:
     backoff_s: float = 0.0
     time: float = 0.0
 
-
-JSON = Union[None, bool, int, float, str, list, dict]
 
 # The fields of each report kind that a reader acts on, and their types: (required, optional).
 # A report may carry more (a sync mode's statistics), left as they are.
@@ -320,13 +319,11 @@ def _json(raw: Union[str, bytes], key: str) -> Any:
 def _build(cls: type, value: Any, key: str) -> Any:
     if not isinstance(value, dict):
         raise ProtocolError(key, f"{cls.__name__} is a JSON object, not {_show(value)}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    hints, names, required = _schema(cls)
     unknown = sorted(set(value) - names)
     if unknown:
         raise ProtocolError(key, f"{cls.__name__} has no field {unknown[0]!r}")
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in value
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in value]
     if missing:
         raise ProtocolError(key, f"{cls.__name__} lacks field {missing[0]!r}")
     args = {name: _conform(v, hints[name], key, name) for name, v in value.items()}
@@ -334,6 +331,16 @@ def _build(cls: type, value: Any, key: str) -> Any:
         return cls(**args)
     except ValueError as err:
         raise ProtocolError(key, f"{cls.__name__}: {err}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(cls: type) -> tuple[dict[str, Any], frozenset, tuple[str, ...]]:
+    """A message class's field types, names and required names: read once per class (the
+    scheduler decodes an event per worker and iteration)."""
+    fields = dataclasses.fields(cls)
+    required = tuple(f.name for f in fields if f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    return typing.get_type_hints(cls), frozenset(f.name for f in fields), required
 
 
 def _conform(value: Any, hint: Any, key: str, name: str) -> Any:

@@ -9,7 +9,9 @@ outer step waits for every replica, as all-reduce does each iteration: a straggl
 the pace, once per outer step.
 
 With ``local_steps=1``, ``outer_lr=1`` and ``outer_momentum=0`` the outer step is the mean of the
-replicas' updated weights: for plain SGD, exactly gradient all-reduce.
+replicas' updated weights: for plain SGD, exactly gradient all-reduce. The run's last update
+(``train.steps``) is an outer step too, so the replicas end identical; a time limit or a stop
+request ends the run at the next outer step.
 
 The anchor, the outer momentum and the count of updates are the strategy's state: they are in
 the worker's checkpoint shard (``sync``), so a resumed run takes its next outer step where the
@@ -33,16 +35,25 @@ class DilocoSync(Sync):
     mixes_weights = True  # the replicas' weights are averaged (tied copies: training/tied.py)
 
     def __init__(self, groups: Optional[GroupCache], replicas: list[int], local_steps: int,
-                 outer_lr: float, outer_momentum: float, agree: Optional[Sync]):
+                 outer_lr: float, outer_momentum: float, agree: Optional[Sync], steps: int):
         self.groups, self.replicas = groups, replicas
         self.local_steps, self.outer_lr, self.mu = local_steps, outer_lr, outer_momentum
         self.agree = agree  # lock-step: every replica must stop at the same update
+        self.steps = steps  # the budget (train.steps): the last update is an outer step too
         self.updates = 0
         self.anchor: Optional[torch.Tensor] = None  # the weights after the last outer step
         self.momentum: Optional[torch.Tensor] = None
         self._stats: dict[str, Any] = {}
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
+        """Replicas stop together, and only where they meet: at an outer step. The budget is the
+        same number on every replica, so it needs no message; a time limit or a stop request
+        (``timed_out``, seen by each replica at its own moment) is agreed on at the next outer
+        step, in one all-reduce there, instead of one every iteration."""
+        if step >= self.steps:
+            return False
+        if step % self.local_steps:  # between outer steps: go on to the next one
+            return True
         return self.agree.should_continue(step, local_go, timed_out) if self.agree else local_go
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
@@ -54,7 +65,7 @@ class DilocoSync(Sync):
 
     def after_step(self, module: nn.Module, step: int) -> None:
         self.updates += 1
-        if self.updates % self.local_steps:
+        if self.updates % self.local_steps and self.updates != self.steps:
             self._stats = {"group_size": 1, "comm_s": 0.0}
             return
         start = time.perf_counter()

@@ -349,9 +349,11 @@ class PSSync(Sync):
 
 def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
               device: torch.device, seed: int = 0,
-              optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0) -> Sync:
+              optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,
+              steps: int = 0) -> Sync:
     """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
-    whose state sdpipe's global syncs average, see :class:`GroupSync`)."""
+    whose state sdpipe's global syncs average, see :class:`GroupSync`; ``steps``: the run's
+    ``train.steps``, which a strategy that meets only now and then needs to end together)."""
     name = settings.name
     p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
     if name == "sdpipe":
@@ -362,7 +364,7 @@ def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: P
     if name == "diloco":
         agree = AllReduceSync(groups, where.replicas(), device) if P > 1 else None
         return DilocoSync(groups, where.replicas(), settings.local_steps, settings.outer_lr,
-                          settings.outer_momentum, agree)
+                          settings.outer_momentum, agree, steps)
     if name == "none" or P == 1:
         return Sync()
     if name == "allreduce":

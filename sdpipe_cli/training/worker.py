@@ -84,7 +84,7 @@ class Worker:
         self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
                               device=device, seed=cfg.train.seed, optimizer=self.optimizer,
-                              incarnation=incarnation)
+                              incarnation=incarnation, steps=cfg.train.steps)
         self.pipeline_groups = pipeline_groups
         self.cluster = Cluster.from_config(cfg.cluster, where.stages)
         self.placed = self.cluster.device(p, s)
@@ -337,8 +337,9 @@ class Worker:
                  "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
         if self.feed is not None:
             state["data"] = self.feed.state_dict(step)
-        if self.sync.state_dict():
-            state["sync"] = self.sync.state_dict()
+        sync_state = self.sync.state_dict()
+        if sync_state:
+            state["sync"] = sync_state
         checkpoint.save_shard(checkpoint.staging_dir(self.run_dir, ckpt), str(w.rank), state)
         self._last_save, self._saved_step = time.monotonic(), step
         self.emit("saved", checkpoint=ckpt, step=step)

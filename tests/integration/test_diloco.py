@@ -45,3 +45,16 @@ def test_local_steps_train_meet_identical_and_resume_exactly(tmp_path):
     again = resumed_losses(run, tmp_path / "copy", "step_16")
     assert again and all(again[k] == trained[k] for k in again), (again, trained)
     assert digests(tmp_path / "copy") == final
+
+
+def test_a_time_limit_ends_the_run_at_an_outer_step(tmp_path):
+    """Replicas meet only at outer steps, so that is where they agree to stop: every pipeline
+    ends at the same multiple of local_steps, with identical weights."""
+    run = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run}", *BASE, "train.steps=100000", "train.time_limit=3",
+                 "sync=diloco", "sync.local_steps=4")
+    assert out.returncode == 0, out.stderr
+    done = {m["pipeline"]: m["steps"] for m in metrics(run) if m["kind"] == "done"}
+    assert len(set(done.values())) == 1 and next(iter(done.values())) % 4 == 0, done
+    final = digests(run)
+    assert final[(0, 0)] == final[(1, 0)] and final[(0, 1)] == final[(1, 1)]

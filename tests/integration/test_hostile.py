@@ -185,11 +185,12 @@ ROWS = [
     Row("optimizer of other parameters",
         shard_changed(lambda s: s["optimizer"]["param_groups"][0]["params"].pop()), 2,
         "optimizer state is for other parameters"),
-    Row("metrics line not JSON", metrics_file('{"kind": "note"}\n{oops\n{"kind": "x"}\n'), 2,
-        "metrics.jsonl:2"),
+    Row("metrics eval line without its loss", metrics_file(
+        '{"kind": "note"}\n{oops\n{"kind": "eval", "time": 1.0}\n'), 2,
+        "metrics.jsonl:3: a 'eval' line lacks 'val_loss'"),
     Row("metrics loss of the wrong type", metrics_file(
         '{"kind": "train", "time": 1, "pipeline": 0, "samples": 8, "loss": "low"}\n'), 2,
-        "'loss' of a train line"),
+        "'loss' of a 'train' line"),
     Row("metrics line not an object", metrics_file("[1, 2]\n{}\n"), 2, "a metrics line is a JSON object"),
     Row("config.yaml not text", config_bytes, 2, "config.yaml"),
     # forged store values, while a P=2 x S=2 run trains

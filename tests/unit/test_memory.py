@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdpipe_cli.cli.launcher import prepare
+from sdpipe_cli.cli.launcher import check_memory, prepare
 from sdpipe_cli.config.schema import ConfigError, compose
 from sdpipe_cli.core.schedule import async_one_f_one_b, gpipe, in_flight, one_f_one_b
 from sdpipe_cli.data import sources
@@ -62,5 +62,6 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimate():
                                           r"about [\d.]+ GiB \(stage \d: .*activations .* GiB x \d "
                                           r"micro-batch\(es\) in flight\), but [\d.]+ GiB is "
                                           r"available; lower train.batch_size"):
-        prepare(compose(["model=gpt_tiny", "train.batch_size=1048576"]))
-    prepare(compose(["model=gpt_tiny", "train.batch_size=1048576", "run.memory_check=false"]))
+        check_memory(prepare(compose(["model=gpt_tiny", "train.batch_size=1048576"]))[0])
+    check_memory(prepare(compose(["model=gpt_tiny", "train.batch_size=1048576",
+                                  "run.memory_check=false"]))[0])
