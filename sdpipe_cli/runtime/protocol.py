@@ -67,15 +67,11 @@ class Ready:
 
 
 @dataclass(frozen=True)
-class Begin:
-    """Asynchronous schedules: the first stage of ``pipeline`` is about to start ``iteration``."""
+class Begin(Ready):
+    """Asynchronous schedules: the first stage of ``pipeline`` is about to start ``iteration``
+    (the fields of :class:`Ready`)."""
 
     type = "begin"
-    rank: int
-    pipeline: int
-    stage: int
-    iteration: int
-    incarnation: int = 0
 
 
 @dataclass(frozen=True)
