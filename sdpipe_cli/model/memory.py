@@ -13,7 +13,8 @@ Per worker of stage ``s`` (bytes):
   stage's blocks on meta tensors with autograd's saved-tensor hooks (parameters left out), times
   the micro-batches the schedule keeps in flight at once (1F1B: ``S - s``; GPipe: all of them);
   with activation checkpointing, each block's input instead, and one block's saved tensors;
-- an asynchronous schedule's stashed weight versions (one per micro-batch in flight);
+- an asynchronous schedule's stashed weight versions besides the current one (PipeDream: one
+  per other micro-batch in flight; 2BW, ``pipeline.weight_versions=2``: one);
 - the interpreter and torch (:data:`PROCESS_BYTES`, CPU only: on a GPU it is host memory).
 
 It is an estimate from above for the tensors and a typical figure for the process: allocator
@@ -49,7 +50,7 @@ class StageMemory:
     training: int  # gradients, optimizer state, all-reduce buffers
     activations: int  # saved for the backward, one micro-batch
     in_flight: int  # micro-batches whose activations are held at once
-    stashed: int  # weight versions an asynchronous schedule keeps
+    stashed: int  # weight versions an asynchronous schedule keeps besides the current one
     process: int  # the process itself
 
     @property
@@ -89,9 +90,15 @@ def estimate(cfg: DictConfig, example: Any) -> Optional[list[StageMemory]]:
         flying = in_flight(schedule(p.stages, p.microbatches, s))
         out.append(StageMemory(
             stage=s, weights=params + buffers, training=params * (1 + slots + sync_copies),
-            activations=held, in_flight=flying, stashed=flying if asynchronous else 0,
+            activations=held, in_flight=flying, stashed=_stashed(p, flying) if asynchronous else 0,
             process=PROCESS_BYTES if cfg.cluster.device == "cpu" else 0))
     return out
+
+
+def _stashed(p: DictConfig, flying: int) -> int:
+    """Weight copies besides the current one: 2BW keeps two versions, PipeDream one per
+    micro-batch in flight."""
+    return 1 if p.get("weight_versions") == 2 else max(flying - 1, 0)
 
 
 def _saved_per_block(blocks: Sequence[nn.Module], example: Any) -> tuple[list[int], list[int]]:

@@ -65,3 +65,15 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimate():
         check_memory(prepare(compose(["model=gpt_tiny", "train.batch_size=1048576"]))[0])
     check_memory(prepare(compose(["model=gpt_tiny", "train.batch_size=1048576",
                                   "run.memory_check=false"]))[0])
+
+
+def test_asynchronous_schedules_hold_their_stashed_weight_versions():
+    """PipeDream keeps a weight version per micro-batch in flight (S - s on stage s, the current
+    one included); 2BW keeps two. Flushed schedules keep none."""
+    def stashed(*overrides):
+        return [e.stashed for e in memory.estimate(*prepared("model=gpt_tiny", "pipeline.stages=3",
+                                                                 "pipeline.microbatches=4",
+                                                                 *overrides))]
+    assert stashed() == [0, 0, 0]
+    assert stashed("pipeline.schedule=async_1f1b") == [2, 1, 0]
+    assert stashed("pipeline.schedule=async_1f1b", "pipeline.weight_versions=2") == [1, 1, 1]
