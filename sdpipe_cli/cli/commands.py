@@ -214,16 +214,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _parser().print_help()
         return EXIT_USAGE
     err = _console()
-    try:
-        if getattr(args, "config_dir", None):
-            args.overrides = [*_searchpath(args.config_dir), *args.overrides]
-    except ConfigError as bad:
-        err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
-        return EXIT_USAGE
     # Until a launch starts processes, an interrupt ends sdpipe at once (imports of C extensions
     # must not be interrupted by an exception); the launch then handles its own interrupts.
     previous = exit_on_interrupt("preparing the run")
     try:
+        if getattr(args, "config_dir", None):
+            args.overrides = [*_searchpath(args.config_dir), *args.overrides]
         if args.command == "train" and args.multirun:
             return sweep_train(args.overrides, console=err)
         if args.command == "train":

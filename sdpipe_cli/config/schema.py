@@ -525,10 +525,8 @@ def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") 
             continue
         name = f"{prefix}{key}"
         if key not in schema:
-            import difflib
-
-            close = difflib.get_close_matches(str(key), [str(k) for k in schema.keys()], n=1, cutoff=0.6)
-            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            close = _closest(str(key), schema.keys())
+            hint = f"did you mean '{prefix}{close}'? " if close else ""
             raise ConfigError(name, f"is not a setting of sdpipe ({hint}known here: "
                                     f"{', '.join(schema.keys())})")
         free_form = OmegaConf.get_type(schema, key) is dict  # Dict[str, Any]: model.hf, model.kwargs
@@ -593,8 +591,6 @@ def _causes(err: BaseException) -> list[BaseException]:
 
 def _nearest(key: str) -> str:
     """``; did you mean 'train.steps'?`` for a misspelled ``train.stepz``, else ``''``."""
-    import difflib
-
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.structured(Config)
     try:
@@ -603,8 +599,16 @@ def _nearest(key: str) -> str:
         return ""
     if not isinstance(node, DictConfig):
         return ""
-    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1, cutoff=0.6)
-    return f"; did you mean '{parent + '.' if parent else ''}{close[0]}'?" if close else ""
+    close = _closest(leaf, node.keys())
+    return f"; did you mean '{parent + '.' if parent else ''}{close}'?" if close else ""
+
+
+def _closest(word: str, known) -> Optional[str]:
+    """The known key nearest to a misspelled ``word`` (difflib's ratio 0.6 or more), if any."""
+    import difflib
+
+    close = difflib.get_close_matches(word, [str(k) for k in known], n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def need(ok: bool, key: str, reason: str) -> None:
