@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -36,11 +35,11 @@ from rich.table import Table
 from sdpipe_cli import __version__
 
 from sdpipe_cli.runtime import network
+from sdpipe_cli.cli import resuming
 from sdpipe_cli.cli.interrupts import exit_on_interrupt
 from sdpipe_cli.config import job_env
 from sdpipe_cli.core.errors import BadInput
-from sdpipe_cli.config.schema import (ConfigError, compose, group_options, schema_for,
-                                     validate)
+from sdpipe_cli.config.schema import ConfigError, compose, group_options, validate
 from sdpipe_cli.runtime.errors import CheckpointError, DataError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -78,15 +77,6 @@ Needs matplotlib: pip install matplotlib."""
 RESUME_HELP = """Continue a run from its latest complete checkpoint (or a given one), with the saved
 config, in the same run folder; metrics are appended. Only settings that the saved state does not
 depend on may change (KEY=VALUE)."""
-
-# What a resumed run may change: its length, logging, timeouts, where it runs, and the learning
-# rate and clipping (to go back before a divergence with a lower rate). Everything else (model,
-# data, partition, sync, the optimizer's kind and state) shaped the saved state.
-RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_every", "train.lr",
-             "train.grad_clip", "train.on_nonfinite", "train.max_skipped",
-             "run.timeout", "run.heartbeat_timeout", "run.port", "run.save_final",
-             "checkpoint.every", "checkpoint.keep", "cluster.host", "cluster.device",
-             "data.eval_batches", "data.num_workers", "data.prefetch", "data.verify")
 
 PREPARE_HELP = """Tokenize text into memory-mapped shards for data=tokens data.path=DIR: text files,
 JSON lines (--text-key), parquet, folders of them, or `stdlib` (the Python standard library's
@@ -130,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     resume.add_argument("path", metavar="PATH", help="a run folder (its latest complete "
                         "checkpoint) or one checkpoint folder")
     resume.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help=f"safe changes only: {', '.join(RESUMABLE)}")
+                        help=f"safe changes only: {', '.join(resuming.RESUMABLE)}; the layout: "
+                        f"{', '.join(resuming.LAYOUT)} (the checkpoint is resharded)")
     prep = sub.add_parser("prepare", help="tokenize text into shards for data=tokens",
                           description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = prep.add_subparsers(dest="kind", metavar="KIND", required=True)
@@ -444,27 +435,8 @@ def _run_config(overrides: Sequence[str], show_config: bool, console: Console):
 
 
 def resume(path: str, overrides: Sequence[str], console: Console) -> int:
-    from sdpipe_cli.model import checkpoint
-    from sdpipe_cli.cli import launcher
-
-    ckpt = checkpoint.resolve(path)
-    for skipped in checkpoint.damaged(checkpoint.run_dir_of(ckpt)):
-        console.print(f"sdpipe: warning: {skipped} has no readable manifest (cut short or damaged): "
-                      "passed over, and kept", markup=False, highlight=False, soft_wrap=True)
-    manifest = checkpoint.verify_run(ckpt)  # every shard's checksum, before anything starts
-    try:
-        saved = OmegaConf.merge(schema_for(manifest["config"]["sync"]["name"]), manifest["config"])
-    except (ConfigError, OmegaConfBaseException) as err:
-        raise CheckpointError(ckpt / checkpoint.MANIFEST,
-                              f"its config does not fit this sdpipe: {str(err).splitlines()[0]}") from None
-    cfg = _apply_resume_overrides(saved, overrides)
-    cfg.run.dir = str(checkpoint.run_dir_of(ckpt))  # the run folder may have moved since
-    validate(cfg)
-    network.check_hosts(cfg)
-    console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
-                  highlight=False)
-    return _run(launcher.prepare(cfg)[0], console, resume=ckpt, elapsed=manifest["elapsed"],
-                done=sum(manifest["steps"].values()))
+    leg = resuming.prepare(path, overrides, console)
+    return _run(leg.cfg, console, resume=leg.checkpoint, elapsed=leg.elapsed, done=leg.done)
 
 
 def profile(overrides: Sequence[str], show_config: bool = False,
@@ -540,21 +512,6 @@ def report(paths: Sequence[str], out: Optional[str], console: Console) -> int:
     return 0
 
 
-def _apply_resume_overrides(saved, overrides: Sequence[str]):
-    for item in overrides:
-        key = item.split("=", 1)[0].lstrip("+~")
-        if "=" not in item:
-            raise ConfigError(key or "overrides", f"'{item}' is not KEY=VALUE")
-        if key not in RESUMABLE:
-            raise ConfigError(key, "cannot change when resuming: the saved state depends on it "
-                              f"(resume may change {', '.join(RESUMABLE)})")
-    try:
-        return OmegaConf.merge(saved, OmegaConf.from_dotlist(list(overrides)))
-    except Exception as err:  # OmegaConf's validation errors name the key
-        key = getattr(err, "full_key", None) or "overrides"
-        raise ConfigError(key, str(err).splitlines()[0]) from None
-
-
 def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float = 0.0) -> int:
     """Launch the run and show it: from ``resume`` (a verified checkpoint) at run-clock ``elapsed``
     seconds if given (``sdpipe resume``). With ``fault.on_failure=restart`` a failed launch is
@@ -569,6 +526,7 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
                 if run_cfg.fault.on_failure == "restart" else None)
     began, origin = time.monotonic(), time.time() - elapsed  # origin: the run clock's zero
     run_dir = None  # the first launch makes the run folder (or resumes in its own)
+    started_from = resume
     preparing: Optional[dict] = None  # the handlers before the first launch's report
     while True:
         display = _ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
@@ -582,7 +540,7 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
             break  # an interrupt is never restarted, nor a run stopped before its folder existed
-        leg = _restart(console, result, restarts, origin)
+        leg = _restart(console, result, restarts, origin, run_cfg, started_from)
         if leg is None:
             break
         run_dir, (resume, done) = result.run_dir, leg
@@ -600,14 +558,14 @@ def _run(run_cfg, console: Console, done: int = 0, resume=None, elapsed: float =
             signal.signal(sig, handler)
 
 
-def _restart(console: Console, failed, restarts, origin: float):
+def _restart(console: Console, failed, restarts, origin: float, run_cfg, started_from):
     """What follows the ``failed`` launch of a run with ``fault.on_failure=restart``: (the
     checkpoint to resume from, or None to start again from scratch, and the iterations it holds),
     once the back-off has passed; None when the run ends instead, with ``failed`` saying why (the
     budget is used up, or an interrupt came during the back-off).
 
-    The checkpoint is the run's newest complete one whose files check out; without one the run
-    starts again in its folder. Says so on stderr and in ``metrics.jsonl`` (a ``restart`` line,
+    The checkpoint is the run's newest complete one of this layout whose files check out (or the
+    one the run was resumed from); without one the run starts again in its folder. Says so on stderr and in ``metrics.jsonl`` (a ``restart`` line,
     with the iterations each pipeline will do again: the last it reached minus the checkpoint's).
     """
     import time
@@ -620,14 +578,15 @@ def _restart(console: Console, failed, restarts, origin: float):
     if wait is None:
         failed.failure += f" (restarts used up: fault.max_restarts={restarts.limit})"
         return None
-    ckpt, steps = None, {}
-    for candidate in reversed(checkpoint.complete_checkpoints(failed.run_dir)):
+    ckpt, manifest = None, {"steps": {}}
+    for candidate in resuming.restart_points(failed.run_dir, run_cfg, started_from):
         try:
-            steps = checkpoint.verify(candidate)["steps"]
+            manifest = checkpoint.verify(candidate)
         except CheckpointError:
             continue
         ckpt = candidate
         break
+    steps = manifest["steps"]
     reached = {str(p): s["steps"] for p, s in failed.progress.get("pipelines", {}).items()}
     redone = {p: max(0, k - int(steps.get(p, 0))) for p, k in sorted(reached.items())}
     where = (f"{ckpt.relative_to(failed.run_dir)}" if ckpt is not None
@@ -639,7 +598,7 @@ def _restart(console: Console, failed, restarts, origin: float):
     try:
         log.write({"kind": "restart", "restart": restarts.used,
                    "time": round(time.time() - origin, 4), "reason": failed.failure,
-                   "from_checkpoint": None if ckpt is None else int(ckpt.name.split("_")[-1]),
+                   "from_checkpoint": None if ckpt is None else manifest["step"],
                    "redone": redone, "backoff_s": wait})
     finally:
         log.close()

@@ -128,7 +128,15 @@ def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expect
     ``expected`` names the shards that must be there. With ``keep > 0``, only the newest ``keep``
     complete checkpoints survive; a failure to prune is logged, never raised.
     """
-    staging, final = staging_dir(run_dir, step), final_dir(run_dir, step)
+    final = seal(staging_dir(run_dir, step), final_dir(run_dir, step), step, meta, expected)
+    if keep > 0:
+        _prune(run_dir, keep)
+    return final
+
+
+def seal(staging: Path, final: Path, step: int, meta: dict[str, Any], expected: list[str]) -> Path:
+    """Make the shards in ``staging`` the checkpoint ``final`` (of ``step``): check that the
+    ``expected`` shards are there, write the manifest, fsync, and rename in one step."""
     if not staging.is_dir():
         raise SaveFailed(staging, "does not exist: no shard was saved for this step")
     for name in expected:
@@ -147,20 +155,19 @@ def finalize(run_dir: os.PathLike | str, step: int, meta: dict[str, Any], expect
     except OSError as err:
         raise SaveFailed(staging / MANIFEST, err) from err
     if final.exists():  # a damaged one, or another timeline's (a resume of an older checkpoint)
-        aside = _free_name(final, ".superseded")
+        aside = free_name(final, ".superseded")
         os.rename(final, aside)
         log.warning("%s already existed: kept as %s (never pruned)", final, aside.name)
     try:
         os.rename(staging, final)
     except OSError as err:
         raise SaveFailed(final, err) from err
-    _fsync_dir(checkpoints_dir(run_dir))
-    if keep > 0:
-        _prune(run_dir, keep)
+    _fsync_dir(final.parent)
     return final
 
 
-def _free_name(path: Path, suffix: str) -> Path:
+def free_name(path: Path, suffix: str) -> Path:
+    """``path`` with ``suffix-N`` added, the first N that names nothing yet."""
     n = 1
     while path.with_name(f"{path.name}{suffix}-{n}").exists():
         n += 1
@@ -178,17 +185,25 @@ def damaged(run_dir: os.PathLike | str) -> list[Path]:
 
 
 def complete_checkpoints(run_dir: os.PathLike | str) -> list[Path]:
-    """Every ``step_<N>`` folder with a readable manifest, oldest step first."""
+    """Every ``step_<N>`` folder with a readable manifest, oldest first: by the iterations all
+    pipelines did together (a run resumed on another number of pipelines numbers its
+    checkpoints by its own average pipeline), then by N."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
         match = _STEP_DIR.fullmatch(entry.name)
-        if match and entry.is_dir() and _has_manifest(entry):
-            found.append((int(match.group(1)), entry))
-    return [path for _, path in sorted(found)]
-
+        if not (match and entry.is_dir()):
+            continue
+        try:
+            manifest = read_manifest(entry)
+        except CheckpointError:
+            continue
+        step = int(match.group(1))
+        steps = manifest.get("steps")
+        found.append((sum(steps.values()) if isinstance(steps, dict) else step, step, entry))
+    return [path for _, _, path in sorted(found)]
 
 def latest(run_dir: os.PathLike | str) -> Path | None:
     complete = complete_checkpoints(run_dir)

@@ -24,6 +24,9 @@ class Sync:
     # syncs): if not, every replica stops at the same iterations, and a checkpoint may fall on any
     # multiple of ``checkpoint.every`` and at the end of the run.
     scheduled_checkpoints = False
+    # Keys of :meth:`state_dict` that hold one flat vector over the stage's parameters (in their
+    # order): a resharded checkpoint cuts them into parameters and joins them again
+    flat_state: tuple[str, ...] = ()
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return local_go

@@ -33,6 +33,7 @@ from sdpipe_cli.sync.base import Sync
 class DilocoSync(Sync):
     name = "diloco"
     mixes_weights = True  # the replicas' weights are averaged (tied copies: training/tied.py)
+    flat_state = ("anchor", "momentum")
 
     def __init__(self, groups: Optional[GroupCache], replicas: list[int], local_steps: int,
                  outer_lr: float, outer_momentum: float, agree: Optional[Sync], steps: int):

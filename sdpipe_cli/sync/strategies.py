@@ -347,6 +347,14 @@ class PSSync(Sync):
         dist.send(header, self.server, tag=self.HEADER_TAG)
 
 
+def strategy_class(name: str) -> type[Sync]:
+    """The worker strategy of sync mode ``name``, for what it is rather than one of its objects."""
+    for cls in (Sync, AllReduceSync, GroupSync, GossipSync, PSSync, DilocoSync):
+        if cls.name == name:
+            return cls
+    raise ValueError(f"sync.name: unknown strategy '{name}'")
+
+
 def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
               device: torch.device, seed: int = 0,
               optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,

@@ -1,0 +1,162 @@
+"""``sdpipe resume``: from a checkpoint and the user's changes to the run config of the next leg,
+resharded first when the layout changed.
+
+A resumed run keeps the saved config except where the user changes it, and may change only
+what the saved state does not depend on (:data:`RESUMABLE`), plus the layout: where the run
+runs (``cluster=NAME``, any ``cluster.*`` key, ``profile``) and how the model is split
+(``cluster.pipelines``, ``pipeline.stages``, ``pipeline.partition``). A new layout is resumed
+from a checkpoint written for it (:mod:`sdpipe_cli.training.reshard`); the run's budget in
+samples stays as it was unless ``train.steps`` is given too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
+
+from sdpipe_cli.config.schema import ConfigError, compose, schema_for, validate
+from sdpipe_cli.runtime import network
+from sdpipe_cli.runtime.errors import CheckpointError
+
+__all__ = ["RESUMABLE", "LAYOUT", "Leg", "prepare"]
+
+# What a resumed run may change: its length, logging, timeouts, where it runs, and the learning
+# rate and clipping (to go back before a divergence with a lower rate). Everything else (model,
+# data, sync, the optimizer's kind and state) shaped the saved state.
+RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_every", "train.lr",
+             "train.grad_clip", "train.on_nonfinite", "train.max_skipped",
+             "run.timeout", "run.heartbeat_timeout", "run.port", "run.save_final",
+             "checkpoint.every", "checkpoint.keep", "data.eval_batches", "data.num_workers",
+             "data.prefetch", "data.verify")
+# The layout, which a resume may change too: the checkpoint is resharded for it.
+LAYOUT = ("cluster=NAME", "cluster.*", "pipeline.stages", "pipeline.partition", "profile")
+
+
+class Leg:
+    """What the next leg of a resumed run starts from."""
+
+    def __init__(self, cfg: DictConfig, checkpoint: Path, elapsed: float, done: int):
+        self.cfg, self.checkpoint, self.elapsed, self.done = cfg, checkpoint, elapsed, done
+
+
+def resumable(key: str) -> bool:
+    return (key in RESUMABLE or key.startswith("cluster.")
+            or key in ("pipeline.stages", "pipeline.partition", "profile"))
+
+
+def prepare(path: str, overrides: Sequence[str], console: Console) -> Leg:
+    """The next leg of the run of ``path`` (a run folder or a checkpoint) with ``overrides``:
+    checked, prepared for this machine, and resharded if its layout changed. Bad input raises
+    :class:`~sdpipe_cli.core.errors.BadInput` before anything is written."""
+    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.model import checkpoint
+    from sdpipe_cli.training import reshard
+
+    ckpt = checkpoint.resolve(path)
+    for skipped in checkpoint.damaged(checkpoint.run_dir_of(ckpt)):
+        console.print(f"sdpipe: warning: {skipped} has no readable manifest (cut short or damaged): "
+                      "passed over, and kept", markup=False, highlight=False, soft_wrap=True)
+    manifest = checkpoint.verify_run(ckpt)  # every shard's checksum, before anything starts
+    try:
+        saved = OmegaConf.merge(schema_for(manifest["config"]["sync"]["name"]), manifest["config"])
+    except (ConfigError, OmegaConfBaseException) as err:
+        raise CheckpointError(ckpt / checkpoint.MANIFEST,
+                              f"its config does not fit this sdpipe: {str(err).splitlines()[0]}") from None
+    cfg = apply_overrides(saved, overrides)
+    cfg.run.dir = str(checkpoint.run_dir_of(ckpt))  # the run folder may have moved since
+    validate(cfg)
+    network.check_hosts(cfg)
+    run_cfg = launcher.prepare(cfg)[0]
+    if reshard.layout_of(saved) != reshard.layout_of(run_cfg):
+        return _resharded(ckpt, manifest, saved, run_cfg, _given("train.steps", overrides),
+                          console)
+    console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
+                  highlight=False)
+    return Leg(run_cfg, ckpt, manifest["elapsed"], sum(manifest["steps"].values()))
+
+
+def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
+               steps_given: bool, console: Console) -> Leg:
+    """``old``: the checkpoint's own (prepared) config; ``new``: the next leg's."""
+    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.training import reshard
+
+    plan = reshard.plan_for(ckpt, manifest, old, new,
+                            int(new.train.steps) if steps_given else None)
+    new.train.steps = plan.train_steps
+    launcher.check_memory(new)  # bad input: before the resharded checkpoint is written
+    folder = reshard.write(ckpt, manifest, old, new, plan)
+    before, after = reshard.layout_of(old), reshard.layout_of(new)
+    console.print(f"resharded {ckpt}: P={before.pipelines} S={before.stages} partition "
+                  f"{list(before.partition)} -> P={after.pipelines} S={after.stages} partition "
+                  f"{list(after.partition)}; train.steps {old.train.steps} -> {plan.train_steps}",
+                  highlight=False, soft_wrap=True)
+    if plan.changed and not steps_given:
+        console.print(f"sdpipe: warning: {after.pipelines} pipelines cannot share the rest of the "
+                      f"budget evenly: the run trains {plan.budget[1] - plan.done[1]} more samples "
+                      f"instead of {plan.budget[0] - plan.done[0]}", markup=False,
+                      highlight=False, soft_wrap=True)
+    console.print(f"resuming {folder} (iterations per pipeline: {plan.steps})", highlight=False,
+                  soft_wrap=True)
+    return Leg(new, folder, manifest["elapsed"], sum(plan.steps.values()))
+
+
+def _given(key: str, overrides: Sequence[str]) -> bool:
+    return any(item.split("=", 1)[0].lstrip("+~") == key for item in overrides)
+
+
+def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """``saved`` with the user's changes: ``cluster=NAME`` takes that cluster config (from
+    sdpipe's configs and the run's ``--config-dir`` folders), then KEY=VALUE items apply. A new
+    ``pipeline.stages`` without a partition splits uniformly."""
+    dotlist = []
+    cluster = None
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if "=" not in item:
+            raise ConfigError(key or "overrides", f"'{item}' is not KEY=VALUE")
+        if key == "cluster":
+            cluster = item.split("=", 1)[1]
+        elif not resumable(key):
+            raise ConfigError(key, "cannot change when resuming: the saved state depends on it "
+                              f"(resume may change {', '.join(RESUMABLE + LAYOUT)})")
+        else:
+            dotlist.append(item)
+    cfg = saved.copy()
+    if cluster is not None:
+        dirs = list(saved.run.config_dirs)
+        search = [f"hydra.searchpath=[{','.join('file://' + d for d in dirs)}]"] if dirs else []
+        cfg.cluster = compose([*search, f"cluster={cluster}"]).cluster
+    if _given("pipeline.stages", overrides) and not _given("pipeline.partition", overrides):
+        cfg.pipeline.partition = "uniform"
+    try:
+        return OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+    except Exception as err:  # OmegaConf's validation errors name the key
+        key = getattr(err, "full_key", None) or "overrides"
+        raise ConfigError(key, str(err).splitlines()[0]) from None
+
+
+def restart_points(run_dir: Path, cfg: DictConfig, started_from: Path | None) -> list[Path]:
+    """The checkpoints a failed leg of ``cfg`` may start again from, newest first: the run's own
+    of this layout, and the one the leg started from (a resharded one lies apart)."""
+    from sdpipe_cli.model import checkpoint
+
+    found = checkpoint.complete_checkpoints(run_dir)
+    if started_from is not None and started_from not in found:
+        found.append(started_from)
+    want = (int(cfg.cluster.pipelines), int(cfg.pipeline.stages), list(cfg.pipeline.partition))
+    points = []
+    for candidate in found:
+        try:
+            manifest = checkpoint.read_manifest(candidate)
+            layout = (manifest["config"]["cluster"]["pipelines"],
+                      manifest["config"]["pipeline"]["stages"], manifest.get("partition"))
+        except (CheckpointError, KeyError, TypeError):
+            continue
+        if layout == want:
+            points.append((manifest["step"], candidate))
+    return [path for _, path in sorted(points, key=lambda sp: sp[0], reverse=True)]

@@ -1,0 +1,236 @@
+"""Write a checkpoint's state out again for another layout (P, S, the partition): the tensors'
+side of :mod:`sdpipe_cli.core.reshard`, which decides where everything goes.
+
+A worker's shard (:meth:`~sdpipe_cli.training.worker.Worker.save`) holds its stage's blocks under
+the stage's own names (``"0.attn.weight"`` is the stage's first block), the optimizer's state by
+parameter index, the RNG, the data position and the sync strategy's state. Here every tensor is
+named by the block it belongs to instead, which no layout changes, and gathered again under the
+new stages' names: weights and optimizer state travel with their block, and a tied weight held
+by two blocks is found under either.
+
+The result is a complete checkpoint of the new layout (manifest, SHA-256 of every shard), written
+once into ``<run>/resharded/`` and resumed from like any other; the source checkpoint is only
+read. Memory: one old pipeline's shards at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from sdpipe_cli.core import reshard
+from sdpipe_cli.model import checkpoint, models
+from sdpipe_cli.runtime.errors import CheckpointError
+from sdpipe_cli.sync.strategies import strategy_class
+
+__all__ = ["layout_of", "plan_for", "write"]
+
+log = logging.getLogger("sdpipe.reshard")
+
+Where = tuple[int, str]  # (block, name inside the block)
+
+
+def layout_of(cfg: DictConfig) -> reshard.Layout:
+    return reshard.Layout(int(cfg.cluster.pipelines), tuple(int(b) for b in cfg.pipeline.partition),
+                          models.count_blocks(cfg.model))
+
+
+def differs(old: DictConfig, new: DictConfig) -> bool:
+    return layout_of(old) != layout_of(new)
+
+
+def plan_for(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
+             train_steps: int | None) -> reshard.Plan:
+    """The plan of resuming ``ckpt`` (of a run configured ``old``) as ``new``; ``train_steps``:
+    the user's ``train.steps`` for the new layout, if given."""
+    steps = {int(p): int(k) for p, k in manifest["steps"].items()}
+    positions = {}
+    for p in sorted(steps):  # the streams: the first stage's shard of each old pipeline
+        state = checkpoint.load_shard(ckpt, str(p * int(old.pipeline.stages)), manifest)
+        data = state.get("data")
+        if not isinstance(data, Mapping) or not isinstance(data.get("position"), int):
+            positions = None
+            break
+        positions[p] = int(data["position"])
+    samples = int(new.data.resolved.train) if positions is not None else None
+    even = not strategy_class(new.sync.name).scheduled_checkpoints
+    return reshard.plan(steps, int(old.train.steps), int(old.train.batch_size),
+                        int(new.cluster.pipelines), even=even, positions=positions or None,
+                        samples=samples, new_train_steps=train_steps)
+
+
+def write(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
+          plan: reshard.Plan) -> Path:
+    """The new layout's checkpoint, in ``<run>/resharded/``; returns its folder."""
+    run_dir = checkpoint.run_dir_of(ckpt)
+    before, after = layout_of(old), layout_of(new)
+    name = (f"{ckpt.name}-P{after.pipelines}xS{after.stages}-"
+            + "_".join(str(b) for b in after.partition or (0,)))
+    final = run_dir / "resharded" / name
+    if final.exists():  # resharded before, for a resume that did not get far
+        final = checkpoint.free_name(final, "")
+    staging = final.with_name(checkpoint.STAGING_PREFIX + final.name)
+    shutil.rmtree(staging, ignore_errors=True)
+    meta = {"config": OmegaConf.to_container(new, resolve=True), "steps": plan.steps,
+            "elapsed": manifest["elapsed"], "partition": list(after.partition), "stand_ins": [],
+            "resharded_from": {"checkpoint": str(ckpt), "pipelines": before.pipelines,
+                               "stages": before.stages, "partition": list(before.partition),
+                               "at": time.time()}}
+    try:
+        _write_shards(ckpt, manifest, old, new, plan, staging)
+        scheduler = checkpoint.load_shard(ckpt, "scheduler", manifest)
+        checkpoint.save_shard(staging, "scheduler", {**scheduler, "steps": plan.steps})
+        expected = [str(r) for r in range(after.pipelines * after.stages)] + ["scheduler"]
+        return checkpoint.seal(staging, final, round(sum(plan.steps.values()) / after.pipelines),
+                               meta, expected)
+    except BaseException:  # nothing half-written is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        if staging.parent.is_dir() and not any(staging.parent.iterdir()):
+            staging.parent.rmdir()
+        raise
+
+def _write_shards(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
+                  plan: reshard.Plan, staging: Path) -> None:
+    """Every new rank's shard, one old pipeline's shards in memory at a time."""
+    before, after = layout_of(old), layout_of(new)
+    pieces = reshard.pieces(before, after)
+    old_names = [_param_names(old, lo, hi) for lo, hi in before.ranges()]
+    new_keys = [_stage_keys(new, lo, hi) for lo, hi in after.ranges()]
+    new_names = [_param_names(new, lo, hi) for lo, hi in after.ranges()]
+    new_meta = [_stage(new, lo, hi).state_dict() for lo, hi in after.ranges()]
+    ties = _ties(new)
+    flat_keys = strategy_class(new.sync.name).flat_state
+    S_old, S_new = before.stages, after.stages
+    for src in sorted(set(plan.sources.values())):
+        shards = [checkpoint.load_shard(ckpt, str(src * S_old + s), manifest) for s in range(S_old)]
+        files = [ckpt / checkpoint.shard_name(str(src * S_old + s)) for s in range(S_old)]
+        model = _model_by_block(files, shards, before)
+        optim = _optimizer_by_block(files, shards, old_names)
+        flats = {k: _flat_by_block(shards, before, old_names, k, old) for k in flat_keys}
+        for q in (q for q, p in sorted(plan.sources.items()) if p == src):
+            for s, runs in enumerate(pieces):
+                first_old = shards[runs[0][0]]
+                state: dict[str, Any] = {
+                    "step": plan.steps[q], "pipeline": q, "stage": s,
+                    "model": {k: _find(model, w, ties, ckpt, "weight") for k, w in new_keys[s]},
+                    "optimizer": {
+                        "state": {i: _find(optim, w, ties, ckpt, "optimizer state")
+                                  for i, w in enumerate(new_names[s]) if _has(optim, w, ties)},
+                        "param_groups": [{**first_old["optimizer"]["param_groups"][0],
+                                          "params": list(range(len(new_names[s])))}]},
+                    "rng": first_old["rng"]}
+                checkpoint.check_tensors(ckpt, f"the model of stage {s} (from pipeline {src})",
+                                         dict(new_meta[s]), state["model"])
+                if "sync" in first_old:
+                    state["sync"] = {**first_old["sync"], **{
+                        k: torch.cat([_find(flats[k], w, ties, ckpt, k).reshape(-1)
+                                      for w in new_names[s]])
+                        for k in flat_keys if flats[k] is not None}}
+                if (s == 0 or s == S_new - 1) and plan.positions is not None:
+                    saved = shards[0].get("data", {})
+                    state["data"] = {"position": plan.positions[q], "step": plan.steps[q],
+                                     "fingerprint": saved.get("fingerprint"),
+                                     "pipelines": after.pipelines}
+                checkpoint.save_shard(staging, str(q * S_new + s), state)
+        del shards, model, optim, flats
+
+
+# -- naming tensors by block -----------------------------------------------------------------
+
+def _stage(cfg: DictConfig, lo: int, hi: int) -> nn.Module:
+    """The stage's module on the meta device (its names, shapes and order; no memory)."""
+    blocks, _ = models.meta_blocks(cfg.model)
+    return nn.Sequential(*blocks[lo:hi])
+
+
+def _split(lo: int, key: str) -> Where:
+    index, _, rest = key.partition(".")
+    return lo + int(index), rest
+
+
+def _stage_keys(cfg: DictConfig, lo: int, hi: int) -> list[tuple[str, Where]]:
+    return [(k, _split(lo, k)) for k in _stage(cfg, lo, hi).state_dict()]
+
+
+def _param_names(cfg: DictConfig, lo: int, hi: int) -> list[Where]:
+    """The stage's parameters in the optimizer's order (``module.parameters()``)."""
+    return [_split(lo, k) for k, _ in _stage(cfg, lo, hi).named_parameters()]
+
+
+def _ties(cfg: DictConfig) -> dict[Where, tuple[Where, ...]]:
+    """Every place of a weight shared by several blocks -> all its places."""
+    out: dict[Where, tuple[Where, ...]] = {}
+    for places in models.tied_parameters(models.meta_blocks(cfg.model)[0]):
+        for place in places:
+            out[place] = places
+    return out
+
+
+def _model_by_block(files: list[Path], shards: list[dict], layout: reshard.Layout
+                    ) -> dict[Where, Any]:
+    table: dict[Where, Any] = {}
+    for path, (lo, _hi), shard in zip(files, layout.ranges(), shards):
+        found = shard.get("model")
+        if not isinstance(found, Mapping):
+            raise CheckpointError(path, "lacks 'model'")
+        for k, v in found.items():
+            if not isinstance(k, str) or not k.partition(".")[0].isdigit():
+                raise CheckpointError(path, f"model holds {k!r}, not a block's tensor")
+            table[_split(lo, k)] = v
+    return table
+
+
+def _optimizer_by_block(files: list[Path], shards: list[dict], names: list[list[Where]]
+                        ) -> dict[Where, Any]:
+    table: dict[Where, Any] = {}
+    for path, shard, order in zip(files, shards, names):
+        found = shard.get("optimizer")
+        groups = found.get("param_groups") if isinstance(found, Mapping) else None
+        if not isinstance(groups, list) or len(groups) != 1 or not isinstance(
+                found.get("state"), Mapping):
+            raise CheckpointError(path, "optimizer state is not one parameter group: cannot "
+                                        "reshard it")
+        for index, entry in found["state"].items():
+            if not isinstance(index, int) or not 0 <= index < len(order):
+                raise CheckpointError(path, f"optimizer state names parameter {index!r}, which "
+                                            "none is")
+            table[order[index]] = entry
+    return table
+
+
+def _flat_by_block(shards: list[dict], layout: reshard.Layout, names: list[list[Where]],
+                   key: str, cfg: DictConfig) -> dict[Where, torch.Tensor] | None:
+    """A sync state's flat vector over each old stage's parameters, cut back into them."""
+    table: dict[Where, torch.Tensor] = {}
+    for s, ((lo, hi), shard) in enumerate(zip(layout.ranges(), shards)):
+        flat = shard.get("sync", {}).get(key)
+        if flat is None:
+            return None
+        params = dict(_stage(cfg, lo, hi).named_parameters())
+        offset = 0
+        for where in names[s]:
+            p = params[f"{where[0] - lo}.{where[1]}"]
+            table[where] = flat[offset:offset + p.numel()].reshape(p.shape)
+            offset += p.numel()
+    return table
+
+
+def _has(table: Mapping[Where, Any], where: Where, ties: Mapping[Where, tuple[Where, ...]]) -> bool:
+    return any(w in table for w in ties.get(where, (where,)))
+
+
+def _find(table: Mapping[Where, Any], where: Where, ties: Mapping[Where, tuple[Where, ...]],
+          ckpt: Path, what: str) -> Any:
+    for w in ties.get(where, (where,)):
+        if w in table:
+            return table[w]
+    raise CheckpointError(ckpt, f"holds no {what} for block {where[0]}'s {where[1]!r}: saved "
+                                "from another model?")
+

@@ -1,0 +1,120 @@
+"""``sdpipe resume`` on another layout: the checkpoint is resharded for the new P, S and
+partition, the run goes on from where it was, and its budget in samples stays exact.
+
+Every case starts from a copy of the shared all-reduce run (P=2, S=2, checkpoints at 10 and 20).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+import torch
+from rich.console import Console
+
+from sdpipe_cli.cli import resuming
+from sdpipe_cli.cli.commands import main
+from sdpipe_cli.model import checkpoint
+from tests.helpers import losses, metrics, run_processes, sdpipe
+
+pytestmark = pytest.mark.multiprocess
+
+
+def copy_at_10(allreduce_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(allreduce_run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_20")  # as if the run had stopped after step 10
+    return copy
+
+
+def shards(folder):
+    manifest = checkpoint.read_manifest(folder)
+    return {name[:-3]: checkpoint.load_shard(folder, name[:-3], manifest)
+            for name in manifest["files"] if name != "scheduler.pt"}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_resharding_there_and_back_gives_back_every_tensor(allreduce_run, tmp_path):
+    """P=2, S=2 -> P=4, S=3 -> P=2, S=2 (the saved partition): weights, optimizer state, RNG,
+    data positions and iteration counts come back exactly; the resharded checkpoints verify."""
+    copy = copy_at_10(allreduce_run, tmp_path)
+    source = copy / "checkpoints" / "step_10"
+    partition = json.loads((source / "manifest.json").read_text())["partition"]
+    quiet = Console(file=io.StringIO())
+    wide = resuming.prepare(str(source), ["cluster.pipelines=4", "pipeline.stages=3"], quiet)
+    assert wide.checkpoint.parent == copy / "resharded"
+    assert checkpoint.verify_run(wide.checkpoint)["steps"] == {str(q): 5 for q in range(4)}
+    assert wide.cfg.train.steps == 10 and wide.done == 20  # 2 x 20 iterations = 4 x 10
+    back = resuming.prepare(str(wide.checkpoint), [
+        "cluster.pipelines=2", "pipeline.stages=2", f"pipeline.partition={partition}"], quiet)
+    assert back.cfg.train.steps == 20 and back.done == 20
+    original, returned = shards(source), shards(back.checkpoint)
+    assert original.keys() == returned.keys()
+    for rank in original:
+        for key in ("model", "optimizer", "rng", "step", "pipeline", "stage"):
+            assert same(original[rank][key], returned[rank][key]), (rank, key)
+        if "data" in original[rank]:
+            assert original[rank]["data"]["position"] == returned[rank]["data"]["position"]
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step_10"]  # only read
+
+
+def test_a_run_resumed_on_another_layout_goes_on_with_an_exact_budget(allreduce_run, tmp_path):
+    copy = copy_at_10(allreduce_run, tmp_path)
+    before = len(metrics(copy))
+    out = sdpipe("resume", str(copy), "cluster.pipelines=4", "pipeline.stages=3")
+    assert out.returncode == 0, out.stderr
+    assert "resharded" in out.stderr and "warning" not in out.stderr, out.stderr
+    resumed = metrics(copy)[before:]
+    continued = losses(resumed)
+    # 2 pipelines x 10 iterations remained; 4 pipelines take 5 each: the same 160 samples
+    assert sorted(continued) == [(p, k) for p in range(4) for k in range(6, 11)]
+    trained = {p: max(r["samples"] for r in resumed if r.get("kind") == "train" and
+                      r.get("pipeline") == p and "samples" in r) for p in range(4)}
+    assert sum(trained.values()) == 2 * 20 * 8  # the whole run's budget in samples
+    # the loss goes on from where it was: the first resumed steps lie within the saved run's
+    # last steps' spread (a fresh model would start near ln(vocab) instead)
+    reference = losses(metrics(allreduce_run))
+    last = [reference[(p, k)] for p in range(2) for k in range(6, 11)]
+    first = [continued[(p, 6)] for p in range(4)]
+    spread = max(last) - min(last)
+    assert min(last) - spread <= sum(first) / 4 <= max(last) + spread, (first, last)
+    assert not run_processes(copy)
+
+
+@pytest.mark.parametrize("args, where", [
+    (("pipeline.stages=99",), "pipeline.stages"),
+    (("pipeline.stages=3", "pipeline.partition=[1]"), "pipeline.partition"),
+    (("cluster.pipelines=0",), "cluster.pipelines"),
+])
+def test_a_layout_that_cannot_be_is_one_line_and_writes_nothing(allreduce_run, tmp_path, capsys,
+                                                                args, where):
+    copy = copy_at_10(allreduce_run, tmp_path)
+    rc = main(["resume", str(copy), *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and where in lines[0], lines
+    assert not (copy / "resharded").exists()
+    assert (copy / "metrics.jsonl").read_bytes() == (allreduce_run / "metrics.jsonl").read_bytes()
+
+
+def test_a_checkpoint_of_another_model_is_refused_when_resharded(allreduce_run, tmp_path, capsys):
+    """The manifest says one model, the shards hold another: named, exit 2, nothing left."""
+    copy = copy_at_10(allreduce_run, tmp_path)
+    manifest_path = copy / "checkpoints" / "step_10" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["config"]["model"]["d_model"] = 2 * manifest["config"]["model"]["d_model"]
+    manifest_path.write_text(json.dumps(manifest))
+    rc = main(["resume", str(copy), "pipeline.stages=3"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "step_10" in lines[0] and "shape" in lines[0], lines
+    assert not (copy / "resharded").exists()
