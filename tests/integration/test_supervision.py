@@ -52,6 +52,7 @@ def test_ctrl_c_stops_everything(run_dir, sig):
     assert "interrupted" in err
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                    for pid in children)
+    assert not _forkservers_of(run_dir)  # gone with sdpipe (PR_SET_PDEATHSIG), not 1-3 s later
 
 
 @pytest.mark.parametrize("spawn", ["fork", "exec"])
