@@ -8,17 +8,20 @@ it from the repository root after ``pip install -e .``::
     python scripts/chaos.py                                # 10 faults in a P=4, S=2 run
     python scripts/chaos.py --kills 8 --stops 2 --baseline # and a run without faults to compare
     python scripts/chaos.py --kills 2 --stops 0 --steps 40 --out /tmp/chaos   # a smoke test
+    python scripts/chaos.py --kills 5 --stops 0 --scheduler-kills 3   # the scheduler among the victims
 
 Usage::
 
-    python scripts/chaos.py [--kills 8] [--stops 2] [--pipelines 4] [--stages 2] [--steps 300]
+    python scripts/chaos.py [--kills 8] [--stops 2] [--scheduler-kills 0] [--pipelines 4] [--stages 2] [--steps 300]
         [--compute-ms 10] [--gap 1.0 3.0] [--seed 0] [--heartbeat 8] [--model mlp] [--out runs/chaos]
         [--timeout 900] [--baseline] [--extra OVERRIDE ...]
 
 **Faults.** The first comes once training runs (a ``train`` line), each next one a uniform random
 ``--gap`` seconds after the previous pipeline was healed again (its ``heal`` lines are in), so
 that at most one pipeline is down at a time and every fault hits a full run. Kills and stops
-come in a random order; the victim is a random worker. A fault is not injected once the run has
+come in a random order; the victim is a random worker. ``--scheduler-kills`` adds SIGKILLs of the
+scheduler to the plan, each once the scheduler killed before is live again (its
+``scheduler_restart`` line is in). A fault is not injected once the run has
 reached 90% of its budget (a loss during the last global sync is not made good, see
 docs/FAULT_TOLERANCE.md).
 
@@ -30,7 +33,9 @@ docs/FAULT_TOLERANCE.md).
   still healing when the run ended are left out, and counted);
 - ``no orphans``: no process whose pid a ``logs/*.pid`` file or a fault recorded is still alive;
 - ``checkpoints``: every complete checkpoint passes ``checkpoint.verify`` (checksums, manifest);
-- ``restarts`` and ``heals``: one restart per fault, S heals per restart;
+- ``restarts`` and ``heals``: one restart per worker fault, S heals per restart; one
+  ``scheduler_restart`` per scheduler kill, and its **downtime**: from the kill to the new
+  scheduler's replay done (it acts on events again);
 - per fault, the pipeline's **downtime**: from the fault to its stages' heals (for a stop, this
   includes the ``run.heartbeat_timeout`` it takes to notice); and the **time lost**
   per fault: (this run's wall time - the baseline's) / faults, with ``--baseline``.
@@ -80,7 +85,7 @@ def command(args, run_dir: Path, faults: int) -> list[str]:
             f"checkpoint.every={max(1, args.steps // 4)}", *args.extra]
 
 
-def pid_of(run_dir: Path, rank: int) -> int | None:
+def pid_of(run_dir: Path, rank: int | str) -> int | None:
     try:
         return int((run_dir / "logs" / f"{rank}.pid").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -104,7 +109,10 @@ def punish(run_dir: Path, proc: subprocess.Popen, plan: list[str], workers: int,
             lines = read_metrics(run_dir)
             restarts = sum(m["kind"] == "restart" for m in lines)
             heals = sum(m["kind"] == "heal" for m in lines)
-            healed = restarts == len(done) and heals >= stages * restarts
+            again = sum(m["kind"] == "scheduler_restart" for m in lines)
+            workers_hit = sum(d["rank"] != "scheduler" for d in done)
+            healed = (restarts == workers_hit and heals >= stages * restarts
+                      and again == len(done) - workers_hit)
             if healed and time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
@@ -112,20 +120,21 @@ def punish(run_dir: Path, proc: subprocess.Popen, plan: list[str], workers: int,
         if proc.poll() is not None or progress >= 0.9 * budget:
             log(f"chaos: run too far along for more faults ({progress}/{budget} iterations)")
             break
-        rank = rng.randrange(workers)
+        rank = "scheduler" if fault == "scheduler" else rng.randrange(workers)
         pid = pid_of(run_dir, rank)
         if pid is None:
             continue
-        sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+        sig = signal.SIGSTOP if fault == "stop" else signal.SIGKILL
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             continue
+        pipeline = None if rank == "scheduler" else rank // stages
         entry = {"time": round(time.monotonic() - start, 3), "rank": rank,
-                 "pipeline": rank // stages, "signal": sig.name, "pid": pid}
+                 "pipeline": pipeline, "signal": sig.name, "pid": pid}
         done.append(entry)
-        log(f"chaos: {sig.name} to rank {rank} (pipeline {rank // stages}) at "
-            f"{entry['time']:.1f} s")
+        log(f"chaos: {sig.name} to {'the scheduler' if pipeline is None else f'rank {rank}'} "
+            f"(pipeline {pipeline}) at {entry['time']:.1f} s")
     return done
 
 
@@ -139,8 +148,8 @@ def _last_train(lines: list[dict]) -> dict[int, dict]:
 
 def orphans(run_dir: Path, pids: list[int]) -> list[int]:
     """Live processes among ``pids`` and those the run's pid files name."""
-    named = [pid_of(run_dir, int(f.stem)) for f in (run_dir / "logs").glob("*.pid")
-             if f.stem.isdigit()]
+    named = [pid_of(run_dir, int(f.stem) if f.stem.isdigit() else f.stem)
+             for f in (run_dir / "logs").glob("*.pid") if f.stem.isdigit() or f.stem == "scheduler"]
     alive = []
     for pid in {p for p in [*pids, *named] if p}:
         try:
@@ -175,9 +184,14 @@ def check(run_dir: Path, returncode: int, faults: list[dict], pipelines: int, st
     lost = [m for m in lines if m["kind"] == "lost"]
     # the faults' clock starts at the first train line (polled every 50 ms): on the run's clock
     first = min((m["time"] for m in lines if m["kind"] == "train"), default=0.0)
-    downtime = []
+    downtime, scheduler_down = [], []
+    again = sorted(m["time"] for m in lines if m["kind"] == "scheduler_restart")
     for fault in faults:
         at = first + fault["time"]
+        if fault["rank"] == "scheduler":
+            live = [t for t in again if t >= at]
+            scheduler_down.append(round(live[0] - at, 3) if live else None)
+            continue
         later = sorted(h["time"] for h in heals if h["pipeline"] == fault["pipeline"]
                        and h["time"] >= at)
         downtime.append(round(later[stages - 1] - at, 3) if len(later) >= stages else None)
@@ -190,11 +204,15 @@ def check(run_dir: Path, returncode: int, faults: list[dict], pipelines: int, st
         "heal_bytes": sorted({h["bytes"] for h in heals}),
         "heal_seconds": [h["seconds"] for h in heals],
         "heal_transfer_s": [h.get("transfer_s") for h in heals], "downtime_s": downtime,
+        "scheduler_kills": len(scheduler_down), "scheduler_restarts": len(again),
+        "scheduler_downtime_s": scheduler_down,
         "orphans": orphans(run_dir, [f["pid"] for f in faults]),
     }
     result["ok"] = (returncode == 0 and result["budget"] == result["target"]
                     and result["identical"] and not invalid and not result["orphans"]
-                    and len(lost) == len(faults) and len(restarts) == len(faults))
+                    and len(lost) == len(faults) - len(scheduler_down)
+                    and len(restarts) == len(faults) - len(scheduler_down)
+                    and len(again) == len(scheduler_down))
     return result
 
 
@@ -203,6 +221,7 @@ def main() -> int:
     parser.add_argument("--model", default="mlp", help="a model config (heal time per stage size)")
     parser.add_argument("--kills", type=int, default=8)
     parser.add_argument("--stops", type=int, default=2)
+    parser.add_argument("--scheduler-kills", type=int, default=0)
     parser.add_argument("--pipelines", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
@@ -219,7 +238,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    plan = ["kill"] * args.kills + ["stop"] * args.stops
+    plan = ["kill"] * args.kills + ["stop"] * args.stops + ["scheduler"] * args.scheduler_kills
     rng.shuffle(plan)
     report: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v)
                                  for k, v in vars(args).items()}}
@@ -254,7 +273,8 @@ def main() -> int:
     (args.out / "chaos.json").write_text(json.dumps(report, indent=1))
     for key in ("ok", "exit", "faults", "lost", "restarts", "heals", "budget", "target",
                 "identical", "unhealed_at_end", "checkpoints", "invalid_checkpoints", "orphans",
-                "heal_bytes", "heal_seconds", "heal_transfer_s", "downtime_s", "wall_s",
+                "heal_bytes", "heal_seconds", "heal_transfer_s", "downtime_s", "scheduler_kills",
+                "scheduler_restarts", "scheduler_downtime_s", "wall_s",
                 "time_lost_per_fault_s"):
         if key in result:
             print(f"{key:>22}: {result[key]}")

@@ -423,10 +423,15 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             return [start_worker(rank, incarnations[pipeline])
                     for rank in range(pipeline * S, (pipeline + 1) * S)]
 
+        def restart_scheduler(n: int) -> Child:
+            return spawn(SCHEDULER, "scheduler", "scheduler", run_dir,
+                         {**base, "SDPIPE_SCHEDULER_RESTART": str(n)})
+
         result.failure, interrupted, result.bad_input = _supervise(children, run_dir, events, on_progress, launched,
                                                  tolerate, graceful=job.graceful,
                                                  workers=P * S, phase=phase, restarts=restarts,
                                                  restart=restart, pipelines=P,
+                                                 restart_scheduler=restart_scheduler,
                                                  # a stranded worker gives up at run.timeout;
                                                  # 10 s at least for a slow teardown (NCCL)
                                                  stranded_s=max(10.0, min(supervision.STRANDED_S,
@@ -518,7 +523,8 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                workers: int = 0, phase: Optional[Phase] = None,
                restarts: Optional[supervision.Restarts] = None,
                restart: Callable[[int, Callable[[int, int], None]], list[Child]] = lambda p, a: [],
-               pipelines: int = 0, stranded_s: float = supervision.STRANDED_S
+               pipelines: int = 0, stranded_s: float = supervision.STRANDED_S,
+               restart_scheduler: Optional[Callable[[int], Child]] = None
                ) -> tuple[Optional[str], bool, bool]:
     """Wait for every child: (the first failure's description or None, whether interrupted,
     whether that failure was bad input a child found, such as a damaged checkpoint shard).
@@ -565,6 +571,15 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
             by_name.update((c.name, c) for c in fresh)
             for c in fresh:
                 error_times.pop(c.name, None)  # a new process: its own error file, when it fails
+        elif isinstance(action, supervision.RespawnScheduler) and restart_scheduler is not None:
+            dead = by_name["scheduler"]
+            print(f"sdpipe: warning: the scheduler {supervision.ending(dead.proc.returncode)}; starting it again (restart "
+                  f"{action.restart} of {restarts.limit if restarts else 0}); it replays its "
+                  "journal", file=sys.stderr, flush=True)
+            fresh = restart_scheduler(action.restart)
+            children[:] = [c if c is not dead else fresh for c in children]
+            by_name["scheduler"] = fresh
+            error_times.pop("scheduler", None)
         elif isinstance(action, supervision.Kill):
             for name in action.names:
                 print(f"sdpipe: warning: {by_name[name].role} is hung (silent past "

@@ -22,6 +22,10 @@ tested without a process, a store or a clock (torchelastic's agent is split the 
   workers are started again after a back-off, while the run's :class:`Restarts` budget lasts;
   past it, the pipeline is dropped as with ``continue``. The new workers rejoin and heal from live
   replicas (the scheduler's part).
+* **Scheduler restart** (``restart``). A scheduler killed by a signal (SIGKILL, the OOM killer) is
+  started again at once, drawing on the same budget; it rebuilds its state from its journal while
+  the workers wait. One that exits non-zero by its own verdict (a hung run, a malformed message)
+  fails the run: started again, it would reach the same verdict.
 * **Hung workers** (``continue`` and ``restart``). A worker the scheduler names hung (silent past
   ``run.heartbeat_timeout``, e.g. stopped by SIGSTOP) is killed; its exit then counts as a loss.
 * **Malformed coordination.** A value in the store that no process of the run could have written
@@ -123,6 +127,14 @@ class Respawn:
 
 
 @dataclass(frozen=True)
+class RespawnScheduler:
+    """Start the scheduler again (it died by a signal), then observe again; it rebuilds its
+    state from its journal."""
+
+    restart: int  # restarts in the run so far, this one included
+
+
+@dataclass(frozen=True)
 class Kill:
     """SIGKILL these children (named hung), then observe again; their exits are then losses."""
 
@@ -166,8 +178,8 @@ class Broken:
     interrupted: bool = False
 
 
-Action = Union[Wait, RequestStop, DropPipelines, Respawn, Kill, StopNow, Finished, Failed,
-               FailedElsewhere, Broken]
+Action = Union[Wait, RequestStop, DropPipelines, Respawn, RespawnScheduler, Kill, StopNow,
+               Finished, Failed, FailedElsewhere, Broken]
 FINAL = (StopNow, Finished, Failed, FailedElsewhere, Broken)
 WAIT = Wait()
 
@@ -299,6 +311,10 @@ class Supervision:
             self._killed.update(hung)
             return Kill(hung)
         failed = self._failures(obs)
+        dead = next((c for c in failed if c.name == "scheduler" and c.returncode < 0), None)
+        if dead is not None and self.restarts is not None and not self._interrupted \
+                and self.restarts.take("scheduler", obs.now, self._elsewhere) is not None:
+            return RespawnScheduler(self.restarts.used)
         if failed:
             drop = self._droppable(obs, failed)
             if drop:

@@ -39,6 +39,8 @@ from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
 from sdpipe_cli.runtime.trace import Tracer, trace_path
+from sdpipe_cli.sync import journal
+from sdpipe_cli.sync.journal import journal_path
 from sdpipe_cli.model import checkpoint
 
 log = logging.getLogger("sdpipe.scheduler")
@@ -93,18 +95,52 @@ class Ticker(threading.Thread):
             store.push(self.events, store.EVENTS, protocol.Tick())
 
 
+class _Held:
+    """The store, for a scheduler replaying its journal: reads go through, writes are held
+    (those of the batch being replayed, for :meth:`Scheduler.go_live`)."""
+
+    def __init__(self, real):
+        self.store = real
+        self.last_batch: dict[str, Any] = {}
+
+    def set(self, key: str, value: Any) -> None:
+        self.last_batch[key] = value
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self.last_batch.update(zip(keys, values))
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def get(self, key: str) -> Any:
+        return self.store.get(key)
+
+
+class _Muted:
+    """``metrics.jsonl`` while replaying: the dead scheduler wrote those lines already."""
+
+    def write(self, record: Optional[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Scheduler:
     """Event handling of one run; the store and the clock are injected."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, events, clock=time.monotonic,
-                 resume: Optional[Path] = None):
+                 resume: Optional[Path] = None, live: bool = True):
         P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+        # ``live=False``: replaying a dead scheduler's journal; what it wrote is held back
+        self.live = live
+        events = events if live else _Held(events)
         self.cfg, self.run_dir, self.events, self.clock = cfg, run_dir, events, clock
+        self.stop_seen: Optional[bool] = None  # the stop flag as the transport read it
         self.tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
         self.policy = make_policy(cfg, clock) if cfg.sync.name == "sdpipe" else None
-        self.metrics = MetricsLog(run_dir / "metrics.jsonl",
-                                  tensorboard=run_dir / "tb" if cfg.metrics.tensorboard else None)
+        self.metrics = self._metrics() if live else _Muted()
         self.rounds = [[0] * P for _ in range(S)]  # rounds each replica took part in
         self.group_sizes: list[int] = []
         self.started = clock()
@@ -121,7 +157,8 @@ class Scheduler:
         self.hung: set[int] = set()  # ranks named hung, until their pipeline is lost
         self.heals = self.restarts = 0
         self.checkpoints = GlobalSyncCheckpoints(Cadence.from_config(cfg), clock())
-        self.tracer = self._tracer() if cfg.run.trace and self.policy is not None else None
+        self.tracer = (self._tracer() if cfg.run.trace and self.policy is not None and live
+                       else None)
         if resume is not None:
             self._resume(resume)
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -129,6 +166,34 @@ class Scheduler:
             protocol.Begin: self._begin, protocol.Saved: self._saved,
             protocol.Lost: self._lost, protocol.Restart: self._restart,
             protocol.Rejoin: self._rejoin, protocol.Report: self._report}
+
+    def _metrics(self) -> MetricsLog:
+        tb = self.run_dir / "tb" if self.cfg.metrics.tensorboard else None
+        return MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=tb)
+
+    def go_live(self, replayed: int, last: Optional[float]) -> None:
+        """The journal is replayed: write again what the last batch's handling wrote to the
+        store (the dead scheduler may have died before it did; a key the workers already took
+        is never read again), and from now on write for real."""
+        held, self.events = self.events, self.events.store
+        for key, value in held.last_batch.items():
+            self.events.set(key, value)
+        self.live, self.metrics = True, self._metrics()
+        now = self.clock()
+        self.metrics.write({"kind": "scheduler_restart", "time": round(time.time() - self.t0, 4),
+                            "replayed_batches": replayed,
+                            "silent_s": None if last is None else round(now - last, 4)})
+        self.publish_progress()
+
+    def new_batch(self) -> None:
+        """Replaying: the next batch begins (only the last one's store writes are written again)."""
+        if isinstance(self.events, _Held):
+            self.events.last_batch.clear()
+
+    def _stop_asked(self) -> bool:
+        if self.stop_seen is not None:
+            return self.stop_seen
+        return self.events.check([store.STOP_REQUESTED])
 
     def _tracer(self) -> Tracer:
         """The scheduler's track of ``trace.json``: row 0 the batches of events, row 1 + s the
@@ -166,8 +231,7 @@ class Scheduler:
         if self.rejoining and self.policy is not None and self.policy.finished:
             self._answer_rejoins()
         if self.policy is not None:
-            if kind == "tick" and not self.policy.stop_requested \
-                    and self.events.check([store.STOP_REQUESTED]):
+            if kind == "tick" and not self.policy.stop_requested and self._stop_asked():
                 log.info("stop requested: ending the run at the next global sync")
                 self._publish(self.policy.request_stop())
             # ready and begin ran the policy's tick already. After other events a tick can only
@@ -364,11 +428,15 @@ class Scheduler:
         self.shards_from.pop(ckpt, None)
         staging = checkpoint.staging_dir(self.run_dir, ckpt)
         steps = {p: shards[p * S] for p in present}
-        for q, k in sorted(self.stand_ins.pop(ckpt, {}).items()):
+        stand_ins = self.stand_ins.pop(ckpt, {})
+        steps.update(stand_ins)
+        if not self.live and not staging.is_dir():  # replaying: the dead scheduler finalized it
+            self.checkpoints.saved(self.clock())
+            return
+        for q, k in sorted(stand_ins.items()):
             for s in range(S):
                 checkpoint.stand_in(staging, str(present[0] * S + s), str(q * S + s),
                                     {"step": k, "pipeline": q})
-            steps[q] = k
         elapsed = time.time() - self.t0
         checkpoint.save_shard(staging, "scheduler",
                               {"steps": steps, "elapsed": elapsed, "metrics": self.summary()})
@@ -431,14 +499,9 @@ URGENT = ("ready", "begin", "lost", "restart", "rejoin")
 BATCH = 512  # most events taken from the queue at once
 
 
-def next_events(events) -> list[protocol.Event]:
-    """The queued events (at least one, up to :data:`BATCH`), those a worker blocks on first.
-
-    A blocking pop is two round trips to the store (wait, then pop); while events are queued a
-    non-blocking pop is one. Taking the backlog at once lets the ready signals go before the
-    metrics lines that arrived with them (a step line per worker per iteration), so that a burst
-    of P x S arrivals is not decided behind P x S metrics writes.
-    """
+def next_batch(events) -> list[str]:
+    """The next events, as popped: all that are queued (up to :data:`BATCH`), else the next
+    one to come (blocking)."""
     raw = []
     while len(raw) < BATCH:
         try:
@@ -447,23 +510,82 @@ def next_events(events) -> list[protocol.Event]:
             break
     if not raw:
         raw.append(events.queue_pop(store.EVENTS))
+    return [r.decode() if isinstance(r, bytes) else r for r in raw]
+
+
+def in_order(raw: list[str]) -> list[protocol.Event]:
+    """A batch decoded, urgent events first (the launcher's lost and restart events must not
+    wait behind P x S arrivals, and a round of P x S arrivals is not decided behind P x S
+    metrics writes); the order is kept within each kind."""
     batch = [protocol.decode_event(r, store.PREFIX + store.EVENTS) for r in raw]
-    return sorted(batch, key=lambda e: e.type not in URGENT)  # stable: order kept within each
+    return sorted(batch, key=lambda e: e.type not in URGENT)
+
+
+class BatchClock:
+    """The scheduler's clock: one moment per batch (set by :func:`serve`), so that the journal
+    can replay every decision at the moment it was made."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def act(scheduler: Scheduler, writer: journal.Journal, raw: list[str], now: float
+        ) -> list[protocol.Event]:
+    """Journal one batch at moment ``now``, then act on it (the scheduler's clock must be a
+    :class:`BatchClock`); returns the batch, decoded."""
+    scheduler.clock.now = now
+    batch = in_order(raw)
+    # the flag matters only to a tick (read there, once per batch at most)
+    stop = (any(isinstance(e, protocol.Tick) for e in batch)
+            and scheduler.events.check([store.STOP_REQUESTED]))
+    writer.record(now, stop, raw)  # before acting on it: see the journal's note
+    scheduler.stop_seen = stop
+    for event in batch:
+        scheduler.handle(event)
+    return batch
+
+
+def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None,
+           now: Callable[[], float] = time.monotonic) -> Scheduler:
+    """A scheduler started again after the run's first died: the dead one's journal replayed,
+    then live from moment ``now()`` on (:mod:`~sdpipe_cli.sync.journal`)."""
+    started, batches = journal.read(journal_path(run_dir))
+    clock = BatchClock(started)
+    scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, live=False)
+    for batch in batches:
+        clock.now, scheduler.stop_seen = batch.t, batch.stop
+        scheduler.new_batch()
+        for event in in_order(list(batch.events)):
+            scheduler.handle(event)
+    log.info("replayed %d batches of the journal", len(batches))
+    clock.now = now()
+    scheduler.go_live(len(batches), batches[-1].t if batches else None)
+    return scheduler
 
 
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
-          resume: Optional[Path] = None) -> Scheduler:
-    """Run until every worker reported done."""
-    scheduler = Scheduler(cfg, run_dir, events, resume=resume)
+          resume: Optional[Path] = None, restarted: bool = False) -> Scheduler:
+    """Run until every worker reported done; ``restarted``: a scheduler started again after the
+    run's first died, which replays its journal first."""
+    path = journal_path(run_dir)
+    if restarted:
+        scheduler = replay(cfg, run_dir, events, resume)
+        writer = journal.Journal.resume(path)
+    else:
+        clock = BatchClock(time.monotonic())
+        writer = journal.Journal.create(path, clock.now)
+        scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume)
     ticker = Ticker(connect)
     ticker.start()
     tracer = scheduler.tracer
     try:
         while not scheduler.tracker.all_done():
-            batch = next_events(events)
+            raw = next_batch(events)
             popped = tracer.clock() if tracer is not None else 0.0
-            for event in batch:
-                scheduler.handle(event)
+            batch = act(scheduler, writer, raw, time.monotonic())
             if scheduler.policy is not None:
                 ticker.wake_at(scheduler.policy.next_deadline())
             if tracer is not None:
@@ -471,6 +593,7 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
                             "events", len(batch))
     finally:
         ticker.stop()
+        writer.close()
         scheduler.metrics.close()
         if tracer is not None:
             tracer.write(trace_path(run_dir, tracer.rank))
@@ -487,7 +610,8 @@ def main() -> int:
             return connect_store(cfg)
 
         events = store.namespace(connect())
-        scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None)
+        scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None,
+                          restarted=bool(int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0"))))
         summary = scheduler.summary()
         (run_dir / "summary.json").write_text(strict_json(summary, indent=1))
         for p, state in summary["pipelines"].items():

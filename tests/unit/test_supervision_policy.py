@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from sdpipe_cli.core.supervision import (SETTLE_S, Broken, ChildState, DropPipelines, Failed,
                                          FailedElsewhere, Finished, Kill, Observation,
-                                         RequestStop, Respawn, Restarts, StopNow, Supervision,
+                                         RequestStop, Respawn, RespawnScheduler, Restarts,
+                                         StopNow, Supervision,
                                          Wait, ending, first_failure)
 
 KILLED = -signal.SIGKILL
@@ -485,3 +486,26 @@ def test_interrupts(history, started, graceful):
             final = action
         before = obs.signals
     assert requests <= 1
+
+
+def test_a_scheduler_killed_by_a_signal_is_started_again_while_the_budget_lasts():
+    policy = Supervision(started=True, tolerate=True, restarts=Restarts(2, 1.0))
+    assert policy.decide(see(run(codes={"scheduler": KILLED}), now=1)) == RespawnScheduler(1)
+    assert policy.decide(see(run(), now=2)) == Wait()  # the new one runs
+    assert policy.decide(see(run(codes={"scheduler": KILLED}), now=3)) == RespawnScheduler(2)
+    # the budget is used up: the next death fails the run as any helper's does
+    assert policy.decide(see(run(codes={"scheduler": KILLED}), now=4)) == Wait()  # settling
+    assert policy.decide(see(run(codes={"scheduler": KILLED}), now=4 + SETTLE_S)) == \
+        Failed("scheduler")
+
+
+@pytest.mark.parametrize("policy", [
+    Supervision(started=True, tolerate=True, restarts=Restarts(2, 1.0)),  # its own verdict
+    Supervision(started=True, tolerate=True),  # continue: no restarts at all
+    Supervision(started=True),  # stop
+], ids=["exit 1", "continue", "stop"])
+def test_a_scheduler_is_not_started_again_after_its_own_verdict_or_without_restarts(policy):
+    code = 1 if policy.restarts is not None else KILLED
+    assert policy.decide(see(run(codes={"scheduler": code}), now=1)) == Wait()
+    assert policy.decide(see(run(codes={"scheduler": code}), now=1 + SETTLE_S)) == \
+        Failed("scheduler")
