@@ -121,7 +121,8 @@ def plan(old_steps: Mapping[int, int], train_steps: int, batch_size: int, new_pi
         raise ValueError("a layout has at least one pipeline")
     done = sum(old_steps.values())
     budget = old_p * train_steps
-    new_steps = new_train_steps if new_train_steps is not None else round(budget / new_pipelines)
+    new_steps = (new_train_steps if new_train_steps is not None
+                 else max(1, round(budget / new_pipelines)))
     if even:
         each = round(done / new_pipelines)
         steps = {q: each for q in range(new_pipelines)}

@@ -26,8 +26,12 @@ from typing import IO
 __all__ = ["Batch", "Journal", "journal_path", "read"]
 
 
-def journal_path(run_dir: os.PathLike | str) -> Path:
-    return Path(run_dir) / "logs" / "scheduler.journal"
+def journal_path(run_dir: os.PathLike | str, config: str = "config.yaml") -> Path:
+    """The journal of the run's leg whose config file is ``config``: ``config.yaml`` ->
+    ``logs/scheduler.journal``, ``config.resume-step_10.yaml`` ->
+    ``logs/scheduler.resume-step_10.journal``; a later leg never overwrites an earlier one's."""
+    leg = Path(config).name.removeprefix("config").removesuffix(".yaml")
+    return Path(run_dir) / "logs" / f"scheduler{leg}.journal"
 
 
 @dataclass(frozen=True)

@@ -549,10 +549,11 @@ def act(scheduler: Scheduler, writer: journal.Journal, raw: list[str], now: floa
 
 
 def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None,
-           now: Callable[[], float] = time.monotonic) -> Scheduler:
-    """A scheduler started again after the run's first died: the dead one's journal replayed,
-    then live from moment ``now()`` on (:mod:`~sdpipe_cli.sync.journal`)."""
-    started, batches = journal.read(journal_path(run_dir))
+           now: Callable[[], float] = time.monotonic, path: Optional[Path] = None) -> Scheduler:
+    """A scheduler started again after the run's first died: the dead one's journal (``path``,
+    default the first leg's) replayed, then live from moment ``now()`` on
+    (:mod:`~sdpipe_cli.sync.journal`)."""
+    started, batches = journal.read(path or journal_path(run_dir))
     clock = BatchClock(started)
     scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, live=False)
     for batch in batches:
@@ -567,12 +568,13 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None
 
 
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
-          resume: Optional[Path] = None, restarted: bool = False) -> Scheduler:
+          resume: Optional[Path] = None, restarted: bool = False,
+          config: str = "config.yaml") -> Scheduler:
     """Run until every worker reported done; ``restarted``: a scheduler started again after the
-    run's first died, which replays its journal first."""
-    path = journal_path(run_dir)
+    run's first died, which replays its journal first (the leg's, named after ``config``)."""
+    path = journal_path(run_dir, config)
     if restarted:
-        scheduler = replay(cfg, run_dir, events, resume)
+        scheduler = replay(cfg, run_dir, events, resume, path=path)
         writer = journal.Journal.resume(path)
     else:
         clock = BatchClock(time.monotonic())
@@ -611,7 +613,8 @@ def main() -> int:
 
         events = store.namespace(connect())
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None,
-                          restarted=bool(int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0"))))
+                          restarted=bool(int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0"))),
+                          config=os.environ.get("SDPIPE_CONFIG", "config.yaml"))
         summary = scheduler.summary()
         (run_dir / "summary.json").write_text(strict_json(summary, indent=1))
         for p, state in summary["pipelines"].items():
