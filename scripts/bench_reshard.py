@@ -76,8 +76,10 @@ def main() -> int:
     at = {int(p): k for p, k in manifest["steps"].items()}
     bs = manifest["config"]["train"]["batch_size"]
     budget = args.pipelines * args.steps * bs
-    before = [r["loss"] for r in trains(rows) if at[r["pipeline"]] - args.window < r["step"] <= at[r["pipeline"]]]
-    after_ref = [r["loss"] for r in trains(rows) if at[r["pipeline"]] < r["step"] <= at[r["pipeline"]] + args.window]
+    before = [r["loss"] for r in trains(rows)
+              if at[r["pipeline"]] - args.window < r["step"] <= at[r["pipeline"]]]
+    after_ref = [r["loss"] for r in trains(rows)
+                 if at[r["pipeline"]] < r["step"] <= at[r["pipeline"]] + args.window]
     table = [{"layout": f"P={args.pipelines} S=2, uninterrupted", "first resumed loss": statistics.mean(after_ref),
               "samples": budget, "budget": budget, "final val": final_val(rows)}]
     print(f"saved run: checkpoint {source.name} (iterations {at}); loss over the {args.window} "
@@ -101,8 +103,8 @@ def main() -> int:
         table.append({"layout": name, "first resumed loss": statistics.mean(first),
                       "samples": sum(done.values()), "budget": budget,
                       "final val": final_val(resumed)})
-        print(f"{name}: " + "; ".join(l for l in out.stderr.splitlines() if "resharded" in l
-                                      or "warning" in l))
+        print(f"{name}: " + "; ".join(line for line in out.stderr.splitlines()
+                                      if "resharded" in line or "warning" in line))
     body = (f"Saved run: {args.sync}, P={args.pipelines}, S=2, {args.steps} steps, "
             f"{' '.join(args.extra)}; checkpoint {source.name}. Loss over the {args.window} "
             f"iterations before it: {statistics.mean(before):.4f} (sd {statistics.pstdev(before):.4f}); "

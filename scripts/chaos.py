@@ -9,6 +9,7 @@ it from the repository root after ``pip install -e .``::
     python scripts/chaos.py --kills 8 --stops 2 --baseline # and a run without faults to compare
     python scripts/chaos.py --kills 2 --stops 0 --steps 40 --out /tmp/chaos   # a smoke test
     python scripts/chaos.py --kills 5 --stops 0 --scheduler-kills 3   # the scheduler among the victims
+    python scripts/chaos.py --kills 2 --stops 0 --heal-source-kills 2 --second-losses 2   # during heals
 
 Usage::
 
@@ -21,7 +22,11 @@ Usage::
 that at most one pipeline is down at a time and every fault hits a full run. Kills and stops
 come in a random order; the victim is a random worker. ``--scheduler-kills`` adds SIGKILLs of the
 scheduler to the plan, each once the scheduler killed before is live again (its
-``scheduler_restart`` line is in). A fault is not injected once the run has
+``scheduler_restart`` line is in). Faults during recovery: ``--heal-source-kills`` kills a worker,
+then the replica the scheduler names to heal it, as soon as it is named (its ``group`` line with
+``heal``: before or while it sends; ``after_the_heal`` says when the heal had already finished);
+``--second-losses`` kills a worker, then another replica of its stage as soon as the first's
+pipeline is started again, before it heals. A fault is not injected once the run has
 reached 90% of its budget (a loss during the last global sync is not made good, see
 docs/FAULT_TOLERANCE.md).
 
@@ -92,11 +97,82 @@ def pid_of(run_dir: Path, rank: int | str) -> int | None:
         return None
 
 
+def quiet(lines: list[dict], stages: int, scheduler_kills: int) -> bool:
+    """Nothing is recovering: every lost pipeline was restarted and every stage of its latest
+    incarnation healed since, and the scheduler came back from every kill."""
+    if sum(m["kind"] == "scheduler_restart" for m in lines) < scheduler_kills:
+        return False
+    last_loss: dict[int, float] = {}
+    last_restart: dict[int, float] = {}
+    for m in lines:
+        if m["kind"] == "lost":
+            last_loss[m["pipeline"]] = m["time"]
+        elif m["kind"] == "restart":
+            last_restart[m["pipeline"]] = m["time"]
+    for pipeline, lost_at in last_loss.items():
+        restarted = last_restart.get(pipeline)
+        if restarted is None or restarted < lost_at:
+            return False
+        healed = sum(m["kind"] == "heal" and m["pipeline"] == pipeline and m["time"] >= restarted
+                     for m in lines)
+        if healed < stages:
+            return False
+    return True
+
+
+def _kill(run_dir: Path, rank, sig: signal.Signals, start: float, stages: int, kind: str,
+          log) -> dict | None:
+    pid = pid_of(run_dir, rank)
+    if pid is None:
+        return None
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return None
+    pipeline = None if rank == "scheduler" else rank // stages
+    entry = {"time": round(time.monotonic() - start, 3), "rank": rank, "pipeline": pipeline,
+             "signal": sig.name, "pid": pid, "kind": kind}
+    log(f"chaos: {sig.name} to {'the scheduler' if pipeline is None else f'rank {rank}'} "
+        f"(pipeline {pipeline}, {kind}) at {entry['time']:.1f} s")
+    return entry
+
+
+def _during_recovery(run_dir: Path, proc: subprocess.Popen, first: dict, fault: str,
+                     stages: int, pipelines: int, start: float, rng: random.Random,
+                     log) -> dict | None:
+    """The second fault of a recovery scenario, once the first (``first``) is being recovered:
+    ``heal-source``: the replica the scheduler names to heal the lost one, as soon as it is named
+    (before or while it sends); ``second-loss``: another replica of the same stage, as soon as
+    the lost pipeline is started again (before it heals)."""
+    victim, stage = first["pipeline"], first["rank"] % stages
+    seen = len(read_metrics(run_dir))
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        fresh = read_metrics(run_dir)[seen:]
+        if fault == "heal-source":
+            named = next((m for m in fresh if m["kind"] == "group" and m["stage"] == stage
+                          and victim in [q for q, _ in m.get("heal", [])]), None)
+            if named is not None:
+                healed_first = any(m["kind"] == "heal" and m["pipeline"] == victim
+                                   and m["stage"] == stage for m in fresh)
+                entry = _kill(run_dir, named["members"][0] * stages + stage, signal.SIGKILL,
+                              start, stages, fault, log)
+                if entry is not None:
+                    entry["after_the_heal"] = healed_first
+                return entry
+        elif any(m["kind"] == "restart" and m["pipeline"] == victim for m in fresh):
+            others = [p for p in range(pipelines) if p != victim]
+            return _kill(run_dir, rng.choice(others) * stages + stage, signal.SIGKILL, start,
+                         stages, fault, log)
+        time.sleep(0.01)
+    return None
+
+
 def punish(run_dir: Path, proc: subprocess.Popen, plan: list[str], workers: int, stages: int,
            gap: tuple[float, float], budget: int, rng: random.Random,
            log=print) -> list[dict]:
-    """Inject ``plan`` (``kill`` or ``stop`` each) into the run, as the module docstring says;
-    returns what was done: time (s since the first train line), rank, signal, pid."""
+    """Inject ``plan`` into the run, as the module docstring says; returns what was done: time
+    (s since the first train line), rank, signal, pid, kind."""
     done: list[dict] = []
     start = None
     while start is None and proc.poll() is None:
@@ -105,15 +181,10 @@ def punish(run_dir: Path, proc: subprocess.Popen, plan: list[str], workers: int,
         time.sleep(0.05)
     for fault in plan:
         deadline = time.monotonic() + rng.uniform(*gap)
+        scheduler_kills = sum(d["rank"] == "scheduler" for d in done)
         while proc.poll() is None:
-            lines = read_metrics(run_dir)
-            restarts = sum(m["kind"] == "restart" for m in lines)
-            heals = sum(m["kind"] == "heal" for m in lines)
-            again = sum(m["kind"] == "scheduler_restart" for m in lines)
-            workers_hit = sum(d["rank"] != "scheduler" for d in done)
-            healed = (restarts == workers_hit and heals >= stages * restarts
-                      and again == len(done) - workers_hit)
-            if healed and time.monotonic() >= deadline:
+            if quiet(read_metrics(run_dir), stages, scheduler_kills) and \
+                    time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         progress = sum(m["step"] for m in _last_train(read_metrics(run_dir)).values())
@@ -121,20 +192,17 @@ def punish(run_dir: Path, proc: subprocess.Popen, plan: list[str], workers: int,
             log(f"chaos: run too far along for more faults ({progress}/{budget} iterations)")
             break
         rank = "scheduler" if fault == "scheduler" else rng.randrange(workers)
-        pid = pid_of(run_dir, rank)
-        if pid is None:
-            continue
         sig = signal.SIGSTOP if fault == "stop" else signal.SIGKILL
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
+        entry = _kill(run_dir, rank, sig, start, stages, "kill" if fault in (
+            "heal-source", "second-loss") else fault, log)
+        if entry is None:
             continue
-        pipeline = None if rank == "scheduler" else rank // stages
-        entry = {"time": round(time.monotonic() - start, 3), "rank": rank,
-                 "pipeline": pipeline, "signal": sig.name, "pid": pid}
         done.append(entry)
-        log(f"chaos: {sig.name} to {'the scheduler' if pipeline is None else f'rank {rank}'} "
-            f"(pipeline {pipeline}) at {entry['time']:.1f} s")
+        if fault in ("heal-source", "second-loss"):
+            second = _during_recovery(run_dir, proc, entry, fault, stages, workers // stages,
+                                      start, rng, log)
+            if second is not None:
+                done.append(second)
     return done
 
 
@@ -208,11 +276,12 @@ def check(run_dir: Path, returncode: int, faults: list[dict], pipelines: int, st
         "scheduler_downtime_s": scheduler_down,
         "orphans": orphans(run_dir, [f["pid"] for f in faults]),
     }
+    # a loss during a heal may cost the healing pipeline too (its transfer fails): at least one
+    # loss per worker fault, and every loss restarted
     result["ok"] = (returncode == 0 and result["budget"] == result["target"]
                     and result["identical"] and not invalid and not result["orphans"]
-                    and len(lost) == len(faults) - len(scheduler_down)
-                    and len(restarts) == len(faults) - len(scheduler_down)
-                    and len(again) == len(scheduler_down))
+                    and len(lost) >= len(faults) - len(scheduler_down)
+                    and len(restarts) == len(lost) and len(again) == len(scheduler_down))
     return result
 
 
@@ -222,6 +291,10 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=8)
     parser.add_argument("--stops", type=int, default=2)
     parser.add_argument("--scheduler-kills", type=int, default=0)
+    parser.add_argument("--heal-source-kills", type=int, default=0,
+                        help="kills whose pipeline's heal source is killed as soon as it is named")
+    parser.add_argument("--second-losses", type=int, default=0,
+                        help="kills followed by a kill in the same stage while the first heals")
     parser.add_argument("--pipelines", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
@@ -238,7 +311,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    plan = ["kill"] * args.kills + ["stop"] * args.stops + ["scheduler"] * args.scheduler_kills
+    plan = (["kill"] * args.kills + ["stop"] * args.stops + ["scheduler"] * args.scheduler_kills
+            + ["heal-source"] * args.heal_source_kills + ["second-loss"] * args.second_losses)
     rng.shuffle(plan)
     report: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v)
                                  for k, v in vars(args).items()}}
@@ -253,7 +327,10 @@ def main() -> int:
     log_path = args.out / "chaos.log"
     started = time.monotonic()
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(command(args, run_dir, len(plan)), stdout=log_file,
+        # a recovery scenario may cost up to three losses (the victim, the second, the victim
+        # again when its heal fails)
+        budget = len(plan) + 2 * (args.heal_source_kills + args.second_losses)
+        proc = subprocess.Popen(command(args, run_dir, budget), stdout=log_file,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             faults = punish(run_dir, proc, plan, args.pipelines * args.stages, args.stages,

@@ -565,8 +565,9 @@ def _restart(console: Console, failed, restarts, origin: float, run_cfg, started
     budget is used up, or an interrupt came during the back-off).
 
     The checkpoint is the run's newest complete one of this layout whose files check out (or the
-    one the run was resumed from); without one the run starts again in its folder. Says so on stderr and in ``metrics.jsonl`` (a ``restart`` line,
-    with the iterations each pipeline will do again: the last it reached minus the checkpoint's).
+    one the run was resumed from); without one the run starts again in its folder. Says so on
+    stderr and in ``metrics.jsonl`` (a ``restart`` line, with the iterations each pipeline will
+    do again: the last it reached minus the checkpoint's).
     """
     import time
 

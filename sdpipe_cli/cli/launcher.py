@@ -573,9 +573,10 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                 error_times.pop(c.name, None)  # a new process: its own error file, when it fails
         elif isinstance(action, supervision.RespawnScheduler) and restart_scheduler is not None:
             dead = by_name["scheduler"]
-            print(f"sdpipe: warning: the scheduler {supervision.ending(dead.proc.returncode)}; starting it again (restart "
-                  f"{action.restart} of {restarts.limit if restarts else 0}); it replays its "
-                  "journal", file=sys.stderr, flush=True)
+            print(f"sdpipe: warning: the scheduler {supervision.ending(dead.proc.returncode)}; "
+                  f"starting it again (restart {action.restart} of "
+                  f"{restarts.limit if restarts else 0}); it replays its journal",
+                  file=sys.stderr, flush=True)
             fresh = restart_scheduler(action.restart)
             children[:] = [c if c is not dead else fresh for c in children]
             by_name["scheduler"] = fresh

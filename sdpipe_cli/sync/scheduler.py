@@ -380,12 +380,15 @@ class Scheduler:
             for p in d.members:
                 self.rounds[d.stage][p] += 1
             self.group_sizes.append(len(d.members))
-            self.metrics.write({
+            line = {
                 "kind": "group", "time": round(time.time() - self.t0, 4), "stage": d.stage,
                 "round": d.round, "group": d.kind, "members": list(d.members),
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
                 "twins": d.twins,
-                "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]})
+                "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]}
+            if d.heal:  # the restarted replicas the first member heals: [pipeline, iteration]
+                line["heal"] = [list(h) for h in d.heal]
+            self.metrics.write(line)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _checkpoint_at(self, d: Decision) -> Optional[int]:
