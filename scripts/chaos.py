@@ -26,7 +26,9 @@ scheduler to the plan, each once the scheduler killed before is live again (its
 then the replica the scheduler names to heal it, as soon as it is named (its ``group`` line with
 ``heal``: before or while it sends; ``after_the_heal`` says when the heal had already finished);
 ``--second-losses`` kills a worker, then another replica of its stage as soon as the first's
-pipeline is started again, before it heals. A fault is not injected once the run has
+pipeline is started again, before it heals; ``--checkpoint-kills`` kills a worker as soon as a
+checkpoint's staging folder appears, while its shards are written (``during`` names it). A fault
+is not injected once the run has
 reached 90% of its budget (a loss during the last global sync is not made good, see
 docs/FAULT_TOLERANCE.md).
 
@@ -168,6 +170,20 @@ def _during_recovery(run_dir: Path, proc: subprocess.Popen, first: dict, fault: 
     return None
 
 
+def _await_staging(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> str | None:
+    """The name of the next save's staging folder, as soon as it appears (polled every 5 ms)."""
+    folder = run_dir / "checkpoints"
+    before = {p.name for p in folder.glob(".staging-*")} if folder.is_dir() else set()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        fresh = [p.name for p in folder.glob(".staging-*")] if folder.is_dir() else []
+        new = sorted(set(fresh) - before)
+        if new:
+            return new[0]
+        time.sleep(0.005)
+    return None
+
+
 def punish(run_dir: Path, proc: subprocess.Popen, plan: list[str], workers: int, stages: int,
            gap: tuple[float, float], budget: int, rng: random.Random,
            log=print) -> list[dict]:
@@ -191,12 +207,18 @@ def punish(run_dir: Path, proc: subprocess.Popen, plan: list[str], workers: int,
         if proc.poll() is not None or progress >= 0.9 * budget:
             log(f"chaos: run too far along for more faults ({progress}/{budget} iterations)")
             break
+        if fault == "checkpoint":  # once a save's staging folder appears
+            staged = _await_staging(run_dir, proc)
+            if staged is None:
+                continue
         rank = "scheduler" if fault == "scheduler" else rng.randrange(workers)
         sig = signal.SIGSTOP if fault == "stop" else signal.SIGKILL
         entry = _kill(run_dir, rank, sig, start, stages, "kill" if fault in (
             "heal-source", "second-loss") else fault, log)
         if entry is None:
             continue
+        if fault == "checkpoint":
+            entry["during"] = staged
         done.append(entry)
         if fault in ("heal-source", "second-loss"):
             second = _during_recovery(run_dir, proc, entry, fault, stages, workers // stages,
@@ -275,11 +297,16 @@ def check(run_dir: Path, returncode: int, faults: list[dict], pipelines: int, st
         "scheduler_kills": len(scheduler_down), "scheduler_restarts": len(again),
         "scheduler_downtime_s": scheduler_down,
         "orphans": orphans(run_dir, [f["pid"] for f in faults]),
+        "staging_left": sorted(p.name for p in (run_dir / "checkpoints").glob(".staging-*"))
+        if (run_dir / "checkpoints").is_dir() else [],
+        "interrupted_saves": {f["during"]: (run_dir / "checkpoints" / f["during"].removeprefix(
+            ".staging-")).is_dir() for f in faults if f.get("during")},
     }
     # a loss during a heal may cost the healing pipeline too (its transfer fails): at least one
     # loss per worker fault, and every loss restarted
     result["ok"] = (returncode == 0 and result["budget"] == result["target"]
                     and result["identical"] and not invalid and not result["orphans"]
+                    and not result["staging_left"]
                     and len(lost) >= len(faults) - len(scheduler_down)
                     and len(restarts) == len(lost) and len(again) == len(scheduler_down))
     return result
@@ -295,6 +322,8 @@ def main() -> int:
                         help="kills whose pipeline's heal source is killed as soon as it is named")
     parser.add_argument("--second-losses", type=int, default=0,
                         help="kills followed by a kill in the same stage while the first heals")
+    parser.add_argument("--checkpoint-kills", type=int, default=0,
+                        help="kills as soon as a checkpoint's staging folder appears")
     parser.add_argument("--pipelines", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
@@ -312,7 +341,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     plan = (["kill"] * args.kills + ["stop"] * args.stops + ["scheduler"] * args.scheduler_kills
-            + ["heal-source"] * args.heal_source_kills + ["second-loss"] * args.second_losses)
+            + ["heal-source"] * args.heal_source_kills + ["second-loss"] * args.second_losses
+            + ["checkpoint"] * args.checkpoint_kills)
     rng.shuffle(plan)
     report: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v)
                                  for k, v in vars(args).items()}}
@@ -351,7 +381,8 @@ def main() -> int:
     for key in ("ok", "exit", "faults", "lost", "restarts", "heals", "budget", "target",
                 "identical", "unhealed_at_end", "checkpoints", "invalid_checkpoints", "orphans",
                 "heal_bytes", "heal_seconds", "heal_transfer_s", "downtime_s", "scheduler_kills",
-                "scheduler_restarts", "scheduler_downtime_s", "wall_s",
+                "scheduler_restarts", "scheduler_downtime_s", "staging_left",
+                "interrupted_saves", "wall_s",
                 "time_lost_per_fault_s"):
         if key in result:
             print(f"{key:>22}: {result[key]}")

@@ -1,6 +1,6 @@
 """fault.on_pipeline_loss=restart under injected faults (scripts/chaos.py's punisher and checks):
-a SIGKILL and a SIGSTOP on random workers of a real run; it completes with its budget exact, identical
-replicas, valid checkpoints and no process left."""
+a SIGKILL and a SIGSTOP on random workers of a real run, and the scheduler SIGKILLed; it completes
+with its budget exact, identical replicas, valid checkpoints and no process left."""
 
 from __future__ import annotations
 
@@ -43,20 +43,25 @@ def test_random_kills_and_a_hang_are_healed_and_the_run_completes(run_dir):
     assert '"restarts": 2' in summary and '"heals": 4' in summary
 
 
-def test_async_1f1b_pipeline_restarts_and_heals(run_dir):
+def test_async_1f1b_pipeline_restarts_and_heals_and_the_scheduler_comes_back(run_dir):
     """The asynchronous schedule: a killed worker's pipeline is restarted, healed and goes on
-    from its last finished iteration; the budget is exact and the replicas end identical."""
-    steps = 20
+    from its last finished iteration; then the scheduler is SIGKILLed, started again, and
+    replays its journal (begin answers, rounds, the heal) to go on where it was. The budget is
+    exact and the replicas end identical."""
+    steps = 40
     proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
                         "cluster.pipelines=2", f"pipeline.stages={S}", f"train.steps={steps}",
                         "train.eval_every=0", "cluster.compute_ms=10",
                         "pipeline.schedule=async_1f1b", "fault.on_pipeline_loss=restart",
                         "fault.restart_backoff=0.1")
     try:
-        faults = chaos.punish(run_dir, proc, ["kill"], 2 * S, S, (0.2, 0.5), 2 * steps,
-                              random.Random(3), log=lambda line: None)
+        faults = chaos.punish(run_dir, proc, ["kill", "scheduler"], 2 * S, S, (0.2, 0.5),
+                              2 * steps, random.Random(3), log=lambda line: None)
     finally:
         rc, err, _ = finish(proc, timeout=180)
     assert rc == 0, err
+    assert [f["rank"] == "scheduler" for f in faults] == [False, True], faults
     result = chaos.check(run_dir, rc, faults, 2, S, steps)
     assert result["ok"] and result["heals"] == S, result
+    assert result["scheduler_restarts"] == 1 and result["scheduler_downtime_s"][0] < 10, result
+    assert "the scheduler was killed by SIGKILL; starting it again" in err
