@@ -43,6 +43,7 @@ from sdpipe_cli.model import checkpoint, memory, models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
 
 from sdpipe_cli.core import partition, supervision
+from sdpipe_cli.core.modes import mode
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.cluster import Cluster
@@ -373,7 +374,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         phase.advance("starting the processes")
         P, S = cfg.cluster.pipelines, cfg.pipeline.stages
         # one parameter server per stage, ranks after the workers
-        servers = S if job.helpers and cfg.sync.name == "ps" else 0
+        servers = S if job.helpers and mode(cfg.sync.name).servers else 0
         base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
                 "MASTER_ADDR": network.connect_address(store_host(cfg)),
                 "MASTER_PORT": str(master.port), "WORLD_SIZE": str(P * S + servers),

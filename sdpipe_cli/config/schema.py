@@ -23,6 +23,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from sdpipe_cli.core import grouping, schedule as _schedule
 from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.core.modes import mode, names_with
 
 SCHEDULES = (*_schedule.SCHEDULES, *_schedule.ASYNC_SCHEDULES)  # the registry is core.schedule
 ASYNC_SCHEDULES = _schedule.ASYNC_SCHEDULES
@@ -281,7 +282,8 @@ class NoSyncConfig(SyncConfig):
     name: str = "none"
 
 
-# The one registry of sync modes: name -> its settings. configs/sync/<name>.yaml sets the values.
+# Each sync mode's settings, by name (what each mode needs and supports: core/modes.py).
+# configs/sync/<name>.yaml sets the values.
 SYNC_CONFIGS: dict[str, type] = {c.name: c for c in (
     SdpipeSyncConfig, AllReduceSyncConfig, PsSyncConfig, AdpsgdSyncConfig, DilocoSyncConfig,
     NoSyncConfig)}
@@ -675,31 +677,10 @@ def validate(cfg: DictConfig) -> None:
 
     y = cfg.sync
     need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")
-    if y.name == "sdpipe":
-        need(y.min_group >= 1, "sync.min_group", "must be at least 1")
-        need(0 < y.window_min_ms <= y.window_ms <= y.window_max_ms, "sync.window_ms",
-             "need 0 < sync.window_min_ms <= sync.window_ms <= sync.window_max_ms")
-        need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
-        need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
-        need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
-        need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
-        need(y.max_group == 0 or y.max_group >= 2, "sync.max_group",
-             "must be 0 (no cap) or at least 2")
-        need(y.policy in POLICIES, "sync.policy",
-             f"is '{y.policy}'; choose one of {', '.join(POLICIES)}")
-        need(y.average in AVERAGES, "sync.average",
-             f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
-    if y.name == "ps":
-        need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
-    if y.name == "diloco":
-        need(y.local_steps >= 1, "sync.local_steps", "must be at least 1")
-        need(math.isfinite(y.outer_lr) and y.outer_lr > 0, "sync.outer_lr",
-             f"must be a positive finite number, got {y.outer_lr}")
-        need(math.isfinite(y.outer_momentum) and 0 <= y.outer_momentum < 1, "sync.outer_momentum",
-             f"must be in [0, 1), got {y.outer_momentum}")
-        need(p.schedule not in ASYNC_SCHEDULES, "pipeline.schedule",
-             f"sync=diloco counts an iteration's updates: use a flushed schedule (1f1b, gpipe), "
-             f"not {p.schedule}")
+    _SETTINGS_CHECKS.get(y.name, lambda _: None)(y)
+    need(not (mode(y.name).flushed_only and p.schedule in ASYNC_SCHEDULES), "pipeline.schedule",
+         f"sync={y.name} counts an iteration's updates: use a flushed schedule (1f1b, gpipe), "
+         f"not {p.schedule}")
 
     need(t.steps >= 1, "train.steps", "must be at least 1")
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
@@ -731,13 +712,14 @@ def validate(cfg: DictConfig) -> None:
 
     need(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)")
     need(cfg.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0: keep all)")
-    need(not (cfg.checkpoint.every and y.name == "ps"), "checkpoint.every",
-         "checkpoints are not supported with sync=ps (the servers' state is not saved)")
-    need(not (cfg.checkpoint.on_exit and y.name in ("ps", "none")), "checkpoint.on_exit",
+    sync_mode = mode(y.name)
+    need(not (cfg.checkpoint.every and not sync_mode.checkpoints), "checkpoint.every",
+         f"checkpoints are not supported with sync={y.name} (the servers' state is not saved)")
+    need(not (cfg.checkpoint.on_exit and not sync_mode.stop_together), "checkpoint.on_exit",
          f"needs replicas that stop together; sync={y.name} has none (use checkpoint.every)")
     minutes = cfg.checkpoint.every_minutes
     need(minutes is None or minutes > 0, "checkpoint.every_minutes", "must be positive minutes")
-    need(minutes is None or y.name not in ("ps", "none"), "checkpoint.every_minutes",
+    need(minutes is None or sync_mode.stop_together, "checkpoint.every_minutes",
          f"needs replicas that agree on when; sync={y.name} has none (use checkpoint.every)")
     _validate_fault(cfg)
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
@@ -747,6 +729,36 @@ def validate(cfg: DictConfig) -> None:
     need(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "metrics.tensorboard", "needs the tensorboard package: pip install tensorboard")
     _validate_cluster(cfg)
+
+
+def _check_sdpipe(y: DictConfig) -> None:
+    need(y.min_group >= 1, "sync.min_group", "must be at least 1")
+    need(0 < y.window_min_ms <= y.window_ms <= y.window_max_ms, "sync.window_ms",
+         "need 0 < sync.window_min_ms <= sync.window_ms <= sync.window_max_ms")
+    need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
+    need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
+    need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
+    need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
+    need(y.max_group == 0 or y.max_group >= 2, "sync.max_group", "must be 0 (no cap) or at least 2")
+    need(y.policy in POLICIES, "sync.policy", f"is '{y.policy}'; choose one of {', '.join(POLICIES)}")
+    need(y.average in AVERAGES, "sync.average",
+         f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
+
+
+def _check_ps(y: DictConfig) -> None:
+    need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
+
+
+def _check_diloco(y: DictConfig) -> None:
+    need(y.local_steps >= 1, "sync.local_steps", "must be at least 1")
+    need(math.isfinite(y.outer_lr) and y.outer_lr > 0, "sync.outer_lr",
+         f"must be a positive finite number, got {y.outer_lr}")
+    need(math.isfinite(y.outer_momentum) and 0 <= y.outer_momentum < 1, "sync.outer_momentum",
+         f"must be in [0, 1), got {y.outer_momentum}")
+
+
+# each mode's own settings, beside its config class (the rest of validation asks core.modes)
+_SETTINGS_CHECKS = {"sdpipe": _check_sdpipe, "ps": _check_ps, "diloco": _check_diloco}
 
 
 def _validate_model(cfg: DictConfig) -> None:
@@ -803,18 +815,19 @@ def _validate_fault(cfg: DictConfig) -> None:
     loss, failure = f.on_pipeline_loss, f.on_failure
     need(loss in ("stop", "continue", "restart"), "fault.on_pipeline_loss",
          f"is '{loss}'; choose stop, continue or restart")
-    need(loss == "stop" or (y.name == "sdpipe" and cfg.cluster.pipelines >= 2),
-         "fault.on_pipeline_loss", f"{loss} needs sync=sdpipe and at least 2 pipelines (a lost "
+    survivors = " or ".join(f"sync={n}" for n in names_with("survives_loss"))
+    need(loss == "stop" or (mode(y.name).survives_loss and cfg.cluster.pipelines >= 2),
+         "fault.on_pipeline_loss", f"{loss} needs {survivors} and at least 2 pipelines (a lost "
          f"pipeline is healed from a live replica; sync={y.name} has no way around a missing one)")
     need(loss == "stop" or cfg.run.heartbeat_timeout > y.get("group_timeout", 0),
          "run.heartbeat_timeout", f"must exceed sync.group_timeout ({y.get('group_timeout')} s) "
          f"with fault.on_pipeline_loss={loss}: a replica waiting that long for a lost member "
          "would be taken for hung")
     need(failure in ("stop", "restart"), "fault.on_failure", f"is '{failure}'; choose stop or restart")
-    need(failure == "stop" or y.name in ("allreduce", "adpsgd", "diloco"), "fault.on_failure",
-         f"restart is for lock-step sync (allreduce, adpsgd, diloco), not sync={y.name}"
-         + ("; use fault.on_pipeline_loss=restart" if y.name == "sdpipe" else
-            " (no consistent checkpoint to restart from)"))
+    need(failure == "stop" or mode(y.name).restart_run, "fault.on_failure",
+         f"restart is for lock-step sync ({', '.join(names_with('restart_run'))}), not "
+         f"sync={y.name}" + ("; use fault.on_pipeline_loss=restart" if mode(y.name).survives_loss
+                             else " (no consistent checkpoint to restart from)"))
     need(failure == "stop" or cfg.checkpoint.every > 0 or cfg.checkpoint.every_minutes,
          "fault.on_failure", "restart needs checkpoints to restart from: set checkpoint.every "
          "or checkpoint.every_minutes")
@@ -919,10 +932,11 @@ def resolve_device(cfg: DictConfig) -> str:
     node: GPUs up to the highest device index placed there)."""
     import torch
 
-    if cfg.sync.name == "ps":
+    if not mode(cfg.sync.name).cuda:
         if cfg.cluster.device == "cuda":
-            raise ConfigError("cluster.device", "sync=ps runs on CPU only (its server receives "
-                              "from any worker, which NCCL cannot); use cluster.device=cpu")
+            raise ConfigError("cluster.device", f"sync={cfg.sync.name} runs on CPU only (its "
+                              "server receives from any worker, which NCCL cannot); use "
+                              "cluster.device=cpu")
         return "cpu"
 
     from sdpipe_cli.core.cluster import Cluster

@@ -41,6 +41,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from sdpipe_cli.core import modes
 from sdpipe_cli.core.cluster import Cluster, Stragglers
 from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
 from sdpipe_cli.core.placement import Placement
@@ -48,7 +49,7 @@ from sdpipe_cli.core.schedule import Kind, get_schedule, simulate as tick_order
 
 __all__ = ["Workload", "Result", "simulate", "MODES"]
 
-MODES = ("sdpipe", "allreduce", "adpsgd", "ps", "diloco", "none")
+MODES = tuple(modes.MODES)  # every mode has its transport below
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Workload:
     collective_s: float = 0.0003  # fixed cost of one collective call
     p2p_s: float = 0.0  # fixed cost of one message between stages, on top of its link
     jitter: float = 0.0  # sigma of a log-normal factor on a worker's iteration
-    staleness: int = 4  # ps
+    staleness: int = 3  # ps (the schema's default)
     local_steps: int = 1  # diloco: iterations between outer steps
     seed: int = 0  # adpsgd's matchings
 
@@ -172,13 +173,14 @@ class _Run:
                  policy_factory: Optional[Callable[[Callable[[], float]], GroupScheduler]]):
         if sync not in MODES:
             raise ValueError(f"sync: cannot simulate '{sync}'; choose one of {', '.join(MODES)}")
-        if sync == "sdpipe" and policy_factory is None:
+        if modes.mode(sync).group_policy and policy_factory is None:
             raise ValueError("sync=sdpipe needs its policy")
         self.w, self.sync = work, sync
         P, S = work.pipelines, work.stages
         self.P, self.S = P, S
         self.now = 0.0
-        self.policy = policy_factory(lambda: self.now) if sync == "sdpipe" else None
+        self.policy = (policy_factory(lambda: self.now) if modes.mode(sync).group_policy
+                       else None)
         self.plan = _Plan(work.schedule, S, work.microbatches)
         cl = work.cluster
         self.devices = [[cl.device(p, s) for s in range(S)] for p in range(P)]
@@ -271,7 +273,7 @@ class _Run:
         k = self.iteration[p]
         self.pending[p] = S
         # sdpipe's ready signal does nothing but travel to the scheduler: one event, not two
-        to_scheduler = self.w.rtt_s / 2 if self.sync == "sdpipe" else None
+        to_scheduler = self.w.rtt_s / 2 if self.policy is not None else None
         for s in range(S):
             self.ready_at[(p, s)] = at[s]
             if to_scheduler is None:

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision, make_policy
+from sdpipe_cli.core.modes import mode
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
@@ -139,7 +140,7 @@ class Scheduler:
         self.stop_seen: Optional[bool] = None  # the stop flag as the transport read it
         self.tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
-        self.policy = make_policy(cfg, clock) if cfg.sync.name == "sdpipe" else None
+        self.policy = make_policy(cfg, clock) if mode(cfg.sync.name).group_policy else None
         self.metrics = self._metrics() if live else _Muted()
         self.rounds = [[0] * P for _ in range(S)]  # rounds each replica took part in
         self.group_sizes: list[int] = []

@@ -12,6 +12,7 @@ import os
 
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import store
+from sdpipe_cli.core.modes import mode
 from sdpipe_cli.runtime.bootstrap import joined
 from sdpipe_cli.sync import groups
 from sdpipe_cli.training.async_loop import AsyncLoop
@@ -22,7 +23,7 @@ from sdpipe_cli.training.worker import Worker
 def own_group(cfg) -> bool:
     """Whether a worker's process group is its pipeline: always, except with parameter servers,
     which talk to every worker (see :mod:`sdpipe_cli.runtime.bootstrap`)."""
-    return cfg.sync.name != "ps"
+    return not mode(cfg.sync.name).servers
 
 
 def main() -> int:

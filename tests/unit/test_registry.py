@@ -3,6 +3,7 @@ config option and as code, and nothing else does."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -25,3 +26,23 @@ def test_every_sync_mode_is_an_option_with_its_own_settings_and_a_strategy():
 def test_every_schedule_name_has_a_schedule():
     for name in SCHEDULES:
         assert callable(get_schedule(name))
+
+
+def test_every_mode_is_one_entry_in_each_registry_and_they_agree():
+    """core.modes (what a mode needs), the schema (its settings), the worker's strategy class and
+    the simulator's transports name the same modes; the properties the worker's strategy states
+    of itself match the registry's."""
+    from sdpipe_cli.core import modes, simulation
+    from sdpipe_cli.sync.strategies import strategy_class
+
+    assert list(modes.MODES) == list(SYNC_CONFIGS)
+    assert set(simulation.MODES) == set(modes.MODES)
+    for name, mode in modes.MODES.items():
+        cls = strategy_class(name)
+        assert cls.name == name
+        assert cls.scheduled_checkpoints == mode.group_policy, name  # the scheduler's global syncs
+        assert cls.local_step == (not mode.servers), name  # a server applies the update
+        assert not (mode.restart_run and not mode.checkpoints), name
+    assert modes.names_with("servers") == ["ps"]
+    with pytest.raises(ValueError, match="sync.name: unknown mode 'nope'; choose one of sdpipe"):
+        modes.mode("nope")

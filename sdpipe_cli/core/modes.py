@@ -1,0 +1,58 @@
+"""The sync modes and what each needs and supports: the one place that tells them apart.
+
+Validation, the launcher, the scheduler and the worker's process group ask a mode's properties
+here instead of comparing its name; its settings are its config class
+(``config.schema.SYNC_CONFIGS``), its worker side its strategy class
+(``sync.strategies.strategy_class``), its simulated transport a branch of
+``core.simulation``. A test keeps the four in step, so a new mode is one entry in each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Mode", "MODES", "mode", "names_with"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What a sync mode needs and supports."""
+
+    name: str
+    summary: str
+    group_policy: bool = False  # the scheduler decides who syncs with whom (core.grouping)
+    servers: bool = False  # one parameter server per stage, in a process group of the whole run
+    checkpoints: bool = True  # its state can be saved (not a parameter server's)
+    stop_together: bool = True  # replicas stop at the same iteration (on-exit and timed checkpoints)
+    restart_run: bool = False  # fault.on_failure=restart: lock-step, consistent checkpoints
+    survives_loss: bool = False  # fault.on_pipeline_loss=continue|restart: heals from a live replica
+    flushed_only: bool = False  # counts an iteration's updates: no asynchronous schedule
+    cuda: bool = True  # runs on GPUs (NCCL cannot receive from any source)
+
+
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("sdpipe", "groups of ready replicas chosen by the scheduler, global syncs now and then",
+         group_policy=True, survives_loss=True),
+    Mode("allreduce", "every replica of a stage averages gradients every iteration",
+         restart_run=True),
+    Mode("ps", "a parameter server per stage, stale-synchronous", servers=True, checkpoints=False,
+         stop_together=False, cuda=False),
+    Mode("adpsgd", "pairwise gossip of weights (AD-PSGD)", restart_run=True),
+    Mode("diloco", "local steps, then an outer Nesterov step on the averaged change",
+         restart_run=True, flushed_only=True),
+    Mode("none", "no sync: every pipeline trains its own replica", stop_together=False),
+)}
+
+
+def mode(name: str) -> Mode:
+    """The mode called ``name``; :class:`ValueError` for an unknown one."""
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"sync.name: unknown mode '{name}'; choose one of "
+                         f"{', '.join(MODES)}") from None
+
+
+def names_with(prop: str) -> list[str]:
+    """The modes that have property ``prop`` (for messages that list the alternatives)."""
+    return [m.name for m in MODES.values() if getattr(m, prop)]
