@@ -44,6 +44,7 @@ from sdpipe_cli.runtime import network, processes, protocol, store, trace
 
 from sdpipe_cli.core import partition, supervision
 from sdpipe_cli.core.modes import mode
+from sdpipe_cli.core.placement import Grid
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.cluster import Cluster
@@ -143,14 +144,14 @@ def check_memory(cfg: DictConfig) -> None:
     stages = memory.estimate(cfg, sources.example(cfg, mb)[0])
     if stages is None:
         return
-    S = cfg.pipeline.stages
-    cluster = Cluster.from_config(cfg.cluster, S)
-    ranks = cluster.ranks_on(cfg.run.node) if cluster.real else range(cfg.cluster.pipelines * S)
+    grid = Grid(cfg.cluster.pipelines, cfg.pipeline.stages)
+    cluster = Cluster.from_config(cfg.cluster, grid.stages)
+    ranks = cluster.ranks_on(cfg.run.node) if cluster.real else range(grid.workers)
     fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "
              "pipeline.activation_checkpointing=true (run.memory_check=false to try anyway)")
     if cfg.cluster.device == "cpu":
         worst = max(stages, key=lambda e: e.total)
-        need = sum(stages[r % S].total for r in ranks)
+        need = sum(stages[grid.stage_of(r)].total for r in ranks)
         have = psutil.virtual_memory().available
         if need > have:
             raise ConfigError("train.batch_size", f"the {len(ranks)} workers on this machine need "
@@ -163,7 +164,7 @@ def check_memory(cfg: DictConfig) -> None:
         if index is None or index >= torch.cuda.device_count():
             continue
         have = torch.cuda.get_device_properties(index).total_memory
-        need = stages[r % S]
+        need = stages[grid.stage_of(r)]
         if need.total > have:
             raise ConfigError("train.batch_size", f"a worker of stage {need.stage} needs about "
                               f"{need.total / memory.GIB:.1f} GiB ({need.describe()}), but GPU "
@@ -373,11 +374,12 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         on_folder(run_dir)  # the user can look at the logs from here on
         phase.advance("starting the processes")
         P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+        grid = Grid(P, S)
         # one parameter server per stage, ranks after the workers
         servers = S if job.helpers and mode(cfg.sync.name).servers else 0
         base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
                 "MASTER_ADDR": network.connect_address(store_host(cfg)),
-                "MASTER_PORT": str(master.port), "WORLD_SIZE": str(P * S + servers),
+                "MASTER_PORT": str(master.port), "WORLD_SIZE": str(grid.workers + servers),
                 "PYTHONUNBUFFERED": "1", "SDPIPE_CONFIG": str(config_path.resolve()),
                 "SDPIPE_LAUNCHER_PID": str(os.getpid()),  # its children end when it is gone
                 **pinned_interfaces(cfg)}
@@ -395,17 +397,18 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             local = cluster.device_of_rank(rank).index if cluster.real else rank
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local),
                    "SDPIPE_INCARNATION": str(incarnation)}
-            role = f"worker rank {rank} (pipeline {rank // S}, stage {rank % S})"
+            where = grid.at(rank)
+            role = f"worker rank {rank} (pipeline {where.pipeline}, stage {where.stage})"
             child = spawn(job.worker, str(rank), role, run_dir, env)
-            child.rank, child.pipeline, child.since = rank, rank // S, time.time()
+            child.rank, child.pipeline, child.since = rank, where.pipeline, time.time()
             child.incarnation = incarnation
             return child
 
-        for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(P * S)):
+        for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(grid.workers)):
             children.append(start_worker(rank))
             phase.check()
         for stage in range(servers if primary else 0):
-            rank = P * S + stage
+            rank = grid.server_rank(stage)
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             children.append(spawn(PS, f"ps{stage}",
                                   f"parameter server of stage {stage}", run_dir, env))
@@ -420,9 +423,9 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             incarnations[pipeline] += 1
             # announced before the processes start: the scheduler then knows the incarnation
             # before any event of it arrives, and refuses events of one it does not know
-            announce(pipeline * S, incarnations[pipeline])
+            announce(grid.rank(pipeline, 0), incarnations[pipeline])
             return [start_worker(rank, incarnations[pipeline])
-                    for rank in range(pipeline * S, (pipeline + 1) * S)]
+                    for rank in grid.pipeline_ranks(pipeline)]
 
         def restart_scheduler(n: int) -> Child:
             return spawn(SCHEDULER, "scheduler", "scheduler", run_dir,
@@ -430,7 +433,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
 
         result.failure, interrupted, result.bad_input = _supervise(children, run_dir, events, on_progress, launched,
                                                  tolerate, graceful=job.graceful,
-                                                 workers=P * S, phase=phase, restarts=restarts,
+                                                 workers=grid.workers, phase=phase, restarts=restarts,
                                                  restart=restart, pipelines=P,
                                                  restart_scheduler=restart_scheduler,
                                                  # a stranded worker gives up at run.timeout;

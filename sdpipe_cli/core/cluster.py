@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig
 
 from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.core.placement import Grid
 
 LOCAL = "local"
 
@@ -207,11 +208,13 @@ class Cluster:
         return self.devices[self.placement[pipeline][stage]]
 
     def device_of_rank(self, rank: int) -> Device:
-        return self.device(rank // self.stages, rank % self.stages)
+        where = Grid(self.pipelines, self.stages).at(rank)
+        return self.device(where.pipeline, where.stage)
 
     def ranks_on(self, node: str) -> list[int]:
         """The workers placed on ``node``."""
-        return [p * self.stages + s for p in range(self.pipelines) for s in range(self.stages)
+        grid = Grid(self.pipelines, self.stages)
+        return [grid.rank(p, s) for p in range(self.pipelines) for s in range(self.stages)
                 if self.device(p, s).node == node]
 
     def split_pipelines(self) -> list[int]:

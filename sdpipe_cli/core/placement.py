@@ -8,7 +8,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Placement"]
+__all__ = ["Grid", "Placement"]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The P x S grid of a run's workers, for those who see all of them (the launcher, the
+    scheduler, a parameter server, a checkpoint's shards)."""
+
+    pipelines: int
+    stages: int
+
+    @property
+    def workers(self) -> int:
+        return self.pipelines * self.stages
+
+    def rank(self, pipeline: int, stage: int) -> int:
+        return pipeline * self.stages + stage
+
+    def pipeline_of(self, rank: int) -> int:
+        return rank // self.stages
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.stages
+
+    def pipeline_ranks(self, pipeline: int) -> range:
+        """The ranks of ``pipeline``, first stage first."""
+        return range(pipeline * self.stages, (pipeline + 1) * self.stages)
+
+    def stage_ranks(self, stage: int, pipelines=None) -> list[int]:
+        """The ranks holding ``stage`` in ``pipelines`` (default: every pipeline)."""
+        return [self.rank(p, stage) for p in (range(self.pipelines) if pipelines is None
+                                              else pipelines)]
+
+    def server_rank(self, stage: int) -> int:
+        """The parameter server of ``stage`` (``sync=ps``): after the workers."""
+        return self.workers + stage
+
+    def at(self, rank: int) -> "Placement":
+        return Placement(rank, self.pipelines, self.stages)
 
 
 @dataclass(frozen=True)
@@ -43,8 +81,12 @@ class Placement:
     def workers(self) -> int:
         return self.pipelines * self.stages
 
+    @property
+    def grid(self) -> Grid:
+        return Grid(self.pipelines, self.stages)
+
     def rank_of(self, pipeline: int, stage: int) -> int:
-        return pipeline * self.stages + stage
+        return self.grid.rank(pipeline, stage)
 
     @property
     def prev_rank(self) -> int | None:
@@ -67,4 +109,4 @@ class Placement:
 
     def server_rank(self) -> int:
         """The parameter server of this stage (``sync=ps``)."""
-        return self.workers + self.stage
+        return self.grid.server_rank(self.stage)

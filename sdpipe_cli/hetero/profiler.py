@@ -58,6 +58,7 @@ from sdpipe_cli.config import measurements
 
 from sdpipe_cli.runtime import store
 from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.hetero.emulation import MemoryLimit, Slowdown, link_delay
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import Action, Kind
@@ -78,13 +79,15 @@ FORWARD, BACKWARD = Action(Kind.F, 0), Action(Kind.B, 0)
 # -- the plan: the same on every rank -------------------------------------------------------------
 def neighbour_pairs(pipelines: int, stages: int) -> list[tuple[int, int]]:
     """(rank of stage s, rank of stage s+1) for every pipeline, in rank order."""
-    return [(p * stages + s, p * stages + s + 1)
+    grid = Grid(pipelines, stages)
+    return [(grid.rank(p, s), grid.rank(p, s + 1))
             for p in range(pipelines) for s in range(stages - 1)]
 
 
 def replica_groups(pipelines: int, stages: int) -> list[tuple[int, list[int]]]:
     """(stage s, ranks of its replicas in pipelines 0..k-1) for every s and k = 2..P."""
-    return [(s, [q * stages + s for q in range(k)])
+    grid = Grid(pipelines, stages)
+    return [(s, grid.stage_ranks(s, range(k)))
             for s in range(stages) for k in range(2, pipelines + 1)]
 
 

@@ -25,6 +25,7 @@ from torch.nn.utils import parameters_to_vector
 
 from sdpipe_cli.config.schema import load_child_config
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
+from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.runtime.bootstrap import child, connect_store, process_group
 from sdpipe_cli.sync.strategies import PSSync
 from sdpipe_cli.model import optim
@@ -41,7 +42,8 @@ class ParameterServer:
         self.params = list(self.module.parameters())
         self.optimizer = optim.build_optimizer(self.params, cfg)
         self.numel = sum(p.numel() for p in self.params)
-        self.clock = {p * S + stage: -1 for p in range(P)}  # worker rank -> last pushed iteration
+        # worker rank -> last pushed iteration
+        self.clock = {r: -1 for r in Grid(P, S).stage_ranks(stage)}
         self.left: set[int] = set()
         self.deferred: list[int] = []  # workers whose reply waits for the staleness bound
         self.pushes = 0

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision, make_policy
 from sdpipe_cli.core.modes import mode
+from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
@@ -137,6 +138,7 @@ class Scheduler:
         self.live = live
         events = events if live else _Held(events)
         self.cfg, self.run_dir, self.events, self.clock = cfg, run_dir, events, clock
+        self.grid = Grid(P, S)
         self.stop_seen: Optional[bool] = None  # the stop flag as the transport read it
         self.tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
@@ -259,8 +261,9 @@ class Scheduler:
             return True
         P, S = self.cfg.cluster.pipelines, self.cfg.pipeline.stages
         key = store.PREFIX + store.EVENTS
-        stage = getattr(event, "stage", event.rank % S)
-        if not (0 <= event.pipeline < P and 0 <= stage < S and event.rank == event.pipeline * S + stage):
+        stage = getattr(event, "stage", self.grid.stage_of(event.rank))
+        if not (0 <= event.pipeline < P and 0 <= stage < S
+                and event.rank == self.grid.rank(event.pipeline, stage)):
             raise protocol.ProtocolError(key, f"{event.type} event from rank {event.rank}, pipeline "
                                               f"{event.pipeline}, stage {stage}: no such worker "
                                               f"in a run of {P} pipeline(s) x {S} stage(s)")
@@ -317,9 +320,8 @@ class Scheduler:
         self.metrics.write(self.tracker.update(protocol.record(event)))
         log.warning("pipeline %d lost%s: %s", p, " (restarting)" if event.restart else "",
                     event.reason)
-        S = self.cfg.pipeline.stages
-        if self.hung & set(range(p * S, (p + 1) * S)):
-            self.hung -= set(range(p * S, (p + 1) * S))
+        if self.hung & set(self.grid.pipeline_ranks(p)):
+            self.hung -= set(self.grid.pipeline_ranks(p))
             self._name_hung()
         self.rejoining = {(s, q) for s, q in self.rejoining if q != p}
         if self.policy is not None:
@@ -426,12 +428,13 @@ class Scheduler:
         S, P = self.cfg.pipeline.stages, self.cfg.cluster.pipelines
         shards = self.saved.get(ckpt, {})
         present = sorted(self.shards_from.get(ckpt, range(P)))
-        if not present or any(p * S + s not in shards for p in present for s in range(S)):
+        if not present or any(self.grid.rank(p, s) not in shards for p in present
+                              for s in range(S)):
             return
         del self.saved[ckpt]
         self.shards_from.pop(ckpt, None)
         staging = checkpoint.staging_dir(self.run_dir, ckpt)
-        steps = {p: shards[p * S] for p in present}
+        steps = {p: shards[self.grid.rank(p, 0)] for p in present}
         stand_ins = self.stand_ins.pop(ckpt, {})
         steps.update(stand_ins)
         if not self.live and not staging.is_dir():  # replaying: the dead scheduler finalized it
@@ -439,7 +442,8 @@ class Scheduler:
             return
         for q, k in sorted(stand_ins.items()):
             for s in range(S):
-                checkpoint.stand_in(staging, str(present[0] * S + s), str(q * S + s),
+                checkpoint.stand_in(staging, str(self.grid.rank(present[0], s)),
+                                    str(self.grid.rank(q, s)),
                                     {"step": k, "pipeline": q})
         elapsed = time.time() - self.t0
         checkpoint.save_shard(staging, "scheduler",
@@ -456,14 +460,13 @@ class Scheduler:
         log.info("checkpoint %s", path)
 
     def _check_health(self) -> None:
-        S = self.cfg.pipeline.stages
         if self.policy is not None:
             # a replica the policy holds (a round not closed, a global sync waiting for a hung
             # replica) waits for us: as good as a report, so its silence starts when we let it go
-            self.tracker.heard(p * S + s for s, p in self.policy.held())
+            self.tracker.heard(self.grid.rank(p, s) for s, p in self.policy.held())
         hung = self.tracker.silent_workers()
         live = set(self.policy.live) if self.policy is not None else set()
-        if hung and self.tolerant and live - {r // S for r in hung}:
+        if hung and self.tolerant and live - {self.grid.pipeline_of(r) for r in hung}:
             if not set(hung) <= self.hung:  # the launcher kills them; their pipelines are lost
                 self.hung |= set(hung)
                 log.warning("no report from rank(s) %s for %g s: named hung", hung,
@@ -478,9 +481,9 @@ class Scheduler:
     def _name_hung(self) -> None:
         """Tell the launcher which processes are hung: (rank, incarnation), so that a restarted
         process is never taken for the one it replaced."""
-        S = self.cfg.pipeline.stages
         store.put(self.events, store.HUNG,
-                  protocol.Hung([(r, self.incarnation[r // S]) for r in sorted(self.hung)]))
+                  protocol.Hung([(r, self.incarnation[self.grid.pipeline_of(r)])
+                                 for r in sorted(self.hung)]))
 
     def publish_progress(self) -> None:
         store.set_json(self.events, store.PROGRESS, self.summary())

@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.utils import vector_to_parameters
 
 from sdpipe_cli.core.grouping import gossip_peer
-from sdpipe_cli.core.placement import Placement
+from sdpipe_cli.core.placement import Grid, Placement
 from sdpipe_cli.sync.groups import (GroupCache, average_parameters, average_tensors, flatten,
                                     statistics,
                                     unflatten)
@@ -108,6 +108,7 @@ class GroupSync(Sync):
         self.events, self.rank, self.pipeline, self.stage, self.stages = (
             events, rank, pipeline, stage, stages)
         self.pipelines, self.groups, self.average = pipelines, groups, average
+        self.grid = Grid(pipelines, stages)
         self.optimizer, self.incarnation = optimizer, incarnation
         self.stop = False
         self._checkpoint: int | None = None
@@ -156,7 +157,7 @@ class GroupSync(Sync):
         self._heal = decision.heal
         distance = None
         if len(members) > 1:
-            ranks = [p * self.stages + self.stage for p in members]
+            ranks = self.grid.stage_ranks(self.stage, members)
             params = list(module.parameters())
             tensors = params + statistics(module)
             if grads:
@@ -203,7 +204,7 @@ class GroupSync(Sync):
 
     def _give_heal(self, module: nn.Module, target: protocol.HealTarget) -> None:
         """Send this replica's state to a restarted one (the scheduler chose us as its source)."""
-        ranks = [self.rank, target.pipeline * self.stages + self.stage]
+        ranks = [self.rank, self.grid.rank(target.pipeline, self.stage)]
         incarnations = [self.incarnation, target.incarnation]
         try:
             self.groups.broadcast(flatten(self._state(module)), ranks, self.rank, incarnations,
@@ -225,7 +226,7 @@ class GroupSync(Sync):
         if answer.stop:
             self.stop = True
             return answer.iteration
-        source = answer.source * self.stages + self.stage
+        source = self.grid.rank(answer.source, self.stage)
         state = self._state(module)
         flat = flatten(state)
         self.groups.broadcast(flat, [source, self.rank], source,
@@ -290,7 +291,8 @@ class GossipSync(Sync):
         peer = self.peer(step)
         if peer is not None:
             average_parameters(module, self.groups,
-                               [self.pipeline * self.stages + self.stage, peer * self.stages + self.stage])
+                               Grid(self.pipelines, self.stages).stage_ranks(
+                                   self.stage, [self.pipeline, peer]))
         self._stats = {"group_size": 1 if peer is None else 2,
                        "comm_s": time.perf_counter() - start}
 

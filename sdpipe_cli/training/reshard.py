@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from sdpipe_cli.core import reshard
+from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.model import checkpoint, models
 from sdpipe_cli.runtime.errors import CheckpointError
 from sdpipe_cli.sync.strategies import strategy_class
@@ -109,8 +110,9 @@ def _write_shards(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: Di
     flat_keys = strategy_class(new.sync.name).flat_state
     S_old, S_new = before.stages, after.stages
     for src in sorted(set(plan.sources.values())):
-        shards = [checkpoint.load_shard(ckpt, str(src * S_old + s), manifest) for s in range(S_old)]
-        files = [ckpt / checkpoint.shard_name(str(src * S_old + s)) for s in range(S_old)]
+        ranks = Grid(before.pipelines, S_old).pipeline_ranks(src)
+        shards = [checkpoint.load_shard(ckpt, str(r), manifest) for r in ranks]
+        files = [ckpt / checkpoint.shard_name(str(r)) for r in ranks]
         model = _model_by_block(files, shards, before)
         optim = _optimizer_by_block(files, shards, old_names)
         flats = {k: _flat_by_block(shards, before, old_names, k, old) for k in flat_keys}
@@ -138,7 +140,8 @@ def _write_shards(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: Di
                     state["data"] = {"position": plan.positions[q], "step": plan.steps[q],
                                      "fingerprint": saved.get("fingerprint"),
                                      "pipelines": after.pipelines}
-                checkpoint.save_shard(staging, str(q * S_new + s), state)
+                checkpoint.save_shard(staging, str(Grid(after.pipelines, S_new).rank(q, s)),
+                                      state)
         del shards, model, optim, flats
 
 
