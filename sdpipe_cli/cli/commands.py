@@ -802,6 +802,10 @@ def _summary(console: Console, result, wall_s: float, restarts: int = 0) -> None
         console.print(f"recovered: {result.progress['restarts']} pipeline restart(s), "
                       f"{result.progress['heals']} replica(s) healed from live ones "
                       "(restart and heal lines in metrics.jsonl)", highlight=False)
+    if result.progress.get("scheduler_restarts"):
+        console.print(f"recovered: the scheduler was started again "
+                      f"{result.progress['scheduler_restarts']} time(s) and replayed its journal "
+                      "(scheduler_restart lines in metrics.jsonl)", highlight=False)
 
 
 if __name__ == "__main__":

@@ -550,6 +550,7 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                                      pipelines=pipelines, stranded_s=stranded_s)
     by_name = {c.name: c for c in children}
     error_times: dict[str, Optional[float]] = {}
+    scheduler_restarts = 0
     while True:
         seen = _observe(children, run_dir, events, phase, since, error_times, tolerate,
                         restarts.used if restarts else None)
@@ -581,7 +582,8 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
                   f"starting it again (restart {action.restart} of "
                   f"{restarts.limit if restarts else 0}); it replays its journal",
                   file=sys.stderr, flush=True)
-            fresh = restart_scheduler(action.restart)
+            scheduler_restarts += 1
+            fresh = restart_scheduler(scheduler_restarts)
             children[:] = [c if c is not dead else fresh for c in children]
             by_name["scheduler"] = fresh
             error_times.pop("scheduler", None)

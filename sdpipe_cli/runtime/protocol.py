@@ -236,7 +236,7 @@ PROGRESS_FIELDS: dict[str, Any] = {
     "loss": Optional[float], "val_loss": Optional[float], "val_accuracy": Optional[float],
     "started": int, "done": int, "pipelines": dict[str, dict[str, Any]],
     "rounds": list[list[int]], "mean_group_size": Optional[float], "restarts": int, "heals": int,
-    "unreadable": list[str], "phase": str, "turn": int, "turns": int,
+    "scheduler_restarts": int, "unreadable": list[str], "phase": str, "turn": int, "turns": int,
 }
 
 

@@ -159,6 +159,7 @@ class Scheduler:
         self.tolerant = cfg.fault.on_pipeline_loss != "stop"
         self.hung: set[int] = set()  # ranks named hung, until their pipeline is lost
         self.heals = self.restarts = 0
+        self.scheduler_restarts = 0  # times this leg's scheduler was started again (go_live)
         self.checkpoints = GlobalSyncCheckpoints(Cadence.from_config(cfg), clock())
         self.tracer = (self._tracer() if cfg.run.trace and self.policy is not None and live
                        else None)
@@ -174,7 +175,7 @@ class Scheduler:
         tb = self.run_dir / "tb" if self.cfg.metrics.tensorboard else None
         return MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=tb)
 
-    def go_live(self, replayed: int, last: Optional[float]) -> None:
+    def go_live(self, replayed: int, last: Optional[float], restart: int = 1) -> None:
         """The journal is replayed: write again what the last batch's handling wrote to the
         store (the dead scheduler may have died before it did; a key the workers already took
         is never read again), and from now on write for real."""
@@ -182,9 +183,10 @@ class Scheduler:
         for key, value in held.last_batch.items():
             self.events.set(key, value)
         self.live, self.metrics = True, self._metrics()
+        self.scheduler_restarts = restart
         now = self.clock()
         self.metrics.write({"kind": "scheduler_restart", "time": round(time.time() - self.t0, 4),
-                            "replayed_batches": replayed,
+                            "restart": restart, "replayed_batches": replayed,
                             "silent_s": None if last is None else round(now - last, 4)})
         self.publish_progress()
 
@@ -493,6 +495,8 @@ class Scheduler:
         summary = self.tracker.snapshot()
         if self.restarts or self.heals:
             summary["restarts"], summary["heals"] = self.restarts, self.heals
+        if self.scheduler_restarts:
+            summary["scheduler_restarts"] = self.scheduler_restarts
         if self.policy is not None:
             summary["rounds"] = self.rounds
             summary["mean_group_size"] = (sum(self.group_sizes) / len(self.group_sizes)
@@ -556,7 +560,8 @@ def act(scheduler: Scheduler, writer: journal.Journal, raw: list[str], now: floa
 
 
 def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None,
-           now: Callable[[], float] = time.monotonic, path: Optional[Path] = None) -> Scheduler:
+           now: Callable[[], float] = time.monotonic, path: Optional[Path] = None,
+           restart: int = 1) -> Scheduler:
     """A scheduler started again after the run's first died: the dead one's journal (``path``,
     default the first leg's) replayed, then live from moment ``now()`` on
     (:mod:`~sdpipe_cli.sync.journal`)."""
@@ -570,18 +575,19 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None
             scheduler.handle(event)
     log.info("replayed %d batches of the journal", len(batches))
     clock.now = now()
-    scheduler.go_live(len(batches), batches[-1].t if batches else None)
+    scheduler.go_live(len(batches), batches[-1].t if batches else None, restart)
     return scheduler
 
 
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
-          resume: Optional[Path] = None, restarted: bool = False,
+          resume: Optional[Path] = None, restarted: int = 0,
           config: str = "config.yaml") -> Scheduler:
-    """Run until every worker reported done; ``restarted``: a scheduler started again after the
-    run's first died, which replays its journal first (the leg's, named after ``config``)."""
+    """Run until every worker reported done; ``restarted``: how many times this leg's scheduler
+    was started again after it died (it then replays its journal first: the leg's, named after
+    ``config``)."""
     path = journal_path(run_dir, config)
     if restarted:
-        scheduler = replay(cfg, run_dir, events, resume, path=path)
+        scheduler = replay(cfg, run_dir, events, resume, path=path, restart=restarted)
         writer = journal.Journal.resume(path)
     else:
         clock = BatchClock(time.monotonic())
@@ -620,7 +626,7 @@ def main() -> int:
 
         events = store.namespace(connect())
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None,
-                          restarted=bool(int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0"))),
+                          restarted=int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0")),
                           config=os.environ.get("SDPIPE_CONFIG", "config.yaml"))
         summary = scheduler.summary()
         (run_dir / "summary.json").write_text(strict_json(summary, indent=1))

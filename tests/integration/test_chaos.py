@@ -65,3 +65,5 @@ def test_async_1f1b_pipeline_restarts_and_heals_and_the_scheduler_comes_back(run
     assert result["ok"] and result["heals"] == S, result
     assert result["scheduler_restarts"] == 1 and result["scheduler_downtime_s"][0] < 10, result
     assert "the scheduler was killed by SIGKILL; starting it again" in err
+    assert "recovered: the scheduler was started again 1 time(s)" in err
+    assert '"scheduler_restarts": 1' in (run_dir / "summary.json").read_text()
