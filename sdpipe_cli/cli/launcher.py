@@ -130,6 +130,14 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages, counts)
     models.check(cfg)
+    if cfg.sync.get("replay"):  # the recorded run must fit this one: before anything starts
+        from sdpipe_cli.sync.replay import load as load_recorded
+
+        cfg.sync.replay = str(Path(cfg.sync.replay).expanduser().resolve())
+        if cfg.fault.on_pipeline_loss != "stop":
+            raise ConfigError("sync.replay", "repeats a run without losses: use "
+                              "fault.on_pipeline_loss=stop")
+        load_recorded(cfg.sync.replay, cfg)
     return cfg, plan
 
 

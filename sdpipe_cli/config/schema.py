@@ -239,6 +239,9 @@ class SdpipeSyncConfig(SyncConfig):
     # member that died makes it wait; the scheduler then drops its pipeline); also how long past
     # its forecast a silent replica may hold cost_aware's rounds due to connect
     group_timeout: float = 30.0
+    # A recorded sdpipe run's folder: take its group decisions instead of deciding, to repeat it
+    # step for step (the same P, S, schedule and micro-batches; docs/SYNC.md#replay)
+    replay: Optional[str] = None
 
 
 @dataclass
@@ -318,7 +321,8 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # stop | skip
     max_skipped: int = 10  # skip: consecutive skipped steps that end the run
     # model initialization, data order and stragglers; equal seeds give equal runs in the
-    # lock-step modes (allreduce, none), while sdpipe's groups follow arrival times
+    # lock-step modes (allreduce, none), while sdpipe's groups follow arrival times (repeat a
+    # run step for step with sync.replay=RUN)
     seed: int = 0
     eval_every: int = 100  # evaluate every this many iterations (0: only at the end)
     log_every: int = 1  # push a metrics line every this many iterations

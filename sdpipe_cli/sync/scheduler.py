@@ -42,6 +42,7 @@ from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
 from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.sync import journal
+from sdpipe_cli.sync.replay import load as load_recorded
 from sdpipe_cli.sync.journal import journal_path
 from sdpipe_cli.model import checkpoint
 
@@ -142,7 +143,11 @@ class Scheduler:
         self.stop_seen: Optional[bool] = None  # the stop flag as the transport read it
         self.tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
-        self.policy = make_policy(cfg, clock) if mode(cfg.sync.name).group_policy else None
+        # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
+        self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
+                         else None)
+        self.policy = (make_policy(cfg, clock) if mode(cfg.sync.name).group_policy
+                       and self.recorded is None else None)
         self.metrics = self._metrics() if live else _Muted()
         self.rounds = [[0] * P for _ in range(S)]  # rounds each replica took part in
         self.group_sizes: list[int] = []
@@ -166,7 +171,8 @@ class Scheduler:
         if resume is not None:
             self._resume(resume)
         self._handlers: dict[type, Callable[[Any], None]] = {
-            protocol.Tick: lambda _: None, protocol.Ready: self._ready,
+            protocol.Tick: lambda _: None,
+            protocol.Ready: self._ready if self.recorded is None else self._replayed,
             protocol.Begin: self._begin, protocol.Saved: self._saved,
             protocol.Lost: self._lost, protocol.Restart: self._restart,
             protocol.Rejoin: self._rejoin, protocol.Report: self._report}
@@ -287,6 +293,21 @@ class Scheduler:
                                 "iteration", event.iteration, row=1 + event.stage)
         self._publish(self._policy().ready(event.stage, event.pipeline, event.iteration))
 
+    def _replayed(self, event: protocol.Ready) -> None:
+        """``sync.replay``: the recorded decision for this replica's round, at once (its members
+        meet in the all-reduce, whenever each comes)."""
+        group = self.recorded.get((event.stage, event.pipeline, event.iteration))
+        if group is None:
+            raise WorkerHung(f"sync.replay: the recorded run has no decision for stage "
+                             f"{event.stage} of pipeline {event.pipeline} at iteration "
+                             f"{event.iteration}; this run left the recording")
+        store.put(self.events, store.decision_key(event.stage, event.pipeline, event.iteration),
+                  group)
+        if group.members[0] == event.pipeline:  # once per round
+            for p in group.members:
+                self.rounds[event.stage][p] += 1
+            self.group_sizes.append(len(group.members))
+
     def _begin(self, event: protocol.Begin) -> None:
         """Asynchronous schedules: may this pipeline's segment go on?"""
         last, decisions = self._policy().begin(event.pipeline, event.iteration)
@@ -389,7 +410,7 @@ class Scheduler:
                 "kind": "group", "time": round(time.time() - self.t0, 4), "stage": d.stage,
                 "round": d.round, "group": d.kind, "members": list(d.members),
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
-                "twins": d.twins,
+                "twins": d.twins, "done": done,
                 "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]}
             if d.heal:  # the restarted replicas the first member heals: [pipeline, iteration]
                 line["heal"] = [list(h) for h in d.heal]
@@ -497,7 +518,7 @@ class Scheduler:
             summary["restarts"], summary["heals"] = self.restarts, self.heals
         if self.scheduler_restarts:
             summary["scheduler_restarts"] = self.scheduler_restarts
-        if self.policy is not None:
+        if self.policy is not None or self.recorded is not None:
             summary["rounds"] = self.rounds
             summary["mean_group_size"] = (sum(self.group_sizes) / len(self.group_sizes)
                                           if self.group_sizes else None)

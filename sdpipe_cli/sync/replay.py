@@ -1,0 +1,96 @@
+"""``sync.replay=RUN``: take a recorded sdpipe run's group decisions instead of deciding.
+
+sdpipe's groups follow arrival times, so two runs with the same seed part ways at the first
+round that a few microseconds decide differently, and their losses with it. Everything else a
+worker does is a function of the seed and its position (the initial weights, the data order, the
+averaging of a given set of members, the learning rate at a given ``done``). So a run that is
+given the recorded decisions, every member of every round at every stage with the round's
+number, kind, stop flag, twins flag and the run's progress (``done``), repeats the recorded run
+step for step, whatever its own timing: its per-step losses are bit-identical (on the same
+machine type and torch build).
+
+The decisions are read from the recorded run's ``metrics.jsonl`` (its ``group`` lines), checked
+against this run's layout before anything starts. A recorded run that lost, restarted or resumed
+a pipeline is refused: its decisions name incarnations this run will not have.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
+from sdpipe_cli.runtime import protocol
+from sdpipe_cli.config.schema import ConfigError
+
+__all__ = ["Recorded", "load"]
+
+KEY = "sync.replay"
+_DISRUPTED = ("lost", "restart", "resume", "scheduler_restart")
+
+Recorded = dict[tuple[int, int, int], protocol.Group]  # (stage, pipeline, iteration) -> decision
+
+
+def load(path: str | Path, cfg: DictConfig) -> Recorded:
+    """The decisions of the recorded run at ``path``, for a run configured ``cfg``; a
+    :class:`ConfigError` naming ``sync.replay`` if they cannot be replayed here."""
+    run = Path(path).expanduser()
+    config = run / "config.yaml"
+    if not config.is_file():
+        raise ConfigError(KEY, f"{run} is not a sdpipe run folder (no config.yaml)")
+    try:
+        saved = OmegaConf.load(config)
+    except Exception as err:  # noqa: BLE001 - any YAML or OmegaConf error
+        raise ConfigError(KEY, f"{config} cannot be read: {str(err).splitlines()[0]}") from None
+    _same(saved, cfg, run)
+    decisions: Recorded = {}
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text(encoding="utf-8").splitlines() if metrics.is_file() else []
+    for number, text in enumerate(lines, 1):
+        try:
+            line = json.loads(text)
+        except ValueError:
+            continue  # a line cut short by a kill
+        kind = line.get("kind") if isinstance(line, dict) else None
+        if kind in _DISRUPTED:
+            raise ConfigError(KEY, f"{metrics}:{number}: the recorded run has a {kind} line; only "
+                                   "a run without losses, restarts or resumes can be replayed")
+        if kind == "group":
+            _add(decisions, line, f"{metrics}:{number}")
+    if not decisions:
+        raise ConfigError(KEY, f"{metrics} holds no group decisions: not a sdpipe run that trained")
+    return decisions
+
+
+def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
+    def get(key: str) -> Any:
+        return OmegaConf.select(saved, key)
+
+    if get("sync.name") != "sdpipe":
+        raise ConfigError(KEY, f"{run} was trained with sync={get('sync.name')}, not sdpipe: it "
+                               "has no group decisions")
+    layout = ("cluster.pipelines", "pipeline.stages", "pipeline.schedule", "pipeline.microbatches")
+    for key in layout:
+        if get(key) != OmegaConf.select(cfg, key):
+            raise ConfigError(KEY, f"{run} was recorded with {key}={get(key)}, this run has "
+                                   f"{OmegaConf.select(cfg, key)}; replay needs the same")
+    if cfg.pipeline.schedule in ASYNC_SCHEDULES:
+        raise ConfigError(KEY, "replays flushed schedules (1f1b, gpipe) only")
+
+
+def _add(decisions: Recorded, line: dict, where: str) -> None:
+    try:
+        if "done" not in line:
+            raise KeyError("done")
+        members = [int(p) for p in line["members"]]
+        group = protocol.Group(members=members, round=int(line["round"]), kind=line["group"],
+                               stop=bool(line["stop"]), incarnations=[0] * len(members),
+                               done=line["done"], twins=bool(line.get("twins", False)))
+        for p, k in zip(members, line["iterations"]):
+            decisions[(int(line["stage"]), p, int(k))] = group
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(KEY, f"{where}: not a group decision this sdpipe can replay "
+                               f"({type(err).__name__}: {err}); record the run again") from None

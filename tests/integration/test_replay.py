@@ -1,0 +1,55 @@
+"""``sync.replay``: a run given a recorded run's group decisions repeats it step for step, while
+two runs with the same seed alone do not; a recording that cannot be replayed here is one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdpipe_cli.cli.commands import main
+from tests.helpers import digests, losses, metrics, sdpipe
+
+pytestmark = pytest.mark.multiprocess
+
+RUN = ("model=mlp", "data=synthetic", "cluster.pipelines=3", "pipeline.stages=2",
+       "train.steps=20", "train.batch_size=8", "cluster.slowdown=[1,1,2]", "cluster.compute_ms=5",
+       "sync.global_every=5", "train.eval_every=0")
+
+
+def test_a_replayed_run_repeats_the_recorded_losses_bit_for_bit(tmp_path):
+    recorded, replayed = tmp_path / "recorded", tmp_path / "replayed"
+    out = sdpipe("train", f"run.dir={recorded}", *RUN)
+    assert out.returncode == 0, out.stderr
+    out = sdpipe("train", f"run.dir={replayed}", *RUN, f"sync.replay={recorded}")
+    assert out.returncode == 0, out.stderr
+    first, again = losses(metrics(recorded)), losses(metrics(replayed))
+    assert len(first) == 3 * 20 and again == first  # every (pipeline, step): the same float
+    assert digests(replayed) == digests(recorded)
+    sizes = [g["size"] for g in metrics(recorded, "group")]
+    assert min(sizes) < 3  # the straggler made partial groups: the decisions mattered
+
+
+@pytest.mark.parametrize("what, args, message", [
+    ("not a run", ("sync.replay={tmp}",), "is not a sdpipe run folder (no config.yaml)"),
+    ("another P", ("sync.replay={recorded}", "cluster.pipelines=2"),
+     "was recorded with cluster.pipelines=3, this run has 2"),
+    ("with fault tolerance", ("sync.replay={recorded}", "fault.on_pipeline_loss=continue"),
+     "use fault.on_pipeline_loss=stop"),
+])
+def test_a_recording_that_cannot_be_replayed_is_one_line(tmp_path, capsys, what, args, message):
+    recorded = tmp_path / "recorded"
+    (recorded).mkdir()
+    (recorded / "config.yaml").write_text(
+        "sync: {name: sdpipe}\ncluster: {pipelines: 3}\n"
+        "pipeline: {stages: 2, schedule: 1f1b, microbatches: 4}\n")
+    (recorded / "metrics.jsonl").write_text(
+        '{"kind": "group", "stage": 0, "round": 1, "group": "group", "members": [0], '
+        '"iterations": [0], "stop": false, "done": 3}\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc = main(["train", f"run.dir={tmp_path / 'new'}", *RUN[:4],
+               *[a.format(tmp=empty, recorded=recorded) for a in args]])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, (what, lines)
+    assert len(lines) == 1 and lines[0].startswith("sdpipe: error: sync.replay") and \
+        message in lines[0], lines
+    assert not (tmp_path / "new").exists()
