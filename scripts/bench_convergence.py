@@ -104,6 +104,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/bench_convergence"))
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE")
+    p.add_argument("--seeds", default="0", help="train.seed values; with more than one, a table "
+                   "of mean, standard deviation and 95%% interval over them per variant")
     p.add_argument("--target", type=float, default=None,
                    help="the target loss (default: all-reduce's final loss in this run)")
     _report.add_markdown_option(p)
@@ -114,6 +116,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"unknown variants: {', '.join(unknown)}")
     args.lrs = [float(x) for x in args.lrs.split(",")]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
+    args.seeds = [int(x) for x in args.seeds.split(",") if x]
     return args
 
 
@@ -140,12 +143,13 @@ def overrides(args, scenario: str, lr: float, run_dir: Path, steps: Optional[int
             *random, f"train.eval_every={args.eval_every}", f"run.dir={run_dir}", *args.extra]
 
 
-def run(args, scenario: str, variant: str, lr: float, console: Console) -> dict[str, Any]:
-    name = f"{scenario}-{variant}-lr{lr:g}"
+def run(args, scenario: str, variant: str, lr: float, console: Console, seed: int = 0
+        ) -> dict[str, Any]:
+    name = f"{scenario}-{variant}-lr{lr:g}" + (f"-seed{seed}" if len(args.seeds) > 1 else "")
     run_dir, log_path = args.out / name, args.out / f"{name}.log"
     base, steps = ("sdpipe", None) if variant == BEFORE else split(variant)
     cmd = [sys.executable, "-m", "sdpipe_cli", "train", *VARIANTS[base],
-           *overrides(args, scenario, lr, run_dir.resolve(), steps)]
+           *overrides(args, scenario, lr, run_dir.resolve(), steps), f"train.seed={seed}"]
     cwd = args.before.resolve() if variant == BEFORE else None
     console.print(f"{name}: running", highlight=False)
     started = time.monotonic()
@@ -163,7 +167,7 @@ def run(args, scenario: str, variant: str, lr: float, console: Console) -> dict[
             _stop(proc)
             raise
     wall = time.monotonic() - started
-    record: dict[str, Any] = {"scenario": scenario, "variant": variant, "lr": lr,
+    record: dict[str, Any] = {"scenario": scenario, "variant": variant, "lr": lr, "seed": seed,
                               "wall_s": round(wall, 1), "cpu_percent": cpu.mean,
                               "run_dir": str(run_dir)}
     record["status"], record["error"] = classify(returncode, log_path, args.timeout)
@@ -225,6 +229,76 @@ def summarize(scenario: str, records: list[dict], target: Optional[float] = None
             "best": {v: r for v, r in best.items()}, "runs": records}
 
 
+# two-sided 95 % quantile of Student's t with n - 1 degrees of freedom, for n = 2..10 seeds
+T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
+
+
+def interval(values: list[float]) -> Optional[tuple[float, float, float]]:
+    """Mean, sample standard deviation and the half-width of the 95 % t-interval of the mean."""
+    if not values:
+        return None
+    n = len(values)
+    mean = sum(values) / n
+    if n == 1:
+        return mean, 0.0, float("nan")
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+    return mean, sd, T95.get(n, 1.96) * sd / n ** 0.5
+
+
+def across_seeds(summaries: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per variant, over one scenario's per-seed summaries: the mean, sd and 95 % interval of its
+    final val, that over all-reduce's of the same seed, time to that seed's target, that over
+    all-reduce's, samples/s, fraction of the limit, and the time ratio as a multiple of the
+    ideal (all-reduce's samples/s over the limit: nothing lost per sample, no device idle)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for summary in summaries:
+        best = summary["best"]
+        ref = best.get("allreduce", {})
+        limit = summary.get("limit_samples_per_s")
+        ideal = (ref["samples_per_s"] / limit if limit and ref.get("samples_per_s") else None)
+        for variant, r in best.items():
+            got = out.setdefault(variant, {})
+
+            def put(key: str, value: Optional[float]) -> None:
+                if value is not None:
+                    got.setdefault(key, []).append(value)
+
+            put("final val", r.get("final_val_loss"))
+            if ref.get("final_val_loss") and r.get("final_val_loss") is not None:
+                put("val vs allreduce", r["final_val_loss"] / ref["final_val_loss"])
+            t, tr = r.get("time_to_target_s"), ref.get("time_to_target_s")
+            put("to target (s)", t)
+            if t is not None and tr:
+                put("time vs allreduce", t / tr)
+                if ideal:
+                    put("vs ideal", t / tr / ideal)
+            put("samples/s", r.get("samples_per_s"))
+            put("of limit", r.get("fraction_of_limit"))
+    return {v: {k: interval(vals) + (len(vals),) for k, vals in keys.items()}
+            for v, keys in out.items()}
+
+
+SEED_COLUMNS = ("final val", "val vs allreduce", "to target (s)", "time vs allreduce",
+                "vs ideal", "samples/s", "of limit")
+
+
+def seed_rows(aggregate: dict[str, dict[str, Any]]) -> list[list[str]]:
+    rows_ = []
+    for variant, keys in aggregate.items():
+        row = [variant]
+        for key in SEED_COLUMNS:
+            got = keys.get(key)
+            if got is None:
+                row.append("-")
+                continue
+            mean, sd, half, n = got
+            digits = ".4f" if key == "final val" else ".3f" if "vs" in key or key == "of limit" \
+                else ".1f"
+            row.append(f"{mean:{digits}} (sd {sd:{digits}}, +-{half:{digits}}, n={n})")
+        rows_.append(row)
+    return rows_
+
+
 def _f(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -273,17 +347,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         console.print(f"bench_convergence: {args.out} already holds files; choose --out")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    summaries = []
+    summaries, per_seed = [], {}
     for scenario in args.scenarios:
-        records = [run(args, scenario, v, lr, console) for v in args.variants for lr in args.lrs]
-        if args.before is not None:
-            records.append(run(args, scenario, BEFORE, args.lrs[0], console))
-        summaries.append(summarize(scenario, records, args.target))
+        for seed in args.seeds:
+            records = [run(args, scenario, v, lr, console, seed) for v in args.variants
+                       for lr in args.lrs]
+            if args.before is not None:
+                records.append(run(args, scenario, BEFORE, args.lrs[0], console, seed))
+            summary = summarize(scenario, records, args.target)
+            summary["seed"] = seed
+            summaries.append(summary)
+            per_seed.setdefault(scenario, []).append(summary)
     command = "python " + shlex.join(sys.argv)
     md = [f"`{command}` ({stamp()})", ""]
     source = "--target" if args.target is not None else "all-reduce's final val"
     for s in summaries:
-        title = (f"{s['scenario']}: P={args.pipelines}, S={args.stages}, {args.steps} steps, "
+        seed = f", seed {s['seed']}" if len(args.seeds) > 1 else ""
+        title = (f"{s['scenario']}{seed}: P={args.pipelines}, S={args.stages}, {args.steps} steps, "
                  f"compute {args.compute_ms:g} ms; target = {source} "
                  f"{_f(s['target_loss'], '.4f')}; limit {_f(s['limit_samples_per_s'], '.1f')} "
                  "samples/s")
@@ -299,6 +379,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         md += [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |",
                "|" + "---|" * len(COLUMNS)] + ["| " + " | ".join(r) + " |" for r in body]
         md += ["", "All runs: " + "; ".join(grid_rows(s)), ""]
+    if len(args.seeds) > 1:
+        for scenario, group in per_seed.items():
+            aggregate = across_seeds(group)
+            title = (f"{scenario}, seeds {','.join(map(str, args.seeds))}: mean (sd, 95 % "
+                     "interval half-width, seeds) per variant at its best lr; each seed's target "
+                     "is its own all-reduce's final val; 'vs ideal': the time ratio over "
+                     "all-reduce's samples/s / the limit")
+            table = Table(title=title)
+            for c in ("variant", *SEED_COLUMNS):
+                table.add_column(c, justify="left" if c == "variant" else "right")
+            body = seed_rows(aggregate)
+            for row in body:
+                table.add_row(*row)
+            console.print(table)
+            md += [f"**{title}**", "", "| variant | " + " | ".join(SEED_COLUMNS) + " |",
+                   "|" + "---|" * (len(SEED_COLUMNS) + 1)]
+            md += ["| " + " | ".join(r) + " |" for r in body] + [""]
     (args.out / "results.md").write_text("\n".join(md) + "\n")
     (args.out / "results.json").write_text(json.dumps(
         {"command": command, "stamp": stamp(), "scenarios": summaries}, indent=1, default=str))

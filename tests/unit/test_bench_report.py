@@ -71,3 +71,27 @@ def test_bench_convergence_random_scenario_is_a_valid_run_with_random_straggles(
     st = cfg.cluster.stragglers
     assert (st.probability, st.factor, st.per) == (0.1, 3.0, "iteration")
     assert list(cfg.cluster.slowdown) == [1.0] * 4
+
+
+def test_bench_convergence_intervals_over_seeds():
+    bench = importlib.import_module("bench_convergence")
+    mean, sd, half = bench.interval([1.0, 2.0, 3.0])
+    assert (mean, sd) == (2.0, 1.0) and half == pytest.approx(4.303 / 3 ** 0.5)
+    assert bench.interval([5.0])[:2] == (5.0, 0.0) and bench.interval([]) is None
+
+    def seed(ar_val, sd_val, ar_t, sd_t):
+        best = {"allreduce": {"final_val_loss": ar_val, "time_to_target_s": ar_t,
+                              "samples_per_s": 100.0, "fraction_of_limit": 0.4},
+                "sdpipe": {"final_val_loss": sd_val, "time_to_target_s": sd_t,
+                           "samples_per_s": 200.0, "fraction_of_limit": 0.8}}
+        return {"best": best, "limit_samples_per_s": 250.0}
+
+    got = bench.across_seeds([seed(2.0, 2.02, 20.0, 10.0), seed(2.2, 2.2, 10.0, 6.0)])
+    ratio = got["sdpipe"]["time vs allreduce"]
+    assert ratio[0] == pytest.approx(0.55) and ratio[3] == 2  # each seed against its own
+    assert got["sdpipe"]["val vs allreduce"][0] == pytest.approx((1.01 + 1.0) / 2)
+    # the ideal is all-reduce's samples/s over the limit (0.4): 0.55 / 0.4
+    assert got["sdpipe"]["vs ideal"][0] == pytest.approx(0.55 / 0.4)
+    assert got["allreduce"]["time vs allreduce"][:2] == (1.0, 0.0)
+    row = bench.seed_rows(got)[1]
+    assert row[0] == "sdpipe" and row[2].startswith("1.005 (sd 0.007")
