@@ -542,7 +542,8 @@ def next_batch(events) -> list[str]:
             break
     if not raw:
         raw.append(events.queue_pop(store.EVENTS))
-    return [r.decode() if isinstance(r, bytes) else r for r in raw]
+    # bytes that are not UTF-8 become a message that fails to decode, naming the queue
+    return [r.decode("utf-8", errors="replace") if isinstance(r, bytes) else r for r in raw]
 
 
 def in_order(raw: list[str]) -> list[protocol.Event]:
