@@ -20,6 +20,7 @@ itself is broken, end the run with a :class:`DataError`.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing
 import random
@@ -198,6 +199,11 @@ class Loader:
         self.close()
         extra = ({"prefetch_factor": self.prefetch, "multiprocessing_context": _context(),
                   "worker_init_fn": _die_with_parent} if self.workers else {})
+        if self.workers and extra["multiprocessing_context"] == "fork":
+            # garbage left in this process (objects in reference cycles, e.g. a store with its
+            # own threads) is collected here, not by the forked children, where a finalizer
+            # that joins a thread which was not copied aborts the process
+            gc.collect()
         # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
         self._it = iter(DataLoader(self.dataset, batch_sampler=_Stream(self.order, position, self.batch_size),
                                    num_workers=self.workers, collate_fn=_collate,
