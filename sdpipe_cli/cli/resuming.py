@@ -11,6 +11,7 @@ samples stays as it was unless ``train.steps`` is given too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,19 +34,22 @@ RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_e
              "checkpoint.every", "checkpoint.keep", "data.eval_batches", "data.num_workers",
              "data.prefetch", "data.verify")
 # The layout, which a resume may change too: the checkpoint is resharded for it.
-LAYOUT = ("cluster=NAME", "cluster.*", "pipeline.stages", "pipeline.partition", "profile")
+_SPLIT = ("pipeline.stages", "pipeline.partition", "profile")
+LAYOUT = ("cluster=NAME", "cluster.*", *_SPLIT)
 
 
+@dataclass(frozen=True)
 class Leg:
     """What the next leg of a resumed run starts from."""
 
-    def __init__(self, cfg: DictConfig, checkpoint: Path, elapsed: float, done: int):
-        self.cfg, self.checkpoint, self.elapsed, self.done = cfg, checkpoint, elapsed, done
+    cfg: DictConfig
+    checkpoint: Path
+    elapsed: float
+    done: int  # pipeline-iterations the checkpoint holds
 
 
 def resumable(key: str) -> bool:
-    return (key in RESUMABLE or key.startswith("cluster.")
-            or key in ("pipeline.stages", "pipeline.partition", "profile"))
+    return key in RESUMABLE or key in _SPLIT or key.startswith("cluster.")
 
 
 def prepare(path: str, overrides: Sequence[str], console: Console) -> Leg:

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from sdpipe_cli.core.partition import stage_ranges
+
 __all__ = ["Layout", "Plan", "plan", "pieces", "data_position", "source_pipeline"]
 
 
@@ -46,8 +48,7 @@ class Layout:
 
     def ranges(self) -> list[tuple[int, int]]:
         """``(start, stop)`` of each stage's blocks."""
-        edges = [0, *self.partition, self.blocks]
-        return list(zip(edges, edges[1:]))
+        return stage_ranges(self.partition, self.blocks)
 
     def stage_of(self, block: int) -> int:
         return next(s for s, (lo, hi) in enumerate(self.ranges()) if lo <= block < hi)

@@ -15,7 +15,6 @@ read. Memory: one old pipeline's shards at a time.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -33,8 +32,6 @@ from sdpipe_cli.sync.strategies import strategy_class
 
 __all__ = ["layout_of", "plan_for", "write"]
 
-log = logging.getLogger("sdpipe.reshard")
-
 Where = tuple[int, str]  # (block, name inside the block)
 
 
@@ -43,18 +40,15 @@ def layout_of(cfg: DictConfig) -> reshard.Layout:
                           models.count_blocks(cfg.model))
 
 
-def differs(old: DictConfig, new: DictConfig) -> bool:
-    return layout_of(old) != layout_of(new)
-
-
 def plan_for(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
              train_steps: int | None) -> reshard.Plan:
     """The plan of resuming ``ckpt`` (of a run configured ``old``) as ``new``; ``train_steps``:
     the user's ``train.steps`` for the new layout, if given."""
     steps = {int(p): int(k) for p, k in manifest["steps"].items()}
     positions = {}
+    grid = Grid(len(steps), int(old.pipeline.stages))
     for p in sorted(steps):  # the streams: the first stage's shard of each old pipeline
-        state = checkpoint.load_shard(ckpt, str(p * int(old.pipeline.stages)), manifest)
+        state = checkpoint.load_shard(ckpt, str(grid.rank(p, 0)), manifest)
         data = state.get("data")
         if not isinstance(data, Mapping) or not isinstance(data.get("position"), int):
             positions = None
