@@ -34,23 +34,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.model import checkpoint, memory, models
-
+from sdpipe_cli.cli.preparing import check_memory, prepare  # noqa: F401  TEMPORARY: callers move
+from sdpipe_cli.config.schema import ConfigError, save_run_config
+from sdpipe_cli.core import supervision
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.model import checkpoint, models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
-
-from sdpipe_cli.core import partition, supervision
-from sdpipe_cli.core.modes import mode
-from sdpipe_cli.core.placement import Grid
-
-from sdpipe_cli.config import measurements
-from sdpipe_cli.core.cluster import Cluster
-from sdpipe_cli.data import sources
-from sdpipe_cli.config.schema import (ConfigError, num_classes, objective, resolve_device,
-                                      save_run_config, validate_partition)
 from sdpipe_cli.runtime.errors import read_error
 
 GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -98,109 +90,6 @@ class RunResult:
     trace: Optional[Path] = None  # <run>/trace.json, with run.trace
     interrupted: bool = False  # Ctrl-C or SIGTERM came (also when a failure followed)
     bad_input: bool = False  # the failure was bad input a child found (a damaged checkpoint shard)
-
-
-def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
-    """Resolve what depends on this machine (device, partition, the profile's path) into a
-    concrete run config; with ``pipeline.partition=auto`` also the plan that chose it."""
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
-    cfg.cluster.device = resolve_device(cfg)
-    if cfg.profile:
-        cfg.profile = str(Path(cfg.profile).expanduser().resolve())
-    _resolve_data(cfg)
-    blocks, stages = models.count_blocks(cfg.model), cfg.pipeline.stages
-    if stages > blocks:
-        raise ConfigError("pipeline.stages", f"is {stages} but model {cfg.model.name} has only "
-                          f"{blocks} blocks; use at most {blocks} stages")
-    if not isinstance(cfg.pipeline.partition, str):
-        validate_partition(cfg.pipeline.partition, stages, blocks)
-    counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
-    plan = None
-    if cfg.profile:
-        try:
-            measurements.check_model(measurements.load(cfg.profile), cfg.model.name, blocks,
-                                     cfg.train.batch_size // cfg.pipeline.microbatches)
-        except measurements.ProfileError as err:
-            raise ConfigError("profile", str(err)) from None
-    if cfg.pipeline.partition == "auto":
-        block_ms = measurements.worker_block_ms(measurements.load(cfg.profile),
-                                           Cluster.from_config(cfg.cluster, stages),
-                                           list(cfg.cluster.slowdown))
-        plan = partition.plan(partition.device_cost(block_ms), blocks, stages)
-    cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
-        cfg.pipeline.partition, blocks, stages, counts)
-    models.check(cfg)
-    if cfg.sync.get("replay"):  # the recorded run must fit this one: before anything starts
-        from sdpipe_cli.sync.replay import load as load_recorded
-
-        cfg.sync.replay = str(Path(cfg.sync.replay).expanduser().resolve())
-        if cfg.fault.on_pipeline_loss != "stop":
-            raise ConfigError("sync.replay", "repeats a run without losses: use "
-                              "fault.on_pipeline_loss=stop")
-        load_recorded(cfg.sync.replay, cfg)
-    return cfg, plan
-
-
-def check_memory(cfg: DictConfig) -> None:
-    """Refuse a training run that cannot fit (:mod:`~sdpipe_cli.model.memory`; a prepared config,
-    ``run.memory_check``): on CPU the workers of this machine together against its available
-    RAM, on CUDA each worker against its GPU. Not for ``simulate`` or ``profile``, which train
-    nothing of that size here."""
-    if not cfg.run.memory_check:
-        return
-    mb = cfg.train.batch_size // cfg.pipeline.microbatches
-    stages = memory.estimate(cfg, sources.example(cfg, mb)[0])
-    if stages is None:
-        return
-    grid = Grid(cfg.cluster.pipelines, cfg.pipeline.stages)
-    cluster = Cluster.from_config(cfg.cluster, grid.stages)
-    ranks = cluster.ranks_on(cfg.run.node) if cluster.real else range(grid.workers)
-    fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "
-             "pipeline.activation_checkpointing=true (run.memory_check=false to try anyway)")
-    if cfg.cluster.device == "cpu":
-        worst = max(stages, key=lambda e: e.total)
-        need = sum(stages[grid.stage_of(r)].total for r in ranks)
-        have = psutil.virtual_memory().available
-        if need > have:
-            raise ConfigError("train.batch_size", f"the {len(ranks)} workers on this machine need "
-                              f"about {need / memory.GIB:.1f} GiB (stage {worst.stage}: "
-                              f"{worst.describe()}), but {have / memory.GIB:.1f} GiB is available; "
-                              + fixes)
-        return
-    for r in ranks:
-        index = cluster.device_of_rank(r).index if cluster.real else r
-        if index is None or index >= torch.cuda.device_count():
-            continue
-        have = torch.cuda.get_device_properties(index).total_memory
-        need = stages[grid.stage_of(r)]
-        if need.total > have:
-            raise ConfigError("train.batch_size", f"a worker of stage {need.stage} needs about "
-                              f"{need.total / memory.GIB:.1f} GiB ({need.describe()}), but GPU "
-                              f"{index} has {have / memory.GIB:.1f} GiB; " + fixes)
-
-
-def _resolve_data(cfg: DictConfig) -> None:
-    """Open the data once (bad data is bad input: one line, nothing written) and let it settle
-    what the model's config leaves open: the classes, the vocabulary, the evaluation's size."""
-    cfg.data.resolved = resolved = sources.resolve(cfg)
-    if resolved["train"] < cfg.cluster.pipelines:
-        raise ConfigError("cluster.pipelines", f"{cfg.cluster.pipelines} pipelines share {resolved['train']} "
-                          "training samples, fewer than one each; use more data or fewer pipelines")
-    if cfg.model.num_classes is None and objective(cfg) == "classify":
-        cfg.model.num_classes = num_classes(cfg)
-        if cfg.model.num_classes is None:
-            raise ConfigError("model.num_classes", f"data={cfg.data.name} does not say how many classes "
-                              "it has (no `classes` attribute); set model.num_classes")
-    vocab = resolved.get("vocab_size")
-    if vocab is not None and vocab != cfg.model.vocab_size:
-        if cfg.model.pretrained and vocab > cfg.model.vocab_size:
-            raise ConfigError("model.vocab_size", f"the pretrained model has {cfg.model.vocab_size} "
-                              f"tokens, the data's tokenizer {vocab}; prepare the data with the "
-                              "model's own tokenizer (--tokenizer PATH/tokenizer.json)")
-        if not cfg.model.pretrained:
-            cfg.model.vocab_size = vocab  # a new model takes the data's tokenizer
-    count = sources.val_count(cfg)
-    cfg.data.eval_batches = count
 
 
 def _copy_config_dirs(cfg: DictConfig, run_dir: Path) -> None:
@@ -277,7 +166,7 @@ def pinned_interfaces(cfg: DictConfig) -> dict[str, str]:
     return {k: os.environ.get(k, interface) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
 
 
-def _join(cfg: DictConfig, cluster: Cluster, phase: "Phase"):
+def _join(cfg: DictConfig, plan: RunPlan, phase: "Phase"):
     """A launcher on another real node: reach the first node's store, take its run config.
 
     Every node runs the first node's resolved config (same seed, partition, settings), written
@@ -306,7 +195,7 @@ def _join(cfg: DictConfig, cluster: Cluster, phase: "Phase"):
                           "start the first node's launcher") from None
     primary_cfg = OmegaConf.create(run["config"])
     if OmegaConf.to_container(primary_cfg.cluster) != OmegaConf.to_container(cfg.cluster):
-        raise ConfigError("cluster", f"differs from the first node's ({cluster.nodes[0]}); every "
+        raise ConfigError("cluster", f"differs from the first node's ({plan.cluster.nodes[0]}); every "
                           "node must run the same cluster config")
     run_dir = Path(primary_cfg.run.dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -322,6 +211,103 @@ def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str])
     log_path = run_dir / "logs" / f"{name}.log"
     start = log_path.stat().st_size if log_path.exists() else 0
     return Child(name, role, processes.start(module, log_path, env), log_path, log_start=start)
+
+
+def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
+              run_dir: Optional[Path], resume: Optional[Path], elapsed: float):
+    """The first node's launcher: the run folder (a new one, or the run's own when it resumes or
+    starts again), the config written for this leg without replacing any file, and the run clock
+    in the store; with real nodes the config is published for the other nodes' launchers.
+    Returns (the store's events, the run folder, the config's path, the launch time)."""
+    if resume is None:  # a new run, or (``run_dir`` given) one started again from scratch
+        run_dir = run_dir or make_run_dir(cfg.run.dir)
+        cfg.run.dir = str(run_dir.resolve()) if run.cluster.real else str(run_dir)
+        config_path = _new_path(run_dir / "config.yaml")
+    else:
+        run_dir = Path(cfg.run.dir)
+        config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
+    result.run_dir = run_dir
+    save_run_config(cfg, config_path)
+    if resume is None:
+        _copy_config_dirs(cfg, run_dir)
+    events = store.namespace(master)
+    launched = time.time()
+    events.set(store.T0, repr(launched - elapsed))
+    if run.cluster.real:  # the other nodes' launchers run exactly this config
+        store.set_json(events, store.RUN, {"config": config_path.read_text(),
+                                           "resume": str(resume.resolve()) if resume else None})
+    return events, run_dir, config_path, launched
+
+
+def _environment(cfg: DictConfig, world: int, run_dir: Path, port: int, config_path: Path,
+                 resume: Optional[Path]) -> dict[str, str]:
+    """What every child of this launch finds in its environment (torchrun's variables, the run
+    folder, its config and the checkpoint to resume from); each adds its rank."""
+    base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
+            "MASTER_ADDR": network.connect_address(store_host(cfg)),
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "PYTHONUNBUFFERED": "1", "SDPIPE_CONFIG": str(config_path.resolve()),
+            "SDPIPE_LAUNCHER_PID": str(os.getpid()),  # its children end when it is gone
+            **pinned_interfaces(cfg)}
+    if resume is not None:
+        base["SDPIPE_RESUME"] = str(resume.resolve())
+    if cfg.cluster.device == "cpu":
+        base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
+    return base
+
+
+@dataclass
+class Spawner:
+    """Starts a launch's processes, each with ``base`` and its own rank: the workers (again,
+    under a new incarnation, when their pipeline is restarted), the scheduler (again, after it
+    was killed) and the parameter servers. How a child is started is
+    :mod:`sdpipe_cli.runtime.processes`'; when, is the supervision policy's."""
+
+    job: Job
+    plan: RunPlan
+    run_dir: Path
+    base: dict[str, str] = field(default_factory=dict)
+    incarnations: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.incarnations = [0] * self.plan.pipelines
+
+    @property
+    def servers(self) -> int:
+        """The parameter servers this job starts (training's helpers only)."""
+        return self.plan.servers if self.job.helpers else 0
+
+    def worker(self, rank: int, incarnation: int = 0) -> Child:
+        # one GPU per worker: its index on a real node, the rank on one machine
+        cluster = self.plan.cluster
+        local = cluster.device_of_rank(rank).index if cluster.real else rank
+        env = {**self.base, "RANK": str(rank), "LOCAL_RANK": str(local),
+               "SDPIPE_INCARNATION": str(incarnation)}
+        where = self.plan.grid.at(rank)
+        role = f"worker rank {rank} (pipeline {where.pipeline}, stage {where.stage})"
+        child = spawn(self.job.worker, str(rank), role, self.run_dir, env)
+        child.rank, child.pipeline, child.since = rank, where.pipeline, time.time()
+        child.incarnation = incarnation
+        return child
+
+    def pipeline(self, pipeline: int, announce: Callable[[int, int], None]) -> list[Child]:
+        """Start lost ``pipeline``'s workers again, under its next incarnation."""
+        self.incarnations[pipeline] += 1
+        # announced before the processes start: the scheduler then knows the incarnation
+        # before any event of it arrives, and refuses events of one it does not know
+        grid = self.plan.grid
+        announce(grid.rank(pipeline, 0), self.incarnations[pipeline])
+        return [self.worker(rank, self.incarnations[pipeline])
+                for rank in grid.pipeline_ranks(pipeline)]
+
+    def scheduler(self, restart: int = 0) -> Child:
+        env = {**self.base, "SDPIPE_SCHEDULER_RESTART": str(restart)} if restart else self.base
+        return spawn(SCHEDULER, "scheduler", "scheduler", self.run_dir, env)
+
+    def server(self, stage: int) -> Child:
+        rank = self.plan.grid.server_rank(stage)
+        env = {**self.base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        return spawn(PS, f"ps{stage}", f"parameter server of stage {stage}", self.run_dir, env)
 
 
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
@@ -342,7 +328,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     ``on_folder(run_dir)`` is called once the run folder exists, before any process starts;
     ``on_phase(what)`` at each step of the start-up (for a status line).
     """
-    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
+    run = RunPlan.of(cfg)
+    cluster = run.cluster
     primary = not cluster.real or cfg.run.node == cluster.nodes[0]
     children: list[Child] = []
     started = time.monotonic()
@@ -356,94 +343,38 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         if primary:
             master = start_store(cfg)  # first: a busy port must fail before anything is written
             phase.advance("writing the run folder")
-            if resume is None:  # a new run, or (``run_dir`` given) one started again from scratch
-                run_dir = run_dir or make_run_dir(cfg.run.dir)
-                cfg.run.dir = str(run_dir.resolve()) if cluster.real else str(run_dir)
-                config_path = _new_path(run_dir / "config.yaml")
-            else:
-                run_dir = Path(cfg.run.dir)
-                config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
-            result.run_dir = run_dir
-            save_run_config(cfg, config_path)
-            if resume is None:
-                _copy_config_dirs(cfg, run_dir)
-            events = store.namespace(master)
-            launched = time.time()
-            events.set(store.T0, repr(launched - elapsed))
-            if cluster.real:  # the other nodes' launchers run exactly this config
-                store.set_json(events, store.RUN, {
-                    "config": config_path.read_text(),
-                    "resume": str(resume.resolve()) if resume else None})
+            events, run_dir, config_path, launched = _open_run(cfg, run, master, result, run_dir,
+                                                               resume, elapsed)
         else:
-            master, events, run_dir, config_path, resume = _join(cfg, cluster, phase)
+            master, events, run_dir, config_path, resume = _join(cfg, run, phase)
             result.run_dir = run_dir
             launched = float(events.get(store.T0))
 
         on_folder(run_dir)  # the user can look at the logs from here on
         phase.advance("starting the processes")
-        P, S = cfg.cluster.pipelines, cfg.pipeline.stages
-        grid = Grid(P, S)
-        # one parameter server per stage, ranks after the workers
-        servers = S if job.helpers and mode(cfg.sync.name).servers else 0
-        base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
-                "MASTER_ADDR": network.connect_address(store_host(cfg)),
-                "MASTER_PORT": str(master.port), "WORLD_SIZE": str(grid.workers + servers),
-                "PYTHONUNBUFFERED": "1", "SDPIPE_CONFIG": str(config_path.resolve()),
-                "SDPIPE_LAUNCHER_PID": str(os.getpid()),  # its children end when it is gone
-                **pinned_interfaces(cfg)}
-        if resume is not None:
-            base["SDPIPE_RESUME"] = str(resume.resolve())
-        if cfg.cluster.device == "cpu":
-            base.setdefault("OMP_NUM_THREADS", "1")  # P x S processes share the cores
+        spawner = Spawner(job, run, run_dir)
+        spawner.base = _environment(cfg, run.workers + spawner.servers, run_dir, master.port,
+                                    config_path, resume)
         helpers = [SCHEDULER] if job.helpers and primary else []
-        helpers += [PS] if servers and primary else []
-        processes.preload([job.worker, *helpers, *models.imports(cfg.model)], base)
+        helpers += [PS] if spawner.servers and primary else []
+        processes.preload([job.worker, *helpers, *models.imports(cfg.model)], spawner.base)
         if job.helpers and primary:
-            children.append(spawn(SCHEDULER, "scheduler", "scheduler", run_dir, base))
-        def start_worker(rank: int, incarnation: int = 0) -> Child:
-            # one GPU per worker: its index on a real node, the rank on one machine
-            local = cluster.device_of_rank(rank).index if cluster.real else rank
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(local),
-                   "SDPIPE_INCARNATION": str(incarnation)}
-            where = grid.at(rank)
-            role = f"worker rank {rank} (pipeline {where.pipeline}, stage {where.stage})"
-            child = spawn(job.worker, str(rank), role, run_dir, env)
-            child.rank, child.pipeline, child.since = rank, where.pipeline, time.time()
-            child.incarnation = incarnation
-            return child
-
-        for rank in (cluster.ranks_on(cfg.run.node) if cluster.real else range(grid.workers)):
-            children.append(start_worker(rank))
+            children.append(spawner.scheduler())
+        for rank in run.ranks_on(cfg.run.node):
+            children.append(spawner.worker(rank))
             phase.check()
-        for stage in range(servers if primary else 0):
-            rank = grid.server_rank(stage)
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            children.append(spawn(PS, f"ps{stage}",
-                                  f"parameter server of stage {stage}", run_dir, env))
+        for stage in range(spawner.servers if primary else 0):
+            children.append(spawner.server(stage))
 
         phase.advance("waiting for the workers to join")
         tolerate = job.helpers and cfg.fault.on_pipeline_loss in ("continue", "restart")
         restarts = (supervision.Restarts(cfg.fault.max_restarts, cfg.fault.restart_backoff)
                     if tolerate and cfg.fault.on_pipeline_loss == "restart" else None)
-        incarnations = [0] * P
-
-        def restart(pipeline: int, announce: Callable[[int, int], None]) -> list[Child]:
-            incarnations[pipeline] += 1
-            # announced before the processes start: the scheduler then knows the incarnation
-            # before any event of it arrives, and refuses events of one it does not know
-            announce(grid.rank(pipeline, 0), incarnations[pipeline])
-            return [start_worker(rank, incarnations[pipeline])
-                    for rank in grid.pipeline_ranks(pipeline)]
-
-        def restart_scheduler(n: int) -> Child:
-            return spawn(SCHEDULER, "scheduler", "scheduler", run_dir,
-                         {**base, "SDPIPE_SCHEDULER_RESTART": str(n)})
-
         result.failure, interrupted, result.bad_input = _supervise(children, run_dir, events, on_progress, launched,
                                                  tolerate, graceful=job.graceful,
-                                                 workers=grid.workers, phase=phase, restarts=restarts,
-                                                 restart=restart, pipelines=P,
-                                                 restart_scheduler=restart_scheduler,
+                                                 workers=run.workers, phase=phase, restarts=restarts,
+                                                 restart=spawner.pipeline, pipelines=run.pipelines,
+                                                 restart_scheduler=spawner.scheduler,
                                                  # a stranded worker gives up at run.timeout;
                                                  # 10 s at least for a slow teardown (NCCL)
                                                  stranded_s=max(10.0, min(supervision.STRANDED_S,

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
 from sdpipe_cli.config.schema import ConfigError, compose, schema_for, validate
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import network
 from sdpipe_cli.runtime.errors import CheckpointError
 
@@ -56,7 +57,7 @@ def prepare(path: str, overrides: Sequence[str], console: Console) -> Leg:
     """The next leg of the run of ``path`` (a run folder or a checkpoint) with ``overrides``:
     checked, prepared for this machine, and resharded if its layout changed. Bad input raises
     :class:`~sdpipe_cli.core.errors.BadInput` before anything is written."""
-    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.cli import preparing
     from sdpipe_cli.model import checkpoint
     from sdpipe_cli.training import reshard
 
@@ -74,7 +75,7 @@ def prepare(path: str, overrides: Sequence[str], console: Console) -> Leg:
     cfg.run.dir = str(checkpoint.run_dir_of(ckpt))  # the run folder may have moved since
     validate(cfg)
     network.check_hosts(cfg)
-    run_cfg = launcher.prepare(cfg)[0]
+    run_cfg = preparing.prepare(cfg)[0]
     if reshard.layout_of(saved) != reshard.layout_of(run_cfg):
         return _resharded(ckpt, manifest, saved, run_cfg, _given("train.steps", overrides),
                           console)
@@ -86,13 +87,14 @@ def prepare(path: str, overrides: Sequence[str], console: Console) -> Leg:
 def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
                steps_given: bool, console: Console) -> Leg:
     """``old``: the checkpoint's own (prepared) config; ``new``: the next leg's."""
-    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.cli import preparing
     from sdpipe_cli.training import reshard
 
     plan = reshard.plan_for(ckpt, manifest, old, new,
                             int(new.train.steps) if steps_given else None)
     new.train.steps = plan.train_steps
-    launcher.check_memory(new)  # bad input: before the resharded checkpoint is written
+    new.plan = RunPlan.resolve(new, RunPlan.of(new).cluster).section()  # its budget changed
+    preparing.check_memory(new)  # bad input: before the resharded checkpoint is written
     folder = reshard.write(ckpt, manifest, old, new, plan)
     before, after = reshard.layout_of(old), reshard.layout_of(new)
     console.print(f"resharded {ckpt}: P={before.pipelines} S={before.stages} partition "

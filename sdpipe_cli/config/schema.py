@@ -24,6 +24,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from sdpipe_cli.core import grouping, schedule as _schedule
 from sdpipe_cli.core.errors import BadInput
 from sdpipe_cli.core.modes import mode, names_with
+from sdpipe_cli.core.plan import microbatch_size
 
 SCHEDULES = (*_schedule.SCHEDULES, *_schedule.ASYNC_SCHEDULES)  # the registry is core.schedule
 ASYNC_SCHEDULES = _schedule.ASYNC_SCHEDULES
@@ -408,6 +409,9 @@ class Config:
     # A profile.json from `sdpipe profile`: block costs for pipeline.partition=auto and for
     # modelled emulation without cluster.compute_ms.
     profile: Optional[str] = None
+    # Written by sdpipe when it prepares a run, not a setting: the topology, placement, budget
+    # and micro-batch size every process of the run reads (core/plan.py); a value given is replaced.
+    plan: Optional[Dict[str, Any]] = None
 
 
 def n_blocks(model: ModelConfig | DictConfig) -> Optional[int]:
@@ -897,7 +901,7 @@ def _validate_cluster(cfg: DictConfig) -> None:
     if cfg.profile:
         try:
             check_model(load(cfg.profile), cfg.model.name, n_blocks(cfg.model),
-                        cfg.train.batch_size // cfg.pipeline.microbatches)
+                        microbatch_size(cfg))
         except ProfileError as err:
             raise ConfigError("profile", str(err)) from None
 
@@ -929,40 +933,6 @@ def validate_partition(partition: Any, stages: int, blocks: int) -> None:
     if any(a >= b for a, b in zip(edges, edges[1:])):
         raise ConfigError(key, f"boundaries {bounds} must increase strictly within 1..{blocks - 1} "
                           "so that no stage is empty")
-
-
-def resolve_device(cfg: DictConfig) -> str:
-    """``cpu`` or ``cuda`` for this run; CUDA needs one GPU per worker on this host (on a real
-    node: GPUs up to the highest device index placed there)."""
-    import torch
-
-    if not mode(cfg.sync.name).cuda:
-        if cfg.cluster.device == "cuda":
-            raise ConfigError("cluster.device", f"sync={cfg.sync.name} runs on CPU only (its "
-                              "server receives from any worker, which NCCL cannot); use "
-                              "cluster.device=cpu")
-        return "cpu"
-
-    from sdpipe_cli.core.cluster import Cluster
-
-    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
-    if cluster.real:  # this node's workers, each on the GPU of its device index
-        local = [cluster.device_of_rank(r).index for r in cluster.ranks_on(cfg.run.node)]
-        workers = max(local) + 1 if local else 0
-    else:
-        workers = cfg.cluster.pipelines * cfg.pipeline.stages
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.cluster.device == "cpu":
-        return "cpu"
-    if cfg.cluster.device == "cuda":
-        if gpus == 0:
-            raise ConfigError("cluster.device", "is cuda but no CUDA device is visible here; "
-                              "use cluster.device=cpu or auto")
-        if gpus < workers:
-            raise ConfigError("cluster.device", f"cuda needs one GPU per worker: {workers} here "
-                              f"but {gpus} visible; lower cluster.pipelines or pipeline.stages")
-        return "cuda"
-    return "cuda" if gpus >= workers else "cpu"
 
 
 def save_run_config(cfg: DictConfig, path: Path) -> None:

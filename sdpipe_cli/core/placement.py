@@ -45,6 +45,11 @@ class Grid:
         """The parameter server of ``stage`` (``sync=ps``): after the workers."""
         return self.workers + stage
 
+    def neighbour_pairs(self) -> list[tuple[int, int]]:
+        """(rank of stage s, rank of stage s+1) for every pipeline, in rank order."""
+        return [(self.rank(p, s), self.rank(p, s + 1))
+                for p in range(self.pipelines) for s in range(self.stages - 1)]
+
     def at(self, rank: int) -> "Placement":
         return Placement(rank, self.pipelines, self.stages)
 

@@ -57,8 +57,8 @@ from sdpipe_cli.pipeline.executor import to_device
 from sdpipe_cli.config import measurements
 
 from sdpipe_cli.runtime import store
-from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.hetero.emulation import MemoryLimit, Slowdown, link_delay
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import Action, Kind
@@ -77,26 +77,17 @@ FORWARD, BACKWARD = Action(Kind.F, 0), Action(Kind.B, 0)
 
 
 # -- the plan: the same on every rank -------------------------------------------------------------
-def neighbour_pairs(pipelines: int, stages: int) -> list[tuple[int, int]]:
-    """(rank of stage s, rank of stage s+1) for every pipeline, in rank order."""
-    grid = Grid(pipelines, stages)
-    return [(grid.rank(p, s), grid.rank(p, s + 1))
-            for p in range(pipelines) for s in range(stages - 1)]
-
-
-def replica_groups(pipelines: int, stages: int) -> list[tuple[int, list[int]]]:
+def replica_groups(grid: Grid) -> list[tuple[int, list[int]]]:
     """(stage s, ranks of its replicas in pipelines 0..k-1) for every s and k = 2..P."""
-    grid = Grid(pipelines, stages)
     return [(s, grid.stage_ranks(s, range(k)))
-            for s in range(stages) for k in range(2, pipelines + 1)]
+            for s in range(grid.stages) for k in range(2, grid.pipelines + 1)]
 
 
-def turns(pipelines: int, stages: int) -> list[tuple[str, list[int]]]:
+def turns(grid: Grid) -> list[tuple[str, list[int]]]:
     """Every measurement as (phase, the ranks that take part), in the order they run."""
-    world = pipelines * stages
-    return ([("blocks", [r]) for r in range(world)]
-            + [("p2p", list(pair)) for pair in neighbour_pairs(pipelines, stages)]
-            + [("allreduce", ranks) for _, ranks in replica_groups(pipelines, stages)])
+    return ([("blocks", [r]) for r in range(grid.workers)]
+            + [("p2p", list(pair)) for pair in grid.neighbour_pairs()]
+            + [("allreduce", ranks) for _, ranks in replica_groups(grid)])
 
 
 def fresh_input(value):
@@ -129,7 +120,7 @@ def repeat(once: Callable[[], Sequence[float]], repeats: int, warmup: int = WARM
 
 def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
     """The profile document from every rank's results (see :mod:`sdpipe_cli.config.measurements`)."""
-    mb = cfg.train.batch_size // cfg.pipeline.microbatches
+    mb = RunPlan.of(cfg).microbatch_size
     links = {}
     for kind in ("same_node", "cross_node"):
         link = cfg.cluster.links[kind]
@@ -163,7 +154,8 @@ class Profiler:
     def __init__(self, ctx: Joined, groups: GroupCache):
         self.cfg, self.where, self.device, self.groups = ctx.cfg, ctx.where, ctx.device, groups
         self.events = store.namespace(ctx.client)
-        self.cluster = Cluster.from_config(self.cfg.cluster, self.where.stages)
+        self.plan = ctx.plan
+        self.cluster = ctx.plan.cluster
         self.placed = self.cluster.device(self.where.pipeline, self.where.stage)
         self.speed = self.cluster.speed(self.placed, 0.0)
         self.slowdown = Slowdown(speed=lambda: self.speed)  # measured mode: time / speed
@@ -182,7 +174,7 @@ class Profiler:
 
     def run(self) -> dict:
         w = self.where
-        plan = turns(w.pipelines, w.stages)
+        plan = turns(self.plan.grid)
         for n, (phase, members) in enumerate(plan):
             if w.rank == 0:
                 store.set_json(self.events, store.PROGRESS,
@@ -209,8 +201,7 @@ class Profiler:
         torch.manual_seed(cfg.train.seed)
         blocks = [b.to(self.device).train() for b in models.build(cfg.model)[0]]
         loss_fn = models.loss_function(cfg.model)
-        mb = cfg.train.batch_size // cfg.pipeline.microbatches
-        inputs, targets = to_device(sources.example(cfg, mb), self.device)
+        inputs, targets = to_device(sources.example(cfg, self.plan.microbatch_size), self.device)
         ins = [inputs]  # each block's input: the previous block's output on the example
         with torch.no_grad():
             for block in blocks[:-1]:

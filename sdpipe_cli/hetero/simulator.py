@@ -21,9 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation
-from sdpipe_cli.core.cluster import Cluster, ClusterError, Stragglers
+from sdpipe_cli.core.cluster import Stragglers
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.core.simulation import MODES, Result, Workload, simulate
 from sdpipe_cli.data import sources
@@ -38,17 +39,15 @@ FLOAT_BYTES = 4
 def workload(cfg: DictConfig) -> Workload:
     """The simulated workload of a prepared run config (partition resolved); raises
     :class:`ConfigError` for what cannot be simulated."""
-    P, S, m = cfg.cluster.pipelines, cfg.pipeline.stages, cfg.pipeline.microbatches
+    m = cfg.pipeline.microbatches
     if cfg.pipeline.schedule in ASYNC_SCHEDULES:
         raise ConfigError("pipeline.schedule", f"'{cfg.pipeline.schedule}' cannot be simulated yet; "
                           "use 1f1b or gpipe")
     if emulation(cfg) != "modelled":
         raise ConfigError("cluster.compute_ms", "simulate needs modelled compute: set "
                           "cluster.compute_ms or give profile=PATH")
-    try:
-        cluster = Cluster.from_config(cfg.cluster, S)
-    except ClusterError as err:
-        raise ConfigError(err.key, err.reason) from None
+    plan = RunPlan.of(cfg)
+    P, S, cluster = plan.pipelines, plan.stages, plan.cluster
     blocks = models.count_blocks(cfg.model)
     ranges = stage_ranges(list(cfg.pipeline.partition), blocks)
     forward, backward = [], []
@@ -70,12 +69,11 @@ def workload(cfg: DictConfig) -> Workload:
         forward.append(fwd_row)
         backward.append(bwd_row)
     counts = models.block_param_counts(cfg.model)
-    micro = cfg.train.batch_size // m
     return Workload(
         cluster=cluster, microbatches=m, batch_size=cfg.train.batch_size, steps=cfg.train.steps,
         forward_s=forward, backward_s=backward,
         stage_bytes=[sum(counts[a:b]) * FLOAT_BYTES for a, b in ranges],
-        activation_bytes=models.activation_bytes(cfg, sources.example(cfg, micro)[0]),
+        activation_bytes=models.activation_bytes(cfg, sources.example(cfg, plan.microbatch_size)[0]),
         slowdown=[float(x) for x in cfg.cluster.slowdown],
         stragglers=[[Stragglers.of_device(st, seed, cluster.device(p, s).name)
                      for s in range(S)] for p in range(P)],
@@ -106,6 +104,7 @@ def _with_sync(cfg: DictConfig, sync: str) -> DictConfig:
         return cfg
     other = OmegaConf.to_container(cfg, resolve=True)
     other["sync"] = OmegaConf.to_container(OmegaConf.structured(SYNC_CONFIGS[sync]))
+    other["plan"] = RunPlan.of(cfg).for_sync(sync).section()
     return OmegaConf.create(other)
 
 

@@ -301,9 +301,10 @@ def check(cfg: DictConfig) -> None:
     from sdpipe_cli.config.schema import ASYNC_SCHEDULES
     from sdpipe_cli.data import sources
 
+    from sdpipe_cli.core.plan import microbatch_size
+
     p = cfg.pipeline
-    mb = cfg.train.batch_size // p.microbatches
-    after = boundaries(cfg, sources.example(cfg, mb)[0])
+    after = boundaries(cfg, sources.example(cfg, microbatch_size(cfg))[0])
     names = block_names(cfg.model)
     for cut in p.partition:  # what a stage sends must carry a gradient back
         if not after[cut - 1].differentiable():

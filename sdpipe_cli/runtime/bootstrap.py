@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 
 from sdpipe_cli.config.schema import load_child_config
 from sdpipe_cli.core.placement import Placement
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.errors import record
 
@@ -94,6 +95,7 @@ class Joined:
     cfg: DictConfig
     run_dir: Path
     where: Placement
+    plan: RunPlan  # the run's topology, placement, budget (resolved by the launcher)
     device: Any  # torch.device
     client: Any  # a connection to the launcher's store
     backend: str  # gloo | nccl
@@ -120,6 +122,7 @@ def joined(pipeline_group: Callable[[DictConfig], bool] = lambda cfg: False) -> 
         prefix = f"pipeline{where.pipeline}.{incarnation}/"
     identity = {"rank": rank, "pipeline": where.pipeline, "stage": where.stage}
     with child(str(rank), f"rank{rank}", loaded, **identity) as started:
+        plan = RunPlan.of(cfg)
         if cfg.cluster.device == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
@@ -131,4 +134,5 @@ def joined(pipeline_group: Callable[[DictConfig], bool] = lambda cfg: False) -> 
               record(started.run_dir, str(rank), **identity)):  # before the group is torn down
             logging.getLogger("sdpipe.worker").info(
                 "pipeline %d stage %d on %s", where.pipeline, where.stage, device)
-            yield Joined(cfg, started.run_dir, where, device, client, backend, incarnation, offset)
+            yield Joined(cfg, started.run_dir, where, plan, device, client, backend, incarnation,
+                         offset)

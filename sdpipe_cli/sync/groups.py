@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import Joined, connect_store
 
@@ -158,6 +157,6 @@ def for_worker(ctx: Joined, timeout: float) -> GroupCache:
     emulated; a ``timeout`` other than ``run.timeout`` gets its own store connection."""
     cfg = ctx.cfg
     client = connect_store(cfg, timeout) if timeout != cfg.run.timeout else ctx.client
-    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)
+    cluster = ctx.plan.cluster
     return GroupCache(dist.PrefixStore(store.PG_PREFIX, client), ctx.where.rank, ctx.backend,
                       timeout, delay=cluster.allreduce_s if cluster.links_emulated else None)

@@ -25,7 +25,7 @@ from torch.nn.utils import parameters_to_vector
 
 from sdpipe_cli.config.schema import load_child_config
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
-from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime.bootstrap import child, connect_store, process_group
 from sdpipe_cli.sync.strategies import PSSync
 from sdpipe_cli.model import optim
@@ -35,15 +35,15 @@ log = logging.getLogger("sdpipe.ps")
 
 
 class ParameterServer:
-    def __init__(self, cfg: DictConfig, stage: int):
-        P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+    def __init__(self, cfg: DictConfig, plan: RunPlan, stage: int):
+        P, S = plan.pipelines, plan.stages
         self.cfg, self.stage, self.P = cfg, stage, P
         self.module = build_stage_module(cfg, stage)
         self.params = list(self.module.parameters())
         self.optimizer = optim.build_optimizer(self.params, cfg)
         self.numel = sum(p.numel() for p in self.params)
         # worker rank -> last pushed iteration
-        self.clock = {r: -1 for r in Grid(P, S).stage_ranks(stage)}
+        self.clock = {r: -1 for r in plan.grid.stage_ranks(stage)}
         self.left: set[int] = set()
         self.deferred: list[int] = []  # workers whose reply waits for the staleness bound
         self.pushes = 0
@@ -56,7 +56,7 @@ class ParameterServer:
         self.per_iteration = updates_per_iteration(pipe.schedule, pipe.microbatches,
                                                    pipe.weight_versions)
         self.staleness = cfg.sync.staleness * self.per_iteration + (S if asynchronous else 0)
-        self.budget = P * cfg.train.steps * self.per_iteration if stage == 0 else None
+        self.budget = plan.budget * self.per_iteration if stage == 0 else None
 
     def serve(self) -> None:
         header = torch.empty(2, dtype=torch.int64)
@@ -107,11 +107,12 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     loaded = load_child_config()
     cfg = loaded[1]
-    stage = rank - cfg.cluster.pipelines * cfg.pipeline.stages  # servers follow the P x S workers
+    plan = RunPlan.of(cfg)
+    stage = plan.server_stage(rank)
     with child(f"ps{stage}", loaded=loaded, rank=rank, role="parameter server", stage=stage):
         torch.set_num_threads(1)
         with process_group(cfg, connect_store(cfg), rank, world, torch.device("cpu")):
-            ParameterServer(cfg, stage).serve()
+            ParameterServer(cfg, plan, stage).serve()
     return 0
 
 

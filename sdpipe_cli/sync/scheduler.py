@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision, make_policy
 from sdpipe_cli.core.modes import mode
-from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
@@ -134,14 +134,15 @@ class Scheduler:
 
     def __init__(self, cfg: DictConfig, run_dir: Path, events, clock=time.monotonic,
                  resume: Optional[Path] = None, live: bool = True):
-        P, S = cfg.cluster.pipelines, cfg.pipeline.stages
+        plan = RunPlan.of(cfg)
+        P, S = plan.pipelines, plan.stages
         # ``live=False``: replaying a dead scheduler's journal; what it wrote is held back
         self.live = live
         events = events if live else _Held(events)
         self.cfg, self.run_dir, self.events, self.clock = cfg, run_dir, events, clock
-        self.grid = Grid(P, S)
+        self.grid = plan.grid
         self.stop_seen: Optional[bool] = None  # the stop flag as the transport read it
-        self.tracker = RunTracker(P, S, P * cfg.train.steps, clock=clock,
+        self.tracker = RunTracker(P, S, plan.budget, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
         # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")

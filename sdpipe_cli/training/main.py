@@ -35,7 +35,7 @@ def main() -> int:
         sync_groups = groups.for_worker(ctx, timeout)
         pipeline_groups = (groups.for_worker(ctx, cfg.run.timeout)
                            if timeout != cfg.run.timeout else sync_groups)
-        worker = Worker(cfg, ctx.where, ctx.device, store.namespace(ctx.client), sync_groups,
+        worker = Worker(cfg, ctx.where, ctx.plan, ctx.device, store.namespace(ctx.client), sync_groups,
                         pipeline_groups, resume=os.environ.get("SDPIPE_RESUME"),
                         incarnation=ctx.incarnation, rank_offset=ctx.rank_offset)
         if ctx.incarnation:

@@ -29,8 +29,8 @@ from torch import nn
 from sdpipe_cli.config.schema import objective
 from sdpipe_cli.core.cadence import Cadence
 from sdpipe_cli.core.loss_scale import LossScale
-from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.placement import Placement
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.pipeline.stage import PipelineStage
 from sdpipe_cli.runtime import protocol, store
@@ -60,6 +60,7 @@ def param_digest(module: nn.Module) -> str:
 class Worker:
     """Stage ``where.stage`` of pipeline ``where.pipeline``.
 
+    ``plan``: the run's (its cluster places this worker and emulates its speed and links).
     ``groups`` makes the sync strategy's communicators (sdpipe: with ``sync.group_timeout``);
     ``pipeline_groups`` the ones over this pipeline's stages (the global gradient norm), with
     ``run.timeout``: a stage whose group round fails on a lost member spends up to the group
@@ -70,8 +71,8 @@ class Worker:
     the default process group's rank 0 (see :mod:`sdpipe_cli.runtime.bootstrap`).
     """
 
-    def __init__(self, cfg: DictConfig, where: Placement, device: torch.device, events: dist.Store,
-                 groups: GroupCache, pipeline_groups: GroupCache,
+    def __init__(self, cfg: DictConfig, where: Placement, plan: RunPlan, device: torch.device,
+                 events: dist.Store, groups: GroupCache, pipeline_groups: GroupCache,
                  resume: str | None = None, incarnation: int = 0, rank_offset: int = 0):
         self.cfg, self.where, self.device, self.events = cfg, where, device, events
         self.incarnation, self.rank_offset = incarnation, rank_offset
@@ -84,9 +85,9 @@ class Worker:
         self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
                               device=device, seed=cfg.train.seed, optimizer=self.optimizer,
-                              incarnation=incarnation, steps=cfg.train.steps)
+                              incarnation=incarnation, steps=plan.steps)
         self.pipeline_groups = pipeline_groups
-        self.cluster = Cluster.from_config(cfg.cluster, where.stages)
+        self.cluster = plan.cluster
         self.placed = self.cluster.device(p, s)
         self.slowdown = make_slowdown(cfg, self.cluster, p, s, lambda: time.time() - self.t0)
         self.memory = MemoryLimit(self.placed, device)
@@ -97,8 +98,8 @@ class Worker:
         before_send, before_action = link_delay(self.cluster, where.rank), None
         if self.tracer is not None:  # around the emulation's: a slow compute shows as compute
             on_action, before_send, before_action = self.tracer.hooks(on_action, before_send)
-        mb = cfg.train.batch_size // cfg.pipeline.microbatches
-        boundaries = models.stage_boundaries(cfg, sources.example(cfg, mb)[0], s)
+        example = sources.example(cfg, plan.microbatch_size)[0]
+        boundaries = models.stage_boundaries(cfg, example, s)
         low = PRECISIONS[cfg.train.precision]
         if low is not None:  # activations and their gradients travel in the low precision
             boundaries = tuple(None if b is None else b.with_floats(low) for b in boundaries)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdpipe_cli.cli.launcher import check_memory, prepare
+from sdpipe_cli.cli.preparing import check_memory, prepare
 from sdpipe_cli.config.schema import ConfigError, compose
 from sdpipe_cli.core.schedule import async_one_f_one_b, gpipe, in_flight, one_f_one_b
 from sdpipe_cli.data import sources

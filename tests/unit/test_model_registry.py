@@ -188,7 +188,7 @@ def test_resnet_block_counts_match_the_schema(arch, blocks):
 
 
 def test_a_cut_where_no_gradient_can_flow_back_is_refused(user_module):
-    from sdpipe_cli.cli.launcher import prepare
+    from sdpipe_cli.cli.preparing import prepare
 
     cfg = custom(f"{user_module}.int_cut", "pipeline.stages=2", "pipeline.partition=[1]",
                  "data=synthetic", "model.seq_len=4")

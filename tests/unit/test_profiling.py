@@ -7,21 +7,22 @@ import json
 
 import pytest
 
-from sdpipe_cli.cli import launcher
+from sdpipe_cli.cli import preparing
 from sdpipe_cli.model import models
 from sdpipe_cli.hetero import profiler
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import compose, n_blocks
+from sdpipe_cli.core.placement import Grid
 
 
 def test_turns_cover_blocks_then_neighbours_then_replica_groups():
-    plan = profiler.turns(3, 2)
+    plan = profiler.turns(Grid(3, 2))
     assert plan == [("blocks", [0]), ("blocks", [1]), ("blocks", [2]), ("blocks", [3]),
                     ("blocks", [4]), ("blocks", [5]),
                     ("p2p", [0, 1]), ("p2p", [2, 3]), ("p2p", [4, 5]),
                     ("allreduce", [0, 2]), ("allreduce", [0, 2, 4]),
                     ("allreduce", [1, 3]), ("allreduce", [1, 3, 5])]
-    assert profiler.turns(1, 1) == [("blocks", [0])]  # nothing to send, nobody to average with
+    assert profiler.turns(Grid(1, 1)) == [("blocks", [0])]  # nothing to send, nobody to average with
 
 
 def test_repeat_keeps_the_minimum_after_warmup_and_stops_on_budget():
@@ -35,7 +36,7 @@ def test_repeat_keeps_the_minimum_after_warmup_and_stops_on_budget():
 
 
 def test_stage_weights_follow_the_partition():
-    cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu",
+    cfg, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
                                        "pipeline.partition=[1]"]))
     counts = models.block_param_counts(cfg.model)
     assert profiler.stage_weight_bytes(cfg, 0) == 4 * counts[0]
@@ -61,7 +62,7 @@ def _results(cfg) -> list[dict]:
 
 
 def test_assembled_document_loads_and_drives_auto_partition(tmp_path):
-    cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu"]))
+    cfg, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu"]))
     path = measurements.write(profiler.assemble(cfg, _results(cfg)), tmp_path)
     doc = measurements.load(path)
     assert [d["rank"] for d in doc["devices"]] == [0, 1, 2, 3]
@@ -72,13 +73,13 @@ def test_assembled_document_loads_and_drives_auto_partition(tmp_path):
     # A measured device keeps its times; an unmeasured one gets the median, at its own speed.
     assert measurements.block_costs(doc, "local:1", 0.5)[0] == [2.0 * (b + 1) for b in range(6)]
     assert measurements.block_costs(doc, "elsewhere:0", 2.0)[0] == [(b + 1) / 2 for b in range(6)]
-    auto, plan = launcher.prepare(compose(["model=mlp", "cluster.device=cpu",
+    auto, plan = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
                                            "pipeline.partition=auto", f"profile={path}"]))
     assert plan is not None and auto.pipeline.partition == plan.bounds
 
 
 def test_load_names_a_missing_measurement(tmp_path):
-    cfg, _ = launcher.prepare(compose(["model=mlp", "cluster.device=cpu"]))
+    cfg, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu"]))
     doc = profiler.assemble(cfg, _results(cfg))
     del doc["p2p"][1]["latency_ms"]
     (tmp_path / "profile.json").write_text(json.dumps(doc))

@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from sdpipe_cli.config.schema import compose
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync import journal
 from sdpipe_cli.sync.scheduler import BatchClock, Scheduler, act, replay
@@ -33,6 +34,7 @@ def config(tmp_path, *overrides):
     cfg = compose(["model=mlp", "data=synthetic", f"cluster.pipelines={P}",
                    f"pipeline.stages={S}", "train.steps=12", "sync.global_every=4", *overrides])
     cfg.run.dir = str(tmp_path)
+    cfg.plan = RunPlan.resolve(cfg).section()  # what preparing the run writes
     return cfg
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from sdpipe_cli.config.schema import compose
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync.scheduler import Scheduler
 from tests.helpers import event as as_event
@@ -24,6 +25,7 @@ def scheduler(tmp_path, *overrides: str):
     cfg = compose(["model=mlp", "data=synthetic", f"cluster.pipelines={P}",
                    f"pipeline.stages={S}", "fault.on_pipeline_loss=restart", *overrides])
     cfg.run.dir = str(tmp_path)
+    cfg.plan = RunPlan.resolve(cfg).section()  # what preparing the run writes
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=10))
     events = store.namespace(master)

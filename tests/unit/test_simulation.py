@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdpipe_cli.cli.launcher import prepare
+from sdpipe_cli.cli.preparing import prepare
 from sdpipe_cli.config.schema import ConfigError, compose, validate
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.simulation import simulate

@@ -1,0 +1,160 @@
+"""Preparing a run: a checked config resolved for this machine, once, before anything starts.
+
+What a config leaves to the machine it runs on is settled here, in the launcher's process, so that
+every child reads the same answers from ``config.yaml`` instead of settling them again: the device
+(CPU, or one GPU per worker), the data's size and classes and vocabulary, the partition of the
+model into stages (``auto`` from a profile), the recorded run of ``sync.replay``, and the run plan
+(:class:`~sdpipe_cli.core.plan.RunPlan`: topology, placement, budget, micro-batch size). Bad input
+found here raises :class:`~sdpipe_cli.config.schema.ConfigError` before a run folder exists.
+:func:`check_memory` refuses a training run that cannot fit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli.config import measurements
+from sdpipe_cli.config.schema import ConfigError, num_classes, objective, validate_partition
+from sdpipe_cli.core import partition
+from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.core.modes import mode
+from sdpipe_cli.core.plan import RunPlan, microbatch_size
+from sdpipe_cli.data import sources
+from sdpipe_cli.model import memory, models
+
+
+def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
+    """Resolve what depends on this machine (device, partition, the profile's path) into a
+    concrete run config; with ``pipeline.partition=auto`` also the plan that chose it."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
+    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)  # checked by validate()
+    cfg.cluster.device = resolve_device(cfg, cluster)
+    if cfg.profile:
+        cfg.profile = str(Path(cfg.profile).expanduser().resolve())
+    _resolve_data(cfg)
+    blocks, stages = models.count_blocks(cfg.model), cfg.pipeline.stages
+    if stages > blocks:
+        raise ConfigError("pipeline.stages", f"is {stages} but model {cfg.model.name} has only "
+                          f"{blocks} blocks; use at most {blocks} stages")
+    if not isinstance(cfg.pipeline.partition, str):
+        validate_partition(cfg.pipeline.partition, stages, blocks)
+    counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
+    plan = None
+    if cfg.profile:
+        try:
+            measurements.check_model(measurements.load(cfg.profile), cfg.model.name, blocks,
+                                     microbatch_size(cfg))
+        except measurements.ProfileError as err:
+            raise ConfigError("profile", str(err)) from None
+    if cfg.pipeline.partition == "auto":
+        block_ms = measurements.worker_block_ms(measurements.load(cfg.profile), cluster,
+                                                list(cfg.cluster.slowdown))
+        plan = partition.plan(partition.device_cost(block_ms), blocks, stages)
+    cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
+        cfg.pipeline.partition, blocks, stages, counts)
+    models.check(cfg)
+    if cfg.sync.get("replay"):  # the recorded run must fit this one: before anything starts
+        from sdpipe_cli.sync.replay import load as load_recorded
+
+        cfg.sync.replay = str(Path(cfg.sync.replay).expanduser().resolve())
+        if cfg.fault.on_pipeline_loss != "stop":
+            raise ConfigError("sync.replay", "repeats a run without losses: use "
+                              "fault.on_pipeline_loss=stop")
+        load_recorded(cfg.sync.replay, cfg)
+    cfg.plan = RunPlan.resolve(cfg, cluster).section()
+    return cfg, plan
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """Refuse a training run that cannot fit (:mod:`~sdpipe_cli.model.memory`; a prepared config,
+    ``run.memory_check``): on CPU the workers of this machine together against its available
+    RAM, on CUDA each worker against its GPU. Not for ``simulate`` or ``profile``, which train
+    nothing of that size here."""
+    if not cfg.run.memory_check:
+        return
+    stages = memory.estimate(cfg, sources.example(cfg, RunPlan.of(cfg).microbatch_size)[0])
+    if stages is None:
+        return
+    run = RunPlan.of(cfg)
+    grid, cluster = run.grid, run.cluster
+    ranks = run.ranks_on(cfg.run.node)
+    fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "
+             "pipeline.activation_checkpointing=true (run.memory_check=false to try anyway)")
+    if cfg.cluster.device == "cpu":
+        worst = max(stages, key=lambda e: e.total)
+        need = sum(stages[grid.stage_of(r)].total for r in ranks)
+        have = psutil.virtual_memory().available
+        if need > have:
+            raise ConfigError("train.batch_size", f"the {len(ranks)} workers on this machine need "
+                              f"about {need / memory.GIB:.1f} GiB (stage {worst.stage}: "
+                              f"{worst.describe()}), but {have / memory.GIB:.1f} GiB is available; "
+                              + fixes)
+        return
+    for r in ranks:
+        index = cluster.device_of_rank(r).index if cluster.real else r
+        if index is None or index >= torch.cuda.device_count():
+            continue
+        have = torch.cuda.get_device_properties(index).total_memory
+        need = stages[grid.stage_of(r)]
+        if need.total > have:
+            raise ConfigError("train.batch_size", f"a worker of stage {need.stage} needs about "
+                              f"{need.total / memory.GIB:.1f} GiB ({need.describe()}), but GPU "
+                              f"{index} has {have / memory.GIB:.1f} GiB; " + fixes)
+
+
+def _resolve_data(cfg: DictConfig) -> None:
+    """Open the data once (bad data is bad input: one line, nothing written) and let it settle
+    what the model's config leaves open: the classes, the vocabulary, the evaluation's size."""
+    cfg.data.resolved = resolved = sources.resolve(cfg)
+    if resolved["train"] < cfg.cluster.pipelines:
+        raise ConfigError("cluster.pipelines", f"{cfg.cluster.pipelines} pipelines share {resolved['train']} "
+                          "training samples, fewer than one each; use more data or fewer pipelines")
+    if cfg.model.num_classes is None and objective(cfg) == "classify":
+        cfg.model.num_classes = num_classes(cfg)
+        if cfg.model.num_classes is None:
+            raise ConfigError("model.num_classes", f"data={cfg.data.name} does not say how many classes "
+                              "it has (no `classes` attribute); set model.num_classes")
+    vocab = resolved.get("vocab_size")
+    if vocab is not None and vocab != cfg.model.vocab_size:
+        if cfg.model.pretrained and vocab > cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size", f"the pretrained model has {cfg.model.vocab_size} "
+                              f"tokens, the data's tokenizer {vocab}; prepare the data with the "
+                              "model's own tokenizer (--tokenizer PATH/tokenizer.json)")
+        if not cfg.model.pretrained:
+            cfg.model.vocab_size = vocab  # a new model takes the data's tokenizer
+    count = sources.val_count(cfg)
+    cfg.data.eval_batches = count
+
+
+def resolve_device(cfg: DictConfig, cluster: Cluster) -> str:
+    """``cpu`` or ``cuda`` for this run; CUDA needs one GPU per worker on this host (on a real
+    node: GPUs up to the highest device index placed there)."""
+    if not mode(cfg.sync.name).cuda:
+        if cfg.cluster.device == "cuda":
+            raise ConfigError("cluster.device", f"sync={cfg.sync.name} runs on CPU only (its "
+                              "server receives from any worker, which NCCL cannot); use "
+                              "cluster.device=cpu")
+        return "cpu"
+
+    if cluster.real:  # this node's workers, each on the GPU of its device index
+        local = [cluster.device_of_rank(r).index for r in cluster.ranks_on(cfg.run.node)]
+        workers = max(local) + 1 if local else 0
+    else:
+        workers = cfg.cluster.pipelines * cfg.pipeline.stages
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.cluster.device == "cpu":
+        return "cpu"
+    if cfg.cluster.device == "cuda":
+        if gpus == 0:
+            raise ConfigError("cluster.device", "is cuda but no CUDA device is visible here; "
+                              "use cluster.device=cpu or auto")
+        if gpus < workers:
+            raise ConfigError("cluster.device", f"cuda needs one GPU per worker: {workers} here "
+                              f"but {gpus} visible; lower cluster.pipelines or pipeline.stages")
+        return "cuda"
+    return "cuda" if gpus >= workers else "cpu"

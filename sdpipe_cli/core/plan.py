@@ -1,0 +1,123 @@
+"""The run plan: the facts every process of a run must agree on, resolved once.
+
+A run's topology (P pipelines of S stages, a parameter server per stage after the workers with
+``sync=ps``), the device each worker is placed on, the run's budget and the micro-batch size all
+follow from the config, and every process needs some of them. Derived in each process, they could
+drift apart (a default placement computed differently, a budget counted in steps by one and in
+pipeline-iterations by another), and a reader of the run folder would not see them. So the
+launcher resolves them once, when the run is prepared (:meth:`RunPlan.resolve`), into the config's
+``plan`` section, which ``config.yaml`` carries to every child; the launcher, the scheduler, the
+workers, the parameter servers, the profiler and the simulator read them back with
+:meth:`RunPlan.of` and derive nothing themselves.
+
+Pure: no I/O; the :class:`~sdpipe_cli.core.cluster.Cluster` is built here and nowhere after the
+config was checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.core.modes import mode
+from sdpipe_cli.core.placement import Grid
+
+__all__ = ["RunPlan", "microbatch_size"]
+
+
+def microbatch_size(cfg: Any) -> int:
+    """Samples per micro-batch: ``train.batch_size // pipeline.microbatches`` (validation
+    refuses a batch that does not divide). Defined here only; before the plan exists (while
+    the config is checked and prepared) it is asked directly."""
+    return int(cfg.train.batch_size) // int(cfg.pipeline.microbatches)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A prepared run's topology, placement, budget and micro-batch size."""
+
+    pipelines: int
+    stages: int
+    servers: int  # parameter servers, one per stage with ``sync=ps``, ranked after the workers
+    steps: int  # iterations per pipeline (``train.steps``)
+    microbatch_size: int  # samples per micro-batch: ``train.batch_size // pipeline.microbatches``
+    placement: tuple[tuple[str, ...], ...]  # the device of (pipeline, stage)
+    cluster: Cluster = field(compare=False, repr=False)
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(self.pipelines, self.stages)
+
+    @property
+    def workers(self) -> int:
+        return self.pipelines * self.stages
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the run's process group: the workers, then the servers."""
+        return self.workers + self.servers
+
+    @property
+    def budget(self) -> int:
+        """Pipeline-iterations the whole run trains: P x ``train.steps``, however the
+        pipelines share them (sdpipe lets a fast pipeline take more than a slow one)."""
+        return self.pipelines * self.steps
+
+    def server_stage(self, rank: int) -> int:
+        """The stage whose parameter server ``rank`` is."""
+        stage = rank - self.workers
+        if not 0 <= stage < self.servers:
+            raise ValueError(f"rank {rank} is not a parameter server of this run")
+        return stage
+
+    def ranks_on(self, node: Optional[str]) -> list[int]:
+        """The workers a launcher on ``node`` starts: all of them unless nodes are real."""
+        return self.cluster.ranks_on(node) if self.cluster.real else list(range(self.workers))
+
+    def for_sync(self, name: str) -> "RunPlan":
+        """This plan under sync mode ``name`` (the simulator's comparison rows)."""
+        return replace(self, servers=self.stages if mode(name).servers else 0)
+
+    # -- resolving and carrying ---------------------------------------------------------------
+    @classmethod
+    def resolve(cls, cfg: Any, cluster: Optional[Cluster] = None) -> "RunPlan":
+        """The plan of a checked config (``cluster``: its cluster, when already built)."""
+        cluster = cluster or Cluster.from_config(cfg.cluster, int(cfg.pipeline.stages))
+        stages = int(cfg.pipeline.stages)
+        return cls(
+            pipelines=int(cfg.cluster.pipelines), stages=stages,
+            servers=0,
+            steps=int(cfg.train.steps),
+            microbatch_size=microbatch_size(cfg),
+            placement=tuple(tuple(row) for row in cluster.placement),
+            cluster=cluster).for_sync(cfg.sync.name)
+
+    def section(self) -> dict[str, Any]:
+        """The config's ``plan`` section (what ``config.yaml`` shows; derived values included
+        for the reader, and ignored when read back)."""
+        return {"pipelines": self.pipelines, "stages": self.stages, "servers": self.servers,
+                "steps": self.steps, "microbatch_size": self.microbatch_size,
+                "placement": [list(row) for row in self.placement],
+                "workers": self.workers, "world_size": self.world_size, "budget": self.budget}
+
+    @classmethod
+    def of(cls, cfg: Any) -> "RunPlan":
+        """The plan a prepared config carries; :class:`BadInput` naming ``plan`` when the
+        config was not prepared or its plan does not match its cluster (a hand-edited file)."""
+        section = cfg.get("plan")
+        if not section:
+            raise BadInput("plan", "missing: the config was not prepared by sdpipe (run it with "
+                           "`sdpipe train`, or `sdpipe resume` a run folder)")
+        try:
+            cluster = Cluster.from_config(cfg.cluster, int(section["stages"]))
+            plan = cls(int(section["pipelines"]), int(section["stages"]), int(section["servers"]),
+                       int(section["steps"]), int(section["microbatch_size"]),
+                       tuple(tuple(str(d) for d in row) for row in section["placement"]), cluster)
+        except (KeyError, TypeError, ValueError) as err:
+            raise BadInput("plan", f"malformed ({err}); prepare the run again") from None
+        if plan.placement != tuple(tuple(row) for row in cluster.placement):
+            raise BadInput("plan.placement", "differs from the cluster's placement: the run's "
+                           "config was changed after it was prepared")
+        return plan
