@@ -1,7 +1,7 @@
 """Simulator fingerprints: a refactoring check for the scheduling policy and the run plan.
 
 The simulator drives the real group policy (:mod:`sdpipe_cli.core.grouping`) and the real run
-preparation (:func:`sdpipe_cli.cli.launcher.prepare`) with modelled time, so a change that is meant
+preparation (:func:`sdpipe_cli.cli.preparing.prepare`) with modelled time, so a change that is meant
 to keep behaviour must keep, on every configuration below, each variant's iterations, group sizes,
 finish times and samples/s. Run it before and after the change::
 
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from sdpipe_cli.cli import launcher
+from sdpipe_cli.cli import preparing
 from sdpipe_cli.config.schema import compose, validate
 from sdpipe_cli.hetero import simulator
 
@@ -48,7 +48,7 @@ def fingerprints() -> dict[str, dict]:
     for overrides, variants in CONFIGS:
         cfg = compose(["model=mlp", "data=synthetic", *overrides])
         validate(cfg)
-        doc = simulator.run(launcher.prepare(cfg)[0], variants or ALL)
+        doc = simulator.run(preparing.prepare(cfg)[0], variants or ALL)
         rows = [doc, *doc["compare"]]
         kept = [{k: r[k] for k in KEPT if k in r} for r in rows]
         text = json.dumps(kept, sort_keys=True, default=str)

@@ -11,7 +11,7 @@ from sdpipe_cli.cli.interrupts import exit_on_interrupt
 
 def entry() -> int:
     exit_on_interrupt("loading")
-    from sdpipe_cli.cli.commands import main
+    from sdpipe_cli.cli.parsing import main
 
     return main()
 

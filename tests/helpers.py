@@ -60,7 +60,7 @@ def sdpipe(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProc
     its training rather than two interpreters' imports. A run past ``timeout`` seconds is
     interrupted (the launcher then stops its children) and fails the test.
     """
-    from sdpipe_cli.cli.commands import main
+    from sdpipe_cli.cli.parsing import main
 
     out, err = io.StringIO(), io.StringIO()
     previous = signal.signal(signal.SIGALRM, _overdue)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sdpipe_cli import __version__
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from tests.helpers import REPO, one_error_line, sdpipe, sdpipe_process
 
 FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
@@ -139,7 +139,7 @@ def test_foreign_host_is_one_line_exit_2_at_once_and_writes_nothing(tmp_path):
 
 
 def test_foreign_host_is_refused_before_torch_is_imported(capsys):
-    code = ("import sys; from sdpipe_cli.cli.commands import main; "
+    code = ("import sys; from sdpipe_cli.cli.parsing import main; "
             f"rc = main(['train', 'cluster.host={FOREIGN}']); "
             "print('torch' in sys.modules, rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -197,9 +197,9 @@ def test_an_interrupt_after_the_run_ended_keeps_its_exit_code(tmp_path, monkeypa
     start-up's 130."""
     import signal
 
-    from sdpipe_cli.cli import commands
+    from sdpipe_cli.cli import display
 
-    monkeypatch.setattr(commands, "_summary", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(display, "summary", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
     out = sdpipe("train", f"run.dir={tmp_path / 'run'}", "model=mlp", "data=synthetic",
                  "train.steps=2", "cluster.pipelines=1", "pipeline.stages=1")
     assert out.returncode == 0, out.stderr
@@ -209,10 +209,10 @@ def test_an_interrupt_after_the_run_ended_keeps_its_exit_code(tmp_path, monkeypa
 
 def test_the_status_line_says_each_step_of_the_start_up(tmp_path, monkeypatch):
     """Until training reports, the bar's label says what the launch waits for."""
-    from sdpipe_cli.cli import commands
+    from sdpipe_cli.cli import display
 
     seen: list[str] = []
-    monkeypatch.setattr(commands._ProgressDisplay, "phase", lambda self, what: seen.append(what))
+    monkeypatch.setattr(display.ProgressDisplay, "phase", lambda self, what: seen.append(what))
     out = sdpipe("train", f"run.dir={tmp_path / 'run'}", "model=mlp", "data=synthetic",
                  "train.steps=2", "cluster.pipelines=1", "pipeline.stages=1")
     assert out.returncode == 0, out.stderr

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from tests.helpers import losses, metrics, one_error_line, resumed_losses, run_processes, sdpipe, user_module
 
 pytestmark = pytest.mark.multiprocess

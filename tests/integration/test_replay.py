@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from tests.helpers import digests, losses, metrics, sdpipe
 
 pytestmark = pytest.mark.multiprocess

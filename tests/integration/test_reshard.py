@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 
 from sdpipe_cli.cli import resuming
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.model import checkpoint
 from tests.helpers import losses, metrics, run_processes, sdpipe
 

@@ -15,7 +15,7 @@ import signal
 import psutil
 import pytest
 
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.cli import report
 from tests.helpers import (digests, finish, listening_only_on_loopback, losses, metrics, run_processes,
                            sdpipe, sdpipe_popen, training_lines, wait_for, worker_process)

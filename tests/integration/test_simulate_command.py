@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from tests.helpers import sdpipe
 
 ARGS = ("simulate", "model=mlp", "data=synthetic", "cluster.pipelines=4", "cluster.compute_ms=10",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.core.cluster import Cluster, ClusterError
 from sdpipe_cli.config.schema import ConfigError, compose, validate
 

@@ -8,7 +8,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from tests.helpers import one_error_line
 from sdpipe_cli.config.schema import (
     ConfigError,
@@ -16,9 +16,9 @@ from sdpipe_cli.config.schema import (
     config_dir,
     group_options,
     n_blocks,
-    resolve_device,
     validate,
 )
+from sdpipe_cli.core.cluster import Cluster
 
 REQUIRED_KEYS = [
     "cluster.pipelines",
@@ -136,6 +136,12 @@ def test_config_error_str_is_key_colon_reason():
 
 
 # ---------------------------------------------------------------------------- resolve_device
+
+
+def resolve_device(cfg):
+    from sdpipe_cli.cli.preparing import resolve_device
+
+    return resolve_device(cfg, Cluster.from_config(cfg.cluster, cfg.pipeline.stages))
 
 
 def test_resolve_device_cpu(defaults):

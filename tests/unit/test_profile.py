@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sdpipe_cli.config import measurements
-from sdpipe_cli.cli.commands import main
+from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.config.schema import compose, validate
 from tests.helpers import make_doc

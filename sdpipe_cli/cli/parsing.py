@@ -1,0 +1,233 @@
+"""The ``sdpipe`` command line: parse the arguments, pick the command, map its outcome to an exit code.
+
+Usage::
+
+    sdpipe train                                  # defaults: gpt_tiny on the stdlib corpus, P=2, S=2
+    sdpipe train model=mlp train.steps=50         # Hydra overrides: key=value, group=option
+    sdpipe train cluster.pipelines=4 pipeline=deep sync=none
+    sdpipe train --cfg                            # print the composed config and exit
+    sdpipe train --help                           # config groups and their options
+    sdpipe train checkpoint.every=100             # checkpoints in <run>/checkpoints/step_<N>/
+    sdpipe resume runs/20261129-120000 train.steps=800   # go on from the latest checkpoint
+    sdpipe profile cluster.device=cpu             # measure blocks, memory, links -> profile.json
+    sdpipe train pipeline.partition=auto profile=runs/20261129-130000/profile.json
+    sdpipe simulate cluster.pipelines=1024 pipeline.stages=1 cluster.compute_ms=10 \
+        'cluster.slowdown=[...]' --compare allreduce,none   # the policy at any scale, no processes
+
+Exit codes: 0 done, 1 a process failed (named on stderr), 2 bad input (one line, nothing
+started), 130 interrupted. rich lives in the CLI only: workers and the scheduler log plain text.
+
+The top of the CLI's one-way flow (parsing -> commands and the sweep -> run loop -> display):
+argparse, the Hydra overrides (``--config-dir``, ``--cfg job``), the interrupt handling until a
+launch starts processes, and the one place where bad input and interrupts become exit codes, so
+that the commands below stay callable with their arguments alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from sdpipe_cli import __version__
+
+from sdpipe_cli.cli import commands, display, resuming, sweeping
+from sdpipe_cli.cli.interrupts import exit_on_interrupt
+from sdpipe_cli.cli.run_loop import InterruptedAfterRun
+from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.config.schema import ConfigError, group_options
+
+EXIT_USAGE = 2  # bad input; the run loop's EXIT_FAILED and EXIT_INTERRUPTED are the others
+
+TRAIN_HELP = """Train a model pipeline-parallel on P pipelines of S stages.
+
+Overrides use Hydra's grammar: key=value (train.steps=50), group=option (model=mlp),
++key=value to add; -m with comma-separated values runs a sweep. Every key, its type, default and
+meaning: docs/CONFIG.md; the composed config: `sdpipe train --cfg`. Your own config files:
+--config-dir DIR (docs/CLUSTERS.md, "Describe your cluster")."""
+
+
+PROFILE_HELP = """Measure the cluster a training run would use, with the same overrides: per
+device, each model block's forward and backward time at the micro-batch size and the peak memory;
+per pair of pipeline neighbours, p2p latency and bandwidth; per stage, the all-reduce time of its
+weights for group sizes 2..P. Emulated speeds and links (cluster.nodes, cluster.links) are in the
+numbers. Writes <run>/profile.json (schema: sdpipe_cli/config/measurements.py) for
+`sdpipe train pipeline.partition=auto profile=PATH`."""
+
+
+SIMULATE_HELP = """Simulate a training run's timing without starting any process: the real group
+policy of sync=sdpipe (the scheduler's own classes) driven by modelled workers (compute_ms or the
+profile's block times, slow-downs, stragglers, speed changes, links; the simulate.* costs). Reports
+samples/s against the limit (each pipeline's solo rate, summed) for the config's sync mode and each
+mode in --compare, and writes <run>/simulation.json. See docs/SIMULATOR.md."""
+
+
+REPORT_HELP = """Plot one or more runs, overlaid and labelled by the settings in which they differ:
+loss against time and samples, samples/s per pipeline, sdpipe's group sizes per stage (over time
+and as a histogram), the distribution of waits and all-reduce times, and the consensus distance.
+Reads only config.yaml and metrics.jsonl, so a run still going, failed or interrupted works too.
+Needs matplotlib: pip install matplotlib."""
+
+
+RESUME_HELP = """Continue a run from its latest complete checkpoint (or a given one), with the saved
+config, in the same run folder; metrics are appended. Only settings that the saved state does not
+depend on may change (KEY=VALUE)."""
+
+PREPARE_HELP = """Tokenize text into memory-mapped shards for data=tokens data.path=DIR: text files,
+JSON lines (--text-key), parquet, folders of them, or `stdlib` (the Python standard library's
+sources). The tokenizer is bytes, a BPE or WordPiece vocabulary trained here (bpe:VOCAB,
+wordpiece:VOCAB, Hugging Face tokenizers), or an existing tokenizer.json. DIR gets the shards, the
+tokenizer and manifest.json (token counts and a SHA-256 per shard); it must not exist yet."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sdpipe", description="Semi-decentralized pipeline-parallel training for "
+        "heterogeneous clusters.")
+    parser.add_argument("--version", action="version", version=f"sdpipe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups = "\n".join(f"  {g:<10} {', '.join(opts)}" for g, opts in group_options().items())
+    for name, summary, text in (
+            ("train", "train a model", TRAIN_HELP),
+            ("profile", "measure the cluster: block times, memory, links", PROFILE_HELP)):
+        command = sub.add_parser(name, help=summary, description=text,
+                                 epilog=f"config groups (group=option):\n{groups}",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+        _config_dir_option(command)
+        if name == "train":
+            command.add_argument("-m", "--multirun", action="store_true",
+                                 help="a sweep: one run per combination of swept values "
+                                 "(sync=allreduce,sdpipe train.lr=1e-3,3e-3), then a comparison")
+        command.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+    sim = sub.add_parser("simulate", help="simulate a run's timing under sync policies",
+                         description=SIMULATE_HELP,
+                         epilog=f"config groups (group=option):\n{groups}",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--compare", default="allreduce,none", metavar="MODES",
+                     help="comma-separated sync modes to simulate too (default: allreduce,none)")
+    sim.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    _config_dir_option(sim)
+    sim.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+    resume = sub.add_parser(
+        "resume", help="continue a run from a checkpoint", description=RESUME_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    resume.add_argument("path", metavar="PATH", help="a run folder (its latest complete "
+                        "checkpoint) or one checkpoint folder")
+    resume.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help=f"safe changes only: {', '.join(resuming.RESUMABLE)}; the layout: "
+                        f"{', '.join(resuming.LAYOUT)} (the checkpoint is resharded)")
+    prep = sub.add_parser("prepare", help="tokenize text into shards for data=tokens",
+                          description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    kinds = prep.add_subparsers(dest="kind", metavar="KIND", required=True)
+    text = kinds.add_parser("text", help="text, JSON lines or parquet -> token shards",
+                            description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    text.add_argument("sources", nargs="+", metavar="SRC", help="files, folders, or stdlib")
+    text.add_argument("--out", required=True, metavar="DIR", help="the new folder of shards")
+    text.add_argument("--tokenizer", default="bytes", metavar="SPEC",
+                      help="bytes | bpe:VOCAB | wordpiece:VOCAB | PATH/tokenizer.json (default: bytes)")
+    text.add_argument("--text-key", default="text", metavar="KEY",
+                      help="the text field of JSON lines and parquet rows (default: text)")
+    text.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
+                      help="the tail of the token stream held out for validation (default: 0.01)")
+    text.add_argument("--shard-tokens", type=int, default=2**27, metavar="N",
+                      help="tokens per shard file at most (default: 2**27)")
+    text.add_argument("--dtype", choices=("uint16", "uint32"),
+                      help="token type on disk (default: the smallest that holds the vocabulary)")
+    text.add_argument("--max-bytes", type=int, metavar="N", help="read at most N bytes of text")
+    text.add_argument("--dataset", metavar="FORMAT", help="read SRC with datasets.load_dataset(FORMAT, "
+                      "data_files=SRC) (needs: pip install datasets)")
+    rep = sub.add_parser("report", help="plot runs: loss, throughput, groups, waits",
+                         description=REPORT_HELP,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run folders (running, failed or done)")
+    rep.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN/report)")
+    return parser
+
+
+def _config_dir_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("-cd", "--config-dir", action="append", default=[], metavar="DIR",
+                         help="a folder of your own config files, searched before sdpipe's: "
+                         "DIR/cluster/mine.yaml is cluster=mine (repeatable; docs/CLUSTERS.md)")
+
+
+def _searchpath(dirs: Sequence[str]) -> list[str]:
+    """``--config-dir`` as the Hydra override that adds the folders to the config search path
+    (so sweeps, ``--cfg`` and every command composing the config see them). A folder that is not
+    there is bad input."""
+    if not dirs:
+        return []
+    paths = []
+    for d in dirs:
+        path = Path(d).expanduser().resolve()
+        if not path.is_dir():
+            raise ConfigError("--config-dir", f"{d} is not a folder")
+        paths.append(f"file://{path}")
+    return [f"hydra.searchpath=[{','.join(paths)}]"]
+
+
+def _hydra_cfg(argv: Optional[Sequence[str]]) -> list[str]:
+    """``--cfg job`` and ``--cfg all`` (Hydra's spellings) mean ``--cfg``: sdpipe prints the one
+    config a run reads."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out: list[str] = []
+    for arg in args:
+        if arg in ("job", "all") and out and out[-1] == "--cfg":
+            continue
+        out.append("--cfg" if arg in ("--cfg=job", "--cfg=all") else arg)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    # overrides may come after an option (`simulate --compare allreduce train.steps=50`): argparse
+    # leaves those out of the positional list, so they are taken back here, in order
+    args, extra = parser.parse_known_args(_hydra_cfg(argv))
+    stray = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    if args.command is None:
+        _parser().print_help()
+        return EXIT_USAGE
+    err = display.stderr_console()
+    # Until a launch starts processes, an interrupt ends sdpipe at once (imports of C extensions
+    # must not be interrupted by an exception); the launch then handles its own interrupts.
+    previous = exit_on_interrupt("preparing the run")
+    try:
+        if getattr(args, "config_dir", None):
+            args.overrides = [*_searchpath(args.config_dir), *args.overrides]
+        if args.command == "train" and args.multirun:
+            return sweeping.sweep_train(args.overrides, console=err)
+        if args.command == "train":
+            return commands.train(args.overrides, show_config=args.cfg, console=err)
+        if args.command == "resume":
+            return commands.resume(args.path, args.overrides, console=err)
+        if args.command == "profile":
+            return commands.profile(args.overrides, show_config=args.cfg, console=err)
+        if args.command == "simulate":
+            return commands.simulate(args.overrides, args.compare, show_config=args.cfg, console=err)
+        if args.command == "report":
+            return commands.report(args.runs, args.out, console=err)
+        if args.command == "prepare":
+            return commands.prepare_text(args, console=err)
+    except BadInput as bad:
+        err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_USAGE
+    except InterruptedAfterRun as ended:
+        result = ended.result
+        outcome = "ended" if result.returncode == 0 else f"failed (exit {result.returncode})"
+        err.print(f"sdpipe: interrupted after the run {outcome}; nothing is running, its folder is "
+                  f"{result.run_dir}", markup=False, highlight=False, soft_wrap=True)
+        return result.returncode
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The run loop of ``sdpipe train``, ``sdpipe resume`` and each job of a sweep: launch the run
+with a live progress display, restart it from its latest checkpoint while ``fault.on_failure=restart``
+has budget, then show where it is and how it went.
+
+Separate from the commands because three of them share it, and because it owns the signal
+handling between launches: the launcher handles interrupts while its processes run; before a
+launch the CLI's "preparing" handler ends sdpipe at once; after one, :func:`while_reporting` lets
+an interrupt cut only the report short (:class:`InterruptedAfterRun`, caught by ``main``).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+from rich.console import Console
+
+from sdpipe_cli.cli import display, resuming
+from sdpipe_cli.runtime.errors import CheckpointError
+
+# sdpipe's exit codes (besides 0 and 2, bad input, which parsing.main returns): a process of the
+# run failed, or the run was interrupted
+EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
+
+
+class InterruptedAfterRun(BaseException):
+    """An interrupt after a launch returned: only what sdpipe prints about the run is cut short.
+    Not an ``Exception``: a sweep's job runner (Hydra) must not take it for a failed job."""
+
+    def __init__(self, result):
+        super().__init__("interrupted after the run")
+        self.result = result
+
+
+def while_reporting(result) -> dict:
+    """From here on no process of the launch is left and the run's files are written: an
+    interrupt only cuts the summary short, so sdpipe then exits with the run's own code (a
+    finished run stays 0) instead of the "preparing" handler's 130. Returns the handlers it
+    replaced, for the caller to put back once the report is printed (a sweep's next job, a
+    restarted run's next leg, is preparing again)."""
+    def handler(signum, frame) -> None:
+        raise InterruptedAfterRun(result)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def run_with_restarts(run_cfg, console: Console, done: int = 0, from_checkpoint=None,
+                      elapsed: float = 0.0) -> int:
+    """Launch the run and show it: from ``from_checkpoint`` (a verified checkpoint) at run-clock
+    ``elapsed`` seconds if given (``sdpipe resume``). With ``fault.on_failure=restart`` a failed
+    launch is followed by another from the run's latest checkpoint while the budget lasts
+    (:func:`_next_leg`)."""
+    import time
+
+    from sdpipe_cli.cli import launcher, preparing
+    from sdpipe_cli.core.supervision import Restarts
+
+    preparing.check_memory(run_cfg)  # bad input: before anything is written
+    restarts = (Restarts(run_cfg.fault.max_restarts, run_cfg.fault.restart_backoff)
+                if run_cfg.fault.on_failure == "restart" else None)
+    began, origin = time.monotonic(), time.time() - elapsed  # origin: the run clock's zero
+    run_dir = None  # the first launch makes the run folder (or resumes in its own)
+    started_from = from_checkpoint
+    preparing: Optional[dict] = None  # the handlers before the first launch's report
+    while True:
+        shown = display.ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
+        with shown:  # the launcher handles interrupts from here on
+            result = launcher.launch(run_cfg, on_progress=shown.update, run_dir=run_dir,
+                                     resume=from_checkpoint, elapsed=elapsed,
+                                     on_folder=shown.folder if run_dir is None else _nothing,
+                                     on_phase=shown.phase)
+        replaced = while_reporting(result)
+        preparing = replaced if preparing is None else preparing
+        if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
+                or result.run_dir is None):
+            break  # an interrupt is never restarted, nor a run stopped before its folder existed
+        leg = _next_leg(console, result, restarts, origin, run_cfg, started_from)
+        if leg is None:
+            break
+        run_dir, (from_checkpoint, done) = result.run_dir, leg
+        elapsed = time.time() - origin
+    try:
+        display.run_folder(console, result)
+        if result.failure:
+            console.print(f"sdpipe: error: {result.failure}", markup=False, highlight=False,
+                          soft_wrap=True)
+            return result.returncode
+        display.summary(console, result, time.monotonic() - began, restarts.used if restarts else 0)
+        return 0
+    finally:  # reported: what comes next (a sweep's next job) is preparing again
+        for sig, handler in (preparing or {}).items():
+            signal.signal(sig, handler)
+
+
+def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, started_from):
+    """What follows the ``failed`` launch of a run with ``fault.on_failure=restart``: (the
+    checkpoint to resume from, or None to start again from scratch, and the iterations it holds),
+    once the back-off has passed; None when the run ends instead, with ``failed`` saying why (the
+    budget is used up, or an interrupt came during the back-off).
+
+    The checkpoint is the run's newest complete one of this layout whose files check out (or the
+    one the run was resumed from); without one the run starts again in its folder. Says so on
+    stderr and in ``metrics.jsonl`` (a ``restart`` line, with the iterations each pipeline will
+    do again: the last it reached minus the checkpoint's).
+    """
+    import time
+
+    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.model import checkpoint
+    from sdpipe_cli.runtime.metrics import MetricsLog
+
+    wait = restarts.take("run", time.monotonic())
+    if wait is None:
+        failed.failure += f" (restarts used up: fault.max_restarts={restarts.limit})"
+        return None
+    ckpt, manifest = None, {"steps": {}}
+    for candidate in resuming.restart_points(failed.run_dir, run_cfg, started_from):
+        try:
+            manifest = checkpoint.verify(candidate)
+        except CheckpointError:
+            continue
+        ckpt = candidate
+        break
+    steps = manifest["steps"]
+    reached = {str(p): s["steps"] for p, s in failed.progress.get("pipelines", {}).items()}
+    redone = {p: max(0, k - int(steps.get(p, 0))) for p, k in sorted(reached.items())}
+    where = (f"{ckpt.relative_to(failed.run_dir)}" if ckpt is not None
+             else "the start (no checkpoint yet)")
+    console.print(f"sdpipe: warning: {failed.failure}; restarting from {where} (restart "
+                  f"{restarts.used} of {restarts.limit}, in {wait:.1f} s)", markup=False,
+                  highlight=False, soft_wrap=True)
+    log = MetricsLog(failed.run_dir / "metrics.jsonl")
+    try:
+        log.write({"kind": "restart", "restart": restarts.used,
+                   "time": round(time.time() - origin, 4), "reason": failed.failure,
+                   "from_checkpoint": None if ckpt is None else manifest["step"],
+                   "redone": redone, "backoff_s": wait})
+    finally:
+        log.close()
+    phase = launcher.Phase("waiting to restart")  # counts Ctrl-C and SIGTERM while nothing runs
+    previous = phase.install()
+    try:
+        deadline = time.monotonic() + wait
+        while not phase.signals and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    finally:
+        phase.restore(previous)
+    if phase.signals:
+        failed.returncode = EXIT_INTERRUPTED
+        failed.failure = "interrupted while waiting to restart; no process of the run was running"
+        return None
+    return ckpt, sum(int(k) for k in steps.values())
+
+
+def _nothing(*_) -> None:
+    pass
