@@ -145,7 +145,7 @@ def resolve_device(cfg: DictConfig, cluster: Cluster) -> str:
         local = [cluster.device_of_rank(r).index for r in cluster.ranks_on(cfg.run.node)]
         workers = max(local) + 1 if local else 0
     else:
-        workers = cfg.cluster.pipelines * cfg.pipeline.stages
+        workers = cluster.pipelines * cluster.stages
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.cluster.device == "cpu":
         return "cpu"

@@ -16,6 +16,7 @@ from typing import Optional
 from rich.console import Console
 
 from sdpipe_cli.cli import display, resuming
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime.errors import CheckpointError
 
 # sdpipe's exit codes (besides 0 and 2, bad input, which parsing.main returns): a process of the
@@ -63,7 +64,7 @@ def run_with_restarts(run_cfg, console: Console, done: int = 0, from_checkpoint=
     started_from = from_checkpoint
     preparing: Optional[dict] = None  # the handlers before the first launch's report
     while True:
-        shown = display.ProgressDisplay(console, run_cfg.cluster.pipelines * run_cfg.train.steps, done)
+        shown = display.ProgressDisplay(console, RunPlan.of(run_cfg).budget, done)
         with shown:  # the launcher handles interrupts from here on
             result = launcher.launch(run_cfg, on_progress=shown.update, run_dir=run_dir,
                                      resume=from_checkpoint, elapsed=elapsed,
