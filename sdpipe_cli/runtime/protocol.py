@@ -229,6 +229,24 @@ class Hung:
     ranks: list[tuple[int, int]]
 
 
+#: Who sends each message, and who reads it (docs/ARCHITECTURE.md's table is generated from this
+#: module: ``python -m sdpipe_cli.runtime.protocol_reference --write docs/ARCHITECTURE.md``).
+ROUTES: dict[type, tuple[str, str]] = {
+    Tick: ("the scheduler's ticker thread", "scheduler"),
+    Ready: ("worker", "scheduler"),
+    Begin: ("worker (first stage)", "scheduler"),
+    Rejoin: ("restarted worker", "scheduler"),
+    Saved: ("worker", "scheduler"),
+    Lost: ("launcher", "scheduler"),
+    Restart: ("launcher", "scheduler"),
+    Report: ("worker", "scheduler (metrics.jsonl, progress)"),
+    Group: ("scheduler", "worker"),
+    BeginAnswer: ("scheduler", "worker (first stage)"),
+    HealAnswer: ("scheduler", "restarted worker"),
+    Hung: ("scheduler", "launcher"),
+}
+
+
 # progress snapshot: an open record (training and profiling publish different ones); these keys
 # are checked where present
 PROGRESS_FIELDS: dict[str, Any] = {
