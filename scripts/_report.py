@@ -8,6 +8,9 @@ Every ``scripts/bench_*.py`` takes ``--markdown PATH`` and writes its result tab
 
 A figure without its commit and machine cannot be compared with the next one, and a table copied by
 hand into docs/BENCHMARKS.md loses both; so the script writes the stamp, and the page quotes the file.
+This module is the scripts' one source of provenance: the commit, the machine (:func:`environment`)
+and the command line. Running ``sdpipe train`` is ``_runner.py``'s; figures are
+``sdpipe_cli.runtime.analysis``'s.
 """
 
 from __future__ import annotations
@@ -49,6 +52,24 @@ def torch_version() -> str:
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
     """The command as it was typed (relative script path kept), for the stamp."""
     return shlex.join(["python", *(sys.argv if argv is None else argv)])
+
+
+def environment() -> dict:
+    """Python, torch and sdpipe versions, CPUs and platform (``results.json``'s ``environment``)."""
+    from importlib import metadata
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "?"
+    return {"python": platform.python_version(), "torch": version("torch"),
+            "sdpipe": version("sdpipe"), "cpus": os.cpu_count(), "platform": platform.platform()}
+
+
+def short_stamp() -> str:
+    """``<date>, commit <hash>``: the short form some scripts put beside their command line."""
+    return f"{datetime.date.today().isoformat()}, commit {commit()}"
 
 
 def stamp(command: Optional[str] = None) -> str:

@@ -26,8 +26,10 @@ small machine do not decide the result; ``CPU %`` and ``overruns`` check it, as 
 m micro-batches; async 1F1B drains only at the end of the run (``train.eval_every=0``), so
 its iteration costs m of them. Expected: samples/s up by ``(m + S - 1) / m``, i.e. the time per
 sample down by the bubble fraction ``(S - 1) / (m + S - 1)``. Measured: ``samples/s`` from the
-train lines (as in ``bench_sync.py``), and ``saved`` = 1 - (flushed samples/s) / (samples/s),
-next to ``bubble``. Rows with P = 2 and ``sync=sdpipe`` add the cost of a sync round per update.
+train lines (all pipelines, first to last train line: ``samples_per_s`` of
+``sdpipe_cli.runtime.analysis``, as in ``bench_sync.py``), and ``saved`` = 1 - (flushed
+samples/s) / (samples/s), next to ``bubble``. Rows with P = 2 and ``sync=sdpipe`` add the cost
+of a sync round per update.
 
 Everything goes to ``OUT/results.json`` and ``OUT/results.md``; ``--markdown PATH`` also writes the
 tables there under a stamp line (date, commit, machine, command; ``scripts/_report.py``).
@@ -45,10 +47,10 @@ from typing import Any, Optional
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _report  # noqa: E402
-from bench_sync import (  # noqa: E402  (a sibling script, not a package)
-    CpuSampler, classify, command_line, environment, final_loss, overrun_fraction, read_jsonl,
-    run_sdpipe, throughput)
+import _report  # noqa: E402  (sibling modules, not a package)
+from _runner import CpuSampler, classify, run_sdpipe  # noqa: E402
+
+from sdpipe_cli.runtime import analysis  # noqa: E402
 
 TARGET = 1.05  # async + sdpipe within 5 % of the flushed all-reduce's validation loss
 
@@ -120,22 +122,18 @@ def run(args, name: str, overrides: list[str], console: Console,
     record = {"name": name, "overrides": overrides, "status": status, "error": error,
               "wall_s": round(wall, 1), "cpu_percent": None if cpu.mean is None else round(cpu.mean)}
     if status == "ok":
-        lines = read_jsonl(run_dir / "metrics.jsonl")
-        train = [ln for ln in lines if ln["kind"] == "train"]
+        lines = analysis.read_metrics(run_dir / "metrics.jsonl")
         record.update(
-            final_val_loss=final_loss([ln for ln in lines if ln["kind"] == "eval"]),
-            samples_per_s=throughput(train),
-            mean_group=_mean([ln["size"] for ln in lines if ln["kind"] == "group"]),
-            overrun_fraction=overrun_fraction(lines, microbatches) if microbatches else None,
-            stash_peak_bytes=max((ln.get("stash_peak_bytes", 0) for ln in lines
-                                  if ln["kind"] == "done"), default=0))
+            final_val_loss=analysis.final_val_loss(lines),
+            samples_per_s=analysis.samples_per_s(lines),
+            mean_group=analysis.mean_group_size(lines),
+            overrun_fraction=(analysis.overrun_fraction(lines, microbatches)
+                              if microbatches else None),
+            stash_peak_bytes=max((ln.get("stash_peak_bytes", 0)
+                                  for ln in analysis.of_kind(lines, "done")), default=0))
     console.print(f"  {status} in {wall:.1f} s" + (f": {error}" if error else ""), markup=False,
                   highlight=False)
     return record
-
-
-def _mean(values: list[float]) -> Optional[float]:
-    return sum(values) / len(values) if values else None
 
 
 def _num(value, fmt: str) -> str:
@@ -235,7 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                       markup=False, highlight=False)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"command": command_line(), "environment": environment()}
+    results: dict[str, Any] = {"command": _report.command_line(),
+                               "environment": _report.environment()}
     if "convergence" in args.parts:
         results["convergence"] = convergence(args, console)
     if "throughput" in args.parts:

@@ -34,8 +34,9 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
 - ``to target (s)``: from the first train line to the first evaluation where the mean over
   pipelines of their latest validation loss is at or below the target, all-reduce's final loss
   (at its best learning rate) or ``--target``; ``-``: never;
-- ``samples/s`` and ``of limit``: throughput, and its share of the limit, the sum of each
-  pipeline's solo rate in the ``none`` run (each pipeline's samples over its own train-line span);
+- ``samples/s`` and ``of limit``: throughput (all pipelines, first to last train line), and its
+  share of the limit, the sum of each pipeline's solo rate in the ``none`` run (each pipeline's
+  samples over its own train-line span); both as ``sdpipe_cli.runtime.analysis`` defines them;
 - ``consensus``: the mean and the largest consensus distance measured at global syncs
   (sqrt(mean_p ||w_p - w_mean||^2) / ||w_mean||, per stage), ``sync=sdpipe`` only;
 - ``overruns``: the share of actions whose real compute did not fit the modelled time.
@@ -47,12 +48,9 @@ the command line.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,16 +58,10 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _report  # noqa: E402
-from bench_sync import (  # noqa: E402 - the sibling script's analysis, shared
-    CpuSampler,
-    _stop,
-    analyse,
-    classify,
-    microbatches,
-    read_jsonl,
-    time_to_target,
-)
+import _report  # noqa: E402  (sibling modules, not a package)
+from _runner import CpuSampler, classify, microbatches, run_sdpipe  # noqa: E402
+
+from sdpipe_cli.runtime import analysis  # noqa: E402
 
 VARIANTS = {
     "allreduce": ["sync=allreduce"],
@@ -148,61 +140,28 @@ def run(args, scenario: str, variant: str, lr: float, console: Console, seed: in
     name = f"{scenario}-{variant}-lr{lr:g}" + (f"-seed{seed}" if len(args.seeds) > 1 else "")
     run_dir, log_path = args.out / name, args.out / f"{name}.log"
     base, steps = ("sdpipe", None) if variant == BEFORE else split(variant)
-    cmd = [sys.executable, "-m", "sdpipe_cli", "train", *VARIANTS[base],
-           *overrides(args, scenario, lr, run_dir.resolve(), steps), f"train.seed={seed}"]
+    ovr = [*VARIANTS[base], *overrides(args, scenario, lr, run_dir.resolve(), steps),
+           f"train.seed={seed}"]
     cwd = args.before.resolve() if variant == BEFORE else None
     console.print(f"{name}: running", highlight=False)
-    started = time.monotonic()
-    with CpuSampler() as cpu, log_path.open("w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=cwd)
-        try:
-            returncode: Optional[int] = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            returncode = None
-            _stop(proc)
-        except BaseException:
-            _stop(proc)
-            raise
-    wall = time.monotonic() - started
+    with CpuSampler() as cpu:
+        returncode, wall = run_sdpipe(ovr, log_path, args.timeout, cwd=cwd)
     record: dict[str, Any] = {"scenario": scenario, "variant": variant, "lr": lr, "seed": seed,
                               "wall_s": round(wall, 1), "cpu_percent": cpu.mean,
                               "run_dir": str(run_dir)}
     record["status"], record["error"] = classify(returncode, log_path, args.timeout)
     if record["status"] == "ok":
-        lines = read_jsonl(run_dir / "metrics.jsonl")
+        lines = analysis.read_metrics(run_dir / "metrics.jsonl")
         mode = "allreduce" if base == "allreduce" else "none" if base == "none" else "sdpipe"
-        record.update(analyse(lines, mode, args.pipelines, microbatches(run_dir)))
-        record["solo_rates"] = solo_rates(lines)
-        consensus = [ln["consensus"] for ln in lines if ln.get("kind") == "consensus"]
+        record.update(analysis.analyse(lines, mode, args.pipelines, microbatches(run_dir)))
+        record["solo_rates"] = analysis.solo_rates(lines)
+        consensus = [v for _, values in analysis.consensus(lines).values() for v in values]
         record["consensus_mean"] = sum(consensus) / len(consensus) if consensus else None
         record["consensus_max"] = max(consensus) if consensus else None
-        record["mean_group_size"] = mean_group(lines)
+        record["mean_group_size"] = analysis.mean_group_size(lines)  # only where groups formed
     console.print(f"  {record['status']} in {wall:.0f} s, final val "
                   f"{record.get('final_val_loss')}", highlight=False)
     return record
-
-
-def solo_rates(lines: list[dict]) -> dict[int, float]:
-    """Each pipeline's own samples/s: its samples over its own first-to-last train-line span."""
-    spans: dict[int, list[dict]] = {}
-    for ln in lines:
-        if ln.get("kind") == "train":
-            spans.setdefault(int(ln["pipeline"]), []).append(ln)
-    rates = {}
-    for p, rows in spans.items():
-        rows.sort(key=lambda r: r["time"])
-        dt = rows[-1]["time"] - rows[0]["time"]
-        if dt > 0:
-            rates[p] = (rows[-1]["samples"] - rows[0]["samples"]) / dt
-    return rates
-
-
-def mean_group(lines: list[dict]) -> Optional[float]:
-    sizes = [ln["size"] for ln in lines if ln.get("kind") == "group"]
-    return sum(sizes) / len(sizes) if sizes else None
 
 
 def summarize(scenario: str, records: list[dict], target: Optional[float] = None
@@ -218,13 +177,11 @@ def summarize(scenario: str, records: list[dict], target: Optional[float] = None
             best[r["variant"]] = r
     if target is None and "allreduce" in best:
         target = best["allreduce"]["final_val_loss"]
-    limit = sum(best["none"]["solo_rates"].values()) if "none" in best else None
+    limit = analysis.limit(best["none"]["solo_rates"]) if "none" in best else None
     for r in records:
         if r["status"] == "ok" and r.get("curve"):
-            reached = time_to_target(r["curve"], target)
-            r["time_to_target_s"] = None if reached is None else reached - r["first_train_s"]
-            r["fraction_of_limit"] = (r["samples_per_s"] / limit
-                                      if limit and r.get("samples_per_s") else None)
+            r["time_to_target_s"] = analysis.time_to_loss(r["curve"], target, r["first_train_s"])
+            r["fraction_of_limit"] = analysis.fraction_of_limit(r.get("samples_per_s"), limit)
     return {"scenario": scenario, "target_loss": target, "limit_samples_per_s": limit,
             "best": {v: r for v, r in best.items()}, "runs": records}
 
@@ -331,15 +288,6 @@ def grid_rows(summary: dict) -> list[str]:
             for r in summary["runs"]]
 
 
-def stamp() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return f"{datetime.date.today().isoformat()}, commit {commit}"
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     console = Console(width=200)
@@ -359,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             summaries.append(summary)
             per_seed.setdefault(scenario, []).append(summary)
     command = "python " + shlex.join(sys.argv)
-    md = [f"`{command}` ({stamp()})", ""]
+    md = [f"`{command}` ({_report.short_stamp()})", ""]
     source = "--target" if args.target is not None else "all-reduce's final val"
     for s in summaries:
         seed = f", seed {s['seed']}" if len(args.seeds) > 1 else ""
@@ -398,7 +346,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             md += ["| " + " | ".join(r) + " |" for r in body] + [""]
     (args.out / "results.md").write_text("\n".join(md) + "\n")
     (args.out / "results.json").write_text(json.dumps(
-        {"command": command, "stamp": stamp(), "scenarios": summaries}, indent=1, default=str))
+        {"command": command, "stamp": _report.short_stamp(), "scenarios": summaries}, indent=1,
+        default=str))
     console.print(f"results: {args.out / 'results.md'}")
     if args.markdown is not None:  # the tables without the command line: the stamp carries it
         console.print(f"markdown: {_report.write_markdown(args.markdown, chr(10).join(md[2:]))}")

@@ -81,8 +81,9 @@ def sdpipe(*args: str, env: dict | None = None, timeout: float = 900) -> None:
 
 def share(run: Path, skip: int) -> dict:
     waits: dict[tuple, list[float]] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
+    from sdpipe_cli.runtime import analysis
+
+    for m in analysis.read_metrics(run / "metrics.jsonl"):
         if "data_s" not in m or m["step"] <= skip:
             continue
         key = (m["pipeline"], m.get("stage", "last"))

@@ -17,22 +17,25 @@ Usage::
     python scripts/bench_hetero.py --steps 40 --out runs/bench_hetero [--only speeds|partition]
         [--markdown PATH]   # the tables, stamped with date, commit, machine and command
 
-Samples/s per pipeline is the last train line's ``samples_per_s`` (counted from the end of the
-pipeline's first iteration); a run's total is the sum over its pipelines.
+Samples/s per pipeline is its solo rate: its samples over its own first-to-last train line span
+(counted from the end of the pipeline's first iteration; ``solo_rates`` of
+``sdpipe_cli.runtime.analysis``, which also defines the median rate, ``steady_rates``); a run's
+total is the sum over its pipelines.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _report  # noqa: E402
-from bench_sync import last_by_pipeline, read_jsonl, run_sdpipe  # noqa: E402
+import _report  # noqa: E402  (sibling modules, not a package)
+from _runner import run_sdpipe  # noqa: E402
+
+from sdpipe_cli.runtime import analysis  # noqa: E402
 
 HALF_SPEED_STAGE_1 = "cluster.nodes=[{name: n, devices: [{}, {speed: 0.5}, {}, {speed: 0.5}]}]"
 PARTITION_RUN = ("cluster.pipelines=2", "pipeline.stages=2", "cluster.device=cpu",
@@ -52,20 +55,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def train(out: Path, name: str, overrides: list[str], timeout: float,
           steady: bool = False) -> dict[int, float]:
-    """One ``sdpipe train`` run; each pipeline's final samples/s, or with ``steady`` its median
-    per-iteration rate (batch / step_s: robust to a passing load on a shared machine)."""
+    """One ``sdpipe train`` run; each pipeline's samples/s (its solo rate), or with ``steady`` its
+    median per-iteration rate (batch / step_s: robust to a passing load on a shared machine)."""
     run_dir = out / name
     rc, wall = run_sdpipe([*overrides, f"run.dir={run_dir}"], out / f"{name}.log", timeout)
     if rc != 0:
         raise SystemExit(f"{name}: sdpipe train exited {rc}; see {out / f'{name}.log'}")
-    train_lines = [ln for ln in read_jsonl(run_dir / "metrics.jsonl") if ln["kind"] == "train"]
-    if steady:
-        batch = train_lines[-1]["samples"] // train_lines[-1]["step"]
-        rates = {p: statistics.median(batch / ln["step_s"] for ln in train_lines
-                                      if ln["pipeline"] == p and ln["step"] > 1)
-                 for p in sorted({ln["pipeline"] for ln in train_lines})}
-    else:
-        rates = last_by_pipeline(train_lines, "samples_per_s")
+    lines = analysis.read_metrics(run_dir / "metrics.jsonl")
+    rates = analysis.steady_rates(lines) if steady else analysis.solo_rates(lines)
     print(f"  {name}: {wall:.1f} s, samples/s per pipeline "
           + ", ".join(f"{p}: {r:.1f}" for p, r in rates.items()), flush=True)
     return rates

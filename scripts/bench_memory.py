@@ -351,15 +351,15 @@ def cuda_peaks(modules, x, target, loss_fn) -> dict:
 # -- samples/s ----------------------------------------------------------------------------------------
 
 def samples_per_s(run_dir: Path, batch: int) -> float:
-    """Samples after the first step over the time from the first to the last step's line."""
-    text = (run_dir / "metrics.jsonl").read_text()
-    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
-    train = sorted((m for m in lines if m.get("kind") == "train" and m.get("pipeline", 0) == 0),
-                   key=lambda m: m["step"])
-    if len(train) < 2 or train[-1]["time"] <= train[0]["time"]:
+    """Samples after the first step over the time from the first to the last step's line: the
+    (only) pipeline's solo rate (``sdpipe_cli.runtime.analysis``); ``batch`` is in its
+    ``samples``."""
+    from sdpipe_cli.runtime import analysis
+
+    rates = analysis.solo_rates(analysis.read_metrics(run_dir / "metrics.jsonl"))
+    if 0 not in rates:
         raise SystemExit(f"{run_dir}: fewer than 2 timed steps in metrics.jsonl; use --steps >= 2")
-    first, last = train[0], train[-1]
-    return (last["step"] - first["step"]) * batch / (last["time"] - first["time"])
+    return rates[0]
 
 
 def run(args: argparse.Namespace, precision: str, ckpt: bool) -> float:

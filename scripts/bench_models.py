@@ -58,10 +58,12 @@ def train(run_dir: Path, *overrides: str, timeout: float = 1800) -> tuple[int, f
 
 
 def lines(run_dir: Path, kind: str) -> list[dict]:
+    from sdpipe_cli.runtime import analysis
+
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [m for m in map(json.loads, path.read_text().splitlines()) if m.get("kind") == kind]
+    return analysis.of_kind(analysis.read_metrics(path), kind)
 
 
 def combinations(args) -> list[tuple[str, str]]:

@@ -108,16 +108,15 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def steady_rate(metrics: Path, first: int, last: int) -> float:
-    """Samples/s of pipeline 0 between the end of iteration ``first`` and of iteration ``last``."""
-    train = {}
-    for line in metrics.read_text().splitlines():
-        m = json.loads(line) if line.strip() else {}
-        if m.get("kind") == "train" and m.get("pipeline") == 0:
-            train[m["step"]] = m
-    if first not in train or last not in train:
+    """Samples/s of pipeline 0 between the end of iteration ``first`` and of iteration ``last``:
+    its solo rate over those iterations (``sdpipe_cli.runtime.analysis``)."""
+    from sdpipe_cli.runtime import analysis
+
+    lines = analysis.read_metrics(metrics)
+    steps = {m["step"] for m in analysis.of_kind(lines, "train") if m["pipeline"] == 0}
+    if first not in steps or last not in steps:
         raise SystemExit(f"{metrics}: no train line for step {first} or {last}")
-    a, b = train[first], train[last]
-    return (b["samples"] - a["samples"]) / (b["time"] - a["time"])
+    return analysis.solo_rates(lines, steps=(first, last))[0]
 
 
 # -- torch.distributed.pipelining --------------------------------------------------------------------

@@ -15,9 +15,9 @@ device generations on two nodes, a speed change, slow cross-node links), ``equal
 and ``cost_aware`` (``sync.policy=cost_aware``, the default).
 
 **What it reports**, per pattern: samples/s of the real run (all pipelines, first to last train
-line, as ``scripts/bench_sync.py`` counts it) and its fraction of the real limit (the sum of each
-pipeline's solo rate in the real ``none`` run); the simulator's samples/s and fraction of its own
-limit; the error of the simulated fraction against the real one; the final validation loss (equal
+line) and its fraction of the real limit (the sum of each pipeline's solo rate in the real
+``none`` run), as ``sdpipe_cli.runtime.analysis`` defines them; the simulator's samples/s and
+fraction of its own limit; the error of the simulated fraction against the real one; the final validation loss (equal
 samples: every run trains P x steps pipeline-iterations) and the mean group size.
 """
 
@@ -32,9 +32,10 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _report  # noqa: E402
-from bench_convergence import solo_rates  # noqa: E402 - the sibling scripts' analysis, shared
-from bench_sync import analyse, classify, microbatches, read_jsonl, run_sdpipe  # noqa: E402
+import _report  # noqa: E402  (sibling modules, not a package)
+from _runner import classify, microbatches, run_sdpipe  # noqa: E402
+
+from sdpipe_cli.runtime import analysis  # noqa: E402
 
 PATTERNS = {
     "1113": ["cluster.slowdown=[1,1,1,3]"],
@@ -102,17 +103,16 @@ def measure(args, pattern: str, console: Console) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"pattern": pattern, "variant": variant, "wall_s": wall}
         row["status"], row["error"] = classify(code, log, args.timeout)
         if row["status"] == "ok":
-            lines = read_jsonl(run_dir / "metrics.jsonl")
+            lines = analysis.read_metrics(run_dir / "metrics.jsonl")
             mode = "sdpipe" if variant in ("classic", "cost_aware") else variant
-            row.update(analyse(lines, mode, 4, microbatches(run_dir)))
-            row["solo_rates"] = solo_rates(lines)
+            row.update(analysis.analyse(lines, mode, 4, microbatches(run_dir)))
+            row["solo_rates"] = analysis.solo_rates(lines)
         row["sim"] = simulated(ovr)
         rows.append(row)
-    limit = next((sum(r["solo_rates"].values()) for r in rows
+    limit = next((analysis.limit(r["solo_rates"]) for r in rows
                   if r["variant"] == "none" and r.get("solo_rates")), None)
     for r in rows:
-        sps = r.get("samples_per_s")
-        r["fraction"] = sps / limit if (limit and sps) else None
+        r["fraction"] = analysis.fraction_of_limit(r.get("samples_per_s"), limit)
         r["limit"] = limit
     return rows
 

@@ -42,7 +42,9 @@ def sdpipe(*args: str) -> subprocess.CompletedProcess:
 
 
 def lines(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    from sdpipe_cli.runtime import analysis
+
+    return analysis.read_metrics(run / "metrics.jsonl")
 
 
 def trains(rows: list[dict]) -> list[dict]:

@@ -38,14 +38,16 @@ and ``overruns``, the share of forward/backward actions whose real compute did n
 modelled budget (from the ``done`` lines). Both should stay low; if not, the figures are skewed
 by CPU contention.
 
-**What it measures**, from each run's ``metrics.jsonl``:
+**What it measures**, from each run's ``metrics.jsonl``, each figure as
+``sdpipe_cli.runtime.analysis`` defines it (``analyse``):
 
-- ``samples/s``: training throughput of all pipelines together. The window runs from the earliest
-  ``train`` line of any pipeline to the latest one, and counts each pipeline's samples after its
-  own first ``train`` line (``samples`` is cumulative per pipeline). The first iteration of every
-  pipeline is therefore left out, which excludes process start-up, connection set-up and warm-up
-  from both the numerator and (mostly) the denominator. It slightly undercounts (the other
-  pipelines' first iterations end inside the window), the same way for every mode.
+- ``samples/s``: training throughput of all pipelines together (``analysis.samples_per_s``). The
+  window runs from the earliest ``train`` line of any pipeline to the latest one, and counts each
+  pipeline's samples after its own first ``train`` line (``samples`` is cumulative per pipeline).
+  The first iteration of every pipeline is therefore left out, which excludes process start-up,
+  connection set-up and warm-up from both the numerator and (mostly) the denominator. It slightly
+  undercounts (the other pipelines' first iterations end inside the window), the same way for
+  every mode.
 - ``final val loss``: the mean over pipelines of each pipeline's last ``eval`` line. Every mode
   trains the same total samples (P x steps x batch), so this is the loss at equal samples.
 - ``to target``: the first ``eval`` time at which the mean over pipelines of their latest
@@ -70,31 +72,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
-import signal
-import subprocess
 import sys
-import threading
-import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-import psutil
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _report  # noqa: E402  (a sibling script, not a package)
-from rich.console import Console
-from rich.table import Table
+import _report  # noqa: E402  (sibling modules, not a package)
+from _runner import CpuSampler, classify, microbatches, run_sdpipe  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from sdpipe_cli.runtime import analysis  # noqa: E402
 
 MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "diloco", "none")
 SCENARIOS = ("equal", "straggler")
 AUTO_MARGIN = 1.02  # --target-loss auto: the worst final loss of a scenario, plus 2 %
 EVALS_PER_RUN = 8
-CPU_SAMPLE_S = 0.5
 # Targets the project aims for, per scenario: (metric, comparison, value) for sdpipe/allreduce.
 TARGETS = {
     "straggler": {"samples_per_s": (">=", 1.6), "time_to_target": ("<", 1.0)},
@@ -177,69 +170,6 @@ def overrides_for(args: argparse.Namespace, scenario: str, mode: str, run_dir: P
     ]
 
 
-class CpuSampler:
-    """System-wide CPU utilization, sampled in a thread while a run is going."""
-
-    def __init__(self, interval: float = CPU_SAMPLE_S):
-        self.interval, self.samples = interval, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        psutil.cpu_percent(interval=None)  # prime: the first call has no reference point
-        while not self._stop.is_set():
-            self.samples.append(psutil.cpu_percent(interval=self.interval))
-
-    def __enter__(self) -> "CpuSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def mean(self) -> Optional[float]:
-        return sum(self.samples) / len(self.samples) if self.samples else None
-
-
-def run_sdpipe(overrides: list[str], log_path: Path, timeout: float) -> tuple[Optional[int], float]:
-    """Run ``sdpipe train``, output to ``log_path``; (exit code, None on timeout; wall s)."""
-    cmd = [sys.executable, "-m", "sdpipe_cli", "train", *overrides]
-    started = time.monotonic()
-    with log_path.open("w") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            returncode: Optional[int] = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            returncode = None
-            _stop(proc)
-        except BaseException:  # Ctrl-C: let the launcher stop its workers first
-            _stop(proc)
-            raise
-    return returncode, time.monotonic() - started
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM makes the launcher stop its children in order (up to 10 s); then SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def error_line(log_path: Path) -> str:
-    """The launcher's one-line ``sdpipe: error: ...`` message, if it printed one."""
-    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines()]
-    errors = [ln for ln in lines if ln.startswith("sdpipe: error:")]
-    return errors[-1] if errors else (lines[-1] if lines else "")
-
-
 def run_one(args: argparse.Namespace, scenario: str, mode: str, console: Console) -> dict[str, Any]:
     """Run one (scenario, mode) and return its record: status, wall time, CPU and metrics."""
     run_dir = args.out / f"{scenario}-{mode}"
@@ -257,115 +187,12 @@ def run_one(args: argparse.Namespace, scenario: str, mode: str, console: Console
     record["status"], record["error"] = classify(returncode, log_path, args.timeout)
     metrics_path = run_dir / "metrics.jsonl"
     if record["status"] == "ok" and metrics_path.is_file():
-        record.update(analyse(read_jsonl(metrics_path), mode, args.pipelines,
-                              microbatches(run_dir)))
+        record.update(analysis.analyse(analysis.read_metrics(metrics_path), mode, args.pipelines,
+                                       microbatches(run_dir)))
     console.print(f"  {record['status']} in {wall:.1f} s"
                   + (f": {record['error']}" if record["error"] else ""),
                   markup=False, highlight=False, soft_wrap=True)
     return record
-
-
-def classify(returncode: Optional[int], log_path: Path, timeout: float) -> tuple[str, str]:
-    if returncode is None:
-        return "timeout", f"no result within {timeout:g} s"
-    if returncode == 0:
-        return "ok", ""
-    message = error_line(log_path)
-    if returncode == 2 and message.startswith("sdpipe: error: sync"):
-        return "unavailable", message
-    return f"failed ({returncode})", message
-
-
-def microbatches(run_dir: Path) -> Optional[int]:
-    """m of a run, from the resolved ``config.yaml`` it wrote."""
-    try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-        return int(cfg["pipeline"]["microbatches"])
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
-        return None
-
-
-# -- metrics ----------------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def analyse(lines: list[dict[str, Any]], mode: str, pipelines: int,
-            m: Optional[int]) -> dict[str, Any]:
-    """Everything but time to target (which needs every mode's final loss first)."""
-    train = [ln for ln in lines if ln.get("kind") == "train"]
-    evals = [ln for ln in lines if ln.get("kind") == "eval"]
-    return {
-        "samples_per_s": throughput(train),
-        "first_train_s": min((ln["time"] for ln in train), default=None),
-        "final_val_loss": final_loss(evals),
-        "curve": loss_curve(evals, pipelines),
-        "mean_group_size": mean_group_size(lines, mode, pipelines),
-        "iterations": last_by_pipeline(train, "step"),
-        "overrun_fraction": overrun_fraction(lines, m),
-    }
-
-
-def last_by_pipeline(lines: list[dict[str, Any]], key: str) -> dict[int, Any]:
-    """Each pipeline's value of ``key`` in its latest line."""
-    out: dict[int, Any] = {}
-    for ln in sorted(lines, key=lambda ln: ln["time"]):
-        out[int(ln["pipeline"])] = ln[key]
-    return dict(sorted(out.items()))
-
-
-def throughput(train: list[dict[str, Any]]) -> Optional[float]:
-    """Samples after each pipeline's first train line, over (last - first train line time)."""
-    if not train:
-        return None
-    first: dict[int, dict[str, Any]] = {}
-    for ln in sorted(train, key=lambda ln: ln["time"]):
-        first.setdefault(int(ln["pipeline"]), ln)
-    last = last_by_pipeline(train, "samples")
-    samples = sum(last[p] - first[p]["samples"] for p in last)
-    window = max(ln["time"] for ln in train) - min(ln["time"] for ln in train)
-    return samples / window if window > 0 else None
-
-
-def final_loss(evals: list[dict[str, Any]]) -> Optional[float]:
-    last = last_by_pipeline(evals, "val_loss")
-    return sum(last.values()) / len(last) if last else None
-
-
-def loss_curve(evals: list[dict[str, Any]], pipelines: int) -> list[list[float]]:
-    """[time, mean over pipelines of their latest val_loss] at each eval once all have one."""
-    latest: dict[int, float] = {}
-    curve = []
-    for ln in sorted(evals, key=lambda ln: ln["time"]):
-        latest[int(ln["pipeline"])] = ln["val_loss"]
-        if len(latest) == pipelines:
-            curve.append([round(ln["time"], 4), sum(latest.values()) / pipelines])
-    return curve
-
-
-def time_to_target(curve: list[list[float]], target: Optional[float]) -> Optional[float]:
-    if target is None:
-        return None
-    return next((t for t, loss in curve if loss <= target), None)
-
-
-def mean_group_size(lines: list[dict[str, Any]], mode: str, pipelines: int) -> Optional[float]:
-    if mode == "allreduce":
-        return float(pipelines)
-    if mode == "none":
-        return 1.0
-    sizes = [ln["size"] for ln in lines if ln.get("kind") == "group"]
-    return sum(sizes) / len(sizes) if mode == "sdpipe" and sizes else None
-
-
-def overrun_fraction(lines: list[dict[str, Any]], m: Optional[int]) -> Optional[float]:
-    """Share of forward/backward actions whose real compute exceeded the modelled budget."""
-    done = [ln for ln in lines if ln.get("kind") == "done" and "slowdown_overruns" in ln]
-    actions = sum(2 * (m or 0) * ln.get("steps", 0) for ln in done)
-    if not done or not actions:
-        return None
-    return sum(ln["slowdown_overruns"] for ln in done) / actions
 
 
 # -- a scenario -------------------------------------------------------------------------------
@@ -380,9 +207,8 @@ def finish_scenario(scenario: str, records: list[dict[str, Any]], target_loss) -
     target = scenario_target(records, target_loss)
     for r in records:
         if r["status"] == "ok":
-            reached = time_to_target(r.get("curve", []), target)
-            start = r.get("first_train_s")
-            r["time_to_target_s"] = None if reached is None or start is None else reached - start
+            r["time_to_target_s"] = analysis.time_to_loss(r.get("curve", []), target,
+                                                          r.get("first_train_s"))
     return {"scenario": scenario, "target_loss": target, "runs": records,
             "ratios": ratios(scenario, records)}
 
@@ -466,25 +292,11 @@ def rich_table(result: dict[str, Any], args: argparse.Namespace) -> Table:
     return table
 
 
-def environment() -> dict[str, Any]:
-    def version(pkg: str) -> str:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return "?"
-    return {"python": platform.python_version(), "torch": version("torch"),
-            "sdpipe": version("sdpipe"), "cpus": os.cpu_count(), "platform": platform.platform()}
-
-
-def command_line() -> str:
-    return shlex.join(["python", *sys.argv])
-
-
 def write_results(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    env = environment()
+    env = _report.environment()
     (args.out / "results.json").write_text(json.dumps(
-        {"command": command_line(), "environment": env, "scenarios": results}, indent=1) + "\n")
-    head = (f"```\n$ {command_line()}\n```\n\nPython {env['python']}, torch {env['torch']}, "
+        {"command": _report.command_line(), "environment": env, "scenarios": results}, indent=1) + "\n")
+    head = (f"```\n$ {_report.command_line()}\n```\n\nPython {env['python']}, torch {env['torch']}, "
             f"sdpipe {env['sdpipe']}, {env['cpus']} CPUs ({env['platform']}).\n")
     body = "\n".join(markdown_table(r, args) for r in results)
     (args.out / "results.md").write_text(head + "\n" + body)

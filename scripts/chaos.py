@@ -66,19 +66,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from sdpipe_cli.model import checkpoint  # noqa: E402
+from sdpipe_cli.runtime import analysis  # noqa: E402
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics lines so far (one being written is left out), [] before there are any."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            continue
-    return lines
+    return analysis.read_metrics(path, check=False) if path.exists() else []
 
 
 def command(args, run_dir: Path, faults: int) -> list[str]:

@@ -26,7 +26,6 @@ Python and is unit-tested without it.
 from __future__ import annotations
 
 import json
-from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -34,6 +33,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.runtime import analysis
 
 __all__ = ["Run", "load", "load_all", "labels", "report"]
 
@@ -46,7 +46,7 @@ class Run:
     label: str = ""
 
     def kind(self, kind: str) -> list[dict[str, Any]]:
-        return [m for m in self.lines if m.get("kind") == kind]
+        return analysis.of_kind(self.lines, kind)
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -74,109 +74,20 @@ def load(path: str | Path) -> Run:
 
 
 def timelines(run: Run) -> list[Run]:
-    """``run`` as the timelines it holds. Resuming a checkpoint older than the run's progress (an
-    earlier step of a finished run, or the last checkpoint after a crash) branches the run: the
-    new leg goes on from that checkpoint's iterations, in the same ``metrics.jsonl``. Each
-    ``resume`` line whose iterations are behind a ``train`` line before it starts a timeline: the
-    lines up to the checkpoint's moment (``at``, its past) and the lines after it; the lines it
-    left behind stay in the timeline before. Labels say where each began."""
-    cuts = []
-    reached: dict[int, int] = {}  # pipeline -> the furthest iteration a train line reported
-    for i, m in enumerate(run.lines):
-        if m.get("kind") == "resume" and _number(m.get("time")) and isinstance(
-                m.get("steps"), dict) and any(
-                reached.get(int(p), -1) > k for p, k in m["steps"].items()
-                if str(p).isdigit() and isinstance(k, int)):
-            cuts.append(i)
-        if m.get("kind") == "train" and isinstance(m.get("step"), int):
-            reached[m["pipeline"]] = max(reached.get(m["pipeline"], -1), m["step"])
-    if not cuts:
-        return [run]
-    out, starts = [], [0, *cuts]
-    for k, start in enumerate(starts):
-        end = starts[k + 1] if k + 1 < len(starts) else len(run.lines)
-        lines, label = run.lines[start:end], run.label
-        if start:
-            branch = run.lines[start]
-            at = branch["at"] if _number(branch.get("at")) else branch["time"]
-            past = [m for m in run.lines[:start]
-                    if not isinstance(m.get("time"), (int, float)) or m["time"] <= at]
-            lines = past + lines
-            label = f"{run.label} (resumed from {branch.get('checkpoint', 'a checkpoint')})"
+    """``run`` as the timelines it holds (:func:`analysis.timelines`): resuming a checkpoint
+    older than the run's progress branches it. Labels say where each began."""
+    out = []
+    for branch, lines in analysis.timelines(run.lines):
+        label = run.label if branch is None else (
+            f"{run.label} (resumed from {branch.get('checkpoint', 'a checkpoint')})")
         out.append(Run(run.path, run.config, lines, label))
     return out
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def from_first_iteration(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``lines`` with their clock starting when the run's first iteration began (the first
-    ``train`` line's time less its ``step_s``). A run's own clock starts at its launch, and the
-    start-up before the first iteration differs between runs (the first run of a sweep in one
-    process also starts the fork server): compared on that clock, equal runs look unequal."""
-    starts = [m["time"] - (m.get("step_s") or 0.0) for m in lines
-              if m.get("kind") == "train" and isinstance(m.get("time"), (int, float))]
-    if not starts:
-        return lines
-    origin = min(starts)
-    return [{**m, **{k: m[k] - origin for k in ("time", "at")
-                     if isinstance(m.get(k), (int, float)) and not isinstance(m[k], bool)}}
-            for m in lines]
-
-
+# the reader, the clock and the figures: one definition each, in runtime/analysis/
+read_lines = analysis.read_metrics
+from_first_iteration = analysis.from_first_iteration
 TIME_AXIS = "seconds since the first iteration began"
-_NUMBER = (int, float)
-_INT = (int,)
-# the fields the figures read, per kind of line: (types, may be null)
-FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "train": {"time": (_NUMBER, False), "pipeline": (_INT, False), "samples": (_NUMBER, False),
-              "loss": (_NUMBER, True), "wait_s": (_NUMBER, False), "comm_s": (_NUMBER, False),
-              "sync_s": (_NUMBER, False)},
-    "sync": {"wait_s": (_NUMBER, False), "comm_s": (_NUMBER, False), "sync_s": (_NUMBER, False)},
-    "eval": {"time": (_NUMBER, False), "val_loss": (_NUMBER, True)},
-    "group": {"time": (_NUMBER, False), "stage": (_INT, False), "round": (_INT, False)},
-    "consensus": {"stage": (_INT, False), "consensus": (_NUMBER, True), "time": (_NUMBER, False),
-                  "round": (_INT, False)},
-}
-REQUIRED = {"train": ("time", "pipeline", "samples"), "eval": ("time", "val_loss"),
-            "group": ("time", "stage", "round"), "consensus": ("stage", "consensus")}
-
-
-def read_lines(metrics: Path) -> list[dict[str, Any]]:
-    """The lines of ``metrics.jsonl``, each checked where the figures read it: a JSON value that is
-    not an object, or whose field has the wrong type, is a ConfigError naming ``file:line``. A
-    line cut short is left out: the last one may be being written while we read, and a process
-    killed mid-line (then restarted, appending) leaves one inside the file."""
-    try:
-        texts = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as err:
-        raise ConfigError(str(metrics), f"cannot be read: {err}") from None
-    lines = []
-    for number, text in enumerate(texts, 1):
-        if not text.strip():
-            continue
-        where = f"{metrics}:{number}"
-        try:
-            line = json.loads(text)
-        except ValueError:
-            continue
-        if not isinstance(line, dict):
-            raise ConfigError(where, f"a metrics line is a JSON object, not {type(line).__name__}")
-        kind = line.get("kind")
-        for name in REQUIRED.get(kind, ()):
-            if name not in line:
-                raise ConfigError(where, f"a {kind!r} line lacks {name!r}")
-        for name, (types, nullable) in FIELDS.get(kind, {}).items():
-            value = line.get(name)
-            if name in line and not (value is None and nullable) and (
-                    isinstance(value, bool) or not isinstance(value, types)):
-                raise ConfigError(where, f"{name!r} of a {kind!r} line should be "
-                                         f"{'a number' if types is _NUMBER else 'an integer'}"
-                                         f"{' or null' if nullable else ''}, not {json.dumps(value)[:30]}")
-        lines.append(line)
-    return lines
 
 
 def load_all(paths: Sequence[str | Path]) -> list[Run]:
@@ -221,55 +132,27 @@ def labels(runs: Sequence[Run], most: int = 4) -> list[str]:
 
 
 def _pipelines(run: Run) -> list[int]:
-    return sorted({m["pipeline"] for m in run.kind("train")}) or [0]
+    return analysis.pipelines(run.lines) or [0]
 
 
 def mean_loss(run: Run) -> tuple[list[float], list[float], list[float]]:
-    """(times, samples, loss): after each logged step, the samples all pipelines have seen and the
-    mean of each pipeline's latest training loss. Pipelines at different speeds (sdpipe) are
-    compared at equal time, not at equal step."""
-    latest: dict[int, tuple[float, float]] = {}
-    times, samples, loss = [], [], []
-    for m in sorted(run.kind("train"), key=lambda m: m["time"]):
-        if m.get("loss") is None:
-            continue
-        latest[m["pipeline"]] = (m["samples"], m["loss"])
-        times.append(m["time"])
-        samples.append(sum(n for n, _ in latest.values()))
-        loss.append(sum(v for _, v in latest.values()) / len(latest))
-    return times, samples, loss
+    """(times, samples, loss): :func:`analysis.mean_loss` of the run."""
+    return analysis.mean_loss(run.lines)
 
 
 def validation(run: Run) -> tuple[list[float], list[float], list[float]]:
-    """(times, samples, val_loss): each evaluation, with the samples all pipelines had seen then."""
-    times, seen, _ = mean_loss(run)
-    evals = sorted(run.kind("eval"), key=lambda m: m["time"])
-    at = [seen[max(bisect_right(times, m["time"]) - 1, 0)] if seen else 0 for m in evals]
-    return [m["time"] for m in evals], at, [m["val_loss"] for m in evals]
+    """(times, samples, val_loss): :func:`analysis.validation` of the run."""
+    return analysis.validation(run.lines)
 
 
 def sync_times(run: Run) -> dict[str, list[float]]:
-    """Seconds per update spent waiting for a group and in the group all-reduce (sdpipe), or
-    syncing (the other modes), over every stage's lines."""
-    lines = run.kind("train") + run.kind("sync")
-    if any("wait_s" in m and "comm_s" in m for m in lines):
-        return {"wait for the group": [m["wait_s"] for m in lines if "wait_s" in m],
-                "group all-reduce": [m["comm_s"] for m in lines if "comm_s" in m]}
-    return {"sync": [m["sync_s"] for m in lines if "sync_s" in m]}
+    """Seconds per update waiting and syncing: :func:`analysis.sync_times` of the run."""
+    return analysis.sync_times(run.lines)
 
 
 def consensus(run: Run) -> dict[int, tuple[list[float], list[float]]]:
-    """Per stage: (times, consensus distances) at its global syncs; a measurement is timed by
-    its round's group line."""
-    when = {(g["stage"], g["round"]): g["time"] for g in run.kind("group")}
-    out: dict[int, tuple[list[float], list[float]]] = {}
-    for c in run.kind("consensus"):
-        t = c.get("time", when.get((c["stage"], c.get("round"))))
-        if t is not None:
-            times, values = out.setdefault(c["stage"], ([], []))
-            times.append(t)
-            values.append(c["consensus"])
-    return dict(sorted(out.items()))
+    """Per stage: (times, consensus distances): :func:`analysis.consensus` of the run."""
+    return analysis.consensus(run.lines)
 
 
 def report(runs: Sequence[Run], out: Path) -> list[Path]:
