@@ -14,7 +14,7 @@ Four combinations: ``train.precision`` fp32 or bf16, each with
 activation peak inside an iteration (the allocator keeps freed pages, and the peak is transient),
 so this measures what checkpointing and precision change: the bytes the autograd graph keeps
 for the backward. For each stage ``s`` it builds the stage's module (``build_stage_module``, the
-partition resolved by ``launcher.prepare``), makes one micro-batch's real input (stage 0: token
+partition resolved by ``preparing.prepare``), makes one micro-batch's real input (stage 0: token
 ids of the synthetic corpus; stage ``s > 0``: the earlier stages' output, computed under
 ``no_grad`` in the same precision, cast to the wire dtype as a received message is, then
 ``requires_grad_()``), and runs ONE forward the way ``Executor.forward`` does: the two lines
@@ -101,12 +101,12 @@ def overrides(args: argparse.Namespace, precision: str, ckpt: bool) -> list[str]
 
 
 def prepared(args: argparse.Namespace, precision: str = "fp32", ckpt: bool = False):
-    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.cli import preparing
     from sdpipe_cli.config.schema import compose, validate
 
     cfg = compose(overrides(args, precision, ckpt))
     validate(cfg)
-    return launcher.prepare(cfg)[0]
+    return preparing.prepare(cfg)[0]
 
 
 # -- memory ---------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def overrides(args, pattern: str, variant: str) -> list[str]:
 
 
 def simulated(ovr: list[str]) -> dict[str, Any]:
-    from sdpipe_cli.cli.launcher import prepare
+    from sdpipe_cli.cli.preparing import prepare
     from sdpipe_cli.config.schema import compose, validate
     from sdpipe_cli.hetero import simulator
 

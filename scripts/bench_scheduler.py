@@ -187,7 +187,7 @@ def queued_s(pid: int) -> float:
 
 # -- one scenario ---------------------------------------------------------------------------------
 def write_config(args: argparse.Namespace, P: int, S: int, run_dir: Path) -> Path:
-    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.cli import preparing
     from sdpipe_cli.config.schema import compose, save_run_config, validate
 
     slowdown = ",".join(["1"] * (P - 1) + [f"{SLOW:g}"])
@@ -197,7 +197,7 @@ def write_config(args: argparse.Namespace, P: int, S: int, run_dir: Path) -> Pat
                    f"run.timeout={args.timeout}", "run.trace=true",
                    f"run.trace_events={4 * P * S * (args.steps + 2)}"])
     validate(cfg)
-    cfg, _ = launcher.prepare(cfg)
+    cfg, _ = preparing.prepare(cfg)
     save_run_config(cfg, run_dir / "config.yaml")
     return run_dir / "config.yaml"
 

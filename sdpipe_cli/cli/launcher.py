@@ -37,7 +37,6 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.cli.preparing import check_memory, prepare  # noqa: F401  TEMPORARY: callers move
 from sdpipe_cli.config.schema import ConfigError, save_run_config
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan

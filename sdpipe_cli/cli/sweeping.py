@@ -31,7 +31,7 @@ def sweep_train(overrides: Sequence[str], console: Console) -> int:
     from datetime import datetime
     from pathlib import Path
 
-    from sdpipe_cli.cli import launcher, report as figures
+    from sdpipe_cli.cli import launcher
     from sdpipe_cli.config import sweep
 
     ours = [o for o in overrides if not sweep.for_hydra(o)]
@@ -51,7 +51,7 @@ def sweep_train(overrides: Sequence[str], console: Console) -> int:
         status = ("done" if (run_dir / "summary.json").exists() else
                   "not run" if not (run_dir / "config.yaml").exists() else "failed")
         rows.append({"run": run_dir.name, "overrides": list(combo.varied), "status": status,
-                     **_outcome(figures, run_dir)})
+                     **_outcome(run_dir)})
     if interrupted:  # the last run that started is the one Ctrl-C stopped
         started = [row for row in rows if row["status"] != "not run"]
         if started:
@@ -88,31 +88,17 @@ def _sweep_job(cfg) -> int:
     return rc
 
 
-def _outcome(figures, run_dir) -> dict:
-    """A sweep run's figures for the table: final loss and val_loss, samples/s, and how many
-    seconds of training the mean training loss took to reach its lowest (whatever a failed run
-    got to)."""
-    import json
+def _outcome(run_dir) -> dict:
+    """A sweep run's figures for the table, as every table of runs defines them
+    (:func:`~sdpipe_cli.runtime.analysis.outcome`): final loss and val_loss, samples/s, and how
+    many seconds of training the mean training loss took to reach its lowest (whatever a failed
+    run got to; nothing for one that never wrote a metrics line)."""
+    from sdpipe_cli.runtime import analysis
 
-    out: dict = {}
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        out.update(loss=summary.get("loss"), val_loss=summary.get("val_loss"),
-                   samples_per_s=summary.get("samples_per_s"))
-    except (OSError, ValueError):
-        pass
-    try:
-        run = figures.load(run_dir)
+        return analysis.outcome(analysis.read_metrics(run_dir))
     except ConfigError:
-        return out
-    times, _, loss = figures.mean_loss(run)
-    if loss:
-        # from the first iteration's start: a sweep's first run also started the fork server
-        began = min(m["time"] - m.get("step_s", 0.0) for m in run.kind("train"))
-        best = min(range(len(loss)), key=loss.__getitem__)
-        out.update(best_loss=loss[best], best_loss_s=times[best] - began)
-        out.setdefault("loss", loss[-1])
-    return out
+        return {}
 
 
 def _num(value, digits: int = 4) -> str:
