@@ -1,7 +1,7 @@
 """A small discrete-event simulation that drives :class:`sdpipe_cli.core.grouping.GroupScheduler`
 the way the real system does, and records everything the property tests need.
 
-Model (see ``sdpipe_cli/core/grouping.py`` and docs/SYNC.md):
+Model (see the package ``sdpipe_cli/core/grouping/`` and docs/SYNC.md):
 
 * P pipelines of S stages. Pipeline p runs iteration k for ``durations[p][k % len]`` seconds;
   its stages then finish in order S-1, S-2, ..., 0, ``gaps[p]`` seconds apart, and each one
@@ -27,41 +27,16 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sdpipe_cli.core.grouping import Decision, GroupScheduler
+from sdpipe_cli.core.grouping import Decision, GroupScheduler, Snapshot
 
 
 class SimError(AssertionError):
     pass
 
 
-@dataclass(frozen=True)
-class StageSnap:
-    connecting: bool
-    global_pending: bool
-    rounds: int
-    deadline: Optional[float]
-    fastest: int  # the live replica with the shortest pace (GroupScheduler.fastest)
-
-
-@dataclass(frozen=True)
-class Snap:
-    """Public-ish scheduler state between events."""
-
-    token: Optional[int]
-    stages: tuple[StageSnap, ...]
-    live: frozenset[int]
-    global_at: tuple[tuple[int, int], ...]
-    final: bool
-    finished: bool
-
-
-def snap(sched: GroupScheduler) -> Snap:
-    return Snap(token=sched.token,
-                stages=tuple(StageSnap(st.connecting, st.global_pending, st.rounds, st.deadline,
-                                       sched.fastest(s) if sched.live else -1)
-                             for s, st in enumerate(sched.stages)),
-                live=frozenset(sched.live), global_at=tuple(sorted(sched.global_at.items())),
-                final=sched.final, finished=sched.finished)
+def snap(sched: GroupScheduler) -> Snapshot:
+    """The scheduler's read-only state between events (token, stages, live, global sync)."""
+    return sched.snapshot()
 
 
 @dataclass
@@ -72,8 +47,8 @@ class Event:
     time: float
     kind: str  # "ready", "tick", "leave"
     args: tuple
-    before: Snap
-    after: Snap
+    before: Snapshot
+    after: Snapshot
     decisions: list[Decision]
 
 
@@ -161,12 +136,13 @@ class Sim:
                     out = sched.leave(*args)
             except ValueError as exc:
                 raise SimError(f"t={now[0]}: {kind}{args} raised {exc!r}") from exc
-            for s_, st_ in enumerate(sched.stages):  # the free set is kept as events come
+            after = snap(sched)
+            for s_, st_ in enumerate(after.stages):  # the free set is kept as events come
                 parked = st_.parked if st_.global_pending else set()
                 if st_.free != {q: v for q, v in st_.waiting.items() if q not in parked}:
                     raise SimError(f"t={now[0]}: stage {s_}: free {sorted(st_.free)} is not "
                                    f"waiting {sorted(st_.waiting)} less parked {sorted(parked)}")
-            ev = Event(len(events), now[0], kind, args, before, snap(sched), list(out))
+            ev = Event(len(events), now[0], kind, args, before, after, list(out))
             events.append(ev)
             for d in out:
                 decisions.append((ev.index, d))

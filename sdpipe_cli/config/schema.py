@@ -206,7 +206,7 @@ class SyncConfig:
 
 @dataclass
 class SdpipeSyncConfig(SyncConfig):
-    """``sync=sdpipe``: the group scheduler's settings (see sdpipe_cli/core/grouping.py)."""
+    """``sync=sdpipe``: the group scheduler's settings (see sdpipe_cli/core/grouping/)."""
 
     name: str = "sdpipe"
     min_group: int = 2  # a replica whose group is smaller than this widens its window

@@ -51,6 +51,7 @@ class AsyncSim:  # noqa: D101
         self.P, self.S, self.m = P, S, m
         self.args = (P, S, m, ticks, policy)
         self.now = 0.0
+        self.total_iterations = policy.get("total_iterations")
         self.policy = AsyncGroupScheduler(P, S, rounds_per_iteration=m, clock=lambda: self.now,
                                           **policy)
         self.pipes = [Pipe(t, f=[0] * S, b=[0] * S, busy=[False] * S) for t in ticks]
@@ -60,6 +61,11 @@ class AsyncSim:  # noqa: D101
         self.decisions: list[Decision] = []
         self.answered: dict[tuple[int, int, int], Decision] = {}
         self.under_global: dict[int, bool] = {}
+
+    def with_policy(self, **changes) -> "AsyncSim":
+        """The same simulation, not run yet, with some policy settings changed."""
+        P, S, m, ticks, policy = self.args
+        return AsyncSim(P, S, m, ticks, **{**policy, **changes})
 
     def push(self, at, what):
         self.seq += 1
@@ -203,8 +209,8 @@ def check(sim: AsyncSim) -> None:
 def test_async_policy_random_runs(sim):
     sim.run()
     check(sim)
-    assert sum(sim.policy.begun.values()) == sim.policy.total_iterations  # exact budget
-    assert sum(pipe.drains[-1] for pipe in sim.pipes) == sim.policy.total_iterations
+    assert sum(sim.policy.snapshot().begun.values()) == sim.total_iterations  # exact budget
+    assert sum(pipe.drains[-1] for pipe in sim.pipes) == sim.total_iterations
 
 
 @SETTINGS
@@ -221,8 +227,8 @@ def test_async_policy_connect_every_one_is_allreduce(sim):
     their target while a global sync is pending (the base class's rule). Those also let one
     pipeline make more updates than another before a global sync, so unlike the flushed policy
     the members of a later round need not be at the same update."""
-    sim.policy.connect_every = 1
-    sim.policy.max_group = 0  # with a cap below P no round holds everyone
+    # with a cap below P no round holds everyone
+    sim = sim.with_policy(connect_every=1, max_group=0)
     sim.run()
     check(sim)
     for d in sim.decisions:
@@ -240,12 +246,12 @@ def test_async_policy_by_hand():
     assert not last and ds == []
     assert pol.ready(0, 0, 0) == []  # waits for pipeline 1 within the window
     last, _ = pol.begin(1, 0)  # 2 iterations begun: the periodic global sync is declared here
-    assert last and pol.global_at == {1: 1} and pol.global_history == [{1: 0}]
+    assert last and pol.snapshot().global_at == {1: 1} and pol.global_history == [{1: 0}]
     (d,) = pol.ready(0, 1, 0)  # the round at update 0 closes with both
     assert d.members == (0, 1) and d.iterations == (0, 0) and d.kind == "group"
     assert pol.ready(0, 0, 1) == []  # pipeline 0 was not told yet: update 1 is a group round
     last, _ = pol.begin(0, 1)  # ... it is now: iteration 1 ends its segment
-    assert last and pol.global_at == {1: 1, 0: 3}
+    assert last and pol.snapshot().global_at == {1: 1, 0: 3}
     now[0] = 0.02
     (d,) = pol.tick()  # pipeline 0's update 1 alone, after the window
     assert d.members == (0,) and d.kind == "group"
@@ -257,9 +263,9 @@ def test_async_policy_by_hand():
     last, _ = pol.begin(1, 1)  # 4 begun: a periodic global now would let the others pass 6
     assert not last and not pol.pending()
     last, _ = pol.begin(0, 2)  # 5 begun, and pipeline 1's next makes 6: the last global sync
-    assert last and pol.final
+    assert last and pol.snapshot().final
     last, _ = pol.begin(1, 2)
-    assert last and sum(pol.begun.values()) == 6
+    assert last and sum(pol.snapshot().begun.values()) == 6
     with pytest.raises(ValueError, match="before the global"):
         pol.begin(0, 3)
     with pytest.raises(ValueError, match="expected"):
@@ -269,8 +275,8 @@ def test_async_policy_by_hand():
 def test_async_policy_resume():
     pol = AsyncGroupScheduler(2, 2, rounds_per_iteration=4, total_iterations=20, global_every=5)
     pol.resume({0: 6, 1: 4})
-    assert pol.iterations_done() == 10 and pol.last_ready == {0: [23, 23], 1: [15, 15]}
-    assert pol.next_global == 20 and not pol.pending()
+    assert pol.iterations_done() == 10 and pol.snapshot().last_ready == {0: (23, 23), 1: (15, 15)}
+    assert pol.snapshot().next_global == 20 and not pol.pending()
     assert pol.begin(0, 6) == (False, [])
     with pytest.raises(ValueError):
         pol.ready(0, 1, 15)  # already done before the checkpoint
@@ -303,5 +309,5 @@ def test_async_policy_a_lost_pipeline_rejoins_at_its_last_finished_iteration():
     assert d.members == (0,) and d.heal == ((1, 1),) and 1 not in pol.live
     (d,) = pol.ready(1, 0, 3)
     assert d.heal == ((1, 1),) and 1 in pol.live
-    assert pol.begun[1] == 1 and pol.last_ready[1] == [1, 1]
+    assert pol.snapshot().begun[1] == 1 and pol.snapshot().last_ready[1] == (1, 1)
     assert pol.begin(1, 1) == (False, []) and pol.iterations_done() == 4

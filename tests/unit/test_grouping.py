@@ -1,4 +1,4 @@
-"""Properties of the group-scheduling policy (``sdpipe_cli/core/grouping.py``), driven by the
+"""Properties of the group-scheduling policy (``sdpipe_cli/core/grouping/``), driven by the
 discrete-event simulation in ``tests/policy_sim.py`` and by hand-written event sequences.
 
 What is checked, and where a property had to be stated differently from the first draft:
@@ -525,7 +525,7 @@ def test_leave_gives_back_the_iterations_not_every_stage_finished():
     assert 1 not in g.live
     (d,) = g.ready(1, 0, 2)
     assert d.heal == ((1, 1),) and 1 in g.live
-    assert g.last_ready[1] == [0, 0]
+    assert g.snapshot().last_ready[1] == (0, 0)
 
 
 @SETTINGS
@@ -596,19 +596,19 @@ def test_window_closes_partial_group_and_adapts():
     (d,) = g.tick()
     assert (d.members, d.iterations, d.round) == ((0, 2), (0, 0), 1)
     assert d.waited == pytest.approx((0.005, 0.01))
-    assert g.window[(0, 0)] == pytest.approx(0.009) and g.window[(0, 2)] == pytest.approx(0.009)
+    assert g.window(0, 0) == pytest.approx(0.009) and g.window(0, 2) == pytest.approx(0.009)
     clock.t = 0.02
     g.ready(0, 1, 0)  # alone: its window doubles
     clock.t = 0.03
     (d,) = g.tick()
     assert d.members == (1,)
-    assert g.window[(0, 1)] == pytest.approx(0.02)
+    assert g.window(0, 1) == pytest.approx(0.02)
     for k in range(1, 4):  # keeps doubling up to window_max
         clock.t += 1
         g.ready(0, 1, k)
         clock.t = g.next_deadline()
         g.tick()
-    assert g.window[(0, 1)] == pytest.approx(0.04)
+    assert g.window(0, 1) == pytest.approx(0.04)
 
 
 def test_due_round_waits_for_the_missing_component():
@@ -623,14 +623,14 @@ def test_due_round_waits_for_the_missing_component():
     clock.t = 0.03
     assert g.tick() == []
     assert g.next_deadline() is None  # waits for an event, not a time
-    assert g.token == 0
+    assert g.snapshot().token == 0
     clock.t = 0.05
     g.ready(0, 1, 1)
     assert g.tick() == []
     clock.t = 0.2
     (d,) = g.ready(0, 2, 0)
     assert d.members == (0, 1, 2) and d.iterations == (1, 1, 0)
-    assert g.token is None and g.stages[0].rounds == 0
+    assert g.snapshot().token is None and g.snapshot().stages[0].rounds == 0
 
 
 def test_due_round_closes_at_window_when_already_connecting():
@@ -645,7 +645,7 @@ def test_due_round_closes_at_window_when_already_connecting():
     clock.t = g.next_deadline()
     (d,) = g.tick()
     assert d.members == (1, 2)
-    assert g.stages[0].rounds == 0 and g.token is None
+    assert g.snapshot().stages[0].rounds == 0 and g.snapshot().token is None
 
 
 def test_only_one_stage_waits_for_connectivity_at_a_time():
@@ -663,8 +663,8 @@ def test_only_one_stage_waits_for_connectivity_at_a_time():
     # stage 0 took the token (its round is evaluated first) and waits; stage 1, due as well,
     # closed at its window
     assert (d.stage, d.round, d.members, d.iterations) == (1, 2, (0,), (1,))
-    assert g.token == 0
-    assert g.stages[0].connecting and not g.stages[1].connecting
+    assert g.snapshot().token == 0
+    assert g.snapshot().stages[0].connecting and not g.snapshot().stages[1].connecting
 
 
 def test_connect_every_one_waits_for_all():
@@ -676,7 +676,7 @@ def test_connect_every_one_waits_for_all():
     assert g.next_deadline() is None
     (d,) = g.ready(1, 2, 0)
     assert d.members == (0, 1, 2) and d.iterations == (0, 0, 0)
-    assert g.token is None
+    assert g.snapshot().token is None
 
 
 def test_global_sync_every_and_final_stop():
@@ -693,9 +693,9 @@ def test_global_sync_every_and_final_stop():
                 out.extend(g.ready(s, p, k))
 
     iteration(0)
-    assert g.global_at == {}
+    assert g.snapshot().global_at == {}
     iteration(1)  # done = 4 >= P * global_every: the global is at everyone's next iteration
-    assert g.global_at == {0: 2, 1: 2} and not g.final
+    assert g.snapshot().global_at == {0: 2, 1: 2} and not g.snapshot().final
     for k in range(2, 7):
         iteration(k)
     globals_ = [(d.stage, d.members, d.iterations, d.stop) for d in out if d.kind == "global"]
@@ -717,7 +717,7 @@ def test_periodic_global_is_at_each_pipelines_next_iteration():
     (alone,) = g.tick()  # pipeline 1 is slow: pipeline 0 goes on alone
     assert alone.members == (0,)
     g.ready(0, 0, 2)  # 3 + 1 = 4 pipeline-iterations started: P x global_every
-    assert g.global_at == {0: 3, 1: 1}
+    assert g.snapshot().global_at == {0: 3, 1: 1}
 
 
 def test_next_global_is_declared_as_soon_as_the_last_one_closes():
@@ -727,7 +727,7 @@ def test_next_global_is_declared_as_soon_as_the_last_one_closes():
         for p in (0, 1):
             g.ready(0, p, k)  # iteration 1 is the first global
     assert g.global_history == [{0: 1, 1: 1}, {0: 2, 1: 2}]
-    assert g.global_at == {0: 2, 1: 2}
+    assert g.snapshot().global_at == {0: 2, 1: 2}
 
 
 def test_leave_unblocks_a_group_and_a_global():
@@ -752,12 +752,12 @@ def test_leave_during_pending_global():
     for s in (1, 0):
         for p in range(3):
             g.ready(s, p, 0)  # round 0 everyone; then done = 3 -> global at iteration 1
-    assert g.global_at == {0: 1, 1: 1, 2: 1}
+    assert g.snapshot().global_at == {0: 1, 1: 1, 2: 1}
     g.ready(1, 0, 1)
     g.ready(1, 1, 1)
     (d,) = g.leave(2)
     assert (d.stage, d.kind, d.members) == (1, "global", (0, 1))
-    assert 2 not in g.global_at
+    assert 2 not in g.snapshot().global_at
 
 
 def test_validation():
@@ -801,7 +801,7 @@ def test_time_limit_tick_declares_final_global():
     g.tick()
     clock.t = 1.0
     assert g.tick() == []
-    assert g.final and g.global_at == {0: 1, 1: 0}
+    assert g.snapshot().final and g.snapshot().global_at == {0: 1, 1: 0}
     assert g.next_deadline() is None
     assert g.ready(0, 1, 0) == []  # pipeline 1 is at its global iteration: waits for 0
     clock.t = 1.1
@@ -833,7 +833,7 @@ def test_bug_B_total_iterations_at_most_P_overshoots():
     already in ``iterations_done``: the final global is at {0: 1, 1: 0}, P + 1 iterations."""
     g, clock = make(2, 1, total_iterations=2)
     g.ready(0, 0, 0)
-    assert g.global_at == {0: 0, 1: 0}, g.global_at
+    assert g.snapshot().global_at == {0: 0, 1: 0}, g.snapshot().global_at
 
 
 def test_bug_C_pending_periodic_global_ends_run_early():
@@ -879,7 +879,7 @@ def test_bug_E_all_reduce_rounds_split_before_a_global():
     g.ready(1, 0, 0)
     (d,) = g.ready(1, 1, 0)
     assert d.members == (0, 1)
-    assert g.global_at == {0: 1, 1: 1} and g.final
+    assert g.snapshot().global_at == {0: 1, 1: 1} and g.snapshot().final
     clock.t = 0.001
     assert g.ready(0, 0, 0) == []
     clock.t = 0.006
@@ -902,7 +902,7 @@ def test_time_limit_deadline_is_never_in_the_past():
     clock.t = 2.0
     assert g.next_deadline() is None
     g.tick()
-    assert g.final and g.global_at == {0: 0, 1: 0}
+    assert g.snapshot().final and g.snapshot().global_at == {0: 0, 1: 0}
 
 
 # == prediction (patience) ========================================================================
@@ -985,7 +985,7 @@ def test_a_round_waits_for_predicted_replicas_at_most_its_horizon():
     assert d.members == (0, 1)
     now[0] = 0.3  # p0 opens again; p1 is late this time: the round closes at the horizon
     assert pol.ready(0, 0, 3) == []
-    assert pol.next_deadline() == pytest.approx(0.3 + 0.2 * pol.pace[(0, 0)])
+    assert pol.next_deadline() == pytest.approx(0.3 + 0.2 * pol.pace(0, 0))
     now[0] = pol.next_deadline()
     (d,) = pol.tick()
     assert d.members == (0,)
@@ -1170,7 +1170,7 @@ def test_cost_aware_holds_only_the_slow_component():
         g.ready(0, 0, k), g.ready(0, 1, k)
         now[0] += 0.011
         g.tick()
-    g.stages[0].updates = 99  # due from here on
+    assert g.snapshot().stages[0].updates >= 2 * 3  # connect_every x live: due from here on
     now[0] = 0.3
     assert g.ready(0, 0, 3) == [] and g.ready(0, 1, 3) == []
     now[0] = 0.311
@@ -1180,10 +1180,10 @@ def test_cost_aware_holds_only_the_slow_component():
     assert g.ready(0, 2, 0) == []
     now[0] = 0.39
     assert g.tick() == []  # held: no other component yet
-    assert g.stages[0].connecting
+    assert g.snapshot().stages[0].connecting
     now[0] = 0.4
     (joined,) = g.ready(0, 0, 4)  # past the window already: it closes at once, and connects
-    assert joined.members == (0, 2) and g.stages[0].links.components() == g.P
+    assert joined.members == (0, 2) and g.snapshot().stages[0].components == 3
 
 
 @pytest.mark.parametrize("suspect_after", [None, 1.0])
@@ -1201,7 +1201,7 @@ def test_cost_aware_a_silent_fastest_replica_holds_the_others_only_until_it_is_s
         g.ready(0, 0, k), g.ready(0, 1, k)
         now[0] += 0.011
         g.tick()
-    g.stages[0].updates = 99
+    assert g.snapshot().stages[0].updates >= 2 * 3  # due from here on
     now[0] = 0.3
     g.ready(0, 0, 3), g.ready(0, 1, 3)
     now[0] = 0.311
@@ -1210,13 +1210,13 @@ def test_cost_aware_a_silent_fastest_replica_holds_the_others_only_until_it_is_s
     now[0] = 0.35
     assert g.ready(0, 2, 0) == []
     now[0] = 0.39
-    assert g.tick() == [] and g.stages[0].connecting  # held: the fastest's next is due soon
+    assert g.tick() == [] and g.snapshot().stages[0].connecting  # held: the fastest's next is due soon
     if suspect_after is None:
         assert g.next_deadline() is None
         now[0] = 100.0
         assert g.tick() == []  # held for as long as 0 and 1 are silent
         return
-    first, last = sorted(g.forecast.expected(0, q) + suspect_after for q in (0, 1))
+    first, last = sorted(g.expected(0, q) + suspect_after for q in (0, 1))
     assert g.next_deadline() == pytest.approx(first)  # 0, the fastest, turns suspect first
     now[0] = first - 0.001
     assert g.tick() == []
@@ -1228,7 +1228,7 @@ def test_cost_aware_a_silent_fastest_replica_holds_the_others_only_until_it_is_s
         if decisions:
             break
     (alone,) = decisions
-    assert alone.members == (2,) and not g.stages[0].connecting
+    assert alone.members == (2,) and not g.snapshot().stages[0].connecting
 
 
 def test_cost_aware_waits_for_a_late_replica_about_as_long_as_its_forecasts_miss():

@@ -1,0 +1,147 @@
+"""Who an open round waits for, beyond the replicas already there, and how long.
+
+With ``patience > 0`` the policy forecasts each replica's next ready signal
+(:mod:`~sdpipe_cli.core.forecast`), so a round also waits for the replicas forecast within
+``patience`` x the opener's pace: replicas at the same pace (a homogeneous cluster) meet in full
+groups, as all-reduce would, while a replica forecast far later (a straggler) is not waited for.
+
+cost_aware waits less, and only where waiting is cheap: for replicas about as fast as the fastest
+one waiting (:data:`AWAIT_PACE_RATIO`), each only a little past its forecast
+(:meth:`Prediction.slack`); a fast replica that joins a round opened by a slow one narrows what
+the round waits for (:meth:`Prediction.narrow`).
+"""
+
+from __future__ import annotations
+
+from sdpipe_cli.core.grouping.connectivity import Connectivity
+from sdpipe_cli.core.grouping.state import RunState
+
+# cost_aware: a round waits for a predicted replica only if its pace is at most this many times the
+# opener's (pace noise on a homogeneous cluster stays well within it; a 2x straggler does not)
+AWAIT_PACE_RATIO = 1.5
+# cost_aware: a round waits for a replica past its forecast SLACK_ERRORS x as long as its forecasts
+# usually miss by, within SLACK_FLOOR and LATE_SLACK x the opener's pace (LATE_SLACK while the miss
+# is not known yet); later, it is straggling this time and the round goes on without it
+LATE_SLACK = 0.2
+SLACK_ERRORS = 2.0
+SLACK_FLOOR = 0.05
+# cost_aware: replicas predicted within this x the opener's pace arrive "with" it (jitter)
+JITTER_BAND = 0.25
+
+
+class Prediction:
+    """Sets an open round's ``expect``, ``horizon``, ``slowest_expected`` and ``last_due``."""
+
+    def __init__(self, run: RunState, links: Connectivity, *, patience: float, cost_aware: bool,
+                 max_group: int):
+        self.run, self.links = run, links
+        self.patience, self.cost_aware, self.max_group = patience, cost_aware, max_group
+
+    def joined(self, stage: int, pipeline: int, now: float) -> None:
+        """A replica joined the open round of ``stage`` at ``now`` (not parked at a global sync):
+        under cost_aware a faster one than the round waits for narrows it."""
+        st = self.run.stages[stage]
+        if st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
+            pace = self.run.pace.get((stage, pipeline))
+            if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
+                                     or now + self.patience * pace < st.last_due):
+                self.narrow(stage, pace, now)
+
+    def open(self, s: int, opener: int, opened: float, ready: dict, parked: set[int]) -> None:
+        """A round of stage ``s`` opens (its ``window_end`` set): it may close without everyone
+        after the opener's window, once the replicas forecast (with ``patience``) to be ready
+        within patience x the opener's pace are there, or at that horizon if one of them is late.
+        ``ready`` and ``parked`` (at the pending global sync) are the replicas waiting now, two
+        disjoint sets, passed apart because their union would be a pass over every parked
+        replica per round.
+
+        cost_aware waits less, and only where waiting is cheap: for replicas about as fast as the
+        fastest one waiting (:data:`AWAIT_PACE_RATIO`; see :meth:`narrow`), each only a little
+        past its forecast (:meth:`slack`; later, it is straggling this time). Replicas forecast
+        within :data:`JITTER_BAND` x pace are the round's core; it waits for the later ones only
+        if the core is a minority of the live replicas (or exactly half, without the fastest
+        one): a lone replica half an iteration out of phase waits for the others and is in phase
+        from then on, where the majority waiting for it would keep the phases apart (both sides
+        waiting for each other shift together).
+        """
+        run = self.run
+        st = run.stages[s]
+        st.horizon, st.expect, st.slowest_expected = st.window_end, frozenset(), 0.0
+        pace = run.pace.get((s, opener))
+        if not self.patience or pace is None:
+            return
+        st.horizon = opened + self.patience * pace
+        present = len(ready) + len(parked)
+        room = self.max_group - present if self.max_group else len(run.live)
+        if not self.cost_aware:
+            found = self._predicted(s, st.horizon, ready, parked, float("inf"), room)
+            st.expect = frozenset(q for _, q in found)
+            return
+        quickest = min([pace] + [run.pace[(s, q)] for q in ready if (s, q) in run.pace])
+        awaited = self._predicted(s, st.horizon, ready, parked, AWAIT_PACE_RATIO * quickest, room)
+        band = opened + JITTER_BAND * pace
+        core = [(t, q) for t, q in awaited if t <= band]  # earliest first, so a prefix
+        half = 2 * (present + len(core)) - len(run.live)  # > 0: a majority; 0: exactly half
+        if half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
+            awaited = core
+        st.expect = frozenset(q for _, q in awaited)
+        if awaited:
+            late, st.last_due = [q for _, q in awaited], awaited[-1][0]
+            st.horizon = min(st.horizon, st.last_due + self.slack(s, late, pace))
+            st.slowest_expected = max(run.pace[(s, q)] for q in late)
+
+    def slack(self, s: int, replicas: list[int], pace: float) -> float:
+        """How long past their forecasts a round waits for ``replicas`` of stage ``s``:
+        :data:`SLACK_ERRORS` x the largest of their usual misses, within :data:`SLACK_FLOOR` and
+        :data:`LATE_SLACK` x ``pace`` (the round's fastest member's); :data:`LATE_SLACK` x pace
+        while a miss is not known. Precise forecasts (a steady GPU cluster) make late replicas
+        stragglers within a few milliseconds; noisy ones (shared CPUs) earn more patience."""
+        error = self.run.forecast.worst_error(s, replicas)
+        if error is None:
+            return LATE_SLACK * pace
+        return min(LATE_SLACK * pace, max(SLACK_FLOOR * pace, SLACK_ERRORS * error))
+
+    def narrow(self, s: int, joined: float, now: float) -> None:
+        """cost_aware: a replica of pace ``joined`` joined the open round of stage ``s`` at
+        ``now``, faster than the round's wait allows: some replica it waits for is slower than
+        :data:`AWAIT_PACE_RATIO` x ``joined``, or its horizon is later than the joiner's own
+        would be (``now`` + patience x ``joined``).
+
+        A round opened by a slow replica waits for the faster ones it predicted, which is cheap:
+        the slow one waits. Once a fast one is in, waiting for another slow one, or for a fast
+        one's *next* iteration (inside the slow opener's long horizon), would hold the fast one,
+        the costly way round; so the round keeps only the replicas its fastest member would have
+        waited for had it opened the round, each only :meth:`slack` (at that member's pace) past
+        its forecast. (A round's members at its opening bound its pace the same way, in
+        :meth:`open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
+        st, due, paces = self.run.stages[s], self.run.forecast.expected, self.run.pace
+        bound, horizon, inf = AWAIT_PACE_RATIO * joined, now + self.patience * joined, float("inf")
+        keep, late, latest = [], [], 0.0
+        for q in st.expect:
+            if q in st.waiting:
+                keep.append(q)
+                continue
+            t = due(s, q)
+            if paces.get((s, q), inf) <= bound and (t is None or t <= horizon):
+                keep.append(q)
+                if t is not None:
+                    late.append(q)
+                    latest = max(latest, t)
+        st.expect = frozenset(keep)
+        st.slowest_expected = max((paces[(s, q)] for q in late), default=0.0)
+        st.last_due = latest
+        if late:
+            st.horizon = min(st.horizon, latest + self.slack(s, late, joined))
+
+    def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
+        """Whether the fastest replica of stage ``s`` is waiting now or among ``core``."""
+        fastest = self.links.fastest(s)
+        return fastest in ready or fastest in parked or any(q == fastest for _, q in core)
+
+    def _predicted(self, s: int, horizon: float, ready: dict, parked: set[int], slowest: float,
+                   room: int) -> list[tuple[float, int]]:
+        """Up to ``room`` replicas of stage ``s`` with their predicted ready times, earliest
+        first, that are neither ``ready`` nor ``parked`` and are predicted to be ready by
+        ``horizon``, with a pace of at most ``slowest``. Reads the stage's sorted forecasts
+        without a pass over every replica."""
+        return self.run.forecast.due_by(s, horizon, room, slowest, (ready, parked))

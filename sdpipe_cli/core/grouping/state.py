@@ -1,0 +1,142 @@
+"""What the parts of the group policy share: the decision they answer with, the run's state that
+more than one of them reads, and the read-only view the scheduler gives out.
+
+The parts (:mod:`.rounds`, :mod:`.connectivity`, :mod:`.budget`, :mod:`.membership`,
+:mod:`.lineage`) each own their own bookkeeping; what two or more of them must see (who is live,
+each stage's waiting replicas and round state, the pending global sync, the clock) lives here, in
+one :class:`RunState` passed to each of them explicitly, so that no part reaches into another.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+from sdpipe_cli.core.forecast import Forecast
+from sdpipe_cli.core.grouping.disjoint import DisjointSet
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One round of one stage: ``members`` (pipelines, sorted) average their replicas now."""
+
+    stage: int
+    round: int  # per-stage round number, from 1
+    members: tuple[int, ...]
+    iterations: tuple[int, ...]  # each member's iteration, in ``members`` order
+    waited: tuple[float, ...]  # seconds each member waited for the decision
+    kind: str = "group"  # "group" or "global"
+    stop: bool = False  # the members' pipelines stop after this iteration (end of the run)
+    # restarted pipelines this stage's first member heals after this round: (pipeline, the
+    # iteration it goes on from)
+    heal: tuple[tuple[int, int], ...] = ()
+    # every member is known to hold the same weights and optimizer state (the policy's
+    # ``twins``): averaging the weights changes nothing, only the gradients need it
+    twins: bool = False
+
+    def of(self, pipeline: int) -> int:
+        """The iteration this decision answers for ``pipeline``."""
+        return self.iterations[self.members.index(pipeline)]
+
+
+def gossip_peer(seed: int, stage: int, step: int, pipeline: int, pipelines: int) -> Optional[int]:
+    """AD-PSGD's partner of ``pipeline`` in round ``step`` of ``stage`` (None: the odd one out).
+
+    A random perfect matching that every replica derives from (seed, stage, step) alone, so both
+    sides of a pair agree without asking anyone.
+    """
+    order = list(range(pipelines))
+    random.Random(f"{seed}/{stage}/{step}").shuffle(order)
+    i = order.index(pipeline)
+    mate = i + 1 if i % 2 == 0 else i - 1
+    return order[mate] if mate < len(order) else None
+
+
+@dataclass
+class StageState:
+    """One stage's open round and connectivity, as events come."""
+
+    links: DisjointSet
+    waiting: dict[int, tuple[int, float]] = field(default_factory=dict)  # p -> (iteration, arrival)
+    deadline: Optional[float] = None  # when the open round closes without everyone
+    window_end: Optional[float] = None  # the opener's window (None: no round open)
+    horizon: float = 0.0  # with patience: how long the round may wait for ``expect``
+    expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
+    slowest_expected: float = 0.0  # cost_aware: the largest pace in ``expect``
+    last_due: float = 0.0  # cost_aware: the latest forecast in ``expect``
+    rounds: int = 0  # rounds since the replicas were last all connected
+    updates: int = 0  # replicas' rounds (group members) since then
+    round_no: int = 0
+    global_pending: bool = False
+    connecting: bool = False  # past the window, waiting for the replicas that connect the rest
+    hold_until: Optional[float] = None  # cost_aware, connecting: when its anchor turns suspect
+    parked: set = field(default_factory=set)  # waiting at their iteration of the pending global sync
+    # ``waiting`` less ``parked``: the replicas a group round may take, kept as events come (built
+    # per event it would cost a pass over every waiting replica, P^2 in a run)
+    free: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+
+class RunState:
+    """The run's state that several parts read and write: who is live, each replica's progress,
+    the stages' rounds, the pending global sync and the clock."""
+
+    def __init__(self, pipelines: int, stages: int, *, global_every: int,
+                 total_iterations: Optional[int], time_limit: Optional[float],
+                 clock: Callable[[], float] = time.monotonic):
+        self.P, self.S = pipelines, stages
+        self.global_every, self.total_iterations = global_every, total_iterations
+        self.time_limit, self.clock = time_limit, clock
+        self.forecast = Forecast(stages)
+        self.pace = self.forecast.pace  # (stage, pipeline) -> mean interval between ready signals
+        self.started = clock()
+        self.stop_requested = False
+        self.live: set[int] = set(range(pipelines))
+        self.last_ready = {p: [-1] * stages for p in range(pipelines)}
+        self.decided = {p: [-1] * stages for p in range(pipelines)}  # last iteration decided
+        self.stages = [StageState(DisjointSet(self.live)) for _ in range(stages)]
+        self.global_at: dict[int, int] = {}  # pipeline -> iteration of the pending global sync
+        self.final = False  # the pending global sync ends the run
+        self.global_closed: set[int] = set()  # stages that closed the pending global sync
+        self.global_history: list[dict[int, int]] = []  # every global sync's iteration per pipeline
+        self.finished = False
+        self.next_global = pipelines * global_every
+
+    def time_is_up(self) -> bool:
+        return self.stop_requested or (self.time_limit is not None
+                                       and self.clock() - self.started >= self.time_limit)
+
+    def pending(self) -> bool:
+        """Whether a global sync is declared and some stage has not closed it yet."""
+        return any(st.global_pending for st in self.stages)
+
+
+class StageView(NamedTuple):
+    """One stage's round state in a :class:`Snapshot` (a tuple: cheap to take per event)."""
+
+    connecting: bool  # a round due to connect, held past its window for another component
+    global_pending: bool  # the pending global sync has not closed at this stage
+    rounds: int  # group rounds since the stage's replicas were last all connected
+    updates: int  # their members, counted (cost_aware's measure of "due")
+    components: int  # components of the live replicas since then
+    deadline: Optional[float]  # when the open round closes without everyone (None: none open)
+    fastest: Optional[int]  # the live replica with the shortest pace (None: nobody live)
+    waiting: dict[int, tuple[int, float]]  # replica -> (iteration, arrival), decision pending
+    parked: frozenset[int]  # of those, the ones at their iteration of the pending global sync
+    free: dict[int, tuple[int, float]]  # ``waiting`` less ``parked``: what a group round may take
+
+
+class Snapshot(NamedTuple):
+    """A copy of the policy's state between events, for tests, traces and tools: changing it
+    changes nothing in the policy."""
+
+    token: Optional[int]  # classic: the stage allowed to wait for connectivity
+    live: frozenset[int]
+    stages: tuple[StageView, ...]
+    global_at: dict[int, int]  # pipeline -> its iteration of the pending global sync
+    final: bool  # the pending global sync ends the run
+    finished: bool
+    next_global: int  # iterations done at which the next periodic global sync is due
+    last_ready: dict[int, tuple[int, ...]]  # pipeline -> each stage's last ready iteration
+    begun: Optional[dict[int, int]]  # asynchronous: iterations begun per pipeline (else None)
