@@ -58,7 +58,7 @@ TARGET = 1.05  # async + sdpipe within 5 % of the flushed all-reduce's validatio
 
 def convergence_runs() -> list[tuple[str, list[str]]]:
     """(label, overrides), the reference first; ``lr/sqrt(m)`` from the default config."""
-    from sdpipe_cli.config.schema import compose
+    from sdpipe_cli.config.composition import compose
 
     defaults = compose([])
     scaled = f"train.lr={defaults.train.lr / math.sqrt(defaults.pipeline.microbatches):.6g}"

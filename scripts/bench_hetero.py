@@ -83,7 +83,8 @@ def partition(args: argparse.Namespace) -> list[str]:
     from sdpipe_cli.core import partition as part
     from sdpipe_cli.config import measurements as prof
     from sdpipe_cli.core.cluster import Cluster
-    from sdpipe_cli.config.schema import compose, n_blocks
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.schema import n_blocks
 
     prof_dir = args.out / "profile"
     cmd = [sys.executable, "-m", "sdpipe_cli", "profile", *PARTITION_RUN, f"run.dir={prof_dir}"]

@@ -102,7 +102,8 @@ def overrides(args: argparse.Namespace, precision: str, ckpt: bool) -> list[str]
 
 def prepared(args: argparse.Namespace, precision: str = "fp32", ckpt: bool = False):
     from sdpipe_cli.cli import preparing
-    from sdpipe_cli.config.schema import compose, validate
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.validation import validate
 
     cfg = compose(overrides(args, precision, ckpt))
     validate(cfg)

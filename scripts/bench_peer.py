@@ -11,7 +11,7 @@ The claim it checks: on one pipeline, sdpipe's flushed 1F1B is at least as fast 
 
 **What runs.** Both sides train the project's byte-level GPT blocks
 (``sdpipe_cli.model.bytes_lm.build_blocks``) from one composed config (``--model-overrides`` plus
-the pipeline and training keys below, composed once with ``sdpipe_cli.config.schema.compose``),
+the pipeline and training keys below, composed once with ``sdpipe_cli.config.composition.compose``),
 seeded with ``train.seed`` before the build, cut into ``--stages`` contiguous stages by the
 uniform partition (``core.partition.resolve("uniform", ...)``), on CPU with gloo, one process
 per stage and one intra-op thread per process (``OMP_NUM_THREADS=1``, as sdpipe's CPU workers):
@@ -259,7 +259,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     from omegaconf import OmegaConf
 
-    from sdpipe_cli.config.schema import compose
+    from sdpipe_cli.config.composition import compose
 
     cfg_yaml = OmegaConf.to_yaml(compose(shared_overrides(args)), resolve=True)
     sdpipe, peer = [], []

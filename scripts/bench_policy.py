@@ -82,7 +82,8 @@ def overrides(args, pattern: str, variant: str) -> list[str]:
 
 def simulated(ovr: list[str]) -> dict[str, Any]:
     from sdpipe_cli.cli.preparing import prepare
-    from sdpipe_cli.config.schema import compose, validate
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.validation import validate
     from sdpipe_cli.hetero import simulator
 
     cfg = compose(ovr)

@@ -188,7 +188,9 @@ def queued_s(pid: int) -> float:
 # -- one scenario ---------------------------------------------------------------------------------
 def write_config(args: argparse.Namespace, P: int, S: int, run_dir: Path) -> Path:
     from sdpipe_cli.cli import preparing
-    from sdpipe_cli.config.schema import compose, save_run_config, validate
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.run_file import save_run_config
+    from sdpipe_cli.config.validation import validate
 
     slowdown = ",".join(["1"] * (P - 1) + [f"{SLOW:g}"])
     cfg = compose(["sync=sdpipe", "model=mlp", "data=synthetic", "cluster.device=cpu",

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from sdpipe_cli.cli import preparing
-from sdpipe_cli.config.schema import compose, validate
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.validation import validate
 from sdpipe_cli.hetero import simulator
 
 #: (overrides, variants compared). Every sync mode, the three schedules, static, random and mixed

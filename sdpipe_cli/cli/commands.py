@@ -24,7 +24,9 @@ from rich.console import Console
 from sdpipe_cli.runtime import network
 from sdpipe_cli.cli import display, resuming, run_loop
 from sdpipe_cli.config import job_env
-from sdpipe_cli.config.schema import ConfigError, compose, validate
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.config.validation import validate
 from sdpipe_cli.runtime.errors import DataError
 
 

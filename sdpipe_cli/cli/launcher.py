@@ -37,7 +37,8 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.config.schema import ConfigError, save_run_config
+from sdpipe_cli.config.run_file import save_run_config
+from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.model import checkpoint, models

@@ -37,7 +37,8 @@ from sdpipe_cli.cli import commands, display, resuming, sweeping
 from sdpipe_cli.cli.interrupts import exit_on_interrupt
 from sdpipe_cli.cli.run_loop import InterruptedAfterRun
 from sdpipe_cli.core.errors import BadInput
-from sdpipe_cli.config.schema import ConfigError, group_options
+from sdpipe_cli.config.composition import group_options
+from sdpipe_cli.config.schema import ConfigError
 
 EXIT_USAGE = 2  # bad input; the run loop's EXIT_FAILED and EXIT_INTERRUPTED are the others
 

@@ -19,7 +19,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import measurements
-from sdpipe_cli.config.schema import ConfigError, num_classes, objective, validate_partition
+from sdpipe_cli.config.schema import ConfigError, num_classes, objective
+from sdpipe_cli.config.validation import validate_partition
 from sdpipe_cli.core import partition
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.modes import mode

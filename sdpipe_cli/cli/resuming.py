@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
-from sdpipe_cli.config.schema import ConfigError, compose, schema_for, validate
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import ConfigError, schema_for
+from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import network
 from sdpipe_cli.runtime.errors import CheckpointError

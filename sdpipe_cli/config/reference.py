@@ -248,9 +248,11 @@ def reference(module: Optional[ModuleType] = None, root: str = "Config",
     """The Markdown reference of ``module``'s schema (default: sdpipe's own), rooted at ``root``."""
     if module is None:
         from sdpipe_cli.config import schema as module_
+        from sdpipe_cli.config.composition import config_dir
+
         module = module_
         if config_root is None:
-            config_root = module.config_dir()
+            config_root = config_dir()
     source = _Source(module)
     top = getattr(module, root)
     modname = module.__name__

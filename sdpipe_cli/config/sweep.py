@@ -75,7 +75,7 @@ def multirun(task, overrides: Sequence[str], root, combos: Sequence[Combination]
 
     import hydra
 
-    from sdpipe_cli.config.schema import config_dir, register_schema
+    from sdpipe_cli.config.composition import config_dir, register_schema
 
     register_schema()
     varied = {v.split("=", 1)[0] for c in combos for v in c.varied}

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig
 
-from sdpipe_cli.config.schema import load_child_config
+from sdpipe_cli.config.run_file import load_child_config
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import store

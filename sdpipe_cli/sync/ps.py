@@ -23,7 +23,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector
 
-from sdpipe_cli.config.schema import load_child_config
+from sdpipe_cli.config.run_file import load_child_config
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime.bootstrap import child, connect_store, process_group

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.helpers import free_port, metrics, sdpipe
-from sdpipe_cli.config.schema import load_run_config
+from sdpipe_cli.config.run_file import load_run_config
 from sdpipe_cli.sync.groups import GroupCache, average_tensors
 from sdpipe_cli.model.models import build_stage_module
 

@@ -62,7 +62,8 @@ def test_bench_convergence_times_a_given_target():
 
 
 def test_bench_convergence_random_scenario_is_a_valid_run_with_random_straggles():
-    from sdpipe_cli.config.schema import compose, validate
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.validation import validate
 
     bench = importlib.import_module("bench_convergence")
     args = bench.parse_args(["--scenarios", "random"])

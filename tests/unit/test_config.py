@@ -10,14 +10,9 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.cli.parsing import main
 from tests.helpers import one_error_line
-from sdpipe_cli.config.schema import (
-    ConfigError,
-    compose,
-    config_dir,
-    group_options,
-    n_blocks,
-    validate,
-)
+from sdpipe_cli.config.composition import compose, config_dir, group_options
+from sdpipe_cli.config.schema import ConfigError, n_blocks
+from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.cluster import Cluster
 
 REQUIRED_KEYS = [
@@ -336,7 +331,9 @@ def test_weight_versions_errors(overrides, reason, capsys):
 def test_tensorboard_without_its_package_is_named(monkeypatch):
     import importlib.util
 
-    from sdpipe_cli.config.schema import ConfigError, compose, validate
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.schema import ConfigError
+    from sdpipe_cli.config.validation import validate
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -88,7 +88,8 @@ def test_every_training_example_in_the_readme_composes_and_validates():
     """What the README tells users to type is read by the same parser and checks as theirs
     would be (a ``data.path=~/corpus`` that Hydra's lexer refuses fails here); files and devices
     it names are not looked at."""
-    from sdpipe_cli.config.schema import compose, validate
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.validation import validate
     from sdpipe_cli.config.sweep import expand
 
     examples = readme_commands("train") + readme_commands("simulate")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sdpipe_cli.core.cluster import Cluster, Device, SpeedChange
-from sdpipe_cli.config.schema import compose, validate
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.validation import validate
 from sdpipe_cli.hetero.emulation import (MemoryLimit, MemoryLimitExceeded, Slowdown, Stragglers, link_delay,
                                make_slowdown)
 from sdpipe_cli.core.schedule import Action, one_f_one_b

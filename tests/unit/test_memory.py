@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sdpipe_cli.cli.preparing import check_memory, prepare
-from sdpipe_cli.config.schema import ConfigError, compose
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.schedule import async_one_f_one_b, gpipe, in_flight, one_f_one_b
 from sdpipe_cli.data import sources
 from sdpipe_cli.model import memory, models

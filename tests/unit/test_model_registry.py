@@ -10,7 +10,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from sdpipe_cli.config.schema import ConfigError, compose, validate
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.config.validation import validate
 from sdpipe_cli.model import models
 
 

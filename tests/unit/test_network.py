@@ -14,7 +14,9 @@ import psutil
 import pytest
 
 from sdpipe_cli.runtime import network, store
-from sdpipe_cli.config.schema import ConfigError, compose, validate
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.config.validation import validate
 
 FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
 TWO_NODES = ("cluster.nodes=[{name: a, host: 127.0.0.1, devices: [{}, {}]},"

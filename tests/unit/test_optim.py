@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdpipe_cli.model import optim
-from sdpipe_cli.config.schema import compose
+from sdpipe_cli.config.composition import compose
 from sdpipe_cli.sync.strategies import GroupSync
 
 

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from sdpipe_cli.cli.preparing import prepare
-from sdpipe_cli.config.schema import compose, load_run_config, save_run_config
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.run_file import load_run_config, save_run_config
 from sdpipe_cli.core.errors import BadInput
 from sdpipe_cli.core.plan import RunPlan
 

@@ -7,7 +7,8 @@ import pytest
 from sdpipe_cli.config import measurements
 from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.core.cluster import Cluster
-from sdpipe_cli.config.schema import compose, validate
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.validation import validate
 from tests.helpers import make_doc
 from tests.helpers import write_profile as write
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from sdpipe_cli.config.schema import SCHEDULES, SYNC_CONFIGS, compose, group_options
+from sdpipe_cli.config.composition import compose, group_options
+from sdpipe_cli.config.schema import SCHEDULES, SYNC_CONFIGS
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.schedule import get_schedule
 from sdpipe_cli.sync.strategies import make_sync

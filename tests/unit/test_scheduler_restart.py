@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from sdpipe_cli.config.schema import compose
+from sdpipe_cli.config.composition import compose
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync.scheduler import Scheduler

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from sdpipe_cli.cli.preparing import prepare
-from sdpipe_cli.config.schema import ConfigError, compose, validate
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.simulation import simulate
 from sdpipe_cli.hetero import simulator

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from sdpipe_cli.config.schema import ConfigError, compose
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.data import sources
 from sdpipe_cli.runtime.errors import DataError
 

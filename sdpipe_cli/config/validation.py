@@ -1,0 +1,369 @@
+"""Validating a composed config: the cross-field checks that types alone cannot express.
+
+Composition (:mod:`sdpipe_cli.config.composition`) has checked every key and type; what is left is
+what depends on several settings (stages against the model's blocks, a batch against its
+micro-batches, a sync mode against the schedule and the fault options, a cluster's nodes against
+its placement) and on the machine's files (a data path, a profile). :func:`validate` runs them
+section by section, so that a bad run stops before anything is written, with one
+:class:`~sdpipe_cli.config.schema.ConfigError` naming the key. Each check is a :func:`need`:
+the condition, the key and what to do instead. A sync mode's own settings are checked by its entry
+in :data:`_SETTINGS_CHECKS`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig
+
+from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS, DEVICES,
+                                      EMULATIONS, HF_ARCHS, IMAGE_DATASETS, LR_SCHEDULES,
+                                      OBJECTIVES, OPTIMIZERS, PARTITIONS, POLICIES, PRECISIONS,
+                                      RESNET_BLOCKS, SCHEDULES, SYNC_MODES, ConfigError, emulation,
+                                      n_blocks, num_classes, objective)
+from sdpipe_cli.core.modes import mode, names_with
+from sdpipe_cli.core.plan import microbatch_size
+
+
+def need(ok: bool, key: str, reason: str) -> None:
+    """Raise :class:`ConfigError` for ``key`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(key, reason)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks that types alone cannot express, section by section (the first bad
+    setting found is the one reported). Raises :class:`ConfigError`."""
+    m, d = cfg.model, cfg.data
+    need(m.arch in ARCHS, "model.arch", f"is '{m.arch}'; choose one of {', '.join(ARCHS)}")
+    need(d.name in DATASETS, "data.name", f"is '{d.name}'; choose one of {', '.join(DATASETS)}")
+    _validate_model(cfg)
+    _validate_data(cfg)
+    _validate_cluster_settings(cfg)
+    _validate_pipeline(cfg)
+    _validate_sync(cfg)
+    _validate_train(cfg)
+    _validate_checkpoint(cfg)
+    _validate_fault(cfg)
+    _validate_run(cfg)
+    _validate_cluster(cfg)
+
+
+def _validate_data(cfg: DictConfig) -> None:
+    """``data``: the data set, its path, split, evaluation, normalization and loader."""
+    d = cfg.data
+    if d.name == "text":
+        need(bool(d.path), "data.path", "is required with data=text (a file or a folder of text)")
+        need(Path(str(d.path)).expanduser().exists(), "data.path", f"'{d.path}' does not exist")
+    need(d.name not in ("tokens", "imagefolder", "cifar10") or bool(d.path), "data.path",
+         f"is required with data={d.name} (the data set's folder)")
+    need(d.name != "custom" or bool(d.get("_target_")), "data._target_",
+         "data=custom needs the callable that returns the Dataset: data._target_=PKG.MODULE.FN")
+    need(d.max_bytes > 0, "data.max_bytes", "must be positive")
+    need(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+    need(d.eval_batches is None or d.eval_batches >= 1, "data.eval_batches", "must be at least 1 (or null)")
+    need(d.image_size is None or d.image_size >= 1, "data.image_size", "must be at least 1 pixel")
+    for key in ("mean", "std"):
+        need(d[key] is None or len(d[key]) in (1, 3), f"data.{key}", "needs 1 or 3 values (per channel)")
+    need(d.mean is None or d.std is None or len(d.mean) == len(d.std), "data.std",
+         "needs as many values as data.mean")
+    need(d.std is None or all(v > 0 for v in d.std), "data.std", "must be positive")
+    need(d.num_workers is None or d.num_workers >= 0, "data.num_workers", "must be 0 or more")
+    need(d.prefetch >= 1, "data.prefetch", "must be at least 1")
+
+
+def _validate_cluster_settings(cfg: DictConfig) -> None:
+    """``cluster``'s own numbers (pipelines, slow-downs, modelled compute, device) and ``simulate``'s."""
+    c = cfg.cluster
+    need(c.pipelines >= 1, "cluster.pipelines", "must be at least 1")
+    if len(c.slowdown) > 0:
+        need(len(c.slowdown) == c.pipelines, "cluster.slowdown",
+             f"has {len(c.slowdown)} factors for {c.pipelines} pipelines; give one per pipeline")
+        need(all(f >= 1.0 for f in c.slowdown), "cluster.slowdown",
+             "factors must be >= 1.0 (3.0 = three times slower)")
+    need(c.compute_ms is None or c.compute_ms > 0, "cluster.compute_ms", "must be positive ms")
+    need(c.device in DEVICES, "cluster.device", f"is '{c.device}'; choose one of {', '.join(DEVICES)}")
+    for key in ("rtt_ms", "event_ms", "collective_ms", "p2p_ms", "jitter"):
+        need(cfg.simulate[key] >= 0, f"simulate.{key}", "must be >= 0")
+
+
+def _validate_pipeline(cfg: DictConfig) -> None:
+    """``pipeline``: stages against the model's blocks, micro-batches, schedule, partition, weight versions."""
+    m, p = cfg.model, cfg.pipeline
+    blocks = n_blocks(m)  # custom models: checked once built (models.check)
+    need(p.stages >= 1, "pipeline.stages", "must be at least 1")
+    need(blocks is None or p.stages <= blocks, "pipeline.stages",
+         f"is {p.stages} but model {m.name} has only {blocks} blocks; use at most {blocks} stages")
+    need(p.microbatches >= 1, "pipeline.microbatches", "must be at least 1")
+    need(p.schedule in SCHEDULES, "pipeline.schedule",
+         f"is '{p.schedule}'; choose one of {', '.join(SCHEDULES)}")
+    if blocks is not None:
+        validate_partition(p.partition, p.stages, blocks)
+    if p.weight_versions is not None:
+        need(p.schedule == "async_1f1b", "pipeline.weight_versions",
+             f"only applies to pipeline.schedule=async_1f1b (schedule is {p.schedule})")
+        need(p.weight_versions == 2, "pipeline.weight_versions",
+             f"is {p.weight_versions}; use 2 (PipeDream-2BW) or null (PipeDream: up to S - s)")
+        need(p.microbatches >= p.stages, "pipeline.weight_versions",
+             f"2 needs pipeline.microbatches >= pipeline.stages (m={p.microbatches}, "
+             f"S={p.stages}): micro-batches in flight must span at most two updates")
+
+
+def _validate_sync(cfg: DictConfig) -> None:
+    """``sync``: the mode, its own settings, and the schedules it can run."""
+    p = cfg.pipeline
+    y = cfg.sync
+    need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")
+    _SETTINGS_CHECKS.get(y.name, lambda _: None)(y)
+    need(not (mode(y.name).flushed_only and p.schedule in ASYNC_SCHEDULES), "pipeline.schedule",
+         f"sync={y.name} counts an iteration's updates: use a flushed schedule (1f1b, gpipe), "
+         f"not {p.schedule}")
+
+
+def _validate_train(cfg: DictConfig) -> None:
+    """``train``: steps, batch, optimizer, learning-rate schedule, precision, logging."""
+    p, t = cfg.pipeline, cfg.train
+    need(t.steps >= 1, "train.steps", "must be at least 1")
+    need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
+    need(t.batch_size % p.microbatches == 0, "train.batch_size",
+         f"{t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}")
+    for key in ("lr", "momentum", "weight_decay", "grad_clip", "loss_scale", "final_lr", "decay_factor"):
+        need(math.isfinite(t[key]), f"train.{key}", f"must be a finite number, got {t[key]}")
+    need(t.lr >= 0, "train.lr", "must be >= 0")
+    need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite",
+         f"is '{t.on_nonfinite}'; choose stop or skip")
+    need(t.max_skipped >= 1, "train.max_skipped", "must be at least 1")
+    need(t.optimizer in OPTIMIZERS, "train.optimizer",
+         f"is '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+    need(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
+    need(t.warmup >= 0, "train.warmup", "must be >= 0")
+    need(t.schedule in LR_SCHEDULES, "train.schedule",
+         f"is '{t.schedule}'; choose one of {', '.join(LR_SCHEDULES)}")
+    need(0.0 <= t.final_lr <= 1.0, "train.final_lr", "must be in [0, 1] (a fraction of train.lr)")
+    need(t.decay_every >= 1, "train.decay_every", "must be at least 1 iteration")
+    need(0.0 < t.decay_factor <= 1.0, "train.decay_factor", "must be in (0, 1]")
+    need(t.loss_scale >= 1, "train.loss_scale", "must be at least 1")
+    need(t.precision in PRECISIONS, "train.precision",
+         f"is '{t.precision}'; choose one of {', '.join(PRECISIONS)}")
+    need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: evaluate only at the end)")
+    need(t.log_every >= 1, "train.log_every", "must be at least 1")
+    need(t.time_limit is None or t.time_limit > 0, "train.time_limit", "must be positive seconds")
+
+
+def _validate_checkpoint(cfg: DictConfig) -> None:
+    """``checkpoint``: its cadence, and whether the sync mode can save or stop together."""
+    y = cfg.sync
+    need(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)")
+    need(cfg.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0: keep all)")
+    sync_mode = mode(y.name)
+    need(not (cfg.checkpoint.every and not sync_mode.checkpoints), "checkpoint.every",
+         f"checkpoints are not supported with sync={y.name} (the servers' state is not saved)")
+    need(not (cfg.checkpoint.on_exit and not sync_mode.stop_together), "checkpoint.on_exit",
+         f"needs replicas that stop together; sync={y.name} has none (use checkpoint.every)")
+    minutes = cfg.checkpoint.every_minutes
+    need(minutes is None or minutes > 0, "checkpoint.every_minutes", "must be positive minutes")
+    need(minutes is None or sync_mode.stop_together, "checkpoint.every_minutes",
+         f"needs replicas that agree on when; sync={y.name} has none (use checkpoint.every)")
+
+
+def _validate_run(cfg: DictConfig) -> None:
+    """``run`` and ``metrics``: port, timeouts, tracing, TensorBoard."""
+    need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
+    need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
+    need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")
+    need(cfg.run.trace_events > 0, "run.trace_events", "must be at least 1")
+    need(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+         "metrics.tensorboard", "needs the tensorboard package: pip install tensorboard")
+
+
+def _check_sdpipe(y: DictConfig) -> None:
+    need(y.min_group >= 1, "sync.min_group", "must be at least 1")
+    need(0 < y.window_min_ms <= y.window_ms <= y.window_max_ms, "sync.window_ms",
+         "need 0 < sync.window_min_ms <= sync.window_ms <= sync.window_max_ms")
+    need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
+    need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
+    need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
+    need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
+    need(y.max_group == 0 or y.max_group >= 2, "sync.max_group", "must be 0 (no cap) or at least 2")
+    need(y.policy in POLICIES, "sync.policy", f"is '{y.policy}'; choose one of {', '.join(POLICIES)}")
+    need(y.average in AVERAGES, "sync.average",
+         f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
+
+
+def _check_ps(y: DictConfig) -> None:
+    need(y.staleness >= 0, "sync.staleness", "must be >= 0 (0: bulk-synchronous)")
+
+
+def _check_diloco(y: DictConfig) -> None:
+    need(y.local_steps >= 1, "sync.local_steps", "must be at least 1")
+    need(math.isfinite(y.outer_lr) and y.outer_lr > 0, "sync.outer_lr",
+         f"must be a positive finite number, got {y.outer_lr}")
+    need(math.isfinite(y.outer_momentum) and 0 <= y.outer_momentum < 1, "sync.outer_momentum",
+         f"must be in [0, 1), got {y.outer_momentum}")
+
+
+# each mode's own settings, beside its config class (the rest of validation asks core.modes)
+_SETTINGS_CHECKS = {"sdpipe": _check_sdpipe, "ps": _check_ps, "diloco": _check_diloco}
+
+
+def _validate_model(cfg: DictConfig) -> None:
+    """The model, its objective and the data it needs; the extras it imports."""
+    m, d = cfg.model, cfg.data
+    goal = objective(cfg)
+    need(m.objective in OBJECTIVES, "model.objective",
+         f"is '{m.objective}'; choose one of {', '.join(OBJECTIVES)}")
+    image = d.name in IMAGE_DATASETS
+    need(goal == "classify" or not image, "model.objective",
+         f"{goal} needs token data, but data={d.name} is images; use a classifier (e.g. model=resnet_cifar)")
+    need(goal != "classify" or image or "custom" in (m.arch, d.name), "data.name",
+         f"{m.arch} classifies images, but data={d.name} is text; use data=digits")
+    need(m.arch not in RESNET_BLOCKS or goal == "classify", "model.objective",
+         f"{m.arch} is a classifier; its objective is classify")
+    need(m.arch != "custom" or bool(m.get("_target_")), "model._target_",
+         "model=custom needs the callable that builds it: model._target_=PKG.MODULE.FN")
+    need(m.n_layers >= 1, "model.n_layers", "must be at least 1")
+    need(m.seq_len >= 1, "model.seq_len", "must be at least 1")
+    need(m.d_model >= 1 and m.d_hidden >= 1, "model.d_model", "widths must be at least 1")
+    if not image:
+        need(m.vocab_size >= 256, "model.vocab_size", "must be at least 256 (byte-level data)")
+        need(goal != "mlm" or m.vocab_size >= 257, "model.vocab_size",
+             "must be at least 257 with objective mlm (bytes and a mask token)")
+    if m.arch in ("gpt", "gpt2", "bert"):
+        need(m.n_heads >= 1 and m.d_model % m.n_heads == 0, "model.n_heads",
+             f"d_model={m.d_model} must be divisible by n_heads={m.n_heads}")
+    need(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+    if goal == "classify":
+        classes = num_classes(cfg)  # image folders and custom sets: their own, found at launch
+        need(classes is not None or d.name in ("imagefolder", "custom"), "model.num_classes",
+             "a classifier needs its number of classes (set model.num_classes)")
+        need(classes is None or classes >= 2, "model.num_classes", "a classifier needs at least 2 classes")
+    need(m.pretrained is None or m.arch in HF_ARCHS, "model.pretrained",
+         f"loads transformers weights (model=gpt2 or bert), not model.arch={m.arch}")
+    if m.pretrained is not None:
+        need(Path(str(m.pretrained)).expanduser().is_dir(), "model.pretrained",
+             f"'{m.pretrained}' is not a folder (one written by save_pretrained)")
+    extras = {"transformers": (m.arch in HF_ARCHS, "model.arch", f"{m.arch} needs Hugging Face "
+                               "transformers: pip install -e '.[hf]'"),
+              "sklearn": (d.name == "digits", "data.name", "digits needs scikit-learn: "
+                          "pip install -e '.[digits]'"),
+              "PIL": (d.name == "imagefolder", "data.name", "imagefolder reads images with pillow: "
+                      "pip install -e '.[images]'"),
+              "numpy": (d.name == "cifar10", "data.name", "cifar10's files hold numpy arrays: "
+                        "pip install numpy")}
+    for module, (needed, key, reason) in extras.items():
+        need(not needed or importlib.util.find_spec(module) is not None, key, reason)
+
+
+def _validate_fault(cfg: DictConfig) -> None:
+    """What a run does about a failure: each mode of recovery needs what it rebuilds from."""
+    f, y = cfg.fault, cfg.sync
+    loss, failure = f.on_pipeline_loss, f.on_failure
+    need(loss in ("stop", "continue", "restart"), "fault.on_pipeline_loss",
+         f"is '{loss}'; choose stop, continue or restart")
+    survivors = " or ".join(f"sync={n}" for n in names_with("survives_loss"))
+    need(loss == "stop" or (mode(y.name).survives_loss and cfg.cluster.pipelines >= 2),
+         "fault.on_pipeline_loss", f"{loss} needs {survivors} and at least 2 pipelines (a lost "
+         f"pipeline is healed from a live replica; sync={y.name} has no way around a missing one)")
+    need(loss == "stop" or cfg.run.heartbeat_timeout > y.get("group_timeout", 0),
+         "run.heartbeat_timeout", f"must exceed sync.group_timeout ({y.get('group_timeout')} s) "
+         f"with fault.on_pipeline_loss={loss}: a replica waiting that long for a lost member "
+         "would be taken for hung")
+    need(failure in ("stop", "restart"), "fault.on_failure", f"is '{failure}'; choose stop or restart")
+    need(failure == "stop" or mode(y.name).restart_run, "fault.on_failure",
+         f"restart is for lock-step sync ({', '.join(names_with('restart_run'))}), not "
+         f"sync={y.name}" + ("; use fault.on_pipeline_loss=restart" if mode(y.name).survives_loss
+                             else " (no consistent checkpoint to restart from)"))
+    need(failure == "stop" or cfg.checkpoint.every > 0 or cfg.checkpoint.every_minutes,
+         "fault.on_failure", "restart needs checkpoints to restart from: set checkpoint.every "
+         "or checkpoint.every_minutes")
+    need(f.max_restarts >= 0, "fault.max_restarts", f"is {f.max_restarts}; must be >= 0")
+    need(f.restart_backoff >= 0, "fault.restart_backoff", "must be >= 0 seconds")
+
+
+def _validate_cluster(cfg: DictConfig) -> None:
+    """Nodes, placement, emulation, stragglers and the profile they may need."""
+    from sdpipe_cli.core.cluster import Cluster, ClusterError
+    from sdpipe_cli.config.measurements import ProfileError, check_model, load
+
+    c = cfg.cluster
+    try:
+        cluster = Cluster.from_config(c, cfg.pipeline.stages)
+    except ClusterError as err:
+        raise ConfigError(err.key, err.reason) from None
+    hosts = [n.host for n in c.nodes]
+    if any(hosts):
+        if not all(hosts):
+            missing = hosts.index(None)
+            raise ConfigError(f"cluster.nodes[{missing}].host", "give every node its address, or "
+                              "none (nodes emulated on this machine)")
+        if cfg.run.node not in cluster.nodes:
+            raise ConfigError("run.node", f"name the node this launcher runs on (one of: "
+                              f"{', '.join(cluster.nodes)}); start one launcher per node")
+        if not cfg.run.port:
+            raise ConfigError("run.port", f"set a fixed port: the other nodes reach the store at "
+                              f"{hosts[0]}:run.port")
+        split = cluster.split_pipelines()
+        if cfg.fault.on_pipeline_loss != "stop" and split:
+            raise ConfigError("fault.on_pipeline_loss", f"{cfg.fault.on_pipeline_loss} across real "
+                              f"nodes needs every pipeline on one node (pipeline {split[0]} spans "
+                              "nodes: see cluster.placement); its launcher then handles its loss")
+        if cfg.fault.on_failure != "stop":
+            raise ConfigError("fault.on_failure", f"{cfg.fault.on_failure} is not supported "
+                              "across real nodes yet; use stop")
+    elif cfg.run.node is not None:
+        raise ConfigError("run.node", "is only for clusters of real nodes (cluster.nodes[*].host)")
+    if c.emulation not in EMULATIONS:
+        raise ConfigError("cluster.emulation", f"is '{c.emulation}'; choose one of {', '.join(EMULATIONS)}")
+    modelled = emulation(cfg) == "modelled"
+    if modelled and c.compute_ms is None and not cfg.profile:
+        raise ConfigError("cluster.emulation", "modelled needs cluster.compute_ms or profile=PATH "
+                          "(block times from `sdpipe profile`)")
+    if not modelled and cluster.max_speed > 1.0:
+        raise ConfigError("cluster.nodes", f"a device speed of {cluster.max_speed:g} > 1.0 needs "
+                          "cluster.emulation=modelled (measured compute cannot be made faster)")
+    st = c.stragglers
+    if not 0.0 <= st.probability <= 1.0:
+        raise ConfigError("cluster.stragglers.probability", "must be in [0, 1]")
+    if st.factor < 1.0:
+        raise ConfigError("cluster.stragglers.factor", "must be >= 1.0 (3.0 = three times slower)")
+    if st.per not in ("microbatch", "iteration"):
+        raise ConfigError("cluster.stragglers.per", f"is '{st.per}'; choose microbatch or iteration")
+    for name in st.devices:
+        if name not in cluster.devices:
+            raise ConfigError("cluster.stragglers.devices", f"no device '{name}' (devices: "
+                              f"{', '.join(cluster.devices)})")
+    if cfg.pipeline.partition == "auto" and not cfg.profile:
+        raise ConfigError("pipeline.partition", "auto needs profile=PATH (a profile.json from "
+                          "`sdpipe profile`)")
+    if cfg.profile:
+        try:
+            check_model(load(cfg.profile), cfg.model.name, n_blocks(cfg.model),
+                        microbatch_size(cfg))
+        except ProfileError as err:
+            raise ConfigError("profile", str(err)) from None
+
+
+def validate_partition(partition: Any, stages: int, blocks: int) -> None:
+    """``pipeline.partition`` is a known name or S - 1 increasing block boundaries."""
+    key = "pipeline.partition"
+    if isinstance(partition, str):
+        if partition not in PARTITIONS:
+            raise ConfigError(key, f"is '{partition}'; choose {', '.join(PARTITIONS)} "
+                              f"or a list of {stages - 1} block boundaries")
+        return
+    if not isinstance(partition, (list, ListConfig)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) for b in partition
+    ):
+        raise ConfigError(key, "must be uniform, params, auto or a list of integer block boundaries")
+    bounds = list(partition)
+    if len(bounds) != stages - 1:
+        raise ConfigError(key, f"has {len(bounds)} boundaries; {stages} stages need {stages - 1}")
+    edges = [0, *bounds, blocks]
+    if any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ConfigError(key, f"boundaries {bounds} must increase strictly within 1..{blocks - 1} "
+                          "so that no stage is empty")
