@@ -82,8 +82,8 @@ def speeds(args: argparse.Namespace) -> list[str]:
 def partition(args: argparse.Namespace) -> list[str]:
     from sdpipe_cli.core import partition as part
     from sdpipe_cli.config import measurements as prof
-    from sdpipe_cli.core.cluster import Cluster
     from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.core.plan import RunPlan
     from sdpipe_cli.config.schema import n_blocks
 
     prof_dir = args.out / "profile"
@@ -93,8 +93,7 @@ def partition(args: argparse.Namespace) -> list[str]:
             raise SystemExit(f"sdpipe profile failed; see {args.out / 'profile.log'}")
     path = prof_dir / "profile.json"
     cfg = compose([*PARTITION_RUN, f"profile={path}"])
-    cost = part.device_cost(prof.worker_block_ms(prof.load(path),
-                                                 Cluster.from_config(cfg.cluster, 2), []))
+    cost = part.device_cost(prof.worker_block_ms(prof.load(path), RunPlan.resolve(cfg).cluster, []))
     plan = part.plan(cost, n_blocks(cfg.model), 2)
     print(f"  plan: uniform {plan.uniform_bounds} {[round(t, 2) for t in plan.uniform_times]} ms, "
           f"auto {plan.bounds} {[round(t, 2) for t in plan.times]} ms", flush=True)
