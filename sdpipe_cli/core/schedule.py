@@ -52,7 +52,7 @@ __all__ = [
     "get_schedule",
     "gpipe",
     "one_f_one_b",
-    "simulate",
+    "tick_order",
     "stash_versions",
     "timeline",
     "updates_per_iteration",
@@ -209,7 +209,7 @@ def in_flight(actions: List[Action]) -> int:
 def flushed(schedule_fn: ScheduleFn, iterations: int) -> ScheduleFn:
     """``iterations`` consecutive iterations of a flushed schedule as one action list per stage.
 
-    Micro-batches are numbered across iterations. Fed to :func:`simulate`, the flush appears by
+    Micro-batches are numbered across iterations. Fed to :func:`tick_order`, the flush appears by
     itself: the first stage starts an iteration only after its last backward of the previous one,
     which comes after every other stage's.
     """
@@ -257,7 +257,7 @@ def format_actions(actions: List[Action]) -> str:
     return " ".join(str(a) for a in actions)
 
 
-def simulate(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> List[List[Optional[Action]]]:
+def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> List[List[Optional[Action]]]:
     """Run every stage's actions on a clock where each action takes one tick.
 
     Returns one row per stage, one entry per tick: the action run then, or None when the
@@ -299,8 +299,8 @@ def simulate(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> List[Li
 
 
 def timeline(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> str:
-    """ASCII table of :func:`simulate`: one row per stage, one column per tick, ``.`` = idle."""
-    rows = simulate(schedule_fn, stages, microbatches)
+    """ASCII table of :func:`tick_order`: one row per stage, one column per tick, ``.`` = idle."""
+    rows = tick_order(schedule_fn, stages, microbatches)
     width = max(len(str(a)) for row in rows for a in row if a is not None)
     digits = len(str(stages - 1))
     lines = []

@@ -45,7 +45,7 @@ from sdpipe_cli.core import modes
 from sdpipe_cli.core.cluster import Cluster, Stragglers
 from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
 from sdpipe_cli.core.placement import Placement
-from sdpipe_cli.core.schedule import Kind, get_schedule, simulate as tick_order
+from sdpipe_cli.core.schedule import Kind, get_schedule, tick_order
 
 __all__ = ["Workload", "Result", "simulate", "MODES"]
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.helpers import free_port, spawn_and_join
-from sdpipe_cli.core.schedule import async_one_f_one_b, simulate, stash_versions
+from sdpipe_cli.core.schedule import async_one_f_one_b, stash_versions, tick_order
 from sdpipe_cli.pipeline.async_stage import AsyncStage
 from sdpipe_cli.pipeline.executor import Executor
 from sdpipe_cli.pipeline.p2p import Control
@@ -119,14 +119,14 @@ def worker(rank, port, results):
 
 
 def reference(mode):
-    """PipeDream by hand: deep copies as stashes, the tick order of the simulated schedule."""
+    """PipeDream by hand: deep copies as stashes, the tick order of the schedule."""
     M, window, _, segments = MODES[mode]
     blocks = make_blocks()
     live = [nn.Sequential(*blocks[lo:hi]) for lo, hi in map(bounds, range(STAGES))]
     losses = {}
     backwards = [0] * STAGES
     for start, end in segments:
-        rows = simulate(async_one_f_one_b, STAGES, (end - start) * M)
+        rows = tick_order(async_one_f_one_b, STAGES, (end - start) * M)
         saved = {}  # (stage, i) -> (input, output, the copy of the stage that computed it)
         grads = {}  # (stage, i) -> gradient of that stage's input
         for tick in range(len(rows[0])):

@@ -16,7 +16,7 @@ from sdpipe_cli.core.schedule import (
     get_schedule,
     gpipe,
     one_f_one_b,
-    simulate,
+    tick_order,
     stash_versions,
     timeline,
 )
@@ -103,7 +103,7 @@ def test_validation(fn, args):
 @pytest.mark.parametrize("args", [(0, 1), (2, 0)])
 def test_simulate_validation(args):
     with pytest.raises(ValueError):
-        simulate(one_f_one_b, *args)
+        tick_order(one_f_one_b, *args)
 
 
 def test_timeline_table():
@@ -126,7 +126,7 @@ def test_simulate_detects_deadlock():
         return one_f_one_b(1, m, 0) if stage == 0 else gpipe(stages, m, stage)
 
     with pytest.raises(ValueError, match="deadlock"):
-        simulate(broken, 2, 2)
+        tick_order(broken, 2, 2)
 
 
 shapes = st.integers(1, 6).flatmap(
@@ -165,11 +165,11 @@ def test_in_flight_bound(shape):
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 12))
 def test_flushed_schedules_have_the_same_bubble(S, m):
-    ticks = {name: len(simulate(fn, S, m)[0]) for name, fn in SCHEDULES.items()}
+    ticks = {name: len(tick_order(fn, S, m)[0]) for name, fn in SCHEDULES.items()}
     assert ticks["1f1b"] == ticks["gpipe"] == 2 * (m + S - 1)
     # Every row of the table is one stage's actions in its own order, idles removed.
     for fn in SCHEDULES.values():
-        for s, row in enumerate(simulate(fn, S, m)):
+        for s, row in enumerate(tick_order(fn, S, m)):
             assert [a for a in row if a is not None] == fn(S, m, s)
 
 
@@ -245,8 +245,8 @@ def test_async_segment_is_1f1b_order(shape):
 def test_async_pays_the_bubble_once_per_segment(stages, m, iterations):
     """k flushed iterations take k x 2(m + S - 1) ticks, one segment of k iterations 2(km + S - 1):
     the saving tends to the bubble fraction (S - 1) / (m + S - 1) of a flushed iteration."""
-    flushed_ticks = len(simulate(flushed(one_f_one_b, iterations), stages, m)[0])
-    async_ticks = len(simulate(async_one_f_one_b, stages, iterations * m)[0])
+    flushed_ticks = len(tick_order(flushed(one_f_one_b, iterations), stages, m)[0])
+    async_ticks = len(tick_order(async_one_f_one_b, stages, iterations * m)[0])
     assert flushed_ticks == iterations * 2 * (m + stages - 1)
     assert async_ticks == 2 * (iterations * m + stages - 1)
     saved = 1 - async_ticks / flushed_ticks
