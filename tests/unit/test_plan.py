@@ -58,11 +58,15 @@ def test_the_simulators_other_modes_change_only_the_servers():
     assert ps.for_sync("sdpipe") == plan
 
 
+BASE = compose(["model=gpt_tiny"])  # composed once: the examples change three numbers of it
+
+
 @settings(max_examples=25, deadline=None)
 @given(P=st.integers(1, 6), S=st.integers(1, 4), steps=st.integers(1, 50))
 def test_every_rank_has_one_place(P, S, steps):
-    plan = RunPlan.resolve(compose(["model=gpt_tiny", f"cluster.pipelines={P}",
-                                    f"pipeline.stages={S}", f"train.steps={steps}"]))
+    cfg = BASE.copy()
+    cfg.cluster.pipelines, cfg.pipeline.stages, cfg.train.steps = P, S, steps
+    plan = RunPlan.resolve(cfg)
     grid = plan.grid
     places = {(grid.pipeline_of(r), grid.stage_of(r)) for r in range(plan.workers)}
     assert len(places) == plan.workers == P * S and plan.budget == P * steps
