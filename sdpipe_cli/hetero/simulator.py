@@ -127,6 +127,7 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
             raise ConfigError("--compare", f"'{m}' is not a sync mode; choose from {', '.join(MODES)}")
     started = time.perf_counter()
     work = workload(cfg)  # built once (P x S devices, draws, costs): only the sync settings differ
+    plan = RunPlan.of(cfg)
     solo = simulate(_for_sync(work, _with_sync(cfg, "none")), "none")
     limit = sum(solo.solo_rates())
     rows = []
@@ -134,7 +135,7 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
         mode_cfg = _with_sync(cfg, mode)
         begun = time.perf_counter()
         result = solo if mode == "none" else simulate(
-            _for_sync(work, mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, clock)))
+            _for_sync(work, mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, plan, clock)))
         rows.append(_row(result, limit, time.perf_counter() - begun))
     doc = {"format": FORMAT, **rows[0], "pipelines": cfg.cluster.pipelines,
            "stages": cfg.pipeline.stages, "solo_samples_per_s": solo.solo_rates(),

@@ -147,7 +147,7 @@ class Scheduler:
         # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
                          else None)
-        self.policy = (make_policy(cfg, clock) if mode(cfg.sync.name).group_policy
+        self.policy = (make_policy(cfg, plan, clock) if mode(cfg.sync.name).group_policy
                        and self.recorded is None else None)
         self.metrics = self._metrics() if live else _Muted()
         self.rounds = [[0] * P for _ in range(S)]  # rounds each replica took part in

@@ -11,6 +11,7 @@ from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.grouping import make_policy
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.simulation import simulate
 from sdpipe_cli.hetero import simulator
 
@@ -27,7 +28,7 @@ def config(*overrides: str):
 def run(cfg, sync: str | None = None):
     sync = sync or cfg.sync.name
     return simulate(simulator.workload(simulator._with_sync(cfg, sync)), sync,
-                    lambda clock: make_policy(cfg, clock))
+                    lambda clock: make_policy(cfg, RunPlan.of(cfg), clock))
 
 
 @pytest.mark.parametrize("stages, schedule", [(1, "1f1b"), (2, "1f1b"), (4, "1f1b"), (2, "gpipe")])

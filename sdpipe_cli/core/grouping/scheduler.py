@@ -16,6 +16,7 @@ from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
 from sdpipe_cli.core.grouping.rounds import RoundFormer
 from sdpipe_cli.core.grouping.state import Decision, RunState, Snapshot, StageView
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 
 POLICIES = ("cost_aware", "classic")
@@ -228,19 +229,21 @@ class AsyncGroupScheduler(GroupScheduler):
         super().__init__(pipelines, stages, rounds_per_iteration=rounds_per_iteration, **kwargs)
 
 
-def make_policy(cfg: Any, clock: Callable[[], float] = time.monotonic) -> GroupScheduler:
-    """The policy of a run config with ``sync=sdpipe``: the scheduler process and the simulator
-    (:mod:`sdpipe_cli.core.simulation`) build it here, so both run the same one."""
+def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monotonic
+                ) -> GroupScheduler:
+    """The policy of a run config with ``sync=sdpipe`` and its plan (the grid, the budget): the
+    scheduler process and the simulator (:mod:`sdpipe_cli.core.simulation`) build it here, so
+    both run the same one."""
     y, p = cfg.sync, cfg.pipeline
     policy, extra = GroupScheduler, {}
     if p.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
         rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
         policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}
     return policy(
-        cfg.cluster.pipelines, p.stages, **extra, min_group=y.min_group,
+        plan.pipelines, plan.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
         connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
         policy=y.policy, max_group=y.max_group, suspect_after=y.group_timeout,
         twins=y.average == "weights_grads" and policy is GroupScheduler,
-        total_iterations=cfg.cluster.pipelines * cfg.train.steps,
+        total_iterations=plan.budget,
         time_limit=cfg.train.time_limit, clock=clock)
