@@ -78,10 +78,10 @@ def check_memory(cfg: DictConfig) -> None:
     nothing of that size here."""
     if not cfg.run.memory_check:
         return
-    stages = memory.estimate(cfg, sources.example(cfg, RunPlan.of(cfg).microbatch_size)[0])
+    run = RunPlan.of(cfg)
+    stages = memory.estimate(cfg, sources.example(cfg, run.microbatch_size)[0])
     if stages is None:
         return
-    run = RunPlan.of(cfg)
     grid, cluster = run.grid, run.cluster
     ranks = run.ranks_on(cfg.run.node)
     fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "

@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -36,9 +36,9 @@ FORMAT = "sdpipe-simulation/1"
 FLOAT_BYTES = 4
 
 
-def workload(cfg: DictConfig) -> Workload:
-    """The simulated workload of a prepared run config (partition resolved); raises
-    :class:`ConfigError` for what cannot be simulated."""
+def workload(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Workload:
+    """The simulated workload of a prepared run config (partition resolved) and its plan (read
+    from it when not given); raises :class:`ConfigError` for what cannot be simulated."""
     m = cfg.pipeline.microbatches
     if cfg.pipeline.schedule in ASYNC_SCHEDULES:
         raise ConfigError("pipeline.schedule", f"'{cfg.pipeline.schedule}' cannot be simulated yet; "
@@ -46,7 +46,7 @@ def workload(cfg: DictConfig) -> Workload:
     if emulation(cfg) != "modelled":
         raise ConfigError("cluster.compute_ms", "simulate needs modelled compute: set "
                           "cluster.compute_ms or give profile=PATH")
-    plan = RunPlan.of(cfg)
+    plan = plan or RunPlan.of(cfg)
     P, S, cluster = plan.pipelines, plan.stages, plan.cluster
     blocks = models.count_blocks(cfg.model)
     ranges = stage_ranges(list(cfg.pipeline.partition), blocks)
@@ -98,13 +98,14 @@ def _sync_settings(cfg: DictConfig) -> dict:
             "local_steps": int(cfg.sync.get("local_steps", 1))}
 
 
-def _with_sync(cfg: DictConfig, sync: str) -> DictConfig:
-    """``cfg`` with another sync mode's defaults (for the comparison rows)."""
+def _with_sync(cfg: DictConfig, sync: str, plan: Optional[RunPlan] = None) -> DictConfig:
+    """``cfg`` with another sync mode's defaults (for the comparison rows), its plan with that
+    mode's servers."""
     if cfg.sync.name == sync:
         return cfg
     other = OmegaConf.to_container(cfg, resolve=True)
     other["sync"] = OmegaConf.to_container(OmegaConf.structured(SYNC_CONFIGS[sync]))
-    other["plan"] = RunPlan.of(cfg).for_sync(sync).section()
+    other["plan"] = (plan or RunPlan.of(cfg)).for_sync(sync).section()
     return OmegaConf.create(other)
 
 
@@ -126,13 +127,13 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
         if m not in MODES:
             raise ConfigError("--compare", f"'{m}' is not a sync mode; choose from {', '.join(MODES)}")
     started = time.perf_counter()
-    work = workload(cfg)  # built once (P x S devices, draws, costs): only the sync settings differ
     plan = RunPlan.of(cfg)
-    solo = simulate(_for_sync(work, _with_sync(cfg, "none")), "none")
+    work = workload(cfg, plan)  # built once (P x S devices, draws, costs): only the sync settings differ
+    solo = simulate(_for_sync(work, _with_sync(cfg, "none", plan)), "none")
     limit = sum(solo.solo_rates())
     rows = []
     for mode in modes:
-        mode_cfg = _with_sync(cfg, mode)
+        mode_cfg = _with_sync(cfg, mode, plan)
         begun = time.perf_counter()
         result = solo if mode == "none" else simulate(
             _for_sync(work, mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, plan, clock)))
