@@ -869,7 +869,7 @@ def test_bug_D_stale_connecting_flag_after_leave_drops_the_window_deadline():
 
 
 def test_bug_E_all_reduce_rounds_split_before_a_global():
-    """connect_every = 1 should be plain all-reduce (method.md: "connect_every = 1 equals
+    """connect_every = 1 should be plain all-reduce (the method: "connect_every = 1 equals
     all-reduce"). P = 2, S = 2, total_iterations = 4: the final global is declared by the second
     ready of iteration 0 (done + live = 4), and from then on the stage-0 round of iteration 0,
     "catching up" to the global, does not wait for connectivity: it closes at the window with
