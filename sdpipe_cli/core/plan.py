@@ -27,6 +27,11 @@ from sdpipe_cli.core.placement import Grid
 __all__ = ["RunPlan", "microbatch_size"]
 
 
+def _servers(stages: int, sync: str) -> int:
+    """Parameter servers of a run: one per stage where the sync mode has them."""
+    return stages if mode(sync).servers else 0
+
+
 def microbatch_size(cfg: Any) -> int:
     """Samples per micro-batch: ``train.batch_size // pipeline.microbatches`` (validation
     refuses a batch that does not divide). Defined here only; before the plan exists (while
@@ -78,21 +83,18 @@ class RunPlan:
 
     def for_sync(self, name: str) -> "RunPlan":
         """This plan under sync mode ``name`` (the simulator's comparison rows)."""
-        return replace(self, servers=self.stages if mode(name).servers else 0)
+        return replace(self, servers=_servers(self.stages, name))
 
     # -- resolving and carrying ---------------------------------------------------------------
     @classmethod
     def resolve(cls, cfg: Any, cluster: Optional[Cluster] = None) -> "RunPlan":
         """The plan of a checked config (``cluster``: its cluster, when already built)."""
-        cluster = cluster or Cluster.from_config(cfg.cluster, int(cfg.pipeline.stages))
         stages = int(cfg.pipeline.stages)
-        return cls(
-            pipelines=int(cfg.cluster.pipelines), stages=stages,
-            servers=0,
-            steps=int(cfg.train.steps),
-            microbatch_size=microbatch_size(cfg),
-            placement=tuple(tuple(row) for row in cluster.placement),
-            cluster=cluster).for_sync(cfg.sync.name)
+        cluster = cluster or Cluster.from_config(cfg.cluster, stages)
+        return cls(pipelines=int(cfg.cluster.pipelines), stages=stages,
+                   servers=_servers(stages, cfg.sync.name), steps=int(cfg.train.steps),
+                   microbatch_size=microbatch_size(cfg),
+                   placement=tuple(tuple(row) for row in cluster.placement), cluster=cluster)
 
     def section(self) -> dict[str, Any]:
         """The config's ``plan`` section (what ``config.yaml`` shows; derived values included
