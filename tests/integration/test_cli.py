@@ -1,5 +1,7 @@
-"""The ``sdpipe`` command line as a user runs it, mostly in a subprocess: bad input is one line
-and exit 2 before anything starts, ``--cfg``/``--help``/``--version`` print and start nothing."""
+"""The ``sdpipe`` command line as a user runs it: bad input is one line and exit 2 before anything
+starts, ``--cfg``/``--help``/``--version`` print and start nothing. Most checks call ``main()`` in
+this process (the same code, without an interpreter's start-up each); a few run a real process,
+for what only a process shows (its exit code and stderr as a shell sees them, its imports)."""
 
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def test_version_subprocess():
 
 
 
-def test_existing_nonempty_run_dir_is_rejected_untouched(tmp_path):
+def test_existing_nonempty_run_dir_is_rejected_untouched(tmp_path, monkeypatch):
     run_dir = tmp_path / "taken"
     run_dir.mkdir()
     keep = run_dir / "keep.txt"
@@ -73,7 +75,8 @@ def test_existing_nonempty_run_dir_is_rejected_untouched(tmp_path):
     os.utime(keep, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
     before = keep.stat().st_mtime_ns
 
-    proc = cli("train", *CHEAP, f"run.dir={run_dir}", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # where a default run folder would go
+    proc = sdpipe("train", *CHEAP, f"run.dir={run_dir}")
 
     assert proc.returncode == 2, proc.stderr
     one_error_line(proc.stderr, "run.dir")
@@ -83,13 +86,14 @@ def test_existing_nonempty_run_dir_is_rejected_untouched(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_busy_port_is_rejected_and_no_run_folder_created(tmp_path):
+def test_busy_port_is_rejected_and_no_run_folder_created(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        proc = cli("train", *CHEAP, f"run.port={port}", f"run.dir={run_dir}", cwd=tmp_path)
+        proc = sdpipe("train", *CHEAP, f"run.port={port}", f"run.dir={run_dir}")
     assert proc.returncode == 2, proc.stderr
     line = one_error_line(proc.stderr, "run.port")
     assert str(port) in line
@@ -97,13 +101,14 @@ def test_busy_port_is_rejected_and_no_run_folder_created(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_run_dir_that_is_a_file_is_rejected_untouched(tmp_path):
+def test_run_dir_that_is_a_file_is_rejected_untouched(tmp_path, monkeypatch):
     # run.dir naming an existing regular file must be bad input (exit 2, one line), not a crash.
     target = tmp_path / "afile"
     target.write_text("not a folder\n")
     before = target.stat().st_mtime_ns
+    monkeypatch.chdir(tmp_path)
 
-    proc = cli("train", *CHEAP, f"run.dir={target}", cwd=tmp_path)
+    proc = sdpipe("train", *CHEAP, f"run.dir={target}")
 
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 2, proc.stderr
