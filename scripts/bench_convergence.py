@@ -15,8 +15,11 @@ compute (``cluster.compute_ms``: the cores stay mostly idle, so the timing measu
 whom, not CPU contention; ``overruns`` says whether that held). Variants:
 
 - ``allreduce``: gradient all-reduce every iteration (the reference);
-- ``sdpipe``: the default group sync (``sync.average=weights_grads``);
-- ``sdpipe-weights``: the paper's rule, weights averaged after the local step;
+- ``sdpipe``: the default group sync (``sync.average=weights_grads``, ``sync.stale=pull``);
+- ``sdpipe-mean``: the default, but every member of a round counts the same, stale or not
+  (``sync.stale=average``);
+- ``sdpipe-weights``: the paper's rule, weights averaged after the local step, every member
+  counted the same;
 - ``sdpipe-classic``: the group policy before who-waits-for-whom (``sync.policy=classic``);
 - ``adpsgd``, ``diloco``, ``ps``, ``none``: gossip, local SGD with an outer step, parameter
   server, no sync;
@@ -66,7 +69,8 @@ from sdpipe_cli.runtime import analysis  # noqa: E402
 VARIANTS = {
     "allreduce": ["sync=allreduce"],
     "sdpipe": ["sync=sdpipe"],
-    "sdpipe-weights": ["sync=sdpipe", "sync.average=weights"],
+    "sdpipe-mean": ["sync=sdpipe", "sync.stale=average"],
+    "sdpipe-weights": ["sync=sdpipe", "sync.average=weights", "sync.stale=average"],
     "sdpipe-classic": ["sync=sdpipe", "sync.policy=classic"],
     "adpsgd": ["sync=adpsgd"],
     "diloco": ["sync=diloco"],

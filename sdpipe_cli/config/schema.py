@@ -25,6 +25,7 @@ SCHEDULES = (*_schedule.SCHEDULES, *_schedule.ASYNC_SCHEDULES)  # the registry i
 ASYNC_SCHEDULES = _schedule.ASYNC_SCHEDULES
 AVERAGES = ("weights_grads", "weights")  # sync.average (sdpipe)
 POLICIES = grouping.POLICIES  # sync.policy (sdpipe)
+STALE_RULES = grouping.STALE_RULES  # sync.stale (sdpipe)
 OPTIMIZERS = ("adamw", "sgd")  # train.optimizer
 DEVICES = ("cpu", "cuda", "auto")
 # model.arch: byte-level models of the project, ResNets written in the project, transformers'
@@ -227,6 +228,12 @@ class SdpipeSyncConfig(SyncConfig):
     # all-reduce with full groups; global syncs also average the optimizer state). weights:
     # weights, after the local step (the paper's rule). See docs/SYNC.md.
     average: str = "weights_grads"
+    # What a stale member of a round (one whose last round is more than an iteration of every
+    # pipeline older than the freshest member's: a straggler) counts in the averages. pull: it
+    # takes the group's weights and step, and counts in neither average; pull_weights: its
+    # weights do not count, its gradient does; average: every member counts the same (the
+    # paper's mean). See docs/SYNC.md#stale-members.
+    stale: str = "pull"
     # within how many rounds (classic), or updates of an average replica (cost_aware), a stage's
     # groups must connect all replicas
     connect_every: int = 8

@@ -22,8 +22,8 @@ from omegaconf import DictConfig, ListConfig
 from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS, DEVICES,
                                       EMULATIONS, HF_ARCHS, IMAGE_DATASETS, LR_SCHEDULES,
                                       OBJECTIVES, OPTIMIZERS, PARTITIONS, POLICIES, PRECISIONS,
-                                      RESNET_BLOCKS, SCHEDULES, SYNC_MODES, ConfigError, emulation,
-                                      n_blocks, num_classes, objective)
+                                      RESNET_BLOCKS, SCHEDULES, STALE_RULES, SYNC_MODES,
+                                      ConfigError, emulation, n_blocks, num_classes, objective)
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
 
@@ -193,6 +193,8 @@ def _check_sdpipe(y: DictConfig) -> None:
     need(y.policy in POLICIES, "sync.policy", f"is '{y.policy}'; choose one of {', '.join(POLICIES)}")
     need(y.average in AVERAGES, "sync.average",
          f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
+    need(y.stale in STALE_RULES, "sync.stale",
+         f"is '{y.stale}'; choose one of {', '.join(STALE_RULES)}")
 
 
 def _check_ps(y: DictConfig) -> None:

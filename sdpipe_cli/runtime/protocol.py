@@ -190,12 +190,21 @@ class Group:
     done: Optional[int] = None  # pipeline-iterations begun in the run (the lr schedule's clock)
     twins: bool = False  # the members hold the same weights already
     heal: list[HealTarget] = field(default_factory=list)  # to the first member only
+    # what each member's weights and gradient count in the averages, in ``members`` order
+    # (``sync.stale``); empty: the plain mean
+    weight_shares: list[float] = field(default_factory=list)
+    grad_shares: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.kind not in ("group", "global"):
             raise ValueError(f"kind: {self.kind!r} is neither 'group' nor 'global'")
         if not self.members or len(self.incarnations) != len(self.members):
             raise ValueError("members and incarnations must be non-empty and of one length")
+        for name in ("weight_shares", "grad_shares"):
+            shares = getattr(self, name)
+            if shares and (len(shares) != len(self.members) or min(shares) < 0
+                           or abs(sum(shares) - 1) > 1e-6):
+                raise ValueError(f"{name}: one share per member, none negative, summing to 1")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,9 +113,12 @@ def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) 
 
 def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list[int],
                     consensus: int = 0, incarnations: Optional[list[int]] = None,
-                    tag: str = "") -> Optional[float]:
+                    tag: str = "", shares: Sequence[tuple[int, float]] = ()) -> Optional[float]:
     """Replace each tensor by its mean over ``ranks``, in one flat all-reduce.
 
+    ``shares``: runs of (count, share) from the first tensor: those ``count`` tensors are
+    replaced by the weighted mean in which this member counts ``share`` (every member passes
+    its own; they sum to 1); the tensors after the runs by the plain mean.
     With ``consensus = n``, the first n tensors are the stage's weights, and their consensus
     distance before averaging is returned: sqrt(mean over members of ||w_p - w_mean||^2) /
     ||w_mean|| (one more all-reduce, of two numbers). ``incarnations``, ``tag``: see
@@ -124,8 +127,13 @@ def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list
     with torch.no_grad():
         flat = flatten(tensors)
         own = flat.clone() if consensus else None
+        weighted, index = 0, 0  # elements and tensors of flat under a share
+        for count, share in shares:
+            size = sum(t.numel() for t in tensors[index:index + count])
+            flat[weighted:weighted + size] *= share
+            weighted, index = weighted + size, index + count
         groups.all_reduce(flat, ranks, incarnations=incarnations, tag=tag)
-        flat /= len(ranks)
+        flat[weighted:] /= len(ranks)
         distance = None
         if consensus:
             n = sum(t.numel() for t in tensors[:consensus])

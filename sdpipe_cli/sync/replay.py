@@ -5,7 +5,8 @@ round that a few microseconds decide differently, and their losses with it. Ever
 worker does is a function of the seed and its position (the initial weights, the data order, the
 averaging of a given set of members, the learning rate at a given ``done``). So a run that is
 given the recorded decisions, every member of every round at every stage with the round's
-number, kind, stop flag, twins flag and the run's progress (``done``), repeats the recorded run
+number, kind, stop flag, twins flag, the members' shares (``sync.stale``) and the run's progress
+(``done``), repeats the recorded run
 step for step, whatever its own timing: its per-step losses are bit-identical (on the same
 machine type and torch build).
 
@@ -88,7 +89,9 @@ def _add(decisions: Recorded, line: dict, where: str) -> None:
         members = [int(p) for p in line["members"]]
         group = protocol.Group(members=members, round=int(line["round"]), kind=line["group"],
                                stop=bool(line["stop"]), incarnations=[0] * len(members),
-                               done=line["done"], twins=bool(line.get("twins", False)))
+                               done=line["done"], twins=bool(line.get("twins", False)),
+                               weight_shares=[float(x) for x in line.get("weight_shares", [])],
+                               grad_shares=[float(x) for x in line.get("grad_shares", [])])
         for p, k in zip(members, line["iterations"]):
             decisions[(int(line["stage"]), p, int(k))] = group
     except (KeyError, TypeError, ValueError) as err:

@@ -383,7 +383,8 @@ class Scheduler:
             group = protocol.Group(
                 members=list(d.members), round=d.round, kind=d.kind, stop=d.stop,
                 incarnations=[self.incarnation[p] for p in d.members], checkpoint=ckpt,
-                done=done, twins=d.twins)
+                done=done, twins=d.twins, weight_shares=list(d.weight_shares),
+                grad_shares=list(d.grad_shares))
             keys = [store.decision_key(d.stage, p, k, self.incarnation[p])
                     for p, k in zip(d.members, d.iterations)]
             values = [protocol.encode(group)] * len(keys)
@@ -415,6 +416,9 @@ class Scheduler:
                 "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]}
             if d.heal:  # the restarted replicas the first member heals: [pipeline, iteration]
                 line["heal"] = [list(h) for h in d.heal]
+            if d.weight_shares:  # a stale member counted less (sync.stale)
+                line["weight_shares"] = list(d.weight_shares)  # exact: a replay uses them
+                line["grad_shares"] = list(d.grad_shares)
             self.metrics.write(line)
 
     # -- checkpoints ----------------------------------------------------------------------------

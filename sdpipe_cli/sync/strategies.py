@@ -160,6 +160,10 @@ class GroupSync(Sync):
             ranks = self.grid.stage_ranks(self.stage, members)
             params = list(module.parameters())
             tensors = params + statistics(module)
+            shares = []  # this member's share of each weighted mean (sync.stale)
+            me = members.index(self.pipeline)
+            if decision.weight_shares and not decision.twins:
+                shares.append((len(tensors), decision.weight_shares[me]))
             if grads:
                 for p in params:
                     if p.grad is None:
@@ -167,13 +171,15 @@ class GroupSync(Sync):
                 if decision.twins:  # the same weights already (never at a global sync)
                     tensors = []
                 tensors += [p.grad for p in params]
+                if decision.grad_shares:
+                    shares.append((len(params), decision.grad_shares[me]))
                 if decision.kind == "global" and self.optimizer is not None:
                     tensors += optim.state_tensors(self.optimizer, params)
             try:
                 distance = average_tensors(tensors, self.groups, ranks,
                                            consensus=len(params) if decision.kind == "global"
                                            else 0, incarnations=incarnations,
-                                           tag=f"r{decision.round}")
+                                           tag=f"r{decision.round}", shares=shares)
             except (RuntimeError, dist.DistError) as err:
                 # A member died mid-round (its pipeline was lost). The tensors are only written
                 # back after a complete all-reduce, so ours are untouched; the scheduler drops

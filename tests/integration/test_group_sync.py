@@ -105,6 +105,31 @@ def test_group_averaging_is_symmetric_and_preserves_the_mean():
         before = state
 
 
+SHARES = {"weights": [0.5, 0.5, 0.0], "grads": [0.25, 0.25, 0.5]}  # of ranks 0, 1, 2
+
+
+def _shares_worker(rank: int, port: int, results) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=datetime.timedelta(seconds=30))
+    groups = GroupCache(dist.PrefixStore("pg/", store), rank, "gloo", 30)
+    weights, grads, state = (torch.full((4,), float(10 ** i * (rank + 1))) for i in range(3))
+    average_tensors([weights, grads, state], groups, [0, 1, 2],
+                    shares=[(1, SHARES["weights"][rank]), (1, SHARES["grads"][rank])])
+    results[rank] = (weights.clone(), grads.clone(), state.clone())
+
+
+def test_shares_weigh_each_member_and_the_rest_is_the_plain_mean():
+    """``sync.stale``: a stale member (rank 2) counts 0 in the weights' mean; any shares that
+    sum to 1 weigh the gradients; tensors after the shared runs take the plain mean."""
+    results = _run_ranks(_shares_worker, 3, timeout=60)
+    w = sum(s * (r + 1) for r, s in enumerate(SHARES["weights"]))
+    g = sum(s * 10 * (r + 1) for r, s in enumerate(SHARES["grads"]))
+    for rank in range(3):
+        weights, grads, state = results[rank]
+        torch.testing.assert_close(weights, torch.full((4,), w))
+        torch.testing.assert_close(grads, torch.full((4,), g))
+        torch.testing.assert_close(state, torch.full((4,), 200.0))
+
+
 def _retag_worker(rank: int, port: int, results) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=20))
     groups = GroupCache(dist.PrefixStore("pg/", store), rank, "gloo", 20)

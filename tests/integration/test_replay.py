@@ -11,8 +11,8 @@ from tests.helpers import digests, losses, metrics, sdpipe
 pytestmark = pytest.mark.multiprocess
 
 RUN = ("model=mlp", "data=synthetic", "cluster.pipelines=3", "pipeline.stages=2",
-       "train.steps=20", "train.batch_size=8", "cluster.slowdown=[1,1,2]", "cluster.compute_ms=5",
-       "sync.global_every=5", "train.eval_every=0")
+       "train.steps=20", "train.batch_size=8", "cluster.slowdown=[1,1,3]", "cluster.compute_ms=5",
+       "sync.global_every=5", "train.eval_every=0", "sync.stale=pull")
 
 
 def test_a_replayed_run_repeats_the_recorded_losses_bit_for_bit(tmp_path):
@@ -26,6 +26,8 @@ def test_a_replayed_run_repeats_the_recorded_losses_bit_for_bit(tmp_path):
     assert digests(replayed) == digests(recorded)
     sizes = [g["size"] for g in metrics(recorded, "group")]
     assert min(sizes) < 3  # the straggler made partial groups: the decisions mattered
+    # and it was stale in some rounds, which the replay weighed as recorded
+    assert any(0.0 in g.get("weight_shares", ()) for g in metrics(recorded, "group"))
 
 
 @pytest.mark.parametrize("what, args, message", [

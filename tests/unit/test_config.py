@@ -197,6 +197,7 @@ BAD = [
     pytest.param(["cluster.pipelines=0"], "cluster.pipelines", id="pipelines-zero"),
     pytest.param(["train.steps=0"], "train.steps", id="steps-zero"),
     pytest.param(["sync.average=gradients"], "sync.average", id="bad-average"),
+    pytest.param(["sync.stale=maybe"], "sync.stale", id="bad-stale-rule"),
     pytest.param(["train.optimizer=adam"], "train.optimizer", id="bad-optimizer"),
     pytest.param(["train.momentum=1.0"], "train.momentum", id="momentum-one"),
     pytest.param(["train.lr=inf"], "train.lr", id="lr-infinite"),

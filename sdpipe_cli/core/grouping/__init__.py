@@ -77,6 +77,7 @@ The package holds one part per concept, each a plain class over the shared :clas
   and the end of the run, two planners of which the scheduler is built with one;
 * :mod:`.membership`: departures, rejoining and healing;
 * :mod:`.lineage`: twins (``sync.average=weights_grads``);
+* :mod:`.freshness`: what stale members count in a round's averages (``sync.stale``);
 * :mod:`.state`: ``Decision``, the shared state and the read-only :class:`.state.Snapshot`.
 """
 
@@ -86,6 +87,7 @@ from sdpipe_cli.core.grouping.async_budget import AsyncPlanner
 from sdpipe_cli.core.grouping.budget import END_CHECKS, MAX_AHEAD, FlushedPlanner
 from sdpipe_cli.core.grouping.connectivity import Connectivity
 from sdpipe_cli.core.grouping.disjoint import DisjointSet
+from sdpipe_cli.core.grouping.freshness import STALE_RULES, Freshness
 from sdpipe_cli.core.grouping.prediction import (AWAIT_PACE_RATIO, JITTER_BAND, LATE_SLACK,
                                                  SLACK_ERRORS, SLACK_FLOOR)
 from sdpipe_cli.core.grouping.scheduler import (POLICIES, AsyncGroupScheduler, GroupScheduler,
@@ -93,6 +95,6 @@ from sdpipe_cli.core.grouping.scheduler import (POLICIES, AsyncGroupScheduler, G
 from sdpipe_cli.core.grouping.state import Decision, Snapshot, StageView, gossip_peer
 
 __all__ = ["AWAIT_PACE_RATIO", "END_CHECKS", "JITTER_BAND", "LATE_SLACK", "MAX_AHEAD", "POLICIES",
-           "SLACK_ERRORS", "SLACK_FLOOR", "AsyncGroupScheduler", "AsyncPlanner", "Connectivity",
-           "Decision", "DisjointSet", "FlushedPlanner", "GroupScheduler", "Snapshot", "StageView",
-           "gossip_peer", "make_policy"]
+           "SLACK_ERRORS", "SLACK_FLOOR", "STALE_RULES", "AsyncGroupScheduler", "AsyncPlanner",
+           "Connectivity", "Decision", "DisjointSet", "FlushedPlanner", "Freshness",
+           "GroupScheduler", "Snapshot", "StageView", "gossip_peer", "make_policy"]

@@ -16,6 +16,7 @@ from typing import Optional
 
 from sdpipe_cli.core.grouping.budget import Planner
 from sdpipe_cli.core.grouping.connectivity import Connectivity
+from sdpipe_cli.core.grouping.freshness import Freshness
 from sdpipe_cli.core.grouping.lineage import Lineage
 from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
@@ -26,11 +27,12 @@ class RoundFormer:
     """Closes rounds (group and global) as replicas arrive and deadlines pass."""
 
     def __init__(self, run: RunState, *, links: Connectivity, prediction: Prediction,
-                 planner: Planner, membership: Membership, lineage: Lineage, window: float,
-                 min_group: int, window_min: float, window_max: float, max_group: int,
-                 cost_aware: bool):
+                 planner: Planner, membership: Membership, lineage: Lineage,
+                 freshness: Freshness, window: float, min_group: int, window_min: float,
+                 window_max: float, max_group: int, cost_aware: bool):
         self.run, self.links, self.prediction = run, links, prediction
         self.planner, self.membership, self.lineage = planner, membership, lineage
+        self.freshness = freshness
         self.min_group, self.window_min, self.window_max = min_group, window_min, window_max
         self.max_group, self.cost_aware = max_group, cost_aware
         self.window = {(s, p): window for s in range(run.S) for p in range(run.P)}
@@ -137,12 +139,18 @@ class RoundFormer:
         st.round_no += 1
         group = kind == "group"
         heal = self.membership.heal(s, members[0]) if group else ()
+        twins = group and self.lineage.alike(members)
+        done = self.planner.iterations_done()
+        weight_shares, grad_shares = ((), ()) if twins else self.freshness.shares(s, members, done)
         decision = Decision(stage=s, round=st.round_no, members=tuple(members),
                             iterations=tuple(st.waiting[p][0] for p in members),
                             waited=tuple(now - st.waiting[p][1] for p in members),
-                            kind=kind, stop=stop, heal=heal,
-                            twins=group and self.lineage.alike(members))
+                            kind=kind, stop=stop, heal=heal, twins=twins,
+                            weight_shares=weight_shares, grad_shares=grad_shares)
         self.lineage.note(decision)
+        self.freshness.note(s, members, done)
+        for q, _ in heal:
+            self.freshness.healed(s, q, members[0])
         for p in members:
             run.decided[p][s] = st.waiting[p][0]
             self.planner.release(s, p, st.waiting[p][0], now)

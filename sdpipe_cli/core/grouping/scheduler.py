@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Optional
 from sdpipe_cli.core.grouping.async_budget import AsyncPlanner
 from sdpipe_cli.core.grouping.budget import FlushedPlanner, Planner
 from sdpipe_cli.core.grouping.connectivity import Connectivity
+from sdpipe_cli.core.grouping.freshness import Freshness
 from sdpipe_cli.core.grouping.lineage import Lineage
 from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
@@ -36,6 +37,7 @@ class GroupScheduler:
                  global_every: int = 0, total_iterations: Optional[int] = None,
                  time_limit: Optional[float] = None, patience: float = 0.0,
                  policy: str = "classic", max_group: int = 0, twins: bool = False,
+                 stale: str = "average",
                  suspect_after: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic,
                  rounds_per_iteration: Optional[int] = None):
@@ -63,12 +65,14 @@ class GroupScheduler:
             FlushedPlanner(run, cost_aware=cost_aware) if rounds_per_iteration is None
             else AsyncPlanner(run, rounds_per_iteration=rounds_per_iteration))
         self._lineage = Lineage(pipelines, stages, enabled=twins)
+        self._freshness = Freshness(pipelines, stages, stale)
         self._members = Membership(run, self._planner, self._links, self._lineage)
         prediction = Prediction(run, self._links, patience=patience, cost_aware=cost_aware,
                                 max_group=max_group)
         self._rounds = RoundFormer(
             run, links=self._links, prediction=prediction, planner=self._planner,
-            membership=self._members, lineage=self._lineage, window=window, min_group=min_group,
+            membership=self._members, lineage=self._lineage, freshness=self._freshness,
+            window=window, min_group=min_group,
             window_min=window_min, window_max=window_max, max_group=max_group,
             cost_aware=cost_aware)
         self._planner.declare()  # a budget of at most P iterations ends at iteration 0
@@ -127,6 +131,7 @@ class GroupScheduler:
         ``iterations[p]`` iterations: nobody is waiting and every stage is fully connected."""
         self._planner.restart(iterations)
         self._lineage.reset()  # a checkpoint follows a global sync
+        self._freshness.reset(self._planner.iterations_done())
         self._planner.resumed()
 
     def request_stop(self) -> list[Decision]:
@@ -244,6 +249,6 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
         connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
         policy=y.policy, max_group=y.max_group, suspect_after=y.group_timeout,
-        twins=y.average == "weights_grads" and policy is GroupScheduler,
+        twins=y.average == "weights_grads" and policy is GroupScheduler, stale=y.stale,
         total_iterations=plan.budget,
         time_limit=cfg.train.time_limit, clock=clock)

@@ -35,6 +35,10 @@ class Decision:
     # every member is known to hold the same weights and optimizer state (the policy's
     # ``twins``): averaging the weights changes nothing, only the gradients need it
     twins: bool = False
+    # what each member's weights and gradient count in the round's averages (``sync.stale``;
+    # :mod:`.freshness`); empty: every member counts the same
+    weight_shares: tuple[float, ...] = ()
+    grad_shares: tuple[float, ...] = ()
 
     def of(self, pipeline: int) -> int:
         """The iteration this decision answers for ``pipeline``."""
