@@ -232,7 +232,7 @@ class SdpipeSyncConfig(SyncConfig):
     # pipeline older than the freshest member's: a straggler) counts in the averages. pull: it
     # takes the group's weights and step, and counts in neither average; pull_weights: its
     # weights do not count, its gradient does; average: every member counts the same (the
-    # paper's mean). See docs/SYNC.md#stale-members.
+    # paper's mean). See docs/SYNC.md#stale-members-pull-the-groups-state.
     stale: str = "pull"
     # within how many rounds (classic), or updates of an average replica (cost_aware), a stage's
     # groups must connect all replicas

@@ -3,11 +3,12 @@
 A straggler's replica was last averaged many updates of the others ago. When it joins a group,
 the plain mean pulls every fresh member back towards its old weights by 1/k of the way, and
 mixes in its gradient, computed at those old weights. Replaying recorded runs in one process, one
-change at a time (docs/SYNC.md, "Where the loss per sample goes"), measured both costs with one
-3x straggler: the stale weights cost about half of the gap to all-reduce, and the stale gradient
-costs more than it brings. So a stale member *pulls*: it takes the group's weights and step
-without pushing its own weights, or (``pull``) its gradient either; its samples are spent, but
-its replica stays in step and serves again, fresh, from its next round.
+change at a time (docs/SYNC.md, "Where the loss per sample goes"), with one 3x straggler: the
+groups themselves cost nothing per sample, the straggler's stale contribution does; leaving out
+its weights but not its gradient is worse than the plain mean (the stale gradient then lands on
+weights it was not computed for), leaving out both is the best of the three. So a stale member
+*pulls* (``pull``): it takes the group's weights and step without counting in either average;
+its replica stays in step and counts again, fresh, from its next round.
 
 Staleness of a member at a round is the run's progress (pipeline-iterations begun, the learning
 rate's clock) since that member's last round at this stage. A member is stale when its staleness
