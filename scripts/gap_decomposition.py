@@ -170,10 +170,14 @@ class Replay:
     # -- one round -----------------------------------------------------------------------------
     def average(self, r: Round, grads: bool) -> None:
         s, members = r.stage, r.members
-        if len(members) == 1:
-            self.last_done[members[0]][s] = r.done
-            self.freshness.note(s, members, r.done)
-            return
+        if len(members) > 1:
+            self._mix(r, grads)
+        for q in members:
+            self.last_done[q][s] = r.done
+        self.freshness.note(s, members, r.done)
+
+    def _mix(self, r: Round, grads: bool) -> None:
+        s, members = r.stage, r.members
         weight_w = {q: 1.0 for q in members}
         weight_g = {q: 1.0 for q in members}
         if self.variant == "recorded" and r.weight_shares:
@@ -206,9 +210,6 @@ class Replay:
                             mean = torch.stack([st[key] for st in states]).float().mean(0)
                             for st in states:
                                 st[key].copy_(mean.to(st[key].dtype))
-        for q in members:
-            self.last_done[q][s] = r.done
-        self.freshness.note(s, members, r.done)
 
     def run(self, rounds: list[Round]) -> None:
         """Apply every round once its members' gradients (weights_grads) or steps (weights) of
