@@ -1,7 +1,7 @@
 """``sdpipe profile`` end to end: one real 2x2 CPU profile of an emulated heterogeneous cluster,
 and a Ctrl-C that stops a profile at once.
 
-The run emulates node b's devices at speed 0.5, 20 ms and 1 Gbit/s within a node, 10 ms across
+The run emulates node b's devices at speed 0.25, 20 ms and 1 Gbit/s within a node, 10 ms across
 nodes, so one run shows every field of profile.json and that each emulated quantity reaches its
 measurement. Ratios are taken within that run: the machine is shared, so absolute times are not
 comparable between runs.
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multiprocess
 
 HETERO = ("cluster.device=cpu",
           "cluster.nodes=[{name: a, devices: [{speed: 1.0}, {speed: 1.0}]}, "
-          "{name: b, devices: [{speed: 0.5}, {speed: 0.5}]}]",
+          "{name: b, devices: [{speed: 0.25}, {speed: 0.25}]}]",
           "cluster.links.same_node.latency_ms=20", "cluster.links.same_node.bandwidth_gbps=1",
           "cluster.links.cross_node.latency_ms=10")
 
@@ -42,20 +42,22 @@ def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
                                                        "bandwidth_gbps": None}}}
     devices = {d["name"]: d for d in doc["devices"]}
     assert [(d["name"], d["pipeline"], d["stage"], d["speed"]) for d in doc["devices"]] == [
-        ("a:0", 0, 0, 1.0), ("a:1", 0, 1, 1.0), ("b:0", 1, 0, 0.5), ("b:1", 1, 1, 0.5)]
+        ("a:0", 0, 0, 1.0), ("a:1", 0, 1, 1.0), ("b:0", 1, 0, 0.25), ("b:1", 1, 1, 0.25)]
     for d in doc["devices"]:
         assert all(t > 0 for t in d["forward_ms"] + d["backward_ms"])
         assert d["memory_source"] == "rss" and 50 < d["peak_memory_mb"] < 4000
-    # Speed 0.5 takes twice the time: compare the same blocks on both nodes, measured in one run.
-    # Each block's forward and backward on b over a, and the median of those ratios: a block that
-    # lost its core for a whole measurement (a loaded CI host) moves one ratio, not the verdict.
+    # Speed 0.25 takes four times as long: compare the same blocks on both nodes, measured in one
+    # run. Each block's forward and backward on b over a, and the median of those ratios: a block
+    # that lost its core for a whole measurement (a loaded CI host) moves one ratio, not the verdict.
     times = {n: [t for d in devices.values() if d["node"] == n
                  for t in d["forward_ms"] + d["backward_ms"]] for n in ("a", "b")}
     ratios = sorted(b / a for a, b in zip(times["a"], times["b"]))
     assert len(ratios) == 2 * 2 * 6
-    # (an unslowed device would give 1.0; under a busy suite the median came to 1.499 once, as the
-    # sleeps that slow b do not compete for the cores that a's compute waits for)
-    assert 1.4 < statistics.median(ratios) < 2.7, ratios
+    # Under a busy suite the minima of the same blocks on identical devices came out up to 1.4x
+    # apart (medians of these ratios of 1.50 and 2.80 at speed 0.5), so the emulated factor is 4,
+    # and the bounds allow 0.6x-1.6x around it: an unslowed device (1.0, at most 1.6 under load)
+    # still fails.
+    assert 2.4 < statistics.median(ratios) < 6.4, ratios
     # Within a node: 20 ms latency and 1 Gbit/s, as emulated.
     assert [(e["src"], e["dst"], e["link"]) for e in doc["p2p"]] == [
         ("a:0", "a:1", "same_node"), ("b:0", "b:1", "same_node")]
