@@ -225,6 +225,7 @@ def across_seeds(summaries: list[dict]) -> dict[str, dict[str, Any]]:
                     got.setdefault(key, []).append(value)
 
             put("final val", r.get("final_val_loss"))
+            put("final acc", r.get("final_val_accuracy"))
             if ref.get("final_val_loss") and r.get("final_val_loss") is not None:
                 put("val vs allreduce", r["final_val_loss"] / ref["final_val_loss"])
             t, tr = r.get("time_to_target_s"), ref.get("time_to_target_s")
@@ -239,7 +240,7 @@ def across_seeds(summaries: list[dict]) -> dict[str, dict[str, Any]]:
             for v, keys in out.items()}
 
 
-SEED_COLUMNS = ("final val", "val vs allreduce", "to target (s)", "time vs allreduce",
+SEED_COLUMNS = ("final val", "val vs allreduce", "final acc", "to target (s)", "time vs allreduce",
                 "vs ideal", "samples/s", "of limit")
 
 
@@ -253,7 +254,7 @@ def seed_rows(aggregate: dict[str, dict[str, Any]]) -> list[list[str]]:
                 row.append("-")
                 continue
             mean, sd, half, n = got
-            digits = ".4f" if key == "final val" else ".3f" if "vs" in key or key == "of limit" \
+            digits = ".4f" if key.startswith("final") else ".3f" if "vs" in key or key == "of limit" \
                 else ".1f"
             row.append(f"{mean:{digits}} (sd {sd:{digits}}, +-{half:{digits}}, n={n})")
         rows_.append(row)
@@ -264,7 +265,7 @@ def _f(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-COLUMNS = ("variant", "best lr", "final val", "vs allreduce", "to target (s)", "vs allreduce",
+COLUMNS = ("variant", "best lr", "final val", "vs allreduce", "final acc", "to target (s)", "vs allreduce",
            "samples/s", "of limit", "mean group", "consensus mean/max", "overruns")
 
 
@@ -277,6 +278,7 @@ def rows(summary: dict) -> list[list[str]]:
                       if ref.get("final_val_loss") else None)
         t, tr = r.get("time_to_target_s"), ref.get("time_to_target_s")
         out.append([v, f"{r['lr']:g}", _f(r["final_val_loss"], ".4f"), _f(ratio_loss, ".3f"),
+                    _f(r.get("final_val_accuracy"), ".4f"),
                     _f(t, ".1f"), _f(t / tr if t is not None and tr else None, ".2f"),
                     _f(r.get("samples_per_s"), ".1f"), _f(r.get("fraction_of_limit"), ".2f"),
                     _f(r.get("mean_group_size"), ".2f"),
@@ -290,6 +292,24 @@ def grid_rows(summary: dict) -> list[str]:
     return [f"{r['variant']} lr={r['lr']:g}: final val {_f(r.get('final_val_loss'), '.4f')}, "
             f"{_f(r.get('samples_per_s'), '.1f')} samples/s ({r['status']})"
             for r in summary["runs"]]
+
+
+def figures(summaries: list[dict], out: Path, console: Console) -> None:
+    """``sdpipe report``'s PNGs of each scenario and seed: every variant at its best lr overlaid,
+    in ``OUT/<scenario>-seed<N>-report/`` (skipped, with a line, without matplotlib)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        console.print("figures: skipped, matplotlib is not installed (pip install -e '.[report]')")
+        return
+    from sdpipe_cli.cli import report
+
+    for s in summaries:
+        dirs = [r["run_dir"] for r in s["best"].values()]
+        if dirs:
+            folder = out / f"{s['scenario']}-seed{s['seed']}-report"
+            written = report.report(report.load_all(dirs), folder)
+            console.print(f"figures: {', '.join(str(p) for p in written)}", highlight=False)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -348,6 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             md += [f"**{title}**", "", "| variant | " + " | ".join(SEED_COLUMNS) + " |",
                    "|" + "---|" * (len(SEED_COLUMNS) + 1)]
             md += ["| " + " | ".join(r) + " |" for r in body] + [""]
+    figures(summaries, args.out, console)
     (args.out / "results.md").write_text("\n".join(md) + "\n")
     (args.out / "results.json").write_text(json.dumps(
         {"command": command, "stamp": _report.short_stamp(), "scenarios": summaries}, indent=1,

@@ -109,6 +109,17 @@ def test_final_val_loss_and_the_time_to_a_loss(tmp_path):
     assert analysis.time_to_loss(curve, 2.8, start) == pytest.approx(3.0)
 
 
+def test_final_val_accuracy_is_the_mean_of_each_pipelines_last_and_none_without_it(tmp_path):
+    lines = analysis.read_metrics(write(tmp_path, RUN))
+    assert analysis.final_val_accuracy(lines) is None  # a language model's evaluations carry none
+    acc = [{**evaluation(0, 2.0, 2.5), "val_accuracy": 0.5},
+           {**evaluation(1, 3.0, 2.4), "val_accuracy": 0.6},
+           {**evaluation(0, 4.0, 2.0), "val_accuracy": 0.9}]
+    lines = analysis.read_metrics(write(tmp_path, RUN[:1] + acc))
+    assert analysis.final_val_accuracy(lines) == pytest.approx((0.9 + 0.6) / 2)
+    assert analysis.analyse(lines)["final_val_accuracy"] == pytest.approx(0.75)
+
+
 def test_a_loss_never_reached_has_no_time(tmp_path):
     lines = analysis.read_metrics(write(tmp_path, RUN))
     curve = analysis.val_loss_curve(lines)

@@ -19,16 +19,18 @@ The figures:
 - :func:`solo_rates`: each pipeline's own samples/s, over its own first-to-last train line span
   (optionally between two iterations); summed over a ``sync=none`` run: :func:`limit`, the
   heterogeneity limit, and :func:`fraction_of_limit`.
-- :func:`final_val_loss`, :func:`val_loss_curve`, :func:`time_to_loss` (from the run's first
-  train line), :func:`mean_loss` and :func:`lowest_loss` (training loss, all pipelines),
-  :func:`mean_group_size`, :func:`sync_times` (waits for a group), :func:`consensus`,
-  :func:`overrun_fraction`, :func:`iterations`; :func:`analyse` gathers a benchmark run's,
-  :func:`outcome` a run's headline figures (a table of runs).
+- :func:`final_val_loss`, :func:`final_val_accuracy` (classifiers), :func:`val_loss_curve`,
+  :func:`time_to_loss` (from the run's first train line), :func:`mean_loss` and
+  :func:`lowest_loss` (training loss, all pipelines), :func:`mean_group_size`,
+  :func:`sync_times` (waits for a group), :func:`consensus`, :func:`overrun_fraction`,
+  :func:`iterations`; :func:`analyse` gathers a benchmark run's, :func:`outcome` a run's headline
+  figures (a table of runs).
 """
 
 from sdpipe_cli.runtime.analysis.figures import (
     analyse,
     consensus,
+    final_val_accuracy,
     final_val_loss,
     fraction_of_limit,
     iterations,
@@ -65,9 +67,9 @@ from sdpipe_cli.runtime.analysis.reading import (
 
 __all__ = [
     "CHECKED", "REQUIRED", "SCHEMA", "Line", "analyse", "by_time", "conforms", "consensus",
-    "final_val_loss", "first_iteration_began", "first_train_time", "fraction_of_limit",
-    "from_first_iteration", "iterations", "last_by_pipeline", "limit", "lowest_loss",
-    "mean_group_size", "mean_loss", "of_kind", "outcome", "overrun_fraction", "pipelines",
+    "final_val_accuracy", "final_val_loss", "first_iteration_began", "first_train_time",
+    "fraction_of_limit", "from_first_iteration", "iterations", "last_by_pipeline", "limit",
+    "lowest_loss", "mean_group_size", "mean_loss", "of_kind", "outcome", "overrun_fraction", "pipelines",
     "read_metrics", "samples_per_s", "solo_rates", "steady_rates", "sync_times", "time_to_loss",
     "timelines", "val_loss_curve", "validation",
 ]

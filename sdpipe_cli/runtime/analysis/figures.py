@@ -93,6 +93,14 @@ def final_val_loss(lines: Iterable[Line]) -> Optional[float]:
     return sum(last.values()) / len(last) if last else None
 
 
+def final_val_accuracy(lines: Iterable[Line]) -> Optional[float]:
+    """The mean over pipelines of each pipeline's last ``val_accuracy`` (classifiers); None for a
+    run whose evaluations carry none."""
+    evals = [m for m in of_kind(lines, "eval") if m.get("val_accuracy") is not None]
+    last = last_by_pipeline(evals, "val_accuracy")
+    return sum(last.values()) / len(last) if last else None
+
+
 def val_loss_curve(lines: Iterable[Line], pipelines_: Optional[int] = None) -> list[list[float]]:
     """[time, mean over pipelines of their latest val_loss] at each evaluation once all of them
     (``pipelines_``, default: those with train lines) have evaluated."""
@@ -204,6 +212,7 @@ def analyse(lines: list[Line], mode: Optional[str] = None, pipelines_: Optional[
         "samples_per_s": samples_per_s(lines),
         "first_train_s": first_train_time(lines),
         "final_val_loss": final_val_loss(lines),
+        "final_val_accuracy": final_val_accuracy(lines),
         "curve": val_loss_curve(lines, pipelines_),
         "mean_group_size": mean_group_size(lines, mode, pipelines_),
         "iterations": iterations(lines),
