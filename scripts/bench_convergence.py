@@ -23,6 +23,8 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
 - ``sdpipe-classic``: the group policy before who-waits-for-whom (``sync.policy=classic``);
 - ``adpsgd``, ``diloco``, ``ps``, ``none``: gossip, local SGD with an outer step, parameter
   server, no sync;
+- ``local-sgd``: ``sync=diloco`` with the outer step a plain average (``outer_lr=1``, no
+  momentum): periodic weight averaging every ``sync.local_steps`` iterations;
 - ``sdpipe-before``: with ``--before DIR``, ``sync=sdpipe`` run from another checkout (the code
   before a change), for the throughput comparison;
 - ``VARIANT@N``: that variant with a budget of N steps instead of ``--steps``. Equal samples
@@ -74,6 +76,7 @@ VARIANTS = {
     "sdpipe-classic": ["sync=sdpipe", "sync.policy=classic"],
     "adpsgd": ["sync=adpsgd"],
     "diloco": ["sync=diloco"],
+    "local-sgd": ["sync=diloco", "sync.outer_lr=1", "sync.outer_momentum=0"],
     "ps": ["sync=ps"],
     "none": ["sync=none"],
 }
