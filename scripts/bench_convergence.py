@@ -44,10 +44,15 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
   samples over its own train-line span); both as ``sdpipe_cli.runtime.analysis`` defines them;
 - ``consensus``: the mean and the largest consensus distance measured at global syncs
   (sqrt(mean_p ||w_p - w_mean||^2) / ||w_mean||, per stage), ``sync=sdpipe`` only;
-- ``overruns``: the share of actions whose real compute did not fit the modelled time.
+- ``overruns``: the share of actions whose real compute did not fit the modelled time;
+- ``final acc``: for classifiers (``--extra model=resnet_cifar data=digits train=digits``), the
+  mean over pipelines of their last validation accuracy.
 
-Everything goes to ``OUT/results.json`` and ``OUT/results.md``, stamped with the date, the commit and
-the command line.
+With several ``--seeds``, a table per scenario gives each figure's mean, standard deviation and
+95 % t-interval over the seeds, each seed judged against its own all-reduce run. Everything goes to
+``OUT/results.json`` and ``OUT/results.md``, stamped with the date, the commit and the command
+line, and ``sdpipe report``'s PNGs of each scenario and seed (every variant at its best lr) to
+``OUT/<scenario>-seed<N>-report/``.
 """
 
 from __future__ import annotations
