@@ -119,16 +119,28 @@ def labels(runs: Sequence[Run], most: int = 4) -> list[str]:
     """Each run's label: the settings whose values differ among ``runs`` (or its folder name).
 
     A setting that some of the runs do not have (``sync.window_ms`` beside an all-reduce run) is
-    a consequence of one that differs (``sync.name``), and is left out while others remain."""
+    a consequence of one that differs (``sync.name``), and is left out, unless runs would
+    otherwise share a label: two sdpipe runs beside an all-reduce one that differ only in
+    ``sync.stale`` are told apart by it (and the all-reduce run's label does not mention it)."""
     keys = sorted({k for r in runs for k in r.config} - set(IGNORED))
     differing = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
-    shared = [k for k in differing if all(r.config.get(k) is not None for r in runs)]
-    shown = (shared or differing)[:most]
-    out = []
-    for run in runs:
-        parts = [f"{k}={run.config.get(k)}" for k in shown]
-        out.append(" ".join(parts) if parts and len(runs) > 1 else run.path.name)
-    return out
+    shown = [k for k in differing if all(r.config.get(k) is not None for r in runs)][:most]
+
+    def render(chosen: list[str]) -> list[str]:
+        return [" ".join(f"{k}={run.config.get(k)}" for k in chosen
+                         if run.config.get(k) is not None) for run in runs]
+
+    rest = [k for k in differing if k not in shown]
+    while rest and len(shown) < most and len(set(render(shown))) < len(runs):
+        # the setting that tells most runs apart (the first in name order on a tie)
+        best = max(rest, key=lambda k: len(set(render(shown + [k]))))
+        if len(set(render(shown + [best]))) == len(set(render(shown))):
+            break
+        shown.append(best)
+        rest.remove(best)
+    if len(runs) < 2 or not shown:
+        return [run.path.name for run in runs]
+    return [label or run.path.name for label, run in zip(render(shown), runs)]
 
 
 def _pipelines(run: Run) -> list[int]:

@@ -33,6 +33,22 @@ def test_runs_are_labelled_by_what_differs_and_not_by_what_follows_from_it(tmp_p
     assert report.labels([a]) == ["a"]
 
 
+def test_runs_that_differ_only_in_a_mode_setting_are_told_apart_by_it(tmp_path):
+    """The convergence benchmark's overlay: all-reduce, sdpipe, sdpipe with the plain mean and the
+    paper's rule; sync.stale and sync.average exist for sdpipe only, and name its variants."""
+    def sdpipe(average, stale):
+        return SDPIPE.replace("  window_ms: 5.0\n", f"  average: {average}\n  stale: {stale}\n")
+
+    runs = [report.load(write_run(tmp_path / name, config, [])) for name, config in (
+        ("ar", ALLREDUCE), ("pull", sdpipe("weights_grads", "pull")),
+        ("mean", sdpipe("weights_grads", "average")), ("paper", sdpipe("weights", "average")))]
+    assert report.labels(runs) == [
+        "sync.name=allreduce", "sync.name=sdpipe sync.average=weights_grads sync.stale=pull",
+        "sync.name=sdpipe sync.average=weights_grads sync.stale=average",
+        "sync.name=sdpipe sync.average=weights sync.stale=average"]
+    assert len(set(report.labels(runs[:2] + runs[1:2]))) == 2  # identical settings stay identical
+
+
 def test_loss_is_compared_at_equal_time_across_pipelines_of_different_speeds(tmp_path):
     lines = [train(0, 1, 1.0, 5.0), train(0, 2, 2.0, 4.0), train(1, 1, 2.5, 5.2),
              train(0, 3, 3.0, 3.0), {"kind": "eval", "pipeline": 0, "step": 3, "time": 3.1,
