@@ -34,6 +34,8 @@ def test_a_replayed_run_repeats_the_recorded_losses_bit_for_bit(tmp_path):
     ("not a run", ("sync.replay={tmp}",), "is not a sdpipe run folder (no config.yaml)"),
     ("another P", ("sync.replay={recorded}", "cluster.pipelines=2"),
      "was recorded with cluster.pipelines=3, this run has 2"),
+    ("another S", ("sync.replay={recorded}", "pipeline.stages=3"),
+     "was recorded with pipeline.stages=2, this run has 3"),
     ("with fault tolerance", ("sync.replay={recorded}", "fault.on_pipeline_loss=continue"),
      "use fault.on_pipeline_loss=stop"),
 ])
