@@ -9,6 +9,14 @@ next ready = release + the replica's compute time, where the compute time is the
 last :data:`BUSY_SAMPLES` release-to-ready spans. A random straggle (one iteration 3x slower) is
 one outlier in three and moves the median not at all; a lasting change of speed moves it after two.
 
+A **known pause** is not a straggle: the workers evaluate after every ``train.eval_every``-th
+iteration, and the scheduler knows when. A release followed by one is forecast as compute plus
+the replica's last measured pause (unknown the first time: no forecast, so no round waits for
+it), and the span, which holds the pause, leaves the compute time, the pace and the error alone;
+its miss feeds a pause error of its own. Without this, every replica that evaluates is overdue by
+its forecast, and the first one back from an evaluation goes on alone, so that equal replicas
+scatter and take several rounds to meet again.
+
 Two more facts per replica:
 
 * its **pace**, a moving average of the interval between its ready signals: how fast it goes
@@ -27,12 +35,13 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Optional
 
-__all__ = ["Forecast", "BUSY_SAMPLES", "OUTLIER", "PACE_WEIGHT"]
+__all__ = ["Forecast", "BUSY_SAMPLES", "OUTLIER", "PACE_WEIGHT", "PAUSE_WEIGHT"]
 
 PACE_WEIGHT = 0.3  # weight of the newest interval in a replica's moving-average pace
 BUSY_SAMPLES = 3  # release-to-ready spans whose median is a replica's compute time
 OUTLIER = 0.5  # a ready signal off its forecast by more than this x compute time was a straggle
 ERROR_WEIGHT = 0.3  # weight of the newest miss in a replica's moving-average error
+PAUSE_WEIGHT = 0.5  # weight of the newest known pause in a replica's moving-average pause
 
 Key = tuple[int, int]  # (stage, pipeline)
 
@@ -40,7 +49,8 @@ Key = tuple[int, int]  # (stage, pipeline)
 class _Replica:
     """What the forecast knows of one replica (a slotted record: one lookup per ready signal)."""
 
-    __slots__ = ("arrived", "released", "spans", "busy", "due", "error")
+    __slots__ = ("arrived", "released", "spans", "busy", "due", "error", "pausing", "pause",
+                 "pause_error")
 
     def __init__(self) -> None:
         self.arrived: Optional[float] = None  # last ready signal
@@ -49,6 +59,9 @@ class _Replica:
         self.busy: Optional[float] = None  # their median
         self.due: Optional[float] = None  # forecast of the next ready signal (None: ready now)
         self.error: Optional[float] = None
+        self.pausing = False  # the last release is followed by a known pause
+        self.pause: Optional[float] = None  # moving average of its known pauses (s)
+        self.pause_error: Optional[float] = None  # ... and of how far their forecasts missed
 
 
 class Forecast:
@@ -69,7 +82,8 @@ class Forecast:
         r = self._replicas[stage].get(pipeline)
         if r is None:
             r = self._replicas[stage][pipeline] = _Replica()
-        if r.arrived is not None:
+        paused = r.pausing and r.released is not None
+        if r.arrived is not None and not paused:
             key, interval = (stage, pipeline), now - r.arrived
             pace = self.pace.get(key)
             self.pace[key] = interval if pace is None else pace + PACE_WEIGHT * (interval - pace)
@@ -79,6 +93,10 @@ class Forecast:
         due, busy, r.due = r.due, r.busy, None
         if due is not None:
             self._drop(stage, due, pipeline)
+        if paused:
+            self._paused(r, now, due)
+            return
+        if due is not None:
             miss = abs(now - due)
             if busy is not None and miss < OUTLIER * busy:
                 r.error = miss if r.error is None else r.error + ERROR_WEIGHT * (miss - r.error)
@@ -89,17 +107,30 @@ class Forecast:
             del spans[0]
         r.busy = sorted(spans)[len(spans) // 2]
 
-    def release(self, stage: int, pipeline: int, now: float) -> None:
-        """The replica goes on computing from ``now``: forecast its next ready signal."""
+    def _paused(self, r: _Replica, now: float, due: Optional[float]) -> None:
+        """A ready signal after a known pause: learn the pause, not the compute time."""
+        r.pausing = False
+        if r.busy is not None:
+            pause = max(0.0, now - r.released - r.busy)
+            r.pause = pause if r.pause is None else r.pause + PAUSE_WEIGHT * (pause - r.pause)
+        if due is not None:
+            miss = abs(now - due)
+            r.pause_error = (miss if r.pause_error is None
+                             else r.pause_error + ERROR_WEIGHT * (miss - r.pause_error))
+        r.released = None
+
+    def release(self, stage: int, pipeline: int, now: float, pause: bool = False) -> None:
+        """The replica goes on computing from ``now``: forecast its next ready signal. ``pause``:
+        a known pause (an evaluation) comes first; forecast only once one was measured."""
         r = self._replicas[stage].get(pipeline)
         if r is None:
             r = self._replicas[stage][pipeline] = _Replica()
-        r.released = now
+        r.released, r.pausing = now, pause
         if r.due is not None:
             self._drop(stage, r.due, pipeline)
             r.due = None
-        if r.busy is not None:
-            r.due = now + r.busy
+        if r.busy is not None and not (pause and r.pause is None):
+            r.due = now + r.busy + (r.pause if pause else 0.0)
             insort(self._due[stage], (r.due, pipeline))
 
     def _drop(self, stage: int, due: float, pipeline: int) -> None:
@@ -119,16 +150,24 @@ class Forecast:
         return None if r is None else r.error
 
     def worst_error(self, stage: int, pipelines: list[int]) -> Optional[float]:
-        """The largest usual miss among ``pipelines``' replicas of ``stage`` (None: one of them
-        is not known yet). One call per round rather than one per replica: the policy's hot path."""
+        """The largest usual miss among ``pipelines``' replicas of ``stage``, of their pause
+        forecasts for those before a known pause (None: one of them is not known yet). One call per
+        round rather than one per replica: the policy's hot path."""
         replicas, worst = self._replicas[stage], 0.0
         for q in pipelines:
             r = replicas.get(q)
-            if r is None or r.error is None:
+            error = None if r is None else r.pause_error if r.pausing else r.error
+            if error is None:
                 return None
-            if r.error > worst:
-                worst = r.error
+            if error > worst:
+                worst = error
         return worst
+
+    def longest_pause(self, stage: int, pipelines: list[int]) -> float:
+        """The longest known pause ahead of ``pipelines``' replicas of ``stage`` (0: none)."""
+        replicas = self._replicas[stage]
+        return max((r.pause for q in pipelines if (r := replicas.get(q)) is not None
+                    and r.pausing and r.pause is not None), default=0.0)
 
     def forget(self, pipeline: int) -> None:
         """The pipeline left or restarts: what it did says nothing about what it will do."""

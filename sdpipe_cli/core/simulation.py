@@ -27,7 +27,8 @@ The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPip
   - ``diloco``: nothing for ``local_steps - 1`` iterations, then, as ``allreduce``, every replica
     waits for every other and all-reduces the stage's weights (their change).
   - ``none``: nothing.
-* The stage starts its next iteration when its sync is done.
+* The stage starts its next iteration when its sync is done. Workers do not evaluate here, so
+  the policy is told of no evaluation pauses (``make_policy(..., evaluations=False)``).
 
 An all-reduce costs :meth:`~sdpipe_cli.core.cluster.Cluster.allreduce_s` (a ring on the slowest
 link) plus ``collective_s``, the fixed cost of one collective call.

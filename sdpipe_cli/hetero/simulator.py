@@ -136,7 +136,7 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
         mode_cfg = _with_sync(cfg, mode, plan)
         begun = time.perf_counter()
         result = solo if mode == "none" else simulate(
-            _for_sync(work, mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, plan, clock)))
+            _for_sync(work, mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, plan, clock, evaluations=False)))
         rows.append(_row(result, limit, time.perf_counter() - begun))
     doc = {"format": FORMAT, **rows[0], "pipelines": cfg.cluster.pipelines,
            "stages": cfg.pipeline.stages, "solo_samples_per_s": solo.solo_rates(),

@@ -111,3 +111,33 @@ def test_due_by_holds_one_current_forecast_per_replica_whatever_the_order_of_eve
             f.forget(p)
     current = sorted((f.expected(0, p), p) for p in range(5) if f.expected(0, p) is not None)
     assert f.due_by(0, float("inf"), 10) == current
+
+
+def test_a_known_pause_is_forecast_once_measured_and_leaves_compute_and_pace_alone():
+    """An evaluation of 0.3 s after some iterations of 0.1 s: the first is not forecast (nobody
+    waits on a guess), the next one is, and neither moves the compute time, the pace or the
+    usual error."""
+    f, t = Forecast(1), 0.0
+    f.ready(0, 0, t)
+    for _ in range(4):
+        t = _cycle(f, t, 0.1, 0.0)
+    pace, error = f.pace[(0, 0)], f.error(0, 0)
+    f.release(0, 0, t, pause=True)
+    assert f.expected(0, 0) is None
+    f.ready(0, 0, t + 0.4)
+    t += 0.4
+    assert (f.pace[(0, 0)], f.error(0, 0)) == (pace, error)
+    f.release(0, 0, t)
+    assert f.expected(0, 0) == pytest.approx(t + 0.1)  # the pause did not enter the compute time
+    f.ready(0, 0, t + 0.1)
+    t += 0.1
+    f.release(0, 0, t, pause=True)
+    assert f.expected(0, 0) == pytest.approx(t + 0.4)
+    assert f.longest_pause(0, [0]) == pytest.approx(0.3)
+    f.ready(0, 0, t + 0.45)  # 50 ms late: the pause's error, not the usual one
+    assert f.error(0, 0) == error
+    f.release(0, 0, t + 0.45, pause=True)
+    assert f.worst_error(0, [0]) == pytest.approx(0.05)
+    assert f.longest_pause(0, [0]) == pytest.approx(0.325)  # the moving average of 0.3 and 0.35
+    f.release(0, 0, t + 0.45)
+    assert f.longest_pause(0, [0]) == 0.0  # no pause ahead

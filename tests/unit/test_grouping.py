@@ -89,7 +89,8 @@ def runs(draw, *, P=st.integers(1, 6), S=st.integers(1, 4), connect_every=st.int
     window_min = min(window, draw(st.sampled_from([0.0001, 0.0005, 0.002])))
     kwargs = dict(min_group=draw(st.integers(1, 4)), window=window, window_min=window_min,
                   window_max=window_max, connect_every=draw(connect_every),
-                  global_every=draw(global_every), total_iterations=p * draw(steps))
+                  global_every=draw(global_every), total_iterations=p * draw(steps),
+                  evaluate_every=draw(st.sampled_from([0, 0, 2, 3])))
     return Sim(p, s, durations, gaps, kwargs)
 
 
@@ -1248,3 +1249,46 @@ def test_cost_aware_waits_for_a_late_replica_about_as_long_as_its_forecasts_miss
     assert 3 not in without.members
     assert max(without.waited) < 0.007
     check_end(r)
+
+
+def _evaluating(known: bool, speeds: list[float], iterations: int = 120, every: int = 10) -> Sim:
+    """Pipelines of 2 stages at ``speeds`` (+-5 %) that evaluate for 0.2 s (+-10 %) after every
+    ``every`` iterations; ``known``: the policy is told so (``evaluate_every``)."""
+    import random
+
+    rng = random.Random(0)
+    durations = []
+    for d in speeds:
+        row = [d * rng.uniform(0.95, 1.05) for _ in range(iterations + 5)]
+        for k in range(every, len(row), every):  # iteration k starts after the evaluation
+            row[k] += 0.2 * rng.uniform(0.9, 1.1)
+        durations.append(row)
+    P = len(speeds)
+    return Sim(P, 2, durations, [0.005] * P, dict(
+        window=0.005, window_min=0.0005, window_max=0.02, connect_every=8, global_every=50,
+        total_iterations=P * iterations, patience=0.5, policy="cost_aware", max_group=32,
+        evaluate_every=every if known else 0))
+
+
+def test_equal_replicas_stay_together_through_their_evaluations():
+    """Four equal pipelines that all evaluate every 10 iterations: taken for straggles, the
+    evaluations scatter them and about a quarter of the rounds lose someone; expected (after the
+    first, which is measured), the rounds after them are full, and the run is no slower."""
+    blind, known = _evaluating(False, [0.15] * 4).run(), _evaluating(True, [0.15] * 4).run()
+    partial = [sum(len(d.members) < 4 for _, d in r.decisions if d.kind == "group")
+               for r in (blind, known)]
+    assert partial[0] > 50
+    assert partial[1] < 20
+    assert known.end_time <= blind.end_time * 1.01
+    check_well_formed(known)
+    check_globals(known)
+    check_end(known)
+
+
+def test_a_straggler_is_not_waited_for_after_an_evaluation():
+    """[1, 1, 1, 3] evaluating every 10 iterations: knowing the pauses keeps the limit's share
+    (the slow replica's evaluation comes at its own, later iterations)."""
+    speeds = [0.15, 0.15, 0.15, 0.45]
+    blind, known = _evaluating(False, speeds).run(), _evaluating(True, speeds).run()
+    rate = [sum(r.completed.values()) / r.end_time for r in (blind, known)]
+    assert rate[1] >= 0.99 * rate[0]

@@ -28,7 +28,7 @@ def config(*overrides: str):
 def run(cfg, sync: str | None = None):
     sync = sync or cfg.sync.name
     return simulate(simulator.workload(simulator._with_sync(cfg, sync)), sync,
-                    lambda clock: make_policy(cfg, RunPlan.of(cfg), clock))
+                    lambda clock: make_policy(cfg, RunPlan.of(cfg), clock, evaluations=False))
 
 
 @pytest.mark.parametrize("stages, schedule", [(1, "1f1b"), (2, "1f1b"), (4, "1f1b"), (2, "gpipe")])
@@ -119,6 +119,14 @@ def test_the_policy_setting_reaches_the_simulated_policy():
         sizes[cap] = max(r.group_sizes)
         assert r.global_sizes and set(r.global_sizes) == {8}  # global syncs are never capped
     assert sizes[2] == 2 and sizes[0] > 2
+
+
+def test_the_scheduler_expects_the_evaluations_the_simulator_does_not_model():
+    """train.eval_every reaches the policy of a real run; the simulator's workers never evaluate,
+    so its policy expects no pause."""
+    cfg = config("train.eval_every=7")
+    assert make_policy(cfg, RunPlan.of(cfg)).evaluate_every == 7
+    assert make_policy(cfg, RunPlan.of(cfg), evaluations=False).evaluate_every == 0
 
 
 def test_speed_changes_and_links_are_in_the_timing():

@@ -56,7 +56,10 @@ docs/SYNC.md):
   forecast within ``patience`` x the opener's own interval: replicas at the same pace (a
   homogeneous cluster) meet in full groups, as all-reduce would, while a replica forecast far
   later (a straggler) is not waited for. The adaptive window still applies (the round waits at
-  least that long); ``patience = 0`` is the reference's rule alone.
+  least that long); ``patience = 0`` is the reference's rule alone. The workers' evaluations
+  (every ``evaluate_every`` iterations, the run's ``train.eval_every``) are known pauses: a
+  replica released before one is forecast with its last measured pause, so that equal replicas
+  back from an evaluation meet again instead of scattering (the flushed schedules).
 
 * **Group cap** (``max_group > 0``). A round closes as soon as that many are ready (a due round
   swaps in a replica of another component, and merging two components is then enough); global

@@ -80,11 +80,13 @@ class FlushedPlanner:
     def release(self, s: int, p: int, iteration: int, now: float) -> None:
         """Stage ``s`` of pipeline ``p`` got its decision for ``iteration``. In the flushed
         schedules each stage's next iteration waits for data from the others, so the pipeline
-        goes on (and its forecasts start) when the last of its stages got its decision."""
+        goes on (and its forecasts start) when the last of its stages got its decision, after
+        an evaluation if one is due there."""
         run = self.run
         if min(run.decided[p]) >= iteration:
+            pause = run.pauses_after(iteration)
             for x in range(run.S):
-                run.forecast.release(x, p, now)
+                run.forecast.release(x, p, now, pause)
 
     def begin(self, pipeline: int, iteration: int) -> bool:
         raise ValueError("begin() is for the asynchronous schedules (AsyncGroupScheduler)")

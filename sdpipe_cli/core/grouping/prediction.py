@@ -95,11 +95,15 @@ class Prediction:
         :data:`SLACK_ERRORS` x the largest of their usual misses, within :data:`SLACK_FLOOR` and
         :data:`LATE_SLACK` x ``pace`` (the round's fastest member's); :data:`LATE_SLACK` x pace
         while a miss is not known. Precise forecasts (a steady GPU cluster) make late replicas
-        stragglers within a few milliseconds; noisy ones (shared CPUs) earn more patience."""
-        error = self.run.forecast.worst_error(s, replicas)
+        stragglers within a few milliseconds; noisy ones (shared CPUs) earn more patience.
+        Before a known pause (an evaluation) the bounds grow with the pause, whose length varies
+        in proportion to it."""
+        forecast = self.run.forecast
+        span = pace + forecast.longest_pause(s, replicas)
+        error = forecast.worst_error(s, replicas)
         if error is None:
-            return LATE_SLACK * pace
-        return min(LATE_SLACK * pace, max(SLACK_FLOOR * pace, SLACK_ERRORS * error))
+            return LATE_SLACK * span
+        return min(LATE_SLACK * span, max(SLACK_FLOOR * pace, SLACK_ERRORS * error))
 
     def narrow(self, s: int, joined: float, now: float) -> None:
         """cost_aware: a replica of pace ``joined`` joined the open round of stage ``s`` at

@@ -27,7 +27,9 @@ class GroupScheduler:
     """The policy for all stages of a run. Feed it events; it returns the decisions they trigger.
 
     Times are seconds from ``clock``. The transport calls :meth:`tick` no later than
-    :meth:`next_deadline`. ``rounds_per_iteration`` (asynchronous schedules only: a round per
+    :meth:`next_deadline`. ``evaluate_every``: the workers evaluate after every multiple of this
+    many of their iterations (``train.eval_every``), a pause the forecast expects.
+    ``rounds_per_iteration`` (asynchronous schedules only: a round per
     update) picks the :class:`~sdpipe_cli.core.grouping.async_budget.AsyncPlanner`, whose global
     syncs fall at drained points (:meth:`begin`); without it, the flushed schedules' planner.
     """
@@ -38,7 +40,7 @@ class GroupScheduler:
                  time_limit: Optional[float] = None, patience: float = 0.0,
                  policy: str = "classic", max_group: int = 0, twins: bool = False,
                  stale: str = "average",
-                 suspect_after: Optional[float] = None,
+                 suspect_after: Optional[float] = None, evaluate_every: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  rounds_per_iteration: Optional[int] = None):
         if rounds_per_iteration is not None and rounds_per_iteration < 1:
@@ -53,11 +55,14 @@ class GroupScheduler:
             raise ValueError("max_group must be 0 (no cap) or at least 2")
         if suspect_after is not None and suspect_after <= 0:
             raise ValueError("suspect_after must be positive seconds (or None)")
+        if evaluate_every < 0:
+            raise ValueError("evaluate_every must be >= 0")
         # connect_every = 1 is all-reduce: every round waits for everyone, under either policy
         cost_aware = policy == "cost_aware" and connect_every > 1
         max_group = max_group if connect_every > 1 else 0  # all-reduce has no cap
         run = RunState(pipelines, stages, global_every=global_every,
-                       total_iterations=total_iterations, time_limit=time_limit, clock=clock)
+                       total_iterations=total_iterations, time_limit=time_limit,
+                       evaluate_every=evaluate_every, clock=clock)
         self._run = run
         self._links = Connectivity(run, connect_every=connect_every, cost_aware=cost_aware,
                                    max_group=max_group, suspect_after=suspect_after)
@@ -177,6 +182,11 @@ class GroupScheduler:
         return self._rounds.window[(stage, pipeline)]
 
     @property
+    def evaluate_every(self) -> int:
+        """The workers' evaluation period the forecast expects pauses at (0: none)."""
+        return self._run.evaluate_every
+
+    @property
     def rounds_per_iteration(self) -> int:
         """Rounds per iteration and stage: 1, or asynchronous 1F1B's updates per iteration."""
         return self._planner.rounds_per_iteration
@@ -234,13 +244,14 @@ class AsyncGroupScheduler(GroupScheduler):
         super().__init__(pipelines, stages, rounds_per_iteration=rounds_per_iteration, **kwargs)
 
 
-def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monotonic
-                ) -> GroupScheduler:
+def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monotonic,
+                evaluations: bool = True) -> GroupScheduler:
     """The policy of a run config with ``sync=sdpipe`` and its plan (the grid, the budget): the
     scheduler process and the simulator (:mod:`sdpipe_cli.core.simulation`) build it here, so
-    both run the same one."""
+    both run the same one. ``evaluations``: whether the workers pause to evaluate every
+    ``train.eval_every`` iterations (the flushed schedules; the simulator models no pauses)."""
     y, p = cfg.sync, cfg.pipeline
-    policy, extra = GroupScheduler, {}
+    policy, extra = GroupScheduler, {"evaluate_every": cfg.train.eval_every if evaluations else 0}
     if p.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
         rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
         policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}

@@ -88,8 +88,9 @@ class RunState:
 
     def __init__(self, pipelines: int, stages: int, *, global_every: int,
                  total_iterations: Optional[int], time_limit: Optional[float],
-                 clock: Callable[[], float] = time.monotonic):
+                 evaluate_every: int = 0, clock: Callable[[], float] = time.monotonic):
         self.P, self.S = pipelines, stages
+        self.evaluate_every = evaluate_every  # the workers' train.eval_every (0: none known)
         self.global_every, self.total_iterations = global_every, total_iterations
         self.time_limit, self.clock = time_limit, clock
         self.forecast = Forecast(stages)
@@ -106,6 +107,11 @@ class RunState:
         self.global_history: list[dict[int, int]] = []  # every global sync's iteration per pipeline
         self.finished = False
         self.next_global = pipelines * global_every
+
+    def pauses_after(self, iteration: int) -> bool:
+        """Whether the workers evaluate between 0-based ``iteration`` and the next: a known
+        pause, not a straggle (:mod:`~sdpipe_cli.core.forecast`)."""
+        return bool(self.evaluate_every) and (iteration + 1) % self.evaluate_every == 0
 
     def time_is_up(self) -> bool:
         return self.stop_requested or (self.time_limit is not None
