@@ -29,6 +29,8 @@ FAILED = "failed"  # any launcher -> the others: the first failure, in one line
 STOP_REQUESTED = "stop_requested"  # set by the launcher on Ctrl-C/SIGTERM: stop at a consistent point
 RESTARTS = "restarts"  # counter: pipeline restarts so far, by every node's launcher
 HUNG = "hung"  # scheduler -> launcher: ranks silent past run.heartbeat_timeout (JSON list), to kill
+STARTING = "starting"  # counter: workers built and ready for their first iteration
+GO = "go"  # set by the last of them: every worker starts its first iteration now
 
 
 def host_store(host: str, port: int, timeout: float) -> tuple[dist.TCPStore, bool]:
@@ -156,3 +158,27 @@ def take(store: dist.Store, key: str, cls: type) -> Any:
     raw = store.get(key)
     store.delete_key(key)
     return protocol.decode(raw, cls, PREFIX + key)
+
+
+def start_together(store: dist.Store, workers: int, timeout: float, wait: bool = True,
+                   poll_s: float = 0.01) -> bool:
+    """Count this worker in before its first iteration and, with ``wait``, return once all
+    ``workers`` are in: whether they were within ``timeout`` seconds (False: it goes on alone).
+
+    Workers finish building their model and data up to seconds apart; started as they are ready,
+    pipelines at the same speed would run whole iterations apart for the rest of the run (the
+    group policy averages across iterations), so that each one evaluates at its own time and the
+    others take it for a straggler. A restarted worker counts itself in without waiting (its peers
+    are past their start, or wait for its count), so a worker lost before the start does not hold
+    the others. Polled in short sleeps, so an interrupt is acted on.
+    """
+    if store.add(STARTING, 1) >= workers:
+        store.set(GO, "1")
+    if not wait:
+        return True
+    deadline = time.monotonic() + timeout
+    while not store.check([GO]):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True

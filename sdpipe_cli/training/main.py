@@ -1,13 +1,15 @@
 """The worker process: ``python -m sdpipe_cli.training.main``, started P x S times by the launcher.
 
 It joins the run (:func:`sdpipe_cli.runtime.bootstrap.joined`), builds its
-:class:`~sdpipe_cli.training.worker.Worker` and runs the loop of its schedule: the flushed loop
+:class:`~sdpipe_cli.training.worker.Worker`, waits until every worker is built (so that
+pipelines start their first iteration together) and runs the loop of its schedule: the flushed loop
 for ``1f1b`` and ``gpipe``, the asynchronous one for ``async_1f1b``. ``SDPIPE_RESUME`` names a
 verified checkpoint folder when a run goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
@@ -18,6 +20,8 @@ from sdpipe_cli.sync import groups
 from sdpipe_cli.training.async_loop import AsyncLoop
 from sdpipe_cli.training.loop import FlushedLoop
 from sdpipe_cli.training.worker import Worker
+
+log = logging.getLogger("sdpipe.worker")
 
 
 def own_group(cfg) -> bool:
@@ -40,6 +44,11 @@ def main() -> int:
                         incarnation=ctx.incarnation, rank_offset=ctx.rank_offset)
         if ctx.incarnation:
             worker.rejoin()
+        # waiting silently, a worker must not look hung to the scheduler
+        patience = min(cfg.run.timeout, cfg.run.heartbeat_timeout / 2)
+        if not store.start_together(store.namespace(ctx.client), ctx.plan.pipelines * ctx.plan.stages,
+                                    patience, wait=not ctx.incarnation):
+            log.warning("not every worker was built within %g s; starting anyway", patience)
         loop = AsyncLoop if cfg.pipeline.schedule in ASYNC_SCHEDULES else FlushedLoop
         loop(worker).train()
     return 0

@@ -133,3 +133,33 @@ def test_another_nodes_address_is_not_checked_here():
     cfg = compose([*TWO_NODES, "run.node=a"])
     validate(cfg)
     assert network.check_hosts(cfg) == "127.0.0.1"  # b's address is b's launcher's business
+
+
+def test_workers_start_together_and_a_restarted_one_does_not_wait():
+    """A real store: the first two workers wait until the third is in; a restarted worker counts
+    itself in without waiting; a worker short of company gives up after its timeout."""
+    import threading
+
+    master, _ = store.host_store("127.0.0.1", 0, 10)
+    clients = [store.connect("127.0.0.1", master.port, 10) for _ in range(3)]
+    done: dict[int, tuple[bool, float]] = {}
+
+    def worker(i: int) -> None:
+        began = time.monotonic()
+        done[i] = (store.start_together(clients[i], 3, timeout=10), time.monotonic() - began)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert not done  # both wait for the third
+    assert store.start_together(clients[2], 3, timeout=10, wait=False)  # e.g. a restarted worker
+    for t in threads:
+        t.join(10)
+    assert [ok for ok, _ in done.values()] == [True, True]
+    assert all(0.25 < waited < 5 for _, waited in done.values())
+
+    lonely, _ = store.host_store("127.0.0.1", 0, 10)
+    began = time.monotonic()
+    assert store.start_together(store.connect("127.0.0.1", lonely.port, 10), 2, timeout=0.2) is False
+    assert time.monotonic() - began < 5
