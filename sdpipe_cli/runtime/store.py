@@ -170,7 +170,8 @@ def start_together(store: dist.Store, workers: int, timeout: float, wait: bool =
     group policy averages across iterations), so that each one evaluates at its own time and the
     others take it for a straggler. A restarted worker counts itself in without waiting (its peers
     are past their start, or wait for its count), so a worker lost before the start does not hold
-    the others. Polled in short sleeps, so an interrupt is acted on.
+    the others; one lost after counting in is counted twice, which at worst starts the others
+    before a slow one is built. Polled in short sleeps, so an interrupt is acted on.
     """
     if store.add(STARTING, 1) >= workers:
         store.set(GO, "1")

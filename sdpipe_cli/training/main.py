@@ -42,13 +42,14 @@ def main() -> int:
         worker = Worker(cfg, ctx.where, ctx.plan, ctx.device, store.namespace(ctx.client), sync_groups,
                         pipeline_groups, resume=os.environ.get("SDPIPE_RESUME"),
                         incarnation=ctx.incarnation, rank_offset=ctx.rank_offset)
-        if ctx.incarnation:
-            worker.rejoin()
-        # waiting silently, a worker must not look hung to the scheduler
-        patience = min(cfg.run.timeout, cfg.run.heartbeat_timeout / 2)
+        # Waiting silently, a worker must not look hung (or never started) to the scheduler. A
+        # restarted one counts itself in before it waits to be healed, which takes a round.
+        patience = min(cfg.run.timeout, cfg.run.heartbeat_timeout) / 2
         if not store.start_together(store.namespace(ctx.client), ctx.plan.pipelines * ctx.plan.stages,
                                     patience, wait=not ctx.incarnation):
             log.warning("not every worker was built within %g s; starting anyway", patience)
+        if ctx.incarnation:
+            worker.rejoin()
         loop = AsyncLoop if cfg.pipeline.schedule in ASYNC_SCHEDULES else FlushedLoop
         loop(worker).train()
     return 0

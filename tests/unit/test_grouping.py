@@ -1292,3 +1292,11 @@ def test_a_straggler_is_not_waited_for_after_an_evaluation():
     blind, known = _evaluating(False, speeds).run(), _evaluating(True, speeds).run()
     rate = [sum(r.completed.values()) / r.end_time for r in (blind, known)]
     assert rate[1] >= 0.99 * rate[0]
+
+
+def test_an_evaluation_after_every_iteration_is_compute_not_a_pause():
+    """train.eval_every=1: every span holds an evaluation, so it is compute; the forecast (and
+    with it prediction) stays on."""
+    r = _sim([0.15] * 4, 0.5, iterations=30, policy="cost_aware", evaluate_every=1)
+    assert r.sched.pace(0, 0) is not None
+    assert _mean_group(r) > 3.5  # the adaptive window alone forms pairs

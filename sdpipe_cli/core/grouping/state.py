@@ -110,8 +110,9 @@ class RunState:
 
     def pauses_after(self, iteration: int) -> bool:
         """Whether the workers evaluate between 0-based ``iteration`` and the next: a known
-        pause, not a straggle (:mod:`~sdpipe_cli.core.forecast`)."""
-        return bool(self.evaluate_every) and (iteration + 1) % self.evaluate_every == 0
+        pause, not a straggle (:mod:`~sdpipe_cli.core.forecast`). An evaluation after every
+        iteration is part of every iteration's compute, not a pause."""
+        return self.evaluate_every > 1 and (iteration + 1) % self.evaluate_every == 0
 
     def time_is_up(self) -> bool:
         return self.stop_requested or (self.time_limit is not None
