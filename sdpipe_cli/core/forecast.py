@@ -82,7 +82,7 @@ class Forecast:
         r = self._replicas[stage].get(pipeline)
         if r is None:
             r = self._replicas[stage][pipeline] = _Replica()
-        paused = r.pausing and r.released is not None
+        paused = r.pausing  # set with ``released`` by release(), cleared with it by _paused()
         if r.arrived is not None and not paused:
             key, interval = (stage, pipeline), now - r.arrived
             pace = self.pace.get(key)
