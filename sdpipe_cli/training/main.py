@@ -39,14 +39,15 @@ def main() -> int:
         sync_groups = groups.for_worker(ctx, timeout)
         pipeline_groups = (groups.for_worker(ctx, cfg.run.timeout)
                            if timeout != cfg.run.timeout else sync_groups)
-        worker = Worker(cfg, ctx.where, ctx.plan, ctx.device, store.namespace(ctx.client), sync_groups,
+        shared = store.namespace(ctx.client)
+        worker = Worker(cfg, ctx.where, ctx.plan, ctx.device, shared, sync_groups,
                         pipeline_groups, resume=os.environ.get("SDPIPE_RESUME"),
                         incarnation=ctx.incarnation, rank_offset=ctx.rank_offset)
         # Waiting silently, a worker must not look hung (or never started) to the scheduler. A
         # restarted one counts itself in before it waits to be healed, which takes a round.
         patience = min(cfg.run.timeout, cfg.run.heartbeat_timeout) / 2
-        if not store.start_together(store.namespace(ctx.client), ctx.plan.pipelines * ctx.plan.stages,
-                                    patience, wait=not ctx.incarnation):
+        if not store.start_together(shared, ctx.plan.pipelines * ctx.plan.stages, patience,
+                                    wait=not ctx.incarnation):
             log.warning("not every worker was built within %g s; starting anyway", patience)
         if ctx.incarnation:
             worker.rejoin()
