@@ -11,11 +11,18 @@ one outlier in three and moves the median not at all; a lasting change of speed 
 
 A **known pause** is not a straggle: the workers evaluate after every ``train.eval_every``-th
 iteration, and the scheduler knows when. A release followed by one is forecast as compute plus
-the replica's last measured pause (unknown the first time: no forecast, so no round waits for
-it), and the span, which holds the pause, leaves the compute time, the pace and the error alone;
-its miss feeds a pause error of its own. Without this, every replica that evaluates is overdue by
+the replica's last measured pause, and the span, which holds the pause, leaves the compute time,
+the pace and the error alone; its miss feeds a pause error of its own. Without this, every replica that evaluates is overdue by
 its forecast, and the first one back from an evaluation goes on alone, so that equal replicas
 scatter and take several rounds to meet again.
+
+A replica that has measured nothing yet (its compute time at the start of the run, its pause at
+its first evaluation) is forecast from its **stage's peers**: the last compute time measured at
+that stage, plus how much later than that peer's its own first ready signal came (the workers
+start together, so a replica three times slower came two of the peer's iterations later), and the
+last pause measured there. Equal replicas start together and evaluate at the same iterations, so
+the first one back tells when the others will be. Without it, the first rounds and the first
+evaluation scatter equal replicas for several rounds.
 
 Two more facts per replica:
 
@@ -50,7 +57,7 @@ class _Replica:
     """What the forecast knows of one replica (a slotted record: one lookup per ready signal)."""
 
     __slots__ = ("arrived", "released", "spans", "busy", "due", "error", "pausing", "pause",
-                 "pause_error")
+                 "pause_error", "ahead", "prior", "first")
 
     def __init__(self) -> None:
         self.arrived: Optional[float] = None  # last ready signal
@@ -62,6 +69,9 @@ class _Replica:
         self.pausing = False  # the last release is followed by a known pause
         self.pause: Optional[float] = None  # moving average of its known pauses (s)
         self.pause_error: Optional[float] = None  # ... and of how far their forecasts missed
+        self.ahead: Optional[float] = None  # the pause in the current forecast (own or a peer's)
+        self.prior = False  # the current forecast is a peer's measurement, not the replica's own
+        self.first: Optional[float] = None  # its first ready signal
 
 
 class Forecast:
@@ -75,6 +85,12 @@ class Forecast:
         self.pace: dict[Key, float] = {}  # moving-average interval between ready signals (s)
         self._replicas: list[dict[int, _Replica]] = [{} for _ in range(stages)]
         self._due: list[list[tuple[float, int]]] = [[] for _ in range(stages)]  # sorted
+        # per stage: the last compute time measured there with its replica's first ready signal,
+        # and the last pause (a peer's forecast), and the replicas released without a forecast
+        # because neither was known yet
+        self._busy: list[Optional[tuple[float, Optional[float]]]] = [None] * stages
+        self._pause: list[Optional[float]] = [None] * stages
+        self._unknown: list[set[int]] = [set() for _ in range(stages)]
 
     def ready(self, stage: int, pipeline: int, now: float) -> None:
         """The replica reported ready at ``now``: fold it into its pace, compute time and error.
@@ -87,14 +103,20 @@ class Forecast:
             key, interval = (stage, pipeline), now - r.arrived
             pace = self.pace.get(key)
             self.pace[key] = interval if pace is None else pace + PACE_WEIGHT * (interval - pace)
+        if r.first is None:
+            r.first = now
         r.arrived = now
         if r.released is None:  # never released, so never forecast either
             return
         due, busy, r.due = r.due, r.busy, None
         if due is not None:
             self._drop(stage, due, pipeline)
+            if r.prior:  # a peer's measurement missed, not this replica's forecast
+                due, r.prior = None, False
+        else:
+            self._unknown[stage].discard(pipeline)
         if paused:
-            self._paused(r, now, due)
+            self._paused(stage, r, now, due)
             return
         if due is not None:
             miss = abs(now - due)
@@ -106,13 +128,19 @@ class Forecast:
         if len(spans) > BUSY_SAMPLES:
             del spans[0]
         r.busy = sorted(spans)[len(spans) // 2]
+        known, self._busy[stage] = self._busy[stage], (r.busy, r.first)
+        if known is None:
+            self._from_peers(stage)
 
-    def _paused(self, r: _Replica, now: float, due: Optional[float]) -> None:
+    def _paused(self, stage: int, r: _Replica, now: float, due: Optional[float]) -> None:
         """A ready signal after a known pause: learn the pause, not the compute time."""
-        r.pausing = False
+        r.pausing, r.ahead = False, None
         if r.busy is not None:
             pause = max(0.0, now - r.released - r.busy)
             r.pause = pause if r.pause is None else r.pause + PAUSE_WEIGHT * (pause - r.pause)
+            known, self._pause[stage] = self._pause[stage], pause
+            if known is None:
+                self._from_peers(stage)
         if due is not None:
             miss = abs(now - due)
             r.pause_error = (miss if r.pause_error is None
@@ -129,9 +157,34 @@ class Forecast:
         if r.due is not None:
             self._drop(stage, r.due, pipeline)
             r.due = None
-        if r.busy is not None and not (pause and r.pause is None):
-            r.due = now + r.busy + (r.pause if pause else 0.0)
-            insort(self._due[stage], (r.due, pipeline))
+        self._forecast(stage, pipeline, r)
+
+    def _forecast(self, stage: int, pipeline: int, r: _Replica) -> None:
+        """Forecast the released replica from its own measurements, else its stage's last ones
+        (:attr:`prior`); with neither, leave it among the stage's unknown ones."""
+        busy, pause, r.ahead = r.busy, r.pause if r.pausing else 0.0, None
+        prior = busy is None or pause is None
+        if busy is None and self._busy[stage] is not None:
+            busy, first = self._busy[stage]
+            if first is not None and r.first is not None:
+                busy = max(0.0, busy + r.first - first)
+        if pause is None:
+            pause = self._pause[stage]
+        if busy is None or pause is None:
+            self._unknown[stage].add(pipeline)
+            return
+        self._unknown[stage].discard(pipeline)
+        r.due, r.ahead, r.prior = r.released + busy + pause, pause if r.pausing else None, prior
+        insort(self._due[stage], (r.due, pipeline))
+
+    def _from_peers(self, stage: int) -> None:
+        """A compute time or pause was measured at ``stage`` for the first time: forecast the
+        replicas released without one. (Once per stage and kind in a run, so one pass each.)"""
+        replicas = self._replicas[stage]
+        for q in list(self._unknown[stage]):
+            r = replicas[q]
+            if r.due is None:
+                self._forecast(stage, q, r)
 
     def _drop(self, stage: int, due: float, pipeline: int) -> None:
         """Remove the replica's forecast ``due`` from the stage's sorted list."""
@@ -166,13 +219,15 @@ class Forecast:
     def longest_pause(self, stage: int, pipelines: list[int]) -> float:
         """The longest known pause ahead of ``pipelines``' replicas of ``stage`` (0: none)."""
         replicas = self._replicas[stage]
-        return max((r.pause for q in pipelines if (r := replicas.get(q)) is not None
-                    and r.pausing and r.pause is not None), default=0.0)
+        return max((r.ahead for q in pipelines if (r := replicas.get(q)) is not None
+                    and r.ahead is not None), default=0.0)
 
     def forget(self, pipeline: int) -> None:
-        """The pipeline left or restarts: what it did says nothing about what it will do."""
+        """The pipeline left or restarts: what it did says nothing about what it will do (until
+        it measures its own, it is forecast from its peers)."""
         for s in range(len(self._replicas)):
             self.pace.pop((s, pipeline), None)
+            self._unknown[s].discard(pipeline)
             r = self._replicas[s].pop(pipeline, None)
             if r is not None and r.due is not None:
                 self._drop(s, r.due, pipeline)
@@ -181,16 +236,17 @@ class Forecast:
                exclude: tuple = ()) -> list[tuple[float, int]]:
         """Up to ``room`` replicas of ``stage`` forecast to be ready by ``horizon``, with their
         forecasts, earliest first, leaving out those with a pace above ``slowest`` and those in
-        any of the containers ``exclude``."""
+        any of the containers ``exclude``. A replica whose pace is not known yet is forecast
+        from its peers, and taken to be as fast as they are."""
         found: list[tuple[float, int]] = []
         if room <= 0:
             return found
-        paces, inf = self.pace, float("inf")
+        paces = self.pace
         for entry in self._due[stage]:
             t, q = entry
             if t > horizon:
                 break
-            if paces.get((stage, q), inf) > slowest:
+            if paces.get((stage, q), 0.0) > slowest:
                 continue
             for c in exclude:
                 if q in c:

@@ -64,8 +64,51 @@ def test_forget_drops_everything_known_of_a_pipeline():
     f.forget(1)
     assert f.expected(0, 1) is None and f.error(0, 1) is None and (0, 1) not in f.pace
     assert f.due_by(0, t + 1, 9) == []
-    f.release(0, 1, t)  # starts afresh: no compute time known
-    assert f.expected(0, 1) is None
+    f.release(0, 1, t)  # starts afresh: forecast like a peer, from the stage's last measurement
+    assert f.expected(0, 1) == pytest.approx(t + 0.1) and f.error(0, 1) is None
+    assert Forecast(1).due_by(0, t + 1, 9) == []  # nothing measured, nothing forecast
+
+
+def test_a_replica_with_nothing_measured_is_forecast_from_its_peers():
+    """Three replicas start together; the third's first ready signal comes 0.2 s after the
+    first's. Released together, nobody is forecast until one measures its compute time (0.1 s);
+    then the others are, from it, the third 0.2 s later; the miss of such a forecast is the
+    peer's, not the replica's own error."""
+    f = Forecast(1)
+    for p, first in enumerate((1.0, 1.01, 1.2)):
+        f.ready(0, p, first)
+    for p in range(3):
+        f.release(0, p, 1.3)
+    assert f.due_by(0, 9.0, 9) == []
+    f.ready(0, 0, 1.4)  # measured: 0.1
+    assert f.due_by(0, 9.0, 9) == [(pytest.approx(1.41), 1), (pytest.approx(1.6), 2)]
+    f.ready(0, 1, 1.45)  # 40 ms after the peer's forecast
+    assert f.error(0, 1) is None
+    f.release(0, 1, 1.5)
+    assert f.expected(0, 1) == pytest.approx(1.65)  # its own measurement from now on
+
+
+def test_a_first_pause_is_forecast_from_the_first_peer_back():
+    """Two replicas released before their first evaluation: neither forecast; the first back
+    measures 0.3 s of pause, and the other is forecast with it, a pause the round's slack
+    grows with."""
+    f, t = Forecast(1), 0.0
+    for p in range(2):
+        f.ready(0, p, t)
+    for _ in range(3):
+        for p in range(2):
+            _cycle(f, t, 0.1, 0.0, pipeline=p)
+        t += 0.1
+    for p in range(2):
+        f.release(0, p, t, pause=True)
+    assert f.due_by(0, t + 9, 9) == []
+    f.ready(0, 0, t + 0.4)
+    assert f.expected(0, 1) == pytest.approx(t + 0.4)
+    assert f.longest_pause(0, [1]) == pytest.approx(0.3)
+    f.ready(0, 1, t + 0.45)
+    f.release(0, 1, t + 0.45, pause=True)
+    assert f.expected(0, 1) == pytest.approx(t + 0.45 + 0.1 + 0.35)  # its own pause now
+    assert f.worst_error(0, [1]) is None  # the peer's miss taught it nothing of its own
 
 
 @settings(max_examples=60, deadline=None)
@@ -87,7 +130,7 @@ def test_due_by_finds_exactly_the_current_forecasts_by_the_horizon(busy, horizon
         f.release(0, p, 0.0)
     want = sorted((f.expected(0, p), p) for p in range(len(busy))
                   if p not in skip and f.expected(0, p) <= horizon
-                  and f.pace.get((0, p), float("inf")) <= slowest)[:room]
+                  and f.pace.get((0, p), 0.0) <= slowest)[:room]
     for _ in range(2):
         assert f.due_by(0, horizon, room, slowest, (skip,)) == want
     assert len(busy[0]) < BUSY_SAMPLES or f.expected(0, 0) == pytest.approx(

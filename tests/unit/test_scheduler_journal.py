@@ -118,6 +118,7 @@ def test_replay_writes_nothing_but_the_last_batchs_answers(tmp_path):
     (the dead one may have died before it did), and one ``scheduler_restart`` line."""
     cfg = config(tmp_path)
     batches = arrivals(5, 4)
+    batches.append(([json.dumps({"type": "tick"})], batches[-1][1] + 1.0))  # closes what is open
     _, events = new_store()
     first = Scheduler(cfg, tmp_path, events, clock=BatchClock(0.0))
     writer = journal.Journal.create(journal.journal_path(tmp_path), 0.0)

@@ -60,15 +60,26 @@ class Prediction:
         past its forecast (:meth:`slack`; later, it is straggling this time). Replicas forecast
         within :data:`JITTER_BAND` x pace are the round's core; it waits for the later ones only
         if the core is a minority of the live replicas (or exactly half, without the fastest
-        one): a lone replica half an iteration out of phase waits for the others and is in phase
-        from then on, where the majority waiting for it would keep the phases apart (both sides
-        waiting for each other shift together).
+        one), and then up to (1 - :data:`JITTER_BAND`) x pace, patience or not: a lone replica
+        out of phase waits for the others' next ready signals and is in phase from then on,
+        where the majority waiting for it would keep the phases apart (both sides waiting for
+        each other shift together). The majority waits for those within the band, the minority
+        for the others; capped at patience x pace, a replica a quarter to a half iteration
+        behind would stay out of phase for good, too late for the one and too early for the
+        other.
+
+        A stage's first round waits for every live replica (:meth:`_first`).
         """
         run = self.run
         st = run.stages[s]
         st.horizon, st.expect, st.slowest_expected = st.window_end, frozenset(), 0.0
+        if not self.patience:
+            return
+        if st.round_no == 0:
+            self._first(s, opened, ready, parked)
+            return
         pace = run.pace.get((s, opener))
-        if not self.patience or pace is None:
+        if pace is None:
             return
         st.horizon = opened + self.patience * pace
         present = len(ready) + len(parked)
@@ -78,17 +89,30 @@ class Prediction:
             st.expect = frozenset(q for _, q in found)
             return
         quickest = min([pace] + [run.pace[(s, q)] for q in ready if (s, q) in run.pace])
-        awaited = self._predicted(s, st.horizon, ready, parked, AWAIT_PACE_RATIO * quickest, room)
+        longest = opened + max(self.patience, 1 - JITTER_BAND) * pace  # a minority's wait, at most
+        awaited = self._predicted(s, longest, ready, parked, AWAIT_PACE_RATIO * quickest, room)
         band = opened + JITTER_BAND * pace
-        core = [(t, q) for t, q in awaited if t <= band]  # earliest first, so a prefix
+        core = [(t, q) for t, q in awaited if t <= band and t <= st.horizon]  # a prefix
         half = 2 * (present + len(core)) - len(run.live)  # > 0: a majority; 0: exactly half
         if half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
             awaited = core
+        else:
+            st.horizon = longest
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
             late, st.last_due = [q for _, q in awaited], awaited[-1][0]
             st.horizon = min(st.horizon, st.last_due + self.slack(s, late, pace))
-            st.slowest_expected = max(run.pace[(s, q)] for q in late)
+            st.slowest_expected = max(run.pace.get((s, q), pace) for q in late)
+
+    def _first(self, s: int, opened: float, ready: dict, parked: set[int]) -> None:
+        """The first round of stage ``s`` waits for every live replica, as all-reduce's first
+        step would, for at most patience x the time the run took to get here: nothing is known
+        of anyone's pace yet, equal replicas started together and come within moments (taken
+        apart, they would go on out of phase for rounds), and a slow one costs the others once
+        (a dead one is removed by supervision)."""
+        run, st = self.run, self.run.stages[s]
+        st.expect = frozenset(q for q in run.live if q not in ready and q not in parked)
+        st.horizon = opened + self.patience * max(0.0, opened - run.started)
 
     def slack(self, s: int, replicas: list[int], pace: float) -> float:
         """How long past their forecasts a round waits for ``replicas`` of stage ``s``:
@@ -119,20 +143,20 @@ class Prediction:
         its forecast. (A round's members at its opening bound its pace the same way, in
         :meth:`open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
         st, due, paces = self.run.stages[s], self.run.forecast.expected, self.run.pace
-        bound, horizon, inf = AWAIT_PACE_RATIO * joined, now + self.patience * joined, float("inf")
+        bound, horizon = AWAIT_PACE_RATIO * joined, now + self.patience * joined
         keep, late, latest = [], [], 0.0
         for q in st.expect:
             if q in st.waiting:
                 keep.append(q)
                 continue
             t = due(s, q)
-            if paces.get((s, q), inf) <= bound and (t is None or t <= horizon):
+            if paces.get((s, q), joined) <= bound and (t is None or t <= horizon):
                 keep.append(q)
                 if t is not None:
                     late.append(q)
                     latest = max(latest, t)
         st.expect = frozenset(keep)
-        st.slowest_expected = max((paces[(s, q)] for q in late), default=0.0)
+        st.slowest_expected = max((paces.get((s, q), joined) for q in late), default=0.0)
         st.last_due = latest
         if late:
             st.horizon = min(st.horizon, latest + self.slack(s, late, joined))
