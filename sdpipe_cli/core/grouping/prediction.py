@@ -23,7 +23,7 @@ AWAIT_PACE_RATIO = 1.5
 # usually miss by, within SLACK_FLOOR and LATE_SLACK x the opener's pace (LATE_SLACK while the miss
 # is not known yet); later, it is straggling this time and the round goes on without it
 LATE_SLACK = 0.2
-SLACK_ERRORS = 2.0
+SLACK_ERRORS = 3.0
 SLACK_FLOOR = 0.05
 # cost_aware: replicas predicted within this x the opener's pace arrive "with" it (jitter)
 JITTER_BAND = 0.25
