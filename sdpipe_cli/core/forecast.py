@@ -10,17 +10,18 @@ last :data:`BUSY_SAMPLES` release-to-ready spans. A random straggle (one iterati
 one outlier in three and moves the median not at all; a lasting change of speed moves it after two.
 
 A **known pause** is not a straggle: the workers evaluate after every ``train.eval_every``-th
-iteration, and the scheduler knows when. A release followed by one is forecast as compute plus
-the replica's last measured pause, and the span, which holds the pause, leaves the compute time,
-the pace and the error alone; its miss feeds a pause error of its own. Without this, every replica that evaluates is overdue by
-its forecast, and the first one back from an evaluation goes on alone, so that equal replicas
-scatter and take several rounds to meet again.
+iteration, and the scheduler knows when. A release followed by one is forecast as compute plus the
+replica's last measured pause, and the span, which holds the pause, leaves the compute time, the
+pace and the error alone; its miss feeds a pause error of its own. Without this, every replica that
+evaluates is overdue by its forecast, and the first one back from an evaluation goes on alone, so
+that equal replicas scatter and take several rounds to meet again.
 
 A replica that has measured nothing yet (its compute time at the start of the run, its pause at
 its first evaluation) is forecast from its **stage's peers**: the last compute time measured at
 that stage, plus how much later than that peer's its own first ready signal came (the workers
-start together, so a replica three times slower came two of the peer's iterations later), and the
-last pause measured there. Equal replicas start together and evaluate at the same iterations, so
+start together, so a replica three times slower came two of the peer's iterations later; a
+replica that came back after a restart did not start with them, and is forecast like its peers),
+and the last pause measured there. Equal replicas start together and evaluate at the same iterations, so
 the first one back tells when the others will be. Without it, the first rounds and the first
 evaluation scatter equal replicas for several rounds.
 
@@ -71,7 +72,7 @@ class _Replica:
         self.pause_error: Optional[float] = None  # ... and of how far their forecasts missed
         self.ahead: Optional[float] = None  # the pause in the current forecast (own or a peer's)
         self.prior = False  # the current forecast is a peer's measurement, not the replica's own
-        self.first: Optional[float] = None  # its first ready signal
+        self.first: Optional[float] = None  # its first ready signal, if it came at the start
 
 
 class Forecast:
@@ -91,6 +92,7 @@ class Forecast:
         self._busy: list[Optional[tuple[float, Optional[float]]]] = [None] * stages
         self._pause: list[Optional[float]] = [None] * stages
         self._unknown: list[set[int]] = [set() for _ in range(stages)]
+        self._restarted: set[int] = set()  # pipelines forgotten: they did not start with the rest
 
     def ready(self, stage: int, pipeline: int, now: float) -> None:
         """The replica reported ready at ``now``: fold it into its pace, compute time and error.
@@ -103,7 +105,7 @@ class Forecast:
             key, interval = (stage, pipeline), now - r.arrived
             pace = self.pace.get(key)
             self.pace[key] = interval if pace is None else pace + PACE_WEIGHT * (interval - pace)
-        if r.first is None:
+        if r.first is None and pipeline not in self._restarted:
             r.first = now
         r.arrived = now
         if r.released is None:  # never released, so never forecast either
@@ -149,7 +151,8 @@ class Forecast:
 
     def release(self, stage: int, pipeline: int, now: float, pause: bool = False) -> None:
         """The replica goes on computing from ``now``: forecast its next ready signal. ``pause``:
-        a known pause (an evaluation) comes first; forecast only once one was measured."""
+        a known pause (an evaluation) comes first. From its own measurements, else its stage's
+        (:meth:`_forecast`)."""
         r = self._replicas[stage].get(pipeline)
         if r is None:
             r = self._replicas[stage][pipeline] = _Replica()
@@ -192,8 +195,8 @@ class Forecast:
         del entries[bisect_left(entries, (due, pipeline))]
 
     def expected(self, stage: int, pipeline: int) -> Optional[float]:
-        """When the replica's next ready signal is forecast (None: it is ready now, or its compute
-        time is not known yet)."""
+        """When the replica's next ready signal is forecast (None: it is ready now, or neither it
+        nor a peer at its stage has measured what the forecast needs yet)."""
         r = self._replicas[stage].get(pipeline)
         return None if r is None else r.due
 
@@ -225,6 +228,7 @@ class Forecast:
     def forget(self, pipeline: int) -> None:
         """The pipeline left or restarts: what it did says nothing about what it will do (until
         it measures its own, it is forecast from its peers)."""
+        self._restarted.add(pipeline)
         for s in range(len(self._replicas)):
             self.pace.pop((s, pipeline), None)
             self._unknown[s].discard(pipeline)
@@ -236,8 +240,8 @@ class Forecast:
                exclude: tuple = ()) -> list[tuple[float, int]]:
         """Up to ``room`` replicas of ``stage`` forecast to be ready by ``horizon``, with their
         forecasts, earliest first, leaving out those with a pace above ``slowest`` and those in
-        any of the containers ``exclude``. A replica whose pace is not known yet is forecast
-        from its peers, and taken to be as fast as they are."""
+        any of the containers ``exclude``. A replica whose pace is not known yet passes the
+        bound: it is forecast from its peers, like one of them."""
         found: list[tuple[float, int]] = []
         if room <= 0:
             return found

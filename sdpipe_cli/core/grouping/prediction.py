@@ -9,6 +9,11 @@ cost_aware waits less, and only where waiting is cheap: for replicas about as fa
 one waiting (:data:`AWAIT_PACE_RATIO`), each only a little past its forecast
 (:meth:`Prediction.slack`); a fast replica that joins a round opened by a slow one narrows what
 the round waits for (:meth:`Prediction.narrow`).
+
+A stage's first round waits for every live replica (:meth:`Prediction.open`), and replicas with
+nothing measured yet are forecast from their peers (:mod:`~sdpipe_cli.core.forecast`), so that a
+homogeneous cluster is in full rounds from its first iteration; a minority out of phase waits
+for the others' next ready signals.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ class Prediction:
         if st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
             pace = self.run.pace.get((stage, pipeline))
             if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
-                                     or now + self.patience * pace < st.last_due):
+                                     or now + st.reach * pace < st.last_due):
                 self.narrow(stage, pace, now)
 
     def open(self, s: int, opener: int, opened: float, ready: dict, parked: set[int]) -> None:
@@ -81,7 +86,7 @@ class Prediction:
         pace = run.pace.get((s, opener))
         if pace is None:
             return
-        st.horizon = opened + self.patience * pace
+        st.horizon, st.reach = opened + self.patience * pace, self.patience
         present = len(ready) + len(parked)
         room = self.max_group - present if self.max_group else len(run.live)
         if not self.cost_aware:
@@ -89,7 +94,8 @@ class Prediction:
             st.expect = frozenset(q for _, q in found)
             return
         quickest = min([pace] + [run.pace[(s, q)] for q in ready if (s, q) in run.pace])
-        longest = opened + max(self.patience, 1 - JITTER_BAND) * pace  # a minority's wait, at most
+        reach = max(self.patience, 1 - JITTER_BAND)  # a minority's wait, at most
+        longest = opened + reach * pace
         awaited = self._predicted(s, longest, ready, parked, AWAIT_PACE_RATIO * quickest, room)
         band = opened + JITTER_BAND * pace
         core = [(t, q) for t, q in awaited if t <= band and t <= st.horizon]  # a prefix
@@ -97,7 +103,7 @@ class Prediction:
         if half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
             awaited = core
         else:
-            st.horizon = longest
+            st.horizon, st.reach = longest, reach
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
             late, st.last_due = [q for _, q in awaited], awaited[-1][0]
@@ -109,7 +115,8 @@ class Prediction:
         step would, for at most patience x the time the run took to get here: nothing is known
         of anyone's pace yet, equal replicas started together and come within moments (taken
         apart, they would go on out of phase for rounds), and a slow one costs the others once
-        (a dead one is removed by supervision)."""
+        (a dead one is removed by supervision). Only with patience; a round of ``max_group``
+        replicas still closes at once."""
         run, st = self.run, self.run.stages[s]
         st.expect = frozenset(q for q in run.live if q not in ready and q not in parked)
         st.horizon = opened + self.patience * max(0.0, opened - run.started)
@@ -133,7 +140,8 @@ class Prediction:
         """cost_aware: a replica of pace ``joined`` joined the open round of stage ``s`` at
         ``now``, faster than the round's wait allows: some replica it waits for is slower than
         :data:`AWAIT_PACE_RATIO` x ``joined``, or its horizon is later than the joiner's own
-        would be (``now`` + patience x ``joined``).
+        would be (``now`` + the round's reach x ``joined``: patience, or a minority's longer
+        wait, which a joiner of the same minority would have had too).
 
         A round opened by a slow replica waits for the faster ones it predicted, which is cheap:
         the slow one waits. Once a fast one is in, waiting for another slow one, or for a fast
@@ -143,7 +151,7 @@ class Prediction:
         its forecast. (A round's members at its opening bound its pace the same way, in
         :meth:`open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
         st, due, paces = self.run.stages[s], self.run.forecast.expected, self.run.pace
-        bound, horizon = AWAIT_PACE_RATIO * joined, now + self.patience * joined
+        bound, horizon = AWAIT_PACE_RATIO * joined, now + st.reach * joined
         keep, late, latest = [], [], 0.0
         for q in st.expect:
             if q in st.waiting:
