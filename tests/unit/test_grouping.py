@@ -1299,27 +1299,6 @@ def test_equal_replicas_meet_in_full_rounds_from_the_start_and_at_their_first_ev
     assert len(early) >= 24 and all(len(d.members) == 4 for d in early)
 
 
-@pytest.mark.parametrize("late,knocked", [(0.4, 1), (1.4, 1), (0.4, 2)])
-def test_a_replica_knocked_out_of_phase_rejoins_the_others_at_once(late, knocked):
-    """Four equal pipelines, ``knocked`` of which lose ``late`` x an iteration once (iteration
-    30): they wait for the others' next ready signals and are in phase again, where a lone one
-    kept going alone every other round until the next global sync (``late`` 0.4: 13 partial
-    rounds per stage). Two of them wait as long as one: the second to join their round does not
-    cut the wait back to patience (20 partial rounds per stage when it did). The fourth partial
-    round allowed is at the next global sync."""
-    rows = [[0.15] * 130 for _ in range(4)]
-    for p in range(4 - knocked, 4):
-        rows[p][30] += late * 0.15
-    r = Sim(4, 2, rows, [0.005] * 4, dict(
-        window=0.005, window_min=0.0005, window_max=0.02, connect_every=8, global_every=50,
-        total_iterations=4 * 120, patience=0.5, policy="cost_aware", max_group=32)).run()
-    for s in range(2):
-        partial = [d for _, d in r.by_stage(s) if d.kind == "group" and len(d.members) < 4]
-        assert len(partial) <= 4, [d.members for d in partial]
-    check_well_formed(r)
-    check_end(r)
-
-
 def test_a_straggler_is_not_waited_for_after_an_evaluation():
     """[1, 1, 1, 3] evaluating every 10 iterations: knowing the pauses keeps the limit's share
     (the slow replica's evaluation comes at its own, later iterations)."""

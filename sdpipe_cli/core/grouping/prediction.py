@@ -12,8 +12,7 @@ the round waits for (:meth:`Prediction.narrow`).
 
 A stage's first round waits for every live replica (:meth:`Prediction.open`), and replicas with
 nothing measured yet are forecast from their peers (:mod:`~sdpipe_cli.core.forecast`), so that a
-homogeneous cluster is in full rounds from its first iteration; a minority out of phase waits
-for the others' next ready signals.
+homogeneous cluster is in full rounds from its first iteration.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ class Prediction:
         if st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
             pace = self.run.pace.get((stage, pipeline))
             if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
-                                     or now + st.reach * pace < st.last_due):
+                                     or now + self.patience * pace < st.last_due):
                 self.narrow(stage, pace, now)
 
     def open(self, s: int, opener: int, opened: float, ready: dict, parked: set[int]) -> None:
@@ -65,13 +64,9 @@ class Prediction:
         past its forecast (:meth:`slack`; later, it is straggling this time). Replicas forecast
         within :data:`JITTER_BAND` x pace are the round's core; it waits for the later ones only
         if the core is a minority of the live replicas (or exactly half, without the fastest
-        one), and then up to (1 - :data:`JITTER_BAND`) x pace, patience or not: a lone replica
-        out of phase waits for the others' next ready signals and is in phase from then on,
-        where the majority waiting for it would keep the phases apart (both sides waiting for
-        each other shift together). The majority waits for those within the band, the minority
-        for the others; capped at patience x pace, a replica a quarter to a half iteration
-        behind would stay out of phase for good, too late for the one and too early for the
-        other.
+        one): a lone replica half an iteration out of phase waits for the others and is in phase
+        from then on, where the majority waiting for it would keep the phases apart (both sides
+        waiting for each other shift together).
 
         A stage's first round waits for every live replica (:meth:`_first`).
         """
@@ -86,7 +81,7 @@ class Prediction:
         pace = run.pace.get((s, opener))
         if pace is None:
             return
-        st.horizon, st.reach = opened + self.patience * pace, self.patience
+        st.horizon = opened + self.patience * pace
         present = len(ready) + len(parked)
         room = self.max_group - present if self.max_group else len(run.live)
         if not self.cost_aware:
@@ -94,16 +89,12 @@ class Prediction:
             st.expect = frozenset(q for _, q in found)
             return
         quickest = min([pace] + [run.pace[(s, q)] for q in ready if (s, q) in run.pace])
-        reach = max(self.patience, 1 - JITTER_BAND)  # a minority's wait, at most
-        longest = opened + reach * pace
-        awaited = self._predicted(s, longest, ready, parked, AWAIT_PACE_RATIO * quickest, room)
+        awaited = self._predicted(s, st.horizon, ready, parked, AWAIT_PACE_RATIO * quickest, room)
         band = opened + JITTER_BAND * pace
-        core = [(t, q) for t, q in awaited if t <= band and t <= st.horizon]  # a prefix
+        core = [(t, q) for t, q in awaited if t <= band]  # earliest first, so a prefix
         half = 2 * (present + len(core)) - len(run.live)  # > 0: a majority; 0: exactly half
         if half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
             awaited = core
-        else:
-            st.horizon, st.reach = longest, reach
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
             late, st.last_due = [q for _, q in awaited], awaited[-1][0]
@@ -140,8 +131,7 @@ class Prediction:
         """cost_aware: a replica of pace ``joined`` joined the open round of stage ``s`` at
         ``now``, faster than the round's wait allows: some replica it waits for is slower than
         :data:`AWAIT_PACE_RATIO` x ``joined``, or its horizon is later than the joiner's own
-        would be (``now`` + the round's reach x ``joined``: patience, or a minority's longer
-        wait, which a joiner of the same minority would have had too).
+        would be (``now`` + patience x ``joined``).
 
         A round opened by a slow replica waits for the faster ones it predicted, which is cheap:
         the slow one waits. Once a fast one is in, waiting for another slow one, or for a fast
@@ -151,7 +141,7 @@ class Prediction:
         its forecast. (A round's members at its opening bound its pace the same way, in
         :meth:`open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
         st, due, paces = self.run.stages[s], self.run.forecast.expected, self.run.pace
-        bound, horizon = AWAIT_PACE_RATIO * joined, now + st.reach * joined
+        bound, horizon = AWAIT_PACE_RATIO * joined, now + self.patience * joined
         keep, late, latest = [], [], 0.0
         for q in st.expect:
             if q in st.waiting:

@@ -70,7 +70,6 @@ class StageState:
     expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
     slowest_expected: float = 0.0  # cost_aware: the largest pace in ``expect``
     last_due: float = 0.0  # cost_aware: the latest forecast in ``expect``
-    reach: float = 0.0  # cost_aware: how many of a pace the round waits (patience, or a minority's)
     rounds: int = 0  # rounds since the replicas were last all connected
     updates: int = 0  # replicas' rounds (group members) since then
     round_no: int = 0
