@@ -16,14 +16,14 @@ pace and the error alone; its miss feeds a pause error of its own. Without this,
 evaluates is overdue by its forecast, and the first one back from an evaluation goes on alone, so
 that equal replicas scatter and take several rounds to meet again.
 
-A replica that has measured nothing yet (its compute time at the start of the run, its pause at
-its first evaluation) is forecast from its **stage's peers**: the last compute time measured at
-that stage, plus how much later than that peer's its own first ready signal came (the workers
-start together, so a replica three times slower came two of the peer's iterations later; a
-replica that came back after a restart did not start with them, and is forecast like its peers),
-and the last pause measured there. Equal replicas start together and evaluate at the same iterations, so
-the first one back tells when the others will be. Without it, the first rounds and the first
-evaluation scatter equal replicas for several rounds.
+A replica that has measured nothing yet (its compute time at the start of the run, its pause at its
+first evaluation) is forecast from its **stage's peers**: the last compute time measured at that
+stage, plus how much later than that peer's its own first ready signal came (the workers start
+together, so a replica three times slower came two of the peer's iterations later; a replica that
+came back after a restart did not start with them, and is forecast like its peers), and the last
+pause measured there. Equal replicas start together and evaluate at the same iterations, so the
+first one back tells when the others will be. Without it, the first rounds and the first evaluation
+scatter equal replicas for several rounds.
 
 Two more facts per replica:
 
