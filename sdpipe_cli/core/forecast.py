@@ -184,10 +184,8 @@ class Forecast:
         """A compute time or pause was measured at ``stage`` for the first time: forecast the
         replicas released without one. (Once per stage and kind in a run, so one pass each.)"""
         replicas = self._replicas[stage]
-        for q in list(self._unknown[stage]):
-            r = replicas[q]
-            if r.due is None:
-                self._forecast(stage, q, r)
+        for q in list(self._unknown[stage]):  # released, not forecast: none has a ``due``
+            self._forecast(stage, q, replicas[q])
 
     def _drop(self, stage: int, due: float, pipeline: int) -> None:
         """Remove the replica's forecast ``due`` from the stage's sorted list."""
