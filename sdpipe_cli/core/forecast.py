@@ -58,7 +58,7 @@ class _Replica:
     """What the forecast knows of one replica (a slotted record: one lookup per ready signal)."""
 
     __slots__ = ("arrived", "released", "spans", "busy", "due", "error", "pausing", "pause",
-                 "pause_error", "ahead", "prior", "first")
+                 "pause_error", "ahead", "prior", "first", "missed")
 
     def __init__(self) -> None:
         self.arrived: Optional[float] = None  # last ready signal
@@ -73,6 +73,7 @@ class _Replica:
         self.ahead: Optional[float] = None  # the pause in the current forecast (own or a peer's)
         self.prior = False  # the current forecast is a peer's measurement, not the replica's own
         self.first: Optional[float] = None  # its first ready signal, if it came at the start
+        self.missed = 0.0  # its last ready signal less its forecast, if a usual miss (else 0)
 
 
 class Forecast:
@@ -110,11 +111,13 @@ class Forecast:
         r.arrived = now
         if r.released is None:  # never released, so never forecast either
             return
-        due, busy, r.due = r.due, r.busy, None
+        due, busy, r.due, r.missed = r.due, r.busy, None, 0.0
         if due is not None:
             self._drop(stage, due, pipeline)
             if r.prior:  # a peer's measurement missed, not this replica's forecast
                 due, r.prior = None, False
+            elif busy is not None and abs(now - due) < OUTLIER * (busy + (r.ahead or 0.0)):
+                r.missed = now - due
         else:
             self._unknown[stage].discard(pipeline)
         if paused:
@@ -202,6 +205,12 @@ class Forecast:
         """How far its forecasts usually miss (None: not known yet)."""
         r = self._replicas[stage].get(pipeline)
         return None if r is None else r.error
+
+    def missed(self, stage: int, pipeline: int) -> float:
+        """How much later (> 0) or earlier (< 0) than its own forecast the replica's last ready
+        signal came, if by a usual miss rather than a straggle (0: not known, or a straggle)."""
+        r = self._replicas[stage].get(pipeline)
+        return 0.0 if r is None else r.missed
 
     def worst_error(self, stage: int, pipelines: list[int]) -> Optional[float]:
         """The largest usual miss among ``pipelines``' replicas of ``stage``, of their pause

@@ -46,9 +46,15 @@ class Prediction:
         under cost_aware a faster one than the round waits for narrows it."""
         st = self.run.stages[stage]
         if st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
+            missed = self.run.forecast.missed(stage, pipeline)
+            later = missed - max(0.0, st.drift)
+            if later > 0:  # a late joiner: the replicas still awaited are likely as late
+                st.drift = missed
+                st.horizon = min(st.cap, st.horizon + later)
             pace = self.run.pace.get((stage, pipeline))
+            due = st.last_due + min(0.0, st.drift)
             if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
-                                     or now + self.patience * pace < st.last_due):
+                                     or now + self.patience * pace < due):
                 self.narrow(stage, pace, now)
 
     def open(self, s: int, opener: int, opened: float, ready: dict, parked: set[int]) -> None:
@@ -81,16 +87,19 @@ class Prediction:
         pace = run.pace.get((s, opener))
         if pace is None:
             return
-        st.horizon = opened + self.patience * pace
+        st.horizon = st.cap = opened + self.patience * pace
         present = len(ready) + len(parked)
         room = self.max_group - present if self.max_group else len(run.live)
         if not self.cost_aware:
             found = self._predicted(s, st.horizon, ready, parked, float("inf"), room)
             st.expect = frozenset(q for _, q in found)
             return
+        st.drift = run.forecast.missed(s, opener)
+        early, late_by = max(0.0, -st.drift), max(0.0, st.drift)
         quickest = min([pace] + [run.pace[(s, q)] for q in ready if (s, q) in run.pace])
-        awaited = self._predicted(s, st.horizon, ready, parked, AWAIT_PACE_RATIO * quickest, room)
-        band = opened + JITTER_BAND * pace
+        awaited = self._predicted(s, st.horizon + early, ready, parked,
+                                  AWAIT_PACE_RATIO * quickest, room)
+        band = opened + JITTER_BAND * pace + early
         core = [(t, q) for t, q in awaited if t <= band]  # earliest first, so a prefix
         half = 2 * (present + len(core)) - len(run.live)  # > 0: a majority; 0: exactly half
         if half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
@@ -98,7 +107,7 @@ class Prediction:
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
             late, st.last_due = [q for _, q in awaited], awaited[-1][0]
-            st.horizon = min(st.horizon, st.last_due + self.slack(s, late, pace))
+            st.horizon = min(st.horizon, st.last_due + late_by + self.slack(s, late, pace))
             st.slowest_expected = max(run.pace.get((s, q), pace) for q in late)
 
     def _first(self, s: int, opened: float, ready: dict, parked: set[int]) -> None:
@@ -142,13 +151,14 @@ class Prediction:
         :meth:`open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
         st, due, paces = self.run.stages[s], self.run.forecast.expected, self.run.pace
         bound, horizon = AWAIT_PACE_RATIO * joined, now + self.patience * joined
+        early, late_by = max(0.0, -st.drift), max(0.0, st.drift)
         keep, late, latest = [], [], 0.0
         for q in st.expect:
             if q in st.waiting:
                 keep.append(q)
                 continue
             t = due(s, q)
-            if paces.get((s, q), joined) <= bound and (t is None or t <= horizon):
+            if paces.get((s, q), joined) <= bound and (t is None or t - early <= horizon):
                 keep.append(q)
                 if t is not None:
                     late.append(q)
@@ -157,7 +167,7 @@ class Prediction:
         st.slowest_expected = max((paces.get((s, q), joined) for q in late), default=0.0)
         st.last_due = latest
         if late:
-            st.horizon = min(st.horizon, latest + self.slack(s, late, joined))
+            st.horizon = min(st.horizon, latest + late_by + self.slack(s, late, joined))
 
     def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
         """Whether the fastest replica of stage ``s`` is waiting now or among ``core``."""
