@@ -31,7 +31,9 @@ Two more facts per replica:
   overall, waits included. The policy compares paces to tell slow replicas from fast ones;
 * its **error**: a moving average of how far its ready signals land from their forecast, over the
   signals that were not straggles (off by less than :data:`OUTLIER` x its compute time). A round
-  waits for a late replica about as long as its forecasts usually miss by, no longer.
+  waits for a late replica about as long as its forecasts usually miss by, no longer; and the
+  signed miss of its last ready signal (:meth:`Forecast.missed`), since replicas sharing a machine
+  share its stalls: one late by a usual miss tells that the others are likely as late.
 
 For the flushed schedules (1F1B, GPipe) every stage of a pipeline waits, within its next
 iteration, for the others' data, so the pipeline is released when the last of its stages is; the

@@ -52,6 +52,34 @@ def test_the_error_follows_usual_misses_and_ignores_straggles():
     assert f.error(0, 0) == pytest.approx(usual)
 
 
+def test_missed_is_the_signed_usual_miss_of_the_last_ready_signal():
+    """How late (or early) the last ready signal came against the replica's own forecast: what a
+    round reads to await the others as late; a straggle, or a peer's forecast, says nothing."""
+    f, t = Forecast(1), 0.0
+    for _ in range(3):
+        t = _cycle(f, t, 0.1, 0.0)
+    assert f.missed(0, 0) == pytest.approx(0.0)
+    t = _cycle(f, t, 0.13, 0.0)  # 30 ms late: a usual miss (< OUTLIER x 100 ms)
+    assert f.missed(0, 0) == pytest.approx(0.03)
+    t = _cycle(f, t, 0.08, 0.0)  # 20 ms early (the compute time is the median: 100 ms)
+    assert f.missed(0, 0) == pytest.approx(-0.02)
+    t = _cycle(f, t, 0.1 * (1 + 2 * OUTLIER), 0.0)  # a straggle
+    assert f.missed(0, 0) == 0.0
+    f.release(0, 0, t, pause=True)  # a known pause, not measured yet: not forecast
+    f.ready(0, 0, t + 0.4)
+    assert f.missed(0, 0) == 0.0
+    f.release(0, 0, t + 0.4, pause=True)  # forecast 0.1 + 0.3; back 0.1 s early
+    f.ready(0, 0, t + 0.7)
+    assert f.missed(0, 0) == pytest.approx(-0.1)
+    g = Forecast(1)  # a peer's forecast
+    for p in range(2):
+        g.ready(0, p, 0.0)
+        g.release(0, p, 0.0)
+    g.ready(0, 0, 0.1)
+    g.ready(0, 1, 0.12)
+    assert g.missed(0, 1) == 0.0 and Forecast(1).missed(0, 0) == 0.0
+
+
 def test_forget_drops_everything_known_of_a_pipeline():
     f, t = Forecast(2), 0.0
     for _ in range(3):

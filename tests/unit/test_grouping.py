@@ -1299,6 +1299,69 @@ def test_equal_replicas_meet_in_full_rounds_from_the_start_and_at_their_first_ev
     assert len(early) >= 24 and all(len(d.members) == 4 for d in early)
 
 
+def _stalled(stall: float, iterations: int = 120) -> Result:
+    """Four equal pipelines of 2 stages at 150 ms (+-1 ms) that all evaluate for 0.3 s after
+    every 10 iterations; the machine they share stalls them all by ``stall`` s (each +-20 %) at
+    iterations 25, 45, ..., and their evaluations at 60 and 100 take 0.15 s (+-10 %), not 0.3."""
+    import random
+
+    rng = random.Random(3)
+    durations = []
+    for _ in range(4):
+        row = [0.15 + rng.uniform(-0.001, 0.001) for _ in range(iterations + 5)]
+        for k in range(10, len(row), 10):
+            row[k] += (0.15 if k in (60, 100) else 0.3) * rng.uniform(0.9, 1.1)
+        for k in range(25, len(row), 20):
+            row[k] += stall * rng.uniform(0.8, 1.2)
+        durations.append(row)
+    return Sim(4, 2, durations, [0.005] * 4, dict(
+        window=0.005, window_min=0.0005, window_max=0.02, connect_every=8, global_every=50,
+        total_iterations=4 * iterations, patience=0.5, policy="cost_aware", max_group=32,
+        evaluate_every=10)).run()
+
+
+def test_equal_replicas_stay_together_through_shared_stalls_and_quicker_evaluations():
+    """A stall of the machine equal replicas share (here 40 ms, 8 x their usual miss, so past the
+    round's slack) makes them all late, and an evaluation quicker than the last all early: the
+    first one there finds the others overdue (or not due yet) and, before, went on alone, and
+    each of the others after it (partial rounds at every stall and at both quick evaluations).
+    Awaiting the others as late or early as it came keeps the rounds full, at no cost: nobody
+    waits longer than all-reduce would."""
+    r = _stalled(0.04)
+    partial = [(d.iterations[0], d.members) for _, d in r.decisions
+               if d.kind == "group" and len(d.members) < 4]
+    assert partial == []
+    steady = _stalled(0.0)
+    assert r.end_time - steady.end_time < 6 * 0.04 * 1.3  # each stall costs about itself
+    check_well_formed(r)
+    check_globals(r)
+    check_end(r)
+
+
+def test_a_first_evaluation_waits_for_the_replicas_as_long_as_the_patience_allows():
+    """Four equal pipelines at 390 ms whose first evaluations, contending for the same CPUs, take
+    0.24 to 0.41 s: the first one back forecasts the others with its own pause, which they all
+    overrun, by up to 0.17 s. Their misses are not known yet, so the round waits for them as long
+    as its patience allows (0.5 x 390 ms), not a fifth of the span (0.13 s: before, the last one
+    went alone at both stages)."""
+    import random
+
+    rng = random.Random(0)
+    durations = []
+    for first in (0.24, 0.30, 0.36, 0.41):
+        row = [0.39 + rng.uniform(-0.001, 0.001) for _ in range(35)]
+        for k in range(10, len(row), 10):
+            row[k] += first if k == 10 else 0.35
+        durations.append(row)
+    r = Sim(4, 2, durations, [0.005] * 4, dict(
+        window=0.005, window_min=0.0005, window_max=0.02, connect_every=8, global_every=50,
+        total_iterations=4 * 30, patience=0.5, policy="cost_aware", max_group=32,
+        evaluate_every=10)).run()
+    after = [d for _, d in r.decisions if d.kind == "group" and d.iterations[0] == 10]
+    assert len(after) == 2 and all(len(d.members) == 4 for d in after)
+    check_end(r)
+
+
 def test_a_straggler_is_not_waited_for_after_an_evaluation():
     """[1, 1, 1, 3] evaluating every 10 iterations: knowing the pauses keeps the limit's share
     (the slow replica's evaluation comes at its own, later iterations)."""

@@ -13,6 +13,12 @@ the round waits for (:meth:`Prediction.narrow`).
 A stage's first round waits for every live replica (:meth:`Prediction.open`), and replicas with
 nothing measured yet are forecast from their peers (:mod:`~sdpipe_cli.core.forecast`), so that a
 homogeneous cluster is in full rounds from its first iteration.
+
+Replicas that share a machine share its stalls: when the opener of a round (or a replica joining
+it) came later than its own forecast by a usual miss, the others are likely as late, and the round
+awaits them that much later; when it came early (an evaluation quicker than the last), it awaits
+those forecast that much later too (:attr:`StageState.drift`). Without it, the first one there
+finds the others overdue past their slack and goes on alone, and each of them after it.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from sdpipe_cli.core.grouping.state import RunState
 # opener's (pace noise on a homogeneous cluster stays well within it; a 2x straggler does not)
 AWAIT_PACE_RATIO = 1.5
 # cost_aware: a round waits for a replica past its forecast SLACK_ERRORS x as long as its forecasts
-# usually miss by, within SLACK_FLOOR and LATE_SLACK x the opener's pace (LATE_SLACK while the miss
-# is not known yet); later, it is straggling this time and the round goes on without it
+# usually miss by, within SLACK_FLOOR and LATE_SLACK x the opener's pace (while the miss is not known
+# yet, up to the round's patience); later, it is straggling this time and the round goes on without it
 LATE_SLACK = 0.2
 SLACK_ERRORS = 3.0
 SLACK_FLOOR = 0.05
@@ -43,7 +49,8 @@ class Prediction:
 
     def joined(self, stage: int, pipeline: int, now: float) -> None:
         """A replica joined the open round of ``stage`` at ``now`` (not parked at a global sync):
-        under cost_aware a faster one than the round waits for narrows it."""
+        under cost_aware one later than its forecast (by a usual miss) makes the round await the
+        others as late, and a faster one than the round waits for narrows it."""
         st = self.run.stages[stage]
         if st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
             missed = self.run.forecast.missed(stage, pipeline)
@@ -74,7 +81,9 @@ class Prediction:
         from then on, where the majority waiting for it would keep the phases apart (both sides
         waiting for each other shift together).
 
-        A stage's first round waits for every live replica (:meth:`_first`).
+        A stage's first round waits for every live replica (:meth:`_first`). The others are
+        awaited as late (or early) as the opener came against its own forecast (``drift``, from
+        :meth:`Forecast.missed`), and as late as a later joiner came (:meth:`joined`).
         """
         run = self.run
         st = run.stages[s]
@@ -124,8 +133,10 @@ class Prediction:
     def slack(self, s: int, replicas: list[int], pace: float) -> float:
         """How long past their forecasts a round waits for ``replicas`` of stage ``s``:
         :data:`SLACK_ERRORS` x the largest of their usual misses, within :data:`SLACK_FLOOR` and
-        :data:`LATE_SLACK` x ``pace`` (the round's fastest member's); :data:`LATE_SLACK` x pace
-        while a miss is not known. Precise forecasts (a steady GPU cluster) make late replicas
+        :data:`LATE_SLACK` x ``pace`` (the round's fastest member's); patience x pace while a
+        miss is not known (forecasts from peers, at the start and at a first evaluation: as at a
+        stage's first round, nothing tells a late replica from a straggler, and the patience
+        bounds the cost). Precise forecasts (a steady GPU cluster) make late replicas
         stragglers within a few milliseconds; noisy ones (shared CPUs) earn more patience.
         Before a known pause (an evaluation) the bounds grow with the pause, whose length varies
         in proportion to it."""
@@ -133,7 +144,7 @@ class Prediction:
         span = pace + forecast.longest_pause(s, replicas)
         error = forecast.worst_error(s, replicas)
         if error is None:
-            return LATE_SLACK * span
+            return self.patience * span
         return min(LATE_SLACK * span, max(SLACK_FLOOR * pace, SLACK_ERRORS * error))
 
     def narrow(self, s: int, joined: float, now: float) -> None:

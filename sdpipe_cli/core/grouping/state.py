@@ -71,7 +71,9 @@ class StageState:
     slowest_expected: float = 0.0  # cost_aware: the largest pace in ``expect``
     last_due: float = 0.0  # cost_aware: the latest forecast in ``expect``
     cap: float = 0.0  # cost_aware: the latest the round may wait until (patience x opener's pace)
-    drift: float = 0.0  # cost_aware: how late (> 0) or early the opener came against its forecast
+    # cost_aware: how late (> 0) or early the round's opener (or a later joiner) came against its
+    # own forecast: the others are awaited as late or early (a shared stall, a quicker evaluation)
+    drift: float = 0.0
     rounds: int = 0  # rounds since the replicas were last all connected
     updates: int = 0  # replicas' rounds (group members) since then
     round_no: int = 0
