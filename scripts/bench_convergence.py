@@ -37,8 +37,9 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
 - ``final val``: the mean over pipelines of their last validation loss; every run trains the same
   samples (P x steps x batch), so this is the loss at equal samples;
 - ``to target (s)``: from the first train line to the first evaluation where the mean over
-  pipelines of their latest validation loss is at or below the target, all-reduce's final loss
-  (at its best learning rate) or ``--target``; ``-``: never;
+  pipelines of their latest validation loss is at or below the target (within a millionth:
+  float32 rounding), all-reduce's final loss (at its best learning rate) or ``--target``;
+  ``-``: never;
 - ``samples/s`` and ``of limit``: throughput (all pipelines, first to last train line), and its
   share of the limit, the sum of each pipeline's solo rate in the ``none`` run (each pipeline's
   samples over its own train-line span); both as ``sdpipe_cli.runtime.analysis`` defines them;

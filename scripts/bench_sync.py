@@ -51,8 +51,9 @@ by CPU contention.
 - ``final val loss``: the mean over pipelines of each pipeline's last ``eval`` line. Every mode
   trains the same total samples (P x steps x batch), so this is the loss at equal samples.
 - ``to target``: the first ``eval`` time at which the mean over pipelines of their latest
-  ``val_loss`` so far is at or below the target, in seconds from the run's first ``train`` line
-  (so that process start-up, which does not depend on the mode, is left out);
+  ``val_loss`` so far is at or below the target (within a millionth: float32 rounding), in
+  seconds from the run's first ``train`` line (so that process start-up, which does not depend
+  on the mode, is left out);
   every pipeline must have evaluated at least once. ``--target-loss auto`` sets the target per
   scenario, after all its modes ran, to the largest final loss of the modes that finished, times
   1.02, so that every finished mode reaches it. ``-`` when never reached. ``results.json``

@@ -129,6 +129,16 @@ def test_a_loss_never_reached_has_no_time(tmp_path):
     assert analysis.final_val_loss([RUN[0]]) is None
 
 
+def test_a_loss_reached_up_to_float32_rounding_is_reached():
+    """Full groups are all-reduce with the sums in another order: their final losses differed by
+    3e-8 (2.080547034 against 2.080547005), which is the same loss, not a target missed; 1e-5
+    above it is a loss not reached."""
+    target = 2.0805470049381256
+    assert analysis.time_to_loss([[3.0, 2.080547034740448]], target, 1.0) == pytest.approx(2.0)
+    assert analysis.time_to_loss([[3.0, target * (1 + 1e-5)]], target, 1.0) is None
+    assert analysis.time_to_loss([[3.0, -2.0]], -2.0 * (1 + 1e-7), 1.0) == pytest.approx(2.0)
+
+
 def test_training_loss_over_time_and_its_lowest(tmp_path):
     lines = analysis.read_metrics(write(tmp_path, RUN))
     times, samples, loss = analysis.mean_loss(lines)

@@ -68,7 +68,7 @@ def test_missed_is_the_signed_usual_miss_of_the_last_ready_signal():
     f.release(0, 0, t, pause=True)  # a known pause, not measured yet: not forecast
     f.ready(0, 0, t + 0.4)
     assert f.missed(0, 0) == 0.0
-    f.release(0, 0, t + 0.4, pause=True)  # forecast 0.1 + 0.3; back 0.1 s early
+    f.release(0, 0, t + 0.4, pause=True)  # forecast 0.13 + 0.27 (the median span now 0.13)
     f.ready(0, 0, t + 0.7)
     assert f.missed(0, 0) == pytest.approx(-0.1)
     g = Forecast(1)  # a peer's forecast

@@ -1338,17 +1338,64 @@ def test_equal_replicas_stay_together_through_shared_stalls_and_quicker_evaluati
     check_end(r)
 
 
-def test_a_first_evaluation_waits_for_the_replicas_as_long_as_the_patience_allows():
+def _late_joiners(patience: float, lates: tuple[float, float]):
+    """Three replicas of one stage in lock step at 100 ms (+-0.5 ms) for 8 iterations; at the
+    9th p0 comes on time and p1, p2 ``lates`` s after their forecasts. Returns the 9th's groups,
+    when p0 opened it, the deadline after each joiner, and p0's pace."""
+    now = [0.0]
+    pol = GroupScheduler(3, 1, window=0.001, window_min=0.001, window_max=0.001, connect_every=100,
+                         global_every=0, patience=patience, policy="cost_aware",
+                         clock=lambda: now[0])
+    released = 0.0
+    for k in range(8):
+        out = []
+        for t, p in sorted((released + 0.1 + 0.0005 * ((k + p) % 3 - 1), p) for p in range(3)):
+            now[0] = t
+            out += pol.ready(0, p, k)
+        assert [len(d.members) for d in out] == [3]
+        released = now[0]
+    opened = now[0] = released + 0.1
+    out = pol.ready(0, 0, 8)
+    deadlines = []
+    for t, p in sorted((opened + late, p) for p, late in zip((1, 2), lates)):
+        while not out and pol.next_deadline() is not None and pol.next_deadline() < t:
+            now[0] = pol.next_deadline()
+            out += pol.tick()
+        now[0] = t
+        out += pol.ready(0, p, 8)
+        deadlines.append(pol.next_deadline())
+    while pol.next_deadline() is not None and sum(len(d.members) for d in out) < 3:
+        now[0] = pol.next_deadline()
+        out += pol.tick()
+    return [d.members for d in out], opened, deadlines, pol.pace(0, 0)
+
+
+def test_a_late_joiner_makes_the_round_await_the_others_as_late_within_its_patience():
+    """Unit: the round waits for a replica 8 ms late only if another one it awaited came late
+    too (4.5 ms: the stall is likely shared; the slack alone is 5 ms), and never past patience x
+    the opener's pace."""
+    groups, opened, _, _ = _late_joiners(0.5, (0.0, 0.008))
+    assert groups == [(0, 1), (2,)]
+    groups, opened, (after_p1, _), _ = _late_joiners(0.5, (0.0045, 0.008))
+    assert groups == [(0, 1, 2)] and after_p1 > opened + 0.008
+    groups, opened, (after_p1, _), pace = _late_joiners(0.06, (0.0045, 0.008))
+    assert groups == [(0, 1), (2,)]
+    assert after_p1 == pytest.approx(opened + 0.06 * pace)
+
+
+@pytest.mark.parametrize("last", [0.41, 0.5])
+def test_a_first_evaluation_waits_for_the_replicas_as_long_as_the_patience_allows(last):
     """Four equal pipelines at 390 ms whose first evaluations, contending for the same CPUs, take
-    0.24 to 0.41 s: the first one back forecasts the others with its own pause, which they all
-    overrun, by up to 0.17 s. Their misses are not known yet, so the round waits for them as long
-    as its patience allows (0.5 x 390 ms), not a fifth of the span (0.13 s: before, the last one
-    went alone at both stages)."""
+    0.24 s to ``last``: the first one back forecasts the others with its own pause, which they all
+    overrun, by up to 0.17 or 0.26 s. Their misses are not known yet, so the round waits for them
+    as long as its patience allows: 0.5 x the iteration, evaluation included (0.31 s). Before, it
+    waited a fifth of the span (0.13 s) and the last one went alone at both stages; then 0.5 x
+    the pace (0.195 s), which the 0.26 s overrun missed."""
     import random
 
     rng = random.Random(0)
     durations = []
-    for first in (0.24, 0.30, 0.36, 0.41):
+    for first in (0.24, 0.30, 0.36, last):
         row = [0.39 + rng.uniform(-0.001, 0.001) for _ in range(35)]
         for k in range(10, len(row), 10):
             row[k] += first if k == 10 else 0.35

@@ -15,7 +15,8 @@ docs/SYNC.md):
   :data:`AWAIT_PACE_RATIO` x slower than the fastest member present (the opener, or a faster
   replica that joined since), so a straggler waits for fast replicas (a little of a small share
   of the throughput) and never the reverse (a lot of a large share), and past its forecast only
-  about as long as its forecasts usually miss (:meth:`.prediction.Prediction.slack`); a
+  about as long as its forecasts usually miss (:meth:`.prediction.Prediction.slack`), plus as
+  late as the round's opener came against its own forecast (a stall they share); a
   stage due to connect (``connect_every`` x live updates since it was last connected, as the
   reference counts) holds a round only if it would merge nothing and its members are outside the
   component of the stage's fastest replica, until a replica of another component arrives. The

@@ -49,13 +49,15 @@ class Prediction:
 
     def joined(self, stage: int, pipeline: int, now: float) -> None:
         """A replica joined the open round of ``stage`` at ``now`` (not parked at a global sync):
-        under cost_aware one later than its forecast (by a usual miss) makes the round await the
-        others as late, and a faster one than the round waits for narrows it."""
+        under cost_aware one it awaited that came later than its forecast (by a usual miss)
+        makes it await the others as late, within its ``cap``, and a faster one than the round
+        waits for narrows it."""
         st = self.run.stages[stage]
         if st.slowest_expected and st.window_end is not None:  # cost_aware, awaiting someone
             missed = self.run.forecast.missed(stage, pipeline)
-            later = missed - max(0.0, st.drift)
-            if later > 0:  # a late joiner: the replicas still awaited are likely as late
+            if pipeline in st.expect and missed > st.drift:
+                # a late joiner: the replicas still awaited are likely as late
+                later = max(0.0, missed) - max(0.0, st.drift)
                 st.drift = missed
                 st.horizon = min(st.cap, st.horizon + later)
             pace = self.run.pace.get((stage, pipeline))
@@ -67,7 +69,8 @@ class Prediction:
     def open(self, s: int, opener: int, opened: float, ready: dict, parked: set[int]) -> None:
         """A round of stage ``s`` opens (its ``window_end`` set): it may close without everyone
         after the opener's window, once the replicas forecast (with ``patience``) to be ready
-        within patience x the opener's pace are there, or at that horizon if one of them is late.
+        within patience x the opener's pace are there (as much later as the opener came early,
+        see below), or at that horizon (``cap``) if one of them is late.
         ``ready`` and ``parked`` (at the pending global sync) are the replicas waiting now, two
         disjoint sets, passed apart because their union would be a pass over every parked
         replica per round.
@@ -88,6 +91,7 @@ class Prediction:
         run = self.run
         st = run.stages[s]
         st.horizon, st.expect, st.slowest_expected = st.window_end, frozenset(), 0.0
+        st.cap, st.drift = st.window_end, 0.0
         if not self.patience:
             return
         if st.round_no == 0:
@@ -116,7 +120,9 @@ class Prediction:
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
             late, st.last_due = [q for _, q in awaited], awaited[-1][0]
-            st.horizon = min(st.horizon, st.last_due + late_by + self.slack(s, late, pace))
+            # an evaluation ahead lengthens the iteration that patience is a share of
+            st.cap += self.patience * run.forecast.longest_pause(s, late)
+            st.horizon = min(st.cap, st.last_due + late_by + self.slack(s, late, pace))
             st.slowest_expected = max(run.pace.get((s, q), pace) for q in late)
 
     def _first(self, s: int, opened: float, ready: dict, parked: set[int]) -> None:
@@ -133,18 +139,19 @@ class Prediction:
     def slack(self, s: int, replicas: list[int], pace: float) -> float:
         """How long past their forecasts a round waits for ``replicas`` of stage ``s``:
         :data:`SLACK_ERRORS` x the largest of their usual misses, within :data:`SLACK_FLOOR` and
-        :data:`LATE_SLACK` x ``pace`` (the round's fastest member's); patience x pace while a
-        miss is not known (forecasts from peers, at the start and at a first evaluation: as at a
-        stage's first round, nothing tells a late replica from a straggler, and the patience
-        bounds the cost). Precise forecasts (a steady GPU cluster) make late replicas
-        stragglers within a few milliseconds; noisy ones (shared CPUs) earn more patience.
+        :data:`LATE_SLACK` x ``pace`` (the round's fastest member's); patience (at least
+        :data:`LATE_SLACK`) x the span while a miss is not known (forecasts from peers, at the
+        start and at a first evaluation: as at a stage's first round, nothing tells a late
+        replica from a straggler, and the round's patience bounds the cost). Precise forecasts
+        (a steady GPU cluster) make late replicas stragglers within a few milliseconds; noisy
+        ones (shared CPUs) earn more patience.
         Before a known pause (an evaluation) the bounds grow with the pause, whose length varies
         in proportion to it."""
         forecast = self.run.forecast
         span = pace + forecast.longest_pause(s, replicas)
         error = forecast.worst_error(s, replicas)
         if error is None:
-            return self.patience * span
+            return max(self.patience, LATE_SLACK) * span
         return min(LATE_SLACK * span, max(SLACK_FLOOR * pace, SLACK_ERRORS * error))
 
     def narrow(self, s: int, joined: float, now: float) -> None:
@@ -174,7 +181,7 @@ class Prediction:
                 if t is not None:
                     late.append(q)
                     latest = max(latest, t)
-        st.expect = frozenset(keep)
+        st.expect, st.cap = frozenset(keep), min(st.cap, horizon)
         st.slowest_expected = max((paces.get((s, q), joined) for q in late), default=0.0)
         st.last_due = latest
         if late:

@@ -70,7 +70,9 @@ class StageState:
     expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
     slowest_expected: float = 0.0  # cost_aware: the largest pace in ``expect``
     last_due: float = 0.0  # cost_aware: the latest forecast in ``expect``
-    cap: float = 0.0  # cost_aware: the latest the round may wait until (patience x opener's pace)
+    # with patience: the latest the round may wait until (opened + patience x the opener's pace;
+    # a faster joiner's own, if earlier)
+    cap: float = 0.0
     # cost_aware: how late (> 0) or early the round's opener (or a later joiner) came against its
     # own forecast: the others are awaited as late or early (a shared stall, a quicker evaluation)
     drift: float = 0.0

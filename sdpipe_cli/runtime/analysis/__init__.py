@@ -28,6 +28,7 @@ The figures:
 """
 
 from sdpipe_cli.runtime.analysis.figures import (
+    SAME_LOSS,
     analyse,
     consensus,
     final_val_accuracy,
@@ -66,7 +67,7 @@ from sdpipe_cli.runtime.analysis.reading import (
 )
 
 __all__ = [
-    "CHECKED", "REQUIRED", "SCHEMA", "Line", "analyse", "by_time", "conforms", "consensus",
+    "CHECKED", "REQUIRED", "SAME_LOSS", "SCHEMA", "Line", "analyse", "by_time", "conforms", "consensus",
     "final_val_accuracy", "final_val_loss", "first_iteration_began", "first_train_time",
     "fraction_of_limit", "from_first_iteration", "iterations", "last_by_pipeline", "limit",
     "lowest_loss", "mean_group_size", "mean_loss", "of_kind", "outcome", "overrun_fraction", "pipelines",

@@ -115,13 +115,21 @@ def val_loss_curve(lines: Iterable[Line], pipelines_: Optional[int] = None) -> l
     return curve
 
 
+# losses this close (relative) are the same loss: a validation loss is a mean of float32 losses, and
+# the same training with its sums in another order (a group's average of weights and gradients, an
+# all-reduce of gradients) lands a few float32 roundings (1.2e-7 each) away
+SAME_LOSS = 1e-6
+
+
 def time_to_loss(curve: list[list[float]], target: Optional[float],
                  start: Optional[float]) -> Optional[float]:
     """Seconds from ``start`` (the run's :func:`first_train_time`) to the first point of
-    ``curve`` (:func:`val_loss_curve`) at or below ``target``; None if never reached."""
+    ``curve`` (:func:`val_loss_curve`) at or below ``target``, within :data:`SAME_LOSS`; None if
+    never reached."""
     if target is None or start is None:
         return None
-    return next((t - start for t, loss in curve if loss <= target), None)
+    reached = target + SAME_LOSS * abs(target)
+    return next((t - start for t, loss in curve if loss <= reached), None)
 
 
 def mean_loss(lines: Iterable[Line]) -> tuple[list[float], list[float], list[float]]:
