@@ -57,11 +57,11 @@ class Prediction:
             missed = self.run.forecast.missed(stage, pipeline)
             if pipeline in st.expect and missed > st.drift:
                 # a late joiner: the replicas still awaited are likely as late
-                later = max(0.0, missed) - max(0.0, st.drift)
+                later = max(0.0, missed) - st.late
                 st.drift = missed
                 st.horizon = min(st.cap, st.horizon + later)
             pace = self.run.pace.get((stage, pipeline))
-            due = st.last_due + min(0.0, st.drift)
+            due = st.last_due - st.early
             if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
                                      or now + self.patience * pace < due):
                 self.narrow(stage, pace, now)
@@ -108,11 +108,10 @@ class Prediction:
             st.expect = frozenset(q for _, q in found)
             return
         st.drift = run.forecast.missed(s, opener)
-        early, late_by = max(0.0, -st.drift), max(0.0, st.drift)
         quickest = min([pace] + [run.pace[(s, q)] for q in ready if (s, q) in run.pace])
-        awaited = self._predicted(s, st.horizon + early, ready, parked,
+        awaited = self._predicted(s, st.horizon + st.early, ready, parked,
                                   AWAIT_PACE_RATIO * quickest, room)
-        band = opened + JITTER_BAND * pace + early
+        band = opened + JITTER_BAND * pace + st.early
         core = [(t, q) for t, q in awaited if t <= band]  # earliest first, so a prefix
         half = 2 * (present + len(core)) - len(run.live)  # > 0: a majority; 0: exactly half
         if half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
@@ -122,7 +121,7 @@ class Prediction:
             late, st.last_due = [q for _, q in awaited], awaited[-1][0]
             # an evaluation ahead lengthens the iteration that patience is a share of
             st.cap += self.patience * run.forecast.longest_pause(s, late)
-            st.horizon = min(st.cap, st.last_due + late_by + self.slack(s, late, pace))
+            st.horizon = min(st.cap, st.last_due + st.late + self.slack(s, late, pace))
             st.slowest_expected = max(run.pace.get((s, q), pace) for q in late)
 
     def _first(self, s: int, opened: float, ready: dict, parked: set[int]) -> None:
@@ -169,14 +168,13 @@ class Prediction:
         :meth:`open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
         st, due, paces = self.run.stages[s], self.run.forecast.expected, self.run.pace
         bound, horizon = AWAIT_PACE_RATIO * joined, now + self.patience * joined
-        early, late_by = max(0.0, -st.drift), max(0.0, st.drift)
         keep, late, latest = [], [], 0.0
         for q in st.expect:
             if q in st.waiting:
                 keep.append(q)
                 continue
             t = due(s, q)
-            if paces.get((s, q), joined) <= bound and (t is None or t - early <= horizon):
+            if paces.get((s, q), joined) <= bound and (t is None or t - st.early <= horizon):
                 keep.append(q)
                 if t is not None:
                     late.append(q)
@@ -185,7 +183,7 @@ class Prediction:
         st.slowest_expected = max((paces.get((s, q), joined) for q in late), default=0.0)
         st.last_due = latest
         if late:
-            st.horizon = min(st.horizon, latest + late_by + self.slack(s, late, joined))
+            st.horizon = min(st.horizon, latest + st.late + self.slack(s, late, joined))
 
     def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
         """Whether the fastest replica of stage ``s`` is waiting now or among ``core``."""

@@ -87,6 +87,15 @@ class StageState:
     # per event it would cost a pass over every waiting replica, P^2 in a run)
     free: dict[int, tuple[int, float]] = field(default_factory=dict)
 
+    @property
+    def late(self) -> float:
+        """How much later than forecast the round awaits the others (a stall they share)."""
+        return max(0.0, self.drift)
+
+    @property
+    def early(self) -> float:
+        """How much earlier than forecast the round looks for the others (a quicker evaluation)."""
+        return max(0.0, -self.drift)
 
 class RunState:
     """The run's state that several parts read and write: who is live, each replica's progress,
