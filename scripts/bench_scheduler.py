@@ -25,9 +25,10 @@ minus the time the policy held the round open for that member (``waits`` in the 
 ``group`` line): queueing behind other events, handling, publishing, store round trips. p50, p99,
 max over all rounds. Split in three with the scheduler's own track of the timeline (the run has
 ``run.trace=true``; every stamp is on the run clock): ``queue`` (the push to the moment the
-scheduler took the signal from the queue: the replica's send, the store, the scheduler's wake-up
-and the events it handled first), ``sched`` (taken to its decision sent to the store, less the
-policy's wait: what the scheduler process owns) and ``wake`` (sent to the replica's read: the
+scheduler took the batch holding the signal from the queue: the replica's send, the store and the
+scheduler's wake-up), ``sched`` (that moment to the decision sent to the store, less the policy's
+wait: what the scheduler process owns, the events it handled first included) and ``wake`` (sent
+to the replica's read: the
 store's write and the replica's wake-up; stamped before the send, so that a read can never
 precede it). Events/s the scheduler handled (ready, step, done). Its CPU (user +
 sys, psutil) per second and per decision, and the time its threads were runnable but waiting for
@@ -45,6 +46,7 @@ the last core, the replica processes the others.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import multiprocessing
@@ -314,15 +316,21 @@ def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:
 
 def timeline(run_dir: Path, rank: int) -> tuple[dict, dict]:
     """From the scheduler's track (``logs/<rank>.trace.json``), per (stage, pipeline,
-    iteration): when it took the ready signal from the queue, and when it published the
-    decision (run-clock seconds)."""
+    iteration): when it took the batch holding the ready signal from the queue, and when it
+    published the decision (run-clock seconds).
+
+    The batch's moment, not the signal's own stamp: the policy's clock (and so the wait it
+    reports) reads one moment per batch, and a signal handled late in its batch, answered early
+    in a later one, would otherwise come out with a negative ``sched``."""
     doc = json.loads((run_dir / "logs" / f"{rank}.trace.json").read_text())
     if doc["dropped"]:
         raise RuntimeError(f"the scheduler's timeline dropped {doc['dropped']} events")
+    batches = sorted(e["ts"] for e in doc["events"] if e["cat"] == "scheduler")
     taken, published = {}, {}
     for e in doc["events"]:
         if e["cat"] == "ready":
-            taken[(e["tid"] - 1, e["args"]["pipeline"], e["args"]["iteration"])] = e["ts"] / 1e6
+            popped = batches[bisect.bisect_right(batches, e["ts"]) - 1]  # the batch it came in
+            taken[(e["tid"] - 1, e["args"]["pipeline"], e["args"]["iteration"])] = popped / 1e6
         elif e["cat"] == "round":
             end = (e["ts"] + e["dur"]) / 1e6
             for p, k in zip(e["args"]["members"], e["args"]["iterations"]):
