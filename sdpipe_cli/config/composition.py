@@ -10,6 +10,7 @@ or ``FILE:LINE:COLUMN`` for a YAML syntax error. Every subcommand composes once.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from pathlib import Path
 from typing import Optional
@@ -39,9 +40,11 @@ def group_options() -> dict[str, list[str]]:
     }
 
 
+@functools.cache
 def register_schema() -> None:
     """Put the schema in Hydra's ConfigStore, where ``configs/config.yaml`` finds it
-    (``base_config``; ``configs/sync/<name>.yaml`` extends ``sync/schema_<name>``)."""
+    (``base_config``; ``configs/sync/<name>.yaml`` extends ``sync/schema_<name>``). Once a process:
+    the store outlives every composition, and storing costs a fifth of one."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
@@ -71,12 +74,20 @@ def compose(overrides: list[str]) -> DictConfig:
         GlobalHydra.instance().clear()
     _gather_kwargs(cfg)
     # Hydra lets ``+key=value`` add keys the schema does not have; the schema is the contract.
-    _reject_unknown_keys(cfg, schema_for(cfg.sync.name))
+    _reject_unknown_keys(cfg, _schema(cfg.sync.name))
     searched = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.searchpath=")]
     if searched:
         cfg.run.config_dirs = [d.removeprefix("file://") for d in searched[-1].strip("[]").split(",")
                                if d.startswith("file://")]
     return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(sync: str) -> DictConfig:
+    """:func:`schema_for`, built once a sync mode (a sixth of a composition) and read-only."""
+    schema = schema_for(sync)
+    OmegaConf.set_readonly(schema, True)
+    return schema
 
 
 def _gather_kwargs(cfg: DictConfig) -> None:
