@@ -28,10 +28,9 @@ max over all rounds. Split in three with the scheduler's own track of the timeli
 scheduler took the batch holding the signal from the queue: the replica's send, the store and the
 scheduler's wake-up), ``sched`` (that moment to the decision sent to the store, less the policy's
 wait: what the scheduler process owns, the events it handled first included) and ``wake`` (sent
-to the replica's read: the
-store's write and the replica's wake-up; stamped before the send, so that a read can never
-precede it). Events/s the scheduler handled (ready, step, done). Its CPU (user +
-sys, psutil) per second and per decision, and the time its threads were runnable but waiting for
+to the replica's read: the store's write and the replica's wake-up; stamped before the send, so
+that a read can never precede it). Events/s the scheduler handled (ready, step, done). Its CPU
+(user + sys, psutil) per second and per decision, and the time its threads were runnable but waiting for
 a core (``queued``, from schedstat: on a shared machine, CPU starvation); the replica processes'
 CPU; the machine's 1-minute load average when the clock started.
 ``--profile`` runs the scheduler under cProfile (``queue_pop`` includes idle waiting).
