@@ -96,3 +96,28 @@ def test_bench_convergence_intervals_over_seeds():
     assert got["allreduce"]["time vs allreduce"][:2] == (1.0, 0.0)
     row = bench.seed_rows(got)[1]
     assert row[0] == "sdpipe" and row[2].startswith("1.005 (sd 0.007")
+
+
+def test_the_scheduler_bench_times_a_signal_from_the_batch_it_came_in(tmp_path):
+    """The policy's clock reads one moment per batch of events. A ready signal handled last in
+    its batch and answered first in a later one: the ``sched`` part (taken to published, less the
+    policy's wait between the two batches) must not come out below 0, as it did when "taken" was
+    the signal's own stamp (CI, -0.037 ms)."""
+    import json
+
+    bench = importlib.import_module("bench_scheduler")
+    us = 1e6
+    events = [  # batch A at 1.000 s, its last event the ready of (stage 0, pipeline 2, iteration 5)
+        {"cat": "scheduler", "ts": 1.000 * us, "dur": 0.004 * us, "tid": 0, "args": {}},
+        {"cat": "ready", "ts": 1.0039 * us, "tid": 1, "args": {"pipeline": 2, "iteration": 5}},
+        # batch B at 1.010 s answers it first thing
+        {"cat": "scheduler", "ts": 1.010 * us, "dur": 0.002 * us, "tid": 0, "args": {}},
+        {"cat": "round", "ts": 1.000 * us, "dur": 0.0101 * us, "tid": 1,
+         "args": {"members": [2], "iterations": [5]}},
+    ]
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "8.trace.json").write_text(json.dumps({"dropped": 0, "events": events}))
+    taken, published = bench.timeline(tmp_path, 8)
+    assert taken[(0, 2, 5)] == pytest.approx(1.000)  # batch A's moment, not the signal's 1.0039
+    held = 1.010 - 1.000  # the policy's wait: batch B's moment less batch A's
+    assert published[(0, 2, 5)] - taken[(0, 2, 5)] - held == pytest.approx(0.0001)
