@@ -7,7 +7,8 @@ Run it from the repository root after ``pip install -e .``::
         --scenarios straggler --before ../sdpipe-before        # also an older checkout's sdpipe
 
 **What it runs.** For each scenario (``equal``: every pipeline at speed 1; ``straggler``: the last
-one ``--slow`` times slower, ``cluster.slowdown=[1,1,1,3]``; ``random``: equal pipelines whose
+one ``--slow`` times slower, ``cluster.slowdown=[1,1,1,3]``; ``mixed``: the last two 2x and 4x
+slower, ``cluster.slowdown=[1,1,2,4]``; ``random``: equal pipelines whose
 workers are each ``--slow`` times slower in a seeded 10 % of their iterations, as in
 ``cluster=hetero_random``), each variant and each learning rate of
 the grid, one ``sdpipe train`` of the default model (gpt_tiny on the stdlib corpus) with modelled
@@ -87,7 +88,8 @@ VARIANTS = {
     "none": ["sync=none"],
 }
 BEFORE = "sdpipe-before"
-SCENARIOS = ("equal", "straggler", "random")
+SCENARIOS = ("equal", "straggler", "mixed", "random")
+MIXED = (2.0, 4.0)  # mixed: the slowdowns of the last pipelines, the others at speed 1
 # random: each iteration, each worker is --slow times slower with this probability (seeded)
 RANDOM_STRAGGLE = 0.1
 
@@ -138,6 +140,8 @@ def overrides(args, scenario: str, lr: float, run_dir: Path, steps: Optional[int
     slow = [1.0] * args.pipelines
     if scenario == "straggler":
         slow[-1] = args.slow
+    if scenario == "mixed":
+        slow[-len(MIXED):] = MIXED[-args.pipelines:]
     random = ([f"cluster.stragglers.probability={RANDOM_STRAGGLE:g}",
                f"cluster.stragglers.factor={args.slow:g}", "cluster.stragglers.per=iteration"]
               if scenario == "random" else [])

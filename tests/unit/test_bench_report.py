@@ -74,6 +74,20 @@ def test_bench_convergence_random_scenario_is_a_valid_run_with_random_straggles(
     assert list(cfg.cluster.slowdown) == [1.0] * 4
 
 
+@pytest.mark.parametrize("pipelines,slowdown", [(4, [1, 1, 2, 4]), (3, [1, 2, 4]), (2, [2, 4]),
+                                               (1, [4])])
+def test_bench_convergence_mixed_scenario_slows_the_last_pipelines_2x_and_4x(pipelines, slowdown):
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.validation import validate
+
+    bench = importlib.import_module("bench_convergence")
+    args = bench.parse_args(["--scenarios", "mixed", "--pipelines", str(pipelines)])
+    cfg = compose(bench.overrides(args, "mixed", 3e-3, Path("r")))
+    validate(cfg)
+    assert list(cfg.cluster.slowdown) == slowdown
+    assert cfg.cluster.stragglers.probability == 0
+
+
 def test_bench_convergence_intervals_over_seeds():
     bench = importlib.import_module("bench_convergence")
     mean, sd, half = bench.interval([1.0, 2.0, 3.0])
