@@ -41,30 +41,27 @@ def command(run_dir: Path, steps: int, sync: str) -> list[str]:
             "train.eval_every=0", "cluster.compute_ms=20", "checkpoint.every=5", f"sync={sync}"]
 
 
-def watch(proc: subprocess.Popen, until: float) -> dict[int, float]:
-    """Every descendant of ``proc`` seen until ``until`` (monotonic): pid -> create time."""
-    seen: dict[int, float] = {}
+def watch(proc: subprocess.Popen, until: float) -> dict[int, psutil.Process]:
+    """Every descendant of ``proc`` seen until ``until`` (monotonic), by pid."""
+    seen: dict[int, psutil.Process] = {}
     root = psutil.Process(proc.pid)
     while time.monotonic() < until and proc.poll() is None:
         try:
             for child in root.children(recursive=True):
-                try:
-                    seen.setdefault(child.pid, child.create_time())
-                except psutil.NoSuchProcess:
-                    pass
+                seen.setdefault(child.pid, child)
         except psutil.NoSuchProcess:
             break
         time.sleep(0.02)
     return seen
 
 
-def alive(seen: dict[int, float]) -> list[int]:
-    """Those of ``seen`` still running (the same process: same pid and create time)."""
+def alive(seen: dict[int, psutil.Process]) -> list[int]:
+    """Those of ``seen`` still running (is_running: the same process, not a reused pid, told by
+    its start time since boot, which a stepped system clock does not move)."""
     out = []
-    for pid, created in seen.items():
+    for pid, p in seen.items():
         try:
-            p = psutil.Process(pid)
-            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(pid)
         except psutil.NoSuchProcess:
             pass

@@ -116,14 +116,18 @@ def exit_with_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> None:
     import psutil
 
     try:
-        born = psutil.Process(pid).create_time()
+        launcher = psutil.Process(pid)
     except psutil.Error:
-        born = None
+        launcher = None
 
     def alive() -> bool:
+        # is_running() tells a reused pid by the start time since boot. Not by comparing
+        # create_time(): psutil adds the boot time to that, which moves whenever the system clock
+        # is stepped (NTP, a virtual machine resumed from a snapshot), and every child of a run
+        # then took its launcher, still there, for gone and killed itself.
         try:
-            proc = psutil.Process(pid)
-            return proc.create_time() == born and proc.status() != psutil.STATUS_ZOMBIE
+            return (launcher is not None and launcher.is_running()
+                    and launcher.status() != psutil.STATUS_ZOMBIE)
         except psutil.Error:
             return False
 
