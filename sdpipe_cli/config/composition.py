@@ -82,7 +82,7 @@ def compose(overrides: list[str]) -> DictConfig:
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema(sync: str) -> DictConfig:
     """:func:`schema_for`, built once a sync mode (a sixth of a composition) and read-only."""
     schema = schema_for(sync)

@@ -97,6 +97,7 @@ class StageState:
         """How much earlier than forecast the round looks for the others (a quicker evaluation)."""
         return max(0.0, -self.drift)
 
+
 class RunState:
     """The run's state that several parts read and write: who is live, each replica's progress,
     the stages' rounds, the pending global sync and the clock."""
