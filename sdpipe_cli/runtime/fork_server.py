@@ -1,12 +1,22 @@
 """Imported first by the fork server (see :func:`~sdpipe_cli.runtime.processes.preload`): it
-ends with its launcher.
+ends with its launcher, and only with it.
 
 The fork server is the launcher's child, started before any worker, and it then spends seconds
 importing torch and the children's modules. Until it reaches its loop it does not notice that
 the launcher is gone; after that it lives on while any child holds its pipe, and the resource
 tracker lives as long as the server. So, before importing anything heavy, the server asks the
 kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``, Linux), and ends at once if the
-launcher died before it asked. Elsewhere (a process whose parent is not the launcher named in
+launcher died before it asked.
+
+The server shares the launcher's process group, and what stops a job (``timeout``, ``kill --
+-PGID``, a batch system's SIGTERM) signals the whole group. CPython's server ignores SIGINT, so
+that Ctrl-C reaches only the launcher; it must ignore SIGTERM too, or it dies with the group and
+takes with it the only channel that reports its children's exit codes (every child then reads as
+exited with 255, and the launcher cannot stop them in order). The launcher, which counts either
+signal as a request to stop gracefully, then stops the children itself. A forked child takes
+SIGTERM back as soon as it is in its own session (:func:`~sdpipe_cli.runtime.processes.start`).
+
+Elsewhere (a process whose parent is not the launcher named in
 ``SDPIPE_LAUNCHER_PID``) importing this module does nothing.
 """
 
@@ -22,6 +32,7 @@ def _guard() -> None:
     launcher = os.environ.get("SDPIPE_LAUNCHER_PID", "")
     if not launcher.isdigit() or os.getppid() != int(launcher):
         return  # not the launcher's fork server, or the launcher is already gone (checked below)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if die_with_parent(signal.SIGKILL) and os.getppid() != int(launcher):
         os._exit(1)  # it died between the two looks: no signal will come
 

@@ -7,8 +7,9 @@ after another. The launcher starts them instead from :mod:`multiprocessing`'s fo
 imports the children's modules once (``preload``). A child is a fork of that server (torch's pages
 are shared copy-on-write) that then makes itself the child the launcher asked for:
 
-- its own session, so a Ctrl-C at the terminal reaches only the launcher, which stops the children
-  in order (the server itself ignores SIGINT);
+- its own session, so a Ctrl-C at the terminal, or a SIGTERM to the launcher's process group,
+  reaches only the launcher, which stops the children in order (the server itself ignores SIGINT
+  and SIGTERM; a child takes SIGTERM's default back once it has left the server's group);
 - stdin from /dev/null, stdout and stderr appended to its log file;
 - exactly the environment the launcher gave it (``RANK``, ``MASTER_ADDR``, ...);
 - SIGTERM when its parent dies (PR_SET_PDEATHSIG): the server exits when the launcher does, so
@@ -142,6 +143,7 @@ def exit_with_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> None:
 def _become(module: str, env: dict[str, str], log_path: str) -> None:
     """Runs in the forked child: become the launcher's child ``module``, then run its main()."""
     os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (see fork_server)
     die_with_parent()
     if env.get("SDPIPE_LAUNCHER_PID"):
         exit_with_launcher(int(env["SDPIPE_LAUNCHER_PID"]))

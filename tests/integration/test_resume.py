@@ -99,19 +99,22 @@ def test_run_without_checkpoints_is_refused(tmp_path, capsys):
 
 
 # -- interrupts and kills: what the run leaves, and that it resumes ---------------------------------
-def test_ctrl_c_stops_everything_at_a_consistent_point_with_a_final_checkpoint(run_dir):
-    """All-reduce, SIGINT: while it runs only 127.0.0.1 listens; the interrupt stops every child at a
-    consistent point (rc 130), a final checkpoint is written, and the run resumes from it."""
+def test_sigterm_to_the_process_group_stops_everything_at_a_consistent_point(run_dir):
+    """All-reduce, SIGTERM to the launcher's whole process group (what ``timeout``, ``kill --
+    -PGID`` and job systems send): while it runs only 127.0.0.1 listens; the signal stops every
+    child at a consistent point (rc 130, as Ctrl-C does), a final checkpoint and the summary are
+    written, and the run resumes from it. (Ctrl-C: the sdpipe test below.)"""
     proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=allreduce", *LONG,
                         "checkpoint.on_exit=true")
     wait_for(training_lines(run_dir, 6), proc, what="six train lines")
     # while it runs: the store (in the launcher) and gloo listen on 127.0.0.1 only
     children = listening_only_on_loopback(proc, run_dir)
     assert len(children) == 5  # scheduler + 4 workers
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher, its fork server, anything in its group
     rc, err, _ = finish(proc, timeout=90)
     assert rc == 130, err
     assert "interrupted" in err and "stopped at a consistent point" in err
+    assert (run_dir / "summary.json").is_file()
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                    for pid in children)
     done = metrics(run_dir, "done")
