@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,11 @@ from tests.helpers import kill_leftovers
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main",
                                         "sdpipe_cli.sync.scheduler", "sdpipe_cli.sync.ps",
                                         *LAZY_TORCH])
+
+
+# The key that seals the code a run's config names (sdpipe_cli.config.trust): one per test
+# process, inherited by the runs it starts, never the user's own ~/.config/sdpipe/trust.key.
+os.environ["SDPIPE_TRUST_KEY"] = os.path.join(tempfile.mkdtemp(prefix="sdpipe-key-"), "trust.key")
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from sdpipe_cli.runtime import network
+from sdpipe_cli.runtime import network, run_lock
 from sdpipe_cli.cli import display, resuming, run_loop
 from sdpipe_cli.config import job_env
 from sdpipe_cli.config.composition import compose
@@ -38,10 +38,12 @@ def train(overrides: Sequence[str], show_config: bool = False, console: Console 
     return run_loop.run_with_restarts(run_config(cfg, console), console)
 
 
-def resume(path: str, overrides: Sequence[str], console: Console) -> int:
-    leg = resuming.prepare(path, overrides, console)
-    return run_loop.run_with_restarts(leg.cfg, console, from_checkpoint=leg.checkpoint,
-                                      elapsed=leg.elapsed, done=leg.done)
+def resume(path: str, overrides: Sequence[str], console: Console, trusted: bool = False) -> int:
+    with run_lock.Holder(lambda line: console.print(line, markup=False, highlight=False,
+                                                     soft_wrap=True)) as holder:
+        leg = resuming.prepare(path, overrides, console, holder, trusted=trusted)
+        return run_loop.run_with_restarts(leg.cfg, console, from_checkpoint=leg.checkpoint,
+                                          elapsed=leg.elapsed, done=leg.done, fresh=leg.fresh)
 
 
 def profile(overrides: Sequence[str], show_config: bool = False,

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from sdpipe_cli.config import trust
 from sdpipe_cli.config.run_file import save_run_config
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core import supervision
@@ -214,12 +216,17 @@ def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str])
 
 
 def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
-              run_dir: Optional[Path], resume: Optional[Path], elapsed: float):
+              run_dir: Optional[Path], resume: Optional[Path], elapsed: float, fresh: bool):
     """The first node's launcher: the run folder (a new one, or the run's own when it resumes or
-    starts again), the config written for this leg without replacing any file, and the run clock
+    starts again; a new one too when it resumes ``fresh``, a checkpoint from outside its run),
+    the config written for this leg without replacing any file, with the seal of the code it
+    names (:mod:`~sdpipe_cli.config.trust`) and, in a new folder, a new run id, and the run clock
     in the store; with real nodes the config is published for the other nodes' launchers.
     Returns (the store's events, the run folder, the config's path, the launch time)."""
-    if resume is None:  # a new run, or (``run_dir`` given) one started again from scratch
+    new_run = resume is None or fresh
+    if new_run:  # a new run (from scratch, or resumed into a new folder), or one started again
+        if fresh or run_dir is None:
+            cfg.run.id = uuid.uuid4().hex
         run_dir = run_dir or make_run_dir(cfg.run.dir)
         cfg.run.dir = str(run_dir.resolve()) if run.cluster.real else str(run_dir)
         config_path = _new_path(run_dir / "config.yaml")
@@ -227,8 +234,9 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
         run_dir = Path(cfg.run.dir)
         config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
     result.run_dir = run_dir
+    cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
     save_run_config(cfg, config_path)
-    if resume is None:
+    if new_run:
         _copy_config_dirs(cfg, run_dir)
     events = store.namespace(master)
     launched = time.time()
@@ -310,11 +318,18 @@ class Spawner:
         return spawn(PS, f"ps{stage}", f"parameter server of stage {stage}", self.run_dir, env)
 
 
+def is_primary(cfg: DictConfig) -> bool:
+    """Whether this launcher is the run's first (hosts the store and the scheduler, owns the run
+    folder): always, unless the cluster is real nodes and this is not the first."""
+    cluster = RunPlan.of(cfg).cluster
+    return not cluster.real or cfg.run.node == cluster.nodes[0]
+
+
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
            run_dir: Optional[Path] = None, resume: Optional[Path] = None,
            elapsed: float = 0.0, job: Job = TRAIN,
            on_folder: Callable[[Path], None] = lambda _: None,
-           on_phase: Callable[[str], None] = lambda _: None) -> RunResult:
+           on_phase: Callable[[str], None] = lambda _: None, fresh: bool = False) -> RunResult:
     """Run a job (training, or :data:`PROFILE`) to the end; ``cfg`` must be validated and prepared.
 
     Without ``job.helpers`` a failed worker always stops the job: there is no scheduler to drop
@@ -324,16 +339,17 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     config for this leg is written beside the original (which stays as it was), metrics are
     appended, and the run clock goes on from ``elapsed`` seconds. With ``run_dir`` (a folder
     that already holds this run) and no ``resume``, the run starts again from scratch there,
-    in the same way: its config is written as ``config-<n>.yaml``, nothing is replaced.
+    in the same way: its config is written as ``config-<n>.yaml``, nothing is replaced. With
+    ``resume`` and ``fresh``, the run goes on from the checkpoint in a new folder (``run_dir``, or
+    ``cfg.run.dir`` made new), a run of its own.
     ``on_folder(run_dir)`` is called once the run folder exists, before any process starts;
     ``on_phase(what)`` at each step of the start-up (for a status line).
     """
     run = RunPlan.of(cfg)
-    cluster = run.cluster
-    primary = not cluster.real or cfg.run.node == cluster.nodes[0]
+    primary = is_primary(cfg)
     children: list[Child] = []
     started = time.monotonic()
-    result = RunResult(Path(cfg.run.dir) if resume is not None else None, 0)
+    result = RunResult(Path(cfg.run.dir) if resume is not None and not fresh else None, 0)
     phase = Phase("starting the store" if primary else
                    f"waiting for the first node's store at {store_host(cfg)}:{cfg.run.port}",
                   on_phase)
@@ -344,7 +360,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
             master = start_store(cfg)  # first: a busy port must fail before anything is written
             phase.advance("writing the run folder")
             events, run_dir, config_path, launched = _open_run(cfg, run, master, result, run_dir,
-                                                               resume, elapsed)
+                                                               resume, elapsed, fresh)
         else:
             master, events, run_dir, config_path, resume = _join(cfg, run, phase)
             result.run_dir = run_dir

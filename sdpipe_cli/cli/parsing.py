@@ -117,9 +117,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     resume.add_argument("path", metavar="PATH", help="a run folder (its latest complete "
                         "checkpoint) or one checkpoint folder")
+    resume.add_argument("--trust-code", action="store_true",
+                        help="run the code the checkpoint's config names (model, loss or data "
+                        "_target_) even though no run of yours sealed it (docs/SECURITY.md)")
     resume.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help=f"safe changes only: {', '.join(resuming.RESUMABLE)}; the layout: "
-                        f"{', '.join(resuming.LAYOUT)} (the checkpoint is resharded)")
+                        f"{', '.join(resuming.LAYOUT)} (the checkpoint is resharded); run.dir=NEW: "
+                        "go on in a new run folder")
     prep = sub.add_parser("prepare", help="tokenize text into shards for data=tokens",
                           description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = prep.add_subparsers(dest="kind", metavar="KIND", required=True)
@@ -206,7 +210,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "train":
             return commands.train(args.overrides, show_config=args.cfg, console=err)
         if args.command == "resume":
-            return commands.resume(args.path, args.overrides, console=err)
+            return commands.resume(args.path, args.overrides, console=err,
+                                   trusted=args.trust_code)
         if args.command == "profile":
             return commands.profile(args.overrides, show_config=args.cfg, console=err)
         if args.command == "simulate":

@@ -7,6 +7,11 @@ runs (``cluster=NAME``, any ``cluster.*`` key, ``profile``) and how the model is
 (``cluster.pipelines``, ``pipeline.stages``, ``pipeline.partition``). A new layout is resumed
 from a checkpoint written for it (:mod:`sdpipe_cli.training.reshard`); the run's budget in
 samples stays as it was unless ``train.steps`` is given too.
+
+A leg goes on in the checkpoint's own run folder, held against other launchers
+(:mod:`~sdpipe_cli.runtime.run_lock`), or in a new one (``run.dir``, or beside a checkpoint that
+lies outside its run). A saved config is data: the code it names runs only as sealed by one of
+this user's launches, or with ``--trust-code`` (:mod:`~sdpipe_cli.config.trust`).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
+from sdpipe_cli.config import trust
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError, schema_for
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.runtime import network
+from sdpipe_cli.runtime import network, run_lock
 from sdpipe_cli.runtime.errors import CheckpointError
 
 __all__ = ["RESUMABLE", "LAYOUT", "Leg", "prepare"]
@@ -49,45 +55,90 @@ class Leg:
     checkpoint: Path
     elapsed: float
     done: int  # pipeline-iterations the checkpoint holds
+    fresh: bool = False  # goes on in a new run folder (made already), not in the checkpoint's run
 
 
 def resumable(key: str) -> bool:
     return key in RESUMABLE or key in _SPLIT or key.startswith("cluster.")
 
 
-def prepare(path: str, overrides: Sequence[str], console: Console) -> Leg:
+def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_lock.Holder,
+            trusted: bool = False) -> Leg:
     """The next leg of the run of ``path`` (a run folder or a checkpoint) with ``overrides``:
     checked, prepared for this machine, and resharded if its layout changed. Bad input raises
-    :class:`~sdpipe_cli.core.errors.BadInput` before anything is written."""
+    :class:`~sdpipe_cli.core.errors.BadInput` before anything is written.
+
+    The leg goes on in the checkpoint's own run folder, whose lock ``holder`` takes before
+    anything is read there; or, for a checkpoint that lies outside its run, or with ``run.dir``
+    given, in a new run folder (``run.dir``, else one made beside the checkpoint), never in the
+    folder that happens to hold the checkpoint. Code the saved config names runs only if a run
+    of this user's sealed it, or the user ``trusted`` it (:mod:`~sdpipe_cli.config.trust`)."""
     from sdpipe_cli.cli import preparing
     from sdpipe_cli.model import checkpoint
     from sdpipe_cli.training import reshard
 
     ckpt = checkpoint.resolve(path)
-    for skipped in checkpoint.damaged(checkpoint.run_dir_of(ckpt)):
-        console.print(f"sdpipe: warning: {skipped} has no readable manifest (cut short or damaged): "
-                      "passed over, and kept", markup=False, highlight=False, soft_wrap=True)
+    home = checkpoint.home_of(ckpt, checkpoint.read_manifest(ckpt))
+    requested = _value("run.dir", overrides)
+    fresh = home is None or requested is not None
+    if not fresh:
+        holder.take(home)  # before reading what another launcher of this run may be writing
+        ckpt = checkpoint.resolve(path)  # the newest complete checkpoint, now that it stays so
+        for skipped in checkpoint.damaged(home):
+            console.print(f"sdpipe: warning: {skipped} has no readable manifest (cut short or "
+                          "damaged): passed over, and kept", markup=False, highlight=False,
+                          soft_wrap=True)
     manifest = checkpoint.verify_run(ckpt)  # every shard's checksum, before anything starts
+    trust.check(manifest["config"], str(ckpt / checkpoint.MANIFEST), trusted)
     try:
         saved = OmegaConf.merge(schema_for(manifest["config"]["sync"]["name"]), manifest["config"])
     except (ConfigError, OmegaConfBaseException) as err:
         raise CheckpointError(ckpt / checkpoint.MANIFEST,
                               f"its config does not fit this sdpipe: {str(err).splitlines()[0]}") from None
     cfg = apply_overrides(saved, overrides)
-    cfg.run.dir = str(checkpoint.run_dir_of(ckpt))  # the run folder may have moved since
+    cfg.run.dir = str(home) if not fresh else (requested or str(_beside(ckpt)))
     validate(cfg)
     network.check_hosts(cfg)
     run_cfg = preparing.prepare(cfg)[0]
+
+    def destination(checked: DictConfig) -> Path:
+        """The run folder the leg writes into; a new one is made (and locked) only now, once
+        ``checked`` passed every check."""
+        if not fresh:
+            return Path(home)
+        from sdpipe_cli.cli import launcher
+
+        preparing.check_memory(checked)
+        folder = launcher.make_run_dir(checked.run.dir)
+        holder.take(folder)
+        console.print(f"resuming {ckpt} in a new run folder, {folder}"
+                      + (" (the checkpoint lies outside its run)" if home is None else ""),
+                      highlight=False, soft_wrap=True)
+        return folder
+
     if reshard.layout_of(saved) != reshard.layout_of(run_cfg):
         return _resharded(ckpt, manifest, saved, run_cfg, _given("train.steps", overrides),
-                          console)
+                          console, destination, fresh)
+    destination(run_cfg)
     console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
                   highlight=False)
-    return Leg(run_cfg, ckpt, manifest["elapsed"], sum(manifest["steps"].values()))
+    return Leg(run_cfg, ckpt, manifest["elapsed"], sum(manifest["steps"].values()), fresh)
+
+
+def _beside(ckpt: Path) -> Path:
+    """A new run folder beside a checkpoint that lies outside its run: ``<ckpt>-resumed``."""
+    if ckpt.parent.name in ("checkpoints", "resharded"):
+        raise ConfigError("run.dir", f"{ckpt} lies in {ckpt.parent.parent} but is not that run's "
+                          "checkpoint (it carries another run's id): resume it into a new folder "
+                          "with run.dir=NEW")
+    from sdpipe_cli.model import checkpoint
+
+    folder = ckpt.with_name(f"{ckpt.name}-resumed")
+    return checkpoint.free_name(folder, "") if folder.exists() else folder
 
 
 def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
-               steps_given: bool, console: Console) -> Leg:
+               steps_given: bool, console: Console, destination, fresh: bool) -> Leg:
     """``old``: the checkpoint's own (prepared) config; ``new``: the next leg's."""
     from sdpipe_cli.cli import preparing
     from sdpipe_cli.training import reshard
@@ -97,7 +148,7 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     new.train.steps = plan.train_steps
     new.plan = RunPlan.resolve(new, RunPlan.of(new).cluster).section()  # its budget changed
     preparing.check_memory(new)  # bad input: before the resharded checkpoint is written
-    folder = reshard.write(ckpt, manifest, old, new, plan)
+    folder = reshard.write(ckpt, manifest, old, new, plan, destination(new))
     before, after = reshard.layout_of(old), reshard.layout_of(new)
     console.print(f"resharded {ckpt}: P={before.pipelines} S={before.stages} partition "
                   f"{list(before.partition)} -> P={after.pipelines} S={after.stages} partition "
@@ -110,7 +161,17 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
                       highlight=False, soft_wrap=True)
     console.print(f"resuming {folder} (iterations per pipeline: {plan.steps})", highlight=False,
                   soft_wrap=True)
-    return Leg(new, folder, manifest["elapsed"], sum(plan.steps.values()))
+    return Leg(new, folder, manifest["elapsed"], sum(plan.steps.values()), fresh)
+
+
+def _value(key: str, overrides: Sequence[str]) -> str | None:
+    """The value ``overrides`` give ``key``, if any (the last)."""
+    found = None
+    for item in overrides:
+        name, _, value = item.partition("=")
+        if name.lstrip("+~") == key:
+            found = value
+    return found or None
 
 
 def _given(key: str, overrides: Sequence[str]) -> bool:
@@ -129,9 +190,11 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
             raise ConfigError(key or "overrides", f"'{item}' is not KEY=VALUE")
         if key == "cluster":
             cluster = item.split("=", 1)[1]
+        elif key == "run.dir":
+            continue  # where the leg goes on: set by prepare
         elif not resumable(key):
             raise ConfigError(key, "cannot change when resuming: the saved state depends on it "
-                              f"(resume may change {', '.join(RESUMABLE + LAYOUT)})")
+                              f"(resume may change {', '.join(RESUMABLE + LAYOUT)}, and run.dir: a new folder)")
         else:
             dotlist.append(item)
     cfg = saved.copy()

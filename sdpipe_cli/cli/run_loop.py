@@ -11,12 +11,14 @@ an interrupt cut only the report short (:class:`InterruptedAfterRun`, caught by 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
 
 from sdpipe_cli.cli import display, resuming
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.runtime import run_lock
 from sdpipe_cli.runtime.errors import CheckpointError
 
 # sdpipe's exit codes (besides 0 and 2, bad input, which parsing.main returns): a process of the
@@ -46,11 +48,20 @@ def while_reporting(result) -> dict:
 
 
 def run_with_restarts(run_cfg, console: Console, done: int = 0, from_checkpoint=None,
-                      elapsed: float = 0.0) -> int:
+                      elapsed: float = 0.0, fresh: bool = False) -> int:
     """Launch the run and show it: from ``from_checkpoint`` (a verified checkpoint) at run-clock
-    ``elapsed`` seconds if given (``sdpipe resume``). With ``fault.on_failure=restart`` a failed
-    launch is followed by another from the run's latest checkpoint while the budget lasts
-    (:func:`_next_leg`)."""
+    ``elapsed`` seconds if given (``sdpipe resume``; ``fresh``: in the new run folder
+    ``run_cfg.run.dir``). With ``fault.on_failure=restart`` a failed launch is followed by another
+    from the run's latest checkpoint while the budget lasts (:func:`_next_leg`). The run folder is
+    held against other launchers (:mod:`~sdpipe_cli.runtime.run_lock`) from the moment the first
+    launch has it until the last leg ends."""
+    with run_lock.Holder(lambda line: console.print(line, markup=False, highlight=False,
+                                                     soft_wrap=True)) as holder:
+        return _run_legs(run_cfg, console, done, from_checkpoint, elapsed, fresh, holder)
+
+
+def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: float, fresh: bool,
+              holder: run_lock.Holder) -> int:
     import time
 
     from sdpipe_cli.cli import launcher, preparing
@@ -60,16 +71,26 @@ def run_with_restarts(run_cfg, console: Console, done: int = 0, from_checkpoint=
     restarts = (Restarts(run_cfg.fault.max_restarts, run_cfg.fault.restart_backoff)
                 if run_cfg.fault.on_failure == "restart" else None)
     began, origin = time.monotonic(), time.time() - elapsed  # origin: the run clock's zero
-    run_dir = None  # the first launch makes the run folder (or resumes in its own)
+    # the first launch makes the run folder (or resumes in its own, or in the new one made for it)
+    run_dir = Path(run_cfg.run.dir) if fresh else None
     started_from = from_checkpoint
     preparing: Optional[dict] = None  # the handlers before the first launch's report
+    primary = launcher.is_primary(run_cfg)
+
+    def first_folder(folder: Path) -> None:
+        if primary:  # the other nodes' launchers join the first's run
+            holder.take(folder)
+        shown.folder(folder)
+
+    first = True
     while True:
         shown = display.ProgressDisplay(console, RunPlan.of(run_cfg).budget, done)
         with shown:  # the launcher handles interrupts from here on
             result = launcher.launch(run_cfg, on_progress=shown.update, run_dir=run_dir,
                                      resume=from_checkpoint, elapsed=elapsed,
-                                     on_folder=shown.folder if run_dir is None else _nothing,
-                                     on_phase=shown.phase)
+                                     on_folder=first_folder if first else _nothing,
+                                     on_phase=shown.phase, fresh=fresh and first)
+        first = False
         replaced = while_reporting(result)
         preparing = replaced if preparing is None else preparing
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted

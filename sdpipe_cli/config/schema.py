@@ -348,6 +348,12 @@ class RunConfig:
     # the --config-dir folders the config was composed from (set by the CLI); the run folder keeps
     # a copy of their YAML files in config-dirs/
     config_dirs: list[str] = field(default_factory=list)
+    # written by the launcher, never set by hand: the run's identity (a checkpoint resumes in the
+    # run folder whose config.yaml carries its id)
+    id: Optional[str] = None
+    # written by the launcher, never set by hand: the seal of the code the config names (model,
+    # loss and data _target_s), which a resume checks (docs/SECURITY.md)
+    code_seal: Optional[str] = None
 
 
 @dataclass

@@ -54,6 +54,33 @@ def run_dir_of(ckpt_dir: os.PathLike | str) -> Path:
     return Path(ckpt_dir).parent.parent
 
 
+def home_of(ckpt_dir: os.PathLike | str, manifest: Mapping[str, Any]) -> Path | None:
+    """The run folder whose own checkpoint ``ckpt_dir`` is, or None for one that lies elsewhere
+    (copied out of its run, or into another run's folder): a resume must then not write into the
+    folder that happens to hold it.
+
+    A run's checkpoints lie in ``<run>/checkpoints/`` (and resharded ones in ``<run>/resharded/``),
+    and ``<run>/config.yaml`` carries the run's id, as every checkpoint's config does. A
+    checkpoint written before runs had ids is taken as its run's by its place alone."""
+    ckpt_dir = Path(ckpt_dir)
+    run = run_dir_of(ckpt_dir)
+    if ckpt_dir.parent.name not in ("checkpoints", "resharded") or not (run / "config.yaml").is_file():
+        return None
+    config = manifest.get("config") if isinstance(manifest.get("config"), Mapping) else {}
+    run_section = config.get("run") if isinstance(config.get("run"), Mapping) else {}
+    wanted = run_section.get("id")
+    if wanted is None:
+        return run
+    from omegaconf import OmegaConf
+
+    try:  # read as data: no interpolation is resolved
+        saved = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=False)
+        found = saved["run"]["id"]
+    except Exception:  # noqa: BLE001 - an unreadable config.yaml is not this checkpoint's run
+        return None
+    return run if found == wanted else None
+
+
 def shard_name(name: str) -> str:
     """The file of shard ``name``: ``"3"`` -> ``"3.pt"``. Hidden names are kept for temp files."""
     if not name or name.startswith(".") or "/" in name or os.sep in name:

@@ -62,9 +62,9 @@ def plan_for(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictCon
 
 
 def write(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
-          plan: reshard.Plan) -> Path:
-    """The new layout's checkpoint, in ``<run>/resharded/``; returns its folder."""
-    run_dir = checkpoint.run_dir_of(ckpt)
+          plan: reshard.Plan, run_dir: Path) -> Path:
+    """The new layout's checkpoint, in ``<run_dir>/resharded/`` (the run that resumes); returns
+    its folder."""
     before, after = layout_of(old), layout_of(new)
     name = (f"{ckpt.name}-P{after.pipelines}xS{after.stages}-"
             + "_".join(str(b) for b in after.partition or (0,)))

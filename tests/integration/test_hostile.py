@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import threading
@@ -21,12 +22,13 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+import yaml
 import torch.distributed as dist
 
 from sdpipe_cli.model import checkpoint as ck
 from sdpipe_cli.runtime import store
-from tests.helpers import (finish, free_port, kill_leftovers, run_processes, sdpipe,
-                           sdpipe_popen)
+from tests.helpers import (finish, free_port, kill_leftovers, metrics, one_error_line,
+                           run_processes, sdpipe, sdpipe_popen, training_lines, wait_for)
 
 TINY = ("model=mlp", "data=synthetic", "train.steps=4", "train.batch_size=8")
 LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8",
@@ -42,6 +44,7 @@ class Row:
     message: str  # a part of the error line
     inject: Optional[Callable[[dist.Store], None]] = None  # forged store values, once running
     signal_at: Optional[float] = None  # SIGTERM the CLI this many seconds after its start
+    absent: str = ""  # a path (under tmp_path) that must not exist afterwards: code that ran
 
 
 def fixed(*args: str) -> Callable[[Path, Path], list[str]]:
@@ -89,6 +92,39 @@ def manifest_changed(change: Callable[[dict], None], every: bool = False):
             (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
         return ["resume", str(run if every else chosen[0])]
     return args
+
+
+MARK = "MARK"  # the folder a doctored config asks os.mkdir to make
+DOCTORED_MODEL = {"name": "custom", "arch": "custom", "_target_": "os.mkdir", "kwargs": {}}
+
+
+def doctored_manifest(tmp: Path, run: Path) -> list[str]:
+    """A checkpoint whose manifest (which has no checksum of its own) names code to run."""
+    newest = ck.latest(run)
+    manifest = json.loads((newest / ck.MANIFEST).read_text())
+    manifest["config"]["model"] = {**DOCTORED_MODEL, "kwargs": {"path": str(tmp / MARK)}}
+    (newest / ck.MANIFEST).write_text(json.dumps(manifest))
+    return ["resume", str(run)]
+
+
+def doctored_config(tmp: Path, run: Path) -> list[str]:
+    """A run folder whose config.yaml names code: a resume takes its config from the checkpoint,
+    and reads config.yaml for nothing but the run's id."""
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"] = {**DOCTORED_MODEL, "kwargs": {"path": str(tmp / MARK)}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    return ["resume", str(run), "train.steps=21"]
+
+
+def copied_into_another_run(tmp: Path, run: Path) -> list[str]:
+    """A checkpoint copied into the checkpoints of a run it is not from."""
+    other = tmp / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["run"]["id"] = "another-run"
+    (other / "config.yaml").write_text(yaml.safe_dump(config))
+    shutil.copytree(ck.latest(run), other / "checkpoints" / "step_20")
+    return ["resume", str(other)]
 
 
 def flipped_bytes(tmp: Path, run: Path) -> list[str]:
@@ -176,6 +212,10 @@ ROWS = [
     Row("manifest without its config", manifest_changed(lambda m: m.pop("config")), 2,
         "lacks 'config'"),
     Row("shard bytes flipped", flipped_bytes, 2, "checksum mismatch"),
+    Row("manifest doctored to run code", doctored_manifest, 2, "model._target_: ", absent=MARK),
+    Row("config.yaml doctored to run code", doctored_config, 0, "resuming", absent=MARK),
+    Row("checkpoint copied into another run", copied_into_another_run, 2,
+        "run.dir: ", absent="other/checkpoints/step_20-resumed"),
     Row("weights saved as integers",
         shard_changed(lambda s: first_weight(s, lambda t: t.to(torch.int64))), 2,
         "is torch.int64, the model's is torch.float32"),
@@ -264,18 +304,71 @@ def test_hostile_input(row: Row, tmp_path, run_copy):
         code, err = out.returncode, out.stderr
     assert code == row.code, err
     assert row.message in err, err
+    assert not row.absent or not (tmp_path / row.absent).exists()
     assert "Traceback" not in err, err
     if row.code == 2:
         assert [line for line in err.splitlines() if line.startswith("sdpipe: error:")] == \
             [err.splitlines()[-1]], err
     for folder in (tmp_path / "new", run_copy):
         assert not kill_leftovers(folder) and not run_processes(folder)
-    # nothing already written is lost or overwritten (logs and metrics may grow)
+    # nothing already written is lost or overwritten (logs and metrics may grow; a run that goes
+    # on, exit 0, writes its summary anew)
     changed = [p for p, data in before.items()
-               if not p.exists() or not p.read_bytes().startswith(data)]
+               if (not p.exists() or not p.read_bytes().startswith(data))
+               and not (row.code == 0 and p.name == "summary.json")]
     assert not changed, changed
 
 
 def test_the_table_holds_at_least_thirty_rows_of_each_kind_of_hostility():
     kinds = {"store": [r for r in ROWS if r.inject], "signal": [r for r in ROWS if r.signal_at]}
     assert len(ROWS) >= 30 and len(kinds["store"]) >= 4 and kinds["signal"]
+
+
+def test_a_checkpoint_copied_out_of_its_run_resumes_in_a_new_folder_beside_it(tmp_path, run_copy):
+    """``cp -a RUN/checkpoints/step_20 home/backups/my_ckpt``: the resume must not take ``home/``
+    for the run (it would write its summary, metrics, logs and config there)."""
+    home = tmp_path / "home"
+    (home / "backups").mkdir(parents=True)
+    (home / "summary.json").write_text('{"mine": true}')
+    shutil.copytree(ck.latest(run_copy), home / "backups" / "my_ckpt")
+    out = sdpipe("resume", str(home / "backups" / "my_ckpt"), "train.steps=22")
+    assert out.returncode == 0, out.stderr
+    assert "lies outside its run" in out.stderr
+    assert sorted(p.name for p in home.iterdir()) == ["backups", "summary.json"]
+    assert (home / "summary.json").read_text() == '{"mine": true}'
+    resumed = home / "backups" / "my_ckpt-resumed"
+    assert {d["steps"] for d in metrics(resumed, "done")} == {22}
+    assert (resumed / "summary.json").is_file()
+    own = yaml.safe_load((resumed / "config.yaml").read_text())["run"]["id"]
+    original = yaml.safe_load((run_copy / "config.yaml").read_text())["run"]["id"]
+    assert own and original and own != original  # a run of its own
+
+
+def test_two_resumes_of_one_run_started_together_one_runs_the_other_is_refused(tmp_path, run_copy):
+    """Both ask for a long run; the one that takes the run's lock trains, the other exits 2 naming
+    it at once; the run's metrics then hold one timeline."""
+    before, trained = len(metrics(run_copy)), len(metrics(run_copy, "train"))
+    procs = [sdpipe_popen("resume", str(run_copy), "train.steps=100000", f"train.lr={lr}")
+             for lr in (0.003, 0.02)]
+    try:
+        deadline = time.monotonic() + 120
+        while all(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "neither resume was refused"
+            time.sleep(0.2)
+        refused = next(p for p in procs if p.poll() is not None)
+        runner = next(p for p in procs if p is not refused)
+        code, err, _ = finish(refused, timeout=30)
+        assert code == 2, err
+        assert f"is in use by another launcher: pid {runner.pid}" in one_error_line(err, str(run_copy))
+        wait_for(training_lines(run_copy, trained + 4), runner, what="the other resume training")
+        runner.send_signal(signal.SIGINT)
+        code, err, _ = finish(runner, timeout=90)
+        assert code == 130, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert not kill_leftovers(run_copy) and not run_processes(run_copy)
+    resumes = [line for line in metrics(run_copy)[before:] if line["kind"] == "resume"]
+    assert len(resumes) == 1  # one leg appended
+    assert not (run_copy / "run.lock").exists()

@@ -17,6 +17,7 @@ from rich.console import Console
 from sdpipe_cli.cli import resuming
 from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.model import checkpoint
+from sdpipe_cli.runtime import run_lock
 from tests.helpers import losses, metrics, run_processes, sdpipe
 
 pytestmark = pytest.mark.multiprocess
@@ -52,12 +53,14 @@ def test_resharding_there_and_back_gives_back_every_tensor(allreduce_run, tmp_pa
     source = copy / "checkpoints" / "step_10"
     partition = json.loads((source / "manifest.json").read_text())["partition"]
     quiet = Console(file=io.StringIO())
-    wide = resuming.prepare(str(source), ["cluster.pipelines=4", "pipeline.stages=3"], quiet)
+    holder = run_lock.Holder()
+    wide = resuming.prepare(str(source), ["cluster.pipelines=4", "pipeline.stages=3"], quiet, holder)
     assert wide.checkpoint.parent == copy / "resharded"
     assert checkpoint.verify_run(wide.checkpoint)["steps"] == {str(q): 5 for q in range(4)}
     assert wide.cfg.train.steps == 10 and wide.done == 20  # 2 x 20 iterations = 4 x 10
     back = resuming.prepare(str(wide.checkpoint), [
-        "cluster.pipelines=2", "pipeline.stages=2", f"pipeline.partition={partition}"], quiet)
+        "cluster.pipelines=2", "pipeline.stages=2", f"pipeline.partition={partition}"], quiet, holder)
+    holder.release_all()
     assert back.cfg.train.steps == 20 and back.done == 20
     original, returned = shards(source), shards(back.checkpoint)
     assert original.keys() == returned.keys()

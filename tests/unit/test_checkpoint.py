@@ -423,3 +423,17 @@ def test_a_save_that_cannot_be_written_names_the_file_and_the_last_complete_chec
     assert ck.latest(tmp_path) == ck.final_dir(tmp_path, 10)
     assert ck.discard_staging(tmp_path) == [blocked]
     assert sorted(p.name for p in ck.checkpoints_dir(tmp_path).iterdir()) == ["step_10"]
+
+
+def test_a_checkpoint_is_its_runs_own_only_in_place_and_with_the_runs_id(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    (run / "config.yaml").write_text("run:\n  id: abc\n")
+    mine = {"config": {"run": {"id": "abc"}}}
+    assert ck.home_of(run / "checkpoints" / "step_4", mine) == run
+    assert ck.home_of(run / "resharded" / "step_4-P2xS2-1_2", mine) == run
+    assert ck.home_of(run / "checkpoints" / "step_4", {"config": {"run": {"id": "xyz"}}}) is None
+    assert ck.home_of(tmp_path / "backups" / "step_4", mine) is None  # copied out of its run
+    assert ck.home_of(tmp_path / "elsewhere" / "checkpoints" / "step_4", mine) is None  # no run
+    legacy = {"config": {"run": {}}}  # written before runs had ids: its place alone says
+    assert ck.home_of(run / "checkpoints" / "step_4", legacy) == run

@@ -1,0 +1,133 @@
+"""One launcher at a time in a run folder: ``<run>/run.lock``.
+
+Two launchers writing one run folder (two ``sdpipe resume`` of one run, a resume of a run still
+training) interleave two timelines in ``metrics.jsonl`` and finalize and prune each other's
+checkpoints. So a launcher holds the run's lock from before it writes anything there until its
+last leg has ended, and a second one is refused with the owner's name.
+
+The lock is the kernel's (``flock`` on the file, exclusive, non-blocking): it is released when
+its holder exits, however it exits, so a pid that was reused can never keep a run locked. The
+file also says who holds it (pid, host, command, since when) for the refusal, and is removed on
+release. A file left with an owner in it means that owner did not release it: on this host the
+kernel says it is gone, and the lock is taken over with a warning; an owner on another host
+(a shared file system whose locks do not cross machines) cannot be checked from here, so the
+run is refused with the owner named, and removing the file (once that launcher is surely gone)
+takes the lock over.
+
+Within one process the lock is re-entrant by folder (:class:`Holder`): ``sdpipe resume`` takes
+it before its checks and the run loop again once the launch has the folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from sdpipe_cli.core.errors import BadInput
+
+__all__ = ["LOCK", "Holder", "RunInUse"]
+
+LOCK = "run.lock"
+
+
+class RunInUse(BadInput):
+    """The run folder is held by another launcher."""
+
+
+_held: dict[Path, tuple[int, int]] = {}  # this process's locks: folder -> (fd, holders)
+
+
+def _owner_text() -> str:
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "command": " ".join(["sdpipe", *sys.argv[1:]])[:300],
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def _describe(text: str) -> tuple[str, Optional[str]]:
+    """(who, host) from a lock file's text."""
+    try:
+        owner = json.loads(text)
+        return (f"pid {owner['pid']} on {owner['host']} since {owner['since']} "
+                f"({owner['command']})", str(owner["host"]))
+    except (ValueError, KeyError, TypeError):
+        return "an unknown owner", None
+
+
+def _take(folder: Path, warn: Callable[[str], None]) -> int:
+    path = folder / LOCK
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise BadInput(str(path), f"cannot be made: {err.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            os.close(fd)
+            raise RunInUse(str(folder), f"is in use by another launcher: {_describe(text)[0]}; "
+                           "wait for it to end, or resume into a new folder with run.dir=NEW") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # its holder removed it between our open and our lock: try again
+            os.close(fd)
+            continue
+        left = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        if left:
+            who, host = _describe(left)
+            if host is not None and host != socket.gethostname():
+                os.close(fd)
+                raise RunInUse(str(path), f"names {who}, on another host, which this one cannot "
+                               "check; if that launcher is gone, remove the file and run again")
+            warn(f"sdpipe: warning: {path}: its owner, {who}, ended without releasing it; "
+                 "taken over")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _owner_text().encode("utf-8"), 0)
+        os.fsync(fd)
+        return fd
+
+
+class Holder:
+    """The run locks one command holds; each :meth:`take` is undone by :meth:`release_all`."""
+
+    def __init__(self, warn: Callable[[str], None] = lambda line: print(line, file=sys.stderr)):
+        self.warn = warn
+        self.folders: list[Path] = []
+
+    def take(self, folder: Path) -> None:
+        """Hold ``folder``'s lock (again, if this process holds it already); :class:`RunInUse`
+        when another launcher does."""
+        key = Path(folder).resolve()
+        fd, count = _held.get(key, (-1, 0))
+        if count == 0:
+            fd = _take(key, self.warn)
+        _held[key] = (fd, count + 1)
+        self.folders.append(key)
+
+    def release_all(self) -> None:
+        while self.folders:
+            key = self.folders.pop()
+            fd, count = _held.pop(key)
+            if count > 1:
+                _held[key] = (fd, count - 1)
+                continue
+            try:  # before unlocking, so that a waiter finds a new file; only if it is still ours
+                if os.stat(key / LOCK).st_ino == os.fstat(fd).st_ino:
+                    (key / LOCK).unlink()
+            except OSError:
+                pass
+            os.close(fd)
+
+    def __enter__(self) -> "Holder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release_all()

@@ -1,0 +1,116 @@
+"""The code a saved config names runs only under this user's seal (sdpipe_cli.config.trust)."""
+
+from __future__ import annotations
+
+import copy
+import stat
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdpipe_cli.config import trust
+from sdpipe_cli.config.schema import ConfigError
+
+BUILT_IN = {"model": {"name": "mlp", "arch": "mlp", "_target_": None, "kwargs": {},
+                      "loss": "cross_entropy"},
+            "data": {"name": "synthetic", "_target_": None, "kwargs": {}}, "run": {}}
+CUSTOM = {"model": {"name": "custom", "arch": "custom", "_target_": "mynets.build",
+                    "kwargs": {"width": 64}, "loss": {"_target_": "mylosses.focal", "gamma": 2}},
+          "data": {"name": "custom", "_target_": "mydata.build", "kwargs": {"n": 10}}, "run": {}}
+
+
+@pytest.fixture
+def key(tmp_path, monkeypatch):
+    path = tmp_path / "conf" / "sdpipe" / "trust.key"
+    monkeypatch.setenv(trust.KEY_ENV, str(path))
+    return path
+
+
+def sealed(cfg: dict) -> dict:
+    cfg = copy.deepcopy(cfg)
+    cfg["run"]["code_seal"] = trust.seal(cfg)
+    return cfg
+
+
+def test_a_config_of_built_ins_names_no_code_and_needs_no_seal(key):
+    assert trust.code_named(BUILT_IN) == {}
+    assert trust.seal(BUILT_IN) is None and not key.exists()  # no key made for nothing
+    trust.check(BUILT_IN, "manifest.json")
+
+
+def test_every_key_that_names_code_is_named_with_its_arguments():
+    assert trust.code_named(CUSTOM) == {
+        "model._target_": "mynets.build", "model.kwargs": {"width": 64},
+        "model.loss": {"_target_": "mylosses.focal", "gamma": 2},
+        "data._target_": "mydata.build", "data.kwargs": {"n": 10}}
+    # a _target_ on a built-in model is still code it would be asked to import
+    assert "model._target_" in trust.code_named({"model": {"arch": "mlp", "_target_": "os.mkdir"}})
+
+
+def test_the_key_is_made_once_readable_by_its_owner_only(key):
+    first = sealed(CUSTOM)["run"]["code_seal"]
+    assert key.is_file() and stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert sealed(CUSTOM)["run"]["code_seal"] == first  # the same key: the same seal
+
+
+def test_a_sealed_config_passes_and_a_doctored_one_is_refused_naming_its_key(key):
+    good = sealed(CUSTOM)
+    trust.check(good, "m.json")
+    bad = copy.deepcopy(good)
+    bad["model"]["_target_"] = "os.mkdir"
+    with pytest.raises(ConfigError) as refused:
+        trust.check(bad, "m.json")
+    assert refused.value.key == "model._target_" and "m.json" in str(refused.value)
+    assert "--trust-code" in str(refused.value)
+    trust.check(bad, "m.json", trusted=True)  # the user said so
+
+
+def test_a_seal_made_with_another_key_or_none_at_all_is_refused(key, tmp_path, monkeypatch):
+    theirs = sealed(CUSTOM)
+    monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "mine.key"))
+    with pytest.raises(ConfigError):
+        trust.check(theirs, "m.json")  # no key of mine yet
+    trust.seal(BUILT_IN | {"model": CUSTOM["model"]})  # makes my key
+    with pytest.raises(ConfigError):
+        trust.check(theirs, "m.json")
+    unsealed = copy.deepcopy(CUSTOM)
+    with pytest.raises(ConfigError):
+        trust.check(unsealed, "m.json")
+
+
+def test_a_home_that_cannot_hold_a_key_seals_nothing(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(trust.KEY_ENV, str(blocker / "trust.key"))
+    assert trust.seal(CUSTOM) is None
+    with pytest.raises(ConfigError):
+        trust.check(CUSTOM, "m.json")
+
+
+def test_the_default_key_lives_in_the_users_config_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv(trust.KEY_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert trust.key_path() == tmp_path / "sdpipe" / "trust.key"
+
+
+_values = st.one_of(st.none(), st.integers(), st.text(max_size=8),
+                    st.lists(st.integers(), max_size=3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(where=st.sampled_from(["model._target_", "model.kwargs", "model.loss", "data._target_",
+                              "data.kwargs"]),
+       value=st.one_of(st.text(min_size=1, max_size=12), st.dictionaries(
+           st.text(min_size=1, max_size=4), _values, min_size=1, max_size=3)))
+def test_any_change_to_the_code_or_its_arguments_breaks_the_seal(where, value, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(trust.KEY_ENV, str(tmp_path_factory.getbasetemp() / "property.key"))
+        good = sealed(CUSTOM)
+        section, name = where.split(".")
+        changed = copy.deepcopy(good)
+        changed[section][name] = value
+        if trust.code_named(changed) == trust.code_named(good):
+            return  # the same code, the same arguments
+        with pytest.raises(ConfigError):
+            trust.check(changed, "m.json")
