@@ -79,7 +79,7 @@ def check_memory(cfg: DictConfig) -> None:
     if not cfg.run.memory_check:
         return
     run = RunPlan.of(cfg)
-    stages = memory.estimate(cfg, sources.example(cfg, run.microbatch_size)[0])
+    stages = memory.estimate(cfg, sources.example(cfg, run.microbatch_size, device="meta")[0])
     if stages is None:
         return
     grid, cluster = run.grid, run.cluster
@@ -91,10 +91,14 @@ def check_memory(cfg: DictConfig) -> None:
         need = sum(stages[grid.stage_of(r)].total for r in ranks)
         have = psutil.virtual_memory().available
         if need > have:
-            raise ConfigError("train.batch_size", f"the {len(ranks)} workers on this machine need "
-                              f"about {need / memory.GIB:.1f} GiB (stage {worst.stage}: "
-                              f"{worst.describe()}), but {have / memory.GIB:.1f} GiB is available; "
-                              + fixes)
+            # one worker of each stage fits: there are too many of them here, not too large ones
+            crowded = sum(stage.total for stage in stages) <= have
+            raise ConfigError(
+                "cluster.pipelines" if crowded else "train.batch_size",
+                f"the {len(ranks)} workers on this machine need about {need / memory.GIB:.1f} GiB "
+                f"(stage {worst.stage}: {worst.describe()}), but {have / memory.GIB:.1f} GiB is "
+                "available; " + ("run fewer pipelines (or stages) on this machine "
+                                 "(run.memory_check=false to try anyway)" if crowded else fixes))
         return
     for r in ranks:
         index = cluster.device_of_rank(r).index if cluster.real else r

@@ -184,12 +184,12 @@ def _spec(value: Any, what: str) -> dict[str, Any]:
     return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
 
-def _zeros(spec: dict[str, Any], batch_size: int) -> Any:
+def _zeros(spec: dict[str, Any], batch_size: int, device: str = "cpu") -> Any:
     if "dict" in spec:
-        return {k: _zeros(v, batch_size) for k, v in spec["dict"].items()}
+        return {k: _zeros(v, batch_size, device) for k, v in spec["dict"].items()}
     if "tuple" in spec:
-        return tuple(_zeros(v, batch_size) for v in spec["tuple"])
-    return torch.zeros(batch_size, *spec["shape"], dtype=getattr(torch, spec["dtype"]))
+        return tuple(_zeros(v, batch_size, device) for v in spec["tuple"])
+    return torch.zeros(batch_size, *spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
 
 
 def resolve(cfg: Any) -> dict[str, Any]:
@@ -218,11 +218,13 @@ def fingerprint(cfg: Any) -> str:
                           .encode()).hexdigest()[:16]
 
 
-def example(cfg: Any, batch_size: int) -> tuple[Any, Any]:
+def example(cfg: Any, batch_size: int, device: str = "cpu") -> tuple[Any, Any]:
     """An input and target batch of the run's shapes and dtypes (zeros), from the record: what
-    every stage infers the pipeline's boundaries from without reading data."""
+    every stage infers the pipeline's boundaries from without reading data. On ``device="meta"``
+    it has shapes and no memory: what the launcher's checks use, so that a batch too large to
+    fit is refused by the memory check instead of being allocated first."""
     r = _resolved(cfg)
-    return _zeros(r["input"], batch_size), _zeros(r["target"], batch_size)
+    return _zeros(r["input"], batch_size, device), _zeros(r["target"], batch_size, device)
 
 
 def val_count(cfg: Any) -> int:

@@ -176,8 +176,9 @@ def block_param_counts(model_cfg: DictConfig) -> List[int]:
 def boundaries(cfg: DictConfig, example: Any) -> List[Boundary]:
     """The layout after each block but the last, for an example micro-batch input (of the real
     shapes and dtypes), by a forward on the meta device; a model that reads values on the way
-    (``.item()`` has no meta version) runs once for real, on the CPU, without touching the RNG.
-    ConfigError if a block fails on what the block before it returns."""
+    (``.item()`` has no meta version) runs once for real, on the CPU, without touching the RNG
+    (on zeros of the example's shapes, if it was given on the meta device). ConfigError if a
+    block fails on what the block before it returns."""
     try:
         return _trace(*meta_blocks(cfg.model), map_tensors(
             lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), example))
@@ -187,7 +188,8 @@ def boundaries(cfg: DictConfig, example: Any) -> List[Boundary]:
             blocks, names = build(cfg.model)
             for block in blocks:
                 block.eval()
-            return _trace(blocks, names, example)
+            return _trace(blocks, names, map_tensors(
+                lambda t: torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t, example))
 
 
 def _trace(blocks: Sequence[nn.Module], names: Sequence[str], value: Any) -> List[Boundary]:
@@ -304,7 +306,7 @@ def check(cfg: DictConfig) -> None:
     from sdpipe_cli.core.plan import microbatch_size
 
     p = cfg.pipeline
-    after = boundaries(cfg, sources.example(cfg, microbatch_size(cfg))[0])
+    after = boundaries(cfg, sources.example(cfg, microbatch_size(cfg), device="meta")[0])
     names = block_names(cfg.model)
     for cut in p.partition:  # what a stage sends must carry a gradient back
         if not after[cut - 1].differentiable():

@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -156,6 +158,16 @@ def empty_folder(tmp: Path, run: Path) -> list[str]:
             "model=resnet_cifar", "train.steps=2"]
 
 
+def alias_bomb(tmp: Path, run: Path) -> list[str]:
+    """A cluster file of a few hundred bytes that YAML expands to 10**10 values."""
+    (tmp / "mine" / "cluster").mkdir(parents=True)
+    lines = ["pipelines: 2", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    (tmp / "mine" / "cluster" / "bomb.yaml").write_text("\n".join(lines) + "\nall: *a9\n")
+    return ["train", "--config-dir", str(tmp / "mine"), "cluster=bomb", f"run.dir={tmp / 'new'}",
+            *TINY]
+
+
 # -- forged store values -------------------------------------------------------------------------
 
 
@@ -202,6 +214,23 @@ ROWS = [
         "pipeline.partition"),
     Row("dataset that does not import", train("data=custom", "data._target_=no.such.maker"), 2,
         "data._target_"),
+    Row("slow-down infinite", train("cluster.pipelines=2", "cluster.slowdown=[inf,1]"), 2,
+        "cluster.slowdown[0]: must be a finite number"),
+    Row("compute infinite", train("cluster.compute_ms=inf"), 2, "cluster.compute_ms: must be a finite"),
+    Row("link latency infinite", train("cluster.links.cross_node.latency_ms=inf"), 2,
+        "cluster.links.cross_node.latency_ms: must be a finite"),
+    Row("group timeout infinite", train("sync.group_timeout=inf"), 2, "sync.group_timeout: must be"),
+    Row("run timeout of a microsecond", train("run.timeout=1e-6"), 2, "run.timeout: is 1e-06 s"),
+    Row("run timeout infinite", train("run.timeout=inf"), 2, "run.timeout: must be a finite"),
+    Row("batch past int64", train("train.batch_size=100000000000000000000000"), 2,
+        "train.batch_size: is 100000000000000000000000; at most"),
+    Row("batch of a trillion", train("train.batch_size=1000000000000"), 2,
+        "train.batch_size: the 4 workers on this machine need about"),
+    Row("ten thousand pipelines", train("cluster.pipelines=10000"), 2,
+        "cluster.pipelines: the 20000 workers on this machine need"),
+    Row("home folder unquoted", train("data=text", "data.path=~/corpus"), 2,
+        "data.path: Hydra's override grammar does not take '~'"),
+    Row("alias bomb in a config folder", alias_bomb, 2, "expands to more than 100,000 values"),
     Row("image folder without images", empty_folder, 2, "data.path"),
     # files
     Row("resume of nothing", lambda tmp, run: ["resume", str(tmp / "absent")], 2, "does not exist"),
@@ -372,3 +401,25 @@ def test_two_resumes_of_one_run_started_together_one_runs_the_other_is_refused(t
     resumes = [line for line in metrics(run_copy)[before:] if line["kind"] == "resume"]
     assert len(resumes) == 1  # one leg appended
     assert not (run_copy / "run.lock").exists()
+
+
+MEASURED = """
+import resource, subprocess, sys
+done = subprocess.run([sys.executable, "-m", "sdpipe_cli", *sys.argv[1:]], capture_output=True,
+                      text=True, timeout=120)
+sys.stderr.write(done.stderr)
+print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+def test_a_batch_too_large_is_refused_on_shapes_before_any_is_allocated(tmp_path):
+    """train.batch_size=1e8: the memory check runs on meta tensors, so the launcher refuses it
+    with the estimate in one line and never holds the batch (a real one: 3.2 GB per example)."""
+    done = subprocess.run([sys.executable, "-c", MEASURED, "train", f"run.dir={tmp_path / 'new'}",
+                           "model=mlp", "data=synthetic", "train.batch_size=100000000"],
+                          capture_output=True, text=True, timeout=180)
+    code, peak_kib = map(int, done.stdout.split())
+    line = one_error_line(done.stderr, "train.batch_size")
+    assert code == 2 and "GiB" in line and "available" in line
+    assert peak_kib < 1024 * 1024, f"the launcher peaked at {peak_kib / 1024:.0f} MiB"
+    assert not (tmp_path / "new").exists()
