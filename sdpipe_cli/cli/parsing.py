@@ -37,6 +37,7 @@ from sdpipe_cli.cli import commands, display, resuming, sweeping
 from sdpipe_cli.cli.interrupts import exit_on_interrupt
 from sdpipe_cli.cli.run_loop import InterruptedAfterRun
 from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.composition import group_options
 from sdpipe_cli.config.schema import ConfigError
 
@@ -169,6 +170,7 @@ def _searchpath(dirs: Sequence[str]) -> list[str]:
         path = Path(d).expanduser().resolve()
         if not path.is_dir():
             raise ConfigError("--config-dir", f"{d} is not a folder")
+        yaml_bounds.check_folder(path)  # before Hydra expands an alias bomb
         paths.append(f"file://{path}")
     return [f"hydra.searchpath=[{','.join(paths)}]"]
 

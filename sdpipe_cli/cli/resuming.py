@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
-from sdpipe_cli.config import trust
+from sdpipe_cli.config import trust, yaml_bounds
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError, schema_for
 from sdpipe_cli.config.validation import validate
@@ -200,6 +200,9 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
     cfg = saved.copy()
     if cluster is not None:
         dirs = list(saved.run.config_dirs)
+        for folder in dirs:
+            if Path(folder).is_dir():
+                yaml_bounds.check_folder(Path(folder), "run.config_dirs")
         search = [f"hydra.searchpath=[{','.join('file://' + d for d in dirs)}]"] if dirs else []
         cfg.cluster = compose([*search, f"cluster={cluster}"]).cluster
     if _given("pipeline.stages", overrides) and not _given("pipeline.partition", overrides):

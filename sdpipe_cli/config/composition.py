@@ -159,6 +159,11 @@ def _as_config_error(err: Exception) -> ConfigError:
     if "Error parsing override" in text or "LexerNoViableAlt" in text:
         arg = re.search(r"override '([^']*)'", text) or re.search(r"Exception: (\S+)", text)
         key = (arg.group(1).split("=", 1)[0] if arg else "overrides").strip()
+        bad = _unquotable(str(err))
+        if bad is not None:
+            char, value = bad
+            return ConfigError(key, f"Hydra's override grammar does not take {char!r} in a value "
+                                    f"unquoted: quote the value, '{key}=\"{value}\"'")
         return ConfigError(key, f"an override is KEY=VALUE in one word: write {key}=VALUE "
                                 f"(not '{key} VALUE'), and quote a value with spaces")
     missing = re.search(r"Could not find '(\w+)/([^']*)'", str(err))
@@ -168,6 +173,19 @@ def _as_config_error(err: Exception) -> ConfigError:
         return ConfigError(group, f"no option '{option}' in config group '{group}' (choices: {choices})")
     match = re.search(r"'([A-Za-z_][\w.]*)'", str(err))
     return ConfigError(match.group(1) if match else "overrides", text)
+
+
+def _unquotable(message: str) -> tuple[str, str] | None:
+    """The character of an override's value that Hydra's lexer stopped at (its message shows the
+    override, then a caret under that character) and the value, or None if it stopped in the key."""
+    lines = message.split("\n")
+    head = re.match(r"(.*?Exception: )(\S+)", lines[0])
+    if head is None or len(lines) < 2 or "^" not in lines[1]:
+        return None
+    override, at = head.group(2), lines[1].index("^") - len(head.group(1))
+    if "=" not in override or not override.index("=") < at < len(override):
+        return None
+    return override[at], override.split("=", 1)[1]
 
 
 def _causes(err: BaseException) -> list[BaseException]:

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS, DEVICES,
                                       EMULATIONS, HF_ARCHS, IMAGE_DATASETS, LR_SCHEDULES,
@@ -26,6 +26,10 @@ from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS
                                       ConfigError, emulation, n_blocks, num_classes, objective)
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
+
+
+MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
+MAX_BATCH = 2**40  # train.batch_size: beyond it, a batch's element count overflows int64 tensors
 
 
 def need(ok: bool, key: str, reason: str) -> None:
@@ -38,6 +42,7 @@ def validate(cfg: DictConfig) -> None:
     """Cross-field checks that types alone cannot express, section by section (the first bad
     setting found is the one reported). Raises :class:`ConfigError`."""
     m, d = cfg.model, cfg.data
+    _validate_finite(OmegaConf.to_container(cfg, resolve=False), "")
     need(m.arch in ARCHS, "model.arch", f"is '{m.arch}'; choose one of {', '.join(ARCHS)}")
     need(d.name in DATASETS, "data.name", f"is '{d.name}'; choose one of {', '.join(DATASETS)}")
     _validate_model(cfg)
@@ -50,6 +55,26 @@ def validate(cfg: DictConfig) -> None:
     _validate_fault(cfg)
     _validate_run(cfg)
     _validate_cluster(cfg)
+
+
+# what the launcher writes (data.resolved, plan) and the arguments of a user's own code
+_NOT_SETTINGS = {"data.resolved", "plan", "model.kwargs", "data.kwargs", "model.loss", "hydra"}
+
+
+def _validate_finite(node: Any, path: str) -> None:
+    """Every number a setting holds is finite: no setting means anything at inf or nan, and
+    downstream each would fail far from its key (a timeout overflowing in a worker, a link cost
+    of inf blamed on the host, a slow-down factor in the simulator)."""
+    if path in _NOT_SETTINGS:
+        return
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _validate_finite(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _validate_finite(value, f"{path}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(path, f"must be a finite number, got {node}")
 
 
 def _validate_data(cfg: DictConfig) -> None:
@@ -128,6 +153,8 @@ def _validate_train(cfg: DictConfig) -> None:
     p, t = cfg.pipeline, cfg.train
     need(t.steps >= 1, "train.steps", "must be at least 1")
     need(t.batch_size >= 1, "train.batch_size", "must be at least 1")
+    need(t.batch_size <= MAX_BATCH, "train.batch_size", f"is {t.batch_size}; at most {MAX_BATCH:,} "
+         "samples an iteration (2**40) fit any machine's tensors")
     need(t.batch_size % p.microbatches == 0, "train.batch_size",
          f"{t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}")
     for key in ("lr", "momentum", "weight_decay", "grad_clip", "loss_scale", "final_lr", "decay_factor"):
@@ -174,8 +201,11 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
 def _validate_run(cfg: DictConfig) -> None:
     """``run`` and ``metrics``: port, timeouts, tracing, TensorBoard."""
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
-    need(cfg.run.timeout > 0, "run.timeout", "must be positive seconds")
-    need(cfg.run.heartbeat_timeout > 0, "run.heartbeat_timeout", "must be positive seconds")
+    need(cfg.run.timeout >= MIN_TIMEOUT_S, "run.timeout", f"is {cfg.run.timeout:g} s; give every "
+         f"rendezvous and collective at least {MIN_TIMEOUT_S:g} s (the store's first answer alone "
+         "can take that long on a loaded machine)")
+    need(cfg.run.heartbeat_timeout >= MIN_TIMEOUT_S, "run.heartbeat_timeout",
+         f"must be at least {MIN_TIMEOUT_S:g} s")
     need(cfg.run.trace_events > 0, "run.trace_events", "must be at least 1")
     need(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "metrics.tensorboard", "needs the tensorboard package: pip install tensorboard")
