@@ -506,7 +506,9 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
     by_name = {c.name: c for c in children}
     error_times: dict[str, Optional[float]] = {}
     scheduler_restarts = 0
+    pauses = Pauses()
     while True:
+        pauses.tick()
         seen = _observe(children, run_dir, events, phase, since, error_times, tolerate,
                         restarts.used if restarts else None)
         action = policy.decide(seen)
@@ -552,7 +554,7 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
         elif isinstance(action, supervision.Finished):
             return None, action.interrupted, False
         elif isinstance(action, supervision.Failed):
-            reason = describe_failure(by_name[action.child], run_dir, since)
+            reason = pauses.explain(describe_failure(by_name[action.child], run_dir, since))
             err = _error_since(run_dir, action.child, max(since, by_name[action.child].since))
             _quietly(lambda: events.compare_set(store.FAILED, "", reason))  # tell other nodes
             return reason, action.interrupted, bool(err and err.get("bad_input"))
@@ -562,6 +564,30 @@ def _supervise(children: list[Child], run_dir: Path, events, on_progress,
         else:
             assert isinstance(action, supervision.FailedElsewhere), action
             return f"another node failed: {action.reason}", action.interrupted, False
+
+
+class Pauses:
+    """The launcher's own stops (Ctrl-Z, SIGSTOP, a suspended machine), seen as gaps between its
+    polls. The store lives in the launcher: while it is stopped no rendezvous or collective is
+    answered, the workers give up after ``run.timeout``, and the first failure then names a
+    worker's gloo error. A failure after a long pause says that the pause came first."""
+
+    LONG_S = 10.0  # a gap between polls this long is no slow poll
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock, self.last, self.longest = clock, None, 0.0
+
+    def tick(self) -> None:
+        now = self.clock()
+        if self.last is not None:
+            self.longest = max(self.longest, now - self.last)
+        self.last = now
+
+    def explain(self, reason: str) -> str:
+        if self.longest < self.LONG_S:
+            return reason
+        return (f"the launcher itself was stopped for {self.longest:.0f} s (Ctrl-Z, SIGSTOP, a "
+                "suspended machine?), and with it the store every process waits on; then: " + reason)
 
 
 def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: float,
@@ -646,7 +672,24 @@ def describe_failure(child: Child, run_dir: Path, since: float = 0.0) -> str:
     lines), and where its log is."""
     err = _error_since(run_dir, child.name, max(since, child.since))
     detail = err["message"] if err else _tail(child.log_path, 5, child.log_start)
+    full = _disk_full(run_dir)
+    if full and not err:  # it could write neither its error file nor its log: say why
+        detail = f"{full} ({detail})"
     return f"{child.role} {supervision.ending(child.proc.returncode)}: {detail} (log: {child.log_path})"
+
+
+FULL_BYTES = 1 << 20  # a disk with less free than this cannot take a log line or a metrics record
+
+
+def _disk_full(run_dir: Path) -> str:
+    """What to say when the run folder's file system is full ('' when it is not): a child that
+    fails there usually fails writing, and can record nothing."""
+    try:
+        usage = shutil.disk_usage(run_dir)
+    except OSError:
+        return ""
+    return (f"the disk holding {run_dir} is full ({usage.free:,} bytes free): free space and "
+            "resume from the latest checkpoint") if usage.free < FULL_BYTES else ""
 
 
 def _tail(path: Path, lines: int, start: int = 0) -> str:

@@ -250,6 +250,13 @@ class TokenWindows(torch.utils.data.Dataset):
         shard = bisect_right(self._ends, i)
         start = (i - (self._ends[shard - 1] if shard else 0)) * self.seq_len
         window = self.shards[shard][start:start + self.seq_len + 1].to(torch.int64)
+        if len(window) and not 0 <= int(window.min()) <= int(window.max()) < self.vocab_size:
+            # what the manifest's checksums would have caught (data.verify=false, or a manifest
+            # whose vocabulary was changed): an embedding would fail far from the data's name
+            bad = int(window.max()) if int(window.max()) >= self.vocab_size else int(window.min())
+            raise DataError(KEY, f"shard {shard} holds token id {bad}, outside the vocabulary "
+                            f"(0..{self.vocab_size - 1}): the shards do not match their manifest; "
+                            "check them with data.verify=true, or re-run sdpipe prepare")
         if self.objective == "mlm":
             return mask_tokens(window[:-1], self.mask_id, self.vocab_size)
         return window[:-1], window[1:]

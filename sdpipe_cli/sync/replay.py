@@ -60,7 +60,8 @@ def load(path: str | Path, cfg: DictConfig) -> Recorded:
             raise ConfigError(KEY, f"{metrics}:{number}: the recorded run has a {kind} line; only "
                                    "a run without losses, restarts or resumes can be replayed")
         if kind == "group":
-            _add(decisions, line, f"{metrics}:{number}")
+            _add(decisions, line, f"{metrics}:{number}",
+                 (int(cfg.pipeline.stages), int(cfg.cluster.pipelines)))
     if not decisions:
         raise ConfigError(KEY, f"{metrics} holds no group decisions: not a sdpipe run that trained")
     return decisions
@@ -82,11 +83,19 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
         raise ConfigError(KEY, "replays flushed schedules (1f1b, gpipe) only")
 
 
-def _add(decisions: Recorded, line: dict, where: str) -> None:
+def _add(decisions: Recorded, line: dict, where: str, layout: tuple[int, int]) -> None:
+    """``line``'s decision, for each member's iteration; the layout (S, P) bounds its stage and
+    members, which the scheduler would otherwise index with."""
+    stages, pipelines = layout
     try:
         if "done" not in line:
             raise KeyError("done")
         members = [int(p) for p in line["members"]]
+        if not 0 <= int(line["stage"]) < stages or not all(0 <= p < pipelines for p in members):
+            raise ValueError(f"stage {line['stage']} or members {members} outside the "
+                             f"{pipelines} x {stages} layout")
+        if len(line["iterations"]) != len(members):
+            raise ValueError("one iteration per member")
         group = protocol.Group(members=members, round=int(line["round"]), kind=line["group"],
                                stop=bool(line["stop"]), incarnations=[0] * len(members),
                                done=line["done"], twins=bool(line.get("twins", False)),

@@ -38,20 +38,24 @@ def test_a_replayed_run_repeats_the_recorded_losses_bit_for_bit(tmp_path):
      "was recorded with pipeline.stages=2, this run has 3"),
     ("with fault tolerance", ("sync.replay={recorded}", "fault.on_pipeline_loss=continue"),
      "use fault.on_pipeline_loss=stop"),
+    ("a member past the layout", ("sync.replay={seven}",),
+     "metrics.jsonl:1: not a group decision this sdpipe can replay (ValueError: stage 0 or "
+     "members [7] outside the 3 x 2 layout)"),
 ])
 def test_a_recording_that_cannot_be_replayed_is_one_line(tmp_path, capsys, what, args, message):
-    recorded = tmp_path / "recorded"
-    (recorded).mkdir()
-    (recorded / "config.yaml").write_text(
-        "sync: {name: sdpipe}\ncluster: {pipelines: 3}\n"
-        "pipeline: {stages: 2, schedule: 1f1b, microbatches: 4}\n")
-    (recorded / "metrics.jsonl").write_text(
-        '{"kind": "group", "stage": 0, "round": 1, "group": "group", "members": [0], '
-        '"iterations": [0], "stop": false, "done": 3}\n')
+    recorded, seven = tmp_path / "recorded", tmp_path / "seven"
+    for folder, member in ((recorded, 0), (seven, 7)):
+        folder.mkdir()
+        (folder / "config.yaml").write_text(
+            "sync: {name: sdpipe}\ncluster: {pipelines: 3}\n"
+            "pipeline: {stages: 2, schedule: 1f1b, microbatches: 4}\n")
+        (folder / "metrics.jsonl").write_text(
+            '{"kind": "group", "stage": 0, "round": 1, "group": "group", "members": [%d], '
+            '"iterations": [0], "stop": false, "done": 3}\n' % member)
     empty = tmp_path / "empty"
     empty.mkdir()
     rc = main(["train", f"run.dir={tmp_path / 'new'}", *RUN[:4],
-               *[a.format(tmp=empty, recorded=recorded) for a in args]])
+               *[a.format(tmp=empty, recorded=recorded, seven=seven) for a in args]])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2, (what, lines)
     assert len(lines) == 1 and lines[0].startswith("sdpipe: error: sync.replay") and \

@@ -492,3 +492,18 @@ def test_mask_tokens_uses_the_given_mask_and_vocab():
     assert set(changed.unique().tolist()) <= set(range(7)) | {9}
     assert inputs.dtype == targets.dtype == torch.int64
     assert set(targets.unique().tolist()) == {-100, 5}
+
+
+def test_a_token_outside_the_vocabulary_is_bad_data_not_an_index_error():
+    """With data.verify=false nothing compares the shards with their manifest: a window holding an
+    id past the vocabulary names the data instead of failing in an embedding."""
+    from sdpipe_cli.data.tokens import TokenWindows
+    from sdpipe_cli.runtime.errors import DataError
+
+    shard = torch.arange(20, dtype=torch.int32) % 250
+    shard[13] = 300
+    windows = TokenWindows([shard], seq_len=4, vocab_size=256)
+    assert windows[0][0].tolist() == [0, 1, 2, 3]
+    with pytest.raises(DataError) as bad:
+        windows[3]  # tokens 12..16: holds 300
+    assert bad.value.key == "data.path" and "token id 300" in str(bad.value)
