@@ -175,7 +175,10 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(str(out), f"cannot be made a folder for the figures: {err.strerror or err}") from None
     names = labels(runs)
     for run, name in zip(runs, names):
         run.label = name
@@ -185,8 +188,12 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
 
     def save(fig, name: str) -> None:
         path = out / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=110)
+        except OSError as err:
+            raise ConfigError(str(path), f"cannot be written: {err.strerror or err}") from None
+        finally:
+            plt.close(fig)
         written.append(path)
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
@@ -211,7 +218,7 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
         for run in classified:
             vt, vn, _ = validation(run)
-            acc = [100 * m.get("val_accuracy", float("nan"))
+            acc = [100 * m["val_accuracy"] if m.get("val_accuracy") is not None else float("nan")
                    for m in sorted(run.kind("eval"), key=lambda m: m["time"])]
             axes[0].plot(vt, acc, "o-", label=run.label)
             axes[1].plot(vn, acc, "o-", label=run.label)
@@ -243,8 +250,9 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
                 axes[0].plot([g["time"] for g in gs], [g["size"] for g in gs], ".", alpha=0.5,
                              label=f"{run.label} stage {stage}")
             sizes = [g["size"] for g in run.kind("group")]
-            axes[1].hist(sizes, bins=range(1, max(sizes) + 2), alpha=0.5, align="left",
-                         label=run.label)
+            # a bar per size; a size no run has (below 1, past any cluster) gets automatic bins
+            bins = range(1, max(sizes) + 2) if 1 <= min(sizes) <= max(sizes) <= 4096 else "auto"
+            axes[1].hist(sizes, bins=bins, alpha=0.5, align="left", label=run.label)
         axes[0].set(xlabel="seconds", ylabel="group size", title="group size per stage")
         axes[1].set(xlabel="group size", ylabel="rounds", title="group sizes")
         for ax in axes:
@@ -289,4 +297,15 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
 
 
 def default_out(runs: Sequence[Run], out: Optional[str]) -> Path:
-    return Path(out) if out else runs[0].path / "report"
+    """Where the figures go: ``--out``, or the first run's ``report/``; ConfigError (naming
+    ``--out`` when given) if that or a folder above it is not a folder, before anything is written."""
+    path = Path(out) if out else runs[0].path / "report"
+    key = "--out" if out else str(path)
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            break
+        if folder.exists() or folder.is_symlink():
+            what = "is" if folder == path else f"is under {folder}, which is"
+            raise ConfigError(key, f"{f'{path} ' if out else ''}{what} not a folder; give a folder "
+                                   "for the figures with --out (nothing was written)")
+    return path

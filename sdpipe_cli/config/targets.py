@@ -8,6 +8,7 @@ looked up. A name that does not import is bad input: one line naming the key.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import Any
@@ -19,18 +20,38 @@ __all__ = ["import_callable"]
 
 def import_callable(target: Any, key: str) -> Any:
     """The callable ``target`` names; :class:`ConfigError` on ``key`` when it cannot be had."""
-    from hydra.utils import get_object
-
     if not target or not isinstance(target, str):
         raise ConfigError(key, "name an importable callable, e.g. mypkg.module.build")
     for folder in [*os.environ.get("PYTHONPATH", "").split(os.pathsep), os.getcwd()]:
         if folder and folder not in sys.path:
             sys.path.append(folder)
     try:
-        obj = get_object(target)
+        obj = _locate(target)
     except Exception as err:  # ImportError, AttributeError, or the module's own failure
         cause = err.__cause__ or err
         raise ConfigError(key, f"cannot import {target!r}: {' '.join(str(cause).split())[:200]}") from None
     if not callable(obj):
         raise ConfigError(key, f"{target!r} is not callable")
+    return obj
+
+
+def _locate(path: str) -> Any:
+    """What the dotted ``path`` names, found as Hydra's ``get_object`` finds it (import the
+    longest module, then attributes), without it: that one logs its failure on stderr, and a
+    bad name would print Hydra's lines besides sdpipe's one."""
+    parts = path.split(".")
+    if not all(parts):
+        raise ImportError("not a dotted path (relative imports are not supported)")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], 1):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            module = ".".join(parts[:i + 1])
+            try:
+                obj = importlib.import_module(module)
+            except ModuleNotFoundError as err:
+                if err.name != module:  # a module found, that failed importing another
+                    raise
+                raise ImportError(f"{'.'.join(parts[:i])!r} has no attribute {part!r}") from None
     return obj

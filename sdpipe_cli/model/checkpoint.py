@@ -268,6 +268,8 @@ def read_manifest(ckpt_dir: os.PathLike | str) -> dict[str, Any]:
         raise CheckpointError(path, f"unreadable: {err}") from err
     except ValueError as err:
         raise CheckpointError(path, f"not valid JSON: {err}") from err
+    except RecursionError:
+        raise CheckpointError(path, "nests too deeply to be a manifest") from None
     if not isinstance(manifest, dict) or "step" not in manifest or not _valid_files(manifest.get("files")):
         raise CheckpointError(path, "lacks 'step' or a valid 'files' table")
     _check_fields(path, manifest)
@@ -284,8 +286,9 @@ _FIELDS = {
     "steps": (lambda v: isinstance(v, dict) and all(
         isinstance(k, str) and k.isdigit() and _count(n) for k, n in v.items()),
         "a table of pipeline -> iterations"),
-    "elapsed": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
-                "seconds"),
+    # finite: a run's clock starts at now less it (NaN and Infinity fail the bounds)
+    "elapsed": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e15,
+                "a finite number of seconds, at least 0"),
     "config": (lambda v: isinstance(v, dict), "the run's config"),
     "stand_ins": (lambda v: isinstance(v, list) and all(_count(q) for q in v), "a list of pipelines"),
 }

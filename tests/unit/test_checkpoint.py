@@ -437,3 +437,9 @@ def test_a_checkpoint_is_its_runs_own_only_in_place_and_with_the_runs_id(tmp_pat
     assert ck.home_of(tmp_path / "elsewhere" / "checkpoints" / "step_4", mine) is None  # no run
     legacy = {"config": {"run": {}}}  # written before runs had ids: its place alone says
     assert ck.home_of(run / "checkpoints" / "step_4", legacy) == run
+
+
+def test_a_manifest_nested_past_the_parser_is_a_checkpoint_error(tmp_path):
+    (tmp_path / ck.MANIFEST).write_text('{"step": 1, "files": {}, "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    with pytest.raises(ck.CheckpointError, match="nests too deeply"):
+        ck.read_manifest(tmp_path)

@@ -5,6 +5,7 @@ Part of :mod:`sdpipe_cli.runtime.analysis` (import from there)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -47,11 +48,15 @@ SCHEMA: dict[str, dict[str, str]] = {
              "stash_copies": "int"},
 }
 # the fields a reader checks (those the figures read) and those a line of its kind must have
-CHECKED = {"train": ("time", "pipeline", "samples", "loss", "wait_s", "comm_s", "sync_s"),
-           "sync": ("wait_s", "comm_s", "sync_s"), "eval": ("time", "val_loss"),
-           "group": ("time", "stage", "round"), "consensus": ("stage", "consensus", "time", "round")}
+CHECKED = {"train": ("time", "pipeline", "samples", "loss", "wait_s", "comm_s", "sync_s", "step_s",
+                     "samples_per_s"),
+           "sync": ("wait_s", "comm_s", "sync_s"), "eval": ("time", "val_loss", "val_accuracy"),
+           "group": ("time", "stage", "round", "size"),
+           "consensus": ("stage", "consensus", "time", "round"), "resume": ("time", "at")}
 REQUIRED = {"train": ("time", "pipeline", "samples"), "eval": ("time", "val_loss"),
-            "group": ("time", "stage", "round"), "consensus": ("stage", "consensus")}
+            "group": ("time", "stage", "round", "size"), "consensus": ("stage", "consensus")}
+_MEANING = {"int": "an integer", "number": "a number", "str": "a string", "bool": "true or false",
+            "list": "a list", "dict": "an object", "any": "a value"}
 _TYPES = {"int": (int,), "number": (int, float), "str": (str,), "bool": (bool,), "list": (list,),
           "dict": (dict,), "any": (object,)}
 
@@ -68,6 +73,8 @@ def conforms(kind: str, name: str, value: Any) -> bool:
     if value is None:
         return spec.endswith("?")
     types = _TYPES[spec.rstrip("?")]
+    if float in types and _unbounded(value):  # NaN, Infinity, past a float: never written
+        return False
     return isinstance(value, types) and (bool in types or not isinstance(value, bool))
 
 
@@ -92,6 +99,11 @@ def read_metrics(path: str | Path, check: bool = True) -> list[Line]:
             line = json.loads(text)
         except ValueError:
             continue
+        except RecursionError:  # nested deeper than any line sdpipe writes
+            if check:
+                raise _bad(f"{path}:{number}", "a metrics line nested too deeply to be one "
+                                               "sdpipe wrote") from None
+            continue
         if check:
             _check(line, f"{path}:{number}")
         lines.append(line)
@@ -102,16 +114,42 @@ def _check(line: Any, where: str) -> None:
     if not isinstance(line, dict):
         raise _bad(where, f"a metrics line is a JSON object, not {type(line).__name__}")
     kind = line.get("kind")
+    if not isinstance(kind, str):
+        if "kind" in line:
+            raise _bad(where, f"'kind' of a metrics line should be a string, not {_show(kind)}")
+        return
     for name in REQUIRED.get(kind, ()):
         if name not in line:
             raise _bad(where, f"a {kind!r} line lacks {name!r}")
     for name in CHECKED.get(kind, ()):
-        if name in line and not conforms(kind, name, line[name]):
-            spec = SCHEMA[kind][name]
+        if name not in line:
+            continue
+        spec = SCHEMA[kind][name]
+        value = line[name]
+        if spec.endswith("?") and isinstance(value, float) and not math.isfinite(value):
+            line[name] = None  # a diverged loss, as strict JSON writes it (older runs wrote NaN)
+        elif not conforms(kind, name, value):
+            meaning = _MEANING[spec.rstrip("?")]
             raise _bad(where, f"{name!r} of a {kind!r} line should be "
-                              f"{'a number' if spec.startswith('number') else 'an integer'}"
-                              f"{' or null' if spec.endswith('?') else ''}, "
-                              f"not {json.dumps(line[name])[:30]}")
+                              f"{'a finite number' if spec.startswith('number') and _unbounded(value) else meaning}"
+                              f"{' or null' if spec.endswith('?') else ''}, not {_show(value)}")
+
+
+def _unbounded(value: Any) -> bool:
+    """A number no figure can hold: NaN, infinite, or an integer beyond a float."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, int) and abs(value) > 2 ** 63
+
+
+def _show(value: Any) -> str:
+    """``value`` in a message: a scalar as JSON (cut short), a container by its kind alone (it may
+    be nested deep, or be long)."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return json.dumps(value)[:30]
 
 
 def of_kind(lines: Iterable[Line], kind: str) -> list[Line]:
