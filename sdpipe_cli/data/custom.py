@@ -13,6 +13,7 @@ have, gives a classifier its number of classes.
 
 from __future__ import annotations
 
+import operator
 import random
 import sys
 from typing import Any, Optional
@@ -29,14 +30,34 @@ from sdpipe_cli.runtime.errors import DataError
 __all__ = ["open_custom"]
 
 KEY = "data._target_"
+# The sampler draws a permutation of every index each epoch (8 bytes a sample, in each process
+# that reads data): past this a data set is a stream, not a map-style Dataset sdpipe can order.
+MAX_SAMPLES = 2**31
+
+
+def _text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
 def _map_style(ds: Any, what: str) -> Dataset:
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         raise DataError(KEY, f"returned {type(ds).__name__} as the {what} set; it must be a map-style "
                         "torch Dataset (with __len__ and __getitem__)")
-    if len(ds) == 0:
-        raise DataError(KEY, f"the {what} set is empty")
+    try:  # the user's __len__, read raw: len() turns a bad value into an opaque error
+        raw = type(ds).__len__(ds)
+    except (Exception, SystemExit) as err:
+        raise DataError(KEY, f"the {what} set's __len__ failed: {_text(err)}") from None
+    try:
+        n = operator.index(raw)
+    except TypeError:
+        raise DataError(KEY, f"the {what} set's __len__ returned {type(raw).__name__} {str(raw)[:50]}; "
+                        "it must return the number of samples, an int") from None
+    if n <= 0:
+        raise DataError(KEY, f"the {what} set is empty" if n == 0 else
+                        f"the {what} set's __len__ returned {n}; it must return the number of samples")
+    if n > MAX_SAMPLES:
+        raise DataError(KEY, f"the {what} set's __len__ returned {n}, more than the {MAX_SAMPLES} "
+                        "(2**31) samples sdpipe can index and shuffle; return a part of it")
     return ds
 
 
@@ -73,8 +94,9 @@ def open_custom(data_cfg: Any, seed: int) -> tuple[Dataset, Dataset, Optional[in
                 sys.modules["numpy"].random.seed(draws % 2**32)
             made = fn(**kwargs)
     except Exception as err:  # the user's code: its failure is their input's
-        raise DataError(KEY, f"{target}({', '.join(kwargs)}) failed: {type(err).__name__}: "
-                        f"{' '.join(str(err).split())[:200]}") from None
+        raise DataError(KEY, f"{target}({', '.join(kwargs)}) failed: {_text(err)}") from None
+    except SystemExit as exit_:  # a user's sys.exit() is not sdpipe's exit (Ctrl-C stays one)
+        raise DataError(KEY, f"{target} called sys.exit({exit_.code!r}) while making the data set") from None
     if isinstance(made, dict):
         train, val = made.get("train"), made.get("val")
     elif isinstance(made, (tuple, list)) and len(made) == 2:

@@ -26,6 +26,7 @@ output does not fit the next one is an error before any process starts.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -88,10 +89,7 @@ def _custom(m: DictConfig) -> Blocks:
     target = m.get("_target_")
     fn = import_callable(target, "model._target_")
     kwargs = OmegaConf.to_container(m.kwargs, resolve=True)
-    try:
-        made = fn(**kwargs)
-    except TypeError as err:
-        raise ConfigError("model.kwargs", f"{target}: {err}") from None
+    made = _call_builder(fn, target, kwargs)
     if hasattr(made, "pipeline_blocks") and callable(made.pipeline_blocks):
         made = made.pipeline_blocks()
     names: Optional[List[str]] = None
@@ -113,6 +111,35 @@ def _custom(m: DictConfig) -> Blocks:
     if len(names) != len(blocks):
         raise ConfigError("model._target_", f"{target} named {len(names)} of {len(blocks)} blocks")
     return blocks, names
+
+
+def _call_builder(fn: Callable[..., Any], target: str, kwargs: Dict[str, Any]) -> Any:
+    """``fn(**kwargs)``: arguments it does not take are ``model.kwargs``'s fault, any other failure
+    of the user's code (``sys.exit()`` included; Ctrl-C stays an interrupt) ``model._target_``'s."""
+    try:
+        signature: Optional[inspect.Signature] = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call tells
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as err:
+            raise ConfigError("model.kwargs", f"{target}: {err}") from None
+    try:
+        return fn(**kwargs)
+    except TypeError as err:
+        if signature is None:
+            raise ConfigError("model.kwargs", f"{target}: {err}") from None
+        raise ConfigError("model._target_", f"{target}({', '.join(kwargs)}) failed: {_text(err)}") from None
+    except Exception as err:  # the user's code: its failure is their input's
+        raise ConfigError("model._target_", f"{target}({', '.join(kwargs)}) failed: {_text(err)}") from None
+    except SystemExit as exit_:
+        raise ConfigError("model._target_", f"{target} called sys.exit({exit_.code!r}) while building "
+                          "the model") from None
+
+
+def _text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
 BUILDERS: Dict[str, Callable[[DictConfig], Blocks]] = {
@@ -269,7 +296,11 @@ def loss_function(model_cfg: DictConfig) -> Callable[[Any, Any], torch.Tensor]:
     kwargs = {k: v for k, v in OmegaConf.to_container(loss, resolve=True).items() if k != "_target_"}
     fn = import_callable(loss.get("_target_"), "model.loss._target_")
     if isinstance(fn, type):
-        return fn(**kwargs)
+        try:
+            return fn(**kwargs)
+        except Exception as err:  # the user's class: its failure is their input's
+            raise ConfigError("model.loss", f"{loss.get('_target_')}({', '.join(kwargs)}) failed: "
+                              f"{type(err).__name__}: {' '.join(str(err).split())[:200]}") from None
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
@@ -299,7 +330,8 @@ def stage_ties(cfg: DictConfig, stage: int) -> List[Tuple[Tuple[int, ...], str]]
 def check(cfg: DictConfig) -> None:
     """What only building the model shows, before any process starts (the launcher checked that
     it builds and has enough blocks for the stages): each block takes what the one before it
-    returns, and its tied weights are possible here. Raises :class:`ConfigError`."""
+    returns, and its tied weights are possible here; the loss can be had. Raises
+    :class:`ConfigError`."""
     from sdpipe_cli.config.schema import ASYNC_SCHEDULES
     from sdpipe_cli.data import sources
 
@@ -321,4 +353,73 @@ def check(cfg: DictConfig) -> None:
     if asynchronous and cfg.train.precision == "fp16":
         raise ConfigError("train.precision", "fp16's skip-or-step decision needs a flushed "
                           "schedule; use bf16 with async_1f1b")
+    check_dtypes(cfg, sources.example(cfg, microbatch_size(cfg), device="meta")[0], after)
+    loss_function(cfg.model)  # a loss that does not import or build: here, not in every worker
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision's compute dtypes
+
+
+def check_dtypes(cfg: DictConfig, example: Any, after: Sequence[Boundary]) -> None:
+    """Each block with weights gets floating tensors it can take: the meta device does not check
+    dtypes (a float64 activation into a float32 Linear runs there and fails in a worker). What a
+    block gets is what the block before it returns, or at a stage's start under
+    ``train.precision=bf16|fp16`` the low precision it crosses in. A floating dtype other than
+    the block's weights' (under autocast: float64 on either side) is tried for real on that block
+    alone, on zeros; ConfigError if it fails there, naming the blocks and the dtypes."""
+    blocks, names = meta_blocks(cfg.model)
+    low = AUTOCAST.get(str(cfg.train.precision))
+    cuts = set(int(c) for c in cfg.pipeline.partition)
+    inputs = [Boundary.of(example, "the input"), *after]
+    for j, block in enumerate(blocks):
+        weights = _weights_dtype(block)
+        traced = inputs[j]
+        got = traced.with_floats(low) if low is not None and j in cuts else traced
+        odd = next((s.dtype for s in got.specs if s.dtype.is_floating_point and weights is not None
+                    and s.dtype != weights and (low is None or torch.float64 in (s.dtype, weights))),
+                   None)
+        if odd is None:
+            continue
+        failure = _try_block(block, got, low)
+        if failure is None:
+            continue
+        if j == 0:
+            what = f"the data's input is {odd}"
+        elif got is not traced and odd == low:
+            what = (f"block {j - 1} ({names[j - 1]}) ends a stage and its output crosses to the next "
+                    f"as {odd} (train.precision={cfg.train.precision})")
+        else:
+            what = f"block {j - 1} ({names[j - 1]}) returns {odd}"
+        raise ConfigError("model._target_" if cfg.model.arch == "custom" else "model",
+                          f"{what}, but block {j} ({names[j]})'s weights are {weights} and it fails on "
+                          f"that: {_text(failure)[:200]}; cast what reaches it to its weights' dtype "
+                          f"(x.to({weights}))")
+
+
+def _weights_dtype(block: nn.Module) -> Optional[torch.dtype]:
+    """The floating dtype of all of ``block``'s parameters (None: none, or several)."""
+    kinds = {p.dtype for p in block.parameters() if p.dtype.is_floating_point}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _try_block(block: nn.Module, layout: Boundary, low: Optional[torch.dtype]) -> Optional[Exception]:
+    """What ``block`` (on the meta device) raises on zeros of ``layout``, run for real on the CPU
+    by a copy with zeroed weights (under autocast to ``low``, if given); None if it runs."""
+    import contextlib
+    import copy
+
+    try:
+        real = copy.deepcopy(block).to_empty(device="cpu").eval()
+    except Exception:  # cannot be tried alone: leave it to the run
+        return None
+    value = layout.unflatten([torch.zeros(s.shape, dtype=s.dtype) for s in layout.specs])
+    cast = torch.autocast("cpu", dtype=low) if low is not None else contextlib.nullcontext()
+    try:
+        with torch.no_grad(), cast:
+            for t in [*real.parameters(), *real.buffers()]:
+                t.zero_()
+            real(value)
+    except Exception as err:  # the user's code fails on that dtype
+        return err
+    return None
 

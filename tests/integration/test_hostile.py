@@ -231,6 +231,12 @@ ROWS = [
     Row("home folder unquoted", train("data=text", "data.path=~/corpus"), 2,
         "data.path: Hydra's override grammar does not take '~'"),
     Row("alias bomb in a config folder", alias_bomb, 2, "expands to more than 100,000 values"),
+    Row("loss that does not import", train("model.loss={_target_: no.such.loss}"), 2,
+        "model.loss._target_: cannot import 'no.such.loss'"),
+    Row("loss class of other arguments", train("model.loss={_target_: torch.nn.CrossEntropyLoss, bogus: 1}"),
+        2, "model.loss: torch.nn.CrossEntropyLoss(bogus) failed: TypeError"),
+    Row("model that does not import", train("model=custom", "model._target_=no.such.build"), 2,
+        "model._target_: cannot import 'no.such.build'"),
     Row("image folder without images", empty_folder, 2, "data.path"),
     # files
     Row("resume of nothing", lambda tmp, run: ["resume", str(tmp / "absent")], 2, "does not exist"),
