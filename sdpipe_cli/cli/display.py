@@ -214,6 +214,14 @@ def summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
         rounds = "; ".join(f"stage {s}: {r}" for s, r in enumerate(result.progress["rounds"]))
         console.print(f"group sync: mean group size {result.progress['mean_group_size']:.2f}; "
                       f"rounds per replica: {rounds}", highlight=False)
+    per_sample, share = (result.progress.get("sync_bytes_per_sample"),
+                         result.progress.get("comm_share"))
+    if per_sample:
+        cross = result.progress.get("cross_node_bytes_per_sample")
+        console.print(f"sync traffic: {_bytes(per_sample)} sent per sample"
+                      + (f" ({_bytes(cross)} between nodes)" if cross else "")
+                      + (f"; {share:.0%} of the workers' time in sync collectives"
+                         if share is not None else ""), highlight=False)
     if result.progress.get("unreadable"):
         bad = result.progress["unreadable"]
         console.print(f"data: {len(bad)} unreadable sample(s) replaced by the next, e.g. {bad[0]} "
@@ -230,3 +238,11 @@ def summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
         console.print(f"recovered: the scheduler was started again "
                       f"{result.progress['scheduler_restarts']} time(s) and replayed its journal "
                       "(scheduler_restart lines in metrics.jsonl)", highlight=False)
+
+
+def _bytes(n: float) -> str:
+    """``n`` bytes in the unit that reads best (decimal: kB, MB, GB)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"

@@ -37,7 +37,11 @@ Workers report what only they know (the loss lives on the last stage of each pip
   its request to having the state), ``transfer_s`` (of which the transfer itself);
 - ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``,
   ``device`` (where it was placed), ``actions``, ``straggled``, ``slowdown_overruns`` (actions whose
-  real compute overran the modelled time) and ``peak_memory_mb``;
+  real compute overran the modelled time), ``peak_memory_mb``, ``wall_s`` (its seconds alive)
+  and ``traffic``: per link class it crossed (``same_node``, ``cross_node``), the bytes its
+  sync sent and received and its seconds in sync collectives (:mod:`sdpipe_cli.sync.traffic`);
+- ``train`` and ``sync`` lines also carry ``sent_bytes``, ``recv_bytes`` and ``links``: the sync
+  traffic of that worker since its previous line;
 - ``restart``, of the whole run (``fault.on_failure=restart``; written by the CLI between two launches, while no
   process of the run is running): ``restart`` (its number), ``time``, ``reason`` (the failure's
   line), ``from_checkpoint`` (its step; null: the run starts again from scratch), ``redone``
@@ -182,8 +186,16 @@ class RunTracker:
             # (over 10 iterations at least: a shorter run says little about its loader), and
             # that stage's mean wait per iteration in seconds
             **self._worst_wait(),
+            **self._traffic(),
             "unreadable": sorted(self.unreadable),
         }
+
+    def _traffic(self) -> dict[str, Any]:
+        """The sync traffic of the workers done so far (their ``done`` events carry it), as
+        :func:`sdpipe_cli.runtime.analysis.sync_traffic` defines it."""
+        from sdpipe_cli.runtime.analysis import sync_traffic
+
+        return sync_traffic(self.done.values(), sum(s.samples for s in self.state.values()))
 
 
 class MetricsLog:

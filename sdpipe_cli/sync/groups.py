@@ -18,6 +18,7 @@ from torch import nn
 
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import Joined, connect_store
+from sdpipe_cli.sync.traffic import Traffic
 
 __all__ = ["GroupCache", "average_parameters", "average_tensors", "flatten", "for_worker",
            "unflatten"]
@@ -41,10 +42,12 @@ class GroupCache:
     """
 
     def __init__(self, store: dist.Store, rank: int, backend: str, timeout: float,
-                 delay: Optional[Callable[[list[int], int], float]] = None):
+                 delay: Optional[Callable[[list[int], int], float]] = None,
+                 traffic: Optional[Traffic] = None):
         self.store, self.rank, self.backend = store, rank, backend
         self.timeout = timedelta(seconds=timeout)
         self.delay = delay  # emulated network: seconds an all-reduce of N bytes over ranks takes
+        self.traffic = traffic or Traffic()  # what this worker's collectives moved, by link
         self._groups: dict[tuple[int, ...], Any] = {}
 
     @staticmethod
@@ -68,21 +71,27 @@ class GroupCache:
     def all_reduce(self, tensor: torch.Tensor, ranks: list[int], op=dist.ReduceOp.SUM,
                    incarnations: Optional[list[int]] = None, tag: str = "") -> None:
         """In-place all-reduce of ``tensor`` over ``ranks`` (this rank must be one of them)."""
+        start, nbytes = time.perf_counter(), tensor.numel() * tensor.element_size()
         if self.delay is not None:
-            time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
+            time.sleep(self.delay(ranks, nbytes))
         options = dist.AllreduceOptions()
         options.reduceOp = op
         self.get(ranks, incarnations, tag).allreduce([tensor], options).wait()
+        self.traffic.all_reduce(ranks, nbytes, time.perf_counter() - start)
 
     def broadcast(self, tensor: torch.Tensor, ranks: list[int], root: int,
                   incarnations: Optional[list[int]] = None, tag: str = "") -> None:
         """In-place broadcast of ``tensor`` from rank ``root`` to the other ``ranks``."""
+        start, nbytes = time.perf_counter(), tensor.numel() * tensor.element_size()
         if self.delay is not None:
-            time.sleep(self.delay(ranks, tensor.numel() * tensor.element_size()))
+            time.sleep(self.delay(ranks, nbytes))
         group_ranks = [r for r, _ in self._key(ranks, incarnations)]
         options = dist.BroadcastOptions()
         options.rootRank = group_ranks.index(root)
         self.get(ranks, incarnations, tag).broadcast([tensor], options).wait()
+        chain = [root] + [r for r in group_ranks if r != root]
+        self.traffic.broadcast(ranks, nbytes, root == self.rank, chain[-1] == self.rank,
+                               time.perf_counter() - start)
 
     def forget(self, ranks: list[int], incarnations: Optional[list[int]] = None) -> None:
         """Drop a communicator that failed (a member died or timed out); it cannot be used again,
@@ -167,4 +176,5 @@ def for_worker(ctx: Joined, timeout: float) -> GroupCache:
     client = connect_store(cfg, timeout) if timeout != cfg.run.timeout else ctx.client
     cluster = ctx.plan.cluster
     return GroupCache(dist.PrefixStore(store.PG_PREFIX, client), ctx.where.rank, ctx.backend,
-                      timeout, delay=cluster.allreduce_s if cluster.links_emulated else None)
+                      timeout, delay=cluster.allreduce_s if cluster.links_emulated else None,
+                      traffic=Traffic(lambda ranks: cluster.slowest_link(ranks).kind))

@@ -45,6 +45,7 @@ from sdpipe_cli.sync.groups import (GroupCache, average_parameters, average_tens
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync.base import Sync
 from sdpipe_cli.sync.diloco import DilocoSync
+from sdpipe_cli.sync.traffic import Traffic
 from sdpipe_cli.model import optim
 
 log = logging.getLogger("sdpipe.sync")
@@ -321,8 +322,9 @@ class PSSync(Sync):
     PUSH, LEAVE = 0, 1
     HEADER_TAG, DATA_TAG = 11, 12  # distinct tags: the server receives headers from any source
 
-    def __init__(self, server: int, device: torch.device):
+    def __init__(self, server: int, device: torch.device, traffic: Optional[Traffic] = None):
         self.server, self.device = server, device
+        self.traffic = traffic or Traffic()
         self.stop = False
         self._stats: dict[str, Any] = {}
 
@@ -346,6 +348,9 @@ class PSSync(Sync):
             vector_to_parameters(weights, params)
         self.stop = bool(reply.item())
         self._stats = {"wait_s": time.perf_counter() - start}
+        nbytes = grads.numel() * grads.element_size()
+        self.traffic.point("server", nbytes + header.numel() * 8, nbytes + reply.numel() * 8,
+                           self._stats["wait_s"])
 
     def stats(self) -> dict[str, Any]:
         return self._stats
@@ -376,7 +381,7 @@ def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: P
         return GroupSync(events, where.rank, p, s, S, P, groups, settings.average, optimizer,
                          incarnation)
     if name == "ps":
-        return PSSync(where.server_rank(), device)
+        return PSSync(where.server_rank(), device, groups.traffic)
     if name == "diloco":
         agree = AllReduceSync(groups, where.replicas(), device) if P > 1 else None
         return DilocoSync(groups, where.replicas(), settings.local_steps, settings.outer_lr,

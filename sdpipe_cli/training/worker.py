@@ -76,6 +76,8 @@ class Worker:
                  resume: str | None = None, incarnation: int = 0, rank_offset: int = 0):
         self.cfg, self.where, self.device, self.events = cfg, where, device, events
         self.incarnation, self.rank_offset = incarnation, rank_offset
+        self._began = time.monotonic()
+        self.traffic = groups.traffic  # what the sync sends, by link class (sync.traffic)
         self.t0 = store.run_clock(events)
         self.cadence = Cadence.from_config(cfg)
         p, s = where.pipeline, where.stage
@@ -322,7 +324,9 @@ class Worker:
         self.emit("done", steps=step, param_digest=param_digest(self.module),
                   device=self.placed.name, slowdown_overruns=self.slowdown.overruns,
                   actions=self.slowdown.actions, straggled=self.slowdown.straggled,
-                  peak_memory_mb=round(self.memory.peak_mb(), 1), **extra)
+                  peak_memory_mb=round(self.memory.peak_mb(), 1),
+                  traffic=self.traffic.summary(), wall_s=round(time.monotonic() - self._began, 4),
+                  **extra)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, ckpt: int, step: int) -> None:
@@ -416,7 +420,7 @@ class Worker:
         self.emit("step", step=step, samples=step * self.cfg.train.batch_size,
                   samples_per_s=rate, lr=self.lr, step_s=step_s, compute_s=step_s - sync_s,
                   sync_s=sync_s, straggled=self.slowdown.straggled, **extra,
-                  **self.sync.stats(), **fields)
+                  **self.sync.stats(), **self.traffic.take(), **fields)
 
     def emit(self, kind: str, **fields: Any) -> None:
         w = self.where

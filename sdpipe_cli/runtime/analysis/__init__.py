@@ -46,6 +46,7 @@ from sdpipe_cli.runtime.analysis.figures import (
     solo_rates,
     steady_rates,
     sync_times,
+    sync_traffic,
     time_to_loss,
     val_loss_curve,
     validation,
@@ -71,6 +72,7 @@ __all__ = [
     "final_val_accuracy", "final_val_loss", "first_iteration_began", "first_train_time",
     "fraction_of_limit", "from_first_iteration", "iterations", "last_by_pipeline", "limit",
     "lowest_loss", "mean_group_size", "mean_loss", "of_kind", "outcome", "overrun_fraction", "pipelines",
-    "read_metrics", "samples_per_s", "solo_rates", "steady_rates", "sync_times", "time_to_loss",
+    "read_metrics", "samples_per_s", "solo_rates", "steady_rates", "sync_times", "sync_traffic",
+    "time_to_loss",
     "timelines", "val_loss_curve", "validation",
 ]

@@ -212,6 +212,33 @@ def overrun_fraction(lines: Iterable[Line], microbatches: Optional[int]) -> Opti
     return sum(m["slowdown_overruns"] for m in done) / actions
 
 
+def sync_traffic(done: Iterable[Line], samples: Optional[float]) -> dict[str, Any]:
+    """What the sync of a run put on the wire, from its workers' ``done`` lines (each carries its
+    ``traffic``: per link class, bytes sent and received and seconds in sync collectives, and its
+    ``wall_s``): ``traffic`` summed per link class, ``sync_bytes_per_sample`` (bytes every worker
+    sent over the ``samples`` the run trained), ``cross_node_bytes_per_sample`` (of which on links
+    between nodes) and ``comm_share`` (the workers' seconds in sync collectives over their
+    seconds alive); empty where no worker reported its traffic."""
+    reports = [d for d in done if isinstance(d.get("traffic"), dict)]
+    if not reports:
+        return {}
+    links: dict[str, dict[str, float]] = {}
+    for report in reports:
+        for link, row in report["traffic"].items():
+            total = links.setdefault(link, {"sent_bytes": 0, "recv_bytes": 0, "seconds": 0.0})
+            for name in total:
+                total[name] += row.get(name, 0) if isinstance(row, dict) else 0
+    alive = sum(report.get("wall_s") or 0.0 for report in reports)
+
+    def per_sample(nbytes: float) -> Optional[float]:
+        return nbytes / samples if samples else None
+
+    return {"traffic": links,
+            "sync_bytes_per_sample": per_sample(sum(r["sent_bytes"] for r in links.values())),
+            "cross_node_bytes_per_sample": per_sample(links.get("cross_node", {}).get("sent_bytes", 0)),
+            "comm_share": sum(r["seconds"] for r in links.values()) / alive if alive else None}
+
+
 def analyse(lines: list[Line], mode: Optional[str] = None, pipelines_: Optional[int] = None,
             microbatches: Optional[int] = None) -> dict[str, Any]:
     """A benchmark run's figures, all but time to a target known only later (keep ``curve`` and
@@ -225,6 +252,8 @@ def analyse(lines: list[Line], mode: Optional[str] = None, pipelines_: Optional[
         "mean_group_size": mean_group_size(lines, mode, pipelines_),
         "iterations": iterations(lines),
         "overrun_fraction": overrun_fraction(lines, microbatches),
+        **sync_traffic(of_kind(lines, "done"),
+                       sum(last_by_pipeline(of_kind(lines, "train"), "samples").values())),
     }
 
 

@@ -17,7 +17,8 @@ _PIPE_STEP = {"step": "int", "time": "number", "pipeline": "int"}
 _ITERATION = {"step_s": "number", "compute_s": "number", "sync_s": "number", "straggled": "int",
               "data_s": "number", "group_size": "int", "round": "int", "group_kind": "str",
               "wait_s": "number", "comm_s": "number", "stash_versions": "int",
-              "stash_bytes": "int", "skipped_steps": "int"}
+              "stash_bytes": "int", "skipped_steps": "int", "sent_bytes": "int",
+              "recv_bytes": "int", "links": "list"}
 SCHEMA: dict[str, dict[str, str]] = {
     "train": {**_PIPE_STEP, "loss": "number?", "samples": "number", "samples_per_s": "number",
               "lr": "number", **_ITERATION},
@@ -45,7 +46,7 @@ SCHEMA: dict[str, dict[str, str]] = {
              "param_digest": "str", "device": "str", "actions": "int", "straggled": "int",
              "slowdown_overruns": "int", "peak_memory_mb": "number?", "healed": "bool",
              "stash_bound": "int", "stash_peak_versions": "int", "stash_peak_bytes": "int",
-             "stash_copies": "int"},
+             "stash_copies": "int", "traffic": "dict", "wall_s": "number"},
 }
 # the fields a reader checks (those the figures read) and those a line of its kind must have
 CHECKED = {"train": ("time", "pipeline", "samples", "loss", "wait_s", "comm_s", "sync_s", "step_s",
