@@ -110,8 +110,17 @@ def report(paths: Sequence[str], out: Optional[str], console: Console) -> int:
 
 
 def prepare_text(args: argparse.Namespace, console: Console) -> int:
-    """``sdpipe prepare text``: see :mod:`sdpipe_cli.data.prepare`."""
-    from sdpipe_cli.data.prepare import prepare_text as prepare
+    """``sdpipe prepare text``: see :mod:`sdpipe_cli.data.prepare`.
+
+    While it runs, Ctrl-C or SIGTERM removes what was being written (the temporary folder beside
+    ``--out``) and ends the process at once with one line and exit 130, like an interrupt before
+    any command starts (:mod:`~sdpipe_cli.cli.interrupts`). The tokenizer calls that cannot be
+    interrupted run off the main thread, so this takes well under a second.
+    """
+    import signal
+
+    from sdpipe_cli.cli.interrupts import EXIT_INTERRUPTED
+    from sdpipe_cli.data import prepare as preparing  # imports torch: under parsing's handler
 
     if not 0.0 < args.val_fraction < 1.0:
         raise DataError("--val-fraction", f"must be between 0 and 1 (exclusive), got {args.val_fraction}")
@@ -119,10 +128,25 @@ def prepare_text(args: argparse.Namespace, console: Console) -> int:
         raise DataError("--shard-tokens", f"must be at least 1, got {args.shard_tokens}")
     if args.max_bytes is not None and args.max_bytes < 1:
         raise DataError("--max-bytes", f"must be at least 1, got {args.max_bytes}")
-    manifest = prepare(args.sources, args.out, args.tokenizer, text_key=args.text_key,
-                       val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, dtype=args.dtype,
-                       max_bytes=args.max_bytes, dataset_format=args.dataset,
-                       log=lambda line: console.print(line, markup=False, highlight=False))
+
+    def interrupted(signum, frame) -> None:
+        complete = preparing.abandon()
+        what = (f"{args.out} was already complete" if complete
+                else f"removed its temporary folder; nothing was written to {args.out}")
+        os.write(2, f"sdpipe: error: prepare interrupted ({signal.Signals(signum).name}); "
+                 f"{what}\n".encode())  # not the console: the interrupted code may hold its lock
+        os._exit(EXIT_INTERRUPTED)
+
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        manifest = preparing.prepare_text(
+            args.sources, args.out, args.tokenizer, text_key=args.text_key,
+            val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, dtype=args.dtype,
+            max_bytes=args.max_bytes, dataset_format=args.dataset,
+            log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     tokens = {split: sum(s["tokens"] for s in shards) for split, shards in manifest["splits"].items()}
     console.print(f"wrote {args.out}: {tokens['train']:,} training and {tokens['val']:,} validation "
                   f"tokens, vocabulary {manifest['tokenizer']['vocab_size']:,}; train with "
