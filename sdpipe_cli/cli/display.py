@@ -184,13 +184,15 @@ def simulation_table(doc: dict, steps: int) -> None:
                         f"{steps} steps; limit {doc['limit_samples_per_s']:.1f} "
                         f"samples/s (simulated in {doc['simulated_in_s']:.1f} s)")
     for name in ("sync", "samples/s", "of limit", "mean group", "wall (s)", "iterations",
-                 "waiting"):
+                 "waiting", "sent/sample", "comm"):
         table.add_column(name, justify="left" if name == "sync" else "right")
     for row in [doc, *doc["compare"]]:
         its, waits = row["iterations"], row["sync_wait_fraction"]
         table.add_row(row["sync"], f"{row['samples_per_s']:.1f}", f"{row['fraction_of_limit']:.2f}",
                       f"{row['mean_group_size']:.2f}", f"{row['wall_s']:.1f}",
-                      f"{min(its)}-{max(its)}", f"{100 * sum(waits) / len(waits):.0f}%")
+                      f"{min(its)}-{max(its)}", f"{100 * sum(waits) / len(waits):.0f}%",
+                      _bytes(row.get("sync_bytes_per_sample") or 0.0),
+                      f"{100 * (row.get('comm_share') or 0.0):.0f}%")
     Console().print(table)  # on stdout, unlike everything else here: the result itself
 
 

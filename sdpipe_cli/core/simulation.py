@@ -101,6 +101,23 @@ class Result:
     group_sizes: list[int]  # one entry per group round (all stages)
     batch_size: int
     global_sizes: list[int] = field(default_factory=list)  # sdpipe's global syncs
+    # the sync's traffic, as the workers' records count it (sdpipe_cli.sync.traffic): per link
+    # class, bytes all workers sent, and their seconds in sync collectives
+    sent_bytes: dict[str, float] = field(default_factory=dict)
+    comm_s: float = 0.0
+    stages: int = 1
+
+    @property
+    def sync_bytes_per_sample(self) -> float:
+        samples = sum(self.iterations) * self.batch_size
+        return sum(self.sent_bytes.values()) / samples if samples else 0.0
+
+    @property
+    def comm_share(self) -> float:
+        """The workers' seconds in sync collectives over their seconds alive (each pipeline's
+        workers alive until it finished)."""
+        alive = sum(self.finished_at) * self.stages
+        return self.comm_s / alive if alive else 0.0
 
     @property
     def wall_s(self) -> float:
@@ -228,6 +245,8 @@ class _Run:
         self.pushes = [[0] * P for _ in range(S)]
         self.deferred: list[list[tuple[int, int, float, bool]]] = [[] for _ in range(S)]
         self.budget_left = P * work.steps
+        self.sent: dict[str, float] = {}  # per link class: bytes every worker's sync sent
+        self.comm_s = 0.0  # the workers' seconds in sync collectives, summed
 
     # -- workers --------------------------------------------------------------------------------
     def _start_iteration(self, p: int) -> None:
@@ -311,6 +330,15 @@ class _Run:
         ranks = self.where[0][s].replicas(list(members))
         return self.w.cluster.allreduce_s(ranks, nbytes) + self.w.collective_s
 
+    def _count(self, members: Sequence[int], s: int, nbytes: float) -> None:
+        """A ring all-reduce of ``nbytes`` over ``members`` of stage ``s``, as the workers count
+        it: each sends 2(k-1)/k of it, on the slowest link the ring uses."""
+        k = len(members)
+        if k < 2:
+            return
+        link = self.w.cluster.slowest_link(self.where[0][s].replicas(list(members))).kind
+        self.sent[link] = self.sent.get(link, 0.0) + 2 * (k - 1) * nbytes
+
     # -- sync modes -----------------------------------------------------------------------------
     def _ready(self, t: float, p: int, s: int, k: int) -> None:
         w = self.w
@@ -324,13 +352,18 @@ class _Run:
                 start = max(arrived.values()) + w.collective_s  # everyone agrees to go on
                 everyone = list(range(self.P))
                 full = self._allreduce_s(everyone, s, w.stage_bytes[s])  # one ring, computed once
+                if self.sync != "adpsgd":
+                    self._count(everyone, s, w.stage_bytes[s])
                 for q in everyone:
                     if self.sync != "adpsgd":
                         cost = full
                     else:
                         mate = gossip_peer(w.seed, s, k, q, self.P)
-                        cost = self._allreduce_s([q, mate] if mate is not None else [q], s,
-                                                 w.stage_bytes[s])
+                        pair = [q, mate] if mate is not None else [q]
+                        cost = self._allreduce_s(pair, s, w.stage_bytes[s])
+                        self._count(pair, s, w.stage_bytes[s] / 2)  # each pair is met twice
+                    # in the collective from its own arrival: the wait for the others is inside it
+                    self.comm_s += start + cost - arrived[q]
                     self._synced(q, s, k, start + cost, False)
                 self.groups.append(2 if self.sync == "adpsgd" else self.P)
         else:
@@ -346,6 +379,8 @@ class _Run:
         start = max(t + link.transfer_s(w.stage_bytes[s]), self.server_free[s])
         self.server_free[s] = start + w.collective_s
         reply = self.server_free[s] + link.transfer_s(w.stage_bytes[s])
+        self.sent["server"] = self.sent.get("server", 0.0) + w.stage_bytes[s]  # the gradients out
+        self.comm_s += reply - t
         if s == 0:
             self.budget_left -= 1
         self.pushes[s][p] += 1
@@ -372,7 +407,10 @@ class _Run:
             nbytes = w.stage_bytes[d.stage] * (2 if twice else 1)
             if d.kind == "global" and w.average == "weights_grads":
                 nbytes *= 2  # the optimizer's two moments too
-            done = self.now + w.rtt_s / 2 + self._allreduce_s(d.members, d.stage, nbytes)
+            cost = self._allreduce_s(d.members, d.stage, nbytes)
+            self._count(d.members, d.stage, nbytes)
+            self.comm_s += len(d.members) * cost if len(d.members) > 1 else 0.0
+            done = self.now + w.rtt_s / 2 + cost
             for q, k in zip(d.members, d.iterations):
                 self._synced(q, d.stage, k, done, d.stop)
 
@@ -400,7 +438,8 @@ class _Run:
             if policy is not None and kind == "scheduler":
                 due = policy.next_deadline()
         return Result(self.sync, list(self.done), list(self.finished_at), list(self.busy),
-                      list(self.wait), list(self.groups), self.w.batch_size, list(self.globals))
+                      list(self.wait), list(self.groups), self.w.batch_size, list(self.globals),
+                      dict(self.sent), self.comm_s, self.S)
 
 
 def simulate(work: Workload, sync: str,

@@ -116,7 +116,10 @@ def _row(result: Result, limit: float, wall_clock_s: float) -> dict:
             "mean_group_size": result.mean_group_size, "wall_s": result.wall_s,
             "iterations": result.iterations, "sync_wait_fraction": [
                 w / max(t, 1e-12) for w, t in zip(result.wait_s, result.finished_at)],
-            "simulated_in_s": wall_clock_s}
+            "sync_bytes_per_sample": result.sync_bytes_per_sample,
+            "cross_node_bytes_per_sample": (result.sent_bytes.get("cross_node", 0.0)
+                                            / max(sum(result.iterations) * result.batch_size, 1)),
+            "comm_share": result.comm_share, "simulated_in_s": wall_clock_s}
 
 
 def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:

@@ -145,3 +145,21 @@ def test_what_cannot_be_simulated_is_named():
         simulator.workload(config("pipeline.schedule=async_1f1b"))
     with pytest.raises(ConfigError, match="--compare"):
         simulator.run(config("train.steps=2"), ["gossip"])
+
+
+def test_the_simulated_traffic_is_what_the_workers_count():
+    """All-reduce: every pipeline-iteration each stage's P members send 2(P-1)/P of its weights'
+    bytes (the ring), so 2(P-1)/P x the model's bytes per pipeline-iteration; between nodes when
+    the replicas are on different nodes. sdpipe's full rounds send weights and gradients: twice."""
+    nodes = "cluster.nodes=[{name: a, devices: [{}, {}]}, {name: b, devices: [{}, {}]}]"
+    cfg = config("cluster.pipelines=2", "pipeline.stages=2", "train.steps=10", nodes,
+                 "cluster.links.cross_node.latency_ms=1")
+    work = simulator.workload(cfg)
+    model_bytes, batch = sum(work.stage_bytes), cfg.train.batch_size
+    allreduce = run(cfg, "allreduce")
+    assert allreduce.sync_bytes_per_sample == pytest.approx(2 * 1 / 2 * model_bytes / batch)
+    assert set(allreduce.sent_bytes) == {"cross_node"}
+    assert 0 < allreduce.comm_share < 1
+    assert run(cfg, "none").sync_bytes_per_sample == 0 and run(cfg, "none").comm_share == 0
+    sdpipe = run(cfg, "sdpipe")
+    assert sdpipe.sync_bytes_per_sample <= 2 * allreduce.sync_bytes_per_sample * 1.0001
