@@ -44,6 +44,9 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
 - ``samples/s`` and ``of limit``: throughput (all pipelines, first to last train line), and its
   share of the limit, the sum of each pipeline's solo rate in the ``none`` run (each pipeline's
   samples over its own train-line span); both as ``sdpipe_cli.runtime.analysis`` defines them;
+- ``sent/sample (kB)`` and ``comm``: what the sync put on the wire, per sample trained (all
+  workers' bytes, as ``sdpipe_cli.runtime.analysis.sync_traffic`` counts them), and the share of
+  the workers' time spent in sync collectives (waiting for peers inside them included);
 - ``consensus``: the mean and the largest consensus distance measured at global syncs
   (sqrt(mean_p ||w_p - w_mean||^2) / ||w_mean||, per stage), ``sync=sdpipe`` only;
 - ``overruns``: the share of actions whose real compute did not fit the modelled time;
@@ -249,12 +252,15 @@ def across_seeds(summaries: list[dict]) -> dict[str, dict[str, Any]]:
                     put("vs ideal", t / tr / ideal)
             put("samples/s", r.get("samples_per_s"))
             put("of limit", r.get("fraction_of_limit"))
+            if r.get("sync_bytes_per_sample") is not None:
+                put("sent/sample (kB)", r["sync_bytes_per_sample"] / 1e3)
+            put("comm", r.get("comm_share"))
     return {v: {k: interval(vals) + (len(vals),) for k, vals in keys.items()}
             for v, keys in out.items()}
 
 
 SEED_COLUMNS = ("final val", "val vs allreduce", "final acc", "to target (s)", "time vs allreduce",
-                "vs ideal", "samples/s", "of limit")
+                "vs ideal", "samples/s", "of limit", "sent/sample (kB)", "comm")
 
 
 def seed_rows(aggregate: dict[str, dict[str, Any]]) -> list[list[str]]:
@@ -267,7 +273,7 @@ def seed_rows(aggregate: dict[str, dict[str, Any]]) -> list[list[str]]:
                 row.append("-")
                 continue
             mean, sd, half, n = got
-            digits = ".4f" if key.startswith("final") else ".3f" if "vs" in key or key == "of limit" \
+            digits = ".4f" if key.startswith("final") else ".3f" if "vs" in key or key in ("of limit", "comm") \
                 else ".1f"
             row.append(f"{mean:{digits}} (sd {sd:{digits}}, +-{half:{digits}}, n={n})")
         rows_.append(row)
@@ -279,7 +285,8 @@ def _f(value, fmt: str) -> str:
 
 
 COLUMNS = ("variant", "best lr", "final val", "vs allreduce", "final acc", "to target (s)", "vs allreduce",
-           "samples/s", "of limit", "mean group", "consensus mean/max", "overruns")
+           "samples/s", "of limit", "sent/sample (kB)", "comm", "mean group", "consensus mean/max",
+           "overruns")
 
 
 def rows(summary: dict) -> list[list[str]]:
@@ -294,7 +301,9 @@ def rows(summary: dict) -> list[list[str]]:
                     _f(r.get("final_val_accuracy"), ".4f"),
                     _f(t, ".1f"), _f(t / tr if t is not None and tr else None, ".2f"),
                     _f(r.get("samples_per_s"), ".1f"), _f(r.get("fraction_of_limit"), ".2f"),
-                    _f(r.get("mean_group_size"), ".2f"),
+                    _f(r["sync_bytes_per_sample"] / 1e3 if r.get("sync_bytes_per_sample") is not None
+                       else None, ".1f"),
+                    _f(r.get("comm_share"), ".0%"), _f(r.get("mean_group_size"), ".2f"),
                     f"{_f(r.get('consensus_mean'), '.4f')}/{_f(r.get('consensus_max'), '.4f')}",
                     _f(r.get("overrun_fraction"), ".1%")])
     return out

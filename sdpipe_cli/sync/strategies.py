@@ -381,7 +381,7 @@ def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: P
         return GroupSync(events, where.rank, p, s, S, P, groups, settings.average, optimizer,
                          incarnation)
     if name == "ps":
-        return PSSync(where.server_rank(), device, groups.traffic)
+        return PSSync(where.server_rank(), device, groups.traffic if groups is not None else None)
     if name == "diloco":
         agree = AllReduceSync(groups, where.replicas(), device) if P > 1 else None
         return DilocoSync(groups, where.replicas(), settings.local_steps, settings.outer_lr,

@@ -134,7 +134,8 @@ def test_from_config_raises_cluster_error_for_direct_use():
     assert err.value.key == "cluster.placement"
 
 
-@pytest.mark.parametrize("option", ["local", "hetero_static", "hetero_random", "hetero_mixed"])
+@pytest.mark.parametrize("option", ["local", "hetero_static", "hetero_random", "hetero_mixed",
+                                    "slow_links"])
 def test_example_clusters_describe_what_they_say(option):
     c = cluster_of(f"cluster={option}")
     speeds = [[c.device(p, s).speed for s in range(c.stages)] for p in range(c.pipelines)]
@@ -142,6 +143,10 @@ def test_example_clusters_describe_what_they_say(option):
         assert sorted(round(1 / min(row), 2) for row in speeds) == [1.0, 1.0, 3.0]
     if option == "hetero_mixed":
         assert c.links["cross_node"].emulated and len(c.nodes) == 2 and c.changes
+    if option == "slow_links":  # one pipeline per machine: a stage's replicas meet across them
+        assert len(c.nodes) == 4 and c.links["cross_node"].bandwidth == 0.015e9 / 8
+        assert c.slowest_link(list(range(0, 8, 2))).kind == "cross_node"
+        assert [row[0].split(":")[0] for row in c.placement] == ["a", "b", "c", "d"]
 
 
 def test_default_placement_spreads_pipelines_over_nodes():
