@@ -83,6 +83,11 @@ def _validate_data(cfg: DictConfig) -> None:
     if d.name == "text":
         need(bool(d.path), "data.path", "is required with data=text (a file or a folder of text)")
         need(Path(str(d.path)).expanduser().exists(), "data.path", f"'{d.path}' does not exist")
+    if d.path:
+        path = Path(str(d.path)).expanduser()
+        # a named pipe or a device would block the reader forever (or never end)
+        need(not path.exists() or path.is_file() or path.is_dir(), "data.path",
+             f"'{d.path}' is {_special(path)}, not a file or a folder")
     need(d.name not in ("tokens", "imagefolder", "cifar10") or bool(d.path), "data.path",
          f"is required with data={d.name} (the data set's folder)")
     need(d.name != "custom" or bool(d.get("_target_")), "data._target_",
@@ -98,6 +103,16 @@ def _validate_data(cfg: DictConfig) -> None:
     need(d.std is None or all(v > 0 for v in d.std), "data.std", "must be positive")
     need(d.num_workers is None or d.num_workers >= 0, "data.num_workers", "must be 0 or more")
     need(d.prefetch >= 1, "data.prefetch", "must be at least 1")
+
+
+def _special(path: Path) -> str:
+    """What kind of special file ``path`` is, in words."""
+    import stat
+
+    mode = path.stat().st_mode
+    return ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if
+            stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else "a special file")
 
 
 def _validate_cluster_settings(cfg: DictConfig) -> None:

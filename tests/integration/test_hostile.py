@@ -168,6 +168,12 @@ def alias_bomb(tmp: Path, run: Path) -> list[str]:
             *TINY]
 
 
+def named_pipe(tmp: Path, run: Path) -> list[str]:
+    """A FIFO as a text corpus: its reader would wait for a writer forever."""
+    os.mkfifo(tmp / "fifo")
+    return ["train", f"run.dir={tmp / 'new'}", *TINY, "data=text", f"data.path={tmp / 'fifo'}"]
+
+
 # -- forged store values -------------------------------------------------------------------------
 
 
@@ -231,6 +237,9 @@ ROWS = [
     Row("home folder unquoted", train("data=text", "data.path=~/corpus"), 2,
         "data.path: Hydra's override grammar does not take '~'"),
     Row("alias bomb in a config folder", alias_bomb, 2, "expands to more than 100,000 values"),
+    Row("named pipe as the data", named_pipe, 2, "is a named pipe (FIFO), not a file or a folder"),
+    Row("device as the data", train("data=text", "data.path=/dev/zero"), 2,
+        "data.path: '/dev/zero' is a character device"),
     Row("loss that does not import", train("model.loss={_target_: no.such.loss}"), 2,
         "model.loss._target_: cannot import 'no.such.loss'"),
     Row("loss class of other arguments", train("model.loss={_target_: torch.nn.CrossEntropyLoss, bogus: 1}"),
