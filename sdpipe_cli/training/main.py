@@ -37,8 +37,9 @@ def main() -> int:
         # a member that died between its ready signal and the average must not stall the rest.
         timeout = cfg.sync.get("group_timeout") or cfg.run.timeout
         sync_groups = groups.for_worker(ctx, timeout)
-        pipeline_groups = (groups.for_worker(ctx, cfg.run.timeout)
-                           if timeout != cfg.run.timeout else sync_groups)
+        # apart even on the same connection: what the pipeline's stages exchange (the clipping
+        # norm, tied weights) is not the sync's traffic, which sync_groups count
+        pipeline_groups = groups.for_worker(ctx, cfg.run.timeout)
         shared = store.namespace(ctx.client)
         worker = Worker(cfg, ctx.where, ctx.plan, ctx.device, shared, sync_groups,
                         pipeline_groups, resume=os.environ.get("SDPIPE_RESUME"),
