@@ -83,11 +83,10 @@ def _validate_data(cfg: DictConfig) -> None:
     if d.name == "text":
         need(bool(d.path), "data.path", "is required with data=text (a file or a folder of text)")
         need(Path(str(d.path)).expanduser().exists(), "data.path", f"'{d.path}' does not exist")
-    if d.path:
-        path = Path(str(d.path)).expanduser()
+    path = Path(str(d.path)).expanduser() if d.path else None
+    if path is not None and path.exists() and not (path.is_file() or path.is_dir()):
         # a named pipe or a device would block the reader forever (or never end)
-        need(not path.exists() or path.is_file() or path.is_dir(), "data.path",
-             f"'{d.path}' is {_special(path)}, not a file or a folder")
+        raise ConfigError("data.path", f"'{d.path}' is {_special(path)}, not a file or a folder")
     need(d.name not in ("tokens", "imagefolder", "cifar10") or bool(d.path), "data.path",
          f"is required with data={d.name} (the data set's folder)")
     need(d.name != "custom" or bool(d.get("_target_")), "data._target_",
