@@ -225,7 +225,7 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
     Returns (the store's events, the run folder, the config's path, the launch time)."""
     new_run = resume is None or fresh
     if new_run:  # a new run (from scratch, or resumed into a new folder), or one started again
-        if fresh or run_dir is None:
+        if run_dir is None and not (fresh and cfg.run.id):  # a resume names its new folder's id
             cfg.run.id = uuid.uuid4().hex
         run_dir = run_dir or make_run_dir(cfg.run.dir)
         cfg.run.dir = str(run_dir.resolve()) if run.cluster.real else str(run_dir)
@@ -236,7 +236,7 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
     result.run_dir = run_dir
     cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
     save_run_config(cfg, config_path)
-    if new_run:
+    if resume is None:  # the user's own folders; a resumed config's come from its file
         _copy_config_dirs(cfg, run_dir)
     events = store.namespace(master)
     launched = time.time()

@@ -16,6 +16,7 @@ this user's launches, or with ``--trust-code`` (:mod:`~sdpipe_cli.config.trust`)
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -77,11 +78,13 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
     from sdpipe_cli.model import checkpoint
     from sdpipe_cli.training import reshard
 
+    path = str(Path(path).absolute())  # "." names a folder too
     ckpt = checkpoint.resolve(path)
     home = checkpoint.home_of(ckpt, checkpoint.read_manifest(ckpt))
     requested = _value("run.dir", overrides)
     fresh = home is None or requested is not None
     if not fresh:
+        _no_links(home)
         holder.take(home)  # before reading what another launcher of this run may be writing
         ckpt = checkpoint.resolve(path)  # the newest complete checkpoint, now that it stays so
         for skipped in checkpoint.damaged(home):
@@ -111,6 +114,7 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
         preparing.check_memory(checked)
         folder = launcher.make_run_dir(checked.run.dir)
         holder.take(folder)
+        checked.run.id = uuid.uuid4().hex  # a run of its own, from its resharded checkpoint on
         console.print(f"resuming {ckpt} in a new run folder, {folder}"
                       + (" (the checkpoint lies outside its run)" if home is None else ""),
                       highlight=False, soft_wrap=True)
@@ -123,6 +127,24 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
     console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
                   highlight=False)
     return Leg(run_cfg, ckpt, manifest["elapsed"], sum(manifest["steps"].values()), fresh)
+
+
+# what a launcher writes or appends to in a run folder it goes on in
+_WRITTEN = ("metrics.jsonl", "summary.json", "logs", "checkpoints", "resharded", "final", "tb",
+            "trace.json", "run.lock")
+
+
+def _no_links(run: Path) -> None:
+    """A run folder from elsewhere can hold links where sdpipe writes (``metrics.jsonl`` to a
+    file of yours): going on there would write through them. Refused, naming the first."""
+    logs = run / "logs"
+    places = [run / name for name in _WRITTEN]
+    if logs.is_dir() and not logs.is_symlink():
+        places += sorted(logs.iterdir())
+    for place in places:
+        if place.is_symlink():
+            raise ConfigError(str(place), "is a symbolic link, where the run writes; resume into "
+                              "a new folder with run.dir=NEW")
 
 
 def _beside(ckpt: Path) -> Path:

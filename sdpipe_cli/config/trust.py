@@ -24,12 +24,13 @@ import hmac
 import json
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from sdpipe_cli.config.schema import ConfigError
 
-__all__ = ["KEY_ENV", "code_named", "key_path", "seal", "check"]
+__all__ = ["KEY_ENV", "check", "code_named", "interpolations", "key_path", "seal"]
 
 KEY_ENV = "SDPIPE_TRUST_KEY"
 _KEY_BYTES = 32
@@ -45,8 +46,12 @@ def code_named(cfg: Mapping[str, Any]) -> dict[str, Any]:
         named["model._target_"] = model.get("_target_")
         named["model.kwargs"] = model.get("kwargs")
     loss = model.get("loss")
-    if isinstance(loss, Mapping):
-        named["model.loss"] = dict(loss)
+    if loss is not None and loss != "cross_entropy":  # a node, or anything that may become one
+        named["model.loss"] = dict(loss) if isinstance(loss, Mapping) else loss
+    hf = model.get("hf")
+    attention = hf.get("attn_implementation") if isinstance(hf, Mapping) else None
+    if attention not in (None, "eager", "sdpa"):  # transformers may fetch and load kernels by it
+        named["model.hf.attn_implementation"] = attention
     if data.get("_target_") is not None:
         named["data._target_"] = data.get("_target_")
         named["data.kwargs"] = data.get("kwargs")
@@ -85,13 +90,19 @@ def _own_key(path: Path) -> Optional[bytes]:
         return key
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another launcher made it a moment ago
-        return _read_key(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".trust-")  # mode 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(_KEY_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:  # whole or not at all: another launcher never reads a key half-written
+            os.link(tmp, path)
+        except FileExistsError:  # another launcher made it a moment ago: take theirs
+            pass
+        finally:
+            os.unlink(tmp)
     except OSError:
         return None
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(_KEY_BYTES))
     return _read_key(path)
 
 
@@ -110,10 +121,29 @@ def seal(cfg: Mapping[str, Any]) -> Optional[str]:
     return None if key is None else _digest(named, key)
 
 
+def interpolations(node: Any, path: str = "") -> Optional[str]:
+    """The first key of a saved config whose value holds an OmegaConf interpolation (``${...}``),
+    or None. Runs save their config resolved, so one there was written by hand, and resolving
+    it could turn a plain value into code (``${oc.create:{_target_: ...}}``) after the check."""
+    if isinstance(node, str):
+        return path or "config" if "${" in node else None
+    items = (node.items() if isinstance(node, Mapping) else
+             enumerate(node) if isinstance(node, list) else ())
+    for key, value in items:
+        found = interpolations(value, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 def check(cfg: Mapping[str, Any], where: str, trusted: bool = False) -> None:
     """Refuse (a :class:`ConfigError` naming the first key that names code) a saved config,
     read from ``where``, whose code no launch of this user's sealed as it stands, unless the
     user ``trusted`` it. A config that names no code passes."""
+    found = interpolations(cfg)
+    if found is not None:
+        raise ConfigError(found, f"{where} holds an interpolation (${{...}}) there: a run saves its "
+                          "config resolved, so this one was changed by hand; nothing was run")
     named = code_named(cfg)
     if not named or trusted:
         return

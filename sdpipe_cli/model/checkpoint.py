@@ -73,6 +73,9 @@ def home_of(ckpt_dir: os.PathLike | str, manifest: Mapping[str, Any]) -> Path | 
         return run
     from omegaconf import OmegaConf
 
+    from sdpipe_cli.config import yaml_bounds
+
+    yaml_bounds.check_file(run / "config.yaml", "the checkpoint's run folder")
     try:  # read as data: no interpolation is resolved
         saved = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=False)
         found = saved["run"]["id"]

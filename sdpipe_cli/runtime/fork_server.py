@@ -10,11 +10,13 @@ launcher died before it asked.
 
 The server shares the launcher's process group, and what stops a job (``timeout``, ``kill --
 -PGID``, a batch system's SIGTERM) signals the whole group. CPython's server ignores SIGINT, so
-that Ctrl-C reaches only the launcher; it must ignore SIGTERM too, or it dies with the group and
-takes with it the only channel that reports its children's exit codes (every child then reads as
-exited with 255, and the launcher cannot stop them in order). The launcher, which counts either
-signal as a request to stop gracefully, then stops the children itself. A forked child takes
-SIGTERM back as soon as it is in its own session (:func:`~sdpipe_cli.runtime.processes.start`).
+that Ctrl-C reaches only the launcher; it must not die of SIGTERM either, or it takes with it the
+only channel that reports its children's exit codes (every child then reads as exited with 255,
+and the launcher cannot stop them in order). The launcher, which counts either signal as a
+request to stop gracefully, then stops the children itself. The server *blocks* SIGTERM rather
+than ignoring it: a forked child inherits the mask, takes SIGTERM's default back once it is in
+its own session, and only then unblocks it (:func:`~sdpipe_cli.runtime.processes.start`), so a
+SIGTERM the launcher sends a child that is still starting waits for it instead of being lost.
 
 Elsewhere (a process whose parent is not the launcher named in
 ``SDPIPE_LAUNCHER_PID``) importing this module does nothing.
@@ -32,7 +34,7 @@ def _guard() -> None:
     launcher = os.environ.get("SDPIPE_LAUNCHER_PID", "")
     if not launcher.isdigit() or os.getppid() != int(launcher):
         return  # not the launcher's fork server, or the launcher is already gone (checked below)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if die_with_parent(signal.SIGKILL) and os.getppid() != int(launcher):
         os._exit(1)  # it died between the two looks: no signal will come
 

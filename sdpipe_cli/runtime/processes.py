@@ -9,7 +9,7 @@ are shared copy-on-write) that then makes itself the child the launcher asked fo
 
 - its own session, so a Ctrl-C at the terminal, or a SIGTERM to the launcher's process group,
   reaches only the launcher, which stops the children in order (the server itself ignores SIGINT
-  and SIGTERM; a child takes SIGTERM's default back once it has left the server's group);
+  and blocks SIGTERM; a child unblocks SIGTERM once it has left the server's group);
 - stdin from /dev/null, stdout and stderr appended to its log file;
 - exactly the environment the launcher gave it (``RANK``, ``MASTER_ADDR``, ...);
 - SIGTERM when its parent dies (PR_SET_PDEATHSIG): the server exits when the launcher does, so
@@ -143,7 +143,10 @@ def exit_with_launcher(pid: int, poll_s: float = LAUNCHER_POLL_S) -> None:
 def _become(module: str, env: dict[str, str], log_path: str) -> None:
     """Runs in the forked child: become the launcher's child ``module``, then run its main()."""
     os.setsid()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (see fork_server)
+    # the server blocks SIGTERM (see fork_server): its default back, then one sent while this
+    # child was starting is delivered
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     die_with_parent()
     if env.get("SDPIPE_LAUNCHER_PID"):
         exit_with_launcher(int(env["SDPIPE_LAUNCHER_PID"]))

@@ -24,6 +24,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -62,37 +63,57 @@ def _describe(text: str) -> tuple[str, Optional[str]]:
 def _take(folder: Path, warn: Callable[[str], None]) -> int:
     path = folder / LOCK
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a symbolic link: a run folder from elsewhere may hold one
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
-            raise BadInput(str(path), f"cannot be made: {err.strerror}") from None
+            raise BadInput(str(path), f"cannot be made ({err.strerror}): is it a link or not "
+                           "yours? Resume into a new folder with run.dir=NEW") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            taken = _lock(fd, path, folder, warn)
+        except BaseException:
             os.close(fd)
-            raise RunInUse(str(folder), f"is in use by another launcher: {_describe(text)[0]}; "
-                           "wait for it to end, or resume into a new folder with run.dir=NEW") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:  # its holder removed it between our open and our lock: try again
-            os.close(fd)
-            continue
-        left = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-        if left:
-            who, host = _describe(left)
-            if host is not None and host != socket.gethostname():
-                os.close(fd)
-                raise RunInUse(str(path), f"names {who}, on another host, which this one cannot "
-                               "check; if that launcher is gone, remove the file and run again")
-            warn(f"sdpipe: warning: {path}: its owner, {who}, ended without releasing it; "
-                 "taken over")
+            raise
+        if taken:
+            return fd
+        os.close(fd)  # its holder removed it between our open and our lock: try again
+
+
+def _lock(fd: int, path: Path, folder: Path, warn: Callable[[str], None]) -> bool:
+    """Lock the open ``fd`` of ``path`` and write this process as its owner; False if ``path``
+    no longer names it (open again). Raises :class:`RunInUse` or :class:`BadInput`."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise BadInput(str(path), "is not a regular file; resume into a new folder with run.dir=NEW")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        raise RunInUse(str(folder), f"is in use by another launcher: {_describe(text)[0]}; "
+                       "wait for it to end, or resume into a new folder with run.dir=NEW") from None
+    except OSError as err:  # a file system without locks (NFS without lockd, some FUSE mounts)
+        warn(f"sdpipe: warning: {path}: the file system takes no locks ({err.strerror}); the "
+             "file names this launcher, but another could still start here")
+    try:
+        if os.fstat(fd).st_ino != os.lstat(path).st_ino:
+            return False
+    except FileNotFoundError:
+        return False
+    left = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    if left:
+        who, host = _describe(left)
+        if host is None:  # not a lock file this sdpipe wrote: not ours to overwrite
+            raise BadInput(str(path), "holds something other than a run's owner; remove it if it is "
+                           "yours to remove, or resume into a new folder with run.dir=NEW")
+        if host != socket.gethostname():
+            raise RunInUse(str(path), f"names {who}, on another host, which this one cannot "
+                           "check; if that launcher is gone, remove the file and run again")
+        warn(f"sdpipe: warning: {path}: its owner, {who}, ended without releasing it; taken over")
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, _owner_text().encode("utf-8"), 0)
         os.fsync(fd)
-        return fd
+    except OSError as err:
+        raise BadInput(str(path), f"cannot be written: {err.strerror}") from None
+    return True
 
 
 class Holder:
@@ -120,7 +141,7 @@ class Holder:
                 _held[key] = (fd, count - 1)
                 continue
             try:  # before unlocking, so that a waiter finds a new file; only if it is still ours
-                if os.stat(key / LOCK).st_ino == os.fstat(fd).st_ino:
+                if os.lstat(key / LOCK).st_ino == os.fstat(fd).st_ino:
                     (key / LOCK).unlink()
             except OSError:
                 pass

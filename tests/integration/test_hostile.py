@@ -109,6 +109,24 @@ def doctored_manifest(tmp: Path, run: Path) -> list[str]:
     return ["resume", str(run)]
 
 
+def interpolated_loss(tmp: Path, run: Path) -> list[str]:
+    """A manifest whose plain-looking loss resolves into code once merged:
+    ``${oc.create:{_target_: ...}}`` (a saved config is written resolved: refused as such)."""
+    newest = ck.latest(run)
+    manifest = json.loads((newest / ck.MANIFEST).read_text())
+    manifest["config"]["model"]["loss"] = "${oc.create:{_target_: os.mkdir, path: %s}}" % (tmp / MARK)
+    (newest / ck.MANIFEST).write_text(json.dumps(manifest))
+    return ["resume", str(run)]
+
+
+def linked_metrics(tmp: Path, run: Path) -> list[str]:
+    """A run folder whose metrics.jsonl is a link to a file of the user's."""
+    (tmp / "victim.txt").write_text("mine\n")
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(tmp / "victim.txt")
+    return ["resume", str(run), "train.steps=21"]
+
+
 def doctored_config(tmp: Path, run: Path) -> list[str]:
     """A run folder whose config.yaml names code: a resume takes its config from the checkpoint,
     and reads config.yaml for nothing but the run's id."""
@@ -258,6 +276,10 @@ ROWS = [
     Row("shard bytes flipped", flipped_bytes, 2, "checksum mismatch"),
     Row("manifest doctored to run code", doctored_manifest, 2, "model._target_: ", absent=MARK),
     Row("config.yaml doctored to run code", doctored_config, 0, "resuming", absent=MARK),
+    Row("manifest loss interpolated into code", interpolated_loss, 2,
+        "model.loss: ", absent=MARK),
+    Row("metrics.jsonl a link to another file", linked_metrics, 2,
+        "metrics.jsonl: is a symbolic link, where the run writes"),
     Row("checkpoint copied into another run", copied_into_another_run, 2,
         "run.dir: ", absent="other/checkpoints/step_20-resumed"),
     Row("weights saved as integers",
@@ -375,6 +397,12 @@ def test_a_checkpoint_copied_out_of_its_run_resumes_in_a_new_folder_beside_it(tm
     (home / "backups").mkdir(parents=True)
     (home / "summary.json").write_text('{"mine": true}')
     shutil.copytree(ck.latest(run_copy), home / "backups" / "my_ckpt")
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "creds.yaml").write_text("token: 123\n")
+    manifest = json.loads((home / "backups" / "my_ckpt" / ck.MANIFEST).read_text())
+    manifest["config"]["run"]["config_dirs"] = [str(secret)]  # a manifest's folders: not copied
+    (home / "backups" / "my_ckpt" / ck.MANIFEST).write_text(json.dumps(manifest))
     out = sdpipe("resume", str(home / "backups" / "my_ckpt"), "train.steps=22")
     assert out.returncode == 0, out.stderr
     assert "lies outside its run" in out.stderr
@@ -386,6 +414,7 @@ def test_a_checkpoint_copied_out_of_its_run_resumes_in_a_new_folder_beside_it(tm
     own = yaml.safe_load((resumed / "config.yaml").read_text())["run"]["id"]
     original = yaml.safe_load((run_copy / "config.yaml").read_text())["run"]["id"]
     assert own and original and own != original  # a run of its own
+    assert not (resumed / "config-dirs").exists()
 
 
 def test_two_resumes_of_one_run_started_together_one_runs_the_other_is_refused(tmp_path, run_copy):

@@ -443,3 +443,15 @@ def test_a_manifest_nested_past_the_parser_is_a_checkpoint_error(tmp_path):
     (tmp_path / ck.MANIFEST).write_text('{"step": 1, "files": {}, "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
     with pytest.raises(ck.CheckpointError, match="nests too deeply"):
         ck.read_manifest(tmp_path)
+
+
+def test_the_run_folder_of_a_checkpoint_is_read_within_bounds(tmp_path):
+    from sdpipe_cli.config.schema import ConfigError
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    (run / "config.yaml").write_text("\n".join(lines) + "\nrun: {id: *a8}\n")
+    with pytest.raises(ConfigError, match="expands to more"):
+        ck.home_of(run / "checkpoints" / "step_4", {"config": {"run": {"id": "abc"}}})

@@ -74,3 +74,21 @@ def test_an_owner_on_another_host_is_not_taken_over(tmp_path):
         run_lock.Holder().take(tmp_path)
     assert "elsewhere" in str(refused.value) and "remove the file" in str(refused.value)
     assert (tmp_path / run_lock.LOCK).exists()  # left for its owner
+
+
+def test_a_lock_file_that_is_a_link_or_not_a_lock_is_never_written(tmp_path):
+    """A run folder from elsewhere may hold run.lock as a link to one of your files, or a file
+    that is no lock: the lock never writes through the one nor overwrites the other."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / run_lock.LOCK).symlink_to(victim)
+    with pytest.raises(run_lock.BadInput, match="is it a link"):
+        run_lock.Holder().take(run)
+    assert victim.read_text() == "mine"
+    (run / run_lock.LOCK).unlink()
+    (run / run_lock.LOCK).write_text("not a lock")
+    with pytest.raises(run_lock.BadInput, match="holds something other than a run's owner"):
+        run_lock.Holder().take(run)
+    assert (run / run_lock.LOCK).read_text() == "not a lock"

@@ -114,3 +114,17 @@ def test_any_change_to_the_code_or_its_arguments_breaks_the_seal(where, value, t
             return  # the same code, the same arguments
         with pytest.raises(ConfigError):
             trust.check(changed, "m.json")
+
+
+def test_an_interpolation_in_a_saved_config_is_refused_before_it_can_resolve_into_code(key):
+    """Runs save their config resolved; ``${oc.create:{_target_: ...}}`` in a manifest would pass
+    a check of the raw values and become code when the config is resolved."""
+    doctored = sealed(BUILT_IN)
+    doctored["model"]["loss"] = "${oc.create:{_target_: os.mkdir, path: MARK}}"
+    with pytest.raises(ConfigError) as refused:
+        trust.check(doctored, "m.json", trusted=True)  # not even with --trust-code
+    assert refused.value.key == "model.loss" and "interpolation" in str(refused.value)
+    quiet = sealed(BUILT_IN)
+    quiet["model"]["loss"] = "focal"  # not cross_entropy: a name that may become code
+    with pytest.raises(ConfigError, match="model.loss"):
+        trust.check(quiet, "m.json")
