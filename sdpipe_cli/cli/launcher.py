@@ -225,7 +225,7 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
     Returns (the store's events, the run folder, the config's path, the launch time)."""
     new_run = resume is None or fresh
     if new_run:  # a new run (from scratch, or resumed into a new folder), or one started again
-        if run_dir is None and not (fresh and cfg.run.id):  # a resume names its new folder's id
+        if run_dir is None:  # a new run; one resumed fresh got its id with its folder (resuming)
             cfg.run.id = uuid.uuid4().hex
         run_dir = run_dir or make_run_dir(cfg.run.dir)
         cfg.run.dir = str(run_dir.resolve()) if run.cluster.real else str(run_dir)

@@ -186,18 +186,19 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     return Leg(new, folder, manifest["elapsed"], sum(plan.steps.values()), fresh)
 
 
+def _values(key: str, overrides: Sequence[str]) -> list[str]:
+    """The values ``overrides`` give ``key``, in order."""
+    return [item.partition("=")[2] for item in overrides
+            if item.split("=", 1)[0].lstrip("+~") == key]
+
+
 def _value(key: str, overrides: Sequence[str]) -> str | None:
-    """The value ``overrides`` give ``key``, if any (the last)."""
-    found = None
-    for item in overrides:
-        name, _, value = item.partition("=")
-        if name.lstrip("+~") == key:
-            found = value
-    return found or None
+    """The (last) value ``overrides`` give ``key``; None if none, or empty."""
+    return (_values(key, overrides) or [None])[-1] or None
 
 
 def _given(key: str, overrides: Sequence[str]) -> bool:
-    return any(item.split("=", 1)[0].lstrip("+~") == key for item in overrides)
+    return bool(_values(key, overrides))
 
 
 def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
