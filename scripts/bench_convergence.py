@@ -84,6 +84,11 @@ VARIANTS = {
     "sdpipe-mean": ["sync=sdpipe", "sync.stale=average"],
     "sdpipe-weights": ["sync=sdpipe", "sync.average=weights", "sync.stale=average"],
     "sdpipe-classic": ["sync=sdpipe", "sync.policy=classic"],
+    # sdpipe meeting every iteration in float32, whatever the links (the default before slow-link
+    # meetings; the default still on clusters without emulated links)
+    "sdpipe-every1": ["sync=sdpipe", "sync.every=1", "sync.precision=fp32"],
+    "sdpipe-every4": ["sync=sdpipe", "sync.every=4", "sync.precision=bf16"],
+    "sdpipe-every8": ["sync=sdpipe", "sync.every=8", "sync.precision=bf16"],
     "adpsgd": ["sync=adpsgd"],
     "diloco": ["sync=diloco"],
     "local-sgd": ["sync=diloco", "sync.outer_lr=1", "sync.outer_momentum=0"],

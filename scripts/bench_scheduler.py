@@ -200,7 +200,7 @@ def write_config(args: argparse.Namespace, P: int, S: int, run_dir: Path) -> Pat
                    f"run.timeout={args.timeout}", "run.trace=true",
                    f"run.trace_events={4 * P * S * (args.steps + 2)}"])
     validate(cfg)
-    cfg, _ = preparing.prepare(cfg)
+    cfg, _, _ = preparing.prepare(cfg)
     save_run_config(cfg, run_dir / "config.yaml")
     return run_dir / "config.yaml"
 

@@ -185,12 +185,15 @@ def _place_by_job(cfg) -> None:
 
 
 def run_config(cfg, console: Console):
-    """The run config for this machine; shows the automatic partition's plan if there is one."""
+    """The run config for this machine; shows the automatic partition's plan and the meetings
+    chosen from slow links, if there are."""
     from sdpipe_cli.cli import preparing  # imports torch: after the checks of composed()
 
-    run_cfg, plan = preparing.prepare(cfg)
+    run_cfg, plan, choice = preparing.prepare(cfg)
     if plan is not None:
         display.plan_table(console, plan)
+    if choice is not None:
+        console.print(f"slow links: {choice.describe()}", highlight=False, soft_wrap=True)
     return run_cfg
 
 

@@ -3,7 +3,8 @@
 What a config leaves to the machine it runs on is settled here, in the launcher's process, so that
 every child reads the same answers from ``config.yaml`` instead of settling them again: the device
 (CPU, or one GPU per worker), the data's size and classes and vocabulary, the partition of the
-model into stages (``auto`` from a profile), the recorded run of ``sync.replay``, and the run plan
+model into stages (``auto`` from a profile), the recorded run of ``sync.replay``, how often
+sdpipe's replicas meet on slow links (``sync.every=0``, ``sync.precision=auto``), and the run plan
 (:class:`~sdpipe_cli.core.plan.RunPlan`: topology, placement, budget, micro-batch size). Bad input
 found here raises :class:`~sdpipe_cli.config.schema.ConfigError` before a run folder exists.
 :func:`check_memory` refuses a training run that cannot fit.
@@ -21,17 +22,20 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import ConfigError, num_classes, objective
 from sdpipe_cli.config.validation import validate_partition
-from sdpipe_cli.core import partition
+from sdpipe_cli.core import meetings, partition
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan, microbatch_size
 from sdpipe_cli.data import sources
+from sdpipe_cli.hetero import simulator
 from sdpipe_cli.model import memory, models
 
 
-def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
+def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
+                                      Optional[meetings.Choice]]:
     """Resolve what depends on this machine (device, partition, the profile's path) into a
-    concrete run config; with ``pipeline.partition=auto`` also the plan that chose it."""
+    concrete run config; with ``pipeline.partition=auto`` also the plan that chose it, and
+    where sdpipe's meetings were chosen from slow links, that choice."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
     cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)  # checked by validate()
     cfg.cluster.device = resolve_device(cfg, cluster)
@@ -68,7 +72,8 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan]]:
                               "fault.on_pipeline_loss=stop")
         load_recorded(cfg.sync.replay, cfg)
     cfg.plan = RunPlan.resolve(cfg, cluster).section()
-    return cfg, plan
+    choice = simulator.resolve_meetings(cfg)  # sdpipe on slow links: how often replicas meet
+    return cfg, plan, choice
 
 
 def check_memory(cfg: DictConfig) -> None:

@@ -238,6 +238,16 @@ class SdpipeSyncConfig(SyncConfig):
     # groups must connect all replicas
     connect_every: int = 8
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
+    # Slow links (docs/SYNC.md#slow-links): a replica meets its group after every this many
+    # local steps and trains alone in between; a meeting averages weights after the step. 0:
+    # chosen when the run is prepared from the emulated cluster.links (1 where none is)
+    every: int = 0
+    # What a group round sends: each member's change since the last global sync, with error
+    # feedback, in fp32 or bf16; auto: bf16 where a float32 meeting every iteration would not
+    # fit sync.wire_share. Global syncs are always exact (float32)
+    precision: str = "auto"
+    # The share of a replica's time that the chosen sync.every lets its meetings take
+    wire_share: float = 0.1
     # Seconds a group may take to form and average before its members go on alone (only a
     # member that died makes it wait; the scheduler then drops its pipeline); also how long past
     # its forecast a silent replica may hold cost_aware's rounds due to connect

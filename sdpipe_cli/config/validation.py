@@ -24,6 +24,7 @@ from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS
                                       OBJECTIVES, OPTIMIZERS, PARTITIONS, POLICIES, PRECISIONS,
                                       RESNET_BLOCKS, SCHEDULES, STALE_RULES, SYNC_MODES,
                                       ConfigError, emulation, n_blocks, num_classes, objective)
+from sdpipe_cli.core.meetings import SYNC_PRECISIONS
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
 
@@ -157,6 +158,11 @@ def _validate_sync(cfg: DictConfig) -> None:
     y = cfg.sync
     need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")
     _SETTINGS_CHECKS.get(y.name, lambda _: None)(y)
+    if y.name == "sdpipe" and p.schedule in ASYNC_SCHEDULES:
+        need(y.every in (0, 1), "sync.every", f"meetings every {y.every} iterations need a "
+             f"flushed schedule (1f1b, gpipe), not {p.schedule}")
+        need(y.precision in ("auto", "fp32"), "sync.precision",
+             f"'{y.precision}' needs a flushed schedule (1f1b, gpipe), not {p.schedule}")
     need(not (mode(y.name).flushed_only and p.schedule in ASYNC_SCHEDULES), "pipeline.schedule",
          f"sync={y.name} counts an iteration's updates: use a flushed schedule (1f1b, gpipe), "
          f"not {p.schedule}")
@@ -239,6 +245,12 @@ def _check_sdpipe(y: DictConfig) -> None:
          f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
     need(y.stale in STALE_RULES, "sync.stale",
          f"is '{y.stale}'; choose one of {', '.join(STALE_RULES)}")
+    need(y.every >= 0, "sync.every", "must be >= 0 (0: chosen from cluster.links; 1: every "
+         "iteration)")
+    need(y.precision in SYNC_PRECISIONS, "sync.precision",
+         f"is '{y.precision}'; choose one of {', '.join(SYNC_PRECISIONS)}")
+    need(math.isfinite(y.wire_share) and 0 < y.wire_share <= 1, "sync.wire_share",
+         f"must be in (0, 1], got {y.wire_share}")
 
 
 def _check_ps(y: DictConfig) -> None:

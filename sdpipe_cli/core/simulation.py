@@ -16,9 +16,11 @@ The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPip
 * A forward also waits for the previous stage's forward of the micro-batch, a backward for the
   next stage's backward, each plus the link's transfer of one activation and ``p2p_s``.
 * After its last backward the worker synchronizes, per mode:
-  - ``sdpipe``: the ready signal reaches the scheduler after half a round trip. The scheduler
-    handles one event at a time (``event_s`` each) and feeds it to the policy. A decision reaches
-    its members after another half round trip; then they all-reduce the stage's payload.
+  - ``sdpipe``: after every ``every``-th iteration (otherwise nothing), the ready signal reaches
+    the scheduler after half a round trip. The scheduler handles one event at a time
+    (``event_s`` each) and feeds it to the policy, which counts meetings. A decision reaches its
+    members after another half round trip; then they all-reduce the stage's payload (a group
+    round's in ``precision``; a global sync's in float32).
   - ``allreduce`` and ``adpsgd``: each replica waits for every other at the same iteration (the
     gradient all-reduce; AD-PSGD agrees on stopping with such a barrier), then all-reduces over
     all replicas (AD-PSGD: averages with its partner).
@@ -45,6 +47,7 @@ from typing import Callable, Optional, Sequence
 from sdpipe_cli.core import modes
 from sdpipe_cli.core.cluster import Cluster, Stragglers
 from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
+from sdpipe_cli.core.meetings import BYTES
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.schedule import Kind, get_schedule, tick_order
 
@@ -78,6 +81,8 @@ class Workload:
     jitter: float = 0.0  # sigma of a log-normal factor on a worker's iteration
     staleness: int = 3  # ps (the schema's default)
     local_steps: int = 1  # diloco: iterations between outer steps
+    every: int = 1  # sdpipe: iterations between a replica's meetings (sync.every)
+    precision: str = "fp32"  # sdpipe: what a group round's values are sent in (sync.precision)
     seed: int = 0  # adpsgd's matchings
 
     @property
@@ -294,6 +299,8 @@ class _Run:
         self.pending[p] = S
         # sdpipe's ready signal does nothing but travel to the scheduler: one event, not two
         to_scheduler = self.w.rtt_s / 2 if self.policy is not None else None
+        if to_scheduler is not None and (k + 1) % w.every:
+            to_scheduler = None  # sdpipe between meetings: nothing to do (see _ready)
         for s in range(S):
             self.ready_at[(p, s)] = at[s]
             if to_scheduler is None:
@@ -342,7 +349,8 @@ class _Run:
     # -- sync modes -----------------------------------------------------------------------------
     def _ready(self, t: float, p: int, s: int, k: int) -> None:
         w = self.w
-        if self.sync == "none" or (self.sync == "diloco" and (k + 1) % w.local_steps):
+        if (self.sync in ("none", "sdpipe")
+                or (self.sync == "diloco" and (k + 1) % w.local_steps)):
             self._synced(p, s, k, t, False)
         elif self.sync in ("allreduce", "adpsgd", "diloco"):
             arrived = self.barriers.setdefault((s, k), {})
@@ -396,7 +404,7 @@ class _Run:
 
     def _scheduler(self, t: float, p: int, s: int, k: int) -> None:
         self.now = max(t, self.sched_free)
-        self._decided(self.policy.ready(s, p, k))
+        self._decided(self.policy.ready(s, p, k // self.w.every))
         self.sched_free = self.now + self.w.event_s
 
     def _decided(self, decisions) -> None:
@@ -407,12 +415,14 @@ class _Run:
             nbytes = w.stage_bytes[d.stage] * (2 if twice else 1)
             if d.kind == "global" and w.average == "weights_grads":
                 nbytes *= 2  # the optimizer's two moments too
+            if d.kind == "group":
+                nbytes = nbytes * BYTES[w.precision] // BYTES["fp32"]
             cost = self._allreduce_s(d.members, d.stage, nbytes)
             self._count(d.members, d.stage, nbytes)
             self.comm_s += len(d.members) * cost if len(d.members) > 1 else 0.0
             done = self.now + w.rtt_s / 2 + cost
-            for q, k in zip(d.members, d.iterations):
-                self._synced(q, d.stage, k, done, d.stop)
+            for q, k in zip(d.members, d.iterations):  # k: a meeting, of every iterations
+                self._synced(q, d.stage, k * w.every + w.every - 1, done, d.stop)
 
     # -- the event loop -------------------------------------------------------------------------
     def run(self) -> Result:

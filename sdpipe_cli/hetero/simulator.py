@@ -23,6 +23,8 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation
 from sdpipe_cli.core.cluster import Stragglers
 from sdpipe_cli.core.grouping import make_policy
+from sdpipe_cli.core.meetings import BYTES, Choice, average_of, choose, meetings_of, precision_of
+from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
@@ -93,20 +95,52 @@ def _for_sync(work: Workload, cfg: DictConfig) -> Workload:
 
 
 def _sync_settings(cfg: DictConfig) -> dict:
-    return {"average": cfg.sync.get("average", "weights_grads"),
+    return {"average": average_of(cfg.sync), "every": meetings_of(cfg.sync).every,
+            "precision": precision_of(cfg.sync),
             "staleness": int(cfg.sync.get("staleness", 3)),
             "local_steps": int(cfg.sync.get("local_steps", 1))}
 
 
 def _with_sync(cfg: DictConfig, sync: str, plan: Optional[RunPlan] = None) -> DictConfig:
     """``cfg`` with another sync mode's defaults (for the comparison rows), its plan with that
-    mode's servers."""
+    mode's servers; sdpipe's meetings chosen as a launch would (:func:`resolve_meetings`)."""
     if cfg.sync.name == sync:
         return cfg
     other = OmegaConf.to_container(cfg, resolve=True)
     other["sync"] = OmegaConf.to_container(OmegaConf.structured(SYNC_CONFIGS[sync]))
     other["plan"] = (plan or RunPlan.of(cfg)).for_sync(sync).section()
-    return OmegaConf.create(other)
+    other = OmegaConf.create(other)
+    resolve_meetings(other, plan)
+    return other
+
+
+def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optional[Choice]:
+    """Write sdpipe's ``sync.every`` and ``sync.precision`` into ``cfg`` where they are left to
+    choose (0, ``auto``), from the cluster's emulated links (:func:`~sdpipe_cli.core.meetings.
+    choose`): the fastest pipeline's iteration, simulated alone for a few steps, against one
+    meeting of every replica of the costliest stage. Where no link is emulated, or compute is
+    not modelled (nothing to estimate an iteration from), every iteration in float32, as on
+    fast links. Returns the choice made (None: nothing was left to choose from links)."""
+    y = cfg.sync
+    if y.name != "sdpipe" or (y.every != 0 and y.precision != "auto"):
+        return None
+    plan = plan or RunPlan.of(cfg)
+    if not plan.cluster.links_emulated or emulation(cfg) != "modelled":
+        y.every, y.precision = y.every or 1, "fp32" if y.precision == "auto" else y.precision
+        return None
+    work = workload(cfg, plan)
+    probe = dataclasses.replace(work, steps=min(work.steps, 4), stragglers=copy.deepcopy(
+        work.stragglers))
+    alone = simulate(probe, "none")
+    iteration_s = min(t / k for k, t in zip(alone.iterations, alone.finished_at) if k)
+    replicas = [Placement.of(0, s, plan.pipelines, plan.stages).replicas()
+                for s in range(plan.stages)]
+    round_s = {p: max(plan.cluster.allreduce_s(r, n * BYTES[p] // FLOAT_BYTES) + work.collective_s
+                      for r, n in zip(replicas, work.stage_bytes))
+               for p in ("fp32", "bf16")}
+    choice = choose(iteration_s, round_s, float(y.wire_share), int(y.every), str(y.precision))
+    y.every, y.precision = choice.every, choice.precision
+    return choice
 
 
 def _row(result: Result, limit: float, wall_clock_s: float) -> dict:

@@ -20,8 +20,8 @@ from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import Joined, connect_store
 from sdpipe_cli.sync.traffic import Traffic
 
-__all__ = ["GroupCache", "average_parameters", "average_tensors", "flatten", "for_worker",
-           "unflatten"]
+__all__ = ["GroupCache", "average_changes", "average_parameters", "average_tensors", "flatten",
+           "for_worker", "unflatten"]
 
 
 class GroupCache:
@@ -152,6 +152,34 @@ def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list
                 math.sqrt(float(sums[1]) / len(ranks)), 1e-30)
         unflatten(flat, tensors)
     return distance
+
+
+def average_changes(tensors: list[torch.Tensor], anchor: torch.Tensor, residual: torch.Tensor,
+                    groups: GroupCache, ranks: list[int], share: Optional[float] = None,
+                    incarnations: Optional[list[int]] = None, tag: str = "") -> None:
+    """Replace each tensor by ``anchor`` plus the mean over ``ranks`` of the members' changes
+    since it, all-reduced in bfloat16 (half of float32's bytes).
+
+    Every member must hold the same ``anchor`` (the stage's weights at its last global sync;
+    :mod:`~sdpipe_cli.core.meetings`). ``residual``: what rounding lost of this member's change so
+    far; it is added to the change before rounding and updated with what this rounding lost
+    (error feedback), so a member's progress is delayed by rounding, never dropped. ``share``:
+    this member's weight in a weighted mean (:func:`average_tensors`' ``shares``); 0 takes the
+    group's state without counting, and drops what its own change was. Both vectors are flat,
+    float32, of the tensors' total size.
+    """
+    with torch.no_grad():
+        change = flatten(tensors).sub_(anchor).add_(residual)
+        sent = (change if share is None else change * share).to(torch.bfloat16)
+        lost = (change.sub_(sent.float()) if share is None
+                else change.sub_(sent.float() / share) if share > 0 else change.zero_())
+        # kept only once the all-reduce completed: a failed round leaves this member as it was
+        groups.all_reduce(sent, ranks, incarnations=incarnations, tag=tag)
+        residual.copy_(lost)
+        mean = sent.float()
+        if share is None:
+            mean /= len(ranks)
+        unflatten(mean.add_(anchor), tensors)
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

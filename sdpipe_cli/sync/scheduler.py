@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision, make_policy
+from sdpipe_cli.core.meetings import meetings_of
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
@@ -149,6 +150,8 @@ class Scheduler:
                          else None)
         self.policy = (make_policy(cfg, plan, clock) if mode(cfg.sync.name).group_policy
                        and self.recorded is None else None)
+        # the policy counts meetings (sync.every iterations each); checkpoints and heals, steps
+        self.meetings = meetings_of(cfg.sync)
         self.metrics = self._metrics() if live else _Muted()
         self.rounds = [[0] * P for _ in range(S)]  # rounds each replica took part in
         self.group_sizes: list[int] = []
@@ -221,7 +224,7 @@ class Scheduler:
             self.tracker.state[p].steps = k
             self.tracker.state[p].samples = k * self.cfg.train.batch_size
         if self.policy is not None:
-            self.policy.resume(steps)
+            self.policy.resume({p: self.meetings.meeting(k) for p, k in steps.items()})
         self.checkpoints.resume(self._average(steps))
         # where this leg begins: readers of metrics.jsonl tell timelines apart by it (a leg
         # resumed from an older checkpoint goes back in iterations); ``at``: the checkpoint's
@@ -353,7 +356,7 @@ class Scheduler:
         for ckpt, pipelines in list(self.shards_from.items()):  # its shards will not come
             if p in pipelines:
                 pipelines.discard(p)
-                self.stand_ins[ckpt][p] = self.policy.resume_at.get(p, 0)
+                self.stand_ins[ckpt][p] = self._resume_step(p)
                 self._finalize(ckpt)
 
     def _rejoin(self, event: protocol.Rejoin) -> None:
@@ -368,7 +371,7 @@ class Scheduler:
         """The run ended while some restarted replicas waited to be healed: they stop."""
         for s, p in sorted(self.rejoining):
             store.put(self.events, store.heal_key(s, p, self.incarnation[p]),
-                      protocol.HealAnswer(stop=True, iteration=self.policy.resume_at.get(p)))
+                      protocol.HealAnswer(stop=True, iteration=self._resume_step(p, None)))
         self.rejoining.clear()
 
     def _publish(self, decisions: list[Decision]) -> None:
@@ -395,7 +398,8 @@ class Scheduler:
                 keys.append(store.heal_key(d.stage, q, self.incarnation[q]))
                 values.append(protocol.encode(protocol.HealAnswer(
                     stop=False, source=d.members[0],
-                    source_incarnation=self.incarnation[d.members[0]], iteration=k, done=done,
+                    source_incarnation=self.incarnation[d.members[0]],
+                    iteration=self.meetings.steps(k), done=done,
                     round=d.round)))
             # stamped before the write: a member may read the decision before the write returns
             # here, and a stamp after it would then be later than the read it caused
@@ -414,6 +418,8 @@ class Scheduler:
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
                 "twins": d.twins, "done": done,
                 "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]}
+            if self.meetings.every > 1:  # iterations above count meetings of this many
+                line["every"] = self.meetings.every
             if d.heal:  # the restarted replicas the first member heals: [pipeline, iteration]
                 line["heal"] = [list(h) for h in d.heal]
             if d.weight_shares:  # a stale member counted less (sync.stale)
@@ -429,7 +435,8 @@ class Scheduler:
         self.global_seen[d.stage] += 1
         if g not in self.global_checkpoint:
             steps = {**self._missing_steps(d.members),
-                     **{p: k + 1 for p, k in self.policy.global_history[g].items()}}
+                     **{p: self.meetings.steps(k + 1)
+                        for p, k in self.policy.global_history[g].items()}}
             ckpt = self.checkpoints.at_global_sync(self._average(steps), d.stop, self.clock())
             self.global_checkpoint[g] = ckpt
             if ckpt is not None:
@@ -439,8 +446,13 @@ class Scheduler:
 
     def _missing_steps(self, members) -> dict[int, int]:
         """Pipelines not at a global sync (lost, or restarting): the iterations each has done."""
-        return {q: self.policy.resume_at.get(q, 0)
+        return {q: self._resume_step(q)
                 for q in range(self.cfg.cluster.pipelines) if q not in members}
+
+    def _resume_step(self, p: int, unknown: Optional[int] = 0) -> Optional[int]:
+        """The local step a left pipeline would go on from (the policy counts meetings)."""
+        k = self.policy.resume_at.get(p)
+        return unknown if k is None else self.meetings.steps(k)
 
     def _saved(self, event: protocol.Saved) -> None:
         """A worker wrote its shard; once every worker due to did, finalize the checkpoint."""

@@ -39,9 +39,9 @@ from torch.nn.utils import vector_to_parameters
 
 from sdpipe_cli.core.grouping import gossip_peer
 from sdpipe_cli.core.placement import Grid, Placement
-from sdpipe_cli.sync.groups import (GroupCache, average_parameters, average_tensors, flatten,
-                                    statistics,
-                                    unflatten)
+from sdpipe_cli.core.meetings import Meetings, average_of, meetings_of, precision_of
+from sdpipe_cli.sync.groups import (GroupCache, average_changes, average_parameters,
+                                    average_tensors, flatten, statistics, unflatten)
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync.base import Sync
 from sdpipe_cli.sync.diloco import DilocoSync
@@ -97,6 +97,9 @@ class GroupSync(Sync):
     ``average="weights_grads"``: the round comes before the local step and averages the weights
     and the gradients (and, at global syncs, the optimizer state); ``"weights"``: it comes after
     the step and averages the weights. ``optimizer``: whose state a global sync averages.
+    ``meetings``: after which local steps the replica meets (the others it trains alone; the
+    scheduler counts meetings); ``precision``: ``bf16`` sends a group round's changes since the
+    anchor in bfloat16 (:mod:`~sdpipe_cli.core.meetings`; ``average`` must then be ``weights``).
     """
 
     name = "sdpipe"
@@ -105,16 +108,25 @@ class GroupSync(Sync):
 
     def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
                  pipelines: int, groups: GroupCache, average: str = "weights_grads",
-                 optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0):
+                 optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,
+                 meetings: Meetings = Meetings(), precision: str = "fp32"):
+        if (meetings.every > 1 or precision != "fp32") and average != "weights":
+            raise ValueError("meetings every H > 1 steps and bf16 changes average weights")
         self.events, self.rank, self.pipeline, self.stage, self.stages = (
             events, rank, pipeline, stage, stages)
         self.pipelines, self.groups, self.average = pipelines, groups, average
         self.grid = Grid(pipelines, stages)
         self.optimizer, self.incarnation = optimizer, incarnation
+        self.meetings, self.precision = meetings, precision
+        # bf16: the weights at the last global sync, alike on every replica, and what rounding
+        # lost of this replica's change since (error feedback)
+        self.anchor: Optional[torch.Tensor] = None
+        self.residual: Optional[torch.Tensor] = None
         self.stop = False
         self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
-        self._done: Optional[int] = None  # pipeline-iterations begun, at the last decision
+        self._done: Optional[int] = None  # pipeline-meetings begun, at the last decision
+        self._decided_at = 0  # the local step of the last decision
         self._heal: list[protocol.HealTarget] = []  # replicas to heal after this update
         self._t0: Optional[float] = None  # the run's time axis, for the reports; read when needed
 
@@ -127,34 +139,53 @@ class GroupSync(Sync):
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
 
     def after_backward(self, module: nn.Module, step: int) -> None:
+        if self.precision != "fp32" and self.anchor is None:
+            # before the first local step: the weights every replica starts from (or resumes
+            # from: a checkpoint follows a global sync), the first anchor
+            self.anchor = flatten(self._replica(module))
+        self._checkpoint = None
         if self.average == "weights_grads":
             self._round(module, step, grads=True)
 
     def after_step(self, module: nn.Module, step: int) -> None:
         if self.average == "weights":
-            self._round(module, step, grads=False)
+            if self.meetings.meets(step):
+                self._round(module, step, grads=False)
+            else:  # training alone until the next meeting
+                self._checkpoint = None
+                self._stats = {}
         for target in self._heal:  # after the step: the state the replica goes on from
             self._give_heal(module, target)
         self._heal = []
 
     def position(self, step: int) -> float:
         """The run's global progress: pipeline-iterations begun over P, as the scheduler counted
-        them at the last decision. Before the step (weights_grads) that count includes the
-        current iteration of every pipeline; after it (weights), it is the next one's."""
+        them (in meetings of H iterations) at the last decision, plus this replica's steps since.
+        Before the step (weights_grads) that count includes the current iteration of every
+        pipeline; after it (weights), the iterations up to the next one's."""
         if self._done is None:
             return float(step)
-        return self._done / self.pipelines - (1.0 if self.average == "weights_grads" else 0.0)
+        if self.meetings.every == 1:
+            return self._done / self.pipelines - (1.0 if self.average == "weights_grads" else 0.0)
+        # between meetings (flushed schedules: a round is an iteration), the steps since
+        return self.meetings.steps(self._done) / self.pipelines + (step - self._decided_at - 1)
+
+    def _replica(self, module: nn.Module) -> list[torch.Tensor]:
+        """What a group round averages: the weights, then the running statistics."""
+        return list(module.parameters()) + statistics(module)
 
     def _round(self, module: nn.Module, step: int, grads: bool) -> None:
         start = time.perf_counter()
+        meeting = self.meetings.meeting(step)  # the scheduler counts meetings
         store.push(self.events, store.EVENTS, protocol.Ready(
-            self.rank, self.pipeline, self.stage, step, self.incarnation))
-        decision = store.take(self.events, store.decision_key(self.stage, self.pipeline, step,
+            self.rank, self.pipeline, self.stage, meeting, self.incarnation))
+        decision = store.take(self.events, store.decision_key(self.stage, self.pipeline, meeting,
                                                               self.incarnation), protocol.Group)
         got = time.perf_counter()
         members, incarnations = decision.members, decision.incarnations
         if decision.done is not None:
-            self._done = decision.done
+            self._done, self._decided_at = decision.done, step
+        changes = self.precision != "fp32" and decision.kind == "group"
         self._heal = decision.heal
         distance = None
         if len(members) > 1:
@@ -177,10 +208,15 @@ class GroupSync(Sync):
                 if decision.kind == "global" and self.optimizer is not None:
                     tensors += optim.state_tensors(self.optimizer, params)
             try:
-                distance = average_tensors(tensors, self.groups, ranks,
-                                           consensus=len(params) if decision.kind == "global"
-                                           else 0, incarnations=incarnations,
-                                           tag=f"r{decision.round}", shares=shares)
+                if changes:  # bf16 changes since the anchor (the tensors: weights, statistics)
+                    average_changes(tensors, self.anchor, self._residual(), self.groups, ranks,
+                                    shares[0][1] if shares else None,
+                                    incarnations=incarnations, tag=f"r{decision.round}")
+                else:
+                    distance = average_tensors(tensors, self.groups, ranks,
+                                               consensus=len(params) if decision.kind == "global"
+                                               else 0, incarnations=incarnations,
+                                               tag=f"r{decision.round}", shares=shares)
             except (RuntimeError, dist.DistError) as err:
                 # A member died mid-round (its pipeline was lost). The tensors are only written
                 # back after a complete all-reduce, so ours are untouched; the scheduler drops
@@ -188,6 +224,14 @@ class GroupSync(Sync):
                 self.groups.forget(ranks, incarnations)
                 log.warning("group %s failed (%s); going on alone", members, err)
                 members = [self.pipeline]
+            else:
+                if decision.kind == "global" and self.precision != "fp32":
+                    # every replica now holds the same weights: the next changes start here
+                    self.anchor = flatten(self._replica(module))
+                    self._residual().zero_()
+        elif decision.kind == "global" and self.precision != "fp32":
+            self.anchor = flatten(self._replica(module))
+            self._residual().zero_()
         if distance is not None and self.pipeline == members[0]:
             store.push(self.events, store.EVENTS, protocol.Report(
                 "consensus", self.rank, self.pipeline, self.stage, self._clock(),
@@ -199,15 +243,28 @@ class GroupSync(Sync):
                        "group_kind": decision.kind, "wait_s": got - start,
                        "comm_s": time.perf_counter() - got}
 
+    def _residual(self) -> torch.Tensor:
+        """What rounding lost of this replica's change since the anchor (zeros at first)."""
+        if self.residual is None:
+            self.residual = torch.zeros_like(self.anchor)
+        return self.residual
+
     def stats(self) -> dict[str, Any]:
         return self._stats
 
     # -- healing a restarted replica (fault.on_pipeline_loss=restart) ---------------------------
     def _state(self, module: nn.Module) -> list[torch.Tensor]:
-        """What a replica is: its weights and its optimizer's state, in a fixed order."""
+        """What a replica is: its weights and its optimizer's state, in a fixed order; with bf16
+        changes also the anchor they are taken from (a restarted replica's is filled in by the
+        broadcast that heals it)."""
         params = list(module.parameters())
-        return params + statistics(module) + (optim.state_tensors(self.optimizer, params)
-                                              if self.optimizer else [])
+        state = params + statistics(module) + (optim.state_tensors(self.optimizer, params)
+                                               if self.optimizer else [])
+        if self.precision != "fp32":
+            if self.anchor is None:
+                self.anchor = torch.zeros_like(flatten(self._replica(module)))
+            state.append(self.anchor)
+        return state
 
     def _give_heal(self, module: nn.Module, target: protocol.HealTarget) -> None:
         """Send this replica's state to a restarted one (the scheduler chose us as its source)."""
@@ -378,8 +435,8 @@ def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: P
     name = settings.name
     p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
     if name == "sdpipe":
-        return GroupSync(events, where.rank, p, s, S, P, groups, settings.average, optimizer,
-                         incarnation)
+        return GroupSync(events, where.rank, p, s, S, P, groups, average_of(settings), optimizer,
+                         incarnation, meetings_of(settings), precision_of(settings))
     if name == "ps":
         return PSSync(where.server_rank(), device, groups.traffic if groups is not None else None)
     if name == "diloco":

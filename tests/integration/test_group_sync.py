@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from tests.helpers import free_port, metrics, sdpipe
 from sdpipe_cli.config.run_file import load_run_config
-from sdpipe_cli.sync.groups import GroupCache, average_tensors
+from sdpipe_cli.sync.groups import GroupCache, average_changes, average_tensors
 from sdpipe_cli.model.models import build_stage_module
 
 pytestmark = pytest.mark.multiprocess
@@ -130,6 +130,55 @@ def test_shares_weigh_each_member_and_the_rest_is_the_plain_mean():
         torch.testing.assert_close(state, torch.full((4,), 200.0))
 
 
+def _changes_worker(rank: int, port: int, results) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=datetime.timedelta(seconds=30))
+    groups = GroupCache(dist.PrefixStore("pg/", store), rank, "gloo", 30)
+    torch.manual_seed(0)
+    anchor = torch.randn(1000)  # the same on every rank, as after a global sync
+    torch.manual_seed(1 + rank)
+    weights = anchor + torch.randn(1000) * 1e-3 * (rank + 1)
+    change = weights - anchor  # as the member sees it, to float32's last bit
+    residual = torch.zeros(1000)
+    average_changes([weights], anchor, residual, groups, [0, 1, 2])
+    sent_before = groups.traffic.summary()["same_node"]["sent_bytes"]
+    results[rank] = (change, weights.clone(), residual.clone(), sent_before)
+    # the pulled member (share 0) takes the group's state and keeps nothing of its own change
+    shares = [0.5, 0.5, 0.0]
+    w2 = anchor + change
+    r2 = torch.ones(1000) if rank == 2 else torch.zeros(1000)  # pulled: its residual is dropped
+    average_changes([w2], anchor, r2, groups, [0, 1, 2], share=shares[rank])
+    results[f"pulled{rank}"] = (w2.clone(), r2.clone())
+
+
+def test_bf16_changes_average_around_the_anchor_and_keep_what_rounding_lost():
+    """``sync.precision=bf16``: every member ends with anchor + the mean change to within
+    bfloat16's rounding of the changes (not of the weights), all alike; what rounding took from
+    a member's change is its residual, so change = what it sent + residual exactly; and the
+    all-reduce moved 2 bytes a value (2(k-1)/k of them, a ring)."""
+    results = _run_ranks(_changes_worker, 3, timeout=60)
+    changes = torch.stack([results[r][0] for r in range(3)])
+    torch.manual_seed(0)
+    anchor = torch.randn(1000)
+    expected = anchor + changes.mean(0)
+    for r in range(3):
+        _, weights, residual, sent = results[r]
+        assert torch.equal(weights, results[0][1])
+        error = (weights - expected).abs().max().item()
+        assert error < changes.abs().max().item() * 2 ** -7
+        # the weights themselves in bfloat16 would have been off by far more
+        assert error < (expected - expected.to(torch.bfloat16).float()).abs().max().item() / 10
+        assert residual.abs().max().item() <= changes[r].abs().max().item() * 2 ** -8
+        assert 0 < residual.abs().max().item()
+        sent_values = (changes[r] - residual).to(torch.bfloat16).float()
+        torch.testing.assert_close(sent_values + residual, changes[r], rtol=0, atol=1e-9)
+        assert sent == int(2 * 2 / 3 * 1000 * 2)  # float32 would be twice that
+    w = (changes[0] + changes[1]) / 2 + anchor
+    for r in range(3):
+        w2, r2 = results[f"pulled{r}"]
+        torch.testing.assert_close(w2, w, rtol=0, atol=changes.abs().max().item() * 2 ** -7)
+        assert (r2 == 0).all() if r == 2 else r2.abs().max() <= changes[r].abs().max() * 2 ** -8
+
+
 def _retag_worker(rank: int, port: int, results) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=20))
     groups = GroupCache(dist.PrefixStore("pg/", store), rank, "gloo", 20)
@@ -160,12 +209,15 @@ def _fresh_stages(run_dir) -> dict[int, torch.nn.Module]:
     return {s: build_stage_module(cfg, s) for s in range(cfg.pipeline.stages)}
 
 
-def test_lr_zero_changes_nothing_anywhere(run_dir):
+@pytest.mark.parametrize("meetings", [(), ("sync.every=2", "sync.precision=bf16")])
+def test_lr_zero_changes_nothing_anywhere(run_dir, meetings):
     """With lr = 0 only averaging acts, and averaging equal replicas must give them back
-    (up to float32 rounding of the sum: 3x/3 need not be x to the last bit)."""
+    (up to float32 rounding of the sum: 3x/3 need not be x to the last bit). With bf16 changes
+    every 2 steps, the changes are zero and each member adds their mean to its anchor: an
+    anchor that differed between replicas would move every one of them."""
     out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "train.lr=0", "train.steps=10",
                  "model=mlp", "data=synthetic", "train.batch_size=8", "cluster.pipelines=3",
-                 "run.save_final=true")
+                 "run.save_final=true", *meetings)
     assert out.returncode == 0, out.stderr
     fresh = _fresh_stages(run_dir)
     sizes = {g["size"] for g in metrics(run_dir, "group")}
@@ -264,3 +316,36 @@ def test_four_pipelines_two_stages_converge_like_allreduce(allreduce_run, tmp_pa
     globals_ = [g for g in metrics(run_dir, "group") if g["group"] == "global"]
     assert len(consensus) == len(globals_) >= 2
     assert all(0 <= c["consensus"] < 0.5 for c in consensus)
+
+
+def test_meetings_every_four_steps_in_bf16_train_and_leave_the_replicas_identical(
+        allreduce_run, tmp_path):
+    """sync.every=4, sync.precision=bf16: replicas meet after every 4th step only, a group round
+    sends 2 bytes a value and a global sync 4 (exact), the loss falls about as all-reduce's,
+    the budget is exact, and the final global sync leaves every replica of a stage identical.
+    (That the anchor is alike on every member: the lr = 0 test above.)"""
+    run_dir = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.every=4",
+                 "sync.precision=bf16", "sync.global_every=8", *P4S2)
+    assert out.returncode == 0, out.stderr
+    groups = metrics(run_dir, "group")
+    assert groups and all(g["every"] == 4 for g in groups)
+    met = [m for m in metrics(run_dir, "train") if "group_size" in m]
+    assert met and all(m["step"] % 4 == 0 for m in met)  # steps done: after every 4th
+    # the lines are the last stage's: a member sent 2(k-1)/k of the payload (a ring)
+    values = sum(p.numel() for p in _fresh_stages(run_dir)[1].parameters())
+    per_value = {}
+    for m in met:
+        k = m["group_size"]
+        if k > 1:
+            per_value.setdefault(m["group_kind"], set()).add(
+                round(m["sent_bytes"] / (2 * (k - 1) / k) / values, 2))
+    assert per_value == {"group": {2.0}, "global": {4.0}}, per_value
+    first = [m["loss"] for m in metrics(run_dir, "train") if m["step"] == 1]
+    val = {"sdpipe": _final_val(run_dir), "allreduce": _final_val(allreduce_run)}
+    assert val["sdpipe"] < min(first) - 1.0
+    assert val["sdpipe"] < val["allreduce"] * 1.1, val
+    done = metrics(run_dir, "done")
+    for stage in (0, 1):
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+    assert sum(d["steps"] for d in done if d["stage"] == 0) == 4 * 20

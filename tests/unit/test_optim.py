@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from sdpipe_cli.model import optim
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.sync.strategies import GroupSync
+from sdpipe_cli.core.meetings import Meetings
 
 
 def _cfg(*overrides: str):
@@ -98,3 +99,12 @@ def test_group_sync_follows_the_runs_global_progress(average, offset):
     assert sync.position(7) == 7.0
     sync._done = 40
     assert sync.position(3) == 10.0 - offset
+
+
+def test_between_meetings_a_replica_moves_on_from_the_last_decisions_progress():
+    """sync.every=4: the scheduler counts meetings (4 iterations each); between two, the
+    replica's position goes on step by step from the progress the last decision carried."""
+    sync = GroupSync(events=None, rank=0, pipeline=0, stage=0, stages=2, pipelines=4,
+                     groups=None, average="weights", meetings=Meetings(4))
+    sync._done, sync._decided_at = 10, 11  # 10 meetings begun, decided after local step 11
+    assert [sync.position(k) for k in (12, 13, 14, 15)] == [10.0, 11.0, 12.0, 13.0]

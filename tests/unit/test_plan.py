@@ -14,7 +14,7 @@ from sdpipe_cli.core.plan import RunPlan
 
 
 def test_prepare_writes_the_plan_and_a_child_reads_it_back_from_config_yaml(tmp_path):
-    cfg, _ = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=3",
+    cfg, _, _ = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=3",
                               "pipeline.stages=2", "train.steps=7", "train.batch_size=24",
                               "pipeline.microbatches=4", "sync=ps"]))
     save_run_config(cfg, tmp_path / "config.yaml")
@@ -40,7 +40,7 @@ def test_a_config_that_was_not_prepared_has_no_plan():
 
 
 def test_a_plan_that_disagrees_with_its_cluster_is_refused():
-    cfg, _ = prepare(compose(["model=mlp", "data=synthetic"]))
+    cfg, _, _ = prepare(compose(["model=mlp", "data=synthetic"]))
     cfg.plan.placement = [["local:1", "local:0"], ["local:2", "local:3"]]
     with pytest.raises(BadInput) as info:
         RunPlan.of(cfg)

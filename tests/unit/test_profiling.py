@@ -37,7 +37,7 @@ def test_repeat_keeps_the_minimum_after_warmup_and_stops_on_budget():
 
 
 def test_stage_weights_follow_the_partition():
-    cfg, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
+    cfg, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
                                        "pipeline.partition=[1]"]))
     counts = models.block_param_counts(cfg.model)
     assert profiler.stage_weight_bytes(cfg, 0) == 4 * counts[0]
@@ -63,7 +63,7 @@ def _results(cfg) -> list[dict]:
 
 
 def test_assembled_document_loads_and_drives_auto_partition(tmp_path):
-    cfg, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu"]))
+    cfg, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu"]))
     path = measurements.write(profiler.assemble(cfg, _results(cfg)), tmp_path)
     doc = measurements.load(path)
     assert [d["rank"] for d in doc["devices"]] == [0, 1, 2, 3]
@@ -74,13 +74,13 @@ def test_assembled_document_loads_and_drives_auto_partition(tmp_path):
     # A measured device keeps its times; an unmeasured one gets the median, at its own speed.
     assert measurements.block_costs(doc, "local:1", 0.5)[0] == [2.0 * (b + 1) for b in range(6)]
     assert measurements.block_costs(doc, "elsewhere:0", 2.0)[0] == [(b + 1) / 2 for b in range(6)]
-    auto, plan = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
+    auto, plan, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
                                            "pipeline.partition=auto", f"profile={path}"]))
     assert plan is not None and auto.pipeline.partition == plan.bounds
 
 
 def test_load_names_a_missing_measurement(tmp_path):
-    cfg, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu"]))
+    cfg, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu"]))
     doc = profiler.assemble(cfg, _results(cfg))
     del doc["p2p"][1]["latency_ms"]
     (tmp_path / "profile.json").write_text(json.dumps(doc))

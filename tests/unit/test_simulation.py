@@ -163,3 +163,41 @@ def test_the_simulated_traffic_is_what_the_workers_count():
     assert run(cfg, "none").sync_bytes_per_sample == 0 and run(cfg, "none").comm_share == 0
     sdpipe = run(cfg, "sdpipe")
     assert sdpipe.sync_bytes_per_sample <= 2 * allreduce.sync_bytes_per_sample * 1.0001
+
+
+SLOW = ("cluster.pipelines=4", "pipeline.stages=2", "train.steps=48", "cluster=slow_links",
+        "cluster.compute_ms=10", "cluster.slowdown=[1,1,1,3]")
+
+
+def test_meetings_every_h_divide_the_rounds_and_bf16_halves_their_bytes():
+    """sync.every=4: a replica meets after every 4th iteration, so a quarter of the group rounds;
+    sync.precision=bf16: each group round sends half the bytes (global syncs stay float32). The
+    budget is still exact, and fast pipelines still do more."""
+    every1 = run(config(*SLOW, "sync.every=1", "sync.precision=fp32", "sync.average=weights",
+                        "sync.global_every=0"))
+    every4 = run(config(*SLOW, "sync.every=4", "sync.precision=bf16", "sync.global_every=0"))
+    for r in (every1, every4):
+        assert sum(r.iterations) == 4 * 48 and r.iterations[3] < r.iterations[0]
+    assert len(every4.group_sizes) < len(every1.group_sizes) / 3
+    # bytes per sample: group rounds a quarter as often, at half the bytes, plus the final global
+    assert every4.sync_bytes_per_sample < every1.sync_bytes_per_sample / 5
+    assert every4.samples_per_s > 1.15 * every1.samples_per_s
+
+
+def test_on_a_slow_link_the_launcher_chooses_meetings_that_fit_the_wire_share():
+    """sync.every=0 and sync.precision=auto (the defaults) resolve from the emulated links when
+    the run is prepared: every iteration in float32 where nothing is emulated, bf16 and H > 1
+    on slow_links, where sdpipe's simulated samples/s then rise above every iteration's (the
+    mlp is small: a float32 meeting per iteration costs it a quarter of its time there)."""
+    fast = config("cluster.pipelines=4", "train.steps=48")
+    assert (fast.sync.every, fast.sync.precision) == (1, "fp32")
+    slow = config(*SLOW)
+    assert slow.sync.every > 1 and slow.sync.precision == "bf16"
+    given = config(*SLOW, "sync.every=3")
+    assert (given.sync.every, given.sync.precision) == (3, "bf16")
+    doc = simulator.run(slow, ["allreduce"])
+    every1 = run(config(*SLOW, "sync.every=1", "sync.precision=fp32"))
+    assert doc["samples_per_s"] > 1.2 * every1.samples_per_s
+    assert doc["fraction_of_limit"] >= 0.8, doc["fraction_of_limit"]
+    allreduce = doc["compare"][0]
+    assert doc["sync_bytes_per_sample"] < allreduce["sync_bytes_per_sample"] / 4

@@ -17,6 +17,7 @@ from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
 from sdpipe_cli.core.grouping.rounds import RoundFormer
 from sdpipe_cli.core.grouping.state import Decision, RunState, Snapshot, StageView
+from sdpipe_cli.core.meetings import average_of, meetings_of
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 
@@ -249,17 +250,28 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
     """The policy of a run config with ``sync=sdpipe`` and its plan (the grid, the budget): the
     scheduler process and the simulator (:mod:`sdpipe_cli.core.simulation`) build it here, so
     both run the same one. ``evaluations``: whether the workers pause to evaluate every
-    ``train.eval_every`` iterations (the flushed schedules; the simulator models no pauses)."""
+    ``train.eval_every`` iterations (the flushed schedules; the simulator models no pauses).
+
+    With meetings every H > 1 iterations (``sync.every``), the policy's iteration is a meeting:
+    its budget, global-sync period and evaluation period are the run's in meetings
+    (:class:`~sdpipe_cli.core.meetings.Meetings`), and an evaluation is a pause it expects only
+    where every evaluation falls on a meeting. ``sync.patience`` stays a share of an
+    *iteration*: a round waits for forecast members at most that share of one iteration's
+    time, not of a meeting's H iterations (which held fast replicas for up to H/2 iterations
+    a meeting)."""
     y, p = cfg.sync, cfg.pipeline
-    policy, extra = GroupScheduler, {"evaluate_every": cfg.train.eval_every if evaluations else 0}
+    meet = meetings_of(y)
+    evaluate = cfg.train.eval_every if evaluations else 0
+    evaluate = meet.period(evaluate) if evaluate % meet.every == 0 else 0
+    policy, extra = GroupScheduler, {"evaluate_every": evaluate}
     if p.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
         rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
         policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}
     return policy(
         plan.pipelines, plan.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
-        connect_every=y.connect_every, global_every=y.global_every, patience=y.patience,
-        policy=y.policy, max_group=y.max_group, suspect_after=y.group_timeout,
-        twins=y.average == "weights_grads" and policy is GroupScheduler, stale=y.stale,
-        total_iterations=plan.budget,
+        connect_every=y.connect_every, global_every=meet.period(y.global_every),
+        patience=y.patience / meet.every, policy=y.policy, max_group=y.max_group, suspect_after=y.group_timeout,
+        twins=average_of(y) == "weights_grads" and policy is GroupScheduler, stale=y.stale,
+        total_iterations=meet.meetings(plan.budget),
         time_limit=cfg.train.time_limit, clock=clock)

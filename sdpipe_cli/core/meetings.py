@@ -1,0 +1,127 @@
+"""How often a replica meets its group, and what a meeting sends: sdpipe on slow links.
+
+On fast links a replica of sdpipe meets a group after every iteration. Across machines joined by
+1-25 Gbit/s, one all-reduce of a stage can take longer than several iterations of compute, and
+meeting every iteration puts most of a replica's time on the wire. Two settings cut that:
+
+* ``sync.every`` (H): a replica meets after every H-th local step, and trains alone in between
+  (local SGD in the scheduler's partial groups: fast replicas still never wait for slow ones).
+  The scheduler's policy then counts in *meetings*: its "iteration" k is a replica's block of
+  local steps ``k*H .. k*H + H - 1``, and its budget, global-sync period and evaluation period are
+  the run's divided by H. :class:`Meetings` is the one place that converts between the two.
+* ``sync.precision``: a group round (not a global sync, which stays exact) all-reduces each
+  member's change since the stage's *anchor*, the weights at the last global sync (which every
+  replica holds alike), in bfloat16 instead of float32: half the bytes. What rounding lost of a
+  member's change is kept and added to its next one (error feedback), so it is delayed, not lost.
+
+``sync.every=0`` and ``sync.precision=auto`` let the launcher choose (:func:`choose`) from the
+cluster's described links: nothing changes where the links are fast, which is every cluster that
+describes none.
+
+Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Meetings", "Choice", "choose", "meetings_of", "precision_of", "average_of", "SYNC_PRECISIONS", "BYTES"]
+
+SYNC_PRECISIONS = ("auto", "fp32", "bf16")
+BYTES = {"fp32": 4, "bf16": 2}  # bytes per value a group round sends
+
+
+@dataclass(frozen=True)
+class Meetings:
+    """A replica's meetings: one after every ``every``-th local step (0-based ``step``)."""
+
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError("every must be >= 1")
+
+    def meets(self, step: int) -> bool:
+        """Whether the replica meets its group after local step ``step``."""
+        return (step + 1) % self.every == 0
+
+    def meeting(self, step: int) -> int:
+        """The meeting (the policy's iteration) local step ``step`` belongs to."""
+        return step // self.every
+
+    def last_step(self, meeting: int) -> int:
+        """The local step after which a replica holds ``meeting``."""
+        return meeting * self.every + self.every - 1
+
+    def steps(self, meetings: int) -> int:
+        """Local steps done once ``meetings`` meetings are done."""
+        return meetings * self.every
+
+    def meetings(self, steps: int) -> int:
+        """Meetings that cover ``steps`` local steps (a budget rounds up: at most H - 1 more)."""
+        return -(-steps // self.every)
+
+    def period(self, steps: int) -> int:
+        """A period in local steps (``sync.global_every``, ``train.eval_every``) in meetings:
+        0 stays 0 (never), anything else at least 1."""
+        return 0 if steps <= 0 else max(1, round(steps / self.every))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` decided, and what it decided from (for the launcher's line)."""
+
+    every: int
+    precision: str
+    iteration_s: float  # the fastest pipeline's iteration, as estimated
+    round_s: float  # one meeting of every replica of the costliest stage, fp32
+    share: float  # the share of its time a replica may spend on the wire
+
+    def describe(self) -> str:
+        return (f"sync.every={self.every} sync.precision={self.precision}: a meeting of all "
+                f"replicas takes {self.round_s * 1e3:.1f} ms in float32 against "
+                f"{self.iteration_s * 1e3:.1f} ms of compute per iteration "
+                f"(sync.wire_share={self.share:g})")
+
+
+def choose(iteration_s: float, round_s: dict[str, float], share: float, every: int = 0,
+           precision: str = "auto") -> Choice:
+    """The meeting period and payload precision for a replica whose iteration takes
+    ``iteration_s`` and whose meeting with every replica of the stage takes ``round_s[p]`` in
+    precision ``p``, so that meetings use at most ``share`` of its time: where one float32
+    meeting per iteration fits, nothing changes (H = 1, float32); otherwise bfloat16, and H the
+    fewest iterations over which one meeting fits. ``every`` and ``precision`` given (not 0 or
+    ``auto``) are kept."""
+    if iteration_s <= 0 or min(round_s.values()) < 0 or not 0 < share <= 1:
+        raise ValueError("iteration_s must be > 0, round_s >= 0 and 0 < share <= 1")
+    fits = round_s["fp32"] <= share * iteration_s
+    if precision == "auto":
+        precision = "fp32" if fits and every in (0, 1) else "bf16"
+    if every == 0:
+        every = max(1, math.ceil(round_s[precision] / (share * iteration_s) - 1e-9))
+    return Choice(every, precision, iteration_s, round_s["fp32"], share)
+
+
+def meetings_of(sync) -> Meetings:
+    """A run's meetings, from its ``sync`` section: ``every`` as the launcher resolved it; 0
+    (left to choose, in a config nothing resolved: an older run) and a missing key are 1, as is
+    every mode but sdpipe."""
+    return Meetings(max(1, int(sync.get("every", 1) or 1)) if sync.name == "sdpipe" else 1)
+
+
+def precision_of(sync) -> str:
+    """A run's group-round precision, from its ``sync`` section: ``precision`` as resolved;
+    ``auto`` left unresolved (and any mode but sdpipe) is float32."""
+    chosen = sync.get("precision", "fp32") if sync.name == "sdpipe" else "fp32"
+    return "fp32" if chosen == "auto" else chosen
+
+
+def average_of(sync) -> str:
+    """What sdpipe's group rounds average, as the workers, the policy and the simulator must all
+    take it: ``sync.average``, except that meetings every H > 1 steps and low-precision changes
+    average the weights after the step (``weights``): a gradient of one step in H, or rounded
+    to bfloat16 beside exact weights, would buy little for twice the bytes."""
+    if meetings_of(sync).every > 1 or precision_of(sync) != "fp32":
+        return "weights"
+    return sync.get("average", "weights_grads")
