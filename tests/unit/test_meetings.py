@@ -90,3 +90,11 @@ def test_meetings_and_bf16_changes_average_weights_after_the_step():
         sync = OmegaConf.create({"name": "sdpipe", "every": every, "precision": precision,
                                  "average": "weights_grads"})
         assert average_of(sync) == "weights"
+
+
+def test_with_meetings_apart_a_global_sync_comes_at_most_once_in_1_over_share_meetings():
+    assert Meetings(1).global_period(50, 0.1) == 50  # every iteration: as before
+    assert Meetings(17).global_period(50, 0.1) == 10  # 3 meetings would make one in 3 global
+    assert Meetings(4).global_period(200, 0.1) == 50  # a longer period is kept
+    assert Meetings(8).global_period(0, 0.1) == 0  # only at the end
+    assert Meetings(8).global_period(50, 0.25) == 6  # 50 steps are 6 meetings, more than 4

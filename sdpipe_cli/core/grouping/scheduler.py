@@ -253,8 +253,9 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
     ``train.eval_every`` iterations (the flushed schedules; the simulator models no pauses).
 
     With meetings every H > 1 iterations (``sync.every``), the policy's iteration is a meeting:
-    its budget, global-sync period and evaluation period are the run's in meetings
-    (:class:`~sdpipe_cli.core.meetings.Meetings`), and an evaluation is a pause it expects only
+    its budget, global-sync period (at least 1 / ``sync.wire_share`` meetings) and evaluation
+    period are the run's in meetings (:class:`~sdpipe_cli.core.meetings.Meetings`), and an
+    evaluation is a pause it expects only
     where every evaluation falls on a meeting. ``sync.patience`` stays a share of an
     *iteration*: a round waits for forecast members at most that share of one iteration's
     time, not of a meeting's H iterations (which held fast replicas for up to H/2 iterations
@@ -270,7 +271,8 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
     return policy(
         plan.pipelines, plan.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
-        connect_every=y.connect_every, global_every=meet.period(y.global_every),
+        connect_every=y.connect_every,
+        global_every=meet.global_period(y.global_every, y.get("wire_share", 0.1)),
         patience=y.patience / meet.every, policy=y.policy, max_group=y.max_group, suspect_after=y.group_timeout,
         twins=average_of(y) == "weights_grads" and policy is GroupScheduler, stale=y.stale,
         total_iterations=meet.meetings(plan.budget),
