@@ -89,6 +89,7 @@ VARIANTS = {
     "sdpipe-every1": ["sync=sdpipe", "sync.every=1", "sync.precision=fp32"],
     "sdpipe-every4": ["sync=sdpipe", "sync.every=4", "sync.precision=bf16"],
     "sdpipe-every8": ["sync=sdpipe", "sync.every=8", "sync.precision=bf16"],
+    "diloco-bf16": ["sync=diloco", "sync.precision=bf16"],
     "adpsgd": ["sync=adpsgd"],
     "diloco": ["sync=diloco"],
     "local-sgd": ["sync=diloco", "sync.outer_lr=1", "sync.outer_momentum=0"],

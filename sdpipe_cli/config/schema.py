@@ -289,6 +289,9 @@ class DilocoSyncConfig(SyncConfig):
     local_steps: int = 8  # inner steps of each replica between two outer steps
     outer_lr: float = 0.7  # the outer step's learning rate (1.0 with momentum 0: plain averaging)
     outer_momentum: float = 0.9  # the outer step's Nesterov momentum
+    # what the outer gradient is all-reduced in: fp32, or bf16 with error feedback (the same
+    # payload as sdpipe's sync.precision=bf16, for a fair comparison on slow links)
+    precision: str = "fp32"
 
 
 @dataclass

@@ -263,6 +263,8 @@ def _check_diloco(y: DictConfig) -> None:
          f"must be a positive finite number, got {y.outer_lr}")
     need(math.isfinite(y.outer_momentum) and 0 <= y.outer_momentum < 1, "sync.outer_momentum",
          f"must be in [0, 1), got {y.outer_momentum}")
+    need(y.precision in ("fp32", "bf16"), "sync.precision",
+         f"is '{y.precision}'; choose fp32 or bf16")
 
 
 # each mode's own settings, beside its config class (the rest of validation asks core.modes)

@@ -124,9 +124,10 @@ def meetings_of(sync) -> Meetings:
 
 
 def precision_of(sync) -> str:
-    """A run's group-round precision, from its ``sync`` section: ``precision`` as resolved;
-    ``auto`` left unresolved (and any mode but sdpipe) is float32."""
-    chosen = sync.get("precision", "fp32") if sync.name == "sdpipe" else "fp32"
+    """What a run's rounds send their changes in, from its ``sync`` section: sdpipe's group
+    rounds and diloco's outer gradients, ``precision`` as resolved; ``auto`` left unresolved
+    (and any other mode) is float32."""
+    chosen = sync.get("precision", "fp32") if sync.name in ("sdpipe", "diloco") else "fp32"
     return "fp32" if chosen == "auto" else chosen
 
 
@@ -135,6 +136,6 @@ def average_of(sync) -> str:
     take it: ``sync.average``, except that meetings every H > 1 steps and low-precision changes
     average the weights after the step (``weights``): a gradient of one step in H, or rounded
     to bfloat16 beside exact weights, would buy little for twice the bytes."""
-    if meetings_of(sync).every > 1 or precision_of(sync) != "fp32":
+    if sync.name == "sdpipe" and (meetings_of(sync).every > 1 or precision_of(sync) != "fp32"):
         return "weights"
     return sync.get("average", "weights_grads")

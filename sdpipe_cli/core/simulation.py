@@ -27,7 +27,7 @@ The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPip
   - ``ps``: the gradients go to the stage's server, which serves one push at a time; the weights
     come back. A replica more than ``staleness`` iterations ahead of the slowest waits.
   - ``diloco``: nothing for ``local_steps - 1`` iterations, then, as ``allreduce``, every replica
-    waits for every other and all-reduces the stage's weights (their change).
+    waits for every other and all-reduces the stage's weights (their change, in ``precision``).
   - ``none``: nothing.
 * The stage starts its next iteration when its sync is done. Workers do not evaluate here, so
   the policy is told of no evaluation pauses (``make_policy(..., evaluations=False)``).
@@ -359,9 +359,10 @@ class _Run:
                 del self.barriers[(s, k)]
                 start = max(arrived.values()) + w.collective_s  # everyone agrees to go on
                 everyone = list(range(self.P))
-                full = self._allreduce_s(everyone, s, w.stage_bytes[s])  # one ring, computed once
+                nbytes = w.stage_bytes[s] * BYTES[w.precision] // BYTES["fp32"]  # diloco: bf16
+                full = self._allreduce_s(everyone, s, nbytes)  # one ring, computed once
                 if self.sync != "adpsgd":
-                    self._count(everyone, s, w.stage_bytes[s])
+                    self._count(everyone, s, nbytes)
                 for q in everyone:
                     if self.sync != "adpsgd":
                         cost = full

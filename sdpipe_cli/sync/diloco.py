@@ -13,9 +13,13 @@ replicas' updated weights: for plain SGD, exactly gradient all-reduce. The run's
 (``train.steps``) is an outer step too, so the replicas end identical; a time limit or a stop
 request ends the run at the next outer step.
 
-The anchor, the outer momentum and the count of updates are the strategy's state: they are in
-the worker's checkpoint shard (``sync``), so a resumed run takes its next outer step where the
-interrupted one would have.
+``precision="bf16"`` all-reduces the outer gradient in bfloat16 with error feedback
+(:func:`~sdpipe_cli.sync.groups.mean_in_bf16`), as INTELLECT-1 sends its pseudo-gradients in
+int8: half of float32's bytes, the baseline sdpipe's bfloat16 changes are compared with.
+
+The anchor, the outer momentum, the rounding residual and the count of updates are the
+strategy's state: they are in the worker's checkpoint shard (``sync``), so a resumed run takes
+its next outer step where the interrupted one would have.
 """
 
 from __future__ import annotations
@@ -26,17 +30,18 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sdpipe_cli.sync.groups import GroupCache, flatten, statistics, unflatten
+from sdpipe_cli.sync.groups import GroupCache, flatten, mean_in_bf16, statistics, unflatten
 from sdpipe_cli.sync.base import Sync
 
 
 class DilocoSync(Sync):
     name = "diloco"
     mixes_weights = True  # the replicas' weights are averaged (tied copies: training/tied.py)
-    flat_state = ("anchor", "momentum")
+    flat_state = ("anchor", "momentum", "residual")
 
     def __init__(self, groups: Optional[GroupCache], replicas: list[int], local_steps: int,
-                 outer_lr: float, outer_momentum: float, agree: Optional[Sync], steps: int):
+                 outer_lr: float, outer_momentum: float, agree: Optional[Sync], steps: int,
+                 precision: str = "fp32"):
         self.groups, self.replicas = groups, replicas
         self.local_steps, self.outer_lr, self.mu = local_steps, outer_lr, outer_momentum
         self.agree = agree  # lock-step: every replica must stop at the same update
@@ -44,6 +49,8 @@ class DilocoSync(Sync):
         self.updates = 0
         self.anchor: Optional[torch.Tensor] = None  # the weights after the last outer step
         self.momentum: Optional[torch.Tensor] = None
+        self.precision = precision
+        self.residual: Optional[torch.Tensor] = None  # bf16: what rounding lost so far
         self._stats: dict[str, Any] = {}
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
@@ -74,9 +81,18 @@ class DilocoSync(Sync):
         if self.anchor.device != params[0].device:  # restored from a checkpoint, on the CPU
             self.anchor = self.anchor.to(params[0].device)
             self.momentum = None if self.momentum is None else self.momentum.to(params[0].device)
+            self.residual = None if self.residual is None else self.residual.to(params[0].device)
         outer_grad = self.anchor - flatten(params)
         buffers = statistics(module)
-        if len(self.replicas) > 1:
+        if len(self.replicas) > 1 and self.precision == "bf16":
+            if self.residual is None:
+                self.residual = torch.zeros_like(outer_grad)
+            mean_in_bf16(outer_grad, self.residual, self.groups, self.replicas)
+            if buffers:  # the running statistics are no change: averaged in float32
+                flat = flatten(buffers)
+                self.groups.all_reduce(flat, self.replicas)
+                unflatten(flat / len(self.replicas), buffers)
+        elif len(self.replicas) > 1:
             # one all-reduce: the outer gradient and the running statistics, averaged
             flat = torch.cat([outer_grad] + [b.reshape(-1).float() for b in buffers])
             self.groups.all_reduce(flat, self.replicas)
@@ -99,8 +115,11 @@ class DilocoSync(Sync):
             state["anchor"] = self.anchor.detach().cpu()
         if self.momentum is not None:
             state["momentum"] = self.momentum.detach().cpu()
+        if self.residual is not None:
+            state["residual"] = self.residual.detach().cpu()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.updates = int(state.get("updates", 0))
         self.anchor, self.momentum = state.get("anchor"), state.get("momentum")
+        self.residual = state.get("residual")

@@ -21,7 +21,7 @@ from sdpipe_cli.runtime.bootstrap import Joined, connect_store
 from sdpipe_cli.sync.traffic import Traffic
 
 __all__ = ["GroupCache", "average_changes", "average_parameters", "average_tensors", "flatten",
-           "for_worker", "unflatten"]
+           "for_worker", "mean_in_bf16", "unflatten"]
 
 
 class GroupCache:
@@ -154,32 +154,47 @@ def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list
     return distance
 
 
+def mean_in_bf16(flat: torch.Tensor, residual: torch.Tensor, groups: GroupCache,
+                 ranks: list[int], share: Optional[float] = None,
+                 incarnations: Optional[list[int]] = None, tag: str = "") -> None:
+    """Replace ``flat`` (this member's float32 vector) by the mean over ``ranks`` of the
+    members' vectors, all-reduced in bfloat16: half of float32's bytes.
+
+    Meant for *changes* (since a shared anchor, or DiLoCo's outer gradient), whose rounding to
+    bfloat16 loses little, never for weights, whose small updates it would lose. ``residual``:
+    what rounding lost of this member's vectors so far; it is added before rounding and replaced
+    by what this rounding lost (error feedback), so a member's contribution is delayed by
+    rounding, never dropped. The ring sums in bfloat16; that error is of the same order and not
+    fed back. ``share``: this member's weight in a weighted mean (:func:`average_tensors`'
+    ``shares``); 0 takes the group's mean without counting, and drops its own vector.
+    """
+    with torch.no_grad():
+        flat.add_(residual)
+        sent = (flat if share is None else flat * share).to(torch.bfloat16)
+        lost = (flat - sent.float() if share is None
+                else flat - sent.float() / share if share > 0 else torch.zeros_like(flat))
+        # kept only once the all-reduce completed: a failed round leaves this member as it was
+        groups.all_reduce(sent, ranks, incarnations=incarnations, tag=tag)
+        residual.copy_(lost)
+        flat.copy_(sent)
+        if share is None:
+            flat /= len(ranks)
+
+
 def average_changes(tensors: list[torch.Tensor], anchor: torch.Tensor, residual: torch.Tensor,
                     groups: GroupCache, ranks: list[int], share: Optional[float] = None,
                     incarnations: Optional[list[int]] = None, tag: str = "") -> None:
     """Replace each tensor by ``anchor`` plus the mean over ``ranks`` of the members' changes
-    since it, all-reduced in bfloat16 (half of float32's bytes).
+    since it, in bfloat16 with error feedback (:func:`mean_in_bf16`; ``residual``, ``share``).
 
     Every member must hold the same ``anchor`` (the stage's weights at its last global sync;
-    :mod:`~sdpipe_cli.core.meetings`). ``residual``: what rounding lost of this member's change so
-    far; it is added to the change before rounding and updated with what this rounding lost
-    (error feedback), so a member's progress is delayed by rounding, never dropped. ``share``:
-    this member's weight in a weighted mean (:func:`average_tensors`' ``shares``); 0 takes the
-    group's state without counting, and drops what its own change was. Both vectors are flat,
-    float32, of the tensors' total size.
+    :mod:`~sdpipe_cli.core.meetings`); the members leave the round identical. ``anchor`` and
+    ``residual`` are flat float32 vectors of the tensors' total size.
     """
     with torch.no_grad():
-        change = flatten(tensors).sub_(anchor).add_(residual)
-        sent = (change if share is None else change * share).to(torch.bfloat16)
-        lost = (change.sub_(sent.float()) if share is None
-                else change.sub_(sent.float() / share) if share > 0 else change.zero_())
-        # kept only once the all-reduce completed: a failed round leaves this member as it was
-        groups.all_reduce(sent, ranks, incarnations=incarnations, tag=tag)
-        residual.copy_(lost)
-        mean = sent.float()
-        if share is None:
-            mean /= len(ranks)
-        unflatten(mean.add_(anchor), tensors)
+        change = flatten(tensors).sub_(anchor)
+        mean_in_bf16(change, residual, groups, ranks, share, incarnations, tag)
+        unflatten(change.add_(anchor), tensors)
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -442,7 +442,7 @@ def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: P
     if name == "diloco":
         agree = AllReduceSync(groups, where.replicas(), device) if P > 1 else None
         return DilocoSync(groups, where.replicas(), settings.local_steps, settings.outer_lr,
-                          settings.outer_momentum, agree, steps)
+                          settings.outer_momentum, agree, steps, precision_of(settings))
     if name == "none" or P == 1:
         return Sync()
     if name == "allreduce":

@@ -29,10 +29,13 @@ def test_one_local_step_without_outer_momentum_is_gradient_allreduce(tmp_path):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
 
 
-def test_local_steps_train_meet_identical_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_local_steps_train_meet_identical_and_resume_exactly(tmp_path, precision):
+    """bf16: the outer gradient in bfloat16 with error feedback; the residual is in the
+    checkpoint, so the resume is still exact."""
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", *BASE, "train.steps=16", "sync=diloco",
-                 "sync.local_steps=4", "checkpoint.every=8")
+                 "sync.local_steps=4", "checkpoint.every=8", f"sync.precision={precision}")
     assert out.returncode == 0, out.stderr
     lines = metrics(run)
     trained = losses(lines)

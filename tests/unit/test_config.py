@@ -224,6 +224,7 @@ BAD = [
     pytest.param(["data.mean=[0.1,0.2]"], "data.mean", id="mean-two-channels"),
     pytest.param(["data.num_workers=-1"], "data.num_workers", id="workers-negative"),
     pytest.param(["sync=diloco", "sync.local_steps=0"], "sync.local_steps", id="diloco-no-local-steps"),
+    pytest.param(["sync=diloco", "sync.precision=auto"], "sync.precision", id="diloco-auto-precision"),
     pytest.param(["sync=diloco", "sync.outer_lr=inf"], "sync.outer_lr", id="diloco-outer-lr-inf"),
     pytest.param(["sync=diloco", "sync.outer_momentum=1"], "sync.outer_momentum",
                  id="diloco-momentum-one"),
