@@ -120,12 +120,14 @@ def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optiona
     choose`): the fastest pipeline's iteration, simulated alone for a few steps, against one
     meeting of every replica of the costliest stage. Where no link is emulated, or compute is
     not modelled (nothing to estimate an iteration from), every iteration in float32, as on
-    fast links. Returns the choice made (None: nothing was left to choose from links)."""
+    fast links; so too under an asynchronous schedule, whose rounds are per update. Returns the
+    choice made (None: nothing was left to choose from links)."""
     y = cfg.sync
     if y.name != "sdpipe" or (y.every != 0 and y.precision != "auto"):
         return None
     plan = plan or RunPlan.of(cfg)
-    if not plan.cluster.links_emulated or emulation(cfg) != "modelled":
+    if (not plan.cluster.links_emulated or emulation(cfg) != "modelled"
+            or cfg.pipeline.schedule in ASYNC_SCHEDULES):  # meetings need a flushed schedule
         y.every, y.precision = y.every or 1, "fp32" if y.precision == "auto" else y.precision
         return None
     work = workload(cfg, plan)

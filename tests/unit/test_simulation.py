@@ -201,3 +201,10 @@ def test_on_a_slow_link_the_launcher_chooses_meetings_that_fit_the_wire_share():
     assert doc["fraction_of_limit"] >= 0.8, doc["fraction_of_limit"]
     allreduce = doc["compare"][0]
     assert doc["sync_bytes_per_sample"] < allreduce["sync_bytes_per_sample"] / 4
+
+
+def test_an_asynchronous_schedule_on_slow_links_meets_every_update():
+    """Meetings need a flushed schedule: async 1F1B on slow_links keeps one round per update in
+    float32 instead of failing on a workload the simulator cannot build."""
+    cfg = config(*SLOW, "pipeline.schedule=async_1f1b")
+    assert (cfg.sync.every, cfg.sync.precision) == (1, "fp32")
