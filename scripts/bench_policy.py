@@ -10,9 +10,11 @@ MLP (``model=mlp data=synthetic``, P=4, S=2, modelled compute of ``--compute-ms`
 the same config in ``sdpipe simulate`` (in this process, :mod:`sdpipe_cli.hetero.simulator`).
 Patterns: ``1113`` and ``1124`` (``cluster.slowdown``), ``random`` (``cluster=hetero_random``: each
 iteration a worker is 3x slower with probability 0.1), ``mixed`` (``cluster=hetero_mixed``: two
-device generations on two nodes, a speed change, slow cross-node links), ``equal``. Variants:
-``none`` (gives the limit), ``allreduce``, ``classic`` (``sync.policy=classic``, the previous rule)
-and ``cost_aware`` (``sync.policy=cost_aware``, the default).
+device generations on two nodes, a speed change, slow cross-node links), ``equal``, ``slowlinks``
+(``cluster=slow_links``: four machines over a slow link, one 3x slower). Variants: ``none``
+(gives the limit), ``allreduce``, ``classic`` (``sync.policy=classic``, the previous rule),
+``cost_aware`` (``sync.policy=cost_aware``, the default) and ``every1`` (sdpipe meeting every
+iteration in float32, whatever the links).
 
 **What it reports**, per pattern: samples/s of the real run (all pipelines, first to last train
 line) and its fraction of the real limit (the sum of each pipeline's solo rate in the real
@@ -43,12 +45,16 @@ PATTERNS = {
     "random": ["cluster=hetero_random"],
     "mixed": ["cluster=hetero_mixed"],
     "equal": [],
+    # four machines over a slow link (docs/CLUSTERS.md), one 3x slower; with
+    # --extra model=gpt_tiny data=stdlib, the slow-link benchmark's workload (docs/SYNC.md)
+    "slowlinks": ["cluster=slow_links", "cluster.slowdown=[1,1,1,3]"],
 }
 VARIANTS = {
     "none": ["sync=none"],
     "allreduce": ["sync=allreduce"],
     "classic": ["sync=sdpipe", "sync.policy=classic"],
     "cost_aware": ["sync=sdpipe", "sync.policy=cost_aware"],
+    "every1": ["sync=sdpipe", "sync.every=1", "sync.precision=fp32"],  # meetings every iteration
 }
 
 
@@ -105,7 +111,7 @@ def measure(args, pattern: str, console: Console) -> list[dict[str, Any]]:
         row["status"], row["error"] = classify(code, log, args.timeout)
         if row["status"] == "ok":
             lines = analysis.read_metrics(run_dir / "metrics.jsonl")
-            mode = "sdpipe" if variant in ("classic", "cost_aware") else variant
+            mode = "sdpipe" if variant in ("classic", "cost_aware", "every1") else variant
             row.update(analysis.analyse(lines, mode, 4, microbatches(run_dir)))
             row["solo_rates"] = analysis.solo_rates(lines)
         row["sim"] = simulated(ovr)

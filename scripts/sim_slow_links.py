@@ -7,11 +7,13 @@ replicas crosses machines; the last machine 3x slower; GPU-like transport costs;
 modelled forward per micro-batch; the link between machines at 1, 10 and 100 Gbit/s. Each row is
 one sync mode beside the limit (``sync=none``: every pipeline at its own pace, summed); sdpipe
 twice, with its meetings chosen from the link (the default) and meeting every iteration in float32
-(as before slow-link meetings). It prints a markdown table (and writes it with ``--markdown``)::
+(as before slow-link meetings); diloco twice, in float32 and with its outer gradient in bfloat16.
+It prints a markdown table (and writes it with ``--markdown``)::
 
     python scripts/sim_slow_links.py --markdown /tmp/sim_slow_links.md
+    python scripts/sim_slow_links.py --steps 1000    # a longer run: the end weighs less
 
-About a minute on two cores; nothing is trained.
+Seconds on two cores; nothing is trained.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ BASE = ["model=gpt_small", "data=stdlib", "cluster.pipelines=4", "pipeline.stage
         "cluster.links.same_node.bandwidth_gbps=400", "cluster.links.cross_node.latency_ms=0.05"]
 ROWS = [("sdpipe (default)", "sdpipe", []),
         ("sdpipe, every iteration in fp32", "sdpipe", ["sync.every=1", "sync.precision=fp32"]),
-        ("allreduce", "allreduce", []), ("diloco (H=8)", "diloco", [])]
+        ("allreduce", "allreduce", []), ("diloco (H=8)", "diloco", []),
+        ("diloco (H=8), bf16", "diloco", ["sync.precision=bf16"])]
 
 
 def simulate(gbps: float, sync: str, extra: list[str], steps: int) -> dict:
