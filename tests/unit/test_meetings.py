@@ -98,3 +98,9 @@ def test_with_meetings_apart_a_global_sync_comes_at_most_once_in_1_over_share_me
     assert Meetings(4).global_period(200, 0.1) == 50  # a longer period is kept
     assert Meetings(8).global_period(0, 0.1) == 0  # only at the end
     assert Meetings(8).global_period(50, 0.25) == 6  # 50 steps are 6 meetings, more than 4
+
+
+def test_with_meetings_apart_a_round_waits_at_most_the_wire_share_of_a_meeting():
+    assert Meetings(1).patience(0.5, 0.1) == 0.5  # every iteration: sync.patience as it is
+    assert Meetings(14).patience(0.5, 0.1) == 0.1  # 1.4 steps, not 7
+    assert Meetings(14).patience(0.05, 0.1) == 0.05  # a smaller patience is kept

@@ -256,12 +256,10 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
     its budget, global-sync period (at least 1 / ``sync.wire_share`` meetings) and evaluation
     period are the run's in meetings (:class:`~sdpipe_cli.core.meetings.Meetings`), and an
     evaluation is a pause it expects only
-    where every evaluation falls on a meeting. ``sync.patience`` stays a share of an
-    *iteration*: a round waits for forecast members at most that share of one iteration's
-    time, not of a meeting's H iterations (which held fast replicas for up to H/2 iterations
-    a meeting)."""
+    where every evaluation falls on a meeting; a round waits for its forecast members at most
+    ``sync.wire_share`` of a meeting (:meth:`~sdpipe_cli.core.meetings.Meetings.patience`)."""
     y, p = cfg.sync, cfg.pipeline
-    meet = meetings_of(y)
+    meet, share = meetings_of(y), y.get("wire_share", 0.1)
     evaluate = cfg.train.eval_every if evaluations else 0
     evaluate = meet.period(evaluate) if evaluate % meet.every == 0 else 0
     policy, extra = GroupScheduler, {"evaluate_every": evaluate}
@@ -271,9 +269,9 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
     return policy(
         plan.pipelines, plan.stages, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
-        connect_every=y.connect_every,
-        global_every=meet.global_period(y.global_every, y.get("wire_share", 0.1)),
-        patience=y.patience / meet.every, policy=y.policy, max_group=y.max_group, suspect_after=y.group_timeout,
+        connect_every=y.connect_every, global_every=meet.global_period(y.global_every, share),
+        patience=meet.patience(y.patience, share), policy=y.policy, max_group=y.max_group,
+        suspect_after=y.group_timeout,
         twins=average_of(y) == "weights_grads" and policy is GroupScheduler, stale=y.stale,
         total_iterations=meet.meetings(plan.budget),
         time_limit=cfg.train.time_limit, clock=clock)
