@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import free_port, metrics, sdpipe
+from tests.helpers import free_port, metrics, resumed_losses, sdpipe
 from sdpipe_cli.config.run_file import load_run_config
 from sdpipe_cli.sync.groups import GroupCache, average_changes, average_tensors
 from sdpipe_cli.model.models import build_stage_module
@@ -349,3 +349,25 @@ def test_meetings_every_four_steps_in_bf16_train_and_leave_the_replicas_identica
                 round(m["sent_bytes"] / (2 * (k - 1) / k) / values, 2))
     assert per_value == {"group": {2.0}, "global": {4.0}}, per_value
     _learns_like_allreduce_and_ends_identical(run_dir, allreduce_run)
+
+
+def test_meetings_checkpoint_at_global_syncs_and_resume_to_the_exact_budget(tmp_path):
+    """sync.every=4: checkpoints fall on global syncs, which fall on meetings, so every
+    pipeline's saved step count is a multiple of 4; a resume from the first converts them back to
+    meetings for the scheduler, meets again after every 4th step and ends on the exact budget,
+    every replica of a stage identical."""
+    run = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run}", "sync=sdpipe", "sync.every=4", "sync.precision=bf16",
+                 "sync.global_every=8", "sync.wire_share=0.5", "checkpoint.every=8", *P4S2)
+    assert out.returncode == 0, out.stderr
+    saved = metrics(run, "checkpoint")
+    assert len(saved) >= 2 and all(k % 4 == 0 for m in saved for k in m["steps"].values())
+    assert resumed_losses(run, tmp_path / "copy", f"step_{saved[-1]['step']}")  # iterations again
+    lines = metrics(tmp_path / "copy")
+    resumed_at = max(i for i, m in enumerate(lines) if m["kind"] == "resume")
+    met = [m for m in lines[resumed_at:] if m["kind"] == "train" and "group_size" in m]
+    assert met and all(m["step"] % 4 == 0 for m in met)
+    done = [m for m in lines[resumed_at:] if m["kind"] == "done"]
+    for stage in (0, 1):
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+    assert sum(d["steps"] for d in done if d["stage"] == 0) == 4 * 20
