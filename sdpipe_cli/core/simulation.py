@@ -47,7 +47,7 @@ from typing import Callable, Optional, Sequence
 from sdpipe_cli.core import modes
 from sdpipe_cli.core.cluster import Cluster, Stragglers
 from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
-from sdpipe_cli.core.meetings import BYTES
+from sdpipe_cli.core.meetings import BYTES, Meetings
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.schedule import Kind, get_schedule, tick_order
 
@@ -82,7 +82,7 @@ class Workload:
     staleness: int = 3  # ps (the schema's default)
     local_steps: int = 1  # diloco: iterations between outer steps
     every: int = 1  # sdpipe: iterations between a replica's meetings (sync.every)
-    precision: str = "fp32"  # sdpipe: what a group round's values are sent in (sync.precision)
+    precision: str = "fp32"  # sdpipe's group rounds, diloco's outer gradient (sync.precision)
     seed: int = 0  # adpsgd's matchings
 
     @property
@@ -205,6 +205,7 @@ class _Run:
         self.policy = (policy_factory(lambda: self.now) if modes.mode(sync).group_policy
                        else None)
         self.plan = _Plan(work.schedule, S, work.microbatches)
+        self.meetings = Meetings(work.every)  # sdpipe: the policy counts meetings
         cl = work.cluster
         self.devices = [[cl.device(p, s) for s in range(S)] for p in range(P)]
         self.dynamic = {d.name for row in self.devices for d in row if cl.change_points(d)}
@@ -299,7 +300,7 @@ class _Run:
         self.pending[p] = S
         # sdpipe's ready signal does nothing but travel to the scheduler: one event, not two
         to_scheduler = self.w.rtt_s / 2 if self.policy is not None else None
-        if to_scheduler is not None and (k + 1) % w.every:
+        if to_scheduler is not None and not self.meetings.meets(k):
             to_scheduler = None  # sdpipe between meetings: nothing to do (see _ready)
         for s in range(S):
             self.ready_at[(p, s)] = at[s]
@@ -405,7 +406,7 @@ class _Run:
 
     def _scheduler(self, t: float, p: int, s: int, k: int) -> None:
         self.now = max(t, self.sched_free)
-        self._decided(self.policy.ready(s, p, k // self.w.every))
+        self._decided(self.policy.ready(s, p, self.meetings.meeting(k)))
         self.sched_free = self.now + self.w.event_s
 
     def _decided(self, decisions) -> None:
@@ -422,8 +423,8 @@ class _Run:
             self._count(d.members, d.stage, nbytes)
             self.comm_s += len(d.members) * cost if len(d.members) > 1 else 0.0
             done = self.now + w.rtt_s / 2 + cost
-            for q, k in zip(d.members, d.iterations):  # k: a meeting, of every iterations
-                self._synced(q, d.stage, k * w.every + w.every - 1, done, d.stop)
+            for q, k in zip(d.members, d.iterations):  # k: a meeting
+                self._synced(q, d.stage, self.meetings.last_step(k), done, d.stop)
 
     # -- the event loop -------------------------------------------------------------------------
     def run(self) -> Result:
