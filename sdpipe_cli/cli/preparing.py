@@ -63,6 +63,8 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages, counts)
     models.check(cfg)
+    cfg.plan = RunPlan.resolve(cfg, cluster).section()
+    choice = simulator.resolve_meetings(cfg)  # sdpipe on slow links: how often replicas meet
     if cfg.sync.get("replay"):  # the recorded run must fit this one: before anything starts
         from sdpipe_cli.sync.replay import load as load_recorded
 
@@ -71,8 +73,6 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
             raise ConfigError("sync.replay", "repeats a run without losses: use "
                               "fault.on_pipeline_loss=stop")
         load_recorded(cfg.sync.replay, cfg)
-    cfg.plan = RunPlan.resolve(cfg, cluster).section()
-    choice = simulator.resolve_meetings(cfg)  # sdpipe on slow links: how often replicas meet
     return cfg, plan, choice
 
 

@@ -333,6 +333,10 @@ def _validate_fault(cfg: DictConfig) -> None:
          "run.heartbeat_timeout", f"must exceed sync.group_timeout ({y.get('group_timeout')} s) "
          f"with fault.on_pipeline_loss={loss}: a replica waiting that long for a lost member "
          "would be taken for hung")
+    need(not (loss == "restart" and y.name == "sdpipe" and y.get("precision") == "bf16"),
+         "sync.precision", "bf16 changes are taken from an anchor every replica shares, which a "
+         "replica healed before a global sync would miss: use sync.precision=fp32 (or auto) "
+         "with fault.on_pipeline_loss=restart")
     need(failure in ("stop", "restart"), "fault.on_failure", f"is '{failure}'; choose stop or restart")
     need(failure == "stop" or mode(y.name).restart_run, "fault.on_failure",
          f"restart is for lock-step sync ({', '.join(names_with('restart_run'))}), not "

@@ -140,7 +140,10 @@ def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optiona
     round_s = {p: max(plan.cluster.allreduce_s(r, n * BYTES[p] // FLOAT_BYTES) + work.collective_s
                       for r, n in zip(replicas, work.stage_bytes))
                for p in ("fp32", "bf16")}
-    choice = choose(iteration_s, round_s, float(y.wire_share), int(y.every), str(y.precision))
+    precision = str(y.precision)
+    if precision == "auto" and cfg.fault.on_pipeline_loss == "restart":
+        precision = "fp32"  # a healed replica's anchor could miss a global sync (validation)
+    choice = choose(iteration_s, round_s, float(y.wire_share), int(y.every), precision)
     y.every, y.precision = choice.every, choice.precision
     return choice
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from sdpipe_cli.core.meetings import meetings_of, precision_of
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import protocol
 from sdpipe_cli.config.schema import ConfigError
@@ -81,6 +82,13 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
                                    f"{OmegaConf.select(cfg, key)}; replay needs the same")
     if cfg.pipeline.schedule in ASYNC_SCHEDULES:
         raise ConfigError(KEY, "replays flushed schedules (1f1b, gpipe) only")
+    # the recorded decisions count meetings of sync.every steps, and what a round sends decides
+    # its arithmetic (a recording from before these keys met every step in float32)
+    for key, of in (("sync.every", lambda y: meetings_of(y).every),
+                    ("sync.precision", precision_of)):
+        if of(saved.sync) != of(cfg.sync):
+            raise ConfigError(KEY, f"{run} was recorded with {key}={of(saved.sync)}, this run has "
+                                   f"{of(cfg.sync)}; replay needs the same")
 
 
 def _add(decisions: Recorded, line: dict, where: str, layout: tuple[int, int]) -> None:

@@ -297,7 +297,8 @@ class GroupSync(Sync):
                               [answer.source_incarnation, self.incarnation],
                               tag=f"heal{answer.round}")
         unflatten(flat, state)
-        self._done = answer.done
+        # the run's progress as of now; the steps from here count on from it (position)
+        self._done, self._decided_at = answer.done, answer.iteration - 1
         store.push(self.events, store.EVENTS, protocol.Report(
             "healed", self.rank, self.pipeline, self.stage, self._clock(), self.incarnation,
             {"source": answer.source, "iteration": answer.iteration,

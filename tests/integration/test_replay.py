@@ -38,6 +38,10 @@ def test_a_replayed_run_repeats_the_recorded_losses_bit_for_bit(tmp_path):
      "was recorded with pipeline.stages=2, this run has 3"),
     ("with fault tolerance", ("sync.replay={recorded}", "fault.on_pipeline_loss=continue"),
      "use fault.on_pipeline_loss=stop"),
+    ("meetings apart", ("sync.replay={recorded}", "sync.every=4"),
+     "was recorded with sync.every=1, this run has 4"),
+    ("bf16 changes", ("sync.replay={recorded}", "sync.precision=bf16"),
+     "was recorded with sync.precision=fp32, this run has bf16"),
     ("a member past the layout", ("sync.replay={seven}",),
      "metrics.jsonl:1: not a group decision this sdpipe can replay (ValueError: stage 0 or "
      "members [7] outside the 3 x 2 layout)"),

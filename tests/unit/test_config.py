@@ -209,6 +209,8 @@ BAD = [
                  id="bf16-on-an-async-schedule"),
     pytest.param(["cluster.links.between_racks.latency_ms=1"], "cluster.links.between_racks",
                  id="unknown-link-class"),
+    pytest.param(["sync.precision=bf16", "fault.on_pipeline_loss=restart", "cluster.pipelines=2"],
+                 "sync.precision", id="bf16-with-healing"),
     pytest.param(["train.optimizer=adam"], "train.optimizer", id="bad-optimizer"),
     pytest.param(["train.momentum=1.0"], "train.momentum", id="momentum-one"),
     pytest.param(["train.lr=inf"], "train.lr", id="lr-infinite"),

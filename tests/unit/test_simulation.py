@@ -208,3 +208,11 @@ def test_an_asynchronous_schedule_on_slow_links_meets_every_update():
     float32 instead of failing on a workload the simulator cannot build."""
     cfg = config(*SLOW, "pipeline.schedule=async_1f1b")
     assert (cfg.sync.every, cfg.sync.precision) == (1, "fp32")
+
+
+def test_with_healing_on_slow_links_meetings_stay_in_float32():
+    """A healed replica takes its anchor from its source, which a global sync in between would
+    leave behind: under fault.on_pipeline_loss=restart the launcher chooses meetings apart in
+    float32, never bf16."""
+    cfg = config(*SLOW, "fault.on_pipeline_loss=restart")
+    assert cfg.sync.every > 1 and cfg.sync.precision == "fp32"
