@@ -187,7 +187,7 @@ class GroupSync(Sync):
             self._done, self._decided_at = decision.done, step
         changes = self.precision != "fp32" and decision.kind == "group"
         self._heal = decision.heal
-        distance = None
+        distance, failed = None, False
         if len(members) > 1:
             ranks = self.grid.stage_ranks(self.stage, members)
             params = list(module.parameters())
@@ -224,12 +224,9 @@ class GroupSync(Sync):
                 self.groups.forget(ranks, incarnations)
                 log.warning("group %s failed (%s); going on alone", members, err)
                 members = [self.pipeline]
-            else:
-                if decision.kind == "global" and self.precision != "fp32":
-                    # every replica now holds the same weights: the next changes start here
-                    self.anchor = flatten(self._replica(module))
-                    self._residual().zero_()
-        elif decision.kind == "global" and self.precision != "fp32":
+                failed = True
+        if decision.kind == "global" and self.precision != "fp32" and not failed:
+            # every replica now holds the same weights: the next changes start here
             self.anchor = flatten(self._replica(module))
             self._residual().zero_()
         if distance is not None and self.pipeline == members[0]:
