@@ -32,6 +32,7 @@ from sdpipe_cli.core.loss_scale import LossScale
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
+from sdpipe_cli.pipeline import validation
 from sdpipe_cli.pipeline.stage import PipelineStage
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.errors import CheckpointError, Diverged
@@ -45,7 +46,6 @@ from sdpipe_cli.model import checkpoint, models, optim
 __all__ = ["Worker", "param_digest"]
 
 log = logging.getLogger("sdpipe.worker")
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtypes
 
 
 def param_digest(module: nn.Module) -> str:
@@ -102,7 +102,7 @@ class Worker:
             on_action, before_send, before_action = self.tracer.hooks(on_action, before_send)
         example = sources.example(cfg, plan.microbatch_size)[0]
         boundaries = models.stage_boundaries(cfg, example, s)
-        low = PRECISIONS[cfg.train.precision]
+        low = models.AUTOCAST.get(str(cfg.train.precision))
         if low is not None:  # activations and their gradients travel in the low precision
             boundaries = tuple(None if b is None else b.with_floats(low) for b in boundaries)
         self.stage = PipelineStage(
@@ -160,13 +160,7 @@ class Worker:
     # -- data ---------------------------------------------------------------------------------
     def microbatches(self, x: Any) -> list[Any]:
         """``x`` (a tensor, or a tuple or dict of them) cut into the micro-batches, on the device."""
-        m = self.cfg.pipeline.microbatches
-        if isinstance(x, torch.Tensor):
-            return [t.to(self.device, non_blocking=True) for t in x.chunk(m)]
-        if isinstance(x, dict):
-            parts = {k: self.microbatches(v) for k, v in x.items()}
-            return [{k: v[i] for k, v in parts.items()} for i in range(m)]
-        return [type(x)(p) for p in zip(*(self.microbatches(v) for v in x))]
+        return validation.split(x, self.cfg.pipeline.microbatches, self.device)
 
     def _scaled(self) -> None:
         """fp16: the loss scale the last stage multiplies by for the coming backward."""
@@ -381,23 +375,13 @@ class Worker:
         batches = ([(None, None)] * count if self.feed is None else
                    ((b.inputs, b.targets) for b in self.feed.validation(count)))
         self.module.eval()
-        losses, hits = [], [0, 0]
-
-        def observe(output: torch.Tensor, target: torch.Tensor) -> None:
-            counted = target != models.IGNORE_INDEX
-            hits[0] += int((output.argmax(-1) == target)[counted].sum())
-            hits[1] += int(counted.sum())
-
-        for x, y in batches:
-            loss = self.stage.forward_only(self.microbatches(x) if w.first else None,
-                                           self.microbatches(y) if w.last else None,
-                                           microbatches=cfg.pipeline.microbatches,
-                                           observe=observe if self.classify else None)
-            losses.append(loss)
+        outcome = validation.validate(self.stage, batches, cfg.pipeline.microbatches,
+                                      first=w.first, last=w.last, classify=self.classify,
+                                      device=self.device)
         self.module.train()
-        if w.last:
-            extra = {"val_accuracy": hits[0] / hits[1]} if self.classify and hits[1] else {}
-            self.emit("eval", step=step, val_loss=sum(losses) / len(losses),
+        if outcome is not None:
+            extra = {} if outcome.accuracy is None else {"val_accuracy": outcome.accuracy}
+            self.emit("eval", step=step, val_loss=outcome.loss,
                       samples=step * cfg.train.batch_size, **extra)
 
     # -- events ----------------------------------------------------------------------------------
