@@ -232,17 +232,22 @@ def _check_pretrained(kind: str, pretrained: str) -> Path:
     if not folder.is_dir():
         raise ValueError(f"model.pretrained: {pretrained} is not a folder (expected one written by "
                          f"save_pretrained; models are never downloaded)")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model.pretrained: {pretrained} has no config.json (expected a folder written by "
-                         f"save_pretrained)")
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"model.pretrained: cannot read {config_file}: {e}") from None
+    model_type = _saved_type(folder, "model.pretrained")
     if model_type != kind:
         raise ValueError(f"model.pretrained: {pretrained} holds a {model_type!r} model, not {kind!r}")
     return folder
+
+
+def _saved_type(folder: Path, key: str = "model") -> Any:
+    """The ``model_type`` of the config that ``save_pretrained`` wrote in ``folder``."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{key}: {folder} has no config.json (expected a folder written by "
+                         f"save_pretrained)")
+    try:
+        return json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{key}: cannot read {config_file}: {e}") from None
 
 
 def _load(kind: str, model_cls: type, folder: Path, overrides: dict, tie_embeddings: bool,
@@ -327,3 +332,21 @@ def _involves_torchvision(error: BaseException) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def load_pretrained(folder: Path) -> nn.Module:
+    """A model written by ``save_pretrained`` (an export), loaded as transformers' users load it
+    (the class its config names, nothing downloaded); every weight must be there and nothing else."""
+    folder = Path(folder)
+    kind = _saved_type(folder)
+    if kind not in KINDS:
+        raise ValueError(f"model: {folder} holds a {kind!r} model, not one of {', '.join(KINDS)}")
+    _, model_cls = _import_hf(kind)
+    model, info = model_cls.from_pretrained(str(folder), local_files_only=True,
+                                            output_loading_info=True,
+                                            attn_implementation=ATTN_IMPLEMENTATION)
+    wrong = sorted(info["missing_keys"]) + sorted(info["unexpected_keys"])
+    if wrong:
+        raise ValueError(f"{folder}: transformers loads it with missing or unexpected weights "
+                         f"({', '.join(wrong[:4])})")
+    return model

@@ -40,7 +40,7 @@ from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model import bytes_lm
 from sdpipe_cli.model.boundary import Boundary, map_tensors
 
-__all__ = ["build", "build_stage_module", "boundaries", "block_param_counts", "count_blocks",
+__all__ = ["build", "build_stage_module", "build_whole", "boundaries", "block_param_counts", "count_blocks",
            "loss_function", "tied_parameters"]
 
 Blocks = Tuple[List[nn.Module], List[str]]
@@ -86,10 +86,15 @@ def hf_overrides(m: DictConfig) -> Dict[str, Any]:
 
 
 def _custom(m: DictConfig) -> Blocks:
+    return _custom_parts(m)[1:]
+
+
+def _custom_parts(m: DictConfig) -> Tuple[Any, List[nn.Module], List[str]]:
+    """What the user's builder returned, and its blocks and their names."""
     target = m.get("_target_")
     fn = import_callable(target, "model._target_")
     kwargs = OmegaConf.to_container(m.kwargs, resolve=True)
-    made = _call_builder(fn, target, kwargs)
+    returned = made = _call_builder(fn, target, kwargs)
     if hasattr(made, "pipeline_blocks") and callable(made.pipeline_blocks):
         made = made.pipeline_blocks()
     names: Optional[List[str]] = None
@@ -110,7 +115,7 @@ def _custom(m: DictConfig) -> Blocks:
     names = names or [f"block{i}" for i in range(len(blocks))]
     if len(names) != len(blocks):
         raise ConfigError("model._target_", f"{target} named {len(names)} of {len(blocks)} blocks")
-    return blocks, names
+    return returned, blocks, names
 
 
 def _call_builder(fn: Callable[..., Any], target: str, kwargs: Dict[str, Any]) -> Any:
@@ -172,6 +177,58 @@ def build_stage_module(cfg: DictConfig, stage: int) -> nn.Module:
     blocks, names = build(cfg.model)
     start, stop = stage_ranges(list(cfg.pipeline.partition), len(blocks))[stage]
     return nn.Sequential(*blocks[start:stop])
+
+
+def build_whole(model_cfg: DictConfig) -> Tuple[nn.Module, List[nn.Module], List[str]]:
+    """The model as one module, whose state dict is the model's under the names its own code
+    gives it, and its blocks, which share that module's parameters (what ``sdpipe export``
+    writes): the transformers model (``GPT2LMHeadModel``, ``BertForMaskedLM``), the ResNet with
+    torchvision's names, the module a user's builder returned (an ``nn.Sequential``, or the
+    module whose ``pipeline_blocks()`` gave the blocks); for a list of blocks, and the
+    byte-level models, an ``nn.Sequential`` of the blocks (keyed by index, or by block name).
+    Initialised from the caller's torch RNG; :class:`ConfigError` as :func:`build`."""
+    from collections import OrderedDict
+
+    arch = model_cfg.arch
+    if arch in HF_ARCHS:
+        from sdpipe_cli.model import hf
+
+        try:
+            whole = hf.build_model(arch, hf_overrides(model_cfg), model_cfg.pretrained,
+                                   bool(model_cfg.tie_embeddings))
+        except (ImportError, ValueError) as err:
+            raise ConfigError(*_split_key(str(err), "model.arch")) from None
+        blocks, names = hf.split_blocks(whole)
+    elif arch in RESNET_BLOCKS:
+        from sdpipe_cli.model import resnet
+
+        whole = resnet.build(arch, num_classes=int(model_cfg.num_classes))
+        blocks, names = whole.blocks()
+    else:
+        made, (blocks, names) = None, ([], [])
+        if arch == "custom":
+            made, blocks, names = _custom_parts(model_cfg)
+        else:
+            blocks, names = BUILDERS[arch](model_cfg)
+        if isinstance(made, nn.Module) and _holds(made, blocks):
+            whole = made
+        elif arch == "custom":
+            whole = nn.Sequential(*blocks)
+        else:
+            whole = nn.Sequential(OrderedDict(zip(names, blocks)))
+    if not model_cfg.tie_embeddings:
+        _untie(blocks)
+    return whole, blocks, names
+
+
+def _holds(module: nn.Module, blocks: Sequence[nn.Module]) -> bool:
+    """``module``'s parameters and buffers are exactly the blocks'."""
+    def ids(tensors):
+        return {id(t) for t in tensors}
+
+    inside = ids(module.parameters()) | ids(module.buffers())
+    held = set().union(*(ids(b.parameters()) | ids(b.buffers()) for b in blocks))
+    return inside == held
 
 
 @functools.lru_cache(maxsize=8)
