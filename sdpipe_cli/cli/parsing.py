@@ -11,6 +11,9 @@ Usage::
     sdpipe resume runs/20261129-120000 train.steps=800   # go on from the latest checkpoint
     sdpipe profile cluster.device=cpu             # measure blocks, memory, links -> profile.json
     sdpipe train pipeline.partition=auto profile=runs/20261129-130000/profile.json
+    sdpipe export runs/20261129-120000 --out model/   # one model: transformers, torchvision or state dict
+    sdpipe eval model/                            # its loss (accuracy) on the run's validation set
+    sdpipe sample model/ --prompt "def "          # text from an exported language model
     sdpipe simulate cluster.pipelines=1024 pipeline.stages=1 cluster.compute_ms=10 \
         'cluster.slowdown=[...]' --compare allreduce,none   # the policy at any scale, no processes
 
@@ -76,6 +79,23 @@ Needs matplotlib: pip install matplotlib."""
 RESUME_HELP = """Continue a run from its latest complete checkpoint (or a given one), with the saved
 config, in the same run folder; metrics are appended. Only settings that the saved state does not
 depend on may change (KEY=VALUE)."""
+
+EXPORT_HELP = """Assemble a run's stages into one model and write it where its users load it: a
+transformers folder (save_pretrained, with the tokenizer of data=tokens) for gpt2 and bert,
+torchvision's state dict for the ResNets, the model's own state dict for the others
+(model.safetensors and model.pt). Replicas that differ are averaged (or --pipeline P); the
+consensus distance is reported. export.json records the source and every file's SHA-256. DIR
+must not exist or be empty; nothing is written there unless the export completes."""
+
+EVAL_HELP = """The loss (and a classifier's accuracy) of a run's weights or of an export on the
+run's validation batches (the same ones the run's eval records use), or on another data set
+(data=NAME, data.*), in one process."""
+
+SAMPLE_HELP = """Continue a prompt with an exported causal language model: greedy, or top-k
+sampling with a temperature (transformers' generate for gpt2)."""
+
+TRUST_HELP = ("run the code the saved config names (model, loss or data _target_) even though "
+              "no run of yours sealed it (docs/SECURITY.md)")
 
 PREPARE_HELP = """Tokenize text into memory-mapped shards for data=tokens data.path=DIR: text files,
 JSON lines (--text-key), parquet, folders of them, or `stdlib` (the Python standard library's
@@ -145,12 +165,49 @@ def _parser() -> argparse.ArgumentParser:
     text.add_argument("--max-bytes", type=int, metavar="N", help="read at most N bytes of text")
     text.add_argument("--dataset", metavar="FORMAT", help="read SRC with datasets.load_dataset(FORMAT, "
                       "data_files=SRC) (needs: pip install datasets)")
+    exp = sub.add_parser("export", help="one model out of a run's stages and replicas",
+                         description=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    exp.add_argument("run", metavar="RUN", help="a run folder, or a checkpoint folder")
+    exp.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
+                     help="step_N, a checkpoint folder, or final (default: the newest of the "
+                     "latest complete checkpoint and final/)")
+    exp.add_argument("--out", required=True, metavar="DIR", help="the new folder of the export")
+    exp.add_argument("--format", choices=("transformers", "torchvision", "state_dict"),
+                     help="default: transformers for gpt2 and bert, torchvision for the ResNets, "
+                     "else state_dict")
+    _replica_options(exp)
+    ev = sub.add_parser("eval", help="a run's or an export's loss on a validation set",
+                        description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("path", metavar="RUN|DIR", help="a run folder, a checkpoint, or an export")
+    ev.add_argument("--checkpoint", metavar="CHECKPOINT", help="of a run: step_N, a folder, or final")
+    ev.add_argument("--out", metavar="FILE", help="also write the result as JSON (a new file)")
+    _replica_options(ev)
+    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="another data set or batch: data=NAME, data.*, train.batch_size, "
+                    "pipeline.microbatches")
+    sam = sub.add_parser("sample", help="text from an exported language model",
+                         description=SAMPLE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sam.add_argument("path", metavar="DIR", help="an export (sdpipe export --out DIR)")
+    sam.add_argument("--prompt", required=True, metavar="TEXT")
+    sam.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="(default: 64)")
+    sam.add_argument("--top-k", type=int, default=0, metavar="K",
+                     help="sample among the K likeliest tokens; 0: greedy (default)")
+    sam.add_argument("--temperature", type=float, default=1.0, metavar="T", help="(default: 1.0)")
+    sam.add_argument("--seed", type=int, default=0, metavar="N", help="(default: 0)")
+    sam.add_argument("--trust-code", action="store_true", help=TRUST_HELP)
     rep = sub.add_parser("report", help="plot runs: loss, throughput, groups, waits",
                          description=REPORT_HELP,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run folders (running, failed or done)")
     rep.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN/report)")
     return parser
+
+
+def _replica_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--pipeline", type=int, metavar="P",
+                         help="take pipeline P's replica (default: the replicas' mean, or any one "
+                         "when they are equal)")
+    command.add_argument("--trust-code", action="store_true", help=TRUST_HELP)
 
 
 def _config_dir_option(command: argparse.ArgumentParser) -> None:
@@ -187,6 +244,22 @@ def _hydra_cfg(argv: Optional[Sequence[str]]) -> list[str]:
     return out
 
 
+def _after_training(args: argparse.Namespace, err) -> int:
+    from sdpipe_cli.cli import exporting
+
+    if args.command == "export":
+        return exporting.export(args.run, args.checkpoint, args.out, args.pipeline, args.format,
+                                err, trusted=args.trust_code)
+    if args.command == "eval":
+        return exporting.evaluate(args.path, args.overrides, args.checkpoint, args.pipeline,
+                                  args.out, err, trusted=args.trust_code)
+    from sdpipe_cli.export.generation import Settings
+
+    return exporting.sample(args.path, args.prompt, Settings(args.max_new_tokens, args.top_k,
+                                                             args.temperature, args.seed),
+                            err, trusted=args.trust_code)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     # overrides may come after an option (`simulate --compare allreduce train.steps=50`): argparse
@@ -220,6 +293,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return commands.simulate(args.overrides, args.compare, show_config=args.cfg, console=err)
         if args.command == "report":
             return commands.report(args.runs, args.out, console=err)
+        if args.command in ("export", "eval", "sample"):
+            return _after_training(args, err)
         if args.command == "prepare":
             return commands.prepare_text(args, console=err)
     except BadInput as bad:

@@ -156,4 +156,4 @@ def check(cfg: Mapping[str, Any], where: str, trusted: bool = False) -> None:
     first = next(iter(named))
     raise ConfigError(first, f"{where} names code to run ({json.dumps(named[first])[:80]}) that no "
                       f"run of yours sealed: it comes from elsewhere or was changed since. Nothing "
-                      f"was run; if you trust it, resume with --trust-code (docs/SECURITY.md)")
+                      f"was run; if you trust it, pass --trust-code (docs/SECURITY.md)")

@@ -1,0 +1,106 @@
+"""``sdpipe eval``: a model's loss (and a classifier's accuracy) on a validation set, in one process.
+
+The model is the whole of its blocks run as one stage of one pipeline: the same
+:meth:`~sdpipe_cli.pipeline.executor.Executor.forward_only`, micro-batches, precision and
+averaging (:mod:`sdpipe_cli.pipeline.validation`) as the run's own ``eval`` records, on the same
+fixed validation batches (the split's first ``data.eval_batches x train.batch_size`` samples), so
+the two agree to rounding. Another data set is a ``data=NAME`` or ``data.*`` override; the batch
+and micro-batch sizes may change too. Nothing else may: the model is what it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from sdpipe_cli.config.schema import ConfigError, objective
+from sdpipe_cli.data import sources
+from sdpipe_cli.data.loader import evaluation_batches
+from sdpipe_cli.model import models
+from sdpipe_cli.pipeline import validation
+from sdpipe_cli.pipeline.executor import Executor
+
+__all__ = ["CHANGEABLE", "check_keys", "evaluate", "with_overrides"]
+
+CHANGEABLE = ("data=NAME", "data.*", "train.batch_size", "pipeline.microbatches")
+
+
+def with_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """``cfg`` with the user's data changes (see :data:`CHANGEABLE`), the data opened again and
+    described (``data.resolved``) when it changed. Bad input: a ConfigError or DataError."""
+    from sdpipe_cli.config.composition import compose
+
+    check_keys(overrides)
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    dotlist = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        key = key.lstrip("+~")
+        if key == "data":
+            cfg.data = compose([f"data={value}"]).data
+        else:
+            dotlist.append(f"{key}={value}")
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+    except Exception as err:  # OmegaConf's errors name the key
+        raise ConfigError(getattr(err, "full_key", None) or "overrides",
+                          str(err).splitlines()[0]) from None
+    for key in ("train.batch_size", "pipeline.microbatches"):
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(key, f"must be a positive integer, got {value!r}")
+    if cfg.train.batch_size % cfg.pipeline.microbatches:
+        raise ConfigError("pipeline.microbatches", f"{cfg.pipeline.microbatches} does not divide "
+                          f"train.batch_size={cfg.train.batch_size}")
+    if overrides and any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "data" for o in overrides):
+        cfg.data.resolved = None
+        cfg.data.resolved = sources.resolve(cfg)
+    return cfg
+
+
+def check_keys(overrides: Sequence[str]) -> None:
+    """Every override is KEY=VALUE of a key :data:`CHANGEABLE` names; else a ConfigError."""
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        key = key.lstrip("+~")
+        if not sep:
+            raise ConfigError(key or "overrides", f"'{item}' is not KEY=VALUE")
+        if not (key == "data" or key.startswith("data.")
+                or key in ("train.batch_size", "pipeline.microbatches")):
+            raise ConfigError(key, f"cannot change in sdpipe eval (it may change "
+                              f"{', '.join(CHANGEABLE)})")
+
+
+def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
+             on_batch: Optional[Callable[[int], None]] = None,
+             device: Optional[torch.device] = None) -> validation.Outcome:
+    """The loss (and accuracy) of ``blocks`` on ``cfg``'s validation batches."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    module = nn.Sequential(*blocks).to(device).eval()
+    low = models.AUTOCAST.get(str(cfg.train.precision))
+    stage = Executor(module, 0, 1, None, None, (None, None), device,
+                     models.loss_function(cfg.model), autocast=low)
+    splits = sources.open_splits(cfg)
+    batches = ((b.inputs, b.targets) for b in evaluation_batches(
+        splits.val, count(cfg), int(cfg.train.batch_size), int(cfg.train.seed),
+        sources.workers(cfg)))
+    with torch.no_grad():
+        outcome = validation.validate(stage, batches, int(cfg.pipeline.microbatches), first=True,
+                                      last=True, classify=objective(cfg) == "classify",
+                                      device=device, on_batch=on_batch)
+    assert outcome is not None  # the one stage is the last
+    return outcome
+
+
+def count(cfg: DictConfig) -> int:
+    """Validation batches of a pass."""
+    return sources.val_count(cfg)
+
+
+def data_name(cfg: DictConfig) -> str:
+    path = cfg.data.get("path")
+    return f"{cfg.data.name} ({Path(str(path)).name})" if path else str(cfg.data.name)

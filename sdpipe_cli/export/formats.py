@@ -1,0 +1,283 @@
+"""One model out of a run, in the format its users load: writing an export, and reading it back.
+
+The merged weights (:mod:`~sdpipe_cli.export.weights`) are loaded, block by block, into the
+blocks of the whole model (:func:`sdpipe_cli.model.models.build_whole`), which share that
+model's parameters; the whole model is then saved under the names its own code gives it:
+
+* ``transformers`` (gpt2, bert): ``save_pretrained`` (``config.json``, ``model.safetensors``),
+  which ``AutoModelForCausalLM`` / ``AutoModelForMaskedLM.from_pretrained(DIR)`` loads; a run on
+  ``data=tokens`` with a saved tokenizer adds its files, for ``AutoTokenizer.from_pretrained``;
+* ``torchvision`` (the ResNets): one state dict with torchvision's names;
+* ``state_dict`` (any model): the whole model's state dict, keyed as the module a user's
+  ``build`` returns (or the blocks' ``nn.Sequential``), and ``model.yaml``, the model's config.
+
+The state-dict formats are written twice: ``model.safetensors`` (no code can hide in it; a
+weight tied to another is stored once, restored by ``safetensors.torch.load_model``) and
+``model.pt`` (``torch.load(weights_only=True)`` then ``load_state_dict(strict=True)``).
+``export.json`` records the run, the weights it came from, the replicas merged and their
+consensus distance, the run's config and every file's SHA-256.
+
+An export is written into a temporary folder beside ``--out`` and renamed into place once
+complete: ``--out`` never holds half an export, and a folder that holds anything is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from sdpipe_cli.config import trust
+from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
+from sdpipe_cli.export.weights import Merged, Source, by_block
+from sdpipe_cli.model import models
+from sdpipe_cli.runtime.errors import CheckpointError
+
+__all__ = ["FORMATS", "Export", "default_format", "load", "write"]
+
+MANIFEST = "export.json"
+FORMATS = ("transformers", "torchvision", "state_dict")
+_MAX_MANIFEST = 64 << 20
+_CHUNK = 1 << 20
+
+
+def default_format(model_cfg: DictConfig) -> str:
+    if model_cfg.arch in HF_ARCHS:
+        return "transformers"
+    return "torchvision" if model_cfg.arch in RESNET_BLOCKS else "state_dict"
+
+
+def check_format(fmt: str, model_cfg: DictConfig) -> None:
+    """``fmt`` is one this model can be written in; else a ConfigError naming ``--format``."""
+    if fmt not in FORMATS:
+        raise ConfigError("--format", f"is {fmt!r}; use one of {', '.join(FORMATS)}")
+    takes = {"transformers": HF_ARCHS, "torchvision": RESNET_BLOCKS}.get(fmt)
+    if takes is not None and model_cfg.arch not in takes:
+        raise ConfigError("--format", f"{fmt} takes model.arch {' or '.join(takes)}; this run "
+                          f"trained {model_cfg.arch} (use --format state_dict)")
+
+
+def assemble(config: DictConfig, merged: Merged) -> tuple[nn.Module, list[nn.Module]]:
+    """The whole model and its blocks, holding the merged weights."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(config.train.seed))
+        whole, blocks, _ = models.build_whole(config.model)
+    for places in models.tied_parameters(blocks):  # copies the stages kept equal
+        values = [merged.state[p] for p in places]
+        if any(not torch.equal(values[0], v) for v in values[1:]):
+            raise CheckpointError("weights", f"the copies of the tied weight {places} differ")
+    for b, block in enumerate(blocks):
+        block.load_state_dict(by_block(merged.state, b), strict=True)
+    return whole.eval(), blocks
+
+
+def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
+          log=lambda line: None) -> dict[str, Any]:
+    """Export ``merged`` (from ``source``) into the new folder ``out``; returns the manifest."""
+    config = source.config
+    fmt = fmt or default_format(config.model)
+    check_format(fmt, config.model)
+    out = Path(out).absolute()
+    check_out(out)
+    whole, _ = assemble(config, merged)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        tokenizer = _write_model(fmt, whole, config, staging, log)
+        _usual_modes(staging)
+        manifest = {
+            "format": fmt, "arch": str(config.model.arch),
+            "run": None if source.run is None else str(source.run),
+            "source": {"kind": source.kind, "path": str(source.path),
+                       "steps": None if source.steps is None else
+                       {str(p): n for p, n in source.steps.items()}},
+            "replicas": {"how": merged.how, "pipelines": merged.pipelines,
+                         "consensus_distance": merged.distance},
+            "tokenizer": tokenizer, "torch_version": torch.__version__, "time": time.time(),
+            "config": OmegaConf.to_container(config, resolve=False),
+            "files": {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        check_out(out)  # nothing appeared there meanwhile
+        if out.is_dir():
+            out.rmdir()
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _usual_modes(folder: Path) -> None:
+    """The modes of a folder and files made as usual (under the umask): temporary ones are
+    private."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~umask)
+
+
+def check_out(out: Path) -> None:
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError("--out", f"{out} exists and is not a folder: nothing was written")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError("--out", f"{out} already holds files: nothing of it is overwritten; "
+                          "name a new folder")
+
+
+def _write_model(fmt: str, whole: nn.Module, config: DictConfig, folder: Path, log) -> Optional[str]:
+    """The model's files in ``folder``; returns the tokenizer written with them, if any."""
+    if fmt == "transformers":
+        _quiet_transformers()
+        whole.config.use_cache = True  # for generate(); training never used it
+        tokenizer = _write_tokenizer(config, whole, folder, log)
+        whole.save_pretrained(str(folder), safe_serialization=True)
+        return tokenizer
+    from safetensors.torch import save_model
+
+    state = whole.state_dict()
+    torch.save(state, folder / "model.pt")
+    save_model(whole, str(folder / "model.safetensors"))
+    if fmt == "state_dict":
+        model = OmegaConf.to_container(config.model, resolve=True)
+        (folder / "model.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(model)),
+                                           encoding="utf-8")
+    return _byte_tokenizer(config)
+
+
+def _byte_tokenizer(config: DictConfig) -> Optional[str]:
+    """``"bytes"`` for a model of UTF-8 bytes (the corpora, and token data made with the bytes
+    tokenizer), else None."""
+    name = config.data.name
+    if name in ("stdlib", "text", "synthetic"):
+        return "bytes"
+    if name == "tokens":
+        read = (config.data.get("resolved") or {}).get("read") or {}
+        return "bytes" if read.get("tokenizer") == "bytes" else None
+    return None
+
+
+def _write_tokenizer(config: DictConfig, whole: nn.Module, folder: Path, log) -> Optional[str]:
+    """The run's tokenizer beside a transformers model: its ``tokenizer.json`` (``data=tokens``
+    prepared with a trained or saved tokenizer), saved as a fast tokenizer that knows the
+    model's length; the model's config learns its end-of-text token (``generate`` stops there)."""
+    if config.data.name != "tokens" or not config.data.path:
+        return _byte_tokenizer(config)
+    from sdpipe_cli.data.tokens import open_tokens
+
+    try:
+        corpus = open_tokens(str(config.data.path), verify=False)
+    except Exception as err:  # noqa: BLE001 - the weights are the export; say what is missing
+        log(f"sdpipe: warning: no tokenizer exported: {config.data.path} cannot be read "
+            f"({' '.join(str(err).split())[:120]})")
+        return None
+    file = corpus.tokenizer_file
+    if file is None:
+        return "bytes"
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(file))
+    special = {"eos_token": corpus.eos_id, "mask_token": corpus.mask_id}
+    tok.add_special_tokens({k: tok.convert_ids_to_tokens(int(i))
+                            for k, i in special.items() if i is not None})
+    tok.model_max_length = int(getattr(whole.config, "n_positions", None)
+                               or whole.config.max_position_embeddings)
+    tok.save_pretrained(str(folder))
+    if corpus.eos_id is not None:
+        whole.config.eos_token_id = whole.generation_config.eos_token_id = int(corpus.eos_id)
+    return "tokenizer.json"
+
+
+# -- reading an export back ----------------------------------------------------------------------
+
+@dataclass
+class Export:
+    """An export read back: the whole model, its blocks, and what ``export.json`` says."""
+
+    folder: Path
+    manifest: dict[str, Any]
+    config: DictConfig
+    whole: nn.Module
+    blocks: list[nn.Module]
+
+    @property
+    def tokenizer(self) -> Optional[str]:
+        return self.manifest.get("tokenizer")
+
+
+def is_export(folder: Path) -> bool:
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def read_manifest(folder: Path, trusted: bool = False) -> dict[str, Any]:
+    """``export.json``, once every file it lists matches its checksum and its config names no
+    code this user did not seal (or ``trusted``)."""
+    path = Path(folder) / MANIFEST
+    if path.stat().st_size > _MAX_MANIFEST:
+        raise CheckpointError(path, f"is over {_MAX_MANIFEST >> 20} MiB: not an export's")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError(path, f"unreadable: {str(err).splitlines()[0][:120]}") from None
+    if not (isinstance(manifest, dict) and manifest.get("format") in FORMATS
+            and isinstance(manifest.get("config"), dict) and isinstance(manifest.get("files"), dict)):
+        raise CheckpointError(path, "lacks 'format', 'config' or 'files': not an sdpipe export")
+    for name, digest in manifest["files"].items():
+        file = Path(folder) / str(name)
+        if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not file.is_file():
+            raise CheckpointError(file, "listed in export.json but missing")
+        if _sha256(file) != digest:
+            raise CheckpointError(file, "checksum mismatch: truncated or changed since the export")
+    trust.check(manifest["config"], str(path), trusted)
+    return manifest
+
+
+def load(folder: Path, trusted: bool = False) -> Export:
+    """An export as a model: through transformers for the ``transformers`` format (as its users
+    load it), else the built model with ``load_state_dict(strict=True)`` of ``model.pt``."""
+    folder = Path(folder)
+    manifest = read_manifest(folder, trusted)
+    config = OmegaConf.create(manifest["config"])
+    if manifest["format"] == "transformers":
+        from sdpipe_cli.model import hf
+
+        _quiet_transformers()
+        whole = hf.load_pretrained(folder)
+        blocks, _ = hf.split_blocks(whole)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(config.train.seed))
+            whole, blocks, _ = models.build_whole(config.model)
+        state = torch.load(folder / "model.pt", weights_only=True, map_location="cpu")
+        try:
+            whole.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise CheckpointError(folder / "model.pt", f"does not fit the model of export.json: "
+                                  f"{' '.join(str(err).split())[:200]}") from None
+    return Export(folder, manifest, config, whole.eval(), blocks)
+
+
+def _quiet_transformers() -> None:
+    """No progress bars of transformers' own between sdpipe's lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,307 @@
+"""After training: one model out of a run's stages and replicas (``sdpipe export``), loaded by
+transformers and by plain PyTorch, evaluated (``sdpipe eval``) and sampled (``sdpipe sample``).
+
+Each run is a real ``sdpipe train`` of P=2 pipelines and S=2 stages; what the export holds is
+checked by the libraries its users load it with, and the losses against the run's own records.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from tests.helpers import metrics, sdpipe, user_module
+
+pytestmark = pytest.mark.multiprocess
+
+GPT2 = ("model=gpt2", "model.seq_len=32", "model.d_model=32", "model.n_layers=2",
+        "model.n_heads=2", "model.d_hidden=64", "model.hf.n_positions=64")
+SMALL_RUN = ("cluster.pipelines=2", "pipeline.stages=2", "train.steps=12", "train.batch_size=8",
+             "train.eval_every=0", "run.save_final=true")
+
+
+def _train(run: Path, *overrides: str) -> Path:
+    out = sdpipe("train", f"run.dir={run}", *SMALL_RUN, *overrides)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def _last_eval(run: Path) -> dict:
+    return metrics(run, "eval")[-1]
+
+
+def _validation_batches(run: Path):
+    """The run's fixed validation batches, read by sdpipe's data code from its config."""
+    from sdpipe_cli.data import sources
+    from sdpipe_cli.data.loader import evaluation_batches
+
+    cfg = OmegaConf.load(run / "config.yaml")
+    splits = sources.open_splits(cfg)
+    batches = evaluation_batches(splits.val, sources.val_count(cfg), int(cfg.train.batch_size),
+                                 int(cfg.train.seed))
+    return cfg, [(b.inputs, b.targets) for b in batches]
+
+
+def _mean_loss(cfg, batches, logits_of) -> float:
+    """The loss as the run's eval averages it: per batch the mean over its micro-batches."""
+    m = int(cfg.pipeline.microbatches)
+    per_batch = []
+    with torch.no_grad():
+        for x, y in batches:
+            losses = [F.cross_entropy(logits_of(xc).flatten(0, -2), yc.flatten(), ignore_index=-100)
+                      for xc, yc in zip(x.chunk(m), y.chunk(m))]
+            per_batch.append(sum(float(v) for v in losses) / m)
+    return sum(per_batch) / len(per_batch)
+
+
+def _eval(path: Path, *args: str) -> float:
+    out = sdpipe("eval", str(path), *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stderr.splitlines() if x.startswith("eval: "))
+    return float(line.split("val_loss ")[1].split()[0].rstrip(","))
+
+
+# -- transformers ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt2_on_tokens(tmp_path_factory):
+    """gpt2 trained with sdpipe on token shards with a BPE tokenizer trained by sdpipe prepare."""
+    root = tmp_path_factory.mktemp("gpt2")
+    tokens = root / "tokens"
+    out = sdpipe("prepare", "text", "stdlib", "--out", str(tokens), "--tokenizer", "bpe:320",
+                 "--max-bytes", "300000")
+    assert out.returncode == 0, out.stderr
+    run = _train(root / "run", *GPT2, "model.vocab_size=320", "data=tokens",
+                 f"data.path={tokens}", "sync=sdpipe")
+    export = root / "export"
+    out = sdpipe("export", str(run), "--out", str(export))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, export, tokens, out.stderr
+
+
+def test_gpt2_export_loads_in_transformers_with_its_tokenizer_and_the_runs_loss(gpt2_on_tokens):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tokenizers import Tokenizer
+
+    run, export, tokens, said = gpt2_on_tokens
+    assert "replicas are equal" in said
+    model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # one weight
+    cfg, batches = _validation_batches(run)
+    model.eval()
+    theirs = _mean_loss(cfg, batches, lambda x: model(input_ids=x).logits)
+    recorded = _last_eval(run)["val_loss"]
+    ours = _eval(export)
+    assert abs(theirs - recorded) < 1e-4 and abs(ours - recorded) < 1e-4, (theirs, ours, recorded)
+    assert abs(_eval(run) - recorded) < 1e-4  # the run's weights, merged in memory
+
+    tok = AutoTokenizer.from_pretrained(export)
+    text = "import os\ndef main():\n"
+    assert tok(text)["input_ids"] == Tokenizer.from_file(str(tokens / "tokenizer.json")).encode(text).ids
+    generated = model.generate(**tok(text, return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == len(tok(text)["input_ids"]) + 5
+    out = sdpipe("sample", str(export), "--prompt", "def ", "--max-new-tokens", "8")
+    assert out.returncode == 0 and out.stdout.startswith("def "), out.stderr[-2000:]
+
+    manifest = json.loads((export / "export.json").read_text())
+    assert manifest["format"] == "transformers" and manifest["tokenizer"] == "tokenizer.json"
+    assert manifest["replicas"] == {"how": "equal", "pipelines": [0, 1], "consensus_distance": 0.0}
+    assert set(manifest["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+
+
+def test_bert_tiny_export_loads_as_a_masked_lm_with_the_runs_loss(tmp_path):
+    from transformers import AutoModelForMaskedLM
+
+    run = _train(tmp_path / "run", "model=bert_tiny", "data=stdlib", "sync=sdpipe")
+    out = sdpipe("export", str(run), "--out", str(tmp_path / "export"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    model, info = AutoModelForMaskedLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    cfg, batches = _validation_batches(run)
+    model.eval()
+    theirs = _mean_loss(cfg, batches, lambda x: model(input_ids=x).logits)
+    recorded = _last_eval(run)["val_loss"]
+    assert abs(theirs - recorded) < 1e-4 and abs(_eval(tmp_path / "export") - recorded) < 1e-4
+    out = sdpipe("sample", str(tmp_path / "export"), "--prompt", "x")
+    assert out.returncode == 2 and "not a causal language model" in out.stderr
+
+
+# -- plain PyTorch ---------------------------------------------------------------------------------
+
+def test_resnet_export_loads_strict_into_the_built_resnet_with_the_runs_accuracy(tmp_path):
+    from sdpipe_cli.model import resnet
+
+    run = _train(tmp_path / "run", "model=resnet_cifar", "data=digits", "train=digits",
+                 "train.steps=12", "train.eval_every=0", "sync=sdpipe")
+    out = sdpipe("export", str(run), "--out", str(tmp_path / "export"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    model = resnet.build("resnet_cifar", num_classes=10)
+    model.load_state_dict(torch.load(tmp_path / "export" / "model.pt", weights_only=True), strict=True)
+    model.eval()
+    cfg, batches = _validation_batches(run)
+    right = total = 0
+    with torch.no_grad():
+        for x, y in batches:
+            right += int((model(x).argmax(-1) == y).sum())
+            total += len(y)
+    assert right / total == _last_eval(run)["val_accuracy"]
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(v, model.state_dict()[k])
+               for k, v in load_file(tmp_path / "export" / "model.safetensors").items())
+
+
+USER_NETS = '''
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        """Blocks given by pipeline_blocks(); the output layer shares the embedding's weight."""
+        def __init__(self, width=16):
+            super().__init__()
+            self.emb = nn.Embedding(256, width)
+            self.body = nn.Sequential(nn.Linear(width, width), nn.ReLU())
+            self.out = nn.Linear(width, 256, bias=False)
+            self.out.weight = self.emb.weight
+        def pipeline_blocks(self):
+            return [self.emb, self.body, self.out]
+
+    def build(width=16):
+        return Net(width)
+'''
+
+
+def test_a_users_model_exports_as_its_builds_state_dict(tmp_path, monkeypatch):
+    from safetensors.torch import load_model
+
+    user_module(tmp_path, monkeypatch, "export_nets", USER_NETS)
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    run = _train(tmp_path / "run", "model=custom", "model._target_=export_nets.build",
+                 "+model.kwargs.width=24", "data=stdlib", "model.seq_len=16", "sync=sdpipe")
+    out = sdpipe("export", str(run), "--out", str(tmp_path / "export"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    import export_nets
+
+    model = export_nets.build(width=24)
+    model.load_state_dict(torch.load(tmp_path / "export" / "model.pt", weights_only=True), strict=True)
+    again = export_nets.build(width=24)
+    assert load_model(again, str(tmp_path / "export" / "model.safetensors")) == (set(), [])
+    assert torch.equal(again.emb.weight, model.emb.weight) and again.out.weight is again.emb.weight
+    saved = OmegaConf.load(tmp_path / "export" / "model.yaml")
+    assert saved._target_ == "export_nets.build" and saved.kwargs.width == 24
+    assert abs(_eval(tmp_path / "export") - _last_eval(run)["val_loss"]) < 1e-4
+
+
+# -- replicas that differ ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def apart(tmp_path_factory):
+    """Replicas that never averaged (sync=none), with a checkpoint at the end."""
+    return _train(tmp_path_factory.mktemp("apart") / "run", "model=gpt_tiny", "data=stdlib",
+                  "sync=none", "checkpoint.every=12", "run.save_final=false")
+
+
+def test_replicas_that_differ_are_averaged_and_their_distance_reported(apart, tmp_path):
+    from sdpipe_cli.model import checkpoint
+
+    out = sdpipe("export", str(apart), "--out", str(tmp_path / "mean"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    manifest = json.loads((tmp_path / "mean" / "export.json").read_text())
+    ckpt = apart / "checkpoints" / "step_12"
+    shards = [checkpoint.load_shard(ckpt, str(r))["model"] for r in range(4)]  # p0s0 p0s1 p1s0 p1s1
+    exported = torch.load(tmp_path / "mean" / "model.pt", weights_only=True)
+    first = next(k for k in exported if k.startswith("embedding."))
+    name = first.partition(".")[2]
+    mean = (shards[0][f"0.{name}"].double() + shards[2][f"0.{name}"].double()) / 2
+    assert torch.allclose(exported[first].double(), mean, atol=1e-6)
+    assert manifest["replicas"]["how"] == "mean"
+    distance = manifest["replicas"]["consensus_distance"]
+    squares = mean_squares = 0.0
+    for s in (0, 1):  # the formula of training's global syncs, over every parameter
+        for key, a in shards[s].items():
+            b = shards[2 + s][key]
+            if "." in key and key.split(".")[-1] in ("weight", "bias") and a.is_floating_point():
+                m = (a.double() + b.double()) / 2
+                squares += float(((a - m) ** 2).sum() + ((b - m) ** 2).sum()) / 2
+                mean_squares += float((m ** 2).sum())
+    assert distance == pytest.approx((squares / mean_squares) ** 0.5, rel=1e-6) and distance > 0
+    # one pipeline's replica evaluates to that pipeline's own last eval
+    recorded = [m["val_loss"] for m in metrics(apart, "eval") if m["pipeline"] == 1][-1]
+    assert abs(_eval(apart, "--pipeline", "1") - recorded) < 1e-4
+
+
+# -- bad input: one line, exit 2, nothing written ----------------------------------------------------
+
+def _refused(tmp_path: Path, *args: str) -> str:
+    out = sdpipe(*args)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("sdpipe: error: "), out.stderr
+    assert "Traceback" not in out.stderr
+    return lines[0]
+
+
+def test_bad_input_is_one_line_and_writes_nothing(apart, tmp_path):
+    out = tmp_path / "out"
+    assert "neither a run folder" in _refused(tmp_path, "export", str(tmp_path), "--out", str(out))
+    assert "does not exist" in _refused(tmp_path, "export", str(tmp_path / "nope"), "--out", str(out))
+    empty_run = tmp_path / "empty_run"
+    empty_run.mkdir()
+    shutil.copy(apart / "config.yaml", empty_run / "config.yaml")
+    assert "no complete checkpoint and no final/" in _refused(
+        tmp_path, "export", str(empty_run), "--out", str(out))
+    assert "--format" in _refused(tmp_path, "export", str(apart), "--out", str(out), "--format",
+                                  "transformers")
+    assert "--pipeline" in _refused(tmp_path, "export", str(apart), "--out", str(out),
+                                    "--pipeline", "5")
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no leftovers
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert "already holds files" in _refused(tmp_path, "export", str(apart), "--out", str(taken))
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
+    (tmp_path / "result.json").write_text("mine")
+    assert "already exists" in _refused(tmp_path, "eval", str(apart), "--out",
+                                        str(tmp_path / "result.json"))
+    assert (tmp_path / "result.json").read_text() == "mine"
+    assert "train.lr" in _refused(tmp_path, "eval", str(apart), "train.lr=1")
+
+
+def test_weights_of_another_model_are_refused_naming_the_file(apart, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(apart, run)
+    ckpt = run / "checkpoints" / "step_12"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["config"]["model"]["d_model"] = 48  # the config of another model
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    line = _refused(tmp_path, "export", str(run), "--out", str(tmp_path / "out"))
+    assert "step_12/0.pt" in line and "has shape" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_changed_afterwards_is_refused(apart, tmp_path):
+    export = tmp_path / "export"
+    assert sdpipe("export", str(apart), "--out", str(export)).returncode == 0
+    data = bytearray((export / "model.pt").read_bytes())
+    data[-100] ^= 1
+    (export / "model.pt").write_bytes(bytes(data))
+    assert "checksum mismatch" in _refused(tmp_path, "eval", str(export))
+
+
+def test_a_copied_export_naming_code_does_not_run_it(apart, tmp_path):
+    """export.json is data: code its config names runs only as sealed by this user's launch."""
+    export = tmp_path / "export"
+    assert sdpipe("export", str(apart), "--out", str(export)).returncode == 0
+    manifest = json.loads((export / "export.json").read_text())
+    manifest["config"]["model"].update(arch="custom", _target_="os.system", kwargs={"command": "true"})
+    (export / "export.json").write_text(json.dumps(manifest))
+    assert "model._target_" in _refused(tmp_path, "eval", str(export))
