@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from sdpipe_cli.runtime.trackers import Sink, close_all
+
 
 @dataclass
 class PipelineState:
@@ -201,40 +203,39 @@ class RunTracker:
 class MetricsLog:
     """Append-only ``metrics.jsonl``; each line is flushed so a crash loses at most one line.
 
-    With ``tensorboard`` (a folder, ``metrics.tensorboard=true``), every line is also written
-    as TensorBoard scalars there (:func:`scalars` says which), through
-    ``torch.utils.tensorboard`` (the ``tensorboard`` package is an optional extra).
+    Every line's scalars (:func:`scalars` says which) also go to each of ``sinks``: the
+    experiment trackers the run asked for (:func:`sdpipe_cli.runtime.trackers.open_sinks`),
+    which the log closes with itself.
     """
 
-    def __init__(self, path: Path, tensorboard: Optional[Path] = None):
+    def __init__(self, path: Path, sinks: Iterable[Sink] = ()):
         self.path = Path(path)
         self._file = self.path.open("a", encoding="utf-8")
-        self._board = None
-        if tensorboard is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._board = SummaryWriter(log_dir=str(tensorboard), flush_secs=5)
+        self._sinks = list(sinks)
 
     def write(self, line: dict[str, Any]) -> None:
         self._file.write(strict_json(line) + "\n")
         self._file.flush()
-        if self._board is not None:
-            for tag, value, step, seconds in scalars(line):
-                self._board.add_scalar(tag, value, step, walltime=seconds)
+        if self._sinks:
+            items = scalars(line)
+            if items:
+                for sink in self._sinks:
+                    sink.log(items)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the file and every sink; ``failed``: the writer ends on an error (a tracker
+        may mark its run so)."""
         self._file.close()
-        if self._board is not None:
-            self._board.close()
+        close_all(self._sinks, failed)
 
 
-# metrics.jsonl fields shown as TensorBoard scalars, per kind of line.
+# metrics.jsonl fields shown as trackers' scalars, per kind of line.
 _PIPELINE_FIELDS = ("loss", "samples_per_s", "lr", "step_s", "sync_s", "wait_s", "comm_s",
                     "group_size")
 
 
 def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]]]:
-    """The TensorBoard scalars of one metrics line: (tag, value, step, run-clock seconds).
+    """The scalars of one metrics line, for every tracker: (tag, value, step, run-clock seconds).
 
     Pipelines' series are on their own iterations (``pipeline1/loss``, ``pipeline1/stage0/wait_s``
     for stages other than the last), validation as ``pipeline1/val_loss``; sdpipe's decisions

@@ -42,6 +42,7 @@ from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
 from sdpipe_cli.runtime.trace import Tracer, trace_path
+from sdpipe_cli.runtime.trackers import open_sinks
 from sdpipe_cli.sync import journal
 from sdpipe_cli.sync.replay import load as load_recorded
 from sdpipe_cli.sync.journal import journal_path
@@ -126,7 +127,7 @@ class _Muted:
     def write(self, record: Optional[dict]) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass
 
 
@@ -182,8 +183,7 @@ class Scheduler:
             protocol.Rejoin: self._rejoin, protocol.Report: self._report}
 
     def _metrics(self) -> MetricsLog:
-        tb = self.run_dir / "tb" if self.cfg.metrics.tensorboard else None
-        return MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=tb)
+        return MetricsLog(self.run_dir / "metrics.jsonl", open_sinks(self.cfg, self.run_dir))
 
     def go_live(self, replayed: int, last: Optional[float], restart: int = 1) -> None:
         """The journal is replayed: write again what the last batch's handling wrote to the
@@ -635,6 +635,7 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
     ticker = Ticker(connect)
     ticker.start()
     tracer = scheduler.tracer
+    failed = True  # until every worker reported done
     try:
         while not scheduler.tracker.all_done():
             raw = next_batch(events)
@@ -645,10 +646,11 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
             if tracer is not None:
                 tracer.span(f"{len(batch)} events", "scheduler", popped, tracer.clock(),
                             "events", len(batch))
+        failed = False
     finally:
         ticker.stop()
         writer.close()
-        scheduler.metrics.close()
+        scheduler.metrics.close(failed)
         if tracer is not None:
             tracer.write(trace_path(run_dir, tracer.rank))
     scheduler.publish_progress()
