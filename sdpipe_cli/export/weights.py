@@ -16,8 +16,8 @@ replicas of a block are then one model:
 
 Either way the replicas' consensus distance is reported, as training defines it at global
 syncs (:func:`sdpipe_cli.sync.groups.average_tensors`): ``sqrt(mean_p ||w_p - w||^2) / ||w||``
-over the parameters, ``w`` their mean. One pipeline's shards are in memory at a time, beside
-float64 sums.
+over the parameters, ``w`` their mean. The P replicas of one stage are in memory at a time,
+beside the model being made.
 """
 
 from __future__ import annotations
@@ -183,36 +183,31 @@ class Merged:
 
 
 def merge(source: Source, pipeline: Optional[int] = None) -> Merged:
-    """One model from the replicas (see the module's docstring); ``pipeline``: that one's."""
-    P = source.pipelines
+    """One model from the replicas (see the module's docstring); ``pipeline``: that one's.
+
+    Stage by stage: the P replicas of one stage are in memory at a time, beside the model being
+    made, and each tensor's mean is taken in float64. Where the replicas are equal that mean is
+    each of them, bit for bit (P copies of a float32 sum and divide back exactly)."""
     check_pipeline(source, pipeline)
-    params = _parameter_places(source.config)
-    first: dict[Where, torch.Tensor] = {}
-    chosen: dict[Where, torch.Tensor] = {}
-    total: dict[Where, torch.Tensor] = {}
-    squares = 0.0
-    equal = True
-    for p, table in _replicas(source):
-        if p == 0:
-            first = table
-        else:
-            equal = equal and all(torch.equal(table[k], first[k]) for k in first)
-        if p == pipeline:
-            chosen = table
-        for k, v in table.items():
-            if v.is_floating_point():
-                total[k] = v.double() if k not in total else total[k].add_(v.double())
-        squares += sum(float(table[k].double().pow(2).sum()) for k in params)
-    mean_squares = sum(float((total[k] / P).pow(2).sum()) for k in params)
-    distance = 0.0 if equal else math.sqrt(max(squares / P - mean_squares, 0.0)) / max(
-        math.sqrt(mean_squares), 1e-30)
+    P = source.pipelines
+    params = set(_parameter_places(source.config))
+    state: dict[Where, torch.Tensor] = {}
+    equal, squares, norm = True, 0.0, 0.0
+    for stage in _stages(source):
+        for where, values in stage.items():
+            equal = equal and all(torch.equal(values[0], v) for v in values[1:])
+            if not values[0].is_floating_point():  # counters (BatchNorm's batches): the first's
+                state[where] = values[pipeline or 0]
+                continue
+            mean = torch.stack([v.double() for v in values]).mean(0)
+            if where in params:
+                squares += sum(float((v.double() - mean).pow(2).sum()) for v in values) / P
+                norm += float(mean.pow(2).sum())
+            state[where] = values[pipeline] if pipeline is not None else mean.to(values[0].dtype)
+    distance = 0.0 if equal else math.sqrt(squares) / max(math.sqrt(norm), 1e-30)
     if pipeline is not None:
-        return Merged(chosen, "pipeline", [pipeline], distance)
-    if equal:
-        return Merged(first, "equal", list(range(P)), 0.0)
-    state = {k: (total[k] / P).to(v.dtype) if v.is_floating_point() else v
-             for k, v in first.items()}
-    return Merged(state, "mean", list(range(P)), distance)
+        return Merged(state, "pipeline", [pipeline], distance)
+    return Merged(state, "equal" if equal else "mean", list(range(P)), distance)
 
 
 def check_pipeline(source: Source, pipeline: Optional[int]) -> None:
@@ -221,23 +216,24 @@ def check_pipeline(source: Source, pipeline: Optional[int]) -> None:
                           f"0..{source.pipelines - 1}")
 
 
-def _replicas(source: Source) -> Iterator[tuple[int, dict[Where, torch.Tensor]]]:
-    """Each pipeline's replica, by block, checked against the model the config builds."""
+def _stages(source: Source) -> Iterator[dict[Where, list[torch.Tensor]]]:
+    """Stage by stage, each tensor's P replicas by (block, name), every shard checked against
+    the model the config builds."""
     blocks, _ = models.meta_blocks(source.config.model)
     ranges = stage_ranges(list(source.config.pipeline.partition), len(blocks))
     if len(ranges) != source.stages:
         raise CheckpointError(source.path, f"its config has {source.stages} stages but a "
                               f"partition of {len(ranges)}")
-    expected = [torch.nn.Sequential(*blocks[lo:hi]).state_dict() for lo, hi in ranges]
-    for p in range(source.pipelines):
-        table: dict[Where, torch.Tensor] = {}
-        for s, (lo, _hi) in enumerate(ranges):
+    for s, (lo, hi) in enumerate(ranges):
+        expected = torch.nn.Sequential(*blocks[lo:hi]).state_dict()
+        table: dict[Where, list[torch.Tensor]] = {}
+        for p in range(source.pipelines):
             path, found = source.shard(p, s)
-            checkpoint.check_tensors(path, f"stage {s}'s weights", expected[s], found)
+            checkpoint.check_tensors(path, f"stage {s}'s weights", expected, found)
             for key, value in found.items():
                 index, _, name = key.partition(".")
-                table[(lo + int(index), name)] = value
-        yield p, table
+                table.setdefault((lo + int(index), name), []).append(value)
+        yield table
 
 
 def _parameter_places(config: DictConfig) -> list[Where]:
