@@ -40,6 +40,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("cosine", "linear", "step", "constant")
 PARTITIONS = ("uniform", "params", "auto")
 EMULATIONS = ("auto", "measured", "modelled")
+WANDB_MODES = ("off", "offline")  # metrics.wandb (false reads as off)
 
 
 class ConfigError(BadInput):
@@ -399,6 +400,12 @@ class FaultConfig:
 class MetricsConfig:
     # Also write metrics.jsonl's numbers as TensorBoard scalars under <run>/tb (needs tensorboard)
     tensorboard: bool = False
+    # Also log the same scalars, and the config as params, to an MLflow file store under
+    # <run>/mlruns (needs mlflow)
+    mlflow: bool = False
+    # off, or offline: also log the same scalars, and the config, to an offline Weights & Biases
+    # run under <run>/wandb (uploaded only by wandb sync, later; needs wandb)
+    wandb: str = "off"
 
 
 @dataclass

@@ -23,7 +23,8 @@ from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS
                                       EMULATIONS, HF_ARCHS, IMAGE_DATASETS, LR_SCHEDULES,
                                       OBJECTIVES, OPTIMIZERS, PARTITIONS, POLICIES, PRECISIONS,
                                       RESNET_BLOCKS, SCHEDULES, STALE_RULES, SYNC_MODES,
-                                      ConfigError, emulation, n_blocks, num_classes, objective)
+                                      WANDB_MODES, ConfigError, emulation, n_blocks, num_classes,
+                                      objective)
 from sdpipe_cli.core.meetings import SYNC_PRECISIONS
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
@@ -219,7 +220,7 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
 
 
 def _validate_run(cfg: DictConfig) -> None:
-    """``run`` and ``metrics``: port, timeouts, tracing, TensorBoard."""
+    """``run`` and ``metrics``: port, timeouts, tracing, the trackers."""
     need(0 <= cfg.run.port <= 65535, "run.port", "must be in 0..65535 (0 picks a free port)")
     need(cfg.run.timeout >= MIN_TIMEOUT_S, "run.timeout", f"is {cfg.run.timeout:g} s; give every "
          f"rendezvous and collective at least {MIN_TIMEOUT_S:g} s (the store's first answer alone "
@@ -229,6 +230,14 @@ def _validate_run(cfg: DictConfig) -> None:
     need(cfg.run.trace_events > 0, "run.trace_events", "must be at least 1")
     need(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "metrics.tensorboard", "needs the tensorboard package: pip install tensorboard")
+    need(not cfg.metrics.mlflow or importlib.util.find_spec("mlflow") is not None,
+         "metrics.mlflow", "needs the mlflow package: pip install -e '.[mlflow]'")
+    wandb = str(cfg.metrics.wandb).lower()
+    need(wandb in (*WANDB_MODES, "false"), "metrics.wandb",
+         f"is '{cfg.metrics.wandb}'; choose off or offline (W&B runs offline only; "
+         "wandb sync uploads them)")
+    need(wandb != "offline" or importlib.util.find_spec("wandb") is not None,
+         "metrics.wandb", "needs the wandb package: pip install -e '.[wandb]'")
 
 
 def _check_sdpipe(y: DictConfig) -> None:
