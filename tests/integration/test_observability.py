@@ -1,27 +1,31 @@
 """What a run shows besides metrics.jsonl, on one shared run: the timeline (``run.trace=true``,
-``<run>/trace.json`` in the Chrome trace format) and TensorBoard scalars
-(``metrics.tensorboard=true``, ``<run>/tb``)."""
+``<run>/trace.json`` in the Chrome trace format), TensorBoard scalars
+(``metrics.tensorboard=true``, ``<run>/tb``) and the same scalars in MLflow
+(``metrics.mlflow=true``, ``<run>/mlruns``) and in an offline W&B run
+(``metrics.wandb=offline``, ``<run>/wandb``)."""
 
 from __future__ import annotations
 
 import json
 
+import psutil
 import pytest
 
 from sdpipe_cli.core.schedule import get_schedule
 from tests.helpers import kill_leftovers, metrics, sdpipe
+from tests.trackers_read import mlflow_run, series, wandb_run
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory):
-    """sdpipe, P = S = 2, 4 micro-batches, 4 steps, evaluations and checkpoints, both outputs on."""
+    """sdpipe, P = S = 2, 4 micro-batches, 4 steps, evaluations and checkpoints, every output on."""
     run_dir = tmp_path_factory.mktemp("observed") / "run"
     out = sdpipe("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic", "train.steps=4",
                  "train.batch_size=8", "pipeline.microbatches=4", "train.eval_every=2",
                  "checkpoint.every=2", "sync.global_every=2", "run.trace=true",
-                 "metrics.tensorboard=true")
+                 "metrics.tensorboard=true", "metrics.mlflow=true", "metrics.wandb=offline")
     assert not kill_leftovers(run_dir)
     assert out.returncode == 0, out.stderr
     return run_dir, out
@@ -93,3 +97,23 @@ def test_tensorboard_scalars_read_back_as_the_metrics_say(observed):
         assert all(board_loss[k] == pytest.approx(lines[k], rel=1e-6) for k in lines)
     groups = metrics(run_dir, "group")
     assert len(board.Scalars("stage0/group_size")) == sum(g["stage"] == 0 for g in groups)
+
+
+def test_mlflow_and_wandb_hold_the_same_scalars(observed):
+    run_dir, out = observed
+    losses = {m["step"]: m["loss"] for m in metrics(run_dir, "train") if m["pipeline"] == 1}
+    client, run = mlflow_run(run_dir)
+    assert run.info.run_name == "run" and run.info.status == "FINISHED"
+    assert run.data.params["train.steps"] == "4" and run.data.params["sync.name"] == "sdpipe"
+    history = client.get_metric_history(run.info.run_id, "pipeline1/loss")
+    assert {m.step: m.value for m in history} == pytest.approx(losses, rel=1e-6)
+    wandb = wandb_run(run_dir)
+    assert wandb["run"].display_name == "run" and wandb["exit"] == 0
+    assert wandb["config"]["train"]["steps"] == 4
+    assert series(wandb["history"], "pipeline1/loss", "pipeline1/iteration") == pytest.approx(losses)
+    # the scheduler's wandb-core service ended with it, and W&B said nothing on the console
+    scheduler = int((run_dir / "logs" / "scheduler.pid").read_text().split()[0])
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if "wandb-core" in " ".join(p.info["cmdline"] or ())
+                and str(scheduler) in (p.info["cmdline"] or ())]
+    assert "wandb" not in out.stderr.lower()
