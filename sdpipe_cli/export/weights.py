@@ -195,9 +195,12 @@ def merge(source: Source, pipeline: Optional[int] = None) -> Merged:
     equal, squares, norm = True, 0.0, 0.0
     for stage in _stages(source):
         for where, values in stage.items():
-            equal = equal and all(torch.equal(values[0], v) for v in values[1:])
-            if not values[0].is_floating_point():  # counters (BatchNorm's batches): the first's
+            same = all(torch.equal(values[0], v) for v in values[1:])
+            equal = equal and same
+            if same or not values[0].is_floating_point():  # counters (BatchNorm's): the first's
                 state[where] = values[pipeline or 0]
+                if same and where in params:
+                    norm += float(values[0].double().pow(2).sum())
                 continue
             mean = torch.stack([v.double() for v in values]).mean(0)
             if where in params:
