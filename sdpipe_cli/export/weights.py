@@ -95,6 +95,9 @@ def find(path: os.PathLike | str, which: Optional[str] = None, trusted: bool = F
         raise CheckpointError(path, "does not exist" if not path.exists() else
                               "is not a folder: name a run folder or a checkpoint folder")
     if (path / checkpoint.MANIFEST).is_file():
+        if which is not None:
+            raise ConfigError("CHECKPOINT", f"{path} is a checkpoint already; name a run folder "
+                              f"with {which}")
         source = _checkpoint(path)
     elif which == FINAL or (which is None and _final_is_newest(path)):
         source = _final(path)
