@@ -266,13 +266,6 @@ def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]
     return out
 
 
-def step_axis(tag: str) -> str:
-    """What the step of :func:`scalars`' ``tag`` counts, as a series name: a pipeline's
-    iterations (``pipeline1/iteration``) or a stage's rounds (``stage0/round``)."""
-    head = tag.split("/", 1)[0]
-    return f"{head}/iteration" if head.startswith("pipeline") else f"{head}/round"
-
-
 def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

@@ -15,9 +15,9 @@ only under the run's folder and never reaches the network:
 - :class:`WandB` (``metrics.wandb=offline``): an offline W&B run under ``<run>/wandb``
   (``offline-run-*``; each leg of the run adds one), project :data:`PROJECT`, named and grouped
   after the run folder, the composed config as its config. W&B wants one increasing step per
-  run, so each series is drawn against its own step metric instead
-  (:func:`~sdpipe_cli.runtime.metrics.step_axis`: ``pipeline<p>/iteration``,
-  ``stage<s>/round``). Its ``wandb-core`` service process ends on close.
+  run, so each series is drawn against its own step metric instead (:func:`step_axis`:
+  ``pipeline<p>/iteration``, ``stage<s>/round``). Its ``wandb-core`` service process ends on
+  close.
 
 mlflow and wandb are optional extras, imported only here and only when enabled.
 """
@@ -34,7 +34,7 @@ from typing import Any, Optional, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["Sink", "TensorBoard", "MLflow", "WandB", "open_sinks", "close_all", "flat_params",
-           "PROJECT"]
+           "step_axis", "PROJECT"]
 
 PROJECT = "sdpipe"  # the MLflow experiment and the W&B project of every run
 
@@ -47,6 +47,14 @@ class Sink(Protocol):
 
     def close(self, failed: bool = False) -> None:
         """Flush and end; ``failed``: the scheduler is ending on an error."""
+
+
+def step_axis(tag: str) -> str:
+    """What the step of a :func:`~sdpipe_cli.runtime.metrics.scalars` tag counts, as a series
+    name: a pipeline's iterations (``pipeline1/iteration``: its tags begin ``pipeline<p>/``) or
+    a stage's rounds (``stage0/round``: ``stage<s>/``)."""
+    head = tag.split("/", 1)[0]
+    return f"{head}/iteration" if head.startswith("pipeline") else f"{head}/round"
 
 
 def wandb_on(value: Any) -> bool:
@@ -150,9 +158,6 @@ class WandB:
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         import wandb
 
-        from sdpipe_cli.runtime.metrics import step_axis
-
-        self._axis = step_axis
         known = getattr(wandb.Settings, "model_fields", QUIET)  # a later wandb may rename one
         self._wandb = wandb
         wandb.setup(settings=wandb.Settings(silent=True))
@@ -169,7 +174,7 @@ class WandB:
     def log(self, items: list[Scalar]) -> None:
         rows: dict[tuple[str, int], dict[str, float]] = {}
         for tag, value, step, _ in items:
-            axis = self._axis(tag)
+            axis = step_axis(tag)
             if tag not in self._defined:
                 if axis not in self._defined:
                     self.run.define_metric(axis, hidden=True)
