@@ -23,7 +23,6 @@ complete: ``--out`` never holds half an export, and a folder that holds anything
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -40,7 +39,7 @@ from torch import nn
 from sdpipe_cli.config import trust
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.export.weights import Merged, Source, by_block
-from sdpipe_cli.model import models
+from sdpipe_cli.model import checkpoint, models
 from sdpipe_cli.runtime.errors import CheckpointError
 
 __all__ = ["FORMATS", "Export", "default_format", "load", "write"]
@@ -48,7 +47,6 @@ __all__ = ["FORMATS", "Export", "default_format", "load", "write"]
 MANIFEST = "export.json"
 FORMATS = ("transformers", "torchvision", "state_dict")
 _MAX_MANIFEST = 64 << 20
-_CHUNK = 1 << 20
 
 
 def default_format(model_cfg: DictConfig) -> str:
@@ -105,7 +103,7 @@ def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
                          "consensus_distance": merged.distance},
             "tokenizer": tokenizer, "torch_version": torch.__version__, "time": time.time(),
             "config": OmegaConf.to_container(config, resolve=False),
-            "files": {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
+            "files": {p.name: checkpoint.sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         check_out(out)  # nothing appeared there meanwhile
@@ -237,7 +235,7 @@ def read_manifest(folder: Path, trusted: bool = False) -> dict[str, Any]:
         file = Path(folder) / str(name)
         if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not file.is_file():
             raise CheckpointError(file, "listed in export.json but missing")
-        if _sha256(file) != digest:
+        if checkpoint.sha256(file) != digest:
             raise CheckpointError(file, "checksum mismatch: truncated or changed since the export")
     trust.check(manifest["config"], str(path), trusted)
     return manifest
@@ -273,11 +271,3 @@ def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()

@@ -407,11 +407,12 @@ def _refusal(err: pickle.UnpicklingError) -> str:
 def _check(path: Path, digest: str) -> None:
     if not path.is_file():
         raise CheckpointError(path, "missing")
-    if _sha256(path) != digest:
+    if sha256(path) != digest:
         raise CheckpointError(path, "checksum mismatch: truncated or corrupted")
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The hex SHA-256 of a file, read in chunks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -422,7 +423,7 @@ def _sha256(path: Path) -> str:
 def _fsync_and_hash(path: Path) -> str:
     with path.open("rb") as f:
         os.fsync(f.fileno())
-    return _sha256(path)
+    return sha256(path)
 
 
 def _payload_files(staging: Path) -> list[Path]:
