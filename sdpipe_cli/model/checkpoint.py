@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -202,6 +202,36 @@ def free_name(path: Path, suffix: str) -> Path:
     while path.with_name(f"{path.name}{suffix}-{n}").exists():
         n += 1
     return path.with_name(f"{path.name}{suffix}-{n}")
+
+
+FINAL = "final"
+
+
+def final_name(pipeline: int, stage: int) -> str:
+    """The shard name of a replica's weights at the end of the run: ``final/p<P>-s<S>.pt``."""
+    return f"p{pipeline}-s{stage}"
+
+
+def seal_final(run_dir: os.PathLike | str, meta: dict[str, Any], pipelines: int,
+               stages: int) -> Optional[Path]:
+    """Give ``<run>/final/`` a manifest once every replica of the run's layout wrote its weights
+    there (``run.save_final``): each file's SHA-256 and ``meta`` (the run's config and every
+    pipeline's iterations), so that a reader takes exactly this leg's files, checked, and never
+    a file an earlier leg of another layout left. The folder of a run that lost a replica gets
+    none (and an older manifest is removed): it is not one model's. Returns the manifest."""
+    folder = Path(run_dir) / FINAL
+    names = [shard_name(final_name(p, s)) for p in range(pipelines) for s in range(stages)]
+    manifest = folder / MANIFEST
+    if not all((folder / n).is_file() for n in names):
+        manifest.unlink(missing_ok=True)
+        return None
+    doc = {"step": max(meta.get("steps", {0: 0}).values(), default=0), "time": time.time(),
+           "torch_version": torch.__version__, "files": {n: sha256(folder / n) for n in names},
+           **meta}
+    tmp = folder / f".{MANIFEST}.tmp"
+    _write_synced(tmp, json.dumps(doc, indent=1))
+    os.replace(tmp, manifest)
+    return manifest
 
 
 def damaged(run_dir: os.PathLike | str) -> list[Path]:

@@ -671,6 +671,13 @@ def main() -> int:
                           config=os.environ.get("SDPIPE_CONFIG", "config.yaml"))
         summary = scheduler.summary()
         (run_dir / "summary.json").write_text(strict_json(summary, indent=1))
+        if cfg.run.save_final:  # every worker wrote its weights there before it was done
+            steps = {str(p): state["steps"] for p, state in summary["pipelines"].items()}
+            config = OmegaConf.to_container(cfg, resolve=True)
+            if checkpoint.seal_final(run_dir, {"config": config, "steps": steps},
+                                     scheduler.grid.pipelines, scheduler.grid.stages) is None:
+                log.warning("final/ is not one model's (a replica did not write its weights "
+                            "there): it has no manifest")
         for p, state in summary["pipelines"].items():
             log.info("pipeline %s: %d iterations, loss %s", p, state["steps"], state["loss"])
         if "rounds" in summary:

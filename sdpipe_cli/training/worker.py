@@ -305,9 +305,11 @@ class Worker:
         if self.cadence.final_evaluation(step) and trained:
             self.evaluate(step)  # always once at the end of the run
         if cfg.run.save_final:
-            final = Path(cfg.run.dir) / "final"
+            final = Path(cfg.run.dir) / checkpoint.FINAL
             final.mkdir(exist_ok=True)
-            torch.save(self.module.state_dict(), final / f"p{w.pipeline}-s{w.stage}.pt")
+            name = checkpoint.final_name(w.pipeline, w.stage)
+            checkpoint.save_shard(final, name, {k: v.detach().cpu()
+                                                for k, v in self.module.state_dict().items()})
         if self.tracer is not None:
             self.tracer.write(trace_path(self.run_dir, w.rank))
         if self.feed is not None:
