@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
 from sdpipe_cli.config import trust, yaml_bounds
+from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.composition import compose
-from sdpipe_cli.config.schema import ConfigError, schema_for
+from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import network, run_lock
@@ -93,11 +93,7 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
                           soft_wrap=True)
     manifest = checkpoint.verify_run(ckpt)  # every shard's checksum, before anything starts
     trust.check(manifest["config"], str(ckpt / checkpoint.MANIFEST), trusted)
-    try:
-        saved = OmegaConf.merge(schema_for(manifest["config"]["sync"]["name"]), manifest["config"])
-    except (ConfigError, OmegaConfBaseException) as err:
-        raise CheckpointError(ckpt / checkpoint.MANIFEST,
-                              f"its config does not fit this sdpipe: {str(err).splitlines()[0]}") from None
+    saved = typed(manifest["config"], str(ckpt / checkpoint.MANIFEST))
     cfg = apply_overrides(saved, overrides)
     cfg.run.dir = str(home) if not fresh else (requested or str(_beside(ckpt)))
     validate(cfg)

@@ -1,0 +1,44 @@
+"""A config that a run saved (a checkpoint's manifest, ``final/``'s, an export's), read back as data.
+
+A saved config comes from a file anyone may have written. Before anything reads a key of it, it
+is typed by the schema of its sync mode (an unknown key, a wrong type or a missing section is
+one :class:`ConfigError` naming the file, not a traceback deep in a reader), and its size and
+depth are bounded. Whether code it names may run is :mod:`~sdpipe_cli.config.trust`'s question.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sdpipe_cli.config.schema import ConfigError, schema_for
+
+__all__ = ["typed"]
+
+MAX_DEPTH = 64  # a run's config nests a few levels; a deeper one was not written by a run
+
+
+def typed(config: Any, where: str) -> DictConfig:
+    """``config`` (a plain mapping read from ``where``) merged into its schema."""
+    if not isinstance(config, Mapping):
+        raise ConfigError(where, f"holds a config that is a {type(config).__name__}, not a mapping")
+    if _depth(config) > MAX_DEPTH:
+        raise ConfigError(where, f"holds a config nested over {MAX_DEPTH} levels deep")
+    sync = config.get("sync")
+    name = sync.get("name") if isinstance(sync, Mapping) else None
+    if not isinstance(name, str):
+        raise ConfigError(where, "its config lacks sync.name: not an sdpipe run's")
+    try:
+        return OmegaConf.merge(schema_for(name), config)
+    except (ConfigError, OmegaConfBaseException, ValueError, TypeError) as err:
+        raise ConfigError(where, f"its config does not fit this sdpipe: "
+                          f"{str(err).splitlines()[0]}") from None
+
+
+def _depth(node: Any, level: int = 0) -> int:
+    if level > MAX_DEPTH:
+        return level
+    items = node.values() if isinstance(node, Mapping) else node if isinstance(node, list) else ()
+    return max((_depth(v, level + 1) for v in items), default=level)
