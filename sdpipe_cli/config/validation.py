@@ -79,6 +79,11 @@ def _validate_finite(node: Any, path: str) -> None:
         raise ConfigError(path, f"must be a finite number, got {node}")
 
 
+def validate_data(cfg: DictConfig) -> None:
+    """The ``data`` section alone (``sdpipe eval`` changes only it)."""
+    _validate_data(cfg)
+
+
 def _validate_data(cfg: DictConfig) -> None:
     """``data``: the data set, its path, split, evaluation, normalization and loader."""
     d = cfg.data

@@ -24,7 +24,6 @@ from typing import Any
 from sdpipe_cli.data import sources
 from sdpipe_cli.data.loader import Batch, Loader, evaluation_batches
 from sdpipe_cli.data.sampling import Order
-from sdpipe_cli.runtime.errors import DataError
 
 __all__ = ["Feed"]
 
@@ -40,7 +39,7 @@ class Feed:
         self.cfg = cfg
         self.batch_size = int(cfg.train.batch_size)
         self.splits = sources.open_splits(cfg)
-        self._check_same_data(cfg.data.get("resolved"))
+        sources.check_same(self.splits, cfg.data.get("resolved"), "this process", "at launch")
         self.labels_only = not inputs and callable(getattr(self.splits.train, "target", None))
         self.workers = 0 if self.labels_only else sources.workers(cfg)
         order = Order(len(self.splits.train), pipeline, pipelines, int(cfg.train.seed))  # type: ignore[arg-type]
@@ -53,16 +52,6 @@ class Feed:
         self.seen_bad: dict[str, str] = {}  # unreadable samples: name -> error
         self.bad_reads = 0  # how many times one was met (both stages, every epoch)
         self._new_bad: list[tuple[str, str]] = []
-
-    def _check_same_data(self, resolved: Any) -> None:
-        if not resolved:
-            return
-        seen = {"train": len(self.splits.train), "val": len(self.splits.val), "read": self.splits.read}  # type: ignore[arg-type]
-        for key, value in seen.items():
-            if value != resolved[key]:
-                raise DataError("data", f"this process reads other data than the launcher did ({key}: "
-                                f"{value} here, {resolved[key]} at launch); every node needs the same "
-                                "copy of the data, unchanged during the run")
 
     def position(self, step: int) -> int:
         """Samples this pipeline has consumed before iteration ``step``."""

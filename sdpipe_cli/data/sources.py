@@ -27,7 +27,7 @@ from sdpipe_cli.data.loader import read_sample
 from sdpipe_cli.data.sampling import seed_of
 from sdpipe_cli.runtime.errors import DataError
 
-__all__ = ["Splits", "open_splits", "resolve", "example", "val_count", "workers", "fingerprint"]
+__all__ = ["Splits", "check_same", "open_splits", "resolve", "example", "val_count", "workers", "fingerprint"]
 
 CORPORA = ("stdlib", "text", "synthetic")
 DECODED = ("imagefolder", "cifar10", "custom")  # work per sample worth a background process
@@ -166,6 +166,21 @@ def open_splits(cfg: Any, verify: bool = False) -> Splits:
 
 
 # ----------------------------------------------------------------------------- the record
+
+
+def check_same(splits: Splits, resolved: Any, reader: str, recorded: str) -> None:
+    """``splits`` are what ``data.resolved`` recorded (split sizes, what was read: paths,
+    checksums); else a DataError. Two stages that read different copies would pair inputs with
+    the wrong targets, and an evaluation of changed data would score other samples, without
+    any other error."""
+    if not resolved:
+        return
+    seen = {"train": len(splits.train), "val": len(splits.val), "read": splits.read}  # type: ignore[arg-type]
+    for key, value in seen.items():
+        if value != resolved[key]:
+            raise DataError("data", f"{reader} reads other data than the run did ({key}: "
+                            f"{value} here, {resolved[key]} {recorded}); every node needs the "
+                            "same copy of the data, unchanged since")
 
 
 def _spec(value: Any, what: str) -> dict[str, Any]:

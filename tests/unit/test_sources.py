@@ -161,5 +161,5 @@ def test_a_process_that_sees_other_data_than_the_launcher_stops(user_module):
     c.data.resolved = sources.resolve(c)
     Feed(c, 0, 2).close()
     c.data.resolved.train = 31  # as if another node's copy had one sample more
-    with pytest.raises(DataError, match="other data than the launcher"):
+    with pytest.raises(DataError, match="this process reads other data than the run did"):
         Feed(c, 0, 2)
