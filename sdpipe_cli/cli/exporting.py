@@ -47,6 +47,8 @@ def export(run: str, which: Optional[str], out: str, pipeline: Optional[int], fm
     _say(console, f"wrote {target}: {manifest['format']}, {', '.join(manifest['files'])} "
                   f"({size / 1e6:.1f} MB)" + (f"; tokenizer: {manifest['tokenizer']}"
                                               if manifest["tokenizer"] else ""))
+    if manifest["format"] != "transformers":
+        _say(console, f"keys: {', '.join(manifest['keys'])}, ...")
     _say(console, f"load it: {_how_to_load(manifest, target)}")
     return 0
 
@@ -65,10 +67,12 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
 
     from sdpipe_cli.export import evaluation, formats, weights
 
-    if out is not None and (Path(out).exists() or Path(out).is_symlink()):
-        raise ConfigError("--out", f"{out} already exists: nothing of it is overwritten")
+    _new_file(out)
     evaluation.check_keys(overrides)
     folder = Path(path)
+    if formats.is_export(folder) and (which is not None or pipeline is not None):
+        raise ConfigError("--checkpoint" if which is not None else "--pipeline",
+                          f"{folder} is an export, one model: it has no checkpoints or replicas")
     if formats.is_export(folder):
         loaded = _as_bad_input(lambda: formats.load(folder, trusted), folder)
         config, blocks, what = loaded.config, loaded.blocks, f"export {folder}"
@@ -83,7 +87,7 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
         _say(console, f"weights: {source.describe()}; {merged.describe()}")
     count = evaluation.count(config)
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("eval", total=count)
         outcome = evaluation.evaluate(config, blocks,
                                       on_batch=lambda n: bar.update(task, completed=n))
@@ -118,11 +122,28 @@ def _as_bad_input(make, where: Path):
         raise CheckpointError(where, " ".join(str(err).split())[:300]) from None
 
 
+def _new_file(out: Optional[str]) -> None:
+    """``--out FILE`` names no file yet, in a folder that can be made."""
+    if out is None:
+        return
+    try:
+        if Path(out).exists() or Path(out).is_symlink():
+            raise ConfigError("--out", f"{out} already exists: nothing of it is overwritten")
+        parent = Path(out).absolute().parent
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError("--out", f"{parent} is not a folder")
+    except OSError as err:  # a name too long
+        raise ConfigError("--out", f"{out}: {err.strerror or err}") from None
+
+
 def _write_new(path: Path, doc: dict) -> None:
     """``doc`` as JSON at ``path``, which must not exist: written beside it, then linked in."""
     path = path.absolute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as err:
+        raise ConfigError("--out", f"{path} cannot be written: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)

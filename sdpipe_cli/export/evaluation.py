@@ -19,8 +19,10 @@ from torch import nn
 
 from sdpipe_cli.config.schema import ConfigError, objective
 from sdpipe_cli.data import sources
+from sdpipe_cli.runtime.errors import DataError
 from sdpipe_cli.data.loader import evaluation_batches
 from sdpipe_cli.model import models
+from sdpipe_cli.model.boundary import map_tensors
 from sdpipe_cli.pipeline import validation
 from sdpipe_cli.pipeline.executor import Executor
 
@@ -30,20 +32,25 @@ CHANGEABLE = ("data=NAME", "data.*", "train.batch_size", "pipeline.microbatches"
 
 
 def with_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
-    """``cfg`` with the user's data changes (see :data:`CHANGEABLE`), the data opened again and
-    described (``data.resolved``) when it changed. Bad input: a ConfigError or DataError."""
+    """``cfg`` (typed by its schema) with the user's data and batch changes (see
+    :data:`CHANGEABLE`); changed data is checked, opened again and described (``data.resolved``),
+    and must give the model what it was trained on. Bad input: a ConfigError or DataError."""
     from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.config.validation import validate_data
 
     check_keys(overrides)
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    cfg = cfg.copy()
+    trained = cfg.data.get("resolved")
+    trained = OmegaConf.to_container(trained) if trained is not None else None
     dotlist = []
     for item in overrides:
         key, _, value = item.partition("=")
-        key = key.lstrip("+~")
-        if key == "data":
-            cfg.data = compose([f"data={value}"]).data
+        if key.lstrip("+~") == "data":
+            dirs = [d for d in cfg.run.get("config_dirs") or [] if Path(d).is_dir()]
+            search = [f"hydra.searchpath=[{','.join('file://' + d for d in dirs)}]"] if dirs else []
+            cfg.data = compose([*search, f"data={value}"]).data
         else:
-            dotlist.append(f"{key}={value}")
+            dotlist.append(f"{key.lstrip('+~')}={value}")
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
     except Exception as err:  # OmegaConf's errors name the key
@@ -56,10 +63,27 @@ def with_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     if cfg.train.batch_size % cfg.pipeline.microbatches:
         raise ConfigError("pipeline.microbatches", f"{cfg.pipeline.microbatches} does not divide "
                           f"train.batch_size={cfg.train.batch_size}")
-    if overrides and any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "data" for o in overrides):
+    validate_data(cfg)
+    if any(o.split("=", 1)[0].lstrip("+~").split(".")[0] == "data" for o in overrides):
         cfg.data.resolved = None
-        cfg.data.resolved = sources.resolve(cfg)
+        _fits(cfg, trained, sources.resolve(cfg))
     return cfg
+
+
+def _fits(cfg: DictConfig, trained, now: dict) -> None:
+    """The new data gives the model what it was trained on: samples of the same layout, token
+    ids within its vocabulary, classes within its outputs; then it is the config's data."""
+    if trained and (now["input"], now["target"]) != (trained["input"], trained["target"]):
+        raise DataError("data", f"its samples are {now['input']} -> {now['target']}; the model "
+                        f"was trained on {trained['input']} -> {trained['target']}")
+    vocab = now.get("vocab_size") or (256 if cfg.data.name in sources.CORPORA else None)
+    if vocab is not None and cfg.model.get("vocab_size") and vocab > cfg.model.vocab_size:
+        raise DataError("data", f"its tokens go up to {vocab}, beyond the model's vocabulary of "
+                        f"{cfg.model.vocab_size}")
+    classes = now.get("classes")
+    if classes is not None and cfg.model.get("num_classes") and classes > cfg.model.num_classes:
+        raise DataError("data", f"it has {classes} classes, the model {cfg.model.num_classes}")
+    cfg.data.resolved = now
 
 
 def check_keys(overrides: Sequence[str]) -> None:
@@ -80,11 +104,15 @@ def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
              device: Optional[torch.device] = None) -> validation.Outcome:
     """The loss (and accuracy) of ``blocks`` on ``cfg``'s validation batches."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    module = nn.Sequential(*blocks).to(device).eval()
     low = models.AUTOCAST.get(str(cfg.train.precision))
+    cuts = {int(c) for c in cfg.pipeline.partition} if low is not None else set()
+    module = nn.Sequential(*[m for i, block in enumerate(blocks)
+                             for m in ((_Crossing(low), block) if i in cuts else (block,))])
+    module = module.to(device).eval()
     stage = Executor(module, 0, 1, None, None, (None, None), device,
                      models.loss_function(cfg.model), autocast=low)
     splits = sources.open_splits(cfg)
+    sources.check_same(splits, cfg.data.get("resolved"), "sdpipe eval", "when it trained")
     batches = ((b.inputs, b.targets) for b in evaluation_batches(
         splits.val, count(cfg), int(cfg.train.batch_size), int(cfg.train.seed),
         sources.workers(cfg)))
@@ -94,6 +122,19 @@ def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
                                       device=device, on_batch=on_batch)
     assert outcome is not None  # the one stage is the last
     return outcome
+
+
+class _Crossing(nn.Module):
+    """A stage boundary of the run under ``train.precision=bf16|fp16``: an activation's floating
+    tensors cross it in the low precision (as the run's messages did), so the one-process
+    evaluation computes what the run's stages computed."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, x)
 
 
 def count(cfg: DictConfig) -> int:

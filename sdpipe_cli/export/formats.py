@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from sdpipe_cli.config import trust
+from sdpipe_cli.config.saved import typed
+from sdpipe_cli.data.sources import CORPORA
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.export.weights import Merged, Source, by_block
 from sdpipe_cli.model import checkpoint, models
@@ -46,6 +49,9 @@ __all__ = ["FORMATS", "Export", "default_format", "load", "write"]
 
 MANIFEST = "export.json"
 FORMATS = ("transformers", "torchvision", "state_dict")
+FILES = {"transformers": ("config.json", "model.safetensors"),  # what each format always has
+         "torchvision": ("model.pt", "model.safetensors"),
+         "state_dict": ("model.pt", "model.safetensors", "model.yaml")}
 _MAX_MANIFEST = 64 << 20
 
 
@@ -88,8 +94,12 @@ def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
     out = Path(out).absolute()
     check_out(out)
     whole, _ = assemble(config, merged)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    except OSError as err:
+        raise ConfigError("--out", f"{out} cannot be written: {err.strerror or err}") from None
+    previous = _removed_on_interrupt(staging)
     try:
         tokenizer = _write_model(fmt, whole, config, staging, log)
         _usual_modes(staging)
@@ -101,7 +111,8 @@ def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
                        {str(p): n for p, n in source.steps.items()}},
             "replicas": {"how": merged.how, "pipelines": merged.pipelines,
                          "consensus_distance": merged.distance},
-            "tokenizer": tokenizer, "torch_version": torch.__version__, "time": time.time(),
+            "tokenizer": tokenizer, "keys": list(whole.state_dict())[:4],
+            "torch_version": torch.__version__, "time": time.time(),
             "config": OmegaConf.to_container(config, resolve=False),
             "files": {p.name: checkpoint.sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
         }
@@ -113,7 +124,23 @@ def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return manifest
+
+
+def _removed_on_interrupt(staging: Path) -> dict:
+    """Until the export is in place, Ctrl-C or SIGTERM removes the temporary folder and ends the
+    process with one line (exit 130): the handler before it would end it at once, leaving the
+    folder behind. Returns the handlers it replaced."""
+    def interrupted(signum, frame) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.write(2, f"sdpipe: error: export interrupted ({signal.Signals(signum).name}); "
+                 f"nothing was written\n".encode())
+        os._exit(130)
+
+    return {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _usual_modes(folder: Path) -> None:
@@ -127,11 +154,15 @@ def _usual_modes(folder: Path) -> None:
 
 
 def check_out(out: Path) -> None:
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ConfigError("--out", f"{out} exists and is not a folder: nothing was written")
-    if out.is_dir() and any(out.iterdir()):
-        raise ConfigError("--out", f"{out} already holds files: nothing of it is overwritten; "
-                          "name a new folder")
+    """``out`` is a new folder, or an empty one; else a ConfigError naming ``--out``."""
+    try:
+        if out.is_symlink() or (out.exists() and not out.is_dir()):
+            raise ConfigError("--out", f"{out} exists and is not a folder: nothing was written")
+        if out.is_dir() and any(out.iterdir()):
+            raise ConfigError("--out", f"{out} already holds files: nothing of it is overwritten; "
+                              "name a new folder")
+    except OSError as err:  # a name too long, a folder that cannot be listed
+        raise ConfigError("--out", f"{out}: {err.strerror or err}") from None
 
 
 def _write_model(fmt: str, whole: nn.Module, config: DictConfig, folder: Path, log) -> Optional[str]:
@@ -158,7 +189,7 @@ def _byte_tokenizer(config: DictConfig) -> Optional[str]:
     """``"bytes"`` for a model of UTF-8 bytes (the corpora, and token data made with the bytes
     tokenizer), else None."""
     name = config.data.name
-    if name in ("stdlib", "text", "synthetic"):
+    if name in CORPORA:
         return "bytes"
     if name == "tokens":
         read = (config.data.get("resolved") or {}).get("read") or {}
@@ -231,6 +262,10 @@ def read_manifest(folder: Path, trusted: bool = False) -> dict[str, Any]:
     if not (isinstance(manifest, dict) and manifest.get("format") in FORMATS
             and isinstance(manifest.get("config"), dict) and isinstance(manifest.get("files"), dict)):
         raise CheckpointError(path, "lacks 'format', 'config' or 'files': not an sdpipe export")
+    for name in FILES[manifest["format"]]:
+        if name not in manifest["files"]:
+            raise CheckpointError(path, f"does not list {name}, which a {manifest['format']} "
+                                  "export has: not an sdpipe export, or changed by hand")
     for name, digest in manifest["files"].items():
         file = Path(folder) / str(name)
         if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not file.is_file():
@@ -246,18 +281,22 @@ def load(folder: Path, trusted: bool = False) -> Export:
     load it), else the built model with ``load_state_dict(strict=True)`` of ``model.pt``."""
     folder = Path(folder)
     manifest = read_manifest(folder, trusted)
-    config = OmegaConf.create(manifest["config"])
+    config = typed(manifest["config"], str(folder / MANIFEST))
     if manifest["format"] == "transformers":
         from sdpipe_cli.model import hf
 
         _quiet_transformers()
+        saved = hf.saved_type(folder)
+        if saved != config.model.arch:
+            raise CheckpointError(folder / "config.json", f"holds a {saved!r} model; export.json "
+                                  f"says {config.model.arch!r}")
         whole = hf.load_pretrained(folder)
         blocks, _ = hf.split_blocks(whole)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(config.train.seed))
             whole, blocks, _ = models.build_whole(config.model)
-        state = torch.load(folder / "model.pt", weights_only=True, map_location="cpu")
+        state = checkpoint.load_shard(folder, "model", manifest)  # checked, tensors only
         try:
             whole.load_state_dict(state, strict=True)
         except RuntimeError as err:
@@ -271,3 +310,4 @@ def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # sdpipe says what went wrong, in one line

@@ -31,7 +31,8 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.config import trust, yaml_bounds
+from sdpipe_cli.config import trust
+from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.placement import Grid
@@ -41,19 +42,20 @@ from sdpipe_cli.runtime.errors import CheckpointError
 __all__ = ["Merged", "Source", "check_pipeline", "find", "merge"]
 
 Where = tuple[int, str]  # (block, name inside the block)
-FINAL = "final"
+FINAL = checkpoint.FINAL
 
 
 @dataclass(frozen=True)
 class Source:
-    """Where a run's weights lie: a complete checkpoint, or its ``final/`` folder."""
+    """Where a run's weights lie: a complete checkpoint, or its sealed ``final/`` folder; both
+    have a manifest (the run's config, every pipeline's iterations, each file's SHA-256)."""
 
     run: Optional[Path]  # the run folder, when the weights lie in one
     path: Path  # the checkpoint folder, or final/
     kind: str  # "checkpoint" or "final"
-    config: DictConfig  # the run's config, as the run saved it (resolved, schema-free)
-    steps: Optional[dict[int, int]]  # a checkpoint's iterations per pipeline
-    manifest: Optional[dict[str, Any]] = None
+    config: DictConfig  # the run's config, typed by its schema
+    steps: dict[int, int]  # iterations per pipeline
+    manifest: dict[str, Any]
 
     @property
     def pipelines(self) -> int:
@@ -64,32 +66,28 @@ class Source:
         return int(self.config.pipeline.stages)
 
     def describe(self) -> str:
-        if self.kind == FINAL:
-            return f"{self.path} (each replica's weights at the end of the run)"
-        return f"{self.path} (iterations per pipeline: {self.steps})"
+        what = "each replica's weights at the end of the run, " if self.kind == FINAL else ""
+        return f"{self.path} ({what}iterations per pipeline: {self.steps})"
 
     def shard(self, pipeline: int, stage: int) -> tuple[Path, Any]:
-        """The file of a replica's stage, and what it holds: the stage's tensors by its own
-        names."""
+        """The file of a replica's stage (checked against the manifest), and what it holds:
+        the stage's tensors by its own names."""
         if self.kind == FINAL:
-            path = self.path / f"p{pipeline}-s{stage}.pt"
-            try:
-                state = torch.load(path, weights_only=True, map_location="cpu")
-            except Exception as err:  # a damaged file fails anywhere in torch.load
-                raise CheckpointError(path, f"cannot be loaded as weights: "
-                                            f"{' '.join(str(err).split())[:160]}") from None
-            return path, state
+            name = checkpoint.final_name(pipeline, stage)
+            state = checkpoint.load_shard(self.path, name, self.manifest)
+            return self.path / checkpoint.shard_name(name), state
         rank = str(Grid(self.pipelines, self.stages).rank(pipeline, stage))
         state = checkpoint.load_shard(self.path, rank, self.manifest)
         return self.path / checkpoint.shard_name(rank), state.get("model")
 
 
 def find(path: os.PathLike | str, which: Optional[str] = None, trusted: bool = False) -> Source:
-    """The weights of ``path`` (a run folder, or a checkpoint folder): ``which`` names a
-    checkpoint (a folder, or ``step_N`` of the run) or ``final``; by default the newest of the
-    run's latest complete checkpoint and its ``final/``. A saved config that names code (a
-    user's model) is refused unless a launch of this user's sealed it or ``trusted``
-    (:mod:`sdpipe_cli.config.trust`): exporting builds the model."""
+    """The weights of ``path`` (a run folder, or a checkpoint folder): ``which`` names one of
+    the run's checkpoints (``step_N``, or its folder) or ``final``; by default whichever of the
+    run's latest complete checkpoint and its ``final/`` holds more iterations (``final/`` on a
+    tie). A saved config that names code (a user's model) is refused unless a launch of this
+    user's sealed it or ``trusted`` (:mod:`sdpipe_cli.config.trust`): exporting builds the
+    model."""
     path = Path(path).absolute()
     if not path.is_dir():
         raise CheckpointError(path, "does not exist" if not path.exists() else
@@ -99,70 +97,71 @@ def find(path: os.PathLike | str, which: Optional[str] = None, trusted: bool = F
             raise ConfigError("CHECKPOINT", f"{path} is a checkpoint already; name a run folder "
                               f"with {which}")
         source = _checkpoint(path)
-    elif which == FINAL or (which is None and _final_is_newest(path)):
+    elif which == FINAL:
         source = _final(path)
     elif which is not None:
-        named = Path(which)
-        source = _checkpoint(checkpoint.resolve(named if named.is_absolute() or named.exists()
-                                                else checkpoint.checkpoints_dir(path) / which))
+        source = _checkpoint(checkpoint.resolve(_inside(path, which)))
     else:
         if not (path / "config.yaml").is_file():
             raise CheckpointError(path, "is neither a run folder (no config.yaml) nor a checkpoint "
                                         "(no manifest.json)")
         found = checkpoint.latest(path)
-        if found is None:
-            raise CheckpointError(path, "has no complete checkpoint and no final/ (train with "
-                                        "checkpoint.every=N or run.save_final=true)")
-        source = _checkpoint(found)
-    where = source.path / checkpoint.MANIFEST if source.kind != FINAL else source.run / "config.yaml"
-    trust.check(OmegaConf.to_container(source.config), str(where), trusted)
+        final = _final(path) if (path / FINAL / checkpoint.MANIFEST).is_file() else None
+        if found is None and final is None:
+            raise CheckpointError(path, "has no complete checkpoint and no final/ with a manifest "
+                                        "(train with checkpoint.every=N or run.save_final=true)")
+        latest = _checkpoint(found) if found is not None else None
+        source = final if latest is None or (
+            final is not None and sum(final.steps.values()) >= sum(latest.steps.values())) else latest
+    trust.check(OmegaConf.to_container(source.config), str(source.path / checkpoint.MANIFEST),
+                trusted)
     return source
+
+
+def _inside(run: Path, which: str) -> Path:
+    """Checkpoint ``which`` of ``run``: a name in its ``checkpoints/`` (or ``resharded/``), or a
+    folder inside the run; never one elsewhere that the name happens to reach."""
+    named = Path(which)
+    if not named.is_absolute():
+        if (run / which).is_dir() and run in (run / which).resolve().parents:
+            return run / which
+        for folder in ("checkpoints", "resharded"):
+            if (run / folder / which).exists():
+                return run / folder / which
+        return checkpoint.checkpoints_dir(run) / which
+    if run not in named.absolute().parents:
+        raise ConfigError("CHECKPOINT", f"{which} is not a checkpoint of {run}; name it alone "
+                          "(sdpipe export CHECKPOINT --out DIR)")
+    return named
 
 
 def _checkpoint(ckpt: Path) -> Source:
     manifest = checkpoint.verify_run(ckpt)
-    config = OmegaConf.create(manifest["config"])
-    steps = {int(p): int(n) for p, n in manifest["steps"].items()}
-    if len(steps) != int(config.cluster.pipelines):
-        raise CheckpointError(ckpt / checkpoint.MANIFEST, f"lists {len(steps)} pipelines, its "
-                              f"config {config.cluster.pipelines}")
-    return Source(checkpoint.home_of(ckpt, manifest), ckpt, "checkpoint", config, steps, manifest)
+    return _source(checkpoint.home_of(ckpt, manifest), ckpt, "checkpoint", manifest)
 
 
 def _final(run: Path) -> Source:
     folder = run / FINAL
-    config_file = run / "config.yaml"
-    if not folder.is_dir():
-        raise CheckpointError(folder, "does not exist (train with run.save_final=true)")
-    if not config_file.is_file():
-        raise CheckpointError(config_file, "missing: final/ needs its run's config")
-    yaml_bounds.check_file(config_file, "the run folder")
-    try:  # data only: no interpolation is resolved
-        config = OmegaConf.create(OmegaConf.to_container(OmegaConf.load(config_file), resolve=False))
-        grid = Grid(int(config.cluster.pipelines), int(config.pipeline.stages))
-    except Exception as err:  # noqa: BLE001 - a config.yaml that is not a run's
-        raise CheckpointError(config_file, f"is not a run's config: {str(err).splitlines()[0]}") from None
-    for p in range(grid.pipelines):
-        for s in range(grid.stages):
-            if not (folder / f"p{p}-s{s}.pt").is_file():
-                raise CheckpointError(folder / f"p{p}-s{s}.pt", "missing: the run did not end, or "
-                                      "ended with another layout than config.yaml's")
-    return Source(run, folder, FINAL, config, None)
+    if not (folder / checkpoint.MANIFEST).is_file():
+        raise CheckpointError(folder / checkpoint.MANIFEST, "missing: final/ is sealed when a run "
+                              "with run.save_final=true ends with every replica (export a "
+                              "checkpoint instead)")
+    manifest = checkpoint.read_manifest(folder)
+    for name in ("config", "steps"):
+        if name not in manifest:
+            raise CheckpointError(folder / checkpoint.MANIFEST, f"lacks {name!r}")
+    return _source(run, folder, FINAL, manifest)
 
 
-def _final_is_newest(run: Path) -> bool:
-    """Whether the run's ``final/`` was written after its latest complete checkpoint."""
-    files = list((run / FINAL).glob("p*-s*.pt")) if (run / FINAL).is_dir() else []
-    if not files:
-        return False
-    latest = checkpoint.latest(run)
-    if latest is None:
-        return True
-    try:
-        saved = float(checkpoint.read_manifest(latest).get("time", 0.0))
-    except (CheckpointError, TypeError, ValueError):
-        return True
-    return min(f.stat().st_mtime for f in files) >= saved
+def _source(run: Optional[Path], path: Path, kind: str, manifest: dict[str, Any]) -> Source:
+    where = str(path / checkpoint.MANIFEST)
+    config = typed(manifest["config"], where)
+    steps = {int(p): int(n) for p, n in manifest["steps"].items()}
+    P, S = int(config.cluster.pipelines), int(config.pipeline.stages)
+    if P < 1 or S < 1 or sorted(steps) != list(range(P)):
+        raise CheckpointError(where, f"lists pipelines {sorted(steps)} for a layout of P={P}, "
+                              f"S={S}")
+    return Source(run, path, kind, config, steps, manifest)
 
 
 # -- merging -------------------------------------------------------------------------------------
@@ -177,6 +176,8 @@ class Merged:
     distance: float  # the replicas' consensus distance (0: equal)
 
     def describe(self) -> str:
+        if self.how == "equal" and len(self.pipelines) == 1:
+            return "one pipeline: its replica"
         if self.how == "equal":
             return f"the {len(self.pipelines)} replicas are equal; took pipeline {self.pipelines[0]}'s"
         if self.how == "mean":

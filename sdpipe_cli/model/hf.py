@@ -232,13 +232,13 @@ def _check_pretrained(kind: str, pretrained: str) -> Path:
     if not folder.is_dir():
         raise ValueError(f"model.pretrained: {pretrained} is not a folder (expected one written by "
                          f"save_pretrained; models are never downloaded)")
-    model_type = _saved_type(folder, "model.pretrained")
+    model_type = saved_type(folder, "model.pretrained")
     if model_type != kind:
         raise ValueError(f"model.pretrained: {pretrained} holds a {model_type!r} model, not {kind!r}")
     return folder
 
 
-def _saved_type(folder: Path, key: str = "model") -> Any:
+def saved_type(folder: Path, key: str = "model") -> Any:
     """The ``model_type`` of the config that ``save_pretrained`` wrote in ``folder``."""
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -338,7 +338,7 @@ def load_pretrained(folder: Path) -> nn.Module:
     """A model written by ``save_pretrained`` (an export), loaded as transformers' users load it
     (the class its config names, nothing downloaded); every weight must be there and nothing else."""
     folder = Path(folder)
-    kind = _saved_type(folder)
+    kind = saved_type(folder)
     if kind not in KINDS:
         raise ValueError(f"model: {folder} holds a {kind!r} model, not one of {', '.join(KINDS)}")
     _, model_cls = _import_hf(kind)

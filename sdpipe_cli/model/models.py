@@ -184,8 +184,9 @@ def build_whole(model_cfg: DictConfig) -> Tuple[nn.Module, List[nn.Module], List
     gives it, and its blocks, which share that module's parameters (what ``sdpipe export``
     writes): the transformers model (``GPT2LMHeadModel``, ``BertForMaskedLM``), the ResNet with
     torchvision's names, the module a user's builder returned (an ``nn.Sequential``, or the
-    module whose ``pipeline_blocks()`` gave the blocks); for a list of blocks, and the
-    byte-level models, an ``nn.Sequential`` of the blocks (keyed by index, or by block name).
+    module whose ``pipeline_blocks()`` gave the blocks, if it holds every block's tensors); for a
+    list of blocks, and the byte-level models, an ``nn.Sequential`` of the blocks (keyed by
+    index, or by block name).
     Initialised from the caller's torch RNG; :class:`ConfigError` as :func:`build`."""
     from collections import OrderedDict
 
@@ -222,13 +223,14 @@ def build_whole(model_cfg: DictConfig) -> Tuple[nn.Module, List[nn.Module], List
 
 
 def _holds(module: nn.Module, blocks: Sequence[nn.Module]) -> bool:
-    """``module``'s parameters and buffers are exactly the blocks'."""
+    """Every parameter and buffer of the blocks is ``module``'s (it may hold more: tensors no
+    block uses keep the values it was built with)."""
     def ids(tensors):
         return {id(t) for t in tensors}
 
     inside = ids(module.parameters()) | ids(module.buffers())
     held = set().union(*(ids(b.parameters()) | ids(b.buffers()) for b in blocks))
-    return inside == held
+    return held <= inside
 
 
 @functools.lru_cache(maxsize=8)

@@ -170,6 +170,7 @@ USER_NETS = '''
             self.body = nn.Sequential(nn.Linear(width, width), nn.ReLU())
             self.out = nn.Linear(width, 256, bias=False)
             self.out.weight = self.emb.weight
+            self.register_buffer("version", torch.tensor(2))  # in no block
         def pipeline_blocks(self):
             return [self.emb, self.body, self.out]
 
@@ -205,7 +206,7 @@ def test_a_users_model_exports_as_its_builds_state_dict(tmp_path, monkeypatch):
 def apart(tmp_path_factory):
     """Replicas that never averaged (sync=none), with a checkpoint at the end."""
     return _train(tmp_path_factory.mktemp("apart") / "run", "model=gpt_tiny", "data=stdlib",
-                  "sync=none", "checkpoint.every=12", "run.save_final=false")
+                  "sync=none", "checkpoint.every=12")
 
 
 def test_replicas_that_differ_are_averaged_and_their_distance_reported(apart, tmp_path):
@@ -235,6 +236,20 @@ def test_replicas_that_differ_are_averaged_and_their_distance_reported(apart, tm
     # one pipeline's replica evaluates to that pipeline's own last eval
     recorded = [m["val_loss"] for m in metrics(apart, "eval") if m["pipeline"] == 1][-1]
     assert abs(_eval(apart, "--pipeline", "1") - recorded) < 1e-4
+
+
+def test_final_weights_of_a_resumed_run_are_its_last_legs(apart, tmp_path):
+    """A resume on one pipeline leaves the first leg's p1-s*.pt in final/: they are not taken."""
+    run = tmp_path / "run"
+    shutil.copytree(apart, run)
+    out = sdpipe("resume", str(run), "cluster.pipelines=1", "train.steps=30")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run / "final" / "p1-s0.pt").exists()  # the first leg's, stale
+    out = sdpipe("export", str(run), "--out", str(tmp_path / "export"))
+    assert out.returncode == 0 and "one pipeline" in out.stderr, out.stderr[-3000:]
+    manifest = json.loads((tmp_path / "export" / "export.json").read_text())
+    assert manifest["source"]["kind"] == "final" and manifest["source"]["steps"] == {"0": 30}
+    assert abs(_eval(tmp_path / "export") - _last_eval(run)["val_loss"]) < 1e-4
 
 
 # -- bad input: one line, exit 2, nothing written ----------------------------------------------------
@@ -274,6 +289,13 @@ def test_bad_input_is_one_line_and_writes_nothing(apart, tmp_path):
                                         str(tmp_path / "result.json"))
     assert (tmp_path / "result.json").read_text() == "mine"
     assert "train.lr" in _refused(tmp_path, "eval", str(apart), "train.lr=1")
+    assert "eval_batchs" in _refused(tmp_path, "eval", str(apart), "data.eval_batchs=2")
+    assert "data.eval_batches" in _refused(tmp_path, "eval", str(apart), "data.eval_batches=0")
+    assert "data" in _refused(tmp_path, "eval", str(apart), "data=digits")  # not the model's
+    assert "--out" in _refused(tmp_path, "export", str(apart), "--out", str(tmp_path / ("x" * 300)))
+    elsewhere = apart.parent / "elsewhere"  # a checkpoint of another run is not RUN's
+    assert "CHECKPOINT" in _refused(tmp_path, "export", str(tmp_path), str(elsewhere),
+                                    "--out", str(out))
 
 
 def test_weights_of_another_model_are_refused_naming_the_file(apart, tmp_path):
@@ -283,7 +305,7 @@ def test_weights_of_another_model_are_refused_naming_the_file(apart, tmp_path):
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["config"]["model"]["d_model"] = 48  # the config of another model
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    line = _refused(tmp_path, "export", str(run), "--out", str(tmp_path / "out"))
+    line = _refused(tmp_path, "export", str(run), "step_12", "--out", str(tmp_path / "out"))
     assert "step_12/0.pt" in line and "has shape" in line
     assert not (tmp_path / "out").exists()
 

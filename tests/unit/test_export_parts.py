@@ -3,8 +3,10 @@ the formats a model takes, the overrides eval accepts, sampling's choice of the 
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from omegaconf import OmegaConf
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.export import evaluation, formats, generation, weights
-from sdpipe_cli.model import models
+from sdpipe_cli.model import checkpoint, models
 from sdpipe_cli.runtime.errors import CheckpointError
 
 
@@ -32,6 +34,9 @@ def _run_with_final(tmp_path, replicas):
         for s, (lo, hi) in enumerate([(0, n // 2), (n // 2, n)]):
             stage = {f"{b - lo}.{k}": v for b in range(lo, hi) for k, v in blocks[b].items()}
             torch.save(stage, run / "final" / f"p{p}-s{s}.pt")
+    steps = {str(p): 10 for p in range(len(replicas))}
+    assert checkpoint.seal_final(run, {"config": OmegaConf.to_container(cfg), "steps": steps},
+                                 len(replicas), 2) is not None
     return run, cfg
 
 
@@ -70,12 +75,54 @@ def test_replicas_that_differ_give_their_mean_and_the_consensus_distance(tmp_pat
     assert all(torch.equal(one.state[(i, k)], v) for i, block in enumerate(b) for k, v in block.items())
 
 
-def test_a_missing_replica_file_is_named(tmp_path):
+def test_final_weights_are_sealed_only_when_every_replica_wrote_them(tmp_path):
+    cfg = compose(["model=mlp", "data=synthetic"])
+    run, cfg = _run_with_final(tmp_path, [_replica(cfg, 0)] * 2)
+    (run / "final" / "p1-s0.pt").unlink()
+    meta = {"config": OmegaConf.to_container(cfg), "steps": {"0": 1, "1": 1}}
+    assert checkpoint.seal_final(run, meta, 2, 2) is None  # and the older manifest is gone
+    with pytest.raises(CheckpointError, match="final/manifest.json: missing"):
+        weights.find(run, "final")
+
+
+def test_final_files_changed_after_the_seal_are_refused(tmp_path):
     cfg = compose(["model=mlp", "data=synthetic"])
     run, _ = _run_with_final(tmp_path, [_replica(cfg, 0)] * 2)
-    (run / "final" / "p1-s0.pt").unlink()
-    with pytest.raises(CheckpointError, match="p1-s0.pt"):
-        weights.find(run)
+    torch.save({"0.weight": torch.zeros(1)}, run / "final" / "p1-s0.pt")  # a later leg's, cut short
+    with pytest.raises(CheckpointError, match="p1-s0.pt: checksum mismatch"):
+        weights.merge(weights.find(run))
+
+
+def test_the_newest_of_final_and_the_latest_checkpoint_is_taken(tmp_path):
+    cfg = compose(["model=mlp", "data=synthetic"])
+    run, cfg = _run_with_final(tmp_path, [_replica(cfg, 0)] * 2)  # 10 iterations per pipeline
+    assert weights.find(run).kind == "final"
+    for steps, kind in ((12, "checkpoint"), (8, "final")):
+        ckpt = run / "checkpoints" / f"step_{steps}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "manifest.json").write_text(json.dumps(
+            {"step": steps, "files": {}, "config": OmegaConf.to_container(cfg),
+             "steps": {"0": steps, "1": steps}, "elapsed": 1.0}))
+        assert weights.find(run).kind == kind
+        shutil.rmtree(ckpt)
+
+
+def test_a_saved_config_that_is_not_a_runs_is_one_error(tmp_path):
+    cfg = compose(["model=mlp", "data=synthetic"])
+    run, _ = _run_with_final(tmp_path, [_replica(cfg, 0)] * 2)
+    manifest = json.loads((run / "final" / "manifest.json").read_text())
+    for broken in ({"model": "x"}, {"cluster": {"pipelines": 0}}, {"nested": _deep(100)}):
+        (run / "final" / "manifest.json").write_text(json.dumps(
+            {**manifest, "config": {**manifest["config"], **broken}}))
+        with pytest.raises((ConfigError, CheckpointError), match="manifest.json"):
+            weights.find(run)
+
+
+def _deep(n):
+    node = {}
+    for _ in range(n):
+        node = {"a": node}
+    return node
 
 
 @pytest.mark.parametrize("fmt,arch,ok", [
