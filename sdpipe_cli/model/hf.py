@@ -254,8 +254,15 @@ def _load(kind: str, model_cls: type, folder: Path, overrides: dict, tie_embeddi
           attn: str) -> nn.Module:
     """``model_cls`` loaded from ``folder`` with its saved tying, then untied if asked (see build_model)."""
     dropout = {key: overrides[key] for key in DROPOUT_KEYS[kind] if key in overrides}
-    model, info = model_cls.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
-                                            attn_implementation=attn, use_cache=False, **dropout)
+    if torch.empty(0).is_meta:  # shapes only (the launcher's checks): the saved config, no weights
+        config = model_cls.config_class.from_pretrained(str(folder), local_files_only=True,
+                                                        use_cache=False, **dropout)
+        config._attn_implementation = attn
+        model, info = model_cls(config), {"missing_keys": ()}
+    else:
+        model, info = model_cls.from_pretrained(str(folder), local_files_only=True,
+                                                output_loading_info=True, attn_implementation=attn,
+                                                use_cache=False, **dropout)
     config = model.config
     if info["missing_keys"]:
         missing = ", ".join(sorted(info["missing_keys"]))

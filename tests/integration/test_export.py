@@ -116,6 +116,14 @@ def test_gpt2_export_loads_in_transformers_with_its_tokenizer_and_the_runs_loss(
     assert set(manifest["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
 
 
+def test_an_export_is_trained_on_from_with_model_pretrained(gpt2_on_tokens, tmp_path):
+    run, export, tokens, _ = gpt2_on_tokens
+    again = _train(tmp_path / "again", *GPT2, "model.vocab_size=320", "data=tokens",
+                   f"data.path={tokens}", "sync=sdpipe", f"model.pretrained={export}",
+                   "train.steps=1", "train.lr=1e-12")  # one step that changes nothing
+    assert abs(_last_eval(again)["val_loss"] - _last_eval(run)["val_loss"]) < 1e-4
+
+
 def test_bert_tiny_export_loads_as_a_masked_lm_with_the_runs_loss(tmp_path):
     from transformers import AutoModelForMaskedLM
 
