@@ -50,6 +50,7 @@ class ProgressDisplay:
         self.task = self.progress.add_task("train", total=total, completed=done, loss="-",
                                            rate="-", status="starting")
         self.next_report = 0.1
+        self.stragglers: dict[tuple[int, int], dict] = {}  # named on the console so far
 
     def __enter__(self):
         if self.live:
@@ -75,11 +76,30 @@ class ProgressDisplay:
         rate = f"{snap.get('samples_per_s', 0.0):.0f}"
         done = min(snap.get("iterations", 0), self.total)
         self.progress.update(self.task, completed=done, loss=loss, rate=rate)
+        self._stragglers(snap.get("stragglers") or [])
         if not self.live and done >= self.next_report * self.total:
             self.console.print(f"train {done}/{self.total} it  loss {loss}  {rate} samples/s",
                                highlight=False)
             while self.next_report * self.total <= done:
                 self.next_report += 0.1
+
+
+    def _stragglers(self, now: list) -> None:
+        """One line for each device that became a straggler, and one for each that recovered."""
+        named = {(d["pipeline"], d["stage"]): d for d in now}
+        for key in sorted(named.keys() - self.stragglers.keys()):
+            d = named[key]
+            slower = "" if d.get("slower") is None else f" computes {d['slower']:.1f}x slower " \
+                "than at its start (against its peers),"
+            self.console.print(f"slow device: {d['device']} (node {d['node']}, pipeline "
+                               f"{d['pipeline']}, stage {d['stage']}, rank {d['rank']}){slower} "
+                               "and its pipeline with it", highlight=False, soft_wrap=True)
+        for key in sorted(self.stragglers.keys() - named.keys()):
+            d = self.stragglers[key]
+            self.console.print(f"recovered: {d['device']} (pipeline {d['pipeline']}, stage "
+                               f"{d['stage']}) computes at its usual speed again", highlight=False,
+                               soft_wrap=True)
+        self.stragglers = named
 
 
 class ProfilePhases:

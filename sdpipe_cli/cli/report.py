@@ -278,6 +278,10 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
             ax.legend(fontsize=7)
         save(fig, "waits.png")
 
+    slowed = [run for run in runs if run.kind("straggler")]
+    if slowed:
+        save(_stragglers_figure(plt, slowed), "stragglers.png")
+
     with_consensus = [run for run in runs if run.kind("consensus")]
     if with_consensus:
         fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
@@ -294,6 +298,30 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
         ax.legend(fontsize=7)
         save(fig, "consensus.png")
     return written
+
+
+def _stragglers_figure(plt, runs: Sequence[Run]):
+    """Each straggler's compute per iteration over time (its ``busy_s``, where its lines carry
+    it), marked where it was named and where it recovered."""
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for run in runs:
+        stages = int(run.config.get("pipeline.stages", 1))
+        for device in sorted({(m["pipeline"], m["stage"], m["device"]) for m in run.kind("straggler")}):
+            p, s, name = device
+            mine = sorted((m for m in run.lines if m.get("pipeline") == p and "busy_s" in m
+                           and m.get("kind") in ("train", "sync")
+                           and m.get("stage", stages - 1) == s), key=lambda m: m["time"])
+            line, = ax.plot([m["time"] for m in mine], [1e3 * m["busy_s"] for m in mine],
+                            label=f"{run.label} {name} (p{p} s{s})")
+            for m in run.kind("straggler") + run.kind("recovered"):
+                if (m["pipeline"], m["stage"]) == (p, s):
+                    ax.axvline(m["time"], color=line.get_color(),
+                               linestyle="-" if m["kind"] == "straggler" else ":")
+    ax.set(xlabel=TIME_AXIS, ylabel="compute per iteration (ms)",
+           title="devices named slow (solid: named, dotted: recovered)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    return fig
 
 
 def default_out(runs: Sequence[Run], out: Optional[str]) -> Path:

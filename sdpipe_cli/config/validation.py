@@ -361,6 +361,11 @@ def _validate_fault(cfg: DictConfig) -> None:
          "or checkpoint.every_minutes")
     need(f.max_restarts >= 0, "fault.max_restarts", f"is {f.max_restarts}; must be >= 0")
     need(f.restart_backoff >= 0, "fault.restart_backoff", "must be >= 0 seconds")
+    need(f.on_slowdown in ("warn", "off"), "fault.on_slowdown",
+         f"is '{f.on_slowdown}'; choose warn or off")
+    need(f.slowdown_threshold > 1, "fault.slowdown_threshold",
+         f"is {f.slowdown_threshold}; must be above 1 (a slowdown factor)")
+    need(f.slowdown_window >= 1, "fault.slowdown_window", f"is {f.slowdown_window}; must be >= 1")
 
 
 def _validate_cluster(cfg: DictConfig) -> None:

@@ -240,7 +240,8 @@ def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]
     Pipelines' series are on their own iterations (``pipeline1/loss``, ``pipeline1/stage0/wait_s``
     for stages other than the last), validation as ``pipeline1/val_loss``; sdpipe's decisions
     and consensus on the stage's rounds (``stage0/group_size``, ``stage0/max_wait_s``,
-    ``stage0/consensus``)."""
+    ``stage0/consensus``); a straggler's slowdown when it is named and when it recovers
+    (``pipeline1/stage0/slower``)."""
     kind, t = line.get("kind"), line.get("time")
     out: list[tuple[str, float, int, Optional[float]]] = []
 
@@ -263,6 +264,9 @@ def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]
         add(f"stage{line['stage']}/max_wait_s", line.get("max_wait_s"), line.get("round"))
     elif kind == "consensus":
         add(f"stage{line['stage']}/consensus", line.get("consensus"), line.get("round"))
+    elif kind in ("straggler", "recovered"):  # a device's slowdown when it was named or recovered
+        add(f"pipeline{line['pipeline']}/stage{line['stage']}/slower", line.get("slower"),
+            line.get("iteration"))
     return out
 
 

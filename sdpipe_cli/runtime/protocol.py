@@ -131,7 +131,8 @@ REPORT_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "start": ({"pid": int}, {}),
     "step": ({"step": int, "samples": int, "samples_per_s": float, "step_s": float},
              {"lr": float, "compute_s": float, "sync_s": float, "loss": Optional[float],
-              "data_s": float, "group_size": int, "round": int, "skipped_steps": int}),
+              "data_s": float, "group_size": int, "round": int, "skipped_steps": int,
+              "busy_s": float}),
     "eval": ({"step": int, "val_loss": Optional[float]},
              {"samples": int, "val_accuracy": Optional[float]}),
     "consensus": ({"iteration": int, "round": int, "members": list[int],
@@ -264,6 +265,7 @@ PROGRESS_FIELDS: dict[str, Any] = {
     "started": int, "done": int, "pipelines": dict[str, dict[str, Any]],
     "rounds": list[list[int]], "mean_group_size": Optional[float], "restarts": int, "heals": int,
     "scheduler_restarts": int, "unreadable": list[str], "phase": str, "turn": int, "turns": int,
+    "stragglers": list[dict[str, Any]],
 }
 
 

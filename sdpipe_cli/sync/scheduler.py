@@ -42,6 +42,7 @@ from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, strict_json
 from sdpipe_cli.runtime.trace import Tracer, trace_path
+from sdpipe_cli.runtime.stragglers import StragglerWatch
 from sdpipe_cli.runtime.trackers import open_sinks
 from sdpipe_cli.sync import journal
 from sdpipe_cli.sync.replay import load as load_recorded
@@ -146,6 +147,7 @@ class Scheduler:
         self.stop_seen: Optional[bool] = None  # the stop flag as the transport read it
         self.tracker = RunTracker(P, S, plan.budget, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
+        self.stragglers = StragglerWatch(cfg, plan) if cfg.fault.on_slowdown != "off" else None
         # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
                          else None)
@@ -324,6 +326,8 @@ class Scheduler:
         """The launcher starts a lost pipeline's processes again."""
         self.restarts += 1
         self.incarnation[event.pipeline] = event.incarnation
+        if self.stragglers is not None:
+            self.stragglers.reset(event.pipeline)
         self.metrics.write(self.tracker.update(protocol.record(event)))
 
     def _report(self, event: protocol.Report) -> None:
@@ -332,6 +336,10 @@ class Scheduler:
             record["time"] = round(time.time() - self.t0, 4)
         line = self.tracker.update(record)
         if line is not None:
+            self.metrics.write(line)
+        for line in self.stragglers.lines(record) if self.stragglers is not None else ():
+            log.warning("slow device %s (pipeline %d, stage %d): %s", line["device"],
+                        line["pipeline"], line["stage"], line["kind"])
             self.metrics.write(line)
         self.heals += event.type == "healed"
 
@@ -535,6 +543,8 @@ class Scheduler:
             summary["restarts"], summary["heals"] = self.restarts, self.heals
         if self.scheduler_restarts:
             summary["scheduler_restarts"] = self.scheduler_restarts
+        if self.stragglers is not None:
+            summary["stragglers"] = self.stragglers.current()
         if self.policy is not None or self.recorded is not None:
             summary["rounds"] = self.rounds
             summary["mean_group_size"] = (sum(self.group_sizes) / len(self.group_sizes)

@@ -38,6 +38,7 @@ from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.errors import CheckpointError, Diverged
 from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
+from sdpipe_cli.training.busy import BusyTime
 from sdpipe_cli.training.tied import TiedCopies
 from sdpipe_cli.data import sources
 from sdpipe_cli.data.feed import Feed
@@ -100,6 +101,11 @@ class Worker:
         before_send, before_action = link_delay(self.cluster, where.rank), None
         if self.tracer is not None:  # around the emulation's: a slow compute shows as compute
             on_action, before_send, before_action = self.tracer.hooks(on_action, before_send)
+        # outermost: an emulated slow device's compute counts as its compute
+        self.busy = BusyTime(on_action) if cfg.fault.on_slowdown != "off" else None
+        if self.busy is not None:
+            on_action = self.busy
+        self._busy_from = 0  # the iteration the busy time is summed from
         example = sources.example(cfg, plan.microbatch_size)[0]
         boundaries = models.stage_boundaries(cfg, example, s)
         low = models.AUTOCAST.get(str(cfg.train.precision))
@@ -397,6 +403,10 @@ class Worker:
         if not self.cadence.log_after(step):
             return
         fields = {"loss": loss} if self.where.last and loss is not None else {}
+        since = max(self._busy_from, self.start_step)  # a resume or a heal starts there
+        if self.busy is not None and step > since:
+            fields["busy_s"] = self.busy.take() / (step - since)
+            self._busy_from = step
         if self.loss_scale is not None:
             fields.update(loss_scale=self.loss_scale.value, skipped_steps=self.loss_scale.skipped)
         elif self.skipped:

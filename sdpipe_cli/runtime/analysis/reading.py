@@ -18,7 +18,10 @@ _ITERATION = {"step_s": "number", "compute_s": "number", "sync_s": "number", "st
               "data_s": "number", "group_size": "int", "round": "int", "group_kind": "str",
               "wait_s": "number", "comm_s": "number", "stash_versions": "int",
               "stash_bytes": "int", "skipped_steps": "int", "sent_bytes": "int",
-              "recv_bytes": "int", "links": "list"}
+              "recv_bytes": "int", "links": "list", "busy_s": "number"}
+_STRAGGLER = {"time": "number", "pipeline": "int", "stage": "int", "rank": "int", "device": "str",
+              "node": "str", "iteration": "int", "slower": "number", "busy_s": "number",
+              "baseline_s": "number"}
 SCHEMA: dict[str, dict[str, str]] = {
     "train": {**_PIPE_STEP, "loss": "number?", "samples": "number", "samples_per_s": "number",
               "lr": "number", **_ITERATION},
@@ -40,6 +43,8 @@ SCHEMA: dict[str, dict[str, str]] = {
     "heal": {"pipeline": "int", "stage": "int", "incarnation": "int", "source": "int",
              "iteration": "int", "bytes": "int", "seconds": "number", "transfer_s": "number",
              "time": "number"},
+    "straggler": _STRAGGLER,
+    "recovered": _STRAGGLER,
     "scheduler_restart": {"time": "number", "restart": "int", "replayed_batches": "int",
                           "silent_s": "number?"},
     "done": {"rank": "int", "pipeline": "int", "stage": "int", "time": "number", "steps": "int",
@@ -53,7 +58,8 @@ CHECKED = {"train": ("time", "pipeline", "samples", "loss", "wait_s", "comm_s", 
                      "samples_per_s"),
            "sync": ("wait_s", "comm_s", "sync_s"), "eval": ("time", "val_loss", "val_accuracy"),
            "group": ("time", "stage", "round", "size"),
-           "consensus": ("stage", "consensus", "time", "round"), "resume": ("time", "at")}
+           "consensus": ("stage", "consensus", "time", "round"), "resume": ("time", "at"),
+           "straggler": ("time", "pipeline", "stage", "device")}
 REQUIRED = {"train": ("time", "pipeline", "samples"), "eval": ("time", "val_loss"),
             "group": ("time", "stage", "round", "size"), "consensus": ("stage", "consensus")}
 _MEANING = {"int": "an integer", "number": "a number", "str": "a string", "bool": "true or false",

@@ -1,0 +1,134 @@
+"""Which device slowed down during a run: a pure decision over each worker's compute time.
+
+sdpipe's groups let a slow *pipeline* fall behind without anyone waiting for it, but a slow
+*device* inside a pipeline makes its whole pipeline run at that stage's pace, and the split
+chosen at the start is wrong from then on. Each worker reports, per iteration, the seconds its
+own forwards and backwards took (``busy_s``: compute, an emulated slowdown included, never the
+waits for its neighbours), so a slow stage shows in its own time alone: its neighbours wait
+longer, but do not compute longer.
+
+A device is judged against two references, so that neither a device slow from the start nor a
+machine that slows everyone down is taken for a straggler:
+
+* **its own start**: ``baseline`` is the median of its first ``window`` iterations after
+  ``warmup`` (a device slow from the start, ``cluster.slowdown``, is the plan, not a slowdown);
+* **its peers**: the same stage in the other pipelines, whose own slowdowns (current over
+  baseline) are shared by a cause that slows every replica of the stage (a busy host, a longer
+  input); the device's slowdown is divided by their median when that is above 1.
+
+``current`` is the median of the last ``window`` iterations, so one slow iteration is never a
+straggler: it takes more than half a window of slow ones. A device whose score (its slowdown,
+relative to its peers') stays at ``threshold`` or above for ``window // 2 + 1`` of its reports in
+a row becomes a straggler: its peers report on their own time, and a slowdown they share shows
+in their reports a moment later. It recovers once the score stays below halfway between 1 and
+the threshold as long (hysteresis: no flapping at the edge). From the first slow iteration to
+the verdict: ``2 x (window // 2 + 1) - 1`` iterations of the device.
+
+No I/O and no clock: the scheduler feeds it the workers' step reports and writes what it says.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["Change", "SlowdownDetector"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """A device that became a straggler (``kind="straggler"``) or recovered (``"recovered"``)."""
+
+    kind: str
+    pipeline: int
+    stage: int
+    iteration: int
+    slower: float  # current compute time over baseline, relative to the peers'
+    busy_s: float  # current (median) compute seconds per iteration
+    baseline_s: float
+
+
+@dataclass
+class _Device:
+    recent: deque
+    seen: int = 0
+    baseline: Optional[float] = None
+    first: list = field(default_factory=list)
+    straggling: bool = False
+    against: int = 0  # reports in a row that say the opposite of ``straggling``
+    slowdown: Optional[float] = None  # median of ``recent`` over ``baseline``, kept up to date
+
+    def add(self, busy_s: float) -> None:
+        self.recent.append(busy_s)
+        if self.baseline is not None and self.baseline > 0:
+            self.slowdown = statistics.median(self.recent) / self.baseline
+
+
+class SlowdownDetector:
+    """Stragglers among ``pipelines`` x ``stages`` devices (see the module's docstring)."""
+
+    def __init__(self, pipelines: int, stages: int, threshold: float = 1.5, window: int = 5,
+                 warmup: int = 3):
+        if threshold <= 1.0:
+            raise ValueError(f"threshold must be above 1, got {threshold}")
+        if window < 1 or warmup < 0:
+            raise ValueError(f"window must be >= 1 and warmup >= 0, got {window}, {warmup}")
+        self.threshold, self.window, self.warmup = threshold, window, warmup
+        self.recover_below = 1.0 + (threshold - 1.0) / 2
+        self.confirm = window // 2 + 1
+        self.pipelines, self.stages = pipelines, stages
+        self.devices: dict[tuple[int, int], _Device] = {}
+        self._reset_all()
+
+    def _reset_all(self) -> None:
+        for p in range(self.pipelines):
+            self.reset(p)
+
+    def reset(self, pipeline: int) -> None:
+        """Forget a pipeline's devices (a restarted pipeline: new processes, maybe elsewhere)."""
+        for s in range(self.stages):
+            self.devices[(pipeline, s)] = _Device(deque(maxlen=self.window))
+
+    def stragglers(self) -> list[tuple[int, int]]:
+        """The (pipeline, stage) of every device that is a straggler now."""
+        return sorted(k for k, d in self.devices.items() if d.straggling)
+
+    def observe(self, pipeline: int, stage: int, iteration: int, busy_s: float
+                ) -> list[Change]:
+        """Fold in one iteration's compute time of a device; what changed because of it."""
+        device = self.devices[(pipeline, stage)]
+        device.seen += 1
+        if device.seen <= self.warmup or busy_s < 0:
+            return []
+        device.add(busy_s)
+        if device.baseline is None:
+            device.first.append(busy_s)
+            if len(device.first) == self.window:
+                device.baseline = statistics.median(device.first)
+                if device.baseline > 0:
+                    device.slowdown = statistics.median(device.recent) / device.baseline
+            return []
+        score = self.score(pipeline, stage)
+        if score is None:
+            return []
+        turned = score < self.recover_below if device.straggling else score >= self.threshold
+        device.against = device.against + 1 if turned else 0
+        if device.against < self.confirm:
+            return []
+        device.straggling, device.against = not device.straggling, 0
+        return [Change("straggler" if device.straggling else "recovered", pipeline, stage,
+                       iteration, round(score, 4), round(statistics.median(device.recent), 6),
+                       round(device.baseline, 6))]
+
+    def score(self, pipeline: int, stage: int) -> Optional[float]:
+        """The device's slowdown over its own start, relative to its peers' (None: no baseline
+        yet)."""
+        own = self.devices[(pipeline, stage)].slowdown
+        if own is None:
+            return None
+        peers = [self.devices[(p, stage)].slowdown for p in range(self.pipelines) if p != pipeline]
+        peers = [x for x in peers if x is not None]
+        shared = statistics.median(peers) if peers else 1.0
+        return own / max(shared, 1.0)

@@ -1,0 +1,57 @@
+"""The scheduler's side of slowdown detection: workers' step reports in, straggler lines out.
+
+The decision is :class:`~sdpipe_cli.core.slowdowns.SlowdownDetector`'s; this feeds it the
+``busy_s`` of every worker's step report and turns what it says into ``metrics.jsonl`` lines that
+name the device (``node:index``), its node, pipeline, stage and rank, and into the progress
+snapshot's ``stragglers`` (the launcher prints a line for each new one and each recovery).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.slowdowns import Change, SlowdownDetector
+
+__all__ = ["StragglerWatch"]
+
+
+class StragglerWatch:
+    """Stragglers among a run's workers (``fault.on_slowdown=warn``)."""
+
+    def __init__(self, cfg: Any, plan: RunPlan):
+        self.plan = plan
+        self.detector = SlowdownDetector(plan.pipelines, plan.stages,
+                                         float(cfg.fault.slowdown_threshold),
+                                         int(cfg.fault.slowdown_window))
+
+    def lines(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """The lines a worker's report calls for (none but for a step report with ``busy_s``
+        that changes a device's state)."""
+        if record.get("type") != "step" or not isinstance(record.get("busy_s"), (int, float)):
+            return []
+        changes = self.detector.observe(int(record["pipeline"]), int(record["stage"]),
+                                        int(record["step"]), float(record["busy_s"]))
+        return [self._line(c, record.get("time")) for c in changes]
+
+    def reset(self, pipeline: int) -> None:
+        """A restarted pipeline's devices start again from their own baselines."""
+        self.detector.reset(pipeline)
+
+    def current(self) -> list[dict[str, Any]]:
+        """The devices that are stragglers now, for the progress snapshot."""
+        out = []
+        for p, s in self.detector.stragglers():
+            score: Optional[float] = self.detector.score(p, s)
+            out.append({**self._where(p, s), "slower": None if score is None else round(score, 3)})
+        return out
+
+    def _where(self, pipeline: int, stage: int) -> dict[str, Any]:
+        device = self.plan.cluster.device(pipeline, stage)
+        return {"pipeline": pipeline, "stage": stage, "rank": self.plan.grid.rank(pipeline, stage),
+                "device": device.name, "node": device.node}
+
+    def _line(self, change: Change, time: Any) -> dict[str, Any]:
+        return {"kind": change.kind, "time": time, **self._where(change.pipeline, change.stage),
+                "iteration": change.iteration, "slower": change.slower, "busy_s": change.busy_s,
+                "baseline_s": change.baseline_s}

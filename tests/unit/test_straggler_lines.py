@@ -1,0 +1,64 @@
+"""What the scheduler makes of the detector's verdicts: lines that name the device and its node,
+the snapshot the console reads, the trackers' scalar, the report's figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdpipe_cli.cli import report
+from sdpipe_cli.cli.preparing import prepare
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.runtime.metrics import scalars
+from sdpipe_cli.runtime.stragglers import StragglerWatch
+
+NODES = ("cluster.nodes=[{name: a, devices: [{speed: 1.0}, {speed: 1.0}]}, "
+         "{name: b, devices: [{speed: 1.0}, {speed: 1.0}]}]")
+
+
+@pytest.fixture(scope="module")
+def watch():
+    cfg = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=2",
+                           "pipeline.stages=2", NODES, "fault.slowdown_window=3"]))[0]
+    return StragglerWatch(cfg, RunPlan.of(cfg))
+
+
+def step(p, s, k, busy):
+    return {"type": "step", "rank": 2 * p + s, "pipeline": p, "stage": s, "time": float(k),
+            "step": k, "busy_s": busy}
+
+
+def test_a_slow_device_is_named_with_its_node_and_rank(watch):
+    lines = []
+    for k in range(1, 30):
+        for p in (0, 1):
+            for s in (0, 1):
+                lines += watch.lines(step(p, s, k, 0.4 if (p, s) == (1, 0) and k > 15 else 0.1))
+    assert len(lines) == 1
+    line = lines[0]
+    device = watch.plan.cluster.device(1, 0)
+    assert (line["kind"], line["device"], line["node"], line["pipeline"], line["stage"],
+            line["rank"]) == ("straggler", device.name, device.node, 1, 0, 2)
+    assert line["slower"] == pytest.approx(4.0) and line["baseline_s"] == pytest.approx(0.1)
+    assert [(d["device"], d["slower"]) for d in watch.current()] == [(device.name, 4.0)]
+    assert watch.lines({"type": "eval", "pipeline": 1, "stage": 0}) == []  # only step reports
+    assert scalars(line) == [("pipeline1/stage0/slower", 4.0, line["iteration"], line["time"])]
+    watch.reset(1)
+    assert watch.current() == []
+
+
+def test_the_report_draws_the_straggler(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("sync:\n  name: sdpipe\npipeline:\n  stages: 2\n")
+    lines = [{"kind": "train", "pipeline": 0, "step": k, "time": float(k), "samples": 8 * k,
+              "samples_per_s": 8.0, "loss": 1.0, "busy_s": 0.1 if k < 10 else 0.3}
+             for k in range(1, 20)]
+    lines.append({"kind": "straggler", "time": 13.0, "pipeline": 0, "stage": 1, "rank": 1,
+                  "device": "local:1", "node": "local", "iteration": 13, "slower": 3.0,
+                  "busy_s": 0.3, "baseline_s": 0.1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    written = report.report([report.load(run)], tmp_path / "figures")
+    assert tmp_path / "figures" / "stragglers.png" in written
