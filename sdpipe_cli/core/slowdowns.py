@@ -24,6 +24,12 @@ in their reports a moment later. It recovers once the score stays below halfway 
 the threshold as long (hysteresis: no flapping at the edge). From the first slow iteration to
 the verdict: ``2 x (window // 2 + 1) - 1`` iterations of the device.
 
+A slowdown must also matter: the compute it adds (the device's median now less its start) must
+be at least :data:`MATTERS` of the device's iteration time (its median ``step_s``, waits
+included). A device of a few milliseconds of compute in a pipeline that takes fifty per
+iteration is not a straggler even if a busy host doubles it; on a shared CPU that happens all
+the time.
+
 No I/O and no clock: the scheduler feeds it the workers' step reports and writes what it says.
 """
 
@@ -34,7 +40,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["Change", "SlowdownDetector"]
+__all__ = ["Change", "MATTERS", "SlowdownDetector"]
+
+MATTERS = 0.1  # the least share of its iteration a slowdown must add to the device's compute
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class _Device:
     straggling: bool = False
     against: int = 0  # reports in a row that say the opposite of ``straggling``
     slowdown: Optional[float] = None  # median of ``recent`` over ``baseline``, kept up to date
+    steps: deque = field(default_factory=deque)  # its last iterations' times (step_s)
 
     def add(self, busy_s: float) -> None:
         self.recent.append(busy_s)
@@ -89,20 +98,24 @@ class SlowdownDetector:
     def reset(self, pipeline: int) -> None:
         """Forget a pipeline's devices (a restarted pipeline: new processes, maybe elsewhere)."""
         for s in range(self.stages):
-            self.devices[(pipeline, s)] = _Device(deque(maxlen=self.window))
+            self.devices[(pipeline, s)] = _Device(deque(maxlen=self.window),
+                                                  steps=deque(maxlen=self.window))
 
     def stragglers(self) -> list[tuple[int, int]]:
         """The (pipeline, stage) of every device that is a straggler now."""
         return sorted(k for k, d in self.devices.items() if d.straggling)
 
-    def observe(self, pipeline: int, stage: int, iteration: int, busy_s: float
-                ) -> list[Change]:
-        """Fold in one iteration's compute time of a device; what changed because of it."""
+    def observe(self, pipeline: int, stage: int, iteration: int, busy_s: float,
+                step_s: Optional[float] = None) -> list[Change]:
+        """Fold in one iteration's compute time of a device (and the iteration's whole time,
+        ``step_s``, if known); what changed because of it."""
         device = self.devices[(pipeline, stage)]
         device.seen += 1
         if device.seen <= self.warmup or busy_s < 0:
             return []
         device.add(busy_s)
+        if step_s is not None:
+            device.steps.append(step_s)
         if device.baseline is None:
             device.first.append(busy_s)
             if len(device.first) == self.window:
@@ -113,7 +126,10 @@ class SlowdownDetector:
         score = self.score(pipeline, stage)
         if score is None:
             return []
-        turned = score < self.recover_below if device.straggling else score >= self.threshold
+        matters = not device.steps or (statistics.median(device.recent) - device.baseline
+                                       >= MATTERS * statistics.median(device.steps))
+        turned = (score < self.recover_below or not matters if device.straggling
+                  else score >= self.threshold and matters)
         device.against = device.against + 1 if turned else 0
         if device.against < self.confirm:
             return []

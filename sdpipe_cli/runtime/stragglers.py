@@ -30,8 +30,10 @@ class StragglerWatch:
         that changes a device's state)."""
         if record.get("type") != "step" or not isinstance(record.get("busy_s"), (int, float)):
             return []
+        step_s = record.get("step_s")
         changes = self.detector.observe(int(record["pipeline"]), int(record["stage"]),
-                                        int(record["step"]), float(record["busy_s"]))
+                                        int(record["step"]), float(record["busy_s"]),
+                                        float(step_s) if isinstance(step_s, (int, float)) else None)
         return [self._line(c, record.get("time")) for c in changes]
 
     def reset(self, pipeline: int) -> None:

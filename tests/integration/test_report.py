@@ -22,7 +22,9 @@ def test_two_runs_compared(allreduce_run, tmp_path):
     assert out.returncode == 0, out.stderr
     written = out.stdout.split()
     names = sorted(p.rsplit("/", 1)[1] for p in written)
-    assert names == ["consensus.png", "groups.png", "loss.png", "throughput.png", "waits.png"]
+    # stragglers.png too where a busy host slowed a worker enough to be named (real compute)
+    assert set(names) - {"stragglers.png"} == {"consensus.png", "groups.png", "loss.png",
+                                               "throughput.png", "waits.png"}
     for path in written:
         assert (figures / path.rsplit("/", 1)[1]).read_bytes()[:8] == PNG
     out = sdpipe("report", str(allreduce_run), "--out", str(tmp_path / "one"))  # no groups: none drawn

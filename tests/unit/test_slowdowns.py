@@ -83,3 +83,19 @@ def test_a_restarted_pipeline_starts_from_a_new_baseline():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         SlowdownDetector(2, 2, **kwargs)
+
+
+def test_a_slowdown_too_small_to_slow_its_pipeline_is_not_named():
+    detector = SlowdownDetector(2, 1, 1.5, 5)
+    # 2 ms of compute in 50 ms iterations, doubled by a busy host: 2 ms more is 4 % of them
+    changes = []
+    for k in range(40):
+        for p in (0, 1):
+            busy = 0.004 if p == 0 and k >= 15 else 0.002
+            changes += detector.observe(p, 0, k, busy, step_s=0.05)
+    assert changes == []
+    # the same doubling where compute is most of the iteration is named
+    for k in range(40, 60):
+        changes += detector.observe(0, 0, k, 0.08, step_s=0.1)
+        changes += detector.observe(1, 0, k, 0.002, step_s=0.1)
+    assert [(c.kind, c.pipeline) for c in changes] == [("straggler", 0)]
