@@ -90,6 +90,8 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
                                      resume=from_checkpoint, elapsed=elapsed,
                                      on_folder=first_folder if first else _nothing,
                                      on_phase=shown.phase, fresh=fresh and first)
+            if result.progress:  # the last snapshot: a device named in the run's last moments
+                shown.update(result.progress)
         first = False
         replaced = while_reporting(result)
         preparing = replaced if preparing is None else preparing

@@ -341,6 +341,7 @@ class Scheduler:
             log.warning("slow device %s (pipeline %d, stage %d): %s", line["device"],
                         line["pipeline"], line["stage"], line["kind"])
             self.metrics.write(line)
+            self.published = 0.0  # the console says so at the next event
         self.heals += event.type == "healed"
 
     def _policy(self):
