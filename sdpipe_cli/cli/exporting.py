@@ -65,6 +65,7 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
              out: Optional[str], console: Console, trusted: bool = False) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from sdpipe_cli.data import sources
     from sdpipe_cli.export import evaluation, formats, weights
 
     _new_file(out)
@@ -85,7 +86,7 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
     config = evaluation.with_overrides(config, overrides)
     if not formats.is_export(folder):
         _say(console, f"weights: {source.describe()}; {merged.describe()}")
-    count = evaluation.count(config)
+    count = sources.val_count(config)
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("eval", total=count)

@@ -172,9 +172,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="step_N, a checkpoint folder, or final (default: the newest of the "
                      "latest complete checkpoint and final/)")
     exp.add_argument("--out", required=True, metavar="DIR", help="the new folder of the export")
-    exp.add_argument("--format", choices=("transformers", "torchvision", "state_dict"),
-                     help="default: transformers for gpt2 and bert, torchvision for the ResNets, "
-                     "else state_dict")
+    exp.add_argument("--format", metavar="FORMAT",
+                     help="transformers, torchvision or state_dict (default: transformers for gpt2 "
+                     "and bert, torchvision for the ResNets, "
+                     "else state_dict)")
     _replica_options(exp)
     ev = sub.add_parser("eval", help="a run's or an export's loss on a validation set",
                         description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

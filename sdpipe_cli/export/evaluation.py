@@ -114,7 +114,7 @@ def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
     splits = sources.open_splits(cfg)
     sources.check_same(splits, cfg.data.get("resolved"), "sdpipe eval", "when it trained")
     batches = ((b.inputs, b.targets) for b in evaluation_batches(
-        splits.val, count(cfg), int(cfg.train.batch_size), int(cfg.train.seed),
+        splits.val, sources.val_count(cfg), int(cfg.train.batch_size), int(cfg.train.seed),
         sources.workers(cfg)))
     with torch.no_grad():
         outcome = validation.validate(stage, batches, int(cfg.pipeline.microbatches), first=True,
@@ -135,11 +135,6 @@ class _Crossing(nn.Module):
 
     def forward(self, x):
         return map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, x)
-
-
-def count(cfg: DictConfig) -> int:
-    """Validation batches of a pass."""
-    return sources.val_count(cfg)
 
 
 def data_name(cfg: DictConfig) -> str:
