@@ -25,7 +25,7 @@ from sdpipe_cli.config.validation import validate_partition
 from sdpipe_cli.core import meetings, partition
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.modes import mode
-from sdpipe_cli.core.plan import RunPlan, microbatch_size
+from sdpipe_cli.core.plan import RunPlan, cluster_of, microbatch_size
 from sdpipe_cli.data import sources
 from sdpipe_cli.hetero import simulator
 from sdpipe_cli.model import memory, models
@@ -37,7 +37,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
     concrete run config; with ``pipeline.partition=auto`` also the plan that chose it, and
     where sdpipe's meetings were chosen from slow links, that choice."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
-    cluster = Cluster.from_config(cfg.cluster, cfg.pipeline.stages)  # checked by validate()
+    cluster = cluster_of(cfg)  # checked by validate()
     cfg.cluster.device = resolve_device(cfg, cluster)
     if cfg.profile:
         cfg.profile = str(Path(cfg.profile).expanduser().resolve())

@@ -370,12 +370,13 @@ def _validate_fault(cfg: DictConfig) -> None:
 
 def _validate_cluster(cfg: DictConfig) -> None:
     """Nodes, placement, emulation, stragglers and the profile they may need."""
-    from sdpipe_cli.core.cluster import Cluster, ClusterError
+    from sdpipe_cli.core.cluster import ClusterError
+    from sdpipe_cli.core.plan import cluster_of
     from sdpipe_cli.config.measurements import ProfileError, check_model, load
 
     c = cfg.cluster
     try:
-        cluster = Cluster.from_config(c, cfg.pipeline.stages)
+        cluster = cluster_of(cfg)
     except ClusterError as err:
         raise ConfigError(err.key, err.reason) from None
     hosts = [n.host for n in c.nodes]

@@ -10,21 +10,41 @@ launcher resolves them once, when the run is prepared (:meth:`RunPlan.resolve`),
 workers, the parameter servers, the profiler and the simulator read them back with
 :meth:`RunPlan.of` and derive nothing themselves.
 
-Pure: no I/O; the :class:`~sdpipe_cli.core.cluster.Cluster` is built here and nowhere after the
-config was checked.
+Pure: no I/O. The :class:`~sdpipe_cli.core.cluster.Cluster` is built here and nowhere else
+(:func:`cluster_of`): validation checks a config's cluster by building it, the launcher's
+preparation resolves the plan from it, and every process builds it once from ``config.yaml``
+however often it asks for the plan.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Optional
+
+from omegaconf import OmegaConf
 
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.errors import BadInput
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.placement import Grid
 
-__all__ = ["RunPlan", "microbatch_size"]
+__all__ = ["RunPlan", "cluster_of", "microbatch_size"]
+
+
+def cluster_of(cfg: Any) -> Cluster:
+    """The cluster of a config (its ``cluster`` section laid out for ``pipeline.stages``);
+    :class:`~sdpipe_cli.core.cluster.ClusterError` naming the key of a section that cannot be
+    one. Built once per process for a given section (the plan is asked for often, and a
+    cluster of many nodes is not free to lay out)."""
+    section = OmegaConf.to_container(OmegaConf.create(cfg.cluster), resolve=True)
+    return _built(json.dumps(section, sort_keys=True, default=str), int(cfg.pipeline.stages))
+
+
+@lru_cache(maxsize=16)
+def _built(section: str, stages: int) -> Cluster:
+    return Cluster.from_config(OmegaConf.create(json.loads(section)), stages)
 
 
 def _servers(stages: int, sync: str) -> int:
@@ -90,7 +110,7 @@ class RunPlan:
     def resolve(cls, cfg: Any, cluster: Optional[Cluster] = None) -> "RunPlan":
         """The plan of a checked config (``cluster``: its cluster, when already built)."""
         stages = int(cfg.pipeline.stages)
-        cluster = cluster or Cluster.from_config(cfg.cluster, stages)
+        cluster = cluster or cluster_of(cfg)
         return cls(pipelines=int(cfg.cluster.pipelines), stages=stages,
                    servers=_servers(stages, cfg.sync.name), steps=int(cfg.train.steps),
                    microbatch_size=microbatch_size(cfg),
@@ -113,7 +133,9 @@ class RunPlan:
             raise BadInput("plan", "missing: the config was not prepared by sdpipe (run it with "
                            "`sdpipe train`, or `sdpipe resume` a run folder)")
         try:
-            cluster = Cluster.from_config(cfg.cluster, int(section["stages"]))
+            if int(section["stages"]) != int(cfg.pipeline.stages):
+                raise ValueError(f"plan.stages {section['stages']} is not pipeline.stages")
+            cluster = cluster_of(cfg)
             plan = cls(int(section["pipelines"]), int(section["stages"]), int(section["servers"]),
                        int(section["steps"]), int(section["microbatch_size"]),
                        tuple(tuple(str(d) for d in row) for row in section["placement"]), cluster)
