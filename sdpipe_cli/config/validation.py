@@ -22,9 +22,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS, DEVICES,
                                       EMULATIONS, HF_ARCHS, IMAGE_DATASETS, LR_SCHEDULES,
                                       OBJECTIVES, OPTIMIZERS, PARTITIONS, POLICIES, PRECISIONS,
-                                      RESNET_BLOCKS, SCHEDULES, STALE_RULES, SYNC_MODES,
-                                      WANDB_MODES, ConfigError, emulation, n_blocks, num_classes,
-                                      objective)
+                                      RESNET_BLOCKS, SCHEDULES, STALE_RULES, SYNC_CONFIGS,
+                                      SYNC_MODES, WANDB_MODES, ConfigError, DilocoSyncConfig,
+                                      PsSyncConfig, SdpipeSyncConfig, emulation, n_blocks,
+                                      num_classes, objective)
 from sdpipe_cli.core.meetings import SYNC_PRECISIONS
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
@@ -163,8 +164,8 @@ def _validate_sync(cfg: DictConfig) -> None:
     p = cfg.pipeline
     y = cfg.sync
     need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")
-    _SETTINGS_CHECKS.get(y.name, lambda _: None)(y)
-    if y.name == "sdpipe" and p.schedule in ASYNC_SCHEDULES:
+    _SETTINGS_CHECKS.get(SYNC_CONFIGS[y.name], lambda _: None)(y)
+    if mode(y.name).meets and p.schedule in ASYNC_SCHEDULES:
         need(y.every in (0, 1), "sync.every", f"meetings every {y.every} iterations need a "
              f"flushed schedule (1f1b, gpipe), not {p.schedule}")
         need(y.precision in ("auto", "fp32"), "sync.precision",
@@ -281,8 +282,9 @@ def _check_diloco(y: DictConfig) -> None:
          f"is '{y.precision}'; choose fp32 or bf16")
 
 
-# each mode's own settings, beside its config class (the rest of validation asks core.modes)
-_SETTINGS_CHECKS = {"sdpipe": _check_sdpipe, "ps": _check_ps, "diloco": _check_diloco}
+# each mode's own settings, by its config class (the rest of validation asks core.modes)
+_SETTINGS_CHECKS = {SdpipeSyncConfig: _check_sdpipe, PsSyncConfig: _check_ps,
+                    DilocoSyncConfig: _check_diloco}
 
 
 def _validate_model(cfg: DictConfig) -> None:
@@ -347,7 +349,7 @@ def _validate_fault(cfg: DictConfig) -> None:
          "run.heartbeat_timeout", f"must exceed sync.group_timeout ({y.get('group_timeout')} s) "
          f"with fault.on_pipeline_loss={loss}: a replica waiting that long for a lost member "
          "would be taken for hung")
-    need(not (loss == "restart" and y.name == "sdpipe" and y.get("precision") == "bf16"),
+    need(not (loss == "restart" and y.get("precision") == "bf16"),
          "sync.precision", "bf16 changes are taken from an anchor every replica shares, which a "
          "replica healed before a global sync would miss: use sync.precision=fp32 (or auto) "
          "with fault.on_pipeline_loss=restart")

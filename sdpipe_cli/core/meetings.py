@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sdpipe_cli.core.modes import mode
+
 __all__ = ["Meetings", "Choice", "choose", "meetings_of", "precision_of", "average_of", "SYNC_PRECISIONS", "BYTES"]
 
 SYNC_PRECISIONS = ("auto", "fp32", "bf16")
@@ -132,14 +134,14 @@ def meetings_of(sync) -> Meetings:
     """A run's meetings, from its ``sync`` section: ``every`` as the launcher resolved it; 0
     (left to choose, in a config nothing resolved: an older run) and a missing key are 1, as is
     every mode but sdpipe."""
-    return Meetings(max(1, int(sync.get("every", 1) or 1)) if sync.name == "sdpipe" else 1)
+    return Meetings(max(1, int(sync.get("every", 1) or 1)) if mode(sync.name).meets else 1)
 
 
 def precision_of(sync) -> str:
     """What a run's rounds send their changes in, from its ``sync`` section: sdpipe's group
     rounds and diloco's outer gradients, ``precision`` as resolved; ``auto`` left unresolved
     (and any other mode) is float32."""
-    chosen = sync.get("precision", "fp32") if sync.name in ("sdpipe", "diloco") else "fp32"
+    chosen = sync.get("precision", "fp32") if mode(sync.name).low_precision else "fp32"
     return "fp32" if chosen == "auto" else chosen
 
 
@@ -148,6 +150,7 @@ def average_of(sync) -> str:
     take it: ``sync.average``, except that meetings every H > 1 steps and low-precision changes
     average the weights after the step (``weights``): a gradient of one step in H, or rounded
     to bfloat16 beside exact weights, would buy little for twice the bytes."""
-    if sync.name == "sdpipe" and (meetings_of(sync).every > 1 or precision_of(sync) != "fp32"):
+    if mode(sync.name).group_policy and (meetings_of(sync).every > 1
+                                         or precision_of(sync) != "fp32"):
         return "weights"
     return sync.get("average", "weights_grads")

@@ -1,17 +1,25 @@
 """The sync modes and what each needs and supports: the one place that tells them apart.
 
-Validation, the launcher, the scheduler and the worker's process group ask a mode's properties
-here instead of comparing its name; its settings are its config class
+Validation, the launcher, the scheduler, the worker's process group, the memory estimate, the
+simulator and the report ask a mode's properties here instead of comparing its name (a test
+reads the package for such comparisons); its settings are its config class
 (``config.schema.SYNC_CONFIGS``), its worker side its strategy class
-(``sync.strategies.strategy_class``), its simulated transport a branch of
-``core.simulation``. A test keeps the four in step, so a new mode is one entry in each.
+(``sync.strategies.strategy_class``), its simulated transport the branch of ``core.simulation``
+for its :attr:`Mode.exchange`. A test keeps them in step, so a new mode is one entry in each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Mode", "MODES", "mode", "names_with"]
+__all__ = ["Mode", "MODES", "EXCHANGES", "mode", "names_with"]
+
+#: How a mode's replicas exchange, as the simulator models it and the report reads it:
+#: ``local`` nothing; ``groups`` rounds of the groups the scheduler forms; ``everyone`` a
+#: collective of all P replicas every iteration; ``pairs`` a collective of two (gossip);
+#: ``outer`` a collective of all P every ``sync.local_steps`` iterations; ``server`` a push to
+#: the stage's parameter server and its reply.
+EXCHANGES = ("local", "groups", "everyone", "pairs", "outer", "server")
 
 
 @dataclass(frozen=True)
@@ -28,19 +36,28 @@ class Mode:
     survives_loss: bool = False  # fault.on_pipeline_loss=continue|restart: heals from a live replica
     flushed_only: bool = False  # counts an iteration's updates: no asynchronous schedule
     cuda: bool = True  # runs on GPUs (NCCL cannot receive from any source)
+    exchange: str = "everyone"  # one of EXCHANGES
+    shares_budget: bool = False  # pipelines share the run's budget and stop when told (a fast
+    #                              one takes more iterations): the scheduler's or the server's
+    meets: bool = False  # sync.every: replicas meet every H-th local step (slow links)
+    low_precision: bool = False  # sync.precision: what is sent may be rounded to bfloat16
+    sync_copies: int = 2  # flat copies of a stage's weights its sync keeps (the memory estimate)
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("sdpipe", "groups of ready replicas chosen by the scheduler, global syncs now and then",
-         group_policy=True, survives_loss=True),
+         group_policy=True, survives_loss=True, exchange="groups", shares_budget=True,
+         meets=True, low_precision=True),
     Mode("allreduce", "every replica of a stage averages gradients every iteration",
          restart_run=True),
     Mode("ps", "a parameter server per stage, stale-synchronous", servers=True, checkpoints=False,
-         stop_together=False, cuda=False),
-    Mode("adpsgd", "pairwise gossip of weights (AD-PSGD)", restart_run=True),
+         stop_together=False, cuda=False, exchange="server", shares_budget=True),
+    Mode("adpsgd", "pairwise gossip of weights (AD-PSGD)", restart_run=True, exchange="pairs"),
     Mode("diloco", "local steps, then an outer Nesterov step on the averaged change",
-         restart_run=True, flushed_only=True),
-    Mode("none", "no sync: every pipeline trains its own replica", stop_together=False),
+         restart_run=True, flushed_only=True, exchange="outer", low_precision=True,
+         sync_copies=3),  # its anchor and its outer momentum beside the all-reduce buffer
+    Mode("none", "no sync: every pipeline trains its own replica", stop_together=False,
+         exchange="local", sync_copies=0),
 )}
 
 

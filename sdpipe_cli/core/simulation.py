@@ -198,12 +198,11 @@ class _Run:
             raise ValueError(f"sync: cannot simulate '{sync}'; choose one of {', '.join(MODES)}")
         if modes.mode(sync).group_policy and policy_factory is None:
             raise ValueError("sync=sdpipe needs its policy")
-        self.w, self.sync = work, sync
+        self.w, self.sync, self.mode = work, sync, modes.mode(sync)
         P, S = work.pipelines, work.stages
         self.P, self.S = P, S
         self.now = 0.0
-        self.policy = (policy_factory(lambda: self.now) if modes.mode(sync).group_policy
-                       else None)
+        self.policy = policy_factory(lambda: self.now) if self.mode.group_policy else None
         self.plan = _Plan(work.schedule, S, work.microbatches)
         self.meetings = Meetings(work.every)  # sdpipe: the policy counts meetings
         cl = work.cluster
@@ -325,7 +324,7 @@ class _Run:
         self.done[p] += 1
         self.finished_at[p] = max(self.synced[p])
         self.iteration[p] = k + 1
-        if self.sync in ("sdpipe", "ps"):
+        if self.mode.shares_budget:
             go = not self.stopped[p]
         else:
             go = self.done[p] < self.w.steps
@@ -350,10 +349,10 @@ class _Run:
     # -- sync modes -----------------------------------------------------------------------------
     def _ready(self, t: float, p: int, s: int, k: int) -> None:
         w = self.w
-        if (self.sync in ("none", "sdpipe")
-                or (self.sync == "diloco" and (k + 1) % w.local_steps)):
-            self._synced(p, s, k, t, False)
-        elif self.sync in ("allreduce", "adpsgd", "diloco"):
+        exchange = self.mode.exchange
+        if exchange in ("local", "groups") or (exchange == "outer" and (k + 1) % w.local_steps):
+            self._synced(p, s, k, t, False)  # groups: the scheduler's decision syncs it
+        elif exchange in ("everyone", "pairs", "outer"):
             arrived = self.barriers.setdefault((s, k), {})
             arrived[p] = t
             if len(arrived) == self.P:
@@ -362,10 +361,11 @@ class _Run:
                 everyone = list(range(self.P))
                 nbytes = w.stage_bytes[s] * BYTES[w.precision] // BYTES["fp32"]  # diloco: bf16
                 full = self._allreduce_s(everyone, s, nbytes)  # one ring, computed once
-                if self.sync != "adpsgd":
+                pairs = exchange == "pairs"
+                if not pairs:
                     self._count(everyone, s, nbytes)
                 for q in everyone:
-                    if self.sync != "adpsgd":
+                    if not pairs:
                         cost = full
                     else:
                         mate = gossip_peer(w.seed, s, k, q, self.P)
@@ -375,7 +375,7 @@ class _Run:
                     # in the collective from its own arrival: the wait for the others is inside it
                     self.comm_s += start + cost - arrived[q]
                     self._synced(q, s, k, start + cost, False)
-                self.groups.append(2 if self.sync == "adpsgd" else self.P)
+                self.groups.append(2 if pairs else self.P)
         else:
             self._push_to_server(t, p, s, k)
 

@@ -23,6 +23,7 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation
 from sdpipe_cli.core.cluster import Stragglers
 from sdpipe_cli.core.grouping import make_policy
+from sdpipe_cli.core.modes import mode as mode_of
 from sdpipe_cli.core.meetings import BYTES, Choice, average_of, choose, meetings_of, precision_of
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.partition import stage_ranges
@@ -123,7 +124,7 @@ def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optiona
     fast links; so too under an asynchronous schedule, whose rounds are per update. Returns the
     choice made (None: nothing was left to choose from links)."""
     y = cfg.sync
-    if y.name != "sdpipe" or (y.every != 0 and y.precision != "auto"):
+    if not mode_of(y.name).meets or (y.every != 0 and y.precision != "auto"):
         return None
     plan = plan or RunPlan.of(cfg)
     if (not plan.cluster.links_emulated or emulation(cfg) != "modelled"
@@ -177,7 +178,7 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
     for mode in modes:
         mode_cfg = _with_sync(cfg, mode, plan)
         begun = time.perf_counter()
-        result = solo if mode == "none" else simulate(
+        result = solo if mode_of(mode).exchange == "local" else simulate(
             _for_sync(work, mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, plan, clock, evaluations=False)))
         rows.append(_row(result, limit, time.perf_counter() - begun))
     doc = {"format": FORMAT, **rows[0], "pipelines": cfg.cluster.pipelines,

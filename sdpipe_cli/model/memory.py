@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, get_schedule, in_flight
 from sdpipe_cli.model.boundary import map_tensors
@@ -75,8 +76,7 @@ def estimate(cfg: DictConfig, example: Any) -> Optional[list[StageMemory]]:
         log.debug("no memory estimate: the forward does not run on meta tensors (%s)", err)
         return None
     slots = 2 if t.optimizer != "sgd" else (1 if t.momentum else 0)
-    # flat all-reduce buffers; diloco also keeps its anchor and its outer momentum
-    sync_copies = {"sdpipe": 2, "adpsgd": 2, "allreduce": 2, "ps": 2, "diloco": 3}.get(cfg.sync.name, 0)
+    sync_copies = mode(cfg.sync.name).sync_copies
     schedule = get_schedule(p.schedule)
     asynchronous = p.schedule in ASYNC_SCHEDULES
     out = []

@@ -7,9 +7,27 @@ instead of comparing sync mode names; each mode is a subclass (:mod:`~sdpipe_cli
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What a worker's strategy is built from besides its settings: the scheduler's store
+    (``events``), the replica groups, the worker's place, its device, the run's seed, the
+    optimizer whose state sdpipe's global syncs average, the pipeline's incarnation and the
+    run's ``train.steps`` (which a strategy that meets only now and then needs to end together)."""
+
+    events: Any
+    groups: Any  # sync.groups.GroupCache (None in tests of a single replica)
+    where: Any  # core.placement.Placement
+    device: Any
+    seed: int = 0
+    optimizer: Optional[Any] = None
+    incarnation: int = 0
+    steps: int = 0
 
 
 class Sync:
@@ -27,6 +45,11 @@ class Sync:
     # Keys of :meth:`state_dict` that hold one flat vector over the stage's parameters (in their
     # order): a resharded checkpoint cuts them into parameters and joins them again
     flat_state: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, settings: Any, wiring: Wiring) -> "Sync":
+        """The strategy of the worker that ``wiring`` describes, for the run's ``sync``."""
+        return cls()
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return local_go

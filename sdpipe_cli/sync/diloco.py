@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from sdpipe_cli.sync.groups import GroupCache, flatten, mean_in_bf16, statistics, unflatten
-from sdpipe_cli.sync.base import Sync
+from sdpipe_cli.core.meetings import precision_of
+from sdpipe_cli.sync.allreduce import AllReduceSync
+from sdpipe_cli.sync.base import Sync, Wiring
 
 
 class DilocoSync(Sync):
@@ -52,6 +54,13 @@ class DilocoSync(Sync):
         self.precision = precision
         self.residual: Optional[torch.Tensor] = None  # bf16: what rounding lost so far
         self._stats: dict[str, Any] = {}
+
+    @classmethod
+    def build(cls, settings: Any, wiring: Wiring) -> "DilocoSync":
+        replicas = wiring.where.replicas()
+        agree = AllReduceSync(wiring.groups, replicas, wiring.device) if len(replicas) > 1 else None
+        return cls(wiring.groups, replicas, settings.local_steps, settings.outer_lr,
+                   settings.outer_momentum, agree, wiring.steps, precision_of(settings))
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         """Replicas stop together, and only where they meet: at an outer step. The budget is the

@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.meetings import meetings_of, precision_of
+from sdpipe_cli.core.modes import MODES, mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import protocol
 from sdpipe_cli.config.schema import ConfigError
@@ -72,7 +73,7 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
     def get(key: str) -> Any:
         return OmegaConf.select(saved, key)
 
-    if get("sync.name") != "sdpipe":
+    if not (get("sync.name") in MODES and mode(get("sync.name")).group_policy):
         raise ConfigError(KEY, f"{run} was trained with sync={get('sync.name')}, not sdpipe: it "
                                "has no group decisions")
     layout = ("cluster.pipelines", "pipeline.stages", "pipeline.schedule", "pipeline.microbatches")

@@ -43,52 +43,13 @@ from sdpipe_cli.core.meetings import Meetings, average_of, meetings_of, precisio
 from sdpipe_cli.sync.groups import (GroupCache, average_changes, average_parameters,
                                     average_tensors, flatten, statistics, unflatten)
 from sdpipe_cli.runtime import protocol, store
-from sdpipe_cli.sync.base import Sync
+from sdpipe_cli.sync.allreduce import AllReduceSync
+from sdpipe_cli.sync.base import Sync, Wiring
 from sdpipe_cli.sync.diloco import DilocoSync
 from sdpipe_cli.sync.traffic import Traffic
 from sdpipe_cli.model import optim
 
 log = logging.getLogger("sdpipe.sync")
-
-
-class AllReduceSync(Sync):
-    """Synchronous data parallelism over the stage's replica group (one flat all-reduce)."""
-
-    name = "allreduce"
-
-    def __init__(self, groups: GroupCache, replicas: list[int], device: torch.device):
-        self.groups, self.replicas, self.device = groups, replicas, device
-        self.size = len(replicas)
-
-    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
-        if self.size == 1:  # one pipeline: nobody to agree with
-            return local_go
-        flag = torch.tensor([1 if local_go else 0], device=self.device)
-        self.groups.all_reduce(flag, self.replicas, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-    def agree_on_checkpoint(self, wanted: bool) -> bool:
-        if self.size == 1:
-            return wanted
-        flag = torch.tensor([1 if wanted else 0], device=self.device)
-        self.groups.all_reduce(flag, self.replicas, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def after_backward(self, module: nn.Module, step: int) -> None:
-        if self.size == 1:  # the mean over one replica is itself
-            return
-        # The gradients, and the normalisation layers' running statistics (averaged where DDP
-        # broadcasts rank 0's: every replica then evaluates with the same, better estimate).
-        tensors = [p.grad for p in module.parameters() if p.grad is not None] + statistics(module)
-        if not tensors:
-            return
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        self.groups.all_reduce(flat, self.replicas)
-        flat /= self.size
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 class GroupSync(Sync):
@@ -105,6 +66,13 @@ class GroupSync(Sync):
     name = "sdpipe"
     scheduled_checkpoints = True
     mixes_weights = True
+
+    @classmethod
+    def build(cls, settings: Any, wiring: Wiring) -> "GroupSync":
+        w = wiring.where
+        return cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
+                   wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
+                   meetings_of(settings), precision_of(settings))
 
     def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
                  pipelines: int, groups: GroupCache, average: str = "weights_grads",
@@ -332,6 +300,15 @@ class GossipSync(Sync):
     name = "adpsgd"
     mixes_weights = True
 
+    @classmethod
+    def build(cls, settings: Any, wiring: Wiring) -> Sync:
+        w = wiring.where
+        if w.pipelines == 1:
+            return Sync()
+        # replicas must stop at the same round (time limit, Ctrl-C): they agree on it
+        agree = AllReduceSync(wiring.groups, w.replicas(), wiring.device)
+        return cls(wiring.groups, w.pipeline, w.pipelines, w.stage, w.stages, wiring.seed, agree)
+
     def __init__(self, groups: GroupCache, pipeline: int, pipelines: int, stage: int, stages: int,
                  seed: int, agree: AllReduceSync):
         self.groups, self.pipeline, self.pipelines = groups, pipeline, pipelines
@@ -376,6 +353,11 @@ class PSSync(Sync):
     mixes_weights = True
     PUSH, LEAVE = 0, 1
     HEADER_TAG, DATA_TAG = 11, 12  # distinct tags: the server receives headers from any source
+
+    @classmethod
+    def build(cls, settings: Any, wiring: Wiring) -> "PSSync":
+        traffic = wiring.groups.traffic if wiring.groups is not None else None
+        return cls(wiring.where.server_rank(), wiring.device, traffic)
 
     def __init__(self, server: int, device: torch.device, traffic: Optional[Traffic] = None):
         self.server, self.device = server, device
@@ -429,23 +411,7 @@ def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: P
               steps: int = 0) -> Sync:
     """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
     whose state sdpipe's global syncs average, see :class:`GroupSync`; ``steps``: the run's
-    ``train.steps``, which a strategy that meets only now and then needs to end together)."""
-    name = settings.name
-    p, s, P, S = where.pipeline, where.stage, where.pipelines, where.stages
-    if name == "sdpipe":
-        return GroupSync(events, where.rank, p, s, S, P, groups, average_of(settings), optimizer,
-                         incarnation, meetings_of(settings), precision_of(settings))
-    if name == "ps":
-        return PSSync(where.server_rank(), device, groups.traffic if groups is not None else None)
-    if name == "diloco":
-        agree = AllReduceSync(groups, where.replicas(), device) if P > 1 else None
-        return DilocoSync(groups, where.replicas(), settings.local_steps, settings.outer_lr,
-                          settings.outer_momentum, agree, steps, precision_of(settings))
-    if name == "none" or P == 1:
-        return Sync()
-    if name == "allreduce":
-        return AllReduceSync(groups, where.replicas(), device)
-    if name == "adpsgd":
-        # Replicas must stop at the same round (time limit, Ctrl-C): agree on it.
-        return GossipSync(groups, p, P, s, S, seed, AllReduceSync(groups, where.replicas(), device))
-    raise ValueError(f"sync.name: unknown strategy '{name}'")
+    ``train.steps``, which a strategy that meets only now and then needs to end together):
+    the mode's class builds it (:meth:`Sync.build`)."""
+    wiring = Wiring(events, groups, where, device, seed, optimizer, incarnation, steps)
+    return strategy_class(settings.name).build(settings, wiring)

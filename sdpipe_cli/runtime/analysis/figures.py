@@ -8,6 +8,7 @@ import statistics
 from bisect import bisect_right
 from typing import Any, Iterable, Optional
 
+from sdpipe_cli.core import modes
 from sdpipe_cli.runtime.analysis.reading import (
     Line,
     by_time,
@@ -180,13 +181,15 @@ def sync_times(lines: Iterable[Line]) -> dict[str, list[float]]:
 def mean_group_size(lines: Iterable[Line], mode: Optional[str] = None,
                     pipelines_: Optional[int] = None) -> Optional[float]:
     """The mean ``size`` of the scheduler's group lines (global rounds included); without any,
-    P for ``mode="allreduce"`` and 1 for ``"none"`` by definition, else None."""
+    P for a mode whose replicas all meet every iteration and 1 for one whose never meet, by
+    definition, else None."""
     sizes = [m["size"] for m in of_kind(lines, "group")]
     if sizes:
         return sum(sizes) / len(sizes)
-    if mode == "allreduce" and pipelines_:
+    exchange = modes.MODES[mode].exchange if mode in modes.MODES else None
+    if exchange == "everyone" and pipelines_:
         return float(pipelines_)
-    return 1.0 if mode == "none" else None
+    return 1.0 if exchange == "local" else None
 
 
 def consensus(lines: list[Line]) -> dict[int, tuple[list[float], list[float]]]:
