@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from sdpipe_cli.cli.parsing import main
-from sdpipe_cli.data import prepare as prep
+from sdpipe_cli.data import documents, prepare as prep, shard_writer, tokenizer
 from sdpipe_cli.runtime.errors import DataError
 from tests.helpers import one_error_line
 
@@ -65,22 +65,22 @@ def _refused(capsys, key: str, *argv: str) -> str:
 def test_a_long_line_reaches_the_tokenizer_in_bounded_pieces(tmp_path, monkeypatch):
     """A file of one line was handed whole to the tokenizer (20 MB: 4 GB of memory); now no text
     longer than PIECE_CHARS is, cut where bpe splits anyway: the tokens are the same."""
-    monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
-    monkeypatch.setattr(prep, "CUT_WINDOW", 200)
+    monkeypatch.setattr(documents, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(documents, "CUT_WINDOW", 200)
     text = _words(4000)  # ~24 000 characters, no newline
     (tmp_path / "line.txt").write_text(text)
-    resolved = prep._resolve_sources([str(tmp_path / "line.txt")])
-    pieces = list(prep._documents(resolved, "text", None, None))
+    resolved = documents.resolve_sources([str(tmp_path / "line.txt")])
+    pieces = list(documents.documents(resolved, "text", None, None))
     assert len(pieces) > 20 and all(len(t) <= 1000 for t, _ in pieces)
     assert "".join(t for t, _ in pieces) == text
     assert [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True]
     assert all(t[0] == " " for t, _ in pieces[1:])  # cut before " word", never inside a word
 
     seen: list[int] = []
-    train, encode = prep._train, prep._encode_chunk
-    monkeypatch.setattr(prep, "_train", lambda tok, docs: train(tok, (seen.append(len(d)) or d
-                                                                       for d in docs)))
-    monkeypatch.setattr(prep, "_encode_chunk", lambda tok, chunk: (
+    train, encode = tokenizer.train_tokenizer, tokenizer._encode_chunk
+    monkeypatch.setattr(prep, "train_tokenizer", lambda tok, docs: train(tok, (seen.append(len(d)) or d
+                                                                                for d in docs)))
+    monkeypatch.setattr(tokenizer, "_encode_chunk", lambda tok, chunk: (
         seen.extend(len(t) for t, _ in chunk), encode(tok, chunk))[1])
     m = prep.prepare_text([str(tmp_path / "line.txt")], str(tmp_path / "out"), "bpe:400",
                           val_fraction=0.1, log=_quiet)
@@ -95,13 +95,13 @@ def test_a_long_line_reaches_the_tokenizer_in_bounded_pieces(tmp_path, monkeypat
 def test_a_large_file_is_read_in_chunks_with_its_bytes_intact(tmp_path, monkeypatch):
     """Past SMALL_FILE a text file is streamed READ_CHUNK bytes at a time; a UTF-8 character or
     an invalid byte astride two reads comes out whole, and a NUL anywhere still skips the file."""
-    monkeypatch.setattr(prep, "PIECE_CHARS", 500)
-    monkeypatch.setattr(prep, "SMALL_FILE", 2000)
-    monkeypatch.setattr(prep, "READ_CHUNK", 333)
+    monkeypatch.setattr(documents, "PIECE_CHARS", 500)
+    monkeypatch.setattr(documents, "SMALL_FILE", 2000)
+    monkeypatch.setattr(documents, "READ_CHUNK", 333)
     data = ("wörd ü€𝄞 " * 800).encode() + b"\xff\xfe tail"
     (tmp_path / "big.txt").write_bytes(data)
     reads: list[int] = []
-    real_read = prep._open_source
+    real_read = documents.open_source
 
     def spying(path, where=None):
         f = real_read(path, where)
@@ -109,13 +109,13 @@ def test_a_large_file_is_read_in_chunks_with_its_bytes_intact(tmp_path, monkeypa
         f.read = lambda n=-1: (reads.append(n), read(n))[1]
         return f
 
-    monkeypatch.setattr(prep, "_open_source", spying)
-    pieces = list(prep._text_file(tmp_path / "big.txt"))
+    monkeypatch.setattr(documents, "open_source", spying)
+    pieces = list(documents._text_file(tmp_path / "big.txt"))
     assert all(len(t) <= 500 for t, _ in pieces) and pieces[-1][1] and len(pieces) > 10
-    assert b"".join(prep._utf8(t) for t, _ in pieces) == data
-    assert reads and all(0 < n <= max(prep.SMALL_FILE + 1, prep.COPY_CHUNK) for n in reads)
+    assert b"".join(documents.utf8(t) for t, _ in pieces) == data
+    assert reads and all(0 < n <= max(documents.SMALL_FILE + 1, documents.COPY_CHUNK) for n in reads)
     (tmp_path / "nul.txt").write_bytes(data + b"\0")
-    assert list(prep._text_file(tmp_path / "nul.txt")) == []
+    assert list(documents._text_file(tmp_path / "nul.txt")) == []
 
 
 # ----------------------------------------------------------------------------- 2: special files
@@ -143,7 +143,7 @@ def test_a_file_swapped_for_a_named_pipe_after_listing_does_not_hang(tmp_path):
 
     def read() -> None:
         try:
-            outcome.append(list(prep._text_file(fifo)))
+            outcome.append(list(documents._text_file(fifo)))
         except DataError as e:
             outcome.append(e)
 
@@ -162,14 +162,14 @@ def test_a_file_swapped_for_a_named_pipe_after_listing_does_not_hang(tmp_path):
 
 def test_an_absurd_vocabulary_is_refused_before_anything_runs(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("some text " * 50)
-    for spec in ("bpe:99999999999999999999", f"bpe:{prep.MAX_VOCAB + 1}", "wordpiece:5000000000"):
+    for spec in ("bpe:99999999999999999999", f"bpe:{tokenizer.MAX_VOCAB + 1}", "wordpiece:5000000000"):
         line = _refused(capsys, "--tokenizer", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"),
                         "--tokenizer", spec)
         assert "at most" in line
     with pytest.raises(DataError) as bad:  # what made the trainer abort the process (SIGABRT)
-        prep._parse_tokenizer("bpe:5000000000")
+        tokenizer.parse_tokenizer("bpe:5000000000")
     assert bad.value.key == "--tokenizer"
-    assert prep._parse_tokenizer(f"bpe:{prep.MAX_VOCAB}").vocab == prep.MAX_VOCAB
+    assert tokenizer.parse_tokenizer(f"bpe:{tokenizer.MAX_VOCAB}").vocab == tokenizer.MAX_VOCAB
     assert not (tmp_path / "out").exists() and _no_tmp(tmp_path)
 
 
@@ -210,7 +210,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatc
     def full(self, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(prep._ShardWriter, "write_raw", full)
+    monkeypatch.setattr(shard_writer.ShardWriter, "write_raw", full)
     line = _refused(capsys, "--out", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"))
     assert "ENOSPC" in line and "nothing was written" in line
     assert (tmp_path / "out").is_dir() and not any((tmp_path / "out").iterdir()) and _no_tmp(tmp_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdpipe_cli.data import prepare as prep
+from sdpipe_cli.data import tokenizer
 from sdpipe_cli.data.corpus import _stdlib_bytes
 from sdpipe_cli.data.prepare import prepare_text
 from sdpipe_cli.data.tokens import (
@@ -84,7 +84,7 @@ def test_bytes_tokenizer_round_trip(tmp_path):
 
 
 def test_bpe_manifest_shards_and_val_tail(tmp_path, monkeypatch):
-    monkeypatch.setattr(prep, "ENCODE_CHUNK_DOCS", 3)  # several encode_batch chunks
+    monkeypatch.setattr(tokenizer, "ENCODE_CHUNK_DOCS", 3)  # several encode_batch chunks
     src = _corpus_dir(tmp_path / "src", n_files=7)
     out = tmp_path / "out"
     m = prepare_text([str(src)], str(out), "bpe:300", val_fraction=0.2, shard_tokens=500, log=_quiet)
