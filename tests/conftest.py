@@ -17,7 +17,7 @@ from tests.helpers import kill_leftovers
 # (Not transformers: a server holding it slowed every other run's children more than it saved
 # the few runs of transformers models.)
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main",
-                                        "sdpipe_cli.sync.scheduler", "sdpipe_cli.sync.ps",
+                                        "sdpipe_cli.sync.scheduler.process", "sdpipe_cli.sync.ps",
                                         *LAZY_TORCH])
 
 

@@ -79,7 +79,7 @@ class Job:
 
 TRAIN = Job("sdpipe_cli.training.main")
 PROFILE = Job("sdpipe_cli.hetero.profiler", helpers=False, graceful=False)
-SCHEDULER, PS = "sdpipe_cli.sync.scheduler", "sdpipe_cli.sync.ps"
+SCHEDULER, PS = "sdpipe_cli.sync.scheduler.process", "sdpipe_cli.sync.ps"
 
 
 @dataclass

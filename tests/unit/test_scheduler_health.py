@@ -12,7 +12,7 @@ import torch.distributed as dist
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import store
-from sdpipe_cli.sync.scheduler import Scheduler, WorkerHung
+from sdpipe_cli.sync.scheduler.handling import Scheduler, WorkerHung
 from tests.helpers import event as as_event
 
 P, S = 3, 2

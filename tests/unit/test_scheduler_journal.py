@@ -1,8 +1,8 @@
 """The scheduler's journal: a scheduler started again replays it and is the dead one, state and
 answers alike; and the journal file itself (header, torn last line, appending after a kill).
 
-The runs are real :class:`~sdpipe_cli.sync.scheduler.Scheduler` objects on real TCPStores, fed
-seeded random arrivals of ready signals through :func:`~sdpipe_cli.sync.scheduler.act` (what
+The runs are real :class:`~sdpipe_cli.sync.scheduler.handling.Scheduler` objects on real TCPStores, fed
+seeded random arrivals of ready signals through :func:`~sdpipe_cli.sync.scheduler.process.act` (what
 the scheduler process does per batch) at moments the test chooses.
 """
 
@@ -19,7 +19,8 @@ from sdpipe_cli.config.composition import compose
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync import journal
-from sdpipe_cli.sync.scheduler import BatchClock, Scheduler, act, replay
+from sdpipe_cli.sync.scheduler.handling import Scheduler
+from sdpipe_cli.sync.scheduler.process import BatchClock, act, replay
 
 P, S = 3, 2
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
-from sdpipe_cli.sync.scheduler import Scheduler
+from sdpipe_cli.sync.scheduler.handling import Scheduler
 from tests.helpers import event as as_event
 
 P, S = 2, 2

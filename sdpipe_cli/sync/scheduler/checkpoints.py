@@ -1,0 +1,126 @@
+"""The scheduler's part in checkpoints: which global syncs are checkpoints, and when one is whole.
+
+With sdpipe, replicas are consistent only right after a global sync, so checkpoints are taken
+there, the same one on every stage (:class:`~sdpipe_cli.core.cadence.GlobalSyncCheckpoints`
+decides which). Each worker writes its shard and says so; once the shards of the pipelines at
+that sync are in, the checkpoint is finalized here. A pipeline that was missing (lost, or
+restarting) gets a copy of a present replica's shard at its own iteration count (a *stand-in*):
+every replica of a stage is identical right after a global sync, so the checkpoint is complete,
+and a resume restarts that pipeline too. Lock-step modes count checkpoints the same way, by the
+iterations of an average pipeline.
+
+Kept apart from the event handling (:mod:`.handling`) so that the cadence and the completeness
+rule are read in one place; the files themselves are :mod:`sdpipe_cli.model.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
+from sdpipe_cli.core.grouping import Decision
+from sdpipe_cli.core.meetings import Meetings
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.model import checkpoint
+
+__all__ = ["Checkpoints"]
+
+
+class Checkpoints:
+    """A run's checkpoints as the scheduler sees them: due, partly written, finalized."""
+
+    def __init__(self, cfg: DictConfig, plan: RunPlan, run_dir: Path, meetings: Meetings,
+                 clock: Callable[[], float]):
+        self.cfg, self.plan, self.run_dir, self.meetings, self.clock = (
+            cfg, plan, run_dir, meetings, clock)
+        self.cadence = GlobalSyncCheckpoints(Cadence.from_config(cfg), clock())
+        self.saved: dict[int, dict[int, int]] = {}  # checkpoint id -> rank -> step
+        self.shards_from: dict[int, set[int]] = {}  # checkpoint id -> pipelines that save a shard
+        self.stand_ins: dict[int, dict[int, int]] = {}  # checkpoint id -> the others' iterations
+        self.global_seen = [0] * plan.stages  # global decisions per stage (policy.global_history)
+        self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
+
+    def average(self, steps: dict[int, int]) -> int:
+        """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""
+        return round(sum(steps.values()) / self.plan.pipelines)
+
+    def resume(self, steps: dict[int, int]) -> None:
+        self.cadence.resume(self.average(steps))
+
+    def at_global_sync(self, d: Decision, policy: Any) -> Optional[int]:
+        """The checkpoint taken right after global decision ``d`` (None: not one); the same
+        id on every stage of that global sync."""
+        g = self.global_seen[d.stage]
+        self.global_seen[d.stage] += 1
+        if g not in self.global_checkpoint:
+            missing = self.missing_steps(d.members, policy)
+            steps = {**missing, **{p: self.meetings.steps(k + 1)
+                                   for p, k in policy.global_history[g].items()}}
+            ckpt = self.cadence.at_global_sync(self.average(steps), d.stop, self.clock())
+            self.global_checkpoint[g] = ckpt
+            if ckpt is not None:
+                self.shards_from[ckpt] = set(d.members)
+                self.stand_ins[ckpt] = missing
+        return self.global_checkpoint[g]
+
+    def missing_steps(self, members, policy: Any) -> dict[int, int]:
+        """Pipelines not at a global sync (lost, or restarting): the iterations each has done."""
+        return {q: self.resume_step(q, policy)
+                for q in range(self.plan.pipelines) if q not in members}
+
+    def resume_step(self, p: int, policy: Any, unknown: Optional[int] = 0) -> Optional[int]:
+        """The local step a left pipeline would go on from (the policy counts meetings)."""
+        k = policy.resume_at.get(p)
+        return unknown if k is None else self.meetings.steps(k)
+
+    def shard_saved(self, ckpt: int, rank: int, step: int) -> None:
+        self.saved.setdefault(ckpt, {})[rank] = step
+
+    def pipeline_lost(self, p: int, policy: Any) -> list[int]:
+        """Pipeline ``p``'s shards will not come: it stands in where it was due; the
+        checkpoints that may now be complete."""
+        waiting = []
+        for ckpt, pipelines in list(self.shards_from.items()):
+            if p in pipelines:
+                pipelines.discard(p)
+                self.stand_ins[ckpt][p] = self.resume_step(p, policy)
+                waiting.append(ckpt)
+        return waiting
+
+    def finalize(self, ckpt: int, live: bool, elapsed: float, metrics: Callable[[], dict]
+                 ) -> Optional[tuple[Path, dict[int, int]]]:
+        """Finalize checkpoint ``ckpt`` if the shards of the pipelines at its global sync are in
+        (``live=False``: replaying a dead scheduler's journal, which finalized it already where
+        its staging folder is gone); its path and iterations per pipeline, or None."""
+        S, P = self.plan.stages, self.plan.pipelines
+        grid = self.plan.grid
+        shards = self.saved.get(ckpt, {})
+        present = sorted(self.shards_from.get(ckpt, range(P)))
+        if not present or any(grid.rank(p, s) not in shards for p in present for s in range(S)):
+            return None
+        del self.saved[ckpt]
+        self.shards_from.pop(ckpt, None)
+        staging = checkpoint.staging_dir(self.run_dir, ckpt)
+        steps = {p: shards[grid.rank(p, 0)] for p in present}
+        stand_ins = self.stand_ins.pop(ckpt, {})
+        steps.update(stand_ins)
+        if not live and not staging.is_dir():
+            self.cadence.saved(self.clock())
+            return None
+        for q, k in sorted(stand_ins.items()):
+            for s in range(S):
+                checkpoint.stand_in(staging, str(grid.rank(present[0], s)), str(grid.rank(q, s)),
+                                    {"step": k, "pipeline": q})
+        checkpoint.save_shard(staging, "scheduler",
+                              {"steps": steps, "elapsed": elapsed, "metrics": metrics()})
+        path = checkpoint.finalize(
+            self.run_dir, ckpt, keep=self.cfg.checkpoint.keep,
+            expected=[str(r) for r in range(self.plan.workers)] + ["scheduler"],
+            meta={"config": OmegaConf.to_container(self.cfg, resolve=True), "steps": steps,
+                  "elapsed": elapsed, "partition": list(self.cfg.pipeline.partition),
+                  "stand_ins": sorted(set(range(P)) - set(present))})
+        self.cadence.saved(self.clock())
+        return path, steps
