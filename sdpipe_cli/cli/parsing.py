@@ -105,12 +105,28 @@ tokenizer and manifest.json (token counts and a SHA-256 per shard); it must not 
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The whole command line; each subcommand's arguments live in a function of their own, added
+    here in the order ``sdpipe --help`` lists them."""
     parser = argparse.ArgumentParser(
         prog="sdpipe", description="Semi-decentralized pipeline-parallel training for "
         "heterogeneous clusters.")
     parser.add_argument("--version", action="version", version=f"sdpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups = "\n".join(f"  {g:<10} {', '.join(opts)}" for g, opts in group_options().items())
+    _add_train_and_profile(sub, groups)
+    _add_simulate(sub, groups)
+    _add_resume(sub)
+    _add_prepare(sub)
+    _add_export(sub)
+    _add_eval(sub)
+    _add_sample(sub)
+    _add_report(sub)
+    return parser
+
+
+def _add_train_and_profile(sub, groups: str) -> None:
+    """``train`` and ``profile`` compose the same config from the same overrides, so they share
+    their options; only ``train`` sweeps (``-m``)."""
     for name, summary, text in (
             ("train", "train a model", TRAIN_HELP),
             ("profile", "measure the cluster: block times, memory, links", PROFILE_HELP)):
@@ -124,6 +140,11 @@ def _parser() -> argparse.ArgumentParser:
                                  help="a sweep: one run per combination of swept values "
                                  "(sync=allreduce,sdpipe train.lr=1e-3,3e-3), then a comparison")
         command.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+
+
+def _add_simulate(sub, groups: str) -> None:
+    """``simulate`` composes a training config too (hence the config groups and overrides), plus
+    the sync modes to compare against."""
     sim = sub.add_parser("simulate", help="simulate a run's timing under sync policies",
                          description=SIMULATE_HELP,
                          epilog=f"config groups (group=option):\n{groups}",
@@ -133,6 +154,11 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--cfg", action="store_true", help="print the composed config and exit")
     _config_dir_option(sim)
     sim.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides")
+
+
+def _add_resume(sub) -> None:
+    """``resume`` takes the saved config, so its overrides are limited to the settings the saved
+    state does not depend on, which its help lists."""
     resume = sub.add_parser(
         "resume", help="continue a run from a checkpoint", description=RESUME_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,6 +171,10 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"safe changes only: {', '.join(resuming.RESUMABLE)}; the layout: "
                         f"{', '.join(resuming.LAYOUT)} (the checkpoint is resharded); run.dir=NEW: "
                         "go on in a new run folder")
+
+
+def _add_prepare(sub) -> None:
+    """``prepare KIND``: a level of its own so that other kinds of data can join ``text``."""
     prep = sub.add_parser("prepare", help="tokenize text into shards for data=tokens",
                           description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = prep.add_subparsers(dest="kind", metavar="KIND", required=True)
@@ -165,6 +195,10 @@ def _parser() -> argparse.ArgumentParser:
     text.add_argument("--max-bytes", type=int, metavar="N", help="read at most N bytes of text")
     text.add_argument("--dataset", metavar="FORMAT", help="read SRC with datasets.load_dataset(FORMAT, "
                       "data_files=SRC) (needs: pip install datasets)")
+
+
+def _add_export(sub) -> None:
+    """``export`` reads a run (or one of its checkpoints) and writes one model to a new folder."""
     exp = sub.add_parser("export", help="one model out of a run's stages and replicas",
                          description=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     exp.add_argument("run", metavar="RUN", help="a run folder, or a checkpoint folder")
@@ -177,6 +211,10 @@ def _parser() -> argparse.ArgumentParser:
                      "and bert, torchvision for the ResNets, "
                      "else state_dict)")
     _replica_options(exp)
+
+
+def _add_eval(sub) -> None:
+    """``eval`` takes a run or an export, and overrides only for the data it is measured on."""
     ev = sub.add_parser("eval", help="a run's or an export's loss on a validation set",
                         description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("path", metavar="RUN|DIR", help="a run folder, a checkpoint, or an export")
@@ -186,6 +224,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="another data set or batch: data=NAME, data.*, train.batch_size, "
                     "pipeline.microbatches")
+
+
+def _add_sample(sub) -> None:
+    """``sample`` reads an export only: the prompt and the decoding settings."""
     sam = sub.add_parser("sample", help="text from an exported language model",
                          description=SAMPLE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sam.add_argument("path", metavar="DIR", help="an export (sdpipe export --out DIR)")
@@ -196,12 +238,15 @@ def _parser() -> argparse.ArgumentParser:
     sam.add_argument("--temperature", type=float, default=1.0, metavar="T", help="(default: 1.0)")
     sam.add_argument("--seed", type=int, default=0, metavar="N", help="(default: 0)")
     sam.add_argument("--trust-code", action="store_true", help=TRUST_HELP)
+
+
+def _add_report(sub) -> None:
+    """``report`` reads run folders only: no config to compose, no overrides."""
     rep = sub.add_parser("report", help="plot runs: loss, throughput, groups, waits",
                          description=REPORT_HELP,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run folders (running, failed or done)")
     rep.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN/report)")
-    return parser
 
 
 def _replica_options(command: argparse.ArgumentParser) -> None:

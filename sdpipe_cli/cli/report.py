@@ -168,34 +168,56 @@ def consensus(run: Run) -> dict[int, tuple[list[float], list[float]]]:
 
 
 def report(runs: Sequence[Run], out: Path) -> list[Path]:
-    """Write the figures for ``runs`` into ``out``; the paths written."""
+    """Write the figures for ``runs`` into ``out``; the paths written.
+
+    Each figure is drawn and saved before the next is drawn, so that only one is open at a time
+    and a folder that cannot take a file fails at the first one."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
+    _make_folder(out)
+    for run, name in zip(runs, labels(runs)):
+        run.label = name
+    # loss and accuracy per timeline; the other figures count each update once, per run
+    branches = [part for run in runs for part in timelines(run)]
+    drawings = ((_loss_figure, branches, "loss.png"), (_accuracy_figure, branches, "accuracy.png"),
+                (_throughput_figure, runs, "throughput.png"), (_groups_figure, runs, "groups.png"),
+                (_waits_figure, runs, "waits.png"), (_stragglers_figure, runs, "stragglers.png"),
+                (_consensus_figure, runs, "consensus.png"))
+    written = []
+    for draw, which, name in drawings:
+        fig = draw(plt, which)
+        if fig is not None:  # nothing to show: no file
+            written.append(_save(plt, fig, out / name))
+    return written
+
+
+def _make_folder(out: Path) -> None:
+    """``out`` made (with the folders above it); ConfigError naming it if it cannot be, so that
+    the user sees one line instead of a traceback."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(str(out), f"cannot be made a folder for the figures: {err.strerror or err}") from None
-    names = labels(runs)
-    for run, name in zip(runs, names):
-        run.label = name
-    # loss and accuracy per timeline; the other figures count each update once, per run
-    branches = [part for run in runs for part in timelines(run)]
-    written = []
 
-    def save(fig, name: str) -> None:
-        path = out / name
-        try:
-            fig.savefig(path, dpi=110)
-        except OSError as err:
-            raise ConfigError(str(path), f"cannot be written: {err.strerror or err}") from None
-        finally:
-            plt.close(fig)
-        written.append(path)
 
+def _save(plt, fig, path: Path) -> Path:
+    """Write ``fig`` to ``path`` and close it (also when writing fails, so that figures do not
+    pile up in pyplot); ConfigError naming the file if it cannot be written."""
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as err:
+        raise ConfigError(str(path), f"cannot be written: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _loss_figure(plt, branches: Sequence[Run]):
+    """Training and validation loss against time and against samples: time shows which sync mode
+    is faster, samples whether it learns as much per sample."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
     for run in branches:
         t, n, loss = mean_loss(run)
@@ -211,24 +233,32 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
         ax.legend(fontsize=7, loc="upper right")
     axes[0].set_title("loss against time")
     axes[1].set_title("loss against samples")
-    save(fig, "loss.png")
+    return fig
 
+
+def _accuracy_figure(plt, branches: Sequence[Run]):
+    """Validation accuracy against time and samples, of the classifiers among ``branches`` (the
+    runs whose evals report it); None if there are none."""
     classified = [run for run in branches if any("val_accuracy" in m for m in run.kind("eval"))]
-    if classified:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
-        for run in classified:
-            vt, vn, _ = validation(run)
-            acc = [100 * m["val_accuracy"] if m.get("val_accuracy") is not None else float("nan")
-                   for m in sorted(run.kind("eval"), key=lambda m: m["time"])]
-            axes[0].plot(vt, acc, "o-", label=run.label)
-            axes[1].plot(vn, acc, "o-", label=run.label)
-        for ax, x in zip(axes, (TIME_AXIS, "samples (all pipelines)")):
-            ax.set(xlabel=x, ylabel="validation accuracy (%, top-1)")
-            ax.legend(fontsize=7, loc="lower right")
-        axes[0].set_title("accuracy against time")
-        axes[1].set_title("accuracy against samples")
-        save(fig, "accuracy.png")
+    if not classified:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    for run in classified:
+        vt, vn, _ = validation(run)
+        acc = [100 * m["val_accuracy"] if m.get("val_accuracy") is not None else float("nan")
+               for m in sorted(run.kind("eval"), key=lambda m: m["time"])]
+        axes[0].plot(vt, acc, "o-", label=run.label)
+        axes[1].plot(vn, acc, "o-", label=run.label)
+    for ax, x in zip(axes, (TIME_AXIS, "samples (all pipelines)")):
+        ax.set(xlabel=x, ylabel="validation accuracy (%, top-1)")
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_title("accuracy against time")
+    axes[1].set_title("accuracy against samples")
+    return fig
 
+
+def _throughput_figure(plt, runs: Sequence[Run]):
+    """Samples/s of each pipeline over time: a slow device shows as its pipeline's dip."""
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     for run in runs:
         for p in _pipelines(run):
@@ -239,72 +269,88 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
     ax.set_ylabel("samples/s")
     ax.set_title("throughput per pipeline")
     ax.legend(fontsize=7)
-    save(fig, "throughput.png")
+    return fig
 
+
+def _groups_figure(plt, runs: Sequence[Run]):
+    """sdpipe's group size per stage over time and as a histogram (the paper's view); None if no
+    run formed groups (all-reduce and no-sync runs do not)."""
     grouped = [run for run in runs if run.kind("group")]
-    if grouped:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
-        for run in grouped:
-            for stage in sorted({g["stage"] for g in run.kind("group")}):
-                gs = [g for g in run.kind("group") if g["stage"] == stage]
-                axes[0].plot([g["time"] for g in gs], [g["size"] for g in gs], ".", alpha=0.5,
-                             label=f"{run.label} stage {stage}")
-            sizes = [g["size"] for g in run.kind("group")]
-            # a bar per size; a size no run has (below 1, past any cluster) gets automatic bins
-            bins = range(1, max(sizes) + 2) if 1 <= min(sizes) <= max(sizes) <= 4096 else "auto"
-            axes[1].hist(sizes, bins=bins, alpha=0.5, align="left", label=run.label)
-        axes[0].set(xlabel="seconds", ylabel="group size", title="group size per stage")
-        axes[1].set(xlabel="group size", ylabel="rounds", title="group sizes")
-        for ax in axes:
-            ax.legend(fontsize=7)
-        save(fig, "groups.png")
+    if not grouped:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    for run in grouped:
+        for stage in sorted({g["stage"] for g in run.kind("group")}):
+            gs = [g for g in run.kind("group") if g["stage"] == stage]
+            axes[0].plot([g["time"] for g in gs], [g["size"] for g in gs], ".", alpha=0.5,
+                         label=f"{run.label} stage {stage}")
+        sizes = [g["size"] for g in run.kind("group")]
+        # a bar per size; a size no run has (below 1, past any cluster) gets automatic bins
+        bins = range(1, max(sizes) + 2) if 1 <= min(sizes) <= max(sizes) <= 4096 else "auto"
+        axes[1].hist(sizes, bins=bins, alpha=0.5, align="left", label=run.label)
+    axes[0].set(xlabel="seconds", ylabel="group size", title="group size per stage")
+    axes[1].set(xlabel="group size", ylabel="rounds", title="group sizes")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    return fig
 
-    # one panel per quantity, each run an outline over shared bins: filled histograms of several
-    # runs stacked on one axis blend into one colour
+
+def _waits_figure(plt, runs: Sequence[Run]):
+    """The distribution of each kind of sync time (:func:`sync_times`), a panel per kind; None if
+    no run has any.
+
+    One panel per quantity, each run an outline over shared bins: filled histograms of several
+    runs stacked on one axis blend into one colour."""
+    import numpy as np
+
     series: dict[str, list[tuple[str, list[float]]]] = {}
     for run in runs:
         for what, seconds in sync_times(run).items():
             if seconds:
                 series.setdefault(what, []).append((run.label, [x * 1e3 for x in seconds]))
-    if series:
-        fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.5),
-                                 layout="constrained", squeeze=False)
-        for ax, (what, per_run) in zip(axes[0], series.items()):
-            every = [x for _, xs in per_run for x in xs]
-            edges = np.histogram_bin_edges(every, bins=40)
-            for label, xs in per_run:
-                ax.hist(xs, bins=edges, histtype="step", linewidth=1.5, label=label)
-            ax.set(xlabel="milliseconds per update", ylabel="updates", title=what)
-            ax.legend(fontsize=7)
-        save(fig, "waits.png")
-
-    slowed = [run for run in runs if run.kind("straggler")]
-    if slowed:
-        save(_stragglers_figure(plt, slowed), "stragglers.png")
-
-    with_consensus = [run for run in runs if run.kind("consensus")]
-    if with_consensus:
-        fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-        for run in with_consensus:
-            for stage, (times, values) in consensus(run).items():
-                ax.plot(times, values, "o-", label=f"{run.label} stage {stage}")
-        # on the runs' whole time axis: a short run's few global syncs are points in its time,
-        # not spread over an axis of a few milliseconds
-        ends = [m["time"] for run in with_consensus for m in run.kind("train")]
-        if ends:
-            ax.set_xlim(0, max(ends) * 1.02)
-        ax.set_ylim(bottom=0)
-        ax.set(xlabel=TIME_AXIS, ylabel="consensus distance", title="replica drift at global syncs")
+    if not series:
+        return None
+    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.5),
+                             layout="constrained", squeeze=False)
+    for ax, (what, per_run) in zip(axes[0], series.items()):
+        every = [x for _, xs in per_run for x in xs]
+        edges = np.histogram_bin_edges(every, bins=40)
+        for label, xs in per_run:
+            ax.hist(xs, bins=edges, histtype="step", linewidth=1.5, label=label)
+        ax.set(xlabel="milliseconds per update", ylabel="updates", title=what)
         ax.legend(fontsize=7)
-        save(fig, "consensus.png")
-    return written
+    return fig
+
+
+def _consensus_figure(plt, runs: Sequence[Run]):
+    """The consensus distance per stage at global syncs (how far replicas drifted apart); None
+    if no run measured it."""
+    with_consensus = [run for run in runs if run.kind("consensus")]
+    if not with_consensus:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for run in with_consensus:
+        for stage, (times, values) in consensus(run).items():
+            ax.plot(times, values, "o-", label=f"{run.label} stage {stage}")
+    # on the runs' whole time axis: a short run's few global syncs are points in its time,
+    # not spread over an axis of a few milliseconds
+    ends = [m["time"] for run in with_consensus for m in run.kind("train")]
+    if ends:
+        ax.set_xlim(0, max(ends) * 1.02)
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel=TIME_AXIS, ylabel="consensus distance", title="replica drift at global syncs")
+    ax.legend(fontsize=7)
+    return fig
 
 
 def _stragglers_figure(plt, runs: Sequence[Run]):
     """Each straggler's compute per iteration over time (its ``busy_s``, where its lines carry
-    it), marked where it was named and where it recovered."""
+    it), marked where it was named and where it recovered; None if no run named one."""
+    slowed = [run for run in runs if run.kind("straggler")]
+    if not slowed:
+        return None
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-    for run in runs:
+    for run in slowed:
         stages = int(run.config.get("pipeline.stages", 1))
         for device in sorted({(m["pipeline"], m["stage"], m["device"]) for m in run.kind("straggler")}):
             p, s, name = device
