@@ -1,22 +1,12 @@
 """The launcher: prepares a run folder, hosts the TCPStore, starts and supervises the processes.
 
-Supervision follows torchrun: every child is a process of its own (forked from a fork server that
-imported torch once: :mod:`sdpipe_cli.runtime.processes`) with its own log file
-(``<run>/logs/<rank>.log``, ``scheduler.log``), pid file and error file; the launcher polls them, and as soon
-as one exits non-zero (or is killed) it stops the others (SIGTERM, a grace period, then SIGKILL)
-and reports the first failure in one line: which worker (pipeline, stage, rank), how it ended,
-and the last lines of its error. Children run in their own session (a Ctrl-C reaches only the
-launcher, which then stops them in order) and die with the launcher (PR_SET_PDEATHSIG), so no
-process outlives a run.
-
-This module is the *mechanism*: it spawns, polls the children and the store, counts interrupts
-(:class:`Phase`), sends signals, writes store keys and prints. The *decisions* (when a run has
-finished or failed, which failure is the root cause, when a lost pipeline may be dropped, what an
-interrupt means at this point, when another node's failure ends this one) are made by the pure
-policy :class:`sdpipe_cli.core.supervision.Supervision`, to which :func:`_supervise` hands one
-observation per poll and whose action it carries out; the rules are listed and unit-tested there
-(``tests/unit/test_supervision_policy.py``), and the end-to-end behaviour here
-(``tests/integration/test_supervision.py``).
+Every child is a process of its own (forked from a fork server that imported torch once:
+:mod:`sdpipe_cli.runtime.processes`) with its own log file (``<run>/logs/<rank>.log``,
+``scheduler.log``), pid file and error file. Children run in their own session (a Ctrl-C
+reaches only the launcher, which then stops them in order) and die with the launcher
+(PR_SET_PDEATHSIG), so no process outlives a run. A launch's state is one :class:`Launch`:
+open the run folder and the store (or join the first node's), start the processes, supervise
+them (:class:`~sdpipe_cli.cli.supervisor.Supervisor`), and close, whatever happened.
 """
 
 from __future__ import annotations
@@ -24,10 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,28 +28,13 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.config import trust
 from sdpipe_cli.config.run_file import save_run_config
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.cli.supervisor import (POLL_S, RUNNING, Child, Phase, Supervisor, _Interrupted,
+                                       _quietly, stop_all)
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.model import checkpoint, models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
-from sdpipe_cli.runtime.errors import read_error
 
-GRACE_S = 10.0  # SIGTERM -> SIGKILL
-RUNNING = "running"  # the launch phase after start-up
-POLL_S = 0.1
-
-
-@dataclass
-class Child:
-    name: str  # "scheduler" or the worker's rank
-    role: str  # human description, e.g. "worker rank 3 (pipeline 1, stage 1)"
-    proc: processes.ChildProcess
-    log_path: Path
-    rank: Optional[int] = None  # workers only
-    pipeline: Optional[int] = None  # workers only
-    since: float = 0.0  # when it was started (time.time()): older error files are not its own
-    incarnation: int = 0  # workers: restarts of its pipeline before it
-    log_start: int = 0  # where its output begins in the log (a restarted worker appends)
 
 
 @dataclass(frozen=True)
@@ -318,6 +290,14 @@ class Spawner:
         return spawn(PS, f"ps{stage}", f"parameter server of stage {stage}", self.run_dir, env)
 
 
+def _new_path(path: Path) -> Path:
+    """``path``, or ``path`` with a counter, so that nothing already written is replaced."""
+    candidate, n = path, 1
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
+    return candidate
+
+
 def is_primary(cfg: DictConfig) -> bool:
     """Whether this launcher is the run's first (hosts the store and the scheduler, owns the run
     folder): always, unless the cluster is real nodes and this is not the first."""
@@ -345,382 +325,119 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     ``on_folder(run_dir)`` is called once the run folder exists, before any process starts;
     ``on_phase(what)`` at each step of the start-up (for a status line).
     """
-    run = RunPlan.of(cfg)
-    primary = is_primary(cfg)
-    children: list[Child] = []
-    started = time.monotonic()
-    result = RunResult(Path(cfg.run.dir) if resume is not None and not fresh else None, 0)
-    phase = Phase("starting the store" if primary else
-                   f"waiting for the first node's store at {store_host(cfg)}:{cfg.run.port}",
-                  on_phase)
-    events = None
-    previous = phase.install()
+    state = Launch(cfg, job, resume, fresh, on_progress, on_phase)
+    previous = state.phase.install()
     try:
-        if primary:
-            master = start_store(cfg)  # first: a busy port must fail before anything is written
-            phase.advance("writing the run folder")
-            events, run_dir, config_path, launched = _open_run(cfg, run, master, result, run_dir,
-                                                               resume, elapsed, fresh)
-        else:
-            master, events, run_dir, config_path, resume = _join(cfg, run, phase)
-            result.run_dir = run_dir
-            launched = float(events.get(store.T0))
+        state.open(run_dir, elapsed)
+        on_folder(state.run_dir)  # the user can look at the logs from here on
+        state.start()
+        state.supervise()
+    except _Interrupted:
+        state.interrupted()
+    finally:
+        state.close(previous)
+    return state.result
 
-        on_folder(run_dir)  # the user can look at the logs from here on
-        phase.advance("starting the processes")
-        spawner = Spawner(job, run, run_dir)
-        spawner.base = _environment(cfg, run.workers + spawner.servers, run_dir, master.port,
-                                    config_path, resume)
+
+class Launch:
+    """One launch: its config and plan, whether this launcher is the run's first, the store,
+    the run folder, the children, the interrupts (:class:`~sdpipe_cli.cli.supervisor.Phase`)
+    and the result, which every step fills in."""
+
+    def __init__(self, cfg: DictConfig, job: Job, resume: Optional[Path], fresh: bool,
+                 on_progress: Callable[[dict], None], on_phase: Callable[[str], None]):
+        self.cfg, self.job, self.resume, self.fresh = cfg, job, resume, fresh
+        self.on_progress = on_progress
+        self.run = RunPlan.of(cfg)
+        self.primary = is_primary(cfg)
+        self.children: list[Child] = []
+        self.started = time.monotonic()
+        self.result = RunResult(Path(cfg.run.dir) if resume is not None and not fresh else None, 0)
+        self.phase = Phase("starting the store" if self.primary else
+                           f"waiting for the first node's store at {store_host(cfg)}:"
+                           f"{cfg.run.port}", on_phase)
+        self.events = self.master = self.run_dir = self.config_path = None
+        self.launched = 0.0
+
+    def open(self, run_dir: Optional[Path], elapsed: float) -> None:
+        """The store and the run folder: hosted and written here, or the first node's joined."""
+        cfg = self.cfg
+        if self.primary:
+            self.master = start_store(cfg)  # first: a busy port must fail before anything is written
+            self.phase.advance("writing the run folder")
+            self.events, self.run_dir, self.config_path, self.launched = _open_run(
+                cfg, self.run, self.master, self.result, run_dir, self.resume, elapsed, self.fresh)
+        else:
+            self.master, self.events, self.run_dir, self.config_path, self.resume = _join(
+                cfg, self.run, self.phase)
+            self.result.run_dir = self.run_dir
+            self.launched = float(self.events.get(store.T0))
+
+    def start(self) -> None:
+        """Every process of this node: the scheduler and servers on the first, then the workers."""
+        cfg, job, run, primary = self.cfg, self.job, self.run, self.primary
+        self.phase.advance("starting the processes")
+        self.spawner = spawner = Spawner(job, run, self.run_dir)
+        spawner.base = _environment(cfg, run.workers + spawner.servers, self.run_dir,
+                                    self.master.port, self.config_path, self.resume)
         helpers = [SCHEDULER] if job.helpers and primary else []
         helpers += [PS] if spawner.servers and primary else []
         processes.preload([job.worker, *helpers, *models.imports(cfg.model)], spawner.base)
         if job.helpers and primary:
-            children.append(spawner.scheduler())
+            self.children.append(spawner.scheduler())
         for rank in run.ranks_on(cfg.run.node):
-            children.append(spawner.worker(rank))
-            phase.check()
+            self.children.append(spawner.worker(rank))
+            self.phase.check()
         for stage in range(spawner.servers if primary else 0):
-            children.append(spawner.server(stage))
+            self.children.append(spawner.server(stage))
 
-        phase.advance("waiting for the workers to join")
+    def supervise(self) -> None:
+        """Until every child is done, or the first failure; the result's code and failure."""
+        cfg, job, result = self.cfg, self.job, self.result
+        self.phase.advance("waiting for the workers to join")
         tolerate = job.helpers and cfg.fault.on_pipeline_loss in ("continue", "restart")
         restarts = (supervision.Restarts(cfg.fault.max_restarts, cfg.fault.restart_backoff)
                     if tolerate and cfg.fault.on_pipeline_loss == "restart" else None)
-        result.failure, interrupted, result.bad_input = _supervise(children, run_dir, events, on_progress, launched,
-                                                 tolerate, graceful=job.graceful,
-                                                 workers=run.workers, phase=phase, restarts=restarts,
-                                                 restart=spawner.pipeline, pipelines=run.pipelines,
-                                                 restart_scheduler=spawner.scheduler,
-                                                 # a stranded worker gives up at run.timeout;
-                                                 # 10 s at least for a slow teardown (NCCL)
-                                                 stranded_s=max(10.0, min(supervision.STRANDED_S,
-                                                                          cfg.run.timeout / 2)))
-        result.returncode = (2 if result.bad_input else 1) if result.failure else \
-            130 if interrupted else 0
+        supervisor = Supervisor(
+            self.children, self.run_dir, self.events, self.on_progress, self.launched, tolerate,
+            graceful=job.graceful, workers=self.run.workers, phase=self.phase,
+            restarts=restarts, restart=self.spawner.pipeline, pipelines=self.run.pipelines,
+            restart_scheduler=self.spawner.scheduler,
+            # a stranded worker gives up at run.timeout; 10 s at least for a slow teardown (NCCL)
+            stranded_s=max(10.0, min(supervision.STRANDED_S, cfg.run.timeout / 2)))
+        result.failure, interrupted, result.bad_input = supervisor.run()
+        result.returncode = ((2 if result.bad_input else 1) if result.failure
+                             else 130 if interrupted else 0)
         result.interrupted = interrupted
         if interrupted and not result.failure:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
-    except _Interrupted:
+
+    def interrupted(self) -> None:
+        """A stop at once (:class:`~sdpipe_cli.cli.supervisor._Interrupted`): what to say."""
+        result = self.result
         result.interrupted = True
-        if phase.now == RUNNING:
-            twice = "interrupted twice" if job.graceful else "interrupted"
+        if self.phase.now == RUNNING:
+            twice = "interrupted twice" if self.job.graceful else "interrupted"
             result.failure = f"{twice}; all processes stopped"
         else:
-            result.failure = f"interrupted while {phase.now}; every started process stopped"
+            result.failure = f"interrupted while {self.phase.now}; every started process stopped"
         result.returncode = 130
-    finally:
-        stop_all(children)  # further interrupts are only counted: stopping is bounded
-        if result.run_dir is not None and primary and children:
+
+    def close(self, previous: dict) -> None:
+        """Whatever happened: stop every child, remove saves cut short, restore the signal
+        handlers, merge the trace and read the last progress."""
+        result = self.result
+        stop_all(self.children)  # further interrupts are only counted: stopping is bounded
+        if result.run_dir is not None and self.primary and self.children:
             for staging in checkpoint.discard_staging(result.run_dir):  # saves cut short
                 print(f"sdpipe: warning: removed {staging}: a checkpoint save that did not "
                       "complete", file=sys.stderr, flush=True)
-        phase.restore(previous)
-        if cfg.run.trace and result.run_dir is not None and primary:
+        self.phase.restore(previous)
+        if self.cfg.run.trace and result.run_dir is not None and self.primary:
             result.trace = _quietly(lambda: trace.merge(result.run_dir))
-        if events is not None:
+        if self.events is not None:
             try:
-                result.progress = _quietly(lambda: store.read_progress(events, {})) or {}
+                result.progress = _quietly(lambda: store.read_progress(self.events, {})) or {}
             except protocol.ProtocolError:  # supervision has failed the run for it already
                 result.progress = {}
-        result.wall_s = time.monotonic() - started
-    return result
-
-
-class _Interrupted(Exception):
-    """Raised by the launcher itself, at a point it chose, to stop at once."""
-
-
-class Phase:
-    """Where a launch is (for the line an interrupt prints) and the interrupts that came.
-
-    Ctrl-C and SIGTERM are only counted by the signal handler; the launcher acts on them at points
-    it chooses. An exception raised from a handler lands anywhere, and one raised inside a fork
-    handler (logging's, while a child is being spawned) is swallowed, which loses the interrupt.
-    Start-up phases stop at the first interrupt; from :data:`RUNNING` (every worker started) the
-    first asks for a graceful stop and the second stops at once (during supervision that decision
-    is :class:`~sdpipe_cli.core.supervision.Supervision`'s, which also says when start-up is over).
-    """
-
-    def __init__(self, now: str, on_change: Callable[[str], None] = lambda _: None):
-        self.now, self.signals, self.on_change = now, 0, on_change
-        on_change(now)
-
-    def __call__(self, signum, frame) -> None:
-        self.signals += 1
-
-    def install(self) -> dict:
-        """Count SIGINT and SIGTERM (main thread only); returns the handlers to restore."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def restore(self, previous: dict) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    def check(self) -> None:
-        """During start-up: stop if an interrupt came."""
-        if self.signals:
-            raise _Interrupted
-
-    def advance(self, now: str) -> None:
-        self.check()
-        self.now = now
-        self.on_change(now)
-
-
-def _new_path(path: Path) -> Path:
-    """``path``, or ``path`` with a counter, so that nothing already written is replaced."""
-    candidate, n = path, 1
-    while candidate.exists():
-        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
-    return candidate
-
-
-def _supervise(children: list[Child], run_dir: Path, events, on_progress,
-               since: float = 0.0, tolerate: bool = False, graceful: bool = True,
-               workers: int = 0, phase: Optional[Phase] = None,
-               restarts: Optional[supervision.Restarts] = None,
-               restart: Callable[[int, Callable[[int, int], None]], list[Child]] = lambda p, a: [],
-               pipelines: int = 0, stranded_s: float = supervision.STRANDED_S,
-               restart_scheduler: Optional[Callable[[int], Child]] = None
-               ) -> tuple[Optional[str], bool, bool]:
-    """Wait for every child: (the first failure's description or None, whether interrupted,
-    whether that failure was bad input a child found, such as a damaged checkpoint shard).
-
-    The mechanism only: each poll becomes a :class:`~sdpipe_cli.core.supervision.Observation`,
-    and the :class:`~sdpipe_cli.core.supervision.Supervision` policy says what to do (its module
-    has the rules: graceful and immediate stops, ``fault.on_pipeline_loss=continue`` with
-    ``tolerate``, another node's failure, which failure to name). A stop at once raises
-    :class:`_Interrupted` and the caller stops everything. The policy's view of start-up (all
-    ``workers`` started) is copied to ``phase``, whose name the caller's message uses.
-    ``restart(pipeline)`` starts a lost pipeline's workers again (``restarts``: the budget, which
-    the nodes' launchers share through the store's :data:`~sdpipe_cli.runtime.store.RESTARTS`
-    count); ``pipelines``: how many the run has, on every node; ``stranded_s``: see
-    :data:`~sdpipe_cli.core.supervision.STRANDED_S`.
-    """
-    phase = phase or Phase(RUNNING)
-    policy = supervision.Supervision(workers=workers, tolerate=tolerate, graceful=graceful,
-                                     started=phase.now == RUNNING, restarts=restarts,
-                                     pipelines=pipelines, stranded_s=stranded_s)
-    by_name = {c.name: c for c in children}
-    error_times: dict[str, Optional[float]] = {}
-    scheduler_restarts = 0
-    pauses = Pauses()
-    while True:
-        pauses.tick()
-        seen = _observe(children, run_dir, events, phase, since, error_times, tolerate,
-                        restarts.used if restarts else None)
-        action = policy.decide(seen)
-        if policy.started:
-            phase.now = RUNNING
-        if isinstance(action, supervision.Wait):
-            if seen.progress:
-                on_progress(seen.progress)
-            time.sleep(POLL_S)
-        elif isinstance(action, supervision.RequestStop):
-            events.set(store.STOP_REQUESTED, "1")
-        elif isinstance(action, supervision.DropPipelines):
-            again = action.restart or (False,) * len(action.lost)
-            for (pipeline, name), again in zip(action.lost, again):
-                _lose_pipeline(by_name[name], pipeline, children, run_dir, events, since, again)
-                if again:
-                    _quietly(lambda: events.add(store.RESTARTS, 1))
-        elif isinstance(action, supervision.Respawn):
-            fresh = restart(action.pipeline, lambda rank, incarnation: _announce_restart(
-                action, rank, incarnation, events, since, restarts.limit if restarts else 0))
-            children[:] = [c for c in children if c.pipeline != action.pipeline] + fresh
-            by_name.update((c.name, c) for c in fresh)
-            for c in fresh:
-                error_times.pop(c.name, None)  # a new process: its own error file, when it fails
-        elif isinstance(action, supervision.RespawnScheduler) and restart_scheduler is not None:
-            dead = by_name["scheduler"]
-            print(f"sdpipe: warning: the scheduler {supervision.ending(dead.proc.returncode)}; "
-                  f"starting it again (restart {action.restart} of "
-                  f"{restarts.limit if restarts else 0}); it replays its journal",
-                  file=sys.stderr, flush=True)
-            scheduler_restarts += 1
-            fresh = restart_scheduler(scheduler_restarts)
-            children[:] = [c if c is not dead else fresh for c in children]
-            by_name["scheduler"] = fresh
-            error_times.pop("scheduler", None)
-        elif isinstance(action, supervision.Kill):
-            for name in action.names:
-                print(f"sdpipe: warning: {by_name[name].role} is hung (silent past "
-                      "run.heartbeat_timeout); killing it", file=sys.stderr, flush=True)
-                _signal(by_name[name], signal.SIGKILL)
-        elif isinstance(action, supervision.StopNow):
-            raise _Interrupted
-        elif isinstance(action, supervision.Finished):
-            return None, action.interrupted, False
-        elif isinstance(action, supervision.Failed):
-            reason = pauses.explain(describe_failure(by_name[action.child], run_dir, since))
-            err = _error_since(run_dir, action.child, max(since, by_name[action.child].since))
-            _quietly(lambda: events.compare_set(store.FAILED, "", reason))  # tell other nodes
-            return reason, action.interrupted, bool(err and err.get("bad_input"))
-        elif isinstance(action, supervision.Broken):
-            _quietly(lambda: events.compare_set(store.FAILED, "", action.reason))
-            return action.reason, action.interrupted, False
-        else:
-            assert isinstance(action, supervision.FailedElsewhere), action
-            return f"another node failed: {action.reason}", action.interrupted, False
-
-
-class Pauses:
-    """The launcher's own stops (Ctrl-Z, SIGSTOP, a suspended machine), seen as gaps between its
-    polls. The store lives in the launcher: while it is stopped no rendezvous or collective is
-    answered, the workers give up after ``run.timeout``, and the first failure then names a
-    worker's gloo error. A failure after a long pause says that the pause came first."""
-
-    LONG_S = 10.0  # a gap between polls this long is no slow poll
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock, self.last, self.longest = clock, None, 0.0
-
-    def tick(self) -> None:
-        now = self.clock()
-        if self.last is not None:
-            self.longest = max(self.longest, now - self.last)
-        self.last = now
-
-    def explain(self, reason: str) -> str:
-        if self.longest < self.LONG_S:
-            return reason
-        return (f"the launcher itself was stopped for {self.longest:.0f} s (Ctrl-Z, SIGSTOP, a "
-                "suspended machine?), and with it the store every process waits on; then: " + reason)
-
-
-def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: float,
-             error_times: dict[str, Optional[float]], tolerate: bool = False,
-             restarted: Optional[int] = None) -> supervision.Observation:
-    """One poll. The interrupts are counted first, so that what is read after them is at least as
-    recent (a Ctrl-C right after the last worker started finds it started); then the children,
-    then the store. A failed child's error file is read once, when its exit is first seen: the
-    child writes it before it exits. Hung workers are read only where a loss is tolerated
-    (``tolerate``), the restart count only with a restart budget (``restarted``: the pipeline
-    restarts this launcher made; the rest of the store's count are other nodes')."""
-    signals = phase.signals
-    states = []
-    for c in children:
-        rc = c.proc.poll()
-        if rc not in (None, 0) and c.name not in error_times:
-            err = _error_since(run_dir, c.name, max(since, c.since))
-            error_times[c.name] = err["time"] if err else None
-        states.append(supervision.ChildState(c.name, c.pipeline, rc, error_times.get(c.name)))
-    elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
-    malformed = None
-    try:
-        hung = set((_quietly(lambda: store.read(events, store.HUNG, protocol.Hung))
-                    or protocol.Hung([])).ranks if tolerate else [])
-        progress = _quietly(lambda: store.read_progress(events))
-    except protocol.ProtocolError as err:
-        malformed, hung, progress = str(err), set(), None
-    elsewhere_restarts = 0
-    if restarted is not None:
-        elsewhere_restarts = max(0, (_quietly(lambda: events.add(store.RESTARTS, 0)) or 0) - restarted)
-    return supervision.Observation(
-        now=time.monotonic(), children=tuple(states), signals=signals, progress=progress,
-        elsewhere=elsewhere.decode(errors="replace") if elsewhere else None,
-        hung=tuple(c.name for c in children if (c.rank, c.incarnation) in hung),
-        restarts_elsewhere=elsewhere_restarts, malformed=malformed)
-
-
-def _quietly(read: Callable[[], Any]) -> Any:
-    """A store access that may fail once the first node's launcher (the store) is gone. A value
-    that is there but malformed is not such a failure: its
-    :class:`~sdpipe_cli.runtime.protocol.ProtocolError` goes through."""
-    try:
-        return read()
-    except protocol.ProtocolError:
-        raise
-    except Exception:  # noqa: BLE001 - c10d raises several types for a closed store
-        return None
-
-
-def _lose_pipeline(failed: Child, pipeline: int, children: list[Child], run_dir: Path, events,
-                   since: float, restart: bool = False) -> None:
-    """Stop every worker of ``pipeline``, which ``failed`` cost, and tell the scheduler to drop it
-    (``restart``: until its new workers rejoin)."""
-    mates = [c for c in children if c.pipeline == pipeline]
-    stop_all(mates)
-    reason = describe_failure(failed, run_dir, since)
-    store.push(events, store.EVENTS, protocol.Lost(failed.rank, pipeline, reason, restart,
-                                                   round(time.time() - since, 4)))
-    then = "it will be restarted" if restart else "the others go on"
-    print(f"sdpipe: warning: pipeline {pipeline} lost, {then}: {reason}",
-          file=sys.stderr, flush=True)
-
-
-def _announce_restart(action: supervision.Respawn, rank: int, incarnation: int, events,
-                      since: float, limit: int) -> None:
-    """Tell the scheduler (and the user) that a lost pipeline's workers are started again."""
-    store.push(events, store.EVENTS, protocol.Restart(
-        rank, action.pipeline, incarnation, action.restart, action.backoff_s,
-        round(time.time() - since, 4)))
-    print(f"sdpipe: pipeline {action.pipeline} restarted (restart {action.restart} of {limit})",
-          file=sys.stderr, flush=True)
-
-
-def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:
-    """The child's error file, unless it is left over from an earlier leg of a resumed run."""
-    err = read_error(run_dir, name)
-    return err if err and err.get("time", 0) >= since else None
-
-
-def describe_failure(child: Child, run_dir: Path, since: float = 0.0) -> str:
-    """One line for the user: who (role), how it ended, its error message (else its log's last
-    lines), and where its log is."""
-    err = _error_since(run_dir, child.name, max(since, child.since))
-    detail = err["message"] if err else _tail(child.log_path, 5, child.log_start)
-    full = _disk_full(run_dir)
-    if full and not err:  # it could write neither its error file nor its log: say why
-        detail = f"{full} ({detail})"
-    return f"{child.role} {supervision.ending(child.proc.returncode)}: {detail} (log: {child.log_path})"
-
-
-FULL_BYTES = 1 << 20  # a disk with less free than this cannot take a log line or a metrics record
-
-
-def _disk_full(run_dir: Path) -> str:
-    """What to say when the run folder's file system is full ('' when it is not): a child that
-    fails there usually fails writing, and can record nothing."""
-    try:
-        usage = shutil.disk_usage(run_dir)
-    except OSError:
-        return ""
-    return (f"the disk holding {run_dir} is full ({usage.free:,} bytes free): free space and "
-            "resume from the latest checkpoint") if usage.free < FULL_BYTES else ""
-
-
-def _tail(path: Path, lines: int, start: int = 0) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            text = f.read().decode(errors="replace").strip().splitlines()
-    except OSError:
-        return "no log"
-    return " | ".join(text[-lines:]) if text else "no output"
-
-
-def stop_all(children: list[Child], grace: float = GRACE_S) -> None:
-    """SIGTERM every live child, wait up to ``grace`` seconds, then SIGKILL the rest."""
-    live = [c for c in children if c.proc.poll() is None]
-    for c in live:
-        _signal(c, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for c in live:
-        try:
-            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal(c, signal.SIGKILL)
-            c.proc.wait()
-
-
-def _signal(child: Child, sig: int) -> None:
-    try:
-        os.killpg(child.proc.pid, sig)  # the child's whole session, helpers included
-    except ProcessLookupError:
-        try:  # a forked child a moment old may not have its own session yet
-            os.kill(child.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        result.wall_s = time.monotonic() - self.started

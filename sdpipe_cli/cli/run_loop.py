@@ -129,7 +129,7 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
     """
     import time
 
-    from sdpipe_cli.cli import launcher
+    from sdpipe_cli.cli import supervisor
     from sdpipe_cli.model import checkpoint
     from sdpipe_cli.runtime.metrics import MetricsLog
 
@@ -161,7 +161,7 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
                    "redone": redone, "backoff_s": wait})
     finally:
         log.close()
-    phase = launcher.Phase("waiting to restart")  # counts Ctrl-C and SIGTERM while nothing runs
+    phase = supervisor.Phase("waiting to restart")  # counts Ctrl-C and SIGTERM while nothing runs
     previous = phase.install()
     try:
         deadline = time.monotonic() + wait

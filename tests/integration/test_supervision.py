@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import (REPO, finish, free_port, listening_only_on_loopback, metrics, run_processes,
                            sdpipe_popen, wait_for, worker_process, worker_processes)
-from sdpipe_cli.cli import launcher
+from sdpipe_cli.cli import launcher, supervisor
 from sdpipe_cli.model import checkpoint
 
 pytestmark = pytest.mark.multiprocess
@@ -70,10 +70,10 @@ def test_first_error_is_reported_and_the_rest_are_stopped(tmp_path, monkeypatch,
     children = [sleeper, crash]
     try:
         assert len(run_processes(run_dir)) == 2  # each child's pid is in logs/<name>.pid
-        failure, interrupted, bad_input = launcher._supervise(children, run_dir, _NoStore(),
-                                                              lambda _: None)
+        failure, interrupted, bad_input = supervisor.Supervisor(children, run_dir, _NoStore(),
+                                                                lambda _: None).run()
     finally:
-        launcher.stop_all(children, grace=5)
+        supervisor.stop_all(children, grace=5)
     assert not interrupted and not bad_input
     assert failure.startswith("worker rank 1 (pipeline 0, stage 1) exited with code 1: "
                               "RuntimeError: deliberate failure on rank 1")

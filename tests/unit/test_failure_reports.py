@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sdpipe_cli.cli import launcher
+from sdpipe_cli.cli import supervisor
 
 
 @pytest.fixture
@@ -39,11 +39,11 @@ def full_disk(tmp_path):
 def _exited_silently(run_dir):
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     proc.wait(30)
-    return launcher.Child("scheduler", "scheduler", proc, run_dir / "logs" / "scheduler.log")
+    return supervisor.Child("scheduler", "scheduler", proc, run_dir / "logs" / "scheduler.log")
 
 
 def test_a_child_that_failed_silently_on_a_full_disk_is_said_to_have(full_disk):
-    line = launcher.describe_failure(_exited_silently(full_disk), full_disk)
+    line = supervisor.describe_failure(_exited_silently(full_disk), full_disk)
     assert line.startswith("scheduler exited with code 1: the disk holding ")
     assert "is full" in line and "resume from the latest checkpoint" in line and "no output" in line
 
@@ -51,13 +51,13 @@ def test_a_child_that_failed_silently_on_a_full_disk_is_said_to_have(full_disk):
 def test_elsewhere_it_says_only_what_the_log_says(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "scheduler.log").write_text("")
-    line = launcher.describe_failure(_exited_silently(tmp_path), tmp_path)
+    line = supervisor.describe_failure(_exited_silently(tmp_path), tmp_path)
     assert line.startswith("scheduler exited with code 1: no output") and "full" not in line
 
 
 def test_a_failure_after_the_launcher_was_stopped_says_so_first():
     now = [0.0]
-    pauses = launcher.Pauses(clock=lambda: now[0])
+    pauses = supervisor.Pauses(clock=lambda: now[0])
     for step in (0.1, 0.2, 1.5, 0.1):  # polls, one slow
         now[0] += step
         pauses.tick()
