@@ -32,7 +32,8 @@ from sdpipe_cli.cli.supervisor import (POLL_S, RUNNING, Child, Phase, Supervisor
                                        _quietly, stop_all)
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.model import checkpoint, models
+from sdpipe_cli import checkpoint
+from sdpipe_cli.model import models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
 
 

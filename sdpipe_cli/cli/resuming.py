@@ -5,7 +5,7 @@ A resumed run keeps the saved config except where the user changes it, and may c
 what the saved state does not depend on (:data:`RESUMABLE`), plus the layout: where the run
 runs (``cluster=NAME``, any ``cluster.*`` key, ``profile``) and how the model is split
 (``cluster.pipelines``, ``pipeline.stages``, ``pipeline.partition``). A new layout is resumed
-from a checkpoint written for it (:mod:`sdpipe_cli.training.reshard`); the run's budget in
+from a checkpoint written for it (:mod:`sdpipe_cli.training.reshard_checkpoint`); the run's budget in
 samples stays as it was unless ``train.steps`` is given too.
 
 A leg goes on in the checkpoint's own run folder, held against other launchers
@@ -75,8 +75,8 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
     folder that happens to hold the checkpoint. Code the saved config names runs only if a run
     of this user's sealed it, or the user ``trusted`` it (:mod:`~sdpipe_cli.config.trust`)."""
     from sdpipe_cli.cli import preparing
-    from sdpipe_cli.model import checkpoint
-    from sdpipe_cli.training import reshard
+    from sdpipe_cli import checkpoint
+    from sdpipe_cli.training import reshard_checkpoint as reshard
 
     path = str(Path(path).absolute())  # "." names a folder too
     ckpt = checkpoint.resolve(path)
@@ -149,7 +149,7 @@ def _beside(ckpt: Path) -> Path:
         raise ConfigError("run.dir", f"{ckpt} lies in {ckpt.parent.parent} but is not that run's "
                           "checkpoint (it carries another run's id): resume it into a new folder "
                           "with run.dir=NEW")
-    from sdpipe_cli.model import checkpoint
+    from sdpipe_cli import checkpoint
 
     folder = ckpt.with_name(f"{ckpt.name}-resumed")
     return checkpoint.free_name(folder, "") if folder.exists() else folder
@@ -159,7 +159,7 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
                steps_given: bool, console: Console, destination, fresh: bool) -> Leg:
     """``old``: the checkpoint's own (prepared) config; ``new``: the next leg's."""
     from sdpipe_cli.cli import preparing
-    from sdpipe_cli.training import reshard
+    from sdpipe_cli.training import reshard_checkpoint as reshard
 
     plan = reshard.plan_for(ckpt, manifest, old, new,
                             int(new.train.steps) if steps_given else None)
@@ -236,7 +236,7 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
 def restart_points(run_dir: Path, cfg: DictConfig, started_from: Path | None) -> list[Path]:
     """The checkpoints a failed leg of ``cfg`` may start again from, newest first: the run's own
     of this layout, and the one the leg started from (a resharded one lies apart)."""
-    from sdpipe_cli.model import checkpoint
+    from sdpipe_cli import checkpoint
 
     found = checkpoint.complete_checkpoints(run_dir)
     if started_from is not None and started_from not in found:

@@ -130,7 +130,7 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
     import time
 
     from sdpipe_cli.cli import supervisor
-    from sdpipe_cli.model import checkpoint
+    from sdpipe_cli import checkpoint
     from sdpipe_cli.runtime.metrics import MetricsLog
 
     wait = restarts.take("run", time.monotonic())

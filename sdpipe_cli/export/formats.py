@@ -42,7 +42,8 @@ from sdpipe_cli.config.saved import typed
 from sdpipe_cli.data.sources import CORPORA
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.export.weights import Merged, Source, by_block
-from sdpipe_cli.model import checkpoint, models
+from sdpipe_cli import checkpoint
+from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError
 
 __all__ = ["FORMATS", "Export", "default_format", "load", "write"]

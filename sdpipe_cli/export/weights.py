@@ -36,7 +36,8 @@ from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.placement import Grid
-from sdpipe_cli.model import checkpoint, models
+from sdpipe_cli import checkpoint
+from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError
 
 __all__ = ["Merged", "Source", "check_pipeline", "find", "merge"]

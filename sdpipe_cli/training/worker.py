@@ -42,7 +42,8 @@ from sdpipe_cli.training.busy import BusyTime
 from sdpipe_cli.training.tied import TiedCopies
 from sdpipe_cli.data import sources
 from sdpipe_cli.data.feed import Feed
-from sdpipe_cli.model import checkpoint, models, optim
+from sdpipe_cli import checkpoint
+from sdpipe_cli.model import models, optim
 
 __all__ = ["Worker", "param_digest"]
 

@@ -218,7 +218,7 @@ def apart(tmp_path_factory):
 
 
 def test_replicas_that_differ_are_averaged_and_their_distance_reported(apart, tmp_path):
-    from sdpipe_cli.model import checkpoint
+    from sdpipe_cli import checkpoint
 
     out = sdpipe("export", str(apart), "--out", str(tmp_path / "mean"))
     assert out.returncode == 0, out.stderr[-3000:]

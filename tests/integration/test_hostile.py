@@ -27,7 +27,7 @@ import torch
 import yaml
 import torch.distributed as dist
 
-from sdpipe_cli.model import checkpoint as ck
+from sdpipe_cli import checkpoint as ck
 from sdpipe_cli.runtime import store
 from tests.helpers import (finish, free_port, kill_leftovers, metrics, one_error_line,
                            run_processes, sdpipe, sdpipe_popen, training_lines, wait_for)

@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import (REPO, finish, free_port, listening_only_on_loopback, metrics, run_processes,
                            sdpipe_popen, wait_for, worker_process, worker_processes)
 from sdpipe_cli.cli import launcher, supervisor
-from sdpipe_cli.model import checkpoint
+from sdpipe_cli import checkpoint
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from sdpipe_cli.model import checkpoint as ck
-from sdpipe_cli.model.checkpoint import CheckpointError
+from sdpipe_cli import checkpoint as ck
+from sdpipe_cli.runtime.errors import CheckpointError
 
 NAMES = ["0", "1", "scheduler"]
 
@@ -441,7 +441,7 @@ def test_a_checkpoint_is_its_runs_own_only_in_place_and_with_the_runs_id(tmp_pat
 
 def test_a_manifest_nested_past_the_parser_is_a_checkpoint_error(tmp_path):
     (tmp_path / ck.MANIFEST).write_text('{"step": 1, "files": {}, "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
-    with pytest.raises(ck.CheckpointError, match="nests too deeply"):
+    with pytest.raises(CheckpointError, match="nests too deeply"):
         ck.read_manifest(tmp_path)
 
 

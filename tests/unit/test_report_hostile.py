@@ -9,7 +9,7 @@ import re
 import pytest
 
 from sdpipe_cli.cli import parsing, report
-from sdpipe_cli.model import checkpoint
+from sdpipe_cli import checkpoint
 from sdpipe_cli.runtime import analysis
 from sdpipe_cli.runtime.errors import CheckpointError
 

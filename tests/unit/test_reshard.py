@@ -1,4 +1,4 @@
-"""Resharding's decisions (:mod:`sdpipe_cli.core.reshard`): which old stage each new stage's
+"""Resharding's decisions (:mod:`sdpipe_cli.core.reshard_plan`): which old stage each new stage's
 blocks come from, the iterations and budget of the new layout, and where its data streams start
 (no sample read twice in an epoch; none skipped when the old pipelines stood together)."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli.core.reshard import Layout, data_position, pieces, plan
+from sdpipe_cli.core.reshard_plan import Layout, data_position, pieces, plan
 from sdpipe_cli.data.sampling import Order
 
 

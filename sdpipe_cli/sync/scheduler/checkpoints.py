@@ -10,7 +10,7 @@ and a resume restarts that pipeline too. Lock-step modes count checkpoints the s
 iterations of an average pipeline.
 
 Kept apart from the event handling (:mod:`.handling`) so that the cadence and the completeness
-rule are read in one place; the files themselves are :mod:`sdpipe_cli.model.checkpoint`'s.
+rule are read in one place; the files themselves are :mod:`sdpipe_cli.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision
 from sdpipe_cli.core.meetings import Meetings
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.model import checkpoint
+from sdpipe_cli import checkpoint
 
 __all__ = ["Checkpoints"]
 

@@ -25,7 +25,7 @@ from sdpipe_cli.core.grouping import Decision, make_policy
 from sdpipe_cli.core.meetings import meetings_of
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.model import checkpoint
+from sdpipe_cli import checkpoint
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
 from sdpipe_cli.runtime.stragglers import StragglerWatch

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.model import checkpoint
+from sdpipe_cli import checkpoint
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import strict_json

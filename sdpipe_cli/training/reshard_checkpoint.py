@@ -1,5 +1,5 @@
 """Write a checkpoint's state out again for another layout (P, S, the partition): the tensors'
-side of :mod:`sdpipe_cli.core.reshard`, which decides where everything goes.
+side of :mod:`sdpipe_cli.core.reshard_plan`, which decides where everything goes.
 
 A worker's shard (:meth:`~sdpipe_cli.training.worker.Worker.save`) holds its stage's blocks under
 the stage's own names (``"0.attn.weight"`` is the stage's first block), the optimizer's state by
@@ -24,9 +24,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from sdpipe_cli.core import reshard
+from sdpipe_cli.core import reshard_plan as reshard
 from sdpipe_cli.core.placement import Grid
-from sdpipe_cli.model import checkpoint, models
+from sdpipe_cli import checkpoint
+from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError
 from sdpipe_cli.sync.strategies import strategy_class
 

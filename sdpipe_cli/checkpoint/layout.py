@@ -1,0 +1,97 @@
+"""Where a run's checkpoints live and what their files are called: the one place for the names.
+
+``<run>/checkpoints/step_<N>/`` holds a finalized checkpoint (its ``manifest.json`` names every
+file with its SHA-256), ``.staging-step_<N>/`` one being written, ``.deleting-step_<N>/`` one
+being pruned; ``<run>/final/`` the weights each replica writes at the end of a run. Pure paths
+and hashing: nothing here reads a shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+MANIFEST = "manifest.json"
+STAGING_PREFIX = ".staging-"
+DELETING_PREFIX = ".deleting-"  # a pruned checkpoint is renamed to this first, then removed
+STEP_DIR = re.compile(r"step_(\d+)")
+FINAL = "final"  # <run>/final/: each replica's weights at the end of the run
+_CHUNK = 1 << 20
+
+
+def checkpoints_dir(run_dir: os.PathLike | str) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def staging_dir(run_dir: os.PathLike | str, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"{STAGING_PREFIX}step_{step}"
+
+
+def final_dir(run_dir: os.PathLike | str, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step}"
+
+
+def run_dir_of(ckpt_dir: os.PathLike | str) -> Path:
+    return Path(ckpt_dir).parent.parent
+
+
+def home_of(ckpt_dir: os.PathLike | str, manifest: Mapping[str, Any]) -> Path | None:
+    """The run folder whose own checkpoint ``ckpt_dir`` is, or None for one that lies elsewhere
+    (copied out of its run, or into another run's folder): a resume must then not write into the
+    folder that happens to hold it.
+
+    A run's checkpoints lie in ``<run>/checkpoints/`` (and resharded ones in ``<run>/resharded/``),
+    and ``<run>/config.yaml`` carries the run's id, as every checkpoint's config does. A
+    checkpoint written before runs had ids is taken as its run's by its place alone."""
+    ckpt_dir = Path(ckpt_dir)
+    run = run_dir_of(ckpt_dir)
+    if ckpt_dir.parent.name not in ("checkpoints", "resharded") or not (run / "config.yaml").is_file():
+        return None
+    config = manifest.get("config") if isinstance(manifest.get("config"), Mapping) else {}
+    run_section = config.get("run") if isinstance(config.get("run"), Mapping) else {}
+    wanted = run_section.get("id")
+    if wanted is None:
+        return run
+    from omegaconf import OmegaConf
+
+    from sdpipe_cli.config import yaml_bounds
+
+    yaml_bounds.check_file(run / "config.yaml", "the checkpoint's run folder")
+    try:  # read as data: no interpolation is resolved
+        saved = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=False)
+        found = saved["run"]["id"]
+    except Exception:  # noqa: BLE001 - an unreadable config.yaml is not this checkpoint's run
+        return None
+    return run if found == wanted else None
+
+
+def shard_name(name: str) -> str:
+    """The file of shard ``name``: ``"3"`` -> ``"3.pt"``. Hidden names are kept for temp files."""
+    if not name or name.startswith(".") or "/" in name or os.sep in name:
+        raise ValueError(f"invalid shard name {name!r}")
+    return f"{name}.pt"
+
+
+def free_name(path: Path, suffix: str) -> Path:
+    """``path`` with ``suffix-N`` added, the first N that names nothing yet."""
+    n = 1
+    while path.with_name(f"{path.name}{suffix}-{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}{suffix}-{n}")
+
+
+def final_name(pipeline: int, stage: int) -> str:
+    """The shard name of a replica's weights at the end of the run: ``final/p<P>-s<S>.pt``."""
+    return f"p{pipeline}-s{stage}"
+
+
+def sha256(path: Path) -> str:
+    """The hex SHA-256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
