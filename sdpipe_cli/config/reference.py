@@ -231,6 +231,8 @@ def _groups_section(config_root: Optional[Path]) -> list[str]:
             values = OmegaConf.load(path)
             sets = []
             for k, v in values.items():
+                if k == "defaults":  # Hydra's list: a sync mode's file extends its schema
+                    continue
                 if OmegaConf.is_config(v):
                     sets.append(f"`{k}` (see the file)")
                 else:
@@ -238,8 +240,8 @@ def _groups_section(config_root: Optional[Path]) -> list[str]:
             name = f"**{path.stem}**" if chosen.get(group.name) == path.stem else path.stem
             # the first sentence (an "e.g." or "i.e." does not end one)
             first = re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s", " ".join(about), maxsplit=1)[0]
-            out.append(f"| `{group.name}` | {name} | {_escape(first)} | "
-                       f"{_escape(', '.join(sets))} |")
+            shown = ", ".join(sets) or "nothing: the schema's defaults"
+            out.append(f"| `{group.name}` | {name} | {_escape(first)} | {_escape(shown)} |")
     return out + [""]
 
 

@@ -79,8 +79,8 @@ class Workload:
     collective_s: float = 0.0003  # fixed cost of one collective call
     p2p_s: float = 0.0  # fixed cost of one message between stages, on top of its link
     jitter: float = 0.0  # sigma of a log-normal factor on a worker's iteration
-    staleness: int = 3  # ps (the schema's default)
-    local_steps: int = 1  # diloco: iterations between outer steps
+    staleness: Optional[int] = None  # ps: sync.staleness (set by the modes that have it)
+    local_steps: Optional[int] = None  # diloco: sync.local_steps, iterations between outer steps
     every: int = 1  # sdpipe: iterations between a replica's meetings (sync.every)
     precision: str = "fp32"  # sdpipe's group rounds, diloco's outer gradient (sync.precision)
     seed: int = 0  # adpsgd's matchings

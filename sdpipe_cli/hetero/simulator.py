@@ -96,10 +96,9 @@ def _for_sync(work: Workload, cfg: DictConfig) -> Workload:
 
 
 def _sync_settings(cfg: DictConfig) -> dict:
+    own = {key: int(cfg.sync[key]) for key in ("staleness", "local_steps") if key in cfg.sync}
     return {"average": average_of(cfg.sync), "every": meetings_of(cfg.sync).every,
-            "precision": precision_of(cfg.sync),
-            "staleness": int(cfg.sync.get("staleness", 3)),
-            "local_steps": int(cfg.sync.get("local_steps", 1))}
+            "precision": precision_of(cfg.sync), "staleness": None, "local_steps": None, **own}
 
 
 def _with_sync(cfg: DictConfig, sync: str, plan: Optional[RunPlan] = None) -> DictConfig:

@@ -30,32 +30,34 @@ from omegaconf import DictConfig
 ADAMW_BETAS = (0.9, 0.95)
 
 
-def lr_at(position: float, cfg: DictConfig) -> float:
+def lr_at(position: float, train: DictConfig) -> float:
     """Linear warm-up, then ``train.schedule``: cosine or linear decay to ``train.final_lr`` of
     the peak at ``train.steps``, step decay (x ``decay_factor`` every ``decay_every``
     iterations after the warm-up, the ResNet recipe's), or constant.
 
-    ``position``: iterations of an average pipeline done before this update (0 for the first).
+    ``position``: iterations of an average pipeline done before this update (0 for the first);
+    ``train``: the config's ``train`` section.
     """
-    t = cfg.train
+    t = train
     position = max(0.0, position)
     if t.warmup and position < t.warmup:
         return t.lr * (position + 1) / t.warmup
     after = position - t.warmup
-    schedule = t.get("schedule", "cosine")
+    schedule = t.schedule
     if schedule == "constant":
         return t.lr
     if schedule == "step":
         return t.lr * t.decay_factor ** int(after // t.decay_every)
-    final = t.get("final_lr", 0.1)
+    final = t.final_lr
     progress = min(1.0, after / max(1, t.steps - t.warmup))
     shape = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
     return t.lr * (final + (1 - final) * shape)
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: DictConfig) -> torch.optim.Optimizer:
-    """``train.optimizer`` over ``params``, its state already created (see the module's note)."""
-    t = cfg.train
+def build_optimizer(params: Iterable[torch.nn.Parameter], train: DictConfig) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``params`` (``train``: the config's ``train`` section), its state
+    already created (see the module's note)."""
+    t = train
     params = list(params)
     if t.optimizer == "sgd":
         optimizer = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum,

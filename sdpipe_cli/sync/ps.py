@@ -40,7 +40,7 @@ class ParameterServer:
         self.cfg, self.stage, self.P = cfg, stage, P
         self.module = build_stage_module(cfg, stage)
         self.params = list(self.module.parameters())
-        self.optimizer = optim.build_optimizer(self.params, cfg)
+        self.optimizer = optim.build_optimizer(self.params, cfg.train)
         self.numel = sum(p.numel() for p in self.params)
         # worker rank -> last pushed iteration
         self.clock = {r: -1 for r in plan.grid.stage_ranks(stage)}
@@ -82,7 +82,7 @@ class ParameterServer:
             offset += p.numel()
         # The run's global progress (updates served over P), as sdpipe's groups use it: the
         # pushing worker's own iteration would decay fast pipelines early.
-        optim.set_lr(self.optimizer, optim.lr_at(self.pushes / self.P / self.per_iteration, self.cfg))
+        optim.set_lr(self.optimizer, optim.lr_at(self.pushes / self.P / self.per_iteration, self.cfg.train))
         self.optimizer.step()
 
     def _release(self) -> None:

@@ -85,7 +85,7 @@ class Worker:
         p, s = where.pipeline, where.stage
         self.module = models.build_stage_module(cfg, s).to(device)
         self.ties = TiedCopies(models.stage_ties(cfg, s), where, incarnation)
-        self.optimizer = optim.build_optimizer(self.module.parameters(), cfg)
+        self.optimizer = optim.build_optimizer(self.module.parameters(), cfg.train)
         self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
                               device=device, seed=cfg.train.seed, optimizer=self.optimizer,
@@ -246,7 +246,7 @@ class Worker:
             if step:
                 self.skipped_in_a_row = 0
         # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
-        self.lr = optim.lr_at(self.sync.position(iteration), self.cfg)
+        self.lr = optim.lr_at(self.sync.position(iteration), self.cfg.train)
         optim.set_lr(self.optimizer, self.lr)
         if self.sync.local_step and step:
             with self._traced("optimizer step", "update"):

@@ -19,26 +19,26 @@ def _cfg(*overrides: str):
 
 def test_schedule_warms_up_then_decays_to_a_tenth():
     cfg = _cfg("train.lr=1.0", "train.warmup=10", "train.steps=110")
-    assert optim.lr_at(0, cfg) == pytest.approx(0.1)
-    assert optim.lr_at(9, cfg) == pytest.approx(1.0)
-    assert optim.lr_at(10, cfg) == pytest.approx(1.0)
-    assert optim.lr_at(60, cfg) == pytest.approx(0.55)
-    assert optim.lr_at(110, cfg) == pytest.approx(0.1)
-    assert optim.lr_at(500, cfg) == pytest.approx(0.1)  # a fast pipeline past the end
-    assert optim.lr_at(-0.5, cfg) == optim.lr_at(0, cfg)
+    assert optim.lr_at(0, cfg.train) == pytest.approx(0.1)
+    assert optim.lr_at(9, cfg.train) == pytest.approx(1.0)
+    assert optim.lr_at(10, cfg.train) == pytest.approx(1.0)
+    assert optim.lr_at(60, cfg.train) == pytest.approx(0.55)
+    assert optim.lr_at(110, cfg.train) == pytest.approx(0.1)
+    assert optim.lr_at(500, cfg.train) == pytest.approx(0.1)  # a fast pipeline past the end
+    assert optim.lr_at(-0.5, cfg.train) == optim.lr_at(0, cfg.train)
 
 
 def test_step_linear_and_constant_schedules():
     step = _cfg("train.lr=1.0", "train.warmup=5", "train.schedule=step", "train.decay_every=30",
                 "train.decay_factor=0.2")
-    assert optim.lr_at(4, step) == pytest.approx(1.0)
-    assert [optim.lr_at(5 + k, step) for k in (0, 29, 30, 59, 60)] == pytest.approx(
+    assert optim.lr_at(4, step.train) == pytest.approx(1.0)
+    assert [optim.lr_at(5 + k, step.train) for k in (0, 29, 30, 59, 60)] == pytest.approx(
         [1.0, 1.0, 0.2, 0.2, 0.04])
     linear = _cfg("train.lr=1.0", "train.warmup=0", "train.steps=100", "train.schedule=linear",
                   "train.final_lr=0")
-    assert [optim.lr_at(k, linear) for k in (0, 50, 100, 200)] == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    assert [optim.lr_at(k, linear.train) for k in (0, 50, 100, 200)] == pytest.approx([1.0, 0.5, 0.0, 0.0])
     constant = _cfg("train.lr=0.3", "train.warmup=2", "train.schedule=constant")
-    assert [optim.lr_at(k, constant) for k in (0, 1, 2, 10_000)] == pytest.approx([0.15, 0.3, 0.3, 0.3])
+    assert [optim.lr_at(k, constant.train) for k in (0, 1, 2, 10_000)] == pytest.approx([0.15, 0.3, 0.3, 0.3])
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "step"])
@@ -47,7 +47,7 @@ def test_step_linear_and_constant_schedules():
 def test_no_schedule_rises_after_warm_up(schedule, a, b):
     cfg = SCHEDULES[schedule]
     lo, hi = sorted((a + 10, b + 10))
-    assert optim.lr_at(hi, cfg) <= optim.lr_at(lo, cfg) + 1e-12
+    assert optim.lr_at(hi, cfg.train) <= optim.lr_at(lo, cfg.train) + 1e-12
 
 
 SCHEDULES = {s: _cfg("train.lr=1.0", "train.warmup=10", "train.steps=400", f"train.schedule={s}")
@@ -63,7 +63,7 @@ def test_eager_state_takes_the_same_steps_as_torchs_lazy_state(kind):
     a = torch.nn.Linear(4, 3)
     b = torch.nn.Linear(4, 3)
     b.load_state_dict(a.state_dict())
-    ours = optim.build_optimizer(a.parameters(), cfg)
+    ours = optim.build_optimizer(a.parameters(), cfg.train)
     if kind == "sgd":
         lazy = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
     else:
@@ -81,12 +81,12 @@ def test_eager_state_takes_the_same_steps_as_torchs_lazy_state(kind):
 
 def test_state_tensors_are_the_moments_and_the_step():
     params = list(torch.nn.Linear(4, 3).parameters())
-    adamw = optim.build_optimizer(params, _cfg())
+    adamw = optim.build_optimizer(params, _cfg().train)
     tensors = optim.state_tensors(adamw, params)
     assert len(tensors) == 3 * len(params)  # exp_avg, exp_avg_sq, step per parameter
-    sgd = optim.build_optimizer(params, _cfg("train.optimizer=sgd"))
+    sgd = optim.build_optimizer(params, _cfg("train.optimizer=sgd").train)
     assert [t.shape for t in optim.state_tensors(sgd, params)] == [p.shape for p in params]
-    plain = optim.build_optimizer(params, _cfg("train.optimizer=sgd", "train.momentum=0"))
+    plain = optim.build_optimizer(params, _cfg("train.optimizer=sgd", "train.momentum=0").train)
     assert optim.state_tensors(plain, params) == []
 
 

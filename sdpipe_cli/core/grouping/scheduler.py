@@ -259,7 +259,7 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
     where every evaluation falls on a meeting; a round waits for its forecast members at most
     ``sync.wire_share`` of a meeting (:meth:`~sdpipe_cli.core.meetings.Meetings.patience`)."""
     y, p = cfg.sync, cfg.pipeline
-    meet, share = meetings_of(y), y.get("wire_share", 0.1)
+    meet, share = meetings_of(y), y.wire_share
     evaluate = cfg.train.eval_every if evaluations else 0
     evaluate = meet.period(evaluate) if evaluate % meet.every == 0 else 0
     policy, extra = GroupScheduler, {"evaluate_every": evaluate}
