@@ -9,8 +9,10 @@ Every ``scripts/bench_*.py`` takes ``--markdown PATH`` and writes its result tab
 A figure without its commit and machine cannot be compared with the next one, and a table copied by
 hand into docs/BENCHMARKS.md loses both; so the script writes the stamp, and the page quotes the file.
 This module is the scripts' one source of provenance: the commit, the machine (:func:`environment`)
-and the command line. Running ``sdpipe train`` is ``_runner.py``'s; figures are
-``sdpipe_cli.runtime.analysis``'s.
+and the command line; and of how a figure is written in a table (:func:`num` and the functions after
+it: samples/s, losses, ratios, percentages, milliseconds, kB and MB), so that one kind of figure
+reads the same in every script's table. Running ``sdpipe`` is ``_runner.py``'s; what the figures
+are is ``sdpipe_cli.runtime.analysis``'s.
 """
 
 from __future__ import annotations
@@ -99,17 +101,73 @@ def add_markdown_option(parser: argparse.ArgumentParser, stdout_flag: bool = Fal
                             help="also write the result table as stamped Markdown to PATH")
 
 
-def rows_table(rows: Sequence[dict]) -> str:
-    """A Markdown table of ``rows`` (dicts), one column per key of the first row."""
+def rows_table(rows: Sequence[dict], keys: Optional[Sequence[str]] = None,
+               float_format: str = ".4g") -> str:
+    """A Markdown table of ``rows`` (dicts), one column per key of ``keys`` (default: the first
+    row's); a float cell in ``float_format``, a missing one empty."""
     if not rows:
         return "(no rows)\n"
-    keys = list(rows[0])
+    keys = list(rows[0]) if keys is None else list(keys)
 
     def cell(value: object) -> str:
         if isinstance(value, float):
-            return f"{value:.4g}"
+            return format(value, float_format)
         return "" if value is None else str(value).replace("|", "/")
 
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+# -- figures in result tables: one format per kind of figure ---------------------------------------
+MISSING = "-"  # a figure a run does not have (it failed, or its mode has none)
+MIB = 2 ** 20  # bytes in a MiB (memory); a MB (files) is 10**6
+
+
+def num(value: Optional[float], fmt: str) -> str:
+    """``value`` in format ``fmt`` (``format(value, fmt)``); ``-`` for None."""
+    return MISSING if value is None else format(value, fmt)
+
+
+def rate(samples_per_s: Optional[float]) -> str:
+    """Samples/s, one decimal: ``123.4``."""
+    return num(samples_per_s, ".1f")
+
+
+def loss(value: Optional[float]) -> str:
+    """A loss, four decimals: ``2.1234``."""
+    return num(value, ".4f")
+
+
+def ratio(value: Optional[float], digits: int = 2) -> str:
+    """One figure over another, as a multiple: ``1.23x``."""
+    return MISSING if value is None else f"{value:.{digits}f}x"
+
+
+def percent(fraction: Optional[float], digits: int = 1, *, sign: bool = False,
+            space: bool = False) -> str:
+    """A fraction as a percentage: ``12.3%`` (``+12.3%`` with ``sign``, ``12.3 %`` with
+    ``space``); the same digits as ``format(fraction, ".1%")``."""
+    if fraction is None:
+        return MISSING
+    return format(100 * fraction, f"{'+' if sign else ''}.{digits}f") + (" %" if space else "%")
+
+
+def ms(value: Optional[float], digits: int = 2) -> str:
+    """Milliseconds, two decimals: ``1.23``."""
+    return num(value, f".{digits}f")
+
+
+def kilobytes(nbytes: Optional[float], digits: int = 1) -> str:
+    """Bytes in kB (1000 bytes), one decimal: ``12.3``."""
+    return MISSING if nbytes is None else format(nbytes / 1e3, f".{digits}f")
+
+
+def mib(nbytes: float, digits: Optional[int] = 2) -> float:
+    """Bytes in MiB (memory), rounded to ``digits`` (None: to an int), for a JSON result."""
+    return round(nbytes / MIB, digits)
+
+
+def megabytes(nbytes: float, digits: Optional[int] = 2) -> float:
+    """Bytes in MB (10**6: files), rounded to ``digits`` (None: to an int), for a JSON result."""
+    return round(nbytes / 1e6, digits)

@@ -136,14 +136,6 @@ def run(args, name: str, overrides: list[str], console: Console,
     return record
 
 
-def _num(value, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def _percent(fraction: Optional[float]) -> str:
-    return "-" if fraction is None else f"{100 * fraction:.1f}%"
-
-
 def convergence(args, console: Console) -> dict[str, Any]:
     runs = convergence_runs()
     records = [run(args, f"conv-{i}", [*o, f"train.steps={args.steps}"], console)
@@ -191,17 +183,18 @@ def markdown(results: dict[str, Any]) -> str:
                 "| run | status | final val loss | vs reference | mean group | samples/s | "
                 "stash peak (kB) | wall (s) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in conv["runs"]:
-            out.append(f"| {r['label']} | {r['status']} | {_num(r.get('final_val_loss'), '.4f')} | "
-                       f"{_num(r.get('vs_reference'), '.3f')} | {_num(r.get('mean_group'), '.2f')} | "
-                       f"{_num(r.get('samples_per_s'), '.1f')} | "
-                       f"{_num((r.get('stash_peak_bytes') or 0) / 1024, '.0f')} | {r['wall_s']} |")
+            out.append(f"| {r['label']} | {r['status']} | {_report.loss(r.get('final_val_loss'))} | "
+                       f"{_report.num(r.get('vs_reference'), '.3f')} | "
+                       f"{_report.num(r.get('mean_group'), '.2f')} | "
+                       f"{_report.rate(r.get('samples_per_s'))} | "
+                       f"{_report.num((r.get('stash_peak_bytes') or 0) / 1024, '.0f')} | {r['wall_s']} |")
         out.append("")
         for r in conv["runs"]:
             if "async_1f1b" in r["label"] and "sdpipe" in r["label"]:
                 ratio = r.get("vs_reference")
                 verdict = "-" if ratio is None else ("yes" if ratio <= TARGET else "no")
                 out.append(f"- {r['label']} within 5 % of the reference: {verdict} "
-                           f"({_num(ratio, '.3f')}x)")
+                           f"({_report.num(ratio, '.3f')}x)")
         out.append("")
     tput = results.get("throughput")
     if tput:
@@ -214,11 +207,11 @@ def markdown(results: dict[str, Any]) -> str:
             for r in g["runs"]:
                 out.append(
                     f"| {g['pipelines']} | {g['sync']} | {g['microbatches']} | {r['label']} | "
-                    f"{r['status']} | {_num(r.get('samples_per_s'), '.1f')} | "
-                    f"{_num(r.get('speedup'), '.2f')}x | {g['expected_speedup']:.2f}x | "
-                    f"{_num(None if r.get('saved') is None else 100 * r['saved'], '.0f')}% | "
-                    f"{100 * g['bubble']:.0f}% | {_num(r.get('cpu_percent'), '.0f')} | "
-                    f"{_percent(r.get('overrun_fraction'))} | "
+                    f"{r['status']} | {_report.rate(r.get('samples_per_s'))} | "
+                    f"{_report.num(r.get('speedup'), '.2f')}x | {_report.ratio(g['expected_speedup'])} | "
+                    f"{_report.num(None if r.get('saved') is None else 100 * r['saved'], '.0f')}% | "
+                    f"{_report.percent(g['bubble'], 0)} | {_report.num(r.get('cpu_percent'), '.0f')} | "
+                    f"{_report.percent(r.get('overrun_fraction'))} | "
                     f"{r['wall_s']} |")
         out.append("")
     return "\n".join(out)

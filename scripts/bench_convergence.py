@@ -74,6 +74,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
+import _scenarios  # noqa: E402
 from _runner import CpuSampler, classify, microbatches, run_sdpipe  # noqa: E402
 
 from sdpipe_cli.runtime import analysis  # noqa: E402
@@ -97,10 +98,7 @@ VARIANTS = {
     "none": ["sync=none"],
 }
 BEFORE = "sdpipe-before"
-SCENARIOS = ("equal", "straggler", "mixed", "random")
-MIXED = (2.0, 4.0)  # mixed: the slowdowns of the last pipelines, the others at speed 1
-# random: each iteration, each worker is --slow times slower with this probability (seeded)
-RANDOM_STRAGGLE = 0.1
+SCENARIOS = _scenarios.SLOWDOWN_SCENARIOS  # equal, straggler, mixed, random
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -132,6 +130,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"unknown variants: {', '.join(unknown)}")
     args.lrs = [float(x) for x in args.lrs.split(",")]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in args.scenarios if s not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenarios: {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     args.seeds = [int(x) for x in args.seeds.split(",") if x]
     return args
 
@@ -146,19 +147,11 @@ def split(variant: str) -> Optional[tuple[str, Optional[int]]]:
 
 def overrides(args, scenario: str, lr: float, run_dir: Path, steps: Optional[int] = None
               ) -> list[str]:
-    slow = [1.0] * args.pipelines
-    if scenario == "straggler":
-        slow[-1] = args.slow
-    if scenario == "mixed":
-        slow[-len(MIXED):] = MIXED[-args.pipelines:]
-    random = ([f"cluster.stragglers.probability={RANDOM_STRAGGLE:g}",
-               f"cluster.stragglers.factor={args.slow:g}", "cluster.stragglers.per=iteration"]
-              if scenario == "random" else [])
     return [f"cluster.pipelines={args.pipelines}", f"pipeline.stages={args.stages}",
             f"train.steps={steps or args.steps}", f"train.lr={lr:g}", "cluster.device=cpu",
             f"cluster.compute_ms={args.compute_ms:g}",
-            f"cluster.slowdown=[{','.join(f'{f:g}' for f in slow)}]",
-            *random, f"train.eval_every={args.eval_every}", f"run.dir={run_dir}", *args.extra]
+            *_scenarios.overrides(scenario, args.pipelines, args.slow),
+            f"train.eval_every={args.eval_every}", f"run.dir={run_dir}", *args.extra]
 
 
 def run(args, scenario: str, variant: str, lr: float, console: Console, seed: int = 0
@@ -286,10 +279,6 @@ def seed_rows(aggregate: dict[str, dict[str, Any]]) -> list[list[str]]:
     return rows_
 
 
-def _f(value, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 COLUMNS = ("variant", "best lr", "final val", "vs allreduce", "final acc", "to target (s)", "vs allreduce",
            "samples/s", "of limit", "sent/sample (kB)", "comm", "mean group", "consensus mean/max",
            "overruns")
@@ -303,22 +292,25 @@ def rows(summary: dict) -> list[list[str]]:
         ratio_loss = (r["final_val_loss"] / ref["final_val_loss"]
                       if ref.get("final_val_loss") else None)
         t, tr = r.get("time_to_target_s"), ref.get("time_to_target_s")
-        out.append([v, f"{r['lr']:g}", _f(r["final_val_loss"], ".4f"), _f(ratio_loss, ".3f"),
-                    _f(r.get("final_val_accuracy"), ".4f"),
-                    _f(t, ".1f"), _f(t / tr if t is not None and tr else None, ".2f"),
-                    _f(r.get("samples_per_s"), ".1f"), _f(r.get("fraction_of_limit"), ".2f"),
-                    _f(r["sync_bytes_per_sample"] / 1e3 if r.get("sync_bytes_per_sample") is not None
-                       else None, ".1f"),
-                    _f(r.get("comm_share"), ".0%"), _f(r.get("mean_group_size"), ".2f"),
-                    f"{_f(r.get('consensus_mean'), '.4f')}/{_f(r.get('consensus_max'), '.4f')}",
-                    _f(r.get("overrun_fraction"), ".1%")])
+        out.append([v, f"{r['lr']:g}", _report.loss(r["final_val_loss"]),
+                    _report.num(ratio_loss, ".3f"), _report.num(r.get("final_val_accuracy"), ".4f"),
+                    _report.num(t, ".1f"),
+                    _report.num(t / tr if t is not None and tr else None, ".2f"),
+                    _report.rate(r.get("samples_per_s")),
+                    _report.num(r.get("fraction_of_limit"), ".2f"),
+                    _report.kilobytes(r.get("sync_bytes_per_sample")),
+                    _report.percent(r.get("comm_share"), 0),
+                    _report.num(r.get("mean_group_size"), ".2f"),
+                    f"{_report.num(r.get('consensus_mean'), '.4f')}/"
+                    f"{_report.num(r.get('consensus_max'), '.4f')}",
+                    _report.percent(r.get("overrun_fraction"))])
     return out
 
 
 def grid_rows(summary: dict) -> list[str]:
     """Every run: variant, lr, final val loss, samples/s."""
-    return [f"{r['variant']} lr={r['lr']:g}: final val {_f(r.get('final_val_loss'), '.4f')}, "
-            f"{_f(r.get('samples_per_s'), '.1f')} samples/s ({r['status']})"
+    return [f"{r['variant']} lr={r['lr']:g}: final val {_report.loss(r.get('final_val_loss'))}, "
+            f"{_report.rate(r.get('samples_per_s'))} samples/s ({r['status']})"
             for r in summary["runs"]]
 
 
@@ -365,7 +357,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         seed = f", seed {s['seed']}" if len(args.seeds) > 1 else ""
         title = (f"{s['scenario']}{seed}: P={args.pipelines}, S={args.stages}, {args.steps} steps, "
                  f"compute {args.compute_ms:g} ms; target = {source} "
-                 f"{_f(s['target_loss'], '.4f')}; limit {_f(s['limit_samples_per_s'], '.1f')} "
+                 f"{_report.loss(s['target_loss'])}; limit {_report.rate(s['limit_samples_per_s'])} "
                  "samples/s")
         table = Table(title=title)
         for c in COLUMNS:

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -45,7 +43,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import rows_table, write_markdown  # noqa: E402
+from _report import ms, percent, rows_table, write_markdown  # noqa: E402
+from _runner import run_command  # noqa: E402
 
 TINY_CLASSIFIER = '''
     """Two blocks cheap enough for a CPU to stay within a 20 ms modelled forward."""
@@ -73,10 +72,8 @@ def write_images(root: Path, count: int, classes: int = 10) -> None:
 
 
 def sdpipe(*args: str, env: dict | None = None, timeout: float = 900) -> None:
-    out = subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], capture_output=True, text=True,
-                         env=env, timeout=timeout)
-    if out.returncode != 0:
-        raise SystemExit(f"sdpipe {' '.join(args[:3])} ... failed:\n{out.stderr[-3000:]}")
+    """``sdpipe ARGS`` (``env`` added to the environment); SystemExit if it fails."""
+    run_command(args[0], args[1:], None, timeout, env=env).check(f"sdpipe {' '.join(args[:3])} ...")
 
 
 def share(run: Path, skip: int) -> dict:
@@ -110,7 +107,7 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     (root / "lib").mkdir(exist_ok=True)
     (root / "lib" / "tiny_classifier.py").write_text(textwrap.dedent(TINY_CLASSIFIER))
-    env = {**os.environ, "PYTHONPATH": str(root / "lib")}
+    env = {"PYTHONPATH": str(root / "lib")}
     t = time.time()
     if not (root / "images").exists():
         write_images(root / "images", args.images)
@@ -134,8 +131,8 @@ def main() -> int:
         config = json.loads(json.dumps(__import__("yaml").safe_load((run / "config.yaml").read_text())))
         workers = config["data"]["num_workers"]
         rows.append({"data": name, "workers": "default" if workers is None else workers,
-                     "step ms": f"{result['step_ms']:.0f}", "data wait ms": f"{result['data_ms']:.1f}",
-                     "share": f"{100 * result['share']:.1f} %"})
+                     "step ms": ms(result["step_ms"], 0), "data wait ms": ms(result["data_ms"], 1),
+                     "share": percent(result["share"], space=True)})
         print(f"{name}: {rows[-1]['share']} of a step", file=sys.stderr)
     table = rows_table(rows)
     print(table)

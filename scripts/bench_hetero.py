@@ -26,14 +26,14 @@ total is the sum over its pipelines.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
-from _runner import run_sdpipe  # noqa: E402
+import _scenarios  # noqa: E402
+from _runner import run_command, run_sdpipe  # noqa: E402
 
 from sdpipe_cli.runtime import analysis  # noqa: E402
 
@@ -64,18 +64,19 @@ def train(out: Path, name: str, overrides: list[str], timeout: float,
     lines = analysis.read_metrics(run_dir / "metrics.jsonl")
     rates = analysis.steady_rates(lines) if steady else analysis.solo_rates(lines)
     print(f"  {name}: {wall:.1f} s, samples/s per pipeline "
-          + ", ".join(f"{p}: {r:.1f}" for p, r in rates.items()), flush=True)
+          + ", ".join(f"{p}: {_report.rate(r)}" for p, r in rates.items()), flush=True)
     return rates
 
 
 def speeds(args: argparse.Namespace) -> list[str]:
-    common = ["cluster=hetero_static", f"train.steps={args.steps}", "train.eval_every=0"]
+    common = [_scenarios.HETERO_STATIC, f"train.steps={args.steps}", "train.eval_every=0"]
     rows = ["| sync | pipeline 0 | pipeline 1 | pipeline 2 (slow) | slow / fast |",
             "|---|---|---|---|---|"]
     for sync in ("none", "sdpipe"):
         r = train(args.out, f"static-{sync}", [*common, f"sync={sync}"], args.timeout)
         ratio = r[2] / ((r[0] + r[1]) / 2)
-        rows.append(f"| {sync} | {r[0]:.1f} | {r[1]:.1f} | {r[2]:.1f} | {ratio:.2f} |")
+        rows.append(f"| {sync} | {_report.rate(r[0])} | {_report.rate(r[1])} | {_report.rate(r[2])} | "
+                    f"{_report.num(ratio, '.2f')} |")
     return rows
 
 
@@ -87,10 +88,8 @@ def partition(args: argparse.Namespace) -> list[str]:
     from sdpipe_cli.config.schema import n_blocks
 
     prof_dir = args.out / "profile"
-    cmd = [sys.executable, "-m", "sdpipe_cli", "profile", *PARTITION_RUN, f"run.dir={prof_dir}"]
-    with (args.out / "profile.log").open("w") as log:
-        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode:
-            raise SystemExit(f"sdpipe profile failed; see {args.out / 'profile.log'}")
+    run_command("profile", [*PARTITION_RUN, f"run.dir={prof_dir}"], args.out / "profile.log",
+                args.timeout).check("sdpipe profile")
     path = prof_dir / "profile.json"
     cfg = compose([*PARTITION_RUN, f"profile={path}"])
     cost = part.device_cost(prof.worker_block_ms(prof.load(path), RunPlan.resolve(cfg).cluster, []))
@@ -106,11 +105,12 @@ def partition(args: argparse.Namespace) -> list[str]:
     return ["| partition | boundaries | predicted stage ms (fwd+bwd, slowest replica) | "
             "samples/s (sum of medians) |",
             "|---|---|---|---|",
-            f"| uniform | {plan.uniform_bounds} | {', '.join(f'{t:.2f}' for t in plan.uniform_times)} "
-            f"| {total_u:.1f} |",
-            f"| auto | {plan.bounds} | {', '.join(f'{t:.2f}' for t in plan.times)} | {total_a:.1f} |",
+            f"| uniform | {plan.uniform_bounds} | {', '.join(map(_report.ms, plan.uniform_times))} "
+            f"| {_report.rate(total_u)} |",
+            f"| auto | {plan.bounds} | {', '.join(map(_report.ms, plan.times))} | "
+            f"{_report.rate(total_a)} |",
             "",
-            f"predicted gain {plan.speedup:.2f}x, measured {total_a / total_u:.2f}x"]
+            f"predicted gain {_report.ratio(plan.speedup)}, measured {_report.ratio(total_a / total_u)}"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

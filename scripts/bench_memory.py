@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -73,8 +72,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
+from _report import mib  # noqa: E402
+from _runner import run_command  # noqa: E402
 
-MB = 2 ** 20
 COMBOS = [(precision, ckpt) for precision in ("fp32", "bf16") for ckpt in (False, True)]
 # autograd nodes that only view or cast their one input: a saved tensor reached from a parameter
 # through these alone is a (cast) copy of that parameter, not an activation
@@ -290,7 +290,7 @@ def memory(args: argparse.Namespace) -> dict:
     x, target = microbatch(cfg, mb)
     ranges = stage_ranges(list(cfg.pipeline.partition), models.count_blocks(cfg.model))
     stages = [{"stage": s, "blocks": list(ranges[s]), "in_flight": min(S - s, m),
-               "static_mb": round(static_bytes(modules[s]) / MB, 2)} for s in range(S)]
+               "static_mb": mib(static_bytes(modules[s]))} for s in range(S)]
     for precision in ("fp32", "bf16"):
         low = low_dtype(precision)
         inputs = stage_inputs(modules, x, low, "cpu")
@@ -300,9 +300,9 @@ def memory(args: argparse.Namespace) -> dict:
                 per_mb = sum(got.values())
                 peak = per_mb * stages[s]["in_flight"]
                 stages[s][key(precision, ckpt)] = {
-                    **{f"{k}_mb": round(v / MB, 2) for k, v in got.items()},
-                    "per_microbatch_mb": round(per_mb / MB, 2), "peak_mb": round(peak / MB, 2),
-                    "total_mb": round(peak / MB + stages[s]["static_mb"], 2)}
+                    **{f"{k}_mb": mib(v) for k, v in got.items()},
+                    "per_microbatch_mb": mib(per_mb), "peak_mb": mib(peak),
+                    "total_mb": round(peak / _report.MIB + stages[s]["static_mb"], 2)}
                 module.zero_grad(set_to_none=True)
         del inputs
     for st in stages:
@@ -338,7 +338,7 @@ def cuda_peaks(modules, x, target, loss_fn) -> dict:
             outs = [t for t in tensors_of(y) if t.requires_grad]
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             torch.cuda.synchronize()
-            peaks.append(round((torch.cuda.max_memory_allocated() - base) / MB, 2))
+            peaks.append(mib(torch.cuda.max_memory_allocated() - base))
             del y, outs
             module.zero_grad(set_to_none=True)
         out[key(precision, ckpt)] = peaks
@@ -365,14 +365,9 @@ def samples_per_s(run_dir: Path, batch: int) -> float:
 
 def run(args: argparse.Namespace, precision: str, ckpt: bool) -> float:
     run_dir = args.out / f"{args.model}-{precision}-ckpt{int(ckpt)}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}",
-           *overrides(args, precision, ckpt)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        raise SystemExit(f"run timed out after {args.timeout} s: {' '.join(cmd)}") from None
-    if done.returncode != 0:
-        raise SystemExit(f"run failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-2000:]}")
+    done = run_command("train", [f"run.dir={run_dir}", *overrides(args, precision, ckpt)], None,
+                       args.timeout)
+    done.check(f"run {' '.join(done.command)}", chars=2000)
     return samples_per_s(run_dir, args.batch)
 
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
+from _runner import run_command  # noqa: E402
 
 MODELS = {
     "resnet_cifar": ["model=resnet_cifar", "data=digits", "train.optimizer=sgd", "train.lr=0.05"],
@@ -49,12 +49,13 @@ SYNCS = ["sdpipe", "allreduce", "ps", "adpsgd", "none"]
 SCHEDULES = ["1f1b", "gpipe", "async_1f1b"]
 
 
-def train(run_dir: Path, *overrides: str, timeout: float = 1800) -> tuple[int, float, str]:
-    start = time.monotonic()
-    cmd = [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", "cluster.device=cpu",
-           *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    return done.returncode, time.monotonic() - start, done.stderr.strip().splitlines()[-1:]
+def train(run_dir: Path, *overrides: str,
+          timeout: float = 1800) -> tuple[Optional[int], float, list[str]]:
+    """(exit code, None past ``timeout``; seconds; the last line of its stderr, or the timeout)."""
+    done = run_command("train", [f"run.dir={run_dir}", "cluster.device=cpu", *overrides], None,
+                       timeout)
+    tail = [done.status] if done.timed_out else done.stderr.strip().splitlines()[-1:]
+    return done.returncode, done.wall_s, tail
 
 
 def lines(run_dir: Path, kind: str) -> list[dict]:
@@ -90,7 +91,7 @@ def matrix(args) -> list[dict]:
             row = {"model": model, "sync": sync, "schedule": schedule, "rc": rc,
                    "first_loss": losses[0] if losses else None,
                    "last_loss": losses[-1] if losses else None, "seconds": round(seconds, 1)}
-            if rc:
+            if rc != 0:
                 row["error"] = tail
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -149,7 +150,7 @@ def main() -> int:
     (args.out / f"{args.what}.json").write_text(json.dumps(rows, indent=1))
     if args.markdown:
         print(f"markdown: {_report.write_markdown(args.markdown, _report.rows_table(rows))}")
-    failed = [r for r in rows if r["rc"]]
+    failed = [r for r in rows if r["rc"] != 0]
     print(f"{len(rows) - len(failed)} ok, {len(failed)} failed", flush=True)
     return 1 if failed else 0
 

@@ -60,7 +60,6 @@ import os
 import shlex
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -68,9 +67,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
+from _runner import run_command  # noqa: E402
 
 DEFAULT_MODEL = "model=gpt_tiny model.d_model=128 model.n_layers=4 model.d_hidden=512 model.seq_len=64"
-GRACE_S = 20.0  # after SIGTERM, before SIGKILL
+GRACE_S = 20.0  # after SIGTERM, before SIGKILL, for the torch side's processes
 
 
 def shared_overrides(args: argparse.Namespace) -> list[str]:
@@ -84,27 +84,16 @@ def shared_overrides(args: argparse.Namespace) -> list[str]:
 
 # -- sdpipe ----------------------------------------------------------------------------------------
 
-def run_sdpipe(args: argparse.Namespace) -> float:
+def sdpipe_side(args: argparse.Namespace) -> float:
+    """One ``sdpipe train`` (``_runner.run_command``: past ``--timeout`` it is stopped, SIGTERM
+    then SIGKILL, and its workers die with it or are stopped by it); its steady-state rate."""
     run_dir = args.out / f"sdpipe-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", *shared_overrides(args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        stop(proc)  # its workers die with it (PR_SET_PDEATHSIG) or are stopped by it (SIGTERM)
-        raise SystemExit(f"sdpipe run over {args.timeout} s: {run_dir}") from None
-    if proc.returncode != 0:
-        raise SystemExit(f"sdpipe run failed ({proc.returncode}): {output[-2000:]}")
+    run = run_command("train", [f"run.dir={run_dir}", *shared_overrides(args)], None, args.timeout)
+    if run.timed_out:
+        raise SystemExit(f"sdpipe run over {args.timeout} s: {run_dir}")
+    if not run.ok:
+        raise SystemExit(f"sdpipe run failed ({run.returncode}): {(run.stdout + run.stderr)[-2000:]}")
     return steady_rate(run_dir / "metrics.jsonl", args.warmup, args.warmup + args.steps)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def steady_rate(metrics: Path, first: int, last: int) -> float:
@@ -215,7 +204,7 @@ def make_step(cfg, rank: int, world: int, m: int):
     module.train()
     stage = PipelineStage(module, rank, world, device=torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)
-    optimizer = build_optimizer(module.parameters(), cfg)
+    optimizer = build_optimizer(module.parameters(), cfg.train)
     shape = (int(cfg.train.batch_size), int(cfg.model.seq_len))
     first, last = rank == 0, rank == world - 1
 
@@ -265,11 +254,11 @@ def main() -> int:
     sdpipe, peer = [], []
     for pair in range(args.pairs):
         if pair % 2 == 0:
-            sdpipe.append(run_sdpipe(args))
+            sdpipe.append(sdpipe_side(args))
             peer.append(run_torch(args, cfg_yaml))
         else:
             peer.append(run_torch(args, cfg_yaml))
-            sdpipe.append(run_sdpipe(args))
+            sdpipe.append(sdpipe_side(args))
     result = {"stages": args.stages, "microbatches": args.microbatches, "batch": args.batch,
               "steps": args.steps, "warmup": args.warmup, "model_overrides": args.model_overrides,
               "samples_per_s_sdpipe": [round(x, 1) for x in sdpipe],

@@ -35,19 +35,21 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
+import _scenarios  # noqa: E402
 from _runner import classify, microbatches, run_sdpipe  # noqa: E402
 
 from sdpipe_cli.runtime import analysis  # noqa: E402
 
+STRAGGLER = _scenarios.slowdown(_scenarios.slowdowns("straggler", 4))  # cluster.slowdown=[1,1,1,3]
 PATTERNS = {
-    "1113": ["cluster.slowdown=[1,1,1,3]"],
-    "1124": ["cluster.slowdown=[1,1,2,4]"],
-    "random": ["cluster=hetero_random"],
-    "mixed": ["cluster=hetero_mixed"],
+    "1113": [STRAGGLER],
+    "1124": [_scenarios.slowdown(_scenarios.slowdowns("mixed", 4))],  # [1,1,2,4]
+    "random": [_scenarios.HETERO_RANDOM],
+    "mixed": [_scenarios.HETERO_MIXED],
     "equal": [],
     # four machines over a slow link (docs/CLUSTERS.md), one 3x slower; with
     # --extra model=gpt_tiny data=stdlib, the slow-link benchmark's workload (docs/SYNC.md)
-    "slowlinks": ["cluster=slow_links", "cluster.slowdown=[1,1,1,3]"],
+    "slowlinks": [_scenarios.SLOW_LINKS, STRAGGLER],
 }
 VARIANTS = {
     "none": ["sync=none"],
@@ -124,10 +126,6 @@ def measure(args, pattern: str, console: Console) -> list[dict[str, Any]]:
     return rows
 
 
-def _f(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 HEADER = ("variant", "real samples/s", "real of limit", "sim samples/s", "sim of limit",
           "sim error", "final val", "mean group")
 
@@ -138,10 +136,10 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         sim = r["sim"]
         err = (sim["fraction"] / r["fraction"] - 1) if r.get("fraction") else None
         out.append([r["variant"] if r["status"] == "ok" else f"{r['variant']} ({r['status']})",
-                    _f(r.get("samples_per_s"), ".1f"), _f(r.get("fraction"), ".2f"),
-                    _f(sim["samples_per_s"], ".1f"), _f(sim["fraction"], ".2f"),
-                    _f(err and 100 * err, "+.0f") + ("%" if err is not None else ""),
-                    _f(r.get("final_val_loss"), ".4f"), _f(r.get("mean_group_size"), ".2f")])
+                    _report.rate(r.get("samples_per_s")), _report.num(r.get("fraction"), ".2f"),
+                    _report.rate(sim["samples_per_s"]), _report.num(sim["fraction"], ".2f"),
+                    _report.percent(err, 0, sign=True),
+                    _report.loss(r.get("final_val_loss")), _report.num(r.get("mean_group_size"), ".2f")])
     return out
 
 
@@ -149,8 +147,8 @@ def title(pattern: str, rows: list[dict[str, Any]], args) -> str:
     limit = rows[0].get("limit")
     sim_limit = rows[0]["sim"]["limit"]
     return (f"{pattern}: {' '.join(PATTERNS[pattern]) or 'equal pipelines'}, {args.steps} steps, "
-            f"compute {args.compute_ms:g} ms; limit: real {_f(limit, '.1f')}, "
-            f"simulated {sim_limit:.1f} samples/s")
+            f"compute {args.compute_ms:g} ms; limit: real {_report.rate(limit)}, "
+            f"simulated {_report.rate(sim_limit)} samples/s")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

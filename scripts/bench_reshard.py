@@ -18,27 +18,23 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts._report import add_markdown_option, rows_table, write_markdown  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import add_markdown_option, loss, rows_table, write_markdown  # noqa: E402  (siblings)
+from _runner import Run, run_command  # noqa: E402
 
 LAYOUTS = {"P=3 S=3 [2,4]": ("cluster.pipelines=3", "pipeline.stages=3", "pipeline.partition=[2,4]"),
            "P=6 S=2": ("cluster.pipelines=6",),
            "P=4 S=2 (same)": ()}
 
 
-def sdpipe(*args: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], capture_output=True,
-                         text=True, timeout=3600)
-    if out.returncode != 0:
-        raise SystemExit(f"sdpipe {' '.join(args)} failed:\n{out.stderr[-3000:]}")
-    return out
+def sdpipe(*args: str) -> Run:
+    """``sdpipe ARGS``, output captured; SystemExit if it fails."""
+    return run_command(args[0], args[1:], None, 3600).check()
 
 
 def lines(run: Path) -> list[dict]:
@@ -85,7 +81,7 @@ def main() -> int:
     table = [{"layout": f"P={args.pipelines} S=2, uninterrupted", "first resumed loss": statistics.mean(after_ref),
               "samples": budget, "budget": budget, "final val": final_val(rows)}]
     print(f"saved run: checkpoint {source.name} (iterations {at}); loss over the {args.window} "
-          f"iterations before it: {statistics.mean(before):.4f} +- {statistics.pstdev(before):.4f}")
+          f"iterations before it: {loss(statistics.mean(before))} +- {loss(statistics.pstdev(before))}")
     for name, overrides in LAYOUTS.items():
         run = root / name.split()[0].replace("=", "") / "run"
         shutil.copytree(full, run)
@@ -109,7 +105,7 @@ def main() -> int:
                                       if "resharded" in line or "warning" in line))
     body = (f"Saved run: {args.sync}, P={args.pipelines}, S=2, {args.steps} steps, "
             f"{' '.join(args.extra)}; checkpoint {source.name}. Loss over the {args.window} "
-            f"iterations before it: {statistics.mean(before):.4f} (sd {statistics.pstdev(before):.4f}); "
+            f"iterations before it: {loss(statistics.mean(before))} (sd {loss(statistics.pstdev(before))}); "
             f"'first resumed loss': mean over each pipeline's first {args.window} iterations "
             f"after it.\n\n" + rows_table(table))
     print(body)

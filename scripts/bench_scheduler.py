@@ -65,6 +65,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (a sibling script, not a package)
+import _scenarios  # noqa: E402
 
 SCENARIOS = ((64, 4), (256, 1))
 GOAL_MS, GOAL_AT = 2.0, (64, 4)  # p99 decision latency the project aims for, and where
@@ -193,10 +194,10 @@ def write_config(args: argparse.Namespace, P: int, S: int, run_dir: Path) -> Pat
     from sdpipe_cli.config.run_file import save_run_config
     from sdpipe_cli.config.validation import validate
 
-    slowdown = ",".join(["1"] * (P - 1) + [f"{SLOW:g}"])
     cfg = compose(["sync=sdpipe", "model=mlp", "data=synthetic", "cluster.device=cpu",
                    f"cluster.pipelines={P}", f"pipeline.stages={S}", f"train.steps={args.steps}",
-                   f"cluster.slowdown=[{slowdown}]", f"run.dir={run_dir.resolve()}",
+                   _scenarios.slowdown(_scenarios.slowdowns("straggler", P, SLOW)),
+                   f"run.dir={run_dir.resolve()}",
                    f"run.timeout={args.timeout}", "run.trace=true",
                    f"run.trace_events={4 * P * S * (args.steps + 2)}"])
     validate(cfg)
@@ -234,7 +235,7 @@ def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:
     n = max(1, min(args.processes, P))
     outs = [run_dir / f"replicas-{i}.json" for i in range(n)]
     procs = [multiprocessing.get_context("spawn").Process(target=replica_process, daemon=True, args=(
-        list(range(i, P, n)), S, [1.0] * (P - 1) + [SLOW], master.port, args.compute_ms,
+        list(range(i, P, n)), S, _scenarios.slowdowns("straggler", P, SLOW), master.port, args.compute_ms,
         args.timeout, str(out))) for i, out in enumerate(outs)]
     deadline = time.monotonic() + args.timeout
 
@@ -345,12 +346,13 @@ def pct(ascending: list[float], q: float) -> float:
 # -- report ---------------------------------------------------------------------------------------
 def cells(r: dict[str, Any]) -> list[str]:
     lat, parts = r["latency_ms"], r["parts_ms"]
-    return [f"{r['pipelines']} x {r['stages']}", f"{r['events_per_s']:.0f}", str(r["decisions"]),
-            f"{r['mean_group']:.2f}", f"{lat['p50']:.2f}", f"{lat['p99']:.2f}", f"{lat['max']:.2f}",
-            *(f"{parts[x]['p50']:.2f} / {parts[x]['p99']:.2f}" for x in ("queue", "sched", "wake")),
-            f"{r['scheduler_cpu_per_s']:.2f}", f"{r['scheduler_cpu_ms_per_decision']:.2f}",
-            f"{r['scheduler_queued_per_s']:.2f}", f"{r['replicas_cpu_per_s']:.2f}",
-            f"{r['wall_s']:.1f}", f"{r['load_avg_1m']:.1f}"]
+    num, ms = _report.num, _report.ms
+    return [f"{r['pipelines']} x {r['stages']}", num(r["events_per_s"], ".0f"), str(r["decisions"]),
+            num(r["mean_group"], ".2f"), ms(lat["p50"]), ms(lat["p99"]), ms(lat["max"]),
+            *(f"{ms(parts[x]['p50'])} / {ms(parts[x]['p99'])}" for x in ("queue", "sched", "wake")),
+            num(r["scheduler_cpu_per_s"], ".2f"), ms(r["scheduler_cpu_ms_per_decision"]),
+            num(r["scheduler_queued_per_s"], ".2f"), num(r["replicas_cpu_per_s"], ".2f"),
+            num(r["wall_s"], ".1f"), num(r["load_avg_1m"], ".1f")]
 
 
 def goal_line(results: list[dict[str, Any]]) -> str:
@@ -359,8 +361,8 @@ def goal_line(results: list[dict[str, Any]]) -> str:
     if not at:
         return f"{goal} (not run)"
     p99, own = at[0]["latency_ms"]["p99"], at[0]["parts_ms"]["sched"]["p99"]
-    return (f"{goal}: {p99:.2f} ms, {'met' if p99 <= GOAL_MS else 'NOT met'} "
-            f"(the scheduler's own part: {own:.2f} ms, {'met' if own <= GOAL_MS else 'NOT met'})")
+    return (f"{goal}: {_report.ms(p99)} ms, {'met' if p99 <= GOAL_MS else 'NOT met'} "
+            f"(the scheduler's own part: {_report.ms(own)} ms, {'met' if own <= GOAL_MS else 'NOT met'})")
 
 
 def markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:

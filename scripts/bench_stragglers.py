@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
+import _scenarios  # noqa: E402
 from _runner import run_sdpipe  # noqa: E402
 
 from sdpipe_cli.runtime import analysis  # noqa: E402
@@ -87,7 +88,7 @@ def main() -> int:
         seeded = [*common, f"train.seed={seed}"]
         for scenario, extra in (
                 ("slowdown", [f"cluster.changes=[{{device: '{DEVICE}', speed: 0.25, start: {args.at}}}]"]),
-                ("equal", []), ("[1,1,1,3]", ["cluster.slowdown=[1,1,1,3]"])):
+                ("equal", []), ("[1,1,1,3]", [_scenarios.slowdown(_scenarios.slowdowns("straggler", 4))])):
             lines = one(out, f"{scenario.strip('[]').replace(',', '')}-seed{seed}", [*seeded, *extra],
                         args.timeout)
             named = [m for m in lines if m["kind"] == "straggler"]
@@ -98,7 +99,7 @@ def main() -> int:
                          "first slow iteration": slow, "named at": at,
                          "lag (iterations)": None if slow is None or at is None else at - slow,
                          "false alarms": len(wrong),
-                         "overruns": _share(analysis.overrun_fraction(lines, MICROBATCHES))})
+                         "overruns": _report.percent(analysis.overrun_fraction(lines, MICROBATCHES))})
     cost = []
     for pair in range(args.pairs):
         rates = {}
@@ -116,10 +117,6 @@ def main() -> int:
     if args.markdown:
         _report.write_markdown(args.markdown, text)
     return 0
-
-
-def _share(value) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
+import _scenarios  # noqa: E402
 from _runner import CpuSampler, classify, microbatches, run_sdpipe  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -86,7 +87,7 @@ from rich.table import Table  # noqa: E402
 from sdpipe_cli.runtime import analysis  # noqa: E402
 
 MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "diloco", "none")
-SCENARIOS = ("equal", "straggler")
+SCENARIOS = ("equal", "straggler")  # of _scenarios.py's
 AUTO_MARGIN = 1.02  # --target-loss auto: the worst final loss of a scenario, plus 2 %
 EVALS_PER_RUN = 8
 # Targets the project aims for, per scenario: (metric, comparison, value) for sdpipe/allreduce.
@@ -153,19 +154,12 @@ def _target(text: str):
 
 
 # -- one run ----------------------------------------------------------------------------------
-def slowdowns(scenario: str, pipelines: int, slow: float) -> list[float]:
-    factors = [1.0] * pipelines
-    if scenario == "straggler":
-        factors[-1] = slow
-    return factors
-
-
 def overrides_for(args: argparse.Namespace, scenario: str, mode: str, run_dir: Path) -> list[str]:
-    factors = ",".join(f"{f:g}" for f in slowdowns(scenario, args.pipelines, args.slow))
+    factors = _scenarios.slowdowns(scenario, args.pipelines, args.slow)
     return [
         "model=mlp", "data=synthetic", f"cluster.pipelines={args.pipelines}",
         f"pipeline.stages={args.stages}", f"sync={mode}", f"train.steps={args.steps}",
-        f"cluster.compute_ms={args.compute_ms:g}", f"cluster.slowdown=[{factors}]",
+        f"cluster.compute_ms={args.compute_ms:g}", _scenarios.slowdown(factors),
         "cluster.device=cpu", f"train.eval_every={max(1, args.steps // EVALS_PER_RUN)}",
         f"run.dir={run_dir}", *args.extra,
     ]
@@ -228,22 +222,17 @@ def ratios(scenario: str, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- output -----------------------------------------------------------------------------------
-def _num(value, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
     rows = []
     for r in result["runs"]:
         iters = r.get("iterations") or {}
         rows.append([
-            r["mode"], r["status"], _num(r.get("samples_per_s"), ".1f"),
-            _num(r.get("final_val_loss"), ".4f"), _num(r.get("time_to_target_s"), ".2f"),
-            _num(r.get("mean_group_size"), ".2f"),
-            "/".join(str(v) for v in iters.values()) or "-", _num(r.get("cpu_percent"), ".0f"),
-            _num(None if r.get("overrun_fraction") is None else 100 * r["overrun_fraction"],
-                 ".1f") + ("%" if r.get("overrun_fraction") is not None else ""),
-            _num(r.get("wall_s"), ".1f"),
+            r["mode"], r["status"], _report.rate(r.get("samples_per_s")),
+            _report.loss(r.get("final_val_loss")), _report.num(r.get("time_to_target_s"), ".2f"),
+            _report.num(r.get("mean_group_size"), ".2f"),
+            "/".join(str(v) for v in iters.values()) or "-",
+            _report.num(r.get("cpu_percent"), ".0f"), _report.percent(r.get("overrun_fraction")),
+            _report.num(r.get("wall_s"), ".1f"),
         ])
     return rows
 
@@ -251,11 +240,11 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
 def ratio_lines(result: dict[str, Any]) -> list[str]:
     names = {"samples_per_s": "samples/s", "time_to_target": "time to target"}
     lines = []
-    for key, ratio in result["ratios"].items():
-        target = ratio["target"]
+    for key, got in result["ratios"].items():
+        target = got["target"]
         goal = f"target {target[0]} {target[1]:g}x" if target else "no target"
         hint = " (below 1 = sdpipe faster)" if key == "time_to_target" else ""
-        value = "-" if ratio["value"] is None else f"{ratio['value']:.2f}x"
+        value = _report.ratio(got["value"])
         lines.append(f"sdpipe / allreduce {names[key]}: {value}{hint}; "
                      f"{goal}")
     return lines
@@ -268,8 +257,9 @@ def notes(result: dict[str, Any]) -> list[str]:
 
 
 def title(result: dict[str, Any], args: argparse.Namespace) -> str:
-    factors = ",".join(f"{f:g}" for f in slowdowns(result["scenario"], args.pipelines, args.slow))
-    target = _num(result["target_loss"], ".4f")
+    factors = _scenarios.factors_text(
+        _scenarios.slowdowns(result["scenario"], args.pipelines, args.slow))
+    target = _report.loss(result["target_loss"])
     how = "auto: worst final loss x 1.02" if args.target_loss == "auto" else "given"
     return (f"{result['scenario']}: P={args.pipelines}, S={args.stages}, slowdown [{factors}], "
             f"{args.steps} steps, compute {args.compute_ms:g} ms; target val loss {target} ({how})")

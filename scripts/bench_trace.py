@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runner import run_command  # noqa: E402  (a sibling module, not a package)
 
 
 def per_event_us(calls: int = 200_000) -> dict[str, float]:
@@ -47,12 +49,10 @@ def per_event_us(calls: int = 200_000) -> dict[str, float]:
 
 def run(out: Path, steps: int, trace: bool) -> float:
     run_dir = out / f"{'on' if trace else 'off'}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", "model=mlp",
-           "data=synthetic", "cluster.pipelines=2", "pipeline.stages=2", f"train.steps={steps}",
-           "train.eval_every=0", "cluster.device=cpu", f"run.trace={str(trace).lower()}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise SystemExit(f"run failed: {done.stderr[-2000:]}")
+    run_command("train", [f"run.dir={run_dir}", "model=mlp", "data=synthetic", "cluster.pipelines=2",
+                          "pipeline.stages=2", f"train.steps={steps}", "train.eval_every=0",
+                          "cluster.device=cpu", f"run.trace={str(trace).lower()}"],
+                None, 600).check("run", chars=2000)
     return json.loads((run_dir / "summary.json").read_text())["samples_per_s"]
 
 

@@ -64,8 +64,10 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
-from sdpipe_cli.model import checkpoint  # noqa: E402
+from _runner import run_command, start_command  # noqa: E402  (a sibling module, not a package)
+from sdpipe_cli import checkpoint  # noqa: E402
 from sdpipe_cli.runtime import analysis  # noqa: E402
 
 
@@ -75,10 +77,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return analysis.read_metrics(path, check=False) if path.exists() else []
 
 
-def command(args, run_dir: Path, faults: int) -> list[str]:
-    return [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", f"model={args.model}",
-            "data=synthetic", f"cluster.pipelines={args.pipelines}",
-            f"pipeline.stages={args.stages}", f"train.steps={args.steps}", "train.eval_every=0",
+def overrides(args, run_dir: Path, faults: int) -> list[str]:
+    """The ``sdpipe train`` overrides of a run that may lose ``faults`` pipelines."""
+    return [f"run.dir={run_dir}", f"model={args.model}", "data=synthetic",
+            f"cluster.pipelines={args.pipelines}", f"pipeline.stages={args.stages}",
+            f"train.steps={args.steps}", "train.eval_every=0",
             f"cluster.compute_ms={args.compute_ms}", "cluster.device=cpu",
             "fault.on_pipeline_loss=restart", f"fault.max_restarts={faults}",
             "fault.restart_backoff=0.2", f"run.heartbeat_timeout={args.heartbeat}",
@@ -341,11 +344,10 @@ def main() -> int:
     report: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v)
                                  for k, v in vars(args).items()}}
     if args.baseline:
-        run_dir = args.out / "baseline"
-        started = time.monotonic()
-        rc = subprocess.run(command(args, run_dir, 0), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, timeout=args.timeout).returncode
-        report["baseline"] = {"exit": rc, "wall_s": round(time.monotonic() - started, 2)}
+        baseline = run_command("train", overrides(args, args.out / "baseline", 0),
+                               args.out / "baseline.log", args.timeout)
+        rc = baseline.returncode  # None: past --timeout, stopped
+        report["baseline"] = {"exit": rc, "wall_s": round(baseline.wall_s, 2)}
         print(f"baseline: exit {rc}, {report['baseline']['wall_s']} s")
     run_dir = args.out / "chaos"
     log_path = args.out / "chaos.log"
@@ -354,8 +356,8 @@ def main() -> int:
         # a recovery scenario may cost up to three losses (the victim, the second, the victim
         # again when its heal fails)
         budget = len(plan) + 2 * (args.heal_source_kills + args.second_losses)
-        proc = subprocess.Popen(command(args, run_dir, budget), stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        # its own session, killed whole below: faults leave stopped workers and restarted ones
+        proc = start_command("train", overrides(args, run_dir, budget), log_file, new_session=True)
         try:
             faults = punish(run_dir, proc, plan, args.pipelines * args.stages, args.stages,
                             tuple(args.gap), args.pipelines * args.steps, rng)

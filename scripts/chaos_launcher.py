@@ -30,15 +30,17 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
-from scripts._report import write_markdown  # noqa: E402
-from sdpipe_cli.model import checkpoint  # noqa: E402
+from _report import write_markdown  # noqa: E402  (sibling modules, not a package)
+from _runner import run_command, start_command  # noqa: E402
+from sdpipe_cli import checkpoint  # noqa: E402
 
 
-def command(run_dir: Path, steps: int, sync: str) -> list[str]:
-    return [sys.executable, "-m", "sdpipe_cli", "train", f"run.dir={run_dir}", "model=mlp",
-            "data=synthetic", "cluster.pipelines=2", "pipeline.stages=2", f"train.steps={steps}",
-            "train.eval_every=0", "cluster.compute_ms=20", "checkpoint.every=5", f"sync={sync}"]
+def overrides(run_dir: Path, steps: int, sync: str) -> list[str]:
+    return [f"run.dir={run_dir}", "model=mlp", "data=synthetic", "cluster.pipelines=2",
+            "pipeline.stages=2", f"train.steps={steps}", "train.eval_every=0",
+            "cluster.compute_ms=20", "checkpoint.every=5", f"sync={sync}"]
 
 
 def watch(proc: subprocess.Popen, until: float) -> dict[int, psutil.Process]:
@@ -79,8 +81,11 @@ def phase(run_dir: Path) -> str:
 
 def one(delay: float, out: Path, steps: int, grace: float, timeout: float, sync: str) -> dict:
     run_dir = out / f"kill-{delay:g}s"
-    proc = subprocess.Popen(command(run_dir, steps, sync), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    # the launcher under test, in its own session: started as any run (its log beside its
+    # folder), then SIGKILLed at ``delay`` on purpose, not stopped in order
+    with (out / f"kill-{delay:g}s.log").open("w") as log:
+        proc = start_command("train", overrides(run_dir, steps, sync), log, cwd=REPO,
+                             new_session=True)
     seen = watch(proc, time.monotonic() + delay)
     finished = proc.poll() is not None
     if not finished:
@@ -97,9 +102,8 @@ def one(delay: float, out: Path, steps: int, grace: float, timeout: float, sync:
     newest = checkpoint.latest(run_dir) if run_dir.exists() else None
     resumed = None
     if newest is not None and not finished:
-        resumed = subprocess.run([sys.executable, "-m", "sdpipe_cli", "resume", str(run_dir)],
-                                 cwd=REPO, capture_output=True, text=True,
-                                 timeout=timeout).returncode
+        resume = run_command("resume", [str(run_dir)], None, timeout, cwd=REPO)
+        resumed = "timeout" if resume.timed_out else resume.returncode
     return {"delay": delay, "phase": "ended first" if finished else when, "seen": len(seen),
             "left": left, "checkpoint": newest.name if newest else "-", "resume": resumed}
 

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import megabytes, mib, rows_table  # noqa: E402  (sibling modules, not a package)
+from _runner import Run, run_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["cluster.pipelines=2", "pipeline.stages=2", "sync=sdpipe", "run.save_final=true",
@@ -60,14 +62,10 @@ def build(width=32):
 '''
 
 
-def sdpipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    out = subprocess.run([sys.executable, "-m", "sdpipe_cli", *args], cwd=REPO, text=True,
-                         capture_output=True, env={**os.environ, **(env or {})}, timeout=3600)
-    if out.returncode != 0:
-        raise SystemExit(f"sdpipe {' '.join(args)} failed:\n{out.stderr[-3000:]}")
-    return out
+def sdpipe(*args: str, env: dict | None = None) -> Run:
+    """``sdpipe ARGS`` from the repository root (``env`` added to the environment), output
+    captured; SystemExit if it fails."""
+    return run_command(args[0], args[1:], None, 3600, cwd=REPO, env=env).check()
 
 
 def last_eval(run: Path) -> float:
@@ -111,7 +109,9 @@ def sdpipe_eval(export: Path, env=None) -> float:
     return float(line.split("val_loss ")[1].split()[0].rstrip(","))
 
 
-# sdpipe's entry point in a process that reports its own peak memory as its last line
+# sdpipe's entry point in a process that reports its own peak memory as its last line: ``python -c
+# PEAK COMMAND ARGS`` runs ``sdpipe COMMAND ARGS`` (the peak of that process, not of all this one's
+# children, which RUSAGE_CHILDREN would give)
 PEAK = ("import resource, runpy, sys\n"
         "sys.argv = ['sdpipe', *sys.argv[1:]]\n"
         "try:\n    runpy.run_module('sdpipe_cli', run_name='__main__')\n"
@@ -120,20 +120,13 @@ PEAK = ("import resource, runpy, sys\n"
 
 
 def exported(run: Path, export: Path, env=None) -> dict:
-    import os
-
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", PEAK, "export", str(run), "--out", str(export)],
-                         cwd=REPO, text=True, capture_output=True,
-                         env={**os.environ, **(env or {})}, timeout=3600)
-    seconds = time.perf_counter() - start
-    if out.returncode != 0:
-        raise SystemExit(f"sdpipe export {run} failed:\n{out.stderr[-3000:]}")
+    out = run_command("export", [str(run), "--out", str(export)], None, 3600, cwd=REPO, env=env,
+                      entry=(sys.executable, "-c", PEAK)).check(f"sdpipe export {run}")
     peak_kb = int(out.stderr.strip().splitlines()[-1].split()[-1])
     manifest = json.loads((export / "export.json").read_text())
     size = sum((export / f).stat().st_size for f in manifest["files"])
-    return {"export_s": round(seconds, 2), "mb": round(size / 1e6, 2), "format": manifest["format"],
-            "replicas": manifest["replicas"]["how"], "export peak MB": round(peak_kb / 1024)}
+    return {"export_s": round(out.wall_s, 2), "mb": megabytes(size), "format": manifest["format"],
+            "replicas": manifest["replicas"]["how"], "export peak MB": mib(peak_kb * 1024, None)}
 
 
 def check_hf(name: str, run: Path, export: Path, masked: bool) -> dict:
@@ -228,22 +221,13 @@ def main() -> int:
     keys = ["model", "format", "replicas", "loaded by", "missing/unexpected", "run eval",
             "sdpipe eval", "library loss", "run accuracy", "library accuracy", "generate",
             "export_s", "mb", "export peak MB"]
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(_cell(row.get(k)) for k in keys) + " |")
+    print(rows_table(rows, keys, float_format=".6f"), end="")
     worst = max(max(abs(r["library loss"] - r["run eval"]),
                     abs(r.get("sdpipe eval", r["run eval"]) - r["run eval"])) for r in rows)
     print(f"\nlargest difference from the run's last eval: {worst:.2e}")
     (out / "results.json").write_text(json.dumps({"rows": rows, "largest_difference": worst},
                                                  indent=1, default=str))
     return 0
-
-
-def _cell(value) -> str:
-    if value is None:
-        return ""
-    return f"{value:.6f}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ class Replay:
                 per_stage.append(own)
             self.models.append(model)
             self.params.append(per_stage)
-            self.opts.append([optim.build_optimizer(ps, cfg) for ps in per_stage])
+            self.opts.append([optim.build_optimizer(ps, cfg.train) for ps in per_stage])
         self.feeds = [Feed(cfg, p, self.P) for p in range(self.P)]
         self.last_done = [[0] * self.S for _ in range(self.P)]
         rule = variant if variant in ("average", "pull_weights", "pull") else "average"
@@ -163,7 +163,7 @@ class Replay:
                 position = float(k)
             else:
                 position = dones[s] / self.P - (1.0 if self.rule == "weights_grads" else 0.0)
-            optim.set_lr(self.opts[p][s], optim.lr_at(position, self.cfg))
+            optim.set_lr(self.opts[p][s], optim.lr_at(position, self.cfg.train))
             self.opts[p][s].step()
         self.steps_taken[p] += 1
 
@@ -329,7 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     replay.close()
                 if variant == "allreduce":
                     allreduce[(seed, int(cfg.train.steps))] = row[variant]
-                print(f"{run.name} seed {seed} {variant:12s} val {row[variant]:.4f}  samples "
+                print(f"{run.name} seed {seed} {variant:12s} val {_report.loss(row[variant])}  samples "
                       f"{replay.samples}  {time.perf_counter() - started:.0f} s", flush=True)
             results.append(row)
     table = _table(results, variants)
@@ -357,9 +357,9 @@ def _table(results: list[dict], variants: list[str]) -> str:
         if base:
             ratios = [r[variant] / r[base] for r in rows]
             sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
-            cells = [f"{statistics.mean(ratios):.3f}x ({sd:.3f})", f"{max(ratios):.3f}x",
-                     f"{min(ratios):.3f}x"]
-        lines.append(f"| {variant} | {statistics.mean(values):.4f} | " + " | ".join(cells) + " |")
+            cells = [f"{_report.ratio(statistics.mean(ratios), 3)} ({_report.num(sd, '.3f')})",
+                     _report.ratio(max(ratios), 3), _report.ratio(min(ratios), 3)]
+        lines.append(f"| {variant} | {_report.loss(statistics.mean(values))} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -44,7 +44,7 @@ dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=tor
 cfg = OmegaConf.create({"train": {"optimizer": "adamw", "lr": 1e-3, "momentum": 0.9,
                                   "weight_decay": 0.0}})
 model = torch.nn.Linear(512, 512).cuda()
-opt = optim.build_optimizer(model.parameters(), cfg)
+opt = optim.build_optimizer(model.parameters(), cfg.train)
 model(torch.randn(64, 512, device="cuda")).pow(2).mean().backward()
 opt.step()
 params = list(model.parameters())

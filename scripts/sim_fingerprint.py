@@ -20,25 +20,30 @@ import json
 import sys
 from pathlib import Path
 
-from sdpipe_cli.cli import preparing
-from sdpipe_cli.config.composition import compose
-from sdpipe_cli.config.validation import validate
-from sdpipe_cli.hetero import simulator
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _scenarios import HETERO_MIXED, HETERO_RANDOM, HETERO_STATIC, slowdown, slowdowns  # noqa: E402
+
+from sdpipe_cli.cli import preparing  # noqa: E402
+from sdpipe_cli.config.composition import compose  # noqa: E402
+from sdpipe_cli.config.validation import validate  # noqa: E402
+from sdpipe_cli.hetero import simulator  # noqa: E402
 
 #: (overrides, variants compared). Every sync mode, the three schedules, static, random and mixed
-#: heterogeneity, and a P=8 S=1 run.
+#: heterogeneity (``_scenarios.py``), and a P=8 S=1 run. The overrides, joined by spaces, name a
+#: configuration in a fingerprint file: keep them as they are.
 CONFIGS: list[tuple[list[str], list[str]]] = [
     (["cluster.pipelines=4", "cluster.compute_ms=10", "train.steps=60"], []),
-    (["cluster.pipelines=4", "cluster.compute_ms=10", "cluster.slowdown=[1,1,1,3]", "train.steps=60"], []),
+    (["cluster.pipelines=4", "cluster.compute_ms=10", slowdown(slowdowns("straggler", 4)),  # [1,1,1,3]
+      "train.steps=60"], []),
     (["cluster.pipelines=8", "pipeline.stages=1", "cluster.compute_ms=5",
-      "cluster.slowdown=[1,1,2,4,1,1,2,4]", "train.steps=40"], []),
-    (["cluster=hetero_random", "train.steps=40"], []),
-    (["cluster=hetero_static", "train.steps=40", "sync=ps"], ["allreduce", "sdpipe"]),
+      slowdown(slowdowns("mixed", 4) * 2), "train.steps=40"], []),  # [1,1,2,4,1,1,2,4]
+    ([HETERO_RANDOM, "train.steps=40"], []),
+    ([HETERO_STATIC, "train.steps=40", "sync=ps"], ["allreduce", "sdpipe"]),
     (["cluster.pipelines=4", "cluster.compute_ms=10", "sync=diloco", "train.steps=48"], []),
     (["cluster.pipelines=6", "cluster.compute_ms=8", "pipeline.schedule=gpipe", "train.steps=30"], []),
-    (["cluster.pipelines=4", "cluster.compute_ms=10", "sync=adpsgd", "cluster.slowdown=[1,2,1,3]",
+    (["cluster.pipelines=4", "cluster.compute_ms=10", "sync=adpsgd", slowdown([1, 2, 1, 3]),
       "train.steps=40"], []),
-    (["cluster=hetero_mixed", "train.steps=30", "sync.policy=classic"], ["allreduce", "none"]),
+    ([HETERO_MIXED, "train.steps=30", "sync.policy=classic"], ["allreduce", "none"]),
 ]
 ALL = ["allreduce", "none", "ps", "adpsgd", "diloco"]
 KEPT = ("sync", "iterations", "wall_s", "group_sizes", "finish_s", "samples_per_s", "mean_group_size")

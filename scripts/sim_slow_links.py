@@ -19,18 +19,24 @@ Seconds on two cores; nothing is trained.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-from sdpipe_cli.cli import preparing
-from sdpipe_cli.config.composition import compose
-from sdpipe_cli.config.validation import validate
-from sdpipe_cli.hetero import simulator
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402  (sibling modules, not a package)
+import _scenarios  # noqa: E402
+
+from sdpipe_cli.cli import preparing  # noqa: E402
+from sdpipe_cli.config.composition import compose  # noqa: E402
+from sdpipe_cli.config.validation import validate  # noqa: E402
+from sdpipe_cli.hetero import simulator  # noqa: E402
 
 NODES = ("cluster.nodes=[" + ", ".join(
     f"{{name: m{i}, devices: [{{}}, {{}}, {{}}, {{}}]}}" for i in range(4)) + "]")
 BASE = ["model=gpt_small", "data=stdlib", "cluster.pipelines=4", "pipeline.stages=4",
-        "cluster.device=cpu", "cluster.compute_ms=20", "cluster.slowdown=[1,1,1,3]",
+        "cluster.device=cpu", "cluster.compute_ms=20",
+        _scenarios.slowdown(_scenarios.slowdowns("straggler", 4)),  # the last machine 3x slower
         "simulate.collective_ms=0.1", "simulate.p2p_ms=0.05", "simulate.rtt_ms=0.3",
         "simulate.jitter=0.02", NODES, "cluster.links.same_node.latency_ms=0.005",
         "cluster.links.same_node.bandwidth_gbps=400", "cluster.links.cross_node.latency_ms=0.05"]
@@ -63,9 +69,10 @@ def main() -> int:
         for label, sync, extra in ROWS:
             doc = simulate(gbps, sync, extra, args.steps)
             meet = (f"every {doc['every']}, {doc['precision']}" if sync == "sdpipe" else "-")
-            lines.append(f"| {gbps:g} Gbit/s | {label} | {meet} | {doc['samples_per_s']:.1f} | "
-                         f"{doc['fraction_of_limit']:.2f} | "
-                         f"{doc['sync_bytes_per_sample'] / 1e3:.1f} | {doc['comm_share']:.0%} |")
+            lines.append(f"| {gbps:g} Gbit/s | {label} | {meet} | {_report.rate(doc['samples_per_s'])} | "
+                         f"{_report.num(doc['fraction_of_limit'], '.2f')} | "
+                         f"{_report.kilobytes(doc['sync_bytes_per_sample'])} | "
+                         f"{_report.percent(doc['comm_share'], 0)} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + f"\n\n(simulated in {time.perf_counter() - started:.0f} s)\n"
     if args.markdown:
