@@ -12,7 +12,7 @@ This module is the scripts' one source of provenance: the commit, the machine (:
 and the command line; and of how a figure is written in a table (:func:`num` and the functions after
 it: samples/s, losses, ratios, percentages, milliseconds, kB and MB), so that one kind of figure
 reads the same in every script's table. Running ``sdpipe`` is ``_runner.py``'s; what the figures
-are is ``sdpipe_cli.runtime.analysis``'s.
+are is ``sdpipe_cli.analysis``'s.
 """
 
 from __future__ import annotations

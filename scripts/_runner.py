@@ -13,7 +13,7 @@ each script puts this folder on ``sys.path``), whatever the command: ``train``, 
   (``chaos.py``, ``chaos_launcher.py``);
 * :func:`run_sdpipe` is ``sdpipe train`` through :func:`run_command`, as the benchmarks call it.
 
-What a run's ``metrics.jsonl`` says is read and computed by ``sdpipe_cli.runtime.analysis``; the
+What a run's ``metrics.jsonl`` says is read and computed by ``sdpipe_cli.analysis``; the
 stamp of a result table and the format of its figures are ``scripts/_report.py``'s.
 """
 

@@ -27,7 +27,7 @@ m micro-batches; async 1F1B drains only at the end of the run (``train.eval_ever
 its iteration costs m of them. Expected: samples/s up by ``(m + S - 1) / m``, i.e. the time per
 sample down by the bubble fraction ``(S - 1) / (m + S - 1)``. Measured: ``samples/s`` from the
 train lines (all pipelines, first to last train line: ``samples_per_s`` of
-``sdpipe_cli.runtime.analysis``, as in ``bench_sync.py``), and ``saved`` = 1 - (flushed
+``sdpipe_cli.analysis``, as in ``bench_sync.py``), and ``saved`` = 1 - (flushed
 samples/s) / (samples/s), next to ``bubble``. Rows with P = 2 and ``sync=sdpipe`` add the cost
 of a sync round per update.
 
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
 from _runner import CpuSampler, classify, run_sdpipe  # noqa: E402
 
-from sdpipe_cli.runtime import analysis  # noqa: E402
+from sdpipe_cli import analysis  # noqa: E402
 
 TARGET = 1.05  # async + sdpipe within 5 % of the flushed all-reduce's validation loss
 

@@ -43,9 +43,9 @@ whom, not CPU contention; ``overruns`` says whether that held). Variants:
   ``-``: never;
 - ``samples/s`` and ``of limit``: throughput (all pipelines, first to last train line), and its
   share of the limit, the sum of each pipeline's solo rate in the ``none`` run (each pipeline's
-  samples over its own train-line span); both as ``sdpipe_cli.runtime.analysis`` defines them;
+  samples over its own train-line span); both as ``sdpipe_cli.analysis`` defines them;
 - ``sent/sample (kB)`` and ``comm``: what the sync put on the wire, per sample trained (all
-  workers' bytes, as ``sdpipe_cli.runtime.analysis.sync_traffic`` counts them), and the share of
+  workers' bytes, as ``sdpipe_cli.analysis.sync_traffic`` counts them), and the share of
   the workers' time spent in sync collectives (waiting for peers inside them included);
 - ``consensus``: the mean and the largest consensus distance measured at global syncs
   (sqrt(mean_p ||w_p - w_mean||^2) / ||w_mean||, per stage), ``sync=sdpipe`` only;
@@ -77,7 +77,7 @@ import _report  # noqa: E402  (sibling modules, not a package)
 import _scenarios  # noqa: E402
 from _runner import CpuSampler, classify, microbatches, run_sdpipe  # noqa: E402
 
-from sdpipe_cli.runtime import analysis  # noqa: E402
+from sdpipe_cli import analysis  # noqa: E402
 
 VARIANTS = {
     "allreduce": ["sync=allreduce"],

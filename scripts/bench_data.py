@@ -78,7 +78,7 @@ def sdpipe(*args: str, env: dict | None = None, timeout: float = 900) -> None:
 
 def share(run: Path, skip: int) -> dict:
     waits: dict[tuple, list[float]] = {}
-    from sdpipe_cli.runtime import analysis
+    from sdpipe_cli import analysis
 
     for m in analysis.read_metrics(run / "metrics.jsonl"):
         if "data_s" not in m or m["step"] <= skip:

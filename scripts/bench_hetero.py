@@ -19,7 +19,7 @@ Usage::
 
 Samples/s per pipeline is its solo rate: its samples over its own first-to-last train line span
 (counted from the end of the pipeline's first iteration; ``solo_rates`` of
-``sdpipe_cli.runtime.analysis``, which also defines the median rate, ``steady_rates``); a run's
+``sdpipe_cli.analysis``, which also defines the median rate, ``steady_rates``); a run's
 total is the sum over its pipelines.
 """
 
@@ -35,7 +35,7 @@ import _report  # noqa: E402  (sibling modules, not a package)
 import _scenarios  # noqa: E402
 from _runner import run_command, run_sdpipe  # noqa: E402
 
-from sdpipe_cli.runtime import analysis  # noqa: E402
+from sdpipe_cli import analysis  # noqa: E402
 
 HALF_SPEED_STAGE_1 = "cluster.nodes=[{name: n, devices: [{}, {speed: 0.5}, {}, {speed: 0.5}]}]"
 PARTITION_RUN = ("cluster.pipelines=2", "pipeline.stages=2", "cluster.device=cpu",

@@ -353,9 +353,9 @@ def cuda_peaks(modules, x, target, loss_fn) -> dict:
 
 def samples_per_s(run_dir: Path, batch: int) -> float:
     """Samples after the first step over the time from the first to the last step's line: the
-    (only) pipeline's solo rate (``sdpipe_cli.runtime.analysis``); ``batch`` is in its
+    (only) pipeline's solo rate (``sdpipe_cli.analysis``); ``batch`` is in its
     ``samples``."""
-    from sdpipe_cli.runtime import analysis
+    from sdpipe_cli import analysis
 
     rates = analysis.solo_rates(analysis.read_metrics(run_dir / "metrics.jsonl"))
     if 0 not in rates:

@@ -59,7 +59,7 @@ def train(run_dir: Path, *overrides: str,
 
 
 def lines(run_dir: Path, kind: str) -> list[dict]:
-    from sdpipe_cli.runtime import analysis
+    from sdpipe_cli import analysis
 
     path = run_dir / "metrics.jsonl"
     if not path.exists():

@@ -98,8 +98,8 @@ def sdpipe_side(args: argparse.Namespace) -> float:
 
 def steady_rate(metrics: Path, first: int, last: int) -> float:
     """Samples/s of pipeline 0 between the end of iteration ``first`` and of iteration ``last``:
-    its solo rate over those iterations (``sdpipe_cli.runtime.analysis``)."""
-    from sdpipe_cli.runtime import analysis
+    its solo rate over those iterations (``sdpipe_cli.analysis``)."""
+    from sdpipe_cli import analysis
 
     lines = analysis.read_metrics(metrics)
     steps = {m["step"] for m in analysis.of_kind(lines, "train") if m["pipeline"] == 0}

@@ -7,7 +7,7 @@ Run it from the repository root after ``pip install -e .``::
 
 **What it runs.** For each cluster pattern and each variant, one real ``sdpipe train`` of the small
 MLP (``model=mlp data=synthetic``, P=4, S=2, modelled compute of ``--compute-ms`` per forward) and
-the same config in ``sdpipe simulate`` (in this process, :mod:`sdpipe_cli.hetero.simulator`).
+the same config in ``sdpipe simulate`` (in this process, :mod:`sdpipe_cli.hetero.simulated_run`).
 Patterns: ``1113`` and ``1124`` (``cluster.slowdown``), ``random`` (``cluster=hetero_random``: each
 iteration a worker is 3x slower with probability 0.1), ``mixed`` (``cluster=hetero_mixed``: two
 device generations on two nodes, a speed change, slow cross-node links), ``equal``, ``slowlinks``
@@ -18,7 +18,7 @@ iteration in float32, whatever the links).
 
 **What it reports**, per pattern: samples/s of the real run (all pipelines, first to last train
 line) and its fraction of the real limit (the sum of each pipeline's solo rate in the real
-``none`` run), as ``sdpipe_cli.runtime.analysis`` defines them; the simulator's samples/s and
+``none`` run), as ``sdpipe_cli.analysis`` defines them; the simulator's samples/s and
 fraction of its own limit; the error of the simulated fraction against the real one; the final validation loss (equal
 samples: every run trains P x steps pipeline-iterations) and the mean group size.
 """
@@ -38,7 +38,7 @@ import _report  # noqa: E402  (sibling modules, not a package)
 import _scenarios  # noqa: E402
 from _runner import classify, microbatches, run_sdpipe  # noqa: E402
 
-from sdpipe_cli.runtime import analysis  # noqa: E402
+from sdpipe_cli import analysis  # noqa: E402
 
 STRAGGLER = _scenarios.slowdown(_scenarios.slowdowns("straggler", 4))  # cluster.slowdown=[1,1,1,3]
 PATTERNS = {
@@ -92,11 +92,11 @@ def simulated(ovr: list[str]) -> dict[str, Any]:
     from sdpipe_cli.cli.preparing import prepare
     from sdpipe_cli.config.composition import compose
     from sdpipe_cli.config.validation import validate
-    from sdpipe_cli.hetero import simulator
+    from sdpipe_cli.hetero import simulated_run
 
     cfg = compose(ovr)
     validate(cfg)
-    doc = simulator.run(prepare(cfg)[0])
+    doc = simulated_run.run(prepare(cfg)[0])
     return {"samples_per_s": doc["samples_per_s"], "fraction": doc["fraction_of_limit"],
             "limit": doc["limit_samples_per_s"], "mean_group": doc["mean_group_size"]}
 

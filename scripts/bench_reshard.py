@@ -38,7 +38,7 @@ def sdpipe(*args: str) -> Run:
 
 
 def lines(run: Path) -> list[dict]:
-    from sdpipe_cli.runtime import analysis
+    from sdpipe_cli import analysis
 
     return analysis.read_metrics(run / "metrics.jsonl")
 

@@ -223,7 +223,7 @@ def start_scheduler(run_dir: Path, port: int, world: int, profile: bool) -> subp
 
 def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:
     from sdpipe_cli.runtime import store
-    from sdpipe_cli.runtime.analysis import read_metrics
+    from sdpipe_cli.analysis import read_metrics
 
     run_dir = args.out / f"{P}x{S}"
     (run_dir / "logs").mkdir(parents=True)

@@ -36,7 +36,7 @@ import _report  # noqa: E402  (sibling modules, not a package)
 import _scenarios  # noqa: E402
 from _runner import run_sdpipe  # noqa: E402
 
-from sdpipe_cli.runtime import analysis  # noqa: E402
+from sdpipe_cli import analysis  # noqa: E402
 
 DEVICE, PIPELINE, STAGE = "local:9", 2, 1
 MICROBATCHES = 4  # the default pipeline.microbatches

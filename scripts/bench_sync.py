@@ -39,7 +39,7 @@ modelled budget (from the ``done`` lines). Both should stay low; if not, the fig
 by CPU contention.
 
 **What it measures**, from each run's ``metrics.jsonl``, each figure as
-``sdpipe_cli.runtime.analysis`` defines it (``analyse``):
+``sdpipe_cli.analysis`` defines it (``analyse``):
 
 - ``samples/s``: training throughput of all pipelines together (``analysis.samples_per_s``). The
   window runs from the earliest ``train`` line of any pipeline to the latest one, and counts each
@@ -84,7 +84,7 @@ from _runner import CpuSampler, classify, microbatches, run_sdpipe  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from sdpipe_cli.runtime import analysis  # noqa: E402
+from sdpipe_cli import analysis  # noqa: E402
 
 MODES = ("sdpipe", "allreduce", "ps", "adpsgd", "diloco", "none")
 SCENARIOS = ("equal", "straggler")  # of _scenarios.py's

@@ -68,7 +68,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from _runner import run_command, start_command  # noqa: E402  (a sibling module, not a package)
 from sdpipe_cli import checkpoint  # noqa: E402
-from sdpipe_cli.runtime import analysis  # noqa: E402
+from sdpipe_cli import analysis  # noqa: E402
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

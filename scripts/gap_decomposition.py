@@ -65,7 +65,7 @@ from sdpipe_cli.core.partition import stage_ranges  # noqa: E402
 from sdpipe_cli.data import sources  # noqa: E402
 from sdpipe_cli.data.feed import Feed  # noqa: E402
 from sdpipe_cli.model import models, optim  # noqa: E402
-from sdpipe_cli.runtime import analysis  # noqa: E402
+from sdpipe_cli import analysis  # noqa: E402
 
 VARIANTS = ("recorded", "allreduce", "average", "pull_weights", "pull", "fresh", "drop", "own-lr",
             "no-global", "paper")

@@ -26,7 +26,7 @@ from _scenarios import HETERO_MIXED, HETERO_RANDOM, HETERO_STATIC, slowdown, slo
 from sdpipe_cli.cli import preparing  # noqa: E402
 from sdpipe_cli.config.composition import compose  # noqa: E402
 from sdpipe_cli.config.validation import validate  # noqa: E402
-from sdpipe_cli.hetero import simulator  # noqa: E402
+from sdpipe_cli.hetero import simulated_run  # noqa: E402
 
 #: (overrides, variants compared). Every sync mode, the three schedules, static, random and mixed
 #: heterogeneity (``_scenarios.py``), and a P=8 S=1 run. The overrides, joined by spaces, name a
@@ -54,7 +54,7 @@ def fingerprints() -> dict[str, dict]:
     for overrides, variants in CONFIGS:
         cfg = compose(["model=mlp", "data=synthetic", *overrides])
         validate(cfg)
-        doc = simulator.run(preparing.prepare(cfg)[0], variants or ALL)
+        doc = simulated_run.run(preparing.prepare(cfg)[0], variants or ALL)
         rows = [doc, *doc["compare"]]
         kept = [{k: r[k] for k in KEPT if k in r} for r in rows]
         text = json.dumps(kept, sort_keys=True, default=str)

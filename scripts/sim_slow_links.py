@@ -30,7 +30,7 @@ import _scenarios  # noqa: E402
 from sdpipe_cli.cli import preparing  # noqa: E402
 from sdpipe_cli.config.composition import compose  # noqa: E402
 from sdpipe_cli.config.validation import validate  # noqa: E402
-from sdpipe_cli.hetero import simulator  # noqa: E402
+from sdpipe_cli.hetero import simulated_run  # noqa: E402
 
 NODES = ("cluster.nodes=[" + ", ".join(
     f"{{name: m{i}, devices: [{{}}, {{}}, {{}}, {{}}]}}" for i in range(4)) + "]")
@@ -51,7 +51,7 @@ def simulate(gbps: float, sync: str, extra: list[str], steps: int) -> dict:
                    f"train.steps={steps}", *extra])
     validate(cfg)
     cfg = preparing.prepare(cfg)[0]
-    doc = simulator.run(cfg)
+    doc = simulated_run.run(cfg)
     doc["every"], doc["precision"] = cfg.sync.get("every"), cfg.sync.get("precision")
     return doc
 

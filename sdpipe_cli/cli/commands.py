@@ -81,15 +81,15 @@ def profile(overrides: Sequence[str], show_config: bool = False,
 def simulate(overrides: Sequence[str], compare: str, show_config: bool = False,
              console: Console | None = None) -> int:
     from sdpipe_cli.cli import launcher
-    from sdpipe_cli.hetero import simulator
+    from sdpipe_cli.hetero import simulated_run
 
     console = console or display.stderr_console()
     run_cfg = _composed_run_config(overrides, show_config, console)
     if run_cfg is None:
         return 0
     modes = [m for m in compare.split(",") if m]
-    doc = simulator.run(run_cfg, modes)  # bad input raises before the run folder exists
-    path = simulator.write(doc, launcher.make_run_dir(run_cfg.run.dir))
+    doc = simulated_run.run(run_cfg, modes)  # bad input raises before the run folder exists
+    path = simulated_run.write(doc, launcher.make_run_dir(run_cfg.run.dir))
     display.simulation_table(doc, run_cfg.train.steps)
     console.print(f"simulation: {path}", highlight=False)
     return 0

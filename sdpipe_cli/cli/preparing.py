@@ -27,7 +27,7 @@ from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan, cluster_of, microbatch_size
 from sdpipe_cli.data import sources
-from sdpipe_cli.hetero import simulator
+from sdpipe_cli.hetero import simulated_run
 from sdpipe_cli.model import memory, models
 
 
@@ -64,7 +64,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
         cfg.pipeline.partition, blocks, stages, counts)
     models.check(cfg)
     cfg.plan = RunPlan.resolve(cfg, cluster).section()
-    choice = simulator.resolve_meetings(cfg)  # sdpipe on slow links: how often replicas meet
+    choice = simulated_run.resolve_meetings(cfg)  # sdpipe on slow links: how often replicas meet
     if cfg.sync.get("replay"):  # the recorded run must fit this one: before anything starts
         from sdpipe_cli.sync.replay import load as load_recorded
 

@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli.runtime import analysis
+from sdpipe_cli import analysis
 
 __all__ = ["Run", "load", "load_all", "labels", "report"]
 
@@ -84,7 +84,7 @@ def timelines(run: Run) -> list[Run]:
     return out
 
 
-# the reader, the clock and the figures: one definition each, in runtime/analysis/
+# the reader, the clock and the figures: one definition each, in analysis/
 read_lines = analysis.read_metrics
 from_first_iteration = analysis.from_first_iteration
 TIME_AXIS = "seconds since the first iteration began"

@@ -90,10 +90,10 @@ def _sweep_job(cfg) -> int:
 
 def _outcome(run_dir) -> dict:
     """A sweep run's figures for the table, as every table of runs defines them
-    (:func:`~sdpipe_cli.runtime.analysis.outcome`): final loss and val_loss, samples/s, and how
+    (:func:`~sdpipe_cli.analysis.outcome`): final loss and val_loss, samples/s, and how
     many seconds of training the mean training loss took to reach its lowest (whatever a failed
     run got to; nothing for one that never wrote a metrics line)."""
-    from sdpipe_cli.runtime import analysis
+    from sdpipe_cli import analysis
 
     try:
         return analysis.outcome(analysis.read_metrics(run_dir))

@@ -59,7 +59,7 @@ MODES = tuple(modes.MODES)  # every mode has its transport below
 @dataclass
 class Workload:
     """What a run asks of the cluster, in seconds and bytes (built from a config by
-    :mod:`sdpipe_cli.hetero.simulator`)."""
+    :mod:`sdpipe_cli.hetero.simulated_run`)."""
 
     cluster: Cluster
     microbatches: int

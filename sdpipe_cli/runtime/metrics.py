@@ -6,8 +6,8 @@ Workers report what only they know (the loss lives on the last stage of each pip
 :meth:`RunTracker.snapshot`; nothing flows back from here to the workers.
 
 ``metrics.jsonl`` lines have a ``kind``. Their fields and types are
-:data:`sdpipe_cli.runtime.analysis.SCHEMA`, the one schema: readers read the file with
-:func:`sdpipe_cli.runtime.analysis.read_metrics`, which checks it, and take every derived figure
+:data:`sdpipe_cli.analysis.SCHEMA`, the one schema: readers read the file with
+:func:`sdpipe_cli.analysis.read_metrics`, which checks it, and take every derived figure
 (samples/s of a run, solo rates, time to a loss ...) from that module. What the fields mean:
 - ``train``: ``step``, ``time`` (s since the run started), ``pipeline``, ``loss``, ``samples``
   (cumulative samples of that pipeline), ``samples_per_s`` (that pipeline's, since the end of its
@@ -194,8 +194,8 @@ class RunTracker:
 
     def _traffic(self) -> dict[str, Any]:
         """The sync traffic of the workers done so far (their ``done`` events carry it), as
-        :func:`sdpipe_cli.runtime.analysis.sync_traffic` defines it."""
-        from sdpipe_cli.runtime.analysis import sync_traffic
+        :func:`sdpipe_cli.analysis.sync_traffic` defines it."""
+        from sdpipe_cli.analysis import sync_traffic
 
         return sync_traffic(self.done.values(), sum(s.samples for s in self.state.values()))
 
@@ -287,7 +287,7 @@ def strict_json(value: Any, **kwargs: Any) -> str:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Every line of a ``metrics.jsonl``, strictly: a line that does not parse raises (for
-    tests of what is written). Readers of runs use :func:`sdpipe_cli.runtime.analysis.read_metrics`,
+    tests of what is written). Readers of runs use :func:`sdpipe_cli.analysis.read_metrics`,
     which leaves out a torn line and checks the schema."""
     with Path(path).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -1,4 +1,4 @@
-"""sdpipe_cli.runtime.analysis: the one reader of metrics.jsonl and the figures derived from it,
+"""sdpipe_cli.analysis: the one reader of metrics.jsonl and the figures derived from it,
 on small hand-written files."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli.runtime import analysis
+from sdpipe_cli import analysis
 
 
 def write(tmp_path, lines: list[dict], tail: str = "") -> object:

@@ -13,8 +13,8 @@ import sdpipe_cli
 
 PACKAGE = Path(sdpipe_cli.__file__).parent
 # Lowest first: a module may import from its own package and from the ones before it.
-LAYERS = ["core", "config", "runtime", "checkpoint", "data", "model", "pipeline", "sync", "hetero",
-          "training", "export", "cli"]
+LAYERS = ["core", "config", "analysis", "runtime", "checkpoint", "data", "model", "pipeline", "sync",
+          "hetero", "training", "export", "cli"]
 PURE = {"core", "config"}  # no torch at import: the CLI reports bad input without loading it
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from sdpipe_cli.cli import parsing, report
 from sdpipe_cli import checkpoint
-from sdpipe_cli.runtime import analysis
+from sdpipe_cli import analysis
 from sdpipe_cli.runtime.errors import CheckpointError
 
 CONFIG = "model:\n  arch: mlp\nsync:\n  name: sdpipe\ntrain:\n  lr: 0.001\nrun:\n  dir: /a\n"

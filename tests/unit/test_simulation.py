@@ -1,5 +1,5 @@
 """The discrete-event simulator (``sdpipe_cli/core/simulation.py``) and its config builder
-(``sdpipe_cli/hetero/simulator.py``): exact timings where the model has a closed form, the sync
+(``sdpipe_cli/hetero/simulated_run.py``): exact timings where the model has a closed form, the sync
 modes' known bounds, determinism, and the real policy's behaviour at a scale no test could run."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.simulation import simulate
-from sdpipe_cli.hetero import simulator
+from sdpipe_cli.hetero import simulated_run
 
 BASE = ["model=mlp", "data=synthetic", "cluster.compute_ms=10", "simulate.jitter=0",
         "simulate.p2p_ms=0", "simulate.rtt_ms=0", "simulate.collective_ms=0", "simulate.event_ms=0"]
@@ -27,7 +27,7 @@ def config(*overrides: str):
 
 def run(cfg, sync: str | None = None):
     sync = sync or cfg.sync.name
-    return simulate(simulator.workload(simulator._with_sync(cfg, sync)), sync,
+    return simulate(simulated_run.workload(simulated_run._with_sync(cfg, sync)), sync,
                     lambda clock: make_policy(cfg, RunPlan.of(cfg), clock, evaluations=False))
 
 
@@ -96,7 +96,7 @@ def test_sdpipe_reaches_the_limit_on_a_straggler_pattern():
     (0.4 of it). (With 10 % jitter per iteration the equal replicas wait for each other to form
     full groups, as all-reduce's would: 0.90; docs/SIMULATOR.md.)"""
     cfg = config("cluster.pipelines=4", "cluster.slowdown=[1,1,1,3]", "train.steps=60")
-    doc = simulator.run(cfg, ["allreduce", "none"])
+    doc = simulated_run.run(cfg, ["allreduce", "none"])
     assert doc["sync"] == "sdpipe"
     assert doc["fraction_of_limit"] >= 0.95, doc["fraction_of_limit"]
     allreduce = next(r for r in doc["compare"] if r["sync"] == "allreduce")
@@ -132,7 +132,7 @@ def test_the_scheduler_expects_the_evaluations_the_simulator_does_not_model():
 def test_speed_changes_and_links_are_in_the_timing():
     """hetero_mixed: two generations, a slow cross-node link, a device slowed mid-run."""
     cfg = config("cluster=hetero_mixed", "train.steps=40")
-    doc = simulator.run(cfg, ["none"])
+    doc = simulated_run.run(cfg, ["none"])
     solo = doc["solo_samples_per_s"]
     assert solo[2] < 0.6 * solo[0]  # the old node's pipeline runs at half speed or less
     assert 0 < doc["fraction_of_limit"] <= 1.0 + 1e-9
@@ -140,11 +140,11 @@ def test_speed_changes_and_links_are_in_the_timing():
 
 def test_what_cannot_be_simulated_is_named():
     with pytest.raises(ConfigError, match="cluster.compute_ms"):
-        simulator.workload(prepare(compose(["model=mlp", "data=synthetic"]))[0])
+        simulated_run.workload(prepare(compose(["model=mlp", "data=synthetic"]))[0])
     with pytest.raises(ConfigError, match="pipeline.schedule"):
-        simulator.workload(config("pipeline.schedule=async_1f1b"))
+        simulated_run.workload(config("pipeline.schedule=async_1f1b"))
     with pytest.raises(ConfigError, match="--compare"):
-        simulator.run(config("train.steps=2"), ["gossip"])
+        simulated_run.run(config("train.steps=2"), ["gossip"])
 
 
 def test_the_simulated_traffic_is_what_the_workers_count():
@@ -154,7 +154,7 @@ def test_the_simulated_traffic_is_what_the_workers_count():
     nodes = "cluster.nodes=[{name: a, devices: [{}, {}]}, {name: b, devices: [{}, {}]}]"
     cfg = config("cluster.pipelines=2", "pipeline.stages=2", "train.steps=10", nodes,
                  "cluster.links.cross_node.latency_ms=1")
-    work = simulator.workload(cfg)
+    work = simulated_run.workload(cfg)
     model_bytes, batch = sum(work.stage_bytes), cfg.train.batch_size
     allreduce = run(cfg, "allreduce")
     assert allreduce.sync_bytes_per_sample == pytest.approx(2 * 1 / 2 * model_bytes / batch)
@@ -195,7 +195,7 @@ def test_on_a_slow_link_the_launcher_chooses_meetings_that_fit_the_wire_share():
     assert slow.sync.every > 1 and slow.sync.precision == "bf16"
     given = config(*SLOW, "sync.every=3")
     assert (given.sync.every, given.sync.precision) == (3, "bf16")
-    doc = simulator.run(slow, ["allreduce"])
+    doc = simulated_run.run(slow, ["allreduce"])
     every1 = run(config(*SLOW, "sync.every=1", "sync.precision=fp32"))
     assert doc["samples_per_s"] > 1.2 * every1.samples_per_s
     assert doc["fraction_of_limit"] >= 0.8, doc["fraction_of_limit"]

@@ -27,7 +27,7 @@ The figures:
   figures (a table of runs).
 """
 
-from sdpipe_cli.runtime.analysis.figures import (
+from sdpipe_cli.analysis.figures import (
     SAME_LOSS,
     analyse,
     consensus,
@@ -51,7 +51,7 @@ from sdpipe_cli.runtime.analysis.figures import (
     val_loss_curve,
     validation,
 )
-from sdpipe_cli.runtime.analysis.reading import (
+from sdpipe_cli.analysis.reading import (
     CHECKED,
     REQUIRED,
     SCHEMA,

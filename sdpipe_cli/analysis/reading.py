@@ -1,6 +1,6 @@
 """Reading ``metrics.jsonl``: its schema, the one reader, the lines' kinds and the run's clocks.
 
-Part of :mod:`sdpipe_cli.runtime.analysis` (import from there)."""
+Part of :mod:`sdpipe_cli.analysis` (import from there)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The figures derived from a run's metrics lines, each defined once (see the package's docstring).
 
-Part of :mod:`sdpipe_cli.runtime.analysis` (import from there)."""
+Part of :mod:`sdpipe_cli.analysis` (import from there)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from bisect import bisect_right
 from typing import Any, Iterable, Optional
 
 from sdpipe_cli.core import modes
-from sdpipe_cli.runtime.analysis.reading import (
+from sdpipe_cli.analysis.reading import (
     Line,
     by_time,
     first_iteration_began,
