@@ -64,6 +64,8 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
         cfg.pipeline.partition, blocks, stages, counts)
     models.check(cfg)
     cfg.plan = RunPlan.resolve(cfg, cluster).section()
+    if cfg.fault.on_slowdown == "replan":  # the leg after a re-plan goes on from this checkpoint
+        cfg.checkpoint.on_exit = True
     choice = simulated_run.resolve_meetings(cfg)  # sdpipe on slow links: how often replicas meet
     if cfg.sync.get("replay"):  # the recorded run must fit this one: before anything starts
         from sdpipe_cli.sync.replay import load as load_recorded

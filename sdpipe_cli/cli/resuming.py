@@ -42,7 +42,7 @@ RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_e
              "train.grad_clip", "train.on_nonfinite", "train.max_skipped",
              "run.timeout", "run.heartbeat_timeout", "run.port", "run.save_final",
              "checkpoint.every", "checkpoint.keep", "data.eval_batches", "data.num_workers",
-             "data.prefetch", "data.verify")
+             "data.prefetch", "data.verify", "fault.on_slowdown", "fault.slowed")
 # The layout, which a resume may change too: the checkpoint is resharded for it.
 _SPLIT = ("pipeline.stages", "pipeline.partition", "profile")
 LAYOUT = ("cluster=NAME", "cluster.*", *_SPLIT)

@@ -95,6 +95,14 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
         first = False
         replaced = while_reporting(result)
         preparing = replaced if preparing is None else preparing
+        replan = result.progress.get("replan") if result.returncode == 0 else None
+        if replan and not result.interrupted and result.run_dir is not None:
+            leg = _replanned_leg(console, result, replan, holder)
+            if leg is None:
+                break
+            run_cfg, run_dir = leg.cfg, result.run_dir
+            from_checkpoint, elapsed, done = leg.checkpoint, leg.elapsed, leg.done
+            continue
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
             break  # an interrupt is never restarted, nor a run stopped before its folder existed
@@ -114,6 +122,27 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
     finally:  # reported: what comes next (a sweep's next job) is preparing again
         for sig, handler in (preparing or {}).items():
             signal.signal(sig, handler)
+
+
+def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Holder):
+    """The leg after a launch that stopped to re-plan (``fault.on_slowdown=replan``): the run
+    goes on from the checkpoint its stop wrote, resharded to the new split, as ``sdpipe resume
+    RUN pipeline.partition=[...]`` would (the new split and the slowdowns measured so far are in
+    the next leg's config). None, with ``stopped`` saying why, when it cannot."""
+    from sdpipe_cli.core.errors import BadInput
+
+    partition = ",".join(str(int(b)) for b in replan["partition"])
+    slowed = ", ".join(f"{k}: {float(v)}" for k, v in replan.get("slowed", {}).items())
+    console.print(f"sdpipe: re-planning the split to [{partition}]: {replan.get('reason', '')}",
+                  markup=False, highlight=False, soft_wrap=True)
+    try:
+        return resuming.prepare(str(stopped.run_dir), [f"pipeline.partition=[{partition}]",
+                                                       f"fault.slowed={{{slowed}}}"],
+                                console, holder)
+    except (BadInput, CheckpointError) as err:
+        stopped.returncode = EXIT_FAILED
+        stopped.failure = f"the run stopped to re-plan but cannot go on: {err}"
+        return None
 
 
 def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, started_from):

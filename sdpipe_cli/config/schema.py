@@ -394,14 +394,17 @@ class FaultConfig:
     max_restarts: int = 3  # restarts in total over the run (of pipelines, or of the whole run)
     # seconds before a restart; doubled for a pipeline (or run) failing again within 60 s of its last
     restart_backoff: float = 1.0
-    # warn: time each worker's forwards and backwards, and name a device whose compute slows
-    # down during the run (a straggler line in metrics.jsonl and on the console, and one when it
-    # recovers); off: do not time them
+    # warn: time each worker's compute and name a device that slows down during the run (a
+    # straggler line in metrics.jsonl and on the console, one when it recovers); replan: also
+    # re-split by the measured speeds when that pays (the run stops at a consistent point and
+    # goes on from its checkpoint resharded; needs profile=); off: do not time them
     on_slowdown: str = "warn"
     # a device is a straggler once its compute time over its own start, relative to its peers'
     # (the same stage in the other pipelines), stays at this or above (docs/CLUSTERS.md)
     slowdown_threshold: float = 1.5
     slowdown_window: int = 5  # iterations whose median compute time a device is judged by
+    # written by sdpipe when it re-plans: devices earlier legs measured slower ("p2s1": 4.0)
+    slowed: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

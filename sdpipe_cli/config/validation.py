@@ -363,11 +363,29 @@ def _validate_fault(cfg: DictConfig) -> None:
          "or checkpoint.every_minutes")
     need(f.max_restarts >= 0, "fault.max_restarts", f"is {f.max_restarts}; must be >= 0")
     need(f.restart_backoff >= 0, "fault.restart_backoff", "must be >= 0 seconds")
-    need(f.on_slowdown in ("warn", "off"), "fault.on_slowdown",
-         f"is '{f.on_slowdown}'; choose warn or off")
+    need(f.on_slowdown in ("warn", "replan", "off"), "fault.on_slowdown",
+         f"is '{f.on_slowdown}'; choose warn, replan or off")
     need(f.slowdown_threshold > 1, "fault.slowdown_threshold",
          f"is {f.slowdown_threshold}; must be above 1 (a slowdown factor)")
     need(f.slowdown_window >= 1, "fault.slowdown_window", f"is {f.slowdown_window}; must be >= 1")
+    if f.on_slowdown == "replan":
+        _validate_replan(cfg)
+
+
+def _validate_replan(cfg: DictConfig) -> None:
+    """``fault.on_slowdown=replan``: the run stops at a consistent point, checkpoints, and goes
+    on resharded to the new split (the block times come from a profile)."""
+    y, key = cfg.sync, "fault.on_slowdown"
+    able = [n for n in names_with("checkpoints") if mode(n).stop_together]
+    need(mode(y.name).checkpoints and mode(y.name).stop_together, key,
+         f"replan goes on from a checkpoint where every replica stopped together: use "
+         f"sync={' or '.join(able)}, not {y.name}")
+    need(bool(cfg.profile), key, "replan re-splits by each block's measured time: give a "
+         "profile (profile=PATH, from `sdpipe profile`)")
+    need(cfg.pipeline.stages >= 2, key, "replan moves blocks between stages: needs "
+         "pipeline.stages >= 2")
+    need(not any(n.host for n in cfg.cluster.nodes), key, "replan across real nodes is not "
+         "supported yet; use warn")
 
 
 def _validate_cluster(cfg: DictConfig) -> None:

@@ -42,6 +42,7 @@ class Mode:
     meets: bool = False  # sync.every: replicas meet every H-th local step (slow links)
     low_precision: bool = False  # sync.precision: what is sent may be rounded to bfloat16
     sync_copies: int = 2  # flat copies of a stage's weights its sync keeps (the memory estimate)
+    paced_by_slowest: bool = False  # every round waits for the slowest pipeline (core.replan)
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
@@ -49,13 +50,14 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          group_policy=True, survives_loss=True, exchange="groups", shares_budget=True,
          meets=True, low_precision=True),
     Mode("allreduce", "every replica of a stage averages gradients every iteration",
-         restart_run=True),
+         restart_run=True, paced_by_slowest=True),
     Mode("ps", "a parameter server per stage, stale-synchronous", servers=True, checkpoints=False,
          stop_together=False, cuda=False, exchange="server", shares_budget=True),
-    Mode("adpsgd", "pairwise gossip of weights (AD-PSGD)", restart_run=True, exchange="pairs"),
+    Mode("adpsgd", "pairwise gossip of weights (AD-PSGD)", restart_run=True, exchange="pairs",
+         paced_by_slowest=True),  # through changing partners, everyone waits for the slowest
     Mode("diloco", "local steps, then an outer Nesterov step on the averaged change",
          restart_run=True, flushed_only=True, exchange="outer", low_precision=True,
-         sync_copies=3),  # its anchor and its outer momentum beside the all-reduce buffer
+         sync_copies=3, paced_by_slowest=True),  # its anchor and its outer momentum beside the all-reduce buffer
     Mode("none", "no sync: every pipeline trains its own replica", stop_together=False,
          exchange="local", sync_copies=0),
 )}

@@ -232,6 +232,11 @@ BAD = [
                  id="diloco-momentum-one"),
     pytest.param(["sync=diloco", "pipeline.schedule=async_1f1b"], "pipeline.schedule",
                  id="diloco-async"),
+    pytest.param(["fault.on_slowdown=sometimes"], "fault.on_slowdown", id="bad-on-slowdown"),
+    pytest.param(["fault.on_slowdown=replan"], "fault.on_slowdown", id="replan-without-profile"),
+    pytest.param(["fault.on_slowdown=replan", "sync=ps"], "fault.on_slowdown", id="replan-ps"),
+    pytest.param(["fault.on_slowdown=replan", "sync=none"], "fault.on_slowdown", id="replan-none"),
+    pytest.param(["fault.slowdown_threshold=1"], "fault.slowdown_threshold", id="threshold-one"),
 ]
 
 

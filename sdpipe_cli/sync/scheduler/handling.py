@@ -34,6 +34,7 @@ from sdpipe_cli.runtime.trackers import open_sinks
 from sdpipe_cli.sync.replay import load as load_recorded
 from sdpipe_cli.sync.scheduler.checkpoints import Checkpoints
 from sdpipe_cli.sync.scheduler.health import Health, WorkerHung
+from sdpipe_cli.sync.scheduler.replanning import Replanning
 
 __all__ = ["Scheduler", "WorkerHung", "PUBLISH_S"]
 
@@ -89,6 +90,9 @@ class Scheduler:
         self.tracker = RunTracker(P, S, plan.budget, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
         self.stragglers = StragglerWatch(cfg, plan) if cfg.fault.on_slowdown != "off" else None
+        self.replanning = Replanning(cfg, plan) if cfg.fault.on_slowdown == "replan" else None
+        self.replan: Optional[dict] = None  # the re-plan this leg stops for (the next leg's split)
+        self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
         # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
                          else None)
@@ -269,12 +273,33 @@ class Scheduler:
         line = self.tracker.update(record)
         if line is not None:
             self.metrics.write(line)
+        if self.first_step is None and event.type == "step":
+            self.first_step = self.clock() - self.began
         for line in self.stragglers.lines(record) if self.stragglers is not None else ():
             log.warning("slow device %s (pipeline %d, stage %d): %s", line["device"],
                         line["pipeline"], line["stage"], line["kind"])
             self.metrics.write(line)
             self.published = 0.0  # the console says so at the next event
+            if self.replanning is not None:
+                self._consider_replan(line)
         self.heals += event.type == "healed"
+
+    def _consider_replan(self, straggler: dict) -> None:
+        """``fault.on_slowdown=replan``: what the measured speeds call for, recorded either way;
+        when it pays, the run stops at its next consistent point (as a graceful stop does,
+        with a checkpoint) and the launcher goes on from there with the new split."""
+        done = sum(state.samples for state in self.tracker.state.values())
+        proposal = self.replanning.consider(straggler, done, self.first_step or 0.0)
+        if proposal is None:
+            return
+        where = {k: straggler[k] for k in ("device", "pipeline", "stage")}
+        self.metrics.write({"kind": "replan", "time": round(time.time() - self.t0, 4), **where,
+                            **proposal.record()})
+        log.warning("re-plan after %s: %s", straggler["device"], proposal.reason)
+        if proposal.go:
+            self.replan = {"partition": proposal.bounds, "reason": proposal.reason,
+                           "slowed": self.replanning.slowed_now()}
+            self.events.set(store.STOP_REQUESTED, "1")
 
     def _policy(self):
         """The group policy; an sdpipe event in a run without one cannot come from this run."""
@@ -397,6 +422,8 @@ class Scheduler:
             summary["scheduler_restarts"] = self.scheduler_restarts
         if self.stragglers is not None:
             summary["stragglers"] = self.stragglers.current()
+        if self.replan is not None:
+            summary["replan"] = self.replan
         if self.policy is not None or self.recorded is not None:
             summary["rounds"] = self.rounds
             summary["mean_group_size"] = (sum(self.group_sizes) / len(self.group_sizes)

@@ -1,0 +1,95 @@
+"""``fault.on_slowdown=replan`` in the scheduler, on a real TCPStore with an injected clock: a
+device named slow leads to a ``replan`` line either way, and only where moving pays to a stop
+request and the next leg's split in the progress snapshot."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.validation import validate
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.runtime import store
+from sdpipe_cli.sync.scheduler.handling import Scheduler
+from tests.helpers import event, make_doc, metrics
+
+P, S, BLOCKS = 2, 2, 6
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def scheduler(tmp_path, sync: str, *overrides: str):
+    doc = make_doc({"n:0": (1.0, [3.0] * BLOCKS)}, model="mlp")
+    doc["model"]["block_params"] = [1000] * BLOCKS
+    (tmp_path / "profile.json").write_text(json.dumps(doc))
+    cfg = compose(["model=mlp", "data=synthetic", f"sync={sync}", f"cluster.pipelines={P}",
+                   f"pipeline.stages={S}", "train.steps=1000", "pipeline.partition=[3]",
+                   "cluster.emulation=modelled", f"profile={tmp_path / 'profile.json'}",
+                   "cluster.nodes=[{name: n, devices: [{}, {}, {}, {}]}]",
+                   "fault.on_slowdown=replan", *overrides])
+    validate(cfg)
+    cfg.run.dir = str(tmp_path)
+    cfg.plan = RunPlan.resolve(cfg).section()
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    clock = Clock()
+    events = store.namespace(master)
+    return Scheduler(cfg, tmp_path, events, clock=clock), events, clock, master
+
+
+def steps(sched, clock, first: int, last: int, slow: dict[int, float]):
+    """Iterations first..last of every worker; rank r's compute is 0.1 s times ``slow[r]``."""
+    for k in range(first, last + 1):
+        clock.t += 1.0
+        for r in range(P * S):
+            sched.handle(event(type="step", rank=r, pipeline=r // S, stage=r % S, step=k,
+                               samples=16 * k, samples_per_s=10.0, step_s=0.6, loss=2.0,
+                               time=clock.t, busy_s=0.1 * slow.get(r, 1.0)))
+
+
+@pytest.mark.parametrize("sync, go", [("allreduce", True), ("sdpipe", False)])
+def test_a_slow_device_is_replanned_only_where_it_pays(tmp_path, sync, go):
+    sched, events, clock, _ = scheduler(tmp_path, sync)
+    for r in range(P * S):
+        sched.handle(event(type="start", rank=r, pipeline=r // S, stage=r % S, pid=1, time=0.0))
+    steps(sched, clock, 1, 12, {})
+    steps(sched, clock, 13, 30, {1: 4.0})  # pipeline 0's stage 1 (device n:1) at a quarter
+    sched.metrics.close()
+    named = metrics(tmp_path, "straggler")
+    assert [(m["device"], m["pipeline"], m["stage"]) for m in named] == [("n:1", 0, 1)]
+    [line] = metrics(tmp_path, "replan")
+    assert line["device"] == "n:1" and line["partition"] == [3] and line["go"] is go
+    # 3 blocks at 4x on the slow stage: it keeps 1 block and the other stage takes 5
+    assert line["proposed"] == [5]
+    assert events.check([store.STOP_REQUESTED]) is go
+    summary = sched.summary()
+    if go:  # lock-step: the slowest pipeline is everyone's pace, 36 ms -> 15 ms a micro-batch
+        assert line["rate_new"] == pytest.approx(line["rate_now"] * 36 / 15, rel=1e-3)
+        assert summary["replan"]["partition"] == [5]
+        assert summary["replan"]["slowed"] == {"p0s1": pytest.approx(4.0, rel=0.01)}
+    else:  # sdpipe: the sum of the pipelines' paces would drop (the fast one slows down)
+        assert line["rate_new"] < line["rate_now"] and "sum of the pipelines'" in line["reason"]
+        assert "replan" not in summary
+
+
+def test_a_second_leg_starts_from_the_slowdowns_measured_before(tmp_path):
+    """The leg after a re-plan knows device n:1 at a quarter (``fault.slowed``): its split is
+    the one those speeds call for, so nothing more is proposed when another device slows a
+    little; the measured factors carry on into the next leg's record."""
+    sched, events, clock, _ = scheduler(tmp_path, "allreduce", "pipeline.partition=[5]",
+                                        "+fault.slowed.p0s1=4.0")
+    steps(sched, clock, 1, 12, {})
+    steps(sched, clock, 13, 30, {3: 2.0})  # pipeline 1's stage 1 at half speed
+    sched.metrics.close()
+    [line] = metrics(tmp_path, "replan")
+    assert line["partition"] == [5] and line["go"] is False
+    assert not events.check([store.STOP_REQUESTED])
