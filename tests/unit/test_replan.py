@@ -45,11 +45,13 @@ def test_sdpipe_declines_a_split_that_slows_the_other_pipelines_more():
     assert "sum of the pipelines'" in proposal.reason
 
 
-def test_sdpipe_replans_when_every_replica_of_a_stage_slowed():
-    block_ms = speeds({(p, 1): 0.25 for p in range(P)})  # a node of stage-1 devices, all slower
+def test_sdpipe_replans_when_half_of_the_pipelines_slowed_on_one_stage():
+    block_ms = speeds({(0, 1): 0.25, (2, 1): 0.25})  # two of the four stage-1 devices
     proposal = propose(block_ms, uniform(BLOCKS, S), M, BATCH, lock_step=False,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
-    assert proposal.go and proposal.rate_new == pytest.approx(16 / 5 * proposal.rate_now)
+    # now: two pipelines at 16 ms a micro-batch, two at 4; after: all four at 5
+    assert proposal.go
+    assert proposal.rate_new == pytest.approx(proposal.rate_now * (4 / 5) / (2 / 16 + 2 / 4))
 
 
 def test_no_replan_when_the_split_is_already_right_or_moving_costs_more():

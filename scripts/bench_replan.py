@@ -1,0 +1,155 @@
+"""Re-planning the split after a device slows down (``fault.on_slowdown=replan``): what it gains
+and what it costs, against the same run without it and a run planned for the slow device from
+its start.
+
+Run it from the repository root::
+
+    python scripts/bench_replan.py --out runs/bench-replan                # 3 seeds, ~20 min
+    python scripts/bench_replan.py --out /tmp/r --seeds 0 --steps 60      # a smoke test
+
+P=4 pipelines of S=4 stages of a 16-block model (``model=mlp model.n_layers=14``), compute
+modelled from a profile (every block ``--block-ms`` forward, twice that backward), so a stage's
+cost follows its blocks. Device ``local:9`` (pipeline 2, stage 1) slows to speed 0.25 at
+``--at`` seconds of the run clock. Per seed and sync mode:
+
+* ``warn``: the slowdown is named, nothing moves;
+* ``replan``: the run re-plans if the measured speeds say it pays;
+* ``planned``: the device is slow from the start and the split is the one ``replan`` would
+  choose (the partitioner of ``partition=auto`` at those speeds), given from the start.
+
+Columns: the slow device's pipeline's samples/s after the slowdown (from ``--at`` + 20 s on the
+run clock to the end; ``replan``'s second leg after its restart), the run's samples/s over the
+same span and over the whole run, the final training loss (mean over pipelines' last 10
+iterations: equal budgets), and the ``replan`` line's decision.
+
+Prints markdown tables; with ``--markdown PATH`` also writes them, stamped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402  (sibling modules, not a package)
+from _runner import run_sdpipe  # noqa: E402
+
+from sdpipe_cli import analysis  # noqa: E402
+from sdpipe_cli.core.partition import uniform  # noqa: E402
+from sdpipe_cli.core.replan import propose  # noqa: E402
+
+P, S, BLOCKS, MICROBATCHES, BATCH = 4, 4, 16, 4, 16
+DEVICE, PIPELINE, STAGE, SPEED = "local:9", 2, 1, 0.25
+BASE = ["model=mlp", "model.n_layers=14", "data=synthetic", f"cluster.pipelines={P}",
+        f"pipeline.stages={S}", "train.eval_every=0", "cluster.emulation=modelled"]
+
+
+def write_profile(out: Path, block_ms: float) -> Path:
+    """A profile of one device at speed 1 (every other device takes its times)."""
+    doc = {"format": "sdpipe-profile/1", "created": "2026-12-05T00:00:00", "torch": "-",
+           "model": {"name": "mlp", "blocks": BLOCKS, "microbatch_size": BATCH // MICROBATCHES,
+                     "block_params": [70_000] * BLOCKS},
+           "cluster": {"name": "bench"}, "p2p": [], "allreduce": [],
+           "devices": [{"name": "local:0", "node": "local", "speed": 1.0, "rank": 0,
+                        "pipeline": 0, "stage": 0, "forward_ms": [block_ms] * BLOCKS,
+                        "backward_ms": [2 * block_ms] * BLOCKS, "peak_memory_mb": 1.0,
+                        "memory_source": "rss"}]}
+    path = out / "profile.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def planned_split(block_ms: float, lock_step: bool) -> list[int]:
+    """The split the partitioner gives at these speeds (what ``replan`` proposes)."""
+    per = 3 * block_ms
+    speeds = [[[per / (SPEED if (p, s) == (PIPELINE, STAGE) else 1.0)] * BLOCKS for s in range(S)]
+              for p in range(P)]
+    return propose(speeds, uniform(BLOCKS, S), MICROBATCHES, BATCH, lock_step, 1e9, 0.0, 0.0).bounds
+
+
+def rate_after(lines: list[dict], since: float, pipelines: list[int]) -> float | None:
+    """Samples/s of ``pipelines`` from run-clock ``since`` to their last train line."""
+    total = 0.0
+    for p in pipelines:
+        mine = sorted((m["time"], m["samples"]) for m in lines
+                      if m["kind"] == "train" and m["pipeline"] == p and m["time"] >= since)
+        if len(mine) < 2:
+            return None
+        total += (mine[-1][1] - mine[0][1]) / (mine[-1][0] - mine[0][0])
+    return total
+
+
+def final_loss(lines: list[dict]) -> float:
+    last = {}
+    for m in lines:
+        if m["kind"] == "train" and m.get("loss") is not None:
+            last.setdefault(m["pipeline"], []).append(m["loss"])
+    return statistics.mean(statistics.mean(v[-10:]) for v in last.values())
+
+
+def one(out: Path, name: str, overrides: list[str], timeout: float) -> list[dict]:
+    run = out / name
+    code, _ = run_sdpipe([f"run.dir={run}", *BASE, *overrides], out / f"{name}.log", timeout)
+    if code != 0:
+        raise SystemExit(f"{name} failed (exit {code}): see {out / (name + '.log')}")
+    return analysis.read_metrics(run / "metrics.jsonl")
+
+
+def row(name: str, lines: list[dict], since: float) -> dict:
+    replans = [m for m in lines if m["kind"] == "replan"]
+    return {"run": name,
+            "slow pipeline after": _report.rate(rate_after(lines, since, [PIPELINE])),
+            "run after": _report.rate(rate_after(lines, since, list(range(P)))),
+            "run, whole": _report.rate(analysis.samples_per_s(lines)),
+            "final loss": _report.loss(final_loss(lines)),
+            "replan": ", ".join(f"{m['partition']}->{m['proposed']} "
+                                f"{'go' if m['go'] else 'no'}" for m in replans) or "-"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--syncs", default="allreduce,sdpipe")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--block-ms", type=float, default=2.5)
+    parser.add_argument("--at", type=float, default=20.0, help="run-clock seconds of the slowdown")
+    parser.add_argument("--timeout", type=float, default=1200)
+    _report.add_markdown_option(parser)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile = write_profile(args.out, args.block_ms)
+
+    def slow(at: float) -> str:
+        return f"cluster.changes=[{{device: '{DEVICE}', speed: {SPEED}, start: {at}}}]"
+
+    tables = []
+    for sync in [s for s in args.syncs.split(",") if s]:
+        lock_step = sync != "sdpipe"
+        split = planned_split(args.block_ms, lock_step)
+        rows = []
+        for seed in [int(s) for s in args.seeds.split(",") if s]:
+            common = [f"sync={sync}", f"train.steps={args.steps}", f"train.seed={seed}",
+                      f"profile={profile}"]
+            for name, extra in (
+                    ("warn", [slow(args.at)]),
+                    ("replan", [slow(args.at), "fault.on_slowdown=replan"]),
+                    ("planned", [slow(0.0), f"pipeline.partition={split}"])):
+                label = f"{sync}-{name}-seed{seed}"
+                lines = one(args.out, label, [*common, *extra], args.timeout)
+                since = 0.0 if name == "planned" else args.at + 20.0
+                rows.append(row(label, lines, since))
+                print(json.dumps(rows[-1]), flush=True)
+        tables.append(f"### sync={sync} (planned split {split})\n\n" + _report.rows_table(rows))
+    body = "\n\n".join(tables) + "\n"
+    print(body)
+    if args.markdown:
+        _report.write_markdown(args.markdown, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
