@@ -214,6 +214,17 @@ def simulation_table(doc: dict, steps: int) -> None:
                       _bytes(row.get("sync_bytes_per_sample") or 0.0),
                       f"{100 * (row.get('comm_share') or 0.0):.0f}%")
     Console().print(table)  # on stdout, unlike everything else here: the result itself
+    replan = doc.get("replan")
+    if replan:  # fault.on_slowdown=replan: the run with its slowdown, as it goes and re-planned
+        verdict = (f"re-planned {replan['partition']} -> {replan['proposed']} at "
+                   f"{replan['switch_s']:.0f} s" if replan["go"] else
+                   f"not re-planned ({replan['reason']})")
+        Console().print(f"{replan['device']} slows to speed {replan['speed']:g} at "
+                        f"{replan['at']:g} s: {verdict}; the budget takes "
+                        f"{replan['with_s']:.1f} s against {replan['without_s']:.1f} s "
+                        f"({replan['with_samples_per_s']:.1f} against "
+                        f"{replan['without_samples_per_s']:.1f} samples/s)",
+                        highlight=False, soft_wrap=True)
 
 
 def summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:

@@ -31,6 +31,7 @@ from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.core.simulation import MODES, Result, Workload, simulate
 from sdpipe_cli.data import sources
+from sdpipe_cli.hetero.simulated_replan import replanned
 from sdpipe_cli.model import models
 
 __all__ = ["workload", "run", "FORMAT"]
@@ -184,6 +185,9 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
            "stages": cfg.pipeline.stages, "solo_samples_per_s": solo.solo_rates(),
            "compare": rows[1:], "simulated_in_s": time.perf_counter() - started,
            "config": OmegaConf.to_container(cfg, resolve=True)}
+    replan = replanned(cfg, workload)  # fault.on_slowdown=replan with a device that slows
+    if replan is not None:
+        doc["replan"] = replan
     return doc
 
 

@@ -216,3 +216,43 @@ def test_with_healing_on_slow_links_meetings_stay_in_float32():
     float32, never bf16."""
     cfg = config(*SLOW, "fault.on_pipeline_loss=restart")
     assert cfg.sync.every > 1 and cfg.sync.precision == "fp32"
+
+
+def _replan_config(tmp_path, sync: str, *overrides: str):
+    import json
+
+    from tests.helpers import make_doc
+
+    doc = make_doc({"local:0": (1.0, [2.0] * 16)}, model="mlp")
+    doc["model"]["block_params"] = [1000] * 16
+    (tmp_path / "profile.json").write_text(json.dumps(doc))
+    base = [b for b in BASE if not b.startswith("cluster.compute_ms")]
+    cfg = compose([*base, "model.n_layers=14", f"sync={sync}", "cluster.pipelines=4",
+                   "pipeline.stages=4", "train.steps=300", "cluster.emulation=modelled",
+                   f"profile={tmp_path / 'profile.json'}", "fault.on_slowdown=replan",
+                   "cluster.changes=[{device: 'local:9', speed: 0.25, start: 30.0}]", *overrides])
+    validate(cfg)
+    return prepare(cfg)[0]
+
+
+def test_a_simulated_replan_of_a_lock_step_run_finishes_the_budget_sooner(tmp_path):
+    """allreduce waits for pipeline 2, whose stage 1 (device local:9) drops to a quarter at 30 s:
+    re-split [4, 8, 12] -> [5, 6, 11] a few iterations later, the rest of the budget goes faster,
+    restart included."""
+    replan = simulated_run.run(_replan_config(tmp_path, "allreduce"))["replan"]
+    assert (replan["device"], replan["pipeline"], replan["stage"]) == ("local:9", 2, 1)
+    assert replan["go"] and replan["partition"] == [4, 8, 12] and replan["proposed"] == [5, 6, 11]
+    assert 30.0 < replan["switch_s"] < 35.0
+    assert replan["with_s"] < replan["without_s"]
+    assert replan["with_samples_per_s"] > 1.15 * replan["without_samples_per_s"]
+
+
+def test_a_simulated_sdpipe_run_with_one_slow_device_is_not_replanned(tmp_path):
+    replan = simulated_run.run(_replan_config(tmp_path, "sdpipe"))["replan"]
+    assert not replan["go"] and replan["with_s"] == replan["without_s"]
+    assert "sum of the pipelines'" in replan["reason"]
+
+
+def test_no_replan_section_without_a_slowdown(tmp_path):
+    assert "replan" not in simulated_run.run(_replan_config(tmp_path, "allreduce",
+                                                           "cluster.changes=[]"))

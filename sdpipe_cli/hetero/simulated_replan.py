@@ -1,0 +1,113 @@
+"""``sdpipe simulate`` with ``fault.on_slowdown=replan``: the run with a device that slows down
+(``cluster.changes``), as it goes with the split it has and as it would go re-planned.
+
+The simulator (:mod:`sdpipe_cli.core.simulation`) runs one split, so the re-planned run is
+joined from phases, each simulated:
+
+1. until the change, the run at the speeds before it (the change left out);
+2. the device named slow after the detector's verdict, ``2 x (window // 2 + 1) - 1`` of its
+   pipeline's iterations at the slow speed plus the warm-up it needs when the change comes first
+   (:mod:`sdpipe_cli.core.slowdowns`), then one more to stop at a consistent point;
+3. the proposal of :func:`sdpipe_cli.core.replan.propose` at those speeds; if it goes, moving
+   (``RESTART_S`` of start-up, the real run measures its own, plus the checkpoint written and
+   read back), then the rest of the budget with the new split and the device slow.
+
+Without re-planning, the run is simulated as configured (the change where it is). Both are
+reported in ``simulation.json``'s ``replan`` with the proposal; the console prints one line.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli.config import measurements
+from sdpipe_cli.core.grouping import make_policy
+from sdpipe_cli.core.modes import mode
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.replan import propose
+from sdpipe_cli.core.simulation import Result, simulate
+
+__all__ = ["replanned", "RESTART_S"]
+
+RESTART_S = 10.0  # the start-up a simulated restart costs (a real run measures its own)
+FLOAT_BYTES = 4
+
+
+def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
+    """The ``replan`` section of ``simulation.json`` for a prepared ``cfg`` (None: nothing to
+    re-plan); ``work_of(cfg, plan)``: its simulated workload."""
+    if cfg.fault.on_slowdown != "replan" or not cfg.cluster.changes:
+        return None
+    plan = RunPlan.of(cfg)
+    change = _first_slowdown(plan)
+    if change is None:
+        return None
+    (p, s), before, after, at = change
+    without = _run(cfg, plan, work_of)
+    speeds_before = _run(_changes(cfg, []), plan, work_of)
+    slow_cfg = _changes(cfg, [{"device": plan.cluster.device(p, s).name, "speed": after,
+                               "start": 0.0, "end": None}])
+    slow = _run(slow_cfg, plan, work_of)
+    batch = int(cfg.train.batch_size)
+    budget = plan.budget * batch
+    iteration = slow.finished_at[p] / max(slow.iterations[p], 1)  # the slowed pipeline's
+    window = int(cfg.fault.slowdown_window)
+    verdict = (2 * (window // 2 + 1) - 1 + 1) * iteration  # the detector, then the stop
+    switch = at + verdict
+    done = min(budget, _rate(speeds_before) * at + _rate(slow) * verdict)
+    doc = measurements.load(cfg.profile)
+    base = measurements.worker_block_ms(doc, plan.cluster, list(cfg.cluster.slowdown))
+    block_ms = [[[t * (before / after if (q, r) == (p, s) else 1.0) for t in row]
+                 for r, row in enumerate(rows)] for q, rows in enumerate(base)]
+    t = cfg.train
+    slots = 2 if t.optimizer == "adamw" else (1 if t.momentum else 0)
+    state = sum(doc["model"].get("block_params") or []) * FLOAT_BYTES * (1 + slots) * plan.pipelines
+    proposal = propose(block_ms, list(cfg.pipeline.partition), int(cfg.pipeline.microbatches),
+                       batch, mode(cfg.sync.name).paced_by_slowest, budget - done, RESTART_S,
+                       state)
+    out = {"device": plan.cluster.device(p, s).name, "pipeline": p, "stage": s, "at": at,
+           "speed": after, **proposal.record(), "without_s": without.wall_s,
+           "without_samples_per_s": without.samples_per_s}
+    if not proposal.go:
+        return {**out, "with_s": without.wall_s, "with_samples_per_s": without.samples_per_s}
+    moved = OmegaConf.create(OmegaConf.to_container(slow_cfg, resolve=True))
+    moved.pipeline.partition = proposal.bounds
+    rest = _run(moved, plan, work_of)
+    with_s = switch + proposal.move_s + (budget - done) / _rate(rest)
+    return {**out, "switch_s": switch, "with_s": with_s, "with_samples_per_s": budget / with_s}
+
+
+def _first_slowdown(plan: RunPlan):
+    """((pipeline, stage), speed before, speed after, start) of the first change that slows a
+    device of the run; None without one."""
+    cluster = plan.cluster
+    where = {cluster.device(p, s).name: (p, s) for p in range(plan.pipelines)
+             for s in range(plan.stages)}
+    for change in sorted(cluster.changes, key=lambda c: c.start):
+        if change.device not in where:
+            continue
+        before = cluster.speed(cluster.devices[change.device], max(0.0, change.start - 1e-9))
+        if change.start > 0 and change.speed < before:
+            return where[change.device], before, change.speed, change.start
+    return None
+
+
+def _changes(cfg: DictConfig, changes: list) -> DictConfig:
+    other = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    other.cluster.changes = changes
+    return other
+
+
+def _run(cfg: DictConfig, plan: RunPlan, work_of) -> Result:
+    variant = RunPlan.of(cfg)  # the cluster of this variant's changes
+    policy = None
+    if mode(cfg.sync.name).group_policy:
+        def policy(clock):
+            return make_policy(cfg, variant, clock, evaluations=False)
+    return simulate(work_of(cfg, variant), cfg.sync.name, policy)
+
+
+def _rate(result: Result) -> float:
+    return result.samples_per_s
