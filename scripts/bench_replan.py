@@ -22,6 +22,10 @@ run clock to the end; ``replan``'s second leg after its restart), the run's samp
 same span and over the whole run, the final training loss (mean over pipelines' last 10
 iterations: equal budgets), and the ``replan`` line's decision.
 
+``--resume-check``: one ``allreduce`` run with ``replan`` and ``checkpoint.every``, resumed
+(``sdpipe resume``, into a new folder) from its first checkpoint after the re-plan: the losses of
+every iteration after it, compared with the first run's.
+
 Prints markdown tables; with ``--markdown PATH`` also writes them, stamped.
 """
 
@@ -35,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
-from _runner import run_sdpipe  # noqa: E402
+from _runner import run_command, run_sdpipe  # noqa: E402
 
 from sdpipe_cli import analysis  # noqa: E402
 from sdpipe_cli.core.partition import uniform  # noqa: E402
@@ -109,6 +113,37 @@ def row(name: str, lines: list[dict], since: float) -> dict:
                                 f"{'go' if m['go'] else 'no'}" for m in replans) or "-"}
 
 
+def resume_check(out: Path, profile: Path, steps: int, at: float, timeout: float) -> str:
+    """A re-planned run resumed after its re-plan: the same losses, bit for bit?"""
+    first = out / "resume-first"
+    lines = one(out, "resume-first", ["sync=allreduce", f"train.steps={steps}",
+                                      f"profile={profile}", "checkpoint.every=10",
+                                      "checkpoint.keep=0", "fault.on_slowdown=replan",
+                                      f"cluster.changes=[{{device: '{DEVICE}', speed: {SPEED}, "
+                                      f"start: {at}}}]"], timeout)
+    moved = [m for m in lines if m["kind"] == "replan" and m["go"]]
+    resumed = [m for m in lines if m["kind"] == "resume"]
+    if not moved or not resumed:
+        return "resume check: the run did not re-plan (slowdown before the baseline, or too late)"
+    after = [m["step"] for m in lines if m["kind"] == "checkpoint"
+             and m["time"] > resumed[0]["time"] and m["step"] < steps]
+    if not after:
+        return "resume check: no checkpoint after the re-plan"
+    again = out / "resume-again"
+    run_command("resume", [str(first / "checkpoints" / f"step_{after[0]}"), f"run.dir={again}"],
+                out / "resume-again.log", timeout).check("the resume")
+
+    def tail(run: Path) -> dict:
+        return {(m["pipeline"], m["step"]): m["loss"] for m in
+                analysis.read_metrics(run / "metrics.jsonl")
+                if m["kind"] == "train" and m["step"] > after[0]}
+    a, b = tail(first), tail(again)
+    same = a == b and len(a) == P * (steps - after[0])
+    return (f"resume check: re-planned {moved[0]['partition']} -> {moved[0]['proposed']}, resumed "
+            f"from step_{after[0]}: {len(b)} losses after it, "
+            f"{'identical bit for bit' if same else 'DIFFERENT'} to the first run's")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -118,10 +153,15 @@ def main() -> int:
     parser.add_argument("--block-ms", type=float, default=2.5)
     parser.add_argument("--at", type=float, default=20.0, help="run-clock seconds of the slowdown")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--resume-check", action="store_true",
+                        help="only check that a re-planned run resumes bit-exactly")
     _report.add_markdown_option(parser)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     profile = write_profile(args.out, args.block_ms)
+    if args.resume_check:
+        print(resume_check(args.out, profile, args.steps, args.at, args.timeout))
+        return 0
 
     def slow(at: float) -> str:
         return f"cluster.changes=[{{device: '{DEVICE}', speed: {SPEED}, start: {at}}}]"
