@@ -16,8 +16,9 @@ ALLREDUCE = ("sync=allreduce", "model=mlp", "data=synthetic", "train.steps=20", 
 
 
 @pytest.fixture(scope="session")
-def allreduce_run(tmp_path_factory):
-    """The finished all-reduce run (read-only: copy it before changing anything)."""
+def allreduce_2x2_run(tmp_path_factory):
+    """The finished all-reduce run: 1F1B, P = S = 2, 20 steps, checkpoints at 10 and 20
+    (read-only: copy it before changing anything)."""
     run_dir = tmp_path_factory.mktemp("allreduce") / "run"
     out = sdpipe("train", f"run.dir={run_dir}", *ALLREDUCE)
     leftovers = kill_leftovers(run_dir)

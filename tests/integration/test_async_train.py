@@ -68,7 +68,7 @@ def test_async_sdpipe_syncs_every_update_and_ends_on_a_drained_global(run_dir, v
 
 
 @pytest.fixture(scope="module")
-def allreduce_run(tmp_path_factory):
+def async_allreduce_run(tmp_path_factory):
     """Async 1F1B with a gradient all-reduce per update, 12 steps, checkpoints at 6 and 12."""
     run_dir = tmp_path_factory.mktemp("async") / "run"
     out = sdpipe("train", f"run.dir={run_dir}", "sync=allreduce", "train.steps=12",
@@ -78,29 +78,29 @@ def allreduce_run(tmp_path_factory):
     return run_dir
 
 
-def test_async_allreduce_keeps_replicas_identical(allreduce_run):
-    d = digests(allreduce_run)
+def test_async_allreduce_keeps_replicas_identical(async_allreduce_run):
+    d = digests(async_allreduce_run)
     assert len(d) == 4 and d[(0, 0)] == d[(1, 0)] and d[(0, 1)] == d[(1, 1)]
-    assert {x["steps"] for x in metrics(allreduce_run, "done")} == {12}
-    assert [c["step"] for c in metrics(allreduce_run, "checkpoint")] == [6, 12]
-    check_stash(allreduce_run)
+    assert {x["steps"] for x in metrics(async_allreduce_run, "done")} == {12}
+    assert [c["step"] for c in metrics(async_allreduce_run, "checkpoint")] == [6, 12]
+    check_stash(async_allreduce_run)
 
 
-def test_async_resume_reproduces_the_losses_exactly(allreduce_run, tmp_path):
+def test_async_resume_reproduces_the_losses_exactly(async_allreduce_run, tmp_path):
     """Checkpoints are taken at drained points, so they hold no stashed weights; resuming starts a
     new segment there and gives the losses of the run that never stopped, bit for bit."""
     copy = tmp_path / "copy"
-    shutil.copytree(allreduce_run, copy)
+    shutil.copytree(async_allreduce_run, copy)
     shutil.rmtree(copy / "checkpoints" / "step_12")
     before = len(metrics(copy))
     out = sdpipe("resume", str(copy))
     assert out.returncode == 0, out.stderr
-    losses = {(m["pipeline"], m["step"]): m["loss"] for m in metrics(allreduce_run, "train")}
+    losses = {(m["pipeline"], m["step"]): m["loss"] for m in metrics(async_allreduce_run, "train")}
     resumed = {(m["pipeline"], m["step"]): m["loss"] for m in metrics(copy)[before:]
                if m["kind"] == "train"}
     assert sorted(resumed) == [(p, k) for p in (0, 1) for k in range(7, 13)]
     assert all(resumed[key] == losses[key] for key in resumed)
-    assert digests(copy) == digests(allreduce_run)
+    assert digests(copy) == digests(async_allreduce_run)
 
 
 @pytest.mark.parametrize("sync", ["adpsgd", "ps"])

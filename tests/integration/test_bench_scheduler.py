@@ -9,8 +9,11 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from tests.helpers import REPO, finish
+
+pytestmark = pytest.mark.multiprocess
 
 MARK = "SDPIPE_BENCH_SCHEDULER_TEST"  # in the environment of every process the script starts
 

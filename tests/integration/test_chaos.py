@@ -8,10 +8,14 @@ import importlib
 import random
 import sys
 
+import pytest
+
 from tests.helpers import REPO, finish, metrics, sdpipe_popen
 
 sys.path.insert(0, str(REPO / "scripts"))
 chaos = importlib.import_module("chaos")
+
+pytestmark = pytest.mark.multiprocess
 
 P, S, STEPS = 3, 2, 40
 

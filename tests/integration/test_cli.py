@@ -155,7 +155,6 @@ def test_foreign_host_is_refused_before_torch_is_imported(capsys):
 @pytest.mark.parametrize("override, key", [
     ("model=huge", "model: no option 'huge'"),
     ("cluster.links.same_node.latency_ms=-1", "cluster.links.same_node.latency_ms: must be >= 0"),
-    ("cluster.pipelines=0", "cluster.pipelines: must be at least 1"),
     ("fault.on_failure=restart sync=none checkpoint.every=5",
      "fault.on_failure: restart is for lock-step sync (allreduce, adpsgd, diloco), not sync=none"),
     ("fault.on_failure=restart sync=allreduce",
@@ -168,7 +167,8 @@ def test_foreign_host_is_refused_before_torch_is_imported(capsys):
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, key):
     """Each check by ``main()`` in this process (the same code, without an interpreter's start
-    per case); the next test shows the exit code of a process of its own."""
+    per case); the next test shows the exit code of a process of its own (with
+    ``cluster.pipelines=0``, which is therefore not in this list)."""
     out = sdpipe("profile", f"run.dir={tmp_path / 'never'}", *override.split(), timeout=60)
     assert out.returncode == 2
     assert out.stderr.startswith(f"sdpipe: error: {key}"), out.stderr
@@ -196,6 +196,7 @@ def test_cfg_prints_without_starting_anything(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.multiprocess
 def test_an_interrupt_after_the_run_ended_keeps_its_exit_code(tmp_path, monkeypatch):
     """SIGTERM while sdpipe prints the summary of a finished run: the run is done and nothing is
     running, so the exit code is the run's (0), with one line saying so, not an interrupted
@@ -212,6 +213,7 @@ def test_an_interrupt_after_the_run_ended_keeps_its_exit_code(tmp_path, monkeypa
     assert (tmp_path / "run" / "summary.json").is_file()
 
 
+@pytest.mark.multiprocess
 def test_the_status_line_says_each_step_of_the_start_up(tmp_path, monkeypatch):
     """Until training reports, the bar's label says what the launch waits for."""
     from sdpipe_cli.cli import display

@@ -248,20 +248,21 @@ P4S2 = ("model=mlp", "data=synthetic", "cluster.pipelines=4", "pipeline.stages=2
 
 
 @pytest.fixture(scope="module")
-def allreduce_run(tmp_path_factory):
-    """The reference: gradient all-reduce, AdamW, default clipping (shared by two tests)."""
+def allreduce_4x2_run(tmp_path_factory):
+    """The reference: gradient all-reduce on P = 4, S = 2, AdamW, default clipping (shared by
+    three tests)."""
     run_dir = tmp_path_factory.mktemp("allreduce") / "run"
     out = sdpipe("train", f"run.dir={run_dir}", "sync=allreduce", *P4S2)
     assert out.returncode == 0, out.stderr
     return run_dir
 
 
-def _learns_like_allreduce_and_ends_identical(run_dir, allreduce_run) -> None:
+def _learns_like_allreduce_and_ends_identical(run_dir, allreduce_4x2_run) -> None:
     """P4S2: the loss falls as all-reduce's does (final val within 10 %), the budget is exact
     (4 x 20 pipeline-iterations) and the final global sync leaves every replica of a stage
     identical."""
     first = [m["loss"] for m in metrics(run_dir, "train") if m["step"] == 1]
-    val = {"sdpipe": _final_val(run_dir), "allreduce": _final_val(allreduce_run)}
+    val = {"sdpipe": _final_val(run_dir), "allreduce": _final_val(allreduce_4x2_run)}
     assert val["sdpipe"] < min(first) - 1.0
     assert val["sdpipe"] < val["allreduce"] * 1.1, val
     done = metrics(run_dir, "done")
@@ -270,7 +271,7 @@ def _learns_like_allreduce_and_ends_identical(run_dir, allreduce_run) -> None:
     assert sum(d["steps"] for d in done if d["stage"] == 0) == 4 * 20
 
 
-def test_full_groups_reproduce_allreduce(allreduce_run, tmp_path):
+def test_full_groups_reproduce_allreduce(allreduce_4x2_run, tmp_path):
     """sync.average=weights_grads with a full group every round (connect_every=1) takes exactly
     all-reduce's steps, AdamW and clipping included: the same loss at every step, and the
     replicas never drift (consensus 0 at every global sync). They start alike and stay alike, so
@@ -279,7 +280,7 @@ def test_full_groups_reproduce_allreduce(allreduce_run, tmp_path):
     out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.connect_every=1",
                  "sync.global_every=5", *P4S2)
     assert out.returncode == 0, out.stderr
-    ours, reference = _losses(run_dir), _losses(allreduce_run)
+    ours, reference = _losses(run_dir), _losses(allreduce_4x2_run)
     assert ours.keys() == reference.keys() and len(ours) == 4 * 20
     worst = max(abs(ours[k] - reference[k]) for k in ours)
     assert worst < 1e-4, worst
@@ -309,14 +310,14 @@ def test_weight_averaging_after_sgd_steps_is_allreduce(tmp_path):
     assert reference[(0, 20)] < reference[(0, 1)] - 1.0  # and SGD did train
 
 
-def test_four_pipelines_two_stages_converge_like_allreduce(allreduce_run, tmp_path):
+def test_four_pipelines_two_stages_converge_like_allreduce(allreduce_4x2_run, tmp_path):
     """P = 4, S = 2, default (partial) groups: sdpipe's loss falls as all-reduce's does, the
     consensus distance is measured at global syncs, and the global sync at the end leaves every
     replica of a stage identical."""
     run_dir = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.global_every=10", *P4S2)
     assert out.returncode == 0, out.stderr
-    _learns_like_allreduce_and_ends_identical(run_dir, allreduce_run)
+    _learns_like_allreduce_and_ends_identical(run_dir, allreduce_4x2_run)
     sizes = [g["size"] for g in metrics(run_dir, "group")]
     assert sizes and max(sizes) == 4
     consensus = metrics(run_dir, "consensus")
@@ -326,7 +327,7 @@ def test_four_pipelines_two_stages_converge_like_allreduce(allreduce_run, tmp_pa
 
 
 def test_meetings_every_four_steps_in_bf16_train_and_leave_the_replicas_identical(
-        allreduce_run, tmp_path):
+        allreduce_4x2_run, tmp_path):
     """sync.every=4, sync.precision=bf16: replicas meet after every 4th step only, a group round
     sends 2 bytes a value and a global sync 4 (exact), the loss falls about as all-reduce's,
     the budget is exact, and the final global sync leaves every replica of a stage identical.
@@ -348,7 +349,7 @@ def test_meetings_every_four_steps_in_bf16_train_and_leave_the_replicas_identica
             per_value.setdefault(m["group_kind"], set()).add(
                 round(m["sent_bytes"] / (2 * (k - 1) / k) / values, 2))
     assert per_value == {"group": {2.0}, "global": {4.0}}, per_value
-    _learns_like_allreduce_and_ends_identical(run_dir, allreduce_run)
+    _learns_like_allreduce_and_ends_identical(run_dir, allreduce_4x2_run)
 
 
 def test_meetings_checkpoint_at_global_syncs_and_resume_to_the_exact_budget(tmp_path):

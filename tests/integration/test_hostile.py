@@ -4,11 +4,18 @@ moments. Each row says what it does, the exit code it must get and a part of its
 Bad input a user can fix exits 2 with one line naming the key or file; a store value that no
 process of the run wrote fails the run (exit 1) naming the store key, within a bounded time; an
 interrupt exits 130. No row may leave a traceback on the terminal or a process behind.
+
+A row starts processes only where a process boundary is what it tests: a worker's refusal of its
+shard, a forged value read by the scheduler's or the launcher's own process, workers left running
+by a scheduler that ended, a signal. Everything refused before any process starts runs in this
+process (``helpers.sdpipe``); what a worker checks of its shard, and what the scheduler makes of
+an event, are checked in this process too, by their own code (tables below the rows).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -26,9 +33,19 @@ import pytest
 import torch
 import yaml
 import torch.distributed as dist
+from omegaconf import OmegaConf
+from rich.console import Console
 
 from sdpipe_cli import checkpoint as ck
-from sdpipe_cli.runtime import store
+from sdpipe_cli.cli import resuming
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.saved import typed
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.model import models, optim
+from sdpipe_cli.runtime import protocol, run_lock, store
+from sdpipe_cli.runtime.errors import CheckpointError
+from sdpipe_cli.sync.scheduler import process as scheduler_process
+from sdpipe_cli.sync.scheduler.handling import Scheduler
 from tests.helpers import (finish, free_port, kill_leftovers, metrics, one_error_line,
                            run_processes, sdpipe, sdpipe_popen, training_lines, wait_for)
 
@@ -83,6 +100,18 @@ def first_weight(state: dict, to: Callable[[torch.Tensor], torch.Tensor]) -> Non
     state["model"][key] = to(state["model"][key])
 
 
+# A shard whose checksum matches (rehashed) but whose tensors are not the stage's: what the worker
+# checks before loading it, and a part of its error.
+SHARD_CHANGES: dict[str, tuple[Callable[[dict], None], str]] = {
+    "weights saved as integers": (lambda s: first_weight(s, lambda t: t.to(torch.int64)),
+                                  "is torch.int64, the model's is torch.float32"),
+    "weights of another shape": (lambda s: first_weight(s, lambda t: t[:1]), "has shape"),
+    "a weight missing": (lambda s: s["model"].popitem(), "model lacks"),
+    "optimizer of other parameters": (lambda s: s["optimizer"]["param_groups"][0]["params"].pop(),
+                                      "optimizer state is for other parameters"),
+}
+
+
 def manifest_changed(change: Callable[[dict], None], every: bool = False):
     """Change the newest checkpoint's manifest and resume that checkpoint by name (a run folder
     would pass over it to the one before), or (``every``) every manifest and resume the run."""
@@ -127,15 +156,6 @@ def linked_metrics(tmp: Path, run: Path) -> list[str]:
     return ["resume", str(run), "train.steps=21"]
 
 
-def doctored_config(tmp: Path, run: Path) -> list[str]:
-    """A run folder whose config.yaml names code: a resume takes its config from the checkpoint,
-    and reads config.yaml for nothing but the run's id."""
-    config = yaml.safe_load((run / "config.yaml").read_text())
-    config["model"] = {**DOCTORED_MODEL, "kwargs": {"path": str(tmp / MARK)}}
-    (run / "config.yaml").write_text(yaml.safe_dump(config))
-    return ["resume", str(run), "train.steps=21"]
-
-
 def copied_into_another_run(tmp: Path, run: Path) -> list[str]:
     """A checkpoint copied into the checkpoints of a run it is not from."""
     other = tmp / "other"
@@ -145,14 +165,6 @@ def copied_into_another_run(tmp: Path, run: Path) -> list[str]:
     (other / "config.yaml").write_text(yaml.safe_dump(config))
     shutil.copytree(ck.latest(run), other / "checkpoints" / "step_20")
     return ["resume", str(other)]
-
-
-def flipped_bytes(tmp: Path, run: Path) -> list[str]:
-    shard = ck.latest(run) / "1.pt"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    return ["resume", str(run)]
 
 
 def metrics_file(text: str) -> Callable[[Path, Path], list[str]]:
@@ -215,15 +227,14 @@ def long_run(*args: str) -> Callable[[Path, Path], list[str]]:
 
 
 TRAIN_LR = "train.lr"
-ROWS = [
-    # values
+# values: refused before anything is written or started (in this process, no run needed)
+VALUE_ROWS = [
     Row("lr infinite", train("train.lr=inf"), 2, TRAIN_LR),
     Row("lr negative", train("train.lr=-1"), 2, TRAIN_LR),
     Row("lr not a number", train("train.lr=fast"), 2, TRAIN_LR),
     Row("momentum above 1", train("train.optimizer=sgd", "train.momentum=1.5"), 2, "train.momentum"),
     Row("weight decay nan", train("train.weight_decay=nan"), 2, "train.weight_decay"),
     Row("negative clip", train("train.grad_clip=-1"), 2, "train.grad_clip"),
-    Row("no pipelines", train("cluster.pipelines=0"), 2, "cluster.pipelines"),
     Row("no stages", train("pipeline.stages=0"), 2, "pipeline.stages"),
     Row("empty batch", train("train.batch_size=0"), 2, "train.batch_size"),
     Row("negative steps", train("train.steps=-5"), 2, "train.steps"),
@@ -265,7 +276,10 @@ ROWS = [
     Row("model that does not import", train("model=custom", "model._target_=no.such.build"), 2,
         "model._target_: cannot import 'no.such.build'"),
     Row("image folder without images", empty_folder, 2, "data.path"),
-    # files
+]
+# files: a copy of the shared finished run, damaged; refused before anything starts, but for one
+# shard that a launched worker refuses
+FILE_ROWS = [
     Row("resume of nothing", lambda tmp, run: ["resume", str(tmp / "absent")], 2, "does not exist"),
     Row("garbage manifest everywhere", manifest_changed(lambda m: m.clear(), every=True), 2,
         "no complete checkpoint"),
@@ -273,24 +287,15 @@ ROWS = [
         "'steps' should be"),
     Row("manifest without its config", manifest_changed(lambda m: m.pop("config")), 2,
         "lacks 'config'"),
-    Row("shard bytes flipped", flipped_bytes, 2, "checksum mismatch"),
     Row("manifest doctored to run code", doctored_manifest, 2, "model._target_: ", absent=MARK),
-    Row("config.yaml doctored to run code", doctored_config, 0, "resuming", absent=MARK),
     Row("manifest loss interpolated into code", interpolated_loss, 2,
         "model.loss: ", absent=MARK),
     Row("metrics.jsonl a link to another file", linked_metrics, 2,
         "metrics.jsonl: is a symbolic link, where the run writes"),
     Row("checkpoint copied into another run", copied_into_another_run, 2,
         "run.dir: ", absent="other/checkpoints/step_20-resumed"),
-    Row("weights saved as integers",
-        shard_changed(lambda s: first_weight(s, lambda t: t.to(torch.int64))), 2,
-        "is torch.int64, the model's is torch.float32"),
-    Row("weights of another shape",
-        shard_changed(lambda s: first_weight(s, lambda t: t[:1])), 2, "has shape"),
-    Row("a weight missing", shard_changed(lambda s: s["model"].popitem()), 2, "model lacks"),
-    Row("optimizer of other parameters",
-        shard_changed(lambda s: s["optimizer"]["param_groups"][0]["params"].pop()), 2,
-        "optimizer state is for other parameters"),
+    Row("weights saved as integers", shard_changed(SHARD_CHANGES["weights saved as integers"][0]),
+        2, SHARD_CHANGES["weights saved as integers"][1]),
     Row("metrics eval line without its loss", metrics_file(
         '{"kind": "note"}\n{oops\n{"kind": "eval", "time": 1.0}\n'), 2,
         "metrics.jsonl:3: a 'eval' line lacks 'val_loss'"),
@@ -299,28 +304,28 @@ ROWS = [
         "'loss' of a 'train' line"),
     Row("metrics line not an object", metrics_file("[1, 2]\n{}\n"), 2, "a metrics line is a JSON object"),
     Row("config.yaml not text", config_bytes, 2, "config.yaml"),
-    # forged store values, while a P=2 x S=2 run trains
+]
+# forged store values, while a P=2 x S=2 run trains: one read by the scheduler's process (the
+# others it refuses alike: FORGED_EVENTS below, in this process), workers left running by a
+# scheduler that took forged reports for the end, one read by the launcher
+STORE_ROWS = [
     Row("an event that is not JSON", long_run(), 1, "store key 'sdpipe/events': not JSON",
         inject=push_raw("{garbage")),
-    Row("an event of the wrong type", long_run(), 1, "field 'iteration' should be int",
-        inject=push_record(type="ready", rank=1, pipeline=0, stage=1, iteration="one")),
-    Row("an event from no worker of the run", long_run(), 1, "no such worker",
-        inject=push_record(type="ready", rank=9, pipeline=4, stage=1, iteration=0)),
-    Row("an event from an incarnation never started", long_run(), 1, "never started",
-        inject=push_record(type="saved", rank=0, pipeline=0, stage=0, checkpoint=1, step=1,
-                           incarnation=5)),
     Row("forged done reports", long_run(), 1, "still ran", inject=forged_done),
     Row("a malformed hung list", long_run("fault.on_pipeline_loss=restart"), 1,
         "store key 'sdpipe/hung'", inject=lambda events: events.set(store.HUNG, "[[1]]")),
-    # signals
-    Row("SIGTERM while starting", long_run(), 130, "interrupted", signal_at=1.0),
 ]
+# signals (SIGINT a moment after the start: test_supervision.py::test_interrupt_while_loading_is_one_line)
+SIGNAL_ROWS = [
+    Row("SIGTERM while starting", long_run(), 130, "interrupted while", signal_at=1.0),
+]
+ROWS = VALUE_ROWS + FILE_ROWS + STORE_ROWS + SIGNAL_ROWS
 
 
 @pytest.fixture
-def run_copy(allreduce_run, tmp_path) -> Path:
+def run_copy(allreduce_2x2_run, tmp_path) -> Path:
     copy = tmp_path / "run"
-    shutil.copytree(allreduce_run, copy)
+    shutil.copytree(allreduce_2x2_run, copy)
     return copy
 
 
@@ -345,8 +350,17 @@ def _inject(port: int, inject: Callable[[dist.Store], None], stop: threading.Eve
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
-def test_hostile_input(row: Row, tmp_path, run_copy):
+def _param(row: Row):
+    """A row as a test case: one on the shared run, or that starts processes, is multiprocess."""
+    fast = any(row is r for r in VALUE_ROWS)
+    return pytest.param(row, id=row.name, marks=() if fast else pytest.mark.multiprocess)
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in ROWS])
+def test_hostile_input(row: Row, tmp_path, request):
+    # only a file row changes a run: the others need none (and so no run is trained for them)
+    on_run = any(row is r for r in FILE_ROWS)
+    run_copy = request.getfixturevalue("run_copy") if on_run else tmp_path / "no-run"
     args = row.args(tmp_path, run_copy)
     before = {p: p.read_bytes() for p in run_copy.rglob("*") if p.is_file() and p.suffix != ".pid"}
     if row.signal_at is not None:
@@ -372,24 +386,113 @@ def test_hostile_input(row: Row, tmp_path, run_copy):
     assert row.message in err, err
     assert not row.absent or not (tmp_path / row.absent).exists()
     assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("sdpipe: error:")]
     if row.code == 2:
-        assert [line for line in err.splitlines() if line.startswith("sdpipe: error:")] == \
-            [err.splitlines()[-1]], err
+        assert errors == [err.splitlines()[-1]], err
+    if row.code == 130:
+        assert len(errors) == 1, err
     for folder in (tmp_path / "new", run_copy):
         assert not kill_leftovers(folder) and not run_processes(folder)
-    # nothing already written is lost or overwritten (logs and metrics may grow; a run that goes
-    # on, exit 0, writes its summary anew)
+    # nothing already written is lost or overwritten (logs and metrics may grow)
     changed = [p for p, data in before.items()
-               if (not p.exists() or not p.read_bytes().startswith(data))
-               and not (row.code == 0 and p.name == "summary.json")]
+               if not p.exists() or not p.read_bytes().startswith(data)]
     assert not changed, changed
 
 
+# -- in this process: what a worker checks of its shard, what the scheduler makes of an event ------
+
+
+@pytest.mark.multiprocess  # the shard is the shared run's
+@pytest.mark.parametrize("name", list(SHARD_CHANGES))
+def test_a_shard_of_other_tensors_is_refused_by_the_workers_own_checks(allreduce_2x2_run, name):
+    """Each change of SHARD_CHANGES, against the stage's module and optimizer built from the
+    checkpoint's config as a resumed worker builds them, through the checks it makes before
+    loading its shard (``training.worker``'s restore): one CheckpointError naming the shard. The
+    shard as saved passes them. (That a worker's refusal ends the run in one line, exit 2: the
+    row "weights saved as integers", launched.)"""
+    change, message = SHARD_CHANGES[name]
+    newest = ck.latest(allreduce_2x2_run)
+    manifest = ck.read_manifest(newest)
+    cfg = typed(manifest["config"], str(newest / ck.MANIFEST))
+    state = ck.load_shard(newest, "0", manifest)
+    module = models.build_stage_module(cfg, state["stage"])
+    optimizer = optim.build_optimizer(module.parameters(), cfg.train)
+    path = newest / ck.shard_name("0")
+    ck.check_tensors(path, "model", module.state_dict(), state["model"])  # as saved: fine
+    ck.check_optimizer(path, optimizer, state["optimizer"])
+    change(state)
+    with pytest.raises(CheckpointError) as refused:
+        ck.check_tensors(path, "model", module.state_dict(), state.get("model"))
+        ck.check_optimizer(path, optimizer, state.get("optimizer"))
+    assert message in str(refused.value) and str(path) in str(refused.value)
+
+
+@pytest.mark.multiprocess  # the run is the shared run
+def test_a_config_yaml_doctored_to_run_code_is_not_what_a_resume_runs(tmp_path, run_copy):
+    """A run folder whose config.yaml names code: a resume takes its config from the checkpoint
+    and reads config.yaml for nothing but the run's id (what the leg's processes then read is
+    the leg's own config file, written from the checkpoint's: each resume with a changed
+    ``train.steps`` shows they run by it)."""
+    config = yaml.safe_load((run_copy / "config.yaml").read_text())
+    saved_model = config["model"]
+    config["model"] = {**DOCTORED_MODEL, "kwargs": {"path": str(tmp_path / MARK)}}
+    (run_copy / "config.yaml").write_text(yaml.safe_dump(config))
+    said = io.StringIO()
+    holder = run_lock.Holder()
+    try:
+        leg = resuming.prepare(str(run_copy), ["train.steps=21"], Console(file=said, width=200),
+                               holder)
+    finally:
+        holder.release_all()
+    assert leg.checkpoint == ck.latest(run_copy) and not leg.fresh
+    assert leg.cfg.model.name == saved_model["name"] == "mlp" and leg.cfg.train.steps == 21
+    assert "os.mkdir" not in str(OmegaConf.to_container(leg.cfg, resolve=False))
+    assert "resuming" in said.getvalue()
+    assert not (tmp_path / MARK).exists()
+
+
+# Events no process of the run sent, as the scheduler reads them from the store: the rest of the
+# forged store values (one of their kind is launched: "an event that is not JSON").
+FORGED_EVENTS = [
+    ("an event of the wrong type",
+     push_record(type="ready", rank=1, pipeline=0, stage=1, iteration="one"),
+     "field 'iteration' should be int"),
+    ("an event from no worker of the run",
+     push_record(type="ready", rank=9, pipeline=4, stage=1, iteration=0), "no such worker"),
+    ("an event from an incarnation never started",
+     push_record(type="saved", rank=0, pipeline=0, stage=0, checkpoint=1, step=1, incarnation=5),
+     "never started"),
+]
+
+
+@pytest.mark.parametrize("inject, message", [(i, m) for _, i, m in FORGED_EVENTS],
+                         ids=[name for name, _, _ in FORGED_EVENTS])
+def test_a_forged_event_is_refused_by_the_scheduler_naming_the_store_key(tmp_path, inject, message):
+    """The scheduler of a P=2 x S=2 run, on a real TCPStore, reads the forged event off the queue
+    with its own code (as its process does) and refuses it, naming the key: no decision on it."""
+    cfg = compose(["model=mlp", "data=synthetic", "cluster.pipelines=2", "pipeline.stages=2"])
+    cfg.run.dir = str(tmp_path)
+    cfg.plan = RunPlan.resolve(cfg).section()  # what preparing the run writes
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    events = store.namespace(master)
+    scheduler = Scheduler(cfg, tmp_path, events, clock=lambda: 0.0)
+    inject(events)
+    with pytest.raises(protocol.ProtocolError, match="store key 'sdpipe/events'") as refused:
+        for event in scheduler_process.in_order(scheduler_process.next_batch(events)):
+            scheduler.handle(event)
+    assert message in str(refused.value)
+
+
 def test_the_table_holds_at_least_thirty_rows_of_each_kind_of_hostility():
-    kinds = {"store": [r for r in ROWS if r.inject], "signal": [r for r in ROWS if r.signal_at]}
-    assert len(ROWS) >= 30 and len(kinds["store"]) >= 4 and kinds["signal"]
+    """Thirty rows at least; four forged store values at least, one or more read by a launched
+    run's own processes; a signal."""
+    launched = [r for r in ROWS if r.inject]
+    kinds = {"store": launched + FORGED_EVENTS, "signal": [r for r in ROWS if r.signal_at]}
+    assert len(ROWS) >= 30 and len(kinds["store"]) >= 4 and launched and kinds["signal"]
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_copied_out_of_its_run_resumes_in_a_new_folder_beside_it(tmp_path, run_copy):
     """``cp -a RUN/checkpoints/step_20 home/backups/my_ckpt``: the resume must not take ``home/``
     for the run (it would write its summary, metrics, logs and config there)."""
@@ -417,6 +520,7 @@ def test_a_checkpoint_copied_out_of_its_run_resumes_in_a_new_folder_beside_it(tm
     assert not (resumed / "config-dirs").exists()
 
 
+@pytest.mark.multiprocess
 def test_two_resumes_of_one_run_started_together_one_runs_the_other_is_refused(tmp_path, run_copy):
     """Both ask for a long run; the one that takes the run's lock trains, the other exits 2 naming
     it at once; the run's metrics then hold one timeline."""

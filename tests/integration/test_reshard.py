@@ -23,9 +23,9 @@ from tests.helpers import losses, metrics, run_processes, sdpipe
 pytestmark = pytest.mark.multiprocess
 
 
-def copy_at_10(allreduce_run, tmp_path):
+def copy_at_10(allreduce_2x2_run, tmp_path):
     copy = tmp_path / "run"
-    shutil.copytree(allreduce_run, copy)
+    shutil.copytree(allreduce_2x2_run, copy)
     shutil.rmtree(copy / "checkpoints" / "step_20")  # as if the run had stopped after step 10
     return copy
 
@@ -46,10 +46,10 @@ def same(a, b) -> bool:
     return a == b
 
 
-def test_resharding_there_and_back_gives_back_every_tensor(allreduce_run, tmp_path):
+def test_resharding_there_and_back_gives_back_every_tensor(allreduce_2x2_run, tmp_path):
     """P=2, S=2 -> P=4, S=3 -> P=2, S=2 (the saved partition): weights, optimizer state, RNG,
     data positions and iteration counts come back exactly; the resharded checkpoints verify."""
-    copy = copy_at_10(allreduce_run, tmp_path)
+    copy = copy_at_10(allreduce_2x2_run, tmp_path)
     source = copy / "checkpoints" / "step_10"
     partition = json.loads((source / "manifest.json").read_text())["partition"]
     quiet = Console(file=io.StringIO())
@@ -72,8 +72,8 @@ def test_resharding_there_and_back_gives_back_every_tensor(allreduce_run, tmp_pa
     assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step_10"]  # only read
 
 
-def test_a_run_resumed_on_another_layout_goes_on_with_an_exact_budget(allreduce_run, tmp_path):
-    copy = copy_at_10(allreduce_run, tmp_path)
+def test_a_run_resumed_on_another_layout_goes_on_with_an_exact_budget(allreduce_2x2_run, tmp_path):
+    copy = copy_at_10(allreduce_2x2_run, tmp_path)
     before = len(metrics(copy))
     out = sdpipe("resume", str(copy), "cluster.pipelines=4", "pipeline.stages=3")
     assert out.returncode == 0, out.stderr
@@ -87,7 +87,7 @@ def test_a_run_resumed_on_another_layout_goes_on_with_an_exact_budget(allreduce_
     assert sum(trained.values()) == 2 * 20 * 8  # the whole run's budget in samples
     # the loss goes on from where it was: the first resumed steps lie within the saved run's
     # last steps' spread (a fresh model would start near ln(vocab) instead)
-    reference = losses(metrics(allreduce_run))
+    reference = losses(metrics(allreduce_2x2_run))
     last = [reference[(p, k)] for p in range(2) for k in range(6, 11)]
     first = [continued[(p, 6)] for p in range(4)]
     spread = max(last) - min(last)
@@ -100,19 +100,19 @@ def test_a_run_resumed_on_another_layout_goes_on_with_an_exact_budget(allreduce_
     (("pipeline.stages=3", "pipeline.partition=[1]"), "pipeline.partition"),
     (("cluster.pipelines=0",), "cluster.pipelines"),
 ])
-def test_a_layout_that_cannot_be_is_one_line_and_writes_nothing(allreduce_run, tmp_path, capsys,
+def test_a_layout_that_cannot_be_is_one_line_and_writes_nothing(allreduce_2x2_run, tmp_path, capsys,
                                                                 args, where):
-    copy = copy_at_10(allreduce_run, tmp_path)
+    copy = copy_at_10(allreduce_2x2_run, tmp_path)
     rc = main(["resume", str(copy), *args])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and where in lines[0], lines
     assert not (copy / "resharded").exists()
-    assert (copy / "metrics.jsonl").read_bytes() == (allreduce_run / "metrics.jsonl").read_bytes()
+    assert (copy / "metrics.jsonl").read_bytes() == (allreduce_2x2_run / "metrics.jsonl").read_bytes()
 
 
-def test_a_checkpoint_of_another_model_is_refused_when_resharded(allreduce_run, tmp_path, capsys):
+def test_a_checkpoint_of_another_model_is_refused_when_resharded(allreduce_2x2_run, tmp_path, capsys):
     """The manifest says one model, the shards hold another: named, exit 2, nothing left."""
-    copy = copy_at_10(allreduce_run, tmp_path)
+    copy = copy_at_10(allreduce_2x2_run, tmp_path)
     manifest_path = copy / "checkpoints" / "step_10" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["config"]["model"]["d_model"] = 2 * manifest["config"]["model"]["d_model"]

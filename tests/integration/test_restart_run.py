@@ -1,6 +1,8 @@
 """``fault.on_failure=restart``: a lock-step run whose worker is killed starts again from its latest
 checkpoint, in its own run folder, and goes on as if nothing had happened; past the budget the
-failure ends the run as before.
+failure ends the run as a run without fault tolerance ends: within seconds, the worker named in
+one line. (The suite's SIGKILLed worker of a lock-step run, and the checkpoint such a run leaves
+resumed: the restart is that resume.)
 
 The worker is killed from a thread of this process while ``sdpipe`` runs in it (``helpers.sdpipe``
 bounds the run), once the run has a checkpoint and has gone past it.
@@ -34,6 +36,7 @@ class Killer(threading.Thread):
         super().__init__(daemon=True)
         self.run_dir, self.rank, self.after, self.timeout = run_dir, rank, after, timeout
         self.killed: int | None = None
+        self.killed_at: float | None = None  # time.monotonic() of the kill
 
     def ready(self) -> bool:
         if not (self.run_dir / "metrics.jsonl").exists():
@@ -50,22 +53,24 @@ class Killer(threading.Thread):
                 victim = worker_process(self.run_dir, self.rank)
                 if victim is not None:
                     os.kill(victim.pid, signal.SIGKILL)
-                    self.killed = victim.pid
+                    self.killed, self.killed_at = victim.pid, time.monotonic()
                 return
             time.sleep(0.05)
 
 
 def train_killed_once(run_dir: Path, *extra: str):
+    """The run, its worker killed once: (its output, seconds from the kill to its end)."""
     killer = Killer(run_dir)
     killer.start()
     out = sdpipe("train", f"run.dir={run_dir}", *RUN, *extra, timeout=120)
+    ended = time.monotonic()
     killer.join(10)
     assert killer.killed, f"the worker was never killed: {out.stderr[-2000:]}"
-    return out
+    return out, ended - killer.killed_at
 
 
 def test_a_killed_worker_restarts_the_run_from_its_checkpoint_with_the_same_losses(run_dir, tmp_path):
-    out = train_killed_once(run_dir)
+    out, _ = train_killed_once(run_dir)
     assert out.returncode == 0, out.stderr
     warnings = [line for line in out.stderr.splitlines() if line.startswith("sdpipe: warning:")]
     assert len(warnings) == 1, out.stderr
@@ -99,12 +104,17 @@ def test_a_killed_worker_restarts_the_run_from_its_checkpoint_with_the_same_loss
 
 
 def test_a_failure_past_the_budget_fails_the_run(run_dir):
-    out = train_killed_once(run_dir, "fault.max_restarts=0")
+    """With no restart left (as without fault tolerance) the SIGKILLed worker stops the whole run
+    within seconds, named in one error line, no traceback, no process left."""
+    out, took = train_killed_once(run_dir, "fault.max_restarts=0")
     assert out.returncode == 1, out.stderr
+    assert took < 30, took
     errors = [line for line in out.stderr.splitlines() if line.startswith("sdpipe: error:")]
     assert len(errors) == 1, out.stderr
     assert "worker rank 1 (pipeline 0, stage 1) was killed by SIGKILL" in errors[0]
     assert errors[0].endswith("(restarts used up: fault.max_restarts=0)")
     assert "sdpipe: warning:" not in out.stderr
+    assert "Traceback" not in out.stderr
     assert not metrics(run_dir, "restart")
     assert not run_processes(run_dir)
+    assert metrics(run_dir, "checkpoint")  # killed after a checkpoint: the restart test resumes one

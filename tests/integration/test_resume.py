@@ -1,56 +1,95 @@
 """Checkpoints and ``sdpipe resume`` end to end: exact continuation, group sync, refusals, and the
 checkpoint an interrupted or killed run leaves to resume from.
 
-Each run here serves several checks: the shared all-reduce run (``allreduce_run``) is the source
-of every refusal; a Ctrl-C run is also the supervisor's test of a clean interrupt; a SIGKILL run
-is also its test of a lost pipeline without fault tolerance.
+Each run here serves several checks: the shared all-reduce run (``allreduce_2x2_run``) is the
+source of every refusal, and of the one exact resume; a SIGTERM run is also the supervisor's test
+of a clean interrupt. What a resume decides before anything starts (which checkpoint, what is
+refused) is checked in this process. A SIGKILLed worker, and the checkpoint its run goes on from:
+test_restart_run.py.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
 
 import psutil
 import pytest
+from rich.console import Console
 
 from sdpipe_cli.cli.parsing import main
-from sdpipe_cli.cli import report
+from sdpipe_cli.cli import report, resuming
+from sdpipe_cli.runtime import run_lock
 from tests.helpers import (digests, finish, listening_only_on_loopback, losses, metrics, run_processes,
-                           sdpipe, sdpipe_popen, training_lines, wait_for, worker_process)
+                           sdpipe, sdpipe_popen, training_lines, wait_for)
 
 pytestmark = pytest.mark.multiprocess
 
 LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8")
 
 
-def test_checkpoints_are_complete_and_pruned(allreduce_run):
-    ckpts = sorted(p.name for p in (allreduce_run / "checkpoints").iterdir())
+def test_checkpoints_are_complete_and_pruned(allreduce_2x2_run):
+    ckpts = sorted(p.name for p in (allreduce_2x2_run / "checkpoints").iterdir())
     assert ckpts == ["step_10", "step_20"]
-    files = {p.name for p in (allreduce_run / "checkpoints" / "step_10").iterdir()}
+    files = {p.name for p in (allreduce_2x2_run / "checkpoints" / "step_10").iterdir()}
     assert files == {"0.pt", "1.pt", "2.pt", "3.pt", "scheduler.pt", "manifest.json"}
-    assert [m["step"] for m in metrics(allreduce_run, "checkpoint")] == [10, 20]
+    assert [m["step"] for m in metrics(allreduce_2x2_run, "checkpoint")] == [10, 20]
 
 
-def test_allreduce_resume_reproduces_the_losses_exactly(allreduce_run, tmp_path):
-    """Stopped at step 10 and resumed, the run gives the same losses as the one never stopped."""
+def test_resuming_an_older_checkpoint_reproduces_the_losses_exactly_and_keeps_the_newer_one(
+        allreduce_2x2_run, tmp_path):
+    """Resume step_10 of a finished run: it gives the same losses as the run never stopped, bit
+    for bit (all-reduce on CPU), and the same final weights; the new timeline writes its own
+    step_20, and the first timeline's step_20 is kept as step_20.superseded-1, byte for byte."""
     copy = tmp_path / "copy"
-    shutil.copytree(allreduce_run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step_20")  # as if the run had stopped after step 10
+    shutil.copytree(allreduce_2x2_run, copy)
+    first = {p.name: p.read_bytes() for p in (copy / "checkpoints" / "step_20").iterdir()}
     before = len(metrics(copy))
-    out = sdpipe("resume", str(copy))
-    assert out.returncode == 0, out.stderr
+    out = sdpipe("resume", str(copy / "checkpoints" / "step_10"))
+    assert out.returncode == 0, out.stderr[-2000:]
     assert "step_10" in out.stderr
-    resumed = metrics(copy)[before:]
-    reference = losses(metrics(allreduce_run))
-    continued = losses(resumed)
+    reference = losses(metrics(allreduce_2x2_run))
+    continued = losses(metrics(copy)[before:])
     assert sorted(continued) == [(p, k) for p in (0, 1) for k in range(11, 21)]
     assert all(continued[key] == reference[key] for key in continued)  # bit-exact
-    assert digests(copy) == digests(allreduce_run)
-    assert (copy / "config.yaml").read_text() == (allreduce_run / "config.yaml").read_text()
+    assert digests(copy) == digests(allreduce_2x2_run)
+    assert (copy / "config.yaml").read_text() == (allreduce_2x2_run / "config.yaml").read_text()
     assert list(copy.glob("config.resume-step_10*.yaml"))
     assert not run_processes(copy)
+    names = sorted(p.name for p in (copy / "checkpoints").iterdir())
+    assert names == ["step_10", "step_20", "step_20.superseded-1"]  # no staging folder left
+    kept = copy / "checkpoints" / "step_20.superseded-1"
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == first
+    run = report.load(copy)  # and `sdpipe report` draws the two timelines apart
+    run.label = "copy"
+    assert [t.label for t in report.timelines(run)] == ["copy", "copy (resumed from step_10)"]
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_and_kept(allreduce_2x2_run, tmp_path):
+    """The newest checkpoint's manifest is garbage: resuming the run warns and goes on from the
+    one before, leaving the damaged folder as it is. (Which checkpoint a resume starts from is
+    settled before anything starts: checked here in this process. That writing the leg's own
+    step_20 keeps a damaged step_20 beside it: tests/unit/test_checkpoint.py::
+    test_an_existing_final_dir_is_kept_aside_never_replaced; that a resumed leg trains as the
+    run never stopped: the test above.)"""
+    copy = tmp_path / "copy"
+    shutil.copytree(allreduce_2x2_run, copy)
+    (copy / "checkpoints" / "step_20" / "manifest.json").write_text("garbage")
+    said = io.StringIO()
+    holder = run_lock.Holder()
+    try:
+        leg = resuming.prepare(str(copy), [], Console(file=said, width=200), holder)
+    finally:
+        holder.release_all()
+    assert leg.checkpoint == copy / "checkpoints" / "step_10" and not leg.fresh
+    assert leg.done == 2 * 10
+    assert "step_20 has no readable manifest" in said.getvalue()
+    assert "passed over, and kept" in said.getvalue() and "step_10" in said.getvalue()
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step_10", "step_20"]
+    assert (copy / "checkpoints" / "step_20" / "manifest.json").read_text() == "garbage"
+    assert (copy / "metrics.jsonl").read_bytes() == (allreduce_2x2_run / "metrics.jsonl").read_bytes()
 
 
 # -- refusals: the command's own checks, run in-process (nothing may start, so no process is
@@ -67,29 +106,35 @@ def resume_in_process(capsys, *argv: str) -> tuple[int, list[str]]:
     ("not key=value", ("{run}", "train.steps"), "train.steps"),
     ("wrong type", ("{run}", "train.steps=many"), "train.steps"),
 ])
-def test_bad_resume_input_is_one_line_and_starts_nothing(allreduce_run, tmp_path, capsys, case, args,
+def test_bad_resume_input_is_one_line_and_starts_nothing(allreduce_2x2_run, tmp_path, capsys, case, args,
                                                          key):
-    before = (allreduce_run / "metrics.jsonl").read_bytes()
-    rc, lines = resume_in_process(capsys, *[a.format(run=allreduce_run, missing=tmp_path / "nope")
+    before = (allreduce_2x2_run / "metrics.jsonl").read_bytes()
+    rc, lines = resume_in_process(capsys, *[a.format(run=allreduce_2x2_run, missing=tmp_path / "nope")
                                             for a in args])
     assert rc == 2, (case, lines)
     assert len(lines) == 1 and lines[0].startswith("sdpipe: error: ") and key in lines[0], lines
-    assert (allreduce_run / "metrics.jsonl").read_bytes() == before  # nothing written
-    assert not run_processes(allreduce_run)
+    assert (allreduce_2x2_run / "metrics.jsonl").read_bytes() == before  # nothing written
+    assert not run_processes(allreduce_2x2_run)
 
 
-def test_corrupted_or_truncated_checkpoint_is_refused(allreduce_run, tmp_path, capsys):
-    for damage in ("truncate", "flip"):
+def test_corrupted_or_truncated_checkpoint_is_refused(allreduce_2x2_run, tmp_path, capsys):
+    """A shard truncated (the checkpoint named) or with bytes flipped (the run named: a checkpoint
+    whose manifest reads is not passed over, its checksums fail the resume): one line naming the
+    shard, before anything starts; nothing of the run changes."""
+    for damage, named in (("truncate", "checkpoints/step_20"), ("flip", "")):
         copy = tmp_path / damage
-        shutil.copytree(allreduce_run, copy)
+        shutil.copytree(allreduce_2x2_run, copy)
         shard = copy / "checkpoints" / "step_20" / "1.pt"
         data = shard.read_bytes()
         shard.write_bytes(data[: len(data) // 2] if damage == "truncate"
                           else data[:-10] + bytes(b ^ 0xFF for b in data[-10:]))
-        rc, lines = resume_in_process(capsys, str(copy / "checkpoints" / "step_20"))
+        before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+        rc, lines = resume_in_process(capsys, str(copy / named))
         assert rc == 2, lines
         assert len(lines) == 1 and "1.pt" in lines[0] and "Traceback" not in lines[0], lines
-        assert (copy / "metrics.jsonl").read_bytes() == (allreduce_run / "metrics.jsonl").read_bytes()
+        assert "checksum mismatch" in lines[0], lines
+        assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+        assert (copy / "metrics.jsonl").read_bytes() == (allreduce_2x2_run / "metrics.jsonl").read_bytes()
 
 
 def test_run_without_checkpoints_is_refused(tmp_path, capsys):
@@ -173,61 +218,3 @@ def test_time_based_checkpoints(run_dir, sync):
     assert steps == sorted(set(steps))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(
         f"step_{k}" for k in steps)
-
-
-def test_a_sigkilled_worker_stops_the_run_and_the_last_checkpoint_resumes(run_dir):
-    """All-reduce on three pipelines (no fault tolerance): a worker killed by SIGKILL stops the
-    whole run within seconds, named in one error line; the last periodic checkpoint resumes."""
-    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=allreduce", "cluster.pipelines=3",
-                        "checkpoint.every=5", "train.eval_every=0", *LONG)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "checkpoint")) >= 2,
-             proc, what="two checkpoints")
-    victim = worker_process(run_dir, 4)
-    assert victim is not None
-    os.kill(victim.pid, signal.SIGKILL)
-    rc, err, took = finish(proc, timeout=60)
-    assert rc == 1, err
-    assert took < 30
-    lines = [line for line in err.splitlines() if line.startswith("sdpipe: error:")]
-    assert len(lines) == 1, err
-    assert "worker rank 4 (pipeline 2, stage 0) was killed by SIGKILL" in lines[0]
-    assert "Traceback" not in err
-    assert not run_processes(run_dir)
-    last = metrics(run_dir, "checkpoint")[-1]
-    out = sdpipe("resume", str(run_dir), f"train.steps={last['step'] + 5}")
-    assert out.returncode == 0, out.stderr
-    assert f"step_{last['step']}" in out.stderr
-    assert {d["steps"] for d in metrics(run_dir, "done")} == {last["step"] + 5}
-
-
-def test_a_damaged_newest_checkpoint_is_passed_over_and_kept(allreduce_run, tmp_path):
-    """The newest checkpoint's manifest is garbage: resume warns, goes on from the one before,
-    and writing its own step_20 keeps the damaged folder beside it (nothing of the run is lost)."""
-    copy = tmp_path / "copy"
-    shutil.copytree(allreduce_run, copy)
-    (copy / "checkpoints" / "step_20" / "manifest.json").write_text("garbage")
-    out = sdpipe("resume", str(copy))
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "step_20 has no readable manifest" in out.stderr and "step_10" in out.stderr
-    names = sorted(p.name for p in (copy / "checkpoints").iterdir())
-    assert names == ["step_10", "step_20", "step_20.superseded-1"]
-    assert (copy / "checkpoints" / "step_20.superseded-1" / "manifest.json").read_text() == "garbage"
-    assert digests(copy) == digests(allreduce_run)  # the same training as the run never damaged
-
-
-def test_resuming_an_older_checkpoint_keeps_every_checkpoint_of_the_run(allreduce_run, tmp_path):
-    """Resume step_10 of a finished run: the new timeline writes its own step_20, and the first
-    timeline's step_20 is kept as step_20.superseded-1, byte for byte; no staging folder is left."""
-    copy = tmp_path / "copy"
-    shutil.copytree(allreduce_run, copy)
-    first = {p.name: p.read_bytes() for p in (copy / "checkpoints" / "step_20").iterdir()}
-    out = sdpipe("resume", str(copy / "checkpoints" / "step_10"))
-    assert out.returncode == 0, out.stderr[-2000:]
-    names = sorted(p.name for p in (copy / "checkpoints").iterdir())
-    assert names == ["step_10", "step_20", "step_20.superseded-1"]
-    kept = copy / "checkpoints" / "step_20.superseded-1"
-    assert {p.name: p.read_bytes() for p in kept.iterdir()} == first
-    assert digests(copy) == digests(allreduce_run)  # allreduce on CPU: the same training again
-    run = report.load(copy)  # and `sdpipe report` draws the two timelines apart
-    run.label = "copy"
-    assert [t.label for t in report.timelines(run)] == ["copy", "copy (resumed from step_10)"]

@@ -38,7 +38,8 @@ def worker_pid(run_dir: Path, rank: int) -> int:
     return proc.pid
 
 
-# SIGINT: test_resume.py::test_ctrl_c_stops_everything_at_a_consistent_point_with_a_final_checkpoint
+# SIGTERM to the whole process group:
+# test_resume.py::test_sigterm_to_the_process_group_stops_everything_at_a_consistent_point
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_ctrl_c_stops_everything(run_dir, sig):
     proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG)
@@ -130,8 +131,9 @@ def test_lost_pipeline_is_dropped_and_the_others_go_on(run_dir):
     assert not list((run_dir / "checkpoints").glob(f"{checkpoint.STAGING_PREFIX}*"))
 
 
-# Without fault tolerance a lost pipeline stops the run, its worker named in one line:
-# test_resume.py::test_a_sigkilled_worker_stops_the_run_and_the_last_checkpoint_resumes
+# Without a restart left a lost pipeline stops the run, its worker named in one line:
+# test_restart_run.py::test_a_failure_past_the_budget_fails_the_run (and across two nodes:
+# test_multinode.py::test_a_failure_on_one_node_stops_both)
 
 
 def one_interrupt_line(err: str) -> str:
@@ -147,13 +149,13 @@ TWO_NODES = ("cluster.nodes=[{name: a, host: 127.0.0.1, devices: [{}, {}]},"
              "model=mlp", "data=synthetic", "run.timeout=120")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupt_while_loading_is_one_line(tmp_path, sig):
-    """An interrupt a moment after the command starts (imports, composition, preparation)."""
+def test_interrupt_while_loading_is_one_line(tmp_path):
+    """A Ctrl-C a moment after the command starts (imports, composition, preparation). (SIGTERM
+    at that moment: test_hostile.py's row "SIGTERM while starting".)"""
     run = tmp_path / "run"
     proc = sdpipe_popen("train", f"run.dir={run}", *LONG)
     time.sleep(1.0)
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGINT)
     rc, err, _ = finish(proc, timeout=60)
     assert rc == 130, err
     assert "interrupted while" in one_interrupt_line(err)

@@ -46,14 +46,14 @@ def test_default_model_learns_on_stdlib_text(run_dir):
     assert "sdpipe train: done" in out.stderr
 
 
-def test_allreduce_keeps_the_replicas_identical(allreduce_run):
+def test_allreduce_keeps_the_replicas_identical(allreduce_2x2_run):
     """All-reduce keeps the replicas of every stage bit-identical (sync=none lets them drift apart:
     test_hetero_runs.py::test_hetero_static_slow_pipeline_runs_at_a_third)."""
-    d = digests(allreduce_run)
+    d = digests(allreduce_2x2_run)
     assert len(d) == 4
     for stage in (0, 1):
         assert d[(0, stage)] == d[(1, stage)]
-    assert {m["step"] for m in metrics(allreduce_run, "train")} == set(range(1, 21))
+    assert {m["step"] for m in metrics(allreduce_2x2_run, "train")} == set(range(1, 21))
 
 
 def test_four_stage_gpipe_allreduce(run_dir):
