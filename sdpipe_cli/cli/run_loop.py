@@ -95,13 +95,17 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
         first = False
         replaced = while_reporting(result)
         preparing = replaced if preparing is None else preparing
-        replan = result.progress.get("replan") if result.returncode == 0 else None
+        replan = _replan_of(result)
         if replan and not result.interrupted and result.run_dir is not None:
+            for sig, handler in replaced.items():  # preparing again: an interrupt ends sdpipe
+                signal.signal(sig, handler)
             leg = _replanned_leg(console, result, replan, holder)
             if leg is None:
                 break
             run_cfg, run_dir = leg.cfg, result.run_dir
-            from_checkpoint, elapsed, done = leg.checkpoint, leg.elapsed, leg.done
+            from_checkpoint, done = leg.checkpoint, leg.done
+            started_from = leg.checkpoint  # a failure of this leg restarts from here at worst
+            elapsed = time.time() - origin  # the run clock goes on through the re-plan
             continue
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
@@ -122,6 +126,22 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
     finally:  # reported: what comes next (a sweep's next job) is preparing again
         for sig, handler in (preparing or {}).items():
             signal.signal(sig, handler)
+
+
+def _replan_of(result) -> Optional[dict]:
+    """The re-plan a launch stopped for (the scheduler's last snapshot, else its summary.json);
+    None when it ended otherwise."""
+    if result.returncode != 0 or result.run_dir is None:
+        return None
+    replan = (result.progress or {}).get("replan")
+    if replan is None and (Path(result.run_dir) / "summary.json").is_file():
+        import json
+
+        try:
+            replan = json.loads((Path(result.run_dir) / "summary.json").read_text()).get("replan")
+        except (OSError, ValueError, AttributeError):
+            replan = None
+    return replan if isinstance(replan, dict) else None
 
 
 def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Holder):

@@ -9,9 +9,9 @@ for the split those speeds call for, predicts the run's samples/s under the curr
 under that one, and re-plans only when the time it saves over the rest of the run exceeds the
 time moving costs.
 
-**The run's pace.** A pipeline's iteration takes ``(m + S - 1)`` times its slowest stage's
-time per micro-batch (1F1B and GPipe alike: the fill and drain of ``S - 1`` slots, then ``m``
-micro-batches at the bottleneck's pace). How the pipelines' paces make the run's depends on the
+**The run's pace.** A pipeline's iteration takes the sum of its stages' times per micro-batch
+plus ``m - 1`` times its slowest stage's (1F1B and GPipe alike: one micro-batch through every
+stage, the others behind it at the bottleneck's pace). How the pipelines' paces make the run's depends on the
 sync mode: a lock-step mode (``allreduce``, ``adpsgd``, ``diloco``) waits for its slowest
 pipeline every round, so its samples/s are ``P x batch / slowest``; sdpipe (and ``none``,
 ``ps``) lets every pipeline go at its own pace, so they are the sum of the pipelines' own.
@@ -23,9 +23,10 @@ sdpipe, taking blocks off the slow device's stage speeds its pipeline up but slo
 pipelines' same stage down, and the sum may drop: then the decision is *no*, and says why.
 
 **Moving** stops the run at a consistent point (the next global sync under sdpipe, the next
-iteration in lock-step), writes a checkpoint and starts again from it resharded to the new split:
-``restart_s`` (the run's own measured start-up) plus the checkpoint's bytes written and read at
-``disk_bytes_per_s``. A re-plan must also gain at least :data:`MIN_GAIN` of the run's pace: a
+iteration in lock-step, the next outer step with diloco), writes a checkpoint and starts again
+from it resharded to the new split: ``restart_s`` (the run's own measured start-up) plus the
+checkpoint's bytes passed :data:`DISK_PASSES` times at ``disk_bytes_per_s`` (written, read and
+written again resharded, verified, loaded). A re-plan must also gain at least :data:`MIN_GAIN` of the run's pace: a
 split a few percent better is not worth a restart's risk.
 
 No I/O and no clock.
@@ -41,6 +42,7 @@ from sdpipe_cli.core.partition import device_cost, plan, stage_ranges
 __all__ = ["Proposal", "pipeline_ms", "run_rate", "propose", "MIN_GAIN"]
 
 MIN_GAIN = 1.05  # the least predicted gain of the run's samples/s that is worth a restart
+DISK_PASSES = 5  # the checkpoint written, read, written resharded, verified and loaded
 
 
 @dataclass(frozen=True)
@@ -66,12 +68,12 @@ class Proposal:
 
 def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],
                 microbatches: int) -> float:
-    """One pipeline's iteration, in ms: ``(m + S - 1)`` times its slowest stage, where
-    ``block_ms[s][i]`` is block i's forward and backward time per micro-batch on its stage s's
-    device."""
+    """One pipeline's iteration, in ms: the sum of its stages' times plus ``m - 1`` times its
+    slowest, where ``block_ms[s][i]`` is block i's forward and backward time per micro-batch on
+    its stage s's device."""
     blocks = len(block_ms[0])
-    slowest = max(sum(block_ms[s][a:b]) for s, (a, b) in enumerate(stage_ranges(bounds, blocks)))
-    return (microbatches + len(block_ms) - 1) * slowest
+    times = [sum(block_ms[s][a:b]) for s, (a, b) in enumerate(stage_ranges(bounds, blocks))]
+    return sum(times) + (microbatches - 1) * max(times)
 
 
 def run_rate(block_ms: Sequence[Sequence[Sequence[float]]], bounds: Sequence[int],
@@ -94,7 +96,7 @@ def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[int
     bounds = plan(device_cost(block_ms), blocks, stages).bounds
     now = run_rate(block_ms, current, microbatches, batch_size, lock_step)
     new = run_rate(block_ms, bounds, microbatches, batch_size, lock_step)
-    move_s = restart_s + 2 * state_bytes / disk_bytes_per_s
+    move_s = restart_s + DISK_PASSES * state_bytes / disk_bytes_per_s
     gain_s = samples_left / now - samples_left / new if now > 0 and new > 0 else 0.0
     if bounds == current:
         go, reason = False, "the split is already the one these speeds call for"

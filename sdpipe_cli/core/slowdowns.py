@@ -138,6 +138,11 @@ class SlowdownDetector:
                        iteration, round(score, 4), round(statistics.median(device.recent), 6),
                        round(device.baseline, 6))]
 
+    def own_slowdown(self, pipeline: int, stage: int) -> Optional[float]:
+        """The device's compute now over its own start, not relative to its peers (None: no
+        baseline yet): what a re-plan needs, where a slowdown its peers share is still one."""
+        return self.devices[(pipeline, stage)].slowdown
+
     def score(self, pipeline: int, stage: int) -> Optional[float]:
         """The device's slowdown over its own start, relative to its peers' (None: no baseline
         yet)."""

@@ -6,8 +6,8 @@ joined from phases, each simulated:
 
 1. until the change, the run at the speeds before it (the change left out);
 2. the device named slow after the detector's verdict, ``2 x (window // 2 + 1) - 1`` of its
-   pipeline's iterations at the slow speed plus the warm-up it needs when the change comes first
-   (:mod:`sdpipe_cli.core.slowdowns`), then one more to stop at a consistent point;
+   pipeline's iterations at the slow speed (:mod:`sdpipe_cli.core.slowdowns`; a change before
+   the device's start was measured is taken as measured), then one more to stop;
 3. the proposal of :func:`sdpipe_cli.core.replan.propose` at those speeds; if it goes, moving
    (``RESTART_S`` of start-up, the real run measures its own, plus the checkpoint written and
    read back), then the rest of the budget with the new split and the device slow.
@@ -41,7 +41,7 @@ def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
     if cfg.fault.on_slowdown != "replan" or not cfg.cluster.changes:
         return None
     plan = RunPlan.of(cfg)
-    change = _first_slowdown(plan)
+    change = _first_slowdown(plan, float(cfg.fault.slowdown_threshold))
     if change is None:
         return None
     (p, s), before, after, at = change
@@ -79,9 +79,9 @@ def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
     return {**out, "switch_s": switch, "with_s": with_s, "with_samples_per_s": budget / with_s}
 
 
-def _first_slowdown(plan: RunPlan):
+def _first_slowdown(plan: RunPlan, threshold: float):
     """((pipeline, stage), speed before, speed after, start) of the first change that slows a
-    device of the run; None without one."""
+    device of the run by ``threshold`` or more (less is never named); None without one."""
     cluster = plan.cluster
     where = {cluster.device(p, s).name: (p, s) for p in range(plan.pipelines)
              for s in range(plan.stages)}
@@ -89,7 +89,7 @@ def _first_slowdown(plan: RunPlan):
         if change.device not in where:
             continue
         before = cluster.speed(cluster.devices[change.device], max(0.0, change.start - 1e-9))
-        if change.start > 0 and change.speed < before:
+        if change.start > 0 and before >= threshold * change.speed:
             return where[change.device], before, change.speed, change.start
     return None
 

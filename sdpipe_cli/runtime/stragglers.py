@@ -40,6 +40,11 @@ class StragglerWatch:
         """A restarted pipeline's devices start again from their own baselines."""
         self.detector.reset(pipeline)
 
+    def own_slowdowns(self) -> dict[tuple[int, int], Optional[float]]:
+        """Every device's compute now over its own start, by (pipeline, stage)."""
+        return {(p, s): self.detector.own_slowdown(p, s) for p in range(self.plan.pipelines)
+                for s in range(self.plan.stages)}
+
     def current(self) -> list[dict[str, Any]]:
         """The devices that are stragglers now, for the progress snapshot."""
         out = []

@@ -289,7 +289,8 @@ class Scheduler:
         when it pays, the run stops at its next consistent point (as a graceful stop does,
         with a checkpoint) and the launcher goes on from there with the new split."""
         done = sum(state.samples for state in self.tracker.state.values())
-        proposal = self.replanning.consider(straggler, done, self.first_step or 0.0)
+        proposal = self.replanning.consider(self.stragglers.own_slowdowns(), done,
+                                            self.first_step or 0.0)
         if proposal is None:
             return
         where = {k: straggler[k] for k in ("device", "pipeline", "stage")}

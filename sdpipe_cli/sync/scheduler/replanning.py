@@ -2,22 +2,28 @@
 
 The decision is :func:`sdpipe_cli.core.replan.propose`'s; this holds what it is asked with:
 each device's block times from the run's profile (at the speeds the run started with, and the
-pipelines' ``cluster.slowdown``), the slowdowns measured since (a straggler line's ``slower``;
-``fault.slowed`` carries those of earlier legs), the split, the budget left, and what moving
+pipelines' ``cluster.slowdown``), the slowdowns measured since (every device's compute over its
+own start, at the moment of a straggler or recovered line, counted where it reaches
+``fault.slowdown_threshold``: a slowdown its peers share is a slowdown here, though it named no
+one; ``fault.slowed`` carries those of earlier legs), the split, the budget left, and what moving
 costs here: the run's own start-up (from the scheduler's start to the first step report) and the
-checkpoint's bytes. At most one re-plan per leg: once it goes, the run stops at its next
-consistent point and the next leg starts resharded (:mod:`sdpipe_cli.cli.run_loop`).
+checkpoint's bytes. A split the run was given against the profile's advice (``uniform``, an
+explicit one) is not taken back for a slowdown that does not change that advice. At most one
+re-plan per leg: once it goes, the run stops at its next consistent point and the next leg starts
+resharded (:mod:`sdpipe_cli.cli.run_loop`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import Optional
 
 from omegaconf import DictConfig
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.partition import device_cost, plan as partition_plan
 from sdpipe_cli.core.replan import Proposal, propose
 
 __all__ = ["Replanning", "slowed_key"]
@@ -40,6 +46,7 @@ class Replanning:
         self.start = {(p, s): float(cfg.fault.slowed.get(slowed_key(p, s), 1.0))
                       for p in range(plan.pipelines) for s in range(plan.stages)}
         self.slowed = dict(self.start)
+        self.threshold = float(cfg.fault.slowdown_threshold)
         self.partition = [int(b) for b in cfg.pipeline.partition]
         self.microbatches, self.batch = int(cfg.pipeline.microbatches), int(cfg.train.batch_size)
         self.lock_step = mode(cfg.sync.name).paced_by_slowest
@@ -49,24 +56,33 @@ class Replanning:
         self.state_bytes = params * FLOAT_BYTES * (1 + slots) * plan.pipelines
         self.budget_samples = plan.budget * self.batch
         self.chosen: Optional[Proposal] = None
+        # the split the speeds of this leg's start call for (the profile's advice then)
+        self.advised = partition_plan(device_cost(self._block_ms()), len(self.base[0][0]),
+                                      plan.stages).bounds
 
-    def consider(self, line: dict[str, Any], samples_done: float, restart_s: float
-                 ) -> Optional[Proposal]:
-        """A straggler or recovered line: the proposal it leads to (None once one went)."""
+    def consider(self, own: dict[tuple[int, int], Optional[float]], samples_done: float,
+                 restart_s: float) -> Optional[Proposal]:
+        """After a straggler or recovered line, with every device's own slowdown now (``own``,
+        None before its baseline): the proposal (None once one went)."""
         if self.chosen is not None:
             return None
-        where = (int(line["pipeline"]), int(line["stage"]))
-        # the detector measures a device against its own start of this leg
-        recovered = line["kind"] == "recovered"
-        self.slowed[where] = self.start[where] * (1.0 if recovered else float(line["slower"]))
-        block_ms = [[[t * self.slowed[(p, s)] for t in row] for s, row in enumerate(rows)]
-                    for p, rows in enumerate(self.base)]
-        proposal = propose(block_ms, self.partition, self.microbatches, self.batch,
+        for where, factor in own.items():
+            counted = factor if factor is not None and factor >= self.threshold else 1.0
+            self.slowed[where] = self.start[where] * counted
+        proposal = propose(self._block_ms(), self.partition, self.microbatches, self.batch,
                            self.lock_step, max(0.0, self.budget_samples - samples_done),
                            restart_s, self.state_bytes)
+        if proposal.go and proposal.bounds == self.advised != self.partition:
+            proposal = dataclasses.replace(proposal, go=False, reason=(
+                f"{proposal.bounds} is what the profile advised at the start too; the run's own "
+                f"split {self.partition} was given"))
         if proposal.go:
             self.chosen = proposal
         return proposal
+
+    def _block_ms(self) -> list[list[list[float]]]:
+        return [[[t * self.slowed[(p, s)] for t in row] for s, row in enumerate(rows)]
+                for p, rows in enumerate(self.base)]
 
     def slowed_now(self) -> dict[str, float]:
         """``fault.slowed`` for the next leg: every device measured slower so far."""
