@@ -28,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.config import trust
 from sdpipe_cli.config.run_file import save_run_config
 from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli.cli.supervisor import (POLL_S, RUNNING, Child, Phase, Supervisor, _Interrupted,
-                                       _quietly, stop_all)
+from sdpipe_cli.cli.supervisor import (POLL_S, RUNNING, Child, Interrupted, Phase, Supervisor,
+                                       quietly, stop_all)
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli import checkpoint
@@ -162,7 +162,7 @@ def _join(cfg: DictConfig, plan: RunPlan, phase: "Phase"):
                 raise TimeoutError("no run published")
             time.sleep(POLL_S)
         run = json.loads(events.get(store.RUN))
-    except _Interrupted:
+    except Interrupted:
         raise
     except Exception as err:  # c10d raises several types; say where we looked
         raise ConfigError("run.node", f"cannot reach the first node's store at {host}:{port} "
@@ -333,7 +333,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
         on_folder(state.run_dir)  # the user can look at the logs from here on
         state.start()
         state.supervise()
-    except _Interrupted:
+    except Interrupted:
         state.interrupted()
     finally:
         state.close(previous)
@@ -414,7 +414,7 @@ class Launch:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
 
     def interrupted(self) -> None:
-        """A stop at once (:class:`~sdpipe_cli.cli.supervisor._Interrupted`): what to say."""
+        """A stop at once (:class:`~sdpipe_cli.cli.supervisor.Interrupted`): what to say."""
         result = self.result
         result.interrupted = True
         if self.phase.now == RUNNING:
@@ -435,10 +435,10 @@ class Launch:
                       "complete", file=sys.stderr, flush=True)
         self.phase.restore(previous)
         if self.cfg.run.trace and result.run_dir is not None and self.primary:
-            result.trace = _quietly(lambda: trace.merge(result.run_dir))
+            result.trace = quietly(lambda: trace.merge(result.run_dir))
         if self.events is not None:
             try:
-                result.progress = _quietly(lambda: store.read_progress(self.events, {})) or {}
+                result.progress = quietly(lambda: store.read_progress(self.events, {})) or {}
             except protocol.ProtocolError:  # supervision has failed the run for it already
                 result.progress = {}
         result.wall_s = time.monotonic() - self.started

@@ -54,7 +54,7 @@ class Child:
     log_start: int = 0  # where its output begins in the log (a restarted worker appends)
 
 
-class _Interrupted(Exception):
+class Interrupted(Exception):
     """Raised by the launcher itself, at a point it chose, to stop at once."""
 
 
@@ -89,7 +89,7 @@ class Phase:
     def check(self) -> None:
         """During start-up: stop if an interrupt came."""
         if self.signals:
-            raise _Interrupted
+            raise Interrupted
 
     def advance(self, now: str) -> None:
         self.check()
@@ -101,7 +101,7 @@ class Supervisor:
     """One launch's children, what was seen of them and the policy that decides; :meth:`run`
     waits for every child.
 
-    A stop at once raises :class:`_Interrupted` and the caller stops everything. The policy's
+    A stop at once raises :class:`Interrupted` and the caller stops everything. The policy's
     view of start-up (all ``workers`` started) is copied to ``phase``, whose name the caller's
     message uses. ``restart(pipeline, announce)`` starts a lost pipeline's workers again
     (``restarts``: the budget, which the nodes' launchers share through the store's
@@ -165,7 +165,7 @@ class Supervisor:
             _lose_pipeline(self.by_name[name], pipeline, self.children, self.run_dir,
                            self.events, self.since, restart)
             if restart:
-                _quietly(lambda: self.events.add(store.RESTARTS, 1))
+                quietly(lambda: self.events.add(store.RESTARTS, 1))
 
     def _respawn(self, action: supervision.Respawn, seen) -> None:
         limit = self.restarts.limit if self.restarts else 0
@@ -196,7 +196,7 @@ class Supervisor:
             _signal(self.by_name[name], signal.SIGKILL)
 
     def _stop_now(self, action: supervision.StopNow, seen) -> None:
-        raise _Interrupted
+        raise Interrupted
 
     def _finished(self, action: supervision.Finished, seen) -> Outcome:
         return None, action.interrupted, False
@@ -205,11 +205,11 @@ class Supervisor:
         failed = self.by_name[action.child]
         reason = self.pauses.explain(describe_failure(failed, self.run_dir, self.since))
         err = _error_since(self.run_dir, action.child, max(self.since, failed.since))
-        _quietly(lambda: self.events.compare_set(store.FAILED, "", reason))  # tell other nodes
+        quietly(lambda: self.events.compare_set(store.FAILED, "", reason))  # tell other nodes
         return reason, action.interrupted, bool(err and err.get("bad_input"))
 
     def _broken(self, action: supervision.Broken, seen) -> Outcome:
-        _quietly(lambda: self.events.compare_set(store.FAILED, "", action.reason))
+        quietly(lambda: self.events.compare_set(store.FAILED, "", action.reason))
         return action.reason, action.interrupted, False
 
     def _failed_elsewhere(self, action: supervision.FailedElsewhere, seen) -> Outcome:
@@ -257,17 +257,17 @@ def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: 
             err = _error_since(run_dir, c.name, max(since, c.since))
             error_times[c.name] = err["time"] if err else None
         states.append(supervision.ChildState(c.name, c.pipeline, rc, error_times.get(c.name)))
-    elsewhere = _quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
+    elsewhere = quietly(lambda: events.check([store.FAILED]) and events.get(store.FAILED))
     malformed = None
     try:
-        hung = set((_quietly(lambda: store.read(events, store.HUNG, protocol.Hung))
+        hung = set((quietly(lambda: store.read(events, store.HUNG, protocol.Hung))
                     or protocol.Hung([])).ranks if tolerate else [])
-        progress = _quietly(lambda: store.read_progress(events))
+        progress = quietly(lambda: store.read_progress(events))
     except protocol.ProtocolError as err:
         malformed, hung, progress = str(err), set(), None
     elsewhere_restarts = 0
     if restarted is not None:
-        elsewhere_restarts = max(0, (_quietly(lambda: events.add(store.RESTARTS, 0)) or 0) - restarted)
+        elsewhere_restarts = max(0, (quietly(lambda: events.add(store.RESTARTS, 0)) or 0) - restarted)
     return supervision.Observation(
         now=time.monotonic(), children=tuple(states), signals=signals, progress=progress,
         elsewhere=elsewhere.decode(errors="replace") if elsewhere else None,
@@ -275,7 +275,7 @@ def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: 
         restarts_elsewhere=elsewhere_restarts, malformed=malformed)
 
 
-def _quietly(read: Callable[[], Any]) -> Any:
+def quietly(read: Callable[[], Any]) -> Any:
     """A store access that may fail once the first node's launcher (the store) is gone. A value
     that is there but malformed is not such a failure: its
     :class:`~sdpipe_cli.runtime.protocol.ProtocolError` goes through."""

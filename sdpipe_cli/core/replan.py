@@ -39,7 +39,7 @@ from typing import Sequence
 
 from sdpipe_cli.core.partition import device_cost, plan, stage_ranges
 
-__all__ = ["Proposal", "pipeline_ms", "run_rate", "propose", "MIN_GAIN"]
+__all__ = ["Proposal", "pipeline_ms", "run_rate", "propose", "scaled", "MIN_GAIN"]
 
 MIN_GAIN = 1.05  # the least predicted gain of the run's samples/s that is worth a restart
 DISK_PASSES = 5  # the checkpoint written, read, written resharded, verified and loaded
@@ -64,6 +64,13 @@ class Proposal:
                 "rate_now": round(self.rate_now, 4), "rate_new": round(self.rate_new, 4),
                 "move_s": round(self.move_s, 3), "gain_s": round(self.gain_s, 3),
                 "reason": self.reason}
+
+
+def scaled(block_ms: Sequence[Sequence[Sequence[float]]],
+           slowed: dict[tuple[int, int], float]) -> list[list[list[float]]]:
+    """``block_ms[p][s][i]`` with the device of (p, s) slower by ``slowed[(p, s)]`` (default 1)."""
+    return [[[t * slowed.get((p, s), 1.0) for t in row] for s, row in enumerate(rows)]
+            for p, rows in enumerate(block_ms)]
 
 
 def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],

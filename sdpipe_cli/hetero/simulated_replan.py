@@ -26,13 +26,13 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.replan import propose
+from sdpipe_cli.core.replan import propose, scaled
 from sdpipe_cli.core.simulation import Result, simulate
+from sdpipe_cli.sync.scheduler.replanning import checkpoint_bytes
 
 __all__ = ["replanned", "RESTART_S"]
 
 RESTART_S = 10.0  # the start-up a simulated restart costs (a real run measures its own)
-FLOAT_BYTES = 4
 
 
 def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
@@ -54,19 +54,15 @@ def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
     budget = plan.budget * batch
     iteration = slow.finished_at[p] / max(slow.iterations[p], 1)  # the slowed pipeline's
     window = int(cfg.fault.slowdown_window)
-    verdict = (2 * (window // 2 + 1) - 1 + 1) * iteration  # the detector, then the stop
+    verdict = 2 * (window // 2 + 1) * iteration  # the detector's 2 x confirm - 1, then the stop
     switch = at + verdict
-    done = min(budget, _rate(speeds_before) * at + _rate(slow) * verdict)
+    done = min(budget, speeds_before.samples_per_s * at + slow.samples_per_s * verdict)
     doc = measurements.load(cfg.profile)
     base = measurements.worker_block_ms(doc, plan.cluster, list(cfg.cluster.slowdown))
-    block_ms = [[[t * (before / after if (q, r) == (p, s) else 1.0) for t in row]
-                 for r, row in enumerate(rows)] for q, rows in enumerate(base)]
-    t = cfg.train
-    slots = 2 if t.optimizer == "adamw" else (1 if t.momentum else 0)
-    state = sum(doc["model"].get("block_params") or []) * FLOAT_BYTES * (1 + slots) * plan.pipelines
-    proposal = propose(block_ms, list(cfg.pipeline.partition), int(cfg.pipeline.microbatches),
-                       batch, mode(cfg.sync.name).paced_by_slowest, budget - done, RESTART_S,
-                       state)
+    proposal = propose(scaled(base, {(p, s): before / after}), list(cfg.pipeline.partition),
+                       int(cfg.pipeline.microbatches), batch, mode(cfg.sync.name).paced_by_slowest,
+                       budget - done, RESTART_S,
+                       checkpoint_bytes(doc, cfg.train, plan.pipelines))
     out = {"device": plan.cluster.device(p, s).name, "pipeline": p, "stage": s, "at": at,
            "speed": after, **proposal.record(), "without_s": without.wall_s,
            "without_samples_per_s": without.samples_per_s}
@@ -75,7 +71,7 @@ def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
     moved = OmegaConf.create(OmegaConf.to_container(slow_cfg, resolve=True))
     moved.pipeline.partition = proposal.bounds
     rest = _run(moved, plan, work_of)
-    with_s = switch + proposal.move_s + (budget - done) / _rate(rest)
+    with_s = switch + proposal.move_s + (budget - done) / rest.samples_per_s
     return {**out, "switch_s": switch, "with_s": with_s, "with_samples_per_s": budget / with_s}
 
 
@@ -107,7 +103,3 @@ def _run(cfg: DictConfig, plan: RunPlan, work_of) -> Result:
         def policy(clock):
             return make_policy(cfg, variant, clock, evaluations=False)
     return simulate(work_of(cfg, variant), cfg.sync.name, policy)
-
-
-def _rate(result: Result) -> float:
-    return result.samples_per_s

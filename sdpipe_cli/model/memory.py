@@ -37,6 +37,7 @@ from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, get_schedule, in_flight
 from sdpipe_cli.model.boundary import map_tensors
 from sdpipe_cli.model.models import meta_blocks
+from sdpipe_cli.model.optim import state_slots
 
 log = logging.getLogger("sdpipe.memory")
 
@@ -75,7 +76,7 @@ def estimate(cfg: DictConfig, example: Any) -> Optional[list[StageMemory]]:
     except Exception as err:  # noqa: BLE001 - any model code may refuse meta tensors
         log.debug("no memory estimate: the forward does not run on meta tensors (%s)", err)
         return None
-    slots = 2 if t.optimizer != "sgd" else (1 if t.momentum else 0)
+    slots = state_slots(t)
     sync_copies = mode(cfg.sync.name).sync_copies
     schedule = get_schedule(p.schedule)
     asynchronous = p.schedule in ASYNC_SCHEDULES

@@ -54,6 +54,12 @@ def lr_at(position: float, train: DictConfig) -> float:
     return t.lr * (final + (1 - final) * shape)
 
 
+def state_slots(train: DictConfig) -> int:
+    """Tensors of optimizer state per parameter: AdamW's two moments, SGD's momentum buffer or
+    nothing (what the memory estimate and a checkpoint's size count)."""
+    return 2 if train.optimizer != "sgd" else (1 if train.momentum else 0)
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], train: DictConfig) -> torch.optim.Optimizer:
     """``train.optimizer`` over ``params`` (``train``: the config's ``train`` section), its state
     already created (see the module's note)."""

@@ -24,11 +24,19 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.partition import device_cost, plan as partition_plan
-from sdpipe_cli.core.replan import Proposal, propose
+from sdpipe_cli.core.replan import Proposal, propose, scaled
+from sdpipe_cli.model.optim import state_slots
 
-__all__ = ["Replanning", "slowed_key"]
+__all__ = ["Replanning", "checkpoint_bytes", "slowed_key"]
 
 FLOAT_BYTES = 4
+
+
+def checkpoint_bytes(doc: dict, train: DictConfig, pipelines: int) -> float:
+    """What a checkpoint of the whole run holds, from a profile: every replica's weights and
+    optimizer state (0 for an older profile without ``block_params``)."""
+    params = sum(doc["model"].get("block_params") or [])
+    return params * FLOAT_BYTES * (1 + state_slots(train)) * pipelines
 
 
 def slowed_key(pipeline: int, stage: int) -> str:
@@ -50,15 +58,12 @@ class Replanning:
         self.partition = [int(b) for b in cfg.pipeline.partition]
         self.microbatches, self.batch = int(cfg.pipeline.microbatches), int(cfg.train.batch_size)
         self.lock_step = mode(cfg.sync.name).paced_by_slowest
-        t = cfg.train
-        slots = 2 if t.optimizer == "adamw" else (1 if t.momentum else 0)
-        params = sum(doc["model"].get("block_params") or [])  # older profiles lack it: 0
-        self.state_bytes = params * FLOAT_BYTES * (1 + slots) * plan.pipelines
+        self.state_bytes = checkpoint_bytes(doc, cfg.train, plan.pipelines)
         self.budget_samples = plan.budget * self.batch
         self.chosen: Optional[Proposal] = None
         # the split the speeds of this leg's start call for (the profile's advice then)
-        self.advised = partition_plan(device_cost(self._block_ms()), len(self.base[0][0]),
-                                      plan.stages).bounds
+        self.advised = partition_plan(device_cost(scaled(self.base, self.slowed)),
+                                      len(self.base[0][0]), plan.stages).bounds
 
     def consider(self, own: dict[tuple[int, int], Optional[float]], samples_done: float,
                  restart_s: float) -> Optional[Proposal]:
@@ -69,7 +74,7 @@ class Replanning:
         for where, factor in own.items():
             counted = factor if factor is not None and factor >= self.threshold else 1.0
             self.slowed[where] = self.start[where] * counted
-        proposal = propose(self._block_ms(), self.partition, self.microbatches, self.batch,
+        proposal = propose(scaled(self.base, self.slowed), self.partition, self.microbatches, self.batch,
                            self.lock_step, max(0.0, self.budget_samples - samples_done),
                            restart_s, self.state_bytes)
         if proposal.go and proposal.bounds == self.advised != self.partition:
@@ -79,10 +84,6 @@ class Replanning:
         if proposal.go:
             self.chosen = proposal
         return proposal
-
-    def _block_ms(self) -> list[list[list[float]]]:
-        return [[[t * self.slowed[(p, s)] for t in row] for s, row in enumerate(rows)]
-                for p, rows in enumerate(self.base)]
 
     def slowed_now(self) -> dict[str, float]:
         """``fault.slowed`` for the next leg: every device measured slower so far."""
