@@ -244,7 +244,8 @@ def summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
                       fmt(s["val_loss"]), *(acc if accuracy else ()), f"{s['samples_per_s']:.1f}")
     console.print(table)
     if result.progress.get("mean_group_size") is not None:
-        rounds = "; ".join(f"stage {s}: {r}" for s, r in enumerate(result.progress["rounds"]))
+        unit = result.progress.get("rounds_of", "stage")
+        rounds = "; ".join(f"{unit} {s}: {r}" for s, r in enumerate(result.progress["rounds"]))
         console.print(f"group sync: mean group size {result.progress['mean_group_size']:.2f}; "
                       f"rounds per replica: {rounds}", highlight=False)
     per_sample, share = (result.progress.get("sync_bytes_per_sample"),

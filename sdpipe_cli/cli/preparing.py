@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import ConfigError, num_classes, objective
-from sdpipe_cli.config.validation import validate_partition
+from sdpipe_cli.config.validation import validate_own_partitions, validate_partition
 from sdpipe_cli.core import meetings, partition
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.modes import mode
@@ -48,6 +48,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
                           f"{blocks} blocks; use at most {blocks} stages")
     if not isinstance(cfg.pipeline.partition, str):
         validate_partition(cfg.pipeline.partition, stages, blocks)
+    validate_own_partitions(cfg.pipeline, int(cfg.cluster.pipelines), blocks)
     counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
     plan = None
     if cfg.profile:
@@ -63,6 +64,12 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages, counts)
     models.check(cfg)
+    for q, own in (cfg.pipeline.partitions or {}).items():  # each split, as its workers see it
+        try:
+            models.check(OmegaConf.merge(cfg, {"pipeline": {"partition": own}}))
+        except ConfigError as err:
+            key = f"pipeline.partitions.{q}" if err.key == "pipeline.partition" else err.key
+            raise ConfigError(key, err.reason) from None
     cfg.plan = RunPlan.resolve(cfg, cluster).section()
     if cfg.fault.on_slowdown == "replan":  # the leg after a re-plan goes on from this checkpoint
         cfg.checkpoint.on_exit = True

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 
 from sdpipe_cli.config import trust, yaml_bounds
 from sdpipe_cli.config.saved import typed
-from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.composition import compose, mapping_settings
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
@@ -44,7 +44,7 @@ RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_e
              "checkpoint.every", "checkpoint.keep", "data.eval_batches", "data.num_workers",
              "data.prefetch", "data.verify", "fault.on_slowdown", "fault.slowed")
 # The layout, which a resume may change too: the checkpoint is resharded for it.
-_SPLIT = ("pipeline.stages", "pipeline.partition", "profile")
+_SPLIT = ("pipeline.stages", "pipeline.partition", "pipeline.partitions", "profile")
 LAYOUT = ("cluster=NAME", "cluster.*", *_SPLIT)
 
 
@@ -168,9 +168,8 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     preparing.check_memory(new)  # bad input: before the resharded checkpoint is written
     folder = reshard.write(ckpt, manifest, old, new, plan, destination(new))
     before, after = reshard.layout_of(old), reshard.layout_of(new)
-    console.print(f"resharded {ckpt}: P={before.pipelines} S={before.stages} partition "
-                  f"{list(before.partition)} -> P={after.pipelines} S={after.stages} partition "
-                  f"{list(after.partition)}; train.steps {old.train.steps} -> {plan.train_steps}",
+    console.print(f"resharded {ckpt}: {before.describe()} -> {after.describe()}; train.steps "
+                  f"{old.train.steps} -> {plan.train_steps}",
                   highlight=False, soft_wrap=True)
     if plan.changed and not steps_given:
         console.print(f"sdpipe: warning: {after.pipelines} pipelines cannot share the rest of the "
@@ -226,11 +225,25 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
         cfg.cluster = compose([*search, f"cluster={cluster}"]).cluster
     if _given("pipeline.stages", overrides) and not _given("pipeline.partition", overrides):
         cfg.pipeline.partition = "uniform"
+    # a mapping given (pipeline.partitions, fault.slowed) is the mapping, not added to the saved
+    mappings = [i for i in dotlist if i.split("=", 1)[0].lstrip("+~") in mapping_settings()]
     try:
-        return OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+        merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(
+            [i for i in dotlist if i not in mappings]))
+        for item in mappings:
+            key = item.split("=", 1)[0].lstrip("+~")
+            with open_dict(merged):
+                OmegaConf.update(merged, key, OmegaConf.select(OmegaConf.from_dotlist([item]), key),
+                                 merge=False)
+        return merged
     except Exception as err:  # OmegaConf's validation errors name the key
         key = getattr(err, "full_key", None) or "overrides"
         raise ConfigError(key, str(err).splitlines()[0]) from None
+
+
+def _own(partitions: Any) -> dict[int, list[int]]:
+    """``pipeline.partitions`` as written in a config or a manifest (JSON: keys as strings)."""
+    return {int(k): [int(b) for b in v] for k, v in (partitions or {}).items()}
 
 
 def restart_points(run_dir: Path, cfg: DictConfig, started_from: Path | None) -> list[Path]:
@@ -241,13 +254,15 @@ def restart_points(run_dir: Path, cfg: DictConfig, started_from: Path | None) ->
     found = checkpoint.complete_checkpoints(run_dir)
     if started_from is not None and started_from not in found:
         found.append(started_from)
-    want = (int(cfg.cluster.pipelines), int(cfg.pipeline.stages), list(cfg.pipeline.partition))
+    want = (int(cfg.cluster.pipelines), int(cfg.pipeline.stages), list(cfg.pipeline.partition),
+            _own(cfg.pipeline.get("partitions")))
     points = []
     for candidate in found:
         try:
             manifest = checkpoint.read_manifest(candidate)
-            layout = (manifest["config"]["cluster"]["pipelines"],
-                      manifest["config"]["pipeline"]["stages"], manifest.get("partition"))
+            saved = manifest["config"]["pipeline"]
+            layout = (manifest["config"]["cluster"]["pipelines"], saved["stages"],
+                      manifest.get("partition"), _own(saved.get("partitions")))
         except (CheckpointError, KeyError, TypeError):
             continue
         if layout == want:

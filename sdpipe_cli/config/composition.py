@@ -67,7 +67,7 @@ def compose(overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+            cfg = hydra_compose(config_name="config", overrides=[_adding(o) for o in overrides])
     except Exception as err:  # Hydra raises many types; all become one line
         raise _as_config_error(err) from None
     finally:
@@ -80,6 +80,33 @@ def compose(overrides: list[str]) -> DictConfig:
         cfg.run.config_dirs = [d.removeprefix("file://") for d in searched[-1].strip("[]").split(",")
                                if d.startswith("file://")]
     return cfg
+
+
+def _adding(override: str) -> str:
+    """``KEY={...}`` for a mapping setting (``pipeline.partitions``, ``fault.slowed``) as
+    ``++KEY={...}``: Hydra merges a mapping into the default, and under the schema's struct flag
+    refuses the new keys a mapping setting is for. The keys are checked after composition."""
+    key, sep, value = override.partition("=")
+    if sep and value.lstrip().startswith("{") and key in mapping_settings():
+        return f"++{override}"
+    return override
+
+
+@functools.cache
+def mapping_settings() -> frozenset[str]:
+    """The schema's settings whose value is a mapping of the user's keys (typed ``Dict``)."""
+    found: set[str] = set()
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        for key in node.keys():
+            child = node._get_node(key)
+            if OmegaConf.get_type(node, key) is dict:
+                found.add(f"{prefix}{key}")
+            elif isinstance(child, DictConfig):
+                walk(child, f"{prefix}{key}.")
+
+    walk(OmegaConf.structured(Config), "")
+    return frozenset(found)
 
 
 @functools.cache

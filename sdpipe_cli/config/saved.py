@@ -31,10 +31,28 @@ def typed(config: Any, where: str) -> DictConfig:
     if not isinstance(name, str):
         raise ConfigError(where, "its config lacks sync.name: not an sdpipe run's")
     try:
-        return OmegaConf.merge(schema_for(name), config)
+        schema = schema_for(name)
+        return OmegaConf.merge(schema, _int_keys(config, schema))
     except (ConfigError, OmegaConfBaseException, ValueError, TypeError) as err:
         raise ConfigError(where, f"its config does not fit this sdpipe: "
                           f"{str(err).splitlines()[0]}") from None
+
+
+def _int_keys(config: Mapping, schema: DictConfig) -> Mapping:
+    """``config`` with the keys of the schema's int-keyed mappings (``pipeline.partitions``)
+    made ints again where they are written as digits: JSON (a manifest) keeps keys as strings."""
+    out = dict(config)
+    for key, value in config.items():
+        node = schema._get_node(key) if isinstance(key, str) and key in schema else None
+        if not isinstance(node, DictConfig) or node._is_none() or node._is_missing() or \
+                not isinstance(value, Mapping):
+            continue
+        if node._metadata.key_type is int:
+            out[key] = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                        for k, v in value.items()}
+        else:
+            out[key] = _int_keys(value, node)
+    return out
 
 
 def _depth(node: Any, level: int = 0) -> int:

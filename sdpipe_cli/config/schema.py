@@ -6,9 +6,8 @@ field's comment is its documentation (docs/CONFIG.md is generated from this file
 names each setting may take, :class:`ConfigError`, and what a few settings mean once resolved
 (:func:`objective`, :func:`num_classes`, :func:`emulation`, :func:`n_blocks`).
 
-The config's path: composed (:mod:`~sdpipe_cli.config.composition`), checked
-(:mod:`~sdpipe_cli.config.validation`), prepared for this machine by the launcher, written into
-the run folder and read back by every child (:mod:`~sdpipe_cli.config.run_file`).
+Its path: composed (:mod:`~.composition`), checked (:mod:`~.validation`), prepared for this
+machine by the launcher, written into the run folder, read back by every child (:mod:`~.run_file`).
 """
 
 from __future__ import annotations
@@ -188,6 +187,8 @@ class PipelineConfig:
     # uniform | params (balance parameter counts) | auto (balance the measured block times of
     # profile=PATH on this cluster's devices) | explicit list of S-1 block boundaries, e.g. [3]
     partition: Any = "uniform"
+    # sdpipe: pipelines split their own way, {pipeline: boundaries}, e.g. {2: [5, 9, 12]}
+    partitions: Dict[int, List[int]] = field(default_factory=dict)
     # Recompute each micro-batch's activations inside the stage's blocks during its backward,
     # keeping only the blocks' inputs: less memory for more compute (torch.utils.checkpoint)
     activation_checkpointing: bool = False

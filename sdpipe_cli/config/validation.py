@@ -149,6 +149,7 @@ def _validate_pipeline(cfg: DictConfig) -> None:
          f"is '{p.schedule}'; choose one of {', '.join(SCHEDULES)}")
     if blocks is not None:
         validate_partition(p.partition, p.stages, blocks)
+    validate_own_partitions(p, cfg.cluster.pipelines, blocks)
     if p.weight_versions is not None:
         need(p.schedule == "async_1f1b", "pipeline.weight_versions",
              f"only applies to pipeline.schedule=async_1f1b (schedule is {p.schedule})")
@@ -157,6 +158,18 @@ def _validate_pipeline(cfg: DictConfig) -> None:
         need(p.microbatches >= p.stages, "pipeline.weight_versions",
              f"2 needs pipeline.microbatches >= pipeline.stages (m={p.microbatches}, "
              f"S={p.stages}): micro-batches in flight must span at most two updates")
+
+
+def validate_own_partitions(p: DictConfig, pipelines: int, blocks: int | None) -> None:
+    """``pipeline.partitions``: pipelines of the run, each with S - 1 explicit boundaries (known
+    once the model is: ``blocks`` None checks only the pipelines)."""
+    for q, bounds in (p.partitions or {}).items():
+        key = f"pipeline.partitions.{q}"
+        need(0 <= q < pipelines, key, f"names pipeline {q}; the run has pipelines 0 to "
+             f"{pipelines - 1} (cluster.pipelines={pipelines})")
+        if blocks is not None:
+            need(not isinstance(bounds, str), key, "must be a list of block boundaries")
+            validate_partition(bounds, p.stages, blocks, key)
 
 
 def _validate_sync(cfg: DictConfig) -> None:
@@ -170,6 +183,9 @@ def _validate_sync(cfg: DictConfig) -> None:
              f"flushed schedule (1f1b, gpipe), not {p.schedule}")
         need(y.precision in ("auto", "fp32"), "sync.precision",
              f"'{y.precision}' needs a flushed schedule (1f1b, gpipe), not {p.schedule}")
+    need(not p.partitions or mode(y.name).segments, "pipeline.partitions",
+         f"pipelines split their own way need sync={' or '.join(names_with('segments'))} "
+         f"(replicas average per segment of blocks), not {y.name}; use one pipeline.partition")
     need(not (mode(y.name).flushed_only and p.schedule in ASYNC_SCHEDULES), "pipeline.schedule",
          f"sync={y.name} counts an iteration's updates: use a flushed schedule (1f1b, gpipe), "
          f"not {p.schedule}")
@@ -452,9 +468,10 @@ def _validate_cluster(cfg: DictConfig) -> None:
             raise ConfigError("profile", str(err)) from None
 
 
-def validate_partition(partition: Any, stages: int, blocks: int) -> None:
-    """``pipeline.partition`` is a known name or S - 1 increasing block boundaries."""
-    key = "pipeline.partition"
+def validate_partition(partition: Any, stages: int, blocks: int,
+                       key: str = "pipeline.partition") -> None:
+    """``pipeline.partition`` (or a pipeline's own, ``key``) is a known name or S - 1 increasing
+    block boundaries."""
     if isinstance(partition, str):
         if partition not in PARTITIONS:
             raise ConfigError(key, f"is '{partition}'; choose {', '.join(PARTITIONS)} "

@@ -1,8 +1,9 @@
 """Pipeline partitioning: which contiguous range of blocks each stage holds.
 
 A partition is written as S - 1 *boundaries* (block indices where a new stage starts), so that
-``[2]`` on a 6-block model gives stage 0 blocks 0-1 and stage 1 blocks 2-5. Replicas of one stage
-hold the same blocks on every pipeline (they average weights), so one partition serves all.
+``[2]`` on a 6-block model gives stage 0 blocks 0-1 and stage 1 blocks 2-5. One partition
+serves every pipeline, unless sdpipe gives a pipeline its own (``pipeline.partitions``; replicas
+then average per segment, :mod:`~sdpipe_cli.core.segments`).
 
 The functions here are pure: they take block costs and return boundaries, no I/O.
 """

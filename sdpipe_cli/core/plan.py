@@ -29,6 +29,7 @@ from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.errors import BadInput
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.segments import Segments, partitions_of
 
 __all__ = ["RunPlan", "cluster_of", "microbatch_size"]
 
@@ -52,6 +53,13 @@ def _servers(stages: int, sync: str) -> int:
     return stages if mode(sync).servers else 0
 
 
+def _partitions(cfg: Any) -> tuple[tuple[int, ...], ...]:
+    """Each pipeline's partition, once ``pipeline.partition`` is resolved (boundaries)."""
+    if isinstance(cfg.pipeline.partition, str):
+        return ()
+    return partitions_of(cfg.pipeline, int(cfg.cluster.pipelines))
+
+
 def microbatch_size(cfg: Any) -> int:
     """Samples per micro-batch: ``train.batch_size // pipeline.microbatches`` (validation
     refuses a batch that does not divide). Defined here only; before the plan exists (while
@@ -70,6 +78,24 @@ class RunPlan:
     microbatch_size: int  # samples per micro-batch: ``train.batch_size // pipeline.microbatches``
     placement: tuple[tuple[str, ...], ...]  # the device of (pipeline, stage)
     cluster: Cluster = field(compare=False, repr=False)
+    # each pipeline's partition (``pipeline.partitions`` may give one its own split); empty
+    # while the partition is not resolved yet
+    partitions: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def segments(self) -> Segments:
+        """What replicas average: the stages, or finer ranges where pipelines are split
+        differently (:mod:`~sdpipe_cli.core.segments`). Before the partition is resolved (a
+        config not prepared yet, which has no ``pipeline.partitions`` either), one per stage."""
+        if not self.partitions:
+            return Segments.of([tuple(range(1, self.stages))] * self.pipelines)
+        return Segments.of(self.partitions)
+
+    def partition_of(self, pipeline: int) -> list[int]:
+        """Pipeline ``pipeline``'s partition: what its workers build their stages from."""
+        if not self.partitions:
+            raise ValueError("the partition is not resolved yet (the run is being prepared)")
+        return list(self.partitions[pipeline])
 
     @property
     def grid(self) -> Grid:
@@ -114,7 +140,8 @@ class RunPlan:
         return cls(pipelines=int(cfg.cluster.pipelines), stages=stages,
                    servers=_servers(stages, cfg.sync.name), steps=int(cfg.train.steps),
                    microbatch_size=microbatch_size(cfg),
-                   placement=tuple(tuple(row) for row in cluster.placement), cluster=cluster)
+                   placement=tuple(tuple(row) for row in cluster.placement), cluster=cluster,
+                   partitions=_partitions(cfg))
 
     def section(self) -> dict[str, Any]:
         """The config's ``plan`` section (what ``config.yaml`` shows; derived values included
@@ -138,7 +165,8 @@ class RunPlan:
             cluster = cluster_of(cfg)
             plan = cls(int(section["pipelines"]), int(section["stages"]), int(section["servers"]),
                        int(section["steps"]), int(section["microbatch_size"]),
-                       tuple(tuple(str(d) for d in row) for row in section["placement"]), cluster)
+                       tuple(tuple(str(d) for d in row) for row in section["placement"]), cluster,
+                       _partitions(cfg))
         except (KeyError, TypeError, ValueError) as err:
             raise BadInput("plan", f"malformed ({err}); prepare the run again") from None
         if plan.placement != tuple(tuple(row) for row in cluster.placement):

@@ -9,7 +9,8 @@ as plain arithmetic, what each new pipeline starts from:
 
 * **weights**: new pipeline ``q`` takes the blocks of old pipeline ``q`` (``q mod P`` once the old
   pipelines run out: the stage's replicas are one model), each block from the old stage that held
-  it (:func:`pieces`), with its optimizer state;
+  it (:func:`pieces`), with its optimizer state; a pipeline split its own way
+  (``pipeline.partitions``) gathers its blocks by its own ranges;
 * **iterations and budget**: the run's budget is in samples, ``P x train.steps x batch``. The new
   layout's ``train.steps`` keeps it (``P x steps / P'``), and the iterations done are shared out so
   that their sum is the same, hence so is the learning rate's place in its schedule (a fraction of
@@ -36,22 +37,31 @@ __all__ = ["Layout", "Plan", "plan", "pieces", "data_position", "source_pipeline
 
 @dataclass(frozen=True)
 class Layout:
-    """``pipelines`` pipelines of ``len(partition) + 1`` stages over ``blocks`` blocks."""
+    """``pipelines`` pipelines of ``len(partition) + 1`` stages over ``blocks`` blocks; ``own``:
+    the pipelines split their own way (``pipeline.partitions``), as (pipeline, boundaries)."""
 
     pipelines: int
     partition: tuple[int, ...]
     blocks: int
+    own: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def stages(self) -> int:
         return len(self.partition) + 1
 
-    def ranges(self) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each stage's blocks."""
-        return stage_ranges(self.partition, self.blocks)
+    def describe(self) -> str:
+        own = "".join(f", pipeline {q}: {list(b)}" for q, b in self.own)
+        return f"P={self.pipelines} S={self.stages} partition {list(self.partition)}{own}"
 
-    def stage_of(self, block: int) -> int:
-        return next(s for s, (lo, hi) in enumerate(self.ranges()) if lo <= block < hi)
+    def partition_of(self, pipeline: int) -> tuple[int, ...]:
+        return dict(self.own).get(pipeline, self.partition)
+
+    def ranges(self, pipeline: int = 0) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each stage's blocks in ``pipeline``."""
+        return stage_ranges(self.partition_of(pipeline), self.blocks)
+
+    def stage_of(self, block: int, pipeline: int = 0) -> int:
+        return next(s for s, (lo, hi) in enumerate(self.ranges(pipeline)) if lo <= block < hi)
 
 
 @dataclass(frozen=True)
@@ -75,16 +85,17 @@ def source_pipeline(new: int, old_pipelines: int) -> int:
     return new % old_pipelines
 
 
-def pieces(old: Layout, new: Layout) -> list[list[tuple[int, int, int]]]:
-    """For each new stage, where its blocks come from: ``(old stage, first block, stop)`` runs,
-    in block order."""
+def pieces(old: Layout, new: Layout, source: int = 0, target: int = 0
+           ) -> list[list[tuple[int, int, int]]]:
+    """For each stage of new pipeline ``target``, where its blocks come from in old pipeline
+    ``source``: ``(old stage, first block, stop)`` runs, in block order."""
     if old.blocks != new.blocks:
         raise ValueError(f"the layouts split {old.blocks} and {new.blocks} blocks")
     out = []
-    for lo, hi in new.ranges():
+    for lo, hi in new.ranges(target):
         runs: list[tuple[int, int, int]] = []
         for b in range(lo, hi):
-            s = old.stage_of(b)
+            s = old.stage_of(b, source)
             if runs and runs[-1][0] == s:
                 runs[-1] = (s, runs[-1][1], b + 1)
             else:

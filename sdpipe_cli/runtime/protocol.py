@@ -56,7 +56,9 @@ class Tick:
 
 @dataclass(frozen=True)
 class Ready:
-    """A replica finished ``iteration``'s backward (or update) and waits for its group."""
+    """A replica finished ``iteration``'s backward (or update) and waits for its group.
+    ``stage``: what it averages, its stage, or the segment where pipelines are split
+    differently (:mod:`~sdpipe_cli.core.segments`), which ``rank`` holds."""
 
     type = "ready"
     rank: int
@@ -76,7 +78,7 @@ class Begin(Ready):
 
 @dataclass(frozen=True)
 class Rejoin:
-    """A restarted replica asks for a source to heal from."""
+    """A restarted replica asks for a source to heal from (``stage`` as in :class:`Ready`)."""
 
     type = "rejoin"
     rank: int

@@ -17,8 +17,10 @@ from torch import nn
 class Wiring:
     """What a worker's strategy is built from besides its settings: the scheduler's store
     (``events``), the replica groups, the worker's place, its device, the run's seed, the
-    optimizer whose state sdpipe's global syncs average, the pipeline's incarnation and the
-    run's ``train.steps`` (which a strategy that meets only now and then needs to end together)."""
+    optimizer whose state sdpipe's global syncs average, the pipeline's incarnation, the
+    run's ``train.steps`` (which a strategy that meets only now and then needs to end together)
+    and its segments (:mod:`~sdpipe_cli.core.segments`: what replicas average when pipelines
+    are split differently)."""
 
     events: Any
     groups: Any  # sync.groups.GroupCache (None in tests of a single replica)
@@ -28,6 +30,7 @@ class Wiring:
     optimizer: Optional[Any] = None
     incarnation: int = 0
     steps: int = 0
+    segments: Optional[Any] = None  # core.segments.Segments
 
 
 class Sync:

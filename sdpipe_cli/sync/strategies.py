@@ -18,7 +18,8 @@ or the last meeting would wait forever for a replica that has stopped.
   all-reduce would take on the group's mean (exact with full groups, for AdamW too);
   global syncs also average the optimizer state, so replicas leave them identical. ``weights``
   (the paper's rule): after the local step, the group averages weights. The scheduler also
-  decides when the run ends, since fast pipelines do more iterations than slow ones.
+  decides when the run ends, since fast pipelines do more iterations than slow ones
+  (:mod:`sdpipe_cli.sync.group_sync`).
 - ``adpsgd``: gossip: average with one peer per round, from a matching both sides derive alone.
 - ``ps``: push gradients to a parameter server per stage, pull its weights (stale-synchronous).
 - ``diloco``: local SGD with an outer Nesterov step every ``sync.local_steps`` updates
@@ -39,252 +40,15 @@ from torch.nn.utils import vector_to_parameters
 
 from sdpipe_cli.core.grouping import gossip_peer
 from sdpipe_cli.core.placement import Grid, Placement
-from sdpipe_cli.core.meetings import Meetings, average_of, meetings_of, precision_of
-from sdpipe_cli.sync.groups import (GroupCache, average_changes, average_parameters,
-                                    average_tensors, flatten, statistics, unflatten)
-from sdpipe_cli.runtime import protocol, store
+from sdpipe_cli.core.segments import Segments
+from sdpipe_cli.sync.groups import (GroupCache, average_parameters)
 from sdpipe_cli.sync.allreduce import AllReduceSync
 from sdpipe_cli.sync.base import Sync, Wiring
 from sdpipe_cli.sync.diloco import DilocoSync
+from sdpipe_cli.sync.group_sync import GroupSync
 from sdpipe_cli.sync.traffic import Traffic
-from sdpipe_cli.model import optim
 
 log = logging.getLogger("sdpipe.sync")
-
-
-class GroupSync(Sync):
-    """SDPipe's worker side: ready signal -> group from the scheduler -> group average.
-
-    ``average="weights_grads"``: the round comes before the local step and averages the weights
-    and the gradients (and, at global syncs, the optimizer state); ``"weights"``: it comes after
-    the step and averages the weights. ``optimizer``: whose state a global sync averages.
-    ``meetings``: after which local steps the replica meets (the others it trains alone; the
-    scheduler counts meetings); ``precision``: ``bf16`` sends a group round's changes since the
-    anchor in bfloat16 (:mod:`~sdpipe_cli.core.meetings`; ``average`` must then be ``weights``).
-    """
-
-    name = "sdpipe"
-    scheduled_checkpoints = True
-    mixes_weights = True
-
-    @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> "GroupSync":
-        w = wiring.where
-        return cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
-                   wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
-                   meetings_of(settings), precision_of(settings))
-
-    def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
-                 pipelines: int, groups: GroupCache, average: str = "weights_grads",
-                 optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,
-                 meetings: Meetings = Meetings(), precision: str = "fp32"):
-        if (meetings.every > 1 or precision != "fp32") and average != "weights":
-            raise ValueError("meetings every H > 1 steps and bf16 changes average weights")
-        self.events, self.rank, self.pipeline, self.stage, self.stages = (
-            events, rank, pipeline, stage, stages)
-        self.pipelines, self.groups, self.average = pipelines, groups, average
-        self.grid = Grid(pipelines, stages)
-        self.optimizer, self.incarnation = optimizer, incarnation
-        self.meetings, self.precision = meetings, precision
-        # bf16: the weights at the last global sync, alike on every replica, and what rounding
-        # lost of this replica's change since (error feedback)
-        self.anchor: Optional[torch.Tensor] = None
-        self.residual: Optional[torch.Tensor] = None
-        self.stop = False
-        self._checkpoint: int | None = None
-        self._stats: dict[str, Any] = {}
-        self._done: Optional[int] = None  # pipeline-meetings begun, at the last decision
-        self._decided_at = 0  # the local step of the last decision
-        self._heal: list[protocol.HealTarget] = []  # replicas to heal after this update
-        self._t0: Optional[float] = None  # the run's time axis, for the reports; read when needed
-
-    def _clock(self) -> float:
-        if self._t0 is None:
-            self._t0 = store.run_clock(self.events)
-        return round(time.time() - self._t0, 4)
-
-    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
-        return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
-
-    def after_backward(self, module: nn.Module, step: int) -> None:
-        if self.precision != "fp32" and self.anchor is None:
-            # before the first local step: the weights every replica starts from (or resumes
-            # from: a checkpoint follows a global sync), the first anchor
-            self.anchor = flatten(self._replica(module))
-        self._checkpoint = None
-        if self.average == "weights_grads":
-            self._round(module, step, grads=True)
-
-    def after_step(self, module: nn.Module, step: int) -> None:
-        if self.average == "weights":
-            if self.meetings.meets(step):
-                self._round(module, step, grads=False)
-            else:  # training alone until the next meeting
-                self._checkpoint = None
-                self._stats = {}
-        for target in self._heal:  # after the step: the state the replica goes on from
-            self._give_heal(module, target)
-        self._heal = []
-
-    def position(self, step: int) -> float:
-        """The run's global progress: pipeline-iterations begun over P, as the scheduler counted
-        them (in meetings of H iterations) at the last decision, plus this replica's steps since.
-        Before the step (weights_grads) that count includes the current iteration of every
-        pipeline; after it (weights), the iterations up to the next one's."""
-        if self._done is None:
-            return float(step)
-        if self.meetings.every == 1:
-            return self._done / self.pipelines - (1.0 if self.average == "weights_grads" else 0.0)
-        # between meetings (flushed schedules: a round is an iteration), the steps since
-        return self.meetings.steps(self._done) / self.pipelines + (step - self._decided_at - 1)
-
-    def _replica(self, module: nn.Module) -> list[torch.Tensor]:
-        """What a group round averages: the weights, then the running statistics."""
-        return list(module.parameters()) + statistics(module)
-
-    def _round(self, module: nn.Module, step: int, grads: bool) -> None:
-        start = time.perf_counter()
-        meeting = self.meetings.meeting(step)  # the scheduler counts meetings
-        store.push(self.events, store.EVENTS, protocol.Ready(
-            self.rank, self.pipeline, self.stage, meeting, self.incarnation))
-        decision = store.take(self.events, store.decision_key(self.stage, self.pipeline, meeting,
-                                                              self.incarnation), protocol.Group)
-        got = time.perf_counter()
-        members, incarnations = decision.members, decision.incarnations
-        if decision.done is not None:
-            self._done, self._decided_at = decision.done, step
-        changes = self.precision != "fp32" and decision.kind == "group"
-        self._heal = decision.heal
-        distance, failed = None, False
-        if len(members) > 1:
-            ranks = self.grid.stage_ranks(self.stage, members)
-            params = list(module.parameters())
-            tensors = params + statistics(module)
-            shares = []  # this member's share of each weighted mean (sync.stale)
-            me = members.index(self.pipeline)
-            if decision.weight_shares and not decision.twins:
-                shares.append((len(tensors), decision.weight_shares[me]))
-            if grads:
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                if decision.twins:  # the same weights already (never at a global sync)
-                    tensors = []
-                tensors += [p.grad for p in params]
-                if decision.grad_shares:
-                    shares.append((len(params), decision.grad_shares[me]))
-                if decision.kind == "global" and self.optimizer is not None:
-                    tensors += optim.state_tensors(self.optimizer, params)
-            try:
-                if changes:  # bf16 changes since the anchor (the tensors: weights, statistics)
-                    average_changes(tensors, self.anchor, self._residual(), self.groups, ranks,
-                                    shares[0][1] if shares else None,
-                                    incarnations=incarnations, tag=f"r{decision.round}")
-                else:
-                    distance = average_tensors(tensors, self.groups, ranks,
-                                               consensus=len(params) if decision.kind == "global"
-                                               else 0, incarnations=incarnations,
-                                               tag=f"r{decision.round}", shares=shares)
-            except (RuntimeError, dist.DistError) as err:
-                # A member died mid-round (its pipeline was lost). The tensors are only written
-                # back after a complete all-reduce, so ours are untouched; the scheduler drops
-                # that pipeline from every later group.
-                self.groups.forget(ranks, incarnations)
-                log.warning("group %s failed (%s); going on alone", members, err)
-                members = [self.pipeline]
-                failed = True
-        if decision.kind == "global" and self.precision != "fp32" and not failed:
-            # every replica now holds the same weights: the next changes start here
-            self.anchor = flatten(self._replica(module))
-            self._residual().zero_()
-        if distance is not None and self.pipeline == members[0]:
-            store.push(self.events, store.EVENTS, protocol.Report(
-                "consensus", self.rank, self.pipeline, self.stage, self._clock(),
-                self.incarnation, {"iteration": step, "round": decision.round,
-                                   "members": members, "consensus": distance}))
-        self.stop = decision.stop
-        self._checkpoint = decision.checkpoint
-        self._stats = {"group_size": len(members), "round": decision.round,
-                       "group_kind": decision.kind, "wait_s": got - start,
-                       "comm_s": time.perf_counter() - got}
-
-    def _residual(self) -> torch.Tensor:
-        """What rounding lost of this replica's change since the anchor (zeros at first)."""
-        if self.residual is None:
-            self.residual = torch.zeros_like(self.anchor)
-        return self.residual
-
-    def stats(self) -> dict[str, Any]:
-        return self._stats
-
-    # -- healing a restarted replica (fault.on_pipeline_loss=restart) ---------------------------
-    def _state(self, module: nn.Module) -> list[torch.Tensor]:
-        """What a replica is: its weights and its optimizer's state, in a fixed order; with bf16
-        changes also the anchor they are taken from (a restarted replica's is filled in by the
-        broadcast that heals it)."""
-        params = list(module.parameters())
-        state = params + statistics(module) + (optim.state_tensors(self.optimizer, params)
-                                               if self.optimizer else [])
-        if self.precision != "fp32":
-            if self.anchor is None:
-                self.anchor = torch.zeros_like(flatten(self._replica(module)))
-            state.append(self.anchor)
-        return state
-
-    def _give_heal(self, module: nn.Module, target: protocol.HealTarget) -> None:
-        """Send this replica's state to a restarted one (the scheduler chose us as its source)."""
-        ranks = [self.rank, self.grid.rank(target.pipeline, self.stage)]
-        incarnations = [self.incarnation, target.incarnation]
-        try:
-            self.groups.broadcast(flatten(self._state(module)), ranks, self.rank, incarnations,
-                                  tag=f"heal{target.round}")
-        except (RuntimeError, dist.DistError) as err:  # it died again; its pipeline is lost again
-            self.groups.forget(ranks, incarnations)
-            log.warning("healing pipeline %d failed (%s); going on", target.pipeline, err)
-
-    def rejoin(self, module: nn.Module) -> Optional[int]:
-        """A restarted replica: ask the scheduler for a source, take its state; returns the
-        iteration to go on from. When the run ended first, ``stop`` is set instead and the state
-        is not taken (the iteration is then where the pipeline was, if the scheduler knows)."""
-        start = time.perf_counter()
-        store.push(self.events, store.EVENTS, protocol.Rejoin(
-            self.rank, self.pipeline, self.stage, self.incarnation))
-        answer = store.take(self.events, store.heal_key(self.stage, self.pipeline,
-                                                        self.incarnation), protocol.HealAnswer)
-        answered = time.perf_counter()
-        if answer.stop:
-            self.stop = True
-            return answer.iteration
-        source = self.grid.rank(answer.source, self.stage)
-        state = self._state(module)
-        flat = flatten(state)
-        self.groups.broadcast(flat, [source, self.rank], source,
-                              [answer.source_incarnation, self.incarnation],
-                              tag=f"heal{answer.round}")
-        unflatten(flat, state)
-        # the run's progress as of now; the steps from here count on from it (position)
-        self._done, self._decided_at = answer.done, answer.iteration - 1
-        store.push(self.events, store.EVENTS, protocol.Report(
-            "healed", self.rank, self.pipeline, self.stage, self._clock(), self.incarnation,
-            {"source": answer.source, "iteration": answer.iteration,
-             "bytes": flat.numel() * flat.element_size(),
-             "seconds": round(time.perf_counter() - start, 4),
-             "transfer_s": round(time.perf_counter() - answered, 4)}))
-        return answer.iteration
-
-    def agree_on_checkpoint(self, wanted: bool) -> bool:
-        return False  # the scheduler picks the global syncs to checkpoint at
-
-    def drain_after(self, iteration: int) -> bool:
-        # The scheduler counts the iterations begun and places global syncs at drained points.
-        store.push(self.events, store.EVENTS, protocol.Begin(
-            self.rank, self.pipeline, self.stage, iteration, self.incarnation))
-        key = store.begin_key(self.pipeline, iteration, self.incarnation)
-        return store.take(self.events, key, protocol.BeginAnswer).last
-
-    def checkpoint_due(self) -> int | None:
-        # Replicas are consistent only right after a global sync; the scheduler picks which.
-        return self._checkpoint
 
 
 class GossipSync(Sync):
@@ -408,10 +172,11 @@ def strategy_class(name: str) -> type[Sync]:
 def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
               device: torch.device, seed: int = 0,
               optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,
-              steps: int = 0) -> Sync:
+              steps: int = 0, segments: Optional[Segments] = None) -> Sync:
     """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
     whose state sdpipe's global syncs average, see :class:`GroupSync`; ``steps``: the run's
-    ``train.steps``, which a strategy that meets only now and then needs to end together):
-    the mode's class builds it (:meth:`Sync.build`)."""
-    wiring = Wiring(events, groups, where, device, seed, optimizer, incarnation, steps)
+    ``train.steps``, which a strategy that meets only now and then needs to end together;
+    ``segments``: what replicas average, where pipelines are split differently): the mode's
+    class builds it (:meth:`Sync.build`)."""
+    wiring = Wiring(events, groups, where, device, seed, optimizer, incarnation, steps, segments)
     return strategy_class(settings.name).build(settings, wiring)

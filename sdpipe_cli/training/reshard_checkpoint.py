@@ -26,6 +26,7 @@ from torch import nn
 
 from sdpipe_cli.core import reshard_plan as reshard
 from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.segments import partitions_of
 from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError
@@ -37,8 +38,11 @@ Where = tuple[int, str]  # (block, name inside the block)
 
 
 def layout_of(cfg: DictConfig) -> reshard.Layout:
-    return reshard.Layout(int(cfg.cluster.pipelines), tuple(int(b) for b in cfg.pipeline.partition),
-                          models.count_blocks(cfg.model))
+    pipelines = int(cfg.cluster.pipelines)
+    base = tuple(int(b) for b in cfg.pipeline.partition)
+    own = tuple((q, bounds) for q, bounds in enumerate(partitions_of(cfg.pipeline, pipelines))
+                if bounds != base)
+    return reshard.Layout(pipelines, base, models.count_blocks(cfg.model), own)
 
 
 def plan_for(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
@@ -68,7 +72,8 @@ def write(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig
     its folder."""
     before, after = layout_of(old), layout_of(new)
     name = (f"{ckpt.name}-P{after.pipelines}xS{after.stages}-"
-            + "_".join(str(b) for b in after.partition or (0,)))
+            + "_".join(str(b) for b in after.partition or (0,))
+            + "".join(f"-p{q}_" + "_".join(map(str, bounds)) for q, bounds in after.own))
     final = run_dir / "resharded" / name
     if final.exists():  # resharded before, for a resume that did not get far
         final = checkpoint.free_name(final, "")
@@ -96,11 +101,6 @@ def _write_shards(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: Di
                   plan: reshard.Plan, staging: Path) -> None:
     """Every new rank's shard, one old pipeline's shards in memory at a time."""
     before, after = layout_of(old), layout_of(new)
-    pieces = reshard.pieces(before, after)
-    old_names = [_param_names(old, lo, hi) for lo, hi in before.ranges()]
-    new_keys = [_stage_keys(new, lo, hi) for lo, hi in after.ranges()]
-    new_names = [_param_names(new, lo, hi) for lo, hi in after.ranges()]
-    new_meta = [_stage(new, lo, hi).state_dict() for lo, hi in after.ranges()]
     ties = _ties(new)
     flat_keys = strategy_class(new.sync.name).flat_state
     S_old, S_new = before.stages, after.stages
@@ -108,11 +108,16 @@ def _write_shards(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: Di
         ranks = Grid(before.pipelines, S_old).pipeline_ranks(src)
         shards = [checkpoint.load_shard(ckpt, str(r), manifest) for r in ranks]
         files = [ckpt / checkpoint.shard_name(str(r)) for r in ranks]
-        model = _model_by_block(files, shards, before)
+        old_names = [_param_names(old, lo, hi) for lo, hi in before.ranges(src)]
+        model = _model_by_block(files, shards, before.ranges(src))
         optim = _optimizer_by_block(files, shards, old_names)
-        flats = {k: _flat_by_block(shards, before, old_names, k, old) for k in flat_keys}
+        flats = {k: _flat_by_block(shards, before.ranges(src), old_names, k, old)
+                 for k in flat_keys}
         for q in (q for q, p in sorted(plan.sources.items()) if p == src):
-            for s, runs in enumerate(pieces):
+            new_keys = [_stage_keys(new, lo, hi) for lo, hi in after.ranges(q)]
+            new_names = [_param_names(new, lo, hi) for lo, hi in after.ranges(q)]
+            new_meta = [_stage(new, lo, hi).state_dict() for lo, hi in after.ranges(q)]
+            for s, runs in enumerate(reshard.pieces(before, after, src, q)):
                 first_old = shards[runs[0][0]]
                 state: dict[str, Any] = {
                     "step": plan.steps[q], "pipeline": q, "stage": s,
@@ -171,10 +176,10 @@ def _ties(cfg: DictConfig) -> dict[Where, tuple[Where, ...]]:
     return out
 
 
-def _model_by_block(files: list[Path], shards: list[dict], layout: reshard.Layout
+def _model_by_block(files: list[Path], shards: list[dict], ranges: list[tuple[int, int]]
                     ) -> dict[Where, Any]:
     table: dict[Where, Any] = {}
-    for path, (lo, _hi), shard in zip(files, layout.ranges(), shards):
+    for path, (lo, _hi), shard in zip(files, ranges, shards):
         found = shard.get("model")
         if not isinstance(found, Mapping):
             raise CheckpointError(path, "lacks 'model'")
@@ -203,11 +208,11 @@ def _optimizer_by_block(files: list[Path], shards: list[dict], names: list[list[
     return table
 
 
-def _flat_by_block(shards: list[dict], layout: reshard.Layout, names: list[list[Where]],
+def _flat_by_block(shards: list[dict], ranges: list[tuple[int, int]], names: list[list[Where]],
                    key: str, cfg: DictConfig) -> dict[Where, torch.Tensor] | None:
     """A sync state's flat vector over each old stage's parameters, cut back into them."""
     table: dict[Where, torch.Tensor] = {}
-    for s, ((lo, hi), shard) in enumerate(zip(layout.ranges(), shards)):
+    for s, ((lo, hi), shard) in enumerate(zip(ranges, shards)):
         flat = shard.get("sync", {}).get(key)
         if flat is None:
             return None

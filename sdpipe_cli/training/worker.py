@@ -83,13 +83,16 @@ class Worker:
         self.t0 = store.run_clock(events)
         self.cadence = Cadence.from_config(cfg)
         p, s = where.pipeline, where.stage
+        # a pipeline with a split of its own (pipeline.partitions) builds its stages from it
+        cfg.pipeline.partition = plan.partition_of(p)
         self.module = models.build_stage_module(cfg, s).to(device)
         self.ties = TiedCopies(models.stage_ties(cfg, s), where, incarnation)
         self.optimizer = optim.build_optimizer(self.module.parameters(), cfg.train)
         self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
                               device=device, seed=cfg.train.seed, optimizer=self.optimizer,
-                              incarnation=incarnation, steps=plan.steps)
+                              incarnation=incarnation, steps=plan.steps,
+                              segments=plan.segments)
         self.pipeline_groups = pipeline_groups
         self.cluster = plan.cluster
         self.placed = self.cluster.device(p, s)

@@ -35,6 +35,16 @@ def test_every_block_of_a_new_stage_comes_from_the_old_stage_that_held_it(data):
             assert olo <= a < z <= ohi
 
 
+def test_pipelines_split_their_own_way_take_their_blocks_from_their_own_stages():
+    # pipeline 1 split at [1] before, at [5] after; the others at [3] throughout
+    old, new = Layout(2, (3,), 6, ((1, (1,)),)), Layout(2, (3,), 6, ((1, (5,)),))
+    assert old.ranges(1) == [(0, 1), (1, 6)] and new.ranges(0) == [(0, 3), (3, 6)]
+    assert pieces(old, new, 1, 1) == [[(0, 0, 1), (1, 1, 5)], [(1, 5, 6)]]
+    assert pieces(old, new, 0, 0) == [[(0, 0, 3)], [(1, 3, 6)]]
+    assert pieces(old, new, 1, 0) == [[(0, 0, 1), (1, 1, 3)], [(1, 3, 6)]]
+    assert "pipeline 1: [5]" in new.describe()
+
+
 def test_pieces_of_a_known_split():
     # 6 blocks: [0,1,2 | 3,4,5] -> [0,1 | 2,3 | 4,5]
     assert pieces(Layout(4, (3,), 6), Layout(3, (2, 4), 6)) == [

@@ -246,11 +246,13 @@ class AsyncGroupScheduler(GroupScheduler):
 
 
 def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monotonic,
-                evaluations: bool = True) -> GroupScheduler:
+                evaluations: bool = True, units: Optional[int] = None) -> GroupScheduler:
     """The policy of a run config with ``sync=sdpipe`` and its plan (the grid, the budget): the
     scheduler process and the simulator (:mod:`sdpipe_cli.core.simulation`) build it here, so
     both run the same one. ``evaluations``: whether the workers pause to evaluate every
     ``train.eval_every`` iterations (the flushed schedules; the simulator models no pauses).
+    ``units``: what groups form over, the plan's segments unless given (the simulator models
+    rounds per stage).
 
     With meetings every H > 1 iterations (``sync.every``), the policy's iteration is a meeting:
     its budget, global-sync period (at least 1 / ``sync.wire_share`` meetings) and evaluation
@@ -267,7 +269,7 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
         rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
         policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}
     return policy(
-        plan.pipelines, plan.stages, **extra, min_group=y.min_group,
+        plan.pipelines, units or plan.segments.count, **extra, min_group=y.min_group,
         window=y.window_ms / 1e3, window_min=y.window_min_ms / 1e3, window_max=y.window_max_ms / 1e3,
         connect_every=y.connect_every, global_every=meet.global_period(y.global_every, share),
         patience=meet.patience(y.patience, share), policy=y.policy, max_group=y.max_group,

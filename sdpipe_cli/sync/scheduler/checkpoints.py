@@ -15,6 +15,8 @@ rule are read in one place; the files themselves are :mod:`sdpipe_cli.checkpoint
 
 from __future__ import annotations
 
+import logging
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -25,6 +27,8 @@ from sdpipe_cli.core.grouping import Decision
 from sdpipe_cli.core.meetings import Meetings
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli import checkpoint
+
+log = logging.getLogger("sdpipe.scheduler")
 
 __all__ = ["Checkpoints"]
 
@@ -40,7 +44,8 @@ class Checkpoints:
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint id -> rank -> step
         self.shards_from: dict[int, set[int]] = {}  # checkpoint id -> pipelines that save a shard
         self.stand_ins: dict[int, dict[int, int]] = {}  # checkpoint id -> the others' iterations
-        self.global_seen = [0] * plan.stages  # global decisions per stage (policy.global_history)
+        # global decisions per stage, or segment (policy.global_history)
+        self.global_seen = [0] * plan.segments.count
         self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
 
     def average(self, steps: dict[int, int]) -> int:
@@ -90,6 +95,13 @@ class Checkpoints:
                 waiting.append(ckpt)
         return waiting
 
+    def _stand_in_source(self, q: int, present: list[int]) -> Optional[int]:
+        """A pipeline at the global sync whose shards can stand in for lost pipeline ``q``'s:
+        every replica is alike there, but a shard holds its stage's blocks, so it must be of a
+        pipeline split as ``q`` is."""
+        partitions = self.plan.segments.partitions
+        return next((p for p in present if partitions[p] == partitions[q]), None)
+
     def finalize(self, ckpt: int, live: bool, elapsed: float, metrics: Callable[[], dict]
                  ) -> Optional[tuple[Path, dict[int, int]]]:
         """Finalize checkpoint ``ckpt`` if the shards of the pipelines at its global sync are in
@@ -111,8 +123,15 @@ class Checkpoints:
             self.cadence.saved(self.clock())
             return None
         for q, k in sorted(stand_ins.items()):
+            source = self._stand_in_source(q, present)
+            if source is None:
+                log.warning("checkpoint %d is not written: pipeline %d was lost and no live "
+                            "pipeline is split as it is, to stand in for it", ckpt, q)
+                shutil.rmtree(staging, ignore_errors=True)
+                self.cadence.saved(self.clock())
+                return None
             for s in range(S):
-                checkpoint.stand_in(staging, str(grid.rank(present[0], s)), str(grid.rank(q, s)),
+                checkpoint.stand_in(staging, str(grid.rank(source, s)), str(grid.rank(q, s)),
                                     {"step": k, "pipeline": q})
         checkpoint.save_shard(staging, "scheduler",
                               {"steps": steps, "elapsed": elapsed, "metrics": metrics()})

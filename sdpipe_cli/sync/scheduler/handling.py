@@ -101,7 +101,9 @@ class Scheduler:
         # the policy counts meetings (sync.every iterations each); checkpoints and heals, steps
         self.meetings = meetings_of(cfg.sync)
         self.metrics = self._metrics() if live else _Muted()
-        self.rounds = [[0] * P for _ in range(S)]  # rounds each replica took part in
+        # what replicas average: the stages, or segments where pipelines are split differently
+        self.segments = plan.segments
+        self.rounds = [[0] * P for _ in range(self.segments.count)]  # rounds of each replica
         self.group_sizes: list[int] = []
         self.t0 = store.run_clock(events)  # the workers' time axis, for metrics lines
         self.published = 0.0
@@ -155,7 +157,8 @@ class Scheduler:
         """The scheduler's track of ``trace.json``: row 0 the batches of events, row 1 + s the
         ready signals and rounds of stage s."""
         tracer = Tracer(self.tracker.world_size, "scheduler", lambda: time.time() - self.t0, self.cfg.run.trace_events)
-        tracer.rows = {0: "events", **{1 + s: f"stage {s}" for s in range(self.grid.stages)}}
+        unit = "stage" if self.segments.uniform else "segment"
+        tracer.rows = {0: "events", **{1 + s: f"{unit} {s}" for s in range(self.segments.count)}}
         return tracer
 
     def _resume(self, ckpt: Path) -> None:
@@ -212,11 +215,17 @@ class Scheduler:
         P, S = self.grid.pipelines, self.grid.stages
         key = store.PREFIX + store.EVENTS
         stage = getattr(event, "stage", self.grid.stage_of(event.rank))
+        if type(event) in (protocol.Ready, protocol.Rejoin):  # of what the rank averages
+            if not (0 <= event.pipeline < P and 0 <= stage < self.segments.count):
+                stage = -1
+            elif not self.segments.uniform:
+                stage = self.segments.holder(event.pipeline, stage)
         if not (0 <= event.pipeline < P and 0 <= stage < S
                 and event.rank == self.grid.rank(event.pipeline, stage)):
             raise protocol.ProtocolError(key, f"{event.type} event from rank {event.rank}, pipeline "
-                                              f"{event.pipeline}, stage {stage}: no such worker "
-                                              f"in a run of {P} pipeline(s) x {S} stage(s)")
+                                              f"{event.pipeline}, stage {getattr(event, 'stage', stage)}"
+                                              f": no such worker in a run of {P} pipeline(s) x "
+                                              f"{S} stage(s)")
         if isinstance(event, (protocol.Lost, protocol.Restart)):
             return True
         known = self.incarnation[event.pipeline]
@@ -296,10 +305,10 @@ class Scheduler:
         where = {k: straggler[k] for k in ("device", "pipeline", "stage")}
         self.metrics.write({"kind": "replan", "time": round(time.time() - self.t0, 4), **where,
                             **proposal.record()})
-        log.warning("re-plan after %s: %s", straggler["device"], proposal.reason)
+        log.warning("re-plan after %s (%s): %s", straggler["device"], proposal.change(),
+                    proposal.reason)
         if proposal.go:
-            self.replan = {"partition": proposal.bounds, "reason": proposal.reason,
-                           "slowed": self.replanning.slowed_now()}
+            self.replan = self.replanning.next_leg()
             self.events.set(store.STOP_REQUESTED, "1")
 
     def _policy(self):
@@ -426,7 +435,9 @@ class Scheduler:
         if self.replan is not None:
             summary["replan"] = self.replan
         if self.policy is not None or self.recorded is not None:
-            summary["rounds"] = self.rounds
+            summary["rounds"] = self.rounds  # per stage, or per segment (pipelines split apart)
+            if not self.segments.uniform:
+                summary["rounds_of"] = "segment"
             summary["mean_group_size"] = (sum(self.group_sizes) / len(self.group_sizes)
                                           if self.group_sizes else None)
         return summary

@@ -219,7 +219,8 @@ def main() -> int:
             log.info("pipeline %s: %d iterations, loss %s", p, state["steps"], state["loss"])
         if "rounds" in summary:
             for s, per_pipeline in enumerate(summary["rounds"]):
-                log.info("stage %d: rounds per replica %s", s, per_pipeline)
+                log.info("%s %d: rounds per replica %s", summary.get("rounds_of", "stage"), s,
+                         per_pipeline)
             log.info("mean group size %.2f", summary["mean_group_size"] or 0)
     return 0
 

@@ -1,0 +1,86 @@
+"""What replicas average when pipelines are split differently: segments of blocks.
+
+Replicas average what they hold in common. When every pipeline has the same partition, that is a
+stage: stage s of each pipeline holds the same blocks, and the scheduler forms groups per stage.
+A pipeline may have its own split (``pipeline.partitions``; a re-plan around a device that slowed
+down gives one), and its stage s then holds other blocks than stage s of another pipeline. The
+unit of averaging is then a *segment*: a maximal range of blocks that no pipeline's stage boundary
+cuts. Every segment lies on exactly one stage of each pipeline (its *holder* there), a stage holds
+one or more consecutive segments, and the scheduler forms groups per segment exactly as it does per
+stage: to it, a segment is a stage whose replica in pipeline p runs on p's holder. With one
+partition for all, the segments are the stages.
+
+Pure: boundaries in, indices out. A partition is written as in :mod:`~sdpipe_cli.core.partition`
+(S - 1 block indices where a stage starts), so no block count is needed.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+__all__ = ["Segments", "partitions_of"]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The segments of a run whose pipeline ``p`` is split at ``partitions[p]``."""
+
+    partitions: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, partitions: Sequence[Sequence[int]]) -> "Segments":
+        parts = tuple(tuple(int(b) for b in bounds) for bounds in partitions)
+        if not parts or len({len(b) for b in parts}) != 1:
+            raise ValueError("every pipeline needs a partition into the same number of stages")
+        return cls(parts)
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Where a segment starts, after the first: every pipeline's boundaries together."""
+        return tuple(sorted({b for bounds in self.partitions for b in bounds}))
+
+    @property
+    def count(self) -> int:
+        return len(self.cuts) + 1
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every pipeline has the same partition (then the segments are the stages)."""
+        return len(set(self.partitions)) == 1
+
+    def start(self, k: int) -> int:
+        """The first block of segment ``k``."""
+        return 0 if k == 0 else self.cuts[k - 1]
+
+    def stop(self, k: int) -> Optional[int]:
+        """The block after segment ``k`` (None for the last: the model's end)."""
+        cuts = self.cuts
+        return cuts[k] if k < len(cuts) else None
+
+    def holder(self, pipeline: int, k: int) -> int:
+        """The stage of ``pipeline`` that holds segment ``k``."""
+        return bisect_right(self.partitions[pipeline], self.start(k))
+
+    def held(self, pipeline: int, stage: int) -> list[int]:
+        """The segments stage ``stage`` of ``pipeline`` holds, in order (at least one)."""
+        return [k for k in range(self.count) if self.holder(pipeline, k) == stage]
+
+    def local(self, pipeline: int, k: int) -> tuple[int, Optional[int]]:
+        """Segment ``k``'s blocks as a slice of its holder's blocks in ``pipeline``: (start,
+        stop), with stop None where the segment runs to the end of that stage."""
+        stage = self.holder(pipeline, k)
+        bounds = self.partitions[pipeline]
+        first = bounds[stage - 1] if stage else 0
+        stop = self.stop(k)
+        ends_stage = stop is None or (stage < len(bounds) and stop == bounds[stage])
+        return self.start(k) - first, None if ends_stage else stop - first
+
+
+def partitions_of(pipeline: Any, pipelines: int) -> tuple[tuple[int, ...], ...]:
+    """Each pipeline's partition from a resolved ``pipeline`` section: ``pipeline.partition``,
+    unless ``pipeline.partitions`` gives the pipeline its own."""
+    own: Mapping[int, Any] = pipeline.get("partitions") or {}
+    base = tuple(int(b) for b in pipeline.partition)
+    return tuple(tuple(int(b) for b in own[p]) if p in own else base for p in range(pipelines))

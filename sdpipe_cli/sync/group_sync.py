@@ -1,0 +1,323 @@
+"""``sync=sdpipe``, the worker's side: ready signal -> group from the scheduler -> group average.
+
+A worker averages what it holds in common with other pipelines' replicas: its stage, or, where
+pipelines are split differently (``pipeline.partitions``), each *segment* of blocks its stage
+holds (:mod:`~sdpipe_cli.core.segments`). Each segment is a :class:`Unit` with rounds of its
+own, and the scheduler forms its groups as it does a stage's; a worker takes its units' rounds
+in segment order, which every worker shares, so no two rounds wait on each other in a cycle.
+With one partition for every pipeline a worker has one unit, its stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sdpipe_cli.core.meetings import Meetings, average_of, meetings_of, precision_of
+from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.segments import Segments
+from sdpipe_cli.model import optim
+from sdpipe_cli.runtime import protocol, store
+from sdpipe_cli.sync.base import Sync, Wiring
+from sdpipe_cli.sync.groups import (GroupCache, average_changes, average_tensors, flatten,
+                                    statistics, unflatten)
+
+__all__ = ["GroupSync", "Unit"]
+
+log = logging.getLogger("sdpipe.sync")
+
+
+@dataclass
+class Unit:
+    """One segment this worker averages (the scheduler's "stage" ``index``): its blocks within
+    the worker's stage module, and its own bf16 anchor and residual and pending heals."""
+
+    index: int
+    start: int = 0
+    stop: Optional[int] = None
+    anchor: Optional[torch.Tensor] = None
+    residual: Optional[torch.Tensor] = None
+    heal: list[protocol.HealTarget] = field(default_factory=list)
+
+    def module(self, stage: nn.Module) -> nn.Module:
+        """The segment's blocks (the whole stage when it is one segment)."""
+        if self.start == 0 and self.stop is None:
+            return stage
+        return stage[self.start:self.stop]
+
+
+class GroupSync(Sync):
+    """SDPipe's worker side: per unit, ready signal -> group from the scheduler -> group average.
+
+    ``average="weights_grads"``: the round comes before the local step and averages the weights
+    and the gradients (and, at global syncs, the optimizer state); ``"weights"``: it comes after
+    the step and averages the weights. ``optimizer``: whose state a global sync averages.
+    ``meetings``: after which local steps the replica meets (the others it trains alone; the
+    scheduler counts meetings); ``precision``: ``bf16`` sends a group round's changes since the
+    anchor in bfloat16 (:mod:`~sdpipe_cli.core.meetings`; ``average`` must then be ``weights``).
+    ``segments``: the run's, when pipelines are split differently (None: the units are stages).
+    """
+
+    name = "sdpipe"
+    scheduled_checkpoints = True
+    mixes_weights = True
+
+    @classmethod
+    def build(cls, settings: Any, wiring: Wiring) -> "GroupSync":
+        w = wiring.where
+        return cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
+                   wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
+                   meetings_of(settings), precision_of(settings), wiring.segments)
+
+    def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
+                 pipelines: int, groups: GroupCache, average: str = "weights_grads",
+                 optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,
+                 meetings: Meetings = Meetings(), precision: str = "fp32",
+                 segments: Optional[Segments] = None):
+        if (meetings.every > 1 or precision != "fp32") and average != "weights":
+            raise ValueError("meetings every H > 1 steps and bf16 changes average weights")
+        self.events, self.rank, self.pipeline, self.stage, self.stages = (
+            events, rank, pipeline, stage, stages)
+        self.pipelines, self.groups, self.average = pipelines, groups, average
+        self.grid = Grid(pipelines, stages)
+        self.segments = segments if segments is not None and not segments.uniform else None
+        self.units = ([Unit(k, *self.segments.local(pipeline, k))
+                       for k in self.segments.held(pipeline, stage)]
+                      if self.segments is not None else [Unit(stage)])
+        self.optimizer, self.incarnation = optimizer, incarnation
+        self.meetings, self.precision = meetings, precision
+        self.stop = False
+        self._checkpoint: int | None = None
+        self._stats: dict[str, Any] = {}
+        self._done: Optional[int] = None  # pipeline-meetings begun, at the last decision
+        self._decided_at = 0  # the local step of the last decision
+        self._t0: Optional[float] = None  # the run's time axis, for the reports; read when needed
+
+    def _clock(self) -> float:
+        if self._t0 is None:
+            self._t0 = store.run_clock(self.events)
+        return round(time.time() - self._t0, 4)
+
+    def _ranks(self, unit: Unit, pipelines: list[int]) -> list[int]:
+        """The workers holding ``unit``'s segment in ``pipelines``."""
+        if self.segments is None:
+            return self.grid.stage_ranks(unit.index, pipelines)
+        return [self.grid.rank(q, self.segments.holder(q, unit.index)) for q in pipelines]
+
+    def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
+        return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
+
+    def after_backward(self, module: nn.Module, step: int) -> None:
+        for unit in self.units:
+            if self.precision != "fp32" and unit.anchor is None:
+                # before the first local step: the weights every replica starts from (or resumes
+                # from: a checkpoint follows a global sync), the first anchor
+                unit.anchor = flatten(self._replica(unit.module(module)))
+        self._checkpoint = None
+        if self.average == "weights_grads":
+            self._rounds(module, step, grads=True)
+
+    def after_step(self, module: nn.Module, step: int) -> None:
+        if self.average == "weights":
+            if self.meetings.meets(step):
+                self._rounds(module, step, grads=False)
+            else:  # training alone until the next meeting
+                self._checkpoint = None
+                self._stats = {}
+        for unit in self.units:  # after the step: the state the replica goes on from
+            for target in unit.heal:
+                self._give_heal(unit, unit.module(module), target)
+            unit.heal = []
+
+    def position(self, step: int) -> float:
+        """The run's global progress: pipeline-iterations begun over P, as the scheduler counted
+        them (in meetings of H iterations) at the last decision, plus this replica's steps since.
+        Before the step (weights_grads) that count includes the current iteration of every
+        pipeline; after it (weights), the iterations up to the next one's."""
+        if self._done is None:
+            return float(step)
+        if self.meetings.every == 1:
+            return self._done / self.pipelines - (1.0 if self.average == "weights_grads" else 0.0)
+        # between meetings (flushed schedules: a round is an iteration), the steps since
+        return self.meetings.steps(self._done) / self.pipelines + (step - self._decided_at - 1)
+
+    @staticmethod
+    def _replica(module: nn.Module) -> list[torch.Tensor]:
+        """What a group round averages: the weights, then the running statistics."""
+        return list(module.parameters()) + statistics(module)
+
+    def _rounds(self, module: nn.Module, step: int, grads: bool) -> None:
+        """A round of each unit, in segment order; the stats are the last's, with the time
+        spent waiting and communicating summed over all."""
+        stop, checkpoint, stats = False, None, {}
+        waited = spent = 0.0
+        for unit in self.units:
+            done = self._round(unit, unit.module(module), step, grads)
+            stop, checkpoint = stop or done["stop"], done["checkpoint"]
+            waited, spent, stats = waited + done["wait_s"], spent + done["comm_s"], done
+        self.stop, self._checkpoint = stop, checkpoint
+        self._stats = {"group_size": stats["group_size"], "round": stats["round"],
+                       "group_kind": stats["group_kind"], "wait_s": waited, "comm_s": spent}
+
+    def _round(self, unit: Unit, module: nn.Module, step: int, grads: bool) -> dict[str, Any]:
+        start = time.perf_counter()
+        meeting = self.meetings.meeting(step)  # the scheduler counts meetings
+        store.push(self.events, store.EVENTS, protocol.Ready(
+            self.rank, self.pipeline, unit.index, meeting, self.incarnation))
+        decision = store.take(self.events, store.decision_key(unit.index, self.pipeline, meeting,
+                                                              self.incarnation), protocol.Group)
+        got = time.perf_counter()
+        members, incarnations = decision.members, decision.incarnations
+        if decision.done is not None:
+            self._done, self._decided_at = decision.done, step
+        changes = self.precision != "fp32" and decision.kind == "group"
+        unit.heal = decision.heal
+        distance, failed = None, False
+        if len(members) > 1:
+            ranks = self._ranks(unit, members)
+            params = list(module.parameters())
+            tensors = params + statistics(module)
+            shares = []  # this member's share of each weighted mean (sync.stale)
+            me = members.index(self.pipeline)
+            if decision.weight_shares and not decision.twins:
+                shares.append((len(tensors), decision.weight_shares[me]))
+            if grads:
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                if decision.twins:  # the same weights already (never at a global sync)
+                    tensors = []
+                tensors += [p.grad for p in params]
+                if decision.grad_shares:
+                    shares.append((len(params), decision.grad_shares[me]))
+                if decision.kind == "global" and self.optimizer is not None:
+                    tensors += optim.state_tensors(self.optimizer, params)
+            try:
+                if changes:  # bf16 changes since the anchor (the tensors: weights, statistics)
+                    average_changes(tensors, unit.anchor, self._residual(unit), self.groups, ranks,
+                                    shares[0][1] if shares else None,
+                                    incarnations=incarnations, tag=f"r{decision.round}")
+                else:
+                    distance = average_tensors(tensors, self.groups, ranks,
+                                               consensus=len(params) if decision.kind == "global"
+                                               else 0, incarnations=incarnations,
+                                               tag=f"r{decision.round}", shares=shares)
+            except (RuntimeError, dist.DistError) as err:
+                # A member died mid-round (its pipeline was lost). The tensors are only written
+                # back after a complete all-reduce, so ours are untouched; the scheduler drops
+                # that pipeline from every later group.
+                self.groups.forget(ranks, incarnations)
+                log.warning("group %s failed (%s); going on alone", members, err)
+                members = [self.pipeline]
+                failed = True
+        if decision.kind == "global" and self.precision != "fp32" and not failed:
+            # every replica now holds the same weights: the next changes start here
+            unit.anchor = flatten(self._replica(module))
+            self._residual(unit).zero_()
+        if distance is not None and self.pipeline == members[0]:
+            store.push(self.events, store.EVENTS, protocol.Report(
+                "consensus", self.rank, self.pipeline, self.stage, self._clock(),
+                self.incarnation, {"iteration": step, "round": decision.round,
+                                   "members": members, "consensus": distance,
+                                   **self._segment(unit)}))
+        return {"stop": decision.stop, "checkpoint": decision.checkpoint,
+                "group_size": len(members), "round": decision.round, "group_kind": decision.kind,
+                "wait_s": got - start, "comm_s": time.perf_counter() - got}
+
+    def _segment(self, unit: Unit) -> dict[str, int]:
+        """A report's segment, where units are not stages."""
+        return {} if self.segments is None else {"segment": unit.index}
+
+    @staticmethod
+    def _residual(unit: Unit) -> torch.Tensor:
+        """What rounding lost of this unit's change since the anchor (zeros at first)."""
+        if unit.residual is None:
+            unit.residual = torch.zeros_like(unit.anchor)
+        return unit.residual
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+    # -- healing a restarted replica (fault.on_pipeline_loss=restart) ---------------------------
+    def _state(self, unit: Unit, module: nn.Module) -> list[torch.Tensor]:
+        """What a unit of a replica is: its weights and its optimizer's state, in a fixed order;
+        with bf16 changes also the anchor they are taken from (a restarted replica's is filled
+        in by the broadcast that heals it)."""
+        params = list(module.parameters())
+        state = params + statistics(module) + (optim.state_tensors(self.optimizer, params)
+                                               if self.optimizer else [])
+        if self.precision != "fp32":
+            if unit.anchor is None:
+                unit.anchor = torch.zeros_like(flatten(self._replica(module)))
+            state.append(unit.anchor)
+        return state
+
+    def _give_heal(self, unit: Unit, module: nn.Module, target: protocol.HealTarget) -> None:
+        """Send this unit's state to a restarted replica (the scheduler chose us as its source)."""
+        ranks = [self.rank, self._ranks(unit, [target.pipeline])[0]]
+        incarnations = [self.incarnation, target.incarnation]
+        try:
+            self.groups.broadcast(flatten(self._state(unit, module)), ranks, self.rank,
+                                  incarnations, tag=f"heal{target.round}")
+        except (RuntimeError, dist.DistError) as err:  # it died again; its pipeline is lost again
+            self.groups.forget(ranks, incarnations)
+            log.warning("healing pipeline %d failed (%s); going on", target.pipeline, err)
+
+    def rejoin(self, module: nn.Module) -> Optional[int]:
+        """A restarted replica: for each unit, ask the scheduler for a source and take its
+        state; returns the iteration to go on from. When the run ended first, ``stop`` is set
+        instead and the state is not taken (the iteration is then where the pipeline was, if the
+        scheduler knows)."""
+        iteration = None
+        for unit in self.units:
+            iteration = self._rejoin(unit, unit.module(module))
+            if self.stop:
+                break
+        return iteration
+
+    def _rejoin(self, unit: Unit, module: nn.Module) -> Optional[int]:
+        start = time.perf_counter()
+        store.push(self.events, store.EVENTS, protocol.Rejoin(
+            self.rank, self.pipeline, unit.index, self.incarnation))
+        answer = store.take(self.events, store.heal_key(unit.index, self.pipeline,
+                                                        self.incarnation), protocol.HealAnswer)
+        answered = time.perf_counter()
+        if answer.stop:
+            self.stop = True
+            return answer.iteration
+        source = self._ranks(unit, [answer.source])[0]
+        state = self._state(unit, module)
+        flat = flatten(state)
+        self.groups.broadcast(flat, [source, self.rank], source,
+                              [answer.source_incarnation, self.incarnation],
+                              tag=f"heal{answer.round}")
+        unflatten(flat, state)
+        # the run's progress as of now; the steps from here count on from it (position)
+        self._done, self._decided_at = answer.done, answer.iteration - 1
+        store.push(self.events, store.EVENTS, protocol.Report(
+            "healed", self.rank, self.pipeline, self.stage, self._clock(), self.incarnation,
+            {"source": answer.source, "iteration": answer.iteration,
+             "bytes": flat.numel() * flat.element_size(),
+             "seconds": round(time.perf_counter() - start, 4),
+             "transfer_s": round(time.perf_counter() - answered, 4), **self._segment(unit)}))
+        return answer.iteration
+
+    def agree_on_checkpoint(self, wanted: bool) -> bool:
+        return False  # the scheduler picks the global syncs to checkpoint at
+
+    def drain_after(self, iteration: int) -> bool:
+        # The scheduler counts the iterations begun and places global syncs at drained points.
+        store.push(self.events, store.EVENTS, protocol.Begin(
+            self.rank, self.pipeline, self.stage, iteration, self.incarnation))
+        key = store.begin_key(self.pipeline, iteration, self.incarnation)
+        return store.take(self.events, key, protocol.BeginAnswer).last
+
+    def checkpoint_due(self) -> int | None:
+        # Replicas are consistent only right after a global sync; the scheduler picks which.
+        return self._checkpoint

@@ -1,0 +1,59 @@
+"""Pipelines split their own way (``pipeline.partitions``): replicas average per segment of blocks.
+
+Real runs: with a full group every round (``sync.connect_every=1``) sdpipe takes all-reduce's
+steps, so a run whose pipelines are split differently must train exactly as one whose pipelines
+share a split, up to the order in which the all-reduces add (segments are averaged over other
+communicators than stages); and it checkpoints and resumes bit for bit.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.helpers import digests, losses, metrics, sdpipe
+
+pytestmark = pytest.mark.multiprocess
+
+BASE = ("model=gpt_tiny", "data=synthetic", "sync=sdpipe", "cluster.pipelines=3",
+        "pipeline.stages=2", "sync.connect_every=1", "sync.global_every=4", "train.steps=8",
+        "checkpoint.every=4")
+OWN = "pipeline.partitions={1:[1],2:[5]}"  # gpt_tiny has 6 blocks; the shared split is [3]
+
+
+@pytest.fixture(scope="module")
+def own_split_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("own") / "run"
+    out = sdpipe("train", *BASE, OWN, f"run.dir={run}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return run, out
+
+
+def test_pipelines_split_differently_train_as_one_split_does(own_split_run, tmp_path):
+    run, out = own_split_run
+    shared = tmp_path / "shared"
+    reference = sdpipe("train", *BASE, f"run.dir={shared}")
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    own, same = losses(metrics(run)), losses(metrics(shared))
+    assert sorted(own) == sorted(same) == [(p, k) for p in range(3) for k in range(1, 9)]
+    assert max(abs(own[key] - same[key]) for key in own) < 1e-5
+    # four segments: [0,1) [1,3) [3,5) [5,6); pipeline 1's stage 0 holds one, its stage 1 three
+    assert "segment 3: [8, 8, 8]" in out.stderr and "segment 4" not in out.stderr
+    groups = metrics(run, "group")
+    assert {m["stage"] for m in groups} == {0, 1, 2, 3}
+    assert all(m["members"] == [0, 1, 2] for m in groups)
+
+
+def test_a_run_split_its_own_way_resumes_bit_for_bit(own_split_run, tmp_path):
+    run, _ = own_split_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    before = len(metrics(copy))
+    [first] = [m for m in metrics(run, "checkpoint") if m["step"] < 8]
+    out = sdpipe("resume", str(copy / "checkpoints" / f"step_{first['step']}"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    continued, reference = losses(metrics(copy)[before:]), losses(metrics(run))
+    assert sorted(continued) == [(p, k) for p in range(3) for k in range(first["step"] + 1, 9)]
+    assert all(continued[key] == reference[key] for key in continued)  # bit-exact
+    assert digests(copy) == digests(run)

@@ -1,0 +1,78 @@
+"""Segments: what replicas average when pipelines are split differently (core/segments.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+from omegaconf import OmegaConf
+
+from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.segments import Segments, partitions_of
+
+
+@st.composite
+def layouts(draw):
+    """Block count, then 1-4 pipelines' partitions into the same number of stages."""
+    blocks = draw(st.integers(2, 24))
+    stages = draw(st.integers(1, min(blocks, 6)))
+    pipelines = draw(st.integers(1, 4))
+    cuts = st.lists(st.integers(1, blocks - 1), min_size=stages - 1, max_size=stages - 1,
+                    unique=True).map(sorted)
+    return blocks, [draw(cuts) for _ in range(pipelines)]
+
+
+@given(layouts())
+def test_every_segment_lies_on_one_stage_of_each_pipeline(layout):
+    blocks, partitions = layout
+    seg = Segments.of(partitions)
+    for p, bounds in enumerate(partitions):
+        ranges = stage_ranges(bounds, blocks)
+        for k in range(seg.count):
+            lo, hi = seg.start(k), seg.stop(k) or blocks
+            s = seg.holder(p, k)
+            assert ranges[s][0] <= lo < hi <= ranges[s][1]
+            # and as a slice of that stage's blocks
+            a, b = seg.local(p, k)
+            stage_blocks = list(range(*ranges[s]))
+            assert stage_blocks[a:b] == list(range(lo, hi))
+
+
+@given(layouts())
+def test_a_stages_segments_are_its_blocks_in_order(layout):
+    blocks, partitions = layout
+    seg = Segments.of(partitions)
+    for p, bounds in enumerate(partitions):
+        for s, (lo, hi) in enumerate(stage_ranges(bounds, blocks)):
+            held = seg.held(p, s)
+            assert held == list(range(held[0], held[-1] + 1))  # consecutive, at least one
+            covered = [b for k in held for b in range(seg.start(k), seg.stop(k) or blocks)]
+            assert covered == list(range(lo, hi))
+
+
+@given(layouts())
+def test_one_partition_for_all_makes_the_stages_the_segments(layout):
+    _, partitions = layout
+    seg = Segments.of([partitions[0]] * len(partitions))
+    assert seg.uniform and seg.count == len(partitions[0]) + 1
+    assert all(seg.held(p, s) == [s] and seg.local(p, s) == (0, None)
+               for p in range(len(partitions)) for s in range(seg.count))
+
+
+def test_a_pipeline_split_its_own_way():
+    seg = Segments.of([(4, 8, 12), (5, 8, 12)])
+    assert seg.cuts == (4, 5, 8, 12) and not seg.uniform
+    assert seg.held(0, 0) == [0] and seg.held(0, 1) == [1, 2]
+    assert seg.held(1, 0) == [0, 1] and seg.held(1, 1) == [2]
+    assert seg.local(1, 0) == (0, 4) and seg.local(1, 1) == (4, None)
+    assert seg.local(0, 1) == (0, 1) and seg.local(0, 2) == (1, None)
+
+
+def test_partitions_must_have_as_many_stages():
+    with pytest.raises(ValueError):
+        Segments.of([(4,), (4, 8)])
+
+
+def test_partitions_of_a_section():
+    section = OmegaConf.create({"partition": [4, 8], "partitions": {1: [3, 8]}})
+    assert partitions_of(section, 3) == ((4, 8), (3, 8), (4, 8))
+    assert partitions_of(OmegaConf.create({"partition": [2]}), 2) == ((2,), (2,))
