@@ -90,7 +90,7 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("eval", total=count)
-        outcome = evaluation.evaluate(config, blocks,
+        outcome = evaluation.evaluate(config, blocks, pipeline=pipeline,
                                       on_batch=lambda n: bar.update(task, completed=n))
     samples = outcome.batches * int(config.train.batch_size)
     accuracy = "" if outcome.accuracy is None else f", val_accuracy {outcome.accuracy:.4f}"

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from sdpipe_cli.config.schema import ConfigError, objective
+from sdpipe_cli.core.segments import partitions_of
 from sdpipe_cli.data import sources
 from sdpipe_cli.runtime.errors import DataError
 from sdpipe_cli.data.loader import evaluation_batches
@@ -101,11 +102,18 @@ def check_keys(overrides: Sequence[str]) -> None:
 
 def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
              on_batch: Optional[Callable[[int], None]] = None,
-             device: Optional[torch.device] = None) -> validation.Outcome:
-    """The loss (and accuracy) of ``blocks`` on ``cfg``'s validation batches."""
+             device: Optional[torch.device] = None,
+             pipeline: Optional[int] = None) -> validation.Outcome:
+    """The loss (and accuracy) of ``blocks`` on ``cfg``'s validation batches; under a low
+    ``train.precision`` activations cross the stage boundaries of ``pipeline``'s partition (its
+    own, with ``pipeline.partitions``; by default pipeline 0's, whose replica a merge of equal
+    ones takes), as that pipeline's eval did."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     low = models.AUTOCAST.get(str(cfg.train.precision))
-    cuts = {int(c) for c in cfg.pipeline.partition} if low is not None else set()
+    cuts = set()
+    if low is not None:
+        own = partitions_of(cfg.pipeline, int(cfg.cluster.pipelines))
+        cuts = {int(c) for c in own[pipeline or 0]}
     module = nn.Sequential(*[m for i, block in enumerate(blocks)
                              for m in ((_Crossing(low), block) if i in cuts else (block,))])
     module = module.to(device).eval()

@@ -6,8 +6,10 @@ A run leaves its model cut into stages and copied once per pipeline: a checkpoin
 with ``torch.load(weights_only=True)``: tensors and plain containers, never code.
 
 Every tensor is named here by the block it belongs to, ``(block, name inside the block)``,
-which no split changes; a stage's shard names it ``"<index in the stage>.<name>"``. The
-replicas of a block are then one model:
+which no split changes; a stage's shard names it ``"<index in the stage>.<name>"``, counted
+from the first block of that stage under its pipeline's own partition (``pipeline.partitions``
+may split pipelines differently, so stage s of one pipeline may hold other blocks than stage s
+of another). The replicas of a block are then one model:
 
 * **equal** (sdpipe's checkpoints and its end are at a global sync; the lock-step modes never
   differ): any pipeline's copy is the model, and the export says so;
@@ -16,8 +18,9 @@ replicas of a block are then one model:
 
 Either way the replicas' consensus distance is reported, as training defines it at global
 syncs (:func:`sdpipe_cli.sync.groups.average_tensors`): ``sqrt(mean_p ||w_p - w||^2) / ||w||``
-over the parameters, ``w`` their mean. The P replicas of one stage are in memory at a time,
-beside the model being made.
+over the parameters, ``w`` their mean. The P replicas of one segment of blocks
+(:mod:`~sdpipe_cli.core.segments`: a stage, when every pipeline has the same split) are compared
+at a time, with at most one stage's shard of each pipeline in memory, beside the model being made.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +39,7 @@ from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.segments import Segments, partitions_of
 from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError
@@ -65,6 +69,11 @@ class Source:
     @property
     def stages(self) -> int:
         return int(self.config.pipeline.stages)
+
+    def partition(self, pipeline: int) -> tuple[int, ...]:
+        """Pipeline ``pipeline``'s partition: what its stages were built from, and its shards
+        hold (``pipeline.partitions``, else the shared ``pipeline.partition``)."""
+        return partitions_of(self.config.pipeline, self.pipelines)[pipeline]
 
     def describe(self) -> str:
         what = "each replica's weights at the end of the run, " if self.kind == FINAL else ""
@@ -190,8 +199,9 @@ class Merged:
 def merge(source: Source, pipeline: Optional[int] = None) -> Merged:
     """One model from the replicas (see the module's docstring); ``pipeline``: that one's.
 
-    Stage by stage: the P replicas of one stage are in memory at a time, beside the model being
-    made, and each tensor's mean is taken in float64. Where the replicas are equal that mean is
+    Segment by segment (stage by stage where every pipeline has the same split): at most one
+    stage's shard of each pipeline is in memory at a time, beside the model being made, and
+    each tensor's mean is taken in float64. Where the replicas are equal that mean is
     each of them, bit for bit (P copies of a float32 sum and divide back exactly)."""
     check_pipeline(source, pipeline)
     P = source.pipelines
@@ -225,23 +235,49 @@ def check_pipeline(source: Source, pipeline: Optional[int]) -> None:
 
 
 def _stages(source: Source) -> Iterator[dict[Where, list[torch.Tensor]]]:
-    """Stage by stage, each tensor's P replicas by (block, name), every shard checked against
-    the model the config builds."""
+    """Segment by segment (:mod:`~sdpipe_cli.core.segments`; the stages, where every pipeline has
+    the same split), each tensor's P replicas by (block, name): pipeline p's copy of a block is
+    read from the stage that holds it under p's own partition. Every shard is checked against the
+    stage the config builds for its pipeline, and read once."""
     blocks, _ = models.meta_blocks(source.config.model)
-    ranges = stage_ranges(list(source.config.pipeline.partition), len(blocks))
-    if len(ranges) != source.stages:
-        raise CheckpointError(source.path, f"its config has {source.stages} stages but a "
-                              f"partition of {len(ranges)}")
-    for s, (lo, hi) in enumerate(ranges):
-        expected = torch.nn.Sequential(*blocks[lo:hi]).state_dict()
+    parts = [source.partition(p) for p in range(source.pipelines)]
+    ranges = [stage_ranges(list(bounds), len(blocks)) for bounds in parts]
+    for p, stages in enumerate(ranges):
+        if len(stages) != source.stages:
+            raise CheckpointError(source.path, f"its config has {source.stages} stages but a "
+                                  f"partition of {len(stages)}" + (f" for pipeline {p}"
+                                                                  if parts[p] != parts[0] else ""))
+    segments = Segments.of(parts)
+    stage = [-1] * source.pipelines  # the stage of each pipeline whose shard is in memory
+    held: list[dict[Where, torch.Tensor]] = [{} for _ in range(source.pipelines)]
+    for k in range(segments.count):
+        lo, stop = segments.start(k), segments.stop(k)
+        hi = len(blocks) if stop is None else stop
         table: dict[Where, list[torch.Tensor]] = {}
         for p in range(source.pipelines):
-            path, found = source.shard(p, s)
-            checkpoint.check_tensors(path, f"stage {s}'s weights", expected, found)
-            for key, value in found.items():
-                index, _, name = key.partition(".")
-                table.setdefault((lo + int(index), name), []).append(value)
+            s = segments.holder(p, k)
+            if stage[p] != s:  # the stage before is done with: one shard per pipeline at a time
+                held[p] = {}
+                held[p], stage[p] = _shard(source, p, s, ranges[p][s], blocks), s
+            for where, value in held[p].items():
+                if lo <= where[0] < hi:
+                    table.setdefault(where, []).append(value)
         yield table
+
+
+def _shard(source: Source, pipeline: int, stage: int, span: tuple[int, int],
+           blocks: Sequence[torch.nn.Module]) -> dict[Where, torch.Tensor]:
+    """Stage ``stage`` of ``pipeline``, holding blocks ``span``, by (block, name), checked
+    against the blocks it must hold."""
+    lo, hi = span
+    expected = torch.nn.Sequential(*blocks[lo:hi]).state_dict()
+    path, found = source.shard(pipeline, stage)
+    checkpoint.check_tensors(path, f"stage {stage}'s weights", expected, found)
+    out: dict[Where, torch.Tensor] = {}
+    for key, value in found.items():
+        index, _, name = key.partition(".")
+        out[(lo + int(index), name)] = value
+    return out
 
 
 def _parameter_places(config: DictConfig) -> list[Where]:
