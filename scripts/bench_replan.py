@@ -15,7 +15,8 @@ cost follows its blocks. Device ``local:9`` (pipeline 2, stage 1) slows to speed
 * ``warn``: the slowdown is named, nothing moves;
 * ``replan``: the run re-plans if the measured speeds say it pays;
 * ``planned``: the device is slow from the start and the split is the one ``replan`` would
-  choose (the partitioner of ``partition=auto`` at those speeds), given from the start.
+  choose (the partitioner of ``partition=auto`` at those speeds: one for all pipelines under
+  ``allreduce``, pipeline 2's own under ``sdpipe``), given from the start.
 
 Columns: the slow device's pipeline's samples/s after the slowdown (from ``--at`` + 20 s on the
 run clock to the end; ``replan``'s second leg after its restart), the run's samples/s over the
@@ -43,7 +44,7 @@ from _runner import run_command, run_sdpipe  # noqa: E402
 
 from sdpipe_cli import analysis  # noqa: E402
 from sdpipe_cli.core.partition import uniform  # noqa: E402
-from sdpipe_cli.core.replan import propose  # noqa: E402
+from sdpipe_cli.core.replan import as_config, called_for  # noqa: E402
 
 P, S, BLOCKS, MICROBATCHES, BATCH = 4, 4, 16, 4, 16
 DEVICE, PIPELINE, STAGE, SPEED = "local:9", 2, 1, 0.25
@@ -66,12 +67,15 @@ def write_profile(out: Path, block_ms: float) -> Path:
     return path
 
 
-def planned_split(block_ms: float, lock_step: bool) -> list[int]:
-    """The split the partitioner gives at these speeds (what ``replan`` proposes)."""
+def planned_split(block_ms: float, own: bool) -> list[str]:
+    """The overrides of the split ``replan`` would choose at these speeds (the partitioner of
+    ``partition=auto``): one split for all, or (``own``: sdpipe) the slow pipeline's own."""
     per = 3 * block_ms
     speeds = [[[per / (SPEED if (p, s) == (PIPELINE, STAGE) else 1.0)] * BLOCKS for s in range(S)]
               for p in range(P)]
-    return propose(speeds, uniform(BLOCKS, S), MICROBATCHES, BATCH, lock_step, 1e9, 0.0, 0.0).bounds
+    shared, partitions = as_config(called_for(speeds, own), uniform(BLOCKS, S))
+    own_text = ", ".join(f"{q}: {b}" for q, b in partitions.items())
+    return [f"pipeline.partition={shared}", f"pipeline.partitions={{{own_text}}}"]
 
 
 def rate_after(lines: list[dict], since: float, pipelines: list[int]) -> float | None:
@@ -168,8 +172,7 @@ def main() -> int:
 
     tables = []
     for sync in [s for s in args.syncs.split(",") if s]:
-        lock_step = sync != "sdpipe"
-        split = planned_split(args.block_ms, lock_step)
+        split = planned_split(args.block_ms, own=sync == "sdpipe")
         rows = []
         for seed in [int(s) for s in args.seeds.split(",") if s]:
             common = [f"sync={sync}", f"train.steps={args.steps}", f"train.seed={seed}",
@@ -177,13 +180,14 @@ def main() -> int:
             for name, extra in (
                     ("warn", [slow(args.at)]),
                     ("replan", [slow(args.at), "fault.on_slowdown=replan"]),
-                    ("planned", [slow(0.0), f"pipeline.partition={split}"])):
+                    ("planned", [slow(0.0), *split])):
                 label = f"{sync}-{name}-seed{seed}"
                 lines = one(args.out, label, [*common, *extra], args.timeout)
                 since = 0.0 if name == "planned" else args.at + 20.0
                 rows.append(row(label, lines, since))
                 print(json.dumps(rows[-1]), flush=True)
-        tables.append(f"### sync={sync} (planned split {split})\n\n" + _report.rows_table(rows))
+        tables.append(f"### sync={sync} (planned: {' '.join(split)})\n\n"
+                      + _report.rows_table(rows))
     body = "\n\n".join(tables) + "\n"
     print(body)
     if args.markdown:

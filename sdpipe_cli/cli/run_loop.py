@@ -147,16 +147,20 @@ def _replan_of(result) -> Optional[dict]:
 def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Holder):
     """The leg after a launch that stopped to re-plan (``fault.on_slowdown=replan``): the run
     goes on from the checkpoint its stop wrote, resharded to the new split, as ``sdpipe resume
-    RUN pipeline.partition=[...]`` would (the new split and the slowdowns measured so far are in
-    the next leg's config). None, with ``stopped`` saying why, when it cannot."""
+    RUN pipeline.partition=[...] pipeline.partitions={...}`` would (the new splits and the
+    slowdowns measured so far are in the next leg's config). None, with ``stopped`` saying why, when it cannot."""
     from sdpipe_cli.core.errors import BadInput
 
     partition = ",".join(str(int(b)) for b in replan["partition"])
+    own = ", ".join(f"{int(p)}: [{', '.join(str(int(b)) for b in bounds)}]"
+                    for p, bounds in (replan.get("partitions") or {}).items())
     slowed = ", ".join(f"{k}: {float(v)}" for k, v in replan.get("slowed", {}).items())
-    console.print(f"sdpipe: re-planning the split to [{partition}]: {replan.get('reason', '')}",
+    split = f"pipelines {own} (the others [{partition}])" if own else f"[{partition}]"
+    console.print(f"sdpipe: re-planning the split to {split}: {replan.get('reason', '')}",
                   markup=False, highlight=False, soft_wrap=True)
     try:
         return resuming.prepare(str(stopped.run_dir), [f"pipeline.partition=[{partition}]",
+                                                       f"pipeline.partitions={{{own}}}",
                                                        f"fault.slowed={{{slowed}}}"],
                                 console, holder)
     except (BadInput, CheckpointError) as err:

@@ -16,11 +16,14 @@ sync mode: a lock-step mode (``allreduce``, ``adpsgd``, ``diloco``) waits for it
 pipeline every round, so its samples/s are ``P x batch / slowest``; sdpipe (and ``none``,
 ``ps``) lets every pipeline go at its own pace, so they are the sum of the pipelines' own.
 
-**One split for all pipelines.** Every replica of a stage holds the same blocks (a stage's
-replicas average flat weight vectors), so a new split applies to every pipeline. Under a
-lock-step mode that is what the run needs: the slow device's pipeline is everyone's pace. Under
-sdpipe, taking blocks off the slow device's stage speeds its pipeline up but slows the other
-pipelines' same stage down, and the sum may drop: then the decision is *no*, and says why.
+**Whose split changes.** Under a lock-step mode (``allreduce``, ``adpsgd``, ``diloco``) every
+replica of a stage holds the same blocks (it averages flat vectors with the others every round),
+so one split serves every pipeline, and that is what the run needs: the slow device's pipeline is
+everyone's pace. sdpipe averages per segment of blocks (:mod:`~sdpipe_cli.core.segments`), so
+each pipeline gets the split its own devices call for, and only the pipelines whose call changed
+are re-split (``pipeline.partitions``): the others keep theirs. Either way, a split the run was
+given against the profile's advice (``uniform``, an explicit one) is not taken back for a
+slowdown that does not change that advice.
 
 **Moving** stops the run at a consistent point (the next global sync under sdpipe, the next
 iteration in lock-step, the next outer step with diloco), writes a checkpoint and starts again
@@ -39,7 +42,8 @@ from typing import Sequence
 
 from sdpipe_cli.core.partition import device_cost, plan, stage_ranges
 
-__all__ = ["Proposal", "pipeline_ms", "run_rate", "propose", "scaled", "MIN_GAIN"]
+__all__ = ["Proposal", "as_config", "called_for", "pipeline_ms", "run_rate", "propose", "scaled",
+           "splits_field", "MIN_GAIN"]
 
 MIN_GAIN = 1.05  # the least predicted gain of the run's samples/s that is worth a restart
 DISK_PASSES = 5  # the checkpoint written, read, written resharded, verified and loaded
@@ -49,8 +53,8 @@ DISK_PASSES = 5  # the checkpoint written, read, written resharded, verified and
 class Proposal:
     """What the measured speeds call for, and whether it is worth it."""
 
-    current: list[int]  # the split now (boundaries)
-    bounds: list[int]  # the split the speeds call for
+    current: list[list[int]]  # each pipeline's split now (boundaries)
+    bounds: list[list[int]]  # each pipeline's split the speeds call for
     rate_now: float  # predicted samples/s of the run under ``current``
     rate_new: float  # and under ``bounds``
     move_s: float  # predicted seconds moving costs
@@ -59,11 +63,36 @@ class Proposal:
     reason: str  # one line for the record and the console
 
     def record(self) -> dict:
-        """The ``replan`` line's fields."""
-        return {"partition": self.current, "proposed": self.bounds, "go": self.go,
-                "rate_now": round(self.rate_now, 4), "rate_new": round(self.rate_new, 4),
-                "move_s": round(self.move_s, 3), "gain_s": round(self.gain_s, 3),
-                "reason": self.reason}
+        """The ``replan`` line's fields (the splits as :func:`splits_field` writes them)."""
+        return {"partition": splits_field(self.current), "proposed": splits_field(self.bounds),
+                "go": self.go, "rate_now": round(self.rate_now, 4),
+                "rate_new": round(self.rate_new, 4), "move_s": round(self.move_s, 3),
+                "gain_s": round(self.gain_s, 3), "reason": self.reason}
+
+    def change(self) -> str:
+        """The change in words: ``[4, 8] -> [5, 9]``, or per pipeline where they differ."""
+        now, then = splits_field(self.current), splits_field(self.bounds)
+        if all(not f or not isinstance(f[0], list) for f in (now, then)):  # one split for all
+            return f"{now} -> {then}"
+        return "; ".join(f"pipeline {p}: {c} -> {b}"
+                         for p, (c, b) in enumerate(zip(self.current, self.bounds)) if c != b)
+
+
+def as_config(splits: Sequence[Sequence[int]], shared: Sequence[int]
+              ) -> tuple[list[int], dict[int, list[int]]]:
+    """Splits as a config gives them: ``pipeline.partition`` (``shared`` unless every pipeline
+    has the same) and ``pipeline.partitions`` (the pipelines split otherwise)."""
+    splits = [[int(b) for b in bounds] for bounds in splits]
+    if all(b == splits[0] for b in splits):
+        return splits[0], {}
+    shared = [int(b) for b in shared]
+    return shared, {p: b for p, b in enumerate(splits) if b != shared}
+
+
+def splits_field(splits: Sequence[Sequence[int]]) -> list:
+    """Splits for a record: one list when every pipeline has it, else one per pipeline."""
+    splits = [list(b) for b in splits]
+    return splits[0] if all(b == splits[0] for b in splits) else splits
 
 
 def scaled(block_ms: Sequence[Sequence[Sequence[float]]],
@@ -83,29 +112,47 @@ def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],
     return sum(times) + (microbatches - 1) * max(times)
 
 
-def run_rate(block_ms: Sequence[Sequence[Sequence[float]]], bounds: Sequence[int],
+def run_rate(block_ms: Sequence[Sequence[Sequence[float]]], splits: Sequence[Sequence[int]],
              microbatches: int, batch_size: int, lock_step: bool) -> float:
-    """The run's predicted samples/s (``block_ms[p][s][i]``: see :func:`pipeline_ms`)."""
-    times = [pipeline_ms(row, bounds, microbatches) / 1e3 for row in block_ms]
+    """The run's predicted samples/s with pipeline p split at ``splits[p]`` (``block_ms[p][s][i]``:
+    see :func:`pipeline_ms`)."""
+    times = [pipeline_ms(row, bounds, microbatches) / 1e3
+             for row, bounds in zip(block_ms, splits)]
     if lock_step:
         return len(times) * batch_size / max(times)
     return sum(batch_size / t for t in times)
 
 
-def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[int],
-            microbatches: int, batch_size: int, lock_step: bool, samples_left: float,
-            restart_s: float, state_bytes: float, disk_bytes_per_s: float = 200e6) -> Proposal:
+def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool) -> list[list[int]]:
+    """Each pipeline's split at these speeds: its own devices' best (``own``: the mode averages
+    per segment), else the best of one split for all (the partitioner of ``auto``)."""
+    blocks, stages = len(block_ms[0][0]), len(block_ms[0])
+    if own:
+        return [plan(device_cost([rows]), blocks, stages).bounds for rows in block_ms]
+    return [plan(device_cost(block_ms), blocks, stages).bounds] * len(block_ms)
+
+
+def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Sequence[int]],
+            advised: Sequence[Sequence[int]], microbatches: int, batch_size: int,
+            lock_step: bool, own: bool, samples_left: float, restart_s: float,
+            state_bytes: float, disk_bytes_per_s: float = 200e6) -> Proposal:
     """The re-plan the speeds in ``block_ms`` call for, with ``samples_left`` of the run's
     budget still to train and a checkpoint of ``state_bytes`` (weights and optimizer state of
-    the whole run) to write and read back."""
-    blocks, stages = len(block_ms[0][0]), len(block_ms[0])
-    current = [int(b) for b in current]
-    bounds = plan(device_cost(block_ms), blocks, stages).bounds
+    the whole run) to write and read back. ``current``: each pipeline's split now; ``advised``:
+    what :func:`called_for` gave at the speeds the leg began with (a split given against that
+    advice is kept while the advice stays); ``own``: pipelines may be split apart."""
+    current = [[int(b) for b in bounds] for bounds in current]
+    wanted = called_for(block_ms, own)
+    kept = [p for p, (c, w, a) in enumerate(zip(current, wanted, advised)) if w == list(a) != c]
+    bounds = [c if p in kept else w for p, (c, w) in enumerate(zip(current, wanted))]
     now = run_rate(block_ms, current, microbatches, batch_size, lock_step)
     new = run_rate(block_ms, bounds, microbatches, batch_size, lock_step)
     move_s = restart_s + DISK_PASSES * state_bytes / disk_bytes_per_s
     gain_s = samples_left / now - samples_left / new if now > 0 and new > 0 else 0.0
-    if bounds == current:
+    if bounds == current and kept:
+        go, reason = False, (f"{wanted[kept[0]]} is what the profile advised at the start too; "
+                             f"the run's own split {current[kept[0]]} was given")
+    elif bounds == current:
         go, reason = False, "the split is already the one these speeds call for"
     elif new < MIN_GAIN * now:
         pace = "the slowest pipeline's" if lock_step else "the sum of the pipelines'"

@@ -26,7 +26,7 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.replan import propose, scaled
+from sdpipe_cli.core.replan import as_config, called_for, propose, scaled
 from sdpipe_cli.core.simulation import Result, simulate
 from sdpipe_cli.sync.scheduler.replanning import checkpoint_bytes
 
@@ -59,9 +59,10 @@ def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
     done = min(budget, speeds_before.samples_per_s * at + slow.samples_per_s * verdict)
     doc = measurements.load(cfg.profile)
     base = measurements.worker_block_ms(doc, plan.cluster, list(cfg.cluster.slowdown))
-    proposal = propose(scaled(base, {(p, s): before / after}), list(cfg.pipeline.partition),
-                       int(cfg.pipeline.microbatches), batch, mode(cfg.sync.name).paced_by_slowest,
-                       budget - done, RESTART_S,
+    own = mode(cfg.sync.name).segments
+    proposal = propose(scaled(base, {(p, s): before / after}), plan.segments.partitions,
+                       called_for(base, own), int(cfg.pipeline.microbatches), batch,
+                       mode(cfg.sync.name).paced_by_slowest, own, budget - done, RESTART_S,
                        checkpoint_bytes(doc, cfg.train, plan.pipelines))
     out = {"device": plan.cluster.device(p, s).name, "pipeline": p, "stage": s, "at": at,
            "speed": after, **proposal.record(), "without_s": without.wall_s,
@@ -69,7 +70,8 @@ def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
     if not proposal.go:
         return {**out, "with_s": without.wall_s, "with_samples_per_s": without.samples_per_s}
     moved = OmegaConf.create(OmegaConf.to_container(slow_cfg, resolve=True))
-    moved.pipeline.partition = proposal.bounds
+    moved.pipeline.partition, moved.pipeline.partitions = as_config(
+        proposal.bounds, cfg.pipeline.partition)
     rest = _run(moved, plan, work_of)
     with_s = switch + proposal.move_s + (budget - done) / rest.samples_per_s
     return {**out, "switch_s": switch, "with_s": with_s, "with_samples_per_s": budget / with_s}
@@ -101,5 +103,6 @@ def _run(cfg: DictConfig, plan: RunPlan, work_of) -> Result:
     policy = None
     if mode(cfg.sync.name).group_policy:
         def policy(clock):
-            return make_policy(cfg, variant, clock, evaluations=False)
+            return make_policy(cfg, variant, clock, evaluations=False,
+                               units=variant.stages)
     return simulate(work_of(cfg, variant), cfg.sync.name, policy)

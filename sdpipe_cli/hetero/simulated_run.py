@@ -53,7 +53,7 @@ def workload(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Workload:
     plan = plan or RunPlan.of(cfg)
     P, S, cluster = plan.pipelines, plan.stages, plan.cluster
     blocks = models.count_blocks(cfg.model)
-    ranges = stage_ranges(list(cfg.pipeline.partition), blocks)
+    ranges = stage_ranges(list(cfg.pipeline.partition), blocks)  # the sync's bytes per stage
     forward, backward = [], []
     doc = measurements.load(cfg.profile) if cfg.cluster.compute_ms is None else None
     # read once: a config lookup costs microseconds, and these loops run P x S times
@@ -62,7 +62,7 @@ def workload(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Workload:
     seed = cfg.train.seed
     for p in range(P):
         fwd_row, bwd_row = [], []
-        for s, (a, b) in enumerate(ranges):
+        for s, (a, b) in enumerate(stage_ranges(plan.partition_of(p), blocks)):  # its own
             if f is not None:
                 fwd_row.append(f)
                 bwd_row.append(2 * f)
@@ -179,7 +179,9 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
         mode_cfg = _with_sync(cfg, mode, plan)
         begun = time.perf_counter()
         result = solo if mode_of(mode).exchange == "local" else simulate(
-            _for_sync(work, mode_cfg), mode, (lambda clock, c=mode_cfg: make_policy(c, plan, clock, evaluations=False)))
+            _for_sync(work, mode_cfg), mode,
+            lambda clock, c=mode_cfg: make_policy(c, plan, clock, evaluations=False,
+                                                  units=plan.stages))
         rows.append(_row(result, limit, time.perf_counter() - begun))
     doc = {"format": FORMAT, **rows[0], "pipelines": cfg.cluster.pipelines,
            "stages": cfg.pipeline.stages, "solo_samples_per_s": solo.solo_rates(),

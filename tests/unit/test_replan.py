@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdpipe_cli.core.partition import uniform
-from sdpipe_cli.core.replan import MIN_GAIN, pipeline_ms, propose
+from sdpipe_cli.core.replan import MIN_GAIN, as_config, called_for, pipeline_ms, propose
 
 P, S, BLOCKS, M, BATCH = 4, 4, 16, 4, 16
+EVEN = [uniform(BLOCKS, S)] * P  # every pipeline split evenly (the speeds' advice at the start)
 
 
 def speeds(slow: dict[tuple[int, int], float]) -> list[list[list[float]]]:
@@ -26,19 +27,19 @@ def test_a_pipeline_takes_its_stages_once_and_its_slowest_m_minus_1_more_times()
 
 def test_lock_step_replans_a_slow_device_and_doubles_the_pace():
     block_ms = speeds({(2, 1): 0.25})
-    proposal = propose(block_ms, uniform(BLOCKS, S), M, BATCH, lock_step=True,
+    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, lock_step=True, own=False,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
     assert proposal.go, proposal.reason
-    stage1 = proposal.bounds[1] - proposal.bounds[0]
-    assert stage1 < BLOCKS // S  # the slow device's stage gives blocks away
-    # the slow stage keeps 1 block (4 ms), the others take 5 each: 76 ms -> 19 + 3 x 5 = 34 ms
-    assert proposal.bounds == [5, 6, 11]
+    # the slow stage keeps 1 block (4 ms), the others take 5 each: 76 ms -> 19 + 3 x 5 = 34 ms,
+    # on every pipeline (one split for all)
+    assert proposal.bounds == [[5, 6, 11]] * P
     assert proposal.rate_new == pytest.approx(76 / 34 * proposal.rate_now)
+    assert proposal.change() == "[4, 8, 12] -> [5, 6, 11]"
 
 
-def test_sdpipe_declines_a_split_that_slows_the_other_pipelines_more():
+def test_one_split_for_all_is_declined_when_it_slows_the_other_pipelines_more():
     block_ms = speeds({(2, 1): 0.25})
-    proposal = propose(block_ms, uniform(BLOCKS, S), M, BATCH, lock_step=False,
+    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, lock_step=False, own=False,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
     # the slow pipeline 76 -> 34 ms, the three others 28 -> 31 ms: the sum gains under 5 %
     assert not proposal.go
@@ -47,21 +48,47 @@ def test_sdpipe_declines_a_split_that_slows_the_other_pipelines_more():
     assert "sum of the pipelines'" in proposal.reason
 
 
+def test_sdpipe_resplits_only_the_slowed_pipeline():
+    block_ms = speeds({(2, 1): 0.25})
+    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, lock_step=False, own=True,
+                       samples_left=100_000, restart_s=5.0, state_bytes=1e6)
+    # the slow pipeline 76 -> 34 ms, the three others keep 28 ms
+    assert proposal.go, proposal.reason
+    assert proposal.bounds == [EVEN[0], EVEN[0], [5, 6, 11], EVEN[0]]
+    gain = (3 / 28 + 1 / 34) / (3 / 28 + 1 / 76)
+    assert proposal.rate_new == pytest.approx(gain * proposal.rate_now)
+    assert proposal.change() == "pipeline 2: [4, 8, 12] -> [5, 6, 11]"
+    assert proposal.record()["proposed"][2] == [5, 6, 11]
+    assert as_config(proposal.bounds, EVEN[0]) == (EVEN[0], {2: [5, 6, 11]})
+    assert as_config([[5, 6, 11]] * P, EVEN[0]) == ([5, 6, 11], {})
+
+
 def test_sdpipe_replans_when_half_of_the_pipelines_slowed_on_one_stage():
     block_ms = speeds({(0, 1): 0.25, (2, 1): 0.25})  # two of the four stage-1 devices
-    proposal = propose(block_ms, uniform(BLOCKS, S), M, BATCH, lock_step=False,
+    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, lock_step=False, own=False,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
-    # now: two pipelines at 76 ms, two at 28; after: two at 34, two at 31
+    # one split for all: two pipelines at 76 ms, two at 28; after: two at 34, two at 31
     assert proposal.go
     gain = (2 / 34 + 2 / 31) / (2 / 76 + 2 / 28)
     assert proposal.rate_new == pytest.approx(gain * proposal.rate_now)
 
 
+def test_a_given_split_stays_where_the_speeds_do_not_change_the_advice():
+    # pipeline 1 was given [2, 8, 12] against the even advice; pipeline 3's device slows
+    given = [EVEN[0], [2, 8, 12], EVEN[0], EVEN[0]]
+    proposal = propose(speeds({(3, 1): 0.25}), given, EVEN, M, BATCH, lock_step=False, own=True,
+                       samples_left=100_000, restart_s=5.0, state_bytes=1e6)
+    assert proposal.bounds[1] == [2, 8, 12] and proposal.bounds[3] == [5, 6, 11]
+    alone = propose(speeds({}), given, EVEN, M, BATCH, lock_step=False, own=True,
+                    samples_left=100_000, restart_s=5.0, state_bytes=1e6)
+    assert not alone.go and "was given" in alone.reason
+
+
 def test_no_replan_when_the_split_is_already_right_or_moving_costs_more():
     even = speeds({})
-    same = propose(even, uniform(BLOCKS, S), M, BATCH, True, 100_000, 5.0, 1e6)
+    same = propose(even, EVEN, EVEN, M, BATCH, True, False, 100_000, 5.0, 1e6)
     assert not same.go and same.bounds == same.current and "already" in same.reason
-    late = propose(speeds({(2, 1): 0.25}), uniform(BLOCKS, S), M, BATCH, True,
+    late = propose(speeds({(2, 1): 0.25}), EVEN, EVEN, M, BATCH, True, False,
                    samples_left=50, restart_s=30.0, state_bytes=1e6)
     assert not late.go and "moving costs" in late.reason and late.gain_s < late.move_s
 
@@ -71,14 +98,18 @@ block_times = st.lists(st.lists(st.lists(st.floats(0.1, 10.0), min_size=8, max_s
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(block_times, st.booleans(), st.floats(0.0, 1e7))
-def test_a_proposal_goes_only_when_it_pays(
-        block_ms, lock_step, samples_left):
-    current = uniform(8, 3)
-    proposal = propose(block_ms, current, 4, 8, lock_step, samples_left, 2.0, 1e6)
-    slowest = max(pipeline_ms(row, current, 4) for row in block_ms) / 1e3
+@given(block_times, st.booleans(), st.booleans(), st.floats(0.0, 1e7))
+def test_a_proposal_goes_only_when_it_pays(block_ms, lock_step, own, samples_left):
+    current = [uniform(8, 3)] * len(block_ms)
+    proposal = propose(block_ms, current, current, 4, 8, lock_step, own, samples_left, 2.0, 1e6)
+    slowest = max(pipeline_ms(row, current[0], 4) for row in block_ms) / 1e3
     if lock_step:  # the run's pace is its slowest pipeline's
         assert proposal.rate_now == pytest.approx(len(block_ms) * 8 / slowest)
     if proposal.go:
         assert proposal.bounds != current and proposal.gain_s > proposal.move_s
         assert proposal.rate_new >= MIN_GAIN * proposal.rate_now
+    if not own:  # one split for all
+        assert all(b == proposal.bounds[0] for b in proposal.bounds)
+    else:  # a pipeline's split is its own devices' best, or the one it has
+        wanted = called_for(block_ms, own=True)
+        assert all(b in (w, c) for b, w, c in zip(proposal.bounds, wanted, current))

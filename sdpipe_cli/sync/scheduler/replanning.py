@@ -7,24 +7,21 @@ own start, at the moment of a straggler or recovered line, counted where it reac
 ``fault.slowdown_threshold``: a slowdown its peers share is a slowdown here, though it named no
 one; ``fault.slowed`` carries those of earlier legs), the split, the budget left, and what moving
 costs here: the run's own start-up (from the scheduler's start to the first step report) and the
-checkpoint's bytes. A split the run was given against the profile's advice (``uniform``, an
-explicit one) is not taken back for a slowdown that does not change that advice. At most one
+checkpoint's bytes. At most one
 re-plan per leg: once it goes, the run stops at its next consistent point and the next leg starts
 resharded (:mod:`sdpipe_cli.cli.run_loop`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.partition import device_cost, plan as partition_plan
-from sdpipe_cli.core.replan import Proposal, propose, scaled
+from sdpipe_cli.core.replan import Proposal, as_config, called_for, propose, scaled
 from sdpipe_cli.model.optim import state_slots
 
 __all__ = ["Replanning", "checkpoint_bytes", "slowed_key"]
@@ -55,15 +52,16 @@ class Replanning:
                       for p in range(plan.pipelines) for s in range(plan.stages)}
         self.slowed = dict(self.start)
         self.threshold = float(cfg.fault.slowdown_threshold)
-        self.partition = [int(b) for b in cfg.pipeline.partition]
+        self.partitions = [list(b) for b in plan.segments.partitions]  # each pipeline's split
+        self.shared = [int(b) for b in cfg.pipeline.partition]  # theirs unless given their own
         self.microbatches, self.batch = int(cfg.pipeline.microbatches), int(cfg.train.batch_size)
         self.lock_step = mode(cfg.sync.name).paced_by_slowest
+        self.own = mode(cfg.sync.name).segments  # pipelines may be split apart
         self.state_bytes = checkpoint_bytes(doc, cfg.train, plan.pipelines)
         self.budget_samples = plan.budget * self.batch
         self.chosen: Optional[Proposal] = None
-        # the split the speeds of this leg's start call for (the profile's advice then)
-        self.advised = partition_plan(device_cost(scaled(self.base, self.slowed)),
-                                      len(self.base[0][0]), plan.stages).bounds
+        # the splits the speeds of this leg's start call for (the profile's advice then)
+        self.advised = called_for(scaled(self.base, self.slowed), self.own)
 
     def consider(self, own: dict[tuple[int, int], Optional[float]], samples_done: float,
                  restart_s: float) -> Optional[Proposal]:
@@ -74,16 +72,20 @@ class Replanning:
         for where, factor in own.items():
             counted = factor if factor is not None and factor >= self.threshold else 1.0
             self.slowed[where] = self.start[where] * counted
-        proposal = propose(scaled(self.base, self.slowed), self.partition, self.microbatches, self.batch,
-                           self.lock_step, max(0.0, self.budget_samples - samples_done),
-                           restart_s, self.state_bytes)
-        if proposal.go and proposal.bounds == self.advised != self.partition:
-            proposal = dataclasses.replace(proposal, go=False, reason=(
-                f"{proposal.bounds} is what the profile advised at the start too; the run's own "
-                f"split {self.partition} was given"))
+        proposal = propose(scaled(self.base, self.slowed), self.partitions, self.advised,
+                           self.microbatches, self.batch, self.lock_step, self.own,
+                           max(0.0, self.budget_samples - samples_done), restart_s,
+                           self.state_bytes)
         if proposal.go:
             self.chosen = proposal
         return proposal
+
+    def next_leg(self) -> dict[str, Any]:
+        """What the next leg takes from the re-plan that went: the splits (``pipeline.partition``
+        for all, or ``pipeline.partitions`` for the pipelines split apart) and ``fault.slowed``."""
+        partition, partitions = as_config(self.chosen.bounds, self.shared)
+        return {"partition": partition, "partitions": partitions, "reason": self.chosen.reason,
+                "slowed": self.slowed_now()}
 
     def slowed_now(self) -> dict[str, float]:
         """``fault.slowed`` for the next leg: every device measured slower so far."""
