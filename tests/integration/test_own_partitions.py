@@ -30,12 +30,17 @@ def own_split_run(tmp_path_factory):
     return run, out
 
 
-def test_pipelines_split_differently_train_as_one_split_does(own_split_run, tmp_path):
+@pytest.fixture(scope="module")
+def shared_split_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("shared") / "run"
+    out = sdpipe("train", *BASE, f"run.dir={run}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return run
+
+
+def test_pipelines_split_differently_train_as_one_split_does(own_split_run, shared_split_run):
     run, out = own_split_run
-    shared = tmp_path / "shared"
-    reference = sdpipe("train", *BASE, f"run.dir={shared}")
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    own, same = losses(metrics(run)), losses(metrics(shared))
+    own, same = losses(metrics(run)), losses(metrics(shared_split_run))
     assert sorted(own) == sorted(same) == [(p, k) for p in range(3) for k in range(1, 9)]
     assert max(abs(own[key] - same[key]) for key in own) < 1e-5
     # four segments: [0,1) [1,3) [3,5) [5,6); pipeline 1's stage 0 holds one, its stage 1 three
@@ -57,3 +62,22 @@ def test_a_run_split_its_own_way_resumes_bit_for_bit(own_split_run, tmp_path):
     assert sorted(continued) == [(p, k) for p in range(3) for k in range(first["step"] + 1, 9)]
     assert all(continued[key] == reference[key] for key in continued)  # bit-exact
     assert digests(copy) == digests(run)
+
+
+def test_a_checkpoint_of_one_split_resumes_resharded_to_pipelines_split_apart(
+        own_split_run, shared_split_run, tmp_path):
+    """The shared split's first checkpoint, resumed with pipelines 1 and 2 split their own way:
+    each new stage gathers its blocks (and their optimizer state) from the old stages by its own
+    ranges, and the run goes on as the run split apart from the start did."""
+    copy = tmp_path / "copy"
+    shutil.copytree(shared_split_run, copy)
+    [first] = [m for m in metrics(copy, "checkpoint") if m["step"] < 8]
+    before = len(metrics(copy))
+    out = sdpipe("resume", str(copy / "checkpoints" / f"step_{first['step']}"), OWN)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "pipeline 1: [1], pipeline 2: [5]" in out.stderr
+    [resharded] = (copy / "resharded").iterdir()
+    assert resharded.name.endswith("-P3xS2-3-p1_1-p2_5")
+    continued, reference = losses(metrics(copy)[before:]), losses(metrics(own_split_run[0]))
+    assert sorted(continued) == [(p, k) for p in range(3) for k in range(first["step"] + 1, 9)]
+    assert max(abs(continued[key] - reference[key]) for key in continued) < 1e-5
