@@ -24,6 +24,11 @@ in their reports a moment later. It recovers once the score stays below halfway 
 the threshold as long (hysteresis: no flapping at the edge). From the first slow iteration to
 the verdict: ``2 x (window // 2 + 1) - 1`` iterations of the device.
 
+A device an earlier leg of the run found slower (``carried``: ``fault.slowed``, after a re-plan)
+starts the leg as a straggler, its baseline taken as its slow speed over that factor: it is
+named again only by a further slowdown, and it *recovers* when it is back near its speed before
+the slowdown, which is what re-planning back needs.
+
 A slowdown must also matter: the compute it adds (the device's median now less its start) must
 be at least :data:`MATTERS` of the device's iteration time (its median ``step_s``, waits
 included). A device of a few milliseconds of compute in a pipeline that takes fifty per
@@ -38,11 +43,22 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["Change", "MATTERS", "SlowdownDetector"]
+__all__ = ["Change", "MATTERS", "SlowdownDetector", "carried_of", "slowed_key"]
 
 MATTERS = 0.1  # the least share of its iteration a slowdown must add to the device's compute
+
+
+def slowed_key(pipeline: int, stage: int) -> str:
+    """How ``fault.slowed`` names a device: ``p<pipeline>s<stage>``."""
+    return f"p{pipeline}s{stage}"
+
+
+def carried_of(slowed: Any, pipelines: int, stages: int) -> dict[tuple[int, int], float]:
+    """``fault.slowed`` by (pipeline, stage): how much slower earlier legs found each device."""
+    return {(p, s): float(slowed.get(slowed_key(p, s), 1.0))
+            for p in range(pipelines) for s in range(stages)}
 
 
 @dataclass(frozen=True)
@@ -68,9 +84,13 @@ class _Device:
     against: int = 0  # reports in a row that say the opposite of ``straggling``
     slowdown: Optional[float] = None  # median of ``recent`` over ``baseline``, kept up to date
     steps: deque = field(default_factory=deque)  # its last iterations' times (step_s)
+    carried: float = 1.0  # how much slower an earlier leg found it (its baseline's factor)
 
     def add(self, busy_s: float) -> None:
         self.recent.append(busy_s)
+        self.update()
+
+    def update(self) -> None:
         if self.baseline is not None and self.baseline > 0:
             self.slowdown = statistics.median(self.recent) / self.baseline
 
@@ -79,7 +99,7 @@ class SlowdownDetector:
     """Stragglers among ``pipelines`` x ``stages`` devices (see the module's docstring)."""
 
     def __init__(self, pipelines: int, stages: int, threshold: float = 1.5, window: int = 5,
-                 warmup: int = 3):
+                 warmup: int = 3, carried: Optional[dict[tuple[int, int], float]] = None):
         if threshold <= 1.0:
             raise ValueError(f"threshold must be above 1, got {threshold}")
         if window < 1 or warmup < 0:
@@ -88,6 +108,7 @@ class SlowdownDetector:
         self.recover_below = 1.0 + (threshold - 1.0) / 2
         self.confirm = window // 2 + 1
         self.pipelines, self.stages = pipelines, stages
+        self.carried = {k: float(f) for k, f in (carried or {}).items() if f > 1.0}
         self.devices: dict[tuple[int, int], _Device] = {}
         self._reset_all()
 
@@ -98,8 +119,10 @@ class SlowdownDetector:
     def reset(self, pipeline: int) -> None:
         """Forget a pipeline's devices (a restarted pipeline: new processes, maybe elsewhere)."""
         for s in range(self.stages):
+            carried = self.carried.get((pipeline, s), 1.0)
             self.devices[(pipeline, s)] = _Device(deque(maxlen=self.window),
-                                                  steps=deque(maxlen=self.window))
+                                                  steps=deque(maxlen=self.window),
+                                                  straggling=carried > 1.0, carried=carried)
 
     def stragglers(self) -> list[tuple[int, int]]:
         """The (pipeline, stage) of every device that is a straggler now."""
@@ -119,9 +142,8 @@ class SlowdownDetector:
         if device.baseline is None:
             device.first.append(busy_s)
             if len(device.first) == self.window:
-                device.baseline = statistics.median(device.first)
-                if device.baseline > 0:
-                    device.slowdown = statistics.median(device.recent) / device.baseline
+                device.baseline = statistics.median(device.first) / device.carried
+                device.update()
             return []
         score = self.score(pipeline, stage)
         if score is None:
@@ -149,7 +171,10 @@ class SlowdownDetector:
         own = self.devices[(pipeline, stage)].slowdown
         if own is None:
             return None
-        peers = [self.devices[(p, stage)].slowdown for p in range(self.pipelines) if p != pipeline]
-        peers = [x for x in peers if x is not None]
+        # the peers' slowdowns since the leg began: a cause they share (a slowdown an earlier
+        # leg found on one of them is that device's own)
+        peers = [(d.slowdown, d.carried) for d in (self.devices[(p, stage)]
+                                                   for p in range(self.pipelines) if p != pipeline)]
+        peers = [x / carried for x, carried in peers if x is not None]
         shared = statistics.median(peers) if peers else 1.0
         return own / max(shared, 1.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.slowdowns import Change, SlowdownDetector
+from sdpipe_cli.core.slowdowns import Change, SlowdownDetector, carried_of
 
 __all__ = ["StragglerWatch"]
 
@@ -23,7 +23,9 @@ class StragglerWatch:
         self.plan = plan
         self.detector = SlowdownDetector(plan.pipelines, plan.stages,
                                          float(cfg.fault.slowdown_threshold),
-                                         int(cfg.fault.slowdown_window))
+                                         int(cfg.fault.slowdown_window),
+                                         carried=carried_of(cfg.fault.slowed, plan.pipelines,
+                                                            plan.stages))
 
     def lines(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """The lines a worker's report calls for (none but for a step report with ``busy_s``
@@ -41,7 +43,8 @@ class StragglerWatch:
         self.detector.reset(pipeline)
 
     def own_slowdowns(self) -> dict[tuple[int, int], Optional[float]]:
-        """Every device's compute now over its own start, by (pipeline, stage)."""
+        """Every device's compute now over its own start (before the slowdowns earlier legs
+        found, ``fault.slowed``), by (pipeline, stage)."""
         return {(p, s): self.detector.own_slowdown(p, s) for p in range(self.plan.pipelines)
                 for s in range(self.plan.stages)}
 

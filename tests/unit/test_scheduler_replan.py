@@ -114,3 +114,23 @@ def test_a_given_split_is_not_taken_back_for_a_slowdown_that_does_not_change_the
     assert line["partition"] == [3] and line["proposed"] == [3]
     assert line["go"] is False and "[5] is what the profile advised" in line["reason"]
     assert not events.check([store.STOP_REQUESTED])
+
+
+@pytest.mark.parametrize("sync, leg", [("allreduce", "pipeline.partition=[5]"),
+                                       ("sdpipe", "pipeline.partitions={0: [5]}")])
+def test_a_device_that_recovers_is_replanned_back(tmp_path, sync, leg):
+    """The leg after a re-plan starts with device n:1 still at a quarter (``fault.slowed``);
+    when it is back to its speed it recovers, and the split goes back to the one for equal
+    devices: [3] for every pipeline, ``pipeline.partitions`` emptied, nothing slowed."""
+    sched, events, clock, _ = scheduler(tmp_path, sync, leg, "+fault.slowed.p0s1=4.0")
+    steps(sched, clock, 1, 12, {1: 4.0})
+    steps(sched, clock, 13, 30, {})
+    sched.metrics.close()
+    assert metrics(tmp_path, "straggler") == []
+    assert [(m["device"], m["pipeline"], m["stage"]) for m in metrics(tmp_path, "recovered")] == [
+        ("n:1", 0, 1)]
+    [line] = metrics(tmp_path, "replan")
+    assert line["go"] is True and line["proposed"] == [3]  # one split for all again
+    assert events.check([store.STOP_REQUESTED])
+    replan = sched.summary()["replan"]
+    assert (replan["partition"], replan["partitions"], replan["slowed"]) == ([3], {}, {})

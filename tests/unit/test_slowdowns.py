@@ -99,3 +99,21 @@ def test_a_slowdown_too_small_to_slow_its_pipeline_is_not_named():
         changes += detector.observe(0, 0, k, 0.08, step_s=0.1)
         changes += detector.observe(1, 0, k, 0.002, step_s=0.1)
     assert [(c.kind, c.pipeline) for c in changes] == [("straggler", 0)]
+
+
+def test_a_device_an_earlier_leg_found_slow_recovers_when_back_to_its_speed():
+    """Pipeline 0's stage 1 was found 4x slower before a re-plan (``fault.slowed``): it starts
+    this leg a straggler, is not named again while it stays so, and recovers when it computes
+    at a quarter of its start; its peers do not take its slowdown for a shared cause."""
+    detector = SlowdownDetector(3, 2, 1.5, 5, carried={(0, 1): 4.0})
+    assert detector.stragglers() == [(0, 1)]
+    slow = feed(detector, lambda p, s, k: 0.4 if (p, s) == (0, 1) else 0.1, 20)
+    assert slow == [] and detector.own_slowdown(0, 1) == pytest.approx(4.0)
+    # its peer, pipeline 1's stage 1, slows 2x: named against peers of slowdown 1, not 4
+    named = feed(detector, lambda p, s, k: {(0, 1): 0.4, (1, 1): 0.2}.get((p, s), 0.1), 10,
+                 start=20)
+    assert [(c.kind, c.pipeline, c.stage) for c in named] == [("straggler", 1, 1)]
+    back = feed(detector, lambda p, s, k: 0.2 if (p, s) == (1, 1) else 0.1, 10, start=30)
+    assert [(c.kind, c.pipeline, c.stage) for c in back] == [("recovered", 0, 1)]
+    assert back[0].iteration <= 30 + 2 * (5 // 2 + 1) - 1
+    assert detector.own_slowdown(0, 1) == pytest.approx(1.0)

@@ -3,11 +3,14 @@
 The decision is :func:`sdpipe_cli.core.replan.propose`'s; this holds what it is asked with:
 each device's block times from the run's profile (at the speeds the run started with, and the
 pipelines' ``cluster.slowdown``), the slowdowns measured since (every device's compute over its
-own start, at the moment of a straggler or recovered line, counted where it reaches
-``fault.slowdown_threshold``: a slowdown its peers share is a slowdown here, though it named no
-one; ``fault.slowed`` carries those of earlier legs), the split, the budget left, and what moving
-costs here: the run's own start-up (from the scheduler's start to the first step report) and the
-checkpoint's bytes. At most one
+speed before any slowdown, at the moment of a straggler or recovered line, counted where it
+reaches ``fault.slowdown_threshold``: a slowdown its peers share is a slowdown here, though it
+named no one), the splits, the budget left, and what moving costs here: the run's own start-up
+(from the scheduler's start to the first step report) and the checkpoint's bytes.
+
+``fault.slowed`` carries the slowdowns of earlier legs: the detector measures such a device from
+its speed before them (:mod:`sdpipe_cli.core.slowdowns`), so it recovers when it is back to it,
+and the re-plan at that recovery goes back to the split its speeds then call for. At most one
 re-plan per leg: once it goes, the run stops at its next consistent point and the next leg starts
 resharded (:mod:`sdpipe_cli.cli.run_loop`).
 """
@@ -22,9 +25,10 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.replan import Proposal, as_config, called_for, propose, scaled
+from sdpipe_cli.core.slowdowns import carried_of, slowed_key
 from sdpipe_cli.model.optim import state_slots
 
-__all__ = ["Replanning", "checkpoint_bytes", "slowed_key"]
+__all__ = ["Replanning", "checkpoint_bytes"]
 
 FLOAT_BYTES = 4
 
@@ -36,11 +40,6 @@ def checkpoint_bytes(doc: dict, train: DictConfig, pipelines: int) -> float:
     return params * FLOAT_BYTES * (1 + state_slots(train)) * pipelines
 
 
-def slowed_key(pipeline: int, stage: int) -> str:
-    """How ``fault.slowed`` names a device: ``p<pipeline>s<stage>``."""
-    return f"p{pipeline}s{stage}"
-
-
 class Replanning:
     """One leg's re-plan state: the measured slowdowns and the proposal that went, if any."""
 
@@ -48,8 +47,7 @@ class Replanning:
         doc = measurements.load(cfg.profile)
         self.base = measurements.worker_block_ms(doc, plan.cluster, list(cfg.cluster.slowdown))
         # each device's slowdown when this leg began (earlier legs measured it), and now
-        self.start = {(p, s): float(cfg.fault.slowed.get(slowed_key(p, s), 1.0))
-                      for p in range(plan.pipelines) for s in range(plan.stages)}
+        self.start = carried_of(cfg.fault.slowed, plan.pipelines, plan.stages)
         self.slowed = dict(self.start)
         self.threshold = float(cfg.fault.slowdown_threshold)
         self.partitions = [list(b) for b in plan.segments.partitions]  # each pipeline's split
@@ -70,8 +68,10 @@ class Replanning:
         if self.chosen is not None:
             return None
         for where, factor in own.items():
-            counted = factor if factor is not None and factor >= self.threshold else 1.0
-            self.slowed[where] = self.start[where] * counted
+            if factor is None:  # no baseline yet: as the leg began
+                self.slowed[where] = self.start[where]
+            else:  # measured from its speed before any slowdown (carried ones included)
+                self.slowed[where] = factor if factor >= self.threshold else 1.0
         proposal = propose(scaled(self.base, self.slowed), self.partitions, self.advised,
                            self.microbatches, self.batch, self.lock_step, self.own,
                            max(0.0, self.budget_samples - samples_done), restart_s,
