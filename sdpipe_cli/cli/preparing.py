@@ -93,20 +93,27 @@ def check_memory(cfg: DictConfig) -> None:
     if not cfg.run.memory_check:
         return
     run = RunPlan.of(cfg)
-    stages = memory.estimate(cfg, sources.example(cfg, run.microbatch_size, device="meta")[0])
-    if stages is None:
+    example = sources.example(cfg, run.microbatch_size, device="meta")[0]
+    splits = {bounds: memory.estimate(cfg, example, bounds)
+              for bounds in set(run.segments.partitions)}
+    if None in splits.values():
         return
     grid, cluster = run.grid, run.cluster
+
+    def of(rank: int) -> memory.StageMemory:  # a worker, under its pipeline's own split
+        return splits[run.segments.partitions[grid.pipeline_of(rank)]][grid.stage_of(rank)]
+
+    stages = [e for estimates in splits.values() for e in estimates]
     ranks = run.ranks_on(cfg.run.node)
     fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "
              "pipeline.activation_checkpointing=true (run.memory_check=false to try anyway)")
     if cfg.cluster.device == "cpu":
         worst = max(stages, key=lambda e: e.total)
-        need = sum(stages[grid.stage_of(r)].total for r in ranks)
+        need = sum(of(r).total for r in ranks)
         have = psutil.virtual_memory().available
         if need > have:
             # one worker of each stage fits: there are too many of them here, not too large ones
-            crowded = sum(stage.total for stage in stages) <= have
+            crowded = max(sum(e.total for e in estimates) for estimates in splits.values()) <= have
             raise ConfigError(
                 "cluster.pipelines" if crowded else "train.batch_size",
                 f"the {len(ranks)} workers on this machine need about {need / memory.GIB:.1f} GiB "
@@ -119,7 +126,7 @@ def check_memory(cfg: DictConfig) -> None:
         if index is None or index >= torch.cuda.device_count():
             continue
         have = torch.cuda.get_device_properties(index).total_memory
-        need = stages[grid.stage_of(r)]
+        need = of(r)
         if need.total > have:
             raise ConfigError("train.batch_size", f"a worker of stage {need.stage} needs about "
                               f"{need.total / memory.GIB:.1f} GiB ({need.describe()}), but GPU "

@@ -148,7 +148,9 @@ def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Hol
     """The leg after a launch that stopped to re-plan (``fault.on_slowdown=replan``): the run
     goes on from the checkpoint its stop wrote, resharded to the new split, as ``sdpipe resume
     RUN pipeline.partition=[...] pipeline.partitions={...}`` would (the new splits and the
-    slowdowns measured so far are in the next leg's config). None, with ``stopped`` saying why, when it cannot."""
+    slowdowns measured so far are in the next leg's config). A new split that cannot be had (it
+    does not fit the devices' memory) leaves the split as it is: the run goes on from the
+    checkpoint with it, and says why. None, with ``stopped`` saying why, when it cannot go on."""
     from sdpipe_cli.core.errors import BadInput
 
     partition = ",".join(str(int(b)) for b in replan["partition"])
@@ -159,10 +161,16 @@ def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Hol
     console.print(f"sdpipe: re-planning the split to {split}: {replan.get('reason', '')}",
                   markup=False, highlight=False, soft_wrap=True)
     try:
-        return resuming.prepare(str(stopped.run_dir), [f"pipeline.partition=[{partition}]",
-                                                       f"pipeline.partitions={{{own}}}",
-                                                       f"fault.slowed={{{slowed}}}"],
-                                console, holder)
+        try:
+            return resuming.prepare(str(stopped.run_dir), [f"pipeline.partition=[{partition}]",
+                                                           f"pipeline.partitions={{{own}}}",
+                                                           f"fault.slowed={{{slowed}}}"],
+                                    console, holder)
+        except BadInput as err:
+            console.print(f"sdpipe: the new split cannot be had ({err}); going on with the "
+                          "split as it was", markup=False, highlight=False, soft_wrap=True)
+            return resuming.prepare(str(stopped.run_dir), [f"fault.slowed={{{slowed}}}"],
+                                    console, holder)
     except (BadInput, CheckpointError) as err:
         stopped.returncode = EXIT_FAILED
         stopped.failure = f"the run stopped to re-plan but cannot go on: {err}"

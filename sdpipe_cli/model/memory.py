@@ -66,9 +66,11 @@ class StageMemory:
                 f"x {self.in_flight} micro-batch(es) in flight")
 
 
-def estimate(cfg: DictConfig, example: Any) -> Optional[list[StageMemory]]:
-    """Each stage's worker, for a prepared config and an example micro-batch input; None when
-    the model cannot run on meta tensors."""
+def estimate(cfg: DictConfig, example: Any, partition: Optional[Sequence[int]] = None
+             ) -> Optional[list[StageMemory]]:
+    """Each stage's worker, for a prepared config and an example micro-batch input, under
+    ``partition`` (default ``pipeline.partition``: a pipeline split its own way gives its own);
+    None when the model cannot run on meta tensors."""
     blocks, _ = meta_blocks(cfg.model)
     p, t = cfg.pipeline, cfg.train
     try:
@@ -81,7 +83,8 @@ def estimate(cfg: DictConfig, example: Any) -> Optional[list[StageMemory]]:
     schedule = get_schedule(p.schedule)
     asynchronous = p.schedule in ASYNC_SCHEDULES
     out = []
-    for s, (a, b) in enumerate(stage_ranges(list(p.partition), len(blocks))):
+    bounds = list(p.partition if partition is None else partition)
+    for s, (a, b) in enumerate(stage_ranges(bounds, len(blocks))):
         params = sum(_nbytes(x) for block in blocks[a:b] for x in block.parameters())
         buffers = sum(_nbytes(x) for block in blocks[a:b] for x in block.buffers())
         if p.activation_checkpointing:

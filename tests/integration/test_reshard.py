@@ -121,3 +121,42 @@ def test_a_checkpoint_of_another_model_is_refused_when_resharded(allreduce_2x2_r
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "step_10" in lines[0] and "shape" in lines[0], lines
     assert not (copy / "resharded").exists()
+
+
+def test_a_replanned_split_that_does_not_fit_leaves_the_split_as_it_was(
+        allreduce_2x2_run, tmp_path, monkeypatch):
+    """After a stop to re-plan, a new split whose workers would not fit this machine's memory
+    is not taken: the run goes on from its checkpoint with the split it had, and says why."""
+    from types import SimpleNamespace
+
+    from sdpipe_cli.cli import run_loop
+    from sdpipe_cli.config.saved import typed
+    from sdpipe_cli.data import sources
+    from sdpipe_cli.model import memory
+
+    copy = copy_at_10(allreduce_2x2_run, tmp_path)
+    saved = checkpoint.read_manifest(copy / "checkpoints" / "step_10")
+    cfg = typed(saved["config"], "manifest")
+    example = sources.example(cfg, cfg.train.batch_size // cfg.pipeline.microbatches,
+                              device="meta")[0]
+
+    def need(bounds):  # the run's two pipelines under one split
+        return 2 * sum(e.total for e in memory.estimate(cfg, example, bounds))
+
+    current = list(cfg.pipeline.partition)
+    larger = max(([b] for b in range(1, 6)), key=need)
+    assert need(larger) > need(current)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(
+        available=(need(current) + need(larger)) // 2))
+    out = io.StringIO()
+    stopped = SimpleNamespace(run_dir=copy, returncode=0, failure=None)
+    holder = run_lock.Holder()
+    leg = run_loop._replanned_leg(Console(file=out, width=300), stopped,
+                                  {"partition": larger, "partitions": {}, "slowed": {"p0s1": 4.0},
+                                   "reason": "test"}, holder)
+    holder.release_all()
+    assert leg is not None and stopped.failure is None, stopped.failure
+    assert list(leg.cfg.pipeline.partition) == current and leg.checkpoint.name == "step_10"
+    assert dict(leg.cfg.fault.slowed) == {"p0s1": 4.0}
+    assert "the new split cannot be had" in out.getvalue() and "need about" in out.getvalue()
+    assert not (copy / "resharded").exists()

@@ -78,3 +78,20 @@ def test_asynchronous_schedules_hold_their_stashed_weight_versions():
     assert stashed() == [0, 0, 0]
     assert stashed("pipeline.schedule=async_1f1b") == [2, 1, 0]
     assert stashed("pipeline.schedule=async_1f1b", "pipeline.weight_versions=2") == [1, 1, 1]
+
+
+def test_a_pipeline_split_its_own_way_is_estimated_by_its_own_split(monkeypatch):
+    """Pipeline 1 holds 5 of gpt_tiny's 6 blocks on its first stage: that worker is the largest,
+    and the check refuses a machine that fits the shared split's workers but not it."""
+    cfg, example = prepared("model=gpt_tiny", "sync=sdpipe", "cluster.pipelines=2",
+                            "pipeline.partitions={1: [5]}")
+    shared, own = memory.estimate(cfg, example), memory.estimate(cfg, example, [5])
+    assert own[0].weights > shared[0].weights > shared[1].weights > own[1].weights
+    cfg.run.memory_check = True
+    need_shared = 2 * sum(e.total for e in shared)
+    need_own = sum(e.total for e in shared) + sum(e.total for e in own)
+    assert need_own > need_shared
+    available = type("Memory", (), {"available": (need_shared + need_own) // 2})
+    monkeypatch.setattr("psutil.virtual_memory", lambda: available)
+    with pytest.raises(ConfigError, match="the 4 workers on this machine need"):
+        check_memory(cfg)
