@@ -23,6 +23,9 @@ run clock to the end; ``replan``'s second leg after its restart), the run's samp
 same span and over the whole run, the final training loss (mean over pipelines' last 10
 iterations: equal budgets), and the ``replan`` line's decision.
 
+``--recover-at T``: one ``replan`` run per mode whose device is back to its speed at ``T``: the
+straggler, re-plan and recovery lines (a re-plan, then one back).
+
 ``--resume-check``: one ``allreduce`` run with ``replan`` and ``checkpoint.every``, resumed
 (``sdpipe resume``, into a new folder) from its first checkpoint after the re-plan: the losses of
 every iteration after it, compared with the first run's.
@@ -148,6 +151,23 @@ def resume_check(out: Path, profile: Path, steps: int, at: float, timeout: float
             f"{'identical bit for bit' if same else 'DIFFERENT'} to the first run's")
 
 
+def recover_check(out: Path, profile: Path, sync: str, steps: int, at: float, back: float,
+                  timeout: float) -> str:
+    """One ``replan`` run whose device slows at ``at`` and is back to its speed at ``back``:
+    the re-plans it made, and the split it ended with."""
+    lines = one(out, f"recover-{sync}", [f"sync={sync}", f"train.steps={steps}",
+                                         f"profile={profile}", "fault.on_slowdown=replan",
+                                         f"cluster.changes=[{{device: '{DEVICE}', speed: {SPEED}, "
+                                         f"start: {at}, end: {back}}}]"], timeout)
+    events = [f"{m['kind']} {m['device']} at {m['time']:.1f} s"
+              + (f": {m['partition']} -> {m['proposed']} {'go' if m['go'] else 'no'}"
+                 if m["kind"] == "replan" else "")
+              for m in lines if m["kind"] in ("straggler", "recovered", "replan")]
+    legs = sorted((out / f"recover-{sync}").glob("config.resume-*.yaml"))
+    return (f"recover check ({sync}, slow from {at:g} s to {back:g} s): " + "; ".join(events)
+            + f"; {len(legs)} resumed leg(s)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -159,12 +179,20 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--resume-check", action="store_true",
                         help="only check that a re-planned run resumes bit-exactly")
+    parser.add_argument("--recover-at", type=float, default=None,
+                        help="only check re-planning back: the device is back to its speed at "
+                             "this run-clock second (one run per --syncs mode)")
     _report.add_markdown_option(parser)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     profile = write_profile(args.out, args.block_ms)
     if args.resume_check:
         print(resume_check(args.out, profile, args.steps, args.at, args.timeout))
+        return 0
+    if args.recover_at is not None:
+        for sync in [s for s in args.syncs.split(",") if s]:
+            print(recover_check(args.out, profile, sync, args.steps, args.at, args.recover_at,
+                                args.timeout))
         return 0
 
     def slow(at: float) -> str:
