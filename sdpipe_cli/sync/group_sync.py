@@ -3,8 +3,9 @@
 A worker averages what it holds in common with other pipelines' replicas: its stage, or, where
 pipelines are split differently (``pipeline.partitions``), each *segment* of blocks its stage
 holds (:mod:`~sdpipe_cli.core.segments`). Each segment is a :class:`Unit` with rounds of its
-own, and the scheduler forms its groups as it does a stage's; a worker takes its units' rounds
-in segment order, which every worker shares, so no two rounds wait on each other in a cycle.
+own, and the scheduler forms its groups as it does a stage's. A worker says all its units are
+ready at once, so their rounds are decided side by side, and averages them in segment order,
+which every worker shares, so no two rounds wait on each other in a cycle.
 With one partition for every pipeline a worker has one unit, its stage.
 """
 
@@ -153,23 +154,28 @@ class GroupSync(Sync):
         return list(module.parameters()) + statistics(module)
 
     def _rounds(self, module: nn.Module, step: int, grads: bool) -> None:
-        """A round of each unit, in segment order; the stats are the last's, with the time
-        spent waiting and communicating summed over all."""
-        stop, checkpoint, stats = False, None, {}
-        waited = spent = 0.0
-        for unit in self.units:
-            done = self._round(unit, unit.module(module), step, grads)
-            stop, checkpoint = stop or done["stop"], done["checkpoint"]
-            waited, spent, stats = waited + done["wait_s"], spent + done["comm_s"], done
-        self.stop, self._checkpoint = stop, checkpoint
-        self._stats = {"group_size": stats["group_size"], "round": stats["round"],
-                       "group_kind": stats["group_kind"], "wait_s": waited, "comm_s": spent}
-
-    def _round(self, unit: Unit, module: nn.Module, step: int, grads: bool) -> dict[str, Any]:
+        """A round of each unit. Every unit is ready at once, so the scheduler decides their
+        rounds side by side (a worker's waits overlap instead of adding up); the averages follow
+        in segment order. The stats are the last round's, with the time spent waiting and
+        communicating over all."""
         start = time.perf_counter()
         meeting = self.meetings.meeting(step)  # the scheduler counts meetings
-        store.push(self.events, store.EVENTS, protocol.Ready(
-            self.rank, self.pipeline, unit.index, meeting, self.incarnation))
+        for unit in self.units:
+            store.push(self.events, store.EVENTS, protocol.Ready(
+                self.rank, self.pipeline, unit.index, meeting, self.incarnation))
+        stop, checkpoint, stats, spent = False, None, {}, 0.0
+        for unit in self.units:
+            stats = self._round(unit, unit.module(module), step, grads, meeting)
+            stop, checkpoint, spent = stop or stats["stop"], stats["checkpoint"], spent + stats["comm_s"]
+        self.stop, self._checkpoint = stop, checkpoint
+        self._stats = {"group_size": stats["group_size"], "round": stats["round"],
+                       "group_kind": stats["group_kind"],
+                       "wait_s": time.perf_counter() - start - spent, "comm_s": spent}
+
+    def _round(self, unit: Unit, module: nn.Module, step: int, grads: bool, meeting: int
+               ) -> dict[str, Any]:
+        """Unit ``unit``'s round of ``meeting`` (its ready signal is sent): the scheduler's group,
+        and the average over it."""
         decision = store.take(self.events, store.decision_key(unit.index, self.pipeline, meeting,
                                                               self.incarnation), protocol.Group)
         got = time.perf_counter()
@@ -228,7 +234,7 @@ class GroupSync(Sync):
                                    **self._segment(unit)}))
         return {"stop": decision.stop, "checkpoint": decision.checkpoint,
                 "group_size": len(members), "round": decision.round, "group_kind": decision.kind,
-                "wait_s": got - start, "comm_s": time.perf_counter() - got}
+                "comm_s": time.perf_counter() - got}
 
     def _segment(self, unit: Unit) -> dict[str, int]:
         """A report's segment, where units are not stages."""
