@@ -9,8 +9,8 @@ Run it from the repository root::
 
 P=4 pipelines of S=4 stages of a 16-block model (``model=mlp model.n_layers=14``), compute
 modelled from a profile (every block ``--block-ms`` forward, twice that backward), so a stage's
-cost follows its blocks. Device ``local:9`` (pipeline 2, stage 1) slows to speed 0.25 at
-``--at`` seconds of the run clock. Per seed and sync mode:
+cost follows its blocks. Device ``local:9`` (pipeline 2, stage 1; ``--pipelines 0,2``: pipelines 0
+and 2's stage 1) slows to speed 0.25 at ``--at`` seconds of the run clock. Per seed and sync mode:
 
 * ``warn``: the slowdown is named, nothing moves;
 * ``replan``: the run re-plans if the measured speeds say it pays;
@@ -18,10 +18,10 @@ cost follows its blocks. Device ``local:9`` (pipeline 2, stage 1) slows to speed
   choose (the partitioner of ``partition=auto`` at those speeds: one for all pipelines under
   ``allreduce``, pipeline 2's own under ``sdpipe``), given from the start.
 
-Columns: the slow device's pipeline's samples/s after the slowdown (from ``--at`` + 20 s on the
-run clock to the end; ``replan``'s second leg after its restart), the run's samples/s over the
-same span and over the whole run, the final training loss (mean over pipelines' last 10
-iterations: equal budgets), and the ``replan`` line's decision.
+Columns: a slowed pipeline's samples/s after the slowdown (from ``--at`` + 20 s on the run clock
+to the end, the mean of the slowed pipelines), the run's samples/s over the same span and over
+the whole run, the final training loss (mean over pipelines' last 10 iterations: equal
+budgets), the final validation loss (after the run's last sync), and the ``replan`` lines.
 
 ``--recover-at T``: one ``replan`` run per mode whose device is back to its speed at ``T``: the
 straggler, re-plan and recovery lines (a re-plan, then one back).
@@ -50,7 +50,7 @@ from sdpipe_cli.core.partition import uniform  # noqa: E402
 from sdpipe_cli.core.replan import as_config, called_for  # noqa: E402
 
 P, S, BLOCKS, MICROBATCHES, BATCH = 4, 4, 16, 4, 16
-DEVICE, PIPELINE, STAGE, SPEED = "local:9", 2, 1, 0.25
+PIPELINE, STAGE, SPEED = 2, 1, 0.25  # local:9, pipeline 2's stage 1, slows to a quarter
 BASE = ["model=mlp", "model.n_layers=14", "data=synthetic", f"cluster.pipelines={P}",
         f"pipeline.stages={S}", "train.eval_every=0", "cluster.emulation=modelled"]
 
@@ -70,11 +70,22 @@ def write_profile(out: Path, block_ms: float) -> Path:
     return path
 
 
-def planned_split(block_ms: float, own: bool) -> list[str]:
+def device(pipeline: int) -> str:
+    """The name of the device of ``pipeline``'s stage ``STAGE`` (one local node, rank order)."""
+    return f"local:{pipeline * S + STAGE}"
+
+
+def changes(slowed: list[int], at: float) -> str:
+    """``cluster.changes``: stage ``STAGE`` of each of ``slowed`` at ``SPEED`` from ``at`` s."""
+    items = ", ".join(f"{{device: '{device(p)}', speed: {SPEED}, start: {at}}}" for p in slowed)
+    return f"cluster.changes=[{items}]"
+
+
+def planned_split(block_ms: float, own: bool, slowed: list[int]) -> list[str]:
     """The overrides of the split ``replan`` would choose at these speeds (the partitioner of
-    ``partition=auto``): one split for all, or (``own``: sdpipe) the slow pipeline's own."""
+    ``partition=auto``): one split for all, or (``own``: sdpipe) the slowed pipelines' own."""
     per = 3 * block_ms
-    speeds = [[[per / (SPEED if (p, s) == (PIPELINE, STAGE) else 1.0)] * BLOCKS for s in range(S)]
+    speeds = [[[per / (SPEED if p in slowed and s == STAGE else 1.0)] * BLOCKS for s in range(S)]
               for p in range(P)]
     shared, partitions = as_config(called_for(speeds, own), uniform(BLOCKS, S))
     own_text = ", ".join(f"{q}: {b}" for q, b in partitions.items())
@@ -109,13 +120,22 @@ def one(out: Path, name: str, overrides: list[str], timeout: float) -> list[dict
     return analysis.read_metrics(run / "metrics.jsonl")
 
 
-def row(name: str, lines: list[dict], since: float) -> dict:
+def final_val_loss(lines: list[dict]) -> float | None:
+    """The run's last evaluation (after its final sync), averaged over the pipelines."""
+    last = {m["pipeline"]: m["val_loss"] for m in lines
+            if m["kind"] == "eval" and m.get("val_loss") is not None}
+    return statistics.mean(last.values()) if last else None
+
+
+def row(name: str, lines: list[dict], since: float, slowed: list[int]) -> dict:
     replans = [m for m in lines if m["kind"] == "replan"]
+    slow = rate_after(lines, since, slowed)
     return {"run": name,
-            "slow pipeline after": _report.rate(rate_after(lines, since, [PIPELINE])),
+            "slow pipeline after": _report.rate(None if slow is None else slow / len(slowed)),
             "run after": _report.rate(rate_after(lines, since, list(range(P)))),
             "run, whole": _report.rate(analysis.samples_per_s(lines)),
             "final loss": _report.loss(final_loss(lines)),
+            "final val loss": _report.loss(final_val_loss(lines)),
             "replan": ", ".join(f"{m['partition']}->{m['proposed']} "
                                 f"{'go' if m['go'] else 'no'}" for m in replans) or "-"}
 
@@ -126,7 +146,7 @@ def resume_check(out: Path, profile: Path, steps: int, at: float, timeout: float
     lines = one(out, "resume-first", ["sync=allreduce", f"train.steps={steps}",
                                       f"profile={profile}", "checkpoint.every=10",
                                       "checkpoint.keep=0", "fault.on_slowdown=replan",
-                                      f"cluster.changes=[{{device: '{DEVICE}', speed: {SPEED}, "
+                                      f"cluster.changes=[{{device: '{device(PIPELINE)}', speed: {SPEED}, "
                                       f"start: {at}}}]"], timeout)
     moved = [m for m in lines if m["kind"] == "replan" and m["go"]]
     resumed = [m for m in lines if m["kind"] == "resume"]
@@ -157,7 +177,7 @@ def recover_check(out: Path, profile: Path, sync: str, steps: int, at: float, ba
     the re-plans it made, and the split it ended with."""
     lines = one(out, f"recover-{sync}", [f"sync={sync}", f"train.steps={steps}",
                                          f"profile={profile}", "fault.on_slowdown=replan",
-                                         f"cluster.changes=[{{device: '{DEVICE}', speed: {SPEED}, "
+                                         f"cluster.changes=[{{device: '{device(PIPELINE)}', speed: {SPEED}, "
                                          f"start: {at}, end: {back}}}]"], timeout)
     events = [f"{m['kind']} {m['device']} at {m['time']:.1f} s"
               + (f": {m['partition']} -> {m['proposed']} {'go' if m['go'] else 'no'}"
@@ -177,6 +197,8 @@ def main() -> int:
     parser.add_argument("--block-ms", type=float, default=2.5)
     parser.add_argument("--at", type=float, default=20.0, help="run-clock seconds of the slowdown")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--pipelines", default=str(PIPELINE),
+                        help="the pipelines whose stage-1 device slows down (comma-separated)")
     parser.add_argument("--resume-check", action="store_true",
                         help="only check that a re-planned run resumes bit-exactly")
     parser.add_argument("--recover-at", type=float, default=None,
@@ -195,12 +217,14 @@ def main() -> int:
                                 args.timeout))
         return 0
 
+    slowed = [int(p) for p in args.pipelines.split(",") if p]
+
     def slow(at: float) -> str:
-        return f"cluster.changes=[{{device: '{DEVICE}', speed: {SPEED}, start: {at}}}]"
+        return changes(slowed, at)
 
     tables = []
     for sync in [s for s in args.syncs.split(",") if s]:
-        split = planned_split(args.block_ms, own=sync == "sdpipe")
+        split = planned_split(args.block_ms, sync == "sdpipe", slowed)
         rows = []
         for seed in [int(s) for s in args.seeds.split(",") if s]:
             common = [f"sync={sync}", f"train.steps={args.steps}", f"train.seed={seed}",
@@ -212,7 +236,7 @@ def main() -> int:
                 label = f"{sync}-{name}-seed{seed}"
                 lines = one(args.out, label, [*common, *extra], args.timeout)
                 since = 0.0 if name == "planned" else args.at + 20.0
-                rows.append(row(label, lines, since))
+                rows.append(row(label, lines, since, slowed))
                 print(json.dumps(rows[-1]), flush=True)
         tables.append(f"### sync={sync} (planned: {' '.join(split)})\n\n"
                       + _report.rows_table(rows))

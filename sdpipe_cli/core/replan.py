@@ -11,10 +11,15 @@ time moving costs.
 
 **The run's pace.** A pipeline's iteration takes the sum of its stages' times per micro-batch
 plus ``m - 1`` times its slowest stage's (1F1B and GPipe alike: one micro-batch through every
-stage, the others behind it at the bottleneck's pace). How the pipelines' paces make the run's depends on the
-sync mode: a lock-step mode (``allreduce``, ``adpsgd``, ``diloco``) waits for its slowest
-pipeline every round, so its samples/s are ``P x batch / slowest``; sdpipe (and ``none``,
-``ps``) lets every pipeline go at its own pace, so they are the sum of the pipelines' own.
+stage, the others behind it at the bottleneck's pace). How the pipelines' paces make the run's
+depends on who waits for whom (:func:`pace_bound`): a lock-step mode (``allreduce``, ``adpsgd``,
+``diloco``) waits for its slowest pipeline every round, so its samples/s are
+``P x batch / slowest``. sdpipe's rounds wait for the replicas forecast within ``sync.patience``
+x the opener's own interval (:mod:`sdpipe_cli.core.grouping`), so the pipelines within
+``1 + patience`` of the fastest meet in full groups at the slowest of them's pace, and a pipeline
+slower than that goes at its own: re-splitting a slowed pipeline until it is *nearly* as fast as
+the others makes the groups wait for it, and the run gains nothing. (Measured, not assumed:
+``docs/results/replan_sdpipe.md``.) Modes without rounds add the pipelines' own paces.
 
 **Whose split changes.** Under a lock-step mode (``allreduce``, ``adpsgd``, ``diloco``) every
 replica of a stage holds the same blocks (it averages flat vectors with the others every round),
@@ -37,13 +42,14 @@ No I/O and no clock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from sdpipe_cli.core.partition import device_cost, plan, stage_ranges
 
-__all__ = ["Proposal", "as_config", "called_for", "pipeline_ms", "run_rate", "propose", "scaled",
-           "splits_field", "MIN_GAIN"]
+__all__ = ["Proposal", "as_config", "called_for", "pace_bound", "pipeline_ms", "run_rate",
+           "propose", "scaled", "splits_field", "MIN_GAIN"]
 
 MIN_GAIN = 1.05  # the least predicted gain of the run's samples/s that is worth a restart
 DISK_PASSES = 5  # the checkpoint written, read, written resharded, verified and loaded
@@ -112,15 +118,26 @@ def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],
     return sum(times) + (microbatches - 1) * max(times)
 
 
+def pace_bound(lock_step: bool, sync: Any = None) -> float:
+    """How much slower than the fastest pipeline a pipeline may be and still pace the others:
+    every one under a lock-step mode (and sdpipe with ``sync.connect_every=1``); ``1 +
+    sync.patience`` under sdpipe's forecasts; none (1) where nobody waits."""
+    if lock_step or (sync is not None and int(sync.get("connect_every", 0) or 0) == 1):
+        return math.inf
+    patience = float(sync.get("patience", 0.0) or 0.0) if sync is not None else 0.0
+    return 1.0 + patience
+
+
 def run_rate(block_ms: Sequence[Sequence[Sequence[float]]], splits: Sequence[Sequence[int]],
-             microbatches: int, batch_size: int, lock_step: bool) -> float:
+             microbatches: int, batch_size: int, pace: float) -> float:
     """The run's predicted samples/s with pipeline p split at ``splits[p]`` (``block_ms[p][s][i]``:
-    see :func:`pipeline_ms`)."""
+    see :func:`pipeline_ms`): the pipelines within ``pace`` x the fastest one's iteration go at
+    the slowest of them's pace (:func:`pace_bound`), the others at their own."""
     times = [pipeline_ms(row, bounds, microbatches) / 1e3
              for row, bounds in zip(block_ms, splits)]
-    if lock_step:
-        return len(times) * batch_size / max(times)
-    return sum(batch_size / t for t in times)
+    together = [t for t in times if t <= pace * min(times)]
+    return (len(together) * batch_size / max(together)
+            + sum(batch_size / t for t in times if t > pace * min(times)))
 
 
 def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool) -> list[list[int]]:
@@ -134,19 +151,20 @@ def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool) -> list
 
 def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Sequence[int]],
             advised: Sequence[Sequence[int]], microbatches: int, batch_size: int,
-            lock_step: bool, own: bool, samples_left: float, restart_s: float,
+            pace: float, own: bool, samples_left: float, restart_s: float,
             state_bytes: float, disk_bytes_per_s: float = 200e6) -> Proposal:
     """The re-plan the speeds in ``block_ms`` call for, with ``samples_left`` of the run's
     budget still to train and a checkpoint of ``state_bytes`` (weights and optimizer state of
     the whole run) to write and read back. ``current``: each pipeline's split now; ``advised``:
     what :func:`called_for` gave at the speeds the leg began with (a split given against that
-    advice is kept while the advice stays); ``own``: pipelines may be split apart."""
+    advice is kept while the advice stays); ``pace``: :func:`pace_bound`; ``own``: pipelines
+    may be split apart."""
     current = [[int(b) for b in bounds] for bounds in current]
     wanted = called_for(block_ms, own)
     kept = [p for p, (c, w, a) in enumerate(zip(current, wanted, advised)) if w == list(a) != c]
     bounds = [c if p in kept else w for p, (c, w) in enumerate(zip(current, wanted))]
-    now = run_rate(block_ms, current, microbatches, batch_size, lock_step)
-    new = run_rate(block_ms, bounds, microbatches, batch_size, lock_step)
+    now = run_rate(block_ms, current, microbatches, batch_size, pace)
+    new = run_rate(block_ms, bounds, microbatches, batch_size, pace)
     move_s = restart_s + DISK_PASSES * state_bytes / disk_bytes_per_s
     gain_s = samples_left / now - samples_left / new if now > 0 and new > 0 else 0.0
     if bounds == current and kept:
@@ -155,8 +173,10 @@ def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Seq
     elif bounds == current:
         go, reason = False, "the split is already the one these speeds call for"
     elif new < MIN_GAIN * now:
-        pace = "the slowest pipeline's" if lock_step else "the sum of the pipelines'"
-        go, reason = False, (f"predicted {new:.1f} samples/s against {now:.1f} now ({pace}): "
+        who = ("the slowest pipeline's pace" if math.isinf(pace) else
+               "the pipelines' own paces" if pace <= 1.0 else
+               f"pipelines within {pace:g}x of the fastest meet at the slowest one's pace")
+        go, reason = False, (f"predicted {new:.1f} samples/s against {now:.1f} now ({who}): "
                              f"less than {MIN_GAIN:g}x")
     elif gain_s <= move_s:
         go, reason = False, (f"saves {gain_s:.1f} s over the rest of the run, moving costs "

@@ -26,7 +26,7 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.replan import as_config, called_for, propose, scaled
+from sdpipe_cli.core.replan import as_config, called_for, pace_bound, propose, scaled
 from sdpipe_cli.core.simulation import Result, simulate
 from sdpipe_cli.sync.scheduler.replanning import checkpoint_bytes
 
@@ -62,7 +62,8 @@ def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
     own = mode(cfg.sync.name).segments
     proposal = propose(scaled(base, {(p, s): before / after}), plan.segments.partitions,
                        called_for(base, own), int(cfg.pipeline.microbatches), batch,
-                       mode(cfg.sync.name).paced_by_slowest, own, budget - done, RESTART_S,
+                       pace_bound(mode(cfg.sync.name).paced_by_slowest, cfg.sync), own,
+                       budget - done, RESTART_S,
                        checkpoint_bytes(doc, cfg.train, plan.pipelines))
     out = {"device": plan.cluster.device(p, s).name, "pipeline": p, "stage": s, "at": at,
            "speed": after, **proposal.record(), "without_s": without.wall_s,

@@ -3,15 +3,19 @@ the run's pace before and after under the sync mode's rule, and whether moving p
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdpipe_cli.core.partition import uniform
-from sdpipe_cli.core.replan import MIN_GAIN, as_config, called_for, pipeline_ms, propose
+from sdpipe_cli.core.replan import (MIN_GAIN, as_config, called_for, pace_bound, pipeline_ms,
+                                    propose)
 
 P, S, BLOCKS, M, BATCH = 4, 4, 16, 4, 16
 EVEN = [uniform(BLOCKS, S)] * P  # every pipeline split evenly (the speeds' advice at the start)
+LOCK_STEP, SDPIPE, ALONE = math.inf, 1.5, 1.0  # pace bounds: everyone, patience 0.5, nobody
 
 
 def speeds(slow: dict[tuple[int, int], float]) -> list[list[list[float]]]:
@@ -27,7 +31,7 @@ def test_a_pipeline_takes_its_stages_once_and_its_slowest_m_minus_1_more_times()
 
 def test_lock_step_replans_a_slow_device_and_doubles_the_pace():
     block_ms = speeds({(2, 1): 0.25})
-    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, lock_step=True, own=False,
+    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, pace=LOCK_STEP, own=False,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
     assert proposal.go, proposal.reason
     # the slow stage keeps 1 block (4 ms), the others take 5 each: 76 ms -> 19 + 3 x 5 = 34 ms,
@@ -39,18 +43,18 @@ def test_lock_step_replans_a_slow_device_and_doubles_the_pace():
 
 def test_one_split_for_all_is_declined_when_it_slows_the_other_pipelines_more():
     block_ms = speeds({(2, 1): 0.25})
-    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, lock_step=False, own=False,
+    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, pace=ALONE, own=False,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
     # the slow pipeline 76 -> 34 ms, the three others 28 -> 31 ms: the sum gains under 5 %
     assert not proposal.go
     gain = (3 / 31 + 1 / 34) / (3 / 28 + 1 / 76)
     assert proposal.rate_new == pytest.approx(gain * proposal.rate_now) and gain < MIN_GAIN
-    assert "sum of the pipelines'" in proposal.reason
+    assert "own paces" in proposal.reason
 
 
-def test_sdpipe_resplits_only_the_slowed_pipeline():
+def test_pipelines_going_their_own_pace_resplit_only_the_slowed_one():
     block_ms = speeds({(2, 1): 0.25})
-    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, lock_step=False, own=True,
+    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, pace=ALONE, own=True,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
     # the slow pipeline 76 -> 34 ms, the three others keep 28 ms
     assert proposal.go, proposal.reason
@@ -63,32 +67,50 @@ def test_sdpipe_resplits_only_the_slowed_pipeline():
     assert as_config([[5, 6, 11]] * P, EVEN[0]) == ([5, 6, 11], {})
 
 
-def test_sdpipe_replans_when_half_of_the_pipelines_slowed_on_one_stage():
-    block_ms = speeds({(0, 1): 0.25, (2, 1): 0.25})  # two of the four stage-1 devices
-    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, lock_step=False, own=False,
+def test_sdpipe_declines_resplitting_one_pipeline_that_its_groups_would_then_wait_for():
+    """34 ms against the others' 28 is within 1.5x: sdpipe's rounds would wait for it, and the
+    four would go at 34 ms, less than three at 28 and one at 76 ms."""
+    proposal = propose(speeds({(2, 1): 0.25}), EVEN, EVEN, M, BATCH, pace=SDPIPE, own=True,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
-    # one split for all: two pipelines at 76 ms, two at 28; after: two at 34, two at 31
-    assert proposal.go
-    gain = (2 / 34 + 2 / 31) / (2 / 76 + 2 / 28)
+    assert not proposal.go
+    assert proposal.rate_new == pytest.approx(4 / 34 / (3 / 28 + 1 / 76) * proposal.rate_now)
+    assert "within 1.5x of the fastest" in proposal.reason
+
+
+def test_sdpipe_resplits_the_pipelines_when_half_of_them_slowed_on_one_stage():
+    block_ms = speeds({(0, 1): 0.25, (2, 1): 0.25})  # two of the four stage-1 devices
+    proposal = propose(block_ms, EVEN, EVEN, M, BATCH, pace=SDPIPE, own=True,
+                       samples_left=100_000, restart_s=5.0, state_bytes=1e6)
+    # now: two pipelines at 28 ms together, two at 76 alone; after: all four at 34 ms together
+    assert proposal.go, proposal.reason
+    assert proposal.bounds == [[5, 6, 11], EVEN[0], [5, 6, 11], EVEN[0]]
+    gain = (4 / 34) / (2 / 28 + 2 / 76)
     assert proposal.rate_new == pytest.approx(gain * proposal.rate_now)
+
+
+def test_pace_bounds_of_the_modes():
+    assert pace_bound(True) == math.inf
+    assert pace_bound(False, {"patience": 0.5, "connect_every": 4}) == 1.5
+    assert pace_bound(False, {"patience": 0.5, "connect_every": 1}) == math.inf
+    assert pace_bound(False, {"patience": 0.0}) == 1.0 and pace_bound(False) == 1.0
 
 
 def test_a_given_split_stays_where_the_speeds_do_not_change_the_advice():
     # pipeline 1 was given [2, 8, 12] against the even advice; pipeline 3's device slows
     given = [EVEN[0], [2, 8, 12], EVEN[0], EVEN[0]]
-    proposal = propose(speeds({(3, 1): 0.25}), given, EVEN, M, BATCH, lock_step=False, own=True,
+    proposal = propose(speeds({(3, 1): 0.25}), given, EVEN, M, BATCH, pace=ALONE, own=True,
                        samples_left=100_000, restart_s=5.0, state_bytes=1e6)
     assert proposal.bounds[1] == [2, 8, 12] and proposal.bounds[3] == [5, 6, 11]
-    alone = propose(speeds({}), given, EVEN, M, BATCH, lock_step=False, own=True,
+    alone = propose(speeds({}), given, EVEN, M, BATCH, pace=ALONE, own=True,
                     samples_left=100_000, restart_s=5.0, state_bytes=1e6)
     assert not alone.go and "was given" in alone.reason
 
 
 def test_no_replan_when_the_split_is_already_right_or_moving_costs_more():
     even = speeds({})
-    same = propose(even, EVEN, EVEN, M, BATCH, True, False, 100_000, 5.0, 1e6)
+    same = propose(even, EVEN, EVEN, M, BATCH, LOCK_STEP, False, 100_000, 5.0, 1e6)
     assert not same.go and same.bounds == same.current and "already" in same.reason
-    late = propose(speeds({(2, 1): 0.25}), EVEN, EVEN, M, BATCH, True, False,
+    late = propose(speeds({(2, 1): 0.25}), EVEN, EVEN, M, BATCH, LOCK_STEP, False,
                    samples_left=50, restart_s=30.0, state_bytes=1e6)
     assert not late.go and "moving costs" in late.reason and late.gain_s < late.move_s
 
@@ -98,13 +120,16 @@ block_times = st.lists(st.lists(st.lists(st.floats(0.1, 10.0), min_size=8, max_s
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(block_times, st.booleans(), st.booleans(), st.floats(0.0, 1e7))
-def test_a_proposal_goes_only_when_it_pays(block_ms, lock_step, own, samples_left):
+@given(block_times, st.sampled_from([LOCK_STEP, SDPIPE, ALONE]), st.booleans(),
+       st.floats(0.0, 1e7))
+def test_a_proposal_goes_only_when_it_pays(block_ms, pace, own, samples_left):
     current = [uniform(8, 3)] * len(block_ms)
-    proposal = propose(block_ms, current, current, 4, 8, lock_step, own, samples_left, 2.0, 1e6)
-    slowest = max(pipeline_ms(row, current[0], 4) for row in block_ms) / 1e3
-    if lock_step:  # the run's pace is its slowest pipeline's
-        assert proposal.rate_now == pytest.approx(len(block_ms) * 8 / slowest)
+    proposal = propose(block_ms, current, current, 4, 8, pace, own, samples_left, 2.0, 1e6)
+    times = [pipeline_ms(row, current[0], 4) / 1e3 for row in block_ms]
+    if pace == LOCK_STEP:  # the run's pace is its slowest pipeline's
+        assert proposal.rate_now == pytest.approx(len(block_ms) * 8 / max(times))
+    if pace == ALONE:  # every pipeline at its own
+        assert proposal.rate_now == pytest.approx(sum(8 / t for t in times))
     if proposal.go:
         assert proposal.bounds != current and proposal.gain_s > proposal.move_s
         assert proposal.rate_new >= MIN_GAIN * proposal.rate_now

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.replan import Proposal, as_config, called_for, propose, scaled
+from sdpipe_cli.core.replan import Proposal, as_config, called_for, pace_bound, propose, scaled
 from sdpipe_cli.core.slowdowns import carried_of, slowed_key
 from sdpipe_cli.model.optim import state_slots
 
@@ -53,7 +53,7 @@ class Replanning:
         self.partitions = [list(b) for b in plan.segments.partitions]  # each pipeline's split
         self.shared = [int(b) for b in cfg.pipeline.partition]  # theirs unless given their own
         self.microbatches, self.batch = int(cfg.pipeline.microbatches), int(cfg.train.batch_size)
-        self.lock_step = mode(cfg.sync.name).paced_by_slowest
+        self.pace = pace_bound(mode(cfg.sync.name).paced_by_slowest, cfg.sync)
         self.own = mode(cfg.sync.name).segments  # pipelines may be split apart
         self.state_bytes = checkpoint_bytes(doc, cfg.train, plan.pipelines)
         self.budget_samples = plan.budget * self.batch
@@ -73,7 +73,7 @@ class Replanning:
             else:  # measured from its speed before any slowdown (carried ones included)
                 self.slowed[where] = factor if factor >= self.threshold else 1.0
         proposal = propose(scaled(self.base, self.slowed), self.partitions, self.advised,
-                           self.microbatches, self.batch, self.lock_step, self.own,
+                           self.microbatches, self.batch, self.pace, self.own,
                            max(0.0, self.budget_samples - samples_done), restart_s,
                            self.state_bytes)
         if proposal.go:
