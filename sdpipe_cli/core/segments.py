@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping, Optional, Sequence
 
 __all__ = ["Segments", "partitions_of"]
@@ -36,7 +37,7 @@ class Segments:
             raise ValueError("every pipeline needs a partition into the same number of stages")
         return cls(parts)
 
-    @property
+    @cached_property
     def cuts(self) -> tuple[int, ...]:
         """Where a segment starts, after the first: every pipeline's boundaries together."""
         return tuple(sorted({b for bounds in self.partitions for b in bounds}))
