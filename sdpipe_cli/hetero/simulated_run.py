@@ -174,12 +174,18 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
     work = workload(cfg, plan)  # built once (P x S devices, draws, costs): only the sync settings differ
     solo = simulate(_for_sync(work, _with_sync(cfg, "none", plan)), "none")
     limit = sum(solo.solo_rates())
+    shared = None  # pipelines split apart (pipeline.partitions): one split for a mode without
+    if cfg.pipeline.get("partitions"):  # segments, as it would have to run
+        one = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        one.pipeline.partitions = {}
+        shared = workload(one, RunPlan.of(one))
     rows = []
     for mode in modes:
         mode_cfg = _with_sync(cfg, mode, plan)
         begun = time.perf_counter()
+        base = shared if shared is not None and not mode_of(mode).segments else work
         result = solo if mode_of(mode).exchange == "local" else simulate(
-            _for_sync(work, mode_cfg), mode,
+            _for_sync(base, mode_cfg), mode,
             lambda clock, c=mode_cfg: make_policy(c, plan, clock, evaluations=False,
                                                   units=plan.stages))
         rows.append(_row(result, limit, time.perf_counter() - begun))

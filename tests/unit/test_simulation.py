@@ -260,3 +260,14 @@ def test_a_simulated_sdpipe_run_is_not_replanned_for_one_slow_pipeline(tmp_path)
 def test_no_replan_section_without_a_slowdown(tmp_path):
     assert "replan" not in simulated_run.run(_replan_config(tmp_path, "allreduce",
                                                            "cluster.changes=[]"))
+
+
+def test_a_mode_without_segments_is_compared_on_one_split(tmp_path):
+    """With pipeline 2 split its own way, sdpipe is simulated so; all-reduce, which cannot run
+    that way, on the shared split: its row is the one of the run without ``pipeline.partitions``."""
+    own = simulated_run.run(_replan_config(tmp_path, "sdpipe", "cluster.changes=[]",
+                                           "pipeline.partitions={2: [5, 6, 11]}"), ["allreduce"])
+    one = simulated_run.run(_replan_config(tmp_path, "sdpipe", "cluster.changes=[]"),
+                            ["allreduce"])
+    assert own["compare"][0]["samples_per_s"] == one["compare"][0]["samples_per_s"]
+    assert own["samples_per_s"] != one["samples_per_s"]  # sdpipe's own row: its split
