@@ -77,9 +77,8 @@ class Proposal:
 
     def change(self) -> str:
         """The change in words: ``[4, 8] -> [5, 9]``, or per pipeline where they differ."""
-        now, then = splits_field(self.current), splits_field(self.bounds)
-        if all(not f or not isinstance(f[0], list) for f in (now, then)):  # one split for all
-            return f"{now} -> {then}"
+        if all(all(b == splits[0] for b in splits) for splits in (self.current, self.bounds)):
+            return f"{self.current[0]} -> {self.bounds[0]}"  # one split for all
         return "; ".join(f"pipeline {p}: {c} -> {b}"
                          for p, (c, b) in enumerate(zip(self.current, self.bounds)) if c != b)
 
