@@ -98,10 +98,10 @@ def check_memory(cfg: DictConfig) -> None:
               for bounds in set(run.segments.partitions)}
     if None in splits.values():
         return
-    grid, cluster = run.grid, run.cluster
+    grid, cluster, partitions = run.grid, run.cluster, run.segments.partitions
 
     def of(rank: int) -> memory.StageMemory:  # a worker, under its pipeline's own split
-        return splits[run.segments.partitions[grid.pipeline_of(rank)]][grid.stage_of(rank)]
+        return splits[partitions[grid.pipeline_of(rank)]][grid.stage_of(rank)]
 
     stages = [e for estimates in splits.values() for e in estimates]
     ranks = run.ranks_on(cfg.run.node)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
@@ -82,7 +82,7 @@ class RunPlan:
     # while the partition is not resolved yet
     partitions: tuple[tuple[int, ...], ...] = ()
 
-    @property
+    @cached_property
     def segments(self) -> Segments:
         """What replicas average: the stages, or finer ranges where pipelines are split
         differently (:mod:`~sdpipe_cli.core.segments`). Before the partition is resolved (a

@@ -42,11 +42,11 @@ class Segments:
         """Where a segment starts, after the first: every pipeline's boundaries together."""
         return tuple(sorted({b for bounds in self.partitions for b in bounds}))
 
-    @property
+    @cached_property
     def count(self) -> int:
         return len(self.cuts) + 1
 
-    @property
+    @cached_property
     def uniform(self) -> bool:
         """Whether every pipeline has the same partition (then the segments are the stages)."""
         return len(set(self.partitions)) == 1
