@@ -89,6 +89,11 @@ class ProgressDisplay:
         named = {(d["pipeline"], d["stage"]): d for d in now}
         for key in sorted(named.keys() - self.stragglers.keys()):
             d = named[key]
+            if d.get("carried"):  # found before the last re-plan, and slow still
+                self.console.print(f"still slow: {d['device']} (pipeline {d['pipeline']}, stage "
+                                   f"{d['stage']}), {d['carried']:.1f}x, as before the re-plan",
+                                   highlight=False, soft_wrap=True)
+                continue
             slower = "" if d.get("slower") is None else f" computes {d['slower']:.1f}x slower " \
                 "than at its start (against its peers),"
             self.console.print(f"slow device: {d['device']} (node {d['node']}, pipeline "

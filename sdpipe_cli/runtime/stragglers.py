@@ -53,7 +53,9 @@ class StragglerWatch:
         out = []
         for p, s in self.detector.stragglers():
             score: Optional[float] = self.detector.score(p, s)
-            out.append({**self._where(p, s), "slower": None if score is None else round(score, 3)})
+            carried = self.detector.devices[(p, s)].carried
+            out.append({**self._where(p, s), "slower": None if score is None else round(score, 3),
+                        **({"carried": carried} if carried > 1.0 else {})})
         return out
 
     def _where(self, pipeline: int, stage: int) -> dict[str, Any]:

@@ -62,3 +62,24 @@ def test_the_report_draws_the_straggler(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     written = report.report([report.load(run)], tmp_path / "figures")
     assert tmp_path / "figures" / "stragglers.png" in written
+
+
+def test_a_device_slow_before_the_re_plan_is_said_to_be_still_slow():
+    """The leg after a re-plan: the device found slow before (``fault.slowed``) is in the
+    snapshot from the start, marked carried, and the console says it is still slow, not that
+    it just slowed down."""
+    import io
+
+    from rich.console import Console
+
+    from sdpipe_cli.cli.display import ProgressDisplay
+
+    cfg = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=2",
+                           "pipeline.stages=2", NODES, "+fault.slowed.p1s0=4.0"]))[0]
+    carried = StragglerWatch(cfg, RunPlan.of(cfg))
+    [entry] = carried.current()
+    assert (entry["pipeline"], entry["stage"], entry["carried"]) == (1, 0, 4.0)
+    out = io.StringIO()
+    shown = ProgressDisplay(Console(file=out, width=200), 100, 0)
+    shown.update({"stragglers": carried.current()})
+    assert "still slow: " in out.getvalue() and "slow device" not in out.getvalue()
