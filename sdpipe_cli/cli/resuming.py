@@ -181,10 +181,15 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     return Leg(new, folder, manifest["elapsed"], sum(plan.steps.values()), fresh)
 
 
+def _key_of(item: str) -> str:
+    """The key an override sets (``+``/``++``/``~`` taken off)."""
+    return item.split("=", 1)[0].lstrip("+~")
+
+
 def _values(key: str, overrides: Sequence[str]) -> list[str]:
     """The values ``overrides`` give ``key``, in order."""
     return [item.partition("=")[2] for item in overrides
-            if item.split("=", 1)[0].lstrip("+~") == key]
+            if _key_of(item) == key]
 
 
 def _value(key: str, overrides: Sequence[str]) -> str | None:
@@ -203,7 +208,7 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
     dotlist = []
     cluster = None
     for item in overrides:
-        key = item.split("=", 1)[0].lstrip("+~")
+        key = _key_of(item)
         if "=" not in item:
             raise ConfigError(key or "overrides", f"'{item}' is not KEY=VALUE")
         if key == "cluster":
@@ -226,12 +231,12 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
     if _given("pipeline.stages", overrides) and not _given("pipeline.partition", overrides):
         cfg.pipeline.partition = "uniform"
     # a mapping given (pipeline.partitions, fault.slowed) is the mapping, not added to the saved
-    mappings = [i for i in dotlist if i.split("=", 1)[0].lstrip("+~") in mapping_settings()]
+    mappings = [i for i in dotlist if _key_of(i) in mapping_settings()]
     try:
         merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(
             [i for i in dotlist if i not in mappings]))
         for item in mappings:
-            key = item.split("=", 1)[0].lstrip("+~")
+            key = _key_of(item)
             with open_dict(merged):
                 OmegaConf.update(merged, key, OmegaConf.select(OmegaConf.from_dotlist([item]), key),
                                  merge=False)

@@ -77,8 +77,8 @@ class Proposal:
 
     def change(self) -> str:
         """The change in words: ``[4, 8] -> [5, 9]``, or per pipeline where they differ."""
-        if all(all(b == splits[0] for b in splits) for splits in (self.current, self.bounds)):
-            return f"{self.current[0]} -> {self.bounds[0]}"  # one split for all
+        if _alike(self.current) and _alike(self.bounds):  # one split for all
+            return f"{self.current[0]} -> {self.bounds[0]}"
         return "; ".join(f"pipeline {p}: {c} -> {b}"
                          for p, (c, b) in enumerate(zip(self.current, self.bounds)) if c != b)
 
@@ -88,7 +88,7 @@ def as_config(splits: Sequence[Sequence[int]], shared: Sequence[int]
     """Splits as a config gives them: ``pipeline.partition`` (``shared`` unless every pipeline
     has the same) and ``pipeline.partitions`` (the pipelines split otherwise)."""
     splits = [[int(b) for b in bounds] for bounds in splits]
-    if all(b == splits[0] for b in splits):
+    if _alike(splits):
         return splits[0], {}
     shared = [int(b) for b in shared]
     return shared, {p: b for p, b in enumerate(splits) if b != shared}
@@ -97,7 +97,12 @@ def as_config(splits: Sequence[Sequence[int]], shared: Sequence[int]
 def splits_field(splits: Sequence[Sequence[int]]) -> list:
     """Splits for a record: one list when every pipeline has it, else one per pipeline."""
     splits = [list(b) for b in splits]
-    return splits[0] if all(b == splits[0] for b in splits) else splits
+    return splits[0] if _alike(splits) else splits
+
+
+def _alike(splits: Sequence[Sequence[int]]) -> bool:
+    """Whether every pipeline has the same split."""
+    return all(list(b) == list(splits[0]) for b in splits)
 
 
 def scaled(block_ms: Sequence[Sequence[Sequence[float]]],
