@@ -189,12 +189,14 @@ def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str])
 
 
 def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
-              run_dir: Optional[Path], resume: Optional[Path], elapsed: float, fresh: bool):
+              run_dir: Optional[Path], resume: Optional[Path], elapsed: float, spent: float,
+              fresh: bool):
     """The first node's launcher: the run folder (a new one, or the run's own when it resumes or
     starts again; a new one too when it resumes ``fresh``, a checkpoint from outside its run),
     the config written for this leg without replacing any file, with the seal of the code it
     names (:mod:`~sdpipe_cli.config.trust`) and, in a new folder, a new run id, and the run clock
-    in the store; with real nodes the config is published for the other nodes' launchers.
+    (and the ``spent`` seconds of ``train.time_limit``) in the store; with real nodes the
+    config is published for the other nodes' launchers.
     Returns (the store's events, the run folder, the config's path, the launch time)."""
     new_run = resume is None or fresh
     if new_run:  # a new run (from scratch, or resumed into a new folder), or one started again
@@ -214,6 +216,8 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
     events = store.namespace(master)
     launched = time.time()
     events.set(store.T0, repr(launched - elapsed))
+    if spent:
+        events.set(store.LIMIT_SPENT, repr(spent))
     if run.cluster.real:  # the other nodes' launchers run exactly this config
         store.set_json(events, store.RUN, {"config": config_path.read_text(),
                                            "resume": str(resume.resolve()) if resume else None})
@@ -310,7 +314,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
            run_dir: Optional[Path] = None, resume: Optional[Path] = None,
            elapsed: float = 0.0, job: Job = TRAIN,
            on_folder: Callable[[Path], None] = lambda _: None,
-           on_phase: Callable[[str], None] = lambda _: None, fresh: bool = False) -> RunResult:
+           on_phase: Callable[[str], None] = lambda _: None, fresh: bool = False,
+           spent: float = 0.0) -> RunResult:
     """Run a job (training, or :data:`PROFILE`) to the end; ``cfg`` must be validated and prepared.
 
     Without ``job.helpers`` a failed worker always stops the job: there is no scheduler to drop
@@ -322,14 +327,15 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     that already holds this run) and no ``resume``, the run starts again from scratch there,
     in the same way: its config is written as ``config-<n>.yaml``, nothing is replaced. With
     ``resume`` and ``fresh``, the run goes on from the checkpoint in a new folder (``run_dir``, or
-    ``cfg.run.dir`` made new), a run of its own.
+    ``cfg.run.dir`` made new), a run of its own. ``spent``: seconds of ``train.time_limit`` that
+    earlier legs of this command used (a restart's or a re-plan's leg has only the rest).
     ``on_folder(run_dir)`` is called once the run folder exists, before any process starts;
     ``on_phase(what)`` at each step of the start-up (for a status line).
     """
     state = Launch(cfg, job, resume, fresh, on_progress, on_phase)
     previous = state.phase.install()
     try:
-        state.open(run_dir, elapsed)
+        state.open(run_dir, elapsed, spent)
         on_folder(state.run_dir)  # the user can look at the logs from here on
         state.start()
         state.supervise()
@@ -360,14 +366,15 @@ class Launch:
         self.events = self.master = self.run_dir = self.config_path = None
         self.launched = 0.0
 
-    def open(self, run_dir: Optional[Path], elapsed: float) -> None:
+    def open(self, run_dir: Optional[Path], elapsed: float, spent: float = 0.0) -> None:
         """The store and the run folder: hosted and written here, or the first node's joined."""
         cfg = self.cfg
         if self.primary:
             self.master = start_store(cfg)  # first: a busy port must fail before anything is written
             self.phase.advance("writing the run folder")
             self.events, self.run_dir, self.config_path, self.launched = _open_run(
-                cfg, self.run, self.master, self.result, run_dir, self.resume, elapsed, self.fresh)
+                cfg, self.run, self.master, self.result, run_dir, self.resume, elapsed, spent,
+                self.fresh)
         else:
             self.master, self.events, self.run_dir, self.config_path, self.resume = _join(
                 cfg, self.run, self.phase)

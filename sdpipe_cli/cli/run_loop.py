@@ -82,21 +82,26 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
             holder.take(folder)
         shown.folder(folder)
 
-    first = True
+    first, limit = True, run_cfg.train.time_limit
     while True:
         shown = display.ProgressDisplay(console, RunPlan.of(run_cfg).budget, done)
         with shown:  # the launcher handles interrupts from here on
             result = launcher.launch(run_cfg, on_progress=shown.update, run_dir=run_dir,
                                      resume=from_checkpoint, elapsed=elapsed,
                                      on_folder=first_folder if first else _nothing,
-                                     on_phase=shown.phase, fresh=fresh and first)
+                                     on_phase=shown.phase, fresh=fresh and first,
+                                     spent=0.0 if first else time.monotonic() - began)
             if result.progress:  # the last snapshot: a device named in the run's last moments
                 shown.update(result.progress)
         first = False
         replaced = while_reporting(result)
         preparing = replaced if preparing is None else preparing
         replan = _replan_of(result)
-        if replan and not result.interrupted and result.run_dir is not None:
+        timed_out = limit is not None and time.monotonic() - began >= limit
+        if replan and timed_out:
+            console.print(f"sdpipe: train.time_limit ({limit:g} s) passed while the run stopped "
+                          "to re-plan; it ends here", markup=False, highlight=False, soft_wrap=True)
+        elif replan and not result.interrupted and result.run_dir is not None:
             for sig, handler in replaced.items():  # preparing again: an interrupt ends sdpipe
                 signal.signal(sig, handler)
             leg = _replanned_leg(console, result, replan, holder)
@@ -110,7 +115,11 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
             break  # an interrupt is never restarted, nor a run stopped before its folder existed
-        leg = _next_leg(console, result, restarts, origin, run_cfg, started_from)
+        if timed_out:
+            result.failure += f" (train.time_limit={limit:g} s has passed: not restarted)"
+            break
+        left = None if limit is None else round(limit - (time.monotonic() - began), 4)
+        leg = _next_leg(console, result, restarts, origin, run_cfg, started_from, left)
         if leg is None:
             break
         run_dir, (from_checkpoint, done) = result.run_dir, leg
@@ -177,7 +186,8 @@ def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Hol
         return None
 
 
-def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, started_from):
+def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, started_from,
+              time_left: Optional[float]):
     """What follows the ``failed`` launch of a run with ``fault.on_failure=restart``: (the
     checkpoint to resume from, or None to start again from scratch, and the iterations it holds),
     once the back-off has passed; None when the run ends instead, with ``failed`` saying why (the
@@ -186,7 +196,8 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
     The checkpoint is the run's newest complete one of this layout whose files check out (or the
     one the run was resumed from); without one the run starts again in its folder. Says so on
     stderr and in ``metrics.jsonl`` (a ``restart`` line, with the iterations each pipeline will
-    do again: the last it reached minus the checkpoint's).
+    do again: the last it reached minus the checkpoint's, and ``time_left``, what is left of
+    ``train.time_limit`` for the legs to come).
     """
     import time
 
@@ -219,7 +230,8 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
         log.write({"kind": "restart", "restart": restarts.used,
                    "time": round(time.time() - origin, 4), "reason": failed.failure,
                    "from_checkpoint": None if ckpt is None else manifest["step"],
-                   "redone": redone, "backoff_s": wait})
+                   "redone": redone, "backoff_s": wait,
+                   **({} if time_left is None else {"time_left": time_left})})
     finally:
         log.close()
     phase = supervisor.Phase("waiting to restart")  # counts Ctrl-C and SIGTERM while nothing runs

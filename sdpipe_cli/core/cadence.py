@@ -18,7 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Cadence", "GlobalSyncCheckpoints", "Throughput"]
+__all__ = ["Cadence", "GlobalSyncCheckpoints", "Throughput", "time_left"]
+
+# what is left of a time limit that earlier legs used up: stop at the first chance (0 would mean
+# no limit)
+NO_TIME_LEFT = 1e-3
+
+
+def time_left(limit: Optional[float], spent: float) -> Optional[float]:
+    """``train.time_limit`` for a leg after earlier legs of the same command used ``spent``
+    seconds of it (a restart's or a re-plan's leg); None: no limit."""
+    return None if limit is None else max(float(limit) - spent, NO_TIME_LEFT)
 
 
 @dataclass(frozen=True)
@@ -32,11 +42,14 @@ class Cadence:
     checkpoint_on_exit: bool = False  # also checkpoint where the run ends
 
     @classmethod
-    def from_config(cls, cfg) -> "Cadence":
+    def from_config(cls, cfg, spent: float = 0.0) -> "Cadence":
+        """The config's cadence, for a leg after earlier ones used ``spent`` seconds of the time
+        limit."""
         return cls(steps=cfg.train.steps, eval_every=cfg.train.eval_every,
                    log_every=cfg.train.log_every, checkpoint_every=cfg.checkpoint.every,
                    checkpoint_minutes=cfg.checkpoint.every_minutes,
-                   time_limit=cfg.train.time_limit, checkpoint_on_exit=cfg.checkpoint.on_exit)
+                   time_limit=time_left(cfg.train.time_limit, spent),
+                   checkpoint_on_exit=cfg.checkpoint.on_exit)
 
     def timed_out(self, elapsed_s: float, stop_requested: bool = False) -> bool:
         """Whether the run must end now: its time limit passed, or the user asked to stop."""

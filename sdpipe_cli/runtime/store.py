@@ -24,6 +24,9 @@ PREFIX = "sdpipe/"  # ours
 EVENTS = "events"  # queue: worker -> scheduler records (start, step, eval, done)
 PROGRESS = "progress"  # scheduler (profiling: rank 0) -> launcher: JSON snapshot for the display
 T0 = "t0"  # wall-clock start of the run (seconds since the epoch), set by the launcher
+# seconds of train.time_limit that earlier legs of this sdpipe command used (a re-plan's or a
+# restart's leg), set by the launcher when not 0
+LIMIT_SPENT = "limit_spent"
 RUN = "run"  # first node -> other nodes' launchers: the resolved config and resume path (JSON)
 FAILED = "failed"  # any launcher -> the others: the first failure, in one line
 STOP_REQUESTED = "stop_requested"  # set by the launcher on Ctrl-C/SIGTERM: stop at a consistent point
@@ -124,6 +127,11 @@ def read_progress(store: dist.Store, default: Any = None) -> Any:
 def run_clock(store: dist.Store) -> float:
     """The run's start time, so that every process stamps metrics on one time axis."""
     return float(store.get(T0)) if store.check([T0]) else time.time()
+
+
+def limit_spent(store: dist.Store) -> float:
+    """How much of ``train.time_limit`` this command's earlier legs used (0 for its first)."""
+    return float(store.get(LIMIT_SPENT)) if store.check([LIMIT_SPENT]) else 0.0
 
 
 def profile_key(rank: int) -> str:

@@ -81,7 +81,7 @@ class Worker:
         self._began = time.monotonic()
         self.traffic = groups.traffic  # what the sync sends, by link class (sync.traffic)
         self.t0 = store.run_clock(events)
-        self.cadence = Cadence.from_config(cfg)
+        self.cadence = Cadence.from_config(cfg, store.limit_spent(events))
         p, s = where.pipeline, where.stage
         # a pipeline with a split of its own (pipeline.partitions) builds its stages from it
         cfg.pipeline.partition = plan.partition_of(p)

@@ -70,7 +70,7 @@ def train_killed_once(run_dir: Path, *extra: str):
 
 
 def test_a_killed_worker_restarts_the_run_from_its_checkpoint_with_the_same_losses(run_dir, tmp_path):
-    out, _ = train_killed_once(run_dir)
+    out, _ = train_killed_once(run_dir, "train.time_limit=600")
     assert out.returncode == 0, out.stderr
     warnings = [line for line in out.stderr.splitlines() if line.startswith("sdpipe: warning:")]
     assert len(warnings) == 1, out.stderr
@@ -90,6 +90,8 @@ def test_a_killed_worker_restarts_the_run_from_its_checkpoint_with_the_same_loss
     for p in (0, 1):  # the snapshot the launcher last saw may lag the metrics by a moment
         assert 0 <= restart["redone"][str(p)] <= reached[p] - step
     assert restart["time"] >= max(m["time"] for m in lines[:at] if "time" in m)
+    # the time limit counts across the legs: the next has what the first left of it
+    assert abs((600 - restart["time_left"]) - restart["time"]) < 1.0
     # the run goes on from the checkpoint: every later iteration once, in the same folder
     after = losses(lines[at + 1:])
     assert sorted(after) == [(p, k) for p in (0, 1) for k in range(step + 1, 13)]

@@ -10,7 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints, Throughput
+from omegaconf import OmegaConf
+
+from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints, Throughput, time_left
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.model.optim import clip_gradients
 
@@ -34,6 +36,21 @@ def test_zero_means_never_and_no_limit_means_none():
     assert not c.checkpoint_time(1e9)
     assert Cadence(steps=3, checkpoint_minutes=0.5).checkpoint_time(30.0)
     assert not Cadence(steps=3, checkpoint_minutes=0.5).checkpoint_time(29.9)
+
+
+@given(st.one_of(st.none(), st.floats(0.01, 1e6)), st.floats(0.0, 2e6))
+def test_a_later_leg_has_what_earlier_legs_left_of_the_time_limit(limit, spent):
+    left = time_left(limit, spent)
+    if limit is None:
+        assert left is None
+        return
+    assert 0 < left <= limit  # never 0: that would mean no limit at all
+    assert left == (limit - spent if spent < limit - 1e-3 else 1e-3)
+    cfg = OmegaConf.create({"train": {"steps": 5, "eval_every": 0, "log_every": 1,
+                                      "time_limit": limit},
+                            "checkpoint": {"every": 0, "every_minutes": None, "on_exit": False}})
+    cadence = Cadence.from_config(cfg, spent)
+    assert cadence.timed_out(left) and (left < 1e-2 or not cadence.timed_out(left * 0.99))
 
 
 def test_global_sync_checkpoints_take_the_first_sync_past_each_multiple():

@@ -17,6 +17,7 @@ from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
 from sdpipe_cli.core.grouping.rounds import RoundFormer
 from sdpipe_cli.core.grouping.state import Decision, RunState, Snapshot, StageView
+from sdpipe_cli.core.cadence import time_left
 from sdpipe_cli.core.meetings import average_of, meetings_of
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
@@ -246,13 +247,14 @@ class AsyncGroupScheduler(GroupScheduler):
 
 
 def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monotonic,
-                evaluations: bool = True, units: Optional[int] = None) -> GroupScheduler:
+                evaluations: bool = True, units: Optional[int] = None,
+                spent: float = 0.0) -> GroupScheduler:
     """The policy of a run config with ``sync=sdpipe`` and its plan (the grid, the budget): the
     scheduler process and the simulator (:mod:`sdpipe_cli.core.simulation`) build it here, so
     both run the same one. ``evaluations``: whether the workers pause to evaluate every
     ``train.eval_every`` iterations (the flushed schedules; the simulator models no pauses).
     ``units``: what groups form over, the plan's segments unless given (the simulator models
-    rounds per stage).
+    rounds per stage). ``spent``: seconds of ``train.time_limit`` earlier legs of the command used.
 
     With meetings every H > 1 iterations (``sync.every``), the policy's iteration is a meeting:
     its budget, global-sync period (at least 1 / ``sync.wire_share`` meetings) and evaluation
@@ -276,4 +278,4 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
         suspect_after=y.group_timeout,
         twins=average_of(y) == "weights_grads" and policy is GroupScheduler, stale=y.stale,
         total_iterations=meet.meetings(plan.budget),
-        time_limit=cfg.train.time_limit, clock=clock)
+        time_limit=time_left(cfg.train.time_limit, spent), clock=clock)

@@ -96,7 +96,8 @@ class Scheduler:
         # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
                          else None)
-        self.policy = (make_policy(cfg, plan, clock) if mode(cfg.sync.name).group_policy
+        self.policy = (make_policy(cfg, plan, clock, spent=store.limit_spent(events))
+                       if mode(cfg.sync.name).group_policy
                        and self.recorded is None else None)
         # the policy counts meetings (sync.every iterations each); checkpoints and heals, steps
         self.meetings = meetings_of(cfg.sync)
