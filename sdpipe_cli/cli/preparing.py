@@ -107,6 +107,10 @@ def check_memory(cfg: DictConfig) -> None:
     ranks = run.ranks_on(cfg.run.node)
     fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "
              "pipeline.activation_checkpointing=true (run.memory_check=false to try anyway)")
+    over = memory.over_device(cfg, example, partitions, cluster.device, splits)
+    if over is not None:  # a device's own limit, declared in the cluster
+        raise ConfigError("cluster.nodes", f"{over}; give it fewer blocks (pipeline.partition), "
+                          + fixes)
     if cfg.cluster.device == "cpu":
         worst = max(stages, key=lambda e: e.total)
         need = sum(of(r).total for r in ranks)

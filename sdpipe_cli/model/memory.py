@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -97,6 +97,35 @@ def estimate(cfg: DictConfig, example: Any, partition: Optional[Sequence[int]] =
             activations=held, in_flight=flying, stashed=_stashed(p, flying) if asynchronous else 0,
             process=PROCESS_BYTES if cfg.cluster.device == "cpu" else 0))
     return out
+
+
+def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int]],
+                device: Callable[[int, int], Any],
+                estimates: Optional[dict[tuple[int, ...], Optional[list[StageMemory]]]] = None
+                ) -> Optional[str]:
+    """The first worker that would not fit the memory its device declares (``memory`` of a
+    device in ``cluster.nodes``), in words, under each pipeline's split ``partitions[p]``
+    (``device(p, s)``: its device); None when each fits, no device declares any, or the model
+    gives no estimate. The estimate is from above for the tensors, but the device's limit is on
+    all of it (on CPU the resident set), so a worker over it here is sure to exceed it.
+    ``estimates``: the splits' estimates known already (filled in as they are made)."""
+    estimates = {} if estimates is None else estimates
+    for p, bounds in enumerate(partitions):
+        bounds = tuple(int(b) for b in bounds)
+        for s in range(len(bounds) + 1):
+            placed = device(p, s)
+            if placed.memory_gib is None:
+                continue
+            if bounds not in estimates:
+                estimates[bounds] = estimate(cfg, example, bounds)
+            if estimates[bounds] is None:
+                return None
+            need = estimates[bounds][s]
+            if need.total > placed.memory_gib * GIB:
+                return (f"stage {s} of pipeline {p} needs about {need.total / GIB:.2f} GiB "
+                        f"({need.describe()}), but its device {placed.name} has "
+                        f"{placed.memory_gib:g} GiB")
+    return None
 
 
 def _stashed(p: DictConfig, flying: int) -> int:

@@ -73,8 +73,10 @@ def test_mixed_cluster_pays_the_slow_link_across_nodes(run_dir):
 
 
 def test_memory_limit_stops_the_run_naming_the_device(run_dir):
+    # below what the estimate says (refused before the start), so the check is let pass: the
+    # device's limit holds on its own while the run goes
     out = sdpipe("train", "cluster.nodes=[{name: n, devices: [{}, {memory: 0.01}, {}, {}]}]",
-                 "train.steps=5", f"run.dir={run_dir}", *QUIET)
+                 "train.steps=5", "run.memory_check=false", f"run.dir={run_dir}", *QUIET)
     assert out.returncode == 1
     assert "device n:1 is limited to 0.01 GiB" in out.stderr
     assert "rank 1" in out.stderr

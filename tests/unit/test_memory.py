@@ -10,6 +10,7 @@ import torch
 from sdpipe_cli.cli.preparing import check_memory, prepare
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.core.cluster import Device
 from sdpipe_cli.core.schedule import async_one_f_one_b, gpipe, in_flight, one_f_one_b
 from sdpipe_cli.data import sources
 from sdpipe_cli.model import memory, models
@@ -95,3 +96,19 @@ def test_a_pipeline_split_its_own_way_is_estimated_by_its_own_split(monkeypatch)
     monkeypatch.setattr("psutil.virtual_memory", lambda: available)
     with pytest.raises(ConfigError, match="the 4 workers on this machine need"):
         check_memory(cfg)
+
+
+def test_a_worker_over_its_devices_declared_memory_is_refused_naming_it():
+    """Device n:1 declares less than stage 1 needs (on CPU the process alone is 0.29 GiB): the
+    run is refused before anything starts, naming the worker and the device; the others'
+    limits and a device without one are not in the way."""
+    nodes = "cluster.nodes=[{name: n, devices: [{memory: 64}, {memory: 0.1}, {}, {}]}]"
+    cfg = prepare(compose(["model=gpt_tiny", nodes]))[0]
+    with pytest.raises(ConfigError, match=r"cluster\.nodes: stage 1 of pipeline 0 needs about "
+                                          r"[\d.]+ GiB \(weights .*\), but its device n:1 has 0\.1 "
+                                          r"GiB; give it fewer blocks \(pipeline\.partition\)"):
+        check_memory(cfg)
+    check_memory(prepare(compose(["model=gpt_tiny", nodes.replace("0.1", "8")]))[0])
+    cfg, example = prepared("model=gpt_tiny")
+    unlimited = Device("n:0", "n", 0)
+    assert memory.over_device(cfg, example, [[3], [3]], lambda p, s: unlimited) is None

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.data import sources
+from sdpipe_cli.model import memory
 from sdpipe_cli.runtime import store
 from sdpipe_cli.sync.scheduler.handling import Scheduler
 from tests.helpers import event, make_doc, metrics
@@ -84,6 +86,33 @@ def test_a_slow_device_is_replanned_where_it_pays(tmp_path, sync):
         assert line["rate_new"] == pytest.approx(line["rate_now"] * gain, rel=1e-3)
         assert summary["replan"]["partition"] == [3]
         assert summary["replan"]["partitions"] == {0: [5]}
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "sdpipe"])
+def test_a_split_that_would_not_fit_a_device_is_declined_before_the_stop(tmp_path, sync):
+    """Device n:0 declares memory between what its stage needs with 3 blocks and with 5: the
+    re-plan that pays is declined, naming it, and the run is not stopped."""
+    (tmp_path / "probe").mkdir()
+    probe, *_ = scheduler(tmp_path / "probe", sync)
+    cfg, plan = probe.replanning.memory_of
+    example = sources.example(cfg, plan.microbatch_size, device="meta")[0]
+    now, then = (memory.estimate(cfg, example, bounds)[0].total for bounds in ([3], [5]))
+    assert now < then
+    limit = (now + then) / 2 / memory.GIB
+    devices = f"[{{memory: {limit}}}, {{}}, {{}}, {{}}]"
+    sched, events, clock, _ = scheduler(tmp_path, sync, f"cluster.nodes=[{{name: n, devices: {devices}}}]")
+    for r in range(P * S):
+        sched.handle(event(type="start", rank=r, pipeline=r // S, stage=r % S, pid=1, time=0.0))
+    steps(sched, clock, 1, 12, {})
+    steps(sched, clock, 13, 30, {1: 4.0})
+    sched.metrics.close()
+    lines = metrics(tmp_path, "replan")
+    assert lines and all(not line["go"] for line in lines)
+    assert lines[0]["proposed"] in ([5], [[5], [3]])
+    assert lines[0]["reason"].startswith("the new split does not fit: stage 0 of pipeline 0 needs about")
+    assert f"its device n:0 has {limit:g} GiB" in lines[0]["reason"]
+    assert not events.check([store.STOP_REQUESTED])
+    assert sched.summary().get("replan") is None
 
 
 def test_a_second_leg_starts_from_the_slowdowns_measured_before(tmp_path):

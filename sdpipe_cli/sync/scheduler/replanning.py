@@ -6,7 +6,8 @@ pipelines' ``cluster.slowdown``), the slowdowns measured since (every device's c
 speed before any slowdown, at the moment of a straggler or recovered line, counted where it
 reaches ``fault.slowdown_threshold``: a slowdown its peers share is a slowdown here, though it
 named no one), the splits, the budget left, and what moving costs here: the run's own start-up
-(from the scheduler's start to the first step report) and the checkpoint's bytes.
+(from the scheduler's start to the first step report) and the checkpoint's bytes. A split that
+would not fit a device's declared memory is declined before anything stops.
 
 ``fault.slowed`` carries the slowdowns of earlier legs: the detector measures such a device from
 its speed before them (:mod:`sdpipe_cli.core.slowdowns`), so it recovers when it is back to it,
@@ -17,6 +18,7 @@ resharded (:mod:`sdpipe_cli.cli.run_loop`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from omegaconf import DictConfig
@@ -26,6 +28,8 @@ from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.replan import Proposal, as_config, called_for, pace_bound, propose, scaled
 from sdpipe_cli.core.slowdowns import carried_of, slowed_key
+from sdpipe_cli.data import sources
+from sdpipe_cli.model import memory
 from sdpipe_cli.model.optim import state_slots
 
 __all__ = ["Replanning", "checkpoint_bytes"]
@@ -58,6 +62,7 @@ class Replanning:
         self.state_bytes = checkpoint_bytes(doc, cfg.train, plan.pipelines)
         self.budget_samples = plan.budget * self.batch
         self.chosen: Optional[Proposal] = None
+        self.memory_of = (cfg, plan) if cfg.run.memory_check else None  # to check a new split
         # the splits the speeds of this leg's start call for (the profile's advice then)
         self.advised = called_for(scaled(self.base, self.slowed), self.own)
 
@@ -76,9 +81,21 @@ class Replanning:
                            self.microbatches, self.batch, self.pace, self.own,
                            max(0.0, self.budget_samples - samples_done), restart_s,
                            self.state_bytes)
+        over = self.over_memory(proposal.bounds) if proposal.go else None
+        if over is not None:
+            proposal = replace(proposal, go=False, reason=f"the new split does not fit: {over}")
         if proposal.go:
             self.chosen = proposal
         return proposal
+
+    def over_memory(self, splits: list[list[int]]) -> Optional[str]:
+        """Why ``splits`` would not fit a device's declared memory (None: it would, as far as
+        is known before the stop; the next leg's launch checks the machine's too)."""
+        if self.memory_of is None:
+            return None
+        cfg, plan = self.memory_of
+        example = sources.example(cfg, plan.microbatch_size, device="meta")[0]
+        return memory.over_device(cfg, example, splits, plan.cluster.device)
 
     def next_leg(self) -> dict[str, Any]:
         """What the next leg takes from the re-plan that went: the splits (``pipeline.partition``
