@@ -119,6 +119,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
             result.failure += f" (train.time_limit={limit:g} s has passed: not restarted)"
             break
         left = None if limit is None else round(limit - (time.monotonic() - began), 4)
+        carry_slowdowns(run_cfg, result.progress)
         leg = _next_leg(console, result, restarts, origin, run_cfg, started_from, left)
         if leg is None:
             break
@@ -184,6 +185,15 @@ def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Hol
         stopped.returncode = EXIT_FAILED
         stopped.failure = f"the run stopped to re-plan but cannot go on: {err}"
         return None
+
+
+def carry_slowdowns(run_cfg, progress: Optional[dict]) -> None:
+    """``fault.on_slowdown=replan``: the leg after a failure starts from the slowdowns the failed
+    one measured (its scheduler's last snapshot), as a re-plan's leg does, so a device that
+    slowed down since the last re-plan is not taken for the device's own speed."""
+    slowed = (progress or {}).get("slowed")
+    if run_cfg.fault.on_slowdown == "replan" and isinstance(slowed, dict):
+        run_cfg.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
 
 
 def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, started_from,

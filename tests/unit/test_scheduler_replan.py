@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from sdpipe_cli.cli.run_loop import carry_slowdowns
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
@@ -143,6 +144,15 @@ def test_a_given_split_is_not_taken_back_for_a_slowdown_that_does_not_change_the
     assert line["partition"] == [3] and line["proposed"] == [3]
     assert line["go"] is False and "[5] is what the profile advised" in line["reason"]
     assert not events.check([store.STOP_REQUESTED])
+    # a restart after a failure would carry the slowdown on (fault.slowed)
+    snapshot = sched.summary()
+    assert snapshot["slowed"] == {"p1s0": pytest.approx(1.6, rel=0.01)}
+    cfg = compose(["fault.on_slowdown=replan", "+fault.slowed.p0s1=4.0"])
+    carry_slowdowns(cfg, snapshot)
+    assert dict(cfg.fault.slowed) == snapshot["slowed"]  # measured from the devices' own start
+    warned = compose(["fault.on_slowdown=warn"])
+    carry_slowdowns(warned, snapshot)
+    assert dict(warned.fault.slowed) == {}
 
 
 @pytest.mark.parametrize("sync, leg", [("allreduce", "pipeline.partition=[5]"),

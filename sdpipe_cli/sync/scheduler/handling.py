@@ -435,6 +435,8 @@ class Scheduler:
             summary["stragglers"] = self.stragglers.current()
         if self.replan is not None:
             summary["replan"] = self.replan
+        if self.replanning is not None:  # what a restart after a failure carries on
+            summary["slowed"] = self.replanning.slowed_now()
         if self.policy is not None or self.recorded is not None:
             summary["rounds"] = self.rounds  # per stage, or per segment (pipelines split apart)
             if not self.segments.uniform:
