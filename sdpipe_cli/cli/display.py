@@ -273,6 +273,12 @@ def summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
         console.print(f"recovered: {result.progress['restarts']} pipeline restart(s), "
                       f"{result.progress['heals']} replica(s) healed from live ones "
                       "(restart and heal lines in metrics.jsonl)", highlight=False)
+    resplit = result.progress.get("resplit")
+    if resplit:
+        last = "; ".join(f"pipeline {p} -> {bounds}" for p, bounds in resplit["partitions"].items())
+        console.print(f"re-planned in place {resplit['version']} time(s), the last: {last}, while "
+                      "the other pipelines went on (replan, restart and heal lines in "
+                      "metrics.jsonl)", markup=False, highlight=False, soft_wrap=True)
     if result.progress.get("scheduler_restarts"):
         console.print(f"recovered: the scheduler was started again "
                       f"{result.progress['scheduler_restarts']} time(s) and replayed its journal "

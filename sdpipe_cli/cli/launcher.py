@@ -32,6 +32,7 @@ from sdpipe_cli.cli.supervisor import (POLL_S, RUNNING, Child, Interrupted, Phas
                                        quietly, stop_all)
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.segments import with_split
 from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
@@ -410,7 +411,7 @@ class Launch:
             self.children, self.run_dir, self.events, self.on_progress, self.launched, tolerate,
             graceful=job.graceful, workers=self.run.workers, phase=self.phase,
             restarts=restarts, restart=self.spawner.pipeline, pipelines=self.run.pipelines,
-            restart_scheduler=self.spawner.scheduler,
+            restart_scheduler=self.spawner.scheduler, on_resplit=self.resplit,
             # a stranded worker gives up at run.timeout; 10 s at least for a slow teardown (NCCL)
             stranded_s=max(10.0, min(supervision.STRANDED_S, cfg.run.timeout / 2)))
         result.failure, interrupted, result.bad_input = supervisor.run()
@@ -419,6 +420,21 @@ class Launch:
         result.interrupted = interrupted
         if interrupted and not result.failure:
             result.failure = "interrupted; stopped at a consistent point, every process exited"
+
+    def resplit(self, splits: dict[int, list[int]], slowed: dict[str, float]) -> None:
+        """Pipelines re-split in place: the run's config with their new splits (and the
+        slowdowns measured, ``fault.slowed``), written beside the others
+        (``config.replan-<n>.yaml``, the run's history of its splits), is the one their new
+        workers, and any started later, read."""
+        cfg = self.cfg
+        cfg.fault.slowed = slowed
+        for p, bounds in splits.items():
+            cfg.pipeline.partitions = with_split(cfg.pipeline.partitions, cfg.pipeline.partition,
+                                                 p, bounds)
+        path = _new_path(self.run_dir / "config.replan.yaml")
+        cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
+        save_run_config(cfg, path)
+        self.spawner.base["SDPIPE_CONFIG"] = str(path.resolve())
 
     def interrupted(self) -> None:
         """A stop at once (:class:`~sdpipe_cli.cli.supervisor.Interrupted`): what to say."""

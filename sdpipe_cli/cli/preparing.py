@@ -70,7 +70,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
         except ConfigError as err:
             key = f"pipeline.partitions.{q}" if err.key == "pipeline.partition" else err.key
             raise ConfigError(key, err.reason) from None
-    cfg.plan = RunPlan.resolve(cfg, cluster).section()
+    cfg.plan = RunPlan.resolve(cfg, cluster, blocks).section()
     if cfg.fault.on_slowdown == "replan":  # the leg after a re-plan goes on from this checkpoint
         cfg.checkpoint.on_exit = True
     choice = simulated_run.resolve_meetings(cfg)  # sdpipe on slow links: how often replicas meet

@@ -164,7 +164,8 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     plan = reshard.plan_for(ckpt, manifest, old, new,
                             int(new.train.steps) if steps_given else None)
     new.train.steps = plan.train_steps
-    new.plan = RunPlan.resolve(new, RunPlan.of(new).cluster).section()  # its budget changed
+    known = RunPlan.of(new)
+    new.plan = RunPlan.resolve(new, known.cluster, known.blocks).section()  # its budget changed
     preparing.check_memory(new)  # bad input: before the resharded checkpoint is written
     folder = reshard.write(ckpt, manifest, old, new, plan, destination(new))
     before, after = reshard.layout_of(old), reshard.layout_of(new)

@@ -116,11 +116,14 @@ class Supervisor:
                  restarts: Optional[supervision.Restarts] = None,
                  restart: Callable[[int, Callable[[int, int], None]], list[Child]] = lambda p, a: [],
                  pipelines: int = 0, stranded_s: float = supervision.STRANDED_S,
-                 restart_scheduler: Optional[Callable[[int], Child]] = None):
+                 restart_scheduler: Optional[Callable[[int], Child]] = None,
+                 on_resplit: Callable[[dict[int, list[int]], dict[str, float]], None]
+                 = lambda splits, slowed: None):
         self.children, self.run_dir, self.events = children, run_dir, events
         self.on_progress, self.since, self.tolerate = on_progress, since, tolerate
         self.phase = phase or Phase(RUNNING)
         self.restarts, self.restart, self.restart_scheduler = restarts, restart, restart_scheduler
+        self.on_resplit = on_resplit
         self.policy = supervision.Supervision(
             workers=workers, tolerate=tolerate, graceful=graceful,
             started=self.phase.now == RUNNING, restarts=restarts, pipelines=pipelines,
@@ -132,6 +135,7 @@ class Supervisor:
         self._act: dict[type, Callable[[Any, supervision.Observation], Optional[Outcome]]] = {
             supervision.Wait: self._wait, supervision.RequestStop: self._request_stop,
             supervision.DropPipelines: self._drop, supervision.Respawn: self._respawn,
+            supervision.Resplit: self._resplit,
             supervision.RespawnScheduler: self._respawn_scheduler, supervision.Kill: self._kill,
             supervision.StopNow: self._stop_now, supervision.Finished: self._finished,
             supervision.Failed: self._failed, supervision.Broken: self._broken,
@@ -166,6 +170,20 @@ class Supervisor:
                            self.events, self.since, restart)
             if restart:
                 quietly(lambda: self.events.add(store.RESTARTS, 1))
+
+    def _resplit(self, action: supervision.Resplit, seen) -> None:
+        """Pipelines re-split in place: the config their new workers start from (the caller's
+        ``on_resplit``), then each one's workers stopped and the scheduler told it is gone."""
+        self.on_resplit({p: list(bounds) for p, bounds in action.splits}, dict(action.slowed))
+        for p, bounds in action.splits:
+            mates = [c for c in self.children if c.pipeline == p]
+            stop_all(mates)
+            store.push(self.events, store.EVENTS, protocol.Lost(
+                min(c.rank for c in mates), p, f"re-split to {list(bounds)}", True,
+                round(time.time() - self.since, 4)))
+            print(f"sdpipe: re-planning pipeline {p} in place: its workers restart on the split "
+                  f"{list(bounds)} and heal from the other pipelines, which go on",
+                  file=sys.stderr, flush=True)
 
     def _respawn(self, action: supervision.Respawn, seen) -> None:
         limit = self.restarts.limit if self.restarts else 0
@@ -307,8 +325,9 @@ def _announce_restart(action: supervision.Respawn, rank: int, incarnation: int, 
     store.push(events, store.EVENTS, protocol.Restart(
         rank, action.pipeline, incarnation, action.restart, action.backoff_s,
         round(time.time() - since, 4)))
-    print(f"sdpipe: pipeline {action.pipeline} restarted (restart {action.restart} of {limit})",
-          file=sys.stderr, flush=True)
+    how = ("on its new split" if action.resplit
+           else f"(restart {action.restart} of {limit})")
+    print(f"sdpipe: pipeline {action.pipeline} restarted {how}", file=sys.stderr, flush=True)
 
 
 def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:

@@ -166,8 +166,7 @@ class ClusterConfig:
     # (compute_ms, or the profile's block times) and the real compute runs inside it;
     # auto: modelled when compute_ms is set.
     emulation: str = "auto"
-    # Modelled time of one micro-batch forward of a stage in ms (backward: twice).
-    compute_ms: Optional[float] = None
+    compute_ms: Optional[float] = None  # modelled ms of one micro-batch forward of a stage (backward: 2x)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     changes: List[SpeedChangeConfig] = field(default_factory=list)  # scheduled speed changes
     links: LinksConfig = field(default_factory=LinksConfig)  # emulated network per link class
@@ -354,8 +353,7 @@ class RunConfig:
     timeout: float = 120.0  # seconds any rendezvous or collective may wait before failing
     heartbeat_timeout: float = 300.0  # seconds of silence after which a worker is declared hung
     save_final: bool = False  # write each replica's final weights to <run>/final/p<P>-s<S>.pt
-    # Record every worker's timeline to <run>/trace.json (Chrome trace: Perfetto, chrome://tracing)
-    trace: bool = False
+    trace: bool = False  # record every worker's timeline to <run>/trace.json (Chrome trace: Perfetto)
     trace_events: int = 50000  # per worker: the newest this many events are kept
     node: Optional[str] = None  # clusters of real nodes: the node this launcher runs on (srun, torchrun: found)
     # refuse a run whose estimated memory does not fit this machine (RAM on CPU, each GPU's memory)
@@ -393,13 +391,15 @@ class FaultConfig:
     # --max-restarts)
     on_failure: str = "stop"
     max_restarts: int = 3  # restarts in total over the run (of pipelines, or of the whole run)
-    # seconds before a restart; doubled for a pipeline (or run) failing again within 60 s of its last
-    restart_backoff: float = 1.0
+    restart_backoff: float = 1.0  # seconds before a restart; doubled for one failing again within 60 s
     # warn: time each worker's compute and name a device that slows down during the run (a
     # straggler line in metrics.jsonl and on the console, one when it recovers); replan: also
-    # re-split by the measured speeds when that pays (the run stops at a consistent point and
-    # goes on from its checkpoint resharded; needs profile=); off: do not time them
+    # re-split by the measured speeds when that pays (needs profile=); off: do not time them
     on_slowdown: str = "warn"
+    # replan with sync=sdpipe: the re-split pipelines restart on their new split and heal from the
+    # others, which go on (replicas then average per block); false, or other modes: the whole run
+    # stops at a consistent point and goes on from its checkpoint resharded
+    replan_in_place: bool = True
     # a device is a straggler once its compute time over its own start, relative to its peers'
     # (the same stage in the other pipelines), stays at this or above (docs/CLUSTERS.md)
     slowdown_threshold: float = 1.5

@@ -60,6 +60,15 @@ def _partitions(cfg: Any) -> tuple[tuple[int, ...], ...]:
     return partitions_of(cfg.pipeline, int(cfg.cluster.pipelines))
 
 
+def _in_place(cfg: Any, blocks: int) -> bool:
+    """Whether a re-plan re-splits pipelines while the others go on: ``fault.replan_in_place``
+    under a mode whose pipelines may be split apart and whose scheduler heals a restarted one
+    (sdpipe), with the model's blocks known."""
+    f, able = cfg.fault, mode(cfg.sync.name)
+    return bool(blocks and f.on_slowdown == "replan" and f.get("replan_in_place", False)
+                and able.segments and able.group_policy)
+
+
 def microbatch_size(cfg: Any) -> int:
     """Samples per micro-batch: ``train.batch_size // pipeline.microbatches`` (validation
     refuses a batch that does not divide). Defined here only; before the plan exists (while
@@ -81,6 +90,10 @@ class RunPlan:
     # each pipeline's partition (``pipeline.partitions`` may give one its own split); empty
     # while the partition is not resolved yet
     partitions: tuple[tuple[int, ...], ...] = ()
+    blocks: int = 0  # the model's blocks (0: not known, a plan of an older run)
+    # a re-plan re-splits pipelines while the others go on (fault.replan_in_place, sdpipe):
+    # replicas average per block
+    in_place: bool = False
 
     @cached_property
     def segments(self) -> Segments:
@@ -89,7 +102,7 @@ class RunPlan:
         config not prepared yet, which has no ``pipeline.partitions`` either), one per stage."""
         if not self.partitions:
             return Segments.of([tuple(range(1, self.stages))] * self.pipelines)
-        return Segments.of(self.partitions)
+        return Segments.of(self.partitions, self.blocks if self.in_place else 0)
 
     def partition_of(self, pipeline: int) -> list[int]:
         """Pipeline ``pipeline``'s partition: what its workers build their stages from."""
@@ -133,22 +146,23 @@ class RunPlan:
 
     # -- resolving and carrying ---------------------------------------------------------------
     @classmethod
-    def resolve(cls, cfg: Any, cluster: Optional[Cluster] = None) -> "RunPlan":
-        """The plan of a checked config (``cluster``: its cluster, when already built)."""
+    def resolve(cls, cfg: Any, cluster: Optional[Cluster] = None, blocks: int = 0) -> "RunPlan":
+        """The plan of a checked config (``cluster``: its cluster, when already built;
+        ``blocks``: the model's, once known)."""
         stages = int(cfg.pipeline.stages)
         cluster = cluster or cluster_of(cfg)
         return cls(pipelines=int(cfg.cluster.pipelines), stages=stages,
                    servers=_servers(stages, cfg.sync.name), steps=int(cfg.train.steps),
                    microbatch_size=microbatch_size(cfg),
                    placement=tuple(tuple(row) for row in cluster.placement), cluster=cluster,
-                   partitions=_partitions(cfg))
+                   partitions=_partitions(cfg), blocks=blocks, in_place=_in_place(cfg, blocks))
 
     def section(self) -> dict[str, Any]:
         """The config's ``plan`` section (what ``config.yaml`` shows; derived values included
         for the reader, and ignored when read back)."""
         return {"pipelines": self.pipelines, "stages": self.stages, "servers": self.servers,
                 "steps": self.steps, "microbatch_size": self.microbatch_size,
-                "placement": [list(row) for row in self.placement],
+                "placement": [list(row) for row in self.placement], "blocks": self.blocks,
                 "workers": self.workers, "world_size": self.world_size, "budget": self.budget}
 
     @classmethod
@@ -163,10 +177,11 @@ class RunPlan:
             if int(section["stages"]) != int(cfg.pipeline.stages):
                 raise ValueError(f"plan.stages {section['stages']} is not pipeline.stages")
             cluster = cluster_of(cfg)
+            blocks = int(section.get("blocks") or 0)
             plan = cls(int(section["pipelines"]), int(section["stages"]), int(section["servers"]),
                        int(section["steps"]), int(section["microbatch_size"]),
                        tuple(tuple(str(d) for d in row) for row in section["placement"]), cluster,
-                       _partitions(cfg))
+                       _partitions(cfg), blocks, _in_place(cfg, blocks))
         except (KeyError, TypeError, ValueError) as err:
             raise BadInput("plan", f"malformed ({err}); prepare the run again") from None
         if plan.placement != tuple(tuple(row) for row in cluster.placement):

@@ -10,8 +10,13 @@ one or more consecutive segments, and the scheduler forms groups per segment exa
 stage: to it, a segment is a stage whose replica in pipeline p runs on p's holder. With one
 partition for all, the segments are the stages.
 
+A run that may re-split a pipeline while the others go on (``fault.replan_in_place``) cuts its
+segments at every block as well (``grain``: the model's block count): a new split then still
+holds whole segments, so the units of averaging, and every replica's rounds of them, stay as
+they were.
+
 Pure: boundaries in, indices out. A partition is written as in :mod:`~sdpipe_cli.core.partition`
-(S - 1 block indices where a stage starts), so no block count is needed.
+(S - 1 block indices where a stage starts), so no block count is needed but for ``grain``.
 """
 
 from __future__ import annotations
@@ -21,26 +26,37 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["Segments", "partitions_of"]
+__all__ = ["Segments", "partitions_of", "with_split"]
 
 
 @dataclass(frozen=True)
 class Segments:
-    """The segments of a run whose pipeline ``p`` is split at ``partitions[p]``."""
+    """The segments of a run whose pipeline ``p`` is split at ``partitions[p]`` (and, with
+    ``grain`` blocks, at every block)."""
 
     partitions: tuple[tuple[int, ...], ...]
+    grain: int = 0
 
     @classmethod
-    def of(cls, partitions: Sequence[Sequence[int]]) -> "Segments":
+    def of(cls, partitions: Sequence[Sequence[int]], grain: int = 0) -> "Segments":
         parts = tuple(tuple(int(b) for b in bounds) for bounds in partitions)
         if not parts or len({len(b) for b in parts}) != 1:
             raise ValueError("every pipeline needs a partition into the same number of stages")
-        return cls(parts)
+        return cls(parts, int(grain))
+
+    def resplit(self, pipeline: int, bounds: Sequence[int]) -> "Segments":
+        """These segments with ``pipeline`` split at ``bounds``: the same units when ``grain``
+        cuts at every block."""
+        parts = list(self.partitions)
+        parts[pipeline] = tuple(int(b) for b in bounds)
+        return Segments.of(parts, self.grain)
 
     @cached_property
     def cuts(self) -> tuple[int, ...]:
-        """Where a segment starts, after the first: every pipeline's boundaries together."""
-        return tuple(sorted({b for bounds in self.partitions for b in bounds}))
+        """Where a segment starts, after the first: every pipeline's boundaries together (and
+        every block's, with ``grain``)."""
+        return tuple(sorted({b for bounds in self.partitions for b in bounds}
+                            | set(range(1, self.grain))))
 
     @cached_property
     def count(self) -> int:
@@ -48,8 +64,9 @@ class Segments:
 
     @cached_property
     def uniform(self) -> bool:
-        """Whether every pipeline has the same partition (then the segments are the stages)."""
-        return len(set(self.partitions)) == 1
+        """Whether the segments are the stages: every pipeline has the same partition, and it
+        cuts wherever ``grain`` does."""
+        return len(set(self.partitions)) == 1 and self.cuts == self.partitions[0]
 
     def start(self, k: int) -> int:
         """The first block of segment ``k``."""
@@ -85,3 +102,14 @@ def partitions_of(pipeline: Any, pipelines: int) -> tuple[tuple[int, ...], ...]:
     own: Mapping[int, Any] = pipeline.get("partitions") or {}
     base = tuple(int(b) for b in pipeline.partition)
     return tuple(tuple(int(b) for b in own[p]) if p in own else base for p in range(pipelines))
+
+
+def with_split(own: Optional[Mapping[int, Any]], shared: Sequence[int], pipeline: int,
+               bounds: Sequence[int]) -> dict[int, list[int]]:
+    """``pipeline.partitions`` once ``pipeline`` is split at ``bounds``: its own entry, or none
+    where that is ``shared`` (``pipeline.partition``)."""
+    splits = {int(p): [int(b) for b in v] for p, v in (own or {}).items()}
+    splits.pop(int(pipeline), None)
+    if [int(b) for b in bounds] != [int(b) for b in shared]:
+        splits[int(pipeline)] = [int(b) for b in bounds]
+    return dict(sorted(splits.items()))

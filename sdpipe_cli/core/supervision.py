@@ -26,6 +26,10 @@ tested without a process, a store or a clock (torchelastic's agent is split the 
   started again at once, drawing on the same budget; it rebuilds its state from its journal while
   the workers wait. One that exits non-zero by its own verdict (a hung run, a malformed message)
   fails the run: started again, it would reach the same verdict.
+* **Re-split in place** (``fault.replan_in_place``). When the scheduler's snapshot asks for a
+  re-split it has not asked for before (``resplit``, a new version), those pipelines' workers are
+  stopped and started again at once, on their new splits, whatever ``fault.on_pipeline_loss``
+  says and without drawing on the restart budget; the others go on.
 * **Hung workers** (``continue`` and ``restart``). A worker the scheduler names hung (silent past
   ``run.heartbeat_timeout``, e.g. stopped by SIGSTOP) is killed; its exit then counts as a loss.
 * **Malformed coordination.** A value in the store that no process of the run could have written
@@ -124,6 +128,18 @@ class Respawn:
     pipeline: int
     restart: int  # restarts in the run so far, this one included
     backoff_s: float
+    resplit: bool = False  # on a new split (re-split in place), not after a failure
+
+
+@dataclass(frozen=True)
+class Resplit:
+    """Stop the workers of each pipeline in ``splits`` and tell the scheduler it is gone, to be
+    started again on its new split (the next observation's :class:`Respawn`); the config they
+    start from is written first. ``version``: the scheduler's count of such requests."""
+
+    version: int
+    splits: tuple[tuple[int, tuple[int, ...]], ...]  # (pipeline, its new split), by pipeline
+    slowed: tuple[tuple[str, float], ...] = ()  # fault.slowed as of the re-plan
 
 
 @dataclass(frozen=True)
@@ -178,8 +194,8 @@ class Broken:
     interrupted: bool = False
 
 
-Action = Union[Wait, RequestStop, DropPipelines, Respawn, RespawnScheduler, Kill, StopNow,
-               Finished, Failed, FailedElsewhere, Broken]
+Action = Union[Wait, RequestStop, DropPipelines, Respawn, Resplit, RespawnScheduler, Kill,
+               StopNow, Finished, Failed, FailedElsewhere, Broken]
 FINAL = (StopNow, Finished, Failed, FailedElsewhere, Broken)
 WAIT = Wait()
 
@@ -272,6 +288,8 @@ class Supervision:
         self._started, self._interrupted = started, False
         self._handled = 0  # interrupts already acted on
         self._lost: set[int] = set()
+        self._resplit_seen = 0  # the last re-split request acted on
+        self._resplitting: set[int] = set()  # pipelines to start again on a new split
         self._failing_since: Optional[float] = None
         self._final: Optional[Action] = None
 
@@ -331,18 +349,48 @@ class Supervision:
         stranded = self._stranded(obs)
         if stranded:
             return self._end(Broken(stranded, self._interrupted))
+        resplit = self._resplit(obs)
+        if resplit is not None:
+            return resplit
         due = [p for p, (when, _, _) in self._respawn.items() if when <= obs.now]
         if due:  # even after a stop request: the new workers learn from the scheduler to stop
             p = min(due)
             _, restart, backoff = self._respawn.pop(p)
             self._lost.discard(p)
             self._killed -= {c.name for c in obs.children if c.pipeline == p}
-            return Respawn(p, restart, backoff)
+            resplit_p = p in self._resplitting
+            self._resplitting.discard(p)
+            return Respawn(p, restart, backoff, resplit_p)
         if not self._respawn and all(c.returncode is not None for c in obs.children):
             return self._end(Finished(self._interrupted))  # (a pipeline to restart is not done)
         if obs.elsewhere:
             return self._end(FailedElsewhere(obs.elsewhere, self._interrupted))
         return WAIT
+
+    def _resplit(self, obs: Observation) -> Optional[Action]:
+        """A re-split in place the scheduler asks for and that was not acted on yet (not once a
+        stop was asked for: the run ends anyway); :class:`Broken` for a malformed request."""
+        asked = (obs.progress or {}).get("resplit")
+        if not asked or self._interrupted:
+            return None
+        try:
+            version = int(asked["version"])
+            splits = tuple(sorted((int(p), tuple(int(b) for b in bounds))
+                                  for p, bounds in asked["partitions"].items()))
+            slowed = tuple(sorted((str(k), float(v))
+                                  for k, v in (asked.get("slowed") or {}).items()))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            return self._end(Broken(f"the scheduler's re-split request is malformed ({err!r})",
+                                    self._interrupted))
+        if version <= self._resplit_seen:
+            return None
+        self._resplit_seen = version
+        splits = tuple((p, b) for p, b in splits if p not in self._lost)  # lost meanwhile
+        for p, _ in splits:
+            self._lost.add(p)
+            self._respawn[p] = (obs.now, self.restarts.used if self.restarts else 0, 0.0)
+            self._resplitting.add(p)
+        return Resplit(version, splits, slowed) if splits else None
 
     def _stranded(self, obs: Observation) -> Optional[str]:
         """Workers still running :attr:`stranded_s` after the scheduler exited 0, in words."""

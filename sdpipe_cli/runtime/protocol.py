@@ -17,7 +17,8 @@ Messages:
   :data:`REPORT_FIELDS`;
 * scheduler -> worker, one key per answer: :class:`Group`, :class:`BeginAnswer`,
   :class:`HealAnswer`;
-* scheduler -> launcher: :class:`Hung`, and the progress snapshot (:func:`decode_progress`).
+* scheduler -> launcher: :class:`Hung`, and the progress snapshot (:func:`decode_progress`);
+* scheduler -> worker, one key per re-split pipeline: :class:`Split`.
 
 Whether an event's sender may send it (its rank, its incarnation) depends on the run, which only
 the scheduler knows; it checks that, with :class:`ProtocolError` for what no process could send.
@@ -241,6 +242,16 @@ class Hung:
     ranks: list[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class Split:
+    """A pipeline re-split in place (``fault.replan_in_place``): from its ``incarnation`` on, its
+    workers hold the blocks ``partition`` gives them (its peers find its segments there)."""
+
+    pipeline: int
+    incarnation: int
+    partition: list[int]
+
+
 #: Who sends each message, and who reads it (docs/ARCHITECTURE.md's table is generated from this
 #: module: ``python -m sdpipe_cli.runtime.protocol_reference --write docs/ARCHITECTURE.md``).
 ROUTES: dict[type, tuple[str, str]] = {
@@ -256,6 +267,7 @@ ROUTES: dict[type, tuple[str, str]] = {
     BeginAnswer: ("scheduler", "worker (first stage)"),
     HealAnswer: ("scheduler", "restarted worker"),
     Hung: ("scheduler", "launcher"),
+    Split: ("scheduler", "worker (its peers' segments)"),
 }
 
 
@@ -267,7 +279,9 @@ PROGRESS_FIELDS: dict[str, Any] = {
     "started": int, "done": int, "pipelines": dict[str, dict[str, Any]],
     "rounds": list[list[int]], "mean_group_size": Optional[float], "restarts": int, "heals": int,
     "scheduler_restarts": int, "unreadable": list[str], "phase": str, "turn": int, "turns": int,
-    "stragglers": list[dict[str, Any]],
+    "stragglers": list[dict[str, Any]], "slowed": dict[str, float],
+    # the pipelines to re-split in place, and how: {"version": n, "partitions": {"p": [...]}}
+    "resplit": dict[str, Any],
 }
 
 

@@ -30,7 +30,7 @@ def _key(cls: type) -> str:
     keys = {protocol.Group: store.decision_key("<s>", "<p>", "<k>", "<i>"),
             protocol.BeginAnswer: store.begin_key("<p>", "<k>", "<i>"),
             protocol.HealAnswer: store.heal_key("<s>", "<p>", "<i>"),
-            protocol.Hung: store.HUNG}
+            protocol.Hung: store.HUNG, protocol.Split: store.split_key("<p>")}
     return f"`{store.PREFIX}{keys[cls]}`"
 
 

@@ -134,6 +134,12 @@ def limit_spent(store: dist.Store) -> float:
     return float(store.get(LIMIT_SPENT)) if store.check([LIMIT_SPENT]) else 0.0
 
 
+def split_key(pipeline: int) -> str:
+    """Where the scheduler says how ``pipeline`` is split since it was re-split in place
+    (:class:`~sdpipe_cli.runtime.protocol.Split`)."""
+    return f"split/{pipeline}"
+
+
 def profile_key(rank: int) -> str:
     """Where a profiling worker puts its measurements (JSON) for rank 0 to assemble."""
     return f"profile/{rank}"

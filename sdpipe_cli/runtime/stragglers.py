@@ -42,6 +42,12 @@ class StragglerWatch:
         """A restarted pipeline's devices start again from their own baselines."""
         self.detector.reset(pipeline)
 
+    def carry(self, pipeline: int, slowed: dict[tuple[int, int], float]) -> None:
+        """``pipeline`` restarts on a new split with its devices as slow as ``slowed`` says:
+        their next baselines start from those slowdowns (as ``fault.slowed`` does for a leg)."""
+        for s in range(self.plan.stages):
+            self.detector.carried[(pipeline, s)] = slowed.get((pipeline, s), 1.0)
+
     def own_slowdowns(self) -> dict[tuple[int, int], Optional[float]]:
         """Every device's compute now over its own start (before the slowdowns earlier legs
         found, ``fault.slowed``), by (pipeline, stage)."""

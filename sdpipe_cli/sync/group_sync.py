@@ -7,6 +7,11 @@ own, and the scheduler forms its groups as it does a stage's. A worker says all 
 ready at once, so their rounds are decided side by side, and averages them in segment order,
 which every worker shares, so no two rounds wait on each other in a cycle.
 With one partition for every pipeline a worker has one unit, its stage.
+
+A pipeline re-split in place (``fault.replan_in_place``) comes back under a new incarnation,
+its segments on other stages: from the first decision or heal that names that incarnation, a
+worker looks its new split up (:class:`~sdpipe_cli.runtime.protocol.Split`) to find its ranks.
+The segments are then per block, so the units themselves never change.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class GroupSync(Sync):
                        for k in self.segments.held(pipeline, stage)]
                       if self.segments is not None else [Unit(stage)])
         self.optimizer, self.incarnation = optimizer, incarnation
+        self.seen: dict[int, int] = {}  # each pipeline's latest incarnation named to this worker
         self.meetings, self.precision = meetings, precision
         self.stop = False
         self._checkpoint: int | None = None
@@ -110,6 +116,17 @@ class GroupSync(Sync):
         if self.segments is None:
             return self.grid.stage_ranks(unit.index, pipelines)
         return [self.grid.rank(q, self.segments.holder(q, unit.index)) for q in pipelines]
+
+    def _follow(self, pipelines: list[int], incarnations: list[int]) -> None:
+        """Incarnations of ``pipelines`` the scheduler named: one not seen before may be a
+        pipeline re-split in place, whose segments are then where its new split puts them."""
+        for q, g in zip(pipelines, incarnations):
+            if self.segments is None or g <= self.seen.get(q, 0):
+                continue
+            self.seen[q] = g
+            split = store.read(self.events, store.split_key(q), protocol.Split)
+            if split is not None and split.incarnation <= g:
+                self.segments = self.segments.resplit(q, split.partition)
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
@@ -156,39 +173,71 @@ class GroupSync(Sync):
     def _rounds(self, module: nn.Module, step: int, grads: bool) -> None:
         """A round of each unit. Every unit is ready at once, so the scheduler decides their
         rounds side by side (a worker's waits overlap instead of adding up); the averages follow
-        in segment order. The stats are the last round's, with the time spent waiting and
+        in segment order, consecutive units whose rounds have the same group in one all-reduce
+        (:meth:`_runs`). The stats are the last round's, with the time spent waiting and
         communicating over all."""
         start = time.perf_counter()
         meeting = self.meetings.meeting(step)  # the scheduler counts meetings
         for unit in self.units:
             store.push(self.events, store.EVENTS, protocol.Ready(
                 self.rank, self.pipeline, unit.index, meeting, self.incarnation))
-        stop, checkpoint, stats, spent = False, None, {}, 0.0
-        for unit in self.units:
-            stats = self._round(unit, unit.module(module), step, grads, meeting)
-            stop, checkpoint, spent = stop or stats["stop"], stats["checkpoint"], spent + stats["comm_s"]
-        self.stop, self._checkpoint = stop, checkpoint
+        decided = [(unit, self._decision(unit, step, meeting)) for unit in self.units]
+        stats, spent = {}, 0.0
+        for run in self._runs(decided):
+            stats = self._average(run, module, grads, step)
+            spent += stats["comm_s"]
+        self.stop = any(d.stop for _, d in decided)
+        self._checkpoint = decided[-1][1].checkpoint
         self._stats = {"group_size": stats["group_size"], "round": stats["round"],
                        "group_kind": stats["group_kind"],
                        "wait_s": time.perf_counter() - start - spent, "comm_s": spent}
 
-    def _round(self, unit: Unit, module: nn.Module, step: int, grads: bool, meeting: int
-               ) -> dict[str, Any]:
-        """Unit ``unit``'s round of ``meeting`` (its ready signal is sent): the scheduler's group,
-        and the average over it."""
+    def _decision(self, unit: Unit, step: int, meeting: int) -> protocol.Group:
+        """Unit ``unit``'s round of ``meeting`` (its ready signal is sent), as the scheduler
+        decided it."""
         decision = store.take(self.events, store.decision_key(unit.index, self.pipeline, meeting,
                                                               self.incarnation), protocol.Group)
-        got = time.perf_counter()
-        members, incarnations = decision.members, decision.incarnations
+        self._follow(decision.members, decision.incarnations)
         if decision.done is not None:
             self._done, self._decided_at = decision.done, step
-        changes = self.precision != "fp32" and decision.kind == "group"
         unit.heal = decision.heal
+        return decision
+
+    def _runs(self, decided: list[tuple[Unit, protocol.Group]]
+              ) -> list[list[tuple[Unit, protocol.Group]]]:
+        """``decided`` cut into runs of consecutive units averaged together: the same members
+        (on the same ranks), kind, twins and shares, in fp32. Every member holds every unit of
+        such a run and sees the same decisions, so every member cuts the same runs."""
+        def key(unit: Unit, d: protocol.Group) -> Any:
+            if self.precision != "fp32" or len(d.members) == 1:
+                return None  # alone: bf16 changes have an anchor per unit
+            return (tuple(self._ranks(unit, d.members)), tuple(d.incarnations), d.kind, d.twins,
+                    tuple(d.weight_shares), tuple(d.grad_shares))
+
+        runs: list[list[tuple[Unit, protocol.Group]]] = []
+        last = None
+        for unit, decision in decided:
+            k = key(unit, decision)
+            if runs and k is not None and k == last:
+                runs[-1].append((unit, decision))
+            else:
+                runs.append([(unit, decision)])
+            last = k
+        return runs
+
+    def _average(self, run: list[tuple[Unit, protocol.Group]], module: nn.Module, grads: bool,
+                 step: int) -> dict[str, Any]:
+        """The average of the units of ``run`` over their round's group, in one all-reduce."""
+        got = time.perf_counter()
+        unit, decision = run[0]
+        members, incarnations = decision.members, decision.incarnations
+        modules = [u.module(module) for u, _ in run]
+        changes = self.precision != "fp32" and decision.kind == "group"
         distance, failed = None, False
         if len(members) > 1:
             ranks = self._ranks(unit, members)
-            params = list(module.parameters())
-            tensors = params + statistics(module)
+            params = [p for m in modules for p in m.parameters()]
+            tensors = params + [t for m in modules for t in statistics(m)]
             shares = []  # this member's share of each weighted mean (sync.stale)
             me = members.index(self.pipeline)
             if decision.weight_shares and not decision.twins:
@@ -224,17 +273,17 @@ class GroupSync(Sync):
                 failed = True
         if decision.kind == "global" and self.precision != "fp32" and not failed:
             # every replica now holds the same weights: the next changes start here
-            unit.anchor = flatten(self._replica(module))
-            self._residual(unit).zero_()
+            for u, m in zip((u for u, _ in run), modules):
+                u.anchor = flatten(self._replica(m))
+                self._residual(u).zero_()
         if distance is not None and self.pipeline == members[0]:
             store.push(self.events, store.EVENTS, protocol.Report(
                 "consensus", self.rank, self.pipeline, self.stage, self._clock(),
                 self.incarnation, {"iteration": step, "round": decision.round,
                                    "members": members, "consensus": distance,
                                    **self._segment(unit)}))
-        return {"stop": decision.stop, "checkpoint": decision.checkpoint,
-                "group_size": len(members), "round": decision.round, "group_kind": decision.kind,
-                "comm_s": time.perf_counter() - got}
+        return {"group_size": len(members), "round": decision.round,
+                "group_kind": decision.kind, "comm_s": time.perf_counter() - got}
 
     def _segment(self, unit: Unit) -> dict[str, int]:
         """A report's segment, where units are not stages."""
@@ -266,6 +315,7 @@ class GroupSync(Sync):
 
     def _give_heal(self, unit: Unit, module: nn.Module, target: protocol.HealTarget) -> None:
         """Send this unit's state to a restarted replica (the scheduler chose us as its source)."""
+        self._follow([target.pipeline], [target.incarnation])
         ranks = [self.rank, self._ranks(unit, [target.pipeline])[0]]
         incarnations = [self.incarnation, target.incarnation]
         try:
@@ -297,6 +347,7 @@ class GroupSync(Sync):
         if answer.stop:
             self.stop = True
             return answer.iteration
+        self._follow([answer.source], [answer.source_incarnation])
         source = self._ranks(unit, [answer.source])[0]
         state = self._state(unit, module)
         flat = flatten(state)

@@ -81,3 +81,59 @@ def test_a_slow_device_is_replanned_and_the_run_goes_on_with_the_new_split(tmp_p
     assert saved["fault"]["slowed"]["p0s1"] == pytest.approx(4.0, rel=0.25)
     [resumed] = metrics(run, "resume")
     assert resumed["checkpoint"].endswith("-P2xS2-5")  # resharded to the new split
+
+
+def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_others_go_on(tmp_path):
+    """sync=sdpipe, three pipelines: pipeline 0's stage 1 (device n:1) slows to a quarter, and
+    only that pipeline is re-split, [3] -> [5], in place: its workers restart on the new split
+    and heal from the others, segment by segment, while pipelines 1 and 2 never stop (no gap in
+    their iterations, no new process). The run is one leg; the split is in config.replan.yaml
+    and in the last checkpoint, from which ``sdpipe resume`` goes on with it."""
+    doc = make_doc({"n:0": (1.0, [3.0] * 6)}, model="mlp")
+    doc["model"]["block_params"] = [1000] * 6
+    (tmp_path / "profile.json").write_text(json.dumps(doc))
+    run, steps = tmp_path / "run", 100
+    common = ("model=mlp", "data=synthetic", "sync=sdpipe", "cluster.pipelines=3",
+              "pipeline.stages=2", "train.eval_every=0", "cluster.emulation=modelled",
+              f"profile={tmp_path / 'profile.json'}",
+              "cluster.nodes=[{name: n, devices: [{}, {}, {}, {}, {}, {}]}]",
+              "cluster.changes=[{device: 'n:1', speed: 0.25, start: 8.0}]",
+              "fault.on_slowdown=replan")
+    out = sdpipe("train", f"run.dir={run}", f"train.steps={steps}", *common)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = metrics(run)
+    train = [m for m in lines if m["kind"] == "train"]
+    assert len({(m["pipeline"], m["step"]) for m in train}) == 3 * steps  # the budget
+    replans = [m for m in lines if m["kind"] == "replan"]
+    if not replans or not replans[0]["go"]:  # start-up under load outlasted the 8 s, or the
+        assert not list(run.glob("config.replan*.yaml"))  # slowdown came too late to pay
+        return
+    [replan] = replans
+    assert replan["proposed"] == [[5], [3], [3]] and replan["in_place"] == [0]
+    assert "re-planning pipeline 0 in place" in out.stderr
+    assert "restarted on its new split" in out.stderr
+    assert ("re-planned in place 1 time(s), the last: pipeline 0 -> [5], while the other "
+            "pipelines went on") in out.stderr
+    assert not list(run.glob("config.resume-*.yaml"))  # one leg: the run never stopped
+    [lost] = [m for m in lines if m["kind"] == "lost"]
+    assert lost["pipeline"] == 0 and lost["restart"] is True
+    assert [m["incarnation"] for m in lines if m["kind"] == "restart"] == [1]
+    healed = [m for m in lines if m["kind"] == "heal"]
+    assert sorted(m["segment"] for m in healed) == list(range(6))  # every block, from a peer
+    assert {m["source"] for m in healed} <= {1, 2}
+    for p in (1, 2):  # never stopped: their iterations go on at their pace through the re-plan
+        times = sorted(m["time"] for m in train if m["pipeline"] == p)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert max(gaps) < 5 * statistics.median(gaps), (p, max(gaps))
+    done = {m["rank"]: m for m in lines if m["kind"] == "done"}
+    assert done[0].get("healed") and done[1].get("healed") and not done[2].get("healed")
+    saved = yaml.safe_load((run / "config.replan.yaml").read_text())
+    assert saved["pipeline"]["partitions"] == {0: [5]} and saved["pipeline"]["partition"] == [3]
+    assert saved["fault"]["slowed"]["p0s1"] == pytest.approx(4.0, rel=0.25)
+    last = sorted((run / "checkpoints").iterdir())[-1]
+    manifest = json.loads((last / "manifest.json").read_text())
+    assert manifest["config"]["pipeline"]["partitions"] == {"0": [5]}
+    more = sdpipe("resume", str(run), f"train.steps={steps + 10}")
+    assert more.returncode == 0, more.stderr[-3000:]
+    [leg] = run.glob("config.resume-*.yaml")
+    assert yaml.safe_load(leg.read_text())["pipeline"]["partitions"] == {0: [5]}

@@ -27,7 +27,8 @@ def test_prepare_writes_the_plan_and_a_child_reads_it_back_from_config_yaml(tmp_
         plan.server_stage(5)  # a worker
     assert plan.placement == tuple(tuple(row) for row in plan.cluster.placement)
     assert plan.ranks_on(None) == list(range(6))
-    assert plan == RunPlan.resolve(cfg)
+    assert plan.blocks == 6 and not plan.in_place  # the mlp's blocks; no re-plan in place
+    assert plan == RunPlan.resolve(cfg, blocks=6)
     # the derived figures are written for the reader of config.yaml
     written = OmegaConf.load(tmp_path / "config.yaml").plan
     assert (written.workers, written.world_size, written.budget) == (6, 8, 21)

@@ -16,7 +16,7 @@ from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.data import sources
 from sdpipe_cli.model import memory
-from sdpipe_cli.runtime import store
+from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync.scheduler.handling import Scheduler
 from tests.helpers import event, make_doc, metrics
 
@@ -30,7 +30,9 @@ class Clock:
         return self.t
 
 
-def scheduler(tmp_path, sync: str, *overrides: str, forward_ms=(3.0,) * BLOCKS):
+def scheduler(tmp_path, sync: str, *overrides: str, forward_ms=(3.0,) * BLOCKS, blocks: int = 0):
+    """A scheduler of the run; ``blocks``: the model's, as a prepared plan knows them (a re-plan
+    in place needs them)."""
     doc = make_doc({"n:0": (1.0, list(forward_ms))}, model="mlp")
     doc["model"]["block_params"] = [1000] * BLOCKS
     (tmp_path / "profile.json").write_text(json.dumps(doc))
@@ -41,7 +43,7 @@ def scheduler(tmp_path, sync: str, *overrides: str, forward_ms=(3.0,) * BLOCKS):
                    "fault.on_slowdown=replan", *overrides])
     validate(cfg)
     cfg.run.dir = str(tmp_path)
-    cfg.plan = RunPlan.resolve(cfg).section()
+    cfg.plan = RunPlan.resolve(cfg, blocks=blocks).section()
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=10))
     clock = Clock()
@@ -87,6 +89,39 @@ def test_a_slow_device_is_replanned_where_it_pays(tmp_path, sync):
         assert line["rate_new"] == pytest.approx(line["rate_now"] * gain, rel=1e-3)
         assert summary["replan"]["partition"] == [3]
         assert summary["replan"]["partitions"] == {0: [5]}
+
+
+def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_other_goes_on(tmp_path):
+    """With the blocks known (per-block segments), the re-plan of pipeline 0 does not stop the
+    run: its new split is in the store from its next incarnation on, and the snapshot asks the
+    launcher to restart it. Its old workers' events follow the old split until it is back; then
+    block 4 lies on its stage 0, the run's config and checkpoints say [5], and the next re-plan
+    may go."""
+    sched, events, clock, _ = scheduler(tmp_path, "sdpipe", blocks=BLOCKS)
+    assert sched.segments.count == BLOCKS
+    for r in range(P * S):
+        sched.handle(event(type="start", rank=r, pipeline=r // S, stage=r % S, pid=1, time=0.0))
+    steps(sched, clock, 1, 12, {})
+    steps(sched, clock, 13, 30, {1: 4.0})
+    [line] = metrics(tmp_path, "replan")
+    assert line["go"] is True and line["proposed"] == [[5], [3]] and line["in_place"] == [0]
+    assert not events.check([store.STOP_REQUESTED])
+    snapshot = sched.summary()
+    assert "replan" not in snapshot  # the run does not stop for it
+    assert snapshot["resplit"]["version"] == 1 and snapshot["resplit"]["partitions"] == {"0": [5]}
+    assert snapshot["resplit"]["slowed"] == {"p0s1": pytest.approx(4.0, rel=0.01)}
+    assert store.read(events, store.split_key(0), protocol.Split) == protocol.Split(0, 1, [5])
+    with pytest.raises(protocol.ProtocolError):  # block 4 is still on stage 1 (rank 1)
+        sched.handle(protocol.Rejoin(rank=0, pipeline=0, stage=4, incarnation=0))
+    sched.handle(protocol.Lost(rank=0, pipeline=0, reason="re-split to [5]", restart=True))
+    sched.handle(protocol.Restart(rank=0, pipeline=0, incarnation=1, restart=0))
+    sched.handle(protocol.Rejoin(rank=1, pipeline=0, stage=4, incarnation=0))  # stale: dropped
+    sched.handle(protocol.Rejoin(rank=0, pipeline=0, stage=4, incarnation=1))
+    assert (4, 0) in sched.rejoining and sched.restarts == 0  # a re-split is no restart
+    assert dict(sched.cfg.pipeline.partitions) == {0: [5]} and sched.cfg.fault.slowed["p0s1"] > 3
+    assert sched.checkpoints.plan.partition_of(0) == [5]
+    assert sched.replanning.chosen is None and sched.replanning.partitions == [[5], [3]]
+    sched.metrics.close()
 
 
 @pytest.mark.parametrize("sync", ["allreduce", "sdpipe"])

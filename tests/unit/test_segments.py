@@ -76,3 +76,25 @@ def test_partitions_of_a_section():
     section = OmegaConf.create({"partition": [4, 8], "partitions": {1: [3, 8]}})
     assert partitions_of(section, 3) == ((4, 8), (3, 8), (4, 8))
     assert partitions_of(OmegaConf.create({"partition": [2]}), 2) == ((2,), (2,))
+
+
+@given(layouts(), st.data())
+def test_segments_per_block_stay_the_units_when_a_pipeline_is_split_anew(layout, data):
+    """With ``grain`` (the block count) every block is a segment, whatever the splits: a pipeline
+    re-split mid-run holds whole segments, so every replica keeps its units and their rounds."""
+    blocks, partitions = layout
+    seg = Segments.of(partitions, blocks)
+    assert seg.count == blocks and [seg.start(k) for k in range(blocks)] == list(range(blocks))
+    p = data.draw(st.integers(0, len(partitions) - 1))
+    bounds = sorted(data.draw(st.lists(st.integers(1, blocks - 1), min_size=len(partitions[0]),
+                                       max_size=len(partitions[0]), unique=True)))
+    after = seg.resplit(p, bounds)
+    assert after.cuts == seg.cuts and after.partitions[p] == tuple(bounds)
+    ranges = stage_ranges(bounds, blocks)
+    for k in range(blocks):  # each block on the stage of the new split that holds it
+        assert ranges[after.holder(p, k)][0] <= k < ranges[after.holder(p, k)][1]
+        for q in range(len(partitions)):
+            if q != p:
+                assert after.holder(q, k) == seg.holder(q, k)
+    # the units are the stages only where every stage is one block and all pipelines agree
+    assert seg.uniform == (len(set(seg.partitions)) == 1 and len(partitions[0]) == blocks - 1)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from sdpipe_cli.core.supervision import (SETTLE_S, Broken, ChildState, DropPipelines, Failed,
                                          FailedElsewhere, Finished, Kill, Observation,
-                                         RequestStop, Respawn, RespawnScheduler, Restarts,
-                                         StopNow, Supervision,
+                                         RequestStop, Resplit, Respawn, RespawnScheduler,
+                                         Restarts, StopNow, Supervision,
                                          Wait, ending, first_failure)
 
 KILLED = -signal.SIGKILL
@@ -247,6 +247,34 @@ def test_a_restart_is_still_made_after_a_stop_request():
     policy.decide(see(run(P=3, codes={"4": KILLED}), now=0))
     assert policy.decide(see(run(P=3, codes={"4": KILLED}), now=0.1, signals=1)) == RequestStop()
     assert policy.decide(see(run(P=3, codes={"4": KILLED}), now=2, signals=1)) == Respawn(2, 1, 1.0)
+
+
+def test_a_resplit_in_place_restarts_those_pipelines_at_once_whatever_the_loss_policy():
+    """The scheduler asks (a new ``resplit`` version in its snapshot) to re-split pipelines 0
+    and 2: they are stopped and started again at once, without the restart budget or
+    tolerating losses otherwise; their stopped workers are no failure; one request is acted on
+    once, and a malformed one breaks the run."""
+    asked = {"started": 6, "resplit": {"version": 1, "partitions": {"2": [5], "0": [4]},
+                                       "slowed": {"p0s1": 4.0}}}
+    policy = Supervision(started=True, workers=6)  # fault.on_pipeline_loss=stop
+    assert policy.decide(see(run(P=3), now=5, progress=asked)) == Resplit(
+        1, ((0, (4,)), (2, (5,))), (("p0s1", 4.0),))
+    stopped = run(P=3, codes={"0": TERMED, "1": TERMED, "4": TERMED, "5": KILLED})
+    assert policy.decide(see(stopped, now=5.1, progress=asked)) == Respawn(0, 0, 0.0, True)
+    respawned = run(P=3, codes={"4": TERMED, "5": KILLED})  # pipeline 0's new workers run
+    assert policy.decide(see(respawned, now=5.1, progress=asked)) == Respawn(2, 0, 0.0, True)
+    assert policy.decide(see(run(P=3), now=6, progress=asked)) == Wait()  # once per version
+    assert policy.decide(see(run(P=3, codes={"4": 1}), now=7, progress=asked)) == Wait()  # settling
+    assert isinstance(policy.decide(see(run(P=3, codes={"4": 1}), now=8, progress=asked)), Failed)
+    with_budget = Supervision(started=True, workers=6, tolerate=True, restarts=Restarts(1, 1.0))
+    with_budget.decide(see(run(P=3), now=0, progress=asked))
+    assert with_budget.decide(see(run(P=3), now=0)).resplit and with_budget.restarts.left == 1
+    stopping = Supervision(started=True, workers=6)
+    assert stopping.decide(see(run(P=3), now=0, signals=1)) == RequestStop()
+    assert stopping.decide(see(run(P=3), now=1, signals=1, progress=asked)) == Wait()
+    broken = Supervision(started=True, workers=6)
+    action = broken.decide(see(run(P=3), progress={"resplit": {"version": "x", "partitions": {}}}))
+    assert isinstance(action, Broken) and "re-split request is malformed" in action.reason
 
 
 def test_a_hung_worker_is_killed_once_where_a_loss_is_tolerated():

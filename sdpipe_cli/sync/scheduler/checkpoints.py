@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,6 +27,7 @@ from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision
 from sdpipe_cli.core.meetings import Meetings
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.segments import with_split
 from sdpipe_cli import checkpoint
 
 log = logging.getLogger("sdpipe.scheduler")
@@ -83,6 +85,15 @@ class Checkpoints:
 
     def shard_saved(self, ckpt: int, rank: int, step: int) -> None:
         self.saved.setdefault(ckpt, {})[rank] = step
+
+    def resplit(self, pipeline: int, bounds: list[int]) -> None:
+        """``pipeline`` was re-split in place: checkpoints from now on hold its new split, and
+        their manifests' config says so (``sdpipe resume`` goes on with it)."""
+        p = self.cfg.pipeline
+        p.partitions = with_split(p.partitions, p.partition, pipeline, bounds)
+        splits = list(self.plan.partitions)
+        splits[pipeline] = tuple(int(b) for b in bounds)
+        self.plan = replace(self.plan, partitions=tuple(splits))
 
     def pipeline_lost(self, p: int, policy: Any) -> list[int]:
         """Pipeline ``p``'s shards will not come: it stands in where it was due; the

@@ -219,6 +219,8 @@ class Scheduler:
         if type(event) in (protocol.Ready, protocol.Rejoin):  # of what the rank averages
             if not (0 <= event.pipeline < P and 0 <= stage < self.segments.count):
                 stage = -1
+            elif event.incarnation < self.incarnation[event.pipeline]:
+                return False  # stale; its pipeline may have been re-split since
             elif not self.segments.uniform:
                 stage = self.segments.holder(event.pipeline, stage)
         if not (0 <= event.pipeline < P and 0 <= stage < S
@@ -269,11 +271,20 @@ class Scheduler:
         self._publish(decisions)
 
     def _restart(self, event: protocol.Restart) -> None:
-        """The launcher starts a lost pipeline's processes again."""
-        self.restarts += 1
-        self.incarnation[event.pipeline] = event.incarnation
+        """The launcher starts a lost pipeline's processes again (or a re-split one on its new
+        split: its segments lie elsewhere from now on)."""
+        p = event.pipeline
+        self.incarnation[p] = event.incarnation
+        split = self.replanning.restarted(p) if self.replanning is not None else None
+        if split is None:
+            self.restarts += 1
+        else:
+            self.segments = self.segments.resplit(p, split)
+            self.cfg.fault.slowed = self.replanning.slowed_now()  # what a resume carries on
+            self.checkpoints.resplit(p, split)
+            self.stragglers.carry(p, self.replanning.slowed)
         if self.stragglers is not None:
-            self.stragglers.reset(event.pipeline)
+            self.stragglers.reset(p)
         self.metrics.write(self.tracker.update(protocol.record(event)))
 
     def _report(self, event: protocol.Report) -> None:
@@ -295,20 +306,28 @@ class Scheduler:
         self.heals += event.type == "healed"
 
     def _consider_replan(self, straggler: dict) -> None:
-        """``fault.on_slowdown=replan``: what the measured speeds call for, recorded either way;
-        when it pays, the run stops at its next consistent point (as a graceful stop does,
+        """``fault.on_slowdown=replan``: what the measured speeds call for, recorded either way.
+        When it pays, the re-split pipelines restart on their new splits while the others go on
+        (in place), or the run stops at its next consistent point (as a graceful stop does,
         with a checkpoint) and the launcher goes on from there with the new split."""
         done = sum(state.samples for state in self.tracker.state.values())
         proposal = self.replanning.consider(self.stragglers.own_slowdowns(), done,
                                             self.first_step or 0.0)
         if proposal is None:
             return
+        changed = (self.replanning.resplit(self.policy.live if self.policy is not None
+                                           else frozenset()) if proposal.go else [])
         where = {k: straggler[k] for k in ("device", "pipeline", "stage")}
         self.metrics.write({"kind": "replan", "time": round(time.time() - self.t0, 4), **where,
-                            **proposal.record()})
+                            **proposal.record(), **({"in_place": changed} if changed else {})})
         log.warning("re-plan after %s (%s): %s", straggler["device"], proposal.change(),
                     proposal.reason)
-        if proposal.go:
+        for p in changed:  # they come back on their new splits from their next incarnation
+            store.put(self.events, store.split_key(p), protocol.Split(
+                p, self.incarnation[p] + 1, self.replanning.resplitting[p]))
+        if changed:
+            self.publish_progress()  # the launcher restarts them
+        elif proposal.go:
             self.replan = self.replanning.next_leg()
             self.events.set(store.STOP_REQUESTED, "1")
 
@@ -437,6 +456,8 @@ class Scheduler:
             summary["replan"] = self.replan
         if self.replanning is not None:  # what a restart after a failure carries on
             summary["slowed"] = self.replanning.slowed_now()
+            if self.replanning.asked is not None:
+                summary["resplit"] = self.replanning.asked
         if self.policy is not None or self.recorded is not None:
             summary["rounds"] = self.rounds  # per stage, or per segment (pipelines split apart)
             if not self.segments.uniform:

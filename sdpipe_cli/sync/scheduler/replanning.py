@@ -9,10 +9,19 @@ named no one), the splits, the budget left, and what moving costs here: the run'
 (from the scheduler's start to the first step report) and the checkpoint's bytes. A split that
 would not fit a device's declared memory is declined before anything stops.
 
+**In place** (``fault.replan_in_place``, sdpipe: the plan's ``in_place``): a re-plan that changes
+some pipelines' splits but leaves at least one live pipeline as it was does not stop the run.
+The scheduler says where each re-split pipeline's blocks go from its next incarnation on
+(:class:`~sdpipe_cli.runtime.protocol.Split`) and asks the launcher, in the progress snapshot
+(``resplit``), to restart those pipelines on their new splits; they rejoin and heal from the
+others, segment by segment, as a pipeline restarted after a failure does, while the others go
+on. Its devices' slowdowns are carried into their new baselines, and once every one of them is
+back, another re-plan may follow (back, when a device recovers).
+
 ``fault.slowed`` carries the slowdowns of earlier legs: the detector measures such a device from
 its speed before them (:mod:`sdpipe_cli.core.slowdowns`), so it recovers when it is back to it,
 and the re-plan at that recovery goes back to the split its speeds then call for. At most one
-re-plan per leg: once it goes, the run stops at its next consistent point and the next leg starts
+re-plan per leg that stops the run: it stops at its next consistent point and the next leg starts
 resharded (:mod:`sdpipe_cli.cli.run_loop`).
 """
 
@@ -65,6 +74,45 @@ class Replanning:
         self.memory_of = (cfg, plan) if cfg.run.memory_check else None  # to check a new split
         # the splits the speeds of this leg's start call for (the profile's advice then)
         self.advised = called_for(scaled(self.base, self.slowed), self.own)
+        self.in_place = plan.in_place
+        self.stages = plan.stages
+        self.resplitting: dict[int, list[int]] = {}  # pipeline -> its new split, until restarted
+        self.resplits = 0  # re-splits in place asked for in this leg
+        # the last one, for the progress snapshot (``resplit``), which the launcher acts on
+        self.asked: Optional[dict[str, Any]] = None
+
+    def resplit(self, live: frozenset[int]) -> list[int]:
+        """The pipelines the chosen proposal re-splits in place, now asked for (none: the run
+        stops instead). In place needs a plan for it, and a live pipeline left as it was to heal
+        the others from."""
+        chosen = self.chosen
+        changed = [p for p, (now, new) in enumerate(zip(chosen.current, chosen.bounds))
+                   if list(now) != list(new)]
+        if not (self.in_place and changed and set(live) - set(changed)
+                and set(changed) <= set(live)):
+            return []
+        self.resplitting = {p: list(chosen.bounds[p]) for p in changed}
+        self.resplits += 1
+        self.asked = {"version": self.resplits,
+                      "partitions": {str(p): b for p, b in sorted(self.resplitting.items())},
+                      "slowed": self.slowed_now()}
+        return changed
+
+    def restarted(self, pipeline: int) -> Optional[list[int]]:
+        """``pipeline`` came back on its new split (None: it was not re-split): its devices'
+        slowdowns as of now are where its next baselines start from; once every re-split
+        pipeline is back, the next re-plan may go."""
+        bounds = self.resplitting.get(pipeline)
+        if bounds is None:
+            return None
+        self.partitions[pipeline] = bounds
+        for s in range(self.stages):
+            self.start[(pipeline, s)] = self.slowed[(pipeline, s)]
+        del self.resplitting[pipeline]
+        if not self.resplitting:
+            self.chosen = None
+            self.advised = called_for(scaled(self.base, self.slowed), self.own)
+        return bounds
 
     def consider(self, own: dict[tuple[int, int], Optional[float]], samples_done: float,
                  restart_s: float) -> Optional[Proposal]:
