@@ -48,8 +48,8 @@ from typing import Any, Sequence
 
 from sdpipe_cli.core.partition import device_cost, plan, stage_ranges
 
-__all__ = ["Proposal", "as_config", "called_for", "pace_bound", "pipeline_ms", "run_rate",
-           "propose", "scaled", "splits_field", "MIN_GAIN"]
+__all__ = ["Proposal", "as_config", "called_for", "move_cost", "pace_bound", "pipeline_ms",
+           "run_rate", "propose", "scaled", "splits_field", "MIN_GAIN"]
 
 MIN_GAIN = 1.05  # the least predicted gain of the run's samples/s that is worth a restart
 DISK_PASSES = 5  # the checkpoint written, read, written resharded, verified and loaded
@@ -153,23 +153,40 @@ def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool) -> list
     return [plan(device_cost(block_ms), blocks, stages).bounds] * len(block_ms)
 
 
+def move_cost(restart_s: float, state_bytes: float, bytes_per_s: float, changed: int,
+              pipelines: int, in_place: bool) -> float:
+    """What moving costs, in seconds of the whole run's time: the run stops, writes its
+    checkpoint, reads it back resharded and starts again; or, in place (fewer than all
+    pipelines change), only the ``changed`` pipelines stop, for a start-up and a copy of
+    their state from the others, while the rest go on."""
+    if in_place and 0 < changed < pipelines:
+        share = changed / pipelines
+        return share * (restart_s + state_bytes * share / bytes_per_s)
+    return restart_s + DISK_PASSES * state_bytes / bytes_per_s
+
+
 def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Sequence[int]],
             advised: Sequence[Sequence[int]], microbatches: int, batch_size: int,
             pace: float, own: bool, samples_left: float, restart_s: float,
-            state_bytes: float, disk_bytes_per_s: float = 200e6) -> Proposal:
+            state_bytes: float, disk_bytes_per_s: float = 200e6,
+            in_place: bool = False) -> Proposal:
     """The re-plan the speeds in ``block_ms`` call for, with ``samples_left`` of the run's
     budget still to train and a checkpoint of ``state_bytes`` (weights and optimizer state of
     the whole run) to write and read back. ``current``: each pipeline's split now; ``advised``:
     what :func:`called_for` gave at the speeds the leg began with (a split given against that
     advice is kept while the advice stays); ``pace``: :func:`pace_bound`; ``own``: pipelines
-    may be split apart."""
+    may be split apart. ``in_place``: pipelines re-split while the others go on, so that
+    moving stops only their share of the run, for a restart and a copy of their state from
+    the others (:func:`move_cost`)."""
     current = [[int(b) for b in bounds] for bounds in current]
     wanted = called_for(block_ms, own)
     kept = [p for p, (c, w, a) in enumerate(zip(current, wanted, advised)) if w == list(a) != c]
     bounds = [c if p in kept else w for p, (c, w) in enumerate(zip(current, wanted))]
     now = run_rate(block_ms, current, microbatches, batch_size, pace)
     new = run_rate(block_ms, bounds, microbatches, batch_size, pace)
-    move_s = restart_s + DISK_PASSES * state_bytes / disk_bytes_per_s
+    changed = sum(1 for c, b in zip(current, bounds) if c != b)
+    move_s = move_cost(restart_s, state_bytes, disk_bytes_per_s, changed, len(current),
+                       in_place)
     gain_s = samples_left / now - samples_left / new if now > 0 and new > 0 else 0.0
     if bounds == current and kept:
         go, reason = False, (f"{wanted[kept[0]]} is what the profile advised at the start too; "

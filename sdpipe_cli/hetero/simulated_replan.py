@@ -10,7 +10,9 @@ joined from phases, each simulated:
    the device's start was measured is taken as measured), then one more to stop;
 3. the proposal of :func:`sdpipe_cli.core.replan.propose` at those speeds; if it goes, moving
    (``RESTART_S`` of start-up, the real run measures its own, plus the checkpoint written and
-   read back), then the rest of the budget with the new split and the device slow.
+   read back; in place, only the re-split pipelines' share of a start-up and of a copy of their
+   state, :func:`~sdpipe_cli.core.replan.move_cost`), then the rest of the budget with the new
+   split and the device slow.
 
 Without re-planning, the run is simulated as configured (the change where it is). Both are
 reported in ``simulation.json``'s ``replan`` with the proposal; the console prints one line.
@@ -64,7 +66,7 @@ def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
                        called_for(base, own), int(cfg.pipeline.microbatches), batch,
                        pace_bound(mode(cfg.sync.name).paced_by_slowest, cfg.sync), own,
                        budget - done, RESTART_S,
-                       checkpoint_bytes(doc, cfg.train, plan.pipelines))
+                       checkpoint_bytes(doc, cfg.train, plan.pipelines), in_place=plan.in_place)
     out = {"device": plan.cluster.device(p, s).name, "pipeline": p, "stage": s, "at": at,
            "speed": after, **proposal.record(), "without_s": without.wall_s,
            "without_samples_per_s": without.samples_per_s}

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sdpipe_cli.core.partition import uniform
-from sdpipe_cli.core.replan import (MIN_GAIN, as_config, called_for, pace_bound, pipeline_ms,
-                                    propose)
+from sdpipe_cli.core.replan import (MIN_GAIN, as_config, called_for, move_cost, pace_bound,
+                                    pipeline_ms, propose)
 
 P, S, BLOCKS, M, BATCH = 4, 4, 16, 4, 16
 EVEN = [uniform(BLOCKS, S)] * P  # every pipeline split evenly (the speeds' advice at the start)
@@ -113,6 +113,21 @@ def test_no_replan_when_the_split_is_already_right_or_moving_costs_more():
     late = propose(speeds({(2, 1): 0.25}), EVEN, EVEN, M, BATCH, LOCK_STEP, False,
                    samples_left=50, restart_s=30.0, state_bytes=1e6)
     assert not late.go and "moving costs" in late.reason and late.gain_s < late.move_s
+
+
+def test_in_place_moving_costs_only_the_re_split_pipelines_share():
+    """One pipeline of four re-split in place stops a quarter of the run, for a start-up and a
+    copy of its quarter of the state; the whole run stopping costs the start-up and five disk
+    passes of all of it. With every pipeline changed nothing goes on: a stop either way."""
+    assert move_cost(8.0, 4e8, 2e8, 1, 4, in_place=True) == pytest.approx(0.25 * (8.0 + 0.5))
+    assert move_cost(8.0, 4e8, 2e8, 1, 4, in_place=False) == pytest.approx(8.0 + 10.0)
+    assert move_cost(8.0, 4e8, 2e8, 4, 4, in_place=True) == move_cost(8.0, 4e8, 2e8, 4, 4, False)
+    late = dict(samples_left=50_000, restart_s=5.0, state_bytes=1e6)
+    stop = propose(speeds({(2, 1): 0.25}), EVEN, EVEN, M, BATCH, ALONE, True, **late)
+    going = propose(speeds({(2, 1): 0.25}), EVEN, EVEN, M, BATCH, ALONE, True, **late,
+                    in_place=True)
+    assert going.move_s == pytest.approx(stop.move_s / 4 - 5 * 1e6 / 2e8 / 4 + 1e6 / 16 / 2e8)
+    assert going.go and not stop.go  # near the end, only the hand-over in place still pays
 
 
 block_times = st.lists(st.lists(st.lists(st.floats(0.1, 10.0), min_size=8, max_size=8),

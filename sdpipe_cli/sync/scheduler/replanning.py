@@ -128,7 +128,7 @@ class Replanning:
         proposal = propose(scaled(self.base, self.slowed), self.partitions, self.advised,
                            self.microbatches, self.batch, self.pace, self.own,
                            max(0.0, self.budget_samples - samples_done), restart_s,
-                           self.state_bytes)
+                           self.state_bytes, in_place=self.in_place)
         over = self.over_memory(proposal.bounds) if proposal.go else None
         if over is not None:
             proposal = replace(proposal, go=False, reason=f"the new split does not fit: {over}")
