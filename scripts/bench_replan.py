@@ -13,15 +13,20 @@ cost follows its blocks. Device ``local:9`` (pipeline 2, stage 1; ``--pipelines 
 and 2's stage 1) slows to speed 0.25 at ``--at`` seconds of the run clock. Per seed and sync mode:
 
 * ``warn``: the slowdown is named, nothing moves;
-* ``replan``: the run re-plans if the measured speeds say it pays;
+* ``replan``: the run re-plans if the measured speeds say it pays (under ``sdpipe`` in place:
+  the re-split pipelines restart on their new splits while the others go on);
+* ``replan-stop`` (``sdpipe`` only): the same with ``fault.replan_in_place=false``, the whole
+  run stopping and going on from its checkpoint resharded;
 * ``planned``: the device is slow from the start and the split is the one ``replan`` would
   choose (the partitioner of ``partition=auto`` at those speeds: one for all pipelines under
   ``allreduce``, pipeline 2's own under ``sdpipe``), given from the start.
 
 Columns: a slowed pipeline's samples/s after the slowdown (from ``--at`` + 20 s on the run clock
 to the end, the mean of the slowed pipelines), the run's samples/s over the same span and over
-the whole run, the final training loss (mean over pipelines' last 10 iterations: equal
-budgets), the final validation loss (after the run's last sync), and the ``replan`` lines.
+the whole run, the longest pause of a pipeline that did not slow down (the longest time
+between two of its iterations, after ``--at``: what moving cost the others), the final training
+loss (mean over pipelines' last 10 iterations: equal budgets), the final validation loss
+(after the run's last sync), and the ``replan`` lines.
 
 ``--recover-at T``: one ``replan`` run per mode whose device is back to its speed at ``T``: the
 straggler, re-plan and recovery lines (a re-plan, then one back).
@@ -104,6 +109,16 @@ def rate_after(lines: list[dict], since: float, pipelines: list[int]) -> float |
     return total
 
 
+def longest_pause(lines: list[dict], since: float, pipelines: list[int]) -> float | None:
+    """The longest time between two iterations of any of ``pipelines`` after ``since``."""
+    gaps = []
+    for p in pipelines:
+        times = sorted(m["time"] for m in lines
+                       if m["kind"] == "train" and m["pipeline"] == p and m["time"] >= since)
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    return max(gaps, default=None)
+
+
 def final_loss(lines: list[dict]) -> float:
     last = {}
     for m in lines:
@@ -127,17 +142,20 @@ def final_val_loss(lines: list[dict]) -> float | None:
     return statistics.mean(last.values()) if last else None
 
 
-def row(name: str, lines: list[dict], since: float, slowed: list[int]) -> dict:
+def row(name: str, lines: list[dict], since: float, slowed: list[int], at: float) -> dict:
     replans = [m for m in lines if m["kind"] == "replan"]
     slow = rate_after(lines, since, slowed)
+    others = [p for p in range(P) if p not in slowed]
     return {"run": name,
             "slow pipeline after": _report.rate(None if slow is None else slow / len(slowed)),
             "run after": _report.rate(rate_after(lines, since, list(range(P)))),
             "run, whole": _report.rate(analysis.samples_per_s(lines)),
+            "others' longest pause (s)": _report.num(longest_pause(lines, at, others), ".2f"),
             "final loss": _report.loss(final_loss(lines)),
             "final val loss": _report.loss(final_val_loss(lines)),
             "replan": ", ".join(f"{m['partition']}->{m['proposed']} "
-                                f"{'go' if m['go'] else 'no'}" for m in replans) or "-"}
+                                f"{'in place' if m.get('in_place') else 'go' if m['go'] else 'no'}"
+                                for m in replans) or "-"}
 
 
 def resume_check(out: Path, profile: Path, steps: int, at: float, timeout: float) -> str:
@@ -229,14 +247,17 @@ def main() -> int:
         for seed in [int(s) for s in args.seeds.split(",") if s]:
             common = [f"sync={sync}", f"train.steps={args.steps}", f"train.seed={seed}",
                       f"profile={profile}"]
-            for name, extra in (
-                    ("warn", [slow(args.at)]),
-                    ("replan", [slow(args.at), "fault.on_slowdown=replan"]),
-                    ("planned", [slow(0.0), *split])):
+            replan = [slow(args.at), "fault.on_slowdown=replan"]
+            variants = [("warn", [slow(args.at)]), ("replan", replan),
+                        ("replan-stop", [*replan, "fault.replan_in_place=false"]),
+                        ("planned", [slow(0.0), *split])]
+            for name, extra in variants:
+                if name == "replan-stop" and sync != "sdpipe":
+                    continue  # the other modes always stop
                 label = f"{sync}-{name}-seed{seed}"
                 lines = one(args.out, label, [*common, *extra], args.timeout)
                 since = 0.0 if name == "planned" else args.at + 20.0
-                rows.append(row(label, lines, since, slowed))
+                rows.append(row(label, lines, since, slowed, 0.0 if name == "planned" else args.at))
                 print(json.dumps(rows[-1]), flush=True)
         tables.append(f"### sync={sync} (planned: {' '.join(split)})\n\n"
                       + _report.rows_table(rows))
