@@ -249,8 +249,8 @@ def summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
                       fmt(s["val_loss"]), *(acc if accuracy else ()), f"{s['samples_per_s']:.1f}")
     console.print(table)
     if result.progress.get("mean_group_size") is not None:
-        unit = result.progress.get("rounds_of", "stage")
-        rounds = "; ".join(f"{unit} {s}: {r}" for s, r in enumerate(result.progress["rounds"]))
+        unit, counts = result.progress.get("rounds_of", "stage"), result.progress["rounds"]
+        rounds = "; ".join(_runs_of(unit, counts))
         console.print(f"group sync: mean group size {result.progress['mean_group_size']:.2f}; "
                       f"rounds per replica: {rounds}", highlight=False)
     per_sample, share = (result.progress.get("sync_bytes_per_sample"),
@@ -283,6 +283,18 @@ def summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
         console.print(f"recovered: the scheduler was started again "
                       f"{result.progress['scheduler_restarts']} time(s) and replayed its journal "
                       "(scheduler_restart lines in metrics.jsonl)", highlight=False)
+
+
+def _runs_of(unit: str, counts: list) -> list[str]:
+    """Rounds per replica of each unit, consecutive units with the same counts in one item
+    (``segment 0-15: [...]``: per-block units would otherwise fill the screen)."""
+    items, start = [], 0
+    for k in range(1, len(counts) + 1):
+        if k == len(counts) or counts[k] != counts[start]:
+            span = f"{start}" if k - 1 == start else f"{start}-{k - 1}"
+            items.append(f"{unit} {span}: {counts[start]}")
+            start = k
+    return items
 
 
 def _bytes(n: float) -> str:

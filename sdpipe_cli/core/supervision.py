@@ -140,6 +140,9 @@ class Resplit:
     version: int
     splits: tuple[tuple[int, tuple[int, ...]], ...]  # (pipeline, its new split), by pipeline
     slowed: tuple[tuple[str, float], ...] = ()  # fault.slowed as of the re-plan
+    # the pipelines of ``splits`` to stop now: not those lost meanwhile, which start on their
+    # new splits whenever they are started again
+    stopping: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -385,12 +388,12 @@ class Supervision:
         if version <= self._resplit_seen:
             return None
         self._resplit_seen = version
-        splits = tuple((p, b) for p, b in splits if p not in self._lost)  # lost meanwhile
-        for p, _ in splits:
+        stopping = tuple(p for p, _ in splits if p not in self._lost)  # not lost meanwhile
+        for p in stopping:
             self._lost.add(p)
             self._respawn[p] = (obs.now, self.restarts.used if self.restarts else 0, 0.0)
             self._resplitting.add(p)
-        return Resplit(version, splits, slowed) if splits else None
+        return Resplit(version, splits, slowed, stopping)
 
     def _stranded(self, obs: Observation) -> Optional[str]:
         """Workers still running :attr:`stranded_s` after the scheduler exited 0, in words."""

@@ -206,11 +206,11 @@ class GroupSync(Sync):
     def _runs(self, decided: list[tuple[Unit, protocol.Group]]
               ) -> list[list[tuple[Unit, protocol.Group]]]:
         """``decided`` cut into runs of consecutive units averaged together: the same members
-        (on the same ranks), kind, twins and shares, in fp32. Every member holds every unit of
-        such a run and sees the same decisions, so every member cuts the same runs."""
+        (on the same ranks), kind, twins and shares. Every member holds every unit of such a
+        run and sees the same decisions, so every member cuts the same runs."""
         def key(unit: Unit, d: protocol.Group) -> Any:
-            if self.precision != "fp32" or len(d.members) == 1:
-                return None  # alone: bf16 changes have an anchor per unit
+            if len(d.members) == 1:
+                return None
             return (tuple(self._ranks(unit, d.members)), tuple(d.incarnations), d.kind, d.twins,
                     tuple(d.weight_shares), tuple(d.grad_shares))
 
@@ -254,10 +254,13 @@ class GroupSync(Sync):
                 if decision.kind == "global" and self.optimizer is not None:
                     tensors += optim.state_tensors(self.optimizer, params)
             try:
-                if changes:  # bf16 changes since the anchor (the tensors: weights, statistics)
-                    average_changes(tensors, unit.anchor, self._residual(unit), self.groups, ranks,
-                                    shares[0][1] if shares else None,
+                if changes:  # bf16 changes since each unit's anchor (its weights, statistics)
+                    residual = torch.cat([self._residual(u) for u, _ in run])
+                    average_changes([t for m in modules for t in self._replica(m)],
+                                    torch.cat([u.anchor for u, _ in run]), residual, self.groups,
+                                    ranks, shares[0][1] if shares else None,
                                     incarnations=incarnations, tag=f"r{decision.round}")
+                    unflatten(residual, [u.residual for u, _ in run])  # what rounding lost
                 else:
                     distance = average_tensors(tensors, self.groups, ranks,
                                                consensus=len(params) if decision.kind == "global"
@@ -327,20 +330,25 @@ class GroupSync(Sync):
 
     def rejoin(self, module: nn.Module) -> Optional[int]:
         """A restarted replica: for each unit, ask the scheduler for a source and take its
-        state; returns the iteration to go on from. When the run ended first, ``stop`` is set
-        instead and the state is not taken (the iteration is then where the pipeline was, if the
-        scheduler knows)."""
+        state; returns the iteration to go on from. Every unit asks at once, so that all are
+        healed at their next rounds (one after the other, they would take a round each), and
+        takes its state in segment order, as its sources give it. When the run ended first,
+        ``stop`` is set instead and the state is not taken (the iteration is then where the
+        pipeline was, if the scheduler knows)."""
+        start = time.perf_counter()
+        for unit in self.units:
+            store.push(self.events, store.EVENTS, protocol.Rejoin(
+                self.rank, self.pipeline, unit.index, self.incarnation))
         iteration = None
         for unit in self.units:
-            iteration = self._rejoin(unit, unit.module(module))
+            iteration = self._heal(unit, unit.module(module), start)
             if self.stop:
                 break
         return iteration
 
-    def _rejoin(self, unit: Unit, module: nn.Module) -> Optional[int]:
-        start = time.perf_counter()
-        store.push(self.events, store.EVENTS, protocol.Rejoin(
-            self.rank, self.pipeline, unit.index, self.incarnation))
+    def _heal(self, unit: Unit, module: nn.Module, start: float) -> Optional[int]:
+        """Unit ``unit``'s state from the source the scheduler names (its rejoin was sent at
+        ``start``)."""
         answer = store.take(self.events, store.heal_key(unit.index, self.pipeline,
                                                         self.incarnation), protocol.HealAnswer)
         answered = time.perf_counter()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import free_port, metrics, sdpipe
+from tests.helpers import free_port, make_doc, metrics, sdpipe, write_profile
 from sdpipe_cli.config.run_file import load_run_config
 from sdpipe_cli.sync.groups import GroupCache, average_changes, average_tensors
 from sdpipe_cli.model.models import build_stage_module
@@ -209,19 +209,29 @@ def _fresh_stages(run_dir) -> dict[int, torch.nn.Module]:
     return {s: build_stage_module(cfg, s) for s in range(cfg.pipeline.stages)}
 
 
-@pytest.mark.parametrize("meetings", [(), ("sync.every=2", "sync.precision=bf16")])
-def test_lr_zero_changes_nothing_anywhere(run_dir, meetings):
+@pytest.mark.parametrize("meetings, per_block", [((), False),
+                                                 (("sync.every=2", "sync.precision=bf16"), False),
+                                                 (("sync.every=2", "sync.precision=bf16"), True)])
+def test_lr_zero_changes_nothing_anywhere(run_dir, tmp_path, meetings, per_block):
     """With lr = 0 only averaging acts, and averaging equal replicas must give them back
     (up to float32 rounding of the sum: 3x/3 need not be x to the last bit). With bf16 changes
     every 2 steps, the changes are zero and each member adds their mean to its anchor: an
-    anchor that differed between replicas would move every one of them."""
+    anchor that differed between replicas would move every one of them. ``per_block``: a run
+    that may re-plan in place averages each block as a unit, consecutive ones with the same
+    group in one all-reduce, their anchors joined: joined out of order, they would move."""
+    extra = ()
+    if per_block:
+        doc = make_doc({"local:0": (1.0, [3.0] * 6)}, model="mlp", microbatch=2)
+        extra = ("fault.on_slowdown=replan", f"profile={write_profile(tmp_path, doc)}")
     out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "train.lr=0", "train.steps=10",
                  "model=mlp", "data=synthetic", "train.batch_size=8", "cluster.pipelines=3",
-                 "run.save_final=true", *meetings)
+                 "run.save_final=true", *meetings, *extra)
     assert out.returncode == 0, out.stderr
     fresh = _fresh_stages(run_dir)
     sizes = {g["size"] for g in metrics(run_dir, "group")}
     assert 3 in sizes  # the final global sync, at least
+    if per_block:  # a round per block (segments 0-5)
+        assert {g["stage"] for g in metrics(run_dir, "group")} == set(range(6))
     files = sorted((run_dir / "final").glob("*.pt"))
     assert len(files) == 6
     for path in files:

@@ -83,3 +83,14 @@ def test_a_device_slow_before_the_re_plan_is_said_to_be_still_slow():
     shown = ProgressDisplay(Console(file=out, width=200), 100, 0)
     shown.update({"stragglers": carried.current()})
     assert "still slow: " in out.getvalue() and "slow device" not in out.getvalue()
+
+
+def test_the_summary_counts_rounds_per_unit_with_equal_neighbours_together():
+    """Per-block units (a run that may re-plan in place) would be one item each: consecutive
+    units whose replicas had the same rounds are one item."""
+    from sdpipe_cli.cli.display import _runs_of
+
+    assert _runs_of("stage", [[4, 3], [4, 3]]) == ["stage 0-1: [4, 3]"]
+    assert _runs_of("segment", [[4, 3], [4, 3], [2, 3], [4, 3]]) == [
+        "segment 0-1: [4, 3]", "segment 2: [2, 3]", "segment 3: [4, 3]"]
+    assert _runs_of("stage", []) == []

@@ -258,7 +258,7 @@ def test_a_resplit_in_place_restarts_those_pipelines_at_once_whatever_the_loss_p
                                        "slowed": {"p0s1": 4.0}}}
     policy = Supervision(started=True, workers=6)  # fault.on_pipeline_loss=stop
     assert policy.decide(see(run(P=3), now=5, progress=asked)) == Resplit(
-        1, ((0, (4,)), (2, (5,))), (("p0s1", 4.0),))
+        1, ((0, (4,)), (2, (5,))), (("p0s1", 4.0),), (0, 2))
     stopped = run(P=3, codes={"0": TERMED, "1": TERMED, "4": TERMED, "5": KILLED})
     assert policy.decide(see(stopped, now=5.1, progress=asked)) == Respawn(0, 0, 0.0, True)
     respawned = run(P=3, codes={"4": TERMED, "5": KILLED})  # pipeline 0's new workers run
@@ -269,6 +269,12 @@ def test_a_resplit_in_place_restarts_those_pipelines_at_once_whatever_the_loss_p
     with_budget = Supervision(started=True, workers=6, tolerate=True, restarts=Restarts(1, 1.0))
     with_budget.decide(see(run(P=3), now=0, progress=asked))
     assert with_budget.decide(see(run(P=3), now=0)).resplit and with_budget.restarts.left == 1
+    # pipeline 2 lost just before: it is not stopped again, and starts on its new split
+    # whenever it is started again (the config says so)
+    tolerant = Supervision(started=True, workers=6, tolerate=True, restarts=Restarts(1, 5.0))
+    assert tolerant.decide(see(run(P=3, codes={"4": KILLED}), now=0)).restart == (True,)
+    assert tolerant.decide(see(run(P=3, codes={"4": KILLED}), now=1, progress=asked)) == Resplit(
+        1, ((0, (4,)), (2, (5,))), (("p0s1", 4.0),), (0,))
     stopping = Supervision(started=True, workers=6)
     assert stopping.decide(see(run(P=3), now=0, signals=1)) == RequestStop()
     assert stopping.decide(see(run(P=3), now=1, signals=1, progress=asked)) == Wait()
