@@ -28,8 +28,8 @@ between two of its iterations, after ``--at``: what moving cost the others), the
 loss (mean over pipelines' last 10 iterations: equal budgets), the final validation loss
 (after the run's last sync), and the ``replan`` lines.
 
-``--recover-at T``: one ``replan`` run per mode whose device is back to its speed at ``T``: the
-straggler, re-plan and recovery lines (a re-plan, then one back).
+``--recover-at T``: one ``replan`` run per mode whose devices are back to their speed at ``T``:
+the straggler, re-plan and recovery lines (a re-plan, then one back).
 
 ``--resume-check``: one ``allreduce`` run with ``replan`` and ``checkpoint.every``, resumed
 (``sdpipe resume``, into a new folder) from its first checkpoint after the re-plan: the losses of
@@ -190,20 +190,23 @@ def resume_check(out: Path, profile: Path, steps: int, at: float, timeout: float
 
 
 def recover_check(out: Path, profile: Path, sync: str, steps: int, at: float, back: float,
-                  timeout: float) -> str:
-    """One ``replan`` run whose device slows at ``at`` and is back to its speed at ``back``:
+                  timeout: float, slowed: list[int]) -> str:
+    """One ``replan`` run whose devices slow at ``at`` and are back to their speed at ``back``:
     the re-plans it made, and the split it ended with."""
+    slow = ", ".join(f"{{device: '{device(p)}', speed: {SPEED}, start: {at}, end: {back}}}"
+                     for p in slowed)
     lines = one(out, f"recover-{sync}", [f"sync={sync}", f"train.steps={steps}",
                                          f"profile={profile}", "fault.on_slowdown=replan",
-                                         f"cluster.changes=[{{device: '{device(PIPELINE)}', speed: {SPEED}, "
-                                         f"start: {at}, end: {back}}}]"], timeout)
+                                         f"cluster.changes=[{slow}]"], timeout)
     events = [f"{m['kind']} {m['device']} at {m['time']:.1f} s"
-              + (f": {m['partition']} -> {m['proposed']} {'go' if m['go'] else 'no'}"
+              + (f": {m['partition']} -> {m['proposed']} "
+                 f"{'in place' if m.get('in_place') else 'go' if m['go'] else 'no'}"
                  if m["kind"] == "replan" else "")
               for m in lines if m["kind"] in ("straggler", "recovered", "replan")]
     legs = sorted((out / f"recover-{sync}").glob("config.resume-*.yaml"))
+    moved = sorted((out / f"recover-{sync}").glob("config.replan*.yaml"))
     return (f"recover check ({sync}, slow from {at:g} s to {back:g} s): " + "; ".join(events)
-            + f"; {len(legs)} resumed leg(s)")
+            + f"; {len(legs)} resumed leg(s), {len(moved)} re-split(s) in place")
 
 
 def main() -> int:
@@ -229,13 +232,12 @@ def main() -> int:
     if args.resume_check:
         print(resume_check(args.out, profile, args.steps, args.at, args.timeout))
         return 0
+    slowed = [int(p) for p in args.pipelines.split(",") if p]
     if args.recover_at is not None:
         for sync in [s for s in args.syncs.split(",") if s]:
             print(recover_check(args.out, profile, sync, args.steps, args.at, args.recover_at,
-                                args.timeout))
+                                args.timeout, slowed))
         return 0
-
-    slowed = [int(p) for p in args.pipelines.split(",") if p]
 
     def slow(at: float) -> str:
         return changes(slowed, at)
