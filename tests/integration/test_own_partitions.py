@@ -44,7 +44,7 @@ def test_pipelines_split_differently_train_as_one_split_does(own_split_run, shar
     assert sorted(own) == sorted(same) == [(p, k) for p in range(3) for k in range(1, 9)]
     assert max(abs(own[key] - same[key]) for key in own) < 1e-5
     # four segments: [0,1) [1,3) [3,5) [5,6); pipeline 1's stage 0 holds one, its stage 1 three
-    assert "segment 3: [8, 8, 8]" in out.stderr and "segment 4" not in out.stderr
+    assert "segment 0-3: [8, 8, 8]" in out.stderr and "segment 4" not in out.stderr
     groups = metrics(run, "group")
     assert {m["stage"] for m in groups} == {0, 1, 2, 3}
     assert all(m["members"] == [0, 1, 2] for m in groups)

@@ -121,12 +121,14 @@ def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_others_go_on(tm
     healed = [m for m in lines if m["kind"] == "heal"]
     assert sorted(m["segment"] for m in healed) == list(range(6))  # every block, from a peer
     assert {m["source"] for m in healed} <= {1, 2}
-    for p in (1, 2):  # never stopped: their iterations go on at their pace through the re-plan
-        times = sorted(m["time"] for m in train if m["pipeline"] == p)
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        assert max(gaps) < 5 * statistics.median(gaps), (p, max(gaps))
+    # pipelines 1 and 2 never stopped: the processes that ended them are the first ones (how
+    # long they paused is the benchmark's to measure: scripts/bench_replan.py)
+    assert [m["pipeline"] for m in lines if m["kind"] == "restart"] == [0]
     done = {m["rank"]: m for m in lines if m["kind"] == "done"}
-    assert done[0].get("healed") and done[1].get("healed") and not done[2].get("healed")
+    assert [bool(done[r].get("healed")) for r in range(6)] == [True, True] + [False] * 4
+    first = min(m["time"] for m in train)
+    assert all(done[r]["wall_s"] > done[0]["wall_s"] + replan["time"] - first - 2.0
+               for r in range(2, 6))
     saved = yaml.safe_load((run / "config.replan.yaml").read_text())
     assert saved["pipeline"]["partitions"] == {0: [5]} and saved["pipeline"]["partition"] == [3]
     assert saved["fault"]["slowed"]["p0s1"] == pytest.approx(4.0, rel=0.25)
