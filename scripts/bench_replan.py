@@ -21,7 +21,9 @@ and 2's stage 1) slows to speed 0.25 at ``--at`` seconds of the run clock. Per s
   choose (the partitioner of ``partition=auto`` at those speeds: one for all pipelines under
   ``allreduce``, pipeline 2's own under ``sdpipe``), given from the start.
 
-Columns: a slowed pipeline's samples/s after the slowdown (from ``--at`` + 20 s on the run clock
+Columns: the run's samples/s before the slowdown (from 5 s after its first iteration to
+``--at``: what replicas averaging per block, in place, cost against per stage), a slowed
+pipeline's samples/s after the slowdown (from ``--at`` + 20 s on the run clock
 to the end, the mean of the slowed pipelines), the run's samples/s over the same span and over
 the whole run, the longest pause of a pipeline that did not slow down (the longest time
 between two of its iterations, after ``--at``: what moving cost the others), the final training
@@ -97,12 +99,14 @@ def planned_split(block_ms: float, own: bool, slowed: list[int]) -> list[str]:
     return [f"pipeline.partition={shared}", f"pipeline.partitions={{{own_text}}}"]
 
 
-def rate_after(lines: list[dict], since: float, pipelines: list[int]) -> float | None:
-    """Samples/s of ``pipelines`` from run-clock ``since`` to their last train line."""
+def rate_after(lines: list[dict], since: float, pipelines: list[int],
+               until: float = float("inf")) -> float | None:
+    """Samples/s of ``pipelines`` from run-clock ``since`` to their last train line (before
+    ``until``)."""
     total = 0.0
     for p in pipelines:
-        mine = sorted((m["time"], m["samples"]) for m in lines
-                      if m["kind"] == "train" and m["pipeline"] == p and m["time"] >= since)
+        mine = sorted((m["time"], m["samples"]) for m in lines if m["kind"] == "train"
+                      and m["pipeline"] == p and since <= m["time"] <= until)
         if len(mine) < 2:
             return None
         total += (mine[-1][1] - mine[0][1]) / (mine[-1][0] - mine[0][0])
@@ -146,7 +150,10 @@ def row(name: str, lines: list[dict], since: float, slowed: list[int], at: float
     replans = [m for m in lines if m["kind"] == "replan"]
     slow = rate_after(lines, since, slowed)
     others = [p for p in range(P) if p not in slowed]
+    start = min((m["time"] for m in lines if m["kind"] == "train"), default=0.0)
     return {"run": name,
+            "run before": _report.rate(rate_after(lines, start + 5.0, list(range(P)), at)
+                                       if at > start + 10.0 else None),
             "slow pipeline after": _report.rate(None if slow is None else slow / len(slowed)),
             "run after": _report.rate(rate_after(lines, since, list(range(P)))),
             "run, whole": _report.rate(analysis.samples_per_s(lines)),
