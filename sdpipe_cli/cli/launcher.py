@@ -254,6 +254,9 @@ class Spawner:
     run_dir: Path
     base: dict[str, str] = field(default_factory=dict)
     incarnations: list[int] = field(default_factory=list)
+    # the config workers started from now on read, once pipelines were re-split in place (the
+    # scheduler keeps the leg's: a scheduler started again replays its journal under it)
+    workers_config: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.incarnations = [0] * self.plan.pipelines
@@ -269,6 +272,8 @@ class Spawner:
         local = cluster.device_of_rank(rank).index if cluster.real else rank
         env = {**self.base, "RANK": str(rank), "LOCAL_RANK": str(local),
                "SDPIPE_INCARNATION": str(incarnation)}
+        if self.workers_config is not None:
+            env["SDPIPE_CONFIG"] = self.workers_config
         where = self.plan.grid.at(rank)
         role = f"worker rank {rank} (pipeline {where.pipeline}, stage {where.stage})"
         child = spawn(self.job.worker, str(rank), role, self.run_dir, env)
@@ -423,9 +428,9 @@ class Launch:
 
     def resplit(self, splits: dict[int, list[int]], slowed: dict[str, float]) -> None:
         """Pipelines re-split in place: the run's config with their new splits (and the
-        slowdowns measured, ``fault.slowed``), written beside the others
-        (``config.replan-<n>.yaml``, the run's history of its splits), is the one their new
-        workers, and any started later, read."""
+        slowdowns measured, ``fault.slowed``), written beside the others (``config.replan.yaml``,
+        then ``config.replan-1.yaml``, ...: the run's history of its splits), is the one their
+        new workers, and any worker started later, read."""
         cfg = self.cfg
         cfg.fault.slowed = slowed
         for p, bounds in splits.items():
@@ -434,7 +439,7 @@ class Launch:
         path = _new_path(self.run_dir / "config.replan.yaml")
         cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
         save_run_config(cfg, path)
-        self.spawner.base["SDPIPE_CONFIG"] = str(path.resolve())
+        self.spawner.workers_config = str(path.resolve())
 
     def interrupted(self) -> None:
         """A stop at once (:class:`~sdpipe_cli.cli.supervisor.Interrupted`): what to say."""

@@ -326,7 +326,7 @@ def _announce_restart(action: supervision.Respawn, rank: int, incarnation: int, 
     """Tell the scheduler (and the user) that a lost pipeline's workers are started again."""
     store.push(events, store.EVENTS, protocol.Restart(
         rank, action.pipeline, incarnation, action.restart, action.backoff_s,
-        round(time.time() - since, 4)))
+        round(time.time() - since, 4), action.resplit))
     how = ("on its new split" if action.resplit
            else f"(restart {action.restart} of {limit})")
     print(f"sdpipe: pipeline {action.pipeline} restarted {how}", file=sys.stderr, flush=True)

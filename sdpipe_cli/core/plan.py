@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.core.meetings import precision_of
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.segments import Segments, partitions_of
@@ -62,11 +63,14 @@ def _partitions(cfg: Any) -> tuple[tuple[int, ...], ...]:
 
 def _in_place(cfg: Any, blocks: int) -> bool:
     """Whether a re-plan re-splits pipelines while the others go on: ``fault.replan_in_place``
-    under a mode whose pipelines may be split apart and whose scheduler heals a restarted one
-    (sdpipe), with the model's blocks known."""
+    (a config written before it existed: no) under a mode whose pipelines may be split apart
+    and whose scheduler heals a restarted one (sdpipe), with two pipelines at least (one to
+    heal from) and the model's blocks known; not with bf16 changes, whose anchor a replica
+    healed segment by segment could miss (as ``fault.on_pipeline_loss=restart`` cannot)."""
     f, able = cfg.fault, mode(cfg.sync.name)
     return bool(blocks and f.on_slowdown == "replan" and f.get("replan_in_place", False)
-                and able.segments and able.group_policy)
+                and able.segments and able.group_policy and int(cfg.cluster.pipelines) >= 2
+                and precision_of(cfg.sync) == "fp32")
 
 
 def microbatch_size(cfg: Any) -> int:

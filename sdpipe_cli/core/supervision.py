@@ -392,7 +392,8 @@ class Supervision:
         for p in stopping:
             self._lost.add(p)
             self._respawn[p] = (obs.now, self.restarts.used if self.restarts else 0, 0.0)
-            self._resplitting.add(p)
+        # one lost meanwhile and due to be started again starts on its new split too
+        self._resplitting.update(p for p, _ in splits if p in stopping or p in self._respawn)
         return Resplit(version, splits, slowed, stopping)
 
     def _stranded(self, obs: Observation) -> Optional[str]:

@@ -126,6 +126,7 @@ class Restart:
     restart: int = 1  # restarts in the run so far, this one included
     backoff_s: float = 0.0
     time: float = 0.0
+    resplit: bool = False  # on the new split the scheduler asked for (a re-split in place)
 
 
 # The fields of each report kind that a reader acts on, and their types: (required, optional).
@@ -179,6 +180,7 @@ class HealTarget:
     pipeline: int
     incarnation: int
     round: int
+    order: int = 0  # the scheduler's count of heals: sources give, and replicas take, in it
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,7 @@ class HealAnswer:
     source_incarnation: Optional[int] = None
     done: Optional[int] = None
     round: Optional[int] = None
+    order: int = 0  # as the source's :class:`HealTarget` says
 
     def __post_init__(self) -> None:
         if not self.stop and None in (self.iteration, self.source, self.source_incarnation,

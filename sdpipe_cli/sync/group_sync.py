@@ -38,6 +38,8 @@ __all__ = ["GroupSync", "Unit"]
 
 log = logging.getLogger("sdpipe.sync")
 
+HEAL_POLL_S = 0.01  # how often a restarted replica looks for its units' heal answers
+
 
 @dataclass
 class Unit:
@@ -148,9 +150,12 @@ class GroupSync(Sync):
             else:  # training alone until the next meeting
                 self._checkpoint = None
                 self._stats = {}
-        for unit in self.units:  # after the step: the state the replica goes on from
-            for target in unit.heal:
-                self._give_heal(unit, unit.module(module), target)
+        # after the step: the state the replica goes on from, in the order of the run's heals
+        given = sorted(((t.order, k, t) for k, unit in enumerate(self.units) for t in unit.heal),
+                       key=lambda h: h[:2])
+        for _, k, target in given:
+            self._give_heal(self.units[k], self.units[k].module(module), target)
+        for unit in self.units:
             unit.heal = []
 
     def position(self, step: int) -> float:
@@ -206,11 +211,13 @@ class GroupSync(Sync):
     def _runs(self, decided: list[tuple[Unit, protocol.Group]]
               ) -> list[list[tuple[Unit, protocol.Group]]]:
         """``decided`` cut into runs of consecutive units averaged together: the same members
-        (on the same ranks), kind, twins and shares. Every member holds every unit of such a
-        run and sees the same decisions, so every member cuts the same runs."""
+        (on the same ranks), kind, twins and shares, in fp32. Every member holds every unit of
+        such a run and sees the same decisions, so every member cuts the same runs. (Units whose
+        holders are the same in every pipeline are per-block segments, which bf16 changes do
+        not use: :attr:`~sdpipe_cli.core.plan.RunPlan.in_place`.)"""
         def key(unit: Unit, d: protocol.Group) -> Any:
-            if len(d.members) == 1:
-                return None
+            if self.precision != "fp32" or len(d.members) == 1:
+                return None  # alone: bf16 changes have an anchor per unit
             return (tuple(self._ranks(unit, d.members)), tuple(d.incarnations), d.kind, d.twins,
                     tuple(d.weight_shares), tuple(d.grad_shares))
 
@@ -254,13 +261,10 @@ class GroupSync(Sync):
                 if decision.kind == "global" and self.optimizer is not None:
                     tensors += optim.state_tensors(self.optimizer, params)
             try:
-                if changes:  # bf16 changes since each unit's anchor (its weights, statistics)
-                    residual = torch.cat([self._residual(u) for u, _ in run])
-                    average_changes([t for m in modules for t in self._replica(m)],
-                                    torch.cat([u.anchor for u, _ in run]), residual, self.groups,
-                                    ranks, shares[0][1] if shares else None,
+                if changes:  # bf16 changes since the anchor (the tensors: weights, statistics)
+                    average_changes(tensors, unit.anchor, self._residual(unit), self.groups, ranks,
+                                    shares[0][1] if shares else None,
                                     incarnations=incarnations, tag=f"r{decision.round}")
-                    unflatten(residual, [u.residual for u, _ in run])  # what rounding lost
                 else:
                     distance = average_tensors(tensors, self.groups, ranks,
                                                consensus=len(params) if decision.kind == "global"
@@ -331,26 +335,49 @@ class GroupSync(Sync):
     def rejoin(self, module: nn.Module) -> Optional[int]:
         """A restarted replica: for each unit, ask the scheduler for a source and take its
         state; returns the iteration to go on from. Every unit asks at once, so that all are
-        healed at their next rounds (one after the other, they would take a round each), and
-        takes its state in segment order, as its sources give it. When the run ended first,
-        ``stop`` is set instead and the state is not taken (the iteration is then where the
-        pipeline was, if the scheduler knows)."""
+        healed at their next rounds (one after the other, they would take a round each). When
+        the run ended first, ``stop`` is set instead and the state is not taken (the iteration
+        is then where the pipeline was, if the scheduler knows)."""
         start = time.perf_counter()
         for unit in self.units:
             store.push(self.events, store.EVENTS, protocol.Rejoin(
                 self.rank, self.pipeline, unit.index, self.incarnation))
         iteration = None
-        for unit in self.units:
-            iteration = self._heal(unit, unit.module(module), start)
+        for unit, answer in self._answers():
+            iteration = self._heal(unit, unit.module(module), answer, start)
             if self.stop:
                 break
         return iteration
 
-    def _heal(self, unit: Unit, module: nn.Module, start: float) -> Optional[int]:
-        """Unit ``unit``'s state from the source the scheduler names (its rejoin was sent at
-        ``start``)."""
-        answer = store.take(self.events, store.heal_key(unit.index, self.pipeline,
-                                                        self.incarnation), protocol.HealAnswer)
+    def _answers(self):
+        """Each unit's heal answer, in the order of the run's heals (``order``), which every
+        source gives in. The units' rounds may close at different iterations, and a source
+        blocks in its broadcast until this replica takes it: taken in any other order, a
+        source could wait on this replica while it waits on that source. The scheduler
+        publishes heals in their order, so once one is there, a second look finds every
+        earlier one too."""
+        pending = list(self.units)
+        waited, limit = 0.0, getattr(self.events, "timeout", None)
+        limit = limit.total_seconds() if limit is not None else 300.0
+        while pending:
+            keys = [store.heal_key(u.index, self.pipeline, self.incarnation) for u in pending]
+            if not any(self.events.check([key]) for key in keys) and waited < limit:
+                time.sleep(HEAL_POLL_S)
+                waited += HEAL_POLL_S
+                continue
+            there = [(store.read(self.events, key, protocol.HealAnswer), i)
+                     for i, key in enumerate(keys) if self.events.check([key])]
+            if not there:  # past the store's timeout: the first, and its timeout error
+                yield pending.pop(0), store.take(self.events, keys[0], protocol.HealAnswer)
+                continue
+            answer, i = min(there, key=lambda a: (not a[0].stop, a[0].order))
+            self.events.delete_key(keys[i])
+            yield pending.pop(i), answer
+
+    def _heal(self, unit: Unit, module: nn.Module, answer: protocol.HealAnswer,
+              start: float) -> Optional[int]:
+        """Unit ``unit``'s state from the source the scheduler named in ``answer`` (its rejoin
+        was sent at ``start``)."""
         answered = time.perf_counter()
         if answer.stop:
             self.stop = True

@@ -41,9 +41,12 @@ def main() -> int:
         # norm, tied weights) is not the sync's traffic, which sync_groups count
         pipeline_groups = groups.for_worker(ctx, cfg.run.timeout)
         shared = store.namespace(ctx.client)
+        # a restarted worker takes its state from a live replica (rejoin), not from the
+        # checkpoint the leg began with, which may not even hold its blocks (a re-split)
+        resume = os.environ.get("SDPIPE_RESUME") if not ctx.incarnation else None
         worker = Worker(cfg, ctx.where, ctx.plan, ctx.device, shared, sync_groups,
-                        pipeline_groups, resume=os.environ.get("SDPIPE_RESUME"),
-                        incarnation=ctx.incarnation, rank_offset=ctx.rank_offset)
+                        pipeline_groups, resume=resume, incarnation=ctx.incarnation,
+                        rank_offset=ctx.rank_offset)
         # Waiting silently, a worker must not look hung (or never started) to the scheduler. A
         # restarted one counts itself in before it waits to be healed, which takes a round.
         patience = min(cfg.run.timeout, cfg.run.heartbeat_timeout) / 2

@@ -93,10 +93,10 @@ def test_a_slow_device_is_replanned_where_it_pays(tmp_path, sync):
 
 def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_other_goes_on(tmp_path):
     """With the blocks known (per-block segments), the re-plan of pipeline 0 does not stop the
-    run: its new split is in the store from its next incarnation on, and the snapshot asks the
-    launcher to restart it. Its old workers' events follow the old split until it is back; then
-    block 4 lies on its stage 0, the run's config and checkpoints say [5], and the next re-plan
-    may go."""
+    run: the snapshot asks the launcher to restart it on [5]. Its old workers' events follow the
+    old split until it is back; then its split is in the store for its new incarnation, block 4
+    lies on its stage 0, the run's config and checkpoints say [5], and once it is live again the
+    next re-plan may go."""
     sched, events, clock, _ = scheduler(tmp_path, "sdpipe", blocks=BLOCKS)
     assert sched.segments.count == BLOCKS
     for r in range(P * S):
@@ -110,17 +110,22 @@ def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_other_goes_on(t
     assert "replan" not in snapshot  # the run does not stop for it
     assert snapshot["resplit"]["version"] == 1 and snapshot["resplit"]["partitions"] == {"0": [5]}
     assert snapshot["resplit"]["slowed"] == {"p0s1": pytest.approx(4.0, rel=0.01)}
-    assert store.read(events, store.split_key(0), protocol.Split) == protocol.Split(0, 1, [5])
+    assert store.read(events, store.split_key(0), protocol.Split) is None  # not back yet
     with pytest.raises(protocol.ProtocolError):  # block 4 is still on stage 1 (rank 1)
         sched.handle(protocol.Rejoin(rank=0, pipeline=0, stage=4, incarnation=0))
     sched.handle(protocol.Lost(rank=0, pipeline=0, reason="re-split to [5]", restart=True))
-    sched.handle(protocol.Restart(rank=0, pipeline=0, incarnation=1, restart=0))
+    sched.handle(protocol.Restart(rank=0, pipeline=0, incarnation=1, restart=0, resplit=True))
+    assert store.read(events, store.split_key(0), protocol.Split) == protocol.Split(0, 1, [5])
     sched.handle(protocol.Rejoin(rank=1, pipeline=0, stage=4, incarnation=0))  # stale: dropped
     sched.handle(protocol.Rejoin(rank=0, pipeline=0, stage=4, incarnation=1))
     assert (4, 0) in sched.rejoining and sched.restarts == 0  # a re-split is no restart
     assert dict(sched.cfg.pipeline.partitions) == {0: [5]} and sched.cfg.fault.slowed["p0s1"] > 3
     assert sched.checkpoints.plan.partition_of(0) == [5]
-    assert sched.replanning.chosen is None and sched.replanning.partitions == [[5], [3]]
+    assert sched.replanning.partitions == [[5], [3]]
+    sched.replanning.release(frozenset({1}))  # not healed yet: no other re-plan
+    assert sched.replanning.chosen is not None
+    sched.replanning.release(frozenset({0, 1}))
+    assert sched.replanning.chosen is None
     sched.metrics.close()
 
 

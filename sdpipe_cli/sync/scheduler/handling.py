@@ -113,6 +113,7 @@ class Scheduler:
         self.health = Health(self.tracker, self.grid, cfg.run.heartbeat_timeout, cfg.run.timeout,
                              cfg.fault.on_pipeline_loss != "stop", clock)
         self.heals = self.restarts = 0
+        self.heals_given = 0  # heals published so far: their order
         self.scheduler_restarts = 0  # times this leg's scheduler was started again (go_live)
         self.checkpoints = Checkpoints(cfg, plan, run_dir, self.meetings, clock)
         self.tracer = (self._tracer() if cfg.run.trace and self.policy is not None and live
@@ -275,10 +276,12 @@ class Scheduler:
         split: its segments lie elsewhere from now on)."""
         p = event.pipeline
         self.incarnation[p] = event.incarnation
-        split = self.replanning.restarted(p) if self.replanning is not None else None
+        split = (self.replanning.restarted(p) if self.replanning is not None and event.resplit
+                 else None)
         if split is None:
             self.restarts += 1
-        else:
+        else:  # its workers find it there from the first decision naming this incarnation
+            store.put(self.events, store.split_key(p), protocol.Split(p, event.incarnation, split))
             self.segments = self.segments.resplit(p, split)
             self.cfg.fault.slowed = self.replanning.slowed_now()  # what a resume carries on
             self.checkpoints.resplit(p, split)
@@ -311,6 +314,7 @@ class Scheduler:
         (in place), or the run stops at its next consistent point (as a graceful stop does,
         with a checkpoint) and the launcher goes on from there with the new split."""
         done = sum(state.samples for state in self.tracker.state.values())
+        self.replanning.release(self.policy.live if self.policy is not None else frozenset())
         proposal = self.replanning.consider(self.stragglers.own_slowdowns(), done,
                                             self.first_step or 0.0)
         if proposal is None:
@@ -322,11 +326,8 @@ class Scheduler:
                             **proposal.record(), **({"in_place": changed} if changed else {})})
         log.warning("re-plan after %s (%s): %s", straggler["device"], proposal.change(),
                     proposal.reason)
-        for p in changed:  # they come back on their new splits from their next incarnation
-            store.put(self.events, store.split_key(p), protocol.Split(
-                p, self.incarnation[p] + 1, self.replanning.resplitting[p]))
         if changed:
-            self.publish_progress()  # the launcher restarts them
+            self.publish_progress()  # the launcher restarts them on their new splits
         elif proposal.go:
             self.replan = self.replanning.next_leg()
             self.events.set(store.STOP_REQUESTED, "1")
@@ -372,8 +373,12 @@ class Scheduler:
         for d in decisions:
             ckpt = (self.checkpoints.at_global_sync(d, self.policy) if d.kind == "global"
                     else None)
-            # the restarted replicas this round's first member heals after its update
-            heal = [protocol.HealTarget(q, self.incarnation[q], d.round) for q, _ in d.heal]
+            # the restarted replicas this round's first member heals after its update, in the
+            # order of every heal of the run: a source gives, and a replica takes, in it
+            orders = list(range(self.heals_given + 1, self.heals_given + 1 + len(d.heal)))
+            self.heals_given += len(d.heal)
+            heal = [protocol.HealTarget(q, self.incarnation[q], d.round, n)
+                    for (q, _), n in zip(d.heal, orders)]
             # every member gets the same record, in one message: a set per member is a send and a
             # wake-up of the store each, which the last member of a large group waits behind
             group = protocol.Group(
@@ -386,14 +391,14 @@ class Scheduler:
             values = [protocol.encode(group)] * len(keys)
             if heal:  # to the source only
                 values[0] = protocol.encode(dataclasses.replace(group, heal=heal))
-            for q, k in d.heal:
+            for (q, k), n in zip(d.heal, orders):
                 self.rejoining.discard((d.stage, q))
                 keys.append(store.heal_key(d.stage, q, self.incarnation[q]))
                 values.append(protocol.encode(protocol.HealAnswer(
                     stop=False, source=d.members[0],
                     source_incarnation=self.incarnation[d.members[0]],
                     iteration=self.meetings.steps(k), done=done,
-                    round=d.round)))
+                    round=d.round, order=n)))
             # stamped before the write: a member may read the decision before the write returns
             # here, and a stamp after it would then be later than the read it caused
             published = self.tracer.clock() if self.tracer is not None else None

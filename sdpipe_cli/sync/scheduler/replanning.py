@@ -11,12 +11,12 @@ would not fit a device's declared memory is declined before anything stops.
 
 **In place** (``fault.replan_in_place``, sdpipe: the plan's ``in_place``): a re-plan that changes
 some pipelines' splits but leaves at least one live pipeline as it was does not stop the run.
-The scheduler says where each re-split pipeline's blocks go from its next incarnation on
-(:class:`~sdpipe_cli.runtime.protocol.Split`) and asks the launcher, in the progress snapshot
-(``resplit``), to restart those pipelines on their new splits; they rejoin and heal from the
-others, segment by segment, as a pipeline restarted after a failure does, while the others go
-on. Its devices' slowdowns are carried into their new baselines, and once every one of them is
-back, another re-plan may follow (back, when a device recovers).
+The scheduler asks the launcher, in the progress snapshot (``resplit``), to restart those
+pipelines on their new splits; when each is announced under its new incarnation, the scheduler
+says where its blocks lie from then on (:class:`~sdpipe_cli.runtime.protocol.Split`). They
+rejoin and heal from the others, as a pipeline restarted after a failure does, while the others
+go on. Its devices' slowdowns are carried into their new baselines, and once every one of them
+is back and healed, another re-plan may follow (back, when a device recovers).
 
 ``fault.slowed`` carries the slowdowns of earlier legs: the detector measures such a device from
 its speed before them (:mod:`sdpipe_cli.core.slowdowns`), so it recovers when it is back to it,
@@ -77,6 +77,7 @@ class Replanning:
         self.in_place = plan.in_place
         self.stages = plan.stages
         self.resplitting: dict[int, list[int]] = {}  # pipeline -> its new split, until restarted
+        self.healing: set[int] = set()  # restarted on their new splits, until live again
         self.resplits = 0  # re-splits in place asked for in this leg
         # the last one, for the progress snapshot (``resplit``), which the launcher acts on
         self.asked: Optional[dict[str, Any]] = None
@@ -99,20 +100,24 @@ class Replanning:
         return changed
 
     def restarted(self, pipeline: int) -> Optional[list[int]]:
-        """``pipeline`` came back on its new split (None: it was not re-split): its devices'
-        slowdowns as of now are where its next baselines start from; once every re-split
-        pipeline is back, the next re-plan may go."""
-        bounds = self.resplitting.get(pipeline)
+        """``pipeline`` came back on its new split (None: it was not to be re-split): its
+        devices' slowdowns as of now are where its next baselines start from."""
+        bounds = self.resplitting.pop(pipeline, None)
         if bounds is None:
             return None
         self.partitions[pipeline] = bounds
         for s in range(self.stages):
             self.start[(pipeline, s)] = self.slowed[(pipeline, s)]
-        del self.resplitting[pipeline]
-        if not self.resplitting:
-            self.chosen = None
-            self.advised = called_for(scaled(self.base, self.slowed), self.own)
+        self.healing.add(pipeline)
         return bounds
+
+    def release(self, live: frozenset[int]) -> None:
+        """Once every re-split pipeline is back and healed (``live``), the next re-plan may
+        go: until then the run has no checkpoint with its new split to stop at."""
+        if self.chosen is not None and not self.resplitting and self.healing <= set(live) \
+                and self.resplits:
+            self.chosen, self.healing = None, set()
+            self.advised = called_for(scaled(self.base, self.slowed), self.own)
 
     def consider(self, own: dict[tuple[int, int], Optional[float]], samples_done: float,
                  restart_s: float) -> Optional[Proposal]:
