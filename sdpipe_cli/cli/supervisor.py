@@ -176,9 +176,9 @@ class Supervisor:
         ``on_resplit``), then each one's workers stopped and the scheduler told it is gone."""
         self.on_resplit({p: list(bounds) for p, bounds in action.splits}, dict(action.slowed))
         for p, bounds in action.splits:
-            if p not in action.stopping:
-                continue
             mates = [c for c in self.children if c.pipeline == p]
+            if p not in action.stopping or not mates:  # lost meanwhile, or on another node
+                continue
             stop_all(mates)
             store.push(self.events, store.EVENTS, protocol.Lost(
                 min(c.rank for c in mates), p, f"re-split to {list(bounds)}", True,

@@ -106,8 +106,10 @@ def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int
     """The first worker that would not fit the memory its device declares (``memory`` of a
     device in ``cluster.nodes``), in words, under each pipeline's split ``partitions[p]``
     (``device(p, s)``: its device); None when each fits, no device declares any, or the model
-    gives no estimate. The estimate is from above for the tensors, but the device's limit is on
-    all of it (on CPU the resident set), so a worker over it here is sure to exceed it.
+    gives no estimate. The estimate bounds the tensors from above and counts a typical figure
+    for the process, against a limit on all of it (on CPU the resident set): a worker over it
+    here is not certain to exceed the limit, but would have no room left for what the estimate
+    leaves out (fragmentation, workspaces).
     ``estimates``: the splits' estimates known already (filled in as they are made)."""
     estimates = {} if estimates is None else estimates
     for p, bounds in enumerate(partitions):
