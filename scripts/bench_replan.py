@@ -225,6 +225,8 @@ def main() -> int:
     parser.add_argument("--block-ms", type=float, default=2.5)
     parser.add_argument("--at", type=float, default=20.0, help="run-clock seconds of the slowdown")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--variants", default="warn,replan,replan-stop,planned",
+                        help="which runs per seed and mode (comma-separated)")
     parser.add_argument("--pipelines", default=str(PIPELINE),
                         help="the pipelines whose stage-1 device slows down (comma-separated)")
     parser.add_argument("--resume-check", action="store_true",
@@ -261,7 +263,8 @@ def main() -> int:
                         ("replan-stop", [*replan, "fault.replan_in_place=false"]),
                         ("planned", [slow(0.0), *split])]
             for name, extra in variants:
-                if name == "replan-stop" and sync != "sdpipe":
+                if name not in args.variants.split(",") or (name == "replan-stop"
+                                                           and sync != "sdpipe"):
                     continue  # the other modes always stop
                 label = f"{sync}-{name}-seed{seed}"
                 lines = one(args.out, label, [*common, *extra], args.timeout)
