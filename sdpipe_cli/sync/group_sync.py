@@ -178,21 +178,22 @@ class GroupSync(Sync):
     def _rounds(self, module: nn.Module, step: int, grads: bool) -> None:
         """A round of each unit. Every unit is ready at once, so the scheduler decides their
         rounds side by side (a worker's waits overlap instead of adding up); the averages follow
-        in segment order, consecutive units whose rounds have the same group in one all-reduce
-        (:meth:`_runs`). The stats are the last round's, with the time spent waiting and
-        communicating over all."""
+        in segment order, each as soon as its round is decided. (Waiting for a later unit's
+        round before averaging an earlier one could wait on a member whose pipeline waits for
+        that earlier average.) The stats are the last round's, with the time spent waiting
+        and communicating over all."""
         start = time.perf_counter()
         meeting = self.meetings.meeting(step)  # the scheduler counts meetings
         for unit in self.units:
             store.push(self.events, store.EVENTS, protocol.Ready(
                 self.rank, self.pipeline, unit.index, meeting, self.incarnation))
-        decided = [(unit, self._decision(unit, step, meeting)) for unit in self.units]
-        stats, spent = {}, 0.0
-        for run in self._runs(decided):
-            stats = self._average(run, module, grads, step)
+        stats, spent, stop, checkpoint = {}, 0.0, False, None
+        for unit in self.units:
+            decision = self._decision(unit, step, meeting)
+            stats = self._average(unit, decision, module, grads, step)
             spent += stats["comm_s"]
-        self.stop = any(d.stop for _, d in decided)
-        self._checkpoint = decided[-1][1].checkpoint
+            stop, checkpoint = stop or decision.stop, decision.checkpoint
+        self.stop, self._checkpoint = stop, checkpoint
         self._stats = {"group_size": stats["group_size"], "round": stats["round"],
                        "group_kind": stats["group_kind"],
                        "wait_s": time.perf_counter() - start - spent, "comm_s": spent}
@@ -208,44 +209,18 @@ class GroupSync(Sync):
         unit.heal = decision.heal
         return decision
 
-    def _runs(self, decided: list[tuple[Unit, protocol.Group]]
-              ) -> list[list[tuple[Unit, protocol.Group]]]:
-        """``decided`` cut into runs of consecutive units averaged together: the same members
-        (on the same ranks), kind, twins and shares, in fp32. Every member holds every unit of
-        such a run and sees the same decisions, so every member cuts the same runs. (Units whose
-        holders are the same in every pipeline are per-block segments, which bf16 changes do
-        not use: :attr:`~sdpipe_cli.core.plan.RunPlan.in_place`.)"""
-        def key(unit: Unit, d: protocol.Group) -> Any:
-            if self.precision != "fp32" or len(d.members) == 1:
-                return None  # alone: bf16 changes have an anchor per unit
-            return (tuple(self._ranks(unit, d.members)), tuple(d.incarnations), d.kind, d.twins,
-                    tuple(d.weight_shares), tuple(d.grad_shares))
-
-        runs: list[list[tuple[Unit, protocol.Group]]] = []
-        last = None
-        for unit, decision in decided:
-            k = key(unit, decision)
-            if runs and k is not None and k == last:
-                runs[-1].append((unit, decision))
-            else:
-                runs.append([(unit, decision)])
-            last = k
-        return runs
-
-    def _average(self, run: list[tuple[Unit, protocol.Group]], module: nn.Module, grads: bool,
+    def _average(self, unit: Unit, decision: protocol.Group, module: nn.Module, grads: bool,
                  step: int) -> dict[str, Any]:
-        """The average of the units of ``run`` over their round's group, in one all-reduce (at
-        a global sync one consensus distance for them all, reported as its first segment's)."""
+        """Unit ``unit``'s average over its round's group."""
         got = time.perf_counter()
-        unit, decision = run[0]
         members, incarnations = decision.members, decision.incarnations
-        modules = [u.module(module) for u, _ in run]
+        module = unit.module(module)
         changes = self.precision != "fp32" and decision.kind == "group"
         distance, failed = None, False
         if len(members) > 1:
             ranks = self._ranks(unit, members)
-            params = [p for m in modules for p in m.parameters()]
-            tensors = params + [t for m in modules for t in statistics(m)]
+            params = list(module.parameters())
+            tensors = params + statistics(module)
             shares = []  # this member's share of each weighted mean (sync.stale)
             me = members.index(self.pipeline)
             if decision.weight_shares and not decision.twins:
@@ -281,9 +256,8 @@ class GroupSync(Sync):
                 failed = True
         if decision.kind == "global" and self.precision != "fp32" and not failed:
             # every replica now holds the same weights: the next changes start here
-            for u, m in zip((u for u, _ in run), modules):
-                u.anchor = flatten(self._replica(m))
-                self._residual(u).zero_()
+            unit.anchor = flatten(self._replica(module))
+            self._residual(unit).zero_()
         if distance is not None and self.pipeline == members[0]:
             store.push(self.events, store.EVENTS, protocol.Report(
                 "consensus", self.rank, self.pipeline, self.stage, self._clock(),

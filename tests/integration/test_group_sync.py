@@ -217,8 +217,7 @@ def test_lr_zero_changes_nothing_anywhere(run_dir, tmp_path, meetings, per_block
     (up to float32 rounding of the sum: 3x/3 need not be x to the last bit). With bf16 changes
     every 2 steps, the changes are zero and each member adds their mean to its anchor: an
     anchor that differed between replicas would move every one of them. ``per_block``: a run
-    that may re-plan in place averages each block as a unit, consecutive ones with the same
-    group in one all-reduce: joined out of order, they would move."""
+    that may re-plan in place averages each block as a unit of its own."""
     extra = ()
     if per_block:
         doc = make_doc({"local:0": (1.0, [3.0] * 6)}, model="mlp", microbatch=2)
