@@ -86,11 +86,13 @@ class Checkpoints:
     def shard_saved(self, ckpt: int, rank: int, step: int) -> None:
         self.saved.setdefault(ckpt, {})[rank] = step
 
-    def resplit(self, pipeline: int, bounds: list[int]) -> None:
+    def resplit(self, pipeline: int, bounds: list[int], slowed: dict[str, float]) -> None:
         """``pipeline`` was re-split in place: checkpoints from now on hold its new split, and
-        their manifests' config says so (``sdpipe resume`` goes on with it)."""
+        their manifests' config says so, with the slowdowns measured (``sdpipe resume`` goes on
+        with both); the plan here is the run's from now on."""
         p = self.cfg.pipeline
         p.partitions = with_split(p.partitions, p.partition, pipeline, bounds)
+        self.cfg.fault.slowed = slowed
         splits = list(self.plan.partitions)
         splits[pipeline] = tuple(int(b) for b in bounds)
         self.plan = replace(self.plan, partitions=tuple(splits))

@@ -282,9 +282,8 @@ class Scheduler:
             self.restarts += 1
         else:  # its workers find it there from the first decision naming this incarnation
             store.put(self.events, store.split_key(p), protocol.Split(p, event.incarnation, split))
-            self.segments = self.segments.resplit(p, split)
-            self.cfg.fault.slowed = self.replanning.slowed_now()  # what a resume carries on
-            self.checkpoints.resplit(p, split)
+            self.checkpoints.resplit(p, split, self.replanning.slowed_now())
+            self.segments = self.checkpoints.plan.segments  # the run's plan, with the new split
             self.stragglers.carry(p, self.replanning.slowed)
         if self.stragglers is not None:
             self.stragglers.reset(p)
