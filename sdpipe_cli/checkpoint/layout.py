@@ -44,28 +44,38 @@ def home_of(ckpt_dir: os.PathLike | str, manifest: Mapping[str, Any]) -> Path | 
     folder that happens to hold it.
 
     A run's checkpoints lie in ``<run>/checkpoints/`` (and resharded ones in ``<run>/resharded/``),
-    and ``<run>/config.yaml`` carries the run's id, as every checkpoint's config does. A
-    checkpoint written before runs had ids is taken as its run's by its place alone."""
+    and must be that run's own (:func:`of_run`)."""
     ckpt_dir = Path(ckpt_dir)
     run = run_dir_of(ckpt_dir)
-    if ckpt_dir.parent.name not in ("checkpoints", "resharded") or not (run / "config.yaml").is_file():
+    if ckpt_dir.parent.name not in ("checkpoints", "resharded"):
         return None
+    return run if of_run(run, manifest) else None
+
+
+def of_run(run: os.PathLike | str, manifest: Mapping[str, Any]) -> bool:
+    """Whether ``manifest`` (a checkpoint's, or ``final/``'s) was written by the run of folder
+    ``run``: ``<run>/config.yaml`` carries the run's id, as the config of every checkpoint it
+    writes does. A folder without config.yaml is no run; a checkpoint written before runs had
+    ids is taken as its run's, and one with an id is not the run's whose config.yaml cannot
+    be read."""
+    saved = Path(run) / "config.yaml"
+    if not saved.is_file():
+        return False
     config = manifest.get("config") if isinstance(manifest.get("config"), Mapping) else {}
     run_section = config.get("run") if isinstance(config.get("run"), Mapping) else {}
     wanted = run_section.get("id")
     if wanted is None:
-        return run
+        return True
     from omegaconf import OmegaConf
 
     from sdpipe_cli.config import yaml_bounds
 
-    yaml_bounds.check_file(run / "config.yaml", "the checkpoint's run folder")
+    yaml_bounds.check_file(saved, "the checkpoint's run folder")
     try:  # read as data: no interpolation is resolved
-        saved = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=False)
-        found = saved["run"]["id"]
+        found = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)["run"]["id"]
     except Exception:  # noqa: BLE001 - an unreadable config.yaml is not this checkpoint's run
-        return None
-    return run if found == wanted else None
+        return False
+    return found == wanted
 
 
 def shard_name(name: str) -> str:

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 from rich.console import Console
 
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.core.errors import BadInput
 from sdpipe_cli.runtime.errors import CheckpointError
 
 __all__ = ["evaluate", "export", "sample"]
@@ -33,6 +34,7 @@ def export(run: str, which: Optional[str], out: str, pipeline: Optional[int], fm
 
     target = Path(out).absolute()
     formats.check_out(target)  # before anything is read: a folder that holds files is refused
+    formats.clear_partials(target, log=lambda line: _say(console, line))
     source = weights.find(run, which, trusted)
     if fmt is not None:
         formats.check_format(fmt, source.config.model)
@@ -116,9 +118,11 @@ def sample(path: str, prompt: str, settings, console: Console, trusted: bool = F
 
 def _as_bad_input(make, where: Path):
     """``make()``, a transformers refusal (a ValueError or OSError) turned into bad input naming
-    ``where``."""
+    ``where``; bad input already (naming its own key or file) as it is."""
     try:
         return make()
+    except BadInput:
+        raise
     except (ValueError, OSError) as err:
         raise CheckpointError(where, " ".join(str(err).split())[:300]) from None
 
@@ -127,12 +131,12 @@ def _new_file(out: Optional[str]) -> None:
     """``--out FILE`` names no file yet, in a folder that can be made."""
     if out is None:
         return
+    from sdpipe_cli.export import formats
+
     try:
         if Path(out).exists() or Path(out).is_symlink():
             raise ConfigError("--out", f"{out} already exists: nothing of it is overwritten")
-        parent = Path(out).absolute().parent
-        if parent.exists() and not parent.is_dir():
-            raise ConfigError("--out", f"{parent} is not a folder")
+        formats.check_parent(Path(out))
     except OSError as err:  # a name too long
         raise ConfigError("--out", f"{out}: {err.strerror or err}") from None
 

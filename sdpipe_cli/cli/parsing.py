@@ -29,6 +29,7 @@ that the commands below stay callable with their arguments alone.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -162,8 +163,8 @@ def _add_resume(sub) -> None:
     resume = sub.add_parser(
         "resume", help="continue a run from a checkpoint", description=RESUME_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    resume.add_argument("path", metavar="PATH", help="a run folder (its latest complete "
-                        "checkpoint) or one checkpoint folder")
+    resume.add_argument("path", metavar="PATH", type=_user_path, help="a run folder (its latest "
+                        "complete checkpoint) or one checkpoint folder")
     resume.add_argument("--trust-code", action="store_true",
                         help="run the code the checkpoint's config names (model, loss or data "
                         "_target_) even though no run of yours sealed it (docs/SECURITY.md)")
@@ -201,11 +202,12 @@ def _add_export(sub) -> None:
     """``export`` reads a run (or one of its checkpoints) and writes one model to a new folder."""
     exp = sub.add_parser("export", help="one model out of a run's stages and replicas",
                          description=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    exp.add_argument("run", metavar="RUN", help="a run folder, or a checkpoint folder")
-    exp.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
+    exp.add_argument("run", metavar="RUN", type=_user_path, help="a run folder, or a checkpoint folder")
+    exp.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", type=_user_path,
                      help="step_N, a checkpoint folder, or final (default: the newest of the "
                      "latest complete checkpoint and final/)")
-    exp.add_argument("--out", required=True, metavar="DIR", help="the new folder of the export")
+    exp.add_argument("--out", required=True, metavar="DIR", type=_user_path,
+                     help="the new folder of the export")
     exp.add_argument("--format", metavar="FORMAT",
                      help="transformers, torchvision or state_dict (default: transformers for gpt2 "
                      "and bert, torchvision for the ResNets, "
@@ -217,9 +219,12 @@ def _add_eval(sub) -> None:
     """``eval`` takes a run or an export, and overrides only for the data it is measured on."""
     ev = sub.add_parser("eval", help="a run's or an export's loss on a validation set",
                         description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ev.add_argument("path", metavar="RUN|DIR", help="a run folder, a checkpoint, or an export")
-    ev.add_argument("--checkpoint", metavar="CHECKPOINT", help="of a run: step_N, a folder, or final")
-    ev.add_argument("--out", metavar="FILE", help="also write the result as JSON (a new file)")
+    ev.add_argument("path", metavar="RUN|DIR", type=_user_path,
+                    help="a run folder, a checkpoint, or an export")
+    ev.add_argument("--checkpoint", metavar="CHECKPOINT", type=_user_path,
+                    help="of a run: step_N, a folder, or final")
+    ev.add_argument("--out", metavar="FILE", type=_user_path,
+                    help="also write the result as JSON (a new file)")
     _replica_options(ev)
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="another data set or batch: data=NAME, data.*, train.batch_size, "
@@ -254,6 +259,12 @@ def _replica_options(command: argparse.ArgumentParser) -> None:
                          help="take pipeline P's replica (default: the replicas' mean, or any one "
                          "when they are equal)")
     command.add_argument("--trust-code", action="store_true", help=TRUST_HELP)
+
+
+def _user_path(text: str) -> str:
+    """A path as typed: ``~`` and ``~user`` are home folders, as a shell makes them of a word
+    it does not quote (and as ``run.dir`` takes them), never a folder named ``~``."""
+    return os.path.expanduser(text)
 
 
 def _config_dir_option(command: argparse.ArgumentParser) -> None:

@@ -23,7 +23,6 @@ interrupt handler runs at once in the main thread: :func:`abandon` removes what 
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -32,6 +31,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from sdpipe_cli.core.errors import os_reason
 from sdpipe_cli.data.documents import LONE_SURROGATE, Piece, documents, resolve_sources, utf8
 from sdpipe_cli.data.shard_writer import ShardWriter, split_off_val
 from sdpipe_cli.data.tokenizer import TextTokenizer, as_text, encode, parse_tokenizer, train_tokenizer
@@ -65,12 +65,6 @@ _STAGING: dict[Path, tuple[Path, list[Path]]] = {}  # of the prepares in progres
 # -> (the final folder, the folders above it that were made for it)
 
 
-def _why(e: OSError) -> str:
-    """An OSError's reason, with its errno's name (ENOSPC, EFBIG, EACCES...)."""
-    name = errno.errorcode.get(e.errno or 0)
-    return f"{e.strerror or e} ({name})" if name else str(e.strerror or e)
-
-
 def _remove_folders(folders: list[Path]) -> None:
     """Remove the folders made for ``--out`` (the deepest first) that are still empty."""
     for folder in reversed(folders):
@@ -90,7 +84,7 @@ def _staging_folder(out: str) -> tuple[Path, Path, list[Path]]:
             raise DataError("--out", f"{final} already exists and is not an empty folder; choose a new "
                             "one or remove it")
     except OSError as e:
-        raise DataError("--out", f"cannot read {final}: {_why(e)}") from e
+        raise DataError("--out", f"cannot read {final}: {os_reason(e)}") from e
     missing = []
     parent = final.parent
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
@@ -109,7 +103,7 @@ def _staging_folder(out: str) -> tuple[Path, Path, list[Path]]:
     except OSError as e:
         _remove_folders(made)
         raise DataError("--out", f"cannot make a folder in {Path(e.filename or final).parent}: "
-                        f"{_why(e)}") from e
+                        f"{os_reason(e)}") from e
     return final, tmp, made
 
 
@@ -155,12 +149,12 @@ def prepare_text(sources: list[str], out: str, tokenizer: str = "bytes", *, text
                                      int(shard_tokens), dtype, max_bytes, dataset_format, log)
         except OSError as e:  # the sources' read errors are DataErrors already: this is --out
             what = f" ({Path(e.filename).name})" if e.filename else ""
-            raise DataError("--out", f"cannot write {final}{what}: {_why(e)}; nothing was "
+            raise DataError("--out", f"cannot write {final}{what}: {os_reason(e)}; nothing was "
                             "written") from e
         try:  # onto an empty folder, or none; refused if anything appeared there meanwhile
             os.rename(tmp, final)
         except OSError as e:
-            raise DataError("--out", f"cannot move the finished corpus into {final}: {_why(e)} (did "
+            raise DataError("--out", f"cannot move the finished corpus into {final}: {os_reason(e)} (did "
                             "something appear there meanwhile?); nothing was written") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -17,21 +17,28 @@ weight tied to another is stored once, restored by ``safetensors.torch.load_mode
 ``export.json`` records the run, the weights it came from, the replicas merged and their
 consensus distance, the run's config and every file's SHA-256.
 
-An export is written into a temporary folder beside ``--out`` and renamed into place once
-complete: ``--out`` never holds half an export, and a folder that holds anything is refused.
+An export is written into a temporary folder beside ``--out`` (``.<name>.partial-*``) and renamed
+into place once complete: ``--out`` never holds half an export, and a folder that holds anything
+is refused. Its writer holds a lock on that folder (``flock``, released by the kernel however the
+writer ends), so the next export to ``--out`` removes what a killed one left, and refuses to
+start beside one still writing. A failed write (a full disk) is one line naming the file, and
+leaves nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -41,6 +48,7 @@ from sdpipe_cli.config import trust
 from sdpipe_cli.config.saved import typed
 from sdpipe_cli.data.sources import CORPORA
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
+from sdpipe_cli.core.errors import os_reason
 from sdpipe_cli.export.weights import Merged, Source, by_block
 from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
@@ -54,6 +62,7 @@ FILES = {"transformers": ("config.json", "model.safetensors"),  # what each form
          "torchvision": ("model.pt", "model.safetensors"),
          "state_dict": ("model.pt", "model.safetensors", "model.yaml")}
 _MAX_MANIFEST = 64 << 20
+PARTIAL = ".partial-"  # .<--out's name>.partial-XXXXXXXX: an export being written beside --out
 
 
 def default_format(model_cfg: DictConfig) -> str:
@@ -95,14 +104,15 @@ def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
     out = Path(out).absolute()
     check_out(out)
     whole, _ = assemble(config, merged)
+    made = _make_parents(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    except OSError as err:
-        raise ConfigError("--out", f"{out} cannot be written: {err.strerror or err}") from None
-    previous = _removed_on_interrupt(staging)
+        staging, lock = _partial_folder(out)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    previous = _removed_on_interrupt(staging, made)
     try:
-        tokenizer = _write_model(fmt, whole, config, staging, log)
+        tokenizer = _write_model(fmt, whole, config, staging, out, log)
         _usual_modes(staging)
         manifest = {
             "format": fmt, "arch": str(config.model.arch),
@@ -117,26 +127,139 @@ def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
             "config": OmegaConf.to_container(config, resolve=False),
             "files": {p.name: checkpoint.sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
         }
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        with _writing(out, MANIFEST):
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         check_out(out)  # nothing appeared there meanwhile
         if out.is_dir():
             out.rmdir()
         os.rename(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(made)
         raise
     finally:
+        os.close(lock)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return manifest
 
 
-def _removed_on_interrupt(staging: Path) -> dict:
-    """Until the export is in place, Ctrl-C or SIGTERM removes the temporary folder and ends the
-    process with one line (exit 130): the handler before it would end it at once, leaving the
-    folder behind. Returns the handlers it replaced."""
+def _make_parents(out: Path) -> list[Path]:
+    """The folders above ``out`` that are not there yet, made; returns them, to be removed again
+    if the export fails."""
+    missing = [p for p in out.parents if not p.exists()][::-1]
+    for i, folder in enumerate(missing):
+        try:
+            folder.mkdir(exist_ok=True)
+        except OSError as err:
+            _remove_empty(missing[:i])
+            raise ConfigError("--out", f"cannot make {folder}: {os_reason(err)}; nothing was "
+                              "written") from None
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (made top down) from the deepest up, as long as each is empty."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _partial_folder(out: Path) -> tuple[Path, int]:
+    """A new folder beside ``out`` to write the export into, and the descriptor that holds its
+    lock until the export is in place or this process ends, however it ends: the next export to
+    ``out`` tells a live writer's folder from one left behind (:func:`clear_partials`). It is
+    made under another name and renamed once locked: no ``.partial-`` folder is ever unlocked
+    while its writer lives."""
+    prefix = f".{out.name}.new-"
+    try:
+        fresh = Path(tempfile.mkdtemp(dir=out.parent, prefix=prefix))
+    except OSError as err:
+        raise ConfigError("--out", f"cannot write {out}: {os_reason(err)}; nothing was "
+                          "written") from None
+    lock = os.open(fresh, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        staging = out.with_name(f".{out.name}{PARTIAL}{fresh.name[len(prefix):]}")
+        os.rename(fresh, staging)
+    except BaseException:
+        os.close(lock)
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    return staging, lock
+
+
+def clear_partials(out: Path, log: Callable[[str], Any]) -> None:
+    """Partial exports to ``out`` whose writer ended before it completed (killed: its folder's
+    lock went with it) are removed, and each is said; one whose writer still runs means another
+    export to ``out`` is under way, and is refused before anything is read."""
+    prefix = f".{out.name}{PARTIAL}"
+    try:
+        found = sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix))
+    except OSError:  # no parent yet, or none that can be listed: check_out says which
+        return
+    for folder in found:
+        try:
+            lock = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile, or not a folder of ours
+            continue
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ConfigError("--out", f"another export to {out} is being written "
+                                  f"({folder}): wait for it to end, or name another folder") from None
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            shutil.rmtree(folder, ignore_errors=True)
+            log(f"sdpipe: warning: {folder} ({size / 1e6:.1f} MB), a partial export to {out} left "
+                "by an export that did not end, " + ("removed" if not folder.exists() else
+                                                      "cannot be removed: remove it by hand"))
+        finally:
+            os.close(lock)
+
+
+@contextlib.contextmanager
+def _writing(out: Path, name: str) -> Iterator[None]:
+    """A failed write of the export's file ``name`` (a full disk, a file-size limit, a lost
+    mount) as one line on ``--out`` naming it; the caller removes what was written. torch,
+    safetensors and tokenizers (Rust) say an OS error in their own words: its number is found."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - re-raised unless the system refused the write
+        failed = _os_error(err)
+        if failed is None:
+            raise
+        raise ConfigError("--out", f"cannot write {out} ({name}): {os_reason(failed)}; nothing "
+                          "was written") from None
+
+
+def _os_error(err: BaseException) -> Optional[OSError]:
+    """The OS error behind ``err``: itself or one it was raised from or during (torch's writer
+    raises its own error once a write failed), or the one Rust's ``(os error N)`` names
+    (safetensors, tokenizers)."""
+    seen: Optional[BaseException] = err
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    if found:
+        number = int(found.group(1))
+        return OSError(number, os.strerror(number))
+    return None
+
+
+def _removed_on_interrupt(staging: Path, made: list[Path]) -> dict:
+    """Until the export is in place, Ctrl-C or SIGTERM removes the temporary folder (and the
+    folders made for ``--out``) and ends the process with one line (exit 130): the handler before
+    it would end it at once, leaving the folder behind. Returns the handlers it replaced."""
     def interrupted(signum, frame) -> None:
         shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(made)
         os.write(2, f"sdpipe: error: export interrupted ({signal.Signals(signum).name}); "
                  f"nothing was written\n".encode())
         os._exit(130)
@@ -155,34 +278,56 @@ def _usual_modes(folder: Path) -> None:
 
 
 def check_out(out: Path) -> None:
-    """``out`` is a new folder, or an empty one; else a ConfigError naming ``--out``."""
+    """``out`` is a new folder, or an empty one, that can be made where it is named; else a
+    ConfigError naming ``--out``."""
     try:
         if out.is_symlink() or (out.exists() and not out.is_dir()):
             raise ConfigError("--out", f"{out} exists and is not a folder: nothing was written")
         if out.is_dir() and any(out.iterdir()):
             raise ConfigError("--out", f"{out} already holds files: nothing of it is overwritten; "
                               "name a new folder")
+        check_parent(out)
     except OSError as err:  # a name too long, a folder that cannot be listed
         raise ConfigError("--out", f"{out}: {err.strerror or err}") from None
 
 
-def _write_model(fmt: str, whole: nn.Module, config: DictConfig, folder: Path, log) -> Optional[str]:
-    """The model's files in ``folder``; returns the tokenizer written with them, if any."""
+def check_parent(out: Path) -> None:
+    """What ``--out`` names can be made: the nearest folder above it that is there is a folder
+    this user may write in. Checked before anything is read, where making it would fail only
+    once the work is done."""
+    above = next(p for p in Path(out).absolute().parents if p.exists() or p.is_symlink())
+    if not above.is_dir():
+        raise ConfigError("--out", f"{above} is a file, not a folder: {out} cannot be made under "
+                          "it; nothing was written")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError("--out", f"cannot write in {above}: permission denied (EACCES); "
+                          "nothing was written")
+
+
+def _write_model(fmt: str, whole: nn.Module, config: DictConfig, folder: Path, out: Path,
+                 log) -> Optional[str]:
+    """The model's files in ``folder`` (to be ``out``); returns the tokenizer written with them,
+    if any."""
     if fmt == "transformers":
         _quiet_transformers()
         whole.config.use_cache = True  # for generate(); training never used it
-        tokenizer = _write_tokenizer(config, whole, folder, log)
-        whole.save_pretrained(str(folder), safe_serialization=True)
+        with _writing(out, "the tokenizer's files"):
+            tokenizer = _write_tokenizer(config, whole, folder, log)
+        with _writing(out, "config.json, model.safetensors"):
+            whole.save_pretrained(str(folder), safe_serialization=True)
         return tokenizer
     from safetensors.torch import save_model
 
     state = whole.state_dict()
-    torch.save(state, folder / "model.pt")
-    save_model(whole, str(folder / "model.safetensors"))
+    with _writing(out, "model.pt"), open(folder / "model.pt", "wb") as f:
+        torch.save(state, f)  # a file of ours: a failed write is an OSError, not torch's words
+    with _writing(out, "model.safetensors"):
+        save_model(whole, str(folder / "model.safetensors"))
     if fmt == "state_dict":
         model = OmegaConf.to_container(config.model, resolve=True)
-        (folder / "model.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(model)),
-                                           encoding="utf-8")
+        with _writing(out, "model.yaml"):
+            (folder / "model.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(model)),
+                                               encoding="utf-8")
     return _byte_tokenizer(config)
 
 

@@ -87,7 +87,7 @@ class Source:
             state = checkpoint.load_shard(self.path, name, self.manifest)
             return self.path / checkpoint.shard_name(name), state
         rank = str(Grid(self.pipelines, self.stages).rank(pipeline, stage))
-        state = checkpoint.load_shard(self.path, rank, self.manifest)
+        state = _while_there(self.path, lambda: checkpoint.load_shard(self.path, rank, self.manifest))
         return self.path / checkpoint.shard_name(rank), state.get("model")
 
 
@@ -98,7 +98,7 @@ def find(path: os.PathLike | str, which: Optional[str] = None, trusted: bool = F
     tie). A saved config that names code (a user's model) is refused unless a launch of this
     user's sealed it or ``trusted`` (:mod:`sdpipe_cli.config.trust`): exporting builds the
     model."""
-    path = Path(path).absolute()
+    path = Path(os.path.normpath(Path(path).absolute()))  # "..": where it leads, not through
     if not path.is_dir():
         raise CheckpointError(path, "does not exist" if not path.exists() else
                               "is not a folder: name a run folder or a checkpoint folder")
@@ -110,7 +110,7 @@ def find(path: os.PathLike | str, which: Optional[str] = None, trusted: bool = F
     elif which == FINAL:
         source = _final(path)
     elif which is not None:
-        source = _checkpoint(checkpoint.resolve(_inside(path, which)))
+        source = _checkpoint(checkpoint.resolve(_inside(path, which)), path)
     else:
         if not (path / "config.yaml").is_file():
             raise CheckpointError(path, "is neither a run folder (no config.yaml) nor a checkpoint "
@@ -120,7 +120,7 @@ def find(path: os.PathLike | str, which: Optional[str] = None, trusted: bool = F
         if found is None and final is None:
             raise CheckpointError(path, "has no complete checkpoint and no final/ with a manifest "
                                         "(train with checkpoint.every=N or run.save_final=true)")
-        latest = _checkpoint(found) if found is not None else None
+        latest = _checkpoint(found, path) if found is not None else None
         source = final if latest is None or (
             final is not None and sum(final.steps.values()) >= sum(latest.steps.values())) else latest
     trust.check(OmegaConf.to_container(source.config), str(source.path / checkpoint.MANIFEST),
@@ -130,24 +130,61 @@ def find(path: os.PathLike | str, which: Optional[str] = None, trusted: bool = F
 
 def _inside(run: Path, which: str) -> Path:
     """Checkpoint ``which`` of ``run``: a name in its ``checkpoints/`` (or ``resharded/``), or a
-    folder inside the run; never one elsewhere that the name happens to reach."""
+    folder inside the run; never one elsewhere that the name happens to reach (``..``). Whose
+    checkpoint it is, the run's id says (:func:`_checkpoint`): a link inside the run may lead to
+    the run's own checkpoints elsewhere."""
     named = Path(which)
     if not named.is_absolute():
-        if (run / which).is_dir() and run in (run / which).resolve().parents:
-            return run / which
-        for folder in ("checkpoints", "resharded"):
-            if (run / folder / which).exists():
-                return run / folder / which
-        return checkpoint.checkpoints_dir(run) / which
-    if run not in named.absolute().parents:
-        raise ConfigError("CHECKPOINT", f"{which} is not a checkpoint of {run}; name it alone "
-                          "(sdpipe export CHECKPOINT --out DIR)")
-    return named
+        for place in (run / which, run / "checkpoints" / which, run / "resharded" / which):
+            if place.exists() and _within(run, place):
+                return place
+        if _within(run, checkpoint.checkpoints_dir(run) / which):
+            return checkpoint.checkpoints_dir(run) / which
+    elif _within(run, named):
+        return named
+    raise ConfigError("CHECKPOINT", f"{which} is not a checkpoint of {run}; name it alone "
+                      "(sdpipe export CHECKPOINT --out DIR)")
 
 
-def _checkpoint(ckpt: Path) -> Source:
-    manifest = checkpoint.verify_run(ckpt)
-    return _source(checkpoint.home_of(ckpt, manifest), ckpt, "checkpoint", manifest)
+def _within(run: Path, place: Path) -> bool:
+    return run in Path(os.path.normpath(place)).parents
+
+
+def _checkpoint(ckpt: Path, run: Optional[Path] = None) -> Source:
+    """The checkpoint ``ckpt``: named by its own path (``run`` None), its run is the one whose
+    own checkpoint it is, if any (:func:`sdpipe_cli.checkpoint.home_of`); found in ``run``, it
+    must be that run's."""
+    manifest = _while_there(ckpt, lambda: checkpoint.verify_run(ckpt))
+    if run is None:
+        return _source(checkpoint.home_of(ckpt, manifest), ckpt, "checkpoint", manifest)
+    return _source(_owned(run, ckpt, manifest), ckpt, "checkpoint", manifest)
+
+
+def _owned(run: Path, found: Path, manifest: dict[str, Any]) -> Optional[Path]:
+    """``run``, whose weights ``found`` are (a checkpoint or final/ of it), or None where
+    ``run`` is no run (no config.yaml); weights that carry another run's id are refused: copied
+    in from another run, they are not this run's model."""
+    if not (run / "config.yaml").is_file():
+        return None
+    if not checkpoint.of_run(run, manifest):
+        raise CheckpointError(found, f"lies in {run} but is not that run's (it carries another "
+                              "run's id): name one of the run's own checkpoints, or this one by "
+                              "its own path, as no run's")
+    return run
+
+
+def _while_there(ckpt: Path, read):
+    """``read()`` of checkpoint ``ckpt``; a file of it found missing or cut short because the
+    checkpoint is gone meanwhile is said so: a run still training prunes its older checkpoints
+    (``checkpoint.keep``) while they are read."""
+    try:
+        return read()
+    except (CheckpointError, OSError):
+        if (ckpt / checkpoint.MANIFEST).is_file():
+            raise
+        raise CheckpointError(ckpt, "was removed while it was read (a run still training prunes "
+                              "its older checkpoints: checkpoint.keep): export again, or name "
+                              "another step") from None
 
 
 def _final(run: Path) -> Source:
@@ -160,7 +197,7 @@ def _final(run: Path) -> Source:
     for name in ("config", "steps"):
         if name not in manifest:
             raise CheckpointError(folder / checkpoint.MANIFEST, f"lacks {name!r}")
-    return _source(run, folder, FINAL, manifest)
+    return _source(_owned(run, folder, manifest), folder, FINAL, manifest)
 
 
 def _source(run: Optional[Path], path: Path, kind: str, manifest: dict[str, Any]) -> Source:
