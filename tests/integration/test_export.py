@@ -8,7 +8,11 @@ checked by the libraries its users load it with, and the losses against the run'
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -335,3 +339,108 @@ def test_a_copied_export_naming_code_does_not_run_it(apart, tmp_path):
     manifest["config"]["model"].update(arch="custom", _target_="os.system", kwargs={"command": "true"})
     (export / "export.json").write_text(json.dumps(manifest))
     assert "model._target_" in _refused(tmp_path, "eval", str(export))
+
+
+# -- the file system: a home folder, a full disk, what a killed export left, a pruned checkpoint ----
+
+def test_a_home_folder_in_paths_is_the_users(allreduce_2x2_run, tmp_path, monkeypatch):
+    """``~`` in export's and eval's --out and in resume's PATH is $HOME, as ``run.dir`` takes it;
+    never a folder named ``~`` in the working folder."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    out = sdpipe("export", str(allreduce_2x2_run), "--out", "~/model")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (home / "model" / "export.json").is_file()
+    out = sdpipe("eval", str(allreduce_2x2_run), "--out", "~/eval.json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "val_loss" in json.loads((home / "eval.json").read_text())
+    assert f"{home / 'absent'}: does not exist" in _refused(tmp_path, "resume", "~/absent")
+    assert not (tmp_path / "~").exists()
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(allreduce_2x2_run, tmp_path):
+    """On a file system too small for the export (a tmpfs; root only): the file it was writing
+    named with ENOSPC, exit 2, and nothing left on it, the folders made for --out included."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    reference = tmp_path / "reference"
+    assert sdpipe("export", str(allreduce_2x2_run), "--out", str(reference)).returncode == 0
+    size = {p.name: p.stat().st_size for p in reference.iterdir()}
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    for file, room in (("model.pt", size["model.pt"] // 2),
+                       ("model.safetensors", size["model.pt"] + size["model.safetensors"] // 2)):
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(disk)],
+                                 capture_output=True, text=True, timeout=30)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+        try:
+            out = sdpipe("export", str(allreduce_2x2_run), "--out", str(disk / "models" / "mlp"))
+            assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+            line = out.stderr.splitlines()[-1]  # after the lines that say what was read
+            assert [x for x in out.stderr.splitlines() if "error" in x] == [line], out.stderr
+            assert f"--out: cannot write {disk / 'models' / 'mlp'} ({file}): No space left on " \
+                   "device (ENOSPC); nothing was written" in line, line
+            assert not list(disk.iterdir())
+        finally:
+            subprocess.run(["umount", str(disk)], check=True, timeout=30)
+
+
+def _write_and_wait(out: str, ready) -> None:
+    """A forked export writer: its partial folder made (as formats.write makes it), said, and
+    then a wait until it is killed."""
+    from sdpipe_cli.export import formats
+
+    try:
+        staging, _ = formats._partial_folder(Path(out))
+        (staging / "model.pt").write_bytes(bytes(1000))
+        ready.send(str(staging))
+        time.sleep(60)
+    finally:
+        os._exit(0)
+
+
+def test_a_killed_exports_partial_folder_is_removed_and_a_live_ones_refused(allreduce_2x2_run,
+                                                                            tmp_path):
+    """A writer's partial folder beside --out: refused while its writer runs (another export to
+    the same --out), removed and said by the next export once it was killed (kill -9)."""
+    out = tmp_path / "model"
+    context = multiprocessing.get_context("fork")
+    said, ready = context.Pipe(duplex=False)
+    writer = context.Process(target=_write_and_wait, args=(str(out), ready))
+    writer.start()
+    try:
+        assert said.poll(30), "the writer did not start"
+        partial = Path(said.recv())
+        assert "another export to" in _refused(tmp_path, "export", str(allreduce_2x2_run), "--out",
+                                               str(out))
+        assert partial.is_dir() and not out.exists()
+    finally:
+        writer.kill()  # SIGKILL: as kill -9
+        writer.join(30)
+    assert partial.is_dir()  # what kill -9 leaves
+    done = sdpipe("export", str(allreduce_2x2_run), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{partial} (0.0 MB), a partial export to {out} left by an export that did not end, " \
+           "removed" in done.stderr
+    assert (out / "export.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_said_so(allreduce_2x2_run, tmp_path):
+    """The run goes on and prunes the checkpoint an export reads (checkpoint.keep): renamed, then
+    removed, between the export's check of the manifest and its reading the shards."""
+    from sdpipe_cli import checkpoint
+    from sdpipe_cli.export import weights
+    from sdpipe_cli.runtime.errors import CheckpointError
+
+    run = tmp_path / "run"
+    shutil.copytree(allreduce_2x2_run, run)
+    source = weights.find(run, "step_10")
+    pruned = run / "checkpoints" / f"{checkpoint.DELETING_PREFIX}step_10"
+    (run / "checkpoints" / "step_10").rename(pruned)
+    shutil.rmtree(pruned)
+    with pytest.raises(CheckpointError, match=r"step_10: was removed while it was read \(a run still "
+                       r"training prunes its older checkpoints: checkpoint.keep\): export again"):
+        weights.merge(source)

@@ -167,6 +167,37 @@ def copied_into_another_run(tmp: Path, run: Path) -> list[str]:
     return ["resume", str(other)]
 
 
+def another_runs_checkpoint(command: str, link: bool = False) -> Callable[[Path, Path], list[str]]:
+    """Another run's checkpoint (a run of another id) copied, or linked, into the run's
+    checkpoints as its newest, then exported or evaluated by the run's folder."""
+    def args(tmp: Path, run: Path) -> list[str]:
+        other = tmp / "other" / "step_115"
+        shutil.copytree(ck.latest(run), other)
+        manifest = json.loads((other / ck.MANIFEST).read_text())
+        manifest["config"]["run"]["id"] = "another-run"
+        (other / ck.MANIFEST).write_text(json.dumps(manifest))
+        if link:
+            (run / "checkpoints" / "step_115").symlink_to(other)
+        else:
+            shutil.copytree(other, run / "checkpoints" / "step_115")
+        return [command, str(run), "--out", str(tmp / "out")]
+    return args
+
+
+def out_of_the_run(tmp: Path, run: Path) -> list[str]:
+    """A CHECKPOINT whose '..' leads from the run's checkpoints/ into another folder."""
+    shutil.copytree(ck.latest(run), tmp / "other" / "checkpoints" / "step_20")
+    return ["export", str(run), "../../other/checkpoints/step_20", "--out", str(tmp / "out")]
+
+
+def under_a_file(command: str, out: str) -> Callable[[Path, Path], list[str]]:
+    """``--out`` below a file: refused before the run (here none) is read."""
+    def args(tmp: Path, run: Path) -> list[str]:
+        (tmp / "afile").write_text("mine")
+        return [command, str(run), "--out", str(tmp / "afile" / out)]
+    return args
+
+
 def metrics_file(text: str) -> Callable[[Path, Path], list[str]]:
     def args(tmp: Path, run: Path) -> list[str]:
         folder = tmp / "reported"
@@ -276,6 +307,11 @@ VALUE_ROWS = [
     Row("model that does not import", train("model=custom", "model._target_=no.such.build"), 2,
         "model._target_: cannot import 'no.such.build'"),
     Row("image folder without images", empty_folder, 2, "data.path"),
+    # round three: export
+    Row("export --out below a file", under_a_file("export", "sub"), 2,
+        "/afile is a file, not a folder: "),
+    Row("eval --out below a file", under_a_file("eval", "sub/result.json"), 2,
+        "/afile is a file, not a folder: "),
 ]
 # files: a copy of the shared finished run, damaged; refused before anything starts, but for one
 # shard that a launched worker refuses
@@ -304,6 +340,13 @@ FILE_ROWS = [
         "'loss' of a 'train' line"),
     Row("metrics line not an object", metrics_file("[1, 2]\n{}\n"), 2, "a metrics line is a JSON object"),
     Row("config.yaml not text", config_bytes, 2, "config.yaml"),
+    # round three: export
+    Row("another run's checkpoint copied into the run, exported", another_runs_checkpoint("export"),
+        2, "/run/checkpoints/step_115: lies in ", absent="out"),
+    Row("another run's checkpoint linked into the run, evaluated",
+        another_runs_checkpoint("eval", link=True), 2, "(it carries another run's id)", absent="out"),
+    Row("a CHECKPOINT that leads out of the run", out_of_the_run, 2,
+        "CHECKPOINT: ../../other/checkpoints/step_20 is not a checkpoint of", absent="out"),
 ]
 # forged store values, while a P=2 x S=2 run trains: one read by the scheduler's process (the
 # others it refuses alike: FORGED_EVENTS below, in this process), workers left running by a
