@@ -193,32 +193,3 @@ def test_bytes_round_trip_text():
     assert tok.decode(tok.encode("déf ✓")) == "déf ✓"
     assert tok.decode([104, 105, 300]) == "hi"  # ids past the bytes (a mask token) are dropped
 
-
-def test_the_install_brings_the_numpy_that_safetensors_saves_torch_tensors_with():
-    """safetensors.torch's save_file imports numpy, which safetensors itself requires only with its
-    ``torch`` extra: what setup.cfg's install_requires bring, followed through the installed
-    packages' own requirements, must hold numpy (an install made as the README says could not
-    export)."""
-    import configparser
-    from importlib import metadata
-    from pathlib import Path
-
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
-    setup = configparser.ConfigParser(inline_comment_prefixes=("#",))
-    setup.read(Path(__file__).resolve().parents[2] / "setup.cfg")
-    todo = [Requirement(line) for line in setup["options"]["install_requires"].splitlines()
-            if line.strip()]
-    brought: set[tuple[str, str]] = set()
-    while todo:
-        req = todo.pop()
-        for extra in sorted(req.extras) or [""]:
-            if (canonicalize_name(req.name), extra) in brought:
-                continue
-            brought.add((canonicalize_name(req.name), extra))
-            for line in metadata.requires(req.name) or []:
-                needed = Requirement(line)
-                if needed.marker is None or needed.marker.evaluate({"extra": extra}):
-                    todo.append(needed)
-    assert ("numpy", "") in brought, sorted(brought)
