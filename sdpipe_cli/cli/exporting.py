@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
@@ -138,8 +139,19 @@ def _new_file(out: Optional[str]) -> None:
 
 
 def _write_new(path: Path, doc: dict) -> None:
-    """``doc`` as JSON at ``path``, which must not exist: written beside it, then linked in."""
-    path = path.absolute()
+    """``doc`` as JSON at ``path``, which must not exist: written beside it, then linked in.
+    Meanwhile Ctrl-C and SIGTERM are ignored: the handler before would end the process at
+    once, leaving the temporary file behind and saying that nothing was written; the write
+    takes milliseconds, and the command ends right after it."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _write_beside(path.absolute(), doc)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _write_beside(path: Path, doc: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
