@@ -85,14 +85,16 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
         config = source.config
         blocks, what = formats.assemble(config, merged)[1], str(source.path)
     config = evaluation.with_overrides(config, overrides)
+    count = sources.val_count(config)
+    evaluation.check_memory(config)  # bad input all: before anything is said
     if not formats.is_export(folder):
         _say(console, f"weights: {source.describe()}; {merged.describe()}")
-    count = sources.val_count(config)
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("eval", total=count)
         outcome = evaluation.evaluate(config, blocks, pipeline=pipeline,
-                                      on_batch=lambda n: bar.update(task, completed=n))
+                                      on_batch=lambda n: bar.update(task, completed=n),
+                                      say=lambda line: _say(console, line))
     samples = outcome.batches * int(config.train.batch_size)
     accuracy = "" if outcome.accuracy is None else f", val_accuracy {outcome.accuracy:.4f}"
     _say(console, f"eval: val_loss {outcome.loss:.6f}{accuracy} on {samples} validation samples "

@@ -223,7 +223,7 @@ def _add_eval(sub) -> None:
     _replica_options(ev)
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="another data set or batch: data=NAME, data.*, train.batch_size, "
-                    "pipeline.microbatches")
+                    "pipeline.microbatches; run.memory_check=false")
 
 
 def _add_sample(sub) -> None:
