@@ -276,6 +276,9 @@ VALUE_ROWS = [
     Row("model that does not import", train("model=custom", "model._target_=no.such.build"), 2,
         "model._target_: cannot import 'no.such.build'"),
     Row("image folder without images", empty_folder, 2, "data.path"),
+    # round three: eval
+    Row("a billion evaluation batches", train("data.eval_batches=1000000000"), 2,
+        "data.eval_batches: is 1000000000, but"),
 ]
 # files: a copy of the shared finished run, damaged; refused before anything starts, but for one
 # shard that a launched worker refuses
