@@ -13,8 +13,10 @@ survive that:
 - with ``--fault-free``, ``sdpipe`` and ``allreduce`` without faults too, to tell what the faults
   cost from what the straggler costs.
 
-Every run checkpoints every ``steps / 10`` iterations (all-reduce's restarts need it; the others
-pay for it alike) and evaluates four times. **Goodput** is the run's samples/s
+Every run checkpoints every ``--checkpoint-every`` iterations (default ``steps / 40``: all-reduce's
+restarts roll back to the latest one, and with a checkpoint every ``steps / 10`` a run here lost
+every leg's work to the next kill before reaching the next checkpoint, and never finished; the
+others pay for checkpointing alike) and evaluates four times. **Goodput** is the run's samples/s
 (``analysis.samples_per_s``: each pipeline's samples after its first train line, over the span
 from the earliest train line to the latest), so the time spent restarting, healing and redoing
 work lost at a rollback counts against it: a rolled-back pipeline's ``samples`` go back with it.
@@ -67,7 +69,8 @@ def overrides(args, mode: str, run_dir: Path, seed: int, faults: bool) -> list[s
                 "straggler", args.pipelines, args.slow)) + "]",
             f"train.steps={args.steps}", f"train.eval_every={max(1, args.steps // 4)}",
             f"cluster.compute_ms={args.compute_ms}", "cluster.device=cpu", f"train.seed={seed}",
-            f"checkpoint.every={max(1, args.steps // 10)}", f"fault.max_restarts={restarts}",
+            f"checkpoint.every={args.checkpoint_every or max(1, args.steps // 40)}",
+            f"fault.max_restarts={restarts}",
             "fault.restart_backoff=0.2", *MODES[mode], *args.extra]
 
 
@@ -148,6 +151,8 @@ def main() -> int:
     parser.add_argument("--slow", type=float, default=3.0, help="the last pipeline's slowdown")
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--compute-ms", type=float, default=10)
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="iterations between checkpoints (default: steps / 40)")
     parser.add_argument("--fault-free", action="store_true",
                         help="also sdpipe and all-reduce without faults")
     parser.add_argument("--timeout", type=float, default=1200)
