@@ -12,11 +12,15 @@ The launcher therefore seals, at every launch, the code its config names: an HMA
 those keys' values under a secret key of this user's (``run.code_seal``), kept outside every run
 folder in ``$SDPIPE_TRUST_KEY`` or ``~/.config/sdpipe/trust.key`` (made on first use, mode 0600).
 A plain checksum beside the config would not do: whoever can change the config can recompute
-it. A key file someone else could read or write is refused, as is one too short to be a key:
-the seal is worth the key's secrecy. A launch whose config names code stops at the start when
-no usable key can be had, rather than write a run its own user could not resume. A resume then runs a saved config's code only if the seal is this user's and matches, or the
-user says so (``--trust-code``). A saved config that names no code (every built-in model and data
-set) needs no seal: a checkpoint's tensors are loaded with ``weights_only=True`` and never run.
+it. A resume then runs a saved config's code only if the seal is this user's and matches, or
+the user says so (``--trust-code``). A saved config that names no code (every built-in model and
+data set) needs no seal: a checkpoint's tensors are loaded with ``weights_only=True`` and never
+run.
+
+A seal is worth the key's secrecy, so a key file someone else could read or write, or that is
+no plain file of this user's holding a key, is refused wherever it is needed. A launch whose
+config names code stops at the start when no usable key can be had, rather than write a run
+that its own user's resume would refuse.
 """
 
 from __future__ import annotations

@@ -498,7 +498,7 @@ def test_a_run_naming_code_without_a_usable_key_stops_at_the_start(tmp_path, mon
     else:
         monkeypatch.setenv(trust.KEY_ENV, str(path))
     out = sdpipe("train", f"run.dir={tmp_path / 'new'}", *TINY,
-                 "model.loss={_target_: torch.nn.CrossEntropyLoss}")  # a loss node: code to seal
+                 "model.loss={_target_: sdpipe_cli.model.models.cross_entropy}")  # code to seal
     assert out.returncode == 2, out.stderr
     one_error_line(out.stderr, str(path))
     assert not (tmp_path / "new").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import stat
 
 import pytest
@@ -120,8 +121,18 @@ def test_a_file_that_is_no_key_is_refused_naming_it(tmp_path, monkeypatch, make,
         path.chmod(0o600)
     unsealed = copy.deepcopy(CUSTOM)
     unsealed["run"]["code_seal"] = "0" * 64
-    reasons = refused_naming(path, lambda: trust.seal(CUSTOM), lambda: trust.check(unsealed, "m"))
+    previous = signal.signal(signal.SIGALRM, _waited_on)
+    signal.setitimer(signal.ITIMER_REAL, 10)  # a reader blocked on the FIFO fails, not hangs
+    try:
+        reasons = refused_naming(path, lambda: trust.seal(CUSTOM), lambda: trust.check(unsealed, "m"))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
     assert all(says in r for r in reasons), reasons
+
+
+def _waited_on(signum, frame):
+    raise AssertionError("reading the key blocked")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
