@@ -109,6 +109,7 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
 def sample(path: str, prompt: str, settings, console: Console, trusted: bool = False) -> int:
     from sdpipe_cli.export import formats, generation
 
+    generation.check(prompt, settings)  # before the export is read
     folder = Path(path)
     if not formats.is_export(folder):
         raise CheckpointError(folder, "is not an export (no export.json): run sdpipe export first")
