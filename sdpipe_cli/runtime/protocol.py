@@ -59,7 +59,9 @@ class Tick:
 class Ready:
     """A replica finished ``iteration``'s backward (or update) and waits for its group.
     ``stage``: what it averages, its stage, or the segment where pipelines are split
-    differently (:mod:`~sdpipe_cli.core.segments`), which ``rank`` holds."""
+    differently (:mod:`~sdpipe_cli.core.segments`), which ``rank`` holds. ``steps``: the local
+    steps it has done, where the run's end cut its meeting's block short (None: the meetings'
+    count, ``(iteration + 1) * sync.every``)."""
 
     type = "ready"
     rank: int
@@ -67,6 +69,7 @@ class Ready:
     stage: int
     iteration: int
     incarnation: int = 0
+    steps: Optional[int] = None
 
 
 @dataclass(frozen=True)

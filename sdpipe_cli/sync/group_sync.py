@@ -102,6 +102,8 @@ class GroupSync(Sync):
         self.seen: dict[int, int] = {}  # each pipeline's latest incarnation named to this worker
         self.meetings, self.precision = meetings, precision
         self.stop = False
+        self._early = False  # meet after the coming step, whatever the block (meet_now)
+        self._met = -1  # the last meeting this replica went to
         self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
         self._done: Optional[int] = None  # pipeline-meetings begun, at the last decision
@@ -143,9 +145,13 @@ class GroupSync(Sync):
         if self.average == "weights_grads":
             self._rounds(module, step, grads=True)
 
+    def meet_now(self) -> None:
+        self._early = True
+
     def after_step(self, module: nn.Module, step: int) -> None:
+        early, self._early = self._early, False
         if self.average == "weights":
-            if self.meetings.meets(step):
+            if early or self.meetings.meets(step):
                 self._rounds(module, step, grads=False)
             else:  # training alone until the next meeting
                 self._checkpoint = None
@@ -183,10 +189,13 @@ class GroupSync(Sync):
         that earlier average.) The stats are the last round's, with the time spent waiting
         and communicating over all."""
         start = time.perf_counter()
-        meeting = self.meetings.meeting(step)  # the scheduler counts meetings
+        meeting = self._meeting(step)  # the scheduler counts meetings
+        # a block cut short by the run's end: the scheduler's checkpoint counts these steps
+        steps = None if self.meetings.steps(meeting + 1) == step + 1 else step + 1
+        self._met = meeting
         for unit in self.units:
             store.push(self.events, store.EVENTS, protocol.Ready(
-                self.rank, self.pipeline, unit.index, meeting, self.incarnation))
+                self.rank, self.pipeline, unit.index, meeting, self.incarnation, steps))
         stats, spent, stop, checkpoint = {}, 0.0, False, None
         for unit in self.units:
             decision = self._decision(unit, step, meeting)
@@ -197,6 +206,14 @@ class GroupSync(Sync):
         self._stats = {"group_size": stats["group_size"], "round": stats["round"],
                        "group_kind": stats["group_kind"],
                        "wait_s": time.perf_counter() - start - spent, "comm_s": spent}
+
+    def _meeting(self, step: int) -> int:
+        """The meeting after local step ``step``: its block's, or, where the run's end cut blocks
+        short (:meth:`meet_now`), the one after the last this replica went to. Only the run's
+        last meetings come early, so every checkpoint and resume still finds blocks of H steps:
+        one taken here holds the steps actually done, and a resume's next meeting is the one its
+        step falls in, on both sides."""
+        return max(self.meetings.meeting(step), self._met + 1)
 
     def _decision(self, unit: Unit, step: int, meeting: int) -> protocol.Group:
         """Unit ``unit``'s round of ``meeting`` (its ready signal is sent), as the scheduler

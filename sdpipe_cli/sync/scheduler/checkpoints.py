@@ -49,6 +49,7 @@ class Checkpoints:
         # global decisions per stage, or segment (policy.global_history)
         self.global_seen = [0] * plan.segments.count
         self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
+        self.cut: dict[int, tuple[int, int]] = {}  # pipeline -> (meeting, steps): a short block
 
     def average(self, steps: dict[int, int]) -> int:
         """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""
@@ -64,7 +65,7 @@ class Checkpoints:
         self.global_seen[d.stage] += 1
         if g not in self.global_checkpoint:
             missing = self.missing_steps(d.members, policy)
-            steps = {**missing, **{p: self.meetings.steps(k + 1)
+            steps = {**missing, **{p: self.steps_after(p, k)
                                    for p, k in policy.global_history[g].items()}}
             ckpt = self.cadence.at_global_sync(self.average(steps), d.stop, self.clock())
             self.global_checkpoint[g] = ckpt
@@ -72,6 +73,17 @@ class Checkpoints:
                 self.shards_from[ckpt] = set(d.members)
                 self.stand_ins[ckpt] = missing
         return self.global_checkpoint[g]
+
+    def cut_short(self, pipeline: int, meeting: int, steps: int) -> None:
+        """``pipeline`` went to ``meeting`` after ``steps`` local steps, before its block of
+        ``sync.every`` ended: the run's end asked its replicas to meet at once."""
+        self.cut[pipeline] = (meeting, steps)
+
+    def steps_after(self, pipeline: int, meeting: int) -> int:
+        """The local steps ``pipeline`` had done at ``meeting``: a full block's, unless the run's
+        end cut it short (then what its replicas said)."""
+        at, steps = self.cut.get(pipeline, (None, 0))
+        return steps if at == meeting else self.meetings.steps(meeting + 1)
 
     def missing_steps(self, members, policy: Any) -> dict[int, int]:
         """Pipelines not at a global sync (lost, or restarting): the iterations each has done."""

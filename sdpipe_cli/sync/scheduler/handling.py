@@ -246,6 +246,8 @@ class Scheduler:
         if self.tracer is not None:
             self.tracer.instant(f"ready {event.pipeline}", "ready", "pipeline", event.pipeline,
                                 "iteration", event.iteration, row=1 + event.stage)
+        if event.steps is not None:
+            self.checkpoints.cut_short(event.pipeline, event.iteration, event.steps)
         self._publish(self._policy().ready(event.stage, event.pipeline, event.iteration))
 
     def _replayed(self, event: protocol.Ready) -> None:
