@@ -73,11 +73,16 @@ class Ready:
 
 
 @dataclass(frozen=True)
-class Begin(Ready):
+class Begin:
     """Asynchronous schedules: the first stage of ``pipeline`` is about to start ``iteration``
-    (the fields of :class:`Ready`)."""
+    (the fields of :class:`Ready` but ``steps``: asynchronous schedules meet every iteration)."""
 
     type = "begin"
+    rank: int
+    pipeline: int
+    stage: int
+    iteration: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
