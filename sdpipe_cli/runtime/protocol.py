@@ -291,6 +291,8 @@ PROGRESS_FIELDS: dict[str, Any] = {
     "rounds": list[list[int]], "mean_group_size": Optional[float], "restarts": int, "heals": int,
     "scheduler_restarts": int, "unreadable": list[str], "phase": str, "turn": int, "turns": int,
     "stragglers": list[dict[str, Any]], "slowed": dict[str, float],
+    # the console's lines about slow devices: {"count": n, "recent": [the latest lines]}
+    "straggler_news": dict[str, Any],
     # the pipelines to re-split in place, and how: {"version": n, "partitions": {"p": [...]}}
     "resplit": dict[str, Any],
 }

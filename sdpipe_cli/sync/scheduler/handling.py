@@ -458,6 +458,7 @@ class Scheduler:
             summary["scheduler_restarts"] = self.scheduler_restarts
         if self.stragglers is not None:
             summary["stragglers"] = self.stragglers.current()
+            summary["straggler_news"] = self.stragglers.news_snapshot()
         if self.replan is not None:
             summary["replan"] = self.replan
         if self.replanning is not None:  # what a restart after a failure carries on
