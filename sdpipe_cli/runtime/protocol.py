@@ -98,7 +98,9 @@ class Rejoin:
 
 @dataclass(frozen=True)
 class Saved:
-    """A worker wrote its shard of checkpoint ``checkpoint`` at its iteration ``step``."""
+    """A worker wrote its shard of checkpoint ``checkpoint`` at its iteration ``step``; or, with
+    ``dropped``, why it did not: its replicas were never made one model there (the global sync
+    the checkpoint follows failed), so the checkpoint must not be made."""
 
     type = "saved"
     rank: int
@@ -108,6 +110,7 @@ class Saved:
     step: int
     incarnation: int = 0
     time: float = 0.0
+    dropped: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -196,12 +196,16 @@ class GroupSync(Sync):
         for unit in self.units:
             store.push(self.events, store.EVENTS, protocol.Ready(
                 self.rank, self.pipeline, unit.index, meeting, self.incarnation, steps))
-        stats, spent, stop, checkpoint = {}, 0.0, False, None
+        stats, spent, stop, checkpoint, failed = {}, 0.0, False, None, False
         for unit in self.units:
             decision = self._decision(unit, step, meeting)
             stats = self._average(unit, decision, module, grads, step)
             spent += stats["comm_s"]
             stop, checkpoint = stop or decision.stop, decision.checkpoint
+            failed = failed or stats["failed"]
+        if checkpoint is not None and failed:
+            self._drop(checkpoint, step + 1)
+            checkpoint = None
         self.stop, self._checkpoint = stop, checkpoint
         self._stats = {"group_size": stats["group_size"], "round": stats["round"],
                        "group_kind": stats["group_kind"],
@@ -214,6 +218,17 @@ class GroupSync(Sync):
         one taken here holds the steps actually done, and a resume's next meeting is the one its
         step falls in, on both sides."""
         return max(self.meetings.meeting(step), self._met + 1)
+
+    def _drop(self, checkpoint: int, step: int) -> None:
+        """The global sync that checkpoint ``checkpoint`` follows failed here (a member was
+        lost inside its all-reduce), so this replica was never averaged with the others: its
+        shard is not written, and the scheduler is told, so that no checkpoint claims to be
+        one model where it is not."""
+        why = "the global sync it follows failed (a member was lost in its all-reduce)"
+        log.warning("checkpoint %d is not written: %s", checkpoint, why)
+        store.push(self.events, store.EVENTS, protocol.Saved(
+            self.rank, self.pipeline, self.stage, checkpoint, step, self.incarnation,
+            self._clock(), dropped=why))
 
     def _decision(self, unit: Unit, step: int, meeting: int) -> protocol.Group:
         """Unit ``unit``'s round of ``meeting`` (its ready signal is sent), as the scheduler
@@ -282,7 +297,8 @@ class GroupSync(Sync):
                                    "members": members, "consensus": distance,
                                    **self._segment(unit)}))
         return {"group_size": len(members), "round": decision.round,
-                "group_kind": decision.kind, "comm_s": time.perf_counter() - got}
+                "group_kind": decision.kind, "comm_s": time.perf_counter() - got,
+                "failed": failed}
 
     def _segment(self, unit: Unit) -> dict[str, int]:
         """A report's segment, where units are not stages."""

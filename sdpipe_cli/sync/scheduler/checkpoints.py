@@ -50,6 +50,7 @@ class Checkpoints:
         self.global_seen = [0] * plan.segments.count
         self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
         self.cut: dict[int, tuple[int, int]] = {}  # pipeline -> (meeting, steps): a short block
+        self.dropped: set[int] = set()  # checkpoints a failed global sync left unmade
 
     def average(self, steps: dict[int, int]) -> int:
         """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""
@@ -96,7 +97,24 @@ class Checkpoints:
         return unknown if k is None else self.meetings.steps(k)
 
     def shard_saved(self, ckpt: int, rank: int, step: int) -> None:
-        self.saved.setdefault(ckpt, {})[rank] = step
+        if ckpt not in self.dropped:
+            self.saved.setdefault(ckpt, {})[rank] = step
+
+    def drop(self, ckpt: int, live: bool) -> bool:
+        """Checkpoint ``ckpt`` is not made: a replica says the global sync it follows failed,
+        so its shards are not one model's (nor would a stand-in copied from them be). Its
+        staging folder goes (``live``: not while replaying, where the dead scheduler did that);
+        shards that still come are ignored. False if it was made, or dropped, already."""
+        pending = ckpt in self.saved or ckpt in self.shards_from
+        self.saved.pop(ckpt, None)
+        self.shards_from.pop(ckpt, None)
+        self.stand_ins.pop(ckpt, None)
+        if not pending or ckpt in self.dropped:
+            return False
+        self.dropped.add(ckpt)
+        if live:
+            shutil.rmtree(checkpoint.staging_dir(self.run_dir, ckpt), ignore_errors=True)
+        return True
 
     def resplit(self, pipeline: int, bounds: list[int], slowed: dict[str, float]) -> None:
         """``pipeline`` was re-split in place: checkpoints from now on hold its new split, and

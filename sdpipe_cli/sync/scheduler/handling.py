@@ -428,7 +428,15 @@ class Scheduler:
 
     # -- checkpoints and health -----------------------------------------------------------------
     def _saved(self, event: protocol.Saved) -> None:
-        """A worker wrote its shard; once every worker due to did, finalize the checkpoint."""
+        """A worker wrote its shard; once every worker due to did, finalize the checkpoint. A
+        worker that could not (its global sync failed) drops the checkpoint for all."""
+        if event.dropped is not None:
+            if self.checkpoints.drop(event.checkpoint, self.live):
+                reason = f"pipeline {event.pipeline}, stage {event.stage}: {event.dropped}"
+                self.metrics.write({"kind": "checkpoint_dropped", "step": event.checkpoint,
+                                    "time": round(time.time() - self.t0, 4), "reason": reason})
+                log.warning("checkpoint %d is not written: %s", event.checkpoint, reason)
+            return
         self.checkpoints.shard_saved(event.checkpoint, event.rank, event.step)
         self._finalize(event.checkpoint)
 
