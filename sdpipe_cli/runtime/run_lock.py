@@ -101,6 +101,8 @@ def decide(owner: dict, boot: Optional[str], started_of: Callable[[int], Optiona
     pid = owner.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return "names no process that could hold it"
+    if pid == os.getpid():  # this process released it (it holds its own locks in _held)
+        return "was this process's, released"
     if owner.get("boot") and boot and owner["boot"] != boot:
         return "ended with an earlier boot of this machine"
     now = started_of(pid)

@@ -121,11 +121,16 @@ def test_a_live_process_named_by_a_free_lock_is_never_taken_over(tmp_path, ident
 def test_a_reused_pid_or_an_earlier_boot_is_taken_over_with_a_warning(tmp_path):
     """The named pid runs, but as a process started after the lock's owner (a reused pid), or
     the owner ran in an earlier boot: the owner ended, and the lock is taken over, said so."""
-    mine = run_lock.started(os.getpid())
-    _left_by(tmp_path, os.getpid(), boot=run_lock._boot(), started=mine - 1)
-    said = []
-    with run_lock.Holder(said.append) as holder:
-        holder.take(tmp_path)
+    later = subprocess.Popen(["sleep", "30"])  # running, under a pid the file names
+    try:
+        _left_by(tmp_path, later.pid, boot=run_lock._boot(),
+                 started=run_lock.started(later.pid) - 1)
+        said = []
+        with run_lock.Holder(said.append) as holder:
+            holder.take(tmp_path)
+    finally:
+        later.kill()
+        later.wait(10)
     assert len(said) == 1 and "is now a later process's" in said[0] and "taken over" in said[0]
     _left_by(tmp_path, 1, boot="an earlier boot", started=run_lock.started(1))
     said = []
@@ -142,7 +147,8 @@ def test_a_reused_pid_or_an_earlier_boot_is_taken_over_with_a_warning(tmp_path):
     ({"pid": 7, "boot": "b", "started": 400}, 500, "is now a later process's"),  # reused pid
     ({"pid": 7, "boot": "a", "started": 500}, 500, "earlier boot"),
     ({"pid": "x"}, 500, "names no process"),
-], ids=["gone", "running", "unreadable", "owner", "reused", "rebooted", "no-pid"])
+    ({"pid": os.getpid(), "boot": "b", "started": 500}, 500, "this process's, released"),
+], ids=["gone", "running", "unreadable", "owner", "reused", "rebooted", "no-pid", "mine"])
 def test_the_decision_on_a_free_lock_left_with_an_owner(owner, running, expected):
     why = run_lock.decide(owner, "b", lambda pid: running)
     assert why == expected if expected is None else expected in why
