@@ -36,6 +36,8 @@ from sdpipe_cli.core.segments import with_split
 from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
+from sdpipe_cli.runtime.errors import WriteFailed, discard_reserves
+from sdpipe_cli.runtime.metrics import write_summary
 
 
 
@@ -471,4 +473,21 @@ class Launch:
                 result.progress = quietly(lambda: store.read_progress(self.events, {})) or {}
             except protocol.ProtocolError:  # supervision has failed the run for it already
                 result.progress = {}
+        if result.run_dir is not None:
+            discard_reserves(result.run_dir)
+        if result.returncode == 1 and result.failure and self.primary:
+            self.failed_summary()
         result.wall_s = time.monotonic() - self.started
+
+    def failed_summary(self) -> None:
+        """A failed run's ``summary.json``: its scheduler, stopped, wrote none, so the last
+        progress it published, with the failure. It is small, but may not fit a disk that filled
+        up: then the console says so, and the run's end is reported as ever."""
+        result = self.result
+        if result.run_dir is None or not result.progress:
+            return
+        try:
+            write_summary(result.run_dir, {**result.progress, "failure": result.failure})
+        except WriteFailed as err:
+            print(f"sdpipe: warning: the run's summary is not written: {err}", file=sys.stderr,
+                  flush=True)
