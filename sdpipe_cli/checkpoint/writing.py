@@ -23,11 +23,11 @@ from typing import Any, Optional
 
 import torch
 
-from sdpipe_cli.runtime.errors import CheckpointError
+from sdpipe_cli.runtime.errors import CheckpointError, WriteFailed, os_error
 from sdpipe_cli.checkpoint.layout import (DELETING_PREFIX, FINAL, MANIFEST, STAGING_PREFIX,
                                           checkpoints_dir, final_dir, final_name, free_name,
                                           sha256, shard_name, staging_dir)
-from sdpipe_cli.checkpoint.reading import complete_checkpoints, latest
+from sdpipe_cli.checkpoint.reading import complete_checkpoints
 
 
 log = logging.getLogger("sdpipe.checkpoint")
@@ -50,28 +50,22 @@ def save_shard(directory: os.PathLike | str, name: str, state: dict[str, Any]) -
         os.replace(tmp, path)
     except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        # torch wraps a failed write in a RuntimeError ("file write failed")
-        if isinstance(err, OSError) or any(t in str(err) for t in ("No space left", "write failed")):
+        # torch wraps a failed write in a RuntimeError ("file write failed", or a position in
+        # its zip file, with the write's OSError as its context)
+        if os_error(err) is not None or any(t in str(err) for t in ("No space left", "write failed")):
             raise SaveFailed(path, err) from err
         raise
     return path
 
 
-class SaveFailed(RuntimeError):
+class SaveFailed(WriteFailed):
     """A checkpoint that could not be written (a full disk, a lost mount, a shard that never
     came): names the file and the latest complete checkpoint, which the failed save left as it
-    was. Not bad input: the run may be restarted."""
+    was (:class:`~sdpipe_cli.runtime.errors.WriteFailed`, for a file in a checkpoint's folder)."""
 
     def __init__(self, path: Path, err: "BaseException | str"):
         folder = path if path.name.startswith((STAGING_PREFIX, "step_")) else path.parent
-        run = folder.parent.parent  # <run>/checkpoints/<staging or step folder>
-        newest = latest(run) if run.is_dir() else None
-        what = err if isinstance(err, str) else (
-            getattr(err, "strerror", None) or str(err).splitlines()[0])
-        self.path = str(path)
-        self.reason = (f"cannot be written ({what}); the latest complete checkpoint is "
-                       f"{newest or 'none yet'}")
-        super().__init__(f"{self.path}: {self.reason}")
+        super().__init__(path, err, folder.parent.parent)  # <run>/checkpoints/<folder>
 
 
 def discard_staging(run_dir: os.PathLike | str) -> list[Path]:

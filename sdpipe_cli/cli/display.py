@@ -50,7 +50,7 @@ class ProgressDisplay:
         self.task = self.progress.add_task("train", total=total, completed=done, loss="-",
                                            rate="-", status="starting")
         self.next_report = 0.1
-        self.stragglers: dict[tuple[int, int], dict] = {}  # named on the console so far
+        self.told = 0  # the scheduler's straggler lines printed so far
 
     def __enter__(self):
         if self.live:
@@ -76,7 +76,7 @@ class ProgressDisplay:
         rate = f"{snap.get('samples_per_s', 0.0):.0f}"
         done = min(snap.get("iterations", 0), self.total)
         self.progress.update(self.task, completed=done, loss=loss, rate=rate)
-        self._stragglers(snap.get("stragglers") or [])
+        self._stragglers(snap.get("straggler_news") or {})
         if not self.live and done >= self.next_report * self.total:
             self.console.print(f"train {done}/{self.total} it  loss {loss}  {rate} samples/s",
                                highlight=False)
@@ -84,27 +84,26 @@ class ProgressDisplay:
                 self.next_report += 0.1
 
 
-    def _stragglers(self, now: list) -> None:
-        """One line for each device that became a straggler, and one for each that recovered."""
-        named = {(d["pipeline"], d["stage"]): d for d in now}
-        for key in sorted(named.keys() - self.stragglers.keys()):
-            d = named[key]
-            if d.get("carried"):  # found before the last re-plan, and slow still
-                self.console.print(f"still slow: {d['device']} (pipeline {d['pipeline']}, stage "
-                                   f"{d['stage']}), {d['carried']:.1f}x, as before the re-plan",
-                                   highlight=False, soft_wrap=True)
-                continue
-            slower = "" if d.get("slower") is None else f" computes {d['slower']:.1f}x slower " \
-                "than at its start (against its peers),"
-            self.console.print(f"slow device: {d['device']} (node {d['node']}, pipeline "
-                               f"{d['pipeline']}, stage {d['stage']}, rank {d['rank']}){slower} "
-                               "and its pipeline with it", highlight=False, soft_wrap=True)
-        for key in sorted(self.stragglers.keys() - named.keys()):
-            d = self.stragglers[key]
-            self.console.print(f"recovered: {d['device']} (pipeline {d['pipeline']}, stage "
-                               f"{d['stage']}) computes at its usual speed again", highlight=False,
-                               soft_wrap=True)
-        self.stragglers = named
+    def _stragglers(self, news: dict) -> None:
+        """A line for each change of a device's state the scheduler decided since the last
+        snapshot (its :class:`~sdpipe_cli.runtime.stragglers.StragglerWatch` owns them: the
+        console only words them)."""
+        count, recent = int(news.get("count", 0)), news.get("recent") or []
+        fresh = recent[max(0, len(recent) - (count - self.told)):] if count > self.told else []
+        self.told = max(self.told, count)
+        for d in fresh:
+            where = f"{d['device']} (pipeline {d['pipeline']}, stage {d['stage']})"
+            if d["kind"] == "still_slow":  # found before the last re-plan, and slow still
+                line = f"still slow: {where}, {d['carried']:.1f}x, as before the re-plan"
+            elif d["kind"] == "recovered":
+                line = f"recovered: {where} computes at its usual speed again"
+            else:
+                slower = "" if d.get("slower") is None else f" computes {d['slower']:.1f}x " \
+                    "slower than at its start (against its peers),"
+                line = (f"slow device: {d['device']} (node {d['node']}, pipeline "
+                        f"{d['pipeline']}, stage {d['stage']}, rank {d['rank']}){slower} and its "
+                        "pipeline with it")
+            self.console.print(line, highlight=False, soft_wrap=True)
 
 
 class ProfilePhases:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
@@ -86,14 +87,16 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
         config = source.config
         blocks, what = formats.assemble(config, merged)[1], str(source.path)
     config = evaluation.with_overrides(config, overrides)
+    count = sources.val_count(config)
+    evaluation.check_memory(config)  # bad input all: before anything is said
     if not formats.is_export(folder):
         _say(console, f"weights: {source.describe()}; {merged.describe()}")
-    count = sources.val_count(config)
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("eval", total=count)
         outcome = evaluation.evaluate(config, blocks, pipeline=pipeline,
-                                      on_batch=lambda n: bar.update(task, completed=n))
+                                      on_batch=lambda n: bar.update(task, completed=n),
+                                      say=lambda line: _say(console, line))
     samples = outcome.batches * int(config.train.batch_size)
     accuracy = "" if outcome.accuracy is None else f", val_accuracy {outcome.accuracy:.4f}"
     _say(console, f"eval: val_loss {outcome.loss:.6f}{accuracy} on {samples} validation samples "
@@ -108,6 +111,7 @@ def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline
 def sample(path: str, prompt: str, settings, console: Console, trusted: bool = False) -> int:
     from sdpipe_cli.export import formats, generation
 
+    generation.check(prompt, settings)  # before the export is read
     folder = Path(path)
     if not formats.is_export(folder):
         raise CheckpointError(folder, "is not an export (no export.json): run sdpipe export first")
@@ -142,8 +146,19 @@ def _new_file(out: Optional[str]) -> None:
 
 
 def _write_new(path: Path, doc: dict) -> None:
-    """``doc`` as JSON at ``path``, which must not exist: written beside it, then linked in."""
-    path = path.absolute()
+    """``doc`` as JSON at ``path``, which must not exist: written beside it, then linked in.
+    Meanwhile Ctrl-C and SIGTERM are ignored: the handler before would end the process at
+    once, leaving the temporary file behind and saying that nothing was written; the write
+    takes milliseconds, and the command ends right after it."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _write_beside(path.absolute(), doc)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _write_beside(path: Path, doc: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

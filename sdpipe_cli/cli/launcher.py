@@ -36,6 +36,8 @@ from sdpipe_cli.core.segments import with_split
 from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
+from sdpipe_cli.runtime.errors import WriteFailed, discard_reserves
+from sdpipe_cli.runtime.metrics import write_summary
 
 
 
@@ -199,6 +201,8 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
     (and the ``spent`` seconds of ``train.time_limit``) in the store; with real nodes the
     config is published for the other nodes' launchers.
     Returns (the store's events, the run folder, the config's path, the launch time)."""
+    # sealed first: a key that cannot be had stops the launch before anything is written
+    code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
     new_run = resume is None or fresh
     if new_run:  # a new run (from scratch, or resumed into a new folder), or one started again
         if run_dir is None:  # a new run; one resumed fresh got its id with its folder (resuming)
@@ -210,7 +214,7 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
         run_dir = Path(cfg.run.dir)
         config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
     result.run_dir = run_dir
-    cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
+    cfg.run.code_seal = code_seal
     save_run_config(cfg, config_path)
     if resume is None:  # the user's own folders; a resumed config's come from its file
         _copy_config_dirs(cfg, run_dir)
@@ -469,4 +473,21 @@ class Launch:
                 result.progress = quietly(lambda: store.read_progress(self.events, {})) or {}
             except protocol.ProtocolError:  # supervision has failed the run for it already
                 result.progress = {}
+        if result.run_dir is not None:
+            discard_reserves(result.run_dir)
+        if result.returncode == 1 and result.failure and self.primary:
+            self.failed_summary()
         result.wall_s = time.monotonic() - self.started
+
+    def failed_summary(self) -> None:
+        """A failed run's ``summary.json``: its scheduler, stopped, wrote none, so the last
+        progress it published, with the failure. It is small, but may not fit a disk that filled
+        up: then the console says so, and the run's end is reported as ever."""
+        result = self.result
+        if result.run_dir is None or not result.progress:
+            return
+        try:
+            write_summary(result.run_dir, {**result.progress, "failure": result.failure})
+        except WriteFailed as err:
+            print(f"sdpipe: warning: the run's summary is not written: {err}", file=sys.stderr,
+                  flush=True)

@@ -228,7 +228,7 @@ def _add_eval(sub) -> None:
     _replica_options(ev)
     ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="another data set or batch: data=NAME, data.*, train.batch_size, "
-                    "pipeline.microbatches")
+                    "pipeline.microbatches; run.memory_check=false")
 
 
 def _add_sample(sub) -> None:
@@ -333,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     err = display.stderr_console()
     # Until a launch starts processes, an interrupt ends sdpipe at once (imports of C extensions
     # must not be interrupted by an exception); the launch then handles its own interrupts.
-    previous = exit_on_interrupt("preparing the run")
+    previous = exit_on_interrupt("preparing the run", args.command)
     try:
         if getattr(args, "config_dir", None):
             args.overrides = [*_searchpath(args.config_dir), *args.overrides]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 from sdpipe_cli.core import supervision
 from sdpipe_cli.runtime import processes, protocol, store
-from sdpipe_cli.runtime.errors import read_error
+from sdpipe_cli.runtime.errors import go_on_from, read_error
 
 GRACE_S = 10.0  # SIGTERM -> SIGKILL
 RUNNING = "running"  # the launch phase after start-up
@@ -359,8 +359,8 @@ def _disk_full(run_dir: Path) -> str:
         usage = shutil.disk_usage(run_dir)
     except OSError:
         return ""
-    return (f"the disk holding {run_dir} is full ({usage.free:,} bytes free): free space and "
-            "resume from the latest checkpoint") if usage.free < FULL_BYTES else ""
+    return (f"the disk holding {run_dir} is full ({usage.free:,} bytes free): free space; "
+            f"{go_on_from(run_dir)}") if usage.free < FULL_BYTES else ""
 
 
 def _tail(path: Path, lines: int, start: int = 0) -> str:

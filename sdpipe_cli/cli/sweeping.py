@@ -48,7 +48,7 @@ def sweep_train(overrides: Sequence[str], console: Console) -> int:
     rows = []
     for combo in combos:  # Hydra named each job's folder <k>-<what varies>
         run_dir = next(root.glob(f"{combo.index}-*"), root / combo.name)
-        status = ("done" if (run_dir / "summary.json").exists() else
+        status = ("done" if (run_dir / "summary.json").exists() and not _failed(run_dir) else
                   "not run" if not (run_dir / "config.yaml").exists() else "failed")
         rows.append({"run": run_dir.name, "overrides": list(combo.varied), "status": status,
                      **_outcome(run_dir)})
@@ -86,6 +86,16 @@ def _sweep_job(cfg) -> int:
     if rc == run_loop.EXIT_INTERRUPTED:
         raise KeyboardInterrupt  # ends the sweep: the next jobs are not started
     return rc
+
+
+def _failed(run_dir) -> bool:
+    """Whether a run's ``summary.json`` is a failed run's (the launcher's, with ``failure``)."""
+    import json
+
+    try:
+        return "failure" in json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return True
 
 
 def _outcome(run_dir) -> dict:

@@ -3,7 +3,8 @@
 Hydra's convention (a dotted path to a callable) resolved the way ``python -m`` would: from
 ``PYTHONPATH`` or the current folder. Run processes are forks of a server whose import path was
 fixed before the user's folder was known, so the folders are added here, where the name is
-looked up. A name that does not import is bad input: one line naming the key.
+looked up. A name that does not import is bad input: one line naming the key, even where the
+module's own code fails or calls ``sys.exit()`` as it is imported.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def import_callable(target: Any, key: str) -> Any:
             sys.path.append(folder)
     try:
         obj = _locate(target)
+    except SystemExit as exit_:  # the module's sys.exit() is not sdpipe's exit (Ctrl-C stays one)
+        raise ConfigError(key, f"cannot import {target!r}: importing it called "
+                          f"sys.exit({exit_.code!r})") from None
     except Exception as err:  # ImportError, AttributeError, or the module's own failure
         cause = err.__cause__ or err
         raise ConfigError(key, f"cannot import {target!r}: {' '.join(str(cause).split())[:200]}") from None

@@ -12,9 +12,15 @@ The launcher therefore seals, at every launch, the code its config names: an HMA
 those keys' values under a secret key of this user's (``run.code_seal``), kept outside every run
 folder in ``$SDPIPE_TRUST_KEY`` or ``~/.config/sdpipe/trust.key`` (made on first use, mode 0600).
 A plain checksum beside the config would not do: whoever can change the config can recompute
-it. A resume then runs a saved config's code only if the seal is this user's and matches, or the
-user says so (``--trust-code``). A saved config that names no code (every built-in model and data
-set) needs no seal: a checkpoint's tensors are loaded with ``weights_only=True`` and never run.
+it. A resume then runs a saved config's code only if the seal is this user's and matches, or
+the user says so (``--trust-code``). A saved config that names no code (every built-in model and
+data set) needs no seal: a checkpoint's tensors are loaded with ``weights_only=True`` and never
+run.
+
+A seal is worth the key's secrecy, so a key file someone else could read or write, or that is
+no plain file of this user's holding a key, is refused wherever it is needed. A launch whose
+config names code stops at the start when no usable key can be had, rather than write a run
+that its own user's resume would refuse.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import hmac
 import json
 import os
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -34,6 +41,7 @@ __all__ = ["KEY_ENV", "check", "code_named", "interpolations", "key_path", "seal
 
 KEY_ENV = "SDPIPE_TRUST_KEY"
 _KEY_BYTES = 32
+_MAX_KEY_BYTES = 4096  # a key, not a file read whole into memory
 
 
 def code_named(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,17 +82,68 @@ def key_path() -> Path:
 
 
 def _read_key(path: Path) -> Optional[bytes]:
-    try:
-        key = path.read_bytes()
-    except OSError:
+    """The key at ``path``, or None when there is none. A seal is worth the key's secrecy: whoever
+    can read the key can seal code of their own for this user to run, and whoever can write it can
+    swap in one they know. So a file there that anyone else may read or write, that is not a plain
+    file of this user's, or that holds too few bytes to be a key, is refused
+    (:class:`ConfigError` naming it), never taken."""
+    try:  # O_NONBLOCK: a named pipe there must not hang the launch (it is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):  # none there (and maybe no folder for one)
         return None
-    return key if len(key) >= _KEY_BYTES else None
+    except OSError as err:
+        raise _unusable(path, f"cannot be read: {err.strerror or err}") from None
+    try:
+        _check_file(path, os.fstat(fd))
+        key = os.read(fd, _MAX_KEY_BYTES + 1)
+    except OSError as err:
+        raise _unusable(path, f"cannot be read: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+    if len(key) < _KEY_BYTES:
+        raise _unusable(path, f"holds {len(key)} bytes, too few for a key (at least {_KEY_BYTES}; "
+                        f"sdpipe makes one of {_KEY_BYTES} random bytes); {_remedy(path, 'remove it')}")
+    if len(key) > _MAX_KEY_BYTES:
+        raise _unusable(path, f"holds more than {_MAX_KEY_BYTES} bytes, too many for a key; "
+                        f"{_remedy(path, 'remove it')}")
+    return key
 
 
-def _own_key(path: Path) -> Optional[bytes]:
-    """The key at ``path``, made (atomically, readable by this user only) if there is none;
-    None if it can be neither read nor made (a read-only home: nothing is sealed, and a resume
-    of that run's code then needs ``--trust-code``)."""
+def _check_file(path: Path, info: os.stat_result) -> None:
+    """Refuse a key file others could read or change, or that is no plain file of this user's."""
+    if stat.S_ISDIR(info.st_mode):
+        raise _unusable(path, f"is a folder, not a key file; {_remedy(path, 'remove it')}")
+    if not stat.S_ISREG(info.st_mode):
+        raise _unusable(path, f"is not a regular file; {_remedy(path, 'remove it')}")
+    if info.st_uid != os.geteuid():
+        raise _unusable(path, f"belongs to another user (uid {info.st_uid}), who can change it: "
+                        f"a key must be yours alone; {_remedy(path, 'remove it')}")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        how = [what for what, bits in (("read", 0o044), ("written", 0o022), ("executed", 0o011))
+               if mode & bits]
+        how = " and ".join([", ".join(how[:-1]), how[-1]] if len(how) > 1 else how)
+        raise _unusable(path, f"can be {how} by others (mode {mode:04o}): a key must be yours "
+                        f"alone; {_remedy(path, f'chmod 600 {path} if it is a secret of yours')}")
+
+
+def _remedy(path: Path, fix: str) -> str:
+    """What to do about an unusable key: ``fix`` it, or have sdpipe make a new one elsewhere."""
+    if os.environ.get(KEY_ENV):
+        return f"{fix}, or point {KEY_ENV} at a file of yours (sdpipe makes it if it is not there)"
+    return f"{fix} (sdpipe then makes a new one)"
+
+
+def _unusable(path: Path, reason: str) -> ConfigError:
+    return ConfigError(str(path), f"the key that seals the code a config names {reason} "
+                       "(docs/SECURITY.md)")
+
+
+def _own_key(path: Path) -> bytes:
+    """The key at ``path``, made (atomically, readable by this user only, in a folder of this
+    user's only) if there is none; :class:`ConfigError` naming it if it can be neither read nor
+    made: a run of code that nothing sealed could only be resumed with ``--trust-code``, so it
+    does not start."""
     key = _read_key(path)
     if key is not None:
         return key
@@ -101,9 +160,13 @@ def _own_key(path: Path) -> Optional[bytes]:
             pass
         finally:
             os.unlink(tmp)
-    except OSError:
-        return None
-    return _read_key(path)
+    except OSError as err:
+        raise _unusable(path, f"cannot be made: {err.strerror or err}; point {KEY_ENV} at a file "
+                        "in a folder of yours you can write") from None
+    key = _read_key(path)
+    if key is None:  # removed between its making and its reading
+        raise _unusable(path, "vanished as it was made; run again")
+    return key
 
 
 def _digest(named: Mapping[str, Any], key: bytes) -> str:
@@ -113,12 +176,12 @@ def _digest(named: Mapping[str, Any], key: bytes) -> str:
 
 def seal(cfg: Mapping[str, Any]) -> Optional[str]:
     """The seal of the code ``cfg`` names, under this user's key (made if needed); None when it
-    names none, or no key can be had."""
+    names none (no key is needed then, nor read). :class:`ConfigError` naming the key's file when
+    no usable key can be had: a launch never writes code unsealed."""
     named = code_named(cfg)
     if not named:
         return None
-    key = _own_key(key_path())
-    return None if key is None else _digest(named, key)
+    return _digest(named, _own_key(key_path()))
 
 
 def interpolations(node: Any, path: str = "") -> Optional[str]:
@@ -139,7 +202,8 @@ def interpolations(node: Any, path: str = "") -> Optional[str]:
 def check(cfg: Mapping[str, Any], where: str, trusted: bool = False) -> None:
     """Refuse (a :class:`ConfigError` naming the first key that names code) a saved config,
     read from ``where``, whose code no launch of this user's sealed as it stands, unless the
-    user ``trusted`` it. A config that names no code passes."""
+    user ``trusted`` it. A config that names no code passes. A key others could read or write
+    is refused naming its file: anyone who read it could have sealed the config."""
     found = interpolations(cfg)
     if found is not None:
         raise ConfigError(found, f"{where} holds an interpolation (${{...}}) there: a run saves its "

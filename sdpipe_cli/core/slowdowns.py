@@ -33,7 +33,9 @@ A slowdown must also matter: the compute it adds (the device's median now less i
 be at least :data:`MATTERS` of the device's iteration time (its median ``step_s``, waits
 included). A device of a few milliseconds of compute in a pipeline that takes fifty per
 iteration is not a straggler even if a busy host doubles it; on a shared CPU that happens all
-the time.
+the time. A straggler stops mattering below half of that (hysteresis again): a device that
+adds about that share, as one re-split in place to hold less of the model may, would otherwise
+be named and recovered every few iterations as its neighbours' times wander.
 
 No I/O and no clock: the scheduler feeds it the workers' step reports and writes what it says.
 """
@@ -148,10 +150,11 @@ class SlowdownDetector:
         score = self.score(pipeline, stage)
         if score is None:
             return []
-        matters = not device.steps or (statistics.median(device.recent) - device.baseline
-                                       >= MATTERS * statistics.median(device.steps))
-        turned = (score < self.recover_below or not matters if device.straggling
-                  else score >= self.threshold and matters)
+        # the share of its iteration the slowdown adds, against MATTERS (half, to stay named)
+        added = (1.0 if not device.steps else (statistics.median(device.recent) - device.baseline)
+                 / max(statistics.median(device.steps), 1e-12) / MATTERS)
+        turned = (score < self.recover_below or added < 0.5 if device.straggling
+                  else score >= self.threshold and added >= 1.0)
         device.against = device.against + 1 if turned else 0
         if device.against < self.confirm:
             return []

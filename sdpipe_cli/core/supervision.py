@@ -235,7 +235,11 @@ class Restarts:
     again within :data:`RESET_S` of its last restart (torchelastic and Kubernetes back off the same
     way), and is back to ``backoff_s`` once it ran longer: a fault that comes back at once, such
     as a device that keeps failing, costs little time before the budget runs out, while
-    unrelated faults hours apart are each retried soon.
+    unrelated faults hours apart are each retried soon. A caller that knows the failed attempt
+    made progress since its restart (the run trained past the checkpoint it restarted from) says
+    so, and the back-off starts over too: a crash loop makes no progress, while unrelated faults
+    that come often (a worker lost every 20 s on a large cluster) would otherwise double the wait
+    at each one, to minutes, for a run that trains well between them.
     """
 
     def __init__(self, limit: int, backoff_s: float, reset_s: Optional[float] = None):
@@ -249,15 +253,18 @@ class Restarts:
     def left(self) -> int:
         return self.limit - self.used
 
-    def take(self, what: Any = "run", now: float = 0.0, elsewhere: int = 0) -> Optional[float]:
+    def take(self, what: Any = "run", now: float = 0.0, elsewhere: int = 0,
+             progressed: bool = False) -> Optional[float]:
         """Use one restart of ``what`` failing at ``now`` (seconds, any monotonic clock): the
         seconds to wait before it, or None when none is left (``elsewhere``: restarts other nodes'
-        launchers made, which the budget also counts)."""
+        launchers made, which the budget also counts; ``progressed``: the failed attempt made
+        progress since its last restart, so this is no crash loop)."""
         if self.used + elsewhere >= self.limit:
             return None
         self.used += 1
         last, doublings = self._last.get(what, (None, -1))
-        doublings = doublings + 1 if last is not None and now - last < self.reset_s else 0
+        again = last is not None and now - last < self.reset_s and not progressed
+        doublings = doublings + 1 if again else 0
         wait = self.backoff_s * 2 ** doublings
         self._last[what] = (now + wait, doublings)
         return wait

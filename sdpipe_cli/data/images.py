@@ -304,6 +304,11 @@ def _cifar_classes(folder: Path) -> list[str]:
     return [n.decode() if isinstance(n, bytes) else n for n in names]
 
 
+def cifar10_folder(root: Path) -> Path:
+    """The folder of CIFAR-10's batches: ``root``, or the one the archive extracts to in it."""
+    return root / CIFAR10_SUBDIR if (root / CIFAR10_SUBDIR).is_dir() else root
+
+
 def load_cifar10(root: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
     """CIFAR-10 from its python batches on disk: train images ``(50000, 3, 32, 32)`` uint8, train
     labels int64, test images ``(10000, 3, 32, 32)``, test labels, and the class names.
@@ -311,12 +316,10 @@ def load_cifar10(root: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     ``root`` holds ``data_batch_1`` .. ``data_batch_5`` and ``test_batch`` (and optionally
     ``batches.meta``), directly or in ``cifar-10-batches-py/``.
     """
-    folder = Path(root)
-    if not folder.is_dir():
+    if not Path(root).is_dir():
         raise DataError("data.path", f"{root} is not a folder; download and extract "
                                      "cifar-10-python.tar.gz and point data.path at it")
-    if (folder / CIFAR10_SUBDIR).is_dir():
-        folder = folder / CIFAR10_SUBDIR
+    folder = cifar10_folder(Path(root))
     for name in (*CIFAR10_TRAIN_FILES, CIFAR10_TEST_FILE):
         if not (folder / name).is_file():
             raise DataError("data.path", f"{folder} has no {name}; expected DIR/data_batch_1..5 and "

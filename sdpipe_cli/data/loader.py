@@ -244,8 +244,8 @@ def evaluation_batches(dataset: Dataset, count: int, batch_size: int, seed: int,
     from the start if the split is smaller), the same for every pipeline and every evaluation
     (their keys depend on the index only), so that losses compare across pipelines and time."""
     n = len(dataset)  # type: ignore[arg-type]
-    plan = [[(i % n, seed_of("val", seed, i % n)) for i in range(b * batch_size, (b + 1) * batch_size)]
-            for b in range(count)]
+    plan = ([(i % n, seed_of("val", seed, i % n)) for i in range(b * batch_size, (b + 1) * batch_size)]
+            for b in range(count))  # one batch's keys at a time: a long evaluation holds no more
     # a generator of its own: DataLoader draws a seed from one, the training RNG must not move
     extra = {"multiprocessing_context": _context(), "worker_init_fn": _die_with_parent} if workers else {}
     for batch in DataLoader(_Keyed(dataset, labels_only), batch_sampler=plan, num_workers=min(workers, count),

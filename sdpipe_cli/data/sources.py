@@ -27,11 +27,16 @@ from sdpipe_cli.data.loader import read_sample
 from sdpipe_cli.data.sampling import seed_of
 from sdpipe_cli.runtime.errors import DataError
 
-__all__ = ["Splits", "check_same", "open_splits", "resolve", "example", "val_count", "workers", "fingerprint"]
+__all__ = ["Splits", "check_same", "open_splits", "resolve", "example", "val_count", "workers", "fingerprint",
+           "sampled_digest"]
 
 CORPORA = ("stdlib", "text", "synthetic")
 DECODED = ("imagefolder", "cifar10", "custom")  # work per sample worth a background process
 DEFAULT_WORKERS = 2
+CONTENT = ("sha256", "sample")  # the entries of what was read that stand for its content
+SAMPLE_BLOCK, SAMPLE_BLOCKS = 64 * 1024, 16  # a file's content sampled: at most 1 MiB of it
+IMAGES_SAMPLED = 64  # of an image folder, the files whose content is sampled
+EVAL_BATCHES_ANY = 4  # validation batches any evaluation may take, even of a smaller split
 
 
 @dataclass
@@ -60,7 +65,9 @@ def _corpus(cfg: Any) -> Splits:
     check_corpus(corpus, int(cfg.model.seq_len))
     # bytes: the mask token is the model's last id, above every byte (the model has >= 257)
     train, val = _windows([corpus.train], [corpus.val], cfg, int(cfg.model.vocab_size) - 1, 256)
-    read = {"bytes": len(corpus.train) + len(corpus.val)}
+    digest = hashlib.sha256(corpus.train.numpy())
+    digest.update(corpus.val.numpy())  # the bytes read, in memory already: a full digest is cheap
+    read = {"bytes": len(corpus.train) + len(corpus.val), "sha256": digest.hexdigest()[:16]}
     if cfg.data.path:
         read["path"] = str(Path(str(cfg.data.path)).expanduser().resolve())
     return Splits(train, val, read=read)
@@ -76,7 +83,9 @@ def _tokens(cfg: Any, verify: bool) -> Splits:
     read = {"path": str(corpus.root.resolve()), "tokenizer": corpus.manifest["tokenizer"]["spec"],
             "tokens": {s: corpus.tokens(s) for s in ("train", "val")},
             "fingerprint": token_fingerprint(corpus),
-            "manifest_sha256": file_sha256(corpus.root / MANIFEST)}
+            "manifest_sha256": file_sha256(corpus.root / MANIFEST),
+            "sample": sampled_digest([corpus.root / e["file"] for s in ("train", "val")
+                                      for e in corpus.manifest["splits"][s]], corpus.root)}
     return Splits(train, val, vocab_size=vocab, read=read)
 
 
@@ -122,8 +131,11 @@ def _cifar10(cfg: Any) -> Splits:
     train = images.ArrayImages(train_x, train_y, ImageTransform("pad_crop_flip", size, 4, mean, std), classes)
     val = images.ArrayImages(val_x, val_y, ImageTransform("none", size, 0, mean, std), classes)
     root = Path(str(cfg.data.path)).expanduser().resolve()
+    batches = [images.cifar10_folder(root) / name
+               for name in (*images.CIFAR10_TRAIN_FILES, images.CIFAR10_TEST_FILE)]
     return Splits(train, val, classes=len(classes),
-                  read={"path": str(root), "images": {"train": len(train_y), "val": len(val_y)}})
+                  read={"path": str(root), "images": {"train": len(train_y), "val": len(val_y)},
+                        "sample": sampled_digest(batches, root)})
 
 
 def _imagefolder(cfg: Any) -> Splits:
@@ -138,9 +150,12 @@ def _imagefolder(cfg: Any) -> Splits:
     train = images.ImageFolder(train_files, classes, ImageTransform("resized_crop_flip", size, 0, mean, std))
     val = images.ImageFolder(val_files, classes, ImageTransform("resize_center", size, 0, mean, std))
     listing = hashlib.sha256(json.dumps([train_files, val_files]).encode()).hexdigest()[:16]
+    every = [Path(f) for f, _ in (*train_files, *val_files)]
+    some = every[::-(-len(every) // IMAGES_SAMPLED)]
     return Splits(train, val, classes=len(classes),
                   read={"path": str(Path(root).resolve()), "classes": len(classes),
-                        "images": {"train": len(train_files), "val": len(val_files)}, "listing": listing})
+                        "images": {"train": len(train_files), "val": len(val_files)}, "listing": listing,
+                        "sample": sampled_digest(some, Path(root))})
 
 
 def _custom(cfg: Any) -> Splits:
@@ -168,19 +183,56 @@ def open_splits(cfg: Any, verify: bool = False) -> Splits:
 # ----------------------------------------------------------------------------- the record
 
 
-def check_same(splits: Splits, resolved: Any, reader: str, recorded: str) -> None:
+def sampled_digest(files: list[Path], root: Path) -> str:
+    """A short digest of ``files``: each one's name under ``root``, size, and content, whole up
+    to :data:`SAMPLE_BLOCKS` x :data:`SAMPLE_BLOCK` bytes, else that many blocks spread evenly
+    (the first and the last among them). Data replaced, or edited in place, is noticed at a cost
+    that does not grow with its size; an edit between the blocks is not (``data.verify``
+    checks token shards whole)."""
+    digest = hashlib.sha256()
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                digest.update(f"{path.relative_to(root)}\0{size}\0".encode())
+                if size <= SAMPLE_BLOCK * SAMPLE_BLOCKS:
+                    digest.update(f.read())
+                    continue
+                for i in range(SAMPLE_BLOCKS):
+                    f.seek((size - SAMPLE_BLOCK) * i // (SAMPLE_BLOCKS - 1))
+                    digest.update(f.read(SAMPLE_BLOCK))
+        except OSError as err:
+            raise DataError(str(path), f"cannot read: {err.strerror or err}") from None
+    return digest.hexdigest()[:16]
+
+
+def check_same(splits: Splits, resolved: Any, reader: str, recorded: str) -> bool:
     """``splits`` are what ``data.resolved`` recorded (split sizes, what was read: paths,
-    checksums); else a DataError. Two stages that read different copies would pair inputs with
-    the wrong targets, and an evaluation of changed data would score other samples, without
-    any other error."""
+    sizes, digests of the content); else a DataError naming ``data.path`` (or ``data``) and
+    what differs. Two stages that read different copies would pair inputs with the wrong
+    targets, and an evaluation of changed data would score other samples, without any other
+    error. False when the record, an older sdpipe's, holds no digest of the content the data
+    has now: then only the rest (sizes, counts) was compared."""
     if not resolved:
-        return
-    seen = {"train": len(splits.train), "val": len(splits.val), "read": splits.read}  # type: ignore[arg-type]
-    for key, value in seen.items():
-        if value != resolved[key]:
-            raise DataError("data", f"{reader} reads other data than the run did ({key}: "
-                            f"{value} here, {resolved[key]} {recorded}); every node needs the "
-                            "same copy of the data, unchanged since")
+        return True
+    before = resolved["read"]
+    unrecorded = [k for k in CONTENT if k in splits.read and k not in before]
+    now = {k: v for k, v in splits.read.items() if k not in unrecorded}
+    seen = {"train": len(splits.train), "val": len(splits.val), **now}  # type: ignore[arg-type]
+    then = {"train": resolved["train"], "val": resolved["val"], **before}
+    differs = [k for k in {**then, **seen} if seen.get(k) != then.get(k)]
+    if differs:
+        what = "; ".join(f"{_WORDS.get(k, k)}: {seen.get(k)} here, {then.get(k)} {recorded}"
+                         for k in differs)
+        path = before.get("path")
+        raise DataError("data.path" if path else "data",
+                        f"{path + ': ' if path else ''}{reader} reads other data than the run did "
+                        f"({what}); every node needs the same copy of the data, unchanged since")
+    return not unrecorded
+
+
+_WORDS = {"train": "training samples", "val": "validation samples",
+          "sha256": "its content's SHA-256", "sample": "its files' sizes and sampled content"}
 
 
 def _spec(value: Any, what: str) -> dict[str, Any]:
@@ -243,12 +295,23 @@ def example(cfg: Any, batch_size: int, device: str = "cpu") -> tuple[Any, Any]:
 
 
 def val_count(cfg: Any) -> int:
-    """Validation batches per evaluation: ``data.eval_batches``, or every full batch."""
+    """Validation batches per evaluation: ``data.eval_batches``, or every full batch.
+
+    More batches than it takes to read the validation split once would only read it again
+    (the batches start over at its end), for as long as the count says: a billion of them is a
+    worker that evaluates for days. Such a count is bad input, unless it is small
+    (:data:`EVAL_BATCHES_ANY`, the default's 4, which may well repeat a small split)."""
+    size, batch = int(_resolved(cfg)["val"]), int(cfg.train.batch_size)
     if cfg.data.eval_batches is not None:
-        return int(cfg.data.eval_batches)
-    full = int(_resolved(cfg)["val"]) // int(cfg.train.batch_size)
+        count, once = int(cfg.data.eval_batches), -(-size // batch)
+        if count > max(once, EVAL_BATCHES_ANY):
+            raise DataError("data.eval_batches", f"is {count}, but {once} batch(es) of "
+                            f"train.batch_size={batch} read all {size} validation samples; use at "
+                            f"most {max(once, EVAL_BATCHES_ANY)} (null: every full batch)")
+        return count
+    full = size // batch
     if full < 1:
-        raise DataError("data.val_fraction", f"the validation split has {_resolved(cfg)['val']} samples, "
+        raise DataError("data.val_fraction", f"the validation split has {size} samples, "
                         f"fewer than one batch of train.batch_size={cfg.train.batch_size}")
     return full
 

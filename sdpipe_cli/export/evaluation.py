@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -22,14 +23,14 @@ from sdpipe_cli.core.segments import partitions_of
 from sdpipe_cli.data import sources
 from sdpipe_cli.runtime.errors import DataError
 from sdpipe_cli.data.loader import evaluation_batches
-from sdpipe_cli.model import models
+from sdpipe_cli.model import memory, models
 from sdpipe_cli.model.boundary import map_tensors
 from sdpipe_cli.pipeline import validation
 from sdpipe_cli.pipeline.executor import Executor
 
-__all__ = ["CHANGEABLE", "check_keys", "evaluate", "with_overrides"]
+__all__ = ["CHANGEABLE", "check_keys", "check_memory", "evaluate", "with_overrides"]
 
-CHANGEABLE = ("data=NAME", "data.*", "train.batch_size", "pipeline.microbatches")
+CHANGEABLE = ("data=NAME", "data.*", "train.batch_size", "pipeline.microbatches", "run.memory_check")
 
 
 def with_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
@@ -95,7 +96,7 @@ def check_keys(overrides: Sequence[str]) -> None:
         if not sep:
             raise ConfigError(key or "overrides", f"'{item}' is not KEY=VALUE")
         if not (key == "data" or key.startswith("data.")
-                or key in ("train.batch_size", "pipeline.microbatches")):
+                or key in CHANGEABLE):
             raise ConfigError(key, f"cannot change in sdpipe eval (it may change "
                               f"{', '.join(CHANGEABLE)})")
 
@@ -103,12 +104,14 @@ def check_keys(overrides: Sequence[str]) -> None:
 def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
              on_batch: Optional[Callable[[int], None]] = None,
              device: Optional[torch.device] = None,
-             pipeline: Optional[int] = None) -> validation.Outcome:
+             pipeline: Optional[int] = None,
+             say: Callable[[str], None] = lambda line: None) -> validation.Outcome:
     """The loss (and accuracy) of ``blocks`` on ``cfg``'s validation batches; under a low
     ``train.precision`` activations cross the stage boundaries of ``pipeline``'s partition (its
     own, with ``pipeline.partitions``; by default pipeline 0's, whose replica a merge of equal
-    ones takes), as that pipeline's eval did."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ones takes), as that pipeline's eval did. The data must be what the run read (unless it
+    was overridden); ``say`` is told when that can be checked by its sizes only."""
+    device = device or default_device()
     low = models.AUTOCAST.get(str(cfg.train.precision))
     cuts = set()
     if low is not None:
@@ -120,7 +123,9 @@ def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
     stage = Executor(module, 0, 1, None, None, (None, None), device,
                      models.loss_function(cfg.model), autocast=low)
     splits = sources.open_splits(cfg)
-    sources.check_same(splits, cfg.data.get("resolved"), "sdpipe eval", "when it trained")
+    if not sources.check_same(splits, cfg.data.get("resolved"), "sdpipe eval", "when it trained"):
+        say(f"note: the run recorded no digest of its data's content (an older sdpipe): "
+            f"{data_name(cfg)} is checked by its sizes only")
     batches = ((b.inputs, b.targets) for b in evaluation_batches(
         splits.val, sources.val_count(cfg), int(cfg.train.batch_size), int(cfg.train.seed),
         sources.workers(cfg)))
@@ -130,6 +135,40 @@ def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
                                       device=device, on_batch=on_batch)
     assert outcome is not None  # the one stage is the last
     return outcome
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_memory(cfg: DictConfig, device: Optional[torch.device] = None) -> None:
+    """Refuse an evaluation that cannot fit on ``device`` (by default :func:`evaluate`'s), as
+    a training run is refused (:func:`~sdpipe_cli.cli.preparing.check_memory`,
+    ``run.memory_check``), before its first batch is made: a batch far too large otherwise grows
+    the process for minutes and ends in a MemoryError. The weights are in memory already; on a
+    GPU they are copied there."""
+    if not cfg.run.memory_check:
+        return
+    device = device or default_device()
+    size = int(cfg.train.batch_size)
+    need = memory.evaluation(cfg, sources.example(cfg, size, device="meta"),
+                             sources.example(cfg, size // int(cfg.pipeline.microbatches),
+                                             device="meta")[0])
+    if need is None:
+        return
+    host = psutil.virtual_memory().available
+    if device.type == "cuda":
+        places = [("its GPU", need.weights + need.activations, torch.cuda.mem_get_info(device)[0]),
+                  ("this machine", need.batch, host)]
+    else:
+        places = [("this machine", need.batch + need.activations, host)]
+    for where, bytes_, have in places:
+        if bytes_ > have:
+            raise ConfigError("train.batch_size", f"the evaluation needs about "
+                              f"{bytes_ / memory.GIB:.1f} GiB more on {where} ({need.describe()}), "
+                              f"but {have / memory.GIB:.1f} GiB is available; lower "
+                              "train.batch_size or raise pipeline.microbatches "
+                              "(run.memory_check=false to try anyway)")
 
 
 class _Crossing(nn.Module):

@@ -18,7 +18,10 @@ from torch import nn
 from sdpipe_cli.config.schema import ConfigError, objective
 from sdpipe_cli.export.formats import Export
 
-__all__ = ["Settings", "sample"]
+__all__ = ["Settings", "check", "sample"]
+
+# what torch.manual_seed takes: a 64-bit seed, signed or not
+_SEEDS = range(-2**63, 2**64)
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,27 @@ class Settings:
             raise ConfigError("--top-k", f"must be 0 (greedy) or more, got {self.top_k}")
         if not self.temperature > 0:
             raise ConfigError("--temperature", f"must be positive, got {self.temperature}")
+        if self.seed not in _SEEDS:
+            raise ConfigError("--seed", f"must fit in 64 bits ({_SEEDS.start} to "
+                              f"{_SEEDS.stop - 1}), got {self.seed}")
+
+
+def check(prompt: str, settings: Settings) -> None:
+    """Refuse bad arguments (one line naming the option) before an export is read. A prompt that
+    is not UTF-8 reaches Python from the shell with its stray bytes as lone surrogates: no
+    tokenizer can take it, and what it meant cannot be known."""
+    settings.check()
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        char = ord(prompt[err.start])
+        shown = f"byte 0x{char - 0xdc00:02x}" if 0xdc80 <= char <= 0xdcff else f"U+{char:04X}"
+        raise ConfigError("--prompt", f"is not UTF-8 text: {shown} at character {err.start}") from None
 
 
 def sample(export: Export, prompt: str, settings: Settings) -> str:
     """The prompt followed by what the model writes after it."""
-    settings.check()
+    check(prompt, settings)
     if objective(export.config) != "clm":
         raise ConfigError(str(export.folder), f"holds a {export.config.model.arch} model trained "
                           f"for {objective(export.config)}, not a causal language model: "

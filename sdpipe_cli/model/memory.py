@@ -99,6 +99,37 @@ def estimate(cfg: DictConfig, example: Any, partition: Optional[Sequence[int]] =
     return out
 
 
+@dataclass(frozen=True)
+class EvaluationMemory:
+    """``sdpipe eval``'s one process, beyond what it holds already: every block's weights (on
+    a GPU, a copy of them), a whole batch of inputs and targets as the loader hands it over
+    (each sample, and their stack), and one micro-batch's forward, bounded from above by what
+    a training forward saves of it and a block's input (no gradients, no optimizer state)."""
+
+    weights: int
+    batch: int
+    activations: int
+
+    def describe(self) -> str:
+        return (f"weights {self.weights / GIB:.2f} GiB, a batch {self.batch / GIB:.2f} GiB, "
+                f"activations {self.activations / GIB:.2f} GiB")
+
+
+def evaluation(cfg: DictConfig, batch: Any, micro: Any) -> Optional[EvaluationMemory]:
+    """The evaluation of the whole model (one stage) on ``batch``, an (inputs, targets) pair of
+    the batch's shapes, in micro-batches of inputs ``micro`` (meta tensors will do); None when
+    the model cannot run on meta tensors."""
+    blocks, _ = meta_blocks(cfg.model)
+    try:
+        saved, inputs = _saved_per_block(blocks, micro)
+    except Exception as err:  # noqa: BLE001 - any model code may refuse meta tensors
+        log.debug("no memory estimate: the forward does not run on meta tensors (%s)", err)
+        return None
+    weights = sum(_nbytes(x) for block in blocks for x in (*block.parameters(), *block.buffers()))
+    return EvaluationMemory(weights=weights, batch=2 * _tree_bytes(batch),
+                            activations=sum(saved) + max(inputs, default=0))
+
+
 def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int]],
                 device: Callable[[int, int], Any],
                 estimates: Optional[dict[tuple[int, ...], Optional[list[StageMemory]]]] = None

@@ -78,14 +78,16 @@ DRAINED_TAG = 8  # a stage and all after it made their last update of a segment 
 class Control(NamedTuple):
     """The control message of one iteration, decided by the first stage and passed down.
 
-    The flushed loop reads ``go`` and ``save`` (``last`` is always False there: every iteration
-    ends in a flush); the asynchronous executor reads all four.
+    The asynchronous executor reads all four. Every iteration of the flushed loop ends in a
+    flush, so there ``last`` says instead that the run is to end (a stop was asked for, or the
+    time is up) while the strategy still goes on: its replicas meet after this iteration.
     """
 
     go: bool  # run iteration ``step`` (False: the run is over; async: read at a segment's start)
     step: int  # the iteration it is for; a stage that gets another one fails at once
     save: bool  # checkpoint at the end of this iteration (async: at the drain ending the segment)
-    last: bool = False  # async: this iteration ends the segment, drain after its forwards
+    last: bool = False  # async: this iteration ends the segment, drain after its forwards;
+    #                     flushed: the run is to end, meet after this iteration
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         """Its wire form: four int64s ``[go, step, save, last]``."""

@@ -14,13 +14,14 @@ instead of leaving the user to dig through every log.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from sdpipe_cli.core.errors import BadInput
 
@@ -42,8 +43,94 @@ class CheckpointError(BadInput):
         self.path = str(path)
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or none in the user's quota
+
+
+def os_error(err: BaseException) -> Optional[OSError]:
+    """The :class:`OSError` behind ``err``: itself, or one it was raised from or while handling
+    (``torch.save`` on a full disk raises a ``RuntimeError`` about a position in its zip file,
+    with the ``OSError`` of the write that failed as its context); None if there is none."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err`` comes of a full disk (or quota)."""
+    cause = os_error(err)
+    return cause is not None and cause.errno in DISK_FULL
+
+
+def go_on_from(run_dir: Path) -> str:
+    """Where a run that stopped for want of disk goes on from: its latest complete checkpoint and
+    the command that resumes it (read from the disk, which reading still reaches when full)."""
+    from sdpipe_cli.checkpoint.reading import latest  # torch: loaded in every process that writes
+
+    try:
+        newest = latest(run_dir) if Path(run_dir).is_dir() else None
+    except OSError:
+        newest = None
+    if newest is None:
+        return "no checkpoint is complete yet: start the run again"
+    return f"the latest complete checkpoint is {newest}: sdpipe resume {run_dir}"
+
+
+class WriteFailed(RuntimeError):
+    """A file of the run that could not be written (a full disk, a lost mount): names the file,
+    why (``the disk is full`` where it is) and the latest complete checkpoint to go on from,
+    which a failed write never touches. Not bad input: the run may be resumed."""
+
+    def __init__(self, path: os.PathLike | str, err: "BaseException | str", run_dir: Path):
+        cause = None if isinstance(err, str) else os_error(err)
+        if cause is not None and cause.errno in DISK_FULL:
+            what = f": the disk is full ({cause.strerror}); free space"
+        else:
+            why = (err if isinstance(err, str) else
+                   getattr(cause, "strerror", None) or str(err).splitlines()[0])
+            what = f" ({why})"
+        self.path = str(path)
+        self.reason = f"cannot be written{what}; {go_on_from(run_dir)}"
+        super().__init__(f"{self.path}: {self.reason}")
+
+
 def error_file(run_dir: Path, name: str) -> Path:
     return Path(run_dir) / "logs" / f"{name}.error.json"
+
+
+RESERVE_BYTES = 16 << 10  # room kept for a child's error file on a disk that may fill up
+
+
+def _reserve_path(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / "logs" / f".{name}.error.reserve"
+
+
+def _reserve(run_dir: Path, name: str) -> Optional[Path]:
+    """Room for ``name``'s error file, taken now (None if the disk has none, or an outer block
+    holds it already): a process that fails because the disk filled up can still say why."""
+    path = _reserve_path(run_dir, name)
+    if path.exists():
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(RESERVE_BYTES))  # written, not sparse: a full disk takes none
+        return path
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+
+
+def discard_reserves(run_dir: Path) -> None:
+    """Remove the room children kept for their error files (a child stopped by a signal leaves
+    its own), once none of them is left to need it."""
+    for path in (Path(run_dir) / "logs").glob(".*.error.reserve"):
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 @contextmanager
@@ -53,7 +140,10 @@ def record(run_dir: Path, name: str, **identity: Any) -> Iterator[None]:
     Blocks may nest: the innermost writes the file and the outer ones leave it (its time is the
     failure's). A worker records inside its process group, before tearing it down: its peers see
     their connections close, fail, and write their own error files, and those must come later.
+    The outermost block keeps room on the disk for the file (:data:`RESERVE_BYTES`), given up
+    to write it: on a disk that filled up, the file still says which file could not be written.
     """
+    reserve = _reserve(run_dir, name)
     try:
         yield
     except (SystemExit, KeyboardInterrupt):
@@ -70,10 +160,24 @@ def record(run_dir: Path, name: str, **identity: Any) -> Iterator[None]:
             "pid": os.getpid(),
             **identity,
         }
-        path = error_file(run_dir, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=1))
+        _write_error(error_file(run_dir, name), payload, _reserve_path(run_dir, name))
         raise
+    finally:
+        if reserve is not None:
+            reserve.unlink(missing_ok=True)
+
+
+def _write_error(path: Path, payload: dict[str, Any], reserve: Path) -> None:
+    """The error file, in the room kept for it; without the traceback if even that is too
+    much, and not at all (never a cut-short file) if nothing fits."""
+    reserve.unlink(missing_ok=True)
+    for fields in (payload, {k: v for k, v in payload.items() if k != "traceback"}):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(fields, indent=1))
+            return
+        except OSError:
+            path.unlink(missing_ok=True)
 
 
 def read_error(run_dir: Path, name: str) -> dict[str, Any] | None:

@@ -54,11 +54,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from sdpipe_cli.runtime.errors import WriteFailed
 from sdpipe_cli.runtime.trackers import Sink, close_all
 
 
@@ -200,6 +202,24 @@ class RunTracker:
         return sync_traffic(self.done.values(), sum(s.samples for s in self.state.values()))
 
 
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """``<run>/summary.json``, whole or not at all: written beside it and renamed over it, so
+    that a full disk leaves the one before (or none), never half of one, and says so
+    (:class:`~sdpipe_cli.runtime.errors.WriteFailed`)."""
+    path = Path(run_dir) / "summary.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(strict_json(summary, indent=1))
+        os.replace(tmp, path)
+    except OSError as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise WriteFailed(path, err, Path(run_dir)) from err
+    return path
+
+
 class MetricsLog:
     """Append-only ``metrics.jsonl``; each line is flushed so a crash loses at most one line.
 
@@ -214,8 +234,11 @@ class MetricsLog:
         self._sinks = list(sinks)
 
     def write(self, line: dict[str, Any]) -> None:
-        self._file.write(strict_json(line) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(strict_json(line) + "\n")
+            self._file.flush()
+        except OSError as err:  # a full disk: the run stops, naming the file
+            raise WriteFailed(self.path, err, self.path.parent) from err
         if self._sinks:
             items = scalars(line)
             if items:
@@ -225,7 +248,10 @@ class MetricsLog:
     def close(self, failed: bool = False) -> None:
         """Close the file and every sink; ``failed``: the writer ends on an error (a tracker
         may mark its run so)."""
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # the line a failed write left in the buffer (that failure was raised)
+            pass
         close_all(self._sinks, failed)
 
 

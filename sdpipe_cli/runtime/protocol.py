@@ -59,7 +59,9 @@ class Tick:
 class Ready:
     """A replica finished ``iteration``'s backward (or update) and waits for its group.
     ``stage``: what it averages, its stage, or the segment where pipelines are split
-    differently (:mod:`~sdpipe_cli.core.segments`), which ``rank`` holds."""
+    differently (:mod:`~sdpipe_cli.core.segments`), which ``rank`` holds. ``steps``: the local
+    steps it has done, where the run's end cut its meeting's block short (None: the meetings'
+    count, ``(iteration + 1) * sync.every``)."""
 
     type = "ready"
     rank: int
@@ -67,14 +69,20 @@ class Ready:
     stage: int
     iteration: int
     incarnation: int = 0
+    steps: Optional[int] = None
 
 
 @dataclass(frozen=True)
-class Begin(Ready):
+class Begin:
     """Asynchronous schedules: the first stage of ``pipeline`` is about to start ``iteration``
-    (the fields of :class:`Ready`)."""
+    (the fields of :class:`Ready` but ``steps``: asynchronous schedules meet every iteration)."""
 
     type = "begin"
+    rank: int
+    pipeline: int
+    stage: int
+    iteration: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,9 @@ class Rejoin:
 
 @dataclass(frozen=True)
 class Saved:
-    """A worker wrote its shard of checkpoint ``checkpoint`` at its iteration ``step``."""
+    """A worker wrote its shard of checkpoint ``checkpoint`` at its iteration ``step``; or, with
+    ``dropped``, why it did not: its replicas were never made one model there (the global sync
+    the checkpoint follows failed), so the checkpoint must not be made."""
 
     type = "saved"
     rank: int
@@ -100,6 +110,7 @@ class Saved:
     step: int
     incarnation: int = 0
     time: float = 0.0
+    dropped: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -283,6 +294,8 @@ PROGRESS_FIELDS: dict[str, Any] = {
     "rounds": list[list[int]], "mean_group_size": Optional[float], "restarts": int, "heals": int,
     "scheduler_restarts": int, "unreadable": list[str], "phase": str, "turn": int, "turns": int,
     "stragglers": list[dict[str, Any]], "slowed": dict[str, float],
+    # the console's lines about slow devices: {"count": n, "recent": [the latest lines]}
+    "straggler_news": dict[str, Any],
     # the pipelines to re-split in place, and how: {"version": n, "partitions": {"p": [...]}}
     "resplit": dict[str, Any],
 }

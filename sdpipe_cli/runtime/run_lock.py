@@ -7,12 +7,16 @@ last leg has ended, and a second one is refused with the owner's name.
 
 The lock is the kernel's (``flock`` on the file, exclusive, non-blocking): it is released when
 its holder exits, however it exits, so a pid that was reused can never keep a run locked. The
-file also says who holds it (pid, host, command, since when) for the refusal, and is removed on
-release. A file left with an owner in it means that owner did not release it: on this host the
-kernel says it is gone, and the lock is taken over with a warning; an owner on another host
-(a shared file system whose locks do not cross machines) cannot be checked from here, so the
-run is refused with the owner named, and removing the file (once that launcher is surely gone)
-takes the lock over.
+file also says who holds it (pid, host, command, since when, and which process that pid was: its
+start since boot, and the boot) for the refusal, and is removed on release. A file left with an
+owner in it while the lock is free means that owner did not release it, or holds it where this
+process cannot see its lock (:func:`decide`): a named process that is gone, or whose pid now
+belongs to a process started later, or of an earlier boot, ended, and the lock is taken over with
+a warning; a named process still running is a launcher whose lock does not reach here (a
+file system without working locks, a copy of the folder) or a process this file cannot tell
+from one, so the run is refused with the owner named. An owner on another host (a shared file
+system whose locks do not cross machines) cannot be checked from here and is refused too.
+Removing the file (once that launcher is surely gone) takes the lock over.
 
 Within one process the lock is re-entrant by folder (:class:`Holder`): ``sdpipe resume`` takes
 it before its checks and the run loop again once the launch has the folder.
@@ -44,10 +48,70 @@ class RunInUse(BadInput):
 _held: dict[Path, tuple[int, int]] = {}  # this process's locks: folder -> (fd, holders)
 
 
+def _boot() -> Optional[str]:
+    """This boot of the machine (Linux), which a process's start time is counted from."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def started(pid: int) -> Optional[int]:
+    """Process ``pid``'s start, in clock ticks since boot (with the pid, the process's identity:
+    a reused pid starts later); None if there is no such process, or only its zombie; -1 if it
+    runs but its start cannot be read (no ``/proc``)."""
+    try:
+        stat_ = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        stat_ = ""
+    fields = stat_.rpartition(")")[2].split()  # after the command's name, which may hold spaces
+    if len(fields) > 19:
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except OSError:  # it exists, another user's
+        pass
+    return -1
+
+
 def _owner_text() -> str:
     return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                        "command": " ".join(["sdpipe", *sys.argv[1:]])[:300],
-                       "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "boot": _boot(), "started": started(os.getpid())})
+
+
+def decide(owner: dict, boot: Optional[str], started_of: Callable[[int], Optional[int]]
+           ) -> Optional[str]:
+    """A lock file naming ``owner`` (of this host) whose kernel lock was free: why its owner
+    ended, for the warning that takes it over; None if the owner may still run, and the run
+    is refused.
+
+    The kernel drops a lock with its holder, so a free lock under a named owner is an owner that
+    ended without removing the file, unless the owner holds the lock where it does not reach this
+    process (a file system without working locks, the folder copied from a running one). Only
+    the named process itself can tell these apart: gone, or of an earlier boot, or its pid now a
+    process that started later (a reused pid) is an owner that ended; a process still running
+    under that pid, as far as the file can tell the same one, may be that launcher, and is never
+    taken over. ``boot``: this boot's id; ``started_of``: :func:`started`."""
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return "names no process that could hold it"
+    if pid == os.getpid():  # this process released it (it holds its own locks in _held)
+        return "was this process's, released"
+    if owner.get("boot") and boot and owner["boot"] != boot:
+        return "ended with an earlier boot of this machine"
+    now = started_of(pid)
+    if now is None:
+        return "ended without releasing it"
+    then = owner.get("started")
+    if isinstance(then, int) and then >= 0 and now >= 0 and now != then:
+        return f"ended without releasing it (pid {pid} is now a later process's)"
+    return None
 
 
 def _describe(text: str) -> tuple[str, Optional[str]]:
@@ -106,7 +170,13 @@ def _lock(fd: int, path: Path, folder: Path, warn: Callable[[str], None]) -> boo
         if host != socket.gethostname():
             raise RunInUse(str(path), f"names {who}, on another host, which this one cannot "
                            "check; if that launcher is gone, remove the file and run again")
-        warn(f"sdpipe: warning: {path}: its owner, {who}, ended without releasing it; taken over")
+        why = decide(json.loads(left), _boot(), started)
+        if why is None:
+            raise RunInUse(str(path), f"names {who}, which is still running on this host though "
+                           "the lock is free (a file system without working locks, or a folder "
+                           "copied from a running run?); if it is not a launcher of this run, "
+                           "remove the file and run again")
+        warn(f"sdpipe: warning: {path}: its owner, {who}, {why}; taken over")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, _owner_text().encode("utf-8"), 0)

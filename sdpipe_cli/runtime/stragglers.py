@@ -3,7 +3,13 @@
 The decision is :class:`~sdpipe_cli.core.slowdowns.SlowdownDetector`'s; this feeds it the
 ``busy_s`` of every worker's step report and turns what it says into ``metrics.jsonl`` lines that
 name the device (``node:index``), its node, pipeline, stage and rank, and into the progress
-snapshot's ``stragglers`` (the launcher prints a line for each new one and each recovery).
+snapshot's ``stragglers`` (who is one now, for the summary).
+
+It is also the one owner of what the console says about slow devices: a line for each change of
+a device's state that it decided (named, recovered, or slow as an earlier leg or re-split found
+it), kept in order in the snapshot's ``straggler_news``, which the launcher prints from. The
+launcher never works out changes from two snapshots itself: those miss a change undone between
+them and take a restart's fresh start for a recovery.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from typing import Any, Optional
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.slowdowns import Change, SlowdownDetector, carried_of
 
-__all__ = ["StragglerWatch"]
+__all__ = ["StragglerWatch", "NEWS_KEPT"]
+
+NEWS_KEPT = 32  # the latest console lines a snapshot carries (the launcher reads every 0.1 s)
 
 
 class StragglerWatch:
@@ -26,6 +34,10 @@ class StragglerWatch:
                                          int(cfg.fault.slowdown_window),
                                          carried=carried_of(cfg.fault.slowed, plan.pipelines,
                                                             plan.stages))
+        self.news: list[dict[str, Any]] = []  # the console's lines, the latest NEWS_KEPT
+        self.told = 0  # lines in all
+        for p, s in self.detector.stragglers():  # slow as an earlier leg found them
+            self._tell(self._still_slow(p, s))
 
     def lines(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """The lines a worker's report calls for (none but for a step report with ``busy_s``
@@ -36,11 +48,32 @@ class StragglerWatch:
         changes = self.detector.observe(int(record["pipeline"]), int(record["stage"]),
                                         int(record["step"]), float(record["busy_s"]),
                                         float(step_s) if isinstance(step_s, (int, float)) else None)
-        return [self._line(c, record.get("time")) for c in changes]
+        lines = [self._line(c, record.get("time")) for c in changes]
+        for line in lines:
+            self._tell(line)
+        return lines
 
     def reset(self, pipeline: int) -> None:
-        """A restarted pipeline's devices start again from their own baselines."""
+        """A restarted pipeline's devices start again from their own baselines; one that an
+        earlier measurement carried into its baseline is slow from the start, and said to be
+        if it was not named already (a device named slow stays so)."""
+        before = set(self.detector.stragglers())
         self.detector.reset(pipeline)
+        for p, s in self.detector.stragglers():
+            if p == pipeline and (p, s) not in before:
+                self._tell(self._still_slow(p, s))
+
+    def news_snapshot(self) -> dict[str, Any]:
+        """``straggler_news``: how many lines were decided in all, and the latest of them."""
+        return {"count": self.told, "recent": list(self.news)}
+
+    def _tell(self, line: dict[str, Any]) -> None:
+        self.news = (self.news + [line])[-NEWS_KEPT:]
+        self.told += 1
+
+    def _still_slow(self, pipeline: int, stage: int) -> dict[str, Any]:
+        return {"kind": "still_slow", **self._where(pipeline, stage),
+                "carried": self.detector.devices[(pipeline, stage)].carried}
 
     def carry(self, pipeline: int, slowed: dict[tuple[int, int], float]) -> None:
         """``pipeline`` restarts on a new split with its devices as slow as ``slowed`` says:

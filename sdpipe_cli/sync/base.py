@@ -63,6 +63,12 @@ class Sync:
     def after_step(self, module: nn.Module, step: int) -> None:
         pass
 
+    def meet_now(self) -> None:
+        """The run is to end (a stop was asked for, or the time is up) but this strategy ends it
+        itself: a strategy that meets its replicas only every few steps meets after the coming
+        update, so that the end comes at this step boundary and not at the end of its block.
+        Every stage of the pipeline is told at the same iteration."""
+
     def position(self, step: int) -> float:
         """Where the run is, in iterations of an average pipeline, for the learning rate of
         update ``step``: every replica of a lock-step or independent mode is at its own step."""

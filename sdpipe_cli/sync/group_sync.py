@@ -102,6 +102,8 @@ class GroupSync(Sync):
         self.seen: dict[int, int] = {}  # each pipeline's latest incarnation named to this worker
         self.meetings, self.precision = meetings, precision
         self.stop = False
+        self._early = False  # meet after the coming step, whatever the block (meet_now)
+        self._met = -1  # the last meeting this replica went to
         self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
         self._done: Optional[int] = None  # pipeline-meetings begun, at the last decision
@@ -143,9 +145,13 @@ class GroupSync(Sync):
         if self.average == "weights_grads":
             self._rounds(module, step, grads=True)
 
+    def meet_now(self) -> None:
+        self._early = True
+
     def after_step(self, module: nn.Module, step: int) -> None:
+        early, self._early = self._early, False
         if self.average == "weights":
-            if self.meetings.meets(step):
+            if early or self.meetings.meets(step):
                 self._rounds(module, step, grads=False)
             else:  # training alone until the next meeting
                 self._checkpoint = None
@@ -183,20 +189,46 @@ class GroupSync(Sync):
         that earlier average.) The stats are the last round's, with the time spent waiting
         and communicating over all."""
         start = time.perf_counter()
-        meeting = self.meetings.meeting(step)  # the scheduler counts meetings
+        meeting = self._meeting(step)  # the scheduler counts meetings
+        # a block cut short by the run's end: the scheduler's checkpoint counts these steps
+        steps = None if self.meetings.steps(meeting + 1) == step + 1 else step + 1
+        self._met = meeting
         for unit in self.units:
             store.push(self.events, store.EVENTS, protocol.Ready(
-                self.rank, self.pipeline, unit.index, meeting, self.incarnation))
-        stats, spent, stop, checkpoint = {}, 0.0, False, None
+                self.rank, self.pipeline, unit.index, meeting, self.incarnation, steps))
+        stats, spent, stop, checkpoint, failed = {}, 0.0, False, None, False
         for unit in self.units:
             decision = self._decision(unit, step, meeting)
             stats = self._average(unit, decision, module, grads, step)
             spent += stats["comm_s"]
             stop, checkpoint = stop or decision.stop, decision.checkpoint
+            failed = failed or stats["failed"]
+        if checkpoint is not None and failed:
+            self._drop(checkpoint, step + 1)
+            checkpoint = None
         self.stop, self._checkpoint = stop, checkpoint
         self._stats = {"group_size": stats["group_size"], "round": stats["round"],
                        "group_kind": stats["group_kind"],
                        "wait_s": time.perf_counter() - start - spent, "comm_s": spent}
+
+    def _meeting(self, step: int) -> int:
+        """The meeting after local step ``step``: its block's, or, where the run's end cut blocks
+        short (:meth:`meet_now`), the one after the last this replica went to. Only the run's
+        last meetings come early, so every checkpoint and resume still finds blocks of H steps:
+        one taken here holds the steps actually done, and a resume's next meeting is the one its
+        step falls in, on both sides."""
+        return max(self.meetings.meeting(step), self._met + 1)
+
+    def _drop(self, checkpoint: int, step: int) -> None:
+        """The global sync that checkpoint ``checkpoint`` follows failed here (a member was
+        lost inside its all-reduce), so this replica was never averaged with the others: its
+        shard is not written, and the scheduler is told, so that no checkpoint claims to be
+        one model where it is not."""
+        why = "the global sync it follows failed (a member was lost in its all-reduce)"
+        log.warning("checkpoint %d is not written: %s", checkpoint, why)
+        store.push(self.events, store.EVENTS, protocol.Saved(
+            self.rank, self.pipeline, self.stage, checkpoint, step, self.incarnation,
+            self._clock(), dropped=why))
 
     def _decision(self, unit: Unit, step: int, meeting: int) -> protocol.Group:
         """Unit ``unit``'s round of ``meeting`` (its ready signal is sent), as the scheduler
@@ -265,7 +297,8 @@ class GroupSync(Sync):
                                    "members": members, "consensus": distance,
                                    **self._segment(unit)}))
         return {"group_size": len(members), "round": decision.round,
-                "group_kind": decision.kind, "comm_s": time.perf_counter() - got}
+                "group_kind": decision.kind, "comm_s": time.perf_counter() - got,
+                "failed": failed}
 
     def _segment(self, unit: Unit) -> dict[str, int]:
         """A report's segment, where units are not stages."""

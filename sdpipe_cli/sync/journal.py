@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from sdpipe_cli.runtime.errors import WriteFailed
+
 __all__ = ["Batch", "Journal", "journal_path", "read"]
 
 
@@ -46,6 +48,7 @@ class Journal:
 
     def __init__(self, file: IO[str]):
         self._file = file
+        self.path = Path(file.name)  # <run>/logs/<name>.journal
 
     @classmethod
     def create(cls, path: Path, started: float) -> "Journal":
@@ -69,11 +72,17 @@ class Journal:
         self._line({"t": t, "stop": stop, "events": events})
 
     def _line(self, value: dict) -> None:
-        self._file.write(json.dumps(value, separators=(",", ":")) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(value, separators=(",", ":")) + "\n")
+            self._file.flush()
+        except OSError as err:  # a full disk: the run stops, naming the file
+            raise WriteFailed(self.path, err, self.path.parent.parent) from err
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # the line a failed write left in the buffer (that failure was raised)
+            pass
 
 
 def read(path: Path) -> tuple[float, list[Batch]]:

@@ -4,7 +4,10 @@ Per iteration:
 
 1. the pipeline agrees whether to go on: the first stage decides (with its replicas, where the
    sync strategy needs it) and passes the decision down the pipeline in the control message, so
-   that every stage of a pipeline runs exactly the same iterations;
+   that every stage of a pipeline runs exactly the same iterations; while a stop is asked for
+   (or the time is up) but the strategy ends the run itself, the message also says so, and a
+   strategy that meets its replicas only every few steps meets after this one: a stop is acted
+   on at the next step boundary, not at the end of a long block (``sync.every``);
 2. the executor runs the schedule's forwards and backwards of m micro-batches (the flush);
 3. the worker applies the update: the strategy's gradient sync, clipping by the norm over the
    whole pipeline, the optimizer step, the strategy's weight sync, and the step event;
@@ -44,9 +47,11 @@ class FlushedLoop:
         rate = Throughput(w.cfg.train.batch_size)
         step = w.start_step
         while True:
-            go, save = self._agree(step, started)
-            if not go:
+            control = self._agree(step, started)
+            if not control.go:
                 break
+            if control.last:
+                w.sync.meet_now()
             t_step = time.perf_counter()
             w.slowdown.new_iteration()
             inputs, targets = w.batch(step)
@@ -59,25 +64,26 @@ class FlushedLoop:
             step_s = time.perf_counter() - t_step
             w.report_step(step, rate=rate.iteration_done(time.time(), step, step_s),
                           step_s=step_s, sync_s=sync_s, loss=loss)
-            w.consistent_point(step, save)
+            w.consistent_point(step, control.save)
         self._wait_pending()
         w.finish(step)
 
-    def _agree(self, step: int, started: float) -> tuple[bool, bool]:
-        """Whether the pipeline runs iteration ``step``, and whether a time-based checkpoint
-        follows it; the same answer on every stage (the first decides and passes it on)."""
+    def _agree(self, step: int, started: float) -> p2p.Control:
+        """Whether the pipeline runs iteration ``step``, whether a time-based checkpoint follows
+        it, and whether its replicas should meet after it because the run is to end (``last``);
+        the same answer on every stage (the first decides and passes it on)."""
         w, where = self.w, self.w.where
         if where.first:
             timed_out = w.timed_out(started)
             go = w.sync.should_continue(step, w.cadence.local_go(step, timed_out), timed_out)
-            control = p2p.Control(go, step, go and w.time_checkpoint())
+            control = p2p.Control(go, step, go and w.time_checkpoint(), go and timed_out)
         else:
             control = p2p.receive_control(where.prev_rank, step, w.device, stage=where.stage,
                                           offset=w.rank_offset)
         if not where.last:
             self._pending.append(p2p.send_control(control, where.next_rank, w.device,
                                                   offset=w.rank_offset))
-        return control.go, control.save
+        return control
 
     def _wait_pending(self) -> None:
         for work in self._pending:

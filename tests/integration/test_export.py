@@ -304,6 +304,10 @@ def test_bad_input_is_one_line_and_writes_nothing(apart, tmp_path):
     assert "eval_batchs" in _refused(tmp_path, "eval", str(apart), "data.eval_batchs=2")
     assert "data.eval_batches" in _refused(tmp_path, "eval", str(apart), "data.eval_batches=0")
     assert "data" in _refused(tmp_path, "eval", str(apart), "data=digits")  # not the model's
+    assert "train.batch_size: the evaluation needs about" in _refused(  # before any batch is made
+        tmp_path, "eval", str(apart), "train.batch_size=300000000")
+    assert "data.eval_batches: is 1000000000" in _refused(
+        tmp_path, "eval", str(apart), "data.eval_batches=1000000000")
     assert "--out" in _refused(tmp_path, "export", str(apart), "--out", str(tmp_path / ("x" * 300)))
     elsewhere = apart.parent / "elsewhere"  # a checkpoint of another run is not RUN's
     assert "CHECKPOINT" in _refused(tmp_path, "export", str(tmp_path), str(elsewhere),
@@ -339,6 +343,58 @@ def test_a_copied_export_naming_code_does_not_run_it(apart, tmp_path):
     manifest["config"]["model"].update(arch="custom", _target_="os.system", kwargs={"command": "true"})
     (export / "export.json").write_text(json.dumps(manifest))
     assert "model._target_" in _refused(tmp_path, "eval", str(export))
+
+
+def test_data_changed_since_the_run_is_refused_naming_what_differs(apart, tmp_path):
+    """An export whose run read a text file (the record made here as the launcher makes it:
+    the model reads bytes either way), evaluated after the text was edited in place to the
+    same size: refused in one line naming data.path and its content. An export of an older
+    sdpipe, whose record holds the sizes only, is evaluated, saying so."""
+    from sdpipe_cli.data import sources
+
+    export = tmp_path / "export"
+    assert sdpipe("export", str(apart), "--out", str(export)).returncode == 0
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((Path(__file__).read_text() * 4)[:60000])
+    manifest = json.loads((export / "export.json").read_text())
+    cfg = OmegaConf.create(manifest["config"])
+    cfg.data.update(name="text", path=str(corpus), resolved=None)
+    cfg.data.resolved = sources.resolve(cfg)
+    manifest["config"]["data"] = OmegaConf.to_container(cfg.data)
+    (export / "export.json").write_text(json.dumps(manifest))
+    corpus.write_text(corpus.read_text().replace("e", "q"))
+    line = _refused(tmp_path, "eval", str(export))
+    assert line.startswith(f"sdpipe: error: data.path: {corpus}: ") and "SHA-256" in line, line
+    del manifest["config"]["data"]["resolved"]["read"]["sha256"]
+    (export / "export.json").write_text(json.dumps(manifest))
+    out = sdpipe("eval", str(export), "train.batch_size=4")
+    assert out.returncode == 0 and "checked by its sizes only" in out.stderr, out.stderr[-2000:]
+
+
+def test_an_interrupted_eval_says_so_in_its_own_words(apart):
+    """Ctrl-C during sdpipe eval (its imports, its reading, its batches): one line, exit 130,
+    in the command's words (not those of a training run's preparation)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    cli = ("import sys; from sdpipe_cli.cli.parsing import main; print('ready', flush=True); "
+           "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", cli, "eval", str(apart), "data.eval_batches=null"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["sdpipe: error: eval interrupted (SIGINT); nothing was written"], err
 
 
 # -- the file system: a home folder, a full disk, what a killed export left, a pruned checkpoint ----

@@ -38,6 +38,7 @@ from rich.console import Console
 
 from sdpipe_cli import checkpoint as ck
 from sdpipe_cli.cli import resuming
+from sdpipe_cli.config import trust
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.saved import typed
 from sdpipe_cli.core.plan import RunPlan
@@ -307,6 +308,14 @@ VALUE_ROWS = [
     Row("model that does not import", train("model=custom", "model._target_=no.such.build"), 2,
         "model._target_: cannot import 'no.such.build'"),
     Row("image folder without images", empty_folder, 2, "data.path"),
+    # round three: eval
+    Row("a billion evaluation batches", train("data.eval_batches=1000000000"), 2,
+        "data.eval_batches: is 1000000000, but"),
+    # round three: sample
+    Row("sample prompt not UTF-8", lambda tmp, run: ["sample", str(tmp), "--prompt", "\udcff\udcfe"],
+        2, "--prompt: is not UTF-8 text: byte 0xff at character 0"),
+    Row("sample seed past 64 bits", lambda tmp, run: ["sample", str(tmp), "--prompt", "a", "--seed",
+                                                      "99999999999999999999999"], 2, "--seed: must fit"),
     # round three: export
     Row("export --out below a file", under_a_file("export", "sub"), 2,
         "/afile is a file, not a folder: "),
@@ -492,6 +501,53 @@ def test_a_config_yaml_doctored_to_run_code_is_not_what_a_resume_runs(tmp_path, 
     assert "os.mkdir" not in str(OmegaConf.to_container(leg.cfg, resolve=False))
     assert "resuming" in said.getvalue()
     assert not (tmp_path / MARK).exists()
+
+
+# round three: the trust key
+
+@pytest.mark.multiprocess  # the run is the shared run
+def test_a_manifest_sealed_with_a_key_others_can_read_runs_nothing(tmp_path, run_copy, monkeypatch):
+    """SDPIPE_TRUST_KEY naming a file every user can read: anyone could seal a manifest with it.
+    The resume refuses the key, naming it, before the code the manifest names is called."""
+    shared = tmp_path / "motd"
+    shared.write_bytes(os.urandom(64))
+    shared.chmod(0o644)
+    monkeypatch.setenv(trust.KEY_ENV, str(shared))
+    newest = ck.latest(run_copy)
+    manifest = json.loads((newest / ck.MANIFEST).read_text())
+    manifest["config"]["model"] = {**DOCTORED_MODEL, "_target_": "os.makedirs",
+                                   "kwargs": {"name": str(tmp_path / MARK)}}
+    named = trust.code_named(manifest["config"])
+    manifest["config"]["run"]["code_seal"] = trust._digest(named, shared.read_bytes())  # forged
+    (newest / ck.MANIFEST).write_text(json.dumps(manifest))
+    out = sdpipe("resume", str(run_copy))
+    assert out.returncode == 2, out.stderr
+    line = one_error_line(out.stderr, str(shared))
+    assert "can be read by others (mode 0644)" in line and f"chmod 600 {shared}" in line
+    assert not (tmp_path / MARK).exists()
+
+
+@pytest.mark.parametrize("how", ["empty key", "key a folder", "config home a file"])
+def test_a_run_naming_code_without_a_usable_key_stops_at_the_start(tmp_path, monkeypatch, how):
+    """Sealing nothing would write a run its own user could not resume without --trust-code."""
+    path = tmp_path / "key"
+    if how == "empty key":
+        path.write_bytes(b"")
+        path.chmod(0o600)
+    elif how == "key a folder":
+        path.mkdir()
+    if how == "config home a file":
+        path.write_text("")
+        monkeypatch.delenv(trust.KEY_ENV)
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(path))
+        path = path / "sdpipe" / "trust.key"
+    else:
+        monkeypatch.setenv(trust.KEY_ENV, str(path))
+    out = sdpipe("train", f"run.dir={tmp_path / 'new'}", *TINY,
+                 "model.loss={_target_: sdpipe_cli.model.models.cross_entropy}")  # code to seal
+    assert out.returncode == 2, out.stderr
+    one_error_line(out.stderr, str(path))
+    assert not (tmp_path / "new").exists()
 
 
 # Events no process of the run sent, as the scheduler reads them from the store: the rest of the

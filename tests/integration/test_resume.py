@@ -19,6 +19,7 @@ import psutil
 import pytest
 from rich.console import Console
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.cli import report, resuming
 from sdpipe_cli.runtime import run_lock
@@ -203,6 +204,27 @@ def test_group_sync_checkpoints_at_global_syncs_and_resumes_within_the_budget(ru
     assert all(d["steps"] >= last["steps"][str(d["pipeline"])] for d in done)
     for stage in (0, 1):  # and the run still ends on a global sync
         assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+
+
+def test_ctrl_c_inside_a_long_meeting_block_stops_within_a_step(run_dir):
+    """sdpipe with meetings far apart (``sync.every`` as long as the run): a Ctrl-C is acted on
+    at the next step boundary, not at the block's end. Every replica meets at once in the run's
+    last global sync, and the on-exit checkpoint there holds the steps each pipeline did."""
+    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.every=100000",
+                        "train.eval_every=0", "checkpoint.on_exit=true", *LONG)
+    wait_for(training_lines(run_dir, 2), proc, what="two train lines")
+    proc.send_signal(signal.SIGINT)
+    rc, err, took = finish(proc, timeout=45)  # the block alone would take several minutes
+    assert rc == 130 and "stopped at a consistent point" in err, err
+    assert took < 20, took
+    done = metrics(run_dir, "done")
+    for stage in (0, 1):  # the last global sync left every replica of a stage identical
+        assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1
+    (saved,) = metrics(run_dir, "checkpoint")
+    steps = {int(p): k for p, k in saved["steps"].items()}
+    assert steps == {d["pipeline"]: d["steps"] for d in done} and max(steps.values()) < 100000
+    assert saved["step"] == round(sum(steps.values()) / len(steps))  # named by the steps done
+    assert checkpoint.verify(checkpoint.latest(run_dir))["steps"] == saved["steps"]
 
 
 @pytest.mark.parametrize("sync", [("sync=allreduce",), ("sync=sdpipe", "sync.global_every=5")],

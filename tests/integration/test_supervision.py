@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import threading
 import time
@@ -15,6 +17,7 @@ from tests.helpers import (REPO, finish, free_port, listening_only_on_loopback, 
                            sdpipe_popen, wait_for, worker_process, worker_processes)
 from sdpipe_cli.cli import launcher, supervisor
 from sdpipe_cli import checkpoint
+from tests.unit.test_failure_reports import fill, small_disk
 
 pytestmark = pytest.mark.multiprocess
 
@@ -238,3 +241,30 @@ def test_a_sigkilled_launcher_leaves_nothing_behind(run_dir):
     while (run_processes(run_dir) or _forkservers_of(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not run_processes(run_dir) and not _forkservers_of(run_dir)
+
+
+def test_a_run_whose_disk_fills_up_ends_in_one_line_naming_the_file_and_the_resume(tmp_path):
+    """A tiny run on a small file system that fills up after its first checkpoint: whichever
+    file could not be written next (a shard, metrics.jsonl, the scheduler's journal), the run
+    ends with one line naming it, the full disk and the checkpoint to resume from, and the
+    summary is written, or the console says why not."""
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        run_dir = disk / "run"
+        proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG, "sync.global_every=5",
+                            "checkpoint.every=5", "checkpoint.keep=1", "train.eval_every=0",
+                            "fault.on_slowdown=off")
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and metrics(run_dir, "checkpoint"),
+                 proc, what="a checkpoint")
+        fill(disk)
+        rc, err, _ = finish(proc, timeout=60)
+        (line,) = [ln for ln in err.splitlines() if ln.startswith("sdpipe: error:")]
+        assert rc == 1 and re.search(rf"{re.escape(str(run_dir))}/\S+: cannot be written: the "
+                                     r"disk is full \(No space left on device\)", line), err
+        latest = checkpoint.latest(run_dir)
+        assert f"the latest complete checkpoint is {latest}: sdpipe resume {run_dir}" in line
+        summary = run_dir / "summary.json"
+        if summary.exists():
+            assert "the disk is full" in json.loads(summary.read_text())["failure"]
+        else:
+            assert "the run's summary is not written" in err and "disk is full" in err, err
+        assert not run_processes(run_dir)

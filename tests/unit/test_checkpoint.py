@@ -455,3 +455,85 @@ def test_the_run_folder_of_a_checkpoint_is_read_within_bounds(tmp_path):
     (run / "config.yaml").write_text("\n".join(lines) + "\nrun: {id: *a8}\n")
     with pytest.raises(ConfigError, match="expands to more"):
         ck.home_of(run / "checkpoints" / "step_4", {"config": {"run": {"id": "abc"}}})
+
+
+# -- a checkpoint holds what its manifest says: not after a failed global sync ---------------------
+def test_a_replica_whose_global_sync_failed_writes_no_shard_and_says_why():
+    """sdpipe: the global sync a checkpoint follows fails here (the other member never comes,
+    as one lost inside the all-reduce): this replica's weights were never averaged, so it does
+    not write its shard for that checkpoint and tells the scheduler why; its weights are its own,
+    untouched."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from sdpipe_cli.runtime import protocol, store
+    from sdpipe_cli.sync.group_sync import GroupSync
+    from sdpipe_cli.sync.groups import GroupCache
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    events = store.namespace(master)
+    groups = GroupCache(master, 0, "gloo", timeout=1.0)  # pipeline 1's replica never joins
+    sync = GroupSync(events, rank=0, pipeline=0, stage=0, stages=1, pipelines=2, groups=groups,
+                     average="weights")
+    store.put(events, store.decision_key(0, 0, 0), protocol.Group(
+        members=[0, 1], round=4, kind="global", stop=True, incarnations=[0, 0], checkpoint=1))
+    module = nn.Linear(3, 2)
+    before = [p.detach().clone() for p in module.parameters()]
+    sync.after_step(module, 0)
+    assert sync.stop and sync.checkpoint_due() is None
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    sent = []
+    while True:
+        try:
+            sent.append(protocol.decode_event(events.queue_pop(store.EVENTS, block=False)))
+        except dist.QueueEmptyError:
+            break
+    (said,) = [e for e in sent if isinstance(e, protocol.Saved)]
+    assert (said.checkpoint, said.step, said.rank) == (1, 1, 0)
+    assert "global sync it follows failed" in said.dropped
+
+
+def test_a_checkpoint_a_replica_dropped_is_never_made(tmp_path):
+    """The scheduler: one replica of a checkpoint's global sync says it failed there. The
+    checkpoint is not made (nor made from stand-ins), its staging folder goes, a
+    ``checkpoint_dropped`` line says why, and shards that still come change nothing; the next
+    global sync's checkpoint is made as ever."""
+    from sdpipe_cli.runtime import store
+    from tests.helpers import event, metrics
+    from tests.unit.test_scheduler_restart import scheduler
+
+    sched, events, now, _ = scheduler(tmp_path, "train.steps=6", "sync.global_every=2",
+                                      "checkpoint.every=2", "fault.on_pipeline_loss=stop")
+
+    def iteration(k: int) -> None:
+        for p in range(2):
+            for s in range(2):
+                sched.handle(event(type="ready", rank=2 * p + s, pipeline=p, stage=s,
+                                   iteration=k))
+        now[0] += 1.0
+        sched.handle(event(type="tick"))
+
+    def saved(rank: int, ckpt: int, step: int, **more) -> None:
+        if "dropped" not in more:
+            ck.save_shard(ck.staging_dir(tmp_path, ckpt), str(rank), {"step": step})
+        sched.handle(event(type="saved", rank=rank, pipeline=rank // 2, stage=rank % 2,
+                           checkpoint=ckpt, step=step, **more))
+
+    for k in range(3):
+        iteration(k)
+    assert store.get_json(events, store.decision_key(0, 0, 2))["checkpoint"] == 3
+    for rank in (0, 1, 3):
+        saved(rank, 3, 3)
+    saved(2, 3, 3, dropped="the global sync it follows failed")
+    assert not ck.staging_dir(tmp_path, 3).exists()
+    saved(2, 3, 3)  # a shard written after all: too late, and not one model's with the others
+    assert not ck.complete_checkpoints(tmp_path)
+    (dropped,) = metrics(tmp_path, "checkpoint_dropped")
+    assert dropped["step"] == 3 and "pipeline 1, stage 0: the global sync" in dropped["reason"]
+    for k in range(3, 6):
+        iteration(k)
+    for rank in range(4):
+        saved(rank, 6, 6)
+    assert [c.name for c in ck.complete_checkpoints(tmp_path)] == ["step_6"]

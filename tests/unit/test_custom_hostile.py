@@ -168,6 +168,15 @@ def test_a_data_maker_calling_sys_exit_is_one_line_and_exit_2(code, capsys, tmp_
     assert line.endswith(f"{code}.data_exits called sys.exit(7) while making the data set")
 
 
+@pytest.mark.parametrize("key, argv", [("model._target_", MODEL), ("data._target_", DATA)],
+                         ids=["model", "data"])
+def test_a_module_calling_sys_exit_as_it_is_imported_is_one_line_and_exit_2(tmp_path, monkeypatch,
+                                                                             capsys, key, argv):
+    user_module(tmp_path, monkeypatch, "exits_when_imported", "import sys\nsys.exit(3)\n")
+    line = refused(capsys, tmp_path, key, *argv, f"{key}=exits_when_imported.build")
+    assert line.endswith("cannot import 'exits_when_imported.build': importing it called sys.exit(3)")
+
+
 @pytest.mark.parametrize("argv", [(*MODEL, f"model._target_={NAME}.build_interrupted"),
                                   (*DATA, f"data._target_={NAME}.data_interrupted")])
 def test_ctrl_c_in_the_users_code_stays_an_interrupt(code, tmp_path, argv):

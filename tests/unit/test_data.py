@@ -102,3 +102,59 @@ def test_check_corpus_rejects_tiny_splits():
     with pytest.raises(DataError, match="too small") as info:
         check_corpus(corpus, seq_len=8)
     assert info.value.key == "data"
+
+
+# -- what a run records of its data: content, not only sizes ---------------------------------------
+
+
+def _text_run(path):
+    """A config of data=text on ``path``, resolved as the launcher records it."""
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.data import sources
+
+    c = compose(["model=mlp", "data=text", f"data.path={path}", "data.max_bytes=20000"])
+    c.data.resolved = sources.resolve(c)
+    return c
+
+
+def test_text_edited_in_place_to_the_same_size_is_other_data(tmp_path):
+    from sdpipe_cli.data import sources
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 300)
+    c = _text_run(corpus)
+    assert sources.check_same(sources.open_splits(c), c.data.resolved, "sdpipe eval", "then")
+    corpus.write_text(corpus.read_text().replace("e", "q"))  # same size, same sample counts
+    with pytest.raises(DataError) as err:
+        sources.check_same(sources.open_splits(c), c.data.resolved, "sdpipe eval", "when it trained")
+    assert err.value.key == "data.path" and str(corpus) in err.value.reason
+    assert "content's SHA-256" in err.value.reason and "samples" not in err.value.reason
+    # a run of an older sdpipe recorded sizes only: those are compared, and the caller is told
+    old = OmegaConf.to_container(c.data.resolved)
+    del old["read"]["sha256"]
+    assert sources.check_same(sources.open_splits(c), old, "sdpipe eval", "then") is False
+    corpus.write_text("short\n" * 300)
+    with pytest.raises(DataError, match="bytes: 1800 here, 13200 then"):
+        sources.check_same(sources.open_splits(c), old, "sdpipe eval", "then")
+
+
+def test_a_sampled_digest_sees_names_sizes_and_the_sampled_blocks(tmp_path):
+    from sdpipe_cli.data.sources import SAMPLE_BLOCK, SAMPLE_BLOCKS, sampled_digest
+
+    big = tmp_path / "big.bin"
+    data = bytearray(range(256)) * (3 * SAMPLE_BLOCK * SAMPLE_BLOCKS // 256)  # read in part
+    big.write_bytes(data)
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * 1000)
+    before = sampled_digest([big, small], tmp_path)
+    data[-1] ^= 1  # in the last block, which is always sampled
+    big.write_bytes(data)
+    assert sampled_digest([big, small], tmp_path) != before
+    data[-1] ^= 1
+    big.write_bytes(data)
+    assert sampled_digest([big, small], tmp_path) == before
+    small.write_bytes(b"x" * 999 + b"y")  # a small file is read whole
+    assert sampled_digest([big, small], tmp_path) != before
+    small.write_bytes(b"x" * 1000)
+    small.rename(tmp_path / "other.bin")
+    assert sampled_digest([big, tmp_path / "other.bin"], tmp_path) != before

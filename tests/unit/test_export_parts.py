@@ -169,7 +169,8 @@ def test_eval_changes_only_the_data_and_the_batch():
 
 
 @pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("top_k", -1),
-                                         ("temperature", 0.0), ("temperature", float("nan"))])
+                                         ("temperature", 0.0), ("temperature", float("nan")),
+                                         ("seed", 2**64), ("seed", -2**63 - 1)])
 def test_sampling_settings_are_checked(field, value):
     with pytest.raises(ConfigError, match=field.replace("_", "-")):
         generation.Settings(**{field: value}).check()

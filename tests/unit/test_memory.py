@@ -112,3 +112,30 @@ def test_a_worker_over_its_devices_declared_memory_is_refused_naming_it():
     cfg, example = prepared("model=gpt_tiny")
     unlimited = Device("n:0", "n", 0)
     assert memory.over_device(cfg, example, [[3], [3]], lambda p, s: unlimited) is None
+
+
+def test_an_evaluation_too_large_to_fit_is_refused_before_its_batch_is_made():
+    """sdpipe eval's one process: the batch and one micro-batch's forward against what this
+    machine has, before the first batch is read (a batch of 3e8 once grew for minutes into a
+    MemoryError); an ordinary one passes, and run.memory_check=false lets any through."""
+    from sdpipe_cli.export.evaluation import check_memory as check_eval
+
+    cfg, _ = prepared("model=gpt_tiny", "data=synthetic")
+    cfg.run.memory_check = True  # as the run's own config has it
+    cpu = torch.device("cpu")
+    check_eval(cfg, cpu)
+    size = cfg.train.batch_size
+    one = memory.evaluation(cfg, sources.example(cfg, size, device="meta"),
+                            sources.example(cfg, size // cfg.pipeline.microbatches, device="meta")[0])
+    cfg.train.batch_size = size * 1000
+    more = memory.evaluation(cfg, sources.example(cfg, size * 1000, device="meta"),
+                             sources.example(cfg, size * 1000 // cfg.pipeline.microbatches,
+                                             device="meta")[0])
+    assert more.batch == 1000 * one.batch and more.activations > 900 * one.activations
+    assert more.weights == one.weights > 0
+    cfg.train.batch_size = 300_000_000
+    with pytest.raises(ConfigError, match="the evaluation needs about") as err:
+        check_eval(cfg, cpu)
+    assert err.value.key == "train.batch_size"
+    cfg.run.memory_check = False
+    check_eval(cfg, cpu)

@@ -117,3 +117,22 @@ def test_a_device_an_earlier_leg_found_slow_recovers_when_back_to_its_speed():
     assert [(c.kind, c.pipeline, c.stage) for c in back] == [("recovered", 0, 1)]
     assert back[0].iteration <= 30 + 2 * (5 // 2 + 1) - 1
     assert detector.own_slowdown(0, 1) == pytest.approx(1.0)
+
+
+def test_a_straggler_whose_added_share_wanders_about_the_edge_stays_one():
+    """Named once its slowdown adds :data:`MATTERS` of the iteration; while what it adds wanders
+    about that share (its iteration time does) it stays named, and it recovers only below half
+    of it."""
+    detector = SlowdownDetector(2, 1, 1.5, 5)
+    changes = []
+    for k in range(120):
+        slow = k >= 15
+        # 10 ms of compute, 30 ms once slow: 20 ms more over iterations of 180 or 220 ms by turns
+        step_s = 0.18 if (k // 6) % 2 else 0.22
+        changes += detector.observe(0, 0, k, 0.03 if slow else 0.01, step_s=step_s)
+        changes += detector.observe(1, 0, k, 0.01, step_s=step_s)
+    assert [(c.kind, c.pipeline) for c in changes] == [("straggler", 0)]
+    for k in range(120, 140):  # its iterations grow to 0.5 s: 20 ms is 4 % of them
+        changes += detector.observe(0, 0, k, 0.03, step_s=0.5)
+        changes += detector.observe(1, 0, k, 0.01, step_s=0.5)
+    assert [c.kind for c in changes] == ["straggler", "recovered"]

@@ -24,7 +24,8 @@ def test_a_byte_corpus_is_described_without_the_stages_reading_it():
     seq = c.model.seq_len
     assert c.data.resolved["input"] == {"shape": [seq], "dtype": "int64"}
     assert c.data.resolved["target"] == {"shape": [seq], "dtype": "int64"}
-    assert c.data.resolved["train"] == (19000 - 1) // seq and c.data.resolved["read"] == {"bytes": 20000}
+    assert c.data.resolved["train"] == (19000 - 1) // seq
+    assert c.data.resolved["read"] == {"bytes": 20000, "sha256": c.data.resolved["read"]["sha256"]}
     x, y = sources.example(c, 3)
     assert x.shape == y.shape == (3, seq) and x.dtype == torch.int64
     assert sources.val_count(c) == c.data.eval_batches == 4

@@ -81,8 +81,76 @@ def test_a_device_slow_before_the_re_plan_is_said_to_be_still_slow():
     assert (entry["pipeline"], entry["stage"], entry["carried"]) == (1, 0, 4.0)
     out = io.StringIO()
     shown = ProgressDisplay(Console(file=out, width=200), 100, 0)
-    shown.update({"stragglers": carried.current()})
+    shown.update(summary_of(carried))
     assert "still slow: " in out.getvalue() and "slow device" not in out.getvalue()
+
+
+def summary_of(watch) -> dict:
+    """What the scheduler's progress snapshot says of slow devices."""
+    return {"stragglers": watch.current(), "straggler_news": watch.news_snapshot()}
+
+
+def console_lines(snapshots) -> list[str]:
+    """The console's lines for a sequence of progress snapshots."""
+    import io
+
+    from rich.console import Console
+
+    from sdpipe_cli.cli.display import ProgressDisplay
+
+    out = io.StringIO()
+    shown = ProgressDisplay(Console(file=out, width=300), 100, 0)
+    for snap in snapshots:
+        shown.update(snap)
+    return [line for line in out.getvalue().splitlines()
+            if line.startswith(("slow device", "still slow", "recovered"))]
+
+
+def test_the_console_says_each_change_the_scheduler_decided_once():
+    """The watch decides what is said: a device named and recovered between two snapshots is
+    said to be both, and a restart's fresh start (its pipeline's devices forgotten) is no
+    recovery. Each change is said once, however many snapshots repeat it."""
+    cfg = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=2",
+                           "pipeline.stages=2", NODES, "fault.slowdown_window=3"]))[0]
+    watch = StragglerWatch(cfg, RunPlan.of(cfg))
+    snaps, kinds = [summary_of(watch)], []
+    for k in range(1, 40):
+        for p in (0, 1):
+            for s in (0, 1):
+                slow = (p, s) == (1, 0) and 15 < k <= 25
+                kinds += [line["kind"] for line in watch.lines(step(p, s, k, 0.4 if slow else 0.1))]
+        if k in (10, 39):  # two snapshots: the slowdown came and went between them
+            snaps += [summary_of(watch)] * 2
+    assert kinds == ["straggler", "recovered"]
+    for k in range(40, 60):
+        for p in (0, 1):
+            for s in (0, 1):
+                watch.lines(step(p, s, k, 0.4 if (p, s) == (1, 0) else 0.1))
+    snaps.append(summary_of(watch))
+    watch.reset(1)  # pipeline 1 restarted after a failure: named once, never "recovered"
+    snaps += [summary_of(watch)] * 2
+    said = console_lines(snaps)
+    assert [line.split(":")[0] for line in said] == ["slow device", "recovered", "slow device"]
+
+
+def test_a_device_slow_before_a_re_split_is_said_once_while_its_share_wanders():
+    """After a re-split in place the slow device holds less of the model: the compute its
+    slowdown adds is about the share of the iteration that matters, and wanders around it as
+    its neighbours' times do. It is said to be still slow once, not named and recovered by
+    turns."""
+    cfg = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=2",
+                           "pipeline.stages=2", NODES, "+fault.slowed.p1s0=4.0"]))[0]
+    watch = StragglerWatch(cfg, RunPlan.of(cfg))
+    snaps = [summary_of(watch)]
+    for k in range(1, 120):
+        for p in (0, 1):
+            for s in (0, 1):
+                record = step(p, s, k, 0.02 if (p, s) == (1, 0) else 0.1)
+                # its 15 ms more over an iteration of 140 ms, then of 160 ms, by turns
+                record["step_s"] = 0.14 if (k // 6) % 2 else 0.16
+                watch.lines(record)
+        snaps.append(summary_of(watch))
+    assert [line.split(":")[0] for line in console_lines(snaps)] == ["still slow"]
 
 
 def test_the_summary_counts_rounds_per_unit_with_equal_neighbours_together():

@@ -208,6 +208,18 @@ def test_the_back_off_doubles_per_pipeline_and_resets_after_a_good_while():
         Restarts(-1, 1.0)
 
 
+def test_a_restart_that_trained_before_failing_again_backs_off_from_the_start():
+    """Frequent unrelated faults (a worker lost every 20 s) are no crash loop: a run that trained
+    past its restart point is retried after the first back-off, not after a doubled one."""
+    budget = Restarts(10, 0.2, reset_s=60)
+    assert budget.take("run", now=0) == 0.2
+    assert budget.take("run", now=20, progressed=True) == 0.2
+    assert budget.take("run", now=40, progressed=True) == 0.2
+    assert budget.take("run", now=45) == 0.4  # failed again with nothing trained: doubles
+    assert budget.take("run", now=50) == 0.8
+    assert budget.take("run", now=70, progressed=True) == 0.2
+
+
 def test_a_lost_pipeline_is_started_again_after_its_back_off():
     policy = Supervision(started=True, tolerate=True, restarts=Restarts(2, 1.0))
     assert policy.decide(see(run(P=3, codes={"4": KILLED}), now=10)) == DropPipelines(

@@ -80,6 +80,24 @@ def test_a_module_that_fails_importing_another_names_the_missing_one(tmp_path, m
         import_callable("broken_nets_x1.build", "model._target_")
 
 
+def test_a_module_that_calls_sys_exit_as_it_is_imported_is_one_error(tmp_path, monkeypatch, logged):
+    """Not sdpipe's exit: the import of the user's module failed (Ctrl-C below stays an interrupt)."""
+    (tmp_path / "exiting_nets_x1.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as refused:
+        import_callable("exiting_nets_x1.build", "data._target_")
+    assert str(refused.value) == ("data._target_: cannot import 'exiting_nets_x1.build': importing "
+                                  "it called sys.exit(3)")
+    assert not logged.records, logged.text
+
+
+def test_ctrl_c_while_a_module_is_imported_stays_an_interrupt(tmp_path, monkeypatch):
+    (tmp_path / "interrupted_nets_x1.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        import_callable("interrupted_nets_x1.build", "model._target_")
+
+
 @pytest.mark.parametrize("target, expected", [
     ("json.dumps", "dumps"), ("os.path.join", "join"), ("collections.OrderedDict", "OrderedDict"),
     ("xml.dom.minidom.parseString", "parseString"),  # a submodule not imported by its package

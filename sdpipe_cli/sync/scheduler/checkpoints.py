@@ -49,6 +49,8 @@ class Checkpoints:
         # global decisions per stage, or segment (policy.global_history)
         self.global_seen = [0] * plan.segments.count
         self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
+        self.cut: dict[int, tuple[int, int]] = {}  # pipeline -> (meeting, steps): a short block
+        self.dropped: set[int] = set()  # checkpoints a failed global sync left unmade
 
     def average(self, steps: dict[int, int]) -> int:
         """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""
@@ -64,7 +66,7 @@ class Checkpoints:
         self.global_seen[d.stage] += 1
         if g not in self.global_checkpoint:
             missing = self.missing_steps(d.members, policy)
-            steps = {**missing, **{p: self.meetings.steps(k + 1)
+            steps = {**missing, **{p: self.steps_after(p, k)
                                    for p, k in policy.global_history[g].items()}}
             ckpt = self.cadence.at_global_sync(self.average(steps), d.stop, self.clock())
             self.global_checkpoint[g] = ckpt
@@ -72,6 +74,17 @@ class Checkpoints:
                 self.shards_from[ckpt] = set(d.members)
                 self.stand_ins[ckpt] = missing
         return self.global_checkpoint[g]
+
+    def cut_short(self, pipeline: int, meeting: int, steps: int) -> None:
+        """``pipeline`` went to ``meeting`` after ``steps`` local steps, before its block of
+        ``sync.every`` ended: the run's end asked its replicas to meet at once."""
+        self.cut[pipeline] = (meeting, steps)
+
+    def steps_after(self, pipeline: int, meeting: int) -> int:
+        """The local steps ``pipeline`` had done at ``meeting``: a full block's, unless the run's
+        end cut it short (then what its replicas said)."""
+        at, steps = self.cut.get(pipeline, (None, 0))
+        return steps if at == meeting else self.meetings.steps(meeting + 1)
 
     def missing_steps(self, members, policy: Any) -> dict[int, int]:
         """Pipelines not at a global sync (lost, or restarting): the iterations each has done."""
@@ -84,7 +97,24 @@ class Checkpoints:
         return unknown if k is None else self.meetings.steps(k)
 
     def shard_saved(self, ckpt: int, rank: int, step: int) -> None:
-        self.saved.setdefault(ckpt, {})[rank] = step
+        if ckpt not in self.dropped:
+            self.saved.setdefault(ckpt, {})[rank] = step
+
+    def drop(self, ckpt: int, live: bool) -> bool:
+        """Checkpoint ``ckpt`` is not made: a replica says the global sync it follows failed,
+        so its shards are not one model's (nor would a stand-in copied from them be). Its
+        staging folder goes (``live``: not while replaying, where the dead scheduler did that);
+        shards that still come are ignored. False if it was made, or dropped, already."""
+        pending = ckpt in self.saved or ckpt in self.shards_from
+        self.saved.pop(ckpt, None)
+        self.shards_from.pop(ckpt, None)
+        self.stand_ins.pop(ckpt, None)
+        if not pending or ckpt in self.dropped:
+            return False
+        self.dropped.add(ckpt)
+        if live:
+            shutil.rmtree(checkpoint.staging_dir(self.run_dir, ckpt), ignore_errors=True)
+        return True
 
     def resplit(self, pipeline: int, bounds: list[int], slowed: dict[str, float]) -> None:
         """``pipeline`` was re-split in place: checkpoints from now on hold its new split, and

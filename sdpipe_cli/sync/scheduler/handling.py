@@ -246,6 +246,8 @@ class Scheduler:
         if self.tracer is not None:
             self.tracer.instant(f"ready {event.pipeline}", "ready", "pipeline", event.pipeline,
                                 "iteration", event.iteration, row=1 + event.stage)
+        if event.steps is not None:
+            self.checkpoints.cut_short(event.pipeline, event.iteration, event.steps)
         self._publish(self._policy().ready(event.stage, event.pipeline, event.iteration))
 
     def _replayed(self, event: protocol.Ready) -> None:
@@ -426,7 +428,15 @@ class Scheduler:
 
     # -- checkpoints and health -----------------------------------------------------------------
     def _saved(self, event: protocol.Saved) -> None:
-        """A worker wrote its shard; once every worker due to did, finalize the checkpoint."""
+        """A worker wrote its shard; once every worker due to did, finalize the checkpoint. A
+        worker that could not (its global sync failed) drops the checkpoint for all."""
+        if event.dropped is not None:
+            if self.checkpoints.drop(event.checkpoint, self.live):
+                reason = f"pipeline {event.pipeline}, stage {event.stage}: {event.dropped}"
+                self.metrics.write({"kind": "checkpoint_dropped", "step": event.checkpoint,
+                                    "time": round(time.time() - self.t0, 4), "reason": reason})
+                log.warning("checkpoint %d is not written: %s", event.checkpoint, reason)
+            return
         self.checkpoints.shard_saved(event.checkpoint, event.rank, event.step)
         self._finalize(event.checkpoint)
 
@@ -456,6 +466,7 @@ class Scheduler:
             summary["scheduler_restarts"] = self.scheduler_restarts
         if self.stragglers is not None:
             summary["stragglers"] = self.stragglers.current()
+            summary["straggler_news"] = self.stragglers.news_snapshot()
         if self.replan is not None:
             summary["replan"] = self.replan
         if self.replanning is not None:  # what a restart after a failure carries on

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli import checkpoint
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
-from sdpipe_cli.runtime.metrics import strict_json
+from sdpipe_cli.runtime.metrics import write_summary
 from sdpipe_cli.runtime.trace import trace_path
 from sdpipe_cli.sync import journal
 from sdpipe_cli.sync.journal import journal_path
@@ -207,7 +207,7 @@ def main() -> int:
                           restarted=int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0")),
                           config=os.environ.get("SDPIPE_CONFIG", "config.yaml"))
         summary = scheduler.summary()
-        (run_dir / "summary.json").write_text(strict_json(summary, indent=1))
+        write_summary(run_dir, summary)
         if cfg.run.save_final:  # every worker wrote its weights there before it was done
             steps = {str(p): state["steps"] for p, state in summary["pipelines"].items()}
             config = OmegaConf.to_container(cfg, resolve=True)
