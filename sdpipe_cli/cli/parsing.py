@@ -235,7 +235,7 @@ def _add_sample(sub) -> None:
     """``sample`` reads an export only: the prompt and the decoding settings."""
     sam = sub.add_parser("sample", help="text from an exported language model",
                          description=SAMPLE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sam.add_argument("path", metavar="DIR", help="an export (sdpipe export --out DIR)")
+    sam.add_argument("path", metavar="DIR", type=_user_path, help="an export (sdpipe export --out DIR)")
     sam.add_argument("--prompt", required=True, metavar="TEXT")
     sam.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="(default: 64)")
     sam.add_argument("--top-k", type=int, default=0, metavar="K",
@@ -250,8 +250,10 @@ def _add_report(sub) -> None:
     rep = sub.add_parser("report", help="plot runs: loss, throughput, groups, waits",
                          description=REPORT_HELP,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    rep.add_argument("runs", nargs="+", metavar="RUN", help="run folders (running, failed or done)")
-    rep.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN/report)")
+    rep.add_argument("runs", nargs="+", metavar="RUN", type=_user_path,
+                     help="run folders (running, failed or done)")
+    rep.add_argument("--out", metavar="DIR", type=_user_path,
+                     help="where the PNGs go (default: RUN/report)")
 
 
 def _replica_options(command: argparse.ArgumentParser) -> None:

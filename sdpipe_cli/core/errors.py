@@ -8,8 +8,6 @@ worker loading it exits 2 as well as one found damaged before the launch.
 
 from __future__ import annotations
 
-import errno
-
 
 class BadInput(ValueError):
     """``where`` (a config key, a file, a store key) is wrong: ``reason`` says how to fix it."""
@@ -17,10 +15,3 @@ class BadInput(ValueError):
     def __init__(self, where: str, reason: str):
         super().__init__(f"{where}: {reason}")
         self.key, self.reason = where, reason
-
-
-def os_reason(err: OSError) -> str:
-    """An OSError's reason, with its errno's name (ENOSPC, EFBIG, EACCES...): what a user looks
-    up."""
-    name = errno.errorcode.get(err.errno or 0)
-    return f"{err.strerror or err} ({name})" if name else str(err.strerror or err)

@@ -31,12 +31,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from sdpipe_cli.core.errors import os_reason
 from sdpipe_cli.data.documents import LONE_SURROGATE, Piece, documents, resolve_sources, utf8
 from sdpipe_cli.data.shard_writer import ShardWriter, split_off_val
 from sdpipe_cli.data.tokenizer import TextTokenizer, as_text, encode, parse_tokenizer, train_tokenizer
 from sdpipe_cli.data.tokens import FORMAT, ITEMSIZE, MANIFEST, VERSION
-from sdpipe_cli.runtime.errors import DataError
+from sdpipe_cli.runtime.errors import DataError, os_reason
 
 
 def _check_options(val_fraction: float, shard_tokens: int, dtype: str | None, max_bytes: int | None,

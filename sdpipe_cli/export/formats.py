@@ -31,7 +31,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -48,11 +47,10 @@ from sdpipe_cli.config import trust
 from sdpipe_cli.config.saved import typed
 from sdpipe_cli.data.sources import CORPORA
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
-from sdpipe_cli.core.errors import os_reason
 from sdpipe_cli.export.weights import Merged, Source, by_block
 from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
-from sdpipe_cli.runtime.errors import CheckpointError
+from sdpipe_cli.runtime.errors import DISK_FULL, CheckpointError, os_error, os_reason
 
 __all__ = ["FORMATS", "Export", "default_format", "load", "write"]
 
@@ -224,33 +222,17 @@ def clear_partials(out: Path, log: Callable[[str], Any]) -> None:
 def _writing(out: Path, name: str) -> Iterator[None]:
     """A failed write of the export's file ``name`` (a full disk, a file-size limit, a lost
     mount) as one line on ``--out`` naming it; the caller removes what was written. torch,
-    safetensors and tokenizers (Rust) say an OS error in their own words: its number is found."""
+    safetensors and tokenizers say an OS error in their own words: the error is found behind
+    them (:func:`~sdpipe_cli.runtime.errors.os_error`)."""
     try:
         yield
     except Exception as err:  # noqa: BLE001 - re-raised unless the system refused the write
-        failed = _os_error(err)
-        if failed is None:
+        failed = os_error(err)
+        if failed is None or not failed.errno:
             raise
-        raise ConfigError("--out", f"cannot write {out} ({name}): {os_reason(failed)}; nothing "
-                          "was written") from None
-
-
-def _os_error(err: BaseException) -> Optional[OSError]:
-    """The OS error behind ``err``: itself or one it was raised from or during (torch's writer
-    raises its own error once a write failed), or the one Rust's ``(os error N)`` names
-    (safetensors, tokenizers)."""
-    seen: Optional[BaseException] = err
-    for _ in range(8):
-        if seen is None:
-            break
-        if isinstance(seen, OSError) and seen.errno:
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    found = re.search(r"\(os error (\d+)\)", str(err))
-    if found:
-        number = int(found.group(1))
-        return OSError(number, os.strerror(number))
-    return None
+        full = "the disk is full: " if failed.errno in DISK_FULL else ""
+        raise ConfigError("--out", f"cannot write {out} ({name}): {full}{os_reason(failed)}; "
+                          "nothing was written") from None
 
 
 def _removed_on_interrupt(staging: Path, made: list[Path]) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import time
 import traceback
 from contextlib import contextmanager
@@ -49,14 +50,24 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or none in the user's
 def os_error(err: BaseException) -> Optional[OSError]:
     """The :class:`OSError` behind ``err``: itself, or one it was raised from or while handling
     (``torch.save`` on a full disk raises a ``RuntimeError`` about a position in its zip file,
-    with the ``OSError`` of the write that failed as its context); None if there is none."""
+    with the ``OSError`` of the write that failed as its context), or the one that Rust's
+    ``(os error N)`` names in its message (safetensors, tokenizers); None if there is none."""
     seen: set[int] = set()
+    first = err
     while err is not None and id(err) not in seen:
         if isinstance(err, OSError):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
-    return None
+    named = re.search(r"\(os error (\d+)\)", str(first))
+    return OSError(int(named.group(1)), os.strerror(int(named.group(1)))) if named else None
+
+
+def os_reason(err: OSError) -> str:
+    """An OSError's reason, with its errno's name (ENOSPC, EFBIG, EACCES...): what a user looks
+    up."""
+    name = errno.errorcode.get(err.errno or 0)
+    return f"{err.strerror or err} ({name})" if name else str(err.strerror or err)
 
 
 def disk_full(err: BaseException) -> bool:

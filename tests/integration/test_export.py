@@ -400,8 +400,8 @@ def test_an_interrupted_eval_says_so_in_its_own_words(apart):
 # -- the file system: a home folder, a full disk, what a killed export left, a pruned checkpoint ----
 
 def test_a_home_folder_in_paths_is_the_users(allreduce_2x2_run, tmp_path, monkeypatch):
-    """``~`` in export's and eval's --out and in resume's PATH is $HOME, as ``run.dir`` takes it;
-    never a folder named ``~`` in the working folder."""
+    """``~`` in export's and eval's --out and in resume's and sample's paths is $HOME, as
+    ``run.dir`` takes it; never a folder named ``~`` in the working folder."""
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
@@ -413,6 +413,8 @@ def test_a_home_folder_in_paths_is_the_users(allreduce_2x2_run, tmp_path, monkey
     assert out.returncode == 0, out.stderr[-2000:]
     assert "val_loss" in json.loads((home / "eval.json").read_text())
     assert f"{home / 'absent'}: does not exist" in _refused(tmp_path, "resume", "~/absent")
+    assert f"{home / 'absent'}: is not an export" in _refused(tmp_path, "sample", "~/absent",
+                                                             "--prompt", "a")
     assert not (tmp_path / "~").exists()
 
 
@@ -437,8 +439,8 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(allreduce_2x
             assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
             line = out.stderr.splitlines()[-1]  # after the lines that say what was read
             assert [x for x in out.stderr.splitlines() if "error" in x] == [line], out.stderr
-            assert f"--out: cannot write {disk / 'models' / 'mlp'} ({file}): No space left on " \
-                   "device (ENOSPC); nothing was written" in line, line
+            assert f"--out: cannot write {disk / 'models' / 'mlp'} ({file}): the disk is full: " \
+                   "No space left on device (ENOSPC); nothing was written" in line, line
             assert not list(disk.iterdir())
         finally:
             subprocess.run(["umount", "--lazy", str(disk)], check=True, timeout=30)  # even if busy

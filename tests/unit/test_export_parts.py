@@ -193,4 +193,3 @@ def test_bytes_round_trip_text():
     tok = generation._Bytes()
     assert tok.decode(tok.encode("déf ✓")) == "déf ✓"
     assert tok.decode([104, 105, 300]) == "hi"  # ids past the bytes (a mask token) are dropped
-
