@@ -94,6 +94,25 @@ def test_final_files_changed_after_the_seal_are_refused(tmp_path):
         weights.merge(weights.find(run))
 
 
+def test_final_weights_of_another_run_are_not_this_runs(tmp_path):
+    """final/ copied in from another run (its manifest carries another run id than config.yaml):
+    refused, as a checkpoint of another run is; with the run's own id it is the run's."""
+    cfg = compose(["model=mlp", "data=synthetic"])
+    run, _ = _run_with_final(tmp_path, [_replica(cfg, 0)] * 2)
+    manifest = json.loads((run / "final" / "manifest.json").read_text())
+    saved = OmegaConf.load(run / "config.yaml")
+    saved.run.id = "this-run"
+    OmegaConf.save(saved, run / "config.yaml")
+    for run_id, refused in (("another-run", True), ("this-run", False)):
+        manifest["config"]["run"]["id"] = run_id
+        (run / "final" / "manifest.json").write_text(json.dumps(manifest))
+        if refused:
+            with pytest.raises(CheckpointError, match="final: lies in .* another run's id"):
+                weights.find(run, "final")
+        else:
+            assert weights.find(run, "final").run == run
+
+
 def test_the_newest_of_final_and_the_latest_checkpoint_is_taken(tmp_path):
     cfg = compose(["model=mlp", "data=synthetic"])
     run, cfg = _run_with_final(tmp_path, [_replica(cfg, 0)] * 2)  # 10 iterations per pipeline
