@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli import analysis
 
@@ -67,7 +68,9 @@ def load(path: str | Path) -> Run:
     if not config.is_file() or not metrics.is_file():
         raise ConfigError(str(path), "is not a run folder (no config.yaml and metrics.jsonl)")
     try:
-        tree = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
+        tree = OmegaConf.to_container(yaml_bounds.load(config, "sdpipe report"), resolve=False)
+    except ConfigError:
+        raise
     except Exception as err:  # OmegaConf raises several types for a broken file
         raise ConfigError(str(config), f"cannot be read: {str(err).splitlines()[0]}") from None
     return Run(folder, _flatten(tree), from_first_iteration(read_lines(metrics)))

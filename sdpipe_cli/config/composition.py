@@ -9,6 +9,7 @@ or ``FILE:LINE:COLUMN`` for a YAML syntax error. Every subcommand composes once.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import re
@@ -74,7 +75,7 @@ def compose(overrides: list[str]) -> DictConfig:
         GlobalHydra.instance().clear()
     _gather_kwargs(cfg)
     # Hydra lets ``+key=value`` add keys the schema does not have; the schema is the contract.
-    _reject_unknown_keys(cfg, _schema(cfg.sync.name))
+    _reject_unknown_keys(cfg, _schema(cfg.sync.name), sync=cfg.sync.name)
     searched = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.searchpath=")]
     if searched:
         cfg.run.config_dirs = [d.removeprefix("file://") for d in searched[-1].strip("[]").split(",")
@@ -136,19 +137,23 @@ def _gather_kwargs(cfg: DictConfig) -> None:
                 cfg[key] = OmegaConf.merge(OmegaConf.structured(schema), node)
 
 
-def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> None:
+def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "",
+                         sync: str = "") -> None:
     for key in cfg.keys():
         if key in schema and OmegaConf.is_missing(schema, key):
             continue
         name = f"{prefix}{key}"
         if key not in schema:
+            other = _of_other_modes(name, sync)
+            if other:
+                raise ConfigError(name, other)
             close = _closest(str(key), schema.keys())
             hint = f"did you mean '{prefix}{close}'? " if close else ""
             raise ConfigError(name, f"is not a setting of sdpipe ({hint}known here: "
                                     f"{', '.join(schema.keys())})")
         free_form = OmegaConf.get_type(schema, key) is dict  # Dict[str, Any]: model.hf, model.kwargs
         if isinstance(schema[key], DictConfig) and isinstance(cfg[key], DictConfig) and not free_form:
-            _reject_unknown_keys(cfg[key], schema[key], f"{name}.")
+            _reject_unknown_keys(cfg[key], schema[key], f"{name}.", sync)
 
 
 def _as_config_error(err: Exception) -> ConfigError:
@@ -175,7 +180,8 @@ def _as_config_error(err: Exception) -> ConfigError:
         key = keyed.full_key
         reason = " ".join(str(getattr(keyed, "msg", None) or keyed).split("\n")[0].split())
         if isinstance(keyed, (ConfigKeyError, AttributeError)) or "not in" in reason:
-            reason = f"is not a setting of sdpipe{_nearest(key)}"
+            sync = {c: n for n, c in SYNC_CONFIGS.items()}.get(getattr(keyed, "object_type", None))
+            reason = _of_other_modes(key, sync or "") or f"is not a setting of sdpipe{_nearest(key)}"
         return ConfigError(key, reason + within)
     if "Ambiguous value for argument" in text:
         arg = re.search(r"argument '([^']*)'", text)
@@ -222,6 +228,18 @@ def _causes(err: BaseException) -> list[BaseException]:
         chain.append(err)
         err = err.__cause__ or err.__context__
     return chain
+
+
+def _of_other_modes(key: str, sync: str) -> str:
+    """Why ``sync.KEY`` is refused where it is a setting of other sync modes than the run's
+    ``sync`` (each mode's settings are its own schema): which modes take it; else ``''``."""
+    parent, _, leaf = key.rpartition(".")
+    if parent != "sync" or not sync:
+        return ""
+    modes = [n for n, c in SYNC_CONFIGS.items() if leaf in {f.name for f in dataclasses.fields(c)}]
+    if not modes or sync in modes:
+        return ""
+    return f"is a setting of {' or '.join(f'sync={m}' for m in modes)}, not of sync={sync}"
 
 
 def _nearest(key: str) -> str:

@@ -55,11 +55,15 @@ class ProfileError(ValueError):
     """A profile file that cannot be used; the message names the file and what is wrong."""
 
 
+def path_of(path: str | Path) -> Path:
+    """The file ``profile=PATH`` names: PATH, or ``PATH/profile.json`` for a run folder."""
+    path = Path(path).expanduser()
+    return path / "profile.json" if path.is_dir() else path
+
+
 def load(path: str | Path) -> dict:
     """Read and check a ``profile.json``; raises :class:`ProfileError` naming the file."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        path = path / "profile.json"
+    path = path_of(path)
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:

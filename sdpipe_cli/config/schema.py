@@ -239,9 +239,9 @@ class SdpipeSyncConfig(SyncConfig):
     # groups must connect all replicas
     connect_every: int = 8
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
-    # Slow links (docs/SYNC.md#slow-links): a replica meets its group after every this many
-    # local steps and trains alone in between; a meeting averages weights after the step. 0:
-    # chosen when the run is prepared from the emulated cluster.links (1 where none is)
+    # Slow links (docs/SYNC.md#slow-links): a replica meets its group after every this many local
+    # steps (at most train.steps) and trains alone in between; a meeting averages weights after the
+    # step. 0: chosen when the run is prepared from the emulated cluster.links (1 where none is)
     every: int = 0
     # What a group round sends: each member's change since the last global sync, with error
     # feedback, in fp32 or bf16; auto: bf16 where a float32 meeting every iteration would not

@@ -26,6 +26,9 @@ from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS
                                       SYNC_MODES, WANDB_MODES, ConfigError, DilocoSyncConfig,
                                       PsSyncConfig, SdpipeSyncConfig, emulation, n_blocks,
                                       num_classes, objective)
+from sdpipe_cli.config.local_files import refuse_special
+from sdpipe_cli.config.yaml_bounds import MAX_ENTRIES
+from sdpipe_cli.core.cluster import MAX_SLOWDOWN
 from sdpipe_cli.core.meetings import SYNC_PRECISIONS
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
@@ -33,6 +36,7 @@ from sdpipe_cli.core.plan import microbatch_size
 
 MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
 MAX_BATCH = 2**40  # train.batch_size: beyond it, a batch's element count overflows int64 tensors
+MAX_COMPUTE_MS = 60_000.0  # cluster.compute_ms: a minute; with MAX_SLOWDOWN, sleeps the clock can count
 
 
 def need(ok: bool, key: str, reason: str) -> None:
@@ -91,10 +95,8 @@ def _validate_data(cfg: DictConfig) -> None:
     if d.name == "text":
         need(bool(d.path), "data.path", "is required with data=text (a file or a folder of text)")
         need(Path(str(d.path)).expanduser().exists(), "data.path", f"'{d.path}' does not exist")
-    path = Path(str(d.path)).expanduser() if d.path else None
-    if path is not None and path.exists() and not (path.is_file() or path.is_dir()):
-        # a named pipe or a device would block the reader forever (or never end)
-        raise ConfigError("data.path", f"'{d.path}' is {_special(path)}, not a file or a folder")
+    if d.path:
+        refuse_special(Path(str(d.path)).expanduser(), "data.path", "a file or a folder")
     need(d.name not in ("tokens", "imagefolder", "cifar10") or bool(d.path), "data.path",
          f"is required with data={d.name} (the data set's folder)")
     need(d.name != "custom" or bool(d.get("_target_")), "data._target_",
@@ -112,16 +114,6 @@ def _validate_data(cfg: DictConfig) -> None:
     need(d.prefetch >= 1, "data.prefetch", "must be at least 1")
 
 
-def _special(path: Path) -> str:
-    """What kind of special file ``path`` is, in words."""
-    import stat
-
-    mode = path.stat().st_mode
-    return ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if
-            stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
-            if stat.S_ISSOCK(mode) else "a special file")
-
-
 def _validate_cluster_settings(cfg: DictConfig) -> None:
     """``cluster``'s own numbers (pipelines, slow-downs, modelled compute, device) and ``simulate``'s."""
     c = cfg.cluster
@@ -129,10 +121,16 @@ def _validate_cluster_settings(cfg: DictConfig) -> None:
     if len(c.slowdown) > 0:
         need(len(c.slowdown) == c.pipelines, "cluster.slowdown",
              f"has {len(c.slowdown)} factors for {c.pipelines} pipelines; give one per pipeline")
-        need(all(f >= 1.0 for f in c.slowdown), "cluster.slowdown",
-             "factors must be >= 1.0 (3.0 = three times slower)")
+        need(all(1.0 <= f <= MAX_SLOWDOWN for f in c.slowdown), "cluster.slowdown",
+             f"factors must be in [1, {MAX_SLOWDOWN:g}] (3.0 = three times slower), got "
+             f"{list(c.slowdown)}")
     need(c.compute_ms is None or c.compute_ms > 0, "cluster.compute_ms", "must be positive ms")
+    need(c.compute_ms is None or c.compute_ms <= MAX_COMPUTE_MS, "cluster.compute_ms",
+         f"is {c.compute_ms} ms; a modelled micro-batch forward takes at most "
+         f"{MAX_COMPUTE_MS:g} ms")
     need(c.device in DEVICES, "cluster.device", f"is '{c.device}'; choose one of {', '.join(DEVICES)}")
+    need(len(c.changes) <= MAX_ENTRIES, "cluster.changes", f"has {len(c.changes):,} entries; a "
+         f"schedule has at most {MAX_ENTRIES:,}")
     for key in ("rtt_ms", "event_ms", "collective_ms", "p2p_ms", "jitter"):
         need(cfg.simulate[key] >= 0, f"simulate.{key}", "must be >= 0")
 
@@ -178,6 +176,12 @@ def _validate_sync(cfg: DictConfig) -> None:
     y = cfg.sync
     need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")
     _SETTINGS_CHECKS.get(SYNC_CONFIGS[y.name], lambda _: None)(y)
+    if mode(y.name).meets:
+        # the budget counts meetings of sync.every steps, rounded up: a period past a pipeline's
+        # share of it would train that whole period before the run could end
+        need(cfg.train.steps < 1 or y.every <= cfg.train.steps, "sync.every",
+             f"is {y.every}, more than train.steps={cfg.train.steps}: a replica would train "
+             f"{y.every} iterations before its first meeting; use at most {cfg.train.steps}")
     if mode(y.name).meets and p.schedule in ASYNC_SCHEDULES:
         need(y.every in (0, 1), "sync.every", f"meetings every {y.every} iterations need a "
              f"flushed schedule (1f1b, gpipe), not {p.schedule}")
@@ -408,6 +412,7 @@ def _validate_cluster(cfg: DictConfig) -> None:
     """Nodes, placement, emulation, stragglers and the profile they may need."""
     from sdpipe_cli.core.cluster import ClusterError
     from sdpipe_cli.core.plan import cluster_of
+    from sdpipe_cli.config import measurements
     from sdpipe_cli.config.measurements import ProfileError, check_model, load
 
     c = cfg.cluster
@@ -449,8 +454,9 @@ def _validate_cluster(cfg: DictConfig) -> None:
     st = c.stragglers
     if not 0.0 <= st.probability <= 1.0:
         raise ConfigError("cluster.stragglers.probability", "must be in [0, 1]")
-    if st.factor < 1.0:
-        raise ConfigError("cluster.stragglers.factor", "must be >= 1.0 (3.0 = three times slower)")
+    if not 1.0 <= st.factor <= MAX_SLOWDOWN:
+        raise ConfigError("cluster.stragglers.factor", f"is {st.factor:g}; must be >= 1.0 and at "
+                          f"most {MAX_SLOWDOWN:g} (3.0 = three times slower)")
     if st.per not in ("microbatch", "iteration"):
         raise ConfigError("cluster.stragglers.per", f"is '{st.per}'; choose microbatch or iteration")
     for name in st.devices:
@@ -461,6 +467,7 @@ def _validate_cluster(cfg: DictConfig) -> None:
         raise ConfigError("pipeline.partition", "auto needs profile=PATH (a profile.json from "
                           "`sdpipe profile`)")
     if cfg.profile:
+        refuse_special(measurements.path_of(cfg.profile), "profile", "a profile.json")
         try:
             check_model(load(cfg.profile), cfg.model.name, n_blocks(cfg.model),
                         microbatch_size(cfg))

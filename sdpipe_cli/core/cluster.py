@@ -21,12 +21,18 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.errors import BadInput
 from sdpipe_cli.core.placement import Grid
 
 LOCAL = "local"
+# The most an emulation slows a worker by any one cause: a device's speed (cluster.nodes,
+# cluster.changes) is at least its inverse, a pipeline's slow-down and a straggler's factor at
+# most this. A worker sleeps its action's time times their product (hetero/emulation.py): bounded
+# so, a sleep stays within what the clock can count (a speed of 1e-300 overflowed it) and a run
+# within a human lifetime.
+MAX_SLOWDOWN = 100.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,29 @@ class ClusterError(BadInput):
     """A cluster description that cannot be placed; ``key`` names the setting."""
 
 
+def _check_speed(speed: float, key: str) -> None:
+    if not speed > 0:
+        raise ClusterError(key, "must be positive (1.0 = as measured)")
+    if speed < 1 / MAX_SLOWDOWN:
+        raise ClusterError(key, f"is {speed:g}; must be at least {1 / MAX_SLOWDOWN:g} (a device "
+                           f"at most {MAX_SLOWDOWN:g} times slower than measured)")
+
+
+def _change(ch: dict, key: str, names: list[str]) -> SpeedChange:
+    """One entry of ``cluster.changes`` (``key``), on one of the devices ``names``."""
+    if str(ch["device"]) not in names:
+        raise ClusterError(f"{key}.device", f"no device '{ch['device']}' (devices: "
+                           f"{', '.join(names)})")
+    _check_speed(ch["speed"], f"{key}.speed")
+    start, end = ch["start"], ch["end"]
+    if start < 0:
+        raise ClusterError(f"{key}.start", f"is {start}; must be >= 0 (seconds of the run)")
+    if end is not None and end <= start:
+        raise ClusterError(f"{key}.end", f"is {end}; must be after start ({start} s)")
+    return SpeedChange(str(ch["device"]), float(ch["speed"]), float(start),
+                       None if end is None else float(end))
+
+
 class Cluster:
     """Devices, the P x S placement of workers on them, speed changes and links."""
 
@@ -129,37 +158,44 @@ class Cluster:
         self.pipelines = len(self.placement)
         self.stages = len(self.placement[0]) if self.placement else 0
         self.changes = list(changes)
+        # each device's changes in list order: a worker asks for its speed at every action
+        self._changes_of: dict[str, list[SpeedChange]] = {}
+        for change in self.changes:
+            self._changes_of.setdefault(change.device, []).append(change)
         self.links = links or {}
         # rank -> its node: a ring's slowest link is looked up once per simulated round
         self._node_of_rank = [self.devices[name].node for row in self.placement for name in row]
 
     @classmethod
-    def from_config(cls, cluster: DictConfig, stages: int) -> "Cluster":
-        """The cluster of a (validated) ``cluster`` config section; raises :class:`ClusterError`."""
-        P, S = int(cluster.pipelines), stages
-        nodes = list(cluster.nodes)
+    def from_config(cls, cluster: DictConfig | dict, stages: int) -> "Cluster":
+        """The cluster of a (validated) ``cluster`` config section, or of its plain container,
+        which is what it reads: a config node's every key costs microseconds, and a schedule of
+        thousands of changes would cost seconds in every process; raises :class:`ClusterError`."""
+        if OmegaConf.is_config(cluster):
+            cluster = OmegaConf.to_container(cluster, resolve=True)
+        P, S = int(cluster["pipelines"]), stages
+        nodes = list(cluster["nodes"])
         if nodes:
             devices, seen = [], set()
             for n, node in enumerate(nodes):
-                name = str(node.name)
+                name = str(node["name"])
                 if name in seen:
                     raise ClusterError(f"cluster.nodes[{n}].name", f"'{name}' names two nodes")
-                if not node.devices:
+                if not node["devices"]:
                     raise ClusterError(f"cluster.nodes[{n}].devices", f"node '{name}' has no devices")
                 seen.add(name)
-                for i, dev in enumerate(node.devices):
+                for i, dev in enumerate(node["devices"]):
                     key = f"cluster.nodes[{n}].devices[{i}]"
-                    if not dev.speed > 0:
-                        raise ClusterError(f"{key}.speed", "must be positive (1.0 = as measured)")
-                    if dev.memory is not None and not dev.memory > 0:
+                    _check_speed(dev["speed"], f"{key}.speed")
+                    if dev["memory"] is not None and not dev["memory"] > 0:
                         raise ClusterError(f"{key}.memory", "must be positive GiB (or null)")
-                    devices.append(Device(f"{name}:{i}", name, i, float(dev.speed),
-                                          None if dev.memory is None else float(dev.memory)))
+                    devices.append(Device(f"{name}:{i}", name, i, float(dev["speed"]),
+                                          None if dev["memory"] is None else float(dev["memory"])))
         else:
             devices = [Device(f"{LOCAL}:{i}", LOCAL, i) for i in range(P * S)]
         names = [d.name for d in devices]
-        if len(cluster.placement):
-            placement = [[str(x) for x in row] for row in cluster.placement]
+        if len(cluster["placement"]):
+            placement = [[str(x) for x in row] for row in cluster["placement"]]
             if len(placement) != P or any(len(row) != S for row in placement):
                 raise ClusterError("cluster.placement", f"must be {P} lists (one per pipeline) of "
                                    f"{S} device names (one per stage)")
@@ -178,29 +214,19 @@ class Cluster:
             twice = sorted({n for n in flat if flat.count(n) > 1})
             raise ClusterError("cluster.placement", f"device {twice[0]} holds two workers; "
                                "give each worker its own device")
-        changes = []
-        for k, ch in enumerate(cluster.changes):
-            key = f"cluster.changes[{k}]"
-            if str(ch.device) not in names:
-                raise ClusterError(f"{key}.device", f"no device '{ch.device}' (devices: "
-                                   f"{', '.join(names)})")
-            if not ch.speed > 0:
-                raise ClusterError(f"{key}.speed", "must be positive")
-            if ch.start < 0 or (ch.end is not None and ch.end <= ch.start):
-                raise ClusterError(f"{key}.end", "need 0 <= start < end (seconds of the run)")
-            changes.append(SpeedChange(str(ch.device), float(ch.speed), float(ch.start),
-                                       None if ch.end is None else float(ch.end)))
+        changes = [_change(ch, f"cluster.changes[{k}]", names)
+                   for k, ch in enumerate(cluster["changes"])]
         links = {}
         for kind in ("same_node", "cross_node"):
-            link = cluster.links[kind]
-            if link.latency_ms < 0:
+            link = cluster["links"][kind]
+            latency, bandwidth = link["latency_ms"], link["bandwidth_gbps"]
+            if latency < 0:
                 raise ClusterError(f"cluster.links.{kind}.latency_ms", "must be >= 0")
-            if link.bandwidth_gbps is not None and not link.bandwidth_gbps > 0:
+            if bandwidth is not None and not bandwidth > 0:
                 raise ClusterError(f"cluster.links.{kind}.bandwidth_gbps", "must be positive "
                                    "(or null: not emulated)")
-            links[kind] = Link(kind, link.latency_ms / 1000.0,
-                               None if link.bandwidth_gbps is None else link.bandwidth_gbps * 1e9 / 8)
-        hosts = {str(n.name): (None if n.get("host") is None else str(n.host)) for n in nodes}
+            links[kind] = Link(kind, latency / 1000.0, None if bandwidth is None else bandwidth * 1e9 / 8)
+        hosts = {str(n["name"]): (None if n.get("host") is None else str(n["host"])) for n in nodes}
         return cls(devices, placement, changes, links, hosts)
 
     # -- placement --------------------------------------------------------------------------
@@ -235,15 +261,14 @@ class Cluster:
     # -- speed ------------------------------------------------------------------------------
     def speed(self, device: Device, t: float = 0.0) -> float:
         """The device's speed at ``t`` seconds of the run: the last active change wins."""
-        speed = device.speed
-        for change in self.changes:
-            if change.device == device.name and change.active(t):
-                speed = change.speed
-        return speed
+        for change in reversed(self._changes_of.get(device.name, ())):
+            if change.active(t):
+                return change.speed
+        return device.speed
 
     def change_points(self, device: Device) -> list[float]:
         """Times at which the device's speed may change (for reports)."""
-        return sorted({x for c in self.changes if c.device == device.name
+        return sorted({x for c in self._changes_of.get(device.name, ())
                        for x in (c.start, c.end) if x is not None})
 
     @property

@@ -40,13 +40,14 @@ def cluster_of(cfg: Any) -> Cluster:
     :class:`~sdpipe_cli.core.cluster.ClusterError` naming the key of a section that cannot be
     one. Built once per process for a given section (the plan is asked for often, and a
     cluster of many nodes is not free to lay out)."""
-    section = OmegaConf.to_container(OmegaConf.create(cfg.cluster), resolve=True)
+    section = (OmegaConf.to_container(cfg.cluster, resolve=True) if OmegaConf.is_config(cfg.cluster)
+               else cfg.cluster)
     return _built(json.dumps(section, sort_keys=True, default=str), int(cfg.pipeline.stages))
 
 
 @lru_cache(maxsize=16)
 def _built(section: str, stages: int) -> Cluster:
-    return Cluster.from_config(OmegaConf.create(json.loads(section)), stages)
+    return Cluster.from_config(json.loads(section), stages)
 
 
 def _servers(stages: int, sync: str) -> int:

@@ -144,7 +144,8 @@ def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optiona
     precision = str(y.precision)
     if precision == "auto" and cfg.fault.on_pipeline_loss == "restart":
         precision = "fp32"  # a healed replica's anchor could miss a global sync (validation)
-    choice = choose(iteration_s, round_s, float(y.wire_share), int(y.every), precision)
+    choice = choose(iteration_s, round_s, float(y.wire_share), int(y.every), precision,
+                    most=int(cfg.train.steps))
     y.every, y.precision = choice.every, choice.precision
     return choice
 

@@ -27,6 +27,7 @@ from sdpipe_cli.core.meetings import meetings_of, precision_of
 from sdpipe_cli.core.modes import MODES, mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import protocol
+from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.schema import ConfigError
 
 __all__ = ["Recorded", "load"]
@@ -45,7 +46,9 @@ def load(path: str | Path, cfg: DictConfig) -> Recorded:
     if not config.is_file():
         raise ConfigError(KEY, f"{run} is not a sdpipe run folder (no config.yaml)")
     try:
-        saved = OmegaConf.load(config)
+        saved = yaml_bounds.load(config, KEY)
+    except ConfigError:
+        raise
     except Exception as err:  # noqa: BLE001 - any YAML or OmegaConf error
         raise ConfigError(KEY, f"{config} cannot be read: {str(err).splitlines()[0]}") from None
     _same(saved, cfg, run)

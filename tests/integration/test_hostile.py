@@ -220,12 +220,17 @@ def empty_folder(tmp: Path, run: Path) -> list[str]:
             "model=resnet_cifar", "train.steps=2"]
 
 
+def bomb_text() -> str:
+    """A YAML document of a few hundred bytes that expands to 10**10 values."""
+    lines = ["pipelines: 2", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    return "\n".join(lines) + "\nall: *a9\n"
+
+
 def alias_bomb(tmp: Path, run: Path) -> list[str]:
     """A cluster file of a few hundred bytes that YAML expands to 10**10 values."""
     (tmp / "mine" / "cluster").mkdir(parents=True)
-    lines = ["pipelines: 2", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
-    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
-    (tmp / "mine" / "cluster" / "bomb.yaml").write_text("\n".join(lines) + "\nall: *a9\n")
+    (tmp / "mine" / "cluster" / "bomb.yaml").write_text(bomb_text())
     return ["train", "--config-dir", str(tmp / "mine"), "cluster=bomb", f"run.dir={tmp / 'new'}",
             *TINY]
 
@@ -234,6 +239,41 @@ def named_pipe(tmp: Path, run: Path) -> list[str]:
     """A FIFO as a text corpus: its reader would wait for a writer forever."""
     os.mkfifo(tmp / "fifo")
     return ["train", f"run.dir={tmp / 'new'}", *TINY, "data=text", f"data.path={tmp / 'fifo'}"]
+
+
+def bombed_run(tmp: Path) -> Path:
+    """A run folder whose config.yaml is an alias bomb (its metrics a recorded group round)."""
+    run = tmp / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text(bomb_text())
+    (run / "metrics.jsonl").write_text('{"kind": "group", "stage": 0, "round": 1, "group": '
+                                       '"group", "members": [0], "iterations": [0], "stop": '
+                                       'false, "done": 1}\n')
+    return run
+
+
+def replayed_bomb(tmp: Path, run: Path) -> list[str]:
+    return ["train", f"run.dir={tmp / 'new'}", *TINY, f"sync.replay={bombed_run(tmp)}"]
+
+
+def reported_bomb(tmp: Path, run: Path) -> list[str]:
+    return ["report", str(bombed_run(tmp)), "--out", str(tmp / "figures")]
+
+
+def named_pipe_profile(tmp: Path, run: Path) -> list[str]:
+    """A FIFO as the profile: its reader would wait for a writer forever."""
+    os.mkfifo(tmp / "fifo")
+    return ["train", f"run.dir={tmp / 'new'}", *TINY, f"profile={tmp / 'fifo'}"]
+
+
+def many_changes(tmp: Path, run: Path) -> list[str]:
+    """A cluster file of plain speed changes, one more than a list may hold: no alias in it."""
+    (tmp / "mine" / "cluster").mkdir(parents=True)
+    entry = "  - {device: 'local:0', speed: 0.5, start: %d, end: %d.5}"
+    lines = ["pipelines: 2", "changes:", *(entry % (i, i) for i in range(10_001))]
+    (tmp / "mine" / "cluster" / "many.yaml").write_text("\n".join(lines) + "\n")
+    return ["train", "--config-dir", str(tmp / "mine"), "cluster=many", f"run.dir={tmp / 'new'}",
+            *TINY]
 
 
 # -- forged store values -------------------------------------------------------------------------
@@ -321,6 +361,35 @@ VALUE_ROWS = [
         "/afile is a file, not a folder: "),
     Row("eval --out below a file", under_a_file("eval", "sub/result.json"), 2,
         "/afile is a file, not a folder: "),
+    # round three: config validation and bounded reading
+    Row("meetings further apart than the run", train("sync.every=100"), 2,
+        "sync.every: is 100, more than train.steps=4"),
+    Row("meetings a billion steps apart", train("sync.every=1000000000"), 2,
+        "sync.every: is 1000000000, more than train.steps=4"),
+    Row("a setting of another sync mode", train("sync=allreduce", "sync.every=4"), 2,
+        "sync.every: is a setting of sync=sdpipe, not of sync=allreduce"),
+    Row("a speed change before the run", train("cluster.changes=[{device: 'local:0', speed: 0.5, "
+                                               "start: -5, end: 2}]"), 2,
+        "cluster.changes[0].start: is -5.0; must be >= 0"),
+    Row("a speed change of 1e-300", train("cluster.changes=[{device: 'local:0', speed: 1e-300}]"),
+        2, "cluster.changes[0].speed: is 1e-300; must be at least 0.01"),
+    Row("a device of speed 1e-300", train("cluster.nodes=[{name: a, devices: [{speed: 1e-300}, "
+                                          "{}, {}, {}]}]"), 2,
+        "cluster.nodes[0].devices[0].speed: is 1e-300; must be at least 0.01"),
+    Row("a pipeline slowed 1e300 times", train("cluster.slowdown=[1,1e300]"), 2,
+        "cluster.slowdown: factors must be in [1, 100]"),
+    Row("a straggler slowed 1e300 times", train("cluster.stragglers.probability=0.5",
+                                                "cluster.stragglers.factor=1e300"), 2,
+        "cluster.stragglers.factor: is 1e+300; must be >= 1.0 and at most 100"),
+    Row("alias bomb as the replayed run's config", replayed_bomb, 2,
+        "expands to more than 100,000 values through YAML aliases (*name); a config needs no "
+        "such thing (given by sync.replay)"),
+    Row("alias bomb as the reported run's config", reported_bomb, 2,
+        "expands to more than 100,000 values"),
+    Row("named pipe as the profile", named_pipe_profile, 2,
+        "is a named pipe (FIFO), not a profile.json"),
+    Row("ten thousand and one speed changes", many_changes, 2,
+        "many.yaml: changes: has more than 10,000 entries; a list in a config has at most 10,000"),
 ]
 # files: a copy of the shared finished run, damaged; refused before anything starts, but for one
 # shard that a launched worker refuses

@@ -49,7 +49,7 @@ def test_explicit_placement_is_used():
     (("cluster.pipelines=3",), "cluster.nodes", "4 devices for P x S = 6"),
     (("cluster.changes=[{device: z:0, speed: 0.5}]",), "cluster.changes[0].device", "no device"),
     (("cluster.changes=[{device: a:0, speed: 0.5, start: 5, end: 2}]",), "cluster.changes[0].end",
-     "start < end"),
+     "must be after start"),
     (("cluster.changes=[{device: a:0, speed: 0}]",), "cluster.changes[0].speed", "positive"),
     (("cluster.links.cross_node.bandwidth_gbps=0",), "cluster.links.cross_node.bandwidth_gbps",
      "positive"),
@@ -61,6 +61,19 @@ def test_explicit_placement_is_used():
     (("cluster.emulation=fast",), "cluster.emulation", "choose one of"),
     (("cluster.emulation=modelled",), "cluster.emulation", "compute_ms or profile"),
     (("pipeline.partition=auto",), "pipeline.partition", "profile=PATH"),
+    # a start before the run is the start's fault, not the end's
+    (("cluster.changes=[{device: a:0, speed: 0.5, start: -5}]",), "cluster.changes[0].start",
+     "is -5.0; must be >= 0"),
+    (("cluster.changes=[{device: a:0, speed: 0.5, start: -5, end: 2}]",),
+     "cluster.changes[0].start", "must be >= 0"),
+    # factors a worker's sleep multiplies: past them it overflows the clock, or never ends
+    (("cluster.changes=[{device: a:0, speed: 1e-300}]",), "cluster.changes[0].speed",
+     "must be at least 0.01"),
+    (("cluster.slowdown=[1,1e300]",), "cluster.slowdown", "factors must be in [1, 100]"),
+    (("cluster.stragglers.probability=0.5", "cluster.stragglers.factor=1e300"),
+     "cluster.stragglers.factor", "at most 100"),
+    (("cluster.emulation=modelled", "cluster.compute_ms=1e15"), "cluster.compute_ms",
+     "at most 60000 ms"),
 ])
 def test_bad_cluster_names_the_key(extra, key, words):
     cfg = compose([*TWO_NODES, *extra])
@@ -70,7 +83,7 @@ def test_bad_cluster_names_the_key(extra, key, words):
 
 
 def test_bad_device_fields_name_the_device():
-    for field, value in (("speed", 0), ("memory", -1)):
+    for field, value in (("speed", 0), ("speed", 1e-300), ("memory", -1)):
         cfg = compose(["cluster.pipelines=1", "pipeline.stages=1",
                        f"cluster.nodes=[{{name: a, devices: [{{{field}: {value}}}]}}]"])
         with pytest.raises(ConfigError) as err:

@@ -62,6 +62,13 @@ def test_the_choice_keeps_meetings_within_the_share_with_the_fewest_steps(iterat
     assert (c.precision == "fp32") == (fp32 <= share * iteration)
 
 
+def test_a_chosen_period_is_at_most_a_pipelines_share_of_the_budget():
+    # every 13 steps would fit the share; a run of 5 steps a pipeline meets after its 5th
+    slow = {"fp32": 0.25, "bf16": 0.125}
+    assert choose(0.1, slow, 0.1, most=5).every == 5
+    assert choose(0.1, slow, 0.1, most=50).every == 13
+
+
 def test_what_the_user_gave_is_kept():
     slow = {"fp32": 0.25, "bf16": 0.125}
     assert (choose(0.1, slow, 0.1, every=4).every, choose(0.1, slow, 0.1, every=4).precision) \

@@ -63,6 +63,31 @@ def test_a_file_too_large_is_refused(folder):
         yaml_bounds.check_folder(folder)
 
 
+def changes(n: int) -> str:
+    return "changes:\n" + "".join(f"  - {{device: 'a:0', speed: 0.5, start: {i}}}\n" for i in range(n))
+
+
+def test_a_list_past_its_bound_is_refused_naming_it_and_one_within_passes(folder):
+    (folder / "cluster" / "many.yaml").write_text(changes(yaml_bounds.MAX_ENTRIES))
+    yaml_bounds.check_folder(folder)
+    (folder / "cluster" / "many.yaml").write_text(changes(yaml_bounds.MAX_ENTRIES + 1))
+    with pytest.raises(ConfigError, match=r"many.yaml: changes: has more than 10,000 entries"):
+        yaml_bounds.check_folder(folder)
+    devices = "".join(f"{{speed: {i}}}, " for i in range(yaml_bounds.MAX_ENTRIES + 1))
+    (folder / "cluster" / "many.yaml").write_text(f"nodes:\n  - {{name: a}}\n  - {{name: b, "
+                                                  f"devices: [{devices}]}}\n")
+    with pytest.raises(ConfigError, match=r"nodes\[1\]\.devices: has more than 10,000 entries"):
+        yaml_bounds.check_folder(folder)
+
+
+def test_a_plain_file_of_too_many_values_is_not_called_an_alias_bomb(folder):
+    keys = "".join(f"k{i}: {i}\n" for i in range(yaml_bounds.MAX_VALUES // 2 + 1))
+    (folder / "cluster" / "wide.yaml").write_text(keys)
+    with pytest.raises(ConfigError, match="holds more than 100,000 values") as err:
+        yaml_bounds.check_folder(folder)
+    assert "alias" not in err.value.reason
+
+
 _trees = st.recursive(st.one_of(st.integers(), st.text(max_size=5), st.booleans(), st.none()),
                       lambda inner: st.one_of(st.lists(inner, max_size=4),
                                               st.dictionaries(st.text(max_size=4), inner, max_size=4)),
