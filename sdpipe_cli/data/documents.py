@@ -33,6 +33,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from sdpipe_cli.config.local_files import special_kind
 from sdpipe_cli.data.corpus import STDLIB_SKIP_DIRS, sorted_files
 from sdpipe_cli.runtime.errors import DataError
 
@@ -45,15 +46,7 @@ JSON_SUFFIXES = (".jsonl", ".json")
 
 _CUT = re.compile(r"[ \t\n\r\f\v](?=\S)")  # where a long document may be cut: before " word"
 LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")  # surrogates that stand for no byte
-_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
-            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
 Piece = tuple[str, bool]  # some text of a document, and whether the document ends with it
-
-
-def _special_kind(mode: int) -> str | None:
-    """What a file that is neither a regular file nor a folder is, as words; None for those two."""
-    return next((what for test, what in _SPECIAL if test(mode)), None)
 
 
 def resolve_sources(sources: list[str]) -> list[tuple[str, list[Path] | None]]:
@@ -77,7 +70,7 @@ def resolve_sources(sources: list[str]) -> list[tuple[str, list[Path] | None]]:
             out.append((source, [path]))
         else:
             try:
-                what = _special_kind(path.stat().st_mode)
+                what = special_kind(path.stat().st_mode)
             except OSError:
                 what = None
             if what:
@@ -99,7 +92,7 @@ def open_source(path: Path, where: str | None = None) -> io.BufferedReader:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            what = _special_kind(mode) or ("a folder" if stat.S_ISDIR(mode) else "not a regular file")
+            what = special_kind(mode) or ("a folder" if stat.S_ISDIR(mode) else "not a regular file")
             raise DataError(where, f"{path} is {what}, not a regular file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")

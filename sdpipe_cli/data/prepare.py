@@ -31,6 +31,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from sdpipe_cli.config.local_files import remove_empty_folders
 from sdpipe_cli.data.documents import LONE_SURROGATE, Piece, documents, resolve_sources, utf8
 from sdpipe_cli.data.shard_writer import ShardWriter, split_off_val
 from sdpipe_cli.data.tokenizer import TextTokenizer, as_text, encode, parse_tokenizer, train_tokenizer
@@ -64,15 +65,6 @@ _STAGING: dict[Path, tuple[Path, list[Path]]] = {}  # of the prepares in progres
 # -> (the final folder, the folders above it that were made for it)
 
 
-def _remove_folders(folders: list[Path]) -> None:
-    """Remove the folders made for ``--out`` (the deepest first) that are still empty."""
-    for folder in reversed(folders):
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-
-
 def _staging_folder(out: str) -> tuple[Path, Path, list[Path]]:
     """The final folder, refused when it holds anything, a fresh temporary folder beside it, and
     the folders made above them (removed again on failure). Every problem is one DataError on
@@ -100,7 +92,7 @@ def _staging_folder(out: str) -> tuple[Path, Path, list[Path]]:
         tmp.mkdir()  # not mkdtemp: the corpus gets the usual permissions, not 0700
         _STAGING[tmp] = (final, made)  # at once: abandon() must see it from the next bytecode on
     except OSError as e:
-        _remove_folders(made)
+        remove_empty_folders(made)
         raise DataError("--out", f"cannot make a folder in {Path(e.filename or final).parent}: "
                         f"{os_reason(e)}") from e
     return final, tmp, made
@@ -114,7 +106,7 @@ def abandon() -> bool:
     for tmp, (_final, made) in list(_STAGING.items()):
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-            _remove_folders(made)
+            remove_empty_folders(made)
         else:
             complete = True
         _STAGING.pop(tmp, None)
@@ -157,7 +149,7 @@ def prepare_text(sources: list[str], out: str, tokenizer: str = "bytes", *, text
                             "something appear there meanwhile?); nothing was written") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        _remove_folders(made)
+        remove_empty_folders(made)
         raise
     finally:
         _STAGING.pop(tmp, None)

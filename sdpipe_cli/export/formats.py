@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from sdpipe_cli.config import trust
+from sdpipe_cli.config.local_files import remove_empty_folders
 from sdpipe_cli.config.saved import typed
 from sdpipe_cli.data.sources import CORPORA
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
@@ -106,7 +107,7 @@ def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
     try:
         staging, lock = _partial_folder(out)
     except BaseException:
-        _remove_empty(made)
+        remove_empty_folders(made)
         raise
     previous = _removed_on_interrupt(staging, made)
     try:
@@ -133,7 +134,7 @@ def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
         os.rename(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty(made)
+        remove_empty_folders(made)
         raise
     finally:
         os.close(lock)
@@ -150,19 +151,10 @@ def _make_parents(out: Path) -> list[Path]:
         try:
             folder.mkdir(exist_ok=True)
         except OSError as err:
-            _remove_empty(missing[:i])
+            remove_empty_folders(missing[:i])
             raise ConfigError("--out", f"cannot make {folder}: {os_reason(err)}; nothing was "
                               "written") from None
     return missing
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    """Remove ``folders`` (made top down) from the deepest up, as long as each is empty."""
-    for folder in reversed(folders):
-        try:
-            folder.rmdir()
-        except OSError:
-            return
 
 
 def _partial_folder(out: Path) -> tuple[Path, int]:
@@ -241,7 +233,7 @@ def _removed_on_interrupt(staging: Path, made: list[Path]) -> dict:
     it would end it at once, leaving the folder behind. Returns the handlers it replaced."""
     def interrupted(signum, frame) -> None:
         shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty(made)
+        remove_empty_folders(made)
         os.write(2, f"sdpipe: error: export interrupted ({signal.Signals(signum).name}); "
                  f"nothing was written\n".encode())
         os._exit(130)
