@@ -64,8 +64,9 @@ class SaveFailed(WriteFailed):
     was (:class:`~sdpipe_cli.runtime.errors.WriteFailed`, for a file in a checkpoint's folder)."""
 
     def __init__(self, path: Path, err: "BaseException | str"):
-        folder = path if path.name.startswith((STAGING_PREFIX, "step_")) else path.parent
-        super().__init__(path, err, folder.parent.parent)  # <run>/checkpoints/<folder>
+        folder = path if path.name.startswith((STAGING_PREFIX, "step_", FINAL)) else path.parent
+        # <run>/checkpoints/<folder>, or the run's final weights, <run>/final
+        super().__init__(path, err, folder.parent if folder.name == FINAL else folder.parent.parent)
 
 
 def discard_staging(run_dir: os.PathLike | str) -> list[Path]:

@@ -201,8 +201,9 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
     (and the ``spent`` seconds of ``train.time_limit``) in the store; with real nodes the
     config is published for the other nodes' launchers.
     Returns (the store's events, the run folder, the config's path, the launch time)."""
-    # sealed first: a key that cannot be had stops the launch before anything is written
-    code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
+    # a key that cannot be had stops the launch before anything is written; the seal itself is
+    # of the config as saved, with its run id and folder (code's arguments may name them)
+    trust.seal(OmegaConf.to_container(cfg, resolve=True))
     new_run = resume is None or fresh
     if new_run:  # a new run (from scratch, or resumed into a new folder), or one started again
         if run_dir is None:  # a new run; one resumed fresh got its id with its folder (resuming)
@@ -214,7 +215,7 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
         run_dir = Path(cfg.run.dir)
         config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
     result.run_dir = run_dir
-    cfg.run.code_seal = code_seal
+    cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
     save_run_config(cfg, config_path)
     if resume is None:  # the user's own folders; a resumed config's come from its file
         _copy_config_dirs(cfg, run_dir)

@@ -39,8 +39,9 @@ from sdpipe_cli import __version__
 
 from sdpipe_cli.cli import commands, display, resuming, sweeping
 from sdpipe_cli.cli.interrupts import exit_on_interrupt
-from sdpipe_cli.cli.run_loop import InterruptedAfterRun
+from sdpipe_cli.cli.run_loop import EXIT_FAILED, InterruptedAfterRun
 from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.runtime.errors import WriteFailed, failed_write
 from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.composition import group_options
 from sdpipe_cli.config.schema import ConfigError
@@ -359,6 +360,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BadInput as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
+    except (WriteFailed, OSError) as failed:  # the machine refused (a full disk, a lost mount)
+        err.print(f"sdpipe: error: {failed_write(failed)}", markup=False, highlight=False,
+                  soft_wrap=True)
+        return EXIT_FAILED
     except InterruptedAfterRun as ended:
         result = ended.result
         outcome = "ended" if result.returncode == 0 else f"failed (exit {result.returncode})"

@@ -83,6 +83,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
         shown.folder(folder)
 
     first, limit = True, run_cfg.train.time_limit
+    furthest = done  # iterations: the most any leg reached
     while True:
         shown = display.ProgressDisplay(console, RunPlan.of(run_cfg).budget, done)
         with shown:  # the launcher handles interrupts from here on
@@ -120,7 +121,10 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
             break
         left = None if limit is None else round(limit - (time.monotonic() - began), 4)
         carry_slowdowns(run_cfg, result.progress)
-        leg = _next_leg(console, result, restarts, origin, run_cfg, started_from, done, left)
+        reached = _reached(result.progress)
+        # a crash loop fails where the last failure did; a run that got further made progress
+        progressed, furthest = reached > furthest, max(furthest, reached)
+        leg = _next_leg(console, result, restarts, origin, run_cfg, started_from, progressed, left)
         if leg is None:
             break
         run_dir, (from_checkpoint, done) = result.run_dir, leg
@@ -196,8 +200,13 @@ def carry_slowdowns(run_cfg, progress: Optional[dict]) -> None:
         run_cfg.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
 
 
+def _reached(progress: Optional[dict]) -> int:
+    """The iterations of all pipelines a failed leg reached (its scheduler's last snapshot)."""
+    return sum(int(s["steps"]) for s in (progress or {}).get("pipelines", {}).values())
+
+
 def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, started_from,
-              started_at: int, time_left: Optional[float]):
+              progressed: bool, time_left: Optional[float]):
     """What follows the ``failed`` launch of a run with ``fault.on_failure=restart``: (the
     checkpoint to resume from, or None to start again from scratch, and the iterations it holds),
     once the back-off has passed; None when the run ends instead, with ``failed`` saying why (the
@@ -215,10 +224,7 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
     from sdpipe_cli import checkpoint
     from sdpipe_cli.runtime.metrics import MetricsLog
 
-    reached = {str(p): s["steps"] for p, s in failed.progress.get("pipelines", {}).items()}
-    # trained past where it started (``started_at`` iterations): a fault, not a crash loop
-    wait = restarts.take("run", time.monotonic(),
-                         progressed=sum(int(k) for k in reached.values()) > started_at)
+    wait = restarts.take("run", time.monotonic(), progressed=progressed)
     if wait is None:
         failed.failure += f" (restarts used up: fault.max_restarts={restarts.limit})"
         return None
@@ -231,6 +237,7 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
         ckpt = candidate
         break
     steps = manifest["steps"]
+    reached = {str(p): s["steps"] for p, s in failed.progress.get("pipelines", {}).items()}
     redone = {p: max(0, k - int(steps.get(p, 0))) for p, k in sorted(reached.items())}
     where = (f"{ckpt.relative_to(failed.run_dir)}" if ckpt is not None
              else "the start (no checkpoint yet)")

@@ -236,8 +236,8 @@ class Restarts:
     way), and is back to ``backoff_s`` once it ran longer: a fault that comes back at once, such
     as a device that keeps failing, costs little time before the budget runs out, while
     unrelated faults hours apart are each retried soon. A caller that knows the failed attempt
-    made progress since its restart (the run trained past the checkpoint it restarted from) says
-    so, and the back-off starts over too: a crash loop makes no progress, while unrelated faults
+    made progress since its restart (the run got further than the failure before it) says so,
+    and the back-off starts over too: a crash loop fails where it failed before, while unrelated faults
     that come often (a worker lost every 20 s on a large cluster) would otherwise double the wait
     at each one, to minutes, for a run that trains well between them.
     """

@@ -47,6 +47,7 @@ class Feed:
                              prefetch=int(cfg.data.prefetch), pin_memory=pin_memory,
                              labels_only=self.labels_only)
         self.fingerprint = sources.fingerprint(cfg)
+        self.sizes_only = sources.fingerprint(cfg, content=False)
         self.base, self.base_step = 0, 0
         self.waited_s = 0.0  # the last batch's wait for the loader
         self.seen_bad: dict[str, str] = {}  # unreadable samples: name -> error
@@ -91,7 +92,10 @@ class Feed:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where a checkpoint's stream stopped (a warning if the data changed since)."""
-        if state.get("fingerprint") != self.fingerprint:
+        if state.get("fingerprint") == self.sizes_only:  # an older sdpipe's: sizes agree
+            log.info("the checkpoint's data fingerprint holds no digest of the content: the data "
+                     "is checked by its sizes only")
+        elif state.get("fingerprint") != self.fingerprint:
             log.warning("the data differs from the checkpoint's (fingerprint %s, now %s): the "
                         "resumed run reads a different stream", state.get("fingerprint"), self.fingerprint)
         self.base, self.base_step = int(state["position"]), int(state["step"])

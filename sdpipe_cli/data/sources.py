@@ -35,7 +35,7 @@ DECODED = ("imagefolder", "cifar10", "custom")  # work per sample worth a backgr
 DEFAULT_WORKERS = 2
 CONTENT = ("sha256", "sample")  # the entries of what was read that stand for its content
 SAMPLE_BLOCK, SAMPLE_BLOCKS = 64 * 1024, 16  # a file's content sampled: at most 1 MiB of it
-IMAGES_SAMPLED = 64  # of an image folder, the files whose content is sampled
+FILES_SAMPLED = 64  # of a data set's files, those whose content is sampled
 EVAL_BATCHES_ANY = 4  # validation batches any evaluation may take, even of a smaller split
 
 
@@ -151,11 +151,10 @@ def _imagefolder(cfg: Any) -> Splits:
     val = images.ImageFolder(val_files, classes, ImageTransform("resize_center", size, 0, mean, std))
     listing = hashlib.sha256(json.dumps([train_files, val_files]).encode()).hexdigest()[:16]
     every = [Path(f) for f, _ in (*train_files, *val_files)]
-    some = every[::-(-len(every) // IMAGES_SAMPLED)]
     return Splits(train, val, classes=len(classes),
                   read={"path": str(Path(root).resolve()), "classes": len(classes),
                         "images": {"train": len(train_files), "val": len(val_files)}, "listing": listing,
-                        "sample": sampled_digest(some, Path(root))})
+                        "sample": sampled_digest(every, Path(root))})
 
 
 def _custom(cfg: Any) -> Splits:
@@ -184,13 +183,15 @@ def open_splits(cfg: Any, verify: bool = False) -> Splits:
 
 
 def sampled_digest(files: list[Path], root: Path) -> str:
-    """A short digest of ``files``: each one's name under ``root``, size, and content, whole up
-    to :data:`SAMPLE_BLOCKS` x :data:`SAMPLE_BLOCK` bytes, else that many blocks spread evenly
-    (the first and the last among them). Data replaced, or edited in place, is noticed at a cost
-    that does not grow with its size; an edit between the blocks is not (``data.verify``
-    checks token shards whole)."""
+    """A short digest of :data:`FILES_SAMPLED` of ``files`` spread evenly (all of them when
+    fewer): each one's name under ``root``, size, and content, whole up to :data:`SAMPLE_BLOCKS` x
+    :data:`SAMPLE_BLOCK` bytes, else that many blocks spread evenly (the first and the last among
+    them). Data replaced, or edited in place, is noticed at a cost that does not grow with its
+    size (at most 64 MiB read and 64 files opened, in every process that opens the data); an
+    edit between the blocks, or of a file not sampled, is not (the listing of every name is
+    recorded beside it; ``data.verify`` checks token shards whole)."""
     digest = hashlib.sha256()
-    for path in files:
+    for path in files[::-(-len(files) // FILES_SAMPLED)] if files else []:
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -279,10 +280,12 @@ def _resolved(cfg: Any) -> dict[str, Any]:
     return cfg.data.get("resolved") or resolve(cfg)
 
 
-def fingerprint(cfg: Any) -> str:
-    """A short digest of what the run reads: a checkpoint keeps it, a resume compares it."""
-    return hashlib.sha256(json.dumps(_resolved(cfg)["read"], sort_keys=True, default=str)
-                          .encode()).hexdigest()[:16]
+def fingerprint(cfg: Any, content: bool = True) -> str:
+    """A short digest of what the run reads: a checkpoint keeps it, a resume compares it.
+    ``content=False``: without the digests of the content, as an older sdpipe recorded it (a
+    checkpoint of one is compared by sizes alone, and says nothing false)."""
+    read = {k: v for k, v in _resolved(cfg)["read"].items() if content or k not in CONTENT}
+    return hashlib.sha256(json.dumps(read, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def example(cfg: Any, batch_size: int, device: str = "cpu") -> tuple[Any, Any]:

@@ -171,7 +171,12 @@ def _partial_folder(out: Path) -> tuple[Path, int]:
                           "written") from None
     lock = os.open(fresh, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise
+        except OSError:  # a file system that takes no locks (NFS on a folder, Lustre): unlocked
+            pass
         staging = out.with_name(f".{out.name}{PARTIAL}{fresh.name[len(prefix):]}")
         os.rename(fresh, staging)
     except BaseException:
@@ -201,6 +206,11 @@ def clear_partials(out: Path, log: Callable[[str], Any]) -> None:
             except BlockingIOError:
                 raise ConfigError("--out", f"another export to {out} is being written "
                                   f"({folder}): wait for it to end, or name another folder") from None
+            except OSError:  # no locks on this file system: whether its writer lives is unknown
+                log(f"sdpipe: warning: {folder}, a partial export to {out}, is left as it is: this "
+                    "file system takes no locks, so whether an export still writes it is unknown; "
+                    "remove it by hand once none runs")
+                continue
             size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
             shutil.rmtree(folder, ignore_errors=True)
             log(f"sdpipe: warning: {folder} ({size / 1e6:.1f} MB), a partial export to {out} left "

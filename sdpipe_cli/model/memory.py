@@ -126,8 +126,10 @@ def evaluation(cfg: DictConfig, batch: Any, micro: Any) -> Optional[EvaluationMe
         log.debug("no memory estimate: the forward does not run on meta tensors (%s)", err)
         return None
     weights = sum(_nbytes(x) for block in blocks for x in (*block.parameters(), *block.buffers()))
+    # under no_grad a block's tensors are freed once the next block has its output: the peak is
+    # one block's, what training would save of it (its temporaries, from above) and its input
     return EvaluationMemory(weights=weights, batch=2 * _tree_bytes(batch),
-                            activations=sum(saved) + max(inputs, default=0))
+                            activations=max((s + i for s, i in zip(saved, inputs)), default=0))
 
 
 def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int]],

@@ -70,10 +70,17 @@ def os_reason(err: OSError) -> str:
     return f"{err.strerror or err} ({name})" if name else str(err.strerror or err)
 
 
-def disk_full(err: BaseException) -> bool:
-    """Whether ``err`` comes of a full disk (or quota)."""
-    cause = os_error(err)
-    return cause is not None and cause.errno in DISK_FULL
+def failed_write(err: BaseException) -> str:
+    """What the machine refused, reaching the command's top (a :class:`WriteFailed`, or an
+    OSError of a file sdpipe touches outside a run's own files: a resumed run's config, a final
+    seal), in one line: the file, and the disk being full where it is."""
+    if isinstance(err, WriteFailed):
+        return str(err)
+    cause = os_error(err) or err
+    where = getattr(cause, "filename", None)
+    full = "the disk is full: " if getattr(cause, "errno", None) in DISK_FULL else ""
+    reason = os_reason(cause) if isinstance(cause, OSError) else str(cause)
+    return f"{str(where) + ': ' if where else ''}{full}{reason}"
 
 
 def go_on_from(run_dir: Path) -> str:

@@ -34,6 +34,25 @@ def test_a_byte_corpus_is_described_without_the_stages_reading_it():
     assert sources.workers(c) == 0 and sources.fingerprint(c) == sources.fingerprint(c)
 
 
+def test_a_checkpoint_of_an_older_record_matches_by_sizes_and_a_content_change_does_not():
+    """A record made before content digests were kept has the fingerprint of the sizes alone
+    (its resume is told apart from changed data); a change of the content changes the full one."""
+    import hashlib
+    import json
+
+    c = cfg("data=synthetic", "model=mlp", "data.max_bytes=20000")
+    c.data.resolved = sources.resolve(c)
+    older = {"bytes": 20000}  # what an older sdpipe recorded of the same data
+    assert sources.fingerprint(c, content=False) == hashlib.sha256(
+        json.dumps(older, sort_keys=True).encode()).hexdigest()[:16]
+    assert sources.fingerprint(c) != sources.fingerprint(c, content=False)
+    full = sources.fingerprint(c)
+    c.data.resolved.read.sha256 = "0" * 16  # other bytes of the same size
+    assert sources.fingerprint(c) != full
+    assert sources.fingerprint(c, content=False) == hashlib.sha256(
+        json.dumps(older, sort_keys=True).encode()).hexdigest()[:16]
+
+
 USER = '''
     import torch
     from torch.utils.data import Dataset
