@@ -36,6 +36,7 @@ SCHEMA: dict[str, dict[str, str]] = {
     "consensus": {"stage": "int", "iteration": "int", "round": "int", "members": "list",
                   "consensus": "number?", "time": "number"},
     "checkpoint": {"step": "int", "time": "number", "steps": "dict", "path": "str"},
+    "checkpoint_dropped": {"step": "int", "time": "number", "reason": "str"},
     "resume": {"time": "number", "checkpoint": "str", "steps": "dict", "at": "number"},
     "lost": {"pipeline": "int", "time": "number", "reason": "str", "restart": "bool"},
     "restart": {"pipeline": "int", "incarnation": "int", "restart": "int", "backoff_s": "number",

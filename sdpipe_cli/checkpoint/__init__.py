@@ -20,14 +20,14 @@ from sdpipe_cli.checkpoint.layout import (
     MANIFEST, STAGING_PREFIX, DELETING_PREFIX, STEP_DIR, FINAL, checkpoints_dir, staging_dir,
     final_dir, run_dir_of, home_of, of_run, shard_name, free_name, final_name, sha256)
 from sdpipe_cli.checkpoint.reading import (
-    damaged, complete_checkpoints, latest, resolve, read_manifest, load_shard, check_tensors,
-    check_optimizer, verify, verify_run)
+    damaged, complete_checkpoints, latest, go_on_from, resolve, read_manifest, load_shard,
+    check_tensors, check_optimizer, verify, verify_run)
 from sdpipe_cli.checkpoint.writing import (
     save_shard, SaveFailed, discard_staging, stand_in, finalize, seal, seal_final)
 
 __all__ = [
     "MANIFEST", "STAGING_PREFIX", "DELETING_PREFIX", "STEP_DIR", "FINAL", "checkpoints_dir",
     "staging_dir", "final_dir", "run_dir_of", "home_of", "of_run", "shard_name", "free_name",
-    "final_name", "sha256", "damaged", "complete_checkpoints", "latest", "resolve",
+    "final_name", "sha256", "damaged", "complete_checkpoints", "latest", "go_on_from", "resolve",
     "read_manifest", "load_shard", "check_tensors", "check_optimizer", "verify", "verify_run",
     "save_shard", "SaveFailed", "discard_staging", "stand_in", "finalize", "seal", "seal_final"]

@@ -60,6 +60,19 @@ def latest(run_dir: os.PathLike | str) -> Path | None:
     return complete[-1] if complete else None
 
 
+def go_on_from(run_dir: os.PathLike | str) -> str:
+    """Where a run that stopped for want of disk (or a file it could not write) goes on from:
+    its latest complete checkpoint and the command that resumes it (read from the disk, which
+    reading still reaches when full)."""
+    try:
+        newest = latest(run_dir) if Path(run_dir).is_dir() else None
+    except OSError:
+        newest = None
+    if newest is None:
+        return "no checkpoint is complete yet: start the run again"
+    return f"the latest complete checkpoint is {newest}: sdpipe resume {run_dir}"
+
+
 def resolve(path: os.PathLike | str) -> Path:
     """A checkpoint folder from what a user names: a checkpoint itself, or a run (its latest)."""
     path = Path(path)

@@ -360,7 +360,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BadInput as bad:
         err.print(f"sdpipe: error: {bad}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
-    except (WriteFailed, OSError) as failed:  # the machine refused (a full disk, a lost mount)
+    except WriteFailed as failed:  # a file of a run (a restart's metrics line on a full disk)
+        from sdpipe_cli import checkpoint  # torch: never before a launch has loaded it
+
+        err.print(f"sdpipe: error: {failed}; {checkpoint.go_on_from(failed.run_dir)}", markup=False,
+                  highlight=False, soft_wrap=True)
+        return EXIT_FAILED
+    except OSError as failed:  # the machine refused (a full disk, a lost mount)
         err.print(f"sdpipe: error: {failed_write(failed)}", markup=False, highlight=False,
                   soft_wrap=True)
         return EXIT_FAILED

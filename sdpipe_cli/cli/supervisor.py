@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 from sdpipe_cli.core import supervision
 from sdpipe_cli.runtime import processes, protocol, store
-from sdpipe_cli.runtime.errors import go_on_from, read_error
+from sdpipe_cli.runtime.errors import read_error
 
 GRACE_S = 10.0  # SIGTERM -> SIGKILL
 RUNNING = "running"  # the launch phase after start-up
@@ -341,20 +341,26 @@ def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:
 def describe_failure(child: Child, run_dir: Path, since: float = 0.0) -> str:
     """One line for the user: who (role), how it ended, its error message (else its log's last
     lines), and where its log is."""
+    from sdpipe_cli.checkpoint.reading import go_on_from  # torch: loaded once a run has failed
+
     err = _error_since(run_dir, child.name, max(since, child.since))
     detail = err["message"] if err else _tail(child.log_path, 5, child.log_start)
+    if err and err["message"].startswith(WRITES_FAILED):  # the checkpoint a failed write spared
+        detail = f"{detail}; {go_on_from(run_dir)}"
     full = _disk_full(run_dir)
     if full and not err:  # it could write neither its error file nor its log: say why
         detail = f"{full} ({detail})"
     return f"{child.role} {supervision.ending(child.proc.returncode)}: {detail} (log: {child.log_path})"
 
 
+WRITES_FAILED = ("WriteFailed:", "SaveFailed:")  # errors of a file the run could not write
 FULL_BYTES = 1 << 20  # a disk with less free than this cannot take a log line or a metrics record
 
 
 def _disk_full(run_dir: Path) -> str:
     """What to say when the run folder's file system is full ('' when it is not): a child that
     fails there usually fails writing, and can record nothing."""
+    from sdpipe_cli.checkpoint.reading import go_on_from
     try:
         usage = shutil.disk_usage(run_dir)
     except OSError:

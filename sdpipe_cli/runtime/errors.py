@@ -71,11 +71,9 @@ def os_reason(err: OSError) -> str:
 
 
 def failed_write(err: BaseException) -> str:
-    """What the machine refused, reaching the command's top (a :class:`WriteFailed`, or an
-    OSError of a file sdpipe touches outside a run's own files: a resumed run's config, a final
-    seal), in one line: the file, and the disk being full where it is."""
-    if isinstance(err, WriteFailed):
-        return str(err)
+    """What the machine refused, reaching the command's top (an OSError of a file sdpipe touches
+    outside a run's own files: a resumed run's config, a final seal), in one line: the file, and
+    the disk being full where it is."""
     cause = os_error(err) or err
     where = getattr(cause, "filename", None)
     full = "the disk is full: " if getattr(cause, "errno", None) in DISK_FULL else ""
@@ -83,24 +81,12 @@ def failed_write(err: BaseException) -> str:
     return f"{str(where) + ': ' if where else ''}{full}{reason}"
 
 
-def go_on_from(run_dir: Path) -> str:
-    """Where a run that stopped for want of disk goes on from: its latest complete checkpoint and
-    the command that resumes it (read from the disk, which reading still reaches when full)."""
-    from sdpipe_cli.checkpoint.reading import latest  # torch: loaded in every process that writes
-
-    try:
-        newest = latest(run_dir) if Path(run_dir).is_dir() else None
-    except OSError:
-        newest = None
-    if newest is None:
-        return "no checkpoint is complete yet: start the run again"
-    return f"the latest complete checkpoint is {newest}: sdpipe resume {run_dir}"
-
-
 class WriteFailed(RuntimeError):
-    """A file of the run that could not be written (a full disk, a lost mount): names the file,
-    why (``the disk is full`` where it is) and the latest complete checkpoint to go on from,
-    which a failed write never touches. Not bad input: the run may be resumed."""
+    """A file of the run ``run_dir`` that could not be written (a full disk, a lost mount): names
+    the file and why (``the disk is full`` where it is). Not bad input: the run may be resumed,
+    from its latest complete checkpoint, which a failed write never touches; whoever reports the
+    failure to the user says which (``checkpoint.go_on_from``: the checkpoints are a layer
+    above this one)."""
 
     def __init__(self, path: os.PathLike | str, err: "BaseException | str", run_dir: Path):
         cause = None if isinstance(err, str) else os_error(err)
@@ -110,8 +96,8 @@ class WriteFailed(RuntimeError):
             why = (err if isinstance(err, str) else
                    getattr(cause, "strerror", None) or str(err).splitlines()[0])
             what = f" ({why})"
-        self.path = str(path)
-        self.reason = f"cannot be written{what}; {go_on_from(run_dir)}"
+        self.path, self.run_dir = str(path), Path(run_dir)
+        self.reason = f"cannot be written{what}"
         super().__init__(f"{self.path}: {self.reason}")
 
 

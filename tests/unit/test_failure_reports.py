@@ -107,12 +107,13 @@ def test_every_file_a_run_writes_on_a_full_disk_names_itself_the_full_disk_and_t
         with pytest.raises(checkpoint.SaveFailed) as failed:
             checkpoint.save_shard(shard.parent, "0", {"model": torch.zeros(50_000)})
         assert str(failed.value) == (f"{shard}: cannot be written: the disk is full (No space "
-                                     f"left on device); free space; {resume}")
+                                     f"left on device); free space")
+        assert checkpoint.go_on_from(failed.value.run_dir) == resume  # what its reporter adds
         with pytest.raises(WriteFailed) as failed:
             metrics.write({"kind": "train", "step": 11, "loss": 1.0})
         metrics.close(failed=True)
         assert str(failed.value).startswith(f"{run / 'metrics.jsonl'}: cannot be written: the "
-                                            "disk is full") and resume in str(failed.value)
+                                            "disk is full") and failed.value.run_dir == run
         with pytest.raises(WriteFailed, match="summary.json: cannot be written: the disk is full"):
             write_summary(run, {"iterations": 11, "failure": "x" * 10_000})
         assert not list(run.glob("*summary*"))
