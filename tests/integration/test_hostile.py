@@ -652,14 +652,6 @@ def test_a_forged_event_is_refused_by_the_scheduler_naming_the_store_key(tmp_pat
     assert message in str(refused.value)
 
 
-def test_the_table_holds_at_least_thirty_rows_of_each_kind_of_hostility():
-    """Thirty rows at least; four forged store values at least, one or more read by a launched
-    run's own processes; a signal."""
-    launched = [r for r in ROWS if r.inject]
-    kinds = {"store": launched + FORGED_EVENTS, "signal": [r for r in ROWS if r.signal_at]}
-    assert len(ROWS) >= 30 and len(kinds["store"]) >= 4 and launched and kinds["signal"]
-
-
 @pytest.mark.multiprocess
 def test_a_checkpoint_copied_out_of_its_run_resumes_in_a_new_folder_beside_it(tmp_path, run_copy):
     """``cp -a RUN/checkpoints/step_20 home/backups/my_ckpt``: the resume must not take ``home/``

@@ -94,7 +94,8 @@ def test_adpsgd_trains(run_dir):
     train = metrics(run_dir, "train")
     first = min(m["loss"] for m in train if m["step"] == 1)
     assert max(m["loss"] for m in train if m["step"] == 20) < first - 0.5
-    assert {m["group_size"] for m in metrics(run_dir, "sync")} <= {1, 2}
+    sizes = {m["group_size"] for m in metrics(run_dir, "sync")}
+    assert sizes and sizes <= {1, 2}, sizes  # pairs or alone, and some sync lines at all
 
 
 def test_parameter_server_trains_and_owns_the_run_length(run_dir):

@@ -42,8 +42,8 @@ What is checked, and where a property had to be stated differently from the firs
    with periodic globals, bug A makes the stop flag differ between stages).
 10. Validation: a ready for the wrong iteration, or from a departed pipeline, raises ValueError.
 
-Tests named ``test_bug_*`` encode the intended behaviour and fail on the current code (the bugs
-are described in each test).
+Tests named ``test_bug_*`` encode the intended behaviour where the policy once went wrong (each
+test describes its bug): regression tests, each of which failed before its fix.
 """
 
 from __future__ import annotations
