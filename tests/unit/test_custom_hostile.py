@@ -221,6 +221,7 @@ def test_dtypes_that_work_pass_the_pre_check(code, tmp_path, model, extra):
     prepare(cfg)  # models.check among the rest; raises if refused
 
 
+@pytest.mark.multiprocess  # trains: the fast tier (-m 'not multiprocess') leaves it out
 def test_float64_across_a_stage_trains(code, tmp_path):
     run = tmp_path / "run"
     out = sdpipe("train", f"run.dir={run}", *MODEL, "pipeline.stages=2", "pipeline.partition=[2]",
