@@ -51,7 +51,7 @@ from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.export.weights import Merged, Source, by_block
 from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
-from sdpipe_cli.runtime.errors import DISK_FULL, CheckpointError, os_error, os_reason
+from sdpipe_cli.runtime.errors import CheckpointError, os_error, os_reason, refused
 
 __all__ = ["FORMATS", "Export", "default_format", "load", "write"]
 
@@ -232,8 +232,7 @@ def _writing(out: Path, name: str) -> Iterator[None]:
         failed = os_error(err)
         if failed is None or not failed.errno:
             raise
-        full = "the disk is full: " if failed.errno in DISK_FULL else ""
-        raise ConfigError("--out", f"cannot write {out} ({name}): {full}{os_reason(failed)}; "
+        raise ConfigError("--out", f"cannot write {out} ({name}): {refused(failed)}; "
                           "nothing was written") from None
 
 

@@ -70,15 +70,20 @@ def os_reason(err: OSError) -> str:
     return f"{err.strerror or err} ({name})" if name else str(err.strerror or err)
 
 
+def refused(err: OSError) -> str:
+    """Why the system refused a write, in words: ``the disk is full: `` before the reason where
+    it is, the reason with its errno's name (:func:`os_reason`)."""
+    return f"{'the disk is full: ' if err.errno in DISK_FULL else ''}{os_reason(err)}"
+
+
 def failed_write(err: BaseException) -> str:
     """What the machine refused, reaching the command's top (an OSError of a file sdpipe touches
     outside a run's own files: a resumed run's config, a final seal), in one line: the file, and
     the disk being full where it is."""
-    cause = os_error(err) or err
-    where = getattr(cause, "filename", None)
-    full = "the disk is full: " if getattr(cause, "errno", None) in DISK_FULL else ""
-    reason = os_reason(cause) if isinstance(cause, OSError) else str(cause)
-    return f"{str(where) + ': ' if where else ''}{full}{reason}"
+    cause = os_error(err)
+    if cause is None:
+        return str(err)
+    return f"{str(cause.filename) + ': ' if cause.filename else ''}{refused(cause)}"
 
 
 class WriteFailed(RuntimeError):
