@@ -35,6 +35,8 @@ SCHEMA: dict[str, dict[str, str]] = {
               "twins": "bool", "max_wait_s": "number", "waits": "list"},
     "consensus": {"stage": "int", "iteration": "int", "round": "int", "members": "list",
                   "consensus": "number?", "time": "number"},
+    "wire": {"time": "number", "every": "int", "precision": "str", "iteration_s": "number",
+             "round_s": "number", "share": "number", "stages": "list"},
     "checkpoint": {"step": "int", "time": "number", "steps": "dict", "path": "str"},
     "checkpoint_dropped": {"step": "int", "time": "number", "reason": "str"},
     "resume": {"time": "number", "checkpoint": "str", "steps": "dict", "at": "number"},

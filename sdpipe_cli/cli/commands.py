@@ -194,6 +194,13 @@ def run_config(cfg, console: Console):
         display.plan_table(console, plan)
     if choice is not None:
         console.print(f"slow links: {choice.describe()}", highlight=False, soft_wrap=True)
+    from sdpipe_cli.sync.wire_probe import unresolved
+
+    if unresolved(run_cfg.sync):
+        console.print("links: a stage's replicas span nodes and cluster.links describes none: "
+                      "the run measures them before its first meeting and chooses sync.every "
+                      "and sync.precision from that (set them to pin them)", highlight=False,
+                      soft_wrap=True)
     return run_cfg
 
 

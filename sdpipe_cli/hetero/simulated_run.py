@@ -127,6 +127,13 @@ def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optiona
     if not mode_of(y.name).meets or (y.every != 0 and y.precision != "auto"):
         return None
     plan = plan or RunPlan.of(cfg)
+    if not plan.cluster.links_emulated and measurable(cfg, plan):
+        if y.precision == "auto" and cfg.fault.on_pipeline_loss == "restart":
+            y.precision = "fp32"  # a healed replica's anchor could miss a global sync
+        recorded = recorded_meetings(y.replay) if y.get("replay") else None
+        if recorded is not None:  # a replay meets as its recording did
+            y.every, y.precision = int(recorded["every"]), str(recorded["precision"])
+        return None  # left to the run's measured wire (sync/wire_probe.py) where still 0/auto
     if (not plan.cluster.links_emulated or emulation(cfg) != "modelled"
             or cfg.pipeline.schedule in ASYNC_SCHEDULES):  # meetings need a flushed schedule
         y.every, y.precision = y.every or 1, "fp32" if y.precision == "auto" else y.precision
@@ -148,6 +155,29 @@ def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optiona
                     most=int(cfg.train.steps))
     y.every, y.precision = choice.every, choice.precision
     return choice
+
+
+def measurable(cfg: DictConfig, plan: RunPlan) -> bool:
+    """Whether a run can settle its meetings from its measured wire
+    (:mod:`~sdpipe_cli.sync.wire_probe`): some stage's replicas span nodes (within one node
+    nothing needs measuring: the run meets every iteration in float32, as it always has),
+    every pipeline is split alike (the probe is per stage), under a flushed schedule."""
+    if cfg.pipeline.schedule in ASYNC_SCHEDULES or not plan.segments.uniform:
+        return False
+    return any(plan.cluster.slowest_link(plan.grid.stage_ranks(s)).kind == "cross_node"
+               for s in range(plan.stages))
+
+
+def recorded_meetings(run: str) -> Optional[dict]:
+    """The meetings a recorded run settled from its measured wire (its ``wire`` line), if it
+    did; a replay must meet as it did."""
+    from sdpipe_cli.analysis import read_metrics
+
+    path = Path(run).expanduser() / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    return next((dict(line) for line in read_metrics(path, check=False)
+                 if line.get("kind") == "wire"), None)
 
 
 def _row(result: Result, limit: float, wall_clock_s: float) -> dict:

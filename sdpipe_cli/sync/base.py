@@ -54,6 +54,9 @@ class Sync:
         """The strategy of the worker that ``wiring`` describes, for the run's ``sync``."""
         return cls()
 
+    def started(self) -> None:
+        """The worker's first iteration begins now (after every worker is built)."""
+
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return local_go
 

@@ -29,7 +29,9 @@ from sdpipe_cli.core.meetings import Meetings, average_of, meetings_of, precisio
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.segments import Segments
 from sdpipe_cli.model import optim
+from sdpipe_cli.core.wire import Measured
 from sdpipe_cli.runtime import protocol, store
+from sdpipe_cli.sync import wire_probe
 from sdpipe_cli.sync.base import Sync, Wiring
 from sdpipe_cli.sync.groups import (GroupCache, average_changes, average_tensors, flatten,
                                     statistics, unflatten)
@@ -79,9 +81,12 @@ class GroupSync(Sync):
     @classmethod
     def build(cls, settings: Any, wiring: Wiring) -> "GroupSync":
         w = wiring.where
-        return cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
+        sync = cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
                    wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
                    meetings_of(settings), precision_of(settings), wiring.segments)
+        if wire_probe.unresolved(settings):  # measured before the first meeting
+            sync._unsettled = settings
+        return sync
 
     def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
                  pipelines: int, groups: GroupCache, average: str = "weights_grads",
@@ -109,6 +114,8 @@ class GroupSync(Sync):
         self._done: Optional[int] = None  # pipeline-meetings begun, at the last decision
         self._decided_at = 0  # the local step of the last decision
         self._t0: Optional[float] = None  # the run's time axis, for the reports; read when needed
+        self._unsettled: Any = None  # sync settings whose meetings the wire decides (wire_probe)
+        self._began: Optional[float] = None  # when the first iteration began (its compute)
 
     def _clock(self) -> float:
         if self._t0 is None:
@@ -132,10 +139,35 @@ class GroupSync(Sync):
             if split is not None and split.incarnation <= g:
                 self.segments = self.segments.resplit(q, split.partition)
 
+    def started(self) -> None:
+        self._began = time.perf_counter()
+
+    def _settle(self, module: nn.Module) -> None:
+        """Meetings left to the measured wire (:mod:`~sdpipe_cli.sync.wire_probe`): at the
+        first iteration, time its compute and probe the links to every replica of the stage,
+        report both, and meet as the scheduler then decides. A restarted replica (or one that
+        only heals) reads the decision already made."""
+        settings, self._unsettled = self._unsettled, None
+        timeout = getattr(self.events, "timeout", None)
+        timeout = timeout.total_seconds() if timeout is not None else 300.0
+        if self.incarnation == 0 and self.segments is None:
+            step_s = time.perf_counter() - (self._began or time.perf_counter())
+            unit = self.units[0]
+            values = flatten(self._replica(unit.module(module))).numel()
+            found = wire_probe.probe(self.groups, self._ranks(unit, list(range(self.pipelines))),
+                                     values)
+            wire_probe.report(self.events, self.rank,
+                              Measured(self.pipeline, self.stage, step_s, values, found))
+        chosen = wire_probe.settled(settings, wire_probe.choice(self.events, timeout))
+        self.meetings, self.precision = meetings_of(chosen), precision_of(chosen)
+        self.average = average_of(chosen)
+
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
 
     def after_backward(self, module: nn.Module, step: int) -> None:
+        if self._unsettled is not None:
+            self._settle(module)
         for unit in self.units:
             if self.precision != "fp32" and unit.anchor is None:
                 # before the first local step: the weights every replica starts from (or resumes
@@ -346,6 +378,8 @@ class GroupSync(Sync):
         healed at their next rounds (one after the other, they would take a round each). When
         the run ended first, ``stop`` is set instead and the state is not taken (the iteration
         is then where the pipeline was, if the scheduler knows)."""
+        if self._unsettled is not None:  # what a healed replica's state holds depends on it
+            self._settle(module)
         start = time.perf_counter()
         for unit in self.units:
             store.push(self.events, store.EVENTS, protocol.Rejoin(

@@ -88,10 +88,17 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
         raise ConfigError(KEY, "replays flushed schedules (1f1b, gpipe) only")
     # the recorded decisions count meetings of sync.every steps, and what a round sends decides
     # its arithmetic (a recording from before these keys met every step in float32)
+    from sdpipe_cli.hetero.simulated_run import recorded_meetings
+    from sdpipe_cli.sync.wire_probe import settled, unresolved
+
+    recorded = saved.sync
+    measured = recorded_meetings(str(run)) if unresolved(recorded) else None
+    if measured is not None:  # the recording settled them from its measured wire
+        recorded = settled(recorded, measured)
     for key, of in (("sync.every", lambda y: meetings_of(y).every),
                     ("sync.precision", precision_of)):
-        if of(saved.sync) != of(cfg.sync):
-            raise ConfigError(KEY, f"{run} was recorded with {key}={of(saved.sync)}, this run has "
+        if of(recorded) != of(cfg.sync):
+            raise ConfigError(KEY, f"{run} was recorded with {key}={of(recorded)}, this run has "
                                    f"{of(cfg.sync)}; replay needs the same")
 
 

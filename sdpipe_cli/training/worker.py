@@ -399,6 +399,7 @@ class Worker:
     # -- events ----------------------------------------------------------------------------------
     def started(self) -> None:
         self.emit("start", pid=os.getpid())
+        self.sync.started()
 
     def report_step(self, step: int, *, rate: float, step_s: float, sync_s: float,
                     loss: Optional[float], **extra: Any) -> None:

@@ -27,6 +27,7 @@ from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import write_summary
 from sdpipe_cli.runtime.trace import trace_path
 from sdpipe_cli.sync import journal
+from sdpipe_cli.sync import wire_probe
 from sdpipe_cli.sync.journal import journal_path
 from sdpipe_cli.sync.scheduler.handling import Scheduler
 
@@ -157,10 +158,11 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None
 
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
           resume: Optional[Path] = None, restarted: int = 0,
-          config: str = "config.yaml") -> Scheduler:
+          config: str = "config.yaml", wire: Optional[dict] = None) -> Scheduler:
     """Run until every worker reported done; ``restarted``: how many times this leg's scheduler
     was started again after it died (it then replays its journal first: the leg's, named after
-    ``config``)."""
+    ``config``); ``wire``: the meetings this leg settled from its measured wire, for the
+    metrics."""
     path = journal_path(run_dir, config)
     if restarted:
         scheduler = replay(cfg, run_dir, events, resume, path=path, restart=restarted)
@@ -169,6 +171,8 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
         clock = BatchClock(time.monotonic())
         writer = journal.Journal.create(path, clock.now)
         scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume)
+        if wire is not None:
+            scheduler.metrics.write(wire_probe.line(wire, round(time.time() - scheduler.t0, 4)))
     ticker = Ticker(connect)
     ticker.start()
     tracer = scheduler.tracer
@@ -203,10 +207,15 @@ def main() -> int:
             return connect_store(cfg)
 
         events = store.namespace(connect())
+        # meetings left to the measured wire: settled before the policy, which counts them
+        workers = int(cfg.cluster.pipelines) * int(cfg.pipeline.stages)
+        cfg, wire = wire_probe.settle(cfg, events, workers, float(cfg.run.timeout))
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None,
                           restarted=int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0")),
-                          config=os.environ.get("SDPIPE_CONFIG", "config.yaml"))
+                          config=os.environ.get("SDPIPE_CONFIG", "config.yaml"), wire=wire)
         summary = scheduler.summary()
+        if wire is not None:
+            summary["wire"] = wire
         write_summary(run_dir, summary)
         if cfg.run.save_final:  # every worker wrote its weights there before it was done
             steps = {str(p): state["steps"] for p, state in summary["pipelines"].items()}

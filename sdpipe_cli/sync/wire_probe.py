@@ -1,0 +1,142 @@
+"""Measuring the wire at the start of a run, and settling its meetings: the transport.
+
+The launcher leaves sdpipe's ``sync.every`` (0) or ``sync.precision`` (``auto``) unresolved
+where the run's stage replicas span nodes and no link is described
+(:func:`~sdpipe_cli.hetero.simulated_run.resolve_meetings`): nothing it knows says what the wire
+costs. The run then settles them itself, once, before its first meeting:
+
+1. every worker times its first iteration's compute, and, with every other replica of its
+   stage, a few all-reduces over the real links (:func:`probe`);
+2. it writes what it measured under ``wire/<rank>`` (:class:`~sdpipe_cli.core.wire.Measured`);
+3. the scheduler, before it builds its policy (which counts meetings), waits for every
+   worker's report, decides (:func:`~sdpipe_cli.core.wire.decide`) and writes the choice under
+   ``meetings`` (:func:`settle`);
+4. every worker reads it (:func:`choice`) and meets by it from its first meeting on.
+
+A pipeline restarted later, and a scheduler started again, read the choice already made. The
+decision is the pure :mod:`sdpipe_cli.core.wire`'s; nothing here decides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from typing import Any, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli.core.meetings import Choice
+from sdpipe_cli.core.wire import Measured, Probe, decide
+
+__all__ = ["unresolved", "probe", "report", "choice", "settle", "settled", "line"]
+
+log = logging.getLogger("sdpipe.scheduler")
+
+CHOICE = "meetings"  # scheduler -> workers: the settled meetings (JSON)
+SMALL_VALUES = 256  # the latency probe: a kilobyte
+SMALL_REPEATS = 3  # the first small all-reduce also waits for the slowest member: not timed
+WAIT_POLL_S = 0.01
+
+
+def unresolved(sync: Any) -> bool:
+    """Whether the launcher left this run's meetings to be measured (sdpipe only)."""
+    return sync.get("name") == "sdpipe" and (int(sync.get("every", 1) or 0) == 0
+                                             or sync.get("precision") == "auto")
+
+
+def _key(rank: int) -> str:
+    return f"wire/{rank}"
+
+
+def probe(groups, ranks: Sequence[int], values: int) -> Probe:
+    """Time all-reduces over ``ranks`` (every replica of this worker's stage, all calling this
+    at once): small ones for the latency (the fastest of them: the first also waits for the
+    slowest member to arrive, and is not counted), then one of the stage's own ``values`` in
+    float32 for the bandwidth."""
+    small = torch.zeros(SMALL_VALUES)
+    times = []
+    for _ in range(SMALL_REPEATS):
+        start = time.perf_counter()
+        groups.all_reduce(small, list(ranks), tag="wire")
+        times.append(time.perf_counter() - start)
+    large = torch.zeros(max(values, SMALL_VALUES + 1))
+    start = time.perf_counter()
+    groups.all_reduce(large, list(ranks), tag="wire")
+    large_s = time.perf_counter() - start
+    return Probe(len(ranks), small.numel() * 4, min(times[1:]), large.numel() * 4, large_s)
+
+
+def report(events, rank: int, measured: Measured) -> None:
+    events.set(_key(rank), json.dumps(measured.to_dict()))
+
+
+def _wait(events, keys: list[str], timeout: float) -> None:
+    """Until every key is there; a run that failed or is being stopped meanwhile (a worker
+    died before it measured) ends the wait with the launcher's one line."""
+    from sdpipe_cli.runtime import store
+
+    deadline = time.monotonic() + timeout
+    while not events.check(keys):
+        if events.check([store.FAILED]):
+            raise RuntimeError("the run failed before its wire was measured")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no wire measurement within {timeout:.0f} s (run.timeout)")
+        time.sleep(WAIT_POLL_S)
+
+
+def choice(events, timeout: float) -> dict:
+    """The settled meetings (waiting for the scheduler to decide)."""
+    _wait(events, [CHOICE], timeout)
+    return json.loads(events.get(CHOICE))
+
+
+def settle(cfg: DictConfig, events, workers: int, timeout: float) -> tuple[DictConfig,
+                                                                            Optional[dict]]:
+    """The scheduler's side: ``cfg`` with its meetings settled from every worker's report (or,
+    started again, from the choice already made), and the choice (None where the launcher
+    resolved them)."""
+    if not unresolved(cfg.sync):
+        return cfg, None
+    if not events.check([CHOICE]):
+        _wait(events, [_key(r) for r in range(workers)], timeout)
+        reports = [Measured.from_dict(json.loads(events.get(_key(r)))) for r in range(workers)]
+        made = decide(reports, float(cfg.sync.wire_share), int(cfg.sync.every),
+                      str(cfg.sync.precision), most=int(cfg.train.steps))
+        events.set(CHOICE, json.dumps(_record(made, reports)))
+        log.info("measured links: %s", made.describe())
+    chosen = json.loads(events.get(CHOICE))
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    out.sync = settled(cfg.sync, chosen)
+    return out, chosen
+
+
+def settled(sync: Any, chosen: dict) -> DictConfig:
+    """A copy of the ``sync`` section meeting as ``chosen`` says."""
+    out = OmegaConf.create(OmegaConf.to_container(sync, resolve=True))
+    out.every, out.precision = int(chosen["every"]), str(chosen["precision"])
+    return out
+
+
+def _record(made: Choice, reports: Sequence[Measured]) -> dict:
+    """The choice and what it was made from, per stage: the slowest replica's fitted link."""
+    stages: dict[int, dict] = {}
+    for r in reports:
+        fit = r.probe.fit()
+        row = stages.get(r.stage)
+        if row is None or fit.bytes_per_s < row["bytes_per_s"]:
+            stages[r.stage] = {"stage": r.stage, "members": r.probe.members, "values": r.values,
+                               "bytes_per_s": fit.bytes_per_s, "mbit_s": round(fit.mbit_s, 3),
+                               "latency_ms": round(fit.latency_s * 1e3, 3)}
+    return {**asdict(made), "stages": [stages[s] for s in sorted(stages)],
+            "step_s": {str(r.pipeline): round(r.step_s, 6) for r in reports
+                       if r.stage == 0}, "describe": made.describe()}
+
+
+def line(chosen: dict, time_s: float) -> dict:
+    """The metrics line of the choice."""
+    return {"kind": "wire", "time": time_s, "every": chosen["every"],
+            "precision": chosen["precision"], "iteration_s": chosen["iteration_s"],
+            "round_s": chosen["round_s"], "share": chosen["share"], "stages": chosen["stages"]}

@@ -1,0 +1,42 @@
+"""Meetings settled from the measured wire: a run whose stage replicas span two nodes, with no
+link described, measures its links and its first iteration, and meets as the scheduler then
+decides (sdpipe_cli.sync.wire_probe), workers and scheduler alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import metrics, sdpipe
+
+pytestmark = pytest.mark.multiprocess
+
+TWO_NODES = ("model=mlp", "data=synthetic", "cluster.pipelines=2", "pipeline.stages=2",
+             "cluster.device=cpu", "cluster.nodes=[{name: a, devices: [{}, {}]},"
+             " {name: b, devices: [{}, {}]}]", "train.steps=6", "train.batch_size=8",
+             "train.eval_every=0", "data.eval_batches=1")
+
+
+def test_replicas_on_two_nodes_measure_their_wire_and_meet_as_it_asks(tmp_path):
+    """A wire share so small that no link fits it: the run chooses bf16 changes and meetings
+    as far apart as its budget allows, from what it measured (one node's loopback here), and
+    every worker and the scheduler's policy meet by that choice: group lines every H steps,
+    the budget exact, the replicas identical after the final global sync."""
+    run_dir = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.wire_share=0.0001",
+                 *TWO_NODES)
+    assert out.returncode == 0, out.stderr
+    assert "the run measures them before its first meeting" in out.stdout + out.stderr
+    [wire] = metrics(run_dir, "wire")
+    assert (wire["every"], wire["precision"]) == (6, "bf16")  # capped at train.steps
+    assert [s["stage"] for s in wire["stages"]] == [0, 1]
+    assert all(s["members"] == 2 and s["mbit_s"] > 0 for s in wire["stages"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["wire"]["every"] == 6 and "describe" in summary["wire"]
+    groups = metrics(run_dir, "group")
+    assert groups and all(g["every"] == 6 for g in groups)
+    done = metrics(run_dir, "done")
+    assert sum(d["steps"] for d in done if d["stage"] == 0) == 2 * 6
+    for s in (0, 1):
+        assert len({d["param_digest"] for d in done if d["stage"] == s}) == 1

@@ -1,0 +1,164 @@
+"""The wire a run measures (sdpipe_cli.core.wire) and how its meetings are settled from it: the
+pure decision, the launcher leaving them to the run, the scheduler's side over a real TCPStore,
+and a replay of a run that measured."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.core.meetings import BYTES
+from sdpipe_cli.core.wire import Measured, Probe, decide, ring_bytes
+from sdpipe_cli.sync import wire_probe
+from tests.unit.test_simulation import config
+
+NO_LINKS = ("cluster.links.cross_node.latency_ms=0", "cluster.links.cross_node.bandwidth_gbps=null",
+            "cluster.links.same_node.latency_ms=0", "cluster.links.same_node.bandwidth_gbps=null")
+FOUR_NODES = ("cluster=slow_links", *NO_LINKS, "cluster.pipelines=4", "pipeline.stages=2",
+              "train.steps=48")
+VALUES = 120_000  # a gpt_tiny stage
+
+
+def probe_of(latency_s: float, bytes_per_s: float, members: int = 4,
+             values: int = VALUES) -> Probe:
+    """What a replica would time on a link of that latency and bandwidth."""
+    small, large = 1024, values * 4
+    return Probe(members, small, latency_s + ring_bytes(members, small) / bytes_per_s,
+                 large, latency_s + ring_bytes(members, large) / bytes_per_s)
+
+
+@settings(max_examples=200, deadline=None)
+@given(latency=st.floats(0, 0.05), mbit=st.floats(1, 100_000), members=st.integers(2, 16))
+def test_two_timed_sizes_give_back_the_links_latency_and_bandwidth(latency, mbit, members):
+    bw = mbit * 1e6 / 8
+    fit = probe_of(latency, bw, members).fit()
+    assert math.isclose(fit.bytes_per_s, bw, rel_tol=1e-6)
+    assert fit.latency_s == pytest.approx(latency + ring_bytes(members, 1024) / bw, rel=1e-6)
+
+
+def test_a_link_faster_than_the_clock_can_tell_is_still_fast_and_finite():
+    fit = Probe(4, 1024, 0.002, 480_000, 0.0015).fit()  # the large one no slower: noise
+    assert fit.latency_s == 0.002 and 1e8 < fit.bytes_per_s < math.inf
+
+
+def report(pipeline, stage, step_s, latency=0.002, mbit=15.0, values=VALUES):
+    return Measured(pipeline, stage, step_s, values, probe_of(latency, mbit * 1e6 / 8))
+
+
+def test_on_a_fast_wire_replicas_meet_every_iteration_in_float32():
+    reports = [report(p, s, 0.15, latency=1e-4, mbit=10_000) for p in range(4) for s in range(2)]
+    made = decide(reports, 0.1)
+    assert (made.every, made.precision) == (1, "fp32")
+
+
+def test_on_15_mbit_the_wire_asks_for_bf16_and_meetings_that_fit_the_share():
+    reports = [report(p, s, 0.15) for p in range(4) for s in range(2)]
+    made = decide(reports, 0.1, most=100)
+    bf16 = 0.002 + ring_bytes(4, VALUES * BYTES["bf16"]) / (15e6 / 8)
+    assert made.precision == "bf16"
+    assert made.every == math.ceil(bf16 / (0.1 * 0.15))  # the fewest steps one meeting fits in
+    assert decide(reports, 0.1, most=5).every == 5  # but never past a pipeline's budget
+    assert decide(reports, 0.1, every=3).every == 3  # a pinned period is kept
+    assert decide(reports, 0.1, precision="fp32").precision == "fp32"
+
+
+def test_the_fastest_pipeline_and_the_slowest_replicas_link_decide():
+    """A pipeline's iteration is its slowest stage's; the fastest pipeline sets the pace the
+    wire is measured against; the slowest link of any replica bounds its stage's ring."""
+    fast = [report(p, s, 0.15) for p in range(3) for s in range(2)]
+    slow = [report(3, 0, 0.45), report(3, 1, 0.45, mbit=5.0)]
+    one_slow_stage = [report(0, 0, 0.05), report(0, 1, 0.15)]
+    made = decide(fast + slow, 0.1)
+    assert made.iteration_s == pytest.approx(0.15)
+    assert decide(fast + slow, 0.1).every > decide(fast + [report(3, 0, 0.45),
+                                                           report(3, 1, 0.45)], 0.1).every
+    assert decide(one_slow_stage, 0.1).iteration_s == pytest.approx(0.15)
+    with pytest.raises(ValueError):
+        decide([], 0.1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(step_s=st.floats(0.001, 5), mbit=st.floats(0.5, 50_000), share=st.floats(0.01, 1))
+def test_the_chosen_period_is_the_shortest_whose_meeting_fits_the_share(step_s, mbit, share):
+    reports = [report(p, s, step_s, mbit=mbit) for p in range(2) for s in range(2)]
+    made = decide(reports, share)
+    fit = reports[0].probe.fit()
+    round_s = fit.seconds(ring_bytes(4, VALUES * BYTES[made.precision]))
+    assert round_s <= share * step_s * made.every * (1 + 1e-9)
+    if made.every > 1:
+        assert round_s > share * step_s * (made.every - 1)
+
+
+def test_the_launcher_leaves_meetings_to_the_run_where_replicas_span_nodes_and_no_link_is_described():
+    left = config(*FOUR_NODES)
+    assert (left.sync.every, left.sync.precision) == (0, "auto")
+    assert wire_probe.unresolved(left.sync)
+    one_node = config("cluster.pipelines=4", "pipeline.stages=2", "train.steps=48")
+    assert (one_node.sync.every, one_node.sync.precision) == (1, "fp32")
+    pinned = config(*FOUR_NODES, "sync.every=3")
+    assert (pinned.sync.every, pinned.sync.precision) == (3, "auto")  # the payload still measured
+    healing = config(*FOUR_NODES, "fault.on_pipeline_loss=restart", "checkpoint.every=10")
+    assert (healing.sync.every, healing.sync.precision) == (0, "fp32")
+    other = config(*FOUR_NODES, "pipeline.schedule=async_1f1b")
+    assert not wire_probe.unresolved(other.sync)
+
+
+@pytest.fixture
+def events():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    yield dist.PrefixStore("sdpipe/", server)
+
+
+def test_the_scheduler_settles_once_from_every_workers_report_and_a_restart_reads_it(events):
+    cfg = config(*FOUR_NODES)
+    for rank in range(8):
+        wire_probe.report(events, rank, report(rank // 2, rank % 2, 0.15))
+    settled, chosen = wire_probe.settle(cfg, events, 8, timeout=5)
+    assert (settled.sync.every, settled.sync.precision) == (chosen["every"], "bf16")
+    assert chosen["every"] > 1 and [s["stage"] for s in chosen["stages"]] == [0, 1]
+    assert (cfg.sync.every, cfg.sync.precision) == (0, "auto")  # the launcher's config is kept
+    assert wire_probe.choice(events, timeout=1) == chosen
+    for rank in range(8):  # what a second scheduler finds has changed: the choice stands
+        wire_probe.report(events, rank, report(rank // 2, rank % 2, 0.15, mbit=10_000))
+    again, _ = wire_probe.settle(cfg, events, 8, timeout=5)
+    assert again.sync.every == settled.sync.every
+    line = wire_probe.line(chosen, 1.0)
+    from sdpipe_cli.analysis import conforms
+    assert all(conforms("wire", k, v) for k, v in line.items())
+
+
+def test_a_missing_report_ends_the_wait_with_the_runs_failure(events):
+    cfg = config(*FOUR_NODES)
+    events.set("failed", "worker 3 died")
+    with pytest.raises(RuntimeError, match="failed before its wire was measured"):
+        wire_probe.settle(cfg, events, 8, timeout=5)
+
+
+def test_a_replay_of_a_run_that_measured_meets_as_it_did(tmp_path):
+    """The recording's config leaves its meetings unresolved; its wire line says what it met
+    by, and the replay takes that, not a measurement of its own."""
+    from sdpipe_cli.sync import replay
+
+    recorded = config(*FOUR_NODES)
+    run = tmp_path / "recorded"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(recorded))
+    group = {"kind": "group", "time": 1.0, "stage": 0, "round": 0, "members": [0, 1],
+             "iterations": [0, 0], "size": 2, "group": "group", "stop": False, "done": 2}
+    wire = {"kind": "wire", "time": 0.5, "every": 6, "precision": "bf16", "iteration_s": 0.1,
+            "round_s": 0.6, "share": 0.1, "stages": []}
+    (run / "metrics.jsonl").write_text(json.dumps(wire) + "\n" + json.dumps(group) + "\n")
+    replaying = config(*FOUR_NODES, f"sync.replay={run}", "fault.on_pipeline_loss=stop")
+    assert (replaying.sync.every, replaying.sync.precision) == (6, "bf16")
+    assert replay.load(run, replaying)
+    with pytest.raises(ConfigError, match="recorded with sync.every=6"):
+        replay.load(run, config(*FOUR_NODES, "sync.every=3", "sync.precision=bf16"))
