@@ -260,6 +260,13 @@ def summary(console: Console, result, wall_s: float, restarts: int = 0) -> None:
                       + (f" ({_bytes(cross)} between nodes)" if cross else "")
                       + (f"; {share:.0%} of the workers' time in sync collectives"
                          if share is not None else ""), highlight=False)
+    wire = result.progress.get("wire")
+    if wire:
+        slowest = min(wire["stages"], key=lambda s: s["mbit_s"])
+        console.print(f"links: measured {slowest['mbit_s']:.1f} Mbit/s and "
+                      f"{slowest['latency_ms']:.1f} ms between the replicas of stage "
+                      f"{slowest['stage']} (the slowest); {wire['describe']}", highlight=False,
+                      soft_wrap=True)
     if result.progress.get("unreadable"):
         bad = result.progress["unreadable"]
         console.print(f"data: {len(bad)} unreadable sample(s) replaced by the next, e.g. {bad[0]} "

@@ -241,11 +241,14 @@ class SdpipeSyncConfig(SyncConfig):
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
     # Slow links (docs/SYNC.md#slow-links): a replica meets its group after every this many local
     # steps (at most train.steps) and trains alone in between; a meeting averages weights after the
-    # step. 0: chosen when the run is prepared from the emulated cluster.links (1 where none is)
+    # step. 0: chosen when the run is prepared from the emulated cluster.links; where a stage's
+    # replicas span nodes and no link is described, measured by the run before its first
+    # meeting (docs/SYNC.md#slow-links); 1 on one node
     every: int = 0
     # What a group round sends: each member's change since the last global sync, with error
     # feedback, in fp32 or bf16; auto: bf16 where a float32 meeting every iteration would not
-    # fit sync.wire_share. Global syncs are always exact (float32)
+    # fit sync.wire_share (on the described or the measured links). Global syncs are always
+    # exact (float32)
     precision: str = "auto"
     # The share of a replica's time that the chosen sync.every lets its meetings take
     wire_share: float = 0.1

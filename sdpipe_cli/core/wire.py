@@ -20,7 +20,7 @@ Pure: no I/O, no torch. The transport (who probes, who decides, the store keys) 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 from sdpipe_cli.core.meetings import BYTES, Choice, choose
@@ -87,14 +87,6 @@ class Measured:
     step_s: float
     values: int
     probe: Probe
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Measured":
-        return cls(int(d["pipeline"]), int(d["stage"]), float(d["step_s"]), int(d["values"]),
-                   Probe(**d["probe"]))
 
 
 def decide(reports: Sequence[Measured], share: float, every: int = 0, precision: str = "auto",

@@ -18,7 +18,9 @@ Messages:
 * scheduler -> worker, one key per answer: :class:`Group`, :class:`BeginAnswer`,
   :class:`HealAnswer`;
 * scheduler -> launcher: :class:`Hung`, and the progress snapshot (:func:`decode_progress`);
-* scheduler -> worker, one key per re-split pipeline: :class:`Split`.
+* scheduler -> worker, one key per re-split pipeline: :class:`Split`;
+* worker -> scheduler -> worker, once at the start where the run measures its wire:
+  :class:`WireReport` (one key per worker), :class:`MeetingChoice`.
 
 Whether an event's sender may send it (its rank, its incarnation) depends on the run, which only
 the scheduler knows; it checks that, with :class:`ProtocolError` for what no process could send.
@@ -266,6 +268,51 @@ class Split:
     partition: list[int]
 
 
+@dataclass(frozen=True)
+class WireReport:
+    """A worker's measurements before its first meeting, where the run settles its meetings
+    from its measured wire (:mod:`~sdpipe_cli.sync.wire_probe`): its first iteration's compute
+    (``step_s``), the values its stage averages, and its timed all-reduces over its stage's
+    ``members`` replicas (the fastest small one, the one of the stage's size)."""
+
+    pipeline: int
+    stage: int
+    step_s: float
+    values: int
+    members: int
+    small_bytes: int
+    small_s: float
+    large_bytes: int
+    large_s: float
+
+
+@dataclass(frozen=True)
+class StageLink:
+    """A stage's link as measured: its slowest replica's fit."""
+
+    stage: int
+    members: int
+    values: int
+    mbit_s: float
+    latency_ms: float
+
+
+@dataclass(frozen=True)
+class MeetingChoice:
+    """The meetings the scheduler settled from every worker's :class:`WireReport`: meet after
+    every ``every``-th step, group rounds in ``precision``; what it compared (the fastest
+    pipeline's iteration against one float32 meeting of the costliest stage, within
+    ``share``) and each stage's measured link."""
+
+    every: int
+    precision: str
+    iteration_s: float
+    round_s: float
+    share: float
+    stages: list[StageLink]
+    describe: str
+
+
 #: Who sends each message, and who reads it (docs/ARCHITECTURE.md's table is generated from this
 #: module: ``python -m sdpipe_cli.runtime.protocol_reference --write docs/ARCHITECTURE.md``).
 ROUTES: dict[type, tuple[str, str]] = {
@@ -282,6 +329,8 @@ ROUTES: dict[type, tuple[str, str]] = {
     HealAnswer: ("scheduler", "restarted worker"),
     Hung: ("scheduler", "launcher"),
     Split: ("scheduler", "worker (its peers' segments)"),
+    WireReport: ("worker", "scheduler (before its policy is built)"),
+    MeetingChoice: ("scheduler", "worker"),
 }
 
 
@@ -298,6 +347,8 @@ PROGRESS_FIELDS: dict[str, Any] = {
     "straggler_news": dict[str, Any],
     # the pipelines to re-split in place, and how: {"version": n, "partitions": {"p": [...]}}
     "resplit": dict[str, Any],
+    # the meetings settled from the measured wire (a MeetingChoice, as a record)
+    "wire": dict[str, Any],
 }
 
 

@@ -30,7 +30,8 @@ def _key(cls: type) -> str:
     keys = {protocol.Group: store.decision_key("<s>", "<p>", "<k>", "<i>"),
             protocol.BeginAnswer: store.begin_key("<p>", "<k>", "<i>"),
             protocol.HealAnswer: store.heal_key("<s>", "<p>", "<i>"),
-            protocol.Hung: store.HUNG, protocol.Split: store.split_key("<p>")}
+            protocol.Hung: store.HUNG, protocol.Split: store.split_key("<p>"),
+            protocol.WireReport: store.wire_key("<rank>"), protocol.MeetingChoice: store.MEETINGS}
     return f"`{store.PREFIX}{keys[cls]}`"
 
 

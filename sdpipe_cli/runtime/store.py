@@ -140,6 +140,15 @@ def split_key(pipeline: int) -> str:
     return f"split/{pipeline}"
 
 
+def wire_key(rank: int) -> str:
+    """Where worker ``rank`` reports its measured wire
+    (:class:`~sdpipe_cli.runtime.protocol.WireReport`)."""
+    return f"wire/{rank}"
+
+
+MEETINGS = "meetings"  # scheduler -> workers: the meetings settled from the wire (MeetingChoice)
+
+
 def profile_key(rank: int) -> str:
     """Where a profiling worker puts its measurements (JSON) for rank 0 to assemble."""
     return f"profile/{rank}"

@@ -7,11 +7,14 @@ costs. The run then settles them itself, once, before its first meeting:
 
 1. every worker times its first iteration's compute, and, with every other replica of its
    stage, a few all-reduces over the real links (:func:`probe`);
-2. it writes what it measured under ``wire/<rank>`` (:class:`~sdpipe_cli.core.wire.Measured`);
+2. it writes what it measured under ``wire/<rank>``;
 3. the scheduler, before it builds its policy (which counts meetings), waits for every
    worker's report, decides (:func:`~sdpipe_cli.core.wire.decide`) and writes the choice under
    ``meetings`` (:func:`settle`);
 4. every worker reads it (:func:`choice`) and meets by it from its first meeting on.
+
+The messages are :class:`~sdpipe_cli.runtime.protocol.WireReport` and
+:class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, checked field by field when read.
 
 A pipeline restarted later, and a scheduler started again, read the choice already made. The
 decision is the pure :mod:`sdpipe_cli.core.wire`'s; nothing here decides.
@@ -19,10 +22,9 @@ decision is the pure :mod:`sdpipe_cli.core.wire`'s; nothing here decides.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import time
-from dataclasses import asdict
 from typing import Any, Optional, Sequence
 
 import torch
@@ -30,12 +32,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.meetings import Choice
 from sdpipe_cli.core.wire import Measured, Probe, decide
+from sdpipe_cli.runtime import protocol, store
 
 __all__ = ["unresolved", "probe", "report", "choice", "settle", "settled", "line"]
 
 log = logging.getLogger("sdpipe.scheduler")
 
-CHOICE = "meetings"  # scheduler -> workers: the settled meetings (JSON)
 SMALL_VALUES = 256  # the latency probe: a kilobyte
 SMALL_REPEATS = 3  # the first small all-reduce also waits for the slowest member: not timed
 WAIT_POLL_S = 0.01
@@ -45,10 +47,6 @@ def unresolved(sync: Any) -> bool:
     """Whether the launcher left this run's meetings to be measured (sdpipe only)."""
     return sync.get("name") == "sdpipe" and (int(sync.get("every", 1) or 0) == 0
                                              or sync.get("precision") == "auto")
-
-
-def _key(rank: int) -> str:
-    return f"wire/{rank}"
 
 
 def probe(groups, ranks: Sequence[int], values: int) -> Probe:
@@ -70,14 +68,21 @@ def probe(groups, ranks: Sequence[int], values: int) -> Probe:
 
 
 def report(events, rank: int, measured: Measured) -> None:
-    events.set(_key(rank), json.dumps(measured.to_dict()))
+    """Worker ``rank``'s measurements, for the scheduler."""
+    p = measured.probe
+    store.put(events, store.wire_key(rank), protocol.WireReport(
+        measured.pipeline, measured.stage, measured.step_s, measured.values, p.members,
+        p.small_bytes, p.small_s, p.large_bytes, p.large_s))
+
+
+def _measured(r: protocol.WireReport) -> Measured:
+    return Measured(r.pipeline, r.stage, r.step_s, r.values,
+                    Probe(r.members, r.small_bytes, r.small_s, r.large_bytes, r.large_s))
 
 
 def _wait(events, keys: list[str], timeout: float) -> None:
-    """Until every key is there; a run that failed or is being stopped meanwhile (a worker
-    died before it measured) ends the wait with the launcher's one line."""
-    from sdpipe_cli.runtime import store
-
+    """Until every key is there; a run that failed meanwhile (a worker died before it
+    measured) ends the wait, as does ``timeout`` (``run.timeout``)."""
     deadline = time.monotonic() + timeout
     while not events.check(keys):
         if events.check([store.FAILED]):
@@ -87,56 +92,62 @@ def _wait(events, keys: list[str], timeout: float) -> None:
         time.sleep(WAIT_POLL_S)
 
 
-def choice(events, timeout: float) -> dict:
+def choice(events, timeout: float) -> protocol.MeetingChoice:
     """The settled meetings (waiting for the scheduler to decide)."""
-    _wait(events, [CHOICE], timeout)
-    return json.loads(events.get(CHOICE))
+    _wait(events, [store.MEETINGS], timeout)
+    return store.read(events, store.MEETINGS, protocol.MeetingChoice)
 
 
-def settle(cfg: DictConfig, events, workers: int, timeout: float) -> tuple[DictConfig,
-                                                                            Optional[dict]]:
+def settle(cfg: DictConfig, events, workers: int, timeout: float
+           ) -> tuple[DictConfig, Optional[protocol.MeetingChoice]]:
     """The scheduler's side: ``cfg`` with its meetings settled from every worker's report (or,
     started again, from the choice already made), and the choice (None where the launcher
     resolved them)."""
     if not unresolved(cfg.sync):
         return cfg, None
-    if not events.check([CHOICE]):
-        _wait(events, [_key(r) for r in range(workers)], timeout)
-        reports = [Measured.from_dict(json.loads(events.get(_key(r)))) for r in range(workers)]
+    if not events.check([store.MEETINGS]):
+        _wait(events, [store.wire_key(r) for r in range(workers)], timeout)
+        reports = [_measured(store.read(events, store.wire_key(r), protocol.WireReport))
+                   for r in range(workers)]
         made = decide(reports, float(cfg.sync.wire_share), int(cfg.sync.every),
                       str(cfg.sync.precision), most=int(cfg.train.steps))
-        events.set(CHOICE, json.dumps(_record(made, reports)))
+        store.put(events, store.MEETINGS, _record(made, reports))
         log.info("measured links: %s", made.describe())
-    chosen = json.loads(events.get(CHOICE))
+    chosen = store.read(events, store.MEETINGS, protocol.MeetingChoice)
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     out.sync = settled(cfg.sync, chosen)
     return out, chosen
 
 
-def settled(sync: Any, chosen: dict) -> DictConfig:
-    """A copy of the ``sync`` section meeting as ``chosen`` says."""
+def settled(sync: Any, chosen: Any) -> DictConfig:
+    """A copy of the ``sync`` section meeting as ``chosen`` says (a
+    :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, or a recorded ``wire`` line)."""
+    get = chosen.get if isinstance(chosen, dict) else lambda k: getattr(chosen, k)
     out = OmegaConf.create(OmegaConf.to_container(sync, resolve=True))
-    out.every, out.precision = int(chosen["every"]), str(chosen["precision"])
+    out.every, out.precision = int(get("every")), str(get("precision"))
     return out
 
 
-def _record(made: Choice, reports: Sequence[Measured]) -> dict:
+def _record(made: Choice, reports: Sequence[Measured]) -> protocol.MeetingChoice:
     """The choice and what it was made from, per stage: the slowest replica's fitted link."""
-    stages: dict[int, dict] = {}
+    stages: dict[int, tuple[float, protocol.StageLink]] = {}
     for r in reports:
         fit = r.probe.fit()
-        row = stages.get(r.stage)
-        if row is None or fit.bytes_per_s < row["bytes_per_s"]:
-            stages[r.stage] = {"stage": r.stage, "members": r.probe.members, "values": r.values,
-                               "bytes_per_s": fit.bytes_per_s, "mbit_s": round(fit.mbit_s, 3),
-                               "latency_ms": round(fit.latency_s * 1e3, 3)}
-    return {**asdict(made), "stages": [stages[s] for s in sorted(stages)],
-            "step_s": {str(r.pipeline): round(r.step_s, 6) for r in reports
-                       if r.stage == 0}, "describe": made.describe()}
+        if r.stage not in stages or fit.bytes_per_s < stages[r.stage][0]:
+            stages[r.stage] = (fit.bytes_per_s, protocol.StageLink(
+                r.stage, r.probe.members, r.values, round(fit.mbit_s, 3),
+                round(fit.latency_s * 1e3, 3)))
+    return protocol.MeetingChoice(made.every, made.precision, made.iteration_s, made.round_s,
+                                  made.share, [stages[s][1] for s in sorted(stages)],
+                                  made.describe())
 
 
-def line(chosen: dict, time_s: float) -> dict:
+def record(chosen: protocol.MeetingChoice) -> dict:
+    """The choice as plain data (``summary.json``, the progress snapshot)."""
+    return dataclasses.asdict(chosen)
+
+
+def line(chosen: protocol.MeetingChoice, time_s: float) -> dict:
     """The metrics line of the choice."""
-    return {"kind": "wire", "time": time_s, "every": chosen["every"],
-            "precision": chosen["precision"], "iteration_s": chosen["iteration_s"],
-            "round_s": chosen["round_s"], "share": chosen["share"], "stages": chosen["stages"]}
+    return {"kind": "wire", "time": time_s, **{k: v for k, v in record(chosen).items()
+                                               if k != "describe"}}

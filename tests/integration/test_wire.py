@@ -27,7 +27,9 @@ def test_replicas_on_two_nodes_measure_their_wire_and_meet_as_it_asks(tmp_path):
     out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.wire_share=0.0001",
                  *TWO_NODES)
     assert out.returncode == 0, out.stderr
-    assert "the run measures them before its first meeting" in out.stdout + out.stderr
+    said = out.stdout + out.stderr
+    assert "the run measures them before its first meeting" in said
+    assert "links: measured" in said and "sync.every=6 sync.precision=bf16" in said
     [wire] = metrics(run_dir, "wire")
     assert (wire["every"], wire["precision"]) == (6, "bf16")  # capped at train.steps
     assert [s["stage"] for s in wire["stages"]] == [0, 1]

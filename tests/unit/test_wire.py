@@ -123,8 +123,9 @@ def test_the_scheduler_settles_once_from_every_workers_report_and_a_restart_read
     for rank in range(8):
         wire_probe.report(events, rank, report(rank // 2, rank % 2, 0.15))
     settled, chosen = wire_probe.settle(cfg, events, 8, timeout=5)
-    assert (settled.sync.every, settled.sync.precision) == (chosen["every"], "bf16")
-    assert chosen["every"] > 1 and [s["stage"] for s in chosen["stages"]] == [0, 1]
+    assert (settled.sync.every, settled.sync.precision) == (chosen.every, "bf16")
+    assert chosen.every > 1 and [s.stage for s in chosen.stages] == [0, 1]
+    assert all(s.members == 4 and 9 < s.mbit_s < 21 for s in chosen.stages)
     assert (cfg.sync.every, cfg.sync.precision) == (0, "auto")  # the launcher's config is kept
     assert wire_probe.choice(events, timeout=1) == chosen
     for rank in range(8):  # what a second scheduler finds has changed: the choice stands
@@ -134,6 +135,18 @@ def test_the_scheduler_settles_once_from_every_workers_report_and_a_restart_read
     line = wire_probe.line(chosen, 1.0)
     from sdpipe_cli.analysis import conforms
     assert all(conforms("wire", k, v) for k, v in line.items())
+
+
+def test_a_damaged_report_is_one_line_naming_its_key(events):
+    """What no worker of this version writes is refused where it is read, not used."""
+    from sdpipe_cli.runtime.protocol import ProtocolError
+
+    cfg = config(*FOUR_NODES)
+    for rank in range(8):
+        wire_probe.report(events, rank, report(rank // 2, rank % 2, 0.15))
+    events.set("wire/5", '{"pipeline": 2, "stage": 1, "step_s": "fast"}')
+    with pytest.raises(ProtocolError, match="wire/5"):
+        wire_probe.settle(cfg, events, 8, timeout=5)
 
 
 def test_a_missing_report_ends_the_wait_with_the_runs_failure(events):

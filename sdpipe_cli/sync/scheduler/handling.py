@@ -92,6 +92,7 @@ class Scheduler:
         self.stragglers = StragglerWatch(cfg, plan) if cfg.fault.on_slowdown != "off" else None
         self.replanning = Replanning(cfg, plan) if cfg.fault.on_slowdown == "replan" else None
         self.replan: Optional[dict] = None  # the re-plan this leg stops for (the next leg's split)
+        self.wire: Optional[dict] = None  # the meetings this leg settled from its measured wire
         self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
         # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
@@ -469,6 +470,8 @@ class Scheduler:
             summary["straggler_news"] = self.stragglers.news_snapshot()
         if self.replan is not None:
             summary["replan"] = self.replan
+        if self.wire is not None:
+            summary["wire"] = self.wire
         if self.replanning is not None:  # what a restart after a failure carries on
             summary["slowed"] = self.replanning.slowed_now()
             if self.replanning.asked is not None:

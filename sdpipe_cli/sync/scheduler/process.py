@@ -161,8 +161,8 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
           config: str = "config.yaml", wire: Optional[dict] = None) -> Scheduler:
     """Run until every worker reported done; ``restarted``: how many times this leg's scheduler
     was started again after it died (it then replays its journal first: the leg's, named after
-    ``config``); ``wire``: the meetings this leg settled from its measured wire, for the
-    metrics."""
+    ``config``); ``wire``: the meetings this leg settled from its measured wire (a
+    :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`), for the metrics and the summary."""
     path = journal_path(run_dir, config)
     if restarted:
         scheduler = replay(cfg, run_dir, events, resume, path=path, restart=restarted)
@@ -173,6 +173,7 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
         scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume)
         if wire is not None:
             scheduler.metrics.write(wire_probe.line(wire, round(time.time() - scheduler.t0, 4)))
+    scheduler.wire = wire_probe.record(wire) if wire is not None else None
     ticker = Ticker(connect)
     ticker.start()
     tracer = scheduler.tracer
@@ -214,8 +215,6 @@ def main() -> int:
                           restarted=int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0")),
                           config=os.environ.get("SDPIPE_CONFIG", "config.yaml"), wire=wire)
         summary = scheduler.summary()
-        if wire is not None:
-            summary["wire"] = wire
         write_summary(run_dir, summary)
         if cfg.run.save_final:  # every worker wrote its weights there before it was done
             steps = {str(p): state["steps"] for p, state in summary["pipelines"].items()}
