@@ -21,11 +21,12 @@ Pure: no I/O, no torch. The transport (who probes, who decides, the store keys) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
+
 
 from sdpipe_cli.core.meetings import BYTES, Choice, choose
 
-__all__ = ["LinkFit", "Probe", "Measured", "ring_bytes", "decide"]
+__all__ = ["LinkFit", "Probe", "Measured", "ring_bytes", "decide", "WirePace", "Blocks"]
 
 FLOAT_BYTES = BYTES["fp32"]
 
@@ -106,3 +107,100 @@ def decide(reports: Sequence[Measured], share: float, every: int = 0, precision:
                       for r in reports)
                for p, size in BYTES.items()}
     return choose(iteration_s, round_s, share, every, precision, most)
+
+
+WINDOW = 8  # rounds per stage the link estimate is the median of (a change shows within a few)
+STEADY = 1.3  # a new period is taken only when it differs from the current by more than this
+
+
+class WirePace:
+    """H during the run, from what the rounds themselves measure: sdpipe's meetings follow a
+    link that slows or recovers, and a compute pace that changes.
+
+    Every member of a round reports, with its next ready signal, how long the round's
+    all-reduce took and what it moved (:meth:`round_done`; the members were all waiting when it
+    was decided, so that time is the wire's), and how long its block of local steps took
+    (:meth:`block_done`). The link of each stage is the upper quartile of the bandwidths of its
+    last :data:`WINDOW` rounds beyond the latency measured at the start; the compute, each
+    pipeline's latest seconds per step. :meth:`every` applies the start's rule
+    (:func:`~sdpipe_cli.core.meetings.choose`) to them: the fastest pipeline's step against one
+    meeting of every replica of the costliest stage, within ``share``. A period is changed only
+    when the rule's differs by more than :data:`STEADY` x, so that noise does not move it.
+
+    Pure: fed by the scheduler, no clock of its own.
+    """
+
+    def __init__(self, share: float, precision: str, every: int, most: int, members: int,
+                 links: dict[int, LinkFit], values: dict[int, int], step_s: dict[int, float]):
+        self.share, self.precision, self.most, self.members = share, precision, most, members
+        self.current = every
+        self.latency = {s: fit.latency_s for s, fit in links.items()}
+        self.values = dict(values)
+        self.seen: dict[int, list[float]] = {s: [fit.bytes_per_s] for s, fit in links.items()}
+        self.step_s = dict(step_s)
+
+    def round_done(self, stage: int, moved: float, seconds: float) -> None:
+        """A round of ``stage`` moved ``moved`` bytes through a member's link in ``seconds``."""
+        if moved <= 0 or seconds <= 0 or stage not in self.seen:
+            return
+        beyond = seconds - self.latency[stage]
+        rate = moved / beyond if beyond > 0 else moved / seconds
+        self.seen[stage] = (self.seen[stage] + [rate])[-WINDOW:]
+
+    def block_done(self, pipeline: int, steps: int, seconds: float) -> None:
+        """``pipeline`` took ``seconds`` for its last ``steps`` local steps (its compute)."""
+        if steps > 0 and seconds > 0:
+            self.step_s[pipeline] = seconds / steps
+
+    def link(self, stage: int) -> LinkFit:
+        """The stage's link: the upper quartile of its recent rounds' rates. A round's time can
+        only exceed the wire's (a member that enters the all-reduce late, a decision that
+        queued behind other traffic), so the low ones say least about the wire."""
+        rates = sorted(self.seen[stage])
+        return LinkFit(self.latency[stage], rates[3 * len(rates) // 4])
+
+    def every(self) -> int:
+        """The period the next blocks take."""
+        if not self.step_s:
+            return self.current
+        round_s = {p: max(self.link(s).seconds(ring_bytes(self.members, n * size))
+                          for s, n in self.values.items())
+                   for p, size in BYTES.items()}
+        wanted = choose(max(min(self.step_s.values()), 1e-6), round_s, self.share, 0,
+                        self.precision, self.most).every
+        if max(wanted, self.current) > STEADY * min(wanted, self.current):
+            self.current = wanted
+        return self.current
+
+
+class Blocks:
+    """A replica's meetings when they follow the wire: each block of local steps is as long as
+    its last meeting's decision said (``Group.nexts``), so the meeting after a step is the
+    count of meetings so far, not ``step // H``. Until the first decision, blocks of the
+    start's ``every`` from where the replica starts (a resume's first block ends where a fixed
+    period's would, as the scheduler numbers it)."""
+
+    def __init__(self, every: int):
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.every = every
+        self.next: Optional[int] = None  # the local step after which the replica meets next
+        self.met = -1  # the last meeting it went to
+
+    def meets(self, step: int) -> bool:
+        if self.next is None:
+            self.next = step + self.every - 1 - step % self.every
+            self.met = step // self.every - 1
+        return step == self.next
+
+    def meeting(self) -> int:
+        """The number of the replica's coming meeting."""
+        return self.met + 1
+
+    def went(self, step: int, next_every: Optional[int]) -> None:
+        """It met after local step ``step``; its next block takes ``next_every`` steps (None:
+        as long as the last)."""
+        self.met += 1
+        if next_every is not None:
+            self.every = next_every
+        self.next = step + self.every

@@ -72,6 +72,12 @@ class Ready:
     iteration: int
     incarnation: int = 0
     steps: Optional[int] = None
+    # meetings that follow the wire (MeetingChoice.adapt): the replica's last round, its
+    # all-reduce's seconds and the bytes it moved through this member's link, and the seconds
+    # its last block of local steps took
+    wire_s: Optional[float] = None
+    wire_bytes: Optional[float] = None
+    block_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,10 @@ class Group:
     # (``sync.stale``); empty: the plain mean
     weight_shares: list[float] = field(default_factory=list)
     grad_shares: list[float] = field(default_factory=list)
+    # meetings that follow the wire: each member's next block of local steps, in ``members``
+    # order, and the run's pipeline-steps done (the lr schedule's clock); empty, None: fixed H
+    nexts: list[int] = field(default_factory=list)
+    done_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("group", "global"):
@@ -224,6 +234,8 @@ class Group:
             if shares and (len(shares) != len(self.members) or min(shares) < 0
                            or abs(sum(shares) - 1) > 1e-6):
                 raise ValueError(f"{name}: one share per member, none negative, summing to 1")
+        if self.nexts and (len(self.nexts) != len(self.members) or min(self.nexts) < 1):
+            raise ValueError("nexts: one block of at least one step per member")
 
 
 @dataclass(frozen=True)
@@ -311,6 +323,9 @@ class MeetingChoice:
     share: float
     stages: list[StageLink]
     describe: str
+    # whether the meetings follow the wire during the run (Group.nexts): where they are apart
+    # at the start and no replica is healed (which would need its block's length)
+    adapt: bool = False
 
 
 #: Who sends each message, and who reads it (docs/ARCHITECTURE.md's table is generated from this

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdpipe_cli.core.meetings import Meetings, average_of, meetings_of, precision_of
+from sdpipe_cli.core.meetings import BYTES, Meetings, average_of, meetings_of, precision_of
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.segments import Segments
 from sdpipe_cli.model import optim
-from sdpipe_cli.core.wire import Measured
+from sdpipe_cli.core.wire import Blocks, Measured, ring_bytes
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync import wire_probe
 from sdpipe_cli.sync.base import Sync, Wiring
@@ -116,6 +116,12 @@ class GroupSync(Sync):
         self._t0: Optional[float] = None  # the run's time axis, for the reports; read when needed
         self._unsettled: Any = None  # sync settings whose meetings the wire decides (wire_probe)
         self._began: Optional[float] = None  # when the first iteration began (its compute)
+        # meetings that follow the wire: this replica's blocks, the run's pipeline-steps at the
+        # last decision, its last round (seconds, bytes through its link), when its block began
+        self.blocks: Optional[Blocks] = None
+        self._done_steps: Optional[int] = None
+        self._wire: tuple[Optional[float], Optional[float]] = (None, None)
+        self._block_began: Optional[float] = None
 
     def _clock(self) -> float:
         if self._t0 is None:
@@ -140,7 +146,7 @@ class GroupSync(Sync):
                 self.segments = self.segments.resplit(q, split.partition)
 
     def started(self) -> None:
-        self._began = time.perf_counter()
+        self._began = self._block_began = time.perf_counter()
 
     def _settle(self, module: nn.Module) -> None:
         """Meetings left to the measured wire (:mod:`~sdpipe_cli.sync.wire_probe`): at the
@@ -158,9 +164,12 @@ class GroupSync(Sync):
                                      values)
             wire_probe.report(self.events, self.rank,
                               Measured(self.pipeline, self.stage, step_s, values, found))
-        chosen = wire_probe.settled(settings, wire_probe.choice(self.events, timeout))
+        made = wire_probe.choice(self.events, timeout)
+        chosen = wire_probe.settled(settings, made)
         self.meetings, self.precision = meetings_of(chosen), precision_of(chosen)
         self.average = average_of(chosen)
+        if made.adapt:
+            self.blocks = Blocks(made.every)
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         return not self.stop  # the scheduler ends the run (train.steps counts all pipelines)
@@ -183,7 +192,8 @@ class GroupSync(Sync):
     def after_step(self, module: nn.Module, step: int) -> None:
         early, self._early = self._early, False
         if self.average == "weights":
-            if early or self.meetings.meets(step):
+            meets = self.blocks.meets(step) if self.blocks else self.meetings.meets(step)
+            if early or meets:
                 self._rounds(module, step, grads=False)
             else:  # training alone until the next meeting
                 self._checkpoint = None
@@ -203,6 +213,8 @@ class GroupSync(Sync):
         pipeline; after it (weights), the iterations up to the next one's."""
         if self._done is None:
             return float(step)
+        if self._done_steps is not None:  # blocks of their own: the scheduler counts steps
+            return self._done_steps / self.pipelines + (step - self._decided_at - 1)
         if self.meetings.every == 1:
             return self._done / self.pipelines - (1.0 if self.average == "weights_grads" else 0.0)
         # between meetings (flushed schedules: a round is an iteration), the steps since
@@ -225,9 +237,15 @@ class GroupSync(Sync):
         # a block cut short by the run's end: the scheduler's checkpoint counts these steps
         steps = None if self.meetings.steps(meeting + 1) == step + 1 else step + 1
         self._met = meeting
+        followed: dict[str, Any] = {}
+        if self.blocks is not None:  # blocks of their own: what they and the wire took
+            steps = step + 1
+            followed = {"wire_s": self._wire[0], "wire_bytes": self._wire[1],
+                        "block_s": round(start - (self._block_began or start), 6)}
         for unit in self.units:
             store.push(self.events, store.EVENTS, protocol.Ready(
-                self.rank, self.pipeline, unit.index, meeting, self.incarnation, steps))
+                self.rank, self.pipeline, unit.index, meeting, self.incarnation, steps,
+                **followed))
         stats, spent, stop, checkpoint, failed = {}, 0.0, False, None, False
         for unit in self.units:
             decision = self._decision(unit, step, meeting)
@@ -239,6 +257,10 @@ class GroupSync(Sync):
             self._drop(checkpoint, step + 1)
             checkpoint = None
         self.stop, self._checkpoint = stop, checkpoint
+        if self.blocks is not None:
+            self.blocks.went(step, stats.get("next"))
+            self._wire = (stats.get("wire_s"), stats.get("wire_bytes"))
+            self._block_began = time.perf_counter()
         self._stats = {"group_size": stats["group_size"], "round": stats["round"],
                        "group_kind": stats["group_kind"],
                        "wait_s": time.perf_counter() - start - spent, "comm_s": spent}
@@ -249,6 +271,8 @@ class GroupSync(Sync):
         last meetings come early, so every checkpoint and resume still finds blocks of H steps:
         one taken here holds the steps actually done, and a resume's next meeting is the one its
         step falls in, on both sides."""
+        if self.blocks is not None:
+            return self.blocks.meeting()
         return max(self.meetings.meeting(step), self._met + 1)
 
     def _drop(self, checkpoint: int, step: int) -> None:
@@ -270,6 +294,8 @@ class GroupSync(Sync):
         self._follow(decision.members, decision.incarnations)
         if decision.done is not None:
             self._done, self._decided_at = decision.done, step
+        if decision.done_steps is not None:
+            self._done_steps = decision.done_steps
         unit.heal = decision.heal
         return decision
 
@@ -280,7 +306,7 @@ class GroupSync(Sync):
         members, incarnations = decision.members, decision.incarnations
         module = unit.module(module)
         changes = self.precision != "fp32" and decision.kind == "group"
-        distance, failed = None, False
+        distance, failed, payload = None, False, 0
         if len(members) > 1:
             ranks = self._ranks(unit, members)
             params = list(module.parameters())
@@ -300,6 +326,8 @@ class GroupSync(Sync):
                     shares.append((len(params), decision.grad_shares[me]))
                 if decision.kind == "global" and self.optimizer is not None:
                     tensors += optim.state_tensors(self.optimizer, params)
+            payload = (unit.anchor.numel() * BYTES[self.precision] if changes
+                       else sum(t.numel() * t.element_size() for t in tensors))
             try:
                 if changes:  # bf16 changes since the anchor (the tensors: weights, statistics)
                     average_changes(tensors, unit.anchor, self._residual(unit), self.groups, ranks,
@@ -328,9 +356,14 @@ class GroupSync(Sync):
                 self.incarnation, {"iteration": step, "round": decision.round,
                                    "members": members, "consensus": distance,
                                    **self._segment(unit)}))
-        return {"group_size": len(members), "round": decision.round,
-                "group_kind": decision.kind, "comm_s": time.perf_counter() - got,
-                "failed": failed}
+        comm_s = time.perf_counter() - got
+        out = {"group_size": len(members), "round": decision.round,
+               "group_kind": decision.kind, "comm_s": comm_s, "failed": failed}
+        if decision.nexts:  # this member's next block
+            out["next"] = decision.nexts[decision.members.index(self.pipeline)]
+        if len(members) > 1 and not failed:  # what the wire took: seconds, bytes via this link
+            out.update(wire_s=round(comm_s, 6), wire_bytes=ring_bytes(len(members), payload))
+        return out
 
     def _segment(self, unit: Unit) -> dict[str, int]:
         """A report's segment, where units are not stages."""

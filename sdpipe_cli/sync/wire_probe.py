@@ -111,7 +111,7 @@ def settle(cfg: DictConfig, events, workers: int, timeout: float
                    for r in range(workers)]
         made = decide(reports, float(cfg.sync.wire_share), int(cfg.sync.every),
                       str(cfg.sync.precision), most=int(cfg.train.steps))
-        store.put(events, store.MEETINGS, _record(made, reports))
+        store.put(events, store.MEETINGS, _record(made, reports, follows(cfg, made)))
         log.info("measured links: %s", made.describe())
     chosen = store.read(events, store.MEETINGS, protocol.MeetingChoice)
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -128,7 +128,17 @@ def settled(sync: Any, chosen: Any) -> DictConfig:
     return out
 
 
-def _record(made: Choice, reports: Sequence[Measured]) -> protocol.MeetingChoice:
+def follows(cfg: DictConfig, made: Choice) -> bool:
+    """Whether the meetings follow the wire during the run: where they are apart at the start
+    (on a wire that already fits every iteration in float32, nothing changes), H was left to
+    choose, and no replica is ever healed (a healed replica would need its block's length;
+    ``fault.on_pipeline_loss=stop``, no re-split in place)."""
+    apart = made.every > 1 or made.precision != "fp32"
+    return (apart and int(cfg.sync.every) == 0 and cfg.fault.on_pipeline_loss == "stop"
+            and cfg.fault.on_slowdown != "replan")
+
+
+def _record(made: Choice, reports: Sequence[Measured], adapt: bool) -> protocol.MeetingChoice:
     """The choice and what it was made from, per stage: the slowest replica's fitted link."""
     stages: dict[int, tuple[float, protocol.StageLink]] = {}
     for r in reports:
@@ -139,7 +149,7 @@ def _record(made: Choice, reports: Sequence[Measured]) -> protocol.MeetingChoice
                 round(fit.latency_s * 1e3, 3)))
     return protocol.MeetingChoice(made.every, made.precision, made.iteration_s, made.round_s,
                                   made.share, [stages[s][1] for s in sorted(stages)],
-                                  made.describe())
+                                  made.describe(), adapt)
 
 
 def record(chosen: protocol.MeetingChoice) -> dict:

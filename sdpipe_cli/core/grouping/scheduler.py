@@ -84,6 +84,13 @@ class GroupScheduler:
             cost_aware=cost_aware)
         self._planner.declare()  # a budget of at most P iterations ends at iteration 0
 
+    def retarget(self, total_iterations: int) -> None:
+        """The budget counted again in iterations of another length (meetings that follow the
+        wire change their number of steps); kept once the run's last global sync is declared,
+        which every stage must close alike."""
+        if not self._run.final:
+            self._run.total_iterations = max(total_iterations, 0)
+
     # -- events ---------------------------------------------------------------------------------
     def ready(self, stage: int, pipeline: int, iteration: int) -> list[Decision]:
         """Stage ``stage`` of ``pipeline`` finished its step for ``iteration`` and waits."""

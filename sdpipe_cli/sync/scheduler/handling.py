@@ -34,6 +34,7 @@ from sdpipe_cli.runtime.trackers import open_sinks
 from sdpipe_cli.sync.replay import load as load_recorded
 from sdpipe_cli.sync.scheduler.checkpoints import Checkpoints
 from sdpipe_cli.sync.scheduler.health import Health, WorkerHung
+from sdpipe_cli.sync.scheduler.pacing import pacing_of
 from sdpipe_cli.sync.scheduler.replanning import Replanning
 
 __all__ = ["Scheduler", "WorkerHung", "PUBLISH_S"]
@@ -78,7 +79,8 @@ class Scheduler:
     """Event handling of one run; the store and the clock are injected."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, events, clock=time.monotonic,
-                 resume: Optional[Path] = None, live: bool = True):
+                 resume: Optional[Path] = None, live: bool = True,
+                 wire: Optional[protocol.MeetingChoice] = None):
         plan = RunPlan.of(cfg)
         P, S = plan.pipelines, plan.stages
         # ``live=False``: replaying a dead scheduler's journal; what it wrote is held back
@@ -92,12 +94,17 @@ class Scheduler:
         self.stragglers = StragglerWatch(cfg, plan) if cfg.fault.on_slowdown != "off" else None
         self.replanning = Replanning(cfg, plan) if cfg.fault.on_slowdown == "replan" else None
         self.replan: Optional[dict] = None  # the re-plan this leg stops for (the next leg's split)
-        self.wire: Optional[dict] = None  # the meetings this leg settled from its measured wire
+        # the meetings this leg settled from its measured wire, and, where they follow it
+        # during the run, the blocks' lengths (sync/scheduler/pacing.py)
+        self.wire = wire
+        self.pacing = pacing_of(wire, cfg) if mode(cfg.sync.name).group_policy else None
         self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
         # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
                          else None)
-        self.policy = (make_policy(cfg, plan, clock, spent=store.limit_spent(events))
+        # blocks that follow the wire fall anywhere: no evaluation pause comes at a known meeting
+        self.policy = (make_policy(cfg, plan, clock, spent=store.limit_spent(events),
+                                   evaluations=wire is None or not wire.adapt)
                        if mode(cfg.sync.name).group_policy
                        and self.recorded is None else None)
         # the policy counts meetings (sync.every iterations each); checkpoints and heals, steps
@@ -172,6 +179,8 @@ class Scheduler:
             self.tracker.state[p].samples = k * self.cfg.train.batch_size
         if self.policy is not None:
             self.policy.resume({p: self.meetings.meeting(k) for p, k in steps.items()})
+        if self.pacing is not None:
+            self.pacing.resumed(steps)
         self.checkpoints.resume(steps)
         # where this leg begins: readers of metrics.jsonl tell timelines apart by it (a leg
         # resumed from an older checkpoint goes back in iterations); ``at``: the checkpoint's
@@ -249,6 +258,8 @@ class Scheduler:
                                 "iteration", event.iteration, row=1 + event.stage)
         if event.steps is not None:
             self.checkpoints.cut_short(event.pipeline, event.iteration, event.steps)
+        if self.pacing is not None:
+            self.pacing.ready(event)
         self._publish(self._policy().ready(event.stage, event.pipeline, event.iteration))
 
     def _replayed(self, event: protocol.Ready) -> None:
@@ -372,7 +383,10 @@ class Scheduler:
     def _publish(self, decisions: list[Decision]) -> None:
         # the run's global progress, for the members' learning-rate schedule
         done = self.policy.iterations_done() if decisions else None
+        pacing = self.pacing
         for d in decisions:
+            nexts = (pacing.nexts(list(d.members), list(d.iterations), self.policy,
+                                  round(time.time() - self.t0, 4)) if pacing is not None else [])
             ckpt = (self.checkpoints.at_global_sync(d, self.policy) if d.kind == "global"
                     else None)
             # the restarted replicas this round's first member heals after its update, in the
@@ -387,7 +401,8 @@ class Scheduler:
                 members=list(d.members), round=d.round, kind=d.kind, stop=d.stop,
                 incarnations=[self.incarnation[p] for p in d.members], checkpoint=ckpt,
                 done=done, twins=d.twins, weight_shares=list(d.weight_shares),
-                grad_shares=list(d.grad_shares))
+                grad_shares=list(d.grad_shares), nexts=nexts,
+                done_steps=pacing.done_steps() if pacing is not None else None)
             keys = [store.decision_key(d.stage, p, k, self.incarnation[p])
                     for p, k in zip(d.members, d.iterations)]
             values = [protocol.encode(group)] * len(keys)
@@ -418,7 +433,9 @@ class Scheduler:
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
                 "twins": d.twins, "done": done,
                 "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]}
-            if self.meetings.every > 1:  # iterations above count meetings of this many
+            if pacing is not None:  # meetings that follow the wire: blocks of their own
+                line.update(every=pacing.every, nexts=nexts, done_steps=pacing.done_steps())
+            elif self.meetings.every > 1:  # iterations above count meetings of this many
                 line["every"] = self.meetings.every
             if d.heal:  # the restarted replicas the first member heals: [pipeline, iteration]
                 line["heal"] = [list(h) for h in d.heal]
@@ -426,6 +443,8 @@ class Scheduler:
                 line["weight_shares"] = list(d.weight_shares)  # exact: a replay uses them
                 line["grad_shares"] = list(d.grad_shares)
             self.metrics.write(line)
+            for change in pacing.take_changes() if pacing is not None else ():
+                self.metrics.write({"kind": "pace", **change})
 
     # -- checkpoints and health -----------------------------------------------------------------
     def _saved(self, event: protocol.Saved) -> None:
@@ -471,7 +490,9 @@ class Scheduler:
         if self.replan is not None:
             summary["replan"] = self.replan
         if self.wire is not None:
-            summary["wire"] = self.wire
+            summary["wire"] = dataclasses.asdict(self.wire)
+            if self.pacing is not None:
+                summary["wire"]["every_now"] = self.pacing.every
         if self.replanning is not None:  # what a restart after a failure carries on
             summary["slowed"] = self.replanning.slowed_now()
             if self.replanning.asked is not None:

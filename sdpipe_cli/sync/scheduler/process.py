@@ -138,13 +138,14 @@ def act(scheduler: Scheduler, writer: journal.Journal, raw: list[str], now: floa
 
 def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None,
            now: Callable[[], float] = time.monotonic, path: Optional[Path] = None,
-           restart: int = 1) -> Scheduler:
+           restart: int = 1, wire: Optional[protocol.MeetingChoice] = None) -> Scheduler:
     """A scheduler started again after the run's first died: the dead one's journal (``path``,
     default the first leg's) replayed, then live from moment ``now()`` on
     (:mod:`~sdpipe_cli.sync.journal`)."""
     started, batches = journal.read(path or journal_path(run_dir))
     clock = BatchClock(started)
-    scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, live=False)
+    scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, live=False,
+                          wire=wire)
     for batch in batches:
         clock.now, scheduler.stop_seen = batch.t, batch.stop
         scheduler.new_batch()
@@ -165,15 +166,15 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
     :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`), for the metrics and the summary."""
     path = journal_path(run_dir, config)
     if restarted:
-        scheduler = replay(cfg, run_dir, events, resume, path=path, restart=restarted)
+        scheduler = replay(cfg, run_dir, events, resume, path=path, restart=restarted,
+                           wire=wire)
         writer = journal.Journal.resume(path)
     else:
         clock = BatchClock(time.monotonic())
         writer = journal.Journal.create(path, clock.now)
-        scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume)
+        scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, wire=wire)
         if wire is not None:
             scheduler.metrics.write(wire_probe.line(wire, round(time.time() - scheduler.t0, 4)))
-    scheduler.wire = wire_probe.record(wire) if wire is not None else None
     ticker = Ticker(connect)
     ticker.start()
     tracer = scheduler.tracer

@@ -1,0 +1,96 @@
+"""The scheduler's side of meetings that follow the wire during the run.
+
+Where a run settled its meetings from its measured wire and they are apart
+(:class:`~sdpipe_cli.runtime.protocol.MeetingChoice` ``adapt``), every decision also tells each
+member how many local steps its next block takes (``Group.nexts``): the period
+:class:`~sdpipe_cli.core.wire.WirePace` wants now, from what the members' ready signals say of
+their last round and block. A replica's blocks then differ in length, so the scheduler keeps
+what the meetings' count no longer says: each pipeline's local steps, from its ready signals
+(``Ready.steps``), and the run's pipeline-steps for the learning rate's clock
+(``Group.done_steps``); and when the period changes it counts the policy's budget again in
+meetings of the new length (``GroupScheduler.retarget``), so that the run still ends after
+about ``train.steps`` per pipeline (within a block, as with a fixed period).
+
+Every stage of a pipeline must take the same blocks: the next block of a pipeline's meeting is
+decided once, at the first of its stages' rounds, and every other stage's round at that
+meeting repeats it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from sdpipe_cli.core.wire import LinkFit, WirePace
+from sdpipe_cli.runtime import protocol
+
+__all__ = ["Pacing"]
+
+
+class Pacing:
+    """``chosen``: the start's choice; ``budget``: the run's pipeline-steps
+    (``train.steps`` x P); ``pipelines``: P; ``most``: the longest block (``train.steps``)."""
+
+    def __init__(self, chosen: protocol.MeetingChoice, budget: int, pipelines: int, most: int):
+        links = {s.stage: LinkFit(s.latency_ms / 1e3, s.mbit_s * 1e6 / 8) for s in chosen.stages}
+        self.pace = WirePace(chosen.share, chosen.precision, chosen.every, most, pipelines, links,
+                             {s.stage: s.values for s in chosen.stages}, {0: chosen.iteration_s})
+        self.budget, self.P = budget, pipelines
+        self.steps = {p: 0 for p in range(pipelines)}  # each pipeline's local steps, as said
+        self.blocks: dict[tuple[int, int], int] = {}  # (pipeline, meeting) -> its next block
+        self.every = chosen.every  # the period of the blocks decided last
+        self.changes: list[dict[str, Any]] = []  # when the period changed, for the metrics
+
+    def resumed(self, steps: dict[int, int]) -> None:
+        self.steps.update(steps)
+
+    def ready(self, event: protocol.Ready) -> None:
+        """What a ready signal says of the replica's last round and block (each stage reports
+        its round; the block, a pipeline's, is counted once, when its steps move on)."""
+        if event.wire_s is not None and event.wire_bytes:
+            self.pace.round_done(event.stage, event.wire_bytes, event.wire_s)
+        if event.steps is None:
+            return
+        done = event.steps - self.steps.get(event.pipeline, 0)
+        if done > 0:
+            if event.block_s is not None:
+                self.pace.block_done(event.pipeline, done, event.block_s)
+            self.steps[event.pipeline] = event.steps
+
+    def nexts(self, members: list[int], meetings: list[int], policy: Any,
+              now: float) -> list[int]:
+        """Each member's next block, decided once per pipeline and meeting."""
+        out = []
+        for p, k in zip(members, meetings):
+            if (p, k) not in self.blocks:
+                every = self.pace.every()
+                if every != self.every:
+                    self._changed(every, policy, now)
+                self.blocks[(p, k)] = every
+            out.append(self.blocks[(p, k)])
+        return out
+
+    def _changed(self, every: int, policy: Any, now: float) -> None:
+        """The period changes: the policy's budget is counted again in the new meetings."""
+        left = max(0, self.budget - sum(self.steps.values()))
+        policy.retarget(policy.iterations_done() + math.ceil(left / every))
+        link = min((self.pace.link(s) for s in self.pace.values), key=lambda f: f.bytes_per_s)
+        self.changes.append({"time": now, "every": every, "was": self.every,
+                             "mbit_s": round(link.mbit_s, 3),
+                             "step_s": round(min(self.pace.step_s.values()), 6)})
+        self.every = every
+
+    def done_steps(self) -> int:
+        return sum(self.steps.values())
+
+    def take_changes(self) -> list[dict[str, Any]]:
+        out, self.changes = self.changes, []
+        return out
+
+
+def pacing_of(chosen: Optional[protocol.MeetingChoice], cfg) -> Optional[Pacing]:
+    """The run's pacing, where its meetings follow the wire."""
+    if chosen is None or not chosen.adapt:
+        return None
+    P = int(cfg.cluster.pipelines)
+    return Pacing(chosen, P * int(cfg.train.steps), P, int(cfg.train.steps))
