@@ -244,9 +244,8 @@ class SdpipeSyncConfig(SyncConfig):
     # step. 0: chosen when the run is prepared from the emulated cluster.links (1 where none is)
     every: int = 0
     # What a group round sends: each member's change since the last global sync, with error
-    # feedback, in fp32, bf16, or int8 (with a float32 scale per chunk of values: about a
-    # quarter of fp32's bytes); auto: bf16 where a float32 meeting every iteration would not fit
-    # sync.wire_share. Global syncs are always exact (float32)
+    # feedback, in fp32, bf16 or int8 (a float32 scale per chunk); auto: bf16 where a float32
+    # meeting every iteration would not fit sync.wire_share. Global syncs are exact (float32)
     precision: str = "auto"
     # The share of a replica's time that the chosen sync.every lets its meetings take
     wire_share: float = 0.1
