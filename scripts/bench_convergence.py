@@ -90,6 +90,10 @@ VARIANTS = {
     "sdpipe-every1": ["sync=sdpipe", "sync.every=1", "sync.precision=fp32"],
     "sdpipe-every4": ["sync=sdpipe", "sync.every=4", "sync.precision=bf16"],
     "sdpipe-every8": ["sync=sdpipe", "sync.every=8", "sync.precision=bf16"],
+    # what a group round sends at the period the launcher chooses on cluster=slow_links (H = 14)
+    "sdpipe-h14-fp32": ["sync=sdpipe", "sync.every=14", "sync.precision=fp32"],
+    "sdpipe-h14-bf16": ["sync=sdpipe", "sync.every=14", "sync.precision=bf16"],
+    "sdpipe-h14-int8": ["sync=sdpipe", "sync.every=14", "sync.precision=int8"],
     "diloco-bf16": ["sync=diloco", "sync.precision=bf16"],
     "adpsgd": ["sync=adpsgd"],
     "diloco": ["sync=diloco"],

@@ -246,9 +246,9 @@ class SdpipeSyncConfig(SyncConfig):
     # meeting (docs/SYNC.md#slow-links); 1 on one node
     every: int = 0
     # What a group round sends: each member's change since the last global sync, with error
-    # feedback, in fp32 or bf16; auto: bf16 where a float32 meeting every iteration would not
-    # fit sync.wire_share (on the described or the measured links). Global syncs are always
-    # exact (float32)
+    # feedback, in fp32, bf16 or int8 (a float32 scale per chunk); auto: bf16 where a float32
+    # meeting every iteration would not fit sync.wire_share (on the described or the measured
+    # links). Global syncs are exact (float32)
     precision: str = "auto"
     # The share of a replica's time that the chosen sync.every lets its meetings take
     wire_share: float = 0.1
@@ -293,8 +293,8 @@ class DilocoSyncConfig(SyncConfig):
     local_steps: int = 8  # inner steps of each replica between two outer steps
     outer_lr: float = 0.7  # the outer step's learning rate (1.0 with momentum 0: plain averaging)
     outer_momentum: float = 0.9  # the outer step's Nesterov momentum
-    # what the outer gradient is all-reduced in: fp32, or bf16 with error feedback (the same
-    # payload as sdpipe's sync.precision=bf16, for a fair comparison on slow links)
+    # what the outer gradient is averaged in: fp32, or bf16 or int8 with error feedback (the
+    # same payload as sdpipe's sync.precision, for a fair comparison on slow links)
     precision: str = "fp32"
 
 

@@ -298,8 +298,8 @@ def _check_diloco(y: DictConfig) -> None:
          f"must be a positive finite number, got {y.outer_lr}")
     need(math.isfinite(y.outer_momentum) and 0 <= y.outer_momentum < 1, "sync.outer_momentum",
          f"must be in [0, 1), got {y.outer_momentum}")
-    need(y.precision in ("fp32", "bf16"), "sync.precision",
-         f"is '{y.precision}'; choose fp32 or bf16")
+    need(y.precision in ("fp32", "bf16", "int8"), "sync.precision",
+         f"is '{y.precision}'; choose fp32, bf16 or int8")
 
 
 # each mode's own settings, by its config class (the rest of validation asks core.modes)
@@ -369,10 +369,10 @@ def _validate_fault(cfg: DictConfig) -> None:
          "run.heartbeat_timeout", f"must exceed sync.group_timeout ({y.get('group_timeout')} s) "
          f"with fault.on_pipeline_loss={loss}: a replica waiting that long for a lost member "
          "would be taken for hung")
-    need(not (loss == "restart" and y.get("precision") == "bf16"),
-         "sync.precision", "bf16 changes are taken from an anchor every replica shares, which a "
-         "replica healed before a global sync would miss: use sync.precision=fp32 (or auto) "
-         "with fault.on_pipeline_loss=restart")
+    need(not (loss == "restart" and y.get("precision") in ("bf16", "int8")),
+         "sync.precision", f"{y.get('precision')} changes are taken from an anchor every replica "
+         "shares, which a replica healed before a global sync would miss: use "
+         "sync.precision=fp32 (or auto) with fault.on_pipeline_loss=restart")
     need(failure in ("stop", "restart"), "fault.on_failure", f"is '{failure}'; choose stop or restart")
     need(failure == "stop" or mode(y.name).restart_run, "fault.on_failure",
          f"restart is for lock-step sync ({', '.join(names_with('restart_run'))}), not "

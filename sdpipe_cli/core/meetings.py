@@ -9,9 +9,10 @@ meeting every iteration puts most of a replica's time on the wire. Two settings 
   The scheduler's policy then counts in *meetings*: its "iteration" k is a replica's block of
   local steps ``k*H .. k*H + H - 1``, and its budget, global-sync period and evaluation period are
   the run's divided by H. :class:`Meetings` is the one place that converts between the two.
-* ``sync.precision``: a group round (not a global sync, which stays exact) all-reduces each
+* ``sync.precision``: a group round (not a global sync, which stays exact) averages each
   member's change since the stage's *anchor*, the weights at the last global sync (which every
-  replica holds alike), in bfloat16 instead of float32: half the bytes. What rounding lost of a
+  replica holds alike), in bfloat16 instead of float32 (half the bytes), or in int8 with a
+  float32 scale per :data:`INT8_CHUNK` values (about a quarter). What rounding lost of a
   member's change is kept and added to its next one (error feedback), so it is delayed, not lost.
 
 ``sync.every=0`` and ``sync.precision=auto`` let the launcher choose (:func:`choose`) from the
@@ -28,10 +29,15 @@ from dataclasses import dataclass
 
 from sdpipe_cli.core.modes import mode
 
-__all__ = ["Meetings", "Choice", "choose", "meetings_of", "precision_of", "average_of", "SYNC_PRECISIONS", "BYTES"]
+__all__ = ["Meetings", "Choice", "choose", "meetings_of", "precision_of", "average_of", "SYNC_PRECISIONS", "BYTES",
+           "INT8_CHUNK"]
 
-SYNC_PRECISIONS = ("auto", "fp32", "bf16")
-BYTES = {"fp32": 4, "bf16": 2}  # bytes per value a group round sends
+SYNC_PRECISIONS = ("auto", "fp32", "bf16", "int8")
+# int8 changes: one float32 scale (absmax / 127) per this many values. Finer chunks follow the
+# changes' magnitudes more closely (a smaller rounding step) for more bytes of scales
+INT8_CHUNK = 256
+# bytes per value a group round sends (int8: a byte, and its share of its chunk's scale)
+BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / INT8_CHUNK}
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,7 @@ def average_of(sync) -> str:
     """What sdpipe's group rounds average, as the workers, the policy and the simulator must all
     take it: ``sync.average``, except that meetings every H > 1 steps and low-precision changes
     average the weights after the step (``weights``): a gradient of one step in H, or rounded
-    to bfloat16 beside exact weights, would buy little for twice the bytes."""
+    to bfloat16 or int8 beside exact weights, would buy little for twice the bytes."""
     if mode(sync.name).group_policy and (meetings_of(sync).every > 1
                                          or precision_of(sync) != "fp32"):
         return "weights"

@@ -66,7 +66,7 @@ def _in_place(cfg: Any, blocks: int) -> bool:
     """Whether a re-plan re-splits pipelines while the others go on: ``fault.replan_in_place``
     (a config written before it existed: no) under a mode whose pipelines may be split apart
     and whose scheduler heals a restarted one (sdpipe), with two pipelines at least (one to
-    heal from) and the model's blocks known; not with bf16 changes, whose anchor a replica
+    heal from) and the model's blocks known; not with bf16 or int8 changes, whose anchor a replica
     healed segment by segment could miss (as ``fault.on_pipeline_loss=restart`` cannot)."""
     f, able = cfg.fault, mode(cfg.sync.name)
     return bool(blocks and f.on_slowdown == "replan" and f.get("replan_in_place", False)

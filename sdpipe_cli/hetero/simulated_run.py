@@ -147,7 +147,7 @@ def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optiona
                 for s in range(plan.stages)]
     round_s = {p: max(plan.cluster.allreduce_s(r, n * BYTES[p] // FLOAT_BYTES) + work.collective_s
                       for r, n in zip(replicas, work.stage_bytes))
-               for p in ("fp32", "bf16")}
+               for p in BYTES}
     precision = str(y.precision)
     if precision == "auto" and cfg.fault.on_pipeline_loss == "restart":
         precision = "fp32"  # a healed replica's anchor could miss a global sync (validation)

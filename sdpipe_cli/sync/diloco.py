@@ -13,9 +13,10 @@ replicas' updated weights: for plain SGD, exactly gradient all-reduce. The run's
 (``train.steps``) is an outer step too, so the replicas end identical; a time limit or a stop
 request ends the run at the next outer step.
 
-``precision="bf16"`` all-reduces the outer gradient in bfloat16 with error feedback
-(:func:`~sdpipe_cli.sync.groups.mean_in_bf16`), as INTELLECT-1 sends its pseudo-gradients in
-int8: half of float32's bytes, the baseline sdpipe's bfloat16 changes are compared with.
+``precision="bf16"`` (or ``"int8"``) averages the outer gradient in bfloat16 (or int8 with a scale
+per chunk, as INTELLECT-1 sends its pseudo-gradients) with error feedback
+(:func:`~sdpipe_cli.sync.groups.mean_of_changes`): half (about a quarter) of float32's bytes, the
+baseline sdpipe's changes in the same precision are compared with.
 
 The anchor, the outer momentum, the rounding residual and the count of updates are the
 strategy's state: they are in the worker's checkpoint shard (``sync``), so a resumed run takes
@@ -30,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sdpipe_cli.sync.groups import GroupCache, flatten, mean_in_bf16, statistics, unflatten
+from sdpipe_cli.sync.groups import GroupCache, flatten, mean_of_changes, statistics, unflatten
 from sdpipe_cli.core.meetings import precision_of
 from sdpipe_cli.sync.allreduce import AllReduceSync
 from sdpipe_cli.sync.base import Sync, Wiring
@@ -52,7 +53,7 @@ class DilocoSync(Sync):
         self.anchor: Optional[torch.Tensor] = None  # the weights after the last outer step
         self.momentum: Optional[torch.Tensor] = None
         self.precision = precision
-        self.residual: Optional[torch.Tensor] = None  # bf16: what rounding lost so far
+        self.residual: Optional[torch.Tensor] = None  # bf16, int8: what rounding lost so far
         self._stats: dict[str, Any] = {}
 
     @classmethod
@@ -93,10 +94,10 @@ class DilocoSync(Sync):
             self.residual = None if self.residual is None else self.residual.to(params[0].device)
         outer_grad = self.anchor - flatten(params)
         buffers = statistics(module)
-        if len(self.replicas) > 1 and self.precision == "bf16":
+        if len(self.replicas) > 1 and self.precision != "fp32":
             if self.residual is None:
                 self.residual = torch.zeros_like(outer_grad)
-            mean_in_bf16(outer_grad, self.residual, self.groups, self.replicas)
+            mean_of_changes(outer_grad, self.residual, self.groups, self.replicas, self.precision)
             if buffers:  # the running statistics are no change: averaged in float32
                 flat = flatten(buffers)
                 self.groups.all_reduce(flat, self.replicas)

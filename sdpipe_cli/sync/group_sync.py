@@ -46,7 +46,7 @@ HEAL_POLL_S = 0.01  # how often a restarted replica looks for its units' heal an
 @dataclass
 class Unit:
     """One segment this worker averages (the scheduler's "stage" ``index``): its blocks within
-    the worker's stage module, and its own bf16 anchor and residual and pending heals."""
+    the worker's stage module, and its own anchor and residual (bf16, int8 changes) and pending heals."""
 
     index: int
     start: int = 0
@@ -69,8 +69,8 @@ class GroupSync(Sync):
     and the gradients (and, at global syncs, the optimizer state); ``"weights"``: it comes after
     the step and averages the weights. ``optimizer``: whose state a global sync averages.
     ``meetings``: after which local steps the replica meets (the others it trains alone; the
-    scheduler counts meetings); ``precision``: ``bf16`` sends a group round's changes since the
-    anchor in bfloat16 (:mod:`~sdpipe_cli.core.meetings`; ``average`` must then be ``weights``).
+    scheduler counts meetings); ``precision``: ``bf16`` or ``int8`` sends a group round's
+    changes since the anchor in that precision (:mod:`~sdpipe_cli.core.meetings`; ``average`` must then be ``weights``).
     ``segments``: the run's, when pipelines are split differently (None: the units are stages).
     """
 
@@ -94,7 +94,7 @@ class GroupSync(Sync):
                  meetings: Meetings = Meetings(), precision: str = "fp32",
                  segments: Optional[Segments] = None):
         if (meetings.every > 1 or precision != "fp32") and average != "weights":
-            raise ValueError("meetings every H > 1 steps and bf16 changes average weights")
+            raise ValueError("meetings every H > 1 steps and low-precision changes average weights")
         self.events, self.rank, self.pipeline, self.stage, self.stages = (
             events, rank, pipeline, stage, stages)
         self.pipelines, self.groups, self.average = pipelines, groups, average
@@ -329,9 +329,9 @@ class GroupSync(Sync):
             payload = (unit.anchor.numel() * BYTES[self.precision] if changes
                        else sum(t.numel() * t.element_size() for t in tensors))
             try:
-                if changes:  # bf16 changes since the anchor (the tensors: weights, statistics)
+                if changes:  # bf16 or int8 changes since the anchor (the tensors: weights, statistics)
                     average_changes(tensors, unit.anchor, self._residual(unit), self.groups, ranks,
-                                    shares[0][1] if shares else None,
+                                    self.precision, shares[0][1] if shares else None,
                                     incarnations=incarnations, tag=f"r{decision.round}")
                 else:
                     distance = average_tensors(tensors, self.groups, ranks,
@@ -382,7 +382,7 @@ class GroupSync(Sync):
     # -- healing a restarted replica (fault.on_pipeline_loss=restart) ---------------------------
     def _state(self, unit: Unit, module: nn.Module) -> list[torch.Tensor]:
         """What a unit of a replica is: its weights and its optimizer's state, in a fixed order;
-        with bf16 changes also the anchor they are taken from (a restarted replica's is filled
+        with bf16 or int8 changes also the anchor they are taken from (a restarted replica's is filled
         in by the broadcast that heals it)."""
         params = list(module.parameters())
         state = params + statistics(module) + (optim.state_tensors(self.optimizer, params)

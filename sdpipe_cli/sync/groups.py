@@ -18,10 +18,11 @@ from torch import nn
 
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import Joined, connect_store
+from sdpipe_cli.sync import quantized
 from sdpipe_cli.sync.traffic import Traffic
 
 __all__ = ["GroupCache", "average_changes", "average_parameters", "average_tensors", "flatten",
-           "for_worker", "mean_in_bf16", "unflatten"]
+           "for_worker", "mean_of_changes", "sum_in_int8", "unflatten"]
 
 
 class GroupCache:
@@ -78,6 +79,34 @@ class GroupCache:
         options.reduceOp = op
         self.get(ranks, incarnations, tag).allreduce([tensor], options).wait()
         self.traffic.all_reduce(ranks, nbytes, time.perf_counter() - start)
+
+    def all_to_all(self, rows: torch.Tensor, ranks: list[int],
+                   incarnations: Optional[list[int]] = None, tag: str = "") -> torch.Tensor:
+        """Row i of ``rows`` (one a member, in rank order) to the i-th member; returns the rows
+        received, row i from the i-th member (this member's own row kept)."""
+        out = torch.empty_like(rows)
+        self._exchange(out, ranks, incarnations, tag, lambda group: group.alltoall_base(
+            out, rows, [], [], dist.AllToAllOptions()))
+        return out
+
+    def all_gather(self, row: torch.Tensor, ranks: list[int],
+                   incarnations: Optional[list[int]] = None, tag: str = "") -> torch.Tensor:
+        """Every member's ``row`` (a vector, of one length on all), row i the i-th member's."""
+        out = row.new_empty(len(ranks) * row.numel())
+        self._exchange(out, ranks, incarnations, tag,
+                       lambda group: group._allgather_base(out, row.reshape(-1)))
+        return out.view(len(ranks), -1)
+
+    def _exchange(self, out: torch.Tensor, ranks: list[int], incarnations: Optional[list[int]],
+                  tag: str, collective: Callable[[Any], Any]) -> None:
+        """Run an all-to-all or all-gather whose result is ``out``, emulated and counted. Each
+        moves (k-1)/k of the result's bytes through a member's link in k-1 steps, half a ring
+        all-reduce of them: two cost one emulated all-reduce of the payload."""
+        start, nbytes = time.perf_counter(), out.numel() * out.element_size()
+        if self.delay is not None:
+            time.sleep(self.delay(ranks, nbytes) / 2)
+        collective(self.get(ranks, incarnations, tag)).wait()
+        self.traffic.exchange(ranks, nbytes, time.perf_counter() - start)
 
     def broadcast(self, tensor: torch.Tensor, ranks: list[int], root: int,
                   incarnations: Optional[list[int]] = None, tag: str = "") -> None:
@@ -154,38 +183,77 @@ def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list
     return distance
 
 
-def mean_in_bf16(flat: torch.Tensor, residual: torch.Tensor, groups: GroupCache,
-                 ranks: list[int], share: Optional[float] = None,
-                 incarnations: Optional[list[int]] = None, tag: str = "") -> None:
+def mean_of_changes(flat: torch.Tensor, residual: torch.Tensor, groups: GroupCache,
+                    ranks: list[int], precision: str, share: Optional[float] = None,
+                    incarnations: Optional[list[int]] = None, tag: str = "") -> None:
     """Replace ``flat`` (this member's float32 vector) by the mean over ``ranks`` of the
-    members' vectors, all-reduced in bfloat16: half of float32's bytes.
+    members' vectors, sent in ``precision``: ``bf16`` (a bfloat16 all-reduce, half of float32's
+    bytes) or ``int8`` (a scale per chunk, :func:`sum_in_int8`: about a quarter).
 
-    Meant for *changes* (since a shared anchor, or DiLoCo's outer gradient), whose rounding to
-    bfloat16 loses little, never for weights, whose small updates it would lose. ``residual``:
-    what rounding lost of this member's vectors so far; it is added before rounding and replaced
-    by what this rounding lost (error feedback), so a member's contribution is delayed by
-    rounding, never dropped. The ring sums in bfloat16; that error is of the same order and not
-    fed back. ``share``: this member's weight in a weighted mean (:func:`average_tensors`'
-    ``shares``); 0 takes the group's mean without counting, and drops its own vector.
+    Meant for *changes* (since a shared anchor, or DiLoCo's outer gradient), whose rounding
+    loses little, never for weights, whose small updates it would lose. ``residual``: what
+    rounding lost of this member's vectors so far; it is added before rounding and replaced by
+    what this rounding lost (error feedback), so a member's contribution is delayed by rounding,
+    never dropped. The sum is rounded too (bfloat16's ring sums in bfloat16; int8's shards are
+    rounded again before the all-gather); that error is of the same order, the same on every
+    member, and not fed back. ``share``: this member's weight in a weighted mean
+    (:func:`average_tensors`' ``shares``); 0 takes the group's mean without counting, and drops
+    its own vector.
     """
+    if precision not in ("bf16", "int8"):
+        raise ValueError(f"changes are sent in bf16 or int8, not {precision}")
     with torch.no_grad():
         flat.add_(residual)
-        sent = (flat if share is None else flat * share).to(torch.bfloat16)
-        lost = (flat - sent.float() if share is None
-                else flat - sent.float() / share if share > 0 else torch.zeros_like(flat))
-        # kept only once the all-reduce completed: a failed round leaves this member as it was
-        groups.all_reduce(sent, ranks, incarnations=incarnations, tag=tag)
+        scaled = flat if share is None else flat * share
+        if precision == "int8":
+            codes, scales = quantized.quantize(_padded(scaled, len(ranks)))
+            sent = quantized.dequantize(codes, scales)[:flat.numel()]
+        else:
+            low = scaled.to(torch.bfloat16)
+            sent = low.float()
+        lost = (flat - sent if share is None
+                else flat - sent / share if share > 0 else torch.zeros_like(flat))
+        # kept only once the round completed: a failed round leaves this member as it was
+        if precision == "int8":
+            total = sum_in_int8(codes, scales, groups, ranks, incarnations, tag)[:flat.numel()]
+        else:
+            groups.all_reduce(low, ranks, incarnations=incarnations, tag=tag)
+            total = low
         residual.copy_(lost)
-        flat.copy_(sent)
+        flat.copy_(total)
         if share is None:
             flat /= len(ranks)
 
 
+def sum_in_int8(codes: torch.Tensor, scales: torch.Tensor, groups: GroupCache, ranks: list[int],
+                incarnations: Optional[list[int]] = None, tag: str = "") -> torch.Tensor:
+    """The sum over ``ranks`` of the members' vectors, each given as int8 ``codes`` and
+    ``scales`` (:func:`~sdpipe_cli.sync.quantized.quantize`, its chunks a multiple of the
+    members), with only int8 on the wire: the i-th member is sent every member's i-th shard
+    (all-to-all), sums them in float32, rounds its sum to int8 again, and every member gathers
+    every rounded shard (all-gather). Each member sends 2(k-1)/k of the payload, as a ring
+    all-reduce would, and all decode the same bytes: their sums are equal to the bit."""
+    k = len(ranks)
+    mine = quantized.unpack(groups.all_to_all(quantized.pack(codes, scales, k), ranks,
+                                              incarnations, tag))
+    shard = quantized.dequantize(*mine).reshape(k, -1).sum(dim=0)
+    row = quantized.pack(*quantized.quantize(shard), 1)
+    return quantized.dequantize(*quantized.unpack(groups.all_gather(row, ranks, incarnations, tag)))
+
+
+def _padded(flat: torch.Tensor, parts: int) -> torch.Tensor:
+    """``flat`` with zeros after it to whole chunks, ``parts`` shards of as many each."""
+    extra = quantized.padded(flat.numel(), parts) - flat.numel()
+    return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
+
+
 def average_changes(tensors: list[torch.Tensor], anchor: torch.Tensor, residual: torch.Tensor,
-                    groups: GroupCache, ranks: list[int], share: Optional[float] = None,
-                    incarnations: Optional[list[int]] = None, tag: str = "") -> None:
+                    groups: GroupCache, ranks: list[int], precision: str,
+                    share: Optional[float] = None, incarnations: Optional[list[int]] = None,
+                    tag: str = "") -> None:
     """Replace each tensor by ``anchor`` plus the mean over ``ranks`` of the members' changes
-    since it, in bfloat16 with error feedback (:func:`mean_in_bf16`; ``residual``, ``share``).
+    since it, in ``precision`` with error feedback (:func:`mean_of_changes`; ``residual``,
+    ``share``).
 
     Every member must hold the same ``anchor`` (the stage's weights at its last global sync;
     :mod:`~sdpipe_cli.core.meetings`); the members leave the round identical. ``anchor`` and
@@ -193,7 +261,7 @@ def average_changes(tensors: list[torch.Tensor], anchor: torch.Tensor, residual:
     """
     with torch.no_grad():
         change = flatten(tensors).sub_(anchor)
-        mean_in_bf16(change, residual, groups, ranks, share, incarnations, tag)
+        mean_of_changes(change, residual, groups, ranks, precision, share, incarnations, tag)
         unflatten(change.add_(anchor), tensors)
 
 

@@ -12,7 +12,9 @@ their gradients) are not sync traffic.
 
 The counts model what the collective moves, not what a transport library happens to send: a ring
 all-reduce of n bytes over k members moves 2(k-1)/k x n bytes out of each member and as many in;
-a broadcast of n bytes, n into each member but the root and n out of each but the last of a chain.
+a broadcast of n bytes, n into each member but the root and n out of each but the last of a chain;
+an all-to-all or an all-gather of n bytes in all (int8 changes' two phases), (k-1)/k x n out of
+each member and as many in.
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ class Traffic:
         if k < 2:
             return
         moved = 2 * (k - 1) / k * nbytes
+        self._add(self.link_of(ranks), moved, moved, seconds)
+
+    def exchange(self, ranks: Sequence[int], nbytes: int, seconds: float) -> None:
+        """An all-to-all or an all-gather of ``nbytes`` in all over ``ranks``: each member keeps
+        its own 1/k of them and sends or receives the rest."""
+        k = len(ranks)
+        if k < 2:
+            return
+        moved = (k - 1) / k * nbytes
         self._add(self.link_of(ranks), moved, moved, seconds)
 
     def broadcast(self, ranks: Sequence[int], nbytes: int, root: bool, last: bool,

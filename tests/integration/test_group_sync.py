@@ -13,6 +13,8 @@ import torch.multiprocessing as mp
 
 from tests.helpers import free_port, make_doc, metrics, sdpipe, write_profile
 from sdpipe_cli.config.run_file import load_run_config
+from sdpipe_cli.core.meetings import INT8_CHUNK
+from sdpipe_cli.sync import quantized
 from sdpipe_cli.sync.groups import GroupCache, average_changes, average_tensors
 from sdpipe_cli.model.models import build_stage_module
 
@@ -139,14 +141,14 @@ def _changes_worker(rank: int, port: int, results) -> None:
     weights = anchor + torch.randn(1000) * 1e-3 * (rank + 1)
     change = weights - anchor  # as the member sees it, to float32's last bit
     residual = torch.zeros(1000)
-    average_changes([weights], anchor, residual, groups, [0, 1, 2])
+    average_changes([weights], anchor, residual, groups, [0, 1, 2], "bf16")
     sent_before = groups.traffic.summary()["same_node"]["sent_bytes"]
     results[rank] = (change, weights.clone(), residual.clone(), sent_before)
     # the pulled member (share 0) takes the group's state and keeps nothing of its own change
     shares = [0.5, 0.5, 0.0]
     w2 = anchor + change
     r2 = torch.ones(1000) if rank == 2 else torch.zeros(1000)  # pulled: its residual is dropped
-    average_changes([w2], anchor, r2, groups, [0, 1, 2], share=shares[rank])
+    average_changes([w2], anchor, r2, groups, [0, 1, 2], "bf16", share=shares[rank])
     results[f"pulled{rank}"] = (w2.clone(), r2.clone())
 
 
@@ -177,6 +179,79 @@ def test_bf16_changes_average_around_the_anchor_and_keep_what_rounding_lost():
         w2, r2 = results[f"pulled{r}"]
         torch.testing.assert_close(w2, w, rtol=0, atol=changes.abs().max().item() * 2 ** -7)
         assert (r2 == 0).all() if r == 2 else r2.abs().max() <= changes[r].abs().max() * 2 ** -8
+
+
+INT8_N = 3000  # values of the stage: 12 chunks of 256 once padded, 4 a member's shard
+
+
+def _int8_changes(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The anchor every member shares, and member ``rank``'s change: chunks of magnitudes 1e-3
+    down to 1e-6 (each keeps its own scale), larger for higher ranks."""
+    torch.manual_seed(0)
+    anchor = torch.randn(INT8_N)
+    torch.manual_seed(1 + rank)
+    magnitude = 10.0 ** -(3 + torch.arange(INT8_N) // INT8_CHUNK % 4)
+    return anchor, torch.randn(INT8_N) * magnitude * (rank + 1)
+
+
+def _int8_worker(rank: int, port: int, results) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=datetime.timedelta(seconds=30))
+    groups = GroupCache(dist.PrefixStore("pg/", store), rank, "gloo", 30)
+    anchor, change = _int8_changes(rank)
+    weights = anchor + change
+    change = weights - anchor  # as the member sees it, to float32's last bit
+    residual = torch.zeros(INT8_N)
+    average_changes([weights], anchor, residual, groups, [0, 1, 2], "int8")
+    results[rank] = (change, weights.clone(), residual.clone(), groups.traffic.summary())
+    w2, r2 = anchor + change, torch.ones(INT8_N) if rank == 2 else torch.zeros(INT8_N)
+    average_changes([w2], anchor, r2, groups, [0, 1, 2], "int8", share=[0.5, 0.5, 0.0][rank])
+    results[f"pulled{rank}"] = (w2.clone(), r2.clone())
+
+
+def _half_steps(x: torch.Tensor) -> torch.Tensor:
+    """Per value, half the int8 step of its chunk (its chunk's largest magnitude / 127)."""
+    padded = torch.cat([x, x.new_zeros(-x.numel() % INT8_CHUNK)]).reshape(-1, INT8_CHUNK)
+    steps = padded.abs().amax(dim=1, keepdim=True).expand_as(padded) / 127
+    return steps.reshape(-1)[:x.numel()] / 2 * (1 + 1e-4)
+
+
+def test_int8_changes_meet_the_float_mean_within_the_rounding_and_agree_to_the_bit():
+    """``sync.precision=int8`` over 3 real processes: every member ends with the same weights,
+    bit for bit; what a member sent is its change less its residual, off by at most half its
+    chunk's step; the group's mean of what was sent is rounded once more (each shard's sum) and
+    stays within half a step of that sum; so the weights are the anchor plus the float mean of
+    the true changes within those bounds. On the wire: int8 codes and a float32 scale per 256
+    values, 2(k-1)/k of them per member, a little over half of bfloat16's ring."""
+    results = _run_ranks(_int8_worker, 3, timeout=60)
+    anchor, _ = _int8_changes(0)
+    changes = torch.stack([results[r][0] for r in range(3)])
+    residuals = torch.stack([results[r][2] for r in range(3)])
+    sent = changes - residuals
+    summed = sent.sum(0)
+    mean = results[0][1] - anchor
+    arithmetic = anchor.abs().max().item() * 2 ** -23  # anchor + mean, rounded to float32
+    for r in range(3):
+        assert torch.equal(results[r][1], results[0][1])
+        assert bool((residuals[r].abs() <= _half_steps(changes[r])).all())
+    assert residuals.abs().max() > 0
+    assert bool(((mean - summed / 3).abs() <= _half_steps(summed) / 3 + arithmetic).all())
+    bound = (sum(_half_steps(c) for c in changes) + _half_steps(summed)) / 3 + arithmetic
+    assert bool(((mean - changes.mean(0)).abs() <= bound).all())
+    # the small chunks keep their own step: off by far less than one scale for all would allow
+    small = slice(3 * INT8_CHUNK, 4 * INT8_CHUNK)  # the magnitudes 1e-6
+    assert (mean - changes.mean(0))[small].abs().max() < changes.abs().max() / 127 / 2 / 100
+    payload = quantized.padded(INT8_N, 3) * (1 + 4 / INT8_CHUNK)  # codes and scales
+    for r in range(3):
+        assert results[r][3]["same_node"]["sent_bytes"] == int(2 * 2 / 3 * payload)  # two phases
+        assert results[r][3]["same_node"]["calls"] == 2
+    assert int(2 * 2 / 3 * payload) < 0.55 * (2 * 2 / 3 * INT8_N * 2)  # bfloat16's ring
+    # a pulled member (share 0) takes the group's weighted mean and drops its own change
+    pulled = [results[f"pulled{r}"] for r in range(3)]
+    assert all(torch.equal(w, pulled[0][0]) for w, _ in pulled)
+    assert bool((pulled[2][1] == 0).all())
+    half = (changes[0] + changes[1]) / 2
+    bound = (_half_steps(changes[0]) + _half_steps(changes[1]) + _half_steps(half * 2)) / 2
+    assert bool(((pulled[0][0] - anchor - half).abs() <= bound + arithmetic).all())
 
 
 def _retag_worker(rank: int, port: int, results) -> None:

@@ -105,6 +105,14 @@ def test_every_group_option_composes_and_validates(override):
         assert cfg[group].name == option
 
 
+@pytest.mark.parametrize("sync", ["sdpipe", "diloco"])
+def test_int8_changes_are_a_precision_of_their_own(sync):
+    """``sync.precision=int8``: chosen only when asked for (``auto`` never picks it)."""
+    cfg = compose([f"sync={sync}", "sync.precision=int8"])
+    validate(cfg)
+    assert cfg.sync.precision == "int8"
+
+
 def test_data_text_with_existing_path_validates(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello world\n" * 100)
@@ -211,6 +219,11 @@ BAD = [
                  id="unknown-link-class"),
     pytest.param(["sync.precision=bf16", "fault.on_pipeline_loss=restart", "cluster.pipelines=2"],
                  "sync.precision", id="bf16-with-healing"),
+    pytest.param(["sync.precision=int8", "fault.on_pipeline_loss=restart", "cluster.pipelines=2"],
+                 "sync.precision", id="int8-with-healing"),
+    pytest.param(["pipeline.schedule=async_1f1b", "sync.precision=int8"], "sync.precision",
+                 id="int8-on-an-async-schedule"),
+    pytest.param(["sync=diloco", "sync.precision=int4"], "sync.precision", id="diloco-bad-precision"),
     pytest.param(["train.optimizer=adam"], "train.optimizer", id="bad-optimizer"),
     pytest.param(["train.momentum=1.0"], "train.momentum", id="momentum-one"),
     pytest.param(["train.lr=inf"], "train.lr", id="lr-infinite"),

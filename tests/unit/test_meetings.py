@@ -93,7 +93,7 @@ def test_a_config_left_unresolved_means_every_iteration_in_float32():
 
 
 def test_meetings_and_bf16_changes_average_weights_after_the_step():
-    for every, precision in ((4, "fp32"), (1, "bf16"), (8, "bf16")):
+    for every, precision in ((4, "fp32"), (1, "bf16"), (8, "bf16"), (1, "int8")):
         sync = OmegaConf.create({"name": "sdpipe", "every": every, "precision": precision,
                                  "average": "weights_grads"})
         assert average_of(sync) == "weights"

@@ -27,6 +27,19 @@ def test_a_ring_all_reduce_moves_2_k_minus_1_over_k_of_the_payload_each_way():
                            "same_node": {"sent_bytes": 1000, "recv_bytes": 1000, "seconds": 0.1, "calls": 1}}
 
 
+def test_an_all_to_all_or_all_gather_moves_k_minus_1_over_k_of_the_payload_each_way():
+    """int8 changes' two phases: together, what one ring all-reduce of their bytes would move."""
+    t = Traffic(by_node)
+    t.exchange([0, 2, 3], 3000, 0.2)  # an all-to-all over two nodes
+    t.exchange([0, 2, 3], 3000, 0.3)  # and its all-gather
+    t.exchange([1], 3000, 0.0)  # a group of one sends nothing
+    assert t.summary() == {"cross_node": {"sent_bytes": 4000, "recv_bytes": 4000, "seconds": 0.5,
+                                          "calls": 2}}
+    ring = Traffic(by_node)
+    ring.all_reduce([0, 2, 3], 3000, 0.5)
+    assert ring.take() == t.take()
+
+
 def test_a_broadcast_sends_from_the_root_and_a_point_to_point_as_given():
     root, last = Traffic(), Traffic()
     root.broadcast([0, 1], 800, root=True, last=False, seconds=0.1)
