@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.meetings import BYTES
-from sdpipe_cli.core.wire import Measured, Probe, decide, ring_bytes
+from sdpipe_cli.core.wire import Blocks, LinkFit, Measured, Probe, WirePace, decide, ring_bytes
 from sdpipe_cli.sync import wire_probe
 from tests.unit.test_simulation import config
 
@@ -175,3 +175,126 @@ def test_a_replay_of_a_run_that_measured_meets_as_it_did(tmp_path):
     assert replay.load(run, replaying)
     with pytest.raises(ConfigError, match="recorded with sync.every=6"):
         replay.load(run, config(*FOUR_NODES, "sync.every=3", "sync.precision=bf16"))
+
+
+# -- meetings that follow the wire during the run -------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.integers(1, 20), nexts=st.lists(st.integers(1, 20), min_size=1, max_size=30),
+       start=st.integers(0, 200))
+def test_a_replicas_blocks_are_as_long_as_each_decision_said(first, nexts, start):
+    """From ``start`` (0, or a resume's step), the first block ends where a fixed period's would
+    (the scheduler numbers a resume's first meeting ``start // every``); after that each block is
+    the length its meeting's decision gave, and meetings are numbered one by one."""
+    blocks = Blocks(first)
+    met, step, meetings = [], start, []
+    ends = [start + first - 1 - start % first]
+    for n in nexts:
+        ends.append(ends[-1] + n)
+    for n in nexts:
+        while not blocks.meets(step):
+            step += 1
+        met.append(step)
+        meetings.append(blocks.meeting())
+        blocks.went(step, n)
+        step += 1
+    assert met == ends[:len(nexts)]
+    assert meetings == list(range(start // first, start // first + len(nexts)))
+
+
+def pace(every=2, mbit=200.0, step_s=0.18, members=4):
+    links = {s: LinkFit(0.005, mbit * 1e6 / 8) for s in (0, 1)}
+    return WirePace(0.1, "bf16", every, 300, members, links, {0: VALUES, 1: VALUES},
+                    {p: step_s for p in range(members)})
+
+
+def rounds(wire: WirePace, mbit: float, n: int, stage: int = 0) -> list[int]:
+    """``n`` rounds of 4 members on a link of ``mbit``; the period after each."""
+    moved = ring_bytes(4, VALUES * BYTES["bf16"])
+    out = []
+    for _ in range(n):
+        wire.round_done(stage, moved, 0.005 + moved / (mbit * 1e6 / 8))
+        out.append(wire.every())
+    return out
+
+
+def test_the_period_rises_when_the_link_slows_and_falls_back_when_it_recovers():
+    """200 to 15 Mbit/s: the rule wants a period 13x longer; within a window's upper quartile of
+    rounds (two meetings of four members) it is taken, and taken back after the recovery."""
+    wire = pace()
+    assert rounds(wire, 200, 8)[-1] == 2
+    slow = rounds(wire, 15, 8)
+    target = math.ceil((0.005 + ring_bytes(4, VALUES * 2) / (15e6 / 8)) / (0.1 * 0.18))
+    assert slow[-1] == target and slow.index(target) <= 6, slow
+    back = rounds(wire, 200, 8)
+    assert back[-1] == 2 and back.index(2) <= 6, back
+
+
+def test_noise_within_the_steady_band_does_not_move_the_period():
+    wire = pace(every=12, mbit=15)
+    periods = set()
+    for mbit in (14, 16, 15.5, 13.5, 15, 14.5, 16.5, 15):
+        periods.update(rounds(wire, mbit, 1))
+    assert periods == {12}
+
+
+def test_slower_compute_needs_fewer_steps_per_meeting_and_the_fastest_pipeline_sets_it():
+    wire = pace(every=12, mbit=15)
+    wire.block_done(3, 10, 18.0)  # a pipeline 10x slower does not set the pace
+    assert wire.every() == 12
+    for p in range(3):
+        wire.block_done(p, 10, 7.2)  # every fast one slowed 4x: the wire is a quarter as costly
+    assert wire.every() == 3
+
+
+def test_the_scheduler_gives_every_stage_of_a_pipeline_the_same_next_block(tmp_path):
+    """On a real TCPStore: the period changes between the rounds of a pipeline's two stages at
+    one meeting, and both stages still take the same next block; the budget is counted again
+    in the new period; each decision says the run's pipeline-steps."""
+    from sdpipe_cli.runtime import protocol, store
+    from sdpipe_cli.sync.scheduler.handling import Scheduler
+    from tests.helpers import event as as_event
+
+    cfg = config(*FOUR_NODES[:-3], "cluster.pipelines=2", "pipeline.stages=2", "train.steps=40",
+                 "sync.global_every=0", "sync.min_group=1")
+    cfg.run.dir = str(tmp_path)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    events = store.namespace(master)
+    links = [protocol.StageLink(s, 2, VALUES, 100.0, 5.0) for s in (0, 1)]
+    chosen = protocol.MeetingChoice(2, "bf16", 0.18, 0.03, 0.1, links, "", adapt=True)
+    settled = OmegaConf.merge(cfg, {"sync": {"every": 2, "precision": "bf16"}})
+    now = [0.0]
+    sched = Scheduler(settled, tmp_path, events, clock=lambda: now[0], wire=chosen)
+    total = sched.policy._run.total_iterations
+    assert total == 2 * 40 // 2
+    moved = ring_bytes(2, VALUES * 2)
+
+    def ready(stage, pipeline, meeting, steps, mbit=None):
+        wire = {} if mbit is None else {"wire_s": 0.005 + moved / (mbit * 1e6 / 8),
+                                        "wire_bytes": moved}
+        sched.handle(as_event(type="ready", rank=pipeline * 2 + stage, pipeline=pipeline,
+                              stage=stage, iteration=meeting, steps=steps, block_s=0.36,
+                              **wire))
+        now[0] += 0.01
+
+    for p in (0, 1):
+        ready(1, p, 0, 2)
+    first = store.read(events, store.decision_key(1, 0, 0), protocol.Group)
+    assert first.nexts == [2, 2] and first.done_steps == 4
+    for _ in range(8):  # stage 0's rounds then say the link is at 15 Mbit/s
+        sched.pacing.pace.round_done(0, moved, 0.005 + moved / (15e6 / 8))
+    for p in (0, 1):
+        ready(0, p, 0, 2, mbit=15)
+    later = store.read(events, store.decision_key(0, 0, 0), protocol.Group)
+    assert later.nexts == first.nexts  # meeting 0's next block was decided at stage 1's round
+    for p in (0, 1):
+        ready(1, p, 1, 4)
+    changed = store.read(events, store.decision_key(1, 0, 1), protocol.Group)
+    assert changed.nexts[0] > 2 and changed.done_steps == 8
+    every = changed.nexts[0]
+    assert sched.policy._run.total_iterations == 4 + math.ceil((80 - 8) / every)
+    [line] = [m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if m["kind"] == "pace"]
+    assert (line["was"], line["every"]) == (2, every) and line["mbit_s"] < 20
