@@ -257,6 +257,10 @@ class GroupSync(Sync):
             self._drop(checkpoint, step + 1)
             checkpoint = None
         self.stop, self._checkpoint = stop, checkpoint
+        if self.blocks is None and stats.get("next") is not None:
+            # a replay of meetings that followed the wire: from here, blocks as decided
+            self.blocks = Blocks(self.meetings.every)
+            self.blocks.met, self.blocks.next = meeting - 1, step
         if self.blocks is not None:
             self.blocks.went(step, stats.get("next"))
             self._wire = (stats.get("wire_s"), stats.get("wire_bytes"))

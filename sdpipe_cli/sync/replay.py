@@ -5,8 +5,9 @@ round that a few microseconds decide differently, and their losses with it. Ever
 worker does is a function of the seed and its position (the initial weights, the data order, the
 averaging of a given set of members, the learning rate at a given ``done``). So a run that is
 given the recorded decisions, every member of every round at every stage with the round's
-number, kind, stop flag, twins flag, the members' shares (``sync.stale``) and the run's progress
-(``done``), repeats the recorded run
+number, kind, stop flag, twins flag, the members' shares (``sync.stale``), the run's progress
+(``done``) and, where the meetings followed the wire, each member's next block and the run's
+pipeline-steps (``nexts``, ``done_steps``), repeats the recorded run
 step for step, whatever its own timing: its per-step losses are bit-identical (on the same
 machine type and torch build).
 
@@ -119,7 +120,10 @@ def _add(decisions: Recorded, line: dict, where: str, layout: tuple[int, int]) -
                                stop=bool(line["stop"]), incarnations=[0] * len(members),
                                done=line["done"], twins=bool(line.get("twins", False)),
                                weight_shares=[float(x) for x in line.get("weight_shares", [])],
-                               grad_shares=[float(x) for x in line.get("grad_shares", [])])
+                               grad_shares=[float(x) for x in line.get("grad_shares", [])],
+                               nexts=[int(x) for x in line.get("nexts", [])],
+                               done_steps=(None if line.get("done_steps") is None
+                                           else int(line["done_steps"])))
         for p, k in zip(members, line["iterations"]):
             decisions[(int(line["stage"]), p, int(k))] = group
     except (KeyError, TypeError, ValueError) as err:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import metrics, sdpipe
+from tests.helpers import digests, losses, metrics, sdpipe
 
 pytestmark = pytest.mark.multiprocess
 
@@ -38,7 +38,16 @@ def test_replicas_on_two_nodes_measure_their_wire_and_meet_as_it_asks(tmp_path):
     assert summary["wire"]["every"] == 6 and "describe" in summary["wire"]
     groups = metrics(run_dir, "group")
     assert groups and all(g["every"] == 6 for g in groups)
+    assert all(g["nexts"] == [6] * g["size"] for g in groups)  # the blocks follow the wire
     done = metrics(run_dir, "done")
     assert sum(d["steps"] for d in done if d["stage"] == 0) == 2 * 6
     for s in (0, 1):
         assert len({d["param_digest"] for d in done if d["stage"] == s}) == 1
+    # a replay meets as the recording did, without measuring: the same losses and weights
+    again = tmp_path / "again"
+    out = sdpipe("train", f"run.dir={again}", "sync=sdpipe", "sync.wire_share=0.0001",
+                 f"sync.replay={run_dir}", *TWO_NODES)
+    assert out.returncode == 0, out.stderr
+    assert not metrics(again, "wire")
+    assert losses(metrics(again)) == losses(metrics(run_dir))
+    assert digests(again) == digests(run_dir)

@@ -166,13 +166,15 @@ def test_a_replay_of_a_run_that_measured_meets_as_it_did(tmp_path):
     run.mkdir()
     (run / "config.yaml").write_text(OmegaConf.to_yaml(recorded))
     group = {"kind": "group", "time": 1.0, "stage": 0, "round": 0, "members": [0, 1],
-             "iterations": [0, 0], "size": 2, "group": "group", "stop": False, "done": 2}
+             "iterations": [0, 0], "size": 2, "group": "group", "stop": False, "done": 2,
+             "every": 6, "nexts": [6, 9], "done_steps": 12}
     wire = {"kind": "wire", "time": 0.5, "every": 6, "precision": "bf16", "iteration_s": 0.1,
             "round_s": 0.6, "share": 0.1, "stages": []}
     (run / "metrics.jsonl").write_text(json.dumps(wire) + "\n" + json.dumps(group) + "\n")
     replaying = config(*FOUR_NODES, f"sync.replay={run}", "fault.on_pipeline_loss=stop")
     assert (replaying.sync.every, replaying.sync.precision) == (6, "bf16")
-    assert replay.load(run, replaying)
+    decisions = replay.load(run, replaying)
+    assert decisions[(0, 1, 0)].nexts == [6, 9] and decisions[(0, 1, 0)].done_steps == 12
     with pytest.raises(ConfigError, match="recorded with sync.every=6"):
         replay.load(run, config(*FOUR_NODES, "sync.every=3", "sync.precision=bf16"))
 
