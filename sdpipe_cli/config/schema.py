@@ -2,12 +2,12 @@
 
 The dataclasses below are registered with Hydra's ConfigStore as the schema of the primary config
 (:mod:`~sdpipe_cli.config.composition`); the YAML files under ``configs/`` only set values. Each
-field's comment is its documentation (docs/CONFIG.md is generated from this file). Also here: the
-names each setting may take, :class:`ConfigError`, and what a few settings mean once resolved
-(:func:`objective`, :func:`num_classes`, :func:`emulation`, :func:`n_blocks`).
+field's comment is its documentation (docs/CONFIG.md is generated from it). Also here: the names
+each setting may take, :class:`ConfigError`, what a few mean once resolved (:func:`objective`,
+:func:`num_classes`, :func:`emulation`, :func:`n_blocks`).
 
-Its path: composed (:mod:`~.composition`), checked (:mod:`~.validation`), prepared for this
-machine by the launcher, written into the run folder, read back by every child (:mod:`~.run_file`).
+Composed (:mod:`~.composition`), checked (:mod:`~.validation`), prepared by the launcher, written
+into the run folder and read back by every child (:mod:`~.run_file`).
 """
 
 from __future__ import annotations
@@ -239,16 +239,13 @@ class SdpipeSyncConfig(SyncConfig):
     # groups must connect all replicas
     connect_every: int = 8
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
-    # Slow links (docs/SYNC.md#slow-links): a replica meets its group after every this many local
-    # steps (at most train.steps) and trains alone in between; a meeting averages weights after the
-    # step. 0: chosen when the run is prepared from the emulated cluster.links; where a stage's
-    # replicas span nodes and no link is described, measured by the run before its first
-    # meeting (docs/SYNC.md#slow-links); 1 on one node
+    # Slow links (docs/SYNC.md#slow-links): meet after every this many local steps (<= train.steps),
+    # averaging weights after the step. 0: from the emulated cluster.links, or, replicas on
+    # several nodes and no link described, measured by the run and followed during it; 1 on one node
     every: int = 0
     # What a group round sends: each member's change since the last global sync, with error
     # feedback, in fp32, bf16 or int8 (a float32 scale per chunk); auto: bf16 where a float32
-    # meeting every iteration would not fit sync.wire_share (on the described or the measured
-    # links). Global syncs are exact (float32)
+    # meeting every iteration would not fit sync.wire_share. Global syncs are exact (float32)
     precision: str = "auto"
     # The share of a replica's time that the chosen sync.every lets its meetings take
     wire_share: float = 0.1

@@ -4,23 +4,16 @@ store, as a typed record, and the one place that turns them into JSON and back.
 The processes share nothing but the store, so a message is the only contract between them. Each
 one is a frozen dataclass here: a renamed field breaks the sender and the receiver in the same
 file, and :func:`decode` checks every value read against the field's type before anything acts on
-it. A value that does not conform (a process of another version, a key written by hand, a damaged
-store) raises :class:`ProtocolError` naming the store key and the field, which ends the reading
-process with that line instead of a ``KeyError`` later, a hang or a quietly wrong metric.
+it. A value that does not conform (another version's process, a key written by hand, a damaged
+store) raises :class:`ProtocolError` naming the key and the field: the reading process ends with
+that line, not a ``KeyError`` later, a hang or a quietly wrong metric.
 
-Messages:
-
-* worker/launcher -> scheduler, on the ``events`` queue, told apart by ``type``:
-  :class:`Tick`, :class:`Ready`, :class:`Begin`, :class:`Rejoin`, :class:`Saved` (coordination),
-  :class:`Lost`, :class:`Restart` (the launcher), and :class:`Report` (metrics: start, step,
-  eval, consensus, healed, unreadable, done), whose open ``fields`` are checked against
-  :data:`REPORT_FIELDS`;
-* scheduler -> worker, one key per answer: :class:`Group`, :class:`BeginAnswer`,
-  :class:`HealAnswer`;
-* scheduler -> launcher: :class:`Hung`, and the progress snapshot (:func:`decode_progress`);
-* scheduler -> worker, one key per re-split pipeline: :class:`Split`;
-* worker -> scheduler -> worker, once at the start where the run measures its wire:
-  :class:`WireReport` (one key per worker), :class:`MeetingChoice`.
+Messages (who sends each and who reads it: :data:`ROUTES`): the events on the ``events``
+queue, told apart by ``type`` (:data:`EVENTS`, and :class:`Report`, whose open ``fields`` are
+checked against :data:`REPORT_FIELDS`); the answers, one key each (:class:`Group`,
+:class:`BeginAnswer`, :class:`HealAnswer`, :class:`Hung`, :class:`Split`, the measured wire's
+:class:`WireReport` and :class:`MeetingChoice`); the progress snapshot
+(:func:`decode_progress`).
 
 Whether an event's sender may send it (its rank, its incarnation) depends on the run, which only
 the scheduler knows; it checks that, with :class:`ProtocolError` for what no process could send.
@@ -62,8 +55,10 @@ class Ready:
     """A replica finished ``iteration``'s backward (or update) and waits for its group.
     ``stage``: what it averages, its stage, or the segment where pipelines are split
     differently (:mod:`~sdpipe_cli.core.segments`), which ``rank`` holds. ``steps``: the local
-    steps it has done, where the run's end cut its meeting's block short (None: the meetings'
-    count, ``(iteration + 1) * sync.every``)."""
+    steps it has done, where the run's end cut its meeting's block short or blocks follow the
+    wire (None: the meetings' count, ``(iteration + 1) * sync.every``); then also its last
+    round's seconds and bytes through its link (``wire_s``, ``wire_bytes``) and its block's
+    seconds (``block_s``)."""
 
     type = "ready"
     rank: int
@@ -72,9 +67,6 @@ class Ready:
     iteration: int
     incarnation: int = 0
     steps: Optional[int] = None
-    # meetings that follow the wire (MeetingChoice.adapt): the replica's last round, its
-    # all-reduce's seconds and the bytes it moved through this member's link, and the seconds
-    # its last block of local steps took
     wire_s: Optional[float] = None
     wire_bytes: Optional[float] = None
     block_s: Optional[float] = None
@@ -219,8 +211,7 @@ class Group:
     # (``sync.stale``); empty: the plain mean
     weight_shares: list[float] = field(default_factory=list)
     grad_shares: list[float] = field(default_factory=list)
-    # meetings that follow the wire: each member's next block of local steps, in ``members``
-    # order, and the run's pipeline-steps done (the lr schedule's clock); empty, None: fixed H
+    # blocks that follow the wire: each member's next one, and the run's pipeline-steps
     nexts: list[int] = field(default_factory=list)
     done_steps: Optional[int] = None
 
@@ -282,10 +273,8 @@ class Split:
 
 @dataclass(frozen=True)
 class WireReport:
-    """A worker's measurements before its first meeting, where the run settles its meetings
-    from its measured wire (:mod:`~sdpipe_cli.sync.wire_probe`): its first iteration's compute
-    (``step_s``), the values its stage averages, and its timed all-reduces over its stage's
-    ``members`` replicas (the fastest small one, the one of the stage's size)."""
+    """A worker's first iteration (``step_s``) and its timed all-reduces over its stage's
+    replicas, before its first meeting (:mod:`~sdpipe_cli.sync.wire_probe`)."""
 
     pipeline: int
     stage: int
@@ -300,7 +289,7 @@ class WireReport:
 
 @dataclass(frozen=True)
 class StageLink:
-    """A stage's link as measured: its slowest replica's fit."""
+    """A stage's link as measured (its slowest replica's fit)."""
 
     stage: int
     members: int
@@ -311,10 +300,8 @@ class StageLink:
 
 @dataclass(frozen=True)
 class MeetingChoice:
-    """The meetings the scheduler settled from every worker's :class:`WireReport`: meet after
-    every ``every``-th step, group rounds in ``precision``; what it compared (the fastest
-    pipeline's iteration against one float32 meeting of the costliest stage, within
-    ``share``) and each stage's measured link."""
+    """The meetings settled from every :class:`WireReport` (``core.meetings.Choice``'s fields),
+    each stage's link, and whether blocks then follow the wire (``adapt``)."""
 
     every: int
     precision: str
@@ -323,8 +310,6 @@ class MeetingChoice:
     share: float
     stages: list[StageLink]
     describe: str
-    # whether the meetings follow the wire during the run (Group.nexts): where they are apart
-    # at the start and no replica is healed (which would need its block's length)
     adapt: bool = False
 
 
@@ -362,8 +347,7 @@ PROGRESS_FIELDS: dict[str, Any] = {
     "straggler_news": dict[str, Any],
     # the pipelines to re-split in place, and how: {"version": n, "partitions": {"p": [...]}}
     "resplit": dict[str, Any],
-    # the meetings settled from the measured wire (a MeetingChoice, as a record)
-    "wire": dict[str, Any],
+    "wire": dict[str, Any],  # the meetings settled from the measured wire (MeetingChoice)
 }
 
 
@@ -466,6 +450,10 @@ def _schema(cls: type) -> tuple[dict[str, Any], frozenset, tuple[str, ...]]:
     return typing.get_type_hints(cls), frozenset(f.name for f in fields), required
 
 
+_SCALARS: dict[type, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float),
+                                          str: (str,)}
+
+
 def _conform(value: Any, hint: Any, key: str, name: str) -> Any:
     """``value`` checked against the type ``hint`` (and nested dataclasses built)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -484,21 +472,9 @@ def _conform(value: Any, hint: Any, key: str, name: str) -> Any:
         raise _wrong(key, name, hint, value)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise _wrong(key, name, hint, value)
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _wrong(key, name, hint, value)
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _wrong(key, name, hint, value)
-    if hint is str:
-        if isinstance(value, str):
-            return value
+    if hint in _SCALARS:  # a bool is no number here, an int is a float
+        if isinstance(value, _SCALARS[hint]) and (hint is bool or not isinstance(value, bool)):
+            return float(value) if hint is float else value
         raise _wrong(key, name, hint, value)
     if origin is list and isinstance(value, list):
         return [_conform(v, args[0], key, f"{name}[{i}]") for i, v in enumerate(value)]
@@ -513,12 +489,8 @@ def _conform(value: Any, hint: Any, key: str, name: str) -> Any:
 
 def _wrong(key: str, name: str, hint: Any, value: Any) -> ProtocolError:
     expected = getattr(hint, "__name__", None) if typing.get_origin(hint) is None else None
-    return ProtocolError(key, f"field {name!r} should be {expected or _hint_text(hint)}, "
-                              f"not {_show(value)}")
-
-
-def _hint_text(hint: Any) -> str:
-    return str(hint).replace("typing.", "").replace("NoneType", "None")
+    expected = expected or str(hint).replace("typing.", "").replace("NoneType", "None")
+    return ProtocolError(key, f"field {name!r} should be {expected}, not {_show(value)}")
 
 
 def _show(value: Any) -> str:

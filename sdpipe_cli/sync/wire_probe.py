@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.meetings import Choice
+from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.wire import Measured, Probe, decide
 from sdpipe_cli.runtime import protocol, store
 
@@ -45,8 +46,8 @@ WAIT_POLL_S = 0.01
 
 def unresolved(sync: Any) -> bool:
     """Whether the launcher left this run's meetings to be measured (sdpipe only)."""
-    return sync.get("name") == "sdpipe" and (int(sync.get("every", 1) or 0) == 0
-                                             or sync.get("precision") == "auto")
+    return mode(sync.name).meets and (int(sync.get("every", 1) or 0) == 0
+                                      or sync.get("precision") == "auto")
 
 
 def probe(groups, ranks: Sequence[int], values: int) -> Probe:

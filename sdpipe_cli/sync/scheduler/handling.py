@@ -6,9 +6,8 @@ recorded run's decisions under ``sync.replay``, and publishes each decision unde
 :func:`~sdpipe_cli.runtime.store.decision_key` in one write for all its members. It folds
 progress reports into a :class:`~sdpipe_cli.runtime.metrics.RunTracker` (``metrics.jsonl``,
 the snapshot the launcher shows), restarts and heals of pipelines, and the straggler watch.
-Checkpoints (:mod:`.checkpoints`) and the health check (:mod:`.health`) are parts of their own;
-the loop around it, the journal and the process are :mod:`.process`'s. The store and the clock
-are injected, so the tests drive it on a real TCPStore with a clock of their own.
+Checkpoints (:mod:`.checkpoints`), the health check (:mod:`.health`) and blocks that follow the
+wire (:mod:`.pacing`) are parts of their own; the loop and journal, :mod:`.process`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from sdpipe_cli.runtime.trackers import open_sinks
 from sdpipe_cli.sync.replay import load as load_recorded
 from sdpipe_cli.sync.scheduler.checkpoints import Checkpoints
 from sdpipe_cli.sync.scheduler.health import Health, WorkerHung
-from sdpipe_cli.sync.scheduler.pacing import pacing_of
+from sdpipe_cli.sync.scheduler.pacing import pacing_of, wire_summary
 from sdpipe_cli.sync.scheduler.replanning import Replanning
 
 __all__ = ["Scheduler", "WorkerHung", "PUBLISH_S"]
@@ -94,17 +93,14 @@ class Scheduler:
         self.stragglers = StragglerWatch(cfg, plan) if cfg.fault.on_slowdown != "off" else None
         self.replanning = Replanning(cfg, plan) if cfg.fault.on_slowdown == "replan" else None
         self.replan: Optional[dict] = None  # the re-plan this leg stops for (the next leg's split)
-        # the meetings this leg settled from its measured wire, and, where they follow it
-        # during the run, the blocks' lengths (sync/scheduler/pacing.py)
-        self.wire = wire
+        self.wire = wire  # the meetings this leg settled from its measured wire (pacing.py)
         self.pacing = pacing_of(wire, cfg) if mode(cfg.sync.name).group_policy else None
         self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
         # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
                          else None)
-        # blocks that follow the wire fall anywhere: no evaluation pause comes at a known meeting
         self.policy = (make_policy(cfg, plan, clock, spent=store.limit_spent(events),
-                                   evaluations=wire is None or not wire.adapt)
+                                   evaluations=self.pacing is None)  # blocks fall anywhere
                        if mode(cfg.sync.name).group_policy
                        and self.recorded is None else None)
         # the policy counts meetings (sync.every iterations each); checkpoints and heals, steps
@@ -179,7 +175,7 @@ class Scheduler:
             self.tracker.state[p].samples = k * self.cfg.train.batch_size
         if self.policy is not None:
             self.policy.resume({p: self.meetings.meeting(k) for p, k in steps.items()})
-        if self.pacing is not None:
+        if self.pacing is not None:  # blocks of their own: the steps, not the meetings
             self.pacing.resumed(steps)
         self.checkpoints.resume(steps)
         # where this leg begins: readers of metrics.jsonl tell timelines apart by it (a leg
@@ -258,7 +254,7 @@ class Scheduler:
                                 "iteration", event.iteration, row=1 + event.stage)
         if event.steps is not None:
             self.checkpoints.cut_short(event.pipeline, event.iteration, event.steps)
-        if self.pacing is not None:
+        if self.pacing is not None:  # what its last round and block took
             self.pacing.ready(event)
         self._publish(self._policy().ready(event.stage, event.pipeline, event.iteration))
 
@@ -385,8 +381,8 @@ class Scheduler:
         done = self.policy.iterations_done() if decisions else None
         pacing = self.pacing
         for d in decisions:
-            nexts = (pacing.nexts(list(d.members), list(d.iterations), self.policy,
-                                  round(time.time() - self.t0, 4)) if pacing is not None else [])
+            nexts = (pacing.nexts(d.members, d.iterations, self.policy, self.t0)
+                     if pacing is not None else [])
             ckpt = (self.checkpoints.at_global_sync(d, self.policy) if d.kind == "global"
                     else None)
             # the restarted replicas this round's first member heals after its update, in the
@@ -434,7 +430,7 @@ class Scheduler:
                 "twins": d.twins, "done": done,
                 "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]}
             if pacing is not None:  # meetings that follow the wire: blocks of their own
-                line.update(every=pacing.every, nexts=nexts, done_steps=pacing.done_steps())
+                line.update(pacing.fields(nexts))
             elif self.meetings.every > 1:  # iterations above count meetings of this many
                 line["every"] = self.meetings.every
             if d.heal:  # the restarted replicas the first member heals: [pipeline, iteration]
@@ -444,7 +440,7 @@ class Scheduler:
                 line["grad_shares"] = list(d.grad_shares)
             self.metrics.write(line)
             for change in pacing.take_changes() if pacing is not None else ():
-                self.metrics.write({"kind": "pace", **change})
+                self.metrics.write(change)
 
     # -- checkpoints and health -----------------------------------------------------------------
     def _saved(self, event: protocol.Saved) -> None:
@@ -490,9 +486,7 @@ class Scheduler:
         if self.replan is not None:
             summary["replan"] = self.replan
         if self.wire is not None:
-            summary["wire"] = dataclasses.asdict(self.wire)
-            if self.pacing is not None:
-                summary["wire"]["every_now"] = self.pacing.every
+            summary["wire"] = wire_summary(self.wire, self.pacing)
         if self.replanning is not None:  # what a restart after a failure carries on
             summary["slowed"] = self.replanning.slowed_now()
             if self.replanning.asked is not None:

@@ -18,13 +18,15 @@ meeting repeats it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Optional
+import time
+from typing import Any, Optional, Sequence
 
 from sdpipe_cli.core.wire import LinkFit, WirePace
 from sdpipe_cli.runtime import protocol
 
-__all__ = ["Pacing"]
+__all__ = ["Pacing", "pacing_of", "wire_summary"]
 
 
 class Pacing:
@@ -57,15 +59,16 @@ class Pacing:
                 self.pace.block_done(event.pipeline, done, event.block_s)
             self.steps[event.pipeline] = event.steps
 
-    def nexts(self, members: list[int], meetings: list[int], policy: Any,
-              now: float) -> list[int]:
-        """Each member's next block, decided once per pipeline and meeting."""
+    def nexts(self, members: Sequence[int], meetings: Sequence[int], policy: Any,
+              t0: float) -> list[int]:
+        """Each member's next block, decided once per pipeline and meeting (``t0``: the run
+        clock's origin, for the metrics)."""
         out = []
         for p, k in zip(members, meetings):
             if (p, k) not in self.blocks:
                 every = self.pace.every()
                 if every != self.every:
-                    self._changed(every, policy, now)
+                    self._changed(every, policy, round(time.time() - t0, 4))
                 self.blocks[(p, k)] = every
             out.append(self.blocks[(p, k)])
         return out
@@ -75,7 +78,7 @@ class Pacing:
         left = max(0, self.budget - sum(self.steps.values()))
         policy.retarget(policy.iterations_done() + math.ceil(left / every))
         link = min((self.pace.link(s) for s in self.pace.values), key=lambda f: f.bytes_per_s)
-        self.changes.append({"time": now, "every": every, "was": self.every,
+        self.changes.append({"kind": "pace", "time": now, "every": every, "was": self.every,
                              "mbit_s": round(link.mbit_s, 3),
                              "step_s": round(min(self.pace.step_s.values()), 6)})
         self.every = every
@@ -83,9 +86,21 @@ class Pacing:
     def done_steps(self) -> int:
         return sum(self.steps.values())
 
+    def fields(self, nexts: list[int]) -> dict[str, Any]:
+        """A group line's: the period, the members' next blocks, the run's pipeline-steps."""
+        return {"every": self.every, "nexts": nexts, "done_steps": self.done_steps()}
+
     def take_changes(self) -> list[dict[str, Any]]:
         out, self.changes = self.changes, []
         return out
+
+
+def wire_summary(chosen: protocol.MeetingChoice, pacing: Optional[Pacing]) -> dict[str, Any]:
+    """``summary.json``'s ``wire``: the start's choice, and the period at the end."""
+    out = dataclasses.asdict(chosen)
+    if pacing is not None:
+        out["every_now"] = pacing.every
+    return out
 
 
 def pacing_of(chosen: Optional[protocol.MeetingChoice], cfg) -> Optional[Pacing]:
