@@ -114,8 +114,8 @@ STEADY = 1.3  # a new period is taken only when it differs from the current by m
 
 
 class WirePace:
-    """H during the run, from what the rounds themselves measure: sdpipe's meetings follow a
-    link that slows or recovers, and a compute pace that changes.
+    """Each pipeline's period during the run, from what the rounds themselves measure: sdpipe's
+    meetings follow a link that slows or recovers, and a compute pace that changes.
 
     Every member of a round reports, with its next ready signal, how long the round's
     all-reduce took and what it moved (:meth:`round_done`; the members were all waiting when it
@@ -123,9 +123,13 @@ class WirePace:
     (:meth:`block_done`). The link of each stage is the upper quartile of the bandwidths of its
     last :data:`WINDOW` rounds beyond the latency measured at the start; the compute, each
     pipeline's latest seconds per step. :meth:`every` applies the start's rule
-    (:func:`~sdpipe_cli.core.meetings.choose`) to them: the fastest pipeline's step against one
-    meeting of every replica of the costliest stage, within ``share``. A period is changed only
-    when the rule's differs by more than :data:`STEADY` x, so that noise does not move it.
+    (:func:`~sdpipe_cli.core.meetings.choose`) to each pipeline's own step: one meeting of every
+    replica of the costliest stage within ``share`` of *its* time. Blocks then last about as
+    long in seconds on every pipeline, however fast each is: a pipeline 3x slower meets after a
+    third of the steps, so nobody waits for a straggler's whole block at a global sync or at the
+    end of the run, every replica spends the same share of its time on the wire, and groups can
+    form from replicas that come to meetings at one rate. A period is changed only when the
+    rule's differs by more than :data:`STEADY` x, so that noise does not move it.
 
     Pure: fed by the scheduler, no clock of its own.
     """
@@ -133,7 +137,8 @@ class WirePace:
     def __init__(self, share: float, precision: str, every: int, most: int, members: int,
                  links: dict[int, LinkFit], values: dict[int, int], step_s: dict[int, float]):
         self.share, self.precision, self.most, self.members = share, precision, most, members
-        self.current = every
+        self.start = every
+        self.current: dict[int, int] = {}  # pipeline -> the period its blocks take now
         self.latency = {s: fit.latency_s for s, fit in links.items()}
         self.values = dict(values)
         self.seen: dict[int, list[float]] = {s: [fit.bytes_per_s] for s, fit in links.items()}
@@ -159,18 +164,20 @@ class WirePace:
         rates = sorted(self.seen[stage])
         return LinkFit(self.latency[stage], rates[3 * len(rates) // 4])
 
-    def every(self) -> int:
-        """The period the next blocks take."""
-        if not self.step_s:
-            return self.current
+    def every(self, pipeline: int) -> int:
+        """The period ``pipeline``'s next block takes."""
+        current = self.current.get(pipeline, self.start)
+        step_s = self.step_s.get(pipeline, min(self.step_s.values(), default=0.0))
+        if step_s <= 0:
+            return current
         round_s = {p: max(self.link(s).seconds(ring_bytes(self.members, n * size))
                           for s, n in self.values.items())
                    for p, size in BYTES.items()}
-        wanted = choose(max(min(self.step_s.values()), 1e-6), round_s, self.share, 0,
-                        self.precision, self.most).every
-        if max(wanted, self.current) > STEADY * min(wanted, self.current):
-            self.current = wanted
-        return self.current
+        wanted = choose(step_s, round_s, self.share, 0, self.precision, self.most).every
+        if max(wanted, current) > STEADY * min(wanted, current):
+            current = wanted
+        self.current[pipeline] = current
+        return current
 
 
 class Blocks:

@@ -217,7 +217,7 @@ def rounds(wire: WirePace, mbit: float, n: int, stage: int = 0) -> list[int]:
     out = []
     for _ in range(n):
         wire.round_done(stage, moved, 0.005 + moved / (mbit * 1e6 / 8))
-        out.append(wire.every())
+        out.append(wire.every(0))
     return out
 
 
@@ -241,13 +241,17 @@ def test_noise_within_the_steady_band_does_not_move_the_period():
     assert periods == {12}
 
 
-def test_slower_compute_needs_fewer_steps_per_meeting_and_the_fastest_pipeline_sets_it():
+def test_each_pipeline_meets_after_as_many_steps_as_fill_the_same_time():
+    """Blocks last about as long in seconds on every pipeline: one 3x slower meets after a
+    third of the steps (nobody waits for its whole block), and compute that slows 4x
+    everywhere makes the wire a quarter as costly per step."""
     wire = pace(every=12, mbit=15)
-    wire.block_done(3, 10, 18.0)  # a pipeline 10x slower does not set the pace
-    assert wire.every() == 12
+    assert [wire.every(p) for p in range(4)] == [12] * 4
+    wire.block_done(3, 10, 5.4)  # 3x slower
+    assert wire.every(3) == 4 and wire.every(0) == 12
     for p in range(3):
-        wire.block_done(p, 10, 7.2)  # every fast one slowed 4x: the wire is a quarter as costly
-    assert wire.every() == 3
+        wire.block_done(p, 10, 7.2)  # every fast one slowed 4x
+    assert [wire.every(p) for p in range(3)] == [3] * 3
 
 
 def test_the_scheduler_gives_every_stage_of_a_pipeline_the_same_next_block(tmp_path):
@@ -297,6 +301,7 @@ def test_the_scheduler_gives_every_stage_of_a_pipeline_the_same_next_block(tmp_p
     assert changed.nexts[0] > 2 and changed.done_steps == 8
     every = changed.nexts[0]
     assert sched.policy._run.total_iterations == 4 + math.ceil((80 - 8) / every)
-    [line] = [m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-              if m["kind"] == "pace"]
-    assert (line["was"], line["every"]) == (2, every) and line["mbit_s"] < 20
+    lines = [m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if m["kind"] == "pace"]
+    assert sorted(m["pipeline"] for m in lines) == [0, 1]
+    assert all((m["was"], m["every"]) == (2, every) and m["mbit_s"] < 20 for m in lines)
