@@ -113,8 +113,8 @@ def sdpipe_beside(act, run_dir: Path, *args: str, timeout: float = RUN_TIMEOUT):
     thread beside it: for a test that acts on a run's children or files (kills a worker, fills
     its disk) but not on the launcher, which then costs no interpreter and fork server of its own.
     ``command`` is a :class:`Beside`. Returns (the command's CompletedProcess, what ``act``
-    returned). If ``act`` fails, the run's processes (of ``run_dir``) are killed, so that the
-    command ends at once, and ``act``'s exception is raised."""
+    returned). If ``act`` fails, the run's processes (of ``run_dir``) are killed until the command
+    ends, which it then does at once, and ``act``'s exception is raised."""
     import threading
 
     command, outcome = Beside(), {}
@@ -124,7 +124,9 @@ def sdpipe_beside(act, run_dir: Path, *args: str, timeout: float = RUN_TIMEOUT):
             outcome["value"] = act(command)
         except BaseException as error:  # raised in the test's thread below
             outcome["error"] = error
-            kill_leftovers(run_dir)
+            while command.poll() is None:  # children started later and restarted ones too
+                kill_leftovers(run_dir)
+                time.sleep(0.5)
 
     thread = threading.Thread(target=acting, daemon=True)
     thread.start()
