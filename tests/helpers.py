@@ -86,6 +86,63 @@ def sdpipe(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(["sdpipe", *args], rc, out.getvalue(), err.getvalue())
 
 
+class Beside:
+    """What a thread acting beside an in-process command (:func:`sdpipe_beside`) sees of it:
+    ``poll()`` as a Popen's, None until the command has returned, then its exit code."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait_for(self, condition, timeout: float = 120, what: str = "condition") -> None:
+        """Poll ``condition()`` until it holds; fail if the command ends first or ``timeout``
+        passes (the caller's :func:`sdpipe_beside` then stops the run)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.poll() is not None:
+                raise AssertionError(f"the command ended ({self.poll()}) before {what}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} did not happen within {timeout} s")
+            time.sleep(0.1)
+
+
+def sdpipe_beside(act, run_dir: Path, *args: str, timeout: float = RUN_TIMEOUT):
+    """``sdpipe ARGS`` run by :func:`sdpipe` in this process while ``act(command)`` runs in a
+    thread beside it: for a test that acts on a run's children or files (kills a worker, fills
+    its disk) but not on the launcher, which then costs no interpreter and fork server of its own.
+    ``command`` is a :class:`Beside`. Returns (the command's CompletedProcess, what ``act``
+    returned). If ``act`` fails, the run's processes (of ``run_dir``) are killed until the command
+    ends, which it then does at once, and ``act``'s exception is raised."""
+    import threading
+
+    command, outcome = Beside(), {}
+
+    def acting() -> None:
+        try:
+            outcome["value"] = act(command)
+        except BaseException as error:  # raised in the test's thread below
+            outcome["error"] = error
+            while command.poll() is None:  # children started later and restarted ones too
+                kill_leftovers(run_dir)
+                time.sleep(0.5)
+
+    thread = threading.Thread(target=acting, daemon=True)
+    thread.start()
+    try:
+        out = sdpipe(*args, timeout=timeout)
+        command.returncode = out.returncode
+    finally:
+        if command.returncode is None:
+            command.returncode = -1
+        thread.join(60)
+    assert not thread.is_alive(), "the action beside the command did not end with it"
+    if "error" in outcome:
+        raise outcome["error"]
+    return out, outcome.get("value")
+
+
 def sdpipe_popen(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     """The CLI in its own session (so signals the test sends reach only it); ``env`` adds to
     this process's environment."""

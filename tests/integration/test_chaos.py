@@ -1,6 +1,9 @@
 """fault.on_pipeline_loss=restart under injected faults (scripts/chaos.py's punisher and checks):
 a SIGKILL and a SIGSTOP on random workers of a real run, and the scheduler SIGKILLed; it completes
-with its budget exact, identical replicas, valid checkpoints and no process left."""
+with its budget exact, identical replicas, valid checkpoints and no process left.
+
+The faults hit the run's children, not its launcher, so the launcher runs in the test's process
+and the punisher in a thread beside it (the script runs it as a process of its own)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, finish, metrics, sdpipe_popen
+from tests.helpers import REPO, metrics, sdpipe_beside
 
 sys.path.insert(0, str(REPO / "scripts"))
 chaos = importlib.import_module("chaos")
@@ -21,17 +24,15 @@ P, S, STEPS = 3, 2, 40
 
 
 def test_random_kills_and_a_hang_are_healed_and_the_run_completes(run_dir):
-    proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
-                        f"cluster.pipelines={P}", f"pipeline.stages={S}", f"train.steps={STEPS}",
-                        "train.eval_every=0", "cluster.compute_ms=10", "checkpoint.every=10",
-                        "fault.on_pipeline_loss=restart", "fault.max_restarts=2",
-                        "fault.restart_backoff=0.1", "run.heartbeat_timeout=3",
-                        "sync.group_timeout=1.5")
-    try:
-        faults = chaos.punish(run_dir, proc, ["kill", "stop"], P * S, S, (0.2, 0.5),
-                              P * STEPS, random.Random(1), log=lambda line: None)
-    finally:
-        rc, err, _ = finish(proc, timeout=180)
+    out, faults = sdpipe_beside(
+        lambda command: chaos.punish(run_dir, command, ["kill", "stop"], P * S, S, (0.2, 0.5),
+                                     P * STEPS, random.Random(1), log=lambda line: None),
+        run_dir, "train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
+        f"cluster.pipelines={P}", f"pipeline.stages={S}", f"train.steps={STEPS}",
+        "train.eval_every=0", "cluster.compute_ms=10", "checkpoint.every=10",
+        "fault.on_pipeline_loss=restart", "fault.max_restarts=2", "fault.restart_backoff=0.1",
+        "run.heartbeat_timeout=3", "sync.group_timeout=1.5", timeout=180)
+    rc, err = out.returncode, out.stderr
     assert rc == 0, err
     assert [f["signal"] for f in faults] == ["SIGKILL", "SIGSTOP"], faults
     result = chaos.check(run_dir, rc, faults, P, S, STEPS)
@@ -57,16 +58,14 @@ def test_async_1f1b_pipeline_restarts_and_heals_and_the_scheduler_comes_back(run
     replays its journal (begin answers, rounds, the heal) to go on where it was. The budget is
     exact and the replicas end identical."""
     steps = 40
-    proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
-                        "cluster.pipelines=2", f"pipeline.stages={S}", f"train.steps={steps}",
-                        "train.eval_every=0", "cluster.compute_ms=10",
-                        "pipeline.schedule=async_1f1b", "fault.on_pipeline_loss=restart",
-                        "fault.restart_backoff=0.1")
-    try:
-        faults = chaos.punish(run_dir, proc, ["kill", "scheduler"], 2 * S, S, (0.2, 0.5),
-                              2 * steps, random.Random(3), log=lambda line: None)
-    finally:
-        rc, err, _ = finish(proc, timeout=180)
+    out, faults = sdpipe_beside(
+        lambda command: chaos.punish(run_dir, command, ["kill", "scheduler"], 2 * S, S, (0.2, 0.5),
+                                     2 * steps, random.Random(3), log=lambda line: None),
+        run_dir, "train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
+        "cluster.pipelines=2", f"pipeline.stages={S}", f"train.steps={steps}",
+        "train.eval_every=0", "cluster.compute_ms=10", "pipeline.schedule=async_1f1b",
+        "fault.on_pipeline_loss=restart", "fault.restart_backoff=0.1", timeout=180)
+    rc, err = out.returncode, out.stderr
     assert rc == 0, err
     assert [f["rank"] == "scheduler" for f in faults] == [False, True], faults
     result = chaos.check(run_dir, rc, faults, 2, S, steps)

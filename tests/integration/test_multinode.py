@@ -12,7 +12,7 @@ import time
 import pytest
 
 from sdpipe_cli.config import job_env
-from tests.helpers import finish, free_port, metrics, sdpipe_popen, worker_process
+from tests.helpers import finish, free_port, metrics, sdpipe_beside, sdpipe_popen, worker_process
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,17 +32,19 @@ def _job(node: int, port: int) -> dict[str, str]:
             "SLURM_JOB_NUM_NODES": "2"}
 
 
-def test_srun_places_each_launcher_without_run_node_or_port(run_dir):
+def test_srun_places_each_launcher_without_run_node_or_port(run_dir, monkeypatch):
     """Two launchers given only what srun sets: each finds its node and the job's port, and
     they train together (the second node's launcher may start first: it waits for the store).
-    The failure and restart tests below place their launchers with run.node."""
+    The failure and restart tests below place their launchers with run.node. The first node's
+    launcher runs in the test's process, its environment srun's."""
     port = free_port(range(job_env.PORT_BASE, job_env.PORT_BASE + job_env.PORT_SPAN))
     common = (*NODES, f"run.dir={run_dir}", "train.steps=4")
     second = sdpipe_popen("train", *common, env=_job(1, port))
     time.sleep(1.0)
-    first = sdpipe_popen("train", *common, env=_job(0, port))
-    rc_a, err_a, _ = finish(first)
-    rc_b, err_b, _ = finish(second)
+    for key, value in _job(0, port).items():
+        monkeypatch.setenv(key, value)
+    first, (rc_b, err_b, _) = sdpipe_beside(lambda command: finish(second), run_dir, "train", *common)
+    rc_a, err_a = first.returncode, first.stderr
     assert (rc_a, rc_b) == (0, 0), (err_a, err_b)
     source = "SLURM"
     assert f"sdpipe: {source} node 0" in err_a and f"run.node=a run.port={port}" in err_a
@@ -60,25 +62,31 @@ def test_srun_places_each_launcher_without_run_node_or_port(run_dir):
 
 def kill_on_node_b(run_dir, common: tuple, rank: int, after: int) -> list[tuple[int, str]]:
     """Start both nodes' launchers, SIGKILL worker ``rank`` (on node b) once ``after`` train
-    lines are in, and wait for both: [(exit code, stderr) of node a, of node b]."""
-    first = sdpipe_popen("train", *common, "run.node=a")
-    second = sdpipe_popen("train", *common, "run.node=b")
-    try:
-        deadline = time.monotonic() + 60
-        victim = None
-        while victim is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-            if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "train")) >= after:
-                victim = worker_process(run_dir, rank)
-        assert victim is not None, "node b's worker never started training"
-        victim.send_signal(signal.SIGKILL)
-        rc_b, err_b, _ = finish(second, 120)
-        rc_a, err_a, _ = finish(first, 120)
-    finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                proc.kill()
-    return [(rc_a, err_a), (rc_b, err_b)]
+    lines are in, and wait for both: [(exit code, stderr) of node a, of node b]. Node a's
+    launcher runs in the test's process (nothing here acts on it), node b's as its own."""
+
+    def node_b(command) -> tuple[int, str]:
+        second = sdpipe_popen("train", *common, "run.node=b")
+        try:
+            victim = None
+
+            def training() -> bool:
+                nonlocal victim
+                if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir, "train")) >= after:
+                    victim = worker_process(run_dir, rank)
+                return victim is not None
+
+            command.wait_for(training, timeout=60, what="node b's worker training")
+            victim.send_signal(signal.SIGKILL)
+            rc_b, err_b, _ = finish(second, 120)
+        finally:
+            if second.poll() is None:
+                second.kill()
+        return rc_b, err_b
+
+    first, (rc_b, err_b) = sdpipe_beside(node_b, run_dir, "train", *common, "run.node=a",
+                                         timeout=180)
+    return [(first.returncode, first.stderr), (rc_b, err_b)]
 
 
 def test_a_failure_on_one_node_stops_both(run_dir):

@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from tests.helpers import (REPO, finish, free_port, listening_only_on_loopback, metrics, run_processes,
-                           sdpipe_popen, wait_for, worker_process, worker_processes)
+                           sdpipe_beside, sdpipe_popen, training_lines, wait_for, worker_process,
+                           worker_processes)
 from sdpipe_cli.cli import launcher, supervisor
 from sdpipe_cli import checkpoint
 from tests.unit.test_failure_reports import fill, small_disk
@@ -105,14 +106,19 @@ def test_second_ctrl_c_stops_at_once(run_dir):
 
 def test_lost_pipeline_is_dropped_and_the_others_go_on(run_dir):
     """fault.on_pipeline_loss=continue (sync=sdpipe): all-reduce could not do this."""
-    proc = sdpipe_popen("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
-                        "cluster.pipelines=3", "train.steps=40", "train.batch_size=8",
-                        "cluster.compute_ms=5", "train.eval_every=0", "checkpoint.every=20",
-                        "checkpoint.keep=0", "fault.on_pipeline_loss=continue",
-                        "sync.group_timeout=3")  # a group with the dead replica gives up soon
-    wait_for_training(run_dir, proc)
-    os.kill(worker_pid(run_dir, 4), signal.SIGKILL)  # pipeline 2, stage 0
-    rc, err, took = finish(proc, timeout=180)
+    def kill_pipeline_2(command):
+        command.wait_for(training_lines(run_dir), what="training")
+        os.kill(worker_pid(run_dir, 4), signal.SIGKILL)  # pipeline 2, stage 0
+
+    # the launcher in this process: what is tested is what it does, not its process
+    out, _ = sdpipe_beside(kill_pipeline_2, run_dir, "train", f"run.dir={run_dir}", "model=mlp",
+                           "data=synthetic", "cluster.pipelines=3", "train.steps=40",
+                           "train.batch_size=8", "cluster.compute_ms=5", "train.eval_every=0",
+                           "checkpoint.every=20", "checkpoint.keep=0",
+                           "fault.on_pipeline_loss=continue",
+                           "sync.group_timeout=3",  # a group with the dead replica gives up soon
+                           timeout=180)
+    rc, err = out.returncode, out.stderr
     assert rc == 0, err
     assert "pipeline 2 lost" in err and "worker rank 4 (pipeline 2, stage 0) was killed by SIGKILL" in err
     (lost,) = metrics(run_dir, "lost")
@@ -250,13 +256,18 @@ def test_a_run_whose_disk_fills_up_ends_in_one_line_naming_the_file_and_the_resu
     summary is written, or the console says why not."""
     with small_disk(tmp_path / "disk", "4m") as disk:
         run_dir = disk / "run"
-        proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG, "sync.global_every=5",
-                            "checkpoint.every=5", "checkpoint.keep=1", "train.eval_every=0",
-                            "fault.on_slowdown=off")
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and metrics(run_dir, "checkpoint"),
-                 proc, what="a checkpoint")
-        fill(disk)
-        rc, err, _ = finish(proc, timeout=60)
+
+        def fill_after_a_checkpoint(command):
+            command.wait_for(lambda: (run_dir / "metrics.jsonl").exists()
+                             and metrics(run_dir, "checkpoint"), what="a checkpoint")
+            fill(disk)
+
+        # the launcher in this process (its own writes fail there as in a process of its own)
+        out, _ = sdpipe_beside(fill_after_a_checkpoint, run_dir, "train", f"run.dir={run_dir}",
+                               *LONG, "sync.global_every=5", "checkpoint.every=5",
+                               "checkpoint.keep=1", "train.eval_every=0", "fault.on_slowdown=off",
+                               timeout=180)
+        rc, err = out.returncode, out.stderr
         (line,) = [ln for ln in err.splitlines() if ln.startswith("sdpipe: error:")]
         assert rc == 1 and re.search(rf"{re.escape(str(run_dir))}/\S+: cannot be written: the "
                                      r"disk is full \(No space left on device\)", line), err
