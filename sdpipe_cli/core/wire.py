@@ -123,12 +123,12 @@ class WirePace:
     (:meth:`block_done`). The link of each stage is the upper quartile of the bandwidths of its
     last :data:`WINDOW` rounds beyond the latency measured at the start; the compute, each
     pipeline's latest seconds per step. :meth:`every` applies the start's rule
-    (:func:`~sdpipe_cli.core.meetings.choose`) to each pipeline's own step: one meeting of every
-    replica of the costliest stage within ``share`` of *its* time. Blocks then last about as
-    long in seconds on every pipeline, however fast each is: a pipeline 3x slower meets after a
-    third of the steps, so nobody waits for a straggler's whole block at a global sync or at the
-    end of the run, every replica spends the same share of its time on the wire, and groups can
-    form from replicas that come to meetings at one rate. A period is changed only when the
+    (:func:`~sdpipe_cli.core.meetings.choose`) to the fastest pipeline's step (one meeting of
+    every replica of the costliest stage within ``share`` of its time), and gives a slower
+    pipeline as many steps as fill the same time. Blocks then last about as long in seconds on
+    every pipeline: a pipeline 3x slower meets after a third of the steps, so nobody waits for
+    a straggler's whole block at a global sync or at the end of the run, and every replica
+    spends about the same share of its time on the wire. A period is changed only when the
     rule's differs by more than :data:`STEADY` x, so that noise does not move it.
 
     Pure: fed by the scheduler, no clock of its own.
@@ -137,7 +137,7 @@ class WirePace:
     def __init__(self, share: float, precision: str, every: int, most: int, members: int,
                  links: dict[int, LinkFit], values: dict[int, int], step_s: dict[int, float]):
         self.share, self.precision, self.most, self.members = share, precision, most, members
-        self.start = every
+        self.start = self.base = every  # the start's period, the fastest pipeline's now
         self.current: dict[int, int] = {}  # pipeline -> the period its blocks take now
         self.latency = {s: fit.latency_s for s, fit in links.items()}
         self.values = dict(values)
@@ -165,19 +165,28 @@ class WirePace:
         return LinkFit(self.latency[stage], rates[3 * len(rates) // 4])
 
     def every(self, pipeline: int) -> int:
-        """The period ``pipeline``'s next block takes."""
-        current = self.current.get(pipeline, self.start)
-        step_s = self.step_s.get(pipeline, min(self.step_s.values(), default=0.0))
-        if step_s <= 0:
-            return current
+        """The period ``pipeline``'s next block takes: the rule's for the fastest pipeline, and
+        for a pipeline more than :data:`STEADY` x slower as many steps as fill the same time.
+        Pipelines of about one speed keep one period, so they come to their meetings together
+        (a period each, from each one's noisy step times, would set them apart)."""
+        fastest = min(self.step_s.values(), default=0.0)
+        if fastest <= 0:
+            return self.current.get(pipeline, self.start)
         round_s = {p: max(self.link(s).seconds(ring_bytes(self.members, n * size))
                           for s, n in self.values.items())
                    for p, size in BYTES.items()}
-        wanted = choose(step_s, round_s, self.share, 0, self.precision, self.most).every
-        if max(wanted, current) > STEADY * min(wanted, current):
-            current = wanted
-        self.current[pipeline] = current
-        return current
+        self.base = _steady(self.base, choose(fastest, round_s, self.share, 0, self.precision,
+                                              self.most).every)
+        slower = self.step_s.get(pipeline, fastest) / fastest
+        wanted = self.base if slower <= STEADY else max(1, round(self.base / slower))
+        current = self.current.get(pipeline, self.start)
+        self.current[pipeline] = wanted if slower <= STEADY else _steady(current, wanted)
+        return self.current[pipeline]
+
+
+def _steady(current: int, wanted: int) -> int:
+    """``wanted`` where it differs from ``current`` by more than :data:`STEADY` x."""
+    return wanted if max(wanted, current) > STEADY * min(wanted, current) else current
 
 
 class Blocks:

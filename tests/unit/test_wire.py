@@ -252,6 +252,10 @@ def test_each_pipeline_meets_after_as_many_steps_as_fill_the_same_time():
     for p in range(3):
         wire.block_done(p, 10, 7.2)  # every fast one slowed 4x
     assert [wire.every(p) for p in range(3)] == [3] * 3
+    noisy = pace(every=12, mbit=15)
+    for p, seconds in enumerate((1.8, 2.2, 1.95)):  # one speed, noisy timing
+        noisy.block_done(p, 10, seconds)
+    assert len({noisy.every(p) for p in range(3)}) == 1  # one period: they meet together
 
 
 def test_the_scheduler_gives_every_stage_of_a_pipeline_the_same_next_block(tmp_path):
