@@ -33,7 +33,10 @@ means table: the mean of those ratios), ``sent per sample`` (bytes every worker 
 collectives, over the samples trained) and ``time in collectives`` (the workers' seconds in sync
 collectives over their seconds alive); ``H`` and ``precision`` are what the run used (its
 ``config.yaml``: sdpipe's meeting period as resolved, diloco's local steps); ``link estimates``
-the run's own ``wire`` lines or ``summary.json`` key, where it records them. With
+the run's own ``wire`` lines or ``summary.json`` key, where it records them; ``overruns`` the
+share of forward and backward actions whose real compute did not fit the modelled time, and
+``load`` the machine's 1-minute load average at the run's end: a run with many overruns was
+slowed by the CPU (other work on a shared machine), not by its links. With
 ``--change-at``, samples/s before and after the change (and after ``--recover-at``), and sdpipe's
 H over time where its group lines show it change.
 
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import signal
 import statistics
 import sys
@@ -135,7 +139,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="back to --rate this many seconds into each run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for every run (repeatable)")
-    p.add_argument("--out", type=Path, default=None, metavar="PATH",
+    p.add_argument("--out", "--markdown", type=Path, default=None, metavar="PATH",
                    help="the table (Markdown; default RUNS/real_links.md), and PATH.json beside it")
     p.add_argument("--runs", type=Path, default=None, metavar="DIR",
                    help="run folders and logs (default runs/real_links/<UTC time>)")
@@ -240,10 +244,7 @@ def launch(machines: "_netns.Machines", args, name: str, run_overrides: list[str
                 changes.append({"at_s": round(time.time() - t0, 2), "rate_mbit": pending[0][1]})
                 pending.pop(0)
             time.sleep(POLL_S)
-    finally:
-        for p in procs:  # SIGTERM to all first, so that every launcher stops its workers at once
-            if p.poll() is None:
-                p.terminate()
+    finally:  # one SIGTERM each (a second stops a launcher at once), the store's host first
         for p in procs:
             stop(p)
         for f in files:
@@ -258,7 +259,7 @@ def launch(machines: "_netns.Machines", args, name: str, run_overrides: list[str
             "exit": [p.returncode for p in procs],
             "status": "ok" if not bad else f"m{bad[0][0]}: {bad[0][1][0]}",
             "error": bad[0][1][1] if bad else "", "wall_s": round(time.monotonic() - started, 1),
-            "changes": changes}
+            "changes": changes, "load_1min": os.getloadavg()[0]}
 
 
 # -- what a run says -------------------------------------------------------------------------
@@ -277,11 +278,11 @@ def settings(run_dir: Path) -> dict[str, Any]:
         mode = modes.mode(sync.name)
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
         return {}
+    out = {"mode": mode.name, "microbatches": int(cfg["pipeline"]["microbatches"])}
     if mode.exchange == "local":
-        return {"mode": mode.name, "every": None, "precision": None}
+        return {**out, "every": None, "precision": None}
     every = int(sync.local_steps) if mode.exchange == "outer" else meetings.meetings_of(sync).every
-    return {"mode": mode.name, "every": every, "precision": meetings.precision_of(sync),
-            "microbatches": int(cfg["pipeline"]["microbatches"])}
+    return {**out, "every": every, "precision": meetings.precision_of(sync)}
 
 
 def every_over_time(lines: list[dict]) -> list[list[float]]:
@@ -364,7 +365,7 @@ def means(records: list[dict]) -> list[dict]:
     """Per run name, over its seeds: the mean of each figure (a seed without it left out) and
     how many seeds it had."""
     keys = ("shown_rate", "of_limit", "final_val_loss", "vs_allreduce", "sync_bytes_per_sample",
-            "comm_share")
+            "comm_share", "overrun_fraction")
     out = []
     for name in dict.fromkeys(r["run"] for r in records):
         rows = [r for r in records if r["run"] == name]
@@ -405,7 +406,8 @@ def figure_cells(r: dict) -> dict[str, str]:
             "sent per sample": (kilobytes(r.get("sync_bytes_per_sample")) + " kB"
                                 if r.get("sync_bytes_per_sample") else
                                 "0" if r.get("sync_bytes_per_sample") == 0 else "-"),
-            "time in collectives": percent(r.get("comm_share"), 0, space=True)}
+            "time in collectives": percent(r.get("comm_share"), 0, space=True),
+            "overruns": percent(r.get("overrun_fraction"), 0, space=True)}
 
 
 def run_rows(records: list[dict], changes: int = 0) -> list[dict]:
@@ -416,7 +418,7 @@ def run_rows(records: list[dict], changes: int = 0) -> list[dict]:
     for r in records:
         row = {"run": _label(r["run"]), "seed": r["seed"], **figure_cells(r), "H": _every(r),
                "precision": r.get("precision") or "-", "link estimates": _wire(r),
-               "status": r["status"]}
+               "load": num(r.get("load_1min"), ".1f"), "status": r["status"]}
         if spans:
             got = r.get("windows") or []
             row["samples/s " + " / ".join(spans)] = " / ".join(rate(w) for w in got) or "-"
