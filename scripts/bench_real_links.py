@@ -455,6 +455,11 @@ def refuse(why: str) -> int:
     return 2
 
 
+def _interrupted(signum, frame) -> None:
+    """Ctrl-C or SIGTERM: the runs are stopped and the machines taken down on the way out."""
+    raise KeyboardInterrupt
+
+
 def measure_links(machines: "_netns.Machines", args) -> dict[float, float]:
     """Mbit/s one TCP stream gets at each rate a run uses (the base rate last, left in place)."""
     out = {}
@@ -471,7 +476,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return refuse(why)
     args = parse_args(argv)
     runs = plan(args)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    for signum in (signal.SIGINT, signal.SIGTERM):  # even where started with SIGINT ignored (&)
+        signal.signal(signum, _interrupted)
     args.runs.mkdir(parents=True, exist_ok=True)
     (args.runs / "config" / "cluster").mkdir(parents=True, exist_ok=True)
     (args.runs / "config" / "cluster" / f"{CLUSTER}.yaml").write_text(
