@@ -339,6 +339,10 @@ def read_run(record: dict[str, Any], pipelines: int) -> dict[str, Any]:
     record["solo_rates"] = analysis.solo_rates(lines)
     record["every_over_time"] = every_over_time(lines)
     record["wire"] = link_estimates(lines, run_dir)
+    chosen = record["wire"] if isinstance(record["wire"], dict) else {}
+    for key in ("every", "precision"):  # the run's own choice, where it made one from its links
+        if chosen.get(key) is not None and record.get(key) is not None:
+            record[key] = chosen[key]
     if record["changes"]:
         record["windows"] = windows(lines, record["changes"])
     return record
@@ -384,9 +388,10 @@ def _label(name: str) -> str:
 def _every(r: dict) -> str:
     if r.get("every") is None:
         return "-"
-    over = r.get("every_over_time") or []
-    if len(over) > 1:  # it changed during the run
-        return " -> ".join(f"{int(e)} ({t:.0f} s)" for t, e in over)
+    periods = [int(e) for _, e in r.get("every_over_time") or []]
+    if len(periods) > 1:  # it changed during the run: the whole series is in the JSON
+        return (f"{periods[0]} -> {periods[-1]} ({min(periods)} to {max(periods)}, "
+                f"{len(periods) - 1} changes)")
     return str(r["every"])
 
 
@@ -394,8 +399,14 @@ def _wire(r: dict) -> str:
     wire = r.get("wire")
     if not isinstance(wire, dict):
         return "-"
-    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in wire.items() if k != "time" and not isinstance(v, (dict, list)))
+    parts = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+             for k, v in wire.items() if k != "time" and not isinstance(v, (dict, list))]
+    for stage in wire.get("stages") or []:  # what each stage's replicas measured of their links
+        if isinstance(stage, dict) and isinstance(stage.get("mbit_s"), (int, float)):
+            parts.append(f"stage {stage.get('stage', '?')}: {stage['mbit_s']:.1f} Mbit/s"
+                         + (f" {stage['latency_ms']:.1f} ms"
+                            if isinstance(stage.get("latency_ms"), (int, float)) else ""))
+    return " ".join(parts)
 
 
 def figure_cells(r: dict) -> dict[str, str]:

@@ -94,7 +94,16 @@ def test_the_meeting_period_over_time_from_group_lines():
     assert bench.every_over_time(lines) == [[1.0, 1], [3.0, 4], [5.0, 2]]
     row = bench.run_rows([dict(_run("sdpipe", 0), every=2,
                                every_over_time=bench.every_over_time(lines))])[0]
-    assert row["H"] == "1 (1 s) -> 4 (3 s) -> 2 (5 s)"
+    assert row["H"] == "1 -> 2 (1 to 4, 2 changes)"
+
+
+def test_link_estimates_are_the_runs_own_where_it_records_them():
+    wire = {"time": 8.2, "every": 12, "precision": "bf16", "share": 0.1,
+            "stages": [{"stage": 0, "mbit_s": 14.225, "latency_ms": 3.118}, {"stage": 1}]}
+    row = bench.run_rows([dict(_run("sdpipe", 0), wire=wire)])[0]
+    assert row["link estimates"] == ("every=12 precision=bf16 share=0.1 "
+                                     "stage 0: 14.2 Mbit/s 3.1 ms")
+    assert bench.run_rows([_run("sdpipe", 0)])[0]["link estimates"] == "-"
 
 
 def test_without_root_it_says_so_in_one_line_and_makes_nothing(tmp_path):
