@@ -120,8 +120,8 @@ class WirePace:
     Every member of a round reports, with its next ready signal, how long the round's
     all-reduce took and what it moved (:meth:`round_done`; the members were all waiting when it
     was decided, so that time is the wire's), and how long its block of local steps took
-    (:meth:`block_done`). The link of each stage is the upper quartile of the bandwidths of its
-    last :data:`WINDOW` rounds beyond the latency measured at the start; the compute, each
+    (:meth:`block_done`). The link of each stage is the fastest of the bandwidths of its last
+    :data:`WINDOW` rounds beyond the latency measured at the start; the compute, each
     pipeline's latest seconds per step. :meth:`every` applies the start's rule
     (:func:`~sdpipe_cli.core.meetings.choose`) to the fastest pipeline's step (one meeting of
     every replica of the costliest stage within ``share`` of its time), and gives a slower
@@ -158,11 +158,13 @@ class WirePace:
             self.step_s[pipeline] = seconds / steps
 
     def link(self, stage: int) -> LinkFit:
-        """The stage's link: the upper quartile of its recent rounds' rates. A round's time can
-        only exceed the wire's (a member that enters the all-reduce late, a decision that
-        queued behind other traffic), so the low ones say least about the wire."""
-        rates = sorted(self.seen[stage])
-        return LinkFit(self.latency[stage], rates[3 * len(rates) // 4])
+        """The stage's link: the fastest of its recent rounds' rates. A round's time can only
+        exceed the wire's own (a member that enters the all-reduce late, a decision queued
+        behind other traffic, the other stage's round on the same link at once), and the rule
+        is the one described links and the start's probe are taken by: one stage's meeting on
+        the link. Taking the rounds' upper quartile instead chose H = 19 on 15 Mbit/s where 14
+        kept the wire at 8 % of the time, and lost 5-7 % of validation loss to it."""
+        return LinkFit(self.latency[stage], max(self.seen[stage]))
 
     def every(self, pipeline: int) -> int:
         """The period ``pipeline``'s next block takes: the rule's for the fastest pipeline, and
