@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.meetings import BYTES
-from sdpipe_cli.core.wire import Blocks, LinkFit, Measured, Probe, WirePace, decide, ring_bytes
+from sdpipe_cli.core.wire import WINDOW, Blocks, LinkFit, Measured, Probe, WirePace, decide, ring_bytes
 from sdpipe_cli.sync import wire_probe
 from tests.unit.test_simulation import config
 
@@ -222,15 +222,16 @@ def rounds(wire: WirePace, mbit: float, n: int, stage: int = 0) -> list[int]:
 
 
 def test_the_period_rises_when_the_link_slows_and_falls_back_when_it_recovers():
-    """200 to 15 Mbit/s: the rule wants a period 13x longer; within a window's upper quartile of
-    rounds (two meetings of four members) it is taken, and taken back after the recovery."""
+    """200 to 15 Mbit/s: the rule wants a period 13x longer; once a window of rounds (two
+    meetings of four members) is all slow it is taken, and taken back at the first fast round
+    after the recovery."""
     wire = pace()
     assert rounds(wire, 200, 8)[-1] == 2
     slow = rounds(wire, 15, 8)
     target = math.ceil((0.005 + ring_bytes(4, VALUES * 2) / (15e6 / 8)) / (0.1 * 0.18))
-    assert slow[-1] == target and slow.index(target) <= 6, slow
+    assert slow[-1] == target and slow.index(target) == WINDOW - 1, slow
     back = rounds(wire, 200, 8)
-    assert back[-1] == 2 and back.index(2) <= 6, back
+    assert back == [2] * 8, back
 
 
 def test_noise_within_the_steady_band_does_not_move_the_period():
