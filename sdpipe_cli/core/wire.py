@@ -114,22 +114,28 @@ STEADY = 1.3  # a new period is taken only when it differs from the current by m
 
 
 class WirePace:
-    """Each pipeline's period during the run, from what the rounds themselves measure: sdpipe's
-    meetings follow a link that slows or recovers, and a compute pace that changes.
+    """The period during the run, from what the rounds themselves measure: sdpipe's meetings
+    follow a link that slows or recovers, and a compute pace that changes.
 
     Every member of a round reports, with its next ready signal, how long the round's
-    all-reduce took and what it moved (:meth:`round_done`; the members were all waiting when it
-    was decided, so that time is the wire's), and how long its block of local steps took
-    (:meth:`block_done`). The link of each stage is the fastest of the bandwidths of its last
-    :data:`WINDOW` rounds beyond the latency measured at the start; the compute, each
-    pipeline's latest seconds per step. :meth:`every` applies the start's rule
-    (:func:`~sdpipe_cli.core.meetings.choose`) to the fastest pipeline's step (one meeting of
-    every replica of the costliest stage within ``share`` of its time), and gives a slower
-    pipeline as many steps as fill the same time. Blocks then last about as long in seconds on
-    every pipeline: a pipeline 3x slower meets after a third of the steps, so nobody waits for
-    a straggler's whole block at a global sync or at the end of the run, and every replica
-    spends about the same share of its time on the wire. A period is changed only when the
-    rule's differs by more than :data:`STEADY` x, so that noise does not move it.
+    all-reduce took and what it moved (:meth:`round_done`), and how long its block of local
+    steps took (:meth:`block_done`). The start's probe gives each stage's link *level*, the
+    rounds its *changes*: a round on a real link is slower than the probe of one stage alone
+    (the other stage's round shares the link at once, the decision that starts it queues
+    behind other traffic; on 15 Mbit/s rounds ran at 8-12 Mbit/s where the probe measured 14),
+    and the rule that chose well (H = 12 to 14 there, as described links choose) is the one
+    taken on the probe's figure. So the first :data:`WINDOW` rounds of a stage set its
+    calibration (the probe's rate over the fastest of them), and from then on its link is the
+    fastest of its last :data:`WINDOW` rounds times that: a link that slows 13x makes the
+    rounds 13x slower, and the period follows once a window of rounds is slow. The compute is
+    the fastest pipeline's latest seconds per step. :meth:`every` applies the start's rule
+    (:func:`~sdpipe_cli.core.meetings.choose`) to them, one period for every pipeline: a
+    slower pipeline's meetings then come after more time, so that it is a stale member of
+    the fast ones' groups (``sync.stale``) as at a fixed period. (A period per pipeline, each
+    filling the same time, made a 3x slower replica's meetings as frequent as the others' and
+    no longer stale: its smaller changes pulled the group's mean back, and the validation loss
+    rose 5-7 % at the same samples/s.) A period is changed only when the rule's differs by
+    more than :data:`STEADY` x, so that noise does not move it.
 
     Pure: fed by the scheduler, no clock of its own.
     """
@@ -137,20 +143,22 @@ class WirePace:
     def __init__(self, share: float, precision: str, every: int, most: int, members: int,
                  links: dict[int, LinkFit], values: dict[int, int], step_s: dict[int, float]):
         self.share, self.precision, self.most, self.members = share, precision, most, members
-        self.start = self.base = every  # the start's period, the fastest pipeline's now
-        self.current: dict[int, int] = {}  # pipeline -> the period its blocks take now
-        self.latency = {s: fit.latency_s for s, fit in links.items()}
+        self.current = every
+        self.probed = dict(links)
         self.values = dict(values)
-        self.seen: dict[int, list[float]] = {s: [fit.bytes_per_s] for s, fit in links.items()}
+        self.seen: dict[int, list[float]] = {s: [] for s in links}
+        self.calibration: dict[int, float] = {}  # stage -> the probe's rate over its rounds'
         self.step_s = dict(step_s)
 
     def round_done(self, stage: int, moved: float, seconds: float) -> None:
         """A round of ``stage`` moved ``moved`` bytes through a member's link in ``seconds``."""
         if moved <= 0 or seconds <= 0 or stage not in self.seen:
             return
-        beyond = seconds - self.latency[stage]
+        beyond = seconds - self.probed[stage].latency_s
         rate = moved / beyond if beyond > 0 else moved / seconds
         self.seen[stage] = (self.seen[stage] + [rate])[-WINDOW:]
+        if stage not in self.calibration and len(self.seen[stage]) == WINDOW:
+            self.calibration[stage] = self.probed[stage].bytes_per_s / max(self.seen[stage])
 
     def block_done(self, pipeline: int, steps: int, seconds: float) -> None:
         """``pipeline`` took ``seconds`` for its last ``steps`` local steps (its compute)."""
@@ -158,37 +166,25 @@ class WirePace:
             self.step_s[pipeline] = seconds / steps
 
     def link(self, stage: int) -> LinkFit:
-        """The stage's link: the fastest of its recent rounds' rates. A round's time can only
-        exceed the wire's own (a member that enters the all-reduce late, a decision queued
-        behind other traffic, the other stage's round on the same link at once), and the rule
-        is the one described links and the start's probe are taken by: one stage's meeting on
-        the link. Taking the rounds' upper quartile instead chose H = 19 on 15 Mbit/s where 14
-        kept the wire at 8 % of the time, and lost 5-7 % of validation loss to it."""
-        return LinkFit(self.latency[stage], max(self.seen[stage]))
+        """The stage's link now: the probe's until its rounds are calibrated, then the fastest
+        of its recent rounds in the probe's terms."""
+        if stage not in self.calibration:
+            return self.probed[stage]
+        return LinkFit(self.probed[stage].latency_s,
+                       max(self.seen[stage]) * self.calibration[stage])
 
-    def every(self, pipeline: int) -> int:
-        """The period ``pipeline``'s next block takes: the rule's for the fastest pipeline, and
-        for a pipeline more than :data:`STEADY` x slower as many steps as fill the same time.
-        Pipelines of about one speed keep one period, so they come to their meetings together
-        (a period each, from each one's noisy step times, would set them apart)."""
-        fastest = min(self.step_s.values(), default=0.0)
-        if fastest <= 0:
-            return self.current.get(pipeline, self.start)
+    def every(self) -> int:
+        """The period the next blocks take."""
+        if not self.step_s:
+            return self.current
         round_s = {p: max(self.link(s).seconds(ring_bytes(self.members, n * size))
                           for s, n in self.values.items())
                    for p, size in BYTES.items()}
-        self.base = _steady(self.base, choose(fastest, round_s, self.share, 0, self.precision,
-                                              self.most).every)
-        slower = self.step_s.get(pipeline, fastest) / fastest
-        wanted = self.base if slower <= STEADY else max(1, round(self.base / slower))
-        current = self.current.get(pipeline, self.start)
-        self.current[pipeline] = wanted if slower <= STEADY else _steady(current, wanted)
-        return self.current[pipeline]
-
-
-def _steady(current: int, wanted: int) -> int:
-    """``wanted`` where it differs from ``current`` by more than :data:`STEADY` x."""
-    return wanted if max(wanted, current) > STEADY * min(wanted, current) else current
+        wanted = choose(max(min(self.step_s.values()), 1e-6), round_s, self.share, 0,
+                        self.precision, self.most).every
+        if max(wanted, self.current) > STEADY * min(wanted, self.current):
+            self.current = wanted
+        return self.current
 
 
 class Blocks:

@@ -40,7 +40,7 @@ class Pacing:
         self.budget, self.P = budget, pipelines
         self.steps = {p: 0 for p in range(pipelines)}  # each pipeline's local steps, as said
         self.blocks: dict[tuple[int, int], int] = {}  # (pipeline, meeting) -> its next block
-        self.periods = {p: chosen.every for p in range(pipelines)}  # each pipeline's, now
+        self.every = chosen.every  # the period of the blocks decided last
         self.changes: list[dict[str, Any]] = []  # when the period changed, for the metrics
 
     def resumed(self, steps: dict[int, int]) -> None:
@@ -66,30 +66,23 @@ class Pacing:
         out = []
         for p, k in zip(members, meetings):
             if (p, k) not in self.blocks:
-                every = self.pace.every(p)
-                if every != self.periods[p]:
-                    self._changed(p, every, policy, round(time.time() - t0, 4))
+                every = self.pace.every()
+                if every != self.every:
+                    self._changed(every, policy, round(time.time() - t0, 4))
                 self.blocks[(p, k)] = every
             out.append(self.blocks[(p, k)])
         return out
 
-    @property
-    def every(self) -> int:
-        """The mean period over the pipelines: what a meeting of the policy's is worth in
-        pipeline-steps, blocks lasting about as long on every pipeline."""
-        return max(1, round(sum(self.periods.values()) / len(self.periods)))
-
-    def _changed(self, pipeline: int, every: int, policy: Any, now: float) -> None:
-        """A pipeline's period changes: the policy's budget is counted again in meetings of
-        the new mean length."""
-        was, self.periods[pipeline] = self.periods[pipeline], every
+    def _changed(self, every: int, policy: Any, now: float) -> None:
+        """The period changes: the policy's budget is counted again in meetings of the new
+        length."""
         left = max(0, self.budget - sum(self.steps.values()))
-        policy.retarget(policy.iterations_done()
-                        + math.ceil(left * len(self.periods) / sum(self.periods.values())))
+        policy.retarget(policy.iterations_done() + math.ceil(left / every))
         link = min((self.pace.link(s) for s in self.pace.values), key=lambda f: f.bytes_per_s)
-        self.changes.append({"kind": "pace", "time": now, "pipeline": pipeline, "every": every,
-                             "was": was, "mbit_s": round(link.mbit_s, 3),
-                             "step_s": round(self.pace.step_s.get(pipeline, 0.0), 6)})
+        self.changes.append({"kind": "pace", "time": now, "every": every, "was": self.every,
+                             "mbit_s": round(link.mbit_s, 3),
+                             "step_s": round(min(self.pace.step_s.values()), 6)})
+        self.every = every
 
     def done_steps(self) -> int:
         return sum(self.steps.values())
@@ -107,7 +100,7 @@ def wire_summary(chosen: protocol.MeetingChoice, pacing: Optional[Pacing]) -> di
     """``summary.json``'s ``wire``: the start's choice, and the period at the end."""
     out = dataclasses.asdict(chosen)
     if pacing is not None:
-        out["every_now"] = {str(p): every for p, every in pacing.periods.items()}
+        out["every_now"] = pacing.every
     return out
 
 
