@@ -109,7 +109,7 @@ def decide(reports: Sequence[Measured], share: float, every: int = 0, precision:
     return choose(iteration_s, round_s, share, every, precision, most)
 
 
-WINDOW = 8  # rounds per stage the link estimate is the median of (a change shows within a few)
+WINDOW = 12  # rounds per stage the link is the median of (about three meetings of four members)
 STEADY = 1.3  # a new period is taken only when it differs from the current by more than this
 
 
@@ -125,9 +125,11 @@ class WirePace:
     behind other traffic; on 15 Mbit/s rounds ran at 8-12 Mbit/s where the probe measured 14),
     and the rule that chose well (H = 12 to 14 there, as described links choose) is the one
     taken on the probe's figure. So the first :data:`WINDOW` rounds of a stage set its
-    calibration (the probe's rate over the fastest of them), and from then on its link is the
-    fastest of its last :data:`WINDOW` rounds times that: a link that slows 13x makes the
-    rounds 13x slower, and the period follows once a window of rounds is slow. The compute is
+    calibration (the probe's rate over their median), and from then on its link is the median
+    of its last :data:`WINDOW` rounds times that: a link that slows 13x makes the rounds 13x
+    slower, and the period follows once half a window of rounds is slow. (The fastest of 8
+    rounds instead followed the rounds' own noise, 7.5 to 16 Mbit/s on one link, to H = 23
+    and back.) The compute is
     the fastest pipeline's latest seconds per step. :meth:`every` applies the start's rule
     (:func:`~sdpipe_cli.core.meetings.choose`) to them, one period for every pipeline: a
     slower pipeline's meetings then come after more time, so that it is a stale member of
@@ -158,7 +160,7 @@ class WirePace:
         rate = moved / beyond if beyond > 0 else moved / seconds
         self.seen[stage] = (self.seen[stage] + [rate])[-WINDOW:]
         if stage not in self.calibration and len(self.seen[stage]) == WINDOW:
-            self.calibration[stage] = self.probed[stage].bytes_per_s / max(self.seen[stage])
+            self.calibration[stage] = self.probed[stage].bytes_per_s / _median(self.seen[stage])
 
     def block_done(self, pipeline: int, steps: int, seconds: float) -> None:
         """``pipeline`` took ``seconds`` for its last ``steps`` local steps (its compute)."""
@@ -166,12 +168,12 @@ class WirePace:
             self.step_s[pipeline] = seconds / steps
 
     def link(self, stage: int) -> LinkFit:
-        """The stage's link now: the probe's until its rounds are calibrated, then the fastest
+        """The stage's link now: the probe's until its rounds are calibrated, then the median
         of its recent rounds in the probe's terms."""
         if stage not in self.calibration:
             return self.probed[stage]
         return LinkFit(self.probed[stage].latency_s,
-                       max(self.seen[stage]) * self.calibration[stage])
+                       _median(self.seen[stage]) * self.calibration[stage])
 
     def every(self) -> int:
         """The period the next blocks take."""
@@ -185,6 +187,11 @@ class WirePace:
         if max(wanted, self.current) > STEADY * min(wanted, self.current):
             self.current = wanted
         return self.current
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 class Blocks:
