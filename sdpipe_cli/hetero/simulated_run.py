@@ -33,6 +33,7 @@ from sdpipe_cli.core.simulation import MODES, Result, Workload, simulate
 from sdpipe_cli.data import sources
 from sdpipe_cli.hetero.simulated_replan import replanned
 from sdpipe_cli.model import models
+from sdpipe_cli.sync.replay import recorded_meetings
 
 __all__ = ["workload", "run", "FORMAT"]
 
@@ -130,7 +131,7 @@ def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optiona
     if not plan.cluster.links_emulated and measurable(cfg, plan):
         if y.precision == "auto" and cfg.fault.on_pipeline_loss == "restart":
             y.precision = "fp32"  # a healed replica's anchor could miss a global sync
-        recorded = recorded_meetings(y.replay) if y.get("replay") else None
+        recorded = recorded_meetings(y.replay) if y.get("replay") else None  # sync/replay.py
         if recorded is not None:  # a replay meets as its recording did
             y.every, y.precision = int(recorded["every"]), str(recorded["precision"])
         return None  # left to the run's measured wire (sync/wire_probe.py) where still 0/auto
@@ -166,18 +167,6 @@ def measurable(cfg: DictConfig, plan: RunPlan) -> bool:
         return False
     return any(plan.cluster.slowest_link(plan.grid.stage_ranks(s)).kind == "cross_node"
                for s in range(plan.stages))
-
-
-def recorded_meetings(run: str) -> Optional[dict]:
-    """The meetings a recorded run settled from its measured wire (its ``wire`` line), if it
-    did; a replay must meet as it did."""
-    from sdpipe_cli.analysis import read_metrics
-
-    path = Path(run).expanduser() / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    return next((dict(line) for line in read_metrics(path, check=False)
-                 if line.get("kind") == "wire"), None)
 
 
 def _row(result: Result, limit: float, wall_clock_s: float) -> dict:

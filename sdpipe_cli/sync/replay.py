@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,8 +30,9 @@ from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import protocol
 from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.analysis import read_metrics
 
-__all__ = ["Recorded", "load"]
+__all__ = ["Recorded", "load", "recorded_meetings"]
 
 KEY = "sync.replay"
 _DISRUPTED = ("lost", "restart", "resume", "scheduler_restart")
@@ -89,7 +90,6 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
         raise ConfigError(KEY, "replays flushed schedules (1f1b, gpipe) only")
     # the recorded decisions count meetings of sync.every steps, and what a round sends decides
     # its arithmetic (a recording from before these keys met every step in float32)
-    from sdpipe_cli.hetero.simulated_run import recorded_meetings
     from sdpipe_cli.sync.wire_probe import settled, unresolved
 
     recorded = saved.sync
@@ -101,6 +101,16 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
         if of(recorded) != of(cfg.sync):
             raise ConfigError(KEY, f"{run} was recorded with {key}={of(recorded)}, this run has "
                                    f"{of(cfg.sync)}; replay needs the same")
+
+
+def recorded_meetings(run: str) -> Optional[dict]:
+    """The meetings a recorded run settled from its measured wire (its ``wire`` line), if it
+    did; a replay must meet as it did."""
+    path = Path(run).expanduser() / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    return next((dict(line) for line in read_metrics(path, check=False)
+                 if line.get("kind") == "wire"), None)
 
 
 def _add(decisions: Recorded, line: dict, where: str, layout: tuple[int, int]) -> None:
