@@ -38,7 +38,11 @@ def test_a_device_that_slows_mid_run_is_named_once(tmp_path):
         return
     assert [(m["device"], m["node"], m["pipeline"], m["stage"], m["rank"]) for m in named] == [
         ("local:3", "local", 1, 1, 3)]
-    assert slow[0] <= named[0]["iteration"] <= slow[0] + 2 * CONFIRM - 2
+    # named within the detector's confirmation (2 x CONFIRM - 2 iterations on a quiet machine);
+    # on a loaded one (the suite's three workers on two cores) the peer's compute stretches too
+    # and an iteration's ratio can dip under the threshold, which starts the confirmation again
+    # (named 8 iterations after the slowdown in one suite run): one more window at most
+    assert slow[0] <= named[0]["iteration"] <= slow[0] + 2 * CONFIRM - 2 + WINDOW
     # speed 0.25 against an unchanged peer: 4x the modelled compute, but each iteration's real
     # compute is not slowed, and on a loaded machine it stretches the peer's time too (2.0x seen
     # with three test processes on two cores)
