@@ -100,12 +100,11 @@ def choice(events, timeout: float) -> protocol.MeetingChoice:
 
 
 def settle(cfg: DictConfig, events, workers: int, timeout: float
-           ) -> tuple[DictConfig, Optional[protocol.MeetingChoice]]:
-    """The scheduler's side: ``cfg`` with its meetings settled from every worker's report (or,
-    started again, from the choice already made), and the choice (None where the launcher
-    resolved them)."""
+           ) -> Optional[protocol.MeetingChoice]:
+    """The scheduler's side: the meetings settled from every worker's report (or, started
+    again, the choice already made); None where the launcher resolved them."""
     if not unresolved(cfg.sync):
-        return cfg, None
+        return None
     if not events.check([store.MEETINGS]):
         _wait(events, [store.wire_key(r) for r in range(workers)], timeout)
         reports = [_measured(store.read(events, store.wire_key(r), protocol.WireReport))
@@ -114,18 +113,18 @@ def settle(cfg: DictConfig, events, workers: int, timeout: float
                       str(cfg.sync.precision), most=int(cfg.train.steps))
         store.put(events, store.MEETINGS, _record(made, reports, follows(cfg, made)))
         log.info("measured links: %s", made.describe())
-    chosen = store.read(events, store.MEETINGS, protocol.MeetingChoice)
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    out.sync = settled(cfg.sync, chosen)
-    return out, chosen
+    return store.read(events, store.MEETINGS, protocol.MeetingChoice)
 
 
-def settled(sync: Any, chosen: Any) -> DictConfig:
-    """A copy of the ``sync`` section meeting as ``chosen`` says (a
-    :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, or a recorded ``wire`` line)."""
+def settled(cfg: Any, chosen: Any) -> DictConfig:
+    """A copy of a config, or of its ``sync`` section, meeting as ``chosen`` says (a
+    :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, or a recorded ``wire`` line). The
+    run's own config keeps them unresolved (its checkpoints too: a resumed run measures again,
+    its links may have changed)."""
     get = chosen.get if isinstance(chosen, dict) else lambda k: getattr(chosen, k)
-    out = OmegaConf.create(OmegaConf.to_container(sync, resolve=True))
-    out.every, out.precision = int(get("every")), str(get("precision"))
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    sync = out.sync if "sync" in out else out
+    sync.every, sync.precision = int(get("every")), str(get("precision"))
     return out
 
 

@@ -5,6 +5,7 @@ decides (sdpipe_cli.sync.wire_probe), workers and scheduler alike."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,29 @@ def test_replicas_on_two_nodes_measure_their_wire_and_meet_as_it_asks(tmp_path):
     assert not metrics(again, "wire")
     assert losses(metrics(again)) == losses(metrics(run_dir))
     assert digests(again) == digests(run_dir)
+
+
+def test_checkpoints_name_the_steps_done_and_a_resumed_run_measures_again(tmp_path):
+    """Blocks that follow the wire: a checkpoint's steps are what each pipeline did, its
+    manifest keeps the meetings unresolved, and a resume from it (the run made longer)
+    measures its links anew (a second ``wire`` line) and goes on from those steps."""
+    import yaml
+
+    run_dir = tmp_path / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.wire_share=0.02",
+                 *TWO_NODES, "run.save_final=false", "checkpoint.on_exit=true")
+    assert out.returncode == 0, out.stderr
+    [wire] = metrics(run_dir, "wire")
+    assert wire["adapt"] is True
+    done = {d["pipeline"]: d["steps"] for d in metrics(run_dir, "done")}
+    last = metrics(run_dir, "checkpoint")[-1]
+    assert {int(p): k for p, k in last["steps"].items()} == done
+    manifest = yaml.safe_load((run_dir / "checkpoints" / Path(last["path"]).name
+                               / "manifest.json").read_text())
+    assert (manifest["config"]["sync"]["every"], manifest["config"]["sync"]["precision"]) == (
+        0, "auto")
+    out = sdpipe("resume", last["path"], "train.steps=12")
+    assert out.returncode == 0, out.stderr
+    assert len(metrics(run_dir, "wire")) == 2
+    resumed = [d for d in metrics(run_dir, "done")][len(done) * 2:]
+    assert resumed and all(d["steps"] > done[d["pipeline"]] for d in resumed)

@@ -34,6 +34,7 @@ from sdpipe_cli.sync.replay import load as load_recorded
 from sdpipe_cli.sync.scheduler.checkpoints import Checkpoints
 from sdpipe_cli.sync.scheduler.health import Health, WorkerHung
 from sdpipe_cli.sync.scheduler.pacing import pacing_of, wire_summary
+from sdpipe_cli.sync.wire_probe import settled
 from sdpipe_cli.sync.scheduler.replanning import Replanning
 
 __all__ = ["Scheduler", "WorkerHung", "PUBLISH_S"]
@@ -95,16 +96,15 @@ class Scheduler:
         self.replan: Optional[dict] = None  # the re-plan this leg stops for (the next leg's split)
         self.wire = wire  # the meetings this leg settled from its measured wire (pacing.py)
         self.pacing = pacing_of(wire, cfg) if mode(cfg.sync.name).group_policy else None
+        meet = cfg if wire is None else settled(cfg, wire)  # the checkpoints keep cfg's 0/auto
         self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
-        # sync.replay: a recorded run's decisions instead of the policy's (sync/replay.py)
         self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
-                         else None)
-        self.policy = (make_policy(cfg, plan, clock, spent=store.limit_spent(events),
+                         else None)  # sync.replay: a recorded run's decisions (sync/replay.py)
+        self.policy = (make_policy(meet, plan, clock, spent=store.limit_spent(events),
                                    evaluations=self.pacing is None)  # blocks fall anywhere
                        if mode(cfg.sync.name).group_policy
                        and self.recorded is None else None)
-        # the policy counts meetings (sync.every iterations each); checkpoints and heals, steps
-        self.meetings = meetings_of(cfg.sync)
+        self.meetings = meetings_of(meet.sync)  # the policy counts them; checkpoints, steps
         self.metrics = self._metrics() if live else _Muted()
         # what replicas average: the stages, or segments where pipelines are split differently
         self.segments = plan.segments

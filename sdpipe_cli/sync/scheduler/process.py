@@ -211,7 +211,7 @@ def main() -> int:
         events = store.namespace(connect())
         # meetings left to the measured wire: settled before the policy, which counts them
         workers = int(cfg.cluster.pipelines) * int(cfg.pipeline.stages)
-        cfg, wire = wire_probe.settle(cfg, events, workers, float(cfg.run.timeout))
+        wire = wire_probe.settle(cfg, events, workers, float(cfg.run.timeout))
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None,
                           restarted=int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0")),
                           config=os.environ.get("SDPIPE_CONFIG", "config.yaml"), wire=wire)
