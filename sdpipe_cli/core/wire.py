@@ -21,15 +21,12 @@ Pure: no I/O, no torch. The transport (who probes, who decides, the store keys) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 
 from sdpipe_cli.core.meetings import BYTES, Choice, choose
 
 __all__ = ["LinkFit", "Probe", "Measured", "ring_bytes", "decide", "WirePace", "Blocks"]
-
-FLOAT_BYTES = BYTES["fp32"]
-
 
 def ring_bytes(members: int, nbytes: float) -> float:
     """What a ring all-reduce of ``nbytes`` over ``members`` puts through each member's link:
@@ -50,6 +47,14 @@ class LinkFit:
     @property
     def mbit_s(self) -> float:
         return self.bytes_per_s * 8 / 1e6
+
+
+def meeting_s(links: Iterable[tuple[LinkFit, int, int]]) -> dict[str, float]:
+    """A meeting's seconds in each precision: the slowest of ``(link, members, values)``
+    rings, each moving its values through its link."""
+    links = list(links)
+    return {p: max(fit.seconds(ring_bytes(k, n * size)) for fit, k, n in links)
+            for p, size in BYTES.items()}
 
 
 @dataclass(frozen=True)
@@ -103,9 +108,7 @@ def decide(reports: Sequence[Measured], share: float, every: int = 0, precision:
     for r in reports:
         per_pipeline[r.pipeline] = max(per_pipeline.get(r.pipeline, 0.0), r.step_s)
     iteration_s = max(min(per_pipeline.values()), 1e-6)
-    round_s = {p: max(r.probe.fit().seconds(ring_bytes(r.probe.members, r.values * size))
-                      for r in reports)
-               for p, size in BYTES.items()}
+    round_s = meeting_s((r.probe.fit(), r.probe.members, r.values) for r in reports)
     return choose(iteration_s, round_s, share, every, precision, most)
 
 
@@ -179,9 +182,7 @@ class WirePace:
         """The period the next blocks take."""
         if not self.step_s:
             return self.current
-        round_s = {p: max(self.link(s).seconds(ring_bytes(self.members, n * size))
-                          for s, n in self.values.items())
-                   for p, size in BYTES.items()}
+        round_s = meeting_s((self.link(s), self.members, n) for s, n in self.values.items())
         wanted = choose(max(min(self.step_s.values()), 1e-6), round_s, self.share, 0,
                         self.precision, self.most).every
         if max(wanted, self.current) > STEADY * min(wanted, self.current):

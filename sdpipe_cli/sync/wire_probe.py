@@ -35,7 +35,7 @@ from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.wire import Measured, Probe, decide
 from sdpipe_cli.runtime import protocol, store
 
-__all__ = ["unresolved", "probe", "report", "choice", "settle", "settled", "line"]
+__all__ = ["unresolved", "probe", "report", "choice", "settle", "settled", "record", "line"]
 
 log = logging.getLogger("sdpipe.scheduler")
 

@@ -18,13 +18,13 @@ meeting repeats it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Any, Optional, Sequence
 
 from sdpipe_cli.core.wire import LinkFit, WirePace
 from sdpipe_cli.runtime import protocol
+from sdpipe_cli.sync.wire_probe import record
 
 __all__ = ["Pacing", "pacing_of", "wire_summary"]
 
@@ -98,7 +98,7 @@ class Pacing:
 
 def wire_summary(chosen: protocol.MeetingChoice, pacing: Optional[Pacing]) -> dict[str, Any]:
     """``summary.json``'s ``wire``: the start's choice, and the period at the end."""
-    out = dataclasses.asdict(chosen)
+    out = record(chosen)
     if pacing is not None:
         out["every_now"] = pacing.every
     return out
