@@ -203,6 +203,22 @@ class Forecast:
         r = self._replicas[stage].get(pipeline)
         return None if r is None else r.due
 
+    def compute(self, stage: int, pipeline: int) -> Optional[float]:
+        """Its compute time, the median of its last release-to-ready spans (None: none
+        measured yet). The pace holds the waits for its rounds, so replicas that wait for each
+        other share one pace whatever their speeds; the compute time stays each one's own, and
+        the policy tells slow replicas from fast ones by it (:meth:`speed`)."""
+        r = self._replicas[stage].get(pipeline)
+        return None if r is None else r.busy
+
+    def speed(self, stage: int, pipeline: int) -> Optional[float]:
+        """Seconds per iteration of its own: its compute time, else its pace (None: neither
+        known yet). Smaller is faster."""
+        r = self._replicas[stage].get(pipeline)
+        if r is not None and r.busy is not None:
+            return r.busy
+        return self.pace.get((stage, pipeline))
+
     def error(self, stage: int, pipeline: int) -> Optional[float]:
         """How far its forecasts usually miss (None: not known yet)."""
         r = self._replicas[stage].get(pipeline)
@@ -248,18 +264,17 @@ class Forecast:
     def due_by(self, stage: int, horizon: float, room: int, slowest: float = float("inf"),
                exclude: tuple = ()) -> list[tuple[float, int]]:
         """Up to ``room`` replicas of ``stage`` forecast to be ready by ``horizon``, with their
-        forecasts, earliest first, leaving out those with a pace above ``slowest`` and those in
-        any of the containers ``exclude``. A replica whose pace is not known yet passes the
-        bound: it is forecast from its peers, like one of them."""
+        forecasts, earliest first, leaving out those slower than ``slowest`` (:meth:`speed`) and
+        those in any of the containers ``exclude``. A replica whose speed is not known yet passes
+        the bound: it is forecast from its peers, like one of them."""
         found: list[tuple[float, int]] = []
         if room <= 0:
             return found
-        paces = self.pace
         for entry in self._due[stage]:
             t, q = entry
             if t > horizon:
                 break
-            if paces.get((stage, q), 0.0) > slowest:
+            if slowest != float("inf") and (self.speed(stage, q) or 0.0) > slowest:
                 continue
             for c in exclude:
                 if q in c:

@@ -111,6 +111,9 @@ class Result:
     sent_bytes: dict[str, float] = field(default_factory=dict)
     comm_s: float = 0.0
     stages: int = 1
+    # how far the replicas of a stage drift apart (see _Run._step): the root mean square of
+    # their distance from their mean, averaged over the first stage's steps; None for ps
+    consensus: Optional[float] = None
 
     @property
     def sync_bytes_per_sample(self) -> float:
@@ -252,6 +255,10 @@ class _Run:
         self.budget_left = P * work.steps
         self.sent: dict[str, float] = {}  # per link class: bytes every worker's sync sent
         self.comm_s = 0.0  # the workers' seconds in sync collectives, summed
+        # the mixing model: one number per replica, see _step
+        self.drift = [[0.0] * S for _ in range(P)]
+        self.draw = random.Random(f"{work.seed}/drift")
+        self.spread = [0.0, 0]  # sum and count of the first stage's spreads
 
     # -- workers --------------------------------------------------------------------------------
     def _start_iteration(self, p: int) -> None:
@@ -346,9 +353,32 @@ class _Run:
         link = self.w.cluster.slowest_link(self.where[0][s].replicas(list(members))).kind
         self.sent[link] = self.sent.get(link, 0.0) + 2 * (k - 1) * nbytes
 
+    # -- mixing ---------------------------------------------------------------------------------
+    def _step(self, p: int, s: int) -> None:
+        """Replica (p, s) took a local step. A model of mixing, not of training: each replica
+        holds one number, every local step adds independent unit noise to it (the step's own
+        gradient), and every averaging its group does averages the numbers. Their spread over
+        a stage's replicas, sampled at each of its first stage's steps, is how far the policy
+        lets replicas drift apart, in units of one step's noise: about 0.9 for four replicas
+        averaged after every step, growing as the square root of the steps a replica goes
+        without meeting anyone; the policies compare on it at equal compute."""
+        self.drift[p][s] += self.draw.gauss(0.0, 1.0)
+        if s == 0:
+            x = [row[0] for row in self.drift]
+            mean = sum(x) / len(x)
+            self.spread[0] += math.sqrt(sum((v - mean) ** 2 for v in x) / len(x))
+            self.spread[1] += 1
+
+    def _average(self, s: int, members: Sequence[int]) -> None:
+        if len(members) > 1:
+            mean = sum(self.drift[q][s] for q in members) / len(members)
+            for q in members:
+                self.drift[q][s] = mean
+
     # -- sync modes -----------------------------------------------------------------------------
     def _ready(self, t: float, p: int, s: int, k: int) -> None:
         w = self.w
+        self._step(p, s)
         exchange = self.mode.exchange
         if exchange in ("local", "groups") or (exchange == "outer" and (k + 1) % w.local_steps):
             self._synced(p, s, k, t, False)  # groups: the scheduler's decision syncs it
@@ -364,6 +394,7 @@ class _Run:
                 pairs = exchange == "pairs"
                 if not pairs:
                     self._count(everyone, s, nbytes)
+                    self._average(s, everyone)
                 for q in everyone:
                     if not pairs:
                         cost = full
@@ -372,6 +403,8 @@ class _Run:
                         pair = [q, mate] if mate is not None else [q]
                         cost = self._allreduce_s(pair, s, w.stage_bytes[s])
                         self._count(pair, s, w.stage_bytes[s] / 2)  # each pair is met twice
+                        if q < pair[-1]:
+                            self._average(s, pair)
                     # in the collective from its own arrival: the wait for the others is inside it
                     self.comm_s += start + cost - arrived[q]
                     self._synced(q, s, k, start + cost, False)
@@ -405,6 +438,7 @@ class _Run:
         self.deferred[s] = held
 
     def _scheduler(self, t: float, p: int, s: int, k: int) -> None:
+        self._step(p, s)
         self.now = max(t, self.sched_free)
         self._decided(self.policy.ready(s, p, self.meetings.meeting(k)))
         self.sched_free = self.now + self.w.event_s
@@ -421,6 +455,7 @@ class _Run:
                 nbytes = nbytes * BYTES[w.precision] // BYTES["fp32"]
             cost = self._allreduce_s(d.members, d.stage, nbytes)
             self._count(d.members, d.stage, nbytes)
+            self._average(d.stage, d.members)
             self.comm_s += len(d.members) * cost if len(d.members) > 1 else 0.0
             done = self.now + w.rtt_s / 2 + cost
             for q, k in zip(d.members, d.iterations):  # k: a meeting
@@ -449,9 +484,11 @@ class _Run:
             handlers[kind](t, *args)
             if policy is not None and kind == "scheduler":
                 due = policy.next_deadline()
+        spread = (self.spread[0] / self.spread[1] if self.spread[1] and self.mode.exchange != "server"
+                  else None)  # a parameter server's replicas hold its weights, not their own
         return Result(self.sync, list(self.done), list(self.finished_at), list(self.busy),
                       list(self.wait), list(self.groups), self.w.batch_size, list(self.globals),
-                      dict(self.sent), self.comm_s, self.S)
+                      dict(self.sent), self.comm_s, self.S, spread)
 
 
 def simulate(work: Workload, sync: str,

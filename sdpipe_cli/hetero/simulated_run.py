@@ -179,7 +179,8 @@ def _row(result: Result, limit: float, wall_clock_s: float) -> dict:
             "sync_bytes_per_sample": result.sync_bytes_per_sample,
             "cross_node_bytes_per_sample": (result.sent_bytes.get("cross_node", 0.0)
                                             / max(sum(result.iterations) * result.batch_size, 1)),
-            "comm_share": result.comm_share, "simulated_in_s": wall_clock_s}
+            "comm_share": result.comm_share, "consensus": result.consensus,
+            "simulated_in_s": wall_clock_s}
 
 
 def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:

@@ -105,10 +105,14 @@ class Connectivity:
         return set(members)
 
     def fastest(self, s: int) -> int:
-        """The live replica of stage ``s`` with the shortest pace (unknown paces last, then by
-        number)."""
-        pace = self.run.pace
-        return min(self.run.live, key=lambda q: (pace.get((s, q), float("inf")), q))
+        """The live replica of stage ``s`` of the shortest iteration of its own
+        (:meth:`~sdpipe_cli.core.forecast.Forecast.speed`: replicas that wait for each other
+        share a pace, not a compute time; unknown ones last, then by number)."""
+        return min(self.run.live, key=lambda q: (self._speed(s, q), q))
+
+    def _speed(self, s: int, q: int) -> float:
+        speed = self.run.forecast.speed(s, q)
+        return float("inf") if speed is None else speed
 
     def anchor(self, s: int) -> int:
         """cost_aware: the replica whose component a held round of stage ``s`` waits for, the
@@ -120,8 +124,7 @@ class Connectivity:
         if self.suspect_after is None or not self._suspect(s, fastest):
             return fastest
         others = [q for q in self.run.live if not self._suspect(s, q)]
-        return min(others, key=lambda q: (self.run.pace.get((s, q), float("inf")), q),
-                   default=fastest)
+        return min(others, key=lambda q: (self._speed(s, q), q), default=fastest)
 
     def _suspect(self, s: int, q: int) -> bool:
         due = self.run.forecast.expected(s, q)

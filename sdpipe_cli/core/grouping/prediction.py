@@ -60,7 +60,7 @@ class Prediction:
                 later = max(0.0, missed) - st.late
                 st.drift = missed
                 st.horizon = min(st.cap, st.horizon + later)
-            pace = self.run.pace.get((stage, pipeline))
+            pace = self.run.forecast.speed(stage, pipeline)
             due = st.last_due - st.early
             if pace is not None and (AWAIT_PACE_RATIO * pace < st.slowest_expected
                                      or now + self.patience * pace < due):
@@ -107,14 +107,18 @@ class Prediction:
             found = self._predicted(s, st.horizon, ready, parked, float("inf"), room)
             st.expect = frozenset(q for _, q in found)
             return
-        st.drift = run.forecast.missed(s, opener)
-        quickest = min([pace] + [run.pace[(s, q)] for q in ready if (s, q) in run.pace])
+        forecast = run.forecast
+        st.drift = forecast.missed(s, opener)
+        own = forecast.speed(s, opener) or pace
+        quickest = min([own] + [x for q in ready if (x := forecast.speed(s, q)) is not None])
         awaited = self._predicted(s, st.horizon + st.early, ready, parked,
                                   AWAIT_PACE_RATIO * quickest, room)
-        band = opened + JITTER_BAND * pace + st.early
-        core = [(t, q) for t, q in awaited if t <= band]  # earliest first, so a prefix
+        band = self.band(s, [opener] + [q for _, q in awaited], own)
+        behind = self._behind(s, own, band)
+        reach = JITTER_BAND * own if behind else band
+        core = [(t, q) for t, q in awaited if t <= opened + reach + st.early]  # a prefix
         half = 2 * (present + len(core)) - len(run.live)  # > 0: a majority; 0: exactly half
-        if half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
+        if behind or half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
             awaited = core
         st.expect = frozenset(q for _, q in awaited)
         if awaited:
@@ -122,7 +126,7 @@ class Prediction:
             # an evaluation ahead lengthens the iteration that patience is a share of
             st.cap += self.patience * run.forecast.longest_pause(s, late)
             st.horizon = min(st.cap, st.last_due + st.late + self.slack(s, late, pace))
-            st.slowest_expected = max(run.pace.get((s, q), pace) for q in late)
+            st.slowest_expected = max(forecast.speed(s, q) or own for q in late)
 
     def _first(self, s: int, opened: float, ready: dict, parked: set[int]) -> None:
         """The first round of stage ``s`` waits for every live replica, as all-reduce's first
@@ -166,7 +170,7 @@ class Prediction:
         waited for had it opened the round, each only :meth:`slack` (at that member's pace) past
         its forecast. (A round's members at its opening bound its pace the same way, in
         :meth:`open`.) Equal replicas are all within the ratio: their rounds are unchanged."""
-        st, due, paces = self.run.stages[s], self.run.forecast.expected, self.run.pace
+        st, due, speed = self.run.stages[s], self.run.forecast.expected, self.run.forecast.speed
         bound, horizon = AWAIT_PACE_RATIO * joined, now + self.patience * joined
         keep, late, latest = [], [], 0.0
         for q in st.expect:
@@ -174,16 +178,48 @@ class Prediction:
                 keep.append(q)
                 continue
             t = due(s, q)
-            if paces.get((s, q), joined) <= bound and (t is None or t - st.early <= horizon):
+            if (speed(s, q) or joined) <= bound and (t is None or t - st.early <= horizon):
                 keep.append(q)
                 if t is not None:
                     late.append(q)
                     latest = max(latest, t)
         st.expect, st.cap = frozenset(keep), min(st.cap, horizon)
-        st.slowest_expected = max((paces.get((s, q), joined) for q in late), default=0.0)
+        st.slowest_expected = max((speed(s, q) or joined for q in late), default=0.0)
         st.last_due = latest
         if late:
             st.horizon = min(st.horizon, latest + st.late + self.slack(s, late, joined))
+
+    def band(self, s: int, replicas: list[int], own: float) -> float:
+        """How far apart (seconds) the ready signals of equal replicas of stage ``s`` fall, by
+        the precision of their forecasts: :data:`SLACK_ERRORS` x the largest usual miss of
+        ``replicas`` (the opener, then the ones forecast), within :data:`SLACK_FLOOR` x the
+        opener's iteration ``own`` and :data:`JITTER_BAND` x that iteration and any known pause
+        ahead (JITTER_BAND while a miss is not known; an evaluation's length varies more than an
+        iteration's). A round waits for the replicas forecast within it whatever their phase,
+        and that is all it costs its members: a replica 1.3x slower is forecast 0.3 of an
+        iteration after a fast opener, outside where forecasts hold to a few percent, so the
+        fast ones go on (waiting for it would make them run at its pace, as all-reduce's do),
+        where a fixed quarter of an iteration waited for every replica up to 1.25x slower."""
+        forecast = self.run.forecast
+        span = own + forecast.longest_pause(s, replicas)
+        error = forecast.worst_error(s, replicas)
+        if error is None:
+            return JITTER_BAND * span
+        return min(JITTER_BAND * span, max(SLACK_FLOOR * own, SLACK_ERRORS * error))
+
+    def _behind(self, s: int, own: float, band: float) -> bool:
+        """Whether an opener of iteration ``own`` is slower than the stage's fastest live
+        replica by more than ``band``: then it does not wait to fall in phase with the others
+        (a replica of their speed out of phase does, once, and is in phase from then on): its
+        phase moves on from theirs every iteration, and it would wait at every round, up to
+        one of their iterations each time (a 1.3x replica lost a quarter of its speed so).
+        It waits for the replicas forecast within :data:`JITTER_BAND` of its own iteration:
+        the faster the others, the more of its rounds that finds them in (a third at 1.3x, all
+        at 4x), at a cost of at most that share of its time, and of about 1 % of the run's
+        samples/s whatever the ratio; and the rounds due to connect the stage hold it until
+        it has met another component."""
+        fastest = self.run.forecast.speed(s, self.links.fastest(s))
+        return fastest is not None and own > fastest + band
 
     def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
         """Whether the fastest replica of stage ``s`` is waiting now or among ``core``."""
