@@ -23,8 +23,9 @@ rates summed). The table gives, per pattern and variant, the mean over seeds of:
   against the fastest (1.00: it ran at its own speed; lower: it waited);
 * ``group``: mean group size.
 
-Writes ``OUT/results.md`` (stamped) and ``OUT/results.json``, and ``OUT/tolerance.png``: the
-fraction of the limit against the slowest pipeline's ratio, per variant.
+Writes ``OUT/results.md`` (stamped) and ``OUT/results.json``, and ``sdpipe report`` of every run
+into ``OUT/report/``, whose ``tolerance.png`` is the fraction of the limit against the slowest
+pipeline's slowdown, per variant.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     table = _report.rows_table(rows)
     (args.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
     (args.out / "results.md").write_text(_report.stamp() + "\n\n" + table + "\n")
-    figure(doc, args.out / "tolerance.png", variants)
+    figure([Path(r["run_dir"]) for pattern in doc["patterns"] for summary in pattern["summaries"]
+            for r in summary["runs"] if r["status"] == "ok"], args.out / "report")
     print(table)
     return 0
 
@@ -129,34 +131,13 @@ def spread(stat, digits: str = ".2f") -> str:
     return f"{mean:{digits}}" + (f" +- {half:{digits}}" if n > 1 else "")
 
 
-def figure(doc: dict, path: Path, variants: list[str]) -> None:
-    """The fraction of the limit against the slowest pipeline's ratio, one line per variant."""
-    import matplotlib
+def figure(runs: list[Path], out: Path) -> None:
+    """``sdpipe report`` of every run: its ``tolerance.png`` is the fraction of the limit against
+    the slowest pipeline's slowdown, per sync mode (the mean over seeds)."""
+    from _runner import run_command
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for v in variants:
-        if v == "none":
-            continue
-        xs, ys = [], []
-        for pattern in doc["patterns"]:
-            if pattern["slowdown"][2] != 1.0:  # the two-slow patterns: not on the ratio axis
-                continue
-            got = pattern["stats"].get(v, {}).get("of limit")
-            if got:
-                xs.append(max(pattern["slowdown"]))
-                ys.append(got[0])
-        ax.plot(xs, ys, marker="o", label=v)
-    ax.set_xlabel("slowest pipeline's slowdown (one of four)")
-    ax.set_ylabel("samples/s, fraction of the limit")
-    ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    run_command("report", [*map(str, runs), "--out", str(out)], out.parent / "report.log",
+                600).check()
 
 
 if __name__ == "__main__":

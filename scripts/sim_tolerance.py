@@ -11,8 +11,8 @@ default transport costs and jitter. Per ratio:
 * ``of the limit``: samples/s over the sum of the pipelines' solo rates (``sync=none``), for
   sdpipe and all-reduce;
 * ``slow pace``: the slow pipeline's iterations over the fast ones' mean, times r: 1.00 when it
-  runs at its own speed, 1/r when it is held to theirs, below 1/r... never; lower than 1.00 when
-  it waits for them;
+  runs at its own speed, below when it waits for them, above when they wait for it (r when
+  they all go at its pace);
 * ``fast pace``: the fast pipelines' iterations per second over their solo rate: 1.00 when
   nobody holds them;
 * ``drift``: the simulator's model of how far replicas drift apart (``Result.consensus``: unit
@@ -90,7 +90,7 @@ def main() -> int:
     text = "\n".join(lines) + (f"\n\n(P=4, S=2, gpt_tiny, 10 ms, {args.steps} steps; "
                                f"simulated in {time.perf_counter() - started:.0f} s)\n")
     if args.markdown:
-        args.markdown.write_text(text)
+        _report.write_markdown(args.markdown, text)
     return 0
 
 

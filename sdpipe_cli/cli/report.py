@@ -14,7 +14,11 @@ run's folder, ``report/``):
 - ``groups.png``: sdpipe's group size per stage over time, and its histogram (the paper's view);
 - ``waits.png``: the distribution of the wait for a group and of the group all-reduce (or, for
   the other modes, of the time spent syncing), a panel each, every run an outline;
-- ``consensus.png``: the consensus distance at global syncs, where the run has it.
+- ``consensus.png``: the consensus distance at global syncs, where the run has it;
+- ``tolerance.png``: where the runs hold ``sync=none`` runs of two or more ``cluster.slowdown``
+  patterns (a sweep over heterogeneity), each sync mode's samples/s as a fraction of the limit
+  (the ``none`` run's pipelines' solo rates summed, of the same slowdowns and seed) against the
+  slowest pipeline's slowdown, the mean over seeds (:func:`tolerance`).
 
 A run resumed from an older checkpoint is drawn as two timelines (:func:`timelines`).
 
@@ -188,7 +192,8 @@ def report(runs: Sequence[Run], out: Path) -> list[Path]:
     drawings = ((_loss_figure, branches, "loss.png"), (_accuracy_figure, branches, "accuracy.png"),
                 (_throughput_figure, runs, "throughput.png"), (_groups_figure, runs, "groups.png"),
                 (_waits_figure, runs, "waits.png"), (_stragglers_figure, runs, "stragglers.png"),
-                (_consensus_figure, runs, "consensus.png"))
+                (_consensus_figure, runs, "consensus.png"),
+                (_tolerance_figure, runs, "tolerance.png"))
     written = []
     for draw, which, name in drawings:
         fig = draw(plt, which)
@@ -369,6 +374,57 @@ def _stragglers_figure(plt, runs: Sequence[Run]):
     ax.set(xlabel=TIME_AXIS, ylabel="compute per iteration (ms)",
            title="devices named slow (solid: named, dotted: recovered)")
     ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def tolerance(runs: Sequence[Run]) -> dict[str, list[tuple[float, float]]]:
+    """Each sync mode's fraction of the limit against the slowest pipeline's slowdown (the
+    largest ``cluster.slowdown`` over the smallest), by series: the mode, and ``, N slow`` where
+    more than one pipeline is slower than the fastest. The limit of a run is that of the
+    ``sync=none`` run of the same slowdowns and seed among ``runs`` (without one, the run is
+    left out); several seeds are averaged. Empty unless two slowdowns or more remain."""
+    limits: dict[tuple, float] = {}
+    for run in runs:
+        if run.config.get("sync.name") == "none":
+            got = analysis.limit(analysis.solo_rates(run.lines))
+            if got:
+                limits[_heterogeneity(run)] = got
+    points: dict[tuple[str, float], list[float]] = {}
+    for run in runs:
+        key, mode = _heterogeneity(run), str(run.config.get("sync.name"))
+        rate = analysis.samples_per_s(run.lines)
+        if mode == "none" or key not in limits or not rate:
+            continue
+        factors = json.loads(key[0]) or [1.0]
+        slow = sum(f > min(factors) for f in factors)
+        series = mode if slow <= 1 else f"{mode}, {slow} slow"
+        points.setdefault((series, max(factors) / min(factors)), []).append(rate / limits[key])
+    if len({x for _, x in points}) < 2:
+        return {}
+    out: dict[str, list[tuple[float, float]]] = {}
+    for (series, x), fractions in sorted(points.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        out.setdefault(series, []).append((x, sum(fractions) / len(fractions)))
+    return out
+
+
+def _heterogeneity(run: Run) -> tuple[str, Any]:
+    return str(run.config.get("cluster.slowdown", "[]")), run.config.get("train.seed")
+
+
+def _tolerance_figure(plt, runs: Sequence[Run]):
+    """The fraction of the limit against the slowest pipeline's slowdown, per sync mode
+    (:func:`tolerance`); None without a sweep over heterogeneity."""
+    series = tolerance(runs)
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for name, points in series.items():
+        ax.plot([x for x, _ in points], [y for _, y in points], "o-", label=name)
+    ax.set(xlabel="slowest pipeline's slowdown (x the fastest)", ylabel="fraction of the limit",
+           title="throughput across heterogeneity (the limit: sync=none's solo rates summed)")
+    ax.set_ylim(0, 1.05)
+    ax.axhline(1.0, color="grey", linewidth=0.5)
     ax.legend(fontsize=7)
     return fig
 

@@ -123,3 +123,32 @@ def test_what_is_not_a_run_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="is not a run folder"):
         report.load(tmp_path / "empty")
+
+
+def _paced(pipeline_seconds: list[float], steps: int = 10) -> list[dict]:
+    """Train lines of pipelines each ``pipeline_seconds[p]`` per step, ``steps`` steps from 0."""
+    return [{"kind": "train", "pipeline": p, "step": k, "time": k * s, "samples": k * 8}
+            for p, s in enumerate(pipeline_seconds) for k in range(steps + 1)]
+
+
+def test_tolerance_is_each_modes_fraction_of_its_slowdowns_limit(tmp_path):
+    """A sweep over heterogeneity: each run is judged against the ``none`` run of its slowdowns
+    and seed (the solo rates summed), against the slowest pipeline's slowdown; a run without a
+    ``none`` beside it is left out, and one slowdown alone draws nothing."""
+    def config(sync, slowdown, seed=0):
+        return (f"sync:\n  name: {sync}\ntrain:\n  seed: {seed}\ncluster:\n"
+                f"  slowdown: {slowdown}\nrun:\n  dir: /x\n")
+
+    runs = [report.load(write_run(tmp_path / name, config(sync, slowdown, seed), lines))
+            for name, sync, slowdown, seed, lines in (
+                ("n-eq", "none", "[1, 1]", 0, _paced([1, 1])),  # limit 16 samples/s
+                ("s-eq", "sdpipe", "[1, 1]", 0, _paced([1.25, 1.25])),  # 12.8: 0.8
+                ("n-2", "none", "[1, 2]", 0, _paced([1, 2])),  # limit 8 + 4
+                ("s-2", "sdpipe", "[1, 2]", 0, _paced([1, 2], 5)),  # 80 samples in 10 s
+                ("a-2", "allreduce", "[1, 2]", 0, _paced([2, 2], 5)),  # 8 samples/s: 2/3
+                ("a-3", "allreduce", "[1, 3]", 0, _paced([3, 3], 5)))]  # no none: left out
+    got = report.tolerance(runs)
+    assert set(got) == {"sdpipe", "allreduce"}
+    assert got["sdpipe"] == [(1.0, pytest.approx(0.8)), (2.0, pytest.approx(80 / 10 / 12))]
+    assert got["allreduce"] == [(2.0, pytest.approx(8 / 12))]
+    assert report.tolerance(runs[:2]) == {}  # one slowdown: no figure

@@ -207,6 +207,21 @@ class Prediction:
             return JITTER_BAND * span
         return min(JITTER_BAND * span, max(SLACK_FLOOR * own, SLACK_ERRORS * error))
 
+    def tolerance(self) -> float:
+        """How many times slower than the stage's fastest replica a replica may be and still be
+        waited for, the widest over the stages: 1 + patience without cost_aware (a round waits for
+        whoever is forecast within patience x the opener's pace); under it, 1 + the fastest
+        replica's :meth:`band` over its iteration (:data:`JITTER_BAND` while nothing is
+        measured). Slower replicas go at their own pace."""
+        if not self.cost_aware:
+            return 1.0 + self.patience
+        widest = 0.0
+        for s in range(self.run.S):
+            fastest = self.links.fastest(s)
+            own = self.run.forecast.speed(s, fastest)
+            widest = max(widest, JITTER_BAND if not own else self.band(s, [fastest], own) / own)
+        return 1.0 + widest
+
     def _behind(self, s: int, own: float, band: float) -> bool:
         """Whether an opener of iteration ``own`` is slower than the stage's fastest live
         replica by more than ``band``: then it does not wait to fall in phase with the others

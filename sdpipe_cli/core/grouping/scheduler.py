@@ -201,9 +201,15 @@ class GroupScheduler:
         return self._planner.rounds_per_iteration
 
     def fastest(self, s: int) -> int:
-        """The live replica of stage ``s`` with the shortest pace (unknown paces last, then by
-        number)."""
+        """The live replica of stage ``s`` of the shortest iteration of its own (unknown ones
+        last, then by number)."""
         return self._links.fastest(s)
+
+    def tolerance(self) -> float:
+        """How many times slower than the fastest pipeline a pipeline may be and still be waited
+        for, as the policy stands now (:meth:`.prediction.Prediction.tolerance`): the pace model
+        a re-plan predicts with."""
+        return self._rounds.prediction.tolerance()
 
     @property
     def live(self) -> frozenset[int]:

@@ -325,7 +325,7 @@ class Scheduler:
         done = sum(state.samples for state in self.tracker.state.values())
         self.replanning.release(self.policy.live if self.policy is not None else frozenset())
         proposal = self.replanning.consider(self.stragglers.own_slowdowns(), done,
-                                            self.first_step or 0.0)
+                                            self.first_step or 0.0, self.policy)
         if proposal is None:
             return
         changed = (self.replanning.resplit(self.policy.live if self.policy is not None

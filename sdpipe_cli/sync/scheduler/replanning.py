@@ -27,6 +27,8 @@ resharded (:mod:`sdpipe_cli.cli.run_loop`).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -120,18 +122,24 @@ class Replanning:
             self.advised = called_for(scaled(self.base, self.slowed), self.own)
 
     def consider(self, own: dict[tuple[int, int], Optional[float]], samples_done: float,
-                 restart_s: float) -> Optional[Proposal]:
+                 restart_s: float, policy: Any = None) -> Optional[Proposal]:
         """After a straggler or recovered line, with every device's own slowdown now (``own``,
-        None before its baseline): the proposal (None once one went)."""
+        None before its baseline): the proposal (None once one went). Predicted with the pace
+        model of the group ``policy`` (sdpipe's), as it stands: how much slower than the
+        fastest a pipeline may be and still be waited for (``tolerance()``); a lock-step mode
+        waits for every pipeline."""
         if self.chosen is not None:
             return None
+        pace = self.pace
+        if policy is not None and pace != math.inf:
+            pace = policy.tolerance()
         for where, factor in own.items():
             if factor is None:  # no baseline yet: as the leg began
                 self.slowed[where] = self.start[where]
             else:  # measured from its speed before any slowdown (carried ones included)
                 self.slowed[where] = factor if factor >= self.threshold else 1.0
         proposal = propose(scaled(self.base, self.slowed), self.partitions, self.advised,
-                           self.microbatches, self.batch, self.pace, self.own,
+                           self.microbatches, self.batch, pace, self.own,
                            max(0.0, self.budget_samples - samples_done), restart_s,
                            self.state_bytes, in_place=self.in_place)
         over = self.over_memory(proposal.bounds) if proposal.go else None
