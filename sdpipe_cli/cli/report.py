@@ -39,6 +39,7 @@ from omegaconf import OmegaConf
 from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli import analysis
+from sdpipe_cli.core import modes
 
 __all__ = ["Run", "load", "load_all", "labels", "report"]
 
@@ -384,9 +385,13 @@ def tolerance(runs: Sequence[Run]) -> dict[str, list[tuple[float, float]]]:
     more than one pipeline is slower than the fastest. The limit of a run is that of the
     ``sync=none`` run of the same slowdowns and seed among ``runs`` (without one, the run is
     left out); several seeds are averaged. Empty unless two slowdowns or more remain."""
+    def alone(run: Run) -> bool:  # sync=none: every pipeline at its own pace, the limit
+        name = str(run.config.get("sync.name"))
+        return name in modes.MODES and modes.mode(name).exchange == "local"
+
     limits: dict[tuple, float] = {}
     for run in runs:
-        if run.config.get("sync.name") == "none":
+        if alone(run):
             got = analysis.limit(analysis.solo_rates(run.lines))
             if got:
                 limits[_heterogeneity(run)] = got
@@ -394,7 +399,7 @@ def tolerance(runs: Sequence[Run]) -> dict[str, list[tuple[float, float]]]:
     for run in runs:
         key, mode = _heterogeneity(run), str(run.config.get("sync.name"))
         rate = analysis.samples_per_s(run.lines)
-        if mode == "none" or key not in limits or not rate:
+        if alone(run) or key not in limits or not rate:
             continue
         factors = json.loads(key[0]) or [1.0]
         slow = sum(f > min(factors) for f in factors)

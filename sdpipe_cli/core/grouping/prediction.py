@@ -114,6 +114,10 @@ class Prediction:
         awaited = self._predicted(s, st.horizon + st.early, ready, parked,
                                   AWAIT_PACE_RATIO * quickest, room)
         band = self.band(s, [opener] + [q for _, q in awaited], own)
+        # every live replica is forecast: the window's blind wait for one that is not need not
+        # be longer than the forecasts are imprecise (a replica left alone, whose window grew,
+        # waited for nobody up to window_max at each of its rounds)
+        st.window_end = min(st.window_end, opened + band)
         behind = self._behind(s, own, band)
         reach = JITTER_BAND * own if behind else band
         core = [(t, q) for t, q in awaited if t <= opened + reach + st.early]  # a prefix
