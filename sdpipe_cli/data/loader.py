@@ -108,18 +108,28 @@ class _Keyed(Dataset):
                 yield at
 
     def __getitem__(self, item: tuple[int, int]):
+        if self.labels_only or torch.utils.data.get_worker_info() is not None:
+            return self._read(item)  # a loader process: its RNG is its own
+        with rng_kept():  # the training process: leave its RNG (dropout's) as it was
+            return self._read(item)
+
+    def __getitems__(self, items: list[tuple[int, int]]) -> list:
+        """A batch at once (torch's fetcher asks so): the training process's RNG is kept
+        once around the batch rather than around each sample, whose saving and restoring
+        (three generators' states) cost more than reading a small model's sample."""
+        if self.labels_only or torch.utils.data.get_worker_info() is not None:
+            return [self._read(item) for item in items]
+        with rng_kept():
+            return [self._read(item) for item in items]
+
+    def _read(self, item: tuple[int, int]):
         index, key = item
         if self.labels_only:
             return None, self.target(index), [], None  # type: ignore[misc]
         bad: list[tuple[str, str]] = []
-        in_worker = torch.utils.data.get_worker_info() is not None
         for at in itertools.islice(self._candidates(index), MAX_BAD_IN_A_ROW):
             try:
-                if in_worker:  # a loader process: its RNG is its own
-                    x, y = self._seeded(at, key)
-                else:  # the training process: leave its RNG (dropout's) as it was
-                    with rng_kept():
-                        x, y = self._seeded(at, key)
+                x, y = self._seeded(at, key)
                 return x, y, bad, None
             except Exception as err:  # noqa: BLE001 - any sample may fail; the run must not
                 bad.append((_name(self.dataset, at), " ".join(str(err).split())[:200] or type(err).__name__))
