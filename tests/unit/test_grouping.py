@@ -22,8 +22,8 @@ What is checked, and where a property had to be stated differently from the firs
    ``opener + window_max`` (or by the last departure) did not connect the stage. Rounds under a
    pending global are exempt. (``Decision.waited`` gives each member's wait.)
 4. ``connect_every = 1``: every group decision contains every live pipeline, all at the same
-   iteration -- EXCEPT rounds that close while a global sync (periodic or the final one) is
-   pending: those "catch-up" rounds do not wait (bug E below, ``test_bug_allreduce_...``).
+   iteration; the checker exempts rounds that close while a global sync is pending, which once
+   did not wait (``test_all_reduce_rounds_do_not_split_before_a_global`` checks that they do).
 5. A 3x slower replica gets a decision for every ready; between two connectivity points of its
    stage (with >= 2 live pipelines) it is in a group of size >= 2; with S = 1 two of its pairings
    are at most ``2 * connect_every - 1`` rounds apart (global-pending rounds aside): "once every
@@ -34,16 +34,16 @@ What is checked, and where a property had to be stated differently from the firs
    every stage; the run ends with a ``stop`` global on every stage. Pipeline-iterations at the end
    (sum of last iteration + 1): exactly ``total_iterations`` when the final global was declared
    on its own; when the end was reached while a periodic global was pending, that global becomes
-   the last one and the run ends EARLY: ``total - live <= done < total`` (bug C); and for
-   ``total_iterations <= P`` the run does ``P + 1`` (bug B). The bound asserted is the one proved.
+   the last one: the checker asserts ``total - live <= done <= total``, looser than the policy
+   since its fixes (``test_a_pending_periodic_global_does_not_end_the_run_early``,
+   ``test_a_budget_of_one_step_per_pipeline_ends_after_iteration_zero``).
 8. ``leave``: a failed pipeline never blocks: the others finish, no decision names it afterwards,
    global rounds do not include it.
-9. ``time_limit`` ends the run with a stop global on every stage (with ``global_every = 0``;
-   with periodic globals, bug A makes the stop flag differ between stages).
+9. ``time_limit`` ends the run with a stop global on every stage (with periodic globals too:
+   ``test_a_time_limit_during_a_pending_global_stops_every_stage_alike``).
 10. Validation: a ready for the wrong iteration, or from a departed pipeline, raises ValueError.
 
-Tests named ``test_bug_*`` encode the intended behaviour where the policy once went wrong (each
-test describes its bug): regression tests, each of which failed before its fix.
+The regression tests near the end (each describes what went wrong) each failed before its fix.
 """
 
 from __future__ import annotations
@@ -811,9 +811,9 @@ def test_time_limit_tick_declares_final_global():
     assert g.finished
 
 
-# == bugs: the intended behaviour, failing on the current code ==================================
+# == regressions: each of these failed before its fix ==============================================
 
-def test_bug_A_time_limit_during_pending_global_gives_mixed_stop_flags():
+def test_a_time_limit_during_a_pending_global_stops_every_stage_alike():
     """A periodic global is pending; stage 1 closes its global (stop=False); the time limit then
     passes and stage 0's global of the same sync closes with stop=True. The pipeline's stages
     disagree on whether the run ends: stage 1's worker goes on to iteration 2 while stage 0's
@@ -828,7 +828,7 @@ def test_bug_A_time_limit_during_pending_global_gives_mixed_stop_flags():
     assert d1.stop == d0.stop, (d1, d0)
 
 
-def test_bug_B_total_iterations_at_most_P_overshoots():
+def test_a_budget_of_one_step_per_pipeline_ends_after_iteration_zero():
     """total_iterations = P (one step per pipeline) should end after iteration 0 of each pipeline.
     The end is checked only after a ready has been counted, so pipeline 0's next iteration is
     already in ``iterations_done``: the final global is at {0: 1, 1: 0}, P + 1 iterations."""
@@ -837,7 +837,7 @@ def test_bug_B_total_iterations_at_most_P_overshoots():
     assert g.snapshot().global_at == {0: 0, 1: 0}, g.snapshot().global_at
 
 
-def test_bug_C_pending_periodic_global_ends_run_early():
+def test_a_pending_periodic_global_does_not_end_the_run_early():
     """P = 2, global_every = 1, total_iterations = 6 (3 steps each). The periodic global is
     declared at done = 2 (at iteration 1); while it is pending, done + live reaches 6, so it is
     turned into the final one: the run stops after 4 pipeline-iterations instead of 6."""
@@ -848,7 +848,7 @@ def test_bug_C_pending_periodic_global_ends_run_early():
     assert not g.finished, f"run ended after {g.iterations_done()} of 6 pipeline-iterations"
 
 
-def test_bug_D_stale_connecting_flag_after_leave_drops_the_window_deadline():
+def test_a_departure_while_connecting_keeps_the_next_windows_deadline():
     """Stage 0 is due for connectivity and waits (connecting) with only pipeline 2 ready; 2 leaves,
     so nothing waits but ``connecting`` (and the token) stay set. The next ready's window deadline
     is then left out of next_deadline(), although the remaining replicas are connected: the group
@@ -869,7 +869,7 @@ def test_bug_D_stale_connecting_flag_after_leave_drops_the_window_deadline():
     assert g.next_deadline() == pytest.approx(0.059)
 
 
-def test_bug_E_all_reduce_rounds_split_before_a_global():
+def test_all_reduce_rounds_do_not_split_before_a_global():
     """connect_every = 1 should be plain all-reduce (the method: "connect_every = 1 equals
     all-reduce"). P = 2, S = 2, total_iterations = 4: the final global is declared by the second
     ready of iteration 0 (done + live = 4), and from then on the stage-0 round of iteration 0,
@@ -888,7 +888,7 @@ def test_bug_E_all_reduce_rounds_split_before_a_global():
     assert partial == [], partial  # should wait for pipeline 1's stage 0, as all-reduce does
 
 
-def test_bug_E_all_reduce_rounds_split_before_a_global_simulated():
+def test_all_reduce_rounds_do_not_split_before_a_global_simulated():
     sim = Sim(2, 2, [[0.05], [0.08]], [0.0, 0.02],
               dict(connect_every=1, global_every=2, total_iterations=10, window=0.005))
     r = run(sim)

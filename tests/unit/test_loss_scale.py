@@ -25,10 +25,3 @@ def test_the_scale_stays_within_bounds_and_every_overflow_is_a_skip(verdicts):
     assert s.skipped == verdicts.count(False)
     assert s.value >= 1.0
     assert s.value <= 2.0 ** 8 * 2 ** (len(verdicts) // 5)
-
-
-def test_two_stages_fed_the_same_verdicts_hold_the_same_scale():
-    a, b = LossScale(), LossScale()
-    for v in [True, False, True, True, False, False, True]:
-        assert a.update(v) == b.update(v)
-    assert a == b
