@@ -135,6 +135,8 @@ class SpeedChangeConfig:
     speed: float = 1.0  # the device's speed while the change lasts (replaces its own)
     start: float = 0.0  # seconds of the run clock
     end: Optional[float] = None  # null: until the end of the run
+    start_step: Optional[int] = None  # instead of start: the pipeline's iteration it starts at
+    end_step: Optional[int] = None  # and ends at (null: the end): the same point of training
 
 
 @dataclass

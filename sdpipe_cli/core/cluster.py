@@ -63,12 +63,21 @@ class Link:
 
 @dataclass(frozen=True)
 class SpeedChange:
+    """A device's speed from ``start`` to ``end`` seconds of the run clock, or, where
+    ``start_step`` is set, from that iteration of its pipeline to ``end_step``: a change at an
+    iteration comes at the same point of the training however long the start-up took."""
+
     device: str
     speed: float
     start: float
     end: Optional[float] = None
+    start_step: Optional[int] = None
+    end_step: Optional[int] = None
 
-    def active(self, t: float) -> bool:
+    def active(self, t: float, step: Optional[int] = None) -> bool:
+        if self.start_step is not None:
+            return step is not None and self.start_step <= step and (
+                self.end_step is None or step < self.end_step)
         return self.start <= t and (self.end is None or t < self.end)
 
 
@@ -138,12 +147,26 @@ def _change(ch: dict, key: str, names: list[str]) -> SpeedChange:
                            f"{', '.join(names)})")
     _check_speed(ch["speed"], f"{key}.speed")
     start, end = ch["start"], ch["end"]
+    first, last = ch.get("start_step"), ch.get("end_step")
     if start < 0:
         raise ClusterError(f"{key}.start", f"is {start}; must be >= 0 (seconds of the run)")
     if end is not None and end <= start:
         raise ClusterError(f"{key}.end", f"is {end}; must be after start ({start} s)")
+    if first is None and last is not None:
+        raise ClusterError(f"{key}.end_step", "needs start_step (a change is timed in seconds "
+                           "or in iterations, not both)")
+    if first is not None:
+        if start or end is not None:
+            raise ClusterError(f"{key}.start_step", "a change is timed in seconds (start, end) "
+                               "or in iterations (start_step, end_step), not both")
+        if first < 0:
+            raise ClusterError(f"{key}.start_step", f"is {first}; must be >= 0 (an iteration)")
+        if last is not None and last <= first:
+            raise ClusterError(f"{key}.end_step", f"is {last}; must be after start_step "
+                               f"({first})")
     return SpeedChange(str(ch["device"]), float(ch["speed"]), float(start),
-                       None if end is None else float(end))
+                       None if end is None else float(end),
+                       None if first is None else int(first), None if last is None else int(last))
 
 
 class Cluster:
@@ -259,17 +282,22 @@ class Cluster:
         return list(dict.fromkeys(d.node for d in self.devices.values()))
 
     # -- speed ------------------------------------------------------------------------------
-    def speed(self, device: Device, t: float = 0.0) -> float:
-        """The device's speed at ``t`` seconds of the run: the last active change wins."""
+    def speed(self, device: Device, t: float = 0.0, step: Optional[int] = None) -> float:
+        """The device's speed at ``t`` seconds of the run, in iteration ``step`` of its
+        pipeline: the last active change wins."""
         for change in reversed(self._changes_of.get(device.name, ())):
-            if change.active(t):
+            if change.active(t, step):
                 return change.speed
         return device.speed
 
     def change_points(self, device: Device) -> list[float]:
-        """Times at which the device's speed may change (for reports)."""
-        return sorted({x for c in self._changes_of.get(device.name, ())
-                       for x in (c.start, c.end) if x is not None})
+        """Where the device's speed may change: seconds of the run, or iterations of its
+        pipeline for a change timed so (its speed changes during the run where any)."""
+        points = set()
+        for c in self._changes_of.get(device.name, ()):
+            edges = (c.start_step, c.end_step) if c.start_step is not None else (c.start, c.end)
+            points.update(float(x) for x in edges if x is not None)
+        return sorted(points)
 
     @property
     def max_speed(self) -> float:

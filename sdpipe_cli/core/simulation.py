@@ -297,7 +297,7 @@ class _Run:
                     duration *= draws[s].draw()
                 device = self.devices[p][s]
                 if device.name in self.dynamic:
-                    duration /= w.cluster.speed(device, t)
+                    duration /= w.cluster.speed(device, t, self.iteration[p])
             if s == 0:
                 busy += duration
             end[i] = at[s] = t + duration

@@ -65,6 +65,7 @@ class Slowdown:
         self.backward_s = (backward_ms / 1000.0 if backward_ms is not None else 2 * self.forward_s)
         self.stragglers, self.per_iteration = stragglers, per_iteration
         self._iteration_factor = 1.0
+        self.step: Optional[int] = None  # the iteration under way (new_iteration)
         self._owed = 0.0  # seconds the emulation is behind its model
         self.actions = 0  # actions seen
         self.straggled = 0  # actions slowed by a random straggler
@@ -80,8 +81,10 @@ class Slowdown:
     def modelled(self) -> bool:
         return self.forward_s > 0 or self.backward_s > 0
 
-    def new_iteration(self) -> None:
-        """An iteration starts: draw its straggler factor (``per_iteration`` mode)."""
+    def new_iteration(self, step: Optional[int] = None) -> None:
+        """Iteration ``step`` starts (a speed change may be timed by it): draw its straggler
+        factor (``per_iteration`` mode)."""
+        self.step = step
         if self.stragglers is not None and self.per_iteration:
             self._iteration_factor = self.stragglers.draw()
 
@@ -133,10 +136,11 @@ def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
     st = c.stragglers
     stragglers = Stragglers.of_device(st, cfg.train.seed, device.name)
     slow = list(c.slowdown)
-    return Slowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
-                    speed=lambda: cluster.speed(device, clock()), stragglers=stragglers,
-                    per_iteration=st.per == "iteration",
+    hook = Slowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
+                    stragglers=stragglers, per_iteration=st.per == "iteration",
                     dynamic=bool(cluster.change_points(device)))
+    hook.speed = lambda: cluster.speed(device, clock(), hook.step)
+    return hook
 
 
 def link_delay(cluster: Cluster, rank: int) -> Optional[Callable[[int, torch.Tensor], None]]:

@@ -73,6 +73,7 @@ class AsyncLoop:
         w.started()
         self.started = time.time()
         step = w.start_step
+        w.slowdown.step = step  # the first iteration's (the next ones: _iteration_done)
         while True:
             self.segment = step
             self._t_iteration = time.perf_counter()
@@ -130,7 +131,7 @@ class AsyncLoop:
         """This stage made the last update of iteration ``step - 1``: report it."""
         w = self.w
         w.memory.check()
-        w.slowdown.new_iteration()  # per-iteration stragglers draw for the next iteration
+        w.slowdown.new_iteration(step)  # the next iteration: its stragglers, its speed
         now = time.perf_counter()
         step_s, sync_s = now - self._t_iteration, self._sync_s
         self._t_iteration, self._sync_s = now, 0.0

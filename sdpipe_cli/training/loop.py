@@ -53,7 +53,7 @@ class FlushedLoop:
             if control.last:
                 w.sync.meet_now()
             t_step = time.perf_counter()
-            w.slowdown.new_iteration()
+            w.slowdown.new_iteration(step)
             inputs, targets = w.batch(step)
             w.optimizer.zero_grad(set_to_none=True)
             loss = w.stage.run(self.actions, inputs, targets)

@@ -1,6 +1,7 @@
 """A device that slows down mid-run is named (``fault.on_slowdown=warn``): in metrics.jsonl, on the
 console, and nowhere else; with ``replan`` the run then goes on with a new split. The slowdown is
-emulated (``cluster.changes``) on modelled compute."""
+emulated (``cluster.changes``, at an iteration: the same point of the run however long its
+start took) on modelled compute."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def test_a_device_that_slows_mid_run_is_named_once(tmp_path):
     # faster once its peer slowed took more of the shared cores, and was named)
     out = sdpipe("train", f"run.dir={run}", "model=mlp", "data=synthetic", "cluster.pipelines=2",
                  "pipeline.stages=2", "train.steps=50", "cluster.compute_ms=5",
-                 "train.eval_every=0", "cluster.changes=[{device: 'local:3', speed: 0.25, start: 4.0}]")
+                 "train.eval_every=0",
+                 "cluster.changes=[{device: 'local:3', speed: 0.25, start_step: 20}]")
     assert out.returncode == 0, out.stderr[-3000:]
     # pipeline 1's last stage (rank 3, device local:3) reports its compute in its train lines
     busy = {m["step"]: m["busy_s"] for m in metrics(run, "train") if m["pipeline"] == 1}
@@ -34,11 +36,7 @@ def test_a_device_that_slows_mid_run_is_named_once(tmp_path):
     start = statistics.median(busy[k] for k in steps[WARMUP:WARMUP + WINDOW])
     slow = [k for k in steps if busy[k] > 2 * start]
     named = metrics(run, "straggler")
-    if not slow or slow[0] <= WARMUP + WINDOW:
-        # on a loaded machine the slowdown may come before the device's start was measured:
-        # then it is the device's plan, and nothing may be named
-        assert named == [], named
-        return
+    assert slow[0] == 21  # train lines count steps from 1: iteration 20 is step 21
     assert [(m["device"], m["node"], m["pipeline"], m["stage"], m["rank"]) for m in named] == [
         ("local:3", "local", 1, 1, 3)]
     # named within the detector's confirmation (2 x CONFIRM - 2 iterations on a quiet machine);
@@ -68,23 +66,18 @@ def test_a_slow_device_is_replanned_and_the_run_goes_on_with_the_new_split(tmp_p
                  "train.eval_every=0", "cluster.emulation=modelled",
                  f"profile={tmp_path / 'profile.json'}",
                  "cluster.nodes=[{name: n, devices: [{}, {}, {}, {}]}]",
-                 "cluster.changes=[{device: 'n:1', speed: 0.25, start: 12.0}]",
+                 "cluster.changes=[{device: 'n:1', speed: 0.25, start_step: 20}]",
                  "fault.on_slowdown=replan")
     assert out.returncode == 0, out.stderr[-3000:]
     for p in range(2):  # whatever happened, every iteration was trained once
         assert sorted(m["step"] for m in metrics(run, "train") if m["pipeline"] == p) == list(
             range(1, steps + 1))
     named, replans = metrics(run, "straggler"), metrics(run, "replan")
-    if not named:  # start-up under load outlasted the 12 s: slow from its start, the plan
-        assert replans == [] and not list(run.glob("config.resume-*.yaml"))
-        return
     assert [(m["device"], m["pipeline"], m["stage"]) for m in named] == [("n:1", 0, 1)]
     [replan] = replans
     assert replan["partition"] == [3] and replan["proposed"] == [5]
+    assert replan["go"], replan["reason"]  # 60 of 80 steps left at a quarter of the pace
     legs = sorted(run.glob("config.resume-*.yaml"))
-    if not replan["go"]:  # named too close to the end for a restart to pay
-        assert "moving costs" in replan["reason"] and legs == []
-        return
     assert "sdpipe: re-planning the split to [5]" in out.stdout + out.stderr
     [leg] = legs
     saved = yaml.safe_load(leg.read_text())
@@ -109,7 +102,7 @@ def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_others_go_on(tm
               "pipeline.stages=2", "train.eval_every=0", "cluster.emulation=modelled",
               f"profile={tmp_path / 'profile.json'}",
               "cluster.nodes=[{name: n, devices: [{}, {}, {}, {}, {}, {}]}]",
-              "cluster.changes=[{device: 'n:1', speed: 0.25, start: 14.0}]",
+              "cluster.changes=[{device: 'n:1', speed: 0.25, start_step: 40}]",
               "fault.on_slowdown=replan")
     first_leg = sdpipe("train", f"run.dir={run}", "train.steps=30", *common)
     assert first_leg.returncode == 0, first_leg.stderr[-3000:]
@@ -119,10 +112,8 @@ def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_others_go_on(tm
     train = [m for m in lines if m["kind"] == "train"]
     assert len({(m["pipeline"], m["step"]) for m in train}) == 3 * steps  # the budget
     replans = [m for m in lines if m["kind"] == "replan"]
-    if not replans or not replans[0]["go"]:  # start-up under load outlasted the 14 s, or the
-        assert not list(run.glob("config.replan*.yaml"))  # slowdown came too late to pay
-        return
     [replan] = replans
+    assert replan["go"], replan["reason"]  # 60 of 100 steps left, a pipeline at a quarter
     assert replan["proposed"] == [[5], [3], [3]] and replan["in_place"] == [0]
     assert "re-planning pipeline 0 in place" in first_leg.stderr + out.stderr
     assert "restarted on its new split" in first_leg.stderr + out.stderr

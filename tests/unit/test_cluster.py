@@ -126,6 +126,29 @@ def test_scheduled_changes_replace_the_speed_while_active():
     assert c.change_points(b1) == [10, 20] and c.change_points(a1) == []
 
 
+def test_changes_timed_in_iterations_follow_the_pipelines_step_not_the_clock():
+    c = cluster_of(*TWO_NODES, "cluster.changes=[{device: b:1, speed: 0.25, start_step: 3, "
+                   "end_step: 5}, {device: a:0, speed: 0.1, start_step: 0}]")
+    b1, a0 = c.devices["b:1"], c.devices["a:0"]
+    assert [c.speed(b1, 1e6, k) for k in (0, 2, 3, 4, 5, 9)] == [0.5, 0.5, 0.25, 0.25, 0.5, 0.5]
+    assert c.speed(b1, 1e6) == 0.5  # no iteration known (the profiler, a report): as planned
+    assert [c.speed(a0, 0.0, k) for k in (0, 1000)] == [0.1, 0.1]
+    assert c.change_points(b1) == [3, 5]  # its speed changes during the run
+
+
+@pytest.mark.parametrize("change, key, says", [
+    ("{device: b:1, speed: 0.5, start: 4, start_step: 3}", "cluster.changes[0].start_step", "not both"),
+    ("{device: b:1, speed: 0.5, end_step: 3}", "cluster.changes[0].end_step", "needs start_step"),
+    ("{device: b:1, speed: 0.5, start_step: -1}", "cluster.changes[0].start_step", "must be >= 0"),
+    ("{device: b:1, speed: 0.5, start_step: 4, end_step: 4}", "cluster.changes[0].end_step",
+     "must be after start_step"),
+])
+def test_a_change_timed_both_ways_or_backwards_is_refused_naming_its_key(change, key, says):
+    with pytest.raises(ConfigError) as err:
+        validate(compose([*TWO_NODES, f"cluster.changes=[{change}]"]))
+    assert err.value.key == key and says in err.value.reason
+
+
 def test_links_by_node_and_ring_allreduce_time():
     c = cluster_of(*TWO_NODES, "cluster.links.same_node.latency_ms=1",
                    "cluster.links.cross_node.latency_ms=10",
