@@ -49,6 +49,16 @@ Weights = Callable[[], Mapping[str, torch.Tensor]]
 StageBoundaries = Union[Tuple[Optional[Boundary], Optional[Boundary]], Sequence[int]]
 
 
+def device_timed(device_type: str, hook: Any) -> bool:
+    """Whether an action's compute is given to ``hook`` as two CUDA events (its
+    ``timed(start, end)``, read at the iteration's end) rather than as seconds after a
+    ``torch.cuda.synchronize``: on CUDA, where the hook says nothing in it needs the kernels
+    done when the action ends (``times_on_device``: the busy-time sum of a default run, which
+    would otherwise make every forward and backward wait for the device). An emulated slow
+    device sleeps after its kernels, and a trace times them: those synchronize."""
+    return device_type == "cuda" and bool(getattr(hook, "times_on_device", False))
+
+
 class Executor:
     """One stage of one pipeline: ``module`` holds blocks ``[a, b)`` of the model.
 
@@ -94,6 +104,7 @@ class Executor:
         self.loss_fn = loss_fn
         self.before_action = before_action
         self.on_action = on_action
+        self._start_event: Optional[torch.cuda.Event] = None  # see _started
         self.autocast, self.checkpointing = autocast, checkpointing
         self.loss_scale = 1.0  # fp16: the last stage multiplies the loss by it before backward
         if not (isinstance(boundaries, tuple) and len(boundaries) == 2
@@ -127,7 +138,7 @@ class Executor:
         given, is called once the input is in and gives the tensors to run the blocks with."""
         self._before(action)
         x, leaves = self.input(index, inputs)
-        started = time.perf_counter()  # compute only, not the wait for the input
+        started = self._started()  # compute only, not the wait for the input
         tensors = None if weights is None else weights()
         run = ((lambda v: self.module(v)) if tensors is None else
                (lambda v: functional_call(self.module, tensors, (v,))))
@@ -162,7 +173,7 @@ class Executor:
             pairs = [(t, g.to(t.dtype)) for t, g in zip(y, self.outgoing.grads().unpack(buffer))
                      if t.requires_grad]
             outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        started = time.perf_counter()
+        started = self._started()
         if weights is None:
             if outputs:
                 torch.autograd.backward(outputs, grads)
@@ -247,12 +258,27 @@ class Executor:
         if self.before_action is not None:
             self.before_action(action)
 
+    def _started(self) -> float:
+        """An action's compute begins: the wall clock, and on a device whose ``on_action``
+        hook can take the compute as two CUDA events (:func:`device_timed`), the first."""
+        if device_timed(self.device.type, self.on_action):
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        return time.perf_counter()
+
     def _after(self, action: Action, started: float) -> None:
-        if self.on_action is not None:
-            # Before the send: an emulated slow device must also deliver its output late.
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # time the kernels, not their launch
-            self.on_action(action, time.perf_counter() - started)
+        if self.on_action is None:
+            return
+        if self._start_event is not None:  # read at the iteration's end, without a wait here
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.on_action.timed(self._start_event, end)
+            self._start_event = None
+            return
+        # Before the send: an emulated slow device must also deliver its output late.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # time the kernels, not their launch
+        self.on_action(action, time.perf_counter() - started)
 
     def _stashed_backward(self, x: Optional[List[torch.Tensor]], outputs: List[torch.Tensor],
                           grads: Optional[List[torch.Tensor]],

@@ -117,7 +117,8 @@ class Prediction:
         # every live replica is forecast: the window's blind wait for one that is not need not
         # be longer than the forecasts are imprecise (a replica left alone, whose window grew,
         # waited for nobody up to window_max at each of its rounds)
-        st.window_end = min(st.window_end, opened + band)
+        if band > 0:  # (nothing measured takes time: the window stays)
+            st.window_end = min(st.window_end, opened + band)
         behind = self._behind(s, own, band)
         reach = JITTER_BAND * own if behind else band
         core = [(t, q) for t, q in awaited if t <= opened + reach + st.early]  # a prefix
