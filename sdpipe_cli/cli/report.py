@@ -281,13 +281,35 @@ def _throughput_figure(plt, runs: Sequence[Run]):
     return fig
 
 
+def reasons(run: Run) -> dict[str, int]:
+    """How many of the run's rounds closed for each reason (their ``group`` lines' ``reason``:
+    every live replica there, the awaited ones came, one was late, ...), in the policy's order."""
+    from sdpipe_cli.core.grouping.rounds import REASONS
+
+    counts: dict[str, int] = {}
+    for g in run.kind("group"):
+        if g.get("reason"):
+            counts[g["reason"]] = counts.get(g["reason"], 0) + 1
+    order = {r: i for i, r in enumerate(REASONS)}
+    return dict(sorted(counts.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+
 def _groups_figure(plt, runs: Sequence[Run]):
-    """sdpipe's group size per stage over time and as a histogram (the paper's view); None if no
-    run formed groups (all-reduce and no-sync runs do not)."""
+    """sdpipe's group size per stage over time and as a histogram (the paper's view), and why
+    its rounds closed (:func:`reasons`); None if no run formed groups (all-reduce and no-sync
+    runs do not)."""
     grouped = [run for run in runs if run.kind("group")]
     if not grouped:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5), layout="constrained")
+    counted = [reasons(run) for run in grouped]
+    keys = list(dict.fromkeys(k for counts in counted for k in counts))  # the policy's order
+    width = 0.8 / len(grouped)
+    for i, (run, counts) in enumerate(zip(grouped, counted)):
+        axes[2].bar([k + i * width for k in range(len(keys))], [counts.get(r, 0) for r in keys],
+                    width, label=run.label)
+    axes[2].set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], keys)
+    axes[2].set(xlabel="why the round closed", ylabel="rounds", title="rounds by reason")
     for run in grouped:
         for stage in sorted({g["stage"] for g in run.kind("group")}):
             gs = [g for g in run.kind("group") if g["stage"] == stage]

@@ -57,6 +57,7 @@ from hypothesis import strategies as st
 
 from tests.policy_sim import Result, Sim, SimError, replay
 from sdpipe_cli.core.grouping import Decision, DisjointSet, GroupScheduler
+from sdpipe_cli.core.grouping.rounds import REASONS
 
 EPS = 1e-9
 # GROUPING_EXAMPLES=2000 for a longer hunt; the default (60 runs of a whole simulated training
@@ -116,6 +117,9 @@ def check_well_formed(r: Result) -> None:
         assert all(w >= -EPS for w in d.waited), d
         assert d.kind in ("group", "global"), d
         assert not d.stop or d.kind == "global", d
+        # why it closed: a global sync says so, a round of every live replica says "all"
+        assert d.reason in (("stop",) if d.stop else ("global",) if d.kind == "global"
+                            else REASONS[:6]), d
         assert d.round == next_round[d.stage], (d, next_round)
         next_round[d.stage] += 1
         for p, k in zip(d.members, d.iterations):
@@ -582,7 +586,8 @@ def test_group_closes_when_everyone_is_ready():
     assert g.ready(0, 1, 0) == []
     clock.t = 0.006
     (d,) = g.ready(0, 2, 0)
-    assert d == Decision(0, 1, (0, 1, 2), (0, 0, 0), (0.006, 0.002, 0.0), "group", False)
+    assert d == Decision(0, 1, (0, 1, 2), (0, 0, 0), (0.006, 0.002, 0.0), "group", False,
+                         reason="all")
     assert g.next_deadline() is None
 
 
@@ -1449,3 +1454,20 @@ def test_cost_aware_every_replica_keeps_its_own_pace_against_a_mild_straggler(ra
     waits = [w for _, d in r.decisions if d.kind == "group" and 3 in d.members
              for p, w in zip(d.members, d.waited) if p != 3 and d.round > 1]
     assert max(waits) <= 0.25 * 0.15 + 0.02 + EPS
+
+
+def test_every_decision_says_why_it_closed():
+    """Equal replicas meet in full rounds (``all``), a 3x straggler's rounds close once the
+    replicas they awaited came or were late, or on the window when nobody was awaited, a
+    capped round says ``cap``, and the run's last global sync ``stop``."""
+    equal = _sim([0.15] * 4, 0.5, policy="cost_aware")
+    why = [d.reason for _, d in equal.decisions]
+    assert why.count("all") > 0.9 * len([d for _, d in equal.decisions if d.kind == "group"])
+    assert why[-1] == "stop" and set(why) <= set(REASONS)
+    slow = _sim([0.15, 0.15, 0.15, 0.45], 0.5, policy="cost_aware")
+    partial = {d.reason for _, d in slow.decisions if d.kind == "group" and len(d.members) < 4}
+    # ("all": every replica not parked at a pending global sync)
+    assert partial & {"expected", "late", "window"}, partial
+    assert partial <= {"all", "expected", "late", "window", "connected"}, partial
+    capped = _sim([0.15] * 4, 0.5, policy="cost_aware", max_group=2)
+    assert any(d.reason == "cap" for _, d in capped.decisions)

@@ -152,3 +152,10 @@ def test_tolerance_is_each_modes_fraction_of_its_slowdowns_limit(tmp_path):
     assert got["sdpipe"] == [(1.0, pytest.approx(0.8)), (2.0, pytest.approx(80 / 10 / 12))]
     assert got["allreduce"] == [(2.0, pytest.approx(8 / 12))]
     assert report.tolerance(runs[:2]) == {}  # one slowdown: no figure
+
+
+def test_rounds_are_counted_by_why_they_closed_in_the_policys_order(tmp_path):
+    group = {"kind": "group", "stage": 0, "round": 1, "size": 2, "time": 1.0}
+    lines = [{**group, "reason": r} for r in ("late", "all", "all", "stop", "expected")]
+    run = report.load(write_run(tmp_path / "r", SDPIPE, lines + [group]))  # an older line: none
+    assert report.reasons(run) == {"all": 2, "expected": 1, "late": 1, "stop": 1}

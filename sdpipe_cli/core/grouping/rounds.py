@@ -23,6 +23,14 @@ from sdpipe_cli.core.grouping.prediction import Prediction
 from sdpipe_cli.core.grouping.state import Decision, RunState
 
 
+# why a round closed, in its decision and its ``group`` line: every live replica was there
+# (``all``); the replicas its forecasts awaited came (``expected``); one of them had not by its
+# horizon (``late``); nobody was awaited and its window passed (``window``); ``max_group`` were
+# there (``cap``); it was held until it merged another component (``connected``); a global sync
+# (``global``), the run's last (``stop``)
+REASONS = ("all", "expected", "late", "window", "cap", "connected", "global", "stop")
+
+
 class RoundFormer:
     """Closes rounds (group and global) as replicas arrive and deadlines pass."""
 
@@ -80,7 +88,8 @@ class RoundFormer:
         arrived = self._at_global(s)
         if not st.global_pending or not run.live or not arrived >= run.live:
             return None
-        decision = self._emit(s, sorted(arrived), kind="global", stop=run.final)
+        decision = self._emit(s, sorted(arrived), kind="global", stop=run.final,
+                              reason="stop" if run.final else "global")
         self.links.reset(s)
         st.global_pending = False
         run.global_closed.add(s)
@@ -113,17 +122,20 @@ class RoundFormer:
             missing -= at_global
         st.deadline = max(st.window_end, st.horizon) if missing else st.window_end
         everyone = len(members) == len(run.live) - len(at_global)  # members: live, not at_global
+        reason = "all"
         if not everyone:
             if now < st.deadline and not full:  # a full round does not wait for more
                 return None
+            held = st.connecting
             # a full round cannot hold everyone: merging two components is progress enough
             st.connecting = (self.links.must_connect(s) and not st.links.connected_with(members)
                              and not (self.cost_aware and self.links.may_go_on(s, members))
                              and not (full and len(st.links.roots(members)) > 1))
             if st.connecting:
                 return None  # wait for the components that are left
+            reason = self._why(full, held, missing, st.expect)
         members = set(members)
-        decision = self._emit(s, sorted(members), kind="group", stop=False)
+        decision = self._emit(s, sorted(members), kind="group", stop=False, reason=reason)
         self.links.merged(s, members)
         for p in members:
             key = (s, p)
@@ -132,7 +144,19 @@ class RoundFormer:
                                 else max(self.window[key] * 0.9, self.window_min))
         return decision
 
-    def _emit(self, s: int, members: list[int], kind: str, stop: bool) -> Decision:
+    @staticmethod
+    def _why(full: bool, held: bool, missing: frozenset, expected: frozenset) -> str:
+        """Why a group round closed without every live replica (:data:`REASONS`)."""
+        if full:
+            return "cap"
+        if held:
+            return "connected"
+        if missing:
+            return "late"
+        return "expected" if expected else "window"
+
+    def _emit(self, s: int, members: list[int], kind: str, stop: bool,
+              reason: str = "") -> Decision:
         run = self.run
         st = run.stages[s]
         now = run.clock()
@@ -145,7 +169,7 @@ class RoundFormer:
         decision = Decision(stage=s, round=st.round_no, members=tuple(members),
                             iterations=tuple(st.waiting[p][0] for p in members),
                             waited=tuple(now - st.waiting[p][1] for p in members),
-                            kind=kind, stop=stop, heal=heal, twins=twins,
+                            kind=kind, stop=stop, heal=heal, twins=twins, reason=reason,
                             weight_shares=weight_shares, grad_shares=grad_shares)
         self.lineage.note(decision)
         self.freshness.note(s, members, done)

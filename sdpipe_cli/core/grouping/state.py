@@ -39,6 +39,7 @@ class Decision:
     # :mod:`.freshness`); empty: every member counts the same
     weight_shares: tuple[float, ...] = ()
     grad_shares: tuple[float, ...] = ()
+    reason: str = ""  # why the round closed (:data:`.rounds.REASONS`)
 
     def of(self, pipeline: int) -> int:
         """The iteration this decision answers for ``pipeline``."""
