@@ -166,11 +166,17 @@ def run(args, scenario: str, variant: str, lr: float, console: Console, seed: in
     ovr = [*VARIANTS[base], *overrides(args, scenario, lr, run_dir.resolve(), steps),
            f"train.seed={seed}"]
     cwd = args.before.resolve() if variant == BEFORE else None
-    console.print(f"{name}: running", highlight=False)
-    with CpuSampler() as cpu:
-        returncode, wall = run_sdpipe(ovr, log_path, args.timeout, cwd=cwd)
+    cpu_mean = None
+    if variant in getattr(args, "reuse", ()) and (run_dir / "summary.json").is_file():
+        console.print(f"{name}: reused (it ended well in an earlier invocation)", highlight=False)
+        returncode, wall = 0, float("nan")
+    else:
+        console.print(f"{name}: running", highlight=False)
+        with CpuSampler() as cpu:
+            returncode, wall = run_sdpipe(ovr, log_path, args.timeout, cwd=cwd)
+        cpu_mean = cpu.mean
     record: dict[str, Any] = {"scenario": scenario, "variant": variant, "lr": lr, "seed": seed,
-                              "wall_s": round(wall, 1), "cpu_percent": cpu.mean,
+                              "wall_s": round(wall, 1), "cpu_percent": cpu_mean,
                               "run_dir": str(run_dir)}
     record["status"], record["error"] = classify(returncode, log_path, args.timeout)
     if record["status"] == "ok":

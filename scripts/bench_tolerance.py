@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=Path, default=None)
     p.add_argument("--out", type=Path, default=Path("runs/bench_tolerance"))
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--reuse", default="", help="variants whose runs already in OUT (ended well) "
+                   "are read rather than run again, e.g. none,allreduce after a change to sdpipe")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         run_args = SimpleNamespace(
             pipelines=4, stages=2, steps=args.steps, compute_ms=10.0, slow=1.0, eval_every=20,
             extra=[f"cluster.slowdown={name}"], out=out, seeds=seeds, before=args.before,
-            timeout=args.timeout)
+            timeout=args.timeout, reuse=[v for v in args.reuse.split(",") if v])
         summaries = []
         for seed in seeds:
             records = [convergence.run(run_args, "equal", v, args.lr, console, seed)

@@ -52,6 +52,7 @@ BUSY_SAMPLES = 3  # release-to-ready spans whose median is a replica's compute t
 OUTLIER = 0.5  # a ready signal off its forecast by more than this x compute time was a straggle
 ERROR_WEIGHT = 0.3  # weight of the newest miss in a replica's moving-average error
 PAUSE_WEIGHT = 0.5  # weight of the newest known pause in a replica's moving-average pause
+SPEED_WEIGHT = 0.1  # weight of the newest span in a replica's moving-average speed
 
 Key = tuple[int, int]  # (stage, pipeline)
 
@@ -60,7 +61,7 @@ class _Replica:
     """What the forecast knows of one replica (a slotted record: one lookup per ready signal)."""
 
     __slots__ = ("arrived", "released", "spans", "busy", "due", "error", "pausing", "pause",
-                 "pause_error", "ahead", "prior", "first", "missed")
+                 "pause_error", "ahead", "prior", "first", "missed", "speed")
 
     def __init__(self) -> None:
         self.arrived: Optional[float] = None  # last ready signal
@@ -76,6 +77,7 @@ class _Replica:
         self.prior = False  # the current forecast is a peer's measurement, not the replica's own
         self.first: Optional[float] = None  # its first ready signal, if it came at the start
         self.missed = 0.0  # its last ready signal less its forecast, if a usual miss (else 0)
+        self.speed: Optional[float] = None  # moving average of its spans (SPEED_WEIGHT)
 
 
 class Forecast:
@@ -135,6 +137,11 @@ class Forecast:
         if len(spans) > BUSY_SAMPLES:
             del spans[0]
         r.busy = sorted(spans)[len(spans) // 2]
+        span = spans[-1]
+        if r.speed is None:
+            r.speed = r.busy
+        elif span < (1 + OUTLIER) * r.busy:  # a straggle is no change of speed
+            r.speed += SPEED_WEIGHT * (span - r.speed)
         known, self._busy[stage] = self._busy[stage], (r.busy, r.first)
         if known is None:
             self._from_peers(stage)
@@ -212,11 +219,13 @@ class Forecast:
         return None if r is None else r.busy
 
     def speed(self, stage: int, pipeline: int) -> Optional[float]:
-        """Seconds per iteration of its own: its compute time, else its pace (None: neither
-        known yet). Smaller is faster."""
+        """Seconds per iteration of its own: a moving average of its compute spans
+        (:data:`SPEED_WEIGHT`: on a shared CPU one span varies by a tenth, the median of three
+        by nearly as much, and comparing those told equal replicas apart), else its pace
+        (None: neither known yet). Smaller is faster."""
         r = self._replicas[stage].get(pipeline)
-        if r is not None and r.busy is not None:
-            return r.busy
+        if r is not None and r.speed is not None:
+            return r.speed
         return self.pace.get((stage, pipeline))
 
     def error(self, stage: int, pipeline: int) -> Optional[float]:

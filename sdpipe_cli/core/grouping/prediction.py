@@ -26,9 +26,13 @@ from __future__ import annotations
 from sdpipe_cli.core.grouping.connectivity import Connectivity
 from sdpipe_cli.core.grouping.state import RunState
 
-# cost_aware: a round waits for a predicted replica only if its pace is at most this many times the
-# opener's (pace noise on a homogeneous cluster stays well within it; a 2x straggler does not)
-AWAIT_PACE_RATIO = 1.5
+# cost_aware: a round waits for a predicted replica only if its speed (its own compute time, a
+# moving average: Forecast.speed) is at most this many times the fastest member's present. Equal
+# replicas on a shared CPU stay within it (their averages differ by a few percent); a replica a
+# tenth slower or more is a slow one, whose phase drifts from the others', and waiting for it
+# held its peers to its pace (a 1.3x replica's peers waited 40-80 ms of their 224 at one time
+# in two rounds, when forecasts as noisy as a shared CPU's widened the band to a quarter)
+AWAIT_PACE_RATIO = 1.1
 # cost_aware: a round waits for a replica past its forecast SLACK_ERRORS x as long as its forecasts
 # usually miss by, within SLACK_FLOOR and LATE_SLACK x the opener's pace (while the miss is not known
 # yet, up to the round's patience); later, it is straggling this time and the round goes on without it
@@ -229,7 +233,8 @@ class Prediction:
 
     def _behind(self, s: int, own: float, band: float) -> bool:
         """Whether an opener of iteration ``own`` is slower than the stage's fastest live
-        replica by more than ``band``: then it does not wait to fall in phase with the others
+        replica by more than :data:`AWAIT_PACE_RATIO` (or ``band``, if wider): then it does not
+        wait to fall in phase with the others
         (a replica of their speed out of phase does, once, and is in phase from then on): its
         phase moves on from theirs every iteration, and it would wait at every round, up to
         one of their iterations each time (a 1.3x replica lost a quarter of its speed so).
@@ -239,7 +244,7 @@ class Prediction:
         samples/s whatever the ratio; and the rounds due to connect the stage hold it until
         it has met another component."""
         fastest = self.run.forecast.speed(s, self.links.fastest(s))
-        return fastest is not None and own > fastest + band
+        return fastest is not None and own > min(AWAIT_PACE_RATIO * fastest, fastest + band)
 
     def _fastest_among(self, s: int, ready: dict, parked: set[int], core) -> bool:
         """Whether the fastest replica of stage ``s`` is waiting now or among ``core``."""
