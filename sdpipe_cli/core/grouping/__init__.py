@@ -12,14 +12,14 @@ docs/SYNC.md):
   fast replicas learn to wait a little for each other while stragglers never hold them up.
 * **Who waits for whom** (``policy``). The scheduler sees every replica's speed (its own compute
   time, :meth:`~sdpipe_cli.core.forecast.Forecast.speed`: replicas that wait for each other share
-  a pace, not a speed), so it can choose who waits. ``cost_aware``: a round waits for the
-  replicas forecast within its band (:meth:`.prediction.Prediction.band`, the forecasts'
-  precision, at most :data:`JITTER_BAND` of an iteration), so fast replicas lose at most that to
-  a slower one whatever the ratio; an opener slower than the stage's fastest replica by more
-  than that waits only for replicas forecast within JITTER_BAND of its own iteration (its phase
-  drifts from theirs: waiting to fall in phase would cost it at every round); a round waits
-  for a predicted replica only if it is at most :data:`AWAIT_PACE_RATIO` x slower than the
-  fastest member present (the opener, or a faster replica that joined since), and past its forecast only
+  a pace, not a speed), so it can choose who waits. ``cost_aware``: a round waits only for
+  replicas at most :data:`AWAIT_PACE_RATIO` x slower than its fastest member present (the
+  opener, or a faster replica that joined since), forecast within its band
+  (:meth:`.prediction.Prediction.band`, the forecasts' precision, at most :data:`JITTER_BAND` of
+  an iteration), so fast replicas run at their own pace whatever a slower one's ratio; an opener
+  not alike the stage's fastest replica waits only for replicas forecast within JITTER_BAND of
+  its own iteration (its phase drifts from theirs: waiting to fall in phase would cost it at
+  every round); and past its forecast only
   about as long as its forecasts usually miss (:meth:`.prediction.Prediction.slack`), plus as
   late as the round's opener came against its own forecast (a stall they share); a
   stage due to connect (``connect_every`` x live updates since it was last connected, as the
