@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sdpipe_cli.core.grouping.prediction import JITTER_BAND
+from sdpipe_cli.core.grouping.prediction import AWAIT_PACE_RATIO
 from sdpipe_cli.core.partition import device_cost, plan, stage_ranges
 
 __all__ = ["Proposal", "as_config", "called_for", "move_cost", "pace_bound", "pipeline_ms",
@@ -127,14 +127,13 @@ def pace_bound(lock_step: bool, sync: Any = None) -> float:
     """How much slower than the fastest pipeline a pipeline may be and still pace the others,
     before anything is measured: every one under a lock-step mode (and sdpipe with
     ``sync.connect_every=1``); under sdpipe's forecasts, ``1 + sync.patience`` with the classic
-    policy, and with cost_aware the widest band it waits within (``1 + JITTER_BAND``; the
-    scheduler predicts with the band it measures, ``GroupScheduler.tolerance``); none (1) where
-    nobody waits."""
+    policy, and with cost_aware the replicas it holds alike (``AWAIT_PACE_RATIO``; the scheduler
+    predicts with what it measures, ``GroupScheduler.tolerance``); none (1) where nobody waits."""
     if lock_step or (sync is not None and int(sync.get("connect_every", 0) or 0) == 1):
         return math.inf
     patience = float(sync.get("patience", 0.0) or 0.0) if sync is not None else 0.0
     if patience and sync.get("policy", "cost_aware") == "cost_aware":
-        return 1.0 + JITTER_BAND
+        return AWAIT_PACE_RATIO
     return 1.0 + patience
 
 

@@ -219,9 +219,9 @@ class Prediction:
     def tolerance(self) -> float:
         """How many times slower than the stage's fastest replica a replica may be and still be
         waited for, the widest over the stages: 1 + patience without cost_aware (a round waits for
-        whoever is forecast within patience x the opener's pace); under it, 1 + the fastest
-        replica's :meth:`band` over its iteration (:data:`JITTER_BAND` while nothing is
-        measured). Slower replicas go at their own pace."""
+        whoever is forecast within patience x the opener's pace); under it, replicas alike
+        (:data:`AWAIT_PACE_RATIO`) within the fastest replica's :meth:`band` of its iteration
+        (:data:`JITTER_BAND` while nothing is measured). Slower replicas go at their own pace."""
         if not self.cost_aware:
             return 1.0 + self.patience
         widest = 0.0
@@ -229,7 +229,7 @@ class Prediction:
             fastest = self.links.fastest(s)
             own = self.run.forecast.speed(s, fastest)
             widest = max(widest, JITTER_BAND if not own else self.band(s, [fastest], own) / own)
-        return 1.0 + widest
+        return min(AWAIT_PACE_RATIO, 1.0 + widest)
 
     def _behind(self, s: int, own: float, band: float) -> bool:
         """Whether an opener of iteration ``own`` is slower than the stage's fastest live
