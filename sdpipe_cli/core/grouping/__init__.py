@@ -17,7 +17,7 @@ docs/SYNC.md):
   opener, or a faster replica that joined since), forecast within its band
   (:meth:`.prediction.Prediction.band`, the forecasts' precision, at most :data:`JITTER_BAND` of
   an iteration), so fast replicas run at their own pace whatever a slower one's ratio; an opener
-  not alike the stage's fastest replica waits only for replicas forecast within JITTER_BAND of
+  not alike the stage's fastest replica waits only for replicas forecast within BEHIND_REACH of
   its own iteration (its phase drifts from theirs: waiting to fall in phase would cost it at
   every round); and past its forecast only
   about as long as its forecasts usually miss (:meth:`.prediction.Prediction.slack`), plus as

@@ -33,6 +33,10 @@ from sdpipe_cli.core.grouping.state import RunState
 # held its peers to its pace (a 1.3x replica's peers waited 40-80 ms of their 224 at one time
 # in two rounds, when forecasts as noisy as a shared CPU's widened the band to a quarter)
 AWAIT_PACE_RATIO = 1.1
+# cost_aware: an opener not alike the stage's fastest replica waits for the replicas forecast
+# within this share of its own iteration (see Prediction._behind; half an iteration cost a 1.3x
+# replica a tenth of its iterations, and its run's loss no less)
+BEHIND_REACH = 0.25
 # cost_aware: a round waits for a replica past its forecast SLACK_ERRORS x as long as its forecasts
 # usually miss by, within SLACK_FLOOR and LATE_SLACK x the opener's pace (while the miss is not known
 # yet, up to the round's patience); later, it is straggling this time and the round goes on without it
@@ -124,7 +128,7 @@ class Prediction:
         if band > 0:  # (nothing measured takes time: the window stays)
             st.window_end = min(st.window_end, opened + band)
         behind = self._behind(s, own, band)
-        reach = JITTER_BAND * own if behind else band
+        reach = BEHIND_REACH * own if behind else band
         core = [(t, q) for t, q in awaited if t <= opened + reach + st.early]  # a prefix
         half = 2 * (present + len(core)) - len(run.live)  # > 0: a majority; 0: exactly half
         if behind or half > 0 or (half == 0 and self._fastest_among(s, ready, parked, core)):
@@ -238,7 +242,7 @@ class Prediction:
         (a replica of their speed out of phase does, once, and is in phase from then on): its
         phase moves on from theirs every iteration, and it would wait at every round, up to
         one of their iterations each time (a 1.3x replica lost a quarter of its speed so).
-        It waits for the replicas forecast within :data:`JITTER_BAND` of its own iteration:
+        It waits for the replicas forecast within :data:`BEHIND_REACH` of its own iteration:
         the faster the others, the more of its rounds that finds them in (a third at 1.3x, all
         at 4x), at a cost of at most that share of its time, and of about 1 % of the run's
         samples/s whatever the ratio; and the rounds due to connect the stage hold it until
