@@ -72,9 +72,8 @@ class ModelConfig:
     num_classes: Optional[int] = None  # classifiers; null: the data set's
     hf: Dict[str, Any] = field(default_factory=dict)  # gpt2, bert: more transformers config keys
     pretrained: Optional[str] = None  # gpt2, bert: a local folder of save_pretrained weights
-    # Input and output embeddings share one weight (gpt2, bert, custom models that share a
-    # parameter between blocks); across stages each holds a copy, kept equal (docs/MODELS.md).
-    # false: two independent weights.
+    # Input and output embeddings share one weight (gpt2, bert, custom models sharing a parameter
+    # between blocks); across stages each holds a copy, kept equal (docs/MODELS.md); false: two.
     tie_embeddings: bool = True
 
 
@@ -165,8 +164,7 @@ class ClusterConfig:
     # Per-pipeline compute slowdown factors (3.0 = three times slower); empty: all equal.
     slowdown: List[float] = field(default_factory=list)
     # measured: scale each action's measured time; modelled: each action costs a modelled time
-    # (compute_ms, or the profile's block times) and the real compute runs inside it;
-    # auto: modelled when compute_ms is set.
+    # (compute_ms, or the profile's block times), the real compute inside it; auto: modelled when compute_ms is set.
     emulation: str = "auto"
     compute_ms: Optional[float] = None  # modelled ms of one micro-batch forward of a stage (backward: 2x)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)

@@ -247,14 +247,17 @@ def test_a_simulated_replan_of_a_lock_step_run_finishes_the_budget_sooner(tmp_pa
     assert replan["with_samples_per_s"] > 1.15 * replan["without_samples_per_s"]
 
 
-def test_a_simulated_sdpipe_run_is_not_replanned_for_one_slow_pipeline(tmp_path):
-    """sdpipe averages per segment, so only pipeline 2 would be split anew; but then it is
-    nearly as fast as the others, the groups wait for it, and the run would gain nothing."""
+def test_a_simulated_sdpipe_run_re_splits_only_the_slow_pipeline(tmp_path):
+    """sdpipe averages per segment, so only pipeline 2 is split anew. Its pipeline is then
+    still slower than the others by more than the policy waits for (1.1x), so the others go on
+    at their pace and the prediction says it pays (the old model had the groups wait for any
+    pipeline within 1.5x, and declined). Slowed at 30 s of a 55 s run, the simulated gain and
+    the moving cost about cancel."""
     replan = simulated_run.run(_replan_config(tmp_path, "sdpipe"))["replan"]
     assert replan["partition"] == [4, 8, 12]
     assert replan["proposed"] == [[4, 8, 12], [4, 8, 12], [5, 6, 11], [4, 8, 12]]
-    assert not replan["go"] and replan["with_s"] == replan["without_s"]
-    assert "meet at the slowest one's pace" in replan["reason"]
+    assert replan["go"] and replan["rate_new"] > 1.1 * replan["rate_now"]
+    assert replan["with_s"] == pytest.approx(replan["without_s"], rel=0.02)
 
 
 def test_no_replan_section_without_a_slowdown(tmp_path):
