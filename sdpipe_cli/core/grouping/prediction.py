@@ -237,8 +237,8 @@ class Prediction:
 
     def _behind(self, s: int, own: float, band: float) -> bool:
         """Whether an opener of iteration ``own`` is slower than the stage's fastest live
-        replica by more than :data:`AWAIT_PACE_RATIO` (or ``band``, if wider): then it does not
-        wait to fall in phase with the others
+        replica by more than :data:`AWAIT_PACE_RATIO` (or than ``band``, where that is
+        narrower): then it does not wait to fall in phase with the others
         (a replica of their speed out of phase does, once, and is in phase from then on): its
         phase moves on from theirs every iteration, and it would wait at every round, up to
         one of their iterations each time (a 1.3x replica lost a quarter of its speed so).
