@@ -40,6 +40,7 @@ from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli import analysis
 from sdpipe_cli.core import modes
+from sdpipe_cli.core.grouping.rounds import REASONS
 
 __all__ = ["Run", "load", "load_all", "labels", "report"]
 
@@ -284,8 +285,6 @@ def _throughput_figure(plt, runs: Sequence[Run]):
 def reasons(run: Run) -> dict[str, int]:
     """How many of the run's rounds closed for each reason (their ``group`` lines' ``reason``:
     every live replica there, the awaited ones came, one was late, ...), in the policy's order."""
-    from sdpipe_cli.core.grouping.rounds import REASONS
-
     counts: dict[str, int] = {}
     for g in run.kind("group"):
         if g.get("reason"):
