@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.meetings import BYTES
-from sdpipe_cli.core.wire import WINDOW, Blocks, LinkFit, Measured, Probe, WirePace, decide, ring_bytes
+from sdpipe_cli.core.wire import (WINDOW, Blocks, LinkFit, Measured, Probe, WirePace, closing_block,
+                                   decide, ring_bytes)
 from sdpipe_cli.sync import wire_probe
 from tests.unit.test_simulation import config
 
@@ -318,3 +319,69 @@ def test_the_scheduler_gives_every_stage_of_a_pipeline_the_same_next_block(tmp_p
     [line] = [m for m in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
               if m["kind"] == "pace"]
     assert (line["was"], line["every"]) == (2, every) and line["mbit_s"] < 20
+
+
+@settings(max_examples=300, deadline=None)
+@given(every=st.integers(1, 40), paces=st.lists(st.floats(0.01, 1.0), min_size=1, max_size=8),
+       left=st.floats(0, 2000), share=st.lists(st.floats(0, 1), min_size=8, max_size=8))
+def test_a_closing_block_ends_by_the_runs_predicted_end_and_is_never_longer_than_the_period(
+        every, paces, left, share):
+    step_s = dict(enumerate(paces))
+    done = 10_000.0
+    progress = {q: done * share[q] for q in step_s}
+    budget = sum(progress.values()) + left
+    until = left / sum(1 / s for s in paces)
+    for p in step_s:
+        block = closing_block(every, p, step_s, progress, budget)
+        assert 1 <= block <= every
+        if block < every:  # cut: whole steps that fit by the predicted end, or the one step
+            assert block == 1 or block * step_s[p] <= until * (1 + 1e-9)
+            assert (block + 1) * step_s[p] > until * (1 - 1e-9)
+        else:
+            assert every * step_s[p] <= until * (1 + 1e-9) + step_s[p]
+
+
+def test_a_slow_replicas_last_block_is_cut_so_that_it_arrives_with_the_fast_ones():
+    """Three pipelines at 1 s a step, one at 3 s; 40 pipeline-steps left: the run ends in 12 s,
+    so the slow replica's block is 4 steps, not 12, and a fast one's is 12."""
+    step_s = {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}
+    progress = {0: 90.0, 1: 90.0, 2: 90.0, 3: 30.0}
+    assert closing_block(12, 3, step_s, progress, 340) == 4
+    assert closing_block(12, 0, step_s, progress, 340) == 12
+    assert closing_block(12, 3, step_s, progress, 1000) == 12  # far from the end
+    assert closing_block(12, 3, step_s, progress, None) == 12  # bounded by time alone
+    assert closing_block(12, 3, {0: 1.0}, progress, 340) == 12  # a pace not known yet
+
+
+def test_the_schedulers_pacing_cuts_the_last_blocks_from_its_measured_paces():
+    """Pacing, fed ready signals as the scheduler feeds them, with the real policy: far from
+    the end every block is the period; near it, the slow pipeline's block is cut to what fits,
+    and the policy's budget is counted again in meetings."""
+    from sdpipe_cli.core.grouping import GroupScheduler
+    from sdpipe_cli.runtime import protocol
+    from sdpipe_cli.sync.scheduler.pacing import Pacing
+
+    links = [protocol.StageLink(0, 2, VALUES, 1.9, 5.0)]  # a meeting in 1 s: H = 10 at 1 s a step
+    chosen = protocol.MeetingChoice(10, "bf16", 1.0, 0.5, 0.1, links, "", adapt=True)
+    pacing = Pacing(chosen, budget=200, pipelines=2, most=100)
+    now = [0.0]
+    policy = GroupScheduler(2, 1, total_iterations=20, clock=lambda: now[0])
+
+    def ready(p, steps, block_s):
+        pacing.ready(protocol.Ready(p, p, 0, 0, 0, steps, block_s=block_s), now[0])
+
+    ready(0, 10, 10.0)
+    ready(1, 10, 30.0)  # 3 s a step
+    assert pacing.nexts([0, 1], [0, 0], policy, 0.0, now[0]) == [10, 10]
+    now[0] = 120.0  # pipeline 0 did 110 steps by now, pipeline 1 40, a block each 10 or 30 s
+    for steps in range(20, 111, 10):
+        ready(0, steps, 10.0)
+    for steps in (20, 30, 40):
+        ready(1, steps, 30.0)
+    # 50 left at 4/3 steps a second: 37.5 s, 12 of pipeline 1's steps, more than its period
+    assert pacing.nexts([0, 1], [10, 3], policy, 0.0, now[0]) == [10, 10]
+    now[0] = 150.0
+    ready(1, 50, 30.0)  # pipeline 0 is 30 s into a block of 10: its whole block, 120 steps
+    # 30 left: 22.5 s, 7 of pipeline 1's steps
+    assert pacing.nexts([1], [4], policy, 0.0, now[0]) == [7]
+    assert policy._run.total_iterations == policy.iterations_done() + math.ceil((200 - 160) / 10)

@@ -255,7 +255,7 @@ class Scheduler:
         if event.steps is not None:
             self.checkpoints.cut_short(event.pipeline, event.iteration, event.steps)
         if self.pacing is not None:  # what its last round and block took
-            self.pacing.ready(event)
+            self.pacing.ready(event, self.clock())
         self._publish(self._policy().ready(event.stage, event.pipeline, event.iteration))
 
     def _replayed(self, event: protocol.Ready) -> None:
@@ -381,7 +381,7 @@ class Scheduler:
         done = self.policy.iterations_done() if decisions else None
         pacing = self.pacing
         for d in decisions:
-            nexts = (pacing.nexts(d.members, d.iterations, self.policy, self.t0)
+            nexts = (pacing.nexts(d.members, d.iterations, self.policy, self.t0, self.clock())
                      if pacing is not None else [])
             ckpt = (self.checkpoints.at_global_sync(d, self.policy) if d.kind == "global"
                     else None)

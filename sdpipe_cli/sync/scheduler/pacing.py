@@ -11,6 +11,10 @@ what the meetings' count no longer says: each pipeline's local steps, from its r
 meetings of the new length (``GroupScheduler.retarget``), so that the run still ends after
 about ``train.steps`` per pipeline (within a block, as with a fixed period).
 
+Near the run's end a block is cut to what fits before the budget is spent
+(:func:`~sdpipe_cli.core.wire.closing_block`), so that no replica waits at the last global sync
+for another's whole block.
+
 Every stage of a pipeline must take the same blocks: the next block of a pipeline's meeting is
 decided once, at the first of its stages' rounds, and every other stage's round at that
 meeting repeats it.
@@ -22,7 +26,7 @@ import math
 import time
 from typing import Any, Optional, Sequence
 
-from sdpipe_cli.core.wire import LinkFit, WirePace
+from sdpipe_cli.core.wire import LinkFit, WirePace, closing_block
 from sdpipe_cli.runtime import protocol
 from sdpipe_cli.sync.wire_probe import record
 
@@ -39,6 +43,8 @@ class Pacing:
                              {s.stage: s.values for s in chosen.stages}, {0: chosen.iteration_s})
         self.budget, self.P = budget, pipelines
         self.steps = {p: 0 for p in range(pipelines)}  # each pipeline's local steps, as said
+        self.since: dict[int, float] = {}  # pipeline -> when its steps last moved on
+        self.block: dict[int, int] = {}  # pipeline -> the block it is in
         self.blocks: dict[tuple[int, int], int] = {}  # (pipeline, meeting) -> its next block
         self.every = chosen.every  # the period of the blocks decided last
         self.changes: list[dict[str, Any]] = []  # when the period changed, for the metrics
@@ -46,9 +52,10 @@ class Pacing:
     def resumed(self, steps: dict[int, int]) -> None:
         self.steps.update(steps)
 
-    def ready(self, event: protocol.Ready) -> None:
+    def ready(self, event: protocol.Ready, now: float) -> None:
         """What a ready signal says of the replica's last round and block (each stage reports
-        its round; the block, a pipeline's, is counted once, when its steps move on)."""
+        its round; the block, a pipeline's, is counted once, when its steps move on), at
+        ``now`` on the scheduler's clock."""
         if event.wire_s is not None and event.wire_bytes:
             self.pace.round_done(event.stage, event.wire_bytes, event.wire_s)
         if event.steps is None:
@@ -58,20 +65,37 @@ class Pacing:
             if event.block_s is not None:
                 self.pace.block_done(event.pipeline, done, event.block_s)
             self.steps[event.pipeline] = event.steps
+            self.since[event.pipeline] = now
 
     def nexts(self, members: Sequence[int], meetings: Sequence[int], policy: Any,
-              t0: float) -> list[int]:
+              t0: float, now: float) -> list[int]:
         """Each member's next block, decided once per pipeline and meeting (``t0``: the run
-        clock's origin, for the metrics)."""
+        clock's origin, for the metrics; ``now``: the scheduler's clock)."""
         out = []
         for p, k in zip(members, meetings):
             if (p, k) not in self.blocks:
                 every = self.pace.every()
                 if every != self.every:
                     self._changed(every, policy, round(time.time() - t0, 4))
-                self.blocks[(p, k)] = every
+                block = closing_block(every, p, self.pace.step_s, self.progress(p, now),
+                                      self.budget)
+                if block < every:  # the budget ends within it: counted again
+                    policy.retarget(policy.iterations_done() + math.ceil(
+                        max(0, self.budget - self.done_steps()) / every))
+                self.blocks[(p, k)] = self.block[p] = block
             out.append(self.blocks[(p, k)])
         return out
+
+    def progress(self, pipeline: int, now: float) -> dict[int, float]:
+        """Each pipeline's local steps by ``now``: ``pipeline``'s as it said (it is at its
+        meeting), every other's as it said plus the steps its pace fits since, within its
+        block. Empty while a pace is unknown."""
+        step_s = self.pace.step_s
+        if any(step_s.get(q, 0.0) <= 0 or q not in self.since for q in self.steps):
+            return {}
+        return {q: float(n) if q == pipeline else n + min(
+                    self.block.get(q, self.every), max(0.0, now - self.since[q]) / step_s[q])
+                for q, n in self.steps.items()}
 
     def _changed(self, every: int, policy: Any, now: float) -> None:
         """The period changes: the policy's budget is counted again in meetings of the new
