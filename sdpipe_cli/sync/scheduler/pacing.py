@@ -77,12 +77,9 @@ class Pacing:
                 every = self.pace.every()
                 if every != self.every:
                     self._changed(every, policy, round(time.time() - t0, 4))
-                block = closing_block(every, p, self.pace.step_s, self.progress(p, now),
-                                      self.budget)
-                if block < every:  # the budget ends within it: counted again
-                    policy.retarget(policy.iterations_done() + math.ceil(
-                        max(0, self.budget - self.done_steps()) / every))
-                self.blocks[(p, k)] = self.block[p] = block
+                self.blocks[(p, k)] = self.block[p] = closing_block(
+                    every, p, self.pace.step_s, self.progress(p, now), self.budget)
+                self._recount(every, policy)
             out.append(self.blocks[(p, k)])
         return out
 
@@ -97,11 +94,18 @@ class Pacing:
                     self.block.get(q, self.every), max(0.0, now - self.since[q]) / step_s[q])
                 for q, n in self.steps.items()}
 
-    def _changed(self, every: int, policy: Any, now: float) -> None:
-        """The period changes: the policy's budget is counted again in meetings of the new
-        length."""
-        left = max(0, self.budget - sum(self.steps.values()))
+    def _recount(self, every: int, policy: Any) -> None:
+        """The policy's budget counted again, at every block decided: the pipeline-steps left,
+        in meetings of the period now. Blocks differ in length (the period changes, the last
+        ones are cut), so the meetings a budget is counted in at the start are not the steps it
+        holds; counted only when the period changed, the run ended 1-2 % short of its budget,
+        its fast replicas waiting for the slow one's last block instead of training."""
+        left = max(0, self.budget - self.done_steps())
         policy.retarget(policy.iterations_done() + math.ceil(left / every))
+
+    def _changed(self, every: int, policy: Any, now: float) -> None:
+        """The period changes (the policy's budget is counted again in meetings of the new
+        length by :meth:`_recount`)."""
         link = min((self.pace.link(s) for s in self.pace.values), key=lambda f: f.bytes_per_s)
         self.changes.append({"kind": "pace", "time": now, "every": every, "was": self.every,
                              "mbit_s": round(link.mbit_s, 3),
