@@ -27,8 +27,7 @@ POLICIES = grouping.POLICIES  # sync.policy (sdpipe)
 STALE_RULES = grouping.STALE_RULES  # sync.stale (sdpipe)
 OPTIMIZERS = ("adamw", "sgd")  # train.optimizer
 DEVICES = ("cpu", "cuda", "auto")
-# model.arch: byte-level models of the project, ResNets written in the project, transformers'
-# GPT-2 and BERT (the hf extra), or any importable callable (model._target_)
+# model.arch: the project's byte-level models and ResNets, transformers' GPT-2 and BERT, or custom
 ARCHS = ("gpt", "mlp", "resnet18", "resnet50", "resnet_cifar", "gpt2", "bert", "custom")
 HF_ARCHS = ("gpt2", "bert")
 RESNET_BLOCKS = {"resnet18": 10, "resnet50": 18, "resnet_cifar": 11}  # stem, residual blocks, head
@@ -247,8 +246,9 @@ class SdpipeSyncConfig(SyncConfig):
     # feedback, in fp32, bf16 or int8 (a float32 scale per chunk); auto: bf16 where a float32
     # meeting every iteration would not fit sync.wire_share. Global syncs are exact (float32)
     precision: str = "auto"
-    # The share of a replica's time that the chosen sync.every lets its meetings take
-    wire_share: float = 0.1
+    wire_share: float = 0.1  # the share of a replica's time the chosen sync.every lets meetings take
+    # Local steps a group round's average may run behind, merged late (0: in step; docs/SYNC.md)
+    overlap: int = 0
     # Seconds a group may take to form and average before its members go on alone (only a
     # member that died makes it wait; the scheduler then drops its pipeline); also how long past
     # its forecast a silent replica may hold cost_aware's rounds due to connect

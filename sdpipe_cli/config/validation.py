@@ -37,6 +37,7 @@ from sdpipe_cli.core.plan import microbatch_size
 MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
 MAX_BATCH = 2**40  # train.batch_size: beyond it, a batch's element count overflows int64 tensors
 MAX_COMPUTE_MS = 60_000.0  # cluster.compute_ms: a minute; with MAX_SLOWDOWN, sleeps the clock can count
+MAX_OVERLAP = 1000  # sync.overlap: a round merged later than its next meeting is merged there
 
 
 def need(ok: bool, key: str, reason: str) -> None:
@@ -286,6 +287,8 @@ def _check_sdpipe(y: DictConfig) -> None:
          f"is '{y.precision}'; choose one of {', '.join(SYNC_PRECISIONS)}")
     need(math.isfinite(y.wire_share) and 0 < y.wire_share <= 1, "sync.wire_share",
          f"must be in (0, 1], got {y.wire_share}")
+    need(0 <= y.overlap <= MAX_OVERLAP, "sync.overlap",
+         f"must be in [0, {MAX_OVERLAP}] local steps, got {y.overlap}")
 
 
 def _check_ps(y: DictConfig) -> None:

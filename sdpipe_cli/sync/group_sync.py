@@ -34,13 +34,13 @@ from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync import wire_probe
 from sdpipe_cli.sync.base import Sync, Wiring
 from sdpipe_cli.sync.groups import (GroupCache, average_changes, average_tensors, flatten,
-                                    statistics, unflatten)
+                                    statistics)
+from sdpipe_cli.sync.healing import Healing
+from sdpipe_cli.sync.overlap import Behind
 
 __all__ = ["GroupSync", "Unit"]
 
 log = logging.getLogger("sdpipe.sync")
-
-HEAL_POLL_S = 0.01  # how often a restarted replica looks for its units' heal answers
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Unit:
     anchor: Optional[torch.Tensor] = None
     residual: Optional[torch.Tensor] = None
     heal: list[protocol.HealTarget] = field(default_factory=list)
+    behind: Optional[Behind] = None  # its last round's average, still running (sync.overlap)
 
     def module(self, stage: nn.Module) -> nn.Module:
         """The segment's blocks (the whole stage when it is one segment)."""
@@ -62,7 +63,7 @@ class Unit:
         return stage[self.start:self.stop]
 
 
-class GroupSync(Sync):
+class GroupSync(Healing, Sync):
     """SDPipe's worker side: per unit, ready signal -> group from the scheduler -> group average.
 
     ``average="weights_grads"``: the round comes before the local step and averages the weights
@@ -83,7 +84,8 @@ class GroupSync(Sync):
         w = wiring.where
         sync = cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
                    wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
-                   meetings_of(settings), precision_of(settings), wiring.segments)
+                   meetings_of(settings), precision_of(settings), wiring.segments,
+                   int(settings.get("overlap", 0)))
         if wire_probe.unresolved(settings):  # measured before the first meeting
             sync._unsettled = settings
         return sync
@@ -92,7 +94,7 @@ class GroupSync(Sync):
                  pipelines: int, groups: GroupCache, average: str = "weights_grads",
                  optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,
                  meetings: Meetings = Meetings(), precision: str = "fp32",
-                 segments: Optional[Segments] = None):
+                 segments: Optional[Segments] = None, overlap: int = 0):
         if (meetings.every > 1 or precision != "fp32") and average != "weights":
             raise ValueError("meetings every H > 1 steps and low-precision changes average weights")
         self.events, self.rank, self.pipeline, self.stage, self.stages = (
@@ -105,7 +107,7 @@ class GroupSync(Sync):
                       if self.segments is not None else [Unit(stage)])
         self.optimizer, self.incarnation = optimizer, incarnation
         self.seen: dict[int, int] = {}  # each pipeline's latest incarnation named to this worker
-        self.meetings, self.precision = meetings, precision
+        self.meetings, self.precision, self.overlap = meetings, precision, overlap
         self.stop = False
         self._early = False  # meet after the coming step, whatever the block (meet_now)
         self._met = -1  # the last meeting this replica went to
@@ -193,6 +195,7 @@ class GroupSync(Sync):
         early, self._early = self._early, False
         if self.average == "weights":
             meets = self.blocks.meets(step) if self.blocks else self.meetings.meets(step)
+            self._merge(module, step, early or meets)
             if early or meets:
                 self._rounds(module, step, grads=False)
             else:  # training alone until the next meeting
@@ -205,6 +208,22 @@ class GroupSync(Sync):
             self._give_heal(self.units[k], self.units[k].module(module), target)
         for unit in self.units:
             unit.heal = []
+
+    def _merge(self, module: nn.Module, step: int, meets: bool) -> None:
+        """Merge each unit's round running behind (``sync.overlap``) once its steps are done,
+        or before this replica's next round; what its wire took is reported with the next ready
+        signal, as a round in step's."""
+        for unit in self.units:
+            behind = unit.behind
+            if behind is None or not (meets or step >= behind.due):
+                continue
+            unit.behind = None
+            behind.merge(self._replica(unit.module(module)))
+            if behind.error is not None:
+                self.groups.forget(*behind.group)
+                log.warning("group %s failed (%s); going on alone", behind.group[0], behind.error)
+            else:
+                self._wire = (round(behind.seconds, 6), behind.moved)
 
     def position(self, step: int) -> float:
         """The run's global progress: pipeline-iterations begun over P, as the scheduler counted
@@ -332,16 +351,24 @@ class GroupSync(Sync):
                     tensors += optim.state_tensors(self.optimizer, params)
             payload = (unit.anchor.numel() * BYTES[self.precision] if changes
                        else sum(t.numel() * t.element_size() for t in tensors))
+            anchor, residual = (unit.anchor, self._residual(unit)) if changes else (None, None)
+            tag = f"r{decision.round}"
+
+            def average(tensors: list[torch.Tensor]) -> Optional[float]:
+                if changes:  # bf16 or int8 changes since the anchor (weights, statistics)
+                    average_changes(tensors, anchor, residual, self.groups, ranks, self.precision,
+                                    shares[0][1] if shares else None, incarnations, tag)
+                    return None
+                return average_tensors(tensors, self.groups, ranks, consensus=len(params) if
+                                       decision.kind == "global" else 0,
+                                       incarnations=incarnations, tag=tag, shares=shares)
             try:
-                if changes:  # bf16 or int8 changes since the anchor (the tensors: weights, statistics)
-                    average_changes(tensors, unit.anchor, self._residual(unit), self.groups, ranks,
-                                    self.precision, shares[0][1] if shares else None,
-                                    incarnations=incarnations, tag=f"r{decision.round}")
+                if self.overlap and decision.kind == "group" and not grads:
+                    self.groups.get(ranks, incarnations, tag)  # its rendezvous, in step
+                    unit.behind = Behind(tensors, average, step + self.overlap, (ranks, incarnations),
+                                         ring_bytes(len(members), payload))
                 else:
-                    distance = average_tensors(tensors, self.groups, ranks,
-                                               consensus=len(params) if decision.kind == "global"
-                                               else 0, incarnations=incarnations,
-                                               tag=f"r{decision.round}", shares=shares)
+                    distance = average(tensors)
             except (RuntimeError, dist.DistError) as err:
                 # A member died mid-round (its pipeline was lost). The tensors are only written
                 # back after a complete all-reduce, so ours are untouched; the scheduler drops
@@ -365,7 +392,7 @@ class GroupSync(Sync):
                "group_kind": decision.kind, "comm_s": comm_s, "failed": failed}
         if decision.nexts:  # this member's next block
             out["next"] = decision.nexts[decision.members.index(self.pipeline)]
-        if len(members) > 1 and not failed:  # what the wire took: seconds, bytes via this link
+        if len(members) > 1 and not failed and unit.behind is None:  # the wire: s, bytes via this link
             out.update(wire_s=round(comm_s, 6), wire_bytes=ring_bytes(len(members), payload))
         return out
 
@@ -382,102 +409,6 @@ class GroupSync(Sync):
 
     def stats(self) -> dict[str, Any]:
         return self._stats
-
-    # -- healing a restarted replica (fault.on_pipeline_loss=restart) ---------------------------
-    def _state(self, unit: Unit, module: nn.Module) -> list[torch.Tensor]:
-        """What a unit of a replica is: its weights and its optimizer's state, in a fixed order;
-        with bf16 or int8 changes also the anchor they are taken from (a restarted replica's is filled
-        in by the broadcast that heals it)."""
-        params = list(module.parameters())
-        state = params + statistics(module) + (optim.state_tensors(self.optimizer, params)
-                                               if self.optimizer else [])
-        if self.precision != "fp32":
-            if unit.anchor is None:
-                unit.anchor = torch.zeros_like(flatten(self._replica(module)))
-            state.append(unit.anchor)
-        return state
-
-    def _give_heal(self, unit: Unit, module: nn.Module, target: protocol.HealTarget) -> None:
-        """Send this unit's state to a restarted replica (the scheduler chose us as its source)."""
-        self._follow([target.pipeline], [target.incarnation])
-        ranks = [self.rank, self._ranks(unit, [target.pipeline])[0]]
-        incarnations = [self.incarnation, target.incarnation]
-        try:
-            self.groups.broadcast(flatten(self._state(unit, module)), ranks, self.rank,
-                                  incarnations, tag=f"heal{target.round}")
-        except (RuntimeError, dist.DistError) as err:  # it died again; its pipeline is lost again
-            self.groups.forget(ranks, incarnations)
-            log.warning("healing pipeline %d failed (%s); going on", target.pipeline, err)
-
-    def rejoin(self, module: nn.Module) -> Optional[int]:
-        """A restarted replica: for each unit, ask the scheduler for a source and take its
-        state; returns the iteration to go on from. Every unit asks at once, so that all are
-        healed at their next rounds (one after the other, they would take a round each). When
-        the run ended first, ``stop`` is set instead and the state is not taken (the iteration
-        is then where the pipeline was, if the scheduler knows)."""
-        if self._unsettled is not None:  # what a healed replica's state holds depends on it
-            self._settle(module)
-        start = time.perf_counter()
-        for unit in self.units:
-            store.push(self.events, store.EVENTS, protocol.Rejoin(
-                self.rank, self.pipeline, unit.index, self.incarnation))
-        iteration = None
-        for unit, answer in self._answers():
-            iteration = self._heal(unit, unit.module(module), answer, start)
-            if self.stop:
-                break
-        return iteration
-
-    def _answers(self):
-        """Each unit's heal answer, in the order of the run's heals (``order``), which every
-        source gives in. The units' rounds may close at different iterations, and a source
-        blocks in its broadcast until this replica takes it: taken in any other order, a
-        source could wait on this replica while it waits on that source. The scheduler
-        publishes heals in their order, so once one is there, a second look finds every
-        earlier one too."""
-        pending = list(self.units)
-        waited, limit = 0.0, getattr(self.events, "timeout", None)
-        limit = limit.total_seconds() if limit is not None else 300.0
-        while pending:
-            keys = [store.heal_key(u.index, self.pipeline, self.incarnation) for u in pending]
-            if not any(self.events.check([key]) for key in keys) and waited < limit:
-                time.sleep(HEAL_POLL_S)
-                waited += HEAL_POLL_S
-                continue
-            there = [(store.read(self.events, key, protocol.HealAnswer), i)
-                     for i, key in enumerate(keys) if self.events.check([key])]
-            if not there:  # past the store's timeout: the first, and its timeout error
-                yield pending.pop(0), store.take(self.events, keys[0], protocol.HealAnswer)
-                continue
-            answer, i = min(there, key=lambda a: (not a[0].stop, a[0].order))
-            self.events.delete_key(keys[i])
-            yield pending.pop(i), answer
-
-    def _heal(self, unit: Unit, module: nn.Module, answer: protocol.HealAnswer,
-              start: float) -> Optional[int]:
-        """Unit ``unit``'s state from the source the scheduler named in ``answer`` (its rejoin
-        was sent at ``start``)."""
-        answered = time.perf_counter()
-        if answer.stop:
-            self.stop = True
-            return answer.iteration
-        self._follow([answer.source], [answer.source_incarnation])
-        source = self._ranks(unit, [answer.source])[0]
-        state = self._state(unit, module)
-        flat = flatten(state)
-        self.groups.broadcast(flat, [source, self.rank], source,
-                              [answer.source_incarnation, self.incarnation],
-                              tag=f"heal{answer.round}")
-        unflatten(flat, state)
-        # the run's progress as of now; the steps from here count on from it (position)
-        self._done, self._decided_at = answer.done, answer.iteration - 1
-        store.push(self.events, store.EVENTS, protocol.Report(
-            "healed", self.rank, self.pipeline, self.stage, self._clock(), self.incarnation,
-            {"source": answer.source, "iteration": answer.iteration,
-             "bytes": flat.numel() * flat.element_size(),
-             "seconds": round(time.perf_counter() - start, 4),
-             "transfer_s": round(time.perf_counter() - answered, 4), **self._segment(unit)}))
-        return answer.iteration
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
         return False  # the scheduler picks the global syncs to checkpoint at

@@ -65,3 +65,19 @@ def test_a_recording_that_cannot_be_replayed_is_one_line(tmp_path, capsys, what,
     assert len(lines) == 1 and lines[0].startswith("sdpipe: error: sync.replay") and \
         message in lines[0], lines
     assert not (tmp_path / "new").exists()
+
+
+def test_rounds_merged_late_are_repeated_bit_for_bit_and_change_the_arithmetic(tmp_path):
+    """sync.overlap: a round's average runs behind the next local steps and is merged after a
+    fixed count of them, so a replay repeats the run exactly; replayed in step instead, the
+    same decisions give other losses (the late merge did change what was trained)."""
+    late = (*RUN, "sync.every=4", "sync.precision=bf16", "sync.overlap=2")
+    recorded, replayed, in_step = tmp_path / "recorded", tmp_path / "replayed", tmp_path / "step"
+    for run_dir, args in ((recorded, late), (replayed, (*late, f"sync.replay={recorded}")),
+                          (in_step, (*late, f"sync.replay={recorded}", "sync.overlap=0"))):
+        out = sdpipe("train", f"run.dir={run_dir}", *args)
+        assert out.returncode == 0, out.stderr
+    first = losses(metrics(recorded))
+    assert losses(metrics(replayed)) == first and digests(replayed) == digests(recorded)
+    assert any(g["group"] == "group" and g["size"] > 1 for g in metrics(recorded, "group"))
+    assert losses(metrics(in_step)) != first
