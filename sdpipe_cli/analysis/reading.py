@@ -18,7 +18,8 @@ _ITERATION = {"step_s": "number", "compute_s": "number", "sync_s": "number", "st
               "data_s": "number", "group_size": "int", "round": "int", "group_kind": "str",
               "wait_s": "number", "comm_s": "number", "stash_versions": "int",
               "stash_bytes": "int", "skipped_steps": "int", "sent_bytes": "int",
-              "recv_bytes": "int", "links": "list", "busy_s": "number"}
+              "recv_bytes": "int", "links": "list", "busy_s": "number",
+              "behind_s": "number", "behind_wait_s": "number"}
 _STRAGGLER = {"time": "number", "pipeline": "int", "stage": "int", "rank": "int", "device": "str",
               "node": "str", "iteration": "int", "slower": "number", "busy_s": "number",
               "baseline_s": "number"}

@@ -147,7 +147,7 @@ REPORT_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "step": ({"step": int, "samples": int, "samples_per_s": float, "step_s": float},
              {"lr": float, "compute_s": float, "sync_s": float, "loss": Optional[float],
               "data_s": float, "group_size": int, "round": int, "skipped_steps": int,
-              "busy_s": float}),
+              "busy_s": float, "behind_s": float, "behind_wait_s": float}),
     "eval": ({"step": int, "val_loss": Optional[float]},
              {"samples": int, "val_accuracy": Optional[float]}),
     "consensus": ({"iteration": int, "round": int, "members": list[int],

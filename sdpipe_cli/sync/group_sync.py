@@ -113,6 +113,7 @@ class GroupSync(Healing, Sync):
         self._met = -1  # the last meeting this replica went to
         self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
+        self._merged: dict[str, float] = {}  # the rounds merged late at this step: wire, waited
         self._done: Optional[int] = None  # pipeline-meetings begun, at the last decision
         self._decided_at = 0  # the local step of the last decision
         self._t0: Optional[float] = None  # the run's time axis, for the reports; read when needed
@@ -218,7 +219,9 @@ class GroupSync(Healing, Sync):
             if behind is None or not (meets or step >= behind.due):
                 continue
             unit.behind = None
-            behind.merge(self._replica(unit.module(module)))
+            waited = behind.merge(self._replica(unit.module(module)))
+            self._merged = {"behind_s": round(behind.seconds, 6),
+                            "behind_wait_s": round(waited, 6)}
             if behind.error is not None:
                 self.groups.forget(*behind.group)
                 log.warning("group %s failed (%s); going on alone", behind.group[0], behind.error)
@@ -408,7 +411,8 @@ class GroupSync(Healing, Sync):
         return unit.residual
 
     def stats(self) -> dict[str, Any]:
-        return self._stats
+        merged, self._merged = self._merged, {}
+        return {**self._stats, **merged}
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
         return False  # the scheduler picks the global syncs to checkpoint at

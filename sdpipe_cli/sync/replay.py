@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.core.meetings import meetings_of, precision_of
+from sdpipe_cli.core.meetings import average_of, meetings_of, precision_of
 from sdpipe_cli.core.modes import MODES, mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import protocol
@@ -97,10 +97,16 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
     if measured is not None:  # the recording settled them from its measured wire
         recorded = settled(recorded, measured)
     for key, of in (("sync.every", lambda y: meetings_of(y).every),
-                    ("sync.precision", precision_of)):
+                    ("sync.precision", precision_of), ("sync.overlap", _overlap)):
         if of(recorded) != of(cfg.sync):
             raise ConfigError(KEY, f"{run} was recorded with {key}={of(recorded)}, this run has "
                                    f"{of(cfg.sync)}; replay needs the same")
+
+
+def _overlap(sync: Any) -> int:
+    """How many steps late a run's rounds merge: only rounds that average weights after the
+    step run behind (a recording from before the key merged in step)."""
+    return int(sync.get("overlap", 0)) if average_of(sync) == "weights" else 0
 
 
 def recorded_meetings(run: str) -> Optional[dict]:

@@ -366,6 +366,10 @@ VALUE_ROWS = [
         "sync.every: is 100, more than train.steps=4"),
     Row("meetings a billion steps apart", train("sync.every=1000000000"), 2,
         "sync.every: is 1000000000, more than train.steps=4"),
+    Row("a round merged before it is sent", train("sync.overlap=-1"), 2,
+        "sync.overlap: must be in [0, 1000] local steps, got -1"),
+    Row("a round merged a billion steps late", train("sync.overlap=1000000000"), 2,
+        "sync.overlap: must be in [0, 1000] local steps, got 1000000000"),
     Row("a setting of another sync mode", train("sync=allreduce", "sync.every=4"), 2,
         "sync.every: is a setting of sync=sdpipe, not of sync=allreduce"),
     Row("a speed change before the run", train("cluster.changes=[{device: 'local:0', speed: 0.5, "

@@ -67,17 +67,20 @@ def test_a_recording_that_cannot_be_replayed_is_one_line(tmp_path, capsys, what,
     assert not (tmp_path / "new").exists()
 
 
-def test_rounds_merged_late_are_repeated_bit_for_bit_and_change_the_arithmetic(tmp_path):
+def test_rounds_merged_late_are_repeated_bit_for_bit_and_a_replay_merges_as_recorded(tmp_path):
     """sync.overlap: a round's average runs behind the next local steps and is merged after a
-    fixed count of them, so a replay repeats the run exactly; replayed in step instead, the
-    same decisions give other losses (the late merge did change what was trained)."""
+    fixed count of them, so a replay repeats the run exactly; each merge says what its round
+    took on the wire and how long the replica then waited for it. A replay merging otherwise
+    would not repeat the run: one line, exit 2."""
     late = (*RUN, "sync.every=4", "sync.precision=bf16", "sync.overlap=2")
-    recorded, replayed, in_step = tmp_path / "recorded", tmp_path / "replayed", tmp_path / "step"
-    for run_dir, args in ((recorded, late), (replayed, (*late, f"sync.replay={recorded}")),
-                          (in_step, (*late, f"sync.replay={recorded}", "sync.overlap=0"))):
+    recorded, replayed = tmp_path / "recorded", tmp_path / "replayed"
+    for run_dir, args in ((recorded, late), (replayed, (*late, f"sync.replay={recorded}"))):
         out = sdpipe("train", f"run.dir={run_dir}", *args)
         assert out.returncode == 0, out.stderr
-    first = losses(metrics(recorded))
-    assert losses(metrics(replayed)) == first and digests(replayed) == digests(recorded)
-    assert any(g["group"] == "group" and g["size"] > 1 for g in metrics(recorded, "group"))
-    assert losses(metrics(in_step)) != first
+    assert losses(metrics(replayed)) == losses(metrics(recorded))
+    assert digests(replayed) == digests(recorded)
+    merged = [m for m in metrics(recorded, "train") if "behind_s" in m]
+    assert merged and all(m["behind_s"] > 0 and m["behind_wait_s"] >= 0 for m in merged)
+    out = sdpipe("train", f"run.dir={tmp_path / 'other'}", *late, f"sync.replay={recorded}",
+                 "sync.overlap=0")
+    assert out.returncode == 2 and "was recorded with sync.overlap=2, this run has 0" in out.stderr
