@@ -19,6 +19,7 @@ each member and as many in.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional, Sequence
 
 __all__ = ["Traffic"]
@@ -34,14 +35,16 @@ class Traffic:
         self.link_of = link_of or (lambda ranks: "same_node")
         self.totals: dict[str, list[float]] = {}
         self._since: dict[str, list[float]] = {}
+        self._lock = threading.Lock()  # a round merged late counts from its own thread
 
     def _add(self, link: str, sent: float, received: float, seconds: float) -> None:
-        for table in (self.totals, self._since):
-            row = table.setdefault(link, [0.0, 0.0, 0.0, 0])
-            row[0] += sent
-            row[1] += received
-            row[2] += seconds
-            row[3] += 1
+        with self._lock:
+            for table in (self.totals, self._since):
+                row = table.setdefault(link, [0.0, 0.0, 0.0, 0])
+                row[0] += sent
+                row[1] += received
+                row[2] += seconds
+                row[3] += 1
 
     def all_reduce(self, ranks: Sequence[int], nbytes: int, seconds: float) -> None:
         k = len(ranks)
@@ -81,9 +84,9 @@ class Traffic:
     def take(self) -> dict:
         """What was sent and received since the last take: ``sent_bytes``, ``recv_bytes`` and
         the ``links`` crossed (nothing when nothing was)."""
-        fields = self._fields(self._since)
-        self._since = {}
-        return fields
+        with self._lock:
+            since, self._since = self._since, {}
+        return self._fields(since)
 
     def summary(self) -> dict:
         """The whole run's, per link class: ``{link: {sent_bytes, recv_bytes, seconds, calls}}``."""

@@ -39,7 +39,8 @@ def test_replicas_on_two_nodes_measure_their_wire_and_meet_as_it_asks(tmp_path):
     assert summary["wire"]["every"] == 6 and "describe" in summary["wire"]
     groups = metrics(run_dir, "group")
     assert groups and all(g["every"] == 6 for g in groups)
-    assert all(g["nexts"] == [6] * g["size"] for g in groups)  # the blocks follow the wire
+    # the blocks follow the wire, cut where the budget ends (here at once: 6 steps, H = 6)
+    assert all(len(g["nexts"]) == g["size"] and max(g["nexts"]) <= 6 for g in groups)
     done = metrics(run_dir, "done")
     assert sum(d["steps"] for d in done if d["stage"] == 0) == 2 * 6
     for s in (0, 1):
