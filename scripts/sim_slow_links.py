@@ -41,6 +41,7 @@ BASE = ["model=gpt_small", "data=stdlib", "cluster.pipelines=4", "pipeline.stage
         "simulate.jitter=0.02", NODES, "cluster.links.same_node.latency_ms=0.005",
         "cluster.links.same_node.bandwidth_gbps=400", "cluster.links.cross_node.latency_ms=0.05"]
 ROWS = [("sdpipe (default)", "sdpipe", []),
+        ("sdpipe, rounds merged a step late", "sdpipe", ["sync.overlap=1"]),
         ("sdpipe, every iteration in fp32", "sdpipe", ["sync.every=1", "sync.precision=fp32"]),
         ("allreduce", "allreduce", []), ("diloco (H=8)", "diloco", []),
         ("diloco (H=8), bf16", "diloco", ["sync.precision=bf16"])]

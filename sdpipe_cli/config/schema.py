@@ -248,7 +248,7 @@ class SdpipeSyncConfig(SyncConfig):
     precision: str = "auto"
     wire_share: float = 0.1  # the share of a replica's time the chosen sync.every lets meetings take
     # Local steps a group round's average runs behind, merged late (0: in step; docs/SYNC.md)
-    overlap: int = 1
+    overlap: int = 0
     # Seconds a group may take to form and average before its members go on alone (only a
     # member that died makes it wait; the scheduler then drops its pipeline); also how long past
     # its forecast a silent replica may hold cost_aware's rounds due to connect

@@ -45,11 +45,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from sdpipe_cli.core import modes
+from sdpipe_cli.core.blocks import BlockPlan
 from sdpipe_cli.core.cluster import Cluster, Stragglers
 from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
+from sdpipe_cli.core.iteration_plan import IterationPlan
 from sdpipe_cli.core.meetings import BYTES, Meetings
 from sdpipe_cli.core.placement import Placement
-from sdpipe_cli.core.schedule import Kind, get_schedule, tick_order
+from sdpipe_cli.core.wire import Blocks
 
 __all__ = ["Workload", "Result", "simulate", "MODES"]
 
@@ -83,6 +85,7 @@ class Workload:
     local_steps: Optional[int] = None  # diloco: sync.local_steps, iterations between outer steps
     every: int = 1  # sdpipe: iterations between a replica's meetings (sync.every)
     precision: str = "fp32"  # sdpipe's group rounds, diloco's outer gradient (sync.precision)
+    overlap: int = 0  # sdpipe: steps a group round's average runs behind (sync.overlap)
     seed: int = 0  # adpsgd's matchings
 
     @property
@@ -146,54 +149,6 @@ class Result:
         return sum(sizes) / len(sizes) if sizes else 1.0
 
 
-class _Plan:
-    """One flushed iteration of a pipeline as a list of actions in an order that respects their
-    dependencies (the schedule's own tick order), with each action's dependency precomputed."""
-
-    def __init__(self, schedule: str, stages: int, microbatches: int):
-        fn = get_schedule(schedule)
-        rows = tick_order(fn, stages, microbatches)
-        order = sorted((t, s) for s, row in enumerate(rows) for t, a in enumerate(row) if a is not None)
-        position = {}
-        self.steps: list[tuple[int, bool, int]] = []  # (stage, backward, index of dependency)
-        for t, s in order:
-            action = rows[s][t]
-            backward = action.kind is Kind.B
-            dep = ((Kind.B, s + 1, action.microbatch) if backward and s + 1 < stages else
-                   (Kind.F, s - 1, action.microbatch) if not backward and s > 0 else None)
-            position[(action.kind, s, action.microbatch)] = len(self.steps)
-            self.steps.append((s, backward, position[dep] if dep is not None else -1))
-        self.fused, self.members = self._fuse(self.steps)
-
-    @staticmethod
-    def _fuse(steps: list[tuple[int, bool, int]]
-              ) -> tuple[list[tuple[int, bool, int]], list[list[int]]]:
-        """The same iteration with each run of a stage's actions that nothing in between
-        observes taken as one: an action that waits for no other stage joins the stage's
-        previous one if no other stage waits for that. With a fixed scale per stage and
-        iteration the ends that matter are unchanged; a pipeline of one stage becomes a single
-        action, which is what makes many-pipeline simulations fast. Returns the fused actions as
-        :attr:`steps` lists them (with the first one's direction) and the actions each sums."""
-        observed = {dep for _, _, dep in steps if dep >= 0}
-        fused: list[tuple[int, bool, int]] = []
-        members: list[list[int]] = []
-        at: dict[int, int] = {}  # original action -> its fused action
-        open_: dict[int, int] = {}  # stage -> the fused action its next one may join
-        for i, (s, backward, dep) in enumerate(steps):
-            j = open_.get(s) if dep < 0 else None
-            if j is None:
-                j = len(fused)
-                fused.append((s, backward, at[dep] if dep >= 0 else -1))
-                members.append([])
-            members[j].append(i)
-            at[i] = j
-            if i in observed:
-                open_.pop(s, None)
-            else:
-                open_[s] = j
-        return fused, members
-
-
 class _Run:
     def __init__(self, work: Workload, sync: str,
                  policy_factory: Optional[Callable[[Callable[[], float]], GroupScheduler]]):
@@ -206,8 +161,17 @@ class _Run:
         self.P, self.S = P, S
         self.now = 0.0
         self.policy = policy_factory(lambda: self.now) if self.mode.group_policy else None
-        self.plan = _Plan(work.schedule, S, work.microbatches)
+        self.plan = IterationPlan(work.schedule, S, work.microbatches)
         self.meetings = Meetings(work.every)  # sdpipe: the policy counts meetings
+        # sdpipe with meetings apart: each pipeline's blocks, as the scheduler decides them
+        # (core.blocks), with what it decides them from: each block's steps and seconds
+        self.blocks = ([Blocks(work.every) for _ in range(P)]
+                       if self.mode.group_policy and work.every > 1 else None)
+        self.block_plan = BlockPlan(P * work.steps, P, work.every)
+        self.step_s: dict[int, float] = {}
+        self.block_began = [0.0] * P
+        self.meeting_at = [0] * P  # the iteration after which each pipeline meets next
+        self.next_block: dict[int, int] = {}
         cl = work.cluster
         self.devices = [[cl.device(p, s) for s in range(S)] for p in range(P)]
         self.dynamic = {d.name for row in self.devices for d in row if cl.change_points(d)}
@@ -306,8 +270,11 @@ class _Run:
         self.pending[p] = S
         # sdpipe's ready signal does nothing but travel to the scheduler: one event, not two
         to_scheduler = self.w.rtt_s / 2 if self.policy is not None else None
-        if to_scheduler is not None and not self.meetings.meets(k):
+        meets = self.blocks[p].meets(k) if self.blocks else self.meetings.meets(k)
+        if to_scheduler is not None and not meets:
             to_scheduler = None  # sdpipe between meetings: nothing to do (see _ready)
+        elif self.blocks:
+            self.meeting_at[p] = k
         for s in range(S):
             self.ready_at[(p, s)] = at[s]
             if to_scheduler is None:
@@ -330,6 +297,9 @@ class _Run:
             return
         self.done[p] += 1
         self.finished_at[p] = max(self.synced[p])
+        if p in self.next_block:  # its meeting: its next block, as decided
+            self.blocks[p].went(k, self.next_block.pop(p))
+            self.block_began[p] = self.finished_at[p]
         self.iteration[p] = k + 1
         if self.mode.shares_budget:
             go = not self.stopped[p]
@@ -441,7 +411,14 @@ class _Run:
     def _scheduler(self, t: float, p: int, s: int, k: int) -> None:
         self._step(p, s)
         self.now = max(t, self.sched_free)
-        self._decided(self.policy.ready(s, p, self.meetings.meeting(k)))
+        if self.blocks is None:
+            meeting = self.meetings.meeting(k)
+        else:  # the ready signal says its steps and its block's seconds, as a worker's does
+            meeting = self.blocks[p].meeting()
+            done = self.block_plan.reported(p, k + 1, self.now)
+            if done:
+                self.step_s[p] = (self.ready_at[(p, 0)] - self.block_began[p]) / done
+        self._decided(self.policy.ready(s, p, meeting))
         self.sched_free = self.now + self.w.event_s
 
     def _decided(self, decisions) -> None:
@@ -459,8 +436,17 @@ class _Run:
             self._average(d.stage, d.members)
             self.comm_s += len(d.members) * cost if len(d.members) > 1 else 0.0
             done = self.now + w.rtt_s / 2 + cost
+            behind = d.kind == "group" and w.average == "weights" and w.overlap
             for q, k in zip(d.members, d.iterations):  # k: a meeting
-                self._synced(q, d.stage, self.meetings.last_step(k), done, d.stop)
+                back = done
+                if behind:  # merged late: the replica waits only for what its steps do not hide
+                    back -= min(cost, w.overlap * self.step_s.get(q, 0.0))
+                if self.blocks is None:
+                    self._synced(q, d.stage, self.meetings.last_step(k), back, d.stop)
+                    continue
+                self.next_block[q] = self.block_plan.decide(q, k, w.every, self.step_s,
+                                                            self.policy, self.now)
+                self._synced(q, d.stage, self.meeting_at[q], back, d.stop)
 
     # -- the event loop -------------------------------------------------------------------------
     def run(self) -> Result:

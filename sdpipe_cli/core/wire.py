@@ -20,14 +20,12 @@ Pure: no I/O, no torch. The transport (who probes, who decides, the store keys) 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from sdpipe_cli.core.meetings import BYTES, Choice, choose
 
-__all__ = ["LinkFit", "Probe", "Measured", "ring_bytes", "decide", "WirePace", "Blocks",
-           "closing_block"]
+__all__ = ["LinkFit", "Probe", "Measured", "ring_bytes", "decide", "WirePace", "Blocks"]
 
 
 def ring_bytes(members: int, nbytes: float) -> float:
@@ -181,8 +179,8 @@ class WirePace:
                        _median(self.seen[stage]) * self.calibration[stage])
 
     def every(self) -> int:
-        """The period the next blocks take."""
-        if not self.step_s:
+        """The period the next blocks take (a pace with no link to follow keeps its own)."""
+        if not self.step_s or not self.values:
             return self.current
         round_s = meeting_s((self.link(s), self.members, n) for s, n in self.values.items())
         wanted = choose(max(min(self.step_s.values()), 1e-6), round_s, self.share, 0,
@@ -190,28 +188,6 @@ class WirePace:
         if max(wanted, self.current) > STEADY * min(wanted, self.current):
             self.current = wanted
         return self.current
-
-
-def closing_block(every: int, pipeline: int, step_s: Mapping[int, float],
-                  progress: Mapping[int, float], budget: Optional[float]) -> int:
-    """The block ``pipeline`` takes next, decided at its meeting now: ``every`` local steps, or
-    fewer where the run's budget is spent before they would end.
-
-    The pipelines spend the budget (``budget`` pipeline-steps; None: a run bounded by time
-    alone) together, each at its own pace (``step_s``: its seconds per local step), from
-    ``progress`` (each one's local steps by now). The run ends about when what is left is done
-    at their summed rate, and the last global sync waits for every replica: a block that ends
-    later holds every other replica there until it does. A 3x slower replica's whole block of
-    H = 12 is 36 of the fast ones' steps, a third of a 100-step run; the fast ones waited for it
-    at the end of every run on a slow link. So the block is cut to the whole steps that fit by
-    then (at least one): the replica arrives at about the others' time, rather than after them
-    (ending a little early costs the slow replica a part of a step; ending late costs every
-    other replica as much). Before every pipeline's pace is known, ``every``."""
-    if budget is None or not progress or any(step_s.get(q, 0.0) <= 0 for q in progress):
-        return every
-    rate = sum(1.0 / step_s[q] for q in progress)
-    until = (budget - sum(progress.values())) / rate
-    return max(1, min(every, math.floor(until / step_s[pipeline] + 1e-9)))
 
 
 def _median(values: Sequence[float]) -> float:

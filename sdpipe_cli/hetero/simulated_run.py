@@ -98,7 +98,8 @@ def _for_sync(work: Workload, cfg: DictConfig) -> Workload:
 
 
 def _sync_settings(cfg: DictConfig) -> dict:
-    own = {key: int(cfg.sync[key]) for key in ("staleness", "local_steps") if key in cfg.sync}
+    own = {key: int(cfg.sync[key]) for key in ("staleness", "local_steps", "overlap")
+           if key in cfg.sync}
     return {"average": average_of(cfg.sync), "every": meetings_of(cfg.sync).every,
             "precision": precision_of(cfg.sync), "staleness": None, "local_steps": None, **own}
 

@@ -260,7 +260,7 @@ class GroupSync(Healing, Sync):
         steps = None if self.meetings.steps(meeting + 1) == step + 1 else step + 1
         self._met = meeting
         followed: dict[str, Any] = {}
-        if self.blocks is not None:  # blocks of their own: what they and the wire took
+        if self.blocks is not None or self.meetings.every > 1:  # blocks: what they, wire took
             steps = step + 1
             followed = {"wire_s": self._wire[0], "wire_bytes": self._wire[1],
                         "block_s": round(start - (self._block_began or start), 6)}
@@ -285,6 +285,7 @@ class GroupSync(Healing, Sync):
             self.blocks.met, self.blocks.next = meeting - 1, step
         if self.blocks is not None:
             self.blocks.went(step, stats.get("next"))
+        if self.blocks is not None or self.meetings.every > 1:
             self._wire = (stats.get("wire_s"), stats.get("wire_bytes"))
             self._block_began = time.perf_counter()
         self._stats = {"group_size": stats["group_size"], "round": stats["round"],

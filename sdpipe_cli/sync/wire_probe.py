@@ -32,10 +32,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.core.meetings import Choice
 from sdpipe_cli.core.modes import mode
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.core.wire import Measured, Probe, decide
 from sdpipe_cli.runtime import protocol, store
 
-__all__ = ["unresolved", "probe", "report", "choice", "settle", "settled", "record", "line"]
+__all__ = ["unresolved", "probe", "report", "choice", "settle", "settled", "record", "line",
+           "follows", "blocks_allowed"]
 
 log = logging.getLogger("sdpipe.scheduler")
 
@@ -134,8 +136,16 @@ def follows(cfg: DictConfig, made: Choice) -> bool:
     choose, and no replica is ever healed (a healed replica would need its block's length;
     ``fault.on_pipeline_loss=stop``, no re-split in place)."""
     apart = made.every > 1 or made.precision != "fp32"
-    return (apart and int(cfg.sync.every) == 0 and cfg.fault.on_pipeline_loss == "stop"
-            and cfg.fault.on_slowdown != "replan")
+    return apart and int(cfg.sync.every) == 0 and blocks_allowed(cfg)
+
+
+def blocks_allowed(cfg: DictConfig) -> bool:
+    """Whether a run's blocks of local steps may differ in length (decided by the scheduler,
+    ``Group.nexts``): not where a replica may be healed, which would need its block's length
+    (``fault.on_pipeline_loss`` other than ``stop``, a re-split in place), nor under an
+    asynchronous schedule (a round per update)."""
+    return (cfg.fault.on_pipeline_loss == "stop" and cfg.fault.on_slowdown != "replan"
+            and cfg.pipeline.schedule not in ASYNC_SCHEDULES)
 
 
 def _record(made: Choice, reports: Sequence[Measured], adapt: bool) -> protocol.MeetingChoice:

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.meetings import BYTES
-from sdpipe_cli.core.wire import (WINDOW, Blocks, LinkFit, Measured, Probe, WirePace, closing_block,
-                                   decide, ring_bytes)
+from sdpipe_cli.core.blocks import closing_block, final_block
+from sdpipe_cli.core.wire import WINDOW, Blocks, LinkFit, Measured, Probe, WirePace, decide, ring_bytes
 from sdpipe_cli.sync import wire_probe
 from tests.unit.test_simulation import config
 
@@ -385,3 +385,35 @@ def test_the_schedulers_pacing_cuts_the_last_blocks_from_its_measured_paces():
     # 30 left: 22.5 s, 7 of pipeline 1's steps
     assert pacing.nexts([1], [4], policy, 0.0, now[0]) == [7]
     assert policy._run.total_iterations == policy.iterations_done() + math.ceil((200 - 160) / 10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+       paces=st.lists(st.floats(0.01, 1.0), min_size=6, max_size=6),
+       extra=st.integers(0, 400), order=st.randoms(use_true_random=False))
+def test_the_last_blocks_share_what_is_left_and_the_run_ends_on_its_budget_exactly(
+        blocks, paces, extra, order):
+    """Whatever order the last blocks are decided in, each has a step at least, and together
+    they hold exactly what was left of the budget (when it holds a step for each)."""
+    undecided = {q: n for q, n in enumerate(blocks)}
+    total = sum(undecided.values())
+    left = total + extra
+    step_s = {q: paces[q] for q in undecided}
+    taken = 0
+    pending = [q for q, n in undecided.items() for _ in range(n)]
+    order.shuffle(pending)
+    for q in pending:
+        block = final_block(q, left - taken, undecided, step_s)
+        assert block >= 1
+        taken += block
+        undecided[q] -= 1
+    assert taken == left or total == 0
+
+
+def test_the_last_blocks_go_to_the_fast_pipelines_in_proportion_to_their_pace():
+    # 40 steps left, one block each: a 3x slower pipeline's is a third of a fast one's
+    step_s = {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}
+    assert final_block(3, 40, {0: 1, 1: 1, 2: 1, 3: 1}, step_s) == 4
+    assert final_block(0, 40, {0: 1, 1: 1, 2: 1, 3: 1}, step_s) == 12
+    assert final_block(0, 40, {0: 2, 1: 1, 2: 1, 3: 1}, step_s) == 6  # over its two blocks
+    assert final_block(2, 7, {0: 0, 1: 0, 2: 1, 3: 0}, step_s) == 7  # the run's last: the rest

@@ -167,6 +167,11 @@ class GroupScheduler:
         keep what they finished."""
         return self._planner.iterations_done()
 
+    def final_at(self, pipeline: int) -> Optional[int]:
+        """``pipeline``'s iteration of the run's last global sync, once it is declared (None
+        before, and for a pipeline not in it)."""
+        return self._run.global_at.get(pipeline) if self._run.final else None
+
     def pending(self) -> bool:
         """Whether a global sync is declared and some stage has not closed it yet."""
         return self._run.pending()

@@ -13,7 +13,9 @@ about ``train.steps`` per pipeline (within a block, as with a fixed period).
 
 Near the run's end a block is cut to what fits before the budget is spent
 (:func:`~sdpipe_cli.core.wire.closing_block`), so that no replica waits at the last global sync
-for another's whole block.
+for another's whole block; once that sync is declared, the blocks up to it share what is left
+of the budget (:func:`~sdpipe_cli.core.wire.final_block`), so that the run ends after exactly
+``train.steps`` x P pipeline-steps.
 
 Every stage of a pipeline must take the same blocks: the next block of a pipeline's meeting is
 decided once, at the first of its stages' rounds, and every other stage's round at that
@@ -22,35 +24,41 @@ meeting repeats it.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Optional, Sequence
 
-from sdpipe_cli.core.wire import LinkFit, WirePace, closing_block
+from sdpipe_cli.core.blocks import BlockPlan
+from sdpipe_cli.core.meetings import meetings_of
+from sdpipe_cli.core.wire import LinkFit, WirePace
 from sdpipe_cli.runtime import protocol
-from sdpipe_cli.sync.wire_probe import record
+from sdpipe_cli.sync.wire_probe import blocks_allowed, record
 
 __all__ = ["Pacing", "pacing_of", "wire_summary"]
 
 
 class Pacing:
-    """``chosen``: the start's choice; ``budget``: the run's pipeline-steps
-    (``train.steps`` x P); ``pipelines``: P; ``most``: the longest block (``train.steps``)."""
+    """``chosen``: the start's choice, whose period follows the wire (None: a period of
+    ``every`` kept, whose blocks are cut only at the run's end); ``budget``: the run's
+    pipeline-steps (``train.steps`` x P); ``pipelines``: P; ``most``: the longest block
+    (``train.steps``)."""
 
-    def __init__(self, chosen: protocol.MeetingChoice, budget: int, pipelines: int, most: int):
-        links = {s.stage: LinkFit(s.latency_ms / 1e3, s.mbit_s * 1e6 / 8) for s in chosen.stages}
-        self.pace = WirePace(chosen.share, chosen.precision, chosen.every, most, pipelines, links,
-                             {s.stage: s.values for s in chosen.stages}, {0: chosen.iteration_s})
-        self.budget, self.P = budget, pipelines
-        self.steps = {p: 0 for p in range(pipelines)}  # each pipeline's local steps, as said
-        self.since: dict[int, float] = {}  # pipeline -> when its steps last moved on
-        self.block: dict[int, int] = {}  # pipeline -> the block it is in
-        self.blocks: dict[tuple[int, int], int] = {}  # (pipeline, meeting) -> its next block
-        self.every = chosen.every  # the period of the blocks decided last
+    def __init__(self, chosen: Optional[protocol.MeetingChoice], budget: int, pipelines: int,
+                 most: int, every: int = 0):
+        if chosen is None:
+            self.pace = WirePace(1.0, "fp32", every, most, pipelines, {}, {}, {})
+        else:
+            links = {s.stage: LinkFit(s.latency_ms / 1e3, s.mbit_s * 1e6 / 8)
+                     for s in chosen.stages}
+            self.pace = WirePace(chosen.share, chosen.precision, chosen.every, most, pipelines,
+                                 links, {s.stage: s.values for s in chosen.stages},
+                                 {0: chosen.iteration_s})
+            every = chosen.every
+        self.plan = BlockPlan(budget, pipelines, every)
+        self.every = every  # the period of the blocks decided last
         self.changes: list[dict[str, Any]] = []  # when the period changed, for the metrics
 
     def resumed(self, steps: dict[int, int]) -> None:
-        self.steps.update(steps)
+        self.plan.resumed(steps)
 
     def ready(self, event: protocol.Ready, now: float) -> None:
         """What a ready signal says of the replica's last round and block (each stage reports
@@ -60,12 +68,9 @@ class Pacing:
             self.pace.round_done(event.stage, event.wire_bytes, event.wire_s)
         if event.steps is None:
             return
-        done = event.steps - self.steps.get(event.pipeline, 0)
-        if done > 0:
-            if event.block_s is not None:
-                self.pace.block_done(event.pipeline, done, event.block_s)
-            self.steps[event.pipeline] = event.steps
-            self.since[event.pipeline] = now
+        done = self.plan.reported(event.pipeline, event.steps, now)
+        if done > 0 and event.block_s is not None:
+            self.pace.block_done(event.pipeline, done, event.block_s)
 
     def nexts(self, members: Sequence[int], meetings: Sequence[int], policy: Any,
               t0: float, now: float) -> list[int]:
@@ -73,39 +78,16 @@ class Pacing:
         clock's origin, for the metrics; ``now``: the scheduler's clock)."""
         out = []
         for p, k in zip(members, meetings):
-            if (p, k) not in self.blocks:
+            if (p, k) not in self.plan.blocks:
                 every = self.pace.every()
                 if every != self.every:
-                    self._changed(every, policy, round(time.time() - t0, 4))
-                self.blocks[(p, k)] = self.block[p] = closing_block(
-                    every, p, self.pace.step_s, self.progress(p, now), self.budget)
-                self._recount(every, policy)
-            out.append(self.blocks[(p, k)])
+                    self._changed(every, round(time.time() - t0, 4))
+            out.append(self.plan.decide(p, k, self.every, self.pace.step_s, policy, now))
         return out
 
-    def progress(self, pipeline: int, now: float) -> dict[int, float]:
-        """Each pipeline's local steps by ``now``: ``pipeline``'s as it said (it is at its
-        meeting), every other's as it said plus the steps its pace fits since, within its
-        block. Empty while a pace is unknown."""
-        step_s = self.pace.step_s
-        if any(step_s.get(q, 0.0) <= 0 or q not in self.since for q in self.steps):
-            return {}
-        return {q: float(n) if q == pipeline else n + min(
-                    self.block.get(q, self.every), max(0.0, now - self.since[q]) / step_s[q])
-                for q, n in self.steps.items()}
-
-    def _recount(self, every: int, policy: Any) -> None:
-        """The policy's budget counted again, at every block decided: the pipeline-steps left,
-        in meetings of the period now. Blocks differ in length (the period changes, the last
-        ones are cut), so the meetings a budget is counted in at the start are not the steps it
-        holds; counted only when the period changed, the run ended 1-2 % short of its budget,
-        its fast replicas waiting for the slow one's last block instead of training."""
-        left = max(0, self.budget - self.done_steps())
-        policy.retarget(policy.iterations_done() + math.ceil(left / every))
-
-    def _changed(self, every: int, policy: Any, now: float) -> None:
-        """The period changes (the policy's budget is counted again in meetings of the new
-        length by :meth:`_recount`)."""
+    def _changed(self, every: int, now: float) -> None:
+        """The period changes (the policy's budget is then counted again in meetings of the
+        new length, as at every block decided)."""
         link = min((self.pace.link(s) for s in self.pace.values), key=lambda f: f.bytes_per_s)
         self.changes.append({"kind": "pace", "time": now, "every": every, "was": self.every,
                              "mbit_s": round(link.mbit_s, 3),
@@ -113,7 +95,7 @@ class Pacing:
         self.every = every
 
     def done_steps(self) -> int:
-        return sum(self.steps.values())
+        return self.plan.done_steps()
 
     def fields(self, nexts: list[int]) -> dict[str, Any]:
         """A group line's: the period, the members' next blocks, the run's pipeline-steps."""
@@ -133,8 +115,13 @@ def wire_summary(chosen: protocol.MeetingChoice, pacing: Optional[Pacing]) -> di
 
 
 def pacing_of(chosen: Optional[protocol.MeetingChoice], cfg) -> Optional[Pacing]:
-    """The run's pacing, where its meetings follow the wire."""
-    if chosen is None or not chosen.adapt:
-        return None
-    P = int(cfg.cluster.pipelines)
-    return Pacing(chosen, P * int(cfg.train.steps), P, int(cfg.train.steps))
+    """The run's pacing: where its meetings follow the wire; or where they are apart at a
+    period of their own (described links, ``sync.every`` set), for its last blocks; none where
+    a replica may be healed (:func:`~sdpipe_cli.sync.wire_probe.blocks_allowed`)."""
+    P, steps = int(cfg.cluster.pipelines), int(cfg.train.steps)
+    if chosen is not None and chosen.adapt:
+        return Pacing(chosen, P * steps, P, steps)
+    every = chosen.every if chosen is not None else meetings_of(cfg.sync).every
+    if every > 1 and blocks_allowed(cfg):
+        return Pacing(None, P * steps, P, steps, every)
+    return None
