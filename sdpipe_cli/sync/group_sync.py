@@ -36,7 +36,7 @@ from sdpipe_cli.sync.base import Sync, Wiring
 from sdpipe_cli.sync.groups import (GroupCache, average_changes, average_tensors, flatten,
                                     statistics)
 from sdpipe_cli.sync.healing import Healing
-from sdpipe_cli.sync.overlap import Behind
+from sdpipe_cli.sync.overlap import Behind, overlap_on
 
 __all__ = ["GroupSync", "Unit"]
 
@@ -85,7 +85,7 @@ class GroupSync(Healing, Sync):
         sync = cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
                    wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
                    meetings_of(settings), precision_of(settings), wiring.segments,
-                   int(settings.get("overlap", 0)))
+                   overlap_on(int(settings.get("overlap", 0)), wiring.groups.backend))
         if wire_probe.unresolved(settings):  # measured before the first meeting
             sync._unsettled = settings
         return sync
@@ -194,6 +194,7 @@ class GroupSync(Healing, Sync):
 
     def after_step(self, module: nn.Module, step: int) -> None:
         early, self._early = self._early, False
+        self._merged = {}
         if self.average == "weights":
             meets = self.blocks.meets(step) if self.blocks else self.meetings.meets(step)
             self._merge(module, step, early or meets)
@@ -205,6 +206,8 @@ class GroupSync(Healing, Sync):
         # after the step: the state the replica goes on from, in the order of the run's heals
         given = sorted(((t.order, k, t) for k, unit in enumerate(self.units) for t in unit.heal),
                        key=lambda h: h[:2])
+        if given:  # a restarted replica takes this replica's state as merged
+            self._merge(module, step, True)
         for _, k, target in given:
             self._give_heal(self.units[k], self.units[k].module(module), target)
         for unit in self.units:
@@ -369,8 +372,10 @@ class GroupSync(Healing, Sync):
             try:
                 if self.overlap and decision.kind == "group" and not grads:
                     self.groups.get(ranks, incarnations, tag)  # its rendezvous, in step
+                    running = [u.behind for u in self.units if u.behind is not None]
                     unit.behind = Behind(tensors, average, step + self.overlap, (ranks, incarnations),
-                                         ring_bytes(len(members), payload))
+                                         ring_bytes(len(members), payload),
+                                         running[-1] if running else None)
                 else:
                     distance = average(tensors)
             except (RuntimeError, dist.DistError) as err:
@@ -412,8 +417,7 @@ class GroupSync(Healing, Sync):
         return unit.residual
 
     def stats(self) -> dict[str, Any]:
-        merged, self._merged = self._merged, {}
-        return {**self._stats, **merged}
+        return {**self._stats, **self._merged}
 
     def agree_on_checkpoint(self, wanted: bool) -> bool:
         return False  # the scheduler picks the global syncs to checkpoint at

@@ -25,6 +25,7 @@ after merging this one).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -32,7 +33,20 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Behind"]
+__all__ = ["Behind", "overlap_on"]
+
+log = logging.getLogger("sdpipe.sync")
+
+
+def overlap_on(overlap: int, backend: str) -> int:
+    """``sync.overlap`` as a worker runs it: in step on NCCL, where a collective in a thread
+    beside the pipeline's own sends and receives, on other communicators, may deadlock when
+    members start them in different orders (NCCL's documented hazard; untested here, so not
+    taken)."""
+    if overlap and backend == "nccl":
+        log.warning("sync.overlap=%d: rounds run in step on NCCL", overlap)
+        return 0
+    return overlap
 
 
 class Behind:
@@ -40,10 +54,13 @@ class Behind:
     sends), merged into the live ``tensors`` after local step ``due``. ``average(copies)``
     replaces the copies by the group's average (it may raise when a member is lost).
     ``group``: the round's (ranks, incarnations); ``moved``: the bytes it puts through this
-    member's link."""
+    member's link; ``after``: the worker's previous average still running, which this one
+    waits for: a worker's units may average over the same ranks, hence one communicator, and
+    two collectives on it at once would meet in whatever order each member started them."""
 
     def __init__(self, tensors: list[torch.Tensor], average: Callable[[list[torch.Tensor]], Any],
-                 due: int, group: tuple[list[int], list[int]], moved: float):
+                 due: int, group: tuple[list[int], list[int]], moved: float,
+                 after: Optional["Behind"] = None):
         with torch.no_grad():
             self.sent = [t.detach().clone() for t in tensors]
             self.copies = [t.clone() for t in self.sent]
@@ -51,11 +68,13 @@ class Behind:
         self.error: Optional[BaseException] = None
         self._raised: Optional[BaseException] = None
         self.seconds = 0.0  # the average's own time, from the start of the thread
-        self._thread = threading.Thread(target=self._run, args=(average,), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(average, after), daemon=True,
                                         name="sdpipe-overlap")
         self._thread.start()
 
-    def _run(self, average: Callable[[list[torch.Tensor]], Any]) -> None:
+    def _run(self, average: Callable[[list[torch.Tensor]], Any], after: Optional["Behind"]) -> None:
+        if after is not None:
+            after._thread.join()
         start = time.perf_counter()
         try:
             average(self.copies)

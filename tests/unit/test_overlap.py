@@ -67,3 +67,31 @@ def test_an_error_that_is_not_a_lost_member_is_raised_in_the_replicas_thread_at_
     behind = Behind([torch.zeros(1)], broken, due=1, group=([0, 1], [0, 0]), moved=0.0)
     with pytest.raises(TypeError, match="a bug"):
         behind.merge([torch.zeros(1)])
+
+
+def test_a_workers_averages_behind_run_one_after_another_in_their_units_order():
+    """Two units of one worker may average over the same ranks (one communicator): the second
+    waits for the first, so every member runs them in the same order."""
+    order, gate = [], threading.Event()
+
+    def first(copies):
+        gate.wait(5)
+        order.append("first")
+
+    def second(copies):
+        order.append("second")
+
+    a = Behind([torch.zeros(1)], first, due=1, group=([0, 1], [0, 0]), moved=0.0)
+    b = Behind([torch.zeros(1)], second, due=1, group=([0, 1], [0, 0]), moved=0.0, after=a)
+    b._thread.join(0.2)
+    assert not b.done() and order == []  # held behind the first
+    gate.set()
+    a.merge([torch.zeros(1)])
+    b.merge([torch.zeros(1)])
+    assert order == ["first", "second"]
+
+
+def test_on_nccl_rounds_run_in_step():
+    from sdpipe_cli.sync.overlap import overlap_on
+
+    assert overlap_on(2, "gloo") == 2 and overlap_on(2, "nccl") == 0 and overlap_on(0, "nccl") == 0

@@ -391,33 +391,54 @@ def test_the_schedulers_pacing_cuts_the_last_blocks_from_its_measured_paces():
 @settings(max_examples=300, deadline=None)
 @given(blocks=st.lists(st.integers(0, 5), min_size=1, max_size=6),
        paces=st.lists(st.floats(0.01, 1.0), min_size=6, max_size=6),
+       done=st.lists(st.integers(0, 100), min_size=6, max_size=6),
        extra=st.integers(0, 400), order=st.randoms(use_true_random=False))
 def test_the_last_blocks_share_what_is_left_and_the_run_ends_on_its_budget_exactly(
-        blocks, paces, extra, order):
+        blocks, paces, done, extra, order):
     """Whatever order the last blocks are decided in, each has a step at least, and together
     they hold exactly what was left of the budget (when it holds a step for each)."""
     undecided = {q: n for q, n in enumerate(blocks)}
-    total = sum(undecided.values())
-    left = total + extra
+    committed = {q: done[q] for q in undecided}
+    budget = sum(committed.values()) + sum(blocks) + extra
     step_s = {q: paces[q] for q in undecided}
-    taken = 0
     pending = [q for q, n in undecided.items() for _ in range(n)]
     order.shuffle(pending)
     for q in pending:
-        block = final_block(q, left - taken, undecided, step_s)
+        block = final_block(q, budget, committed, {k: float(v) for k, v in committed.items()},
+                            undecided, step_s)
         assert block >= 1
-        taken += block
+        committed[q] += block
         undecided[q] -= 1
-    assert taken == left or total == 0
+    assert sum(committed.values()) == budget or not pending
+
+
+def test_the_last_blocks_end_together_whoever_decides_first():
+    """Four equal pipelines at 36 of 50 steps each, H = 12; the last global sync falls two
+    blocks ahead for pipeline 0, one for the others. Pipeline 0 decides first: every pipeline
+    ends at 50, none idle while another finishes."""
+    step_s = {q: 1.0 for q in range(4)}
+    committed = {q: 36 for q in range(4)}
+    undecided = {0: 2, 1: 1, 2: 1, 3: 1}
+    now = {q: 36.0 for q in range(4)}  # where each is as the first four decide, at once
+    for q in (0, 1, 2, 3, 0):
+        if q == 0 and undecided[0] == 1:
+            now = dict.fromkeys(range(4), 43.0)  # 7 steps later, at its next meeting
+        block = final_block(q, 200, committed, now, undecided, step_s)
+        committed[q] += block
+        undecided[q] -= 1
+    assert committed == {0: 50, 1: 50, 2: 50, 3: 50}
 
 
 def test_the_last_blocks_go_to_the_fast_pipelines_in_proportion_to_their_pace():
     # 40 steps left, one block each: a 3x slower pipeline's is a third of a fast one's
     step_s = {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}
-    assert final_block(3, 40, {0: 1, 1: 1, 2: 1, 3: 1}, step_s) == 4
-    assert final_block(0, 40, {0: 1, 1: 1, 2: 1, 3: 1}, step_s) == 12
-    assert final_block(0, 40, {0: 2, 1: 1, 2: 1, 3: 1}, step_s) == 6  # over its two blocks
-    assert final_block(2, 7, {0: 0, 1: 0, 2: 1, 3: 0}, step_s) == 7  # the run's last: the rest
+    at = {q: 0 for q in range(4)}
+    now = {q: 0.0 for q in range(4)}
+    one = {0: 1, 1: 1, 2: 1, 3: 1}
+    assert final_block(3, 40, at, now, one, step_s) == 4
+    assert final_block(0, 40, at, now, one, step_s) == 12
+    assert final_block(0, 40, at, now, {0: 2, 1: 1, 2: 1, 3: 1}, step_s) == 6  # over two blocks
+    assert final_block(2, 7, at, now, {0: 0, 1: 0, 2: 1, 3: 0}, step_s) == 7  # the last: the rest
 
 
 def test_a_period_between_two_integers_settles_instead_of_flipping():

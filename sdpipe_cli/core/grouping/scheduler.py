@@ -168,9 +168,11 @@ class GroupScheduler:
         return self._planner.iterations_done()
 
     def final_at(self, pipeline: int) -> Optional[int]:
-        """``pipeline``'s iteration of the run's last global sync, once it is declared (None
-        before, and for a pipeline not in it)."""
-        return self._run.global_at.get(pipeline) if self._run.final else None
+        """``pipeline``'s iteration of the run's last global sync, once its budget declared it
+        (None before, for a pipeline not in it, and where the time limit or a stop ends the
+        run: its budget then does not)."""
+        run = self._run
+        return run.global_at.get(pipeline) if run.final and not run.time_is_up() else None
 
     def pending(self) -> bool:
         """Whether a global sync is declared and some stage has not closed it yet."""
