@@ -85,7 +85,8 @@ class GroupSync(Healing, Sync):
         sync = cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
                    wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
                    meetings_of(settings), precision_of(settings), wiring.segments,
-                   overlap_on(int(settings.get("overlap", 0)), wiring.groups.backend))
+                   overlap_on(int(settings.get("overlap", 0)),
+                              getattr(wiring.groups, "backend", "")))
         if wire_probe.unresolved(settings):  # measured before the first meeting
             sync._unsettled = settings
         return sync
