@@ -264,7 +264,7 @@ class GroupSync(Healing, Sync):
         steps = None if self.meetings.steps(meeting + 1) == step + 1 else step + 1
         self._met = meeting
         followed: dict[str, Any] = {}
-        if self.blocks is not None or self.meetings.every > 1:  # blocks: what they, wire took
+        if self._apart:  # blocks of their own: what they and the wire took
             steps = step + 1
             followed = {"wire_s": self._wire[0], "wire_bytes": self._wire[1],
                         "block_s": round(start - (self._block_began or start), 6)}
@@ -289,12 +289,19 @@ class GroupSync(Healing, Sync):
             self.blocks.met, self.blocks.next = meeting - 1, step
         if self.blocks is not None:
             self.blocks.went(step, stats.get("next"))
-        if self.blocks is not None or self.meetings.every > 1:
+        if self._apart:
             self._wire = (stats.get("wire_s"), stats.get("wire_bytes"))
             self._block_began = time.perf_counter()
         self._stats = {"group_size": stats["group_size"], "round": stats["round"],
                        "group_kind": stats["group_kind"],
                        "wait_s": time.perf_counter() - start - spent, "comm_s": spent}
+
+    @property
+    def _apart(self) -> bool:
+        """Whether the scheduler decides this replica's blocks (meetings apart, or following
+        the wire): its ready signals then say its steps, its block's time and its last round's
+        wire, which the scheduler decides the blocks from."""
+        return self.blocks is not None or self.meetings.every > 1
 
     def _meeting(self, step: int) -> int:
         """The meeting after local step ``step``: its block's, or, where the run's end cut blocks
