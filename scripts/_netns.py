@@ -30,8 +30,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 PREFIX = "sdpb"  # every namespace this module makes starts with it
 SUBNET = "10.213.0"  # machine N is 10.213.0.N
@@ -46,7 +46,7 @@ class Unavailable(Exception):
     """This host cannot make the machines (not root, no iproute2, no tbf): one line why."""
 
 
-def refusal() -> Optional[str]:
+def refusal() -> str | None:
     """Why this host cannot run namespaces, before anything is made; None if it may."""
     if os.geteuid() != 0:
         return f"needs root to create network namespaces (running as uid {os.geteuid()})"
@@ -120,7 +120,7 @@ class Machines:
         return [p for m in range(1, self.count + 1)
                 for p in ((self.namespace(m), PORT), (self.switch, f"{PREFIX}p{m}"))]
 
-    def __enter__(self) -> "Machines":
+    def __enter__(self) -> Machines:
         try:
             self.open()
         except BaseException:

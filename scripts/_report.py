@@ -24,8 +24,8 @@ import platform
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def torch_version() -> str:
         return "?"
 
 
-def command_line(argv: Optional[Sequence[str]] = None) -> str:
+def command_line(argv: Sequence[str] | None = None) -> str:
     """The command as it was typed (relative script path kept), for the stamp."""
     return shlex.join(["python", *(sys.argv if argv is None else argv)])
 
@@ -74,14 +74,14 @@ def short_stamp() -> str:
     return f"{datetime.date.today().isoformat()}, commit {commit()}"
 
 
-def stamp(command: Optional[str] = None) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc)
+def stamp(command: str | None = None) -> str:
+    now = datetime.datetime.now(datetime.UTC)
     return (f"measured {now:%Y-%m-%d} UTC at commit {commit()}, machine: {os.cpu_count()} cores, "
             f"torch {torch_version()}, Python {platform.python_version()}, "
             f"command: `{command or command_line()}`")
 
 
-def write_markdown(path: Path, body: str, command: Optional[str] = None) -> Path:
+def write_markdown(path: Path, body: str, command: str | None = None) -> Path:
     """Write ``body`` (Markdown) to ``path`` under the stamp line; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +101,7 @@ def add_markdown_option(parser: argparse.ArgumentParser, stdout_flag: bool = Fal
                             help="also write the result table as stamped Markdown to PATH")
 
 
-def rows_table(rows: Sequence[dict], keys: Optional[Sequence[str]] = None,
+def rows_table(rows: Sequence[dict], keys: Sequence[str] | None = None,
                float_format: str = ".4g") -> str:
     """A Markdown table of ``rows`` (dicts), one column per key of ``keys`` (default: the first
     row's); a float cell in ``float_format``, a missing one empty."""
@@ -124,27 +124,27 @@ MISSING = "-"  # a figure a run does not have (it failed, or its mode has none)
 MIB = 2 ** 20  # bytes in a MiB (memory); a MB (files) is 10**6
 
 
-def num(value: Optional[float], fmt: str) -> str:
+def num(value: float | None, fmt: str) -> str:
     """``value`` in format ``fmt`` (``format(value, fmt)``); ``-`` for None."""
     return MISSING if value is None else format(value, fmt)
 
 
-def rate(samples_per_s: Optional[float]) -> str:
+def rate(samples_per_s: float | None) -> str:
     """Samples/s, one decimal: ``123.4``."""
     return num(samples_per_s, ".1f")
 
 
-def loss(value: Optional[float]) -> str:
+def loss(value: float | None) -> str:
     """A loss, four decimals: ``2.1234``."""
     return num(value, ".4f")
 
 
-def ratio(value: Optional[float], digits: int = 2) -> str:
+def ratio(value: float | None, digits: int = 2) -> str:
     """One figure over another, as a multiple: ``1.23x``."""
     return MISSING if value is None else f"{value:.{digits}f}x"
 
 
-def percent(fraction: Optional[float], digits: int = 1, *, sign: bool = False,
+def percent(fraction: float | None, digits: int = 1, *, sign: bool = False,
             space: bool = False) -> str:
     """A fraction as a percentage: ``12.3%`` (``+12.3%`` with ``sign``, ``12.3 %`` with
     ``space``); the same digits as ``format(fraction, ".1%")``."""
@@ -153,21 +153,21 @@ def percent(fraction: Optional[float], digits: int = 1, *, sign: bool = False,
     return format(100 * fraction, f"{'+' if sign else ''}.{digits}f") + (" %" if space else "%")
 
 
-def ms(value: Optional[float], digits: int = 2) -> str:
+def ms(value: float | None, digits: int = 2) -> str:
     """Milliseconds, two decimals: ``1.23``."""
     return num(value, f".{digits}f")
 
 
-def kilobytes(nbytes: Optional[float], digits: int = 1) -> str:
+def kilobytes(nbytes: float | None, digits: int = 1) -> str:
     """Bytes in kB (1000 bytes), one decimal: ``12.3``."""
     return MISSING if nbytes is None else format(nbytes / 1e3, f".{digits}f")
 
 
-def mib(nbytes: float, digits: Optional[int] = 2) -> float:
+def mib(nbytes: float, digits: int | None = 2) -> float:
     """Bytes in MiB (memory), rounded to ``digits`` (None: to an int), for a JSON result."""
     return round(nbytes / MIB, digits)
 
 
-def megabytes(nbytes: float, digits: Optional[int] = 2) -> float:
+def megabytes(nbytes: float, digits: int | None = 2) -> float:
     """Bytes in MB (10**6: files), rounded to ``digits`` (None: to an int), for a JSON result."""
     return round(nbytes / 1e6, digits)

@@ -27,9 +27,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Mapping, Optional, Sequence
+from typing import IO
 
 import psutil
 import yaml
@@ -45,10 +46,10 @@ class Run:
 
     command: list[str]  # the whole command line
     args: list[str]  # what followed the entry point: the sdpipe command and its arguments
-    returncode: Optional[int]  # None: stopped at its timeout
+    returncode: int | None  # None: stopped at its timeout
     wall_s: float
     timeout: float
-    log: Optional[Path] = None  # where its output went, if to a file
+    log: Path | None = None  # where its output went, if to a file
     stdout: str = ""  # its captured output, without a log
     stderr: str = ""
 
@@ -66,7 +67,7 @@ class Run:
         return (f"timed out after {self.timeout:g} s" if self.timed_out
                 else f"exit {self.returncode}")
 
-    def check(self, what: Optional[str] = None, chars: int = 3000) -> "Run":
+    def check(self, what: str | None = None, chars: int = 3000) -> Run:
         """This run if it exited 0; otherwise SystemExit: ``WHAT failed (STATUS):`` and the end of
         its error output, or where its log is. ``what``: ``sdpipe ARGS`` unless given."""
         if self.ok:
@@ -76,8 +77,8 @@ class Run:
         raise SystemExit(f"{what} failed ({self.status}):\n{detail}")
 
 
-def start_command(command: str, args: Sequence[str], log: Optional[IO] = None, *,
-                  cwd: Optional[Path] = None, env: Optional[Mapping[str, str]] = None,
+def start_command(command: str, args: Sequence[str], log: IO | None = None, *,
+                  cwd: Path | None = None, env: Mapping[str, str] | None = None,
                   entry: Sequence[str] = SDPIPE, new_session: bool = False) -> subprocess.Popen:
     """Start ``sdpipe COMMAND ARGS`` (``entry``: how, ``python -m sdpipe_cli`` by default) in
     ``cwd`` (another checkout's sdpipe, say), with ``env`` added to this process's environment.
@@ -96,8 +97,8 @@ def start_command(command: str, args: Sequence[str], log: Optional[IO] = None, *
                             start_new_session=new_session, **output)
 
 
-def run_command(command: str, args: Sequence[str], log_path: Optional[Path], timeout: float, *,
-                cwd: Optional[Path] = None, env: Optional[Mapping[str, str]] = None,
+def run_command(command: str, args: Sequence[str], log_path: Path | None, timeout: float, *,
+                cwd: Path | None = None, env: Mapping[str, str] | None = None,
                 entry: Sequence[str] = SDPIPE) -> Run:
     """Run ``sdpipe COMMAND ARGS`` to its end (see :func:`start_command`): output to ``log_path``
     (headed by the command line), or captured without one; past ``timeout`` seconds, or on an
@@ -109,7 +110,7 @@ def run_command(command: str, args: Sequence[str], log_path: Optional[Path], tim
         proc = start_command(command, args, log, cwd=cwd, env=env, entry=entry)
         try:
             out, err = proc.communicate(timeout=timeout)
-            returncode: Optional[int] = proc.returncode
+            returncode: int | None = proc.returncode
         except subprocess.TimeoutExpired:
             out, err = stop(proc)
             returncode = None
@@ -122,14 +123,14 @@ def run_command(command: str, args: Sequence[str], log_path: Optional[Path], tim
 
 
 def run_sdpipe(overrides: list[str], log_path: Path, timeout: float,
-               cwd: Optional[Path] = None) -> tuple[Optional[int], float]:
+               cwd: Path | None = None) -> tuple[int | None, float]:
     """``sdpipe train OVERRIDES`` through :func:`run_command` (in ``cwd``: another checkout's),
     output to ``log_path``; (exit code, None on timeout; wall s)."""
     run = run_command("train", overrides, log_path, timeout, cwd=cwd)
     return run.returncode, run.wall_s
 
 
-def stop(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> tuple[Optional[str], Optional[str]]:
+def stop(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> tuple[str | None, str | None]:
     """SIGTERM makes the launcher stop its children in order (up to 10 s); SIGKILL if it is still
     there ``grace`` s later. Returns the rest of its captured (stdout, stderr), if captured (not
     if a process it left behind still holds its pipes ``grace`` s after the SIGKILL)."""
@@ -153,7 +154,7 @@ def error_line(log_path: Path) -> str:
     return errors[-1] if errors else (lines[-1] if lines else "")
 
 
-def classify(returncode: Optional[int], log_path: Path, timeout: float) -> tuple[str, str]:
+def classify(returncode: int | None, log_path: Path, timeout: float) -> tuple[str, str]:
     """(status, error) of a run: ``ok``, ``timeout``, ``unavailable`` (the installed sdpipe does
     not know the sync mode: exit 2 with an error on ``sync``) or ``failed (CODE)``."""
     if returncode is None:
@@ -166,7 +167,7 @@ def classify(returncode: Optional[int], log_path: Path, timeout: float) -> tuple
     return f"failed ({returncode})", message
 
 
-def microbatches(run_dir: Path) -> Optional[int]:
+def microbatches(run_dir: Path) -> int | None:
     """m of a run, from the resolved ``config.yaml`` it wrote."""
     try:
         cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
@@ -188,7 +189,7 @@ class CpuSampler:
         while not self._stop.is_set():
             self.samples.append(psutil.cpu_percent(interval=self.interval))
 
-    def __enter__(self) -> "CpuSampler":
+    def __enter__(self) -> CpuSampler:
         self._thread.start()
         return self
 
@@ -197,5 +198,5 @@ class CpuSampler:
         self._thread.join()
 
     @property
-    def mean(self) -> Optional[float]:
+    def mean(self) -> float | None:
         return sum(self.samples) / len(self.samples) if self.samples else None

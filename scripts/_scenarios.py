@@ -24,7 +24,7 @@ overrides it always gave, built here.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 SLOW = 3.0  # the straggler's slowdown, unless a script is told another
 MIXED = (2.0, 4.0)  # mixed: the slowdowns of the last pipelines, the others at speed 1

@@ -42,7 +42,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rich.console import Console
 
@@ -91,7 +91,7 @@ STAGES = 4
 MICROBATCH_SAMPLES = 2
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Async 1F1B vs flushed 1F1B: convergence at "
                                      "equal samples, and throughput without the flush bubble.")
     parser.add_argument("--parts", default="convergence,throughput",
@@ -113,7 +113,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def run(args, name: str, overrides: list[str], console: Console,
-        microbatches: Optional[int] = None) -> dict[str, Any]:
+        microbatches: int | None = None) -> dict[str, Any]:
     run_dir, log = args.out / name, args.out / f"{name}.log"
     console.print(f"{name}: running (log: {log})", markup=False, highlight=False)
     with CpuSampler() as cpu:
@@ -217,7 +217,7 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(stderr=True)
     taken = args.out.exists() and any(args.out.iterdir())

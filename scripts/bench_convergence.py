@@ -67,7 +67,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -105,7 +105,7 @@ BEFORE = "sdpipe-before"
 SCENARIOS = _scenarios.SLOWDOWN_SCENARIOS  # equal, straggler, mixed, random
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Time to accuracy of sdpipe's sync modes.")
     p.add_argument("--variants", default="allreduce,sdpipe,sdpipe-weights,adpsgd,none",
                    help=f"comma-separated, of {', '.join(VARIANTS)} (none gives the limit)")
@@ -141,7 +141,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def split(variant: str) -> Optional[tuple[str, Optional[int]]]:
+def split(variant: str) -> tuple[str, int | None] | None:
     """``VARIANT`` or ``VARIANT@STEPS`` as (variant, steps or None); None if not one."""
     base, at, steps = variant.partition("@")
     if base not in VARIANTS or (at and not (steps.isdigit() and int(steps) > 0)):
@@ -149,7 +149,7 @@ def split(variant: str) -> Optional[tuple[str, Optional[int]]]:
     return base, int(steps) if at else None
 
 
-def overrides(args, scenario: str, lr: float, run_dir: Path, steps: Optional[int] = None
+def overrides(args, scenario: str, lr: float, run_dir: Path, steps: int | None = None
               ) -> list[str]:
     return [f"cluster.pipelines={args.pipelines}", f"pipeline.stages={args.stages}",
             f"train.steps={steps or args.steps}", f"train.lr={lr:g}", "cluster.device=cpu",
@@ -193,7 +193,7 @@ def run(args, scenario: str, variant: str, lr: float, console: Console, seed: in
     return record
 
 
-def summarize(scenario: str, records: list[dict], target: Optional[float] = None
+def summarize(scenario: str, records: list[dict], target: float | None = None
               ) -> dict[str, Any]:
     """Best lr per variant; target = ``target`` or all-reduce's best final loss; times to it;
     the limit."""
@@ -219,7 +219,7 @@ def summarize(scenario: str, records: list[dict], target: Optional[float] = None
 T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
 
 
-def interval(values: list[float]) -> Optional[tuple[float, float, float]]:
+def interval(values: list[float]) -> tuple[float, float, float] | None:
     """Mean, sample standard deviation and the half-width of the 95 % t-interval of the mean."""
     if not values:
         return None
@@ -245,7 +245,7 @@ def across_seeds(summaries: list[dict]) -> dict[str, dict[str, Any]]:
         for variant, r in best.items():
             got = out.setdefault(variant, {})
 
-            def put(key: str, value: Optional[float]) -> None:
+            def put(key: str, value: float | None, got: dict = got) -> None:
                 if value is not None:
                     got.setdefault(key, []).append(value)
 
@@ -342,7 +342,7 @@ def figures(summaries: list[dict], out: Path, console: Console) -> None:
             console.print(f"figures: {', '.join(str(p) for p in written)}", highlight=False)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=200)
     if args.out.exists() and any(args.out.iterdir()):

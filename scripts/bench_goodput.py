@@ -51,6 +51,7 @@ from _report import add_markdown_option, loss, num, rate, rows_table, write_mark
 from _runner import start_command, stop  # noqa: E402
 from _scenarios import slowdowns  # noqa: E402
 from chaos import orphans, pid_of, read_metrics  # noqa: E402
+
 from sdpipe_cli import analysis  # noqa: E402
 
 MODES = {

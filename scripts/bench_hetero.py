@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
@@ -42,7 +41,7 @@ PARTITION_RUN = ("cluster.pipelines=2", "pipeline.stages=2", "cluster.device=cpu
                  "cluster.emulation=measured", HALF_SPEED_STAGE_1)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="train.steps of every run")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_hetero"),
@@ -81,11 +80,11 @@ def speeds(args: argparse.Namespace) -> list[str]:
 
 
 def partition(args: argparse.Namespace) -> list[str]:
-    from sdpipe_cli.core import partition as part
     from sdpipe_cli.config import measurements as prof
     from sdpipe_cli.config.composition import compose
-    from sdpipe_cli.core.plan import RunPlan
     from sdpipe_cli.config.schema import n_blocks
+    from sdpipe_cli.core import partition as part
+    from sdpipe_cli.core.plan import RunPlan
 
     prof_dir = args.out / "profile"
     run_command("profile", [*PARTITION_RUN, f"run.dir={prof_dir}"], args.out / "profile.log",
@@ -113,7 +112,7 @@ def partition(args: argparse.Namespace) -> list[str]:
             f"predicted gain {_report.ratio(plan.speedup)}, measured {_report.ratio(total_a / total_u)}"]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=False)
     report = []

@@ -31,7 +31,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
@@ -50,7 +49,7 @@ SCHEDULES = ["1f1b", "gpipe", "async_1f1b"]
 
 
 def train(run_dir: Path, *overrides: str,
-          timeout: float = 1800) -> tuple[Optional[int], float, list[str]]:
+          timeout: float = 1800) -> tuple[int | None, float, list[str]]:
     """(exit code, None past ``timeout``; seconds; the last line of its stderr, or the timeout)."""
     done = run_command("train", [f"run.dir={run_dir}", "cluster.device=cpu", *overrides], None,
                        timeout)

@@ -20,7 +20,7 @@ per stage and one intra-op thread per process (``OMP_NUM_THREADS=1``, as sdpipe'
   pipeline.microbatches=m train.batch_size=B train.grad_clip=0 train.warmup=0
   train.schedule=constant data=synthetic cluster.device=cpu``, ``--warmup + --steps`` iterations.
 * **torch**: S processes spawned here; each keeps its slice as ``nn.Sequential``, wraps it in
-  ``PipelineStage(module, rank, S, device=cpu)`` (shapes inferred from the first micro-batch) and
+  ``FlushedStage(module, rank, S, device=cpu)`` (shapes inferred from the first micro-batch) and
   runs ``Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)``: ``schedule.step(x)`` on
   the first stage, ``schedule.step(target=y, losses=losses)`` on the last, ``schedule.step()`` in
   between, each with ``return_outputs=False`` (sdpipe does not gather the last stage's logits
@@ -190,7 +190,7 @@ def make_step(cfg, rank: int, world: int, m: int):
     """One training iteration of stage ``rank``: schedule.step, then the optimizer's step."""
     import torch
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import FlushedStage, Schedule1F1B
 
     from sdpipe_cli.core.partition import resolve, stage_ranges
     from sdpipe_cli.model.bytes_lm import build_blocks
@@ -202,7 +202,7 @@ def make_step(cfg, rank: int, world: int, m: int):
     start, stop_ = stage_ranges(resolve("uniform", len(blocks), world, None), len(blocks))[rank]
     module = nn.Sequential(*blocks[start:stop_])
     module.train()
-    stage = PipelineStage(module, rank, world, device=torch.device("cpu"))
+    stage = FlushedStage(module, rank, world, device=torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)
     optimizer = build_optimizer(module.parameters(), cfg.train)
     shape = (int(cfg.train.batch_size), int(cfg.model.seq_len))

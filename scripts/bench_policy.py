@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -60,7 +60,7 @@ VARIANTS = {
 }
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--patterns", default=",".join(PATTERNS))
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -151,7 +151,7 @@ def title(pattern: str, rows: list[dict[str, Any]], args) -> str:
             f"simulated {_report.rate(sim_limit)} samples/s")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -54,16 +54,16 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import _netns  # noqa: E402
-from _report import (  # noqa: E402
-    command_line, kilobytes, loss, num, percent, rate, rows_table, write_markdown)
+from _report import command_line, kilobytes, loss, num, percent, rate, rows_table, write_markdown  # noqa: E402
 
 NAME = "bench_real_links"
 DEFAULT_MODES = ("none", "allreduce", "diloco", "sdpipe")
@@ -115,7 +115,7 @@ def factors(text: str) -> list[float]:
     return out
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from sdpipe_cli.core.modes import MODES
 
     p = argparse.ArgumentParser(prog=NAME, description=__doc__.split("\n\n")[0])
@@ -156,7 +156,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if len(args.slowdown) > 250:
         p.error("--slowdown: at most 250 machines (10.213.0.1 to .250)")
     args.variant = [variant(v) for v in DEFAULT_VARIANTS] if args.variant is None else args.variant
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     args.runs = args.runs or Path("runs/real_links") / stamp
     args.out = args.out or args.runs / "real_links.md"
     return args
@@ -203,7 +203,7 @@ def overrides(args, run_overrides: list[str], seed: int, run_dir: Path, machine:
             *args.set]
 
 
-def run_clock_start(run_dir: Path) -> Optional[float]:
+def run_clock_start(run_dir: Path) -> float | None:
     """When the run's clock started (epoch s): the first launcher starts it right after it
     writes ``config.yaml`` (within milliseconds); None before."""
     try:
@@ -212,7 +212,7 @@ def run_clock_start(run_dir: Path) -> Optional[float]:
         return None
 
 
-def launch(machines: "_netns.Machines", args, name: str, run_overrides: list[str], seed: int,
+def launch(machines: _netns.Machines, args, name: str, run_overrides: list[str], seed: int,
            port: int) -> dict[str, Any]:
     """One run: a launcher per machine, waited for within ``--timeout``, the links changed on
     schedule; stopped in order whatever happens. Its status, per-machine exit codes and the
@@ -298,7 +298,7 @@ def every_over_time(lines: list[dict]) -> list[list[float]]:
     return out
 
 
-def link_estimates(lines: list[dict], run_dir: Path) -> Optional[dict]:
+def link_estimates(lines: list[dict], run_dir: Path) -> dict | None:
     """What the run itself estimated of its links, if it records it: its last ``wire`` line,
     else ``summary.json``'s ``wire``; None where it records neither."""
     from sdpipe_cli import analysis
@@ -312,7 +312,7 @@ def link_estimates(lines: list[dict], run_dir: Path) -> Optional[dict]:
         return None
 
 
-def windows(lines: list[dict], changes: list[dict]) -> list[Optional[float]]:
+def windows(lines: list[dict], changes: list[dict]) -> list[float | None]:
     """samples/s (``analysis.samples_per_s``) between the links' changes: before the first,
     between each, after the last."""
     from sdpipe_cli import analysis
@@ -471,7 +471,7 @@ def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def measure_links(machines: "_netns.Machines", args) -> dict[float, float]:
+def measure_links(machines: _netns.Machines, args) -> dict[float, float]:
     """Mbit/s one TCP stream gets at each rate a run uses (the base rate last, left in place)."""
     out = {}
     for r in [r for _, r in schedule(args) if r != args.rate] + [args.rate]:
@@ -481,7 +481,7 @@ def measure_links(machines: "_netns.Machines", args) -> dict[float, float]:
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     why = _netns.refusal()  # before anything is made or read
     if why:
         return refuse(why)

@@ -57,7 +57,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import psutil
 from rich.console import Console
@@ -76,7 +76,7 @@ COLUMNS = ("P x S", "events/s", "decisions", "mean group", "p50 ms", "p99 ms", "
            "sched CPU ms/decision", "sched queued s/s", "replicas CPU s/s", "wall s", "load")
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pipelines", type=int, help="P (with --stages; default: both scenarios)")
     parser.add_argument("--stages", type=int, help="S")
@@ -222,8 +222,8 @@ def start_scheduler(run_dir: Path, port: int, world: int, profile: bool) -> subp
 
 
 def run_scenario(args: argparse.Namespace, P: int, S: int) -> dict[str, Any]:
-    from sdpipe_cli.runtime import store
     from sdpipe_cli.analysis import read_metrics
+    from sdpipe_cli.runtime import store
 
     run_dir = args.out / f"{P}x{S}"
     (run_dir / "logs").mkdir(parents=True)
@@ -374,7 +374,7 @@ def markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             + "\n".join(rows) + "\n\n" + goal_line(results))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     args.out.mkdir(parents=True, exist_ok=False)

@@ -75,7 +75,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
@@ -100,7 +100,7 @@ COLUMNS = ("mode", "status", "samples/s", "final val loss", "to target (s)", "me
 
 
 # -- arguments --------------------------------------------------------------------------------
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Benchmark sdpipe's sync modes (modelled compute, CPU) with equal pipelines "
         "and with one straggler.")
@@ -132,7 +132,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _csv(allowed: Optional[tuple[str, ...]]):
+def _csv(allowed: tuple[str, ...] | None):
     def parse(text: str) -> list[str]:
         items = [t.strip() for t in text.split(",") if t.strip()]
         if not items:
@@ -191,7 +191,7 @@ def run_one(args: argparse.Namespace, scenario: str, mode: str, console: Console
 
 
 # -- a scenario -------------------------------------------------------------------------------
-def scenario_target(records: list[dict[str, Any]], target_loss) -> Optional[float]:
+def scenario_target(records: list[dict[str, Any]], target_loss) -> float | None:
     if target_loss != "auto":
         return float(target_loss)
     finals = [r["final_val_loss"] for r in records if r.get("final_val_loss") is not None]
@@ -293,7 +293,7 @@ def write_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
     (args.out / "results.md").write_text(head + "\n" + body)
 
 
-def check_out(args: argparse.Namespace) -> Optional[str]:
+def check_out(args: argparse.Namespace) -> str | None:
     """Run folders must be new or empty (sdpipe's rule); say so before running anything."""
     taken = [args.out / f"{s}-{m}" for s in args.scenarios for m in args.modes
              if (args.out / f"{s}-{m}").exists() and any((args.out / f"{s}-{m}").iterdir())]
@@ -303,7 +303,7 @@ def check_out(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     progress = Console(stderr=True)
     problem = check_out(args)

@@ -66,9 +66,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _runner import run_command, start_command  # noqa: E402  (a sibling module, not a package)
-from sdpipe_cli import checkpoint  # noqa: E402
-from sdpipe_cli import analysis  # noqa: E402
+from _runner import run_command, start_command  # noqa: E402, I001  (a sibling module, not a package)
+from sdpipe_cli import analysis, checkpoint  # noqa: E402
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from _report import write_markdown  # noqa: E402  (sibling modules, not a package)
 from _runner import run_command, start_command  # noqa: E402
+
 from sdpipe_cli import checkpoint  # noqa: E402
 
 

@@ -52,20 +52,19 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
 
+from sdpipe_cli import analysis  # noqa: E402
 from sdpipe_cli.config.run_file import load_run_config  # noqa: E402
 from sdpipe_cli.core.grouping import Freshness  # noqa: E402
 from sdpipe_cli.core.partition import stage_ranges  # noqa: E402
 from sdpipe_cli.data import sources  # noqa: E402
 from sdpipe_cli.data.feed import Feed  # noqa: E402
 from sdpipe_cli.model import models, optim  # noqa: E402
-from sdpipe_cli import analysis  # noqa: E402
 
 VARIANTS = ("recorded", "allreduce", "average", "pull_weights", "pull", "fresh", "drop", "own-lr",
             "no-global", "paper")
@@ -280,7 +279,7 @@ def _weighted(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor
     return sum(w * t for w, t in zip(weights, tensors)) / total
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="recorded sdpipe runs (run folders)")
     parser.add_argument("--variants", default=",".join(VARIANTS))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Optional
 
 from sdpipe_cli.core.grouping import Decision, GroupScheduler, Snapshot
 
@@ -83,7 +82,7 @@ class Sim:
     durations: list[list[float]]  # per pipeline, per iteration (cycled)
     gaps: list[float]  # per pipeline: time between stage s+1 and stage s finishing
     sched_kwargs: dict = field(default_factory=dict)
-    max_iterations: Optional[int] = None  # sim-side cutoff (pipelines then leave)
+    max_iterations: int | None = None  # sim-side cutoff (pipelines then leave)
     leave_at: dict[int, float] = field(default_factory=dict)
     rejoin_at: dict[int, float] = field(default_factory=dict)
     max_steps: int = 200_000

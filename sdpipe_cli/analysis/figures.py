@@ -6,17 +6,11 @@ from __future__ import annotations
 
 import statistics
 from bisect import bisect_right
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
+from sdpipe_cli.analysis.reading import Line, by_time, first_iteration_began, first_train_time, of_kind, pipelines
 from sdpipe_cli.core import modes
-from sdpipe_cli.analysis.reading import (
-    Line,
-    by_time,
-    first_iteration_began,
-    first_train_time,
-    of_kind,
-    pipelines,
-)
 
 
 # -- throughput ------------------------------------------------------------------------------
@@ -33,7 +27,7 @@ def iterations(lines: Iterable[Line]) -> dict[int, int]:
     return last_by_pipeline(of_kind(lines, "train"), "step")
 
 
-def samples_per_s(lines: Iterable[Line]) -> Optional[float]:
+def samples_per_s(lines: Iterable[Line]) -> float | None:
     """A run's samples/s, all pipelines: each pipeline's samples after its own first train line,
     summed, over the seconds from the earliest train line to the latest (module docstring)."""
     train = by_time(of_kind(lines, "train"))
@@ -47,7 +41,7 @@ def samples_per_s(lines: Iterable[Line]) -> Optional[float]:
     return sum(last[p] - first[p]["samples"] for p in last) / window if window > 0 else None
 
 
-def solo_rates(lines: Iterable[Line], steps: Optional[tuple[int, int]] = None
+def solo_rates(lines: Iterable[Line], steps: tuple[int, int] | None = None
                ) -> dict[int, float]:
     """Each pipeline's own samples/s: its samples over its own first-to-last train line span
     (from the end of its first iteration), or with ``steps=(a, b)`` between the ends of its
@@ -64,13 +58,13 @@ def solo_rates(lines: Iterable[Line], steps: Optional[tuple[int, int]] = None
     return rates
 
 
-def limit(rates: dict[int, float]) -> Optional[float]:
+def limit(rates: dict[int, float]) -> float | None:
     """The heterogeneity limit: the :func:`solo_rates` of a ``sync=none`` run, summed (every
     pipeline at its own pace, nobody waiting)."""
     return sum(rates.values()) if rates else None
 
 
-def fraction_of_limit(rate: Optional[float], limit_: Optional[float]) -> Optional[float]:
+def fraction_of_limit(rate: float | None, limit_: float | None) -> float | None:
     """``rate`` (:func:`samples_per_s`) as a share of the limit (:func:`limit`)."""
     return rate / limit_ if rate and limit_ else None
 
@@ -88,13 +82,13 @@ def steady_rates(lines: Iterable[Line]) -> dict[int, float]:
 
 
 # -- loss ------------------------------------------------------------------------------------
-def final_val_loss(lines: Iterable[Line]) -> Optional[float]:
+def final_val_loss(lines: Iterable[Line]) -> float | None:
     """The mean over pipelines of each pipeline's last ``val_loss``."""
     last = last_by_pipeline(of_kind(lines, "eval"), "val_loss")
     return sum(last.values()) / len(last) if last else None
 
 
-def final_val_accuracy(lines: Iterable[Line]) -> Optional[float]:
+def final_val_accuracy(lines: Iterable[Line]) -> float | None:
     """The mean over pipelines of each pipeline's last ``val_accuracy`` (classifiers); None for a
     run whose evaluations carry none."""
     evals = [m for m in of_kind(lines, "eval") if m.get("val_accuracy") is not None]
@@ -102,7 +96,7 @@ def final_val_accuracy(lines: Iterable[Line]) -> Optional[float]:
     return sum(last.values()) / len(last) if last else None
 
 
-def val_loss_curve(lines: Iterable[Line], pipelines_: Optional[int] = None) -> list[list[float]]:
+def val_loss_curve(lines: Iterable[Line], pipelines_: int | None = None) -> list[list[float]]:
     """[time, mean over pipelines of their latest val_loss] at each evaluation once all of them
     (``pipelines_``, default: those with train lines) have evaluated."""
     lines = list(lines)
@@ -122,8 +116,8 @@ def val_loss_curve(lines: Iterable[Line], pipelines_: Optional[int] = None) -> l
 SAME_LOSS = 1e-6
 
 
-def time_to_loss(curve: list[list[float]], target: Optional[float],
-                 start: Optional[float]) -> Optional[float]:
+def time_to_loss(curve: list[list[float]], target: float | None,
+                 start: float | None) -> float | None:
     """Seconds from ``start`` (the run's :func:`first_train_time`) to the first point of
     ``curve`` (:func:`val_loss_curve`) at or below ``target``, within :data:`SAME_LOSS`; None if
     never reached."""
@@ -149,7 +143,7 @@ def mean_loss(lines: Iterable[Line]) -> tuple[list[float], list[float], list[flo
     return times, samples, loss
 
 
-def lowest_loss(lines: list[Line]) -> Optional[tuple[float, float]]:
+def lowest_loss(lines: list[Line]) -> tuple[float, float] | None:
     """(the lowest :func:`mean_loss`, seconds from the first iteration's start to it)."""
     times, _, loss = mean_loss(lines)
     if not loss:
@@ -178,8 +172,8 @@ def sync_times(lines: Iterable[Line]) -> dict[str, list[float]]:
     return {"sync": [m["sync_s"] for m in ours if "sync_s" in m]}
 
 
-def mean_group_size(lines: Iterable[Line], mode: Optional[str] = None,
-                    pipelines_: Optional[int] = None) -> Optional[float]:
+def mean_group_size(lines: Iterable[Line], mode: str | None = None,
+                    pipelines_: int | None = None) -> float | None:
     """The mean ``size`` of the scheduler's group lines (global rounds included); without any,
     P for a mode whose replicas all meet every iteration and 1 for one whose never meet, by
     definition, else None."""
@@ -206,7 +200,7 @@ def consensus(lines: list[Line]) -> dict[int, tuple[list[float], list[float]]]:
     return dict(sorted(out.items()))
 
 
-def overrun_fraction(lines: Iterable[Line], microbatches: Optional[int]) -> Optional[float]:
+def overrun_fraction(lines: Iterable[Line], microbatches: int | None) -> float | None:
     """Share of forward/backward actions whose real compute exceeded the modelled budget."""
     done = [m for m in of_kind(lines, "done") if "slowdown_overruns" in m]
     actions = sum(2 * (microbatches or 0) * m.get("steps", 0) for m in done)
@@ -215,7 +209,7 @@ def overrun_fraction(lines: Iterable[Line], microbatches: Optional[int]) -> Opti
     return sum(m["slowdown_overruns"] for m in done) / actions
 
 
-def sync_traffic(done: Iterable[Line], samples: Optional[float]) -> dict[str, Any]:
+def sync_traffic(done: Iterable[Line], samples: float | None) -> dict[str, Any]:
     """What the sync of a run put on the wire, from its workers' ``done`` lines (each carries its
     ``traffic``: per link class, bytes sent and received and seconds in sync collectives, and its
     ``wall_s``): ``traffic`` summed per link class, ``sync_bytes_per_sample`` (bytes every worker
@@ -233,7 +227,7 @@ def sync_traffic(done: Iterable[Line], samples: Optional[float]) -> dict[str, An
                 total[name] += row.get(name, 0) if isinstance(row, dict) else 0
     alive = sum(report.get("wall_s") or 0.0 for report in reports)
 
-    def per_sample(nbytes: float) -> Optional[float]:
+    def per_sample(nbytes: float) -> float | None:
         return nbytes / samples if samples else None
 
     return {"traffic": links,
@@ -242,8 +236,8 @@ def sync_traffic(done: Iterable[Line], samples: Optional[float]) -> dict[str, An
             "comm_share": sum(r["seconds"] for r in links.values()) / alive if alive else None}
 
 
-def analyse(lines: list[Line], mode: Optional[str] = None, pipelines_: Optional[int] = None,
-            microbatches: Optional[int] = None) -> dict[str, Any]:
+def analyse(lines: list[Line], mode: str | None = None, pipelines_: int | None = None,
+            microbatches: int | None = None) -> dict[str, Any]:
     """A benchmark run's figures, all but time to a target known only later (keep ``curve`` and
     ``first_train_s`` for :func:`time_to_loss`)."""
     return {
@@ -260,7 +254,7 @@ def analyse(lines: list[Line], mode: Optional[str] = None, pipelines_: Optional[
     }
 
 
-def outcome(lines: list[Line]) -> dict[str, Optional[float]]:
+def outcome(lines: list[Line]) -> dict[str, float | None]:
     """A run's headline figures, for a table of runs (the sweep's): ``loss`` (the last
     :func:`mean_loss`), ``val_loss`` (:func:`final_val_loss`), ``samples_per_s``, and
     ``best_loss``, ``best_loss_s`` (:func:`lowest_loss`); None where the run has none yet."""

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 Line = dict[str, Any]
 
@@ -187,12 +188,12 @@ def pipelines(lines: Iterable[Line]) -> list[int]:
 
 
 # -- clocks ----------------------------------------------------------------------------------
-def first_train_time(lines: Iterable[Line]) -> Optional[float]:
+def first_train_time(lines: Iterable[Line]) -> float | None:
     """The earliest train line's time: the end of the run's first iteration."""
     return min((m["time"] for m in of_kind(lines, "train")), default=None)
 
 
-def first_iteration_began(lines: Iterable[Line]) -> Optional[float]:
+def first_iteration_began(lines: Iterable[Line]) -> float | None:
     """When the run's first iteration began: the first train line's time less its ``step_s``."""
     return min((m["time"] - (m.get("step_s") or 0.0) for m in of_kind(lines, "train")
                 if _number(m.get("time"))), default=None)
@@ -210,7 +211,7 @@ def from_first_iteration(lines: list[Line]) -> list[Line]:
             for m in lines]
 
 
-def timelines(lines: list[Line]) -> list[tuple[Optional[Line], list[Line]]]:
+def timelines(lines: list[Line]) -> list[tuple[Line | None, list[Line]]]:
     """The timelines ``lines`` hold, as (the ``resume`` line that began it or None, its lines).
     Resuming a checkpoint older than the run's progress branches the run: each ``resume`` line
     whose ``steps`` are behind a ``train`` line before it starts a timeline of the lines up to
@@ -227,7 +228,7 @@ def timelines(lines: list[Line]) -> list[tuple[Optional[Line], list[Line]]]:
         if m.get("kind") == "train" and isinstance(m.get("step"), int):
             reached[m["pipeline"]] = max(reached.get(m["pipeline"], -1), m["step"])
     starts = [0, *cuts]
-    out: list[tuple[Optional[Line], list[Line]]] = []
+    out: list[tuple[Line | None, list[Line]]] = []
     for k, start in enumerate(starts):
         end = starts[k + 1] if k + 1 < len(starts) else len(lines)
         if not start:

@@ -17,13 +17,36 @@ interface. Resharding a checkpoint into another layout is ``training.reshard_che
 """
 
 from sdpipe_cli.checkpoint.layout import (
-    MANIFEST, STAGING_PREFIX, DELETING_PREFIX, STEP_DIR, FINAL, checkpoints_dir, staging_dir,
-    final_dir, run_dir_of, home_of, of_run, shard_name, free_name, final_name, sha256)
+    DELETING_PREFIX,
+    FINAL,
+    MANIFEST,
+    STAGING_PREFIX,
+    STEP_DIR,
+    checkpoints_dir,
+    final_dir,
+    final_name,
+    free_name,
+    home_of,
+    of_run,
+    run_dir_of,
+    sha256,
+    shard_name,
+    staging_dir,
+)
 from sdpipe_cli.checkpoint.reading import (
-    damaged, complete_checkpoints, latest, go_on_from, resolve, read_manifest, load_shard,
-    check_tensors, check_optimizer, verify, verify_run)
-from sdpipe_cli.checkpoint.writing import (
-    save_shard, SaveFailed, discard_staging, stand_in, finalize, seal, seal_final)
+    check_optimizer,
+    check_tensors,
+    complete_checkpoints,
+    damaged,
+    go_on_from,
+    latest,
+    load_shard,
+    read_manifest,
+    resolve,
+    verify,
+    verify_run,
+)
+from sdpipe_cli.checkpoint.writing import SaveFailed, discard_staging, finalize, save_shard, seal, seal_final, stand_in
 
 __all__ = [
     "MANIFEST", "STAGING_PREFIX", "DELETING_PREFIX", "STEP_DIR", "FINAL", "checkpoints_dir",

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 MANIFEST = "manifest.json"
 STAGING_PREFIX = ".staging-"

@@ -13,14 +13,14 @@ import json
 import os
 import pickle
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
+from sdpipe_cli.checkpoint.layout import MANIFEST, STAGING_PREFIX, STEP_DIR, checkpoints_dir, sha256, shard_name
 from sdpipe_cli.runtime.errors import CheckpointError
-from sdpipe_cli.checkpoint.layout import (MANIFEST, STAGING_PREFIX, STEP_DIR, checkpoints_dir, sha256,
-                                          shard_name)
 
 
 def damaged(run_dir: os.PathLike | str) -> list[Path]:

@@ -19,16 +19,25 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from sdpipe_cli.runtime.errors import CheckpointError, WriteFailed, os_error
-from sdpipe_cli.checkpoint.layout import (DELETING_PREFIX, FINAL, MANIFEST, STAGING_PREFIX,
-                                          checkpoints_dir, final_dir, final_name, free_name,
-                                          sha256, shard_name, staging_dir)
+from sdpipe_cli.checkpoint.layout import (
+    DELETING_PREFIX,
+    FINAL,
+    MANIFEST,
+    STAGING_PREFIX,
+    checkpoints_dir,
+    final_dir,
+    final_name,
+    free_name,
+    sha256,
+    shard_name,
+    staging_dir,
+)
 from sdpipe_cli.checkpoint.reading import complete_checkpoints
-
+from sdpipe_cli.runtime.errors import CheckpointError, WriteFailed, os_error
 
 log = logging.getLogger("sdpipe.checkpoint")
 
@@ -63,7 +72,7 @@ class SaveFailed(WriteFailed):
     came): names the file and the latest complete checkpoint, which the failed save left as it
     was (:class:`~sdpipe_cli.runtime.errors.WriteFailed`, for a file in a checkpoint's folder)."""
 
-    def __init__(self, path: Path, err: "BaseException | str"):
+    def __init__(self, path: Path, err: BaseException | str):
         folder = path if path.name.startswith((STAGING_PREFIX, "step_", FINAL)) else path.parent
         # <run>/checkpoints/<folder>, or the run's final weights, <run>/final
         super().__init__(path, err, folder.parent if folder.name == FINAL else folder.parent.parent)
@@ -134,7 +143,7 @@ def seal(staging: Path, final: Path, step: int, meta: dict[str, Any], expected: 
 
 
 def seal_final(run_dir: os.PathLike | str, meta: dict[str, Any], pipelines: int,
-               stages: int) -> Optional[Path]:
+               stages: int) -> Path | None:
     """Give ``<run>/final/`` a manifest once every replica of the run's layout wrote its weights
     there (``run.save_final``): each file's SHA-256 and ``meta`` (the run's config and every
     pipeline's iterations), so that a reader takes exactly this leg's files, checked, and never

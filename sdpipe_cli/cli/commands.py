@@ -16,17 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from sdpipe_cli.runtime import network, run_lock
 from sdpipe_cli.cli import display, resuming, run_loop
 from sdpipe_cli.config import job_env
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
+from sdpipe_cli.runtime import network, run_lock
 from sdpipe_cli.runtime.errors import DataError
 
 
@@ -95,7 +95,7 @@ def simulate(overrides: Sequence[str], compare: str, show_config: bool = False,
     return 0
 
 
-def report(paths: Sequence[str], out: Optional[str], console: Console) -> int:
+def report(paths: Sequence[str], out: str | None, console: Console) -> int:
     from sdpipe_cli.cli import report as figures
 
     runs = figures.load_all(paths)  # bad input: one line before anything is written

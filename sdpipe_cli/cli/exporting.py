@@ -13,8 +13,8 @@ import json
 import os
 import signal
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from rich.console import Console
 
@@ -29,7 +29,7 @@ def _say(console: Console, line: str) -> None:
     console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def export(run: str, which: Optional[str], out: str, pipeline: Optional[int], fmt: Optional[str],
+def export(run: str, which: str | None, out: str, pipeline: int | None, fmt: str | None,
            console: Console, trusted: bool = False) -> int:
     from sdpipe_cli.export import formats, weights
 
@@ -64,8 +64,8 @@ def _how_to_load(manifest: dict, folder: Path) -> str:
             f"(docs/MODELS.md, \"After training\")")
 
 
-def evaluate(path: str, overrides: Sequence[str], which: Optional[str], pipeline: Optional[int],
-             out: Optional[str], console: Console, trusted: bool = False) -> int:
+def evaluate(path: str, overrides: Sequence[str], which: str | None, pipeline: int | None,
+             out: str | None, console: Console, trusted: bool = False) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from sdpipe_cli.data import sources
@@ -131,7 +131,7 @@ def _as_bad_input(make, where: Path):
         raise CheckpointError(where, " ".join(str(err).split())[:300]) from None
 
 
-def _new_file(out: Optional[str]) -> None:
+def _new_file(out: str | None) -> None:
     """``--out FILE`` names no file yet, in a folder that can be made."""
     if out is None:
         return

@@ -12,13 +12,12 @@ in their own words, since "preparing the run" means nothing to a user evaluating
 
 import os
 import signal
-from typing import Optional
 
 EXIT_INTERRUPTED = 130
 READ_ONLY = ("eval", "sample")  # commands that write nothing but their result, at their end
 
 
-def exit_on_interrupt(while_: str, command: Optional[str] = None):
+def exit_on_interrupt(while_: str, command: str | None = None):
     """Install (and return the previous) SIGINT/SIGTERM handlers that end the process at once,
     saying what it was doing (``command``'s own words for one of :data:`READ_ONLY`); for phases
     that have started nothing."""

@@ -17,28 +17,27 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from sdpipe_cli import checkpoint
+from sdpipe_cli.cli.supervisor import POLL_S, RUNNING, Child, Interrupted, Phase, Supervisor, quietly, stop_all
 from sdpipe_cli.config import trust
 from sdpipe_cli.config.run_file import save_run_config
 from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli.cli.supervisor import (POLL_S, RUNNING, Child, Interrupted, Phase, Supervisor,
-                                       quietly, stop_all)
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.segments import with_split
-from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
 from sdpipe_cli.runtime.errors import WriteFailed, discard_reserves
 from sdpipe_cli.runtime.metrics import write_summary
-
 
 
 @dataclass(frozen=True)
@@ -60,12 +59,12 @@ SCHEDULER, PS = "sdpipe_cli.sync.scheduler.process", "sdpipe_cli.sync.ps"
 
 @dataclass
 class RunResult:
-    run_dir: Optional[Path]  # None when stopped before it was made
+    run_dir: Path | None  # None when stopped before it was made
     returncode: int  # 0 ok, 1 a process failed, 2 bad input a child found, 130 interrupted
-    failure: Optional[str] = None
+    failure: str | None = None
     progress: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
-    trace: Optional[Path] = None  # <run>/trace.json, with run.trace
+    trace: Path | None = None  # <run>/trace.json, with run.trace
     interrupted: bool = False  # Ctrl-C or SIGTERM came (also when a failure followed)
     bad_input: bool = False  # the failure was bad input a child found (a damaged checkpoint shard)
 
@@ -81,7 +80,7 @@ def _copy_config_dirs(cfg: DictConfig, run_dir: Path) -> None:
             shutil.copyfile(path, target)
 
 
-def make_run_dir(requested: Optional[str]) -> Path:
+def make_run_dir(requested: str | None) -> Path:
     """A new, empty run folder; never reuses one that already holds a run."""
     if requested:
         path = Path(requested).expanduser()
@@ -144,7 +143,7 @@ def pinned_interfaces(cfg: DictConfig) -> dict[str, str]:
     return {k: os.environ.get(k, interface) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
 
 
-def _join(cfg: DictConfig, plan: RunPlan, phase: "Phase"):
+def _join(cfg: DictConfig, plan: RunPlan, phase: Phase):
     """A launcher on another real node: reach the first node's store, take its run config.
 
     Every node runs the first node's resolved config (same seed, partition, settings), written
@@ -191,8 +190,8 @@ def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str])
     return Child(name, role, processes.start(module, log_path, env), log_path, log_start=start)
 
 
-def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
-              run_dir: Optional[Path], resume: Optional[Path], elapsed: float, spent: float,
+def _open_run(cfg: DictConfig, run: RunPlan, master, result: RunResult,
+              run_dir: Path | None, resume: Path | None, elapsed: float, spent: float,
               fresh: bool):
     """The first node's launcher: the run folder (a new one, or the run's own when it resumes or
     starts again; a new one too when it resumes ``fresh``, a checkpoint from outside its run),
@@ -231,7 +230,7 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: "RunResult",
 
 
 def _environment(cfg: DictConfig, world: int, run_dir: Path, port: int, config_path: Path,
-                 resume: Optional[Path]) -> dict[str, str]:
+                 resume: Path | None) -> dict[str, str]:
     """What every child of this launch finds in its environment (torchrun's variables, the run
     folder, its config and the checkpoint to resume from); each adds its rank."""
     base = {**os.environ, "SDPIPE_RUN_DIR": str(run_dir.resolve()),
@@ -261,7 +260,7 @@ class Spawner:
     incarnations: list[int] = field(default_factory=list)
     # the config workers started from now on read, once pipelines were re-split in place (the
     # scheduler keeps the leg's: a scheduler started again replays its journal under it)
-    workers_config: Optional[str] = None
+    workers_config: str | None = None
 
     def __post_init__(self) -> None:
         self.incarnations = [0] * self.plan.pipelines
@@ -322,7 +321,7 @@ def is_primary(cfg: DictConfig) -> bool:
 
 
 def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None,
-           run_dir: Optional[Path] = None, resume: Optional[Path] = None,
+           run_dir: Path | None = None, resume: Path | None = None,
            elapsed: float = 0.0, job: Job = TRAIN,
            on_folder: Callable[[Path], None] = lambda _: None,
            on_phase: Callable[[str], None] = lambda _: None, fresh: bool = False,
@@ -362,7 +361,7 @@ class Launch:
     the run folder, the children, the interrupts (:class:`~sdpipe_cli.cli.supervisor.Phase`)
     and the result, which every step fills in."""
 
-    def __init__(self, cfg: DictConfig, job: Job, resume: Optional[Path], fresh: bool,
+    def __init__(self, cfg: DictConfig, job: Job, resume: Path | None, fresh: bool,
                  on_progress: Callable[[dict], None], on_phase: Callable[[str], None]):
         self.cfg, self.job, self.resume, self.fresh = cfg, job, resume, fresh
         self.on_progress = on_progress
@@ -377,7 +376,7 @@ class Launch:
         self.events = self.master = self.run_dir = self.config_path = None
         self.launched = 0.0
 
-    def open(self, run_dir: Optional[Path], elapsed: float, spent: float = 0.0) -> None:
+    def open(self, run_dir: Path | None, elapsed: float, spent: float = 0.0) -> None:
         """The store and the run folder: hosted and written here, or the first node's joined."""
         cfg = self.cfg
         if self.primary:

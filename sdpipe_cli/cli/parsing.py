@@ -32,19 +32,18 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from sdpipe_cli import __version__
-
 from sdpipe_cli.cli import commands, display, resuming, sweeping
 from sdpipe_cli.cli.interrupts import exit_on_interrupt
 from sdpipe_cli.cli.run_loop import EXIT_FAILED, InterruptedAfterRun
-from sdpipe_cli.core.errors import BadInput
-from sdpipe_cli.runtime.errors import WriteFailed, failed_write
 from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.composition import group_options
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.runtime.errors import WriteFailed, failed_write
 
 EXIT_USAGE = 2  # bad input; the run loop's EXIT_FAILED and EXIT_INTERRUPTED are the others
 
@@ -292,7 +291,7 @@ def _searchpath(dirs: Sequence[str]) -> list[str]:
     return [f"hydra.searchpath=[{','.join(paths)}]"]
 
 
-def _hydra_cfg(argv: Optional[Sequence[str]]) -> list[str]:
+def _hydra_cfg(argv: Sequence[str] | None) -> list[str]:
     """``--cfg job`` and ``--cfg all`` (Hydra's spellings) mean ``--cfg``: sdpipe prints the one
     config a run reads."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -320,7 +319,7 @@ def _after_training(args: argparse.Namespace, err) -> int:
                             err, trusted=args.trust_code)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     # overrides may come after an option (`simulate --compare allreduce train.steps=50`): argparse
     # leaves those out of the positional list, so they are taken back here, in order

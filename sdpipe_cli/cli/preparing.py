@@ -13,7 +13,6 @@ found here raises :class:`~sdpipe_cli.config.schema.ConfigError` before a run fo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import torch
@@ -31,8 +30,8 @@ from sdpipe_cli.hetero import simulated_run
 from sdpipe_cli.model import memory, models
 
 
-def prepare(cfg: DictConfig) -> tuple[DictConfig, Optional[partition.Plan],
-                                      Optional[meetings.Choice]]:
+def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
+                                      meetings.Choice | None]:
     """Resolve what depends on this machine (device, partition, the profile's path) into a
     concrete run config; with ``pipeline.partition=auto`` also the plan that chose it, and
     where sdpipe's meetings were chosen from slow links, that choice."""

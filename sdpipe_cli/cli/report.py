@@ -30,15 +30,16 @@ Python and is unit-tested without it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from omegaconf import OmegaConf
 
+from sdpipe_cli import analysis
 from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli import analysis
 from sdpipe_cli.core import modes
 from sdpipe_cli.core.grouping.rounds import REASONS
 
@@ -455,7 +456,7 @@ def _tolerance_figure(plt, runs: Sequence[Run]):
     return fig
 
 
-def default_out(runs: Sequence[Run], out: Optional[str]) -> Path:
+def default_out(runs: Sequence[Run], out: str | None) -> Path:
     """Where the figures go: ``--out``, or the first run's ``report/``; ConfigError (naming
     ``--out`` when given) if that or a folder above it is not a folder, before anything is written."""
     path = Path(out) if out else runs[0].path / "report"

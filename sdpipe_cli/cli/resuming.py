@@ -17,16 +17,17 @@ this user's launches, or with ``--trust-code`` (:mod:`~sdpipe_cli.config.trust`)
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 
 from sdpipe_cli.config import trust, yaml_bounds
-from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.composition import compose, mapping_settings
+from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
@@ -74,8 +75,8 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
     given, in a new run folder (``run.dir``, else one made beside the checkpoint), never in the
     folder that happens to hold the checkpoint. Code the saved config names runs only if a run
     of this user's sealed it, or the user ``trusted`` it (:mod:`~sdpipe_cli.config.trust`)."""
-    from sdpipe_cli.cli import preparing
     from sdpipe_cli import checkpoint
+    from sdpipe_cli.cli import preparing
     from sdpipe_cli.training import reshard_checkpoint as reshard
 
     path = str(Path(path).absolute())  # "." names a folder too

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Optional
 
 from rich.console import Console
 
@@ -74,7 +73,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
     # the first launch makes the run folder (or resumes in its own, or in the new one made for it)
     run_dir = Path(run_cfg.run.dir) if fresh else None
     started_from = from_checkpoint
-    preparing: Optional[dict] = None  # the handlers before the first launch's report
+    preparing: dict | None = None  # the handlers before the first launch's report
     primary = launcher.is_primary(run_cfg)
 
     def first_folder(folder: Path) -> None:
@@ -142,7 +141,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
             signal.signal(sig, handler)
 
 
-def _replan_of(result) -> Optional[dict]:
+def _replan_of(result) -> dict | None:
     """The re-plan a launch stopped for (the scheduler's last snapshot, else its summary.json);
     None when it ended otherwise."""
     if result.returncode != 0 or result.run_dir is None:
@@ -191,7 +190,7 @@ def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Hol
         return None
 
 
-def carry_slowdowns(run_cfg, progress: Optional[dict]) -> None:
+def carry_slowdowns(run_cfg, progress: dict | None) -> None:
     """``fault.on_slowdown=replan``: the leg after a failure starts from the slowdowns the failed
     one measured (its scheduler's last snapshot), as a re-plan's leg does, so a device that
     slowed down since the last re-plan is not taken for the device's own speed."""
@@ -200,13 +199,13 @@ def carry_slowdowns(run_cfg, progress: Optional[dict]) -> None:
         run_cfg.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
 
 
-def _reached(progress: Optional[dict]) -> int:
+def _reached(progress: dict | None) -> int:
     """The iterations of all pipelines a failed leg reached (its scheduler's last snapshot)."""
     return sum(int(s["steps"]) for s in (progress or {}).get("pipelines", {}).values())
 
 
 def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, started_from,
-              progressed: bool, time_left: Optional[float]):
+              progressed: bool, time_left: float | None):
     """What follows the ``failed`` launch of a run with ``fault.on_failure=restart``: (the
     checkpoint to resume from, or None to start again from scratch, and the iterations it holds),
     once the back-off has passed; None when the run ends instead, with ``failed`` saying why (the
@@ -220,8 +219,8 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
     """
     import time
 
-    from sdpipe_cli.cli import supervisor
     from sdpipe_cli import checkpoint
+    from sdpipe_cli.cli import supervisor
     from sdpipe_cli.runtime.metrics import MetricsLog
 
     wait = restarts.take("run", time.monotonic(), progressed=progressed)

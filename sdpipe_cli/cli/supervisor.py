@@ -24,9 +24,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from sdpipe_cli.core import supervision
 from sdpipe_cli.runtime import processes, protocol, store
@@ -38,7 +39,7 @@ POLL_S = 0.1
 
 #: What :meth:`Supervisor.run` returns: the first failure's description (None: none), whether
 #: interrupted, whether that failure was bad input a child found (a damaged checkpoint shard).
-Outcome = tuple[Optional[str], bool, bool]
+Outcome = tuple[str | None, bool, bool]
 
 
 @dataclass
@@ -47,8 +48,8 @@ class Child:
     role: str  # human description, e.g. "worker rank 3 (pipeline 1, stage 1)"
     proc: processes.ChildProcess
     log_path: Path
-    rank: Optional[int] = None  # workers only
-    pipeline: Optional[int] = None  # workers only
+    rank: int | None = None  # workers only
+    pipeline: int | None = None  # workers only
     since: float = 0.0  # when it was started (time.time()): older error files are not its own
     incarnation: int = 0  # workers: restarts of its pipeline before it
     log_start: int = 0  # where its output begins in the log (a restarted worker appends)
@@ -112,11 +113,11 @@ class Supervisor:
 
     def __init__(self, children: list[Child], run_dir: Path, events, on_progress,
                  since: float = 0.0, tolerate: bool = False, graceful: bool = True,
-                 workers: int = 0, phase: Optional[Phase] = None,
-                 restarts: Optional[supervision.Restarts] = None,
+                 workers: int = 0, phase: Phase | None = None,
+                 restarts: supervision.Restarts | None = None,
                  restart: Callable[[int, Callable[[int, int], None]], list[Child]] = lambda p, a: [],
                  pipelines: int = 0, stranded_s: float = supervision.STRANDED_S,
-                 restart_scheduler: Optional[Callable[[int], Child]] = None,
+                 restart_scheduler: Callable[[int], Child] | None = None,
                  on_resplit: Callable[[dict[int, list[int]], dict[str, float]], None]
                  = lambda splits, slowed: None):
         self.children, self.run_dir, self.events = children, run_dir, events
@@ -129,10 +130,10 @@ class Supervisor:
             started=self.phase.now == RUNNING, restarts=restarts, pipelines=pipelines,
             stranded_s=stranded_s)
         self.by_name = {c.name: c for c in children}
-        self.error_times: dict[str, Optional[float]] = {}
+        self.error_times: dict[str, float | None] = {}
         self.scheduler_restarts = 0
         self.pauses = Pauses()
-        self._act: dict[type, Callable[[Any, supervision.Observation], Optional[Outcome]]] = {
+        self._act: dict[type, Callable[[Any, supervision.Observation], Outcome | None]] = {
             supervision.Wait: self._wait, supervision.RequestStop: self._request_stop,
             supervision.DropPipelines: self._drop, supervision.Respawn: self._respawn,
             supervision.Resplit: self._resplit,
@@ -261,8 +262,8 @@ class Pauses:
 
 
 def _observe(children: list[Child], run_dir: Path, events, phase: Phase, since: float,
-             error_times: dict[str, Optional[float]], tolerate: bool = False,
-             restarted: Optional[int] = None) -> supervision.Observation:
+             error_times: dict[str, float | None], tolerate: bool = False,
+             restarted: int | None = None) -> supervision.Observation:
     """One poll. The interrupts are counted first, so that what is read after them is at least as
     recent (a Ctrl-C right after the last worker started finds it started); then the children,
     then the store. A failed child's error file is read once, when its exit is first seen: the
@@ -332,7 +333,7 @@ def _announce_restart(action: supervision.Respawn, rank: int, incarnation: int, 
     print(f"sdpipe: pipeline {action.pipeline} restarted {how}", file=sys.stderr, flush=True)
 
 
-def _error_since(run_dir: Path, name: str, since: float) -> Optional[dict]:
+def _error_since(run_dir: Path, name: str, since: float) -> dict | None:
     """The child's error file, unless it is left over from an earlier leg of a resumed run."""
     err = read_error(run_dir, name)
     return err if err and err.get("time", 0) >= since else None

@@ -11,14 +11,14 @@ imports as ``sweep``: the combinations and the hand-over to Hydra are config wor
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from sdpipe_cli.runtime import network
 from sdpipe_cli.cli import commands, display, run_loop
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.runtime import network
 
 
 def sweep_train(overrides: Sequence[str], console: Console) -> int:

@@ -14,12 +14,10 @@ import difflib
 import functools
 import re
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.config.schema import (SYNC_CONFIGS, Config, ConfigError, DataConfig, ModelConfig,
-                                      schema_for)
+from sdpipe_cli.config.schema import SYNC_CONFIGS, Config, ConfigError, DataConfig, ModelConfig, schema_for
 
 
 def config_dir() -> Path:
@@ -60,8 +58,7 @@ def compose(overrides: list[str]) -> DictConfig:
     Raises :class:`ConfigError` with one line naming the offending key for every Hydra or
     OmegaConf error (unknown key, wrong type, unknown group option, bad override syntax).
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register_schema()
@@ -256,7 +253,7 @@ def _nearest(key: str) -> str:
     return f"; did you mean '{parent + '.' if parent else ''}{close}'?" if close else ""
 
 
-def _closest(word: str, known) -> Optional[str]:
+def _closest(word: str, known) -> str | None:
     """The known key nearest to a misspelled ``word`` (difflib's ratio 0.6 or more), if any."""
 
     close = difflib.get_close_matches(word, [str(k) for k in known], n=1, cutoff=0.6)

@@ -23,8 +23,9 @@ is pure: it reads a mapping, not ``os.environ``, and returns overrides for the c
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from sdpipe_cli.config.schema import ConfigError
 
@@ -39,7 +40,7 @@ class JobEnvironment:
 
     source: str  # "SLURM" or "torchrun"
     node_index: int  # this node's index among the job's nodes
-    node_name: Optional[str]  # this node's hostname, if the scheduler says it
+    node_name: str | None  # this node's hostname, if the scheduler says it
     hostnames: tuple[str, ...]  # the job's nodes in order, if the scheduler lists them
     port: int  # the store port every node derives alike
 
@@ -110,7 +111,7 @@ def _expand_one(item: str) -> list[str]:
     return [name + rest for name in expanded for rest in _expand_one(tail)]
 
 
-def detect(env: Mapping[str, str]) -> Optional[JobEnvironment]:
+def detect(env: Mapping[str, str]) -> JobEnvironment | None:
     """The job scheduler's placement of this process, or None outside one. torchrun wins over
     SLURM (``srun torchrun ...`` runs torchrun's agent under SLURM)."""
     if "GROUP_RANK" in env and "MASTER_PORT" in env:
@@ -123,8 +124,8 @@ def detect(env: Mapping[str, str]) -> Optional[JobEnvironment]:
     return None
 
 
-def infer(nodes: Sequence[Mapping[str, Any]], node: Optional[str], port: int,
-          job: Optional[JobEnvironment]) -> dict[str, Any]:
+def infer(nodes: Sequence[Mapping[str, Any]], node: str | None, port: int,
+          job: JobEnvironment | None) -> dict[str, Any]:
     """Overrides (dotted key -> value) that place this launcher from ``job``, for a cluster of
     ``nodes`` (``cluster.nodes``: each a ``name`` and an optional ``host``) where the user set
     ``run.node = node`` and ``run.port = port``. Nothing for one node or outside a job."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import stat
 from pathlib import Path
-from typing import Optional
 
 from sdpipe_cli.config.schema import ConfigError
 
@@ -29,7 +28,7 @@ _SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character 
             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def special_kind(mode: int) -> Optional[str]:
+def special_kind(mode: int) -> str | None:
     """What a file of ``mode`` (``st_mode``) that is neither a regular file nor a folder is, in
     words; None for those two."""
     return next((what for test, what in _SPECIAL if test(mode)), None)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Optional
 
 FORMAT = "sdpipe-profile/1"
 REQUIRED = ("format", "model", "cluster", "devices", "p2p", "allreduce")
@@ -105,7 +104,7 @@ def write(doc: dict, run_dir: str | Path) -> Path:
     return path
 
 
-def check_model(doc: dict, model_name: str, blocks: Optional[int], microbatch_size: int) -> None:
+def check_model(doc: dict, model_name: str, blocks: int | None, microbatch_size: int) -> None:
     """The profile must have measured the model being trained, at its micro-batch size
     (``blocks``: None for a custom model not built yet; the launcher checks its count)."""
     m = doc["model"]
@@ -118,7 +117,7 @@ def check_model(doc: dict, model_name: str, blocks: Optional[int], microbatch_si
                            "with the same train.batch_size / pipeline.microbatches")
 
 
-def block_costs(doc: dict, device: Optional[str] = None, speed: float = 1.0) -> tuple[list[float], list[float]]:
+def block_costs(doc: dict, device: str | None = None, speed: float = 1.0) -> tuple[list[float], list[float]]:
     """(forward_ms, backward_ms) per block on ``device`` running at ``speed``.
 
     A device the profile measured keeps its measurements, rescaled if its speed was configured
@@ -138,7 +137,7 @@ def block_costs(doc: dict, device: Optional[str] = None, speed: float = 1.0) -> 
     return fwd, bwd
 
 
-def worker_block_ms(doc: dict, cluster, slowdown: Optional[list] = None) -> list[list[list[float]]]:
+def worker_block_ms(doc: dict, cluster, slowdown: list | None = None) -> list[list[list[float]]]:
     """``[p][s][i]``: forward + backward time of block i on the device of pipeline p's stage s
     (a :class:`~sdpipe_cli.core.cluster.Cluster`), at the device's speed at the start of the run and
     with the pipeline's ``cluster.slowdown`` factor."""

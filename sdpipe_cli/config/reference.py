@@ -29,10 +29,11 @@ import re
 import sys
 import tokenize
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator, Optional
+from typing import Any
 
 COMMAND = "python -m sdpipe_cli.config.reference > docs/CONFIG.md"
 
@@ -89,7 +90,7 @@ class _Source:
                 per[item.target.id] = (ast.unparse(item.annotation), text)
             self.fields[node.name] = per
 
-    def options(self, module: ModuleType) -> Iterator[tuple[Optional[str], str, type, tuple]]:
+    def options(self, module: ModuleType) -> Iterator[tuple[str | None, str, type, tuple]]:
         """(group or None, option name, class, its registry) for every dataclass offered as a group
         option; the registry (the other classes offered beside it) lets the caller find the group."""
         for node in ast.walk(self.tree):  # ConfigStore.instance().store(group=..., name=..., node=...)
@@ -148,12 +149,12 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def _dataclass_in(hint: Any) -> tuple[Optional[type], bool]:
+def _dataclass_in(hint: Any) -> tuple[type | None, bool]:
     """(the dataclass a type holds, whether it is a list of them), else (None, False)."""
     if _is_dataclass_type(hint):
         return hint, False
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (list, tuple, typing.List, typing.Sequence) and args:
+    if origin in (list, tuple, list, typing.Sequence) and args:
         inner, _ = _dataclass_in(args[0])
         return inner, inner is not None
     if origin is typing.Union:  # Optional[SomeConfig]
@@ -169,7 +170,7 @@ def _escape(text: str) -> str:
 
 # -- the walk ---------------------------------------------------------------------------------
 def rows(cls: type, source: _Source, module: ModuleType, prefix: str = "",
-         seen: Optional[set[type]] = None) -> Iterator[Row]:
+         seen: set[type] | None = None) -> Iterator[Row]:
     """Every setting under ``cls``, nested dataclasses in place (depth first, in field order)."""
     seen = set() if seen is None else seen
     seen.add(cls)
@@ -204,7 +205,7 @@ def _table(found: list[Row]) -> list[str]:
     return out
 
 
-def _groups_section(config_root: Optional[Path]) -> list[str]:
+def _groups_section(config_root: Path | None) -> list[str]:
     """The YAML config groups: each option, the first sentence of its comment, the values it sets."""
     if config_root is None or not config_root.is_dir():
         return []
@@ -245,8 +246,8 @@ def _groups_section(config_root: Optional[Path]) -> list[str]:
     return out + [""]
 
 
-def reference(module: Optional[ModuleType] = None, root: str = "Config",
-              config_root: Optional[Path] = None) -> str:
+def reference(module: ModuleType | None = None, root: str = "Config",
+              config_root: Path | None = None) -> str:
     """The Markdown reference of ``module``'s schema (default: sdpipe's own), rooted at ``root``."""
     if module is None:
         from sdpipe_cli.config import schema as module_

@@ -8,7 +8,8 @@ depth are bounded. Whether code it names may run is :mod:`~sdpipe_cli.config.tru
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException

@@ -13,15 +13,15 @@ into the run folder and read back by every child (:mod:`~.run_file`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from sdpipe_cli.core import grouping, schedule as _schedule
+from sdpipe_cli.core import grouping
 from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, SCHEDULES as _FLUSHED
 
-SCHEDULES = (*_schedule.SCHEDULES, *_schedule.ASYNC_SCHEDULES)  # the registry is core.schedule
-ASYNC_SCHEDULES = _schedule.ASYNC_SCHEDULES
+SCHEDULES = (*_FLUSHED, *ASYNC_SCHEDULES)  # the registry is core.schedule
 AVERAGES = ("weights_grads", "weights")  # sync.average (sdpipe)
 POLICIES = grouping.POLICIES  # sync.policy (sdpipe)
 STALE_RULES = grouping.STALE_RULES  # sync.stale (sdpipe)
@@ -54,7 +54,7 @@ class ModelConfig:
     # custom: the importable callable (pkg.module.fn or a class) that returns the model's blocks;
     # the model node's other keys (+model.width=64) are its keyword arguments, kept in kwargs
     _target_: Optional[str] = None
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # custom: keyword arguments of _target_
+    kwargs: dict[str, Any] = field(default_factory=dict)  # custom: keyword arguments of _target_
     # cross_entropy (over the last dimension; targets of -100 are ignored), or a node with
     # _target_ naming a callable (output, target) -> scalar loss, or a loss class
     loss: Any = "cross_entropy"
@@ -69,7 +69,7 @@ class ModelConfig:
     d_hidden: int = 256  # hidden width of each MLP
     dropout: float = 0.0  # dropout probability; 0 keeps pipelines bit-comparable
     num_classes: Optional[int] = None  # classifiers; null: the data set's
-    hf: Dict[str, Any] = field(default_factory=dict)  # gpt2, bert: more transformers config keys
+    hf: dict[str, Any] = field(default_factory=dict)  # gpt2, bert: more transformers config keys
     pretrained: Optional[str] = None  # gpt2, bert: a local folder of save_pretrained weights
     # Input and output embeddings share one weight (gpt2, bert, custom models sharing a parameter
     # between blocks); across stages each holds a copy, kept equal (docs/MODELS.md); false: two.
@@ -89,10 +89,10 @@ class DataConfig:
     eval_batches: Optional[int] = 4  # validation batches per evaluation; null: every full batch
     # custom: the callable returning the Dataset (or (train, val)); +data.KEY=VALUE are its kwargs
     _target_: Optional[str] = None
-    kwargs: Dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
     image_size: Optional[int] = None  # images: side of the training crop (null: the data set's own)
-    mean: Optional[List[float]] = None  # images: per-channel normalisation (null: the data set's)
-    std: Optional[List[float]] = None
+    mean: Optional[list[float]] = None  # images: per-channel normalisation (null: the data set's)
+    std: Optional[list[float]] = None
     # background processes preparing batches per reading stage; null: 0 for data in memory,
     # 2 for data decoded from files (image folders, CIFAR's augmentation, custom sets)
     num_workers: Optional[int] = None
@@ -100,7 +100,7 @@ class DataConfig:
     verify: bool = True  # tokens: check every shard's SHA-256 against the manifest at start
     # written by the launcher, never set by hand: what was read (paths, sizes, checksums), the
     # split sizes, a sample's shapes; config.yaml keeps it as the run's record of its data
-    resolved: Optional[Dict[str, Any]] = None
+    resolved: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -112,7 +112,7 @@ class DeviceConfig:
 @dataclass
 class NodeConfig:
     name: str = "node"  # devices are named "<node>:<index>"; with real nodes, what run.node picks
-    devices: List[DeviceConfig] = field(default_factory=list)
+    devices: list[DeviceConfig] = field(default_factory=list)
     # Address of a real machine (one `sdpipe train ... run.node=NAME` runs on each; the first
     # node hosts the store at this address and run.port). null: a node emulated on this machine.
     host: Optional[str] = None
@@ -124,7 +124,7 @@ class StragglerConfig:
     probability: float = 0.0
     factor: float = 3.0  # a slowed action takes this many times as long
     per: str = "microbatch"  # microbatch | iteration
-    devices: List[str] = field(default_factory=list)  # device names ("node:index"); empty: all
+    devices: list[str] = field(default_factory=list)  # device names ("node:index"); empty: all
 
 
 @dataclass
@@ -156,18 +156,18 @@ class ClusterConfig:
     device: str = "auto"  # cpu | cuda | auto (cuda when available, one GPU per worker)
     host: str = "127.0.0.1"  # address the TCPStore binds to; keep it private (see docs/SECURITY.md)
     # Nodes and their devices; empty: one node "local" with one device of speed 1.0 per worker.
-    nodes: List[NodeConfig] = field(default_factory=list)
+    nodes: list[NodeConfig] = field(default_factory=list)
     # Device name per (pipeline, stage): P lists of S "node:index"; empty: each pipeline on the
     # node with the most free devices that can hold it (see sdpipe_cli/core/cluster.py).
-    placement: List[List[str]] = field(default_factory=list)
+    placement: list[list[str]] = field(default_factory=list)
     # Per-pipeline compute slowdown factors (3.0 = three times slower); empty: all equal.
-    slowdown: List[float] = field(default_factory=list)
+    slowdown: list[float] = field(default_factory=list)
     # measured: scale each action's measured time; modelled: each action costs a modelled time
     # (compute_ms, or the profile's block times), the real compute inside it; auto: modelled when compute_ms is set.
     emulation: str = "auto"
     compute_ms: Optional[float] = None  # modelled ms of one micro-batch forward of a stage (backward: 2x)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
-    changes: List[SpeedChangeConfig] = field(default_factory=list)  # scheduled speed changes
+    changes: list[SpeedChangeConfig] = field(default_factory=list)  # scheduled speed changes
     links: LinksConfig = field(default_factory=LinksConfig)  # emulated network per link class
 
 
@@ -186,7 +186,7 @@ class PipelineConfig:
     # profile=PATH on this cluster's devices) | explicit list of S-1 block boundaries, e.g. [3]
     partition: Any = "uniform"
     # sdpipe: pipelines split their own way, {pipeline: boundaries}, e.g. {2: [5, 9, 12]}
-    partitions: Dict[int, List[int]] = field(default_factory=dict)
+    partitions: dict[int, list[int]] = field(default_factory=dict)
     # Recompute each micro-batch's activations inside the stage's blocks during its backward,
     # keeping only the blocks' inputs: less memory for more compute (torch.utils.checkpoint)
     activation_checkpointing: bool = False
@@ -405,7 +405,7 @@ class FaultConfig:
     slowdown_threshold: float = 1.5
     slowdown_window: int = 5  # iterations whose median compute time a device is judged by
     # written by sdpipe when it re-plans: devices earlier legs measured slower ("p2s1": 4.0)
-    slowed: Dict[str, float] = field(default_factory=dict)
+    slowed: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -451,7 +451,7 @@ class Config:
     profile: Optional[str] = None
     # Written by sdpipe when it prepares a run, not a setting: the topology, placement, budget
     # and micro-batch size every process of the run reads (core/plan.py); a value given is replaced.
-    plan: Optional[Dict[str, Any]] = None
+    plan: Optional[dict[str, Any]] = None
 
 
 def n_blocks(model: ModelConfig | DictConfig) -> Optional[int]:

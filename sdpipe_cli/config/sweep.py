@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from sdpipe_cli.config.schema import ConfigError
 

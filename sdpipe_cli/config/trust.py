@@ -32,8 +32,9 @@ import os
 import secrets
 import stat
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from sdpipe_cli.config.schema import ConfigError
 
@@ -81,7 +82,7 @@ def key_path() -> Path:
     return Path(base) / "sdpipe" / "trust.key"
 
 
-def _read_key(path: Path) -> Optional[bytes]:
+def _read_key(path: Path) -> bytes | None:
     """The key at ``path``, or None when there is none. A seal is worth the key's secrecy: whoever
     can read the key can seal code of their own for this user to run, and whoever can write it can
     swap in one they know. So a file there that anyone else may read or write, that is not a plain
@@ -174,7 +175,7 @@ def _digest(named: Mapping[str, Any], key: bytes) -> str:
     return hmac.new(key, text.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
-def seal(cfg: Mapping[str, Any]) -> Optional[str]:
+def seal(cfg: Mapping[str, Any]) -> str | None:
     """The seal of the code ``cfg`` names, under this user's key (made if needed); None when it
     names none (no key is needed then, nor read). :class:`ConfigError` naming the key's file when
     no usable key can be had: a launch never writes code unsealed."""
@@ -184,7 +185,7 @@ def seal(cfg: Mapping[str, Any]) -> Optional[str]:
     return _digest(named, _own_key(key_path()))
 
 
-def interpolations(node: Any, path: str = "") -> Optional[str]:
+def interpolations(node: Any, path: str = "") -> str | None:
     """The first key of a saved config whose value holds an OmegaConf interpolation (``${...}``),
     or None. Runs save their config resolved, so one there was written by hand, and resolving
     it could turn a plain value into code (``${oc.create:{_target_: ...}}``) after the check."""

@@ -19,20 +19,14 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from sdpipe_cli.config.schema import (ARCHS, ASYNC_SCHEDULES, AVERAGES, DATASETS, DEVICES,
-                                      EMULATIONS, HF_ARCHS, IMAGE_DATASETS, LR_SCHEDULES,
-                                      OBJECTIVES, OPTIMIZERS, PARTITIONS, POLICIES, PRECISIONS,
-                                      RESNET_BLOCKS, SCHEDULES, STALE_RULES, SYNC_CONFIGS,
-                                      SYNC_MODES, WANDB_MODES, ConfigError, DilocoSyncConfig,
-                                      PsSyncConfig, SdpipeSyncConfig, emulation, n_blocks,
-                                      num_classes, objective)
+from sdpipe_cli.config import schema
 from sdpipe_cli.config.local_files import refuse_special
+from sdpipe_cli.config.schema import ConfigError, emulation, n_blocks, num_classes, objective
 from sdpipe_cli.config.yaml_bounds import MAX_ENTRIES
 from sdpipe_cli.core.cluster import MAX_SLOWDOWN
 from sdpipe_cli.core.meetings import SYNC_PRECISIONS
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
-
 
 MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
 MAX_BATCH = 2**40  # train.batch_size: beyond it, a batch's element count overflows int64 tensors
@@ -51,8 +45,8 @@ def validate(cfg: DictConfig) -> None:
     setting found is the one reported). Raises :class:`ConfigError`."""
     m, d = cfg.model, cfg.data
     _validate_finite(OmegaConf.to_container(cfg, resolve=False), "")
-    need(m.arch in ARCHS, "model.arch", f"is '{m.arch}'; choose one of {', '.join(ARCHS)}")
-    need(d.name in DATASETS, "data.name", f"is '{d.name}'; choose one of {', '.join(DATASETS)}")
+    need(m.arch in schema.ARCHS, "model.arch", f"is '{m.arch}'; choose one of {', '.join(schema.ARCHS)}")
+    need(d.name in schema.DATASETS, "data.name", f"is '{d.name}'; choose one of {', '.join(schema.DATASETS)}")
     _validate_model(cfg)
     _validate_data(cfg)
     _validate_cluster_settings(cfg)
@@ -129,7 +123,7 @@ def _validate_cluster_settings(cfg: DictConfig) -> None:
     need(c.compute_ms is None or c.compute_ms <= MAX_COMPUTE_MS, "cluster.compute_ms",
          f"is {c.compute_ms} ms; a modelled micro-batch forward takes at most "
          f"{MAX_COMPUTE_MS:g} ms")
-    need(c.device in DEVICES, "cluster.device", f"is '{c.device}'; choose one of {', '.join(DEVICES)}")
+    need(c.device in schema.DEVICES, "cluster.device", f"is '{c.device}'; choose one of {', '.join(schema.DEVICES)}")
     need(len(c.changes) <= MAX_ENTRIES, "cluster.changes", f"has {len(c.changes):,} entries; a "
          f"schedule has at most {MAX_ENTRIES:,}")
     for key in ("rtt_ms", "event_ms", "collective_ms", "p2p_ms", "jitter"):
@@ -144,8 +138,8 @@ def _validate_pipeline(cfg: DictConfig) -> None:
     need(blocks is None or p.stages <= blocks, "pipeline.stages",
          f"is {p.stages} but model {m.name} has only {blocks} blocks; use at most {blocks} stages")
     need(p.microbatches >= 1, "pipeline.microbatches", "must be at least 1")
-    need(p.schedule in SCHEDULES, "pipeline.schedule",
-         f"is '{p.schedule}'; choose one of {', '.join(SCHEDULES)}")
+    need(p.schedule in schema.SCHEDULES, "pipeline.schedule",
+         f"is '{p.schedule}'; choose one of {', '.join(schema.SCHEDULES)}")
     if blocks is not None:
         validate_partition(p.partition, p.stages, blocks)
     validate_own_partitions(p, cfg.cluster.pipelines, blocks)
@@ -175,15 +169,15 @@ def _validate_sync(cfg: DictConfig) -> None:
     """``sync``: the mode, its own settings, and the schedules it can run."""
     p = cfg.pipeline
     y = cfg.sync
-    need(y.name in SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(SYNC_MODES)}")
-    _SETTINGS_CHECKS.get(SYNC_CONFIGS[y.name], lambda _: None)(y)
+    need(y.name in schema.SYNC_MODES, "sync.name", f"is '{y.name}'; choose one of {', '.join(schema.SYNC_MODES)}")
+    _SETTINGS_CHECKS.get(schema.SYNC_CONFIGS[y.name], lambda _: None)(y)
     if mode(y.name).meets:
         # the budget counts meetings of sync.every steps, rounded up: a period past a pipeline's
         # share of it would train that whole period before the run could end
         need(cfg.train.steps < 1 or y.every <= cfg.train.steps, "sync.every",
              f"is {y.every}, more than train.steps={cfg.train.steps}: a replica would train "
              f"{y.every} iterations before its first meeting; use at most {cfg.train.steps}")
-    if mode(y.name).meets and p.schedule in ASYNC_SCHEDULES:
+    if mode(y.name).meets and p.schedule in schema.ASYNC_SCHEDULES:
         need(y.every in (0, 1), "sync.every", f"meetings every {y.every} iterations need a "
              f"flushed schedule (1f1b, gpipe), not {p.schedule}")
         need(y.precision in ("auto", "fp32"), "sync.precision",
@@ -191,7 +185,7 @@ def _validate_sync(cfg: DictConfig) -> None:
     need(not p.partitions or mode(y.name).segments, "pipeline.partitions",
          f"pipelines split their own way need sync={' or '.join(names_with('segments'))} "
          f"(replicas average per segment of blocks), not {y.name}; use one pipeline.partition")
-    need(not (mode(y.name).flushed_only and p.schedule in ASYNC_SCHEDULES), "pipeline.schedule",
+    need(not (mode(y.name).flushed_only and p.schedule in schema.ASYNC_SCHEDULES), "pipeline.schedule",
          f"sync={y.name} counts an iteration's updates: use a flushed schedule (1f1b, gpipe), "
          f"not {p.schedule}")
 
@@ -212,18 +206,18 @@ def _validate_train(cfg: DictConfig) -> None:
     need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite",
          f"is '{t.on_nonfinite}'; choose stop or skip")
     need(t.max_skipped >= 1, "train.max_skipped", "must be at least 1")
-    need(t.optimizer in OPTIMIZERS, "train.optimizer",
-         f"is '{t.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+    need(t.optimizer in schema.OPTIMIZERS, "train.optimizer",
+         f"is '{t.optimizer}'; choose one of {', '.join(schema.OPTIMIZERS)}")
     need(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
     need(t.warmup >= 0, "train.warmup", "must be >= 0")
-    need(t.schedule in LR_SCHEDULES, "train.schedule",
-         f"is '{t.schedule}'; choose one of {', '.join(LR_SCHEDULES)}")
+    need(t.schedule in schema.LR_SCHEDULES, "train.schedule",
+         f"is '{t.schedule}'; choose one of {', '.join(schema.LR_SCHEDULES)}")
     need(0.0 <= t.final_lr <= 1.0, "train.final_lr", "must be in [0, 1] (a fraction of train.lr)")
     need(t.decay_every >= 1, "train.decay_every", "must be at least 1 iteration")
     need(0.0 < t.decay_factor <= 1.0, "train.decay_factor", "must be in (0, 1]")
     need(t.loss_scale >= 1, "train.loss_scale", "must be at least 1")
-    need(t.precision in PRECISIONS, "train.precision",
-         f"is '{t.precision}'; choose one of {', '.join(PRECISIONS)}")
+    need(t.precision in schema.PRECISIONS, "train.precision",
+         f"is '{t.precision}'; choose one of {', '.join(schema.PRECISIONS)}")
     need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
     need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: evaluate only at the end)")
     need(t.log_every >= 1, "train.log_every", "must be at least 1")
@@ -260,7 +254,7 @@ def _validate_run(cfg: DictConfig) -> None:
     need(not cfg.metrics.mlflow or importlib.util.find_spec("mlflow") is not None,
          "metrics.mlflow", "needs the mlflow package: pip install -e '.[mlflow]'")
     wandb = str(cfg.metrics.wandb).lower()
-    need(wandb in (*WANDB_MODES, "false"), "metrics.wandb",
+    need(wandb in (*schema.WANDB_MODES, "false"), "metrics.wandb",
          f"is '{cfg.metrics.wandb}'; choose off or offline (W&B runs offline only; "
          "wandb sync uploads them)")
     need(wandb != "offline" or importlib.util.find_spec("wandb") is not None,
@@ -276,11 +270,11 @@ def _check_sdpipe(y: DictConfig) -> None:
     need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
     need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
     need(y.max_group == 0 or y.max_group >= 2, "sync.max_group", "must be 0 (no cap) or at least 2")
-    need(y.policy in POLICIES, "sync.policy", f"is '{y.policy}'; choose one of {', '.join(POLICIES)}")
-    need(y.average in AVERAGES, "sync.average",
-         f"is '{y.average}'; choose one of {', '.join(AVERAGES)}")
-    need(y.stale in STALE_RULES, "sync.stale",
-         f"is '{y.stale}'; choose one of {', '.join(STALE_RULES)}")
+    need(y.policy in schema.POLICIES, "sync.policy", f"is '{y.policy}'; choose one of {', '.join(schema.POLICIES)}")
+    need(y.average in schema.AVERAGES, "sync.average",
+         f"is '{y.average}'; choose one of {', '.join(schema.AVERAGES)}")
+    need(y.stale in schema.STALE_RULES, "sync.stale",
+         f"is '{y.stale}'; choose one of {', '.join(schema.STALE_RULES)}")
     need(y.every >= 0, "sync.every", "must be >= 0 (0: chosen from cluster.links; 1: every "
          "iteration)")
     need(y.precision in SYNC_PRECISIONS, "sync.precision",
@@ -306,22 +300,22 @@ def _check_diloco(y: DictConfig) -> None:
 
 
 # each mode's own settings, by its config class (the rest of validation asks core.modes)
-_SETTINGS_CHECKS = {SdpipeSyncConfig: _check_sdpipe, PsSyncConfig: _check_ps,
-                    DilocoSyncConfig: _check_diloco}
+_SETTINGS_CHECKS = {schema.SdpipeSyncConfig: _check_sdpipe, schema.PsSyncConfig: _check_ps,
+                    schema.DilocoSyncConfig: _check_diloco}
 
 
 def _validate_model(cfg: DictConfig) -> None:
     """The model, its objective and the data it needs; the extras it imports."""
     m, d = cfg.model, cfg.data
     goal = objective(cfg)
-    need(m.objective in OBJECTIVES, "model.objective",
-         f"is '{m.objective}'; choose one of {', '.join(OBJECTIVES)}")
-    image = d.name in IMAGE_DATASETS
+    need(m.objective in schema.OBJECTIVES, "model.objective",
+         f"is '{m.objective}'; choose one of {', '.join(schema.OBJECTIVES)}")
+    image = d.name in schema.IMAGE_DATASETS
     need(goal == "classify" or not image, "model.objective",
          f"{goal} needs token data, but data={d.name} is images; use a classifier (e.g. model=resnet_cifar)")
     need(goal != "classify" or image or "custom" in (m.arch, d.name), "data.name",
          f"{m.arch} classifies images, but data={d.name} is text; use data=digits")
-    need(m.arch not in RESNET_BLOCKS or goal == "classify", "model.objective",
+    need(m.arch not in schema.RESNET_BLOCKS or goal == "classify", "model.objective",
          f"{m.arch} is a classifier; its objective is classify")
     need(m.arch != "custom" or bool(m.get("_target_")), "model._target_",
          "model=custom needs the callable that builds it: model._target_=PKG.MODULE.FN")
@@ -341,12 +335,12 @@ def _validate_model(cfg: DictConfig) -> None:
         need(classes is not None or d.name in ("imagefolder", "custom"), "model.num_classes",
              "a classifier needs its number of classes (set model.num_classes)")
         need(classes is None or classes >= 2, "model.num_classes", "a classifier needs at least 2 classes")
-    need(m.pretrained is None or m.arch in HF_ARCHS, "model.pretrained",
+    need(m.pretrained is None or m.arch in schema.HF_ARCHS, "model.pretrained",
          f"loads transformers weights (model=gpt2 or bert), not model.arch={m.arch}")
     if m.pretrained is not None:
         need(Path(str(m.pretrained)).expanduser().is_dir(), "model.pretrained",
              f"'{m.pretrained}' is not a folder (one written by save_pretrained)")
-    extras = {"transformers": (m.arch in HF_ARCHS, "model.arch", f"{m.arch} needs Hugging Face "
+    extras = {"transformers": (m.arch in schema.HF_ARCHS, "model.arch", f"{m.arch} needs Hugging Face "
                                "transformers: pip install -e '.[hf]'"),
               "sklearn": (d.name == "digits", "data.name", "digits needs scikit-learn: "
                           "pip install -e '.[digits]'"),
@@ -413,10 +407,10 @@ def _validate_replan(cfg: DictConfig) -> None:
 
 def _validate_cluster(cfg: DictConfig) -> None:
     """Nodes, placement, emulation, stragglers and the profile they may need."""
-    from sdpipe_cli.core.cluster import ClusterError
-    from sdpipe_cli.core.plan import cluster_of
     from sdpipe_cli.config import measurements
     from sdpipe_cli.config.measurements import ProfileError, check_model, load
+    from sdpipe_cli.core.cluster import ClusterError
+    from sdpipe_cli.core.plan import cluster_of
 
     c = cfg.cluster
     try:
@@ -445,8 +439,8 @@ def _validate_cluster(cfg: DictConfig) -> None:
                               "across real nodes yet; use stop")
     elif cfg.run.node is not None:
         raise ConfigError("run.node", "is only for clusters of real nodes (cluster.nodes[*].host)")
-    if c.emulation not in EMULATIONS:
-        raise ConfigError("cluster.emulation", f"is '{c.emulation}'; choose one of {', '.join(EMULATIONS)}")
+    if c.emulation not in schema.EMULATIONS:
+        raise ConfigError("cluster.emulation", f"is '{c.emulation}'; choose one of {', '.join(schema.EMULATIONS)}")
     modelled = emulation(cfg) == "modelled"
     if modelled and c.compute_ms is None and not cfg.profile:
         raise ConfigError("cluster.emulation", "modelled needs cluster.compute_ms or profile=PATH "
@@ -483,8 +477,8 @@ def validate_partition(partition: Any, stages: int, blocks: int,
     """``pipeline.partition`` (or a pipeline's own, ``key``) is a known name or S - 1 increasing
     block boundaries."""
     if isinstance(partition, str):
-        if partition not in PARTITIONS:
-            raise ConfigError(key, f"is '{partition}'; choose {', '.join(PARTITIONS)} "
+        if partition not in schema.PARTITIONS:
+            raise ConfigError(key, f"is '{partition}'; choose {', '.join(schema.PARTITIONS)} "
                               f"or a list of {stages - 1} block boundaries")
         return
     if not isinstance(partition, (list, ListConfig)) or not all(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -108,7 +108,7 @@ class _Open:
     name: str  # where it is: "changes", "nodes[1].devices"
     is_list: bool
     entries: int = 0
-    key: Optional[str] = None  # a mapping's key whose value comes next (None: a key comes next)
+    key: str | None = None  # a mapping's key whose value comes next (None: a key comes next)
 
     def child(self, event: yaml.NodeEvent, path: Path, given_by: str) -> str:
         """The name of the node ``event`` starts in this one (a mapping's key has none), counted

@@ -16,13 +16,14 @@ Pure: no I/O, no clock of its own; the policy is passed in.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["BlockPlan", "closing_block", "final_block"]
 
 
 def closing_block(every: int, pipeline: int, step_s: Mapping[int, float],
-                  progress: Mapping[int, float], budget: Optional[float]) -> int:
+                  progress: Mapping[int, float], budget: float | None) -> int:
     """The block ``pipeline`` takes next, decided at its meeting now: ``every`` local steps, or
     fewer where the run's budget is spent before they would end.
 

@@ -16,7 +16,6 @@ the caller passes the elapsed times.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 __all__ = ["Cadence", "GlobalSyncCheckpoints", "Throughput", "time_left"]
 
@@ -25,7 +24,7 @@ __all__ = ["Cadence", "GlobalSyncCheckpoints", "Throughput", "time_left"]
 NO_TIME_LEFT = 1e-3
 
 
-def time_left(limit: Optional[float], spent: float) -> Optional[float]:
+def time_left(limit: float | None, spent: float) -> float | None:
     """``train.time_limit`` for a leg after earlier legs of the same command used ``spent``
     seconds of it (a restart's or a re-plan's leg); None: no limit."""
     return None if limit is None else max(float(limit) - spent, NO_TIME_LEFT)
@@ -37,12 +36,12 @@ class Cadence:
     eval_every: int = 0  # evaluate after every multiple (0: only at the end)
     log_every: int = 1  # report a step event after every multiple
     checkpoint_every: int = 0  # checkpoint after every multiple (0: none)
-    checkpoint_minutes: Optional[float] = None  # also when this long passed since the last save
-    time_limit: Optional[float] = None  # seconds since the loop started
+    checkpoint_minutes: float | None = None  # also when this long passed since the last save
+    time_limit: float | None = None  # seconds since the loop started
     checkpoint_on_exit: bool = False  # also checkpoint where the run ends
 
     @classmethod
-    def from_config(cls, cfg, spent: float = 0.0) -> "Cadence":
+    def from_config(cls, cfg, spent: float = 0.0) -> Cadence:
         """The config's cadence, for a leg after earlier ones used ``spent`` seconds of the time
         limit."""
         return cls(steps=cfg.train.steps, eval_every=cfg.train.eval_every,
@@ -100,7 +99,7 @@ class GlobalSyncCheckpoints:
         if every:
             self.next = (at // every + 1) * every
 
-    def at_global_sync(self, at: int, final: bool, now: float) -> Optional[int]:
+    def at_global_sync(self, at: int, final: bool, now: float) -> int | None:
         """A global sync after ``at`` iterations (``final``: the run ends with it)."""
         c = self.cadence
         due = (bool(c.checkpoint_every) and at >= self.next
@@ -125,7 +124,7 @@ class Throughput:
 
     def __init__(self, batch_size: int):
         self.batch_size = batch_size
-        self._warm: Optional[tuple[float, int]] = None  # (time, done) at the first iteration's end
+        self._warm: tuple[float, int] | None = None  # (time, done) at the first iteration's end
 
     def iteration_done(self, now: float, done: int, iteration_s: float) -> float:
         """Record that ``done`` iterations are complete at ``now``; the current rate."""

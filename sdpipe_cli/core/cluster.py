@@ -18,8 +18,8 @@ Everything here is pure: :class:`Cluster` answers "which device", "how fast at r
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -41,7 +41,7 @@ class Device:
     node: str
     index: int  # position within its node (the CUDA device index on a real node)
     speed: float = 1.0
-    memory_gib: Optional[float] = None
+    memory_gib: float | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Link:
 
     kind: str  # same_node | cross_node | same_device
     latency_s: float = 0.0
-    bandwidth: Optional[float] = None  # bytes per second; None: not emulated
+    bandwidth: float | None = None  # bytes per second; None: not emulated
 
     @property
     def emulated(self) -> bool:
@@ -70,18 +70,18 @@ class SpeedChange:
     device: str
     speed: float
     start: float
-    end: Optional[float] = None
-    start_step: Optional[int] = None
-    end_step: Optional[int] = None
+    end: float | None = None
+    start_step: int | None = None
+    end_step: int | None = None
 
-    def active(self, t: float, step: Optional[int] = None) -> bool:
+    def active(self, t: float, step: int | None = None) -> bool:
         if self.start_step is not None:
             return step is not None and self.start_step <= step and (
                 self.end_step is None or step < self.end_step)
         return self.start <= t and (self.end is None or t < self.end)
 
 
-class Stragglers:
+class EmulatedStragglers:
     """Random slow-downs: each draw is ``factor`` with ``probability``, else 1.0. Seeded by
     (seed, device) where runs use it, so the emulation and the simulator draw the same ones."""
 
@@ -93,7 +93,7 @@ class Stragglers:
         return self.factor if self._rng.random() < self.probability else 1.0
 
     @classmethod
-    def of_device(cls, section, seed: int, device: str) -> Optional["Stragglers"]:
+    def of_device(cls, section, seed: int, device: str) -> EmulatedStragglers | None:
         """The draws of ``device`` under a ``cluster.stragglers`` section (None: not a straggler)."""
         if not (section.probability > 0 and section.factor != 1.0):
             return None
@@ -173,8 +173,8 @@ class Cluster:
     """Devices, the P x S placement of workers on them, speed changes and links."""
 
     def __init__(self, devices: Sequence[Device], placement: Sequence[Sequence[str]],
-                 changes: Sequence[SpeedChange] = (), links: Optional[dict[str, Link]] = None,
-                 hosts: Optional[dict[str, Optional[str]]] = None):
+                 changes: Sequence[SpeedChange] = (), links: dict[str, Link] | None = None,
+                 hosts: dict[str, str | None] | None = None):
         self.devices = {d.name: d for d in devices}
         self.hosts = {k: v for k, v in (hosts or {}).items() if v}  # real nodes' addresses
         self.placement = [list(row) for row in placement]
@@ -190,7 +190,7 @@ class Cluster:
         self._node_of_rank = [self.devices[name].node for row in self.placement for name in row]
 
     @classmethod
-    def from_config(cls, cluster: DictConfig | dict, stages: int) -> "Cluster":
+    def from_config(cls, cluster: DictConfig | dict, stages: int) -> Cluster:
         """The cluster of a (validated) ``cluster`` config section, or of its plain container,
         which is what it reads: a config node's every key costs microseconds, and a schedule of
         thousands of changes would cost seconds in every process; raises :class:`ClusterError`."""
@@ -282,7 +282,7 @@ class Cluster:
         return list(dict.fromkeys(d.node for d in self.devices.values()))
 
     # -- speed ------------------------------------------------------------------------------
-    def speed(self, device: Device, t: float = 0.0, step: Optional[int] = None) -> float:
+    def speed(self, device: Device, t: float = 0.0, step: int | None = None) -> float:
         """The device's speed at ``t`` seconds of the run, in iteration ``step`` of its
         pipeline: the last active change wins."""
         for change in reversed(self._changes_of.get(device.name, ())):

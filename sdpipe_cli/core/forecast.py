@@ -43,7 +43,6 @@ policy decides that and calls :meth:`Forecast.release` for each stage then.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Optional
 
 __all__ = ["Forecast", "BUSY_SAMPLES", "OUTLIER", "PACE_WEIGHT", "PAUSE_WEIGHT"]
 
@@ -64,20 +63,20 @@ class _Replica:
                  "pause_error", "ahead", "prior", "first", "missed", "speed")
 
     def __init__(self) -> None:
-        self.arrived: Optional[float] = None  # last ready signal
-        self.released: Optional[float] = None  # last release, until its next ready signal
+        self.arrived: float | None = None  # last ready signal
+        self.released: float | None = None  # last release, until its next ready signal
         self.spans: list[float] = []  # the last BUSY_SAMPLES release-to-ready spans
-        self.busy: Optional[float] = None  # their median
-        self.due: Optional[float] = None  # forecast of the next ready signal (None: ready now)
-        self.error: Optional[float] = None
+        self.busy: float | None = None  # their median
+        self.due: float | None = None  # forecast of the next ready signal (None: ready now)
+        self.error: float | None = None
         self.pausing = False  # the last release is followed by a known pause
-        self.pause: Optional[float] = None  # moving average of its known pauses (s)
-        self.pause_error: Optional[float] = None  # ... and of how far their forecasts missed
-        self.ahead: Optional[float] = None  # the pause in the current forecast (own or a peer's)
+        self.pause: float | None = None  # moving average of its known pauses (s)
+        self.pause_error: float | None = None  # ... and of how far their forecasts missed
+        self.ahead: float | None = None  # the pause in the current forecast (own or a peer's)
         self.prior = False  # the current forecast is a peer's measurement, not the replica's own
-        self.first: Optional[float] = None  # its first ready signal, if it came at the start
+        self.first: float | None = None  # its first ready signal, if it came at the start
         self.missed = 0.0  # its last ready signal less its forecast, if a usual miss (else 0)
-        self.speed: Optional[float] = None  # moving average of its spans (SPEED_WEIGHT)
+        self.speed: float | None = None  # moving average of its spans (SPEED_WEIGHT)
 
 
 class Forecast:
@@ -94,8 +93,8 @@ class Forecast:
         # per stage: the last compute time measured there with its replica's first ready signal,
         # and the last pause (a peer's forecast), and the replicas released without a forecast
         # because neither was known yet
-        self._busy: list[Optional[tuple[float, Optional[float]]]] = [None] * stages
-        self._pause: list[Optional[float]] = [None] * stages
+        self._busy: list[tuple[float, float | None] | None] = [None] * stages
+        self._pause: list[float | None] = [None] * stages
         self._unknown: list[set[int]] = [set() for _ in range(stages)]
         self._restarted: set[int] = set()  # pipelines forgotten: they did not start with the rest
 
@@ -146,7 +145,7 @@ class Forecast:
         if known is None:
             self._from_peers(stage)
 
-    def _paused(self, stage: int, r: _Replica, now: float, due: Optional[float]) -> None:
+    def _paused(self, stage: int, r: _Replica, now: float, due: float | None) -> None:
         """A ready signal after a known pause: learn the pause, not the compute time."""
         r.pausing, r.ahead = False, None
         if r.busy is not None:
@@ -204,13 +203,13 @@ class Forecast:
         entries = self._due[stage]
         del entries[bisect_left(entries, (due, pipeline))]
 
-    def expected(self, stage: int, pipeline: int) -> Optional[float]:
+    def expected(self, stage: int, pipeline: int) -> float | None:
         """When the replica's next ready signal is forecast (None: it is ready now, or neither it
         nor a peer at its stage has measured what the forecast needs yet)."""
         r = self._replicas[stage].get(pipeline)
         return None if r is None else r.due
 
-    def compute(self, stage: int, pipeline: int) -> Optional[float]:
+    def compute(self, stage: int, pipeline: int) -> float | None:
         """Its compute time, the median of its last release-to-ready spans (None: none
         measured yet). The pace holds the waits for its rounds, so replicas that wait for each
         other share one pace whatever their speeds; the compute time stays each one's own, and
@@ -218,7 +217,7 @@ class Forecast:
         r = self._replicas[stage].get(pipeline)
         return None if r is None else r.busy
 
-    def speed(self, stage: int, pipeline: int) -> Optional[float]:
+    def speed(self, stage: int, pipeline: int) -> float | None:
         """Seconds per iteration of its own: a moving average of its compute spans
         (:data:`SPEED_WEIGHT`: on a shared CPU one span varies by a tenth, the median of three
         by nearly as much, and comparing those told equal replicas apart), else its pace
@@ -228,7 +227,7 @@ class Forecast:
             return r.speed
         return self.pace.get((stage, pipeline))
 
-    def error(self, stage: int, pipeline: int) -> Optional[float]:
+    def error(self, stage: int, pipeline: int) -> float | None:
         """How far its forecasts usually miss (None: not known yet)."""
         r = self._replicas[stage].get(pipeline)
         return None if r is None else r.error
@@ -239,7 +238,7 @@ class Forecast:
         r = self._replicas[stage].get(pipeline)
         return 0.0 if r is None else r.missed
 
-    def worst_error(self, stage: int, pipelines: list[int]) -> Optional[float]:
+    def worst_error(self, stage: int, pipelines: list[int]) -> float | None:
         """The largest usual miss among ``pipelines``' replicas of ``stage``, of their pause
         forecasts for those before a known pause (None: one of them is not known yet). One call per
         round rather than one per replica: the policy's hot path."""

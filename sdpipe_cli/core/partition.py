@@ -10,8 +10,8 @@ The functions here are pure: they take block costs and return boundaries, no I/O
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 
 def uniform(blocks: int, stages: int) -> list[int]:

@@ -50,7 +50,7 @@ class Grid:
         return [(self.rank(p, s), self.rank(p, s + 1))
                 for p in range(self.pipelines) for s in range(self.stages - 1)]
 
-    def at(self, rank: int) -> "Placement":
+    def at(self, rank: int) -> Placement:
         return Placement(rank, self.pipelines, self.stages)
 
 
@@ -63,7 +63,7 @@ class Placement:
     stages: int
 
     @classmethod
-    def of(cls, pipeline: int, stage: int, pipelines: int, stages: int) -> "Placement":
+    def of(cls, pipeline: int, stage: int, pipelines: int, stages: int) -> Placement:
         return cls(pipeline * stages + stage, pipelines, stages)
 
     @property

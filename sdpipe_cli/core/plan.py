@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -141,17 +141,17 @@ class RunPlan:
             raise ValueError(f"rank {rank} is not a parameter server of this run")
         return stage
 
-    def ranks_on(self, node: Optional[str]) -> list[int]:
+    def ranks_on(self, node: str | None) -> list[int]:
         """The workers a launcher on ``node`` starts: all of them unless nodes are real."""
         return self.cluster.ranks_on(node) if self.cluster.real else list(range(self.workers))
 
-    def for_sync(self, name: str) -> "RunPlan":
+    def for_sync(self, name: str) -> RunPlan:
         """This plan under sync mode ``name`` (the simulator's comparison rows)."""
         return replace(self, servers=_servers(self.stages, name))
 
     # -- resolving and carrying ---------------------------------------------------------------
     @classmethod
-    def resolve(cls, cfg: Any, cluster: Optional[Cluster] = None, blocks: int = 0) -> "RunPlan":
+    def resolve(cls, cfg: Any, cluster: Cluster | None = None, blocks: int = 0) -> RunPlan:
         """The plan of a checked config (``cluster``: its cluster, when already built;
         ``blocks``: the model's, once known)."""
         stages = int(cfg.pipeline.stages)
@@ -171,7 +171,7 @@ class RunPlan:
                 "workers": self.workers, "world_size": self.world_size, "budget": self.budget}
 
     @classmethod
-    def of(cls, cfg: Any) -> "RunPlan":
+    def of(cls, cfg: Any) -> RunPlan:
         """The plan a prepared config carries; :class:`BadInput` naming ``plan`` when the
         config was not prepared or its plan does not match its cluster (a hand-edited file)."""
         section = cfg.get("plan")

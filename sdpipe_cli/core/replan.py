@@ -43,8 +43,9 @@ No I/O and no clock.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from sdpipe_cli.core.grouping.prediction import AWAIT_PACE_RATIO
 from sdpipe_cli.core.partition import device_cost, plan, stage_ranges

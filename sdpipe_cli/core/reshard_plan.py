@@ -27,8 +27,8 @@ as plain arithmetic, what each new pipeline starts from:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from sdpipe_cli.core.partition import stage_ranges
 

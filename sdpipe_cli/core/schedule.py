@@ -3,7 +3,7 @@
 A schedule is a pure function ``(stages, microbatches, stage) -> list[Action]``: no torch, no
 I/O, so it can be printed, diffed and property-tested. An :class:`Action` is a :class:`Kind`
 (``F`` or ``B``) and a micro-batch, printed ``F0``, ``B3``. The flushed executor
-(:class:`sdpipe_cli.pipeline.stage.PipelineStage`) runs the list; since each stage receives from
+(:class:`sdpipe_cli.pipeline.stage.FlushedStage`) runs the list; since each stage receives from
 its neighbours in list order, two neighbours' lists must agree on the order of micro-batches,
 which both schedules here guarantee (forwards and backwards each go in micro-batch order).
 
@@ -36,8 +36,9 @@ flush until the segment ends; :func:`async_next` is its rule, one action at a ti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import NamedTuple
 
 __all__ = [
     "ASYNC_SCHEDULES",
@@ -84,14 +85,14 @@ class Action(_Action):
 
     __slots__ = ()
 
-    def __new__(cls, kind: Kind | str, microbatch: int) -> "Action":
+    def __new__(cls, kind: Kind | str, microbatch: int) -> Action:
         return super().__new__(cls, Kind(kind), microbatch)
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.microbatch}"
 
 
-ScheduleFn = Callable[[int, int, int], List[Action]]
+ScheduleFn = Callable[[int, int, int], list[Action]]
 
 
 def _check(stages: int, microbatches: int, stage: int) -> None:
@@ -103,7 +104,7 @@ def _check(stages: int, microbatches: int, stage: int) -> None:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
 
 
-def one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action]:
+def one_f_one_b(stages: int, microbatches: int, stage: int) -> list[Action]:
     """PipeDream-Flush (1F1B) actions of ``stage``: warm-up forwards, F/B pairs, cool-down."""
     _check(stages, microbatches, stage)
     warmup = min(stages - stage - 1, microbatches)
@@ -114,7 +115,7 @@ def one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action]:
     return actions
 
 
-def gpipe(stages: int, microbatches: int, stage: int) -> List[Action]:
+def gpipe(stages: int, microbatches: int, stage: int) -> list[Action]:
     """GPipe actions of ``stage``: every forward, then every backward."""
     _check(stages, microbatches, stage)
     return [Action(Kind.F, i) for i in range(microbatches)] + [
@@ -122,11 +123,11 @@ def gpipe(stages: int, microbatches: int, stage: int) -> List[Action]:
     ]
 
 
-SCHEDULES: Dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
 def async_next(stages: int, stage: int, forwarded: int, backwarded: int,
-               end: Optional[int]) -> Optional[Action]:
+               end: int | None) -> Action | None:
     """The next action of ``stage`` in a segment of asynchronous 1F1B (PipeDream), or None at its end.
 
     ``forwarded`` and ``backwarded`` count the segment's micro-batches this stage has run forward
@@ -144,7 +145,7 @@ def async_next(stages: int, stage: int, forwarded: int, backwarded: int,
     return None
 
 
-def async_one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action]:
+def async_one_f_one_b(stages: int, microbatches: int, stage: int) -> list[Action]:
     """Asynchronous 1F1B (PipeDream) actions of ``stage`` for a segment of ``microbatches``.
 
     A segment is the stream of micro-batches between two drained points; it crosses iteration
@@ -165,7 +166,7 @@ def async_one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action
     instead of once per iteration.
     """
     _check(stages, microbatches, stage)
-    actions: List[Action] = []
+    actions: list[Action] = []
     forwarded = backwarded = 0
     while True:
         action = async_next(stages, stage, forwarded, backwarded, microbatches)
@@ -178,7 +179,7 @@ def async_one_f_one_b(stages: int, microbatches: int, stage: int) -> List[Action
             backwarded += 1
 
 
-def stash_versions(actions: List[Action]) -> Dict[int, int]:
+def stash_versions(actions: list[Action]) -> dict[int, int]:
     """The weight version each micro-batch's forward uses, when an update follows every backward.
 
     Version ``v`` is the weights after ``v`` updates of the segment, so it is the number of
@@ -186,7 +187,7 @@ def stash_versions(actions: List[Action]) -> Dict[int, int]:
     backward; in the steady state the weights have moved on by ``S - stage - 1`` updates by then
     (PipeDream's staleness), and at most ``S - stage`` versions are in flight.
     """
-    versions: Dict[int, int] = {}
+    versions: dict[int, int] = {}
     updates = 0
     for action in actions:
         if action.kind is Kind.F:
@@ -196,7 +197,7 @@ def stash_versions(actions: List[Action]) -> Dict[int, int]:
     return versions
 
 
-def in_flight(actions: List[Action]) -> int:
+def in_flight(actions: list[Action]) -> int:
     """The most micro-batches between their forward and their backward at once: whose
     activations a stage holds together (1F1B: ``S - stage``; GPipe: all of them)."""
     most = held = 0
@@ -216,7 +217,7 @@ def flushed(schedule_fn: ScheduleFn, iterations: int) -> ScheduleFn:
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
 
-    def repeated(stages: int, microbatches: int, stage: int) -> List[Action]:
+    def repeated(stages: int, microbatches: int, stage: int) -> list[Action]:
         one = schedule_fn(stages, microbatches, stage)
         return [Action(a.kind, k * microbatches + a.microbatch)
                 for k in range(iterations) for a in one]
@@ -226,10 +227,10 @@ def flushed(schedule_fn: ScheduleFn, iterations: int) -> ScheduleFn:
 
 # Schedules without a flush: their executor is :class:`sdpipe_cli.pipeline.async_stage.AsyncStage`, which
 # runs segments of many iterations and updates after every backward.
-ASYNC_SCHEDULES: Dict[str, ScheduleFn] = {"async_1f1b": async_one_f_one_b}
+ASYNC_SCHEDULES: dict[str, ScheduleFn] = {"async_1f1b": async_one_f_one_b}
 
 
-def updates_per_iteration(schedule: str, microbatches: int, weight_versions: Optional[int]) -> int:
+def updates_per_iteration(schedule: str, microbatches: int, weight_versions: int | None) -> int:
     """Optimizer updates (and sync rounds) per iteration on each stage.
 
     Flushed schedules update once per iteration. Asynchronous 1F1B updates after every
@@ -252,12 +253,12 @@ def get_schedule(name: str) -> ScheduleFn:
         raise ValueError(f"unknown schedule {name!r}; valid choices: {', '.join(names)}") from None
 
 
-def format_actions(actions: List[Action]) -> str:
+def format_actions(actions: list[Action]) -> str:
     """``"F0 F1 B0 ..."``: the compact form used in logs and tests."""
     return " ".join(str(a) for a in actions)
 
 
-def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> List[List[Optional[Action]]]:
+def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> list[list[Action | None]]:
     """Run every stage's actions on a clock where each action takes one tick.
 
     Returns one row per stage, one entry per tick: the action run then, or None when the
@@ -268,7 +269,7 @@ def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> List[
     """
     _check(stages, microbatches, 0)
     plans = [schedule_fn(stages, microbatches, s) for s in range(stages)]
-    done: Dict[tuple, int] = {}  # (kind, stage, microbatch) -> tick it ran
+    done: dict[tuple, int] = {}  # (kind, stage, microbatch) -> tick it ran
 
     def ready(action: Action, s: int, tick: int) -> bool:
         def ran(kind: Kind, at: int) -> bool:
@@ -278,7 +279,7 @@ def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> List[
             return s == 0 or ran(Kind.F, s - 1)
         return ran(Kind.F, s) and (s == stages - 1 or ran(Kind.B, s + 1))
 
-    rows: List[List[Optional[Action]]] = [[] for _ in range(stages)]
+    rows: list[list[Action | None]] = [[] for _ in range(stages)]
     position = [0] * stages
     tick = 0
     while any(position[s] < len(plans[s]) for s in range(stages)):

@@ -22,9 +22,10 @@ Pure: boundaries in, indices out. A partition is written as in :mod:`~sdpipe_cli
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 __all__ = ["Segments", "partitions_of", "with_split"]
 
@@ -38,13 +39,13 @@ class Segments:
     grain: int = 0
 
     @classmethod
-    def of(cls, partitions: Sequence[Sequence[int]], grain: int = 0) -> "Segments":
+    def of(cls, partitions: Sequence[Sequence[int]], grain: int = 0) -> Segments:
         parts = tuple(tuple(int(b) for b in bounds) for bounds in partitions)
         if not parts or len({len(b) for b in parts}) != 1:
             raise ValueError("every pipeline needs a partition into the same number of stages")
         return cls(parts, int(grain))
 
-    def resplit(self, pipeline: int, bounds: Sequence[int]) -> "Segments":
+    def resplit(self, pipeline: int, bounds: Sequence[int]) -> Segments:
         """These segments with ``pipeline`` split at ``bounds``: the same units when ``grain``
         cuts at every block."""
         parts = list(self.partitions)
@@ -72,7 +73,7 @@ class Segments:
         """The first block of segment ``k``."""
         return 0 if k == 0 else self.cuts[k - 1]
 
-    def stop(self, k: int) -> Optional[int]:
+    def stop(self, k: int) -> int | None:
         """The block after segment ``k`` (None for the last: the model's end)."""
         cuts = self.cuts
         return cuts[k] if k < len(cuts) else None
@@ -85,7 +86,7 @@ class Segments:
         """The segments stage ``stage`` of ``pipeline`` holds, in order (at least one)."""
         return [k for k in range(self.count) if self.holder(pipeline, k) == stage]
 
-    def local(self, pipeline: int, k: int) -> tuple[int, Optional[int]]:
+    def local(self, pipeline: int, k: int) -> tuple[int, int | None]:
         """Segment ``k``'s blocks as a slice of its holder's blocks in ``pipeline``: (start,
         stop), with stop None where the segment runs to the end of that stage."""
         stage = self.holder(pipeline, k)
@@ -104,7 +105,7 @@ def partitions_of(pipeline: Any, pipelines: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(b) for b in own[p]) if p in own else base for p in range(pipelines))
 
 
-def with_split(own: Optional[Mapping[int, Any]], shared: Sequence[int], pipeline: int,
+def with_split(own: Mapping[int, Any] | None, shared: Sequence[int], pipeline: int,
                bounds: Sequence[int]) -> dict[int, list[int]]:
     """``pipeline.partitions`` once ``pipeline`` is split at ``bounds``: its own entry, or none
     where that is ``shared`` (``pipeline.partition``)."""

@@ -41,12 +41,12 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 from sdpipe_cli.core import modes
 from sdpipe_cli.core.blocks import BlockPlan
-from sdpipe_cli.core.cluster import Cluster, Stragglers
+from sdpipe_cli.core.cluster import Cluster, EmulatedStragglers
 from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
 from sdpipe_cli.core.iteration_plan import IterationPlan
 from sdpipe_cli.core.meetings import BYTES, Meetings
@@ -72,7 +72,7 @@ class Workload:
     stage_bytes: list[int]  # the weights of each stage
     activation_bytes: int  # one micro-batch's activation between stages
     slowdown: list[float] = field(default_factory=list)  # per pipeline; empty: all 1
-    stragglers: list[list[Optional[Stragglers]]] = field(default_factory=list)  # [p][s]
+    stragglers: list[list[EmulatedStragglers | None]] = field(default_factory=list)  # [p][s]
     per_iteration: bool = False  # straggler draws per iteration (else per action)
     schedule: str = "1f1b"
     average: str = "weights_grads"  # sdpipe's payload: weights and gradients, or weights
@@ -81,8 +81,8 @@ class Workload:
     collective_s: float = 0.0003  # fixed cost of one collective call
     p2p_s: float = 0.0  # fixed cost of one message between stages, on top of its link
     jitter: float = 0.0  # sigma of a log-normal factor on a worker's iteration
-    staleness: Optional[int] = None  # ps: sync.staleness (set by the modes that have it)
-    local_steps: Optional[int] = None  # diloco: sync.local_steps, iterations between outer steps
+    staleness: int | None = None  # ps: sync.staleness (set by the modes that have it)
+    local_steps: int | None = None  # diloco: sync.local_steps, iterations between outer steps
     every: int = 1  # sdpipe: iterations between a replica's meetings (sync.every)
     precision: str = "fp32"  # sdpipe's group rounds, diloco's outer gradient (sync.precision)
     overlap: int = 0  # sdpipe: steps a group round's average runs behind (sync.overlap)
@@ -116,7 +116,7 @@ class Result:
     stages: int = 1
     # how far the replicas of a stage drift apart (see _Run._step): the root mean square of
     # their distance from their mean, averaged over the first stage's steps; None for ps
-    consensus: Optional[float] = None
+    consensus: float | None = None
 
     @property
     def sync_bytes_per_sample(self) -> float:
@@ -151,7 +151,7 @@ class Result:
 
 class _Run:
     def __init__(self, work: Workload, sync: str,
-                 policy_factory: Optional[Callable[[Callable[[], float]], GroupScheduler]]):
+                 policy_factory: Callable[[Callable[[], float]], GroupScheduler] | None):
         if sync not in MODES:
             raise ValueError(f"sync: cannot simulate '{sync}'; choose one of {', '.join(MODES)}")
         if modes.mode(sync).group_policy and policy_factory is None:
@@ -181,7 +181,7 @@ class _Run:
         # transfer into stage s: from s - 1 (forward) and from s + 1 (backward)
         self.where = [[Placement.of(p, s, P, S) for s in range(S)] for p in range(P)]
 
-        def hop(src: Optional[int], dst: int) -> float:
+        def hop(src: int | None, dst: int) -> float:
             return 0.0 if src is None else (
                 work.p2p_s + cl.link(src, dst).transfer_s(work.activation_bytes))
 
@@ -479,6 +479,6 @@ class _Run:
 
 
 def simulate(work: Workload, sync: str,
-             policy_factory: Optional[Callable[[Callable[[], float]], GroupScheduler]] = None) -> Result:
+             policy_factory: Callable[[Callable[[], float]], GroupScheduler] | None = None) -> Result:
     """Simulate ``work`` under ``sync``; ``policy_factory(clock)`` builds sdpipe's policy."""
     return _Run(work, sync, policy_factory).run()

@@ -45,7 +45,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["Change", "MATTERS", "SlowdownDetector", "carried_of", "slowed_key"]
 
@@ -80,11 +80,11 @@ class Change:
 class _Device:
     recent: deque
     seen: int = 0
-    baseline: Optional[float] = None
+    baseline: float | None = None
     first: list = field(default_factory=list)
     straggling: bool = False
     against: int = 0  # reports in a row that say the opposite of ``straggling``
-    slowdown: Optional[float] = None  # median of ``recent`` over ``baseline``, kept up to date
+    slowdown: float | None = None  # median of ``recent`` over ``baseline``, kept up to date
     steps: deque = field(default_factory=deque)  # its last iterations' times (step_s)
     carried: float = 1.0  # how much slower an earlier leg found it (its baseline's factor)
 
@@ -101,7 +101,7 @@ class SlowdownDetector:
     """Stragglers among ``pipelines`` x ``stages`` devices (see the module's docstring)."""
 
     def __init__(self, pipelines: int, stages: int, threshold: float = 1.5, window: int = 5,
-                 warmup: int = 3, carried: Optional[dict[tuple[int, int], float]] = None):
+                 warmup: int = 3, carried: dict[tuple[int, int], float] | None = None):
         if threshold <= 1.0:
             raise ValueError(f"threshold must be above 1, got {threshold}")
         if window < 1 or warmup < 0:
@@ -131,7 +131,7 @@ class SlowdownDetector:
         return sorted(k for k, d in self.devices.items() if d.straggling)
 
     def observe(self, pipeline: int, stage: int, iteration: int, busy_s: float,
-                step_s: Optional[float] = None) -> list[Change]:
+                step_s: float | None = None) -> list[Change]:
         """Fold in one iteration's compute time of a device (and the iteration's whole time,
         ``step_s``, if known); what changed because of it."""
         device = self.devices[(pipeline, stage)]
@@ -163,12 +163,12 @@ class SlowdownDetector:
                        iteration, round(score, 4), round(statistics.median(device.recent), 6),
                        round(device.baseline, 6))]
 
-    def own_slowdown(self, pipeline: int, stage: int) -> Optional[float]:
+    def own_slowdown(self, pipeline: int, stage: int) -> float | None:
         """The device's compute now over its own start, not relative to its peers (None: no
         baseline yet): what a re-plan needs, where a slowdown its peers share is still one."""
         return self.devices[(pipeline, stage)].slowdown
 
-    def score(self, pipeline: int, stage: int) -> Optional[float]:
+    def score(self, pipeline: int, stage: int) -> float | None:
         """The device's slowdown over its own start, relative to its peers' (None: no baseline
         yet)."""
         own = self.devices[(pipeline, stage)].slowdown

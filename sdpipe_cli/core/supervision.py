@@ -62,8 +62,9 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any
 
 SETTLE_S = 0.5  # seconds between seeing a failure and naming its root cause
 STRANDED_S = 30.0  # seconds workers may still run after the scheduler ended, before the run fails
@@ -75,9 +76,9 @@ class ChildState:
     """One child process as the launcher last saw it."""
 
     name: str  # "scheduler", "ps<stage>", or the worker's rank; unique within a launch
-    pipeline: Optional[int] = None  # workers only; helpers (scheduler, parameter servers) have none
-    returncode: Optional[int] = None  # None while it runs; negative: killed by that signal
-    error_time: Optional[float] = None  # when it wrote its error file (this leg of the run), if it did
+    pipeline: int | None = None  # workers only; helpers (scheduler, parameter servers) have none
+    returncode: int | None = None  # None while it runs; negative: killed by that signal
+    error_time: float | None = None  # when it wrote its error file (this leg of the run), if it did
 
     @property
     def failed(self) -> bool:
@@ -91,11 +92,11 @@ class Observation:
     now: float  # seconds on any monotonic clock; only differences matter
     children: tuple[ChildState, ...]
     signals: int = 0  # interrupts (Ctrl-C, SIGTERM) counted since supervision began, in total
-    progress: Optional[Mapping[str, Any]] = None  # the latest snapshot in the store, if any
-    elsewhere: Optional[str] = None  # a failure another node's launcher published, if any
+    progress: Mapping[str, Any] | None = None  # the latest snapshot in the store, if any
+    elsewhere: str | None = None  # a failure another node's launcher published, if any
     hung: tuple[str, ...] = ()  # children the scheduler named hung
     restarts_elsewhere: int = 0  # pipeline restarts other nodes' launchers made
-    malformed: Optional[str] = None  # a store value no process of the run wrote: what was wrong
+    malformed: str | None = None  # a store value no process of the run wrote: what was wrong
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -197,8 +198,8 @@ class Broken:
     interrupted: bool = False
 
 
-Action = Union[Wait, RequestStop, DropPipelines, Respawn, Resplit, RespawnScheduler, Kill,
-               StopNow, Finished, Failed, FailedElsewhere, Broken]
+Action = (Wait | RequestStop | DropPipelines | Respawn | Resplit | RespawnScheduler | Kill
+          | StopNow | Finished | Failed | FailedElsewhere | Broken)
 FINAL = (StopNow, Finished, Failed, FailedElsewhere, Broken)
 WAIT = Wait()
 
@@ -242,7 +243,7 @@ class Restarts:
     at each one, to minutes, for a run that trains well between them.
     """
 
-    def __init__(self, limit: int, backoff_s: float, reset_s: Optional[float] = None):
+    def __init__(self, limit: int, backoff_s: float, reset_s: float | None = None):
         if limit < 0 or backoff_s < 0:
             raise ValueError("limit and backoff_s must be >= 0")
         self.limit, self.backoff_s, self.used = limit, backoff_s, 0
@@ -254,7 +255,7 @@ class Restarts:
         return self.limit - self.used
 
     def take(self, what: Any = "run", now: float = 0.0, elsewhere: int = 0,
-             progressed: bool = False) -> Optional[float]:
+             progressed: bool = False) -> float | None:
         """Use one restart of ``what`` failing at ``now`` (seconds, any monotonic clock): the
         seconds to wait before it, or None when none is left (``elsewhere``: restarts other nodes'
         launchers made, which the budget also counts; ``progressed``: the failed attempt made
@@ -286,11 +287,11 @@ class Supervision:
 
     def __init__(self, *, workers: int = 0, tolerate: bool = False, graceful: bool = True,
                  started: bool = False, settle_s: float = SETTLE_S,
-                 restarts: Optional[Restarts] = None, pipelines: int = 0,
+                 restarts: Restarts | None = None, pipelines: int = 0,
                  stranded_s: float = STRANDED_S):
         self.workers, self.tolerate, self.graceful, self.settle_s = workers, tolerate, graceful, settle_s
         self.stranded_s = stranded_s
-        self._scheduler_gone: Optional[float] = None  # when the scheduler was first seen exited 0
+        self._scheduler_gone: float | None = None  # when the scheduler was first seen exited 0
         self.restarts, self.pipelines = restarts, pipelines
         self._elsewhere = 0  # restarts made by other nodes' launchers, as last observed
         self._respawn: dict[int, tuple[float, int, float]] = {}  # p -> (when, restart, back-off)
@@ -300,8 +301,8 @@ class Supervision:
         self._lost: set[int] = set()
         self._resplit_seen = 0  # the last re-split request acted on
         self._resplitting: set[int] = set()  # pipelines to start again on a new split
-        self._failing_since: Optional[float] = None
-        self._final: Optional[Action] = None
+        self._failing_since: float | None = None
+        self._final: Action | None = None
 
     @property
     def started(self) -> bool:
@@ -377,7 +378,7 @@ class Supervision:
             return self._end(FailedElsewhere(obs.elsewhere, self._interrupted))
         return WAIT
 
-    def _resplit(self, obs: Observation) -> Optional[Action]:
+    def _resplit(self, obs: Observation) -> Action | None:
         """A re-split in place the scheduler asks for and that was not acted on yet (not once a
         stop was asked for: the run ends anyway); :class:`Broken` for a malformed request."""
         asked = (obs.progress or {}).get("resplit")
@@ -403,7 +404,7 @@ class Supervision:
         self._resplitting.update(p for p, _ in splits if p in stopping or p in self._respawn)
         return Resplit(version, splits, slowed, stopping)
 
-    def _stranded(self, obs: Observation) -> Optional[str]:
+    def _stranded(self, obs: Observation) -> str | None:
         """Workers still running :attr:`stranded_s` after the scheduler exited 0, in words."""
         if not any(c.name == "scheduler" and c.returncode == 0 for c in obs.children):
             return None
@@ -445,7 +446,7 @@ class Supervision:
             return ()  # nobody would be left to go on
         return tuple((p, first_failure([c for c in failed if c.pipeline == p]).name) for p in hit)
 
-    def _note_start(self, progress: Optional[Mapping[str, Any]]) -> None:
+    def _note_start(self, progress: Mapping[str, Any] | None) -> None:
         if progress and progress.get("started", self.workers) >= self.workers:
             self._started = True
 

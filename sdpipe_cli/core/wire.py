@@ -20,8 +20,8 @@ Pure: no I/O, no torch. The transport (who probes, who decides, the store keys) 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 from sdpipe_cli.core.meetings import BYTES, Choice, choose
 
@@ -214,7 +214,7 @@ class Blocks:
         if every < 1:
             raise ValueError("every must be >= 1")
         self.every = every
-        self.next: Optional[int] = None  # the local step after which the replica meets next
+        self.next: int | None = None  # the local step after which the replica meets next
         self.met = -1  # the last meeting it went to
 
     def meets(self, step: int) -> bool:
@@ -227,7 +227,7 @@ class Blocks:
         """The number of the replica's coming meeting."""
         return self.met + 1
 
-    def went(self, step: int, next_every: Optional[int]) -> None:
+    def went(self, step: int, next_every: int | None) -> None:
         """It met after local step ``step``; its next block takes ``next_every`` steps (None:
         as long as the last)."""
         self.met += 1

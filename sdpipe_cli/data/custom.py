@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 import random
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -80,7 +80,7 @@ def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Datase
     return _Part(ds, order[held:]), _Part(ds, order[:held])
 
 
-def open_custom(data_cfg: Any, seed: int) -> tuple[Dataset, Dataset, Optional[int]]:
+def open_custom(data_cfg: Any, seed: int) -> tuple[Dataset, Dataset, int | None]:
     """The user's train and validation sets, and their number of classes if they say."""
     target = data_cfg.get("_target_")
     fn = import_callable(target, KEY)

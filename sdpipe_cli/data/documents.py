@@ -30,8 +30,8 @@ import re
 import stat
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from sdpipe_cli.config.local_files import special_kind
 from sdpipe_cli.data.corpus import STDLIB_SKIP_DIRS, sorted_files
@@ -111,10 +111,8 @@ def _cut(text: str, start: int, limit: int) -> int:
     """Where a piece of ``text`` that starts at ``start`` ends, at most at ``limit``: before the
     last whitespace followed by a non-whitespace within :data:`CUT_WINDOW` characters of the
     limit, else at the limit."""
-    last = None
-    for last in _CUT.finditer(text, max(start + 1, limit - CUT_WINDOW), limit + 2):
-        pass
-    return last.start() if last is not None else limit
+    cuts = list(_CUT.finditer(text, max(start + 1, limit - CUT_WINDOW), limit + 2))
+    return cuts[-1].start() if cuts else limit
 
 
 def _pieces(text: str, end: bool = True) -> Iterator[Piece]:

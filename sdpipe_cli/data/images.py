@@ -20,8 +20,9 @@ import importlib
 import io
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F

@@ -25,10 +25,11 @@ import itertools
 import multiprocessing
 import random
 import sys
-from contextlib import contextmanager
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -49,9 +50,9 @@ class Batch:
     inputs: Any = None
     targets: Any = None
     bad: list[tuple[str, str]] = field(default_factory=list)
-    broken: Optional[str] = None
+    broken: str | None = None
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         """Page-locked copies (the ``DataLoader``'s pinning thread calls this on CUDA), so that
         the copy to the device can overlap the compute."""
         from torch.utils.data._utils.pin_memory import pin_memory
@@ -202,7 +203,7 @@ class Loader:
         self.dataset, self.order, self.batch_size = _Keyed(dataset, labels_only), order, int(batch_size)
         self.workers, self.prefetch, self.pin_memory = int(workers), int(prefetch), pin_memory
         self.waited_s = 0.0
-        self._it: Optional[Iterator[Batch]] = None
+        self._it: Iterator[Batch] | None = None
         self._next = -1  # the position the running stream gives next
 
     def _start(self, position: int) -> None:

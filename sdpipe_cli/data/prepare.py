@@ -28,8 +28,9 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from sdpipe_cli.config.local_files import remove_empty_folders
 from sdpipe_cli.data.documents import LONE_SURROGATE, Piece, documents, resolve_sources, utf8

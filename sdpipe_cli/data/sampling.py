@@ -21,8 +21,8 @@ of ``(seed, pipeline, position)``, so augmentation is as reproducible as the ord
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 

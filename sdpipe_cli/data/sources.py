@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -45,12 +45,12 @@ class Splits:
 
     train: Dataset
     val: Dataset
-    classes: Optional[int] = None  # classification: the number of classes
-    vocab_size: Optional[int] = None  # token data: the tokenizer's vocabulary
+    classes: int | None = None  # classification: the number of classes
+    vocab_size: int | None = None  # token data: the tokenizer's vocabulary
     read: dict[str, Any] = field(default_factory=dict)  # paths, sizes, checksums
 
 
-def _windows(shards_train, shards_val, cfg: Any, mask_id: Optional[int], vocab: int) -> tuple:
+def _windows(shards_train, shards_val, cfg: Any, mask_id: int | None, vocab: int) -> tuple:
     from sdpipe_cli.config.schema import objective
     from sdpipe_cli.data.tokens import TokenWindows
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from sdpipe_cli.data.documents import Piece, open_source, utf8
 from sdpipe_cli.runtime.errors import DataError

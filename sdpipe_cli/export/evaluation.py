@@ -10,8 +10,8 @@ and micro-batch sizes may change too. Nothing else may: the model is what it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import psutil
 import torch
@@ -21,12 +21,12 @@ from torch import nn
 from sdpipe_cli.config.schema import ConfigError, objective
 from sdpipe_cli.core.segments import partitions_of
 from sdpipe_cli.data import sources
-from sdpipe_cli.runtime.errors import DataError
 from sdpipe_cli.data.loader import evaluation_batches
 from sdpipe_cli.model import memory, models
 from sdpipe_cli.model.boundary import map_tensors
 from sdpipe_cli.pipeline import validation
 from sdpipe_cli.pipeline.executor import Executor
+from sdpipe_cli.runtime.errors import DataError
 
 __all__ = ["CHANGEABLE", "check_keys", "check_memory", "evaluate", "with_overrides"]
 
@@ -102,9 +102,9 @@ def check_keys(overrides: Sequence[str]) -> None:
 
 
 def evaluate(cfg: DictConfig, blocks: Sequence[nn.Module],
-             on_batch: Optional[Callable[[int], None]] = None,
-             device: Optional[torch.device] = None,
-             pipeline: Optional[int] = None,
+             on_batch: Callable[[int], None] | None = None,
+             device: torch.device | None = None,
+             pipeline: int | None = None,
              say: Callable[[str], None] = lambda line: None) -> validation.Outcome:
     """The loss (and accuracy) of ``blocks`` on ``cfg``'s validation batches; under a low
     ``train.precision`` activations cross the stage boundaries of ``pipeline``'s partition (its
@@ -141,7 +141,7 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def check_memory(cfg: DictConfig, device: Optional[torch.device] = None) -> None:
+def check_memory(cfg: DictConfig, device: torch.device | None = None) -> None:
     """Refuse an evaluation that cannot fit on ``device`` (by default :func:`evaluate`'s), as
     a training run is refused (:func:`~sdpipe_cli.cli.preparing.check_memory`,
     ``run.memory_check``), before its first batch is made: a batch far too large otherwise grows

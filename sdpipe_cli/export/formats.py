@@ -35,21 +35,22 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.config import trust
 from sdpipe_cli.config.local_files import remove_empty_folders
 from sdpipe_cli.config.saved import typed
-from sdpipe_cli.data.sources import CORPORA
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
+from sdpipe_cli.data.sources import CORPORA
 from sdpipe_cli.export.weights import Merged, Source, by_block
-from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError, os_error, os_reason, refused
 
@@ -94,7 +95,7 @@ def assemble(config: DictConfig, merged: Merged) -> tuple[nn.Module, list[nn.Mod
     return whole.eval(), blocks
 
 
-def write(source: Source, merged: Merged, out: Path, fmt: Optional[str] = None,
+def write(source: Source, merged: Merged, out: Path, fmt: str | None = None,
           log=lambda line: None) -> dict[str, Any]:
     """Export ``merged`` (from ``source``) into the new folder ``out``; returns the manifest."""
     config = source.config
@@ -288,7 +289,7 @@ def check_parent(out: Path) -> None:
 
 
 def _write_model(fmt: str, whole: nn.Module, config: DictConfig, folder: Path, out: Path,
-                 log) -> Optional[str]:
+                 log) -> str | None:
     """The model's files in ``folder`` (to be ``out``); returns the tokenizer written with them,
     if any."""
     if fmt == "transformers":
@@ -314,7 +315,7 @@ def _write_model(fmt: str, whole: nn.Module, config: DictConfig, folder: Path, o
     return _byte_tokenizer(config)
 
 
-def _byte_tokenizer(config: DictConfig) -> Optional[str]:
+def _byte_tokenizer(config: DictConfig) -> str | None:
     """``"bytes"`` for a model of UTF-8 bytes (the corpora, and token data made with the bytes
     tokenizer), else None."""
     name = config.data.name
@@ -326,7 +327,7 @@ def _byte_tokenizer(config: DictConfig) -> Optional[str]:
     return None
 
 
-def _write_tokenizer(config: DictConfig, whole: nn.Module, folder: Path, log) -> Optional[str]:
+def _write_tokenizer(config: DictConfig, whole: nn.Module, folder: Path, log) -> str | None:
     """The run's tokenizer beside a transformers model: its ``tokenizer.json`` (``data=tokens``
     prepared with a trained or saved tokenizer), saved as a fast tokenizer that knows the
     model's length; the model's config learns its end-of-text token (``generate`` stops there)."""
@@ -370,7 +371,7 @@ class Export:
     blocks: list[nn.Module]
 
     @property
-    def tokenizer(self) -> Optional[str]:
+    def tokenizer(self) -> str | None:
         return self.manifest.get("tokenizer")
 
 

@@ -10,7 +10,6 @@ bytes and show what they produce as text (bytes that do not decode are replaced)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -135,7 +134,7 @@ class _Saved:
         return self.tok.decode(ids)
 
 
-def _tokenizer(export: Export) -> Optional[object]:
+def _tokenizer(export: Export) -> object | None:
     if export.tokenizer == "tokenizer.json":
         return _Saved(export.folder)
     if export.tokenizer == "bytes":

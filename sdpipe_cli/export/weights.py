@@ -27,20 +27,21 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.config import trust
 from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.segments import Segments, partitions_of
-from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError
 
@@ -55,7 +56,7 @@ class Source:
     """Where a run's weights lie: a complete checkpoint, or its sealed ``final/`` folder; both
     have a manifest (the run's config, every pipeline's iterations, each file's SHA-256)."""
 
-    run: Optional[Path]  # the run folder, when the weights lie in one
+    run: Path | None  # the run folder, when the weights lie in one
     path: Path  # the checkpoint folder, or final/
     kind: str  # "checkpoint" or "final"
     config: DictConfig  # the run's config, typed by its schema
@@ -91,7 +92,7 @@ class Source:
         return self.path / checkpoint.shard_name(rank), state.get("model")
 
 
-def find(path: os.PathLike | str, which: Optional[str] = None, trusted: bool = False) -> Source:
+def find(path: os.PathLike | str, which: str | None = None, trusted: bool = False) -> Source:
     """The weights of ``path`` (a run folder, or a checkpoint folder): ``which`` names one of
     the run's checkpoints (``step_N``, or its folder) or ``final``; by default whichever of the
     run's latest complete checkpoint and its ``final/`` holds more iterations (``final/`` on a
@@ -150,7 +151,7 @@ def _within(run: Path, place: Path) -> bool:
     return run in Path(os.path.normpath(place)).parents
 
 
-def _checkpoint(ckpt: Path, run: Optional[Path] = None) -> Source:
+def _checkpoint(ckpt: Path, run: Path | None = None) -> Source:
     """The checkpoint ``ckpt``: named by its own path (``run`` None), its run is the one whose
     own checkpoint it is, if any (:func:`sdpipe_cli.checkpoint.home_of`); found in ``run``, it
     must be that run's."""
@@ -160,7 +161,7 @@ def _checkpoint(ckpt: Path, run: Optional[Path] = None) -> Source:
     return _source(_owned(run, ckpt, manifest), ckpt, "checkpoint", manifest)
 
 
-def _owned(run: Path, found: Path, manifest: dict[str, Any]) -> Optional[Path]:
+def _owned(run: Path, found: Path, manifest: dict[str, Any]) -> Path | None:
     """``run``, whose weights ``found`` are (a checkpoint or final/ of it), or None where
     ``run`` is no run (no config.yaml); weights that carry another run's id are refused: copied
     in from another run, they are not this run's model."""
@@ -200,7 +201,7 @@ def _final(run: Path) -> Source:
     return _source(_owned(run, folder, manifest), folder, FINAL, manifest)
 
 
-def _source(run: Optional[Path], path: Path, kind: str, manifest: dict[str, Any]) -> Source:
+def _source(run: Path | None, path: Path, kind: str, manifest: dict[str, Any]) -> Source:
     where = str(path / checkpoint.MANIFEST)
     config = typed(manifest["config"], where)
     steps = {int(p): int(n) for p, n in manifest["steps"].items()}
@@ -233,7 +234,7 @@ class Merged:
         return f"pipeline {self.pipelines[0]}'s replica (consensus distance {self.distance:.3g})"
 
 
-def merge(source: Source, pipeline: Optional[int] = None) -> Merged:
+def merge(source: Source, pipeline: int | None = None) -> Merged:
     """One model from the replicas (see the module's docstring); ``pipeline``: that one's.
 
     Segment by segment (stage by stage where every pipeline has the same split): at most one
@@ -265,7 +266,7 @@ def merge(source: Source, pipeline: Optional[int] = None) -> Merged:
     return Merged(state, "equal" if equal else "mean", list(range(P)), distance)
 
 
-def check_pipeline(source: Source, pipeline: Optional[int]) -> None:
+def check_pipeline(source: Source, pipeline: int | None) -> None:
     if pipeline is not None and not 0 <= pipeline < source.pipelines:
         raise ConfigError("--pipeline", f"is {pipeline}; {source.path} has pipelines "
                           f"0..{source.pipelines - 1}")

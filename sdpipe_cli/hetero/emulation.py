@@ -30,23 +30,23 @@ uses (:meth:`~sdpipe_cli.core.cluster.Cluster.allreduce_s`), slept by every memb
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import psutil
 import torch
 
 from sdpipe_cli.config import measurements
-from sdpipe_cli.core.cluster import Cluster, Device, Stragglers
 from sdpipe_cli.config.schema import emulation
+from sdpipe_cli.core.cluster import Cluster, Device, EmulatedStragglers
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.schedule import Action, Kind
 
-__all__ = ["Stragglers", "Slowdown", "make_slowdown", "link_delay", "MemoryLimit",
+__all__ = ["EmulatedStragglers", "EmulatedSlowdown", "make_slowdown", "link_delay", "MemoryLimit",
            "MemoryLimitExceeded"]
 
 
-class Slowdown:
-    """An ``on_action`` hook for :class:`~sdpipe_cli.pipeline.stage.PipelineStage`.
+class EmulatedSlowdown:
+    """An ``on_action`` hook for :class:`~sdpipe_cli.pipeline.stage.FlushedStage`.
 
     ``factor`` is the static slow-down; ``speed()`` the device's speed now (it may change during
     the run, ``dynamic`` says it may); ``compute_ms``/``backward_ms`` the modelled cost of a forward/backward at speed 1
@@ -54,18 +54,18 @@ class Slowdown:
     ``per_iteration``, once per :meth:`new_iteration`.
     """
 
-    def __init__(self, factor: float = 1.0, compute_ms: Optional[float] = None,
+    def __init__(self, factor: float = 1.0, compute_ms: float | None = None,
                  sleep: Callable[[float], None] = time.sleep, *,
-                 backward_ms: Optional[float] = None,
+                 backward_ms: float | None = None,
                  speed: Callable[[], float] = lambda: 1.0,
-                 stragglers: Optional[Stragglers] = None, per_iteration: bool = False,
+                 stragglers: EmulatedStragglers | None = None, per_iteration: bool = False,
                  dynamic: bool = False):
         self.factor, self.sleep, self.speed, self.dynamic = factor, sleep, speed, dynamic
         self.forward_s = (compute_ms or 0) / 1000.0
         self.backward_s = (backward_ms / 1000.0 if backward_ms is not None else 2 * self.forward_s)
         self.stragglers, self.per_iteration = stragglers, per_iteration
         self._iteration_factor = 1.0
-        self.step: Optional[int] = None  # the iteration under way (new_iteration)
+        self.step: int | None = None  # the iteration under way (new_iteration)
         self._owed = 0.0  # seconds the emulation is behind its model
         self.actions = 0  # actions seen
         self.straggled = 0  # actions slowed by a random straggler
@@ -81,7 +81,7 @@ class Slowdown:
     def modelled(self) -> bool:
         return self.forward_s > 0 or self.backward_s > 0
 
-    def new_iteration(self, step: Optional[int] = None) -> None:
+    def new_iteration(self, step: int | None = None) -> None:
         """Iteration ``step`` starts (a speed change may be timed by it): draw its straggler
         factor (``per_iteration`` mode)."""
         self.step = step
@@ -121,7 +121,7 @@ class Slowdown:
 
 
 def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
-                  clock: Callable[[], float]) -> Slowdown:
+                  clock: Callable[[], float]) -> EmulatedSlowdown:
     """The hook for worker (pipeline, stage) of a run config; ``clock()`` is the run time in s."""
     c = cfg.cluster
     device = cluster.device(pipeline, stage)
@@ -134,16 +134,16 @@ def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
             start, stop = stage_ranges(list(cfg.pipeline.partition), len(fwd))[stage]
             forward_ms, backward_ms = sum(fwd[start:stop]), sum(bwd[start:stop])
     st = c.stragglers
-    stragglers = Stragglers.of_device(st, cfg.train.seed, device.name)
+    stragglers = EmulatedStragglers.of_device(st, cfg.train.seed, device.name)
     slow = list(c.slowdown)
-    hook = Slowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
+    hook = EmulatedSlowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
                     stragglers=stragglers, per_iteration=st.per == "iteration",
                     dynamic=bool(cluster.change_points(device)))
     hook.speed = lambda: cluster.speed(device, clock(), hook.step)
     return hook
 
 
-def link_delay(cluster: Cluster, rank: int) -> Optional[Callable[[int, torch.Tensor], None]]:
+def link_delay(cluster: Cluster, rank: int) -> Callable[[int, torch.Tensor], None] | None:
     """A ``before_send`` hook sleeping the emulated link's transfer time (None: no emulation)."""
     if not cluster.links_emulated:
         return None

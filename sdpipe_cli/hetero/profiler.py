@@ -30,8 +30,8 @@ out up to 7x apart; minima stay within tens of percent. The profile describes th
 load they happened to share.
 
 Emulation shows up as it would in training. A device's ``speed`` goes through the same
-:class:`~sdpipe_cli.hetero.emulation.Slowdown` (measured mode): the profile records
-``Slowdown.target``, the time the action must take, rather than sleeping it, because a sleep would
+:class:`~sdpipe_cli.hetero.emulation.EmulatedSlowdown` (measured mode): the profile records
+``EmulatedSlowdown.target``, the time the action must take, rather than sleeping it, because a sleep would
 only add the timer's overshoot to sub-millisecond blocks (and could not emulate a speed above 1).
 Links are emulated by :func:`~sdpipe_cli.hetero.emulation.link_delay` on every send and by the group
 cache's all-reduce delay: those sleeps are inside the measured time.
@@ -42,26 +42,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from datetime import datetime, timezone
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from sdpipe_cli.config import measurements
+from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.data import sources
+from sdpipe_cli.hetero.emulation import EmulatedSlowdown, MemoryLimit, link_delay
 from sdpipe_cli.model import models
 from sdpipe_cli.model.boundary import map_tensors, tensors_of
 from sdpipe_cli.pipeline.executor import to_device
-
-from sdpipe_cli.config import measurements
-
 from sdpipe_cli.runtime import store
-from sdpipe_cli.core.placement import Grid
-from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.hetero.emulation import MemoryLimit, Slowdown, link_delay
-from sdpipe_cli.core.partition import stage_ranges
-from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.runtime.bootstrap import Joined, joined
 from sdpipe_cli.sync.groups import GroupCache, for_worker
 
@@ -103,7 +101,7 @@ def stage_weight_bytes(cfg: DictConfig, stage: int) -> int:
 
 
 def repeat(once: Callable[[], Sequence[float]], repeats: int, warmup: int = WARMUP,
-           min_repeats: Optional[int] = None, budget_s: float = math.inf,
+           min_repeats: int | None = None, budget_s: float = math.inf,
            clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Per value that ``once()`` returns, its minimum over the timed repeats after ``warmup``
     untimed ones; past ``budget_s`` seconds of timed repeats, stop after ``min_repeats``."""
@@ -129,7 +127,7 @@ def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
     ordered = sorted(results, key=lambda r: r["device"]["rank"])
     return {
         "format": measurements.FORMAT,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "model": {"name": cfg.model.name, "arch": cfg.model.arch,
                   "blocks": models.count_blocks(cfg.model),
@@ -158,7 +156,7 @@ class Profiler:
         self.cluster = ctx.plan.cluster
         self.placed = self.cluster.device(self.where.pipeline, self.where.stage)
         self.speed = self.cluster.speed(self.placed, 0.0)
-        self.slowdown = Slowdown(speed=lambda: self.speed)  # measured mode: time / speed
+        self.slowdown = EmulatedSlowdown(speed=lambda: self.speed)  # measured mode: time / speed
         self.memory = MemoryLimit(self.placed, self.device)
         self.before_send = link_delay(self.cluster, self.where.rank)
         self.p2p: list[dict] = []

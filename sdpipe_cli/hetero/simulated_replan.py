@@ -20,8 +20,6 @@ reported in ``simulation.json``'s ``replan`` with the proposal; the console prin
 
 from __future__ import annotations
 
-from typing import Optional
-
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import measurements
@@ -37,7 +35,7 @@ __all__ = ["replanned", "RESTART_S"]
 RESTART_S = 10.0  # the start-up a simulated restart costs (a real run measures its own)
 
 
-def replanned(cfg: DictConfig, work_of) -> Optional[dict]:
+def replanned(cfg: DictConfig, work_of) -> dict | None:
     """The ``replan`` section of ``simulation.json`` for a prepared ``cfg`` (None: nothing to
     re-plan); ``work_of(cfg, plan)``: its simulated workload."""
     if cfg.fault.on_slowdown != "replan" or not cfg.cluster.changes:

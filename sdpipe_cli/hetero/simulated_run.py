@@ -13,20 +13,20 @@ import copy
 import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation
-from sdpipe_cli.core.cluster import Stragglers
+from sdpipe_cli.core.cluster import EmulatedStragglers
 from sdpipe_cli.core.grouping import make_policy
-from sdpipe_cli.core.modes import mode as mode_of
 from sdpipe_cli.core.meetings import BYTES, Choice, average_of, choose, meetings_of, precision_of
-from sdpipe_cli.core.placement import Placement
+from sdpipe_cli.core.modes import mode as mode_of
 from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.core.simulation import MODES, Result, Workload, simulate
@@ -41,7 +41,7 @@ FORMAT = "sdpipe-simulation/1"
 FLOAT_BYTES = 4
 
 
-def workload(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Workload:
+def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
     """The simulated workload of a prepared run config (partition resolved) and its plan (read
     from it when not given); raises :class:`ConfigError` for what cannot be simulated."""
     m = cfg.pipeline.microbatches
@@ -80,7 +80,7 @@ def workload(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Workload:
         stage_bytes=[sum(counts[a:b]) * FLOAT_BYTES for a, b in ranges],
         activation_bytes=models.activation_bytes(cfg, sources.example(cfg, plan.microbatch_size)[0]),
         slowdown=[float(x) for x in cfg.cluster.slowdown],
-        stragglers=[[Stragglers.of_device(st, seed, cluster.device(p, s).name)
+        stragglers=[[EmulatedStragglers.of_device(st, seed, cluster.device(p, s).name)
                      for s in range(S)] for p in range(P)],
         per_iteration=st.per == "iteration", schedule=cfg.pipeline.schedule,
         rtt_s=cfg.simulate.rtt_ms / 1e3, event_s=cfg.simulate.event_ms / 1e3,
@@ -104,7 +104,7 @@ def _sync_settings(cfg: DictConfig) -> dict:
             "precision": precision_of(cfg.sync), "staleness": None, "local_steps": None, **own}
 
 
-def _with_sync(cfg: DictConfig, sync: str, plan: Optional[RunPlan] = None) -> DictConfig:
+def _with_sync(cfg: DictConfig, sync: str, plan: RunPlan | None = None) -> DictConfig:
     """``cfg`` with another sync mode's defaults (for the comparison rows), its plan with that
     mode's servers; sdpipe's meetings chosen as a launch would (:func:`resolve_meetings`)."""
     if cfg.sync.name == sync:
@@ -117,7 +117,7 @@ def _with_sync(cfg: DictConfig, sync: str, plan: Optional[RunPlan] = None) -> Di
     return other
 
 
-def resolve_meetings(cfg: DictConfig, plan: Optional[RunPlan] = None) -> Optional[Choice]:
+def resolve_meetings(cfg: DictConfig, plan: RunPlan | None = None) -> Choice | None:
     """Write sdpipe's ``sync.every`` and ``sync.precision`` into ``cfg`` where they are left to
     choose (0, ``auto``), from the cluster's emulated links (:func:`~sdpipe_cli.core.meetings.
     choose`): the fastest pipeline's iteration, simulated alone for a few steps, against one

@@ -20,8 +20,9 @@ zero gradient, so both sides always exchange the same layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ ALIGN = 16  # bytes: every tensor starts aligned in the buffer, so a view as its
 
 @dataclass(frozen=True)
 class TensorSpec:
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
@@ -51,23 +52,23 @@ class Boundary:
     """The layout of a value between two stages: ``specs`` in order; ``keys`` for a dict,
     ``None`` with ``single`` for a bare tensor, ``None`` otherwise for a tuple."""
 
-    specs: Tuple[TensorSpec, ...]
-    keys: Optional[Tuple[str, ...]] = None
+    specs: tuple[TensorSpec, ...]
+    keys: tuple[str, ...] | None = None
     single: bool = False
 
     # -- building ---------------------------------------------------------------------------------
     @classmethod
-    def of(cls, value: Any, where: str = "a block's output") -> "Boundary":
+    def of(cls, value: Any, where: str = "a block's output") -> Boundary:
         """The boundary of ``value``: a tensor, a tuple or list of tensors, or a dict of them."""
         tensors, keys, single = _flatten(value, where)
         return cls(tuple(TensorSpec(tuple(t.shape), t.dtype) for t in tensors), keys, single)
 
     @classmethod
-    def tensor(cls, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> "Boundary":
+    def tensor(cls, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> Boundary:
         return cls((TensorSpec(tuple(int(d) for d in shape), dtype),), None, True)
 
     # -- structure --------------------------------------------------------------------------------
-    def flatten(self, value: Any, where: str = "output") -> List[torch.Tensor]:
+    def flatten(self, value: Any, where: str = "output") -> list[torch.Tensor]:
         """The tensors of ``value`` in order; RuntimeError unless it has this layout (a floating
         tensor may differ in precision: packing casts it)."""
         tensors, keys, single = _flatten(value, where)
@@ -88,17 +89,17 @@ class Boundary:
             return dict(zip(self.keys, tensors))
         return tuple(tensors)
 
-    def with_floats(self, dtype: torch.dtype) -> "Boundary":
+    def with_floats(self, dtype: torch.dtype) -> Boundary:
         """The same layout with its floating-point tensors sent as ``dtype`` (mixed precision:
         half the bytes; a floating output of any precision is cast to it when packed)."""
         return Boundary(tuple(TensorSpec(s.shape, dtype if s.dtype.is_floating_point else s.dtype)
                               for s in self.specs), self.keys, self.single)
 
-    def grads(self) -> "Boundary":
+    def grads(self) -> Boundary:
         """The layout of the gradient message: the floating-point tensors, in order, as a tuple."""
         return Boundary(tuple(s for s in self.specs if s.dtype.is_floating_point))
 
-    def differentiable(self) -> List[int]:
+    def differentiable(self) -> list[int]:
         """Indices of the tensors that carry a gradient back."""
         return [i for i, s in enumerate(self.specs) if s.dtype.is_floating_point]
 
@@ -118,7 +119,7 @@ class Boundary:
             offset += _padded(n)
         return buffer
 
-    def unpack(self, buffer: torch.Tensor) -> List[torch.Tensor]:
+    def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``buffer`` (of :meth:`pack`'s layout) as this boundary's tensors."""
         out, offset = [], 0
         for spec in self.specs:
@@ -143,9 +144,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     return value
 
 
-def tensors_of(value: Any) -> List[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
     """The tensors of a value between blocks, in :meth:`Boundary.flatten`'s order."""
-    found: List[torch.Tensor] = []
+    found: list[torch.Tensor] = []
     map_tensors(found.append, value)
     return found
 
@@ -154,7 +155,7 @@ def _padded(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _flatten(value: Any, where: str) -> Tuple[List[torch.Tensor], Optional[Tuple[str, ...]], bool]:
+def _flatten(value: Any, where: str) -> tuple[list[torch.Tensor], tuple[str, ...] | None, bool]:
     if isinstance(value, torch.Tensor):
         return [value], None, True
     if isinstance(value, dict):
@@ -173,7 +174,7 @@ def _flatten(value: Any, where: str) -> Tuple[List[torch.Tensor], Optional[Tuple
     return tensors, keys, False
 
 
-def _describe(specs: Sequence[TensorSpec], keys: Optional[Sequence[str]], single: bool) -> str:
+def _describe(specs: Sequence[TensorSpec], keys: Sequence[str] | None, single: bool) -> str:
     if single:
         return str(specs[0])
     if keys is not None:

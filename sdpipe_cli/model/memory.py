@@ -25,8 +25,9 @@ on meta tensors (one that reads values) gets no estimate, and nothing is refused
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -66,8 +67,8 @@ class StageMemory:
                 f"x {self.in_flight} micro-batch(es) in flight")
 
 
-def estimate(cfg: DictConfig, example: Any, partition: Optional[Sequence[int]] = None
-             ) -> Optional[list[StageMemory]]:
+def estimate(cfg: DictConfig, example: Any, partition: Sequence[int] | None = None
+             ) -> list[StageMemory] | None:
     """Each stage's worker, for a prepared config and an example micro-batch input, under
     ``partition`` (default ``pipeline.partition``: a pipeline split its own way gives its own);
     None when the model cannot run on meta tensors."""
@@ -115,7 +116,7 @@ class EvaluationMemory:
                 f"activations {self.activations / GIB:.2f} GiB")
 
 
-def evaluation(cfg: DictConfig, batch: Any, micro: Any) -> Optional[EvaluationMemory]:
+def evaluation(cfg: DictConfig, batch: Any, micro: Any) -> EvaluationMemory | None:
     """The evaluation of the whole model (one stage) on ``batch``, an (inputs, targets) pair of
     the batch's shapes, in micro-batches of inputs ``micro`` (meta tensors will do); None when
     the model cannot run on meta tensors."""
@@ -134,8 +135,8 @@ def evaluation(cfg: DictConfig, batch: Any, micro: Any) -> Optional[EvaluationMe
 
 def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int]],
                 device: Callable[[int, int], Any],
-                estimates: Optional[dict[tuple[int, ...], Optional[list[StageMemory]]]] = None
-                ) -> Optional[str]:
+                estimates: dict[tuple[int, ...], list[StageMemory] | None] | None = None
+                ) -> str | None:
     """The first worker that would not fit the memory its device declares (``memory`` of a
     device in ``cluster.nodes``), in words, under each pipeline's split ``partitions[p]``
     (``device(p, s)``: its device); None when each fits, no device declares any, or the model
@@ -178,7 +179,7 @@ def _saved_per_block(blocks: Sequence[nn.Module], example: Any) -> tuple[list[in
         params = {id(x) for x in block.parameters()}
         count = [0]
 
-        def pack(x: torch.Tensor) -> torch.Tensor:
+        def pack(x: torch.Tensor, params: set[int] = params, count: list[int] = count) -> torch.Tensor:
             base = x._base if x._base is not None else x
             if id(x) not in params and id(base) not in params:
                 count[0] += _nbytes(x)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ from sdpipe_cli.model.boundary import Boundary, map_tensors
 __all__ = ["build", "build_stage_module", "build_whole", "boundaries", "block_param_counts", "count_blocks",
            "loss_function", "tied_parameters"]
 
-Blocks = Tuple[List[nn.Module], List[str]]
+Blocks = tuple[list[nn.Module], list[str]]
 IGNORE_INDEX = -100  # targets that take no part in the loss (masked LM: the unmasked tokens)
 
 
@@ -71,7 +72,7 @@ def _hf(m: DictConfig) -> Blocks:
         raise ConfigError(*_split_key(str(err), "model.arch")) from None
 
 
-def hf_overrides(m: DictConfig) -> Dict[str, Any]:
+def hf_overrides(m: DictConfig) -> dict[str, Any]:
     """transformers config keys from the model's settings, then ``model.hf`` on top."""
     if m.arch == "gpt2":
         base = {"vocab_size": m.vocab_size, "n_positions": m.seq_len, "n_embd": m.d_model,
@@ -89,7 +90,7 @@ def _custom(m: DictConfig) -> Blocks:
     return _custom_parts(m)[1:]
 
 
-def _custom_parts(m: DictConfig) -> Tuple[Any, List[nn.Module], List[str]]:
+def _custom_parts(m: DictConfig) -> tuple[Any, list[nn.Module], list[str]]:
     """What the user's builder returned, and its blocks and their names."""
     target = m.get("_target_")
     fn = import_callable(target, "model._target_")
@@ -97,7 +98,7 @@ def _custom_parts(m: DictConfig) -> Tuple[Any, List[nn.Module], List[str]]:
     returned = made = _call_builder(fn, target, kwargs)
     if hasattr(made, "pipeline_blocks") and callable(made.pipeline_blocks):
         made = made.pipeline_blocks()
-    names: Optional[List[str]] = None
+    names: list[str] | None = None
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], (list, tuple)) \
             and all(isinstance(n, str) for n in made[1]):
         made, names = made[0], list(made[1])
@@ -118,11 +119,11 @@ def _custom_parts(m: DictConfig) -> Tuple[Any, List[nn.Module], List[str]]:
     return returned, blocks, names
 
 
-def _call_builder(fn: Callable[..., Any], target: str, kwargs: Dict[str, Any]) -> Any:
+def _call_builder(fn: Callable[..., Any], target: str, kwargs: dict[str, Any]) -> Any:
     """``fn(**kwargs)``: arguments it does not take are ``model.kwargs``'s fault, any other failure
     of the user's code (``sys.exit()`` included; Ctrl-C stays an interrupt) ``model._target_``'s."""
     try:
-        signature: Optional[inspect.Signature] = inspect.signature(fn)
+        signature: inspect.Signature | None = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (some builtins): the call tells
         signature = None
     if signature is not None:
@@ -147,12 +148,12 @@ def _text(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
-BUILDERS: Dict[str, Callable[[DictConfig], Blocks]] = {
+BUILDERS: dict[str, Callable[[DictConfig], Blocks]] = {
     "gpt": _bytes_lm, "mlp": _bytes_lm, "custom": _custom,
     **{arch: _resnet for arch in RESNET_BLOCKS}, **{arch: _hf for arch in HF_ARCHS}}
 
 
-def imports(model_cfg: DictConfig) -> List[str]:
+def imports(model_cfg: DictConfig) -> list[str]:
     """Modules every worker of this model imports: the fork server imports them once for all
     (transformers' model code takes seconds of CPU per process)."""
     if model_cfg.arch == "gpt2":
@@ -179,7 +180,7 @@ def build_stage_module(cfg: DictConfig, stage: int) -> nn.Module:
     return nn.Sequential(*blocks[start:stop])
 
 
-def build_whole(model_cfg: DictConfig) -> Tuple[nn.Module, List[nn.Module], List[str]]:
+def build_whole(model_cfg: DictConfig) -> tuple[nn.Module, list[nn.Module], list[str]]:
     """The model as one module, whose state dict is the model's under the names its own code
     gives it, and its blocks, which share that module's parameters (what ``sdpipe export``
     writes): the transformers model (``GPT2LMHeadModel``, ``BertForMaskedLM``), the ResNet with
@@ -248,18 +249,18 @@ def count_blocks(model_cfg: DictConfig) -> int:
     return len(meta_blocks(model_cfg)[0])
 
 
-def block_names(model_cfg: DictConfig) -> List[str]:
+def block_names(model_cfg: DictConfig) -> list[str]:
     return list(meta_blocks(model_cfg)[1])
 
 
-def block_param_counts(model_cfg: DictConfig) -> List[int]:
+def block_param_counts(model_cfg: DictConfig) -> list[int]:
     """Parameters per block, for balancing stages (a tied weight counts in each block)."""
     return [sum(p.numel() for p in block.parameters()) for block in meta_blocks(model_cfg)[0]]
 
 
 # -- stage boundaries --------------------------------------------------------------------------------
 
-def boundaries(cfg: DictConfig, example: Any) -> List[Boundary]:
+def boundaries(cfg: DictConfig, example: Any) -> list[Boundary]:
     """The layout after each block but the last, for an example micro-batch input (of the real
     shapes and dtypes), by a forward on the meta device; a model that reads values on the way
     (``.item()`` has no meta version) runs once for real, on the CPU, without touching the RNG
@@ -278,8 +279,8 @@ def boundaries(cfg: DictConfig, example: Any) -> List[Boundary]:
                 lambda t: torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t, example))
 
 
-def _trace(blocks: Sequence[nn.Module], names: Sequence[str], value: Any) -> List[Boundary]:
-    out: List[Boundary] = []
+def _trace(blocks: Sequence[nn.Module], names: Sequence[str], value: Any) -> list[Boundary]:
+    out: list[Boundary] = []
     with torch.no_grad():
         for i, (block, name) in enumerate(zip(blocks, names)):
             try:
@@ -304,7 +305,7 @@ def activation_bytes(cfg: DictConfig, example: Any) -> int:
 
 
 def stage_boundaries(cfg: DictConfig, example: Any, stage: int
-                     ) -> Tuple[Optional[Boundary], Optional[Boundary]]:
+                     ) -> tuple[Boundary | None, Boundary | None]:
     """What stage ``stage`` receives and sends (None at the pipeline's ends)."""
     after = boundaries(cfg, example)
     ranges = stage_ranges(list(cfg.pipeline.partition), len(after) + 1)
@@ -315,9 +316,9 @@ def stage_boundaries(cfg: DictConfig, example: Any, stage: int
 
 # -- tied parameters -----------------------------------------------------------------------------
 
-def tied_parameters(blocks: Sequence[nn.Module]) -> List[Tuple[Tuple[int, str], ...]]:
+def tied_parameters(blocks: Sequence[nn.Module]) -> list[tuple[tuple[int, str], ...]]:
     """For each parameter held by more than one block, where it is: ``((block, name), ...)``."""
-    where: Dict[int, List[Tuple[int, str]]] = {}
+    where: dict[int, list[tuple[int, str]]] = {}
     for i, block in enumerate(blocks):
         for name, p in block.named_parameters(remove_duplicate=False):
             places = where.setdefault(id(p), [])
@@ -365,12 +366,12 @@ def loss_function(model_cfg: DictConfig) -> Callable[[Any, Any], torch.Tensor]:
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-def _split_key(message: str, default: str) -> Tuple[str, str]:
+def _split_key(message: str, default: str) -> tuple[str, str]:
     key, sep, reason = message.partition(": ")
     return (key, reason) if sep and key.startswith("model.") else (default, message)
 
 
-def stage_ties(cfg: DictConfig, stage: int) -> List[Tuple[Tuple[int, ...], str]]:
+def stage_ties(cfg: DictConfig, stage: int) -> list[tuple[tuple[int, ...], str]]:
     """The shared parameters that stage ``stage`` holds a copy of while other stages hold
     theirs: for each, the stages that hold one, and its name in this stage's module."""
     blocks, _ = meta_blocks(cfg.model)
@@ -392,9 +393,8 @@ def check(cfg: DictConfig) -> None:
     returns, and its tied weights are possible here; the loss can be had. Raises
     :class:`ConfigError`."""
     from sdpipe_cli.config.schema import ASYNC_SCHEDULES
-    from sdpipe_cli.data import sources
-
     from sdpipe_cli.core.plan import microbatch_size
+    from sdpipe_cli.data import sources
 
     p = cfg.pipeline
     after = boundaries(cfg, sources.example(cfg, microbatch_size(cfg), device="meta")[0])
@@ -455,13 +455,13 @@ def check_dtypes(cfg: DictConfig, example: Any, after: Sequence[Boundary]) -> No
                           f"(x.to({weights}))")
 
 
-def _weights_dtype(block: nn.Module) -> Optional[torch.dtype]:
+def _weights_dtype(block: nn.Module) -> torch.dtype | None:
     """The floating dtype of all of ``block``'s parameters (None: none, or several)."""
     kinds = {p.dtype for p in block.parameters() if p.dtype.is_floating_point}
     return kinds.pop() if len(kinds) == 1 else None
 
 
-def _try_block(block: nn.Module, layout: Boundary, low: Optional[torch.dtype]) -> Optional[Exception]:
+def _try_block(block: nn.Module, layout: Boundary, low: torch.dtype | None) -> Exception | None:
     """What ``block`` (on the meta device) raises on zeros of ``layout``, run for real on the CPU
     by a copy with zeroed weights (under autocast to ``low``, if given); None if it runs."""
     import contextlib

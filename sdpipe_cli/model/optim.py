@@ -22,7 +22,7 @@ Clipping each stage by its own norm would change the training math with the numb
 from __future__ import annotations
 
 import math
-from typing import Callable, Collection, Iterable, Optional
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 from omegaconf import DictConfig
@@ -116,7 +116,7 @@ def finite_gradients(parameters: Iterable[torch.nn.Parameter]) -> bool:
 
 
 def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float,
-                   sum_over_stages: Optional[Callable[[torch.Tensor], None]] = None,
+                   sum_over_stages: Callable[[torch.Tensor], None] | None = None,
                    exclude: Collection[int] = ()) -> float:
     """Scale the gradients so that the model's 2-norm is at most ``max_norm``; returns the norm
     (not finite if any gradient is not).

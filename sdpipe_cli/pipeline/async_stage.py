@@ -3,7 +3,7 @@ after every backward, weight stashing, and drains only where the worker asks for
 
 :class:`AsyncStage` runs *segments*: the micro-batches of consecutive iterations, from a drained
 point to the next one, in the order of :func:`sdpipe_cli.core.schedule.async_next`. Unlike
-:meth:`PipelineStage.run <sdpipe_cli.pipeline.stage.PipelineStage.run>` it does not flush at the
+:meth:`FlushedStage.run <sdpipe_cli.pipeline.stage.FlushedStage.run>` it does not flush at the
 end of an iteration: the forwards of iteration k + 1 fill the slots where a flushed pipeline
 would wait for the backwards of iteration k, so after the warm-up every stage is busy until the
 segment ends. Each action's compute is the shared
@@ -42,7 +42,7 @@ the scheduler about it, while a later stage is still in the global round it drai
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,14 +53,14 @@ from sdpipe_cli.pipeline.stash import WeightStash
 
 __all__ = ["AsyncStage", "Batch"]
 
-Batch = Tuple[Optional[Sequence[torch.Tensor]], Optional[Sequence[torch.Tensor]]]
+Batch = tuple[Sequence[torch.Tensor] | None, Sequence[torch.Tensor] | None]
 
 
 class AsyncStage(OnExecutor):
     """Runs asynchronous 1F1B segments with weight stashing on ``executor``.
 
     The executor (module, neighbours, activation shape, device, hooks, link) is the one the
-    worker configured for the flushed loop (a :class:`~sdpipe_cli.pipeline.stage.PipelineStage`'s
+    worker configured for the flushed loop (a :class:`~sdpipe_cli.pipeline.stage.FlushedStage`'s
     ``executor``), so whatever it set up applies here too; :meth:`forward_only` (evaluation at
     drained points, with the live weights) is the executor's. ``microbatches`` is m, the
     micro-batches of one iteration. ``versions`` bounds the weight versions kept (None: as many
@@ -69,7 +69,7 @@ class AsyncStage(OnExecutor):
     action (tests).
     """
 
-    def __init__(self, executor: Executor, microbatches: int, versions: Optional[int] = None):
+    def __init__(self, executor: Executor, microbatches: int, versions: int | None = None):
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.executor = executor
@@ -77,15 +77,15 @@ class AsyncStage(OnExecutor):
         in_flight = executor.num_stages - executor.stage
         self.stash = WeightStash(executor.module, in_flight if versions is None
                                  else min(in_flight, versions))
-        self.trace: Optional[List[Tuple[Kind, int, int]]] = None
+        self.trace: list[tuple[Kind, int, int]] | None = None
 
     def run_segment(
         self,
         start: int,
-        decide: Optional[Callable[[int], Control]],
+        decide: Callable[[int], Control] | None,
         load: Callable[[int], Batch],
-        update: Callable[[int, Optional[float]], None],
-    ) -> Tuple[int, Control]:
+        update: Callable[[int, float | None], None],
+    ) -> tuple[int, Control]:
         """Run iterations from ``start`` until one whose control says ``last``, and drain.
 
         ``decide(k)`` (first stage only) gives iteration k's control; the other stages receive
@@ -102,11 +102,11 @@ class AsyncStage(OnExecutor):
             link.wait_sends()  # the stop must reach the next stage before this one exits
             return start, control
         first_id = start * m
-        batches: Dict[int, Batch] = {start: load(start)}
+        batches: dict[int, Batch] = {start: load(start)}
         begun = 1  # iterations of the segment whose control arrived
-        end: Optional[int] = m if control.last else None  # the segment's length, once known
-        in_flight: Dict[int, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
-        losses: Dict[int, float] = {}
+        end: int | None = m if control.last else None  # the segment's length, once known
+        in_flight: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        losses: dict[int, float] = {}
         forwarded = backwarded = 0
         action = async_next(S, s, 0, 0, end)
         while action is not None:
@@ -119,7 +119,7 @@ class AsyncStage(OnExecutor):
                 k, r = divmod(i, m)
                 inputs, targets = batches[start + k]
                 x, y, outgoing = ex.forward(now, r, inputs, targets,
-                                            weights=lambda: stash.acquire(j)[1])
+                                            weights=lambda j=j: stash.acquire(j)[1])
                 version = stash.get(j)[0]
                 if ex.is_last:
                     losses[j] = float(y.detach()) / ex.loss_scale
@@ -130,7 +130,7 @@ class AsyncStage(OnExecutor):
             else:
                 x, y = in_flight.pop(j)
                 version = stash.get(j)[0]
-                outgoing = ex.backward(now, x, y, weights=lambda: stash.get(j)[1])
+                outgoing = ex.backward(now, x, y, weights=lambda j=j: stash.get(j)[1])
                 stash.release(j)
                 del x, y
                 backwarded += 1
@@ -154,7 +154,7 @@ class AsyncStage(OnExecutor):
         return start + begun, control
 
     # -- control ----------------------------------------------------------------------------------
-    def _control(self, k: int, decide: Optional[Callable[[int], Control]]) -> Control:
+    def _control(self, k: int, decide: Callable[[int], Control] | None) -> Control:
         """Iteration k's control: decided here on the first stage, else received; passed on."""
         ex = self.executor
         if ex.is_first:
@@ -170,7 +170,7 @@ class AsyncStage(OnExecutor):
             ex.link.send_control(control)
         return control
 
-    def _next_control(self, start: int, begun: int, decide, load, batches: Dict[int, Batch]):
+    def _next_control(self, start: int, begun: int, decide, load, batches: dict[int, Batch]):
         """The control of the segment's next iteration, which must say go; its data is loaded."""
         k = start + begun
         control = self._control(k, decide)

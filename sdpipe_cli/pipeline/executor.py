@@ -2,7 +2,7 @@
 its :class:`~sdpipe_cli.pipeline.p2p.Link`, and the compute of one forward or one backward.
 
 A pipeline of ``S`` stages is ``S`` processes, one :class:`Executor` each. Which action runs
-when is the loops' business: :meth:`sdpipe_cli.pipeline.stage.PipelineStage.run` runs a flushed
+when is the loops' business: :meth:`sdpipe_cli.pipeline.stage.FlushedStage.run` runs a flushed
 schedule's list (1F1B, GPipe), :meth:`sdpipe_cli.pipeline.async_stage.AsyncStage.run_segment`
 the asynchronous stream. What one action does is the same for both and lives here:
 
@@ -27,8 +27,9 @@ and when a send may be waited on, is :mod:`sdpipe_cli.pipeline.p2p`'s.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 Weights = Callable[[], Mapping[str, torch.Tensor]]
 # What a stage receives from the previous one and sends to the next (None at the ends); or one
 # tensor shape, the same at every boundary of the pipeline.
-StageBoundaries = Union[Tuple[Optional[Boundary], Optional[Boundary]], Sequence[int]]
+StageBoundaries = tuple[Boundary | None, Boundary | None] | Sequence[int]
 
 
 def device_timed(device_type: str, hook: Any) -> bool:
@@ -77,18 +78,18 @@ class Executor:
         module: nn.Module,
         stage: int,
         num_stages: int,
-        prev_rank: Optional[int],
-        next_rank: Optional[int],
+        prev_rank: int | None,
+        next_rank: int | None,
         boundaries: StageBoundaries,
         device: torch.device,
         loss_fn: LossFn,
         dtype: torch.dtype = torch.float32,
-        group: Optional[dist.ProcessGroup] = None,
-        before_action: Optional[Callable[[Action], None]] = None,
-        on_action: Optional[Callable[[Action, float], None]] = None,
-        before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
+        group: dist.ProcessGroup | None = None,
+        before_action: Callable[[Action], None] | None = None,
+        on_action: Callable[[Action, float], None] | None = None,
+        before_send: Callable[[int, torch.Tensor], None] | None = None,
         rank_offset: int = 0,
-        autocast: Optional[torch.dtype] = None,
+        autocast: torch.dtype | None = None,
         checkpointing: bool = False,
     ):
         if not 0 <= stage < num_stages:
@@ -104,7 +105,7 @@ class Executor:
         self.loss_fn = loss_fn
         self.before_action = before_action
         self.on_action = on_action
-        self._start_event: Optional[torch.cuda.Event] = None  # see _started
+        self._start_event: torch.cuda.Event | None = None  # see _started
         self.autocast, self.checkpointing = autocast, checkpointing
         self.loss_scale = 1.0  # fp16: the last stage multiplies the loss by it before backward
         if not (isinstance(boundaries, tuple) and len(boundaries) == 2
@@ -129,8 +130,8 @@ class Executor:
     # -- one action ---------------------------------------------------------------------------
 
     def forward(self, action: Action, index: int, inputs, targets, scale: int = 1,
-                weights: Optional[Weights] = None
-                ) -> Tuple[Optional[List[torch.Tensor]], Any, Optional[torch.Tensor]]:
+                weights: Weights | None = None
+                ) -> tuple[list[torch.Tensor] | None, Any, torch.Tensor | None]:
         """Run forward ``action`` on micro-batch ``index`` of ``inputs``/``targets`` (the first
         and the last stage's data; the others receive). Returns what the backward needs of the
         input (None on the first stage), of the output (the loss on the last stage, divided by
@@ -159,8 +160,8 @@ class Executor:
         self._after(action, started)
         return leaves, y, outgoing
 
-    def backward(self, action: Action, x: Optional[List[torch.Tensor]], y: Any,
-                 weights: Optional[Weights] = None) -> Optional[torch.Tensor]:
+    def backward(self, action: Action, x: list[torch.Tensor] | None, y: Any,
+                 weights: Weights | None = None) -> torch.Tensor | None:
         """Run backward ``action`` of a forward that returned ``x`` and ``y``: receive the
         output's gradient (unless last), add the parameter gradients to the live ``.grad`` and
         return the input's gradient to send back (None on the first stage). ``weights()``, if
@@ -183,7 +184,7 @@ class Executor:
         self._after(action, started)
         return None if dxs is None else self.incoming.grads().pack(dxs, self.device)
 
-    def send(self, action: Action, tensor: torch.Tensor, following: Optional[Action]) -> None:
+    def send(self, action: Action, tensor: torch.Tensor, following: Action | None) -> None:
         """Send ``action``'s output (forward: to the next stage, backward: to the previous one);
         ``following`` is the next action, whose receive the send may post."""
         self.link.send(action, tensor, self.link.destination(action), following)
@@ -193,11 +194,11 @@ class Executor:
 
     def forward_only(
         self,
-        inputs: Optional[Sequence[Any]] = None,
-        targets: Optional[Sequence[Any]] = None,
-        microbatches: Optional[int] = None,
-        observe: Optional[Callable[[Any, Any], None]] = None,
-    ) -> Optional[float]:
+        inputs: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
+        microbatches: int | None = None,
+        observe: Callable[[Any, Any], None] | None = None,
+    ) -> float | None:
         """Forward micro-batches through the pipeline without autograd; mean loss on the last stage.
 
         The micro-batch count comes from ``inputs`` or ``targets``; a middle stage has neither,
@@ -239,7 +240,7 @@ class Executor:
                 got = "None" if data is None else len(data)
                 raise ValueError(f"stage {self.stage} needs {m} {name} (one per micro-batch), got {got}")
 
-    def input(self, i: int, inputs, requires_grad: bool = True) -> Tuple[Any, Optional[List[torch.Tensor]]]:
+    def input(self, i: int, inputs, requires_grad: bool = True) -> tuple[Any, list[torch.Tensor] | None]:
         """Micro-batch ``i``'s input, read on the first stage, received on the others, and the
         received floating-point tensors that the backward differentiates (None on the first)."""
         if self.is_first:
@@ -280,9 +281,9 @@ class Executor:
             torch.cuda.synchronize(self.device)  # time the kernels, not their launch
         self.on_action(action, time.perf_counter() - started)
 
-    def _stashed_backward(self, x: Optional[List[torch.Tensor]], outputs: List[torch.Tensor],
-                          grads: Optional[List[torch.Tensor]],
-                          weights: Mapping[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    def _stashed_backward(self, x: list[torch.Tensor] | None, outputs: list[torch.Tensor],
+                          grads: list[torch.Tensor] | None,
+                          weights: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
         """Differentiate with respect to the input and the stashed ``weights`` (``autograd.grad``,
         so micro-batches sharing a version do not mix their gradients), and add the parameter
         gradients to the live parameters' ``.grad``; returns the input's gradients."""
@@ -296,7 +297,7 @@ class Executor:
         if x is not None:
             dxs = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
             taken.update(id(g) for g in dxs)
-        live: Dict[str, nn.Parameter] = dict(self.module.named_parameters())
+        live: dict[str, nn.Parameter] = dict(self.module.named_parameters())
         for name, g in zip(names, found[len(inputs):]):
             p = live[name]
             if g is None:
@@ -325,10 +326,10 @@ class OnExecutor:
 
     def forward_only(
         self,
-        inputs: Optional[Sequence[Any]] = None,
-        targets: Optional[Sequence[Any]] = None,
-        microbatches: Optional[int] = None,
-        observe: Optional[Callable[[Any, Any], None]] = None,
-    ) -> Optional[float]:
+        inputs: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
+        microbatches: int | None = None,
+        observe: Callable[[Any, Any], None] | None = None,
+    ) -> float | None:
         """:meth:`Executor.forward_only`."""
         return self.executor.forward_only(inputs, targets, microbatches, observe)

@@ -50,8 +50,9 @@ group call; gloo just posts the two.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -95,7 +96,7 @@ class Control(NamedTuple):
                             dtype=torch.int64, device=device)
 
     @classmethod
-    def of(cls, flag: torch.Tensor) -> "Control":
+    def of(cls, flag: torch.Tensor) -> Control:
         """The control a tensor of :meth:`tensor`'s form holds."""
         if flag.shape != (len(cls._fields),):
             raise ValueError(f"a control message is {len(cls._fields)} ints, got shape "
@@ -113,7 +114,7 @@ class ControlSend(NamedTuple):
         return f"C{self.step}"
 
 
-Sent = Union[Action, ControlSend]
+Sent = Action | ControlSend
 
 
 @dataclass
@@ -132,7 +133,7 @@ class Pending:
 
 
 def send_control(control: Control, dst: int, device: torch.device,
-                 group: Optional[dist.ProcessGroup] = None, offset: int = 0) -> Pending:
+                 group: dist.ProcessGroup | None = None, offset: int = 0) -> Pending:
     """Post ``control`` to ``dst`` without blocking; the caller waits on the result once.
     ``offset``: the global rank of the process group's rank 0 (see :class:`Link`)."""
     flag = control.tensor(device)
@@ -141,7 +142,7 @@ def send_control(control: Control, dst: int, device: torch.device,
 
 
 def receive_control(src: int, step: int, device: torch.device,
-                    group: Optional[dist.ProcessGroup] = None, stage: Optional[int] = None,
+                    group: dist.ProcessGroup | None = None, stage: int | None = None,
                     offset: int = 0) -> Control:
     """Receive (blocking) the control of iteration ``step`` from ``src``; RuntimeError if the
     message is for another iteration (the stages would run different iterations)."""
@@ -171,13 +172,13 @@ class Link:
 
     def __init__(
         self,
-        prev_rank: Optional[int],
-        next_rank: Optional[int],
-        sizes: Tuple[int, int],
+        prev_rank: int | None,
+        next_rank: int | None,
+        sizes: tuple[int, int],
         device: torch.device,
-        group: Optional[dist.ProcessGroup] = None,
-        before_send: Optional[Callable[[int, torch.Tensor], None]] = None,
-        stage: Optional[int] = None,
+        group: dist.ProcessGroup | None = None,
+        before_send: Callable[[int, torch.Tensor], None] | None = None,
+        stage: int | None = None,
         rank_offset: int = 0,
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
@@ -188,8 +189,8 @@ class Link:
         self.stage = stage  # for messages only
         # Oldest first: the activation of micro-batch i is F(i), the gradient of its input B(i),
         # the control of iteration k ControlSend(k).
-        self._sends: List[Pending] = []
-        self._posted: Optional[Tuple[int, torch.Tensor, object]] = None  # (src, buffer, work)
+        self._sends: list[Pending] = []
+        self._posted: tuple[int, torch.Tensor, object] | None = None  # (src, buffer, work)
 
     @property
     def idle(self) -> bool:
@@ -198,13 +199,13 @@ class Link:
 
     # -- activations and gradients ------------------------------------------------------------
 
-    def source(self, action: Optional[Action]) -> Optional[int]:
+    def source(self, action: Action | None) -> int | None:
         """The rank ``action`` receives from (None if it receives nothing)."""
         if action is None:
             return None
         return self.prev_rank if action.kind is Kind.F else self.next_rank
 
-    def destination(self, action: Action) -> Optional[int]:
+    def destination(self, action: Action) -> int | None:
         """The rank ``action``'s output goes to (None at the pipeline's ends)."""
         return self.next_rank if action.kind is Kind.F else self.prev_rank
 
@@ -224,7 +225,7 @@ class Link:
         dist.recv(buffer, src=src - self.rank_offset, group=self.group, tag=TENSOR_TAG)
         return buffer
 
-    def send(self, what: Action, tensor: torch.Tensor, dst: int, following: Optional[Action]) -> None:
+    def send(self, what: Action, tensor: torch.Tensor, dst: int, following: Action | None) -> None:
         """Send without blocking; post ``following``'s receive with it if it comes from ``dst``."""
         if self.before_send is not None:
             self.before_send(dst, tensor)  # an emulated link's transfer time

@@ -1,6 +1,6 @@
 """The flushed executor of one pipeline stage: runs one iteration's action list (1F1B, GPipe).
 
-Given an action list from :mod:`sdpipe_cli.core.schedule`, :meth:`PipelineStage.run` runs each
+Given an action list from :mod:`sdpipe_cli.core.schedule`, :meth:`FlushedStage.run` runs each
 action through the stage's :class:`~sdpipe_cli.pipeline.executor.Executor` (the compute of one
 forward or backward, shared with the asynchronous executor) and sends its output through the
 executor's :class:`~sdpipe_cli.pipeline.p2p.Link` (which also says why this does not deadlock).
@@ -8,27 +8,28 @@ executor's :class:`~sdpipe_cli.pipeline.p2p.Link` (which also says why this does
 Parameter gradients accumulate in ``.grad`` over the ``m`` micro-batches, each loss divided by
 ``m``; the caller zeroes them and steps the optimizer. A stage keeps a micro-batch's input and
 output only from its forward to its backward, so under 1F1B it holds at most ``S - stage`` of
-them. Every send is waited on before :meth:`PipelineStage.run` returns: the iteration ends in a
+them. Every send is waited on before :meth:`FlushedStage.run` returns: the iteration ends in a
 flush. Neighbours match messages by order, so both lists must run forwards and backwards in
-micro-batch order, which :meth:`PipelineStage.run` checks.
+micro-batch order, which :meth:`FlushedStage.run` checks.
 
 The per-iteration control message (whether the iteration runs at all) is the worker's, sent
-before :meth:`PipelineStage.run` with :func:`sdpipe_cli.pipeline.p2p.send_control`.
+before :meth:`FlushedStage.run` with :func:`sdpipe_cli.pipeline.p2p.send_control`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.pipeline.executor import Executor, OnExecutor
 
-__all__ = ["PipelineStage"]
+__all__ = ["FlushedStage"]
 
 
-class PipelineStage(OnExecutor):
+class FlushedStage(OnExecutor):
     """Runs flushed iterations on an :class:`~sdpipe_cli.pipeline.executor.Executor` built from
     the arguments (those of ``Executor``, see there for their meaning); :attr:`executor` is that
     core, which an :class:`~sdpipe_cli.pipeline.async_stage.AsyncStage` may take over."""
@@ -39,9 +40,9 @@ class PipelineStage(OnExecutor):
     def run(
         self,
         actions: Sequence[Action],
-        inputs: Optional[Sequence[torch.Tensor]] = None,
-        targets: Optional[Sequence[torch.Tensor]] = None,
-    ) -> Optional[float]:
+        inputs: Sequence[torch.Tensor] | None = None,
+        targets: Sequence[torch.Tensor] | None = None,
+    ) -> float | None:
         """Run one iteration's ``actions``; return the mean loss on the last stage, else None.
 
         ``inputs`` (first stage) and ``targets`` (last stage) hold one tensor per micro-batch.
@@ -50,7 +51,7 @@ class PipelineStage(OnExecutor):
         actions = list(actions)
         m = _check_actions(actions)
         ex.check_data(m, inputs, targets)
-        stash: Dict[int, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}  # i -> (input, output)
+        stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # i -> (input, output)
         total = None
         for index, action in enumerate(actions):
             i = action.microbatch
@@ -70,7 +71,7 @@ class PipelineStage(OnExecutor):
         return float(total) if ex.is_last else None
 
 
-def _check_actions(actions: List[Action]) -> int:
+def _check_actions(actions: list[Action]) -> int:
     """Number of micro-batches of ``actions``; ValueError unless F0..F(m-1) and B0..B(m-1) in
     order with each B after its F (neighbours match messages by order)."""
     forwarded = set()

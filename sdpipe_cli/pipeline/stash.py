@@ -26,7 +26,6 @@ copied, as in PipeDream; :meth:`WeightStash.changed` checks that promise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
 
 import torch
 from torch import nn
@@ -36,7 +35,7 @@ __all__ = ["WeightStash"]
 
 @dataclass
 class _Version:
-    tensors: Dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]
     users: int  # micro-batches whose backward still needs these weights
 
 
@@ -48,8 +47,8 @@ class WeightStash:
             raise ValueError(f"bound must be >= 1, got {bound}")
         self.module, self.bound = module, bound
         self.version = 0  # id of the live weights
-        self._versions: Dict[int, _Version] = {}
-        self._of: Dict[int, int] = {}  # micro-batch in flight -> its version
+        self._versions: dict[int, _Version] = {}
+        self._of: dict[int, int] = {}  # micro-batch in flight -> its version
         self.copies = 0  # versions made (each one copy of the parameters)
         self.peak_versions = 0
         self.peak_bytes = 0
@@ -67,7 +66,7 @@ class WeightStash:
                                "and its backward)")
         self.version += 1
 
-    def acquire(self, microbatch: int) -> Tuple[int, Dict[str, torch.Tensor]]:
+    def acquire(self, microbatch: int) -> tuple[int, dict[str, torch.Tensor]]:
         """The version for ``microbatch``'s forward: the live weights, copied unless already stashed."""
         if microbatch in self._of:
             raise RuntimeError(f"micro-batch {microbatch} is already in flight")
@@ -90,7 +89,7 @@ class WeightStash:
         self._of[microbatch] = self.version
         return self.version, entry.tensors
 
-    def get(self, microbatch: int) -> Tuple[int, Dict[str, torch.Tensor]]:
+    def get(self, microbatch: int) -> tuple[int, dict[str, torch.Tensor]]:
         """The version ``microbatch``'s forward used (for its backward)."""
         version = self._of[microbatch]
         return version, self._versions[version].tensors
@@ -121,7 +120,7 @@ class WeightStash:
         return sum(t.numel() * t.element_size()
                    for v in self._versions.values() for t in v.tensors.values())
 
-    def stats(self) -> Dict[str, int]:
+    def stats(self) -> dict[str, int]:
         """For the step and done events: the bound, the peaks so far and the copies made."""
         return {"stash_bound": self.bound, "stash_peak_versions": self.peak_versions,
                 "stash_peak_bytes": self.peak_bytes, "stash_copies": self.copies}

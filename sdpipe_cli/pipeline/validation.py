@@ -1,7 +1,8 @@
 """The validation pass: the same for a pipeline's stages during training and for ``sdpipe eval``.
 
 A run's ``eval`` records and ``sdpipe eval`` must give the same number for the same weights, so
-both cut each validation batch into the run's micro-batches the same way (:func:`split`), run
+both cut each validation batch into the run's micro-batches the same way
+(:func:`~sdpipe_cli.pipeline.microbatches.split`, as training does), run
 them through :meth:`~sdpipe_cli.pipeline.executor.Executor.forward_only` (one stage of a
 pipeline, or the whole model as one stage) and average alike: the loss is the mean over batches
 of the mean over their micro-batches; a classifier's accuracy counts every target that takes
@@ -10,14 +11,16 @@ part in the loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 
 from sdpipe_cli.model.models import IGNORE_INDEX
+from sdpipe_cli.pipeline.microbatches import split
 
-__all__ = ["Outcome", "split", "validate"]
+__all__ = ["Outcome", "validate"]
 
 
 @dataclass(frozen=True)
@@ -25,23 +28,13 @@ class Outcome:
     """The last stage's result of one validation pass."""
 
     loss: float
-    accuracy: Optional[float]  # classifiers only
+    accuracy: float | None  # classifiers only
     batches: int
-
-
-def split(x: Any, microbatches: int, device: torch.device) -> list[Any]:
-    """``x`` (a tensor, or a tuple or dict of them) cut into ``microbatches``, on ``device``."""
-    if isinstance(x, torch.Tensor):
-        return [t.to(device, non_blocking=True) for t in x.chunk(microbatches)]
-    if isinstance(x, dict):
-        parts = {k: split(v, microbatches, device) for k, v in x.items()}
-        return [{k: v[i] for k, v in parts.items()} for i in range(microbatches)]
-    return [type(x)(p) for p in zip(*(split(v, microbatches, device) for v in x))]
 
 
 def validate(stage: Any, batches: Iterable[tuple[Any, Any]], microbatches: int, *, first: bool,
              last: bool, classify: bool, device: torch.device,
-             on_batch: Optional[Callable[[int], None]] = None) -> Optional[Outcome]:
+             on_batch: Callable[[int], None] | None = None) -> Outcome | None:
     """Run ``batches`` of ``(inputs, targets)`` through ``stage`` (anything with
     ``forward_only``) without gradients; the caller sets the module's eval mode. A first stage
     reads the inputs, a last one the targets; a middle one gets ``(None, None)`` batches. The

@@ -24,11 +24,12 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from omegaconf import DictConfig
 

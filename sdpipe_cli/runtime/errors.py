@@ -20,9 +20,10 @@ import os
 import re
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from sdpipe_cli.core.errors import BadInput
 
@@ -47,7 +48,7 @@ class CheckpointError(BadInput):
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or none in the user's quota
 
 
-def os_error(err: BaseException) -> Optional[OSError]:
+def os_error(err: BaseException) -> OSError | None:
     """The :class:`OSError` behind ``err``: itself, or one it was raised from or while handling
     (``torch.save`` on a full disk raises a ``RuntimeError`` about a position in its zip file,
     with the ``OSError`` of the write that failed as its context), or the one that Rust's
@@ -93,7 +94,7 @@ class WriteFailed(RuntimeError):
     failure to the user says which (``checkpoint.go_on_from``: the checkpoints are a layer
     above this one)."""
 
-    def __init__(self, path: os.PathLike | str, err: "BaseException | str", run_dir: Path):
+    def __init__(self, path: os.PathLike | str, err: BaseException | str, run_dir: Path):
         cause = None if isinstance(err, str) else os_error(err)
         if cause is not None and cause.errno in DISK_FULL:
             what = f": the disk is full ({cause.strerror}); free space"
@@ -117,7 +118,7 @@ def _reserve_path(run_dir: Path, name: str) -> Path:
     return Path(run_dir) / "logs" / f".{name}.error.reserve"
 
 
-def _reserve(run_dir: Path, name: str) -> Optional[Path]:
+def _reserve(run_dir: Path, name: str) -> Path | None:
     """Room for ``name``'s error file, taken now (None if the disk has none, or an outer block
     holds it already): a process that fails because the disk filled up can still say why."""
     path = _reserve_path(run_dir, name)

@@ -56,9 +56,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from sdpipe_cli.runtime.errors import WriteFailed
 from sdpipe_cli.runtime.trackers import Sink, close_all
@@ -68,10 +69,10 @@ from sdpipe_cli.runtime.trackers import Sink, close_all
 class PipelineState:
     steps: int = 0  # iterations finished by the pipeline's last stage
     samples: int = 0
-    loss: Optional[float] = None
-    val_loss: Optional[float] = None
+    loss: float | None = None
+    val_loss: float | None = None
     samples_per_s: float = 0.0
-    val_accuracy: Optional[float] = None  # classifiers: top-1 on the validation split
+    val_accuracy: float | None = None  # classifiers: top-1 on the validation split
 
 
 @dataclass
@@ -97,7 +98,7 @@ class RunTracker:
     def world_size(self) -> int:
         return self.pipelines * self.stages
 
-    def update(self, event: dict[str, Any]) -> Optional[dict[str, Any]]:
+    def update(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """Fold one event in; returns the metrics line it produces, if any."""
         rank = int(event["rank"])
         self.last_seen[rank] = self.clock()
@@ -260,7 +261,7 @@ _PIPELINE_FIELDS = ("loss", "samples_per_s", "lr", "step_s", "sync_s", "wait_s",
                     "group_size")
 
 
-def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]]]:
+def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, float | None]]:
     """The scalars of one metrics line, for every tracker: (tag, value, step, run-clock seconds).
 
     Pipelines' series are on their own iterations (``pipeline1/loss``, ``pipeline1/stage0/wait_s``
@@ -269,7 +270,7 @@ def scalars(line: dict[str, Any]) -> list[tuple[str, float, int, Optional[float]
     ``stage0/consensus``); a straggler's slowdown when it is named and when it recovers
     (``pipeline1/stage0/slower``)."""
     kind, t = line.get("kind"), line.get("time")
-    out: list[tuple[str, float, int, Optional[float]]] = []
+    out: list[tuple[str, float, int, float | None]] = []
 
     def add(tag: str, value: Any, step: Any) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and step is not None:

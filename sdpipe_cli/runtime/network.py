@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Optional
 
 import psutil
 from omegaconf import DictConfig
@@ -72,7 +71,7 @@ def check_local(host: str) -> str:
                        f"{', '.join(mine)} (or write 0.0.0.0 to listen on every interface)")
 
 
-def interface_of(address: str) -> Optional[str]:
+def interface_of(address: str) -> str | None:
     """The network interface that carries ``address`` (``lo`` for 127.0.0.1), if any."""
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%", 1)[0] == address for a in addrs):

@@ -35,8 +35,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 __all__ = ["ChildProcess", "die_with_parent", "preload", "read_pid", "start"]
 
@@ -47,11 +48,11 @@ class ChildProcess(Protocol):
     pid: int
 
     @property
-    def returncode(self) -> Optional[int]: ...
+    def returncode(self) -> int | None: ...
 
-    def poll(self) -> Optional[int]: ...
+    def poll(self) -> int | None: ...
 
-    def wait(self, timeout: Optional[float] = None) -> int: ...
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def _forking() -> bool:
@@ -171,13 +172,13 @@ class _Forked:
         self.pid = process.pid
 
     @property
-    def returncode(self) -> Optional[int]:
+    def returncode(self) -> int | None:
         return self._process.exitcode  # -N when killed by signal N, as Popen says it
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return self._process.exitcode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
         if self._process.exitcode is None:
             raise subprocess.TimeoutExpired(f"child {self.pid}", timeout or 0.0)
@@ -203,7 +204,7 @@ def start(module: str, log_path: Path, env: dict[str, str]) -> ChildProcess:
     return child
 
 
-def read_pid(log_path: Path) -> Optional[int]:
+def read_pid(log_path: Path) -> int | None:
     """The pid :func:`start` recorded for the child logging to ``log_path``, if any."""
     try:
         return int(log_path.with_suffix(".pid").read_text().split()[0])

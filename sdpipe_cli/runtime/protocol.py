@@ -28,8 +28,9 @@ import json
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Union
 
 
 class ProtocolError(RuntimeError):
@@ -66,10 +67,10 @@ class Ready:
     stage: int
     iteration: int
     incarnation: int = 0
-    steps: Optional[int] = None
-    wire_s: Optional[float] = None
-    wire_bytes: Optional[float] = None
-    block_s: Optional[float] = None
+    steps: int | None = None
+    wire_s: float | None = None
+    wire_bytes: float | None = None
+    block_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class Saved:
     step: int
     incarnation: int = 0
     time: float = 0.0
-    dropped: Optional[str] = None
+    dropped: str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,13 +146,13 @@ class Restart:
 REPORT_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "start": ({"pid": int}, {}),
     "step": ({"step": int, "samples": int, "samples_per_s": float, "step_s": float},
-             {"lr": float, "compute_s": float, "sync_s": float, "loss": Optional[float],
+             {"lr": float, "compute_s": float, "sync_s": float, "loss": float | None,
               "data_s": float, "group_size": int, "round": int, "skipped_steps": int,
               "busy_s": float, "behind_s": float, "behind_wait_s": float}),
-    "eval": ({"step": int, "val_loss": Optional[float]},
-             {"samples": int, "val_accuracy": Optional[float]}),
+    "eval": ({"step": int, "val_loss": float | None},
+             {"samples": int, "val_accuracy": float | None}),
     "consensus": ({"iteration": int, "round": int, "members": list[int],
-                   "consensus": Optional[float]}, {}),
+                   "consensus": float | None}, {}),
     "healed": ({"source": int, "iteration": int}, {"bytes": int, "seconds": float}),
     "unreadable": ({"sample": str, "error": str, "step": int}, {}),
     "done": ({"steps": int}, {}),
@@ -177,7 +178,7 @@ class Report:
                 "stage": self.stage, "time": self.time, **self.fields}
 
 
-Event = Union[Tick, Ready, Begin, Rejoin, Saved, Lost, Restart, Report]
+Event = Tick | Ready | Begin | Rejoin | Saved | Lost | Restart | Report
 EVENTS: dict[str, type] = {cls.type: cls for cls in (Tick, Ready, Begin, Rejoin, Saved, Lost, Restart)}
 
 
@@ -203,8 +204,8 @@ class Group:
     kind: str  # "group" or "global"
     stop: bool  # the members' pipelines stop after this iteration
     incarnations: list[int]  # of the members, in order: they name the communicator
-    checkpoint: Optional[int] = None  # global syncs: the checkpoint to write after it
-    done: Optional[int] = None  # pipeline-iterations begun in the run (the lr schedule's clock)
+    checkpoint: int | None = None  # global syncs: the checkpoint to write after it
+    done: int | None = None  # pipeline-iterations begun in the run (the lr schedule's clock)
     twins: bool = False  # the members hold the same weights already
     heal: list[HealTarget] = field(default_factory=list)  # to the first member only
     # what each member's weights and gradient count in the averages, in ``members`` order
@@ -213,7 +214,7 @@ class Group:
     grad_shares: list[float] = field(default_factory=list)
     # blocks that follow the wire: each member's next one, and the run's pipeline-steps
     nexts: list[int] = field(default_factory=list)
-    done_steps: Optional[int] = None
+    done_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("group", "global"):
@@ -241,11 +242,11 @@ class HealAnswer:
     """The scheduler's answer to a :class:`Rejoin`: take ``source``'s state, or stop."""
 
     stop: bool
-    iteration: Optional[int] = None  # where the replica goes on from (stop: where it was)
-    source: Optional[int] = None
-    source_incarnation: Optional[int] = None
-    done: Optional[int] = None
-    round: Optional[int] = None
+    iteration: int | None = None  # where the replica goes on from (stop: where it was)
+    source: int | None = None
+    source_incarnation: int | None = None
+    done: int | None = None
+    round: int | None = None
     order: int = 0  # as the source's :class:`HealTarget` says
 
     def __post_init__(self) -> None:
@@ -338,9 +339,9 @@ ROUTES: dict[type, tuple[str, str]] = {
 # are checked where present
 PROGRESS_FIELDS: dict[str, Any] = {
     "iterations": int, "target": int, "samples": int, "samples_per_s": float,
-    "loss": Optional[float], "val_loss": Optional[float], "val_accuracy": Optional[float],
+    "loss": float | None, "val_loss": float | None, "val_accuracy": float | None,
     "started": int, "done": int, "pipelines": dict[str, dict[str, Any]],
-    "rounds": list[list[int]], "mean_group_size": Optional[float], "restarts": int, "heals": int,
+    "rounds": list[list[int]], "mean_group_size": float | None, "restarts": int, "heals": int,
     "scheduler_restarts": int, "unreadable": list[str], "phase": str, "turn": int, "turns": int,
     "stragglers": list[dict[str, Any]], "slowed": dict[str, float],
     # the console's lines about slow devices: {"count": n, "recent": [the latest lines]}
@@ -374,7 +375,7 @@ def encode(message: Any) -> str:
     return json.dumps(body)
 
 
-def decode(raw: Union[str, bytes], cls: type, key: str) -> Any:
+def decode(raw: str | bytes, cls: type, key: str) -> Any:
     """The message of class ``cls`` stored under ``key``; :class:`ProtocolError` if it is not
     one."""
     value = _json(raw, key)
@@ -383,7 +384,7 @@ def decode(raw: Union[str, bytes], cls: type, key: str) -> Any:
     return _build(cls, value, key)
 
 
-def decode_event(raw: Union[str, bytes], key: str = "events") -> Event:
+def decode_event(raw: str | bytes, key: str = "events") -> Event:
     """One record of the ``events`` queue, as its typed event."""
     value = _json(raw, key)
     if not isinstance(value, dict):
@@ -405,7 +406,7 @@ def decode_event(raw: Union[str, bytes], key: str = "events") -> Event:
     raise ProtocolError(key, f"unknown event type {_show(kind)}")
 
 
-def decode_progress(raw: Union[str, bytes], key: str) -> dict[str, Any]:
+def decode_progress(raw: str | bytes, key: str) -> dict[str, Any]:
     """The progress snapshot, its known keys checked."""
     value = _json(raw, key)
     if not isinstance(value, dict):
@@ -416,7 +417,7 @@ def decode_progress(raw: Union[str, bytes], key: str) -> dict[str, Any]:
     return value
 
 
-def _json(raw: Union[str, bytes], key: str) -> Any:
+def _json(raw: str | bytes, key: str) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
@@ -440,7 +441,7 @@ def _build(cls: type, value: Any, key: str) -> Any:
         raise ProtocolError(key, f"{cls.__name__}: {err}") from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema(cls: type) -> tuple[dict[str, Any], frozenset, tuple[str, ...]]:
     """A message class's field types, names and required names: read once per class (the
     scheduler decodes an event per worker and iteration)."""

@@ -31,8 +31,8 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from sdpipe_cli.core.errors import BadInput
 
@@ -48,7 +48,7 @@ class RunInUse(BadInput):
 _held: dict[Path, tuple[int, int]] = {}  # this process's locks: folder -> (fd, holders)
 
 
-def _boot() -> Optional[str]:
+def _boot() -> str | None:
     """This boot of the machine (Linux), which a process's start time is counted from."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -56,7 +56,7 @@ def _boot() -> Optional[str]:
         return None
 
 
-def started(pid: int) -> Optional[int]:
+def started(pid: int) -> int | None:
     """Process ``pid``'s start, in clock ticks since boot (with the pid, the process's identity:
     a reused pid starts later); None if there is no such process, or only its zombie; -1 if it
     runs but its start cannot be read (no ``/proc``)."""
@@ -85,8 +85,8 @@ def _owner_text() -> str:
                        "boot": _boot(), "started": started(os.getpid())})
 
 
-def decide(owner: dict, boot: Optional[str], started_of: Callable[[int], Optional[int]]
-           ) -> Optional[str]:
+def decide(owner: dict, boot: str | None, started_of: Callable[[int], int | None]
+           ) -> str | None:
     """A lock file naming ``owner`` (of this host) whose kernel lock was free: why its owner
     ended, for the warning that takes it over; None if the owner may still run, and the run
     is refused.
@@ -114,7 +114,7 @@ def decide(owner: dict, boot: Optional[str], started_of: Callable[[int], Optiona
     return None
 
 
-def _describe(text: str) -> tuple[str, Optional[str]]:
+def _describe(text: str) -> tuple[str, str | None]:
     """(who, host) from a lock file's text."""
     try:
         owner = json.loads(text)
@@ -217,7 +217,7 @@ class Holder:
                 pass
             os.close(fd)
 
-    def __enter__(self) -> "Holder":
+    def __enter__(self) -> Holder:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 

@@ -14,7 +14,7 @@ them and take a restart's fresh start for a recovery.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.slowdowns import Change, SlowdownDetector, carried_of
@@ -81,7 +81,7 @@ class StragglerWatch:
         for s in range(self.plan.stages):
             self.detector.carried[(pipeline, s)] = slowed.get((pipeline, s), 1.0)
 
-    def own_slowdowns(self) -> dict[tuple[int, int], Optional[float]]:
+    def own_slowdowns(self) -> dict[tuple[int, int], float | None]:
         """Every device's compute now over its own start (before the slowdowns earlier legs
         found, ``fault.slowed``), by (pipeline, stage)."""
         return {(p, s): self.detector.own_slowdown(p, s) for p in range(self.plan.pipelines)
@@ -91,7 +91,7 @@ class StragglerWatch:
         """The devices that are stragglers now, for the progress snapshot."""
         out = []
         for p, s in self.detector.stragglers():
-            score: Optional[float] = self.detector.score(p, s)
+            score: float | None = self.detector.score(p, s)
             carried = self.detector.devices[(p, s)].carried
             out.append({**self._where(p, s), "slower": None if score is None else round(score, 3),
                         **({"carried": carried} if carried > 1.0 else {})})

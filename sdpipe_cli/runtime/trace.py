@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from sdpipe_cli.core.schedule import Kind
 
@@ -51,7 +52,7 @@ class Tracer:
         self.events: deque[tuple] = deque(maxlen=capacity)
         self.recorded = 0
         self.rows: dict[int, str] = {}  # names of the track's rows other than the first
-        self._before: Optional[float] = None
+        self._before: float | None = None
 
     @property
     def dropped(self) -> int:
@@ -79,8 +80,8 @@ class Tracer:
             self.span(name, cat, start, self.clock())
 
     # -- the executor's hooks ----------------------------------------------------------------
-    def hooks(self, on_action: Optional[Callable[[Any, float], None]],
-              before_send: Optional[Callable[[int, Any], None]]):
+    def hooks(self, on_action: Callable[[Any, float], None] | None,
+              before_send: Callable[[int, Any], None] | None):
         """The executor's ``(on_action, before_send, before_action)`` hooks: these record, and
         call the given ones (an emulated device's slowdown, an emulated link's delay) inside,
         so that an emulated slow compute is traced as compute."""
@@ -139,7 +140,7 @@ class Tracer:
         os.replace(tmp, path)
 
 
-def merge(run_dir: Path) -> Optional[Path]:
+def merge(run_dir: Path) -> Path | None:
     """``<run>/trace.json`` from every worker's ``logs/<rank>.trace.json`` (one track each, in
     rank order); None if no worker wrote one. A leg of a resumed run replaces the file."""
     run_dir = Path(run_dir)

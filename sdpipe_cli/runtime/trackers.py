@@ -29,7 +29,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,7 +38,7 @@ __all__ = ["Sink", "TensorBoard", "MLflow", "WandB", "open_sinks", "close_all", 
 
 PROJECT = "sdpipe"  # the MLflow experiment and the W&B project of every run
 
-Scalar = tuple[str, float, int, Optional[float]]  # tag, value, step, run-clock seconds
+Scalar = tuple[str, float, int, float | None]  # tag, value, step, run-clock seconds
 
 
 class Sink(Protocol):
@@ -218,7 +218,7 @@ def open_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
 
 def close_all(sinks: list[Sink], failed: bool = False) -> None:
     """Close every sink, even where one raises (the first error is raised after)."""
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     for sink in sinks:
         try:
             sink.close(failed)

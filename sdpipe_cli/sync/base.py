@@ -8,7 +8,7 @@ instead of comparing sync mode names; each mode is a subclass (:mod:`~sdpipe_cli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -27,10 +27,10 @@ class Wiring:
     where: Any  # core.placement.Placement
     device: Any
     seed: int = 0
-    optimizer: Optional[Any] = None
+    optimizer: Any | None = None
     incarnation: int = 0
     steps: int = 0
-    segments: Optional[Any] = None  # core.segments.Segments
+    segments: Any | None = None  # core.segments.Segments
 
 
 class Sync:
@@ -50,7 +50,7 @@ class Sync:
     flat_state: tuple[str, ...] = ()
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> "Sync":
+    def build(cls, settings: Any, wiring: Wiring) -> Sync:
         """The strategy of the worker that ``wiring`` describes, for the run's ``sync``."""
         return cls()
 

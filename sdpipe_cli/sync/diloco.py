@@ -26,15 +26,15 @@ its next outer step where the interrupted one would have.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
-from sdpipe_cli.sync.groups import GroupCache, flatten, mean_of_changes, statistics, unflatten
 from sdpipe_cli.core.meetings import precision_of
 from sdpipe_cli.sync.allreduce import AllReduceSync
 from sdpipe_cli.sync.base import Sync, Wiring
+from sdpipe_cli.sync.groups import GroupCache, flatten, mean_of_changes, statistics, unflatten
 
 
 class DilocoSync(Sync):
@@ -42,22 +42,22 @@ class DilocoSync(Sync):
     mixes_weights = True  # the replicas' weights are averaged (tied copies: training/tied.py)
     flat_state = ("anchor", "momentum", "residual")
 
-    def __init__(self, groups: Optional[GroupCache], replicas: list[int], local_steps: int,
-                 outer_lr: float, outer_momentum: float, agree: Optional[Sync], steps: int,
+    def __init__(self, groups: GroupCache | None, replicas: list[int], local_steps: int,
+                 outer_lr: float, outer_momentum: float, agree: Sync | None, steps: int,
                  precision: str = "fp32"):
         self.groups, self.replicas = groups, replicas
         self.local_steps, self.outer_lr, self.mu = local_steps, outer_lr, outer_momentum
         self.agree = agree  # lock-step: every replica must stop at the same update
         self.steps = steps  # the budget (train.steps): the last update is an outer step too
         self.updates = 0
-        self.anchor: Optional[torch.Tensor] = None  # the weights after the last outer step
-        self.momentum: Optional[torch.Tensor] = None
+        self.anchor: torch.Tensor | None = None  # the weights after the last outer step
+        self.momentum: torch.Tensor | None = None
         self.precision = precision
-        self.residual: Optional[torch.Tensor] = None  # bf16, int8: what rounding lost so far
+        self.residual: torch.Tensor | None = None  # bf16, int8: what rounding lost so far
         self._stats: dict[str, Any] = {}
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> "DilocoSync":
+    def build(cls, settings: Any, wiring: Wiring) -> DilocoSync:
         replicas = wiring.where.replicas()
         agree = AllReduceSync(wiring.groups, replicas, wiring.device) if len(replicas) > 1 else None
         return cls(wiring.groups, replicas, settings.local_steps, settings.outer_lr,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,13 +28,12 @@ from torch import nn
 from sdpipe_cli.core.meetings import BYTES, Meetings, average_of, meetings_of, precision_of
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.segments import Segments
-from sdpipe_cli.model import optim
 from sdpipe_cli.core.wire import Blocks, Measured, ring_bytes
+from sdpipe_cli.model import optim
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync import wire_probe
 from sdpipe_cli.sync.base import Sync, Wiring
-from sdpipe_cli.sync.groups import (GroupCache, average_changes, average_tensors, flatten,
-                                    statistics)
+from sdpipe_cli.sync.groups import GroupCache, average_changes, average_tensors, flatten, statistics
 from sdpipe_cli.sync.healing import Healing
 from sdpipe_cli.sync.overlap import Behind, overlap_on
 
@@ -50,11 +49,11 @@ class Unit:
 
     index: int
     start: int = 0
-    stop: Optional[int] = None
-    anchor: Optional[torch.Tensor] = None
-    residual: Optional[torch.Tensor] = None
+    stop: int | None = None
+    anchor: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
     heal: list[protocol.HealTarget] = field(default_factory=list)
-    behind: Optional[Behind] = None  # its last round's average, still running (sync.overlap)
+    behind: Behind | None = None  # its last round's average, still running (sync.overlap)
 
     def module(self, stage: nn.Module) -> nn.Module:
         """The segment's blocks (the whole stage when it is one segment)."""
@@ -80,7 +79,7 @@ class GroupSync(Healing, Sync):
     mixes_weights = True
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> "GroupSync":
+    def build(cls, settings: Any, wiring: Wiring) -> GroupSync:
         w = wiring.where
         sync = cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
                    wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
@@ -93,9 +92,9 @@ class GroupSync(Healing, Sync):
 
     def __init__(self, events: dist.Store, rank: int, pipeline: int, stage: int, stages: int,
                  pipelines: int, groups: GroupCache, average: str = "weights_grads",
-                 optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,
+                 optimizer: torch.optim.Optimizer | None = None, incarnation: int = 0,
                  meetings: Meetings = Meetings(), precision: str = "fp32",
-                 segments: Optional[Segments] = None, overlap: int = 0):
+                 segments: Segments | None = None, overlap: int = 0):
         if (meetings.every > 1 or precision != "fp32") and average != "weights":
             raise ValueError("meetings every H > 1 steps and low-precision changes average weights")
         self.events, self.rank, self.pipeline, self.stage, self.stages = (
@@ -115,17 +114,17 @@ class GroupSync(Healing, Sync):
         self._checkpoint: int | None = None
         self._stats: dict[str, Any] = {}
         self._merged: dict[str, float] = {}  # the rounds merged late at this step: wire, waited
-        self._done: Optional[int] = None  # pipeline-meetings begun, at the last decision
+        self._done: int | None = None  # pipeline-meetings begun, at the last decision
         self._decided_at = 0  # the local step of the last decision
-        self._t0: Optional[float] = None  # the run's time axis, for the reports; read when needed
+        self._t0: float | None = None  # the run's time axis, for the reports; read when needed
         self._unsettled: Any = None  # sync settings whose meetings the wire decides (wire_probe)
-        self._began: Optional[float] = None  # when the first iteration began (its compute)
+        self._began: float | None = None  # when the first iteration began (its compute)
         # meetings that follow the wire: this replica's blocks, the run's pipeline-steps at the
         # last decision, its last round (seconds, bytes through its link), when its block began
-        self.blocks: Optional[Blocks] = None
-        self._done_steps: Optional[int] = None
-        self._wire: tuple[Optional[float], Optional[float]] = (None, None)
-        self._block_began: Optional[float] = None
+        self.blocks: Blocks | None = None
+        self._done_steps: int | None = None
+        self._wire: tuple[float | None, float | None] = (None, None)
+        self._block_began: float | None = None
 
     def _clock(self) -> float:
         if self._t0 is None:
@@ -369,7 +368,7 @@ class GroupSync(Healing, Sync):
             anchor, residual = (unit.anchor, self._residual(unit)) if changes else (None, None)
             tag = f"r{decision.round}"
 
-            def average(tensors: list[torch.Tensor]) -> Optional[float]:
+            def average(tensors: list[torch.Tensor]) -> float | None:
                 if changes:  # bf16 or int8 changes since the anchor (weights, statistics)
                     average_changes(tensors, anchor, residual, self.groups, ranks, self.precision,
                                     shares[0][1] if shares else None, incarnations, tag)

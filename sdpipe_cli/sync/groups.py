@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,8 @@ class GroupCache:
     """
 
     def __init__(self, store: dist.Store, rank: int, backend: str, timeout: float,
-                 delay: Optional[Callable[[list[int], int], float]] = None,
-                 traffic: Optional[Traffic] = None):
+                 delay: Callable[[list[int], int], float] | None = None,
+                 traffic: Traffic | None = None):
         self.store, self.rank, self.backend = store, rank, backend
         self.timeout = timedelta(seconds=timeout)
         self.delay = delay  # emulated network: seconds an all-reduce of N bytes over ranks takes
@@ -52,10 +53,10 @@ class GroupCache:
         self._groups: dict[tuple[int, ...], Any] = {}
 
     @staticmethod
-    def _key(ranks: list[int], incarnations: Optional[list[int]]) -> tuple[tuple[int, int], ...]:
+    def _key(ranks: list[int], incarnations: list[int] | None) -> tuple[tuple[int, int], ...]:
         return tuple(sorted(zip(ranks, incarnations or [0] * len(ranks))))
 
-    def get(self, ranks: list[int], incarnations: Optional[list[int]] = None, tag: str = ""):
+    def get(self, ranks: list[int], incarnations: list[int] | None = None, tag: str = ""):
         key = self._key(ranks, incarnations)
         if key not in self._groups:
             name = "-".join(f"{r}.{g}" if g else str(r) for r, g in key) + (f"@{tag}" if tag else "")
@@ -70,7 +71,7 @@ class GroupCache:
         return self._groups[key]
 
     def all_reduce(self, tensor: torch.Tensor, ranks: list[int], op=dist.ReduceOp.SUM,
-                   incarnations: Optional[list[int]] = None, tag: str = "") -> None:
+                   incarnations: list[int] | None = None, tag: str = "") -> None:
         """In-place all-reduce of ``tensor`` over ``ranks`` (this rank must be one of them)."""
         start, nbytes = time.perf_counter(), tensor.numel() * tensor.element_size()
         if self.delay is not None:
@@ -81,7 +82,7 @@ class GroupCache:
         self.traffic.all_reduce(ranks, nbytes, time.perf_counter() - start)
 
     def all_to_all(self, rows: torch.Tensor, ranks: list[int],
-                   incarnations: Optional[list[int]] = None, tag: str = "") -> torch.Tensor:
+                   incarnations: list[int] | None = None, tag: str = "") -> torch.Tensor:
         """Row i of ``rows`` (one a member, in rank order) to the i-th member; returns the rows
         received, row i from the i-th member (this member's own row kept)."""
         out = torch.empty_like(rows)
@@ -90,14 +91,14 @@ class GroupCache:
         return out
 
     def all_gather(self, row: torch.Tensor, ranks: list[int],
-                   incarnations: Optional[list[int]] = None, tag: str = "") -> torch.Tensor:
+                   incarnations: list[int] | None = None, tag: str = "") -> torch.Tensor:
         """Every member's ``row`` (a vector, of one length on all), row i the i-th member's."""
         out = row.new_empty(len(ranks) * row.numel())
         self._exchange(out, ranks, incarnations, tag,
                        lambda group: group._allgather_base(out, row.reshape(-1)))
         return out.view(len(ranks), -1)
 
-    def _exchange(self, out: torch.Tensor, ranks: list[int], incarnations: Optional[list[int]],
+    def _exchange(self, out: torch.Tensor, ranks: list[int], incarnations: list[int] | None,
                   tag: str, collective: Callable[[Any], Any]) -> None:
         """Run an all-to-all or all-gather whose result is ``out``, emulated and counted. Each
         moves (k-1)/k of the result's bytes through a member's link in k-1 steps, half a ring
@@ -109,7 +110,7 @@ class GroupCache:
         self.traffic.exchange(ranks, nbytes, time.perf_counter() - start)
 
     def broadcast(self, tensor: torch.Tensor, ranks: list[int], root: int,
-                  incarnations: Optional[list[int]] = None, tag: str = "") -> None:
+                  incarnations: list[int] | None = None, tag: str = "") -> None:
         """In-place broadcast of ``tensor`` from rank ``root`` to the other ``ranks``."""
         start, nbytes = time.perf_counter(), tensor.numel() * tensor.element_size()
         if self.delay is not None:
@@ -122,7 +123,7 @@ class GroupCache:
         self.traffic.broadcast(ranks, nbytes, root == self.rank, chain[-1] == self.rank,
                                time.perf_counter() - start)
 
-    def forget(self, ranks: list[int], incarnations: Optional[list[int]] = None) -> None:
+    def forget(self, ranks: list[int], incarnations: list[int] | None = None) -> None:
         """Drop a communicator that failed (a member died or timed out); it cannot be used again,
         and one over the same ranks is made anew, under a new ``tag``, when next needed."""
         self._groups.pop(self._key(ranks, incarnations), None)
@@ -150,8 +151,8 @@ def average_parameters(module: nn.Module, groups: GroupCache, ranks: list[int]) 
 
 
 def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list[int],
-                    consensus: int = 0, incarnations: Optional[list[int]] = None,
-                    tag: str = "", shares: Sequence[tuple[int, float]] = ()) -> Optional[float]:
+                    consensus: int = 0, incarnations: list[int] | None = None,
+                    tag: str = "", shares: Sequence[tuple[int, float]] = ()) -> float | None:
     """Replace each tensor by its mean over ``ranks``, in one flat all-reduce.
 
     ``shares``: runs of (count, share) from the first tensor: those ``count`` tensors are
@@ -184,8 +185,8 @@ def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list
 
 
 def mean_of_changes(flat: torch.Tensor, residual: torch.Tensor, groups: GroupCache,
-                    ranks: list[int], precision: str, share: Optional[float] = None,
-                    incarnations: Optional[list[int]] = None, tag: str = "") -> None:
+                    ranks: list[int], precision: str, share: float | None = None,
+                    incarnations: list[int] | None = None, tag: str = "") -> None:
     """Replace ``flat`` (this member's float32 vector) by the mean over ``ranks`` of the
     members' vectors, sent in ``precision``: ``bf16`` (a bfloat16 all-reduce, half of float32's
     bytes) or ``int8`` (a scale per chunk, :func:`sum_in_int8`: about a quarter).
@@ -226,7 +227,7 @@ def mean_of_changes(flat: torch.Tensor, residual: torch.Tensor, groups: GroupCac
 
 
 def sum_in_int8(codes: torch.Tensor, scales: torch.Tensor, groups: GroupCache, ranks: list[int],
-                incarnations: Optional[list[int]] = None, tag: str = "") -> torch.Tensor:
+                incarnations: list[int] | None = None, tag: str = "") -> torch.Tensor:
     """The sum over ``ranks`` of the members' vectors, each given as int8 ``codes`` and
     ``scales`` (:func:`~sdpipe_cli.sync.quantized.quantize`, its chunks a multiple of the
     members), with only int8 on the wire: the i-th member is sent every member's i-th shard
@@ -249,7 +250,7 @@ def _padded(flat: torch.Tensor, parts: int) -> torch.Tensor:
 
 def average_changes(tensors: list[torch.Tensor], anchor: torch.Tensor, residual: torch.Tensor,
                     groups: GroupCache, ranks: list[int], precision: str,
-                    share: Optional[float] = None, incarnations: Optional[list[int]] = None,
+                    share: float | None = None, incarnations: list[int] | None = None,
                     tag: str = "") -> None:
     """Replace each tensor by ``anchor`` plus the mean over ``ranks`` of the members' changes
     since it, in ``precision`` with error feedback (:func:`mean_of_changes`; ``residual``,

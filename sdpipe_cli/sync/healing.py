@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -55,7 +54,7 @@ class Healing:
             self.groups.forget(ranks, incarnations)
             log.warning("healing pipeline %d failed (%s); going on", target.pipeline, err)
 
-    def rejoin(self, module: nn.Module) -> Optional[int]:
+    def rejoin(self, module: nn.Module) -> int | None:
         """A restarted replica: for each unit, ask the scheduler for a source and take its
         state; returns the iteration to go on from. Every unit asks at once, so that all are
         healed at their next rounds (one after the other, they would take a round each). When
@@ -100,7 +99,7 @@ class Healing:
             yield pending.pop(i), answer
 
     def _heal(self, unit, module: nn.Module, answer: protocol.HealAnswer,
-              start: float) -> Optional[int]:
+              start: float) -> int | None:
         """Unit ``unit``'s state from the source the scheduler named in ``answer`` (its rejoin
         was sent at ``start``)."""
         answered = time.perf_counter()

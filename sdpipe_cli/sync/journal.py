@@ -51,7 +51,7 @@ class Journal:
         self.path = Path(file.name)  # <run>/logs/<name>.journal
 
     @classmethod
-    def create(cls, path: Path, started: float) -> "Journal":
+    def create(cls, path: Path, started: float) -> Journal:
         """A new journal (a new leg of the run: whatever was there is replaced)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         journal = cls(path.open("w", encoding="utf-8"))
@@ -59,7 +59,7 @@ class Journal:
         return journal
 
     @classmethod
-    def resume(cls, path: Path) -> "Journal":
+    def resume(cls, path: Path) -> Journal:
         """The journal a restarted scheduler goes on writing (after a torn last line, if any)."""
         text = path.read_bytes()
         keep = text[: text.rfind(b"\n") + 1]

@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,19 +61,19 @@ class Behind:
 
     def __init__(self, tensors: list[torch.Tensor], average: Callable[[list[torch.Tensor]], Any],
                  due: int, group: tuple[list[int], list[int]], moved: float,
-                 after: Optional["Behind"] = None):
+                 after: Behind | None = None):
         with torch.no_grad():
             self.sent = [t.detach().clone() for t in tensors]
             self.copies = [t.clone() for t in self.sent]
         self.due, self.group, self.moved = due, group, moved
-        self.error: Optional[BaseException] = None
-        self._raised: Optional[BaseException] = None
+        self.error: BaseException | None = None
+        self._raised: BaseException | None = None
         self.seconds = 0.0  # the average's own time, from the start of the thread
         self._thread = threading.Thread(target=self._run, args=(average, after), daemon=True,
                                         name="sdpipe-overlap")
         self._thread.start()
 
-    def _run(self, average: Callable[[list[torch.Tensor]], Any], after: Optional["Behind"]) -> None:
+    def _run(self, average: Callable[[list[torch.Tensor]], Any], after: Behind | None) -> None:
         if after is not None:
             after._thread.join()
         start = time.perf_counter()

@@ -24,12 +24,12 @@ from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector
 
 from sdpipe_cli.config.run_file import load_child_config
-from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.runtime.bootstrap import child, connect_store, process_group
-from sdpipe_cli.sync.strategies import PSSync
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.model import optim
 from sdpipe_cli.model.models import build_stage_module
+from sdpipe_cli.runtime.bootstrap import child, connect_store, process_group
+from sdpipe_cli.sync.strategies import PSSync
 
 log = logging.getLogger("sdpipe.ps")
 

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from sdpipe_cli.analysis import read_metrics
+from sdpipe_cli.config import yaml_bounds
+from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.meetings import average_of, meetings_of, precision_of
 from sdpipe_cli.core.modes import MODES, mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import protocol
-from sdpipe_cli.config import yaml_bounds
-from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli.analysis import read_metrics
 
 __all__ = ["Recorded", "load", "recorded_meetings"]
 
@@ -109,7 +109,7 @@ def _overlap(sync: Any) -> int:
     return int(sync.get("overlap", 0)) if average_of(sync) == "weights" else 0
 
 
-def recorded_meetings(run: str) -> Optional[dict]:
+def recorded_meetings(run: str) -> dict | None:
     """The meetings a recorded run settled from its measured wire (its ``wire`` line), if it
     did; a replay must meet as it did."""
     path = Path(run).expanduser() / "metrics.jsonl"

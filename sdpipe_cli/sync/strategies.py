@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +41,11 @@ from torch.nn.utils import vector_to_parameters
 from sdpipe_cli.core.grouping import gossip_peer
 from sdpipe_cli.core.placement import Grid, Placement
 from sdpipe_cli.core.segments import Segments
-from sdpipe_cli.sync.groups import (GroupCache, average_parameters)
 from sdpipe_cli.sync.allreduce import AllReduceSync
 from sdpipe_cli.sync.base import Sync, Wiring
 from sdpipe_cli.sync.diloco import DilocoSync
 from sdpipe_cli.sync.group_sync import GroupSync
+from sdpipe_cli.sync.groups import GroupCache, average_parameters
 from sdpipe_cli.sync.traffic import Traffic
 
 log = logging.getLogger("sdpipe.sync")
@@ -119,11 +119,11 @@ class PSSync(Sync):
     HEADER_TAG, DATA_TAG = 11, 12  # distinct tags: the server receives headers from any source
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> "PSSync":
+    def build(cls, settings: Any, wiring: Wiring) -> PSSync:
         traffic = wiring.groups.traffic if wiring.groups is not None else None
         return cls(wiring.where.server_rank(), wiring.device, traffic)
 
-    def __init__(self, server: int, device: torch.device, traffic: Optional[Traffic] = None):
+    def __init__(self, server: int, device: torch.device, traffic: Traffic | None = None):
         self.server, self.device = server, device
         self.traffic = traffic or Traffic()
         self.stop = False
@@ -171,8 +171,8 @@ def strategy_class(name: str) -> type[Sync]:
 
 def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
               device: torch.device, seed: int = 0,
-              optimizer: Optional[torch.optim.Optimizer] = None, incarnation: int = 0,
-              steps: int = 0, segments: Optional[Segments] = None) -> Sync:
+              optimizer: torch.optim.Optimizer | None = None, incarnation: int = 0,
+              steps: int = 0, segments: Segments | None = None) -> Sync:
     """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
     whose state sdpipe's global syncs average, see :class:`GroupSync`; ``steps``: the run's
     ``train.steps``, which a strategy that meets only now and then needs to end together;

@@ -20,7 +20,7 @@ each member and as many in.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["Traffic"]
 
@@ -31,7 +31,7 @@ class Traffic:
     """Counts per link class: bytes sent, bytes received, seconds, collectives. :meth:`take`
     returns what came since the last take (for a per-iteration record); :attr:`totals` all."""
 
-    def __init__(self, link_of: Optional[LinkOf] = None):
+    def __init__(self, link_of: LinkOf | None = None):
         self.link_of = link_of or (lambda ranks: "same_node")
         self.totals: dict[str, list[float]] = {}
         self._since: dict[str, list[float]] = {}

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -102,7 +103,7 @@ def choice(events, timeout: float) -> protocol.MeetingChoice:
 
 
 def settle(cfg: DictConfig, events, workers: int, timeout: float
-           ) -> Optional[protocol.MeetingChoice]:
+           ) -> protocol.MeetingChoice | None:
     """The scheduler's side: the meetings settled from every worker's report (or, started
     again, the choice already made); None where the launcher resolved them."""
     if not unresolved(cfg.sync):

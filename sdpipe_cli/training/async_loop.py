@@ -35,7 +35,6 @@ often than the flushed loops do.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from sdpipe_cli.core.cadence import Throughput
 from sdpipe_cli.core.schedule import updates_per_iteration
@@ -107,7 +106,7 @@ class AsyncLoop:
         return Control(True, k, save, not go_on or drain or checkpoint or save or evaluate)
 
     # -- every stage ----------------------------------------------------------------------------
-    def _update(self, j: int, loss: Optional[float]) -> None:
+    def _update(self, j: int, loss: float | None) -> None:
         """After batch id j's backward: sync, clip and step, as the flushed loop does per iteration
         (with 2BW only after an iteration's last micro-batch, on the mean of its gradients)."""
         w = self.w
@@ -121,7 +120,7 @@ class AsyncLoop:
                 if p.grad is not None:
                     p.grad /= self.window  # the mean over the iteration, as a flushed loss / m
         # this update's round (sdpipe, adpsgd, ps); clipping by this stage's norm (see above)
-        self._sync_s += w.update(j // self.window, k, clip_over_pipeline=False)
+        self._sync_s += w.update(k, round=j // self.window, clip_over_pipeline=False)
         self.stage.stash.changed()  # one new weight version per update (step and averaging)
         w.optimizer.zero_grad(set_to_none=True)
         if (j + 1) % self.m == 0:

@@ -15,7 +15,8 @@ waits for the device.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["BusyTime"]
 
@@ -23,7 +24,7 @@ __all__ = ["BusyTime"]
 class BusyTime:
     """An ``on_action`` hook that sums compute seconds, calling ``inner`` (if any) inside."""
 
-    def __init__(self, inner: Optional[Callable[[Any, float], None]] = None):
+    def __init__(self, inner: Callable[[Any, float], None] | None = None):
         self.inner = inner
         self.seconds = 0.0
         self._events: list[tuple[Any, Any]] = []  # actions timed on the device, not read yet

@@ -57,7 +57,7 @@ class FlushedLoop:
             inputs, targets = w.batch(step)
             w.optimizer.zero_grad(set_to_none=True)
             loss = w.stage.run(self.actions, inputs, targets)
-            sync_s = w.update(step, step)
+            sync_s = w.update(step)
             self._wait_pending()
             w.memory.check()
             step += 1

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 
+from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import store
-from sdpipe_cli.core.modes import mode
 from sdpipe_cli.runtime.bootstrap import joined
 from sdpipe_cli.sync import groups
 from sdpipe_cli.training.async_loop import AsyncLoop

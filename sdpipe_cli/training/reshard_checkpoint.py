@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.core import reshard_plan as reshard
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.segments import partitions_of
-from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError
 from sdpipe_cli.sync.strategies import strategy_class

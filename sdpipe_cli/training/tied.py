@@ -17,7 +17,7 @@ norm counts a tied weight once, on the first stage that holds it
 
 from __future__ import annotations
 
-from typing import List, Sequence, Set, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -32,14 +32,14 @@ class TiedCopies:
     """This stage's copies of shared parameters: ``ties`` lists, for each, the stages holding
     one and its name in this stage's module (:func:`sdpipe_cli.model.models.stage_ties`)."""
 
-    def __init__(self, ties: Sequence[Tuple[Tuple[int, ...], str]], where: Placement,
+    def __init__(self, ties: Sequence[tuple[tuple[int, ...], str]], where: Placement,
                  incarnation: int = 0):
         self.ties, self.where, self.incarnation = list(ties), where, incarnation
 
     def __bool__(self) -> bool:
         return bool(self.ties)
 
-    def _ranks(self, stages: Tuple[int, ...]) -> List[int]:
+    def _ranks(self, stages: tuple[int, ...]) -> list[int]:
         return [self.where.rank_of(self.where.pipeline, s) for s in stages]
 
     def reduce_gradients(self, module: nn.Module, groups: GroupCache) -> None:
@@ -60,7 +60,7 @@ class TiedCopies:
                 groups.all_reduce(p.data, ranks, incarnations=[self.incarnation] * len(ranks))
                 p.data /= len(ranks)
 
-    def counted_elsewhere(self, module: nn.Module) -> Set[int]:
+    def counted_elsewhere(self, module: nn.Module) -> set[int]:
         """ids of the copies whose gradient an earlier stage already counts in the norm."""
         return {id(module.get_parameter(name)) for stages, name in self.ties
                 if stages[0] != self.where.stage}

@@ -19,31 +19,31 @@ import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.config.schema import objective
 from sdpipe_cli.core.cadence import Cadence
 from sdpipe_cli.core.loss_scale import LossScale
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.data import sources
+from sdpipe_cli.data.feed import Feed
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
-from sdpipe_cli.pipeline import validation
-from sdpipe_cli.pipeline.stage import PipelineStage
+from sdpipe_cli.model import models, optim
+from sdpipe_cli.pipeline import microbatches, validation
+from sdpipe_cli.pipeline.stage import FlushedStage
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.errors import CheckpointError, Diverged
 from sdpipe_cli.runtime.trace import Tracer, trace_path
 from sdpipe_cli.sync.strategies import GroupCache, make_sync
 from sdpipe_cli.training.busy import BusyTime
 from sdpipe_cli.training.tied import TiedCopies
-from sdpipe_cli.data import sources
-from sdpipe_cli.data.feed import Feed
-from sdpipe_cli import checkpoint
-from sdpipe_cli.model import models, optim
 
 __all__ = ["Worker", "param_digest"]
 
@@ -115,7 +115,7 @@ class Worker:
         low = models.AUTOCAST.get(str(cfg.train.precision))
         if low is not None:  # activations and their gradients travel in the low precision
             boundaries = tuple(None if b is None else b.with_floats(low) for b in boundaries)
-        self.stage = PipelineStage(
+        self.stage = FlushedStage(
             self.module, stage=s, num_stages=where.stages,
             prev_rank=where.prev_rank, next_rank=where.next_rank, boundaries=boundaries,
             device=device, loss_fn=models.loss_function(cfg.model), before_action=before_action,
@@ -170,14 +170,14 @@ class Worker:
     # -- data ---------------------------------------------------------------------------------
     def microbatches(self, x: Any) -> list[Any]:
         """``x`` (a tensor, or a tuple or dict of them) cut into the micro-batches, on the device."""
-        return validation.split(x, self.cfg.pipeline.microbatches, self.device)
+        return microbatches.split(x, self.cfg.pipeline.microbatches, self.device)
 
     def _scaled(self) -> None:
         """fp16: the loss scale the last stage multiplies by for the coming backward."""
         if self.loss_scale is not None:
             self.stage.executor.loss_scale = self.loss_scale.value
 
-    def batch(self, step: int) -> tuple[Optional[list[torch.Tensor]], Optional[list[torch.Tensor]]]:
+    def batch(self, step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
         """Iteration ``step``'s micro-batches this stage needs: inputs on the first stage, targets
         on the last, None elsewhere."""
         self._scaled()
@@ -204,16 +204,20 @@ class Worker:
             self.cadence.checkpoint_time(time.monotonic() - self._last_save))
 
     # -- one update ---------------------------------------------------------------------------
-    def update(self, round: int, iteration: int, clip_over_pipeline: bool = True) -> float:
+    def update(self, iteration: int, round: int | None = None,
+               clip_over_pipeline: bool = True) -> float:
         """Apply the accumulated gradients of ``iteration``: the strategy's gradient sync,
         clipping, the optimizer step at the schedule's learning rate and the strategy's weight
-        sync for ``round``; returns the seconds spent syncing.
+        sync for ``round``; returns the seconds spent syncing. A flushed schedule's round is its
+        iteration (the default); asynchronous 1F1B's is its update's count, which 2BW's window
+        makes differ from the iteration.
 
         Clipping uses the norm of the whole model's gradient, summed over this pipeline's stages
         (one scalar all-reduce), so a pipeline of S stages takes the step one process holding the
         model would. ``clip_over_pipeline=False`` clips by this stage's own norm (asynchronous
         1F1B, whose stages update at different times: see :mod:`sdpipe_cli.training.async_loop`).
         """
+        round = iteration if round is None else round
         if self.loss_scale is not None:  # before any average: replicas may differ in scale
             optim.scale_gradients(self.module.parameters(), 1.0 / self.loss_scale.value)
         self.ties.reduce_gradients(self.module, self.pipeline_groups)
@@ -402,7 +406,7 @@ class Worker:
         self.sync.started()
 
     def report_step(self, step: int, *, rate: float, step_s: float, sync_s: float,
-                    loss: Optional[float], **extra: Any) -> None:
+                    loss: float | None, **extra: Any) -> None:
         """The step event of iteration ``step`` (done), if the cadence logs it; the loss only
         from the last stage, which has it."""
         if not self.cadence.log_after(step):

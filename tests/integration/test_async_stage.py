@@ -27,11 +27,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import free_port, spawn_and_join
 from sdpipe_cli.core.schedule import async_one_f_one_b, stash_versions, tick_order
 from sdpipe_cli.pipeline.async_stage import AsyncStage
 from sdpipe_cli.pipeline.executor import Executor
 from sdpipe_cli.pipeline.p2p import Control
+from tests.helpers import free_port, spawn_and_join
 
 pytestmark = pytest.mark.multiprocess
 
@@ -195,7 +195,7 @@ def test_async_pipeline_stashes_versions_and_matches_pipedream():
             assert r["peak"] == peak == r["bound"] == min(STAGES - s, bound or STAGES), tag
             for name, value in r["weights"].items():
                 torch.testing.assert_close(value, ref_weights[s][name], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{tag} {name}: {m}")
+                                           msg=lambda m, tag=tag, name=name: f"{tag} {name}: {m}")
         losses = results[STAGES - 1][mode]["losses"]
         assert sorted(losses) == list(range(total)), mode
         for j, loss in losses.items():

@@ -90,8 +90,8 @@ def gpt2_on_tokens(tmp_path_factory):
 
 
 def test_gpt2_export_loads_in_transformers_with_its_tokenizer_and_the_runs_loss(gpt2_on_tokens):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run, export, tokens, said = gpt2_on_tokens
     assert "replicas are equal" in said

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import free_port, make_doc, metrics, sdpipe, write_profile
 from sdpipe_cli.config.run_file import load_run_config
 from sdpipe_cli.core.meetings import INT8_CHUNK
+from sdpipe_cli.model.models import build_stage_module
 from sdpipe_cli.sync import quantized
 from sdpipe_cli.sync.groups import GroupCache, average_changes, average_tensors
-from sdpipe_cli.model.models import build_stage_module
+from tests.helpers import free_port, make_doc, metrics, sdpipe, write_profile
 
 pytestmark = pytest.mark.multiprocess
 

@@ -14,8 +14,8 @@ import yaml
 from torch import nn
 
 from sdpipe_cli.core.schedule import one_f_one_b
-from sdpipe_cli.hetero.emulation import Slowdown
-from sdpipe_cli.pipeline.stage import PipelineStage
+from sdpipe_cli.hetero.emulation import EmulatedSlowdown
+from sdpipe_cli.pipeline.stage import FlushedStage
 from tests.helpers import make_doc, metrics, sdpipe
 
 pytestmark = pytest.mark.multiprocess
@@ -122,8 +122,8 @@ def _burn(seconds: float) -> None:
 def _stage_wall_time(speed: float, microbatches: int, compute_ms: float) -> float:
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
-    hook = Slowdown(compute_ms=compute_ms, speed=lambda: speed)
-    stage = PipelineStage(module, 0, 1, None, None, (4, 32), torch.device("cpu"),
+    hook = EmulatedSlowdown(compute_ms=compute_ms, speed=lambda: speed)
+    stage = FlushedStage(module, 0, 1, None, None, (4, 32), torch.device("cpu"),
                           loss_fn=lambda y, t: ((y - t) ** 2).mean(), on_action=hook)
     data = [torch.randn(4, 32) for _ in range(microbatches)]
     start = time.perf_counter()

@@ -24,15 +24,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
 import torch
-import yaml
 import torch.distributed as dist
+import yaml
 from omegaconf import OmegaConf
 from rich.console import Console
 
@@ -47,8 +47,18 @@ from sdpipe_cli.runtime import protocol, run_lock, store
 from sdpipe_cli.runtime.errors import CheckpointError
 from sdpipe_cli.sync.scheduler import process as scheduler_process
 from sdpipe_cli.sync.scheduler.handling import Scheduler
-from tests.helpers import (finish, free_port, kill_leftovers, metrics, one_error_line,
-                           run_processes, sdpipe, sdpipe_popen, training_lines, wait_for)
+from tests.helpers import (
+    finish,
+    free_port,
+    kill_leftovers,
+    metrics,
+    one_error_line,
+    run_processes,
+    sdpipe,
+    sdpipe_popen,
+    training_lines,
+    wait_for,
+)
 
 TINY = ("model=mlp", "data=synthetic", "train.steps=4", "train.batch_size=8")
 LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8",
@@ -62,8 +72,8 @@ class Row:
     args: Callable[[Path, Path], list[str]]  # (tmp_path, a copy of a finished run) -> CLI args
     code: int
     message: str  # a part of the error line
-    inject: Optional[Callable[[dist.Store], None]] = None  # forged store values, once running
-    signal_at: Optional[float] = None  # SIGTERM the CLI this many seconds after its start
+    inject: Callable[[dist.Store], None] | None = None  # forged store values, once running
+    signal_at: float | None = None  # SIGTERM the CLI this many seconds after its start
     absent: str = ""  # a path (under tmp_path) that must not exist afterwards: code that ran
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import free_port, spawn_and_join
 from sdpipe_cli.pipeline import p2p
 from sdpipe_cli.pipeline.p2p import Control, ControlSend
+from tests.helpers import free_port, spawn_and_join
 
 CPU = torch.device("cpu")
 

@@ -15,9 +15,8 @@ import time
 
 import pytest
 
-from sdpipe_cli.hetero import profiler
-
 from sdpipe_cli.config import measurements
+from sdpipe_cli.hetero import profiler
 from tests.helpers import run_processes, sdpipe, sdpipe_popen
 
 pytestmark = pytest.mark.multiprocess

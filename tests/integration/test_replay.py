@@ -54,8 +54,8 @@ def test_a_recording_that_cannot_be_replayed_is_one_line(tmp_path, capsys, what,
             "sync: {name: sdpipe}\ncluster: {pipelines: 3}\n"
             "pipeline: {stages: 2, schedule: 1f1b, microbatches: 4}\n")
         (folder / "metrics.jsonl").write_text(
-            '{"kind": "group", "stage": 0, "round": 1, "group": "group", "members": [%d], '
-            '"iterations": [0], "stop": false, "done": 3}\n' % member)
+            '{"kind": "group", "stage": 0, "round": 1, "group": "group", "members": [MEMBER], '
+            '"iterations": [0], "stop": false, "done": 3}\n'.replace("MEMBER", str(member)))
     empty = tmp_path / "empty"
     empty.mkdir()
     rc = main(["train", f"run.dir={tmp_path / 'new'}", *RUN[:4],

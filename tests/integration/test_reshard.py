@@ -14,9 +14,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.cli import resuming
 from sdpipe_cli.cli.parsing import main
-from sdpipe_cli import checkpoint
 from sdpipe_cli.runtime import run_lock
 from tests.helpers import losses, metrics, run_processes, sdpipe
 

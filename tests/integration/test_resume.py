@@ -20,11 +20,21 @@ import pytest
 from rich.console import Console
 
 from sdpipe_cli import checkpoint
-from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.cli import report, resuming
+from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.runtime import run_lock
-from tests.helpers import (digests, finish, listening_only_on_loopback, losses, metrics, run_processes,
-                           sdpipe, sdpipe_popen, training_lines, wait_for)
+from tests.helpers import (
+    digests,
+    finish,
+    listening_only_on_loopback,
+    losses,
+    metrics,
+    run_processes,
+    sdpipe,
+    sdpipe_popen,
+    training_lines,
+    wait_for,
+)
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,4 @@
-"""PipelineStage in real processes over gloo: a pipelined iteration equals the unsplit model.
+"""FlushedStage in real processes over gloo: a pipelined iteration equals the unsplit model.
 
 One spawn per pipeline depth runs every (schedule, micro-batch count) combination, so process
 start-up (importing torch) is paid once. Each worker compares its own stage's loss and
@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import free_port, spawn_and_join
 from sdpipe_cli.core.schedule import SCHEDULES, Action, get_schedule
-from sdpipe_cli.pipeline.stage import PipelineStage
+from sdpipe_cli.pipeline.stage import FlushedStage
+from tests.helpers import free_port, spawn_and_join
 
 pytestmark = pytest.mark.multiprocess
 
@@ -63,7 +63,7 @@ def reference():
 def make_stage(stage, stages, blocks, m, ranks=None, **hooks):
     ranks = ranks if ranks is not None else list(range(stages))
     lo, hi = bounds(len(blocks), stages)[stage]
-    return PipelineStage(
+    return FlushedStage(
         nn.Sequential(*blocks[lo:hi]),
         stage=stage,
         num_stages=stages,
@@ -89,8 +89,9 @@ def check_iteration(stage, stages, errors):
             seen, seconds = [], []
             pipe = make_stage(
                 stage, stages, blocks, m,
-                before_action=lambda a: seen.append(("before", a)),
-                on_action=lambda a, sec: (seen.append(("after", a)), seconds.append(sec)),
+                before_action=lambda a, seen=seen: seen.append(("before", a)),
+                on_action=lambda a, sec, seen=seen, seconds=seconds: (seen.append(("after", a)),
+                                                                      seconds.append(sec)),
             )
             inputs = list(tokens.chunk(m)) if first else None
             targs = list(targets.chunk(m)) if last else None
@@ -176,4 +177,4 @@ def test_constructor_validates_neighbours():
     with pytest.raises(ValueError):
         make_stage(0, 2, make_blocks(), 1, ranks=[None, None])
     with pytest.raises(ValueError):
-        PipelineStage(nn.Identity(), 2, 2, 0, None, (1,), torch.device("cpu"), loss_fn)
+        FlushedStage(nn.Identity(), 2, 2, 0, None, (1,), torch.device("cpu"), loss_fn)

@@ -13,11 +13,22 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import (REPO, finish, free_port, listening_only_on_loopback, metrics, run_processes,
-                           sdpipe_beside, sdpipe_popen, training_lines, wait_for, worker_process,
-                           worker_processes)
-from sdpipe_cli.cli import launcher, supervisor
 from sdpipe_cli import checkpoint
+from sdpipe_cli.cli import launcher, supervisor
+from tests.helpers import (
+    REPO,
+    finish,
+    free_port,
+    listening_only_on_loopback,
+    metrics,
+    run_processes,
+    sdpipe_beside,
+    sdpipe_popen,
+    training_lines,
+    wait_for,
+    worker_process,
+    worker_processes,
+)
 from tests.unit.test_failure_reports import fill, small_disk
 
 pytestmark = pytest.mark.multiprocess

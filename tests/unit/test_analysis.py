@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli import analysis
+from sdpipe_cli.config.schema import ConfigError
 
 
 def write(tmp_path, lines: list[dict], tail: str = "") -> object:
@@ -193,8 +193,8 @@ def test_consensus_is_timed_by_its_group_line():
 
 
 def test_the_schema_knows_every_kind_that_docs_runs_md_documents():
-    from pathlib import Path
     import re
+    from pathlib import Path
 
     runs = (Path(__file__).resolve().parents[2] / "docs" / "RUNS.md").read_text()
     table = runs.split("`metrics.jsonl` lines carry a `kind`", 1)[1].split("\n\n")[1]

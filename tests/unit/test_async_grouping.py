@@ -21,8 +21,7 @@ import heapq
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from sdpipe_cli.core.grouping import AsyncGroupScheduler, Decision
 from sdpipe_cli.core.schedule import async_next
@@ -62,7 +61,7 @@ class AsyncSim:  # noqa: D101
         self.answered: dict[tuple[int, int, int], Decision] = {}
         self.under_global: dict[int, bool] = {}
 
-    def with_policy(self, **changes) -> "AsyncSim":
+    def with_policy(self, **changes) -> AsyncSim:
         """The same simulation, not run yet, with some policy settings changed."""
         P, S, m, ticks, policy = self.args
         return AsyncSim(P, S, m, ticks, **{**policy, **changes})

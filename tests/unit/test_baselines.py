@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from sdpipe_cli.hetero.emulation import Slowdown
 from sdpipe_cli.core.schedule import Action
+from sdpipe_cli.hetero.emulation import EmulatedSlowdown
 from sdpipe_cli.sync.strategies import GossipSync
 
 FAST = ("model=mlp", "data=synthetic", "train.batch_size=8", "cluster.pipelines=3",
@@ -34,13 +34,13 @@ def test_gossip_pairs_change_between_rounds():
 @pytest.mark.parametrize("factor, measured, expected", [(3.0, 0.01, 0.02), (1.0, 0.01, 0.0)])
 def test_measured_slowdown_sleeps_the_missing_time(factor, measured, expected):
     slept = []
-    Slowdown(factor, sleep=slept.append)(Action("F", 0), measured)
+    EmulatedSlowdown(factor, sleep=slept.append)(Action("F", 0), measured)
     assert sum(slept) == pytest.approx(expected)
 
 
 def test_modelled_slowdown_charges_a_fixed_budget_and_counts_overruns():
     slept = []
-    hook = Slowdown(2.0, compute_ms=10, sleep=slept.append)
+    hook = EmulatedSlowdown(2.0, compute_ms=10, sleep=slept.append)
     hook(Action("F", 0), 0.004)  # forward: 10 ms x 2 = 20 ms budget
     hook(Action("B", 0), 0.010)  # backward: twice the forward
     hook(Action("F", 1), 0.050)  # real compute over budget: no sleep, counted

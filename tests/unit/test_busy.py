@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdpipe_cli.hetero.emulation import Slowdown
+from sdpipe_cli.hetero.emulation import EmulatedSlowdown
 from sdpipe_cli.pipeline.executor import device_timed
 from sdpipe_cli.training.busy import BusyTime
 
@@ -20,7 +20,7 @@ class FakeEvent:
     def synchronize(self) -> None:
         self.synchronized = True
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         return end.at_ms - self.at_ms
 
 
@@ -35,7 +35,7 @@ def test_seconds_and_device_events_sum_until_taken():
 
 
 def test_only_a_default_runs_hook_is_timed_on_the_device():
-    alone, around_a_slowdown = BusyTime(), BusyTime(Slowdown(2.0))
+    alone, around_a_slowdown = BusyTime(), BusyTime(EmulatedSlowdown(2.0))
     assert device_timed("cuda", alone)  # fault.on_slowdown=warn, nothing emulated
     assert not device_timed("cuda", around_a_slowdown)  # sleeps once its kernels are done
     assert not device_timed("cpu", alone)  # the wall clock is the compute on a CPU

@@ -7,9 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
+from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints, Throughput, time_left

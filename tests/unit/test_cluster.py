@@ -6,10 +6,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from sdpipe_cli.cli.parsing import main
-from sdpipe_cli.core.cluster import Cluster, ClusterError
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
+from sdpipe_cli.core.cluster import Cluster, ClusterError
 
 TWO_NODES = ("cluster.pipelines=2", "pipeline.stages=2",
              "cluster.nodes=[{name: a, devices: [{speed: 1.0}, {speed: 1.0}]},"

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
 
 from sdpipe_cli.cli.parsing import main
-from tests.helpers import one_error_line
 from sdpipe_cli.config.composition import compose, config_dir, group_options
 from sdpipe_cli.config.schema import ConfigError, n_blocks
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.cluster import Cluster
+from tests.helpers import one_error_line
 
 REQUIRED_KEYS = [
     "cluster.pipelines",

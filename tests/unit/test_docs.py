@@ -89,8 +89,8 @@ def test_every_training_example_in_the_readme_composes_and_validates():
     would be (a ``data.path=~/corpus`` that Hydra's lexer refuses fails here); files and devices
     it names are not looked at."""
     from sdpipe_cli.config.composition import compose
-    from sdpipe_cli.config.validation import validate
     from sdpipe_cli.config.sweep import expand
+    from sdpipe_cli.config.validation import validate
 
     examples = readme_commands("train") + readme_commands("simulate")
     assert len(examples) >= 20

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.export import evaluation, formats, generation, weights
-from sdpipe_cli import checkpoint
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime.errors import CheckpointError
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from sdpipe_cli import checkpoint

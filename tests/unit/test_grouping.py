@@ -52,12 +52,11 @@ import os
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.policy_sim import Result, Sim, SimError, replay
 from sdpipe_cli.core.grouping import Decision, DisjointSet, GroupScheduler
 from sdpipe_cli.core.grouping.rounds import REASONS
+from tests.policy_sim import Result, Sim, SimError, replay
 
 EPS = 1e-9
 # GROUPING_EXAMPLES=2000 for a longer hunt; the default (60 runs of a whole simulated training

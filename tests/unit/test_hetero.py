@@ -8,32 +8,38 @@ import time
 import pytest
 import torch
 
-from sdpipe_cli.core.cluster import Cluster, Device, SpeedChange
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.validation import validate
-from sdpipe_cli.hetero.emulation import (MemoryLimit, MemoryLimitExceeded, Slowdown, Stragglers, link_delay,
-                               make_slowdown)
+from sdpipe_cli.core.cluster import Cluster, Device, SpeedChange
 from sdpipe_cli.core.schedule import Action, one_f_one_b
+from sdpipe_cli.hetero.emulation import (
+    EmulatedSlowdown,
+    EmulatedStragglers,
+    MemoryLimit,
+    MemoryLimitExceeded,
+    link_delay,
+    make_slowdown,
+)
 
 
 @pytest.mark.parametrize("q", [0.0, 0.1, 0.3, 1.0])
 def test_stragglers_appear_at_the_configured_rate(q):
-    gen = Stragglers(q, 3.0, seed="0/local:1")
+    gen = EmulatedStragglers(q, 3.0, seed="0/local:1")
     draws = [gen.draw() for _ in range(20_000)]
     assert set(draws) <= {1.0, 3.0}
     assert draws.count(3.0) / len(draws) == pytest.approx(q, abs=0.01)
 
 
 def test_stragglers_are_reproducible_and_differ_per_seed():
-    a, b, c = (Stragglers(0.2, 2.0, seed=s) for s in ("0/x:0", "0/x:0", "0/x:1"))
+    a, b, c = (EmulatedStragglers(0.2, 2.0, seed=s) for s in ("0/x:0", "0/x:0", "0/x:1"))
     seq = [[g.draw() for _ in range(200)] for g in (a, b, c)]
     assert seq[0] == seq[1] and seq[0] != seq[2]
 
 
 def test_speed_straggler_and_static_factor_multiply():
     slept = []
-    hook = Slowdown(2.0, compute_ms=10, sleep=slept.append, speed=lambda: 0.5,
-                    stragglers=Stragglers(1.0, 3.0))
+    hook = EmulatedSlowdown(2.0, compute_ms=10, sleep=slept.append, speed=lambda: 0.5,
+                    stragglers=EmulatedStragglers(1.0, 3.0))
     hook(Action("F", 0), 0.001)
     assert slept == [pytest.approx(0.010 * 2.0 / 0.5 * 3.0 - 0.001)]
     assert hook.straggled == 1 and hook.actions == 1
@@ -41,7 +47,7 @@ def test_speed_straggler_and_static_factor_multiply():
 
 def test_per_iteration_stragglers_slow_every_action_of_the_iteration():
     slept = []
-    hook = Slowdown(compute_ms=10, sleep=slept.append, stragglers=Stragglers(0.5, 4.0, seed=1),
+    hook = EmulatedSlowdown(compute_ms=10, sleep=slept.append, stragglers=EmulatedStragglers(0.5, 4.0, seed=1),
                     per_iteration=True)
     factors = []
     for _ in range(50):
@@ -62,7 +68,7 @@ def test_speed_is_read_at_every_action():
     now = [0.0]
     cluster = Cluster([Device("n:0", "n", 0)], [["n:0"]],
                       changes=[SpeedChange("n:0", 0.25, 10.0, 20.0)])
-    hook = Slowdown(compute_ms=10, sleep=lambda s: None,
+    hook = EmulatedSlowdown(compute_ms=10, sleep=lambda s: None,
                     speed=lambda: cluster.speed(cluster.device(0, 0), now[0]))
     assert hook.target(Action("F", 0), 0.0) == pytest.approx(0.010)
     now[0] = 15.0
@@ -72,9 +78,9 @@ def test_speed_is_read_at_every_action():
 
 
 def test_inactive_hook_is_not_installed():
-    assert not Slowdown().active
-    assert Slowdown(speed=lambda: 0.5).active and Slowdown(compute_ms=1).active
-    assert Slowdown(dynamic=True).active
+    assert not EmulatedSlowdown().active
+    assert EmulatedSlowdown(speed=lambda: 0.5).active and EmulatedSlowdown(compute_ms=1).active
+    assert EmulatedSlowdown(dynamic=True).active
 
 
 def test_link_delay_sleeps_the_links_transfer_time():

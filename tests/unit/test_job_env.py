@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from sdpipe_cli.config.job_env import PORT_BASE, PORT_SPAN, detect, expand_nodelist, infer, port_for_job
 from sdpipe_cli.config.schema import ConfigError

@@ -4,8 +4,7 @@ links (sdpipe_cli.core.meetings), as the launcher and the simulator resolve them
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from sdpipe_cli.core.meetings import Meetings, average_of, choose, meetings_of, precision_of

@@ -10,8 +10,7 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ModelConfig, n_blocks
 from sdpipe_cli.model.bytes_lm import build_blocks
-from sdpipe_cli.model.models import block_param_counts
-from sdpipe_cli.model.models import cross_entropy as loss_fn
+from sdpipe_cli.model.models import block_param_counts, cross_entropy as loss_fn
 
 ARCHS = ["gpt", "mlp"]
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from sdpipe_cli.model import optim
 from sdpipe_cli.config.composition import compose
-from sdpipe_cli.sync.strategies import GroupSync
 from sdpipe_cli.core.meetings import Meetings
+from sdpipe_cli.model import optim
+from sdpipe_cli.sync.strategies import GroupSync
 
 
 def _cfg(*overrides: str):

@@ -3,11 +3,9 @@ group, fake handles); tests/integration/test_p2p_processes.py passes it between 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.pipeline import p2p

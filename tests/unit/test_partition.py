@@ -7,11 +7,9 @@ import math
 import os
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from sdpipe_cli.core.partition import (balanced, device_cost, optimal, plan, resolve, stage_ranges,
-                                 stage_times, uniform)
+from sdpipe_cli.core.partition import balanced, device_cost, optimal, plan, resolve, stage_ranges, stage_times, uniform
 
 # PARTITION_EXAMPLES=2000 for a longer hunt against the brute force
 PARTITION_EXAMPLES = int(os.environ.get("PARTITION_EXAMPLES", "100"))

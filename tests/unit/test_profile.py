@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sdpipe_cli.config import measurements
 from sdpipe_cli.cli.parsing import main
-from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.config import measurements
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.validation import validate
-from tests.helpers import make_doc
-from tests.helpers import write_profile as write
+from sdpipe_cli.core.cluster import Cluster
+from tests.helpers import make_doc, write_profile as write
 
 
 def test_measured_device_keeps_its_times_rescaled_to_the_configured_speed(tmp_path):

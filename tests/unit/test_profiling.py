@@ -8,12 +8,12 @@ import json
 import pytest
 
 from sdpipe_cli.cli import preparing
-from sdpipe_cli.model import models
-from sdpipe_cli.hetero import profiler
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import n_blocks
 from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.hetero import profiler
+from sdpipe_cli.model import models
 
 
 def test_turns_cover_blocks_then_neighbours_then_replica_groups():

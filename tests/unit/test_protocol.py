@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from sdpipe_cli.runtime import protocol as P
 
@@ -60,7 +59,7 @@ BAD_EVENTS = [
     (json.dumps({**READY, "iteration": 4.5}), "field 'iteration' should be int"),
     (json.dumps({k: v for k, v in READY.items() if k != "iteration"}), "lacks field 'iteration'"),
     (json.dumps({**READY, "members": [1]}), "has no field 'members'"),
-    (json.dumps({**STEP, "loss": "low"}), "field 'loss' should be Optional[float]"),
+    (json.dumps({**STEP, "loss": "low"}), "field 'loss' should be float | None"),
     (json.dumps({k: v for k, v in STEP.items() if k != "samples"}), "lacks field 'samples'"),
     (json.dumps({"type": "done", "rank": 0, "pipeline": 0, "stage": 0, "time": 1.0}),
      "a done report lacks field 'steps'"),

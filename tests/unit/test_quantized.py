@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from sdpipe_cli.core.meetings import BYTES, INT8_CHUNK
 from sdpipe_cli.sync import quantized

@@ -6,12 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from sdpipe_cli.core.partition import uniform
-from sdpipe_cli.core.replan import (MIN_GAIN, as_config, called_for, move_cost, pace_bound,
-                                    pipeline_ms, propose)
+from sdpipe_cli.core.replan import MIN_GAIN, as_config, called_for, move_cost, pace_bound, pipeline_ms, propose
 
 P, S, BLOCKS, M, BATCH = 4, 4, 16, 4, 16
 EVEN = [uniform(BLOCKS, S)] * P  # every pipeline split evenly (the speeds' advice at the start)

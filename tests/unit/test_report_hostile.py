@@ -8,9 +8,8 @@ import re
 
 import pytest
 
+from sdpipe_cli import analysis, checkpoint
 from sdpipe_cli.cli import parsing, report
-from sdpipe_cli import checkpoint
-from sdpipe_cli import analysis
 from sdpipe_cli.runtime.errors import CheckpointError
 
 CONFIG = "model:\n  arch: mlp\nsync:\n  name: sdpipe\ntrain:\n  lr: 0.001\nrun:\n  dir: /a\n"
@@ -146,7 +145,7 @@ def checkpoint_with(tmp_path, elapsed: str):
     ckpt = tmp_path / "run" / "checkpoints" / "step_4"
     ckpt.mkdir(parents=True)
     manifest = ckpt / "manifest.json"
-    manifest.write_text('{"step": 4, "steps": {"0": 4}, "files": {}, "elapsed": %s}' % elapsed)
+    manifest.write_text(f'{{"step": 4, "steps": {{"0": 4}}, "files": {{}}, "elapsed": {elapsed}}}')
     return ckpt, manifest
 
 

@@ -5,8 +5,7 @@ blocks come from, the iterations and budget of the new layout, and where its dat
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from sdpipe_cli.core.reshard_plan import Layout, data_position, pieces, plan
 from sdpipe_cli.data.sampling import Order

@@ -4,8 +4,8 @@ holding real locks."""
 from __future__ import annotations
 
 import json
-import socket
 import os
+import socket
 import subprocess
 import sys
 

@@ -1,8 +1,7 @@
 """Schedules as text: literal per-stage action orders, invariants, and the simulated timeline."""
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from sdpipe_cli.core.schedule import (
     ASYNC_SCHEDULES,
@@ -16,8 +15,8 @@ from sdpipe_cli.core.schedule import (
     get_schedule,
     gpipe,
     one_f_one_b,
-    tick_order,
     stash_versions,
+    tick_order,
     timeline,
 )
 

@@ -11,14 +11,29 @@ from __future__ import annotations
 import signal
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from sdpipe_cli.core.supervision import (SETTLE_S, Broken, ChildState, DropPipelines, Failed,
-                                         FailedElsewhere, Finished, Kill, Observation,
-                                         RequestStop, Resplit, Respawn, RespawnScheduler,
-                                         Restarts, StopNow, Supervision,
-                                         Wait, ending, first_failure)
+from sdpipe_cli.core.supervision import (
+    SETTLE_S,
+    Broken,
+    ChildState,
+    DropPipelines,
+    Failed,
+    FailedElsewhere,
+    Finished,
+    Kill,
+    Observation,
+    RequestStop,
+    Respawn,
+    RespawnScheduler,
+    Resplit,
+    Restarts,
+    StopNow,
+    Supervision,
+    Wait,
+    ending,
+    first_failure,
+)
 
 KILLED = -signal.SIGKILL
 TERMED = -signal.SIGTERM

@@ -16,14 +16,7 @@ import torch
 from sdpipe_cli.data import tokenizer
 from sdpipe_cli.data.corpus import _stdlib_bytes
 from sdpipe_cli.data.prepare import prepare_text
-from sdpipe_cli.data.tokens import (
-    MANIFEST,
-    TokenWindows,
-    file_sha256,
-    fingerprint,
-    mask_tokens,
-    open_tokens,
-)
+from sdpipe_cli.data.tokens import MANIFEST, TokenWindows, file_sha256, fingerprint, mask_tokens, open_tokens
 from sdpipe_cli.runtime.errors import DataError
 
 WORDS = ("the pipeline stage sends its activations to the next stage while the optimizer waits for "

@@ -4,8 +4,7 @@ run's totals the scheduler's tracker folds from the workers' done events."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from sdpipe_cli.runtime.metrics import RunTracker
 from sdpipe_cli.sync.traffic import Traffic

@@ -8,8 +8,7 @@ import signal
 import stat
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from sdpipe_cli.config import trust
 from sdpipe_cli.config.schema import ConfigError

@@ -10,15 +10,13 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli.core.meetings import BYTES, choose
 from sdpipe_cli.core.blocks import closing_block, final_block
-from sdpipe_cli.core.wire import (WINDOW, Blocks, LinkFit, Measured, Probe, WirePace, decide,
-                                   meeting_s, ring_bytes)
+from sdpipe_cli.core.meetings import BYTES, choose
+from sdpipe_cli.core.wire import WINDOW, Blocks, LinkFit, Measured, Probe, WirePace, decide, meeting_s, ring_bytes
 from sdpipe_cli.sync import wire_probe
 from tests.unit.test_simulation import config
 

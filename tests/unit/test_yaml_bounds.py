@@ -7,8 +7,7 @@ import time
 
 import pytest
 import yaml
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.config import yaml_bounds

@@ -97,10 +97,8 @@ from sdpipe_cli.core.grouping.budget import END_CHECKS, MAX_AHEAD, FlushedPlanne
 from sdpipe_cli.core.grouping.connectivity import Connectivity
 from sdpipe_cli.core.grouping.disjoint import DisjointSet
 from sdpipe_cli.core.grouping.freshness import STALE_RULES, Freshness
-from sdpipe_cli.core.grouping.prediction import (AWAIT_PACE_RATIO, JITTER_BAND, LATE_SLACK,
-                                                 SLACK_ERRORS, SLACK_FLOOR)
-from sdpipe_cli.core.grouping.scheduler import (POLICIES, AsyncGroupScheduler, GroupScheduler,
-                                                make_policy)
+from sdpipe_cli.core.grouping.prediction import AWAIT_PACE_RATIO, JITTER_BAND, LATE_SLACK, SLACK_ERRORS, SLACK_FLOOR
+from sdpipe_cli.core.grouping.scheduler import POLICIES, AsyncGroupScheduler, GroupScheduler, make_policy
 from sdpipe_cli.core.grouping.state import Decision, Snapshot, StageView, gossip_peer
 
 __all__ = ["AWAIT_PACE_RATIO", "END_CHECKS", "JITTER_BAND", "LATE_SLACK", "MAX_AHEAD", "POLICIES",

@@ -26,8 +26,6 @@ the flushed schedules, the last iteration of each pipeline before each global sy
 
 from __future__ import annotations
 
-from typing import Optional
-
 from sdpipe_cli.core.grouping.budget import no_global_pending
 from sdpipe_cli.core.grouping.state import RunState
 
@@ -47,7 +45,7 @@ class AsyncPlanner:
         """Pipeline-iterations begun so far (left pipelines keep what they did)."""
         return self._begun_total
 
-    def begun(self) -> Optional[dict[int, int]]:
+    def begun(self) -> dict[int, int] | None:
         """Iterations begun by each pipeline's first stage (a copy)."""
         return dict(self._begun)
 

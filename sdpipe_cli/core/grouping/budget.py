@@ -19,7 +19,7 @@ of the budget, since both depend on the schedule too.
 from __future__ import annotations
 
 import heapq
-from typing import Optional, Protocol
+from typing import Protocol
 
 from sdpipe_cli.core.grouping.state import RunState
 
@@ -35,7 +35,7 @@ class Planner(Protocol):
     rounds_per_iteration: int
 
     def iterations_done(self) -> int: ...
-    def begun(self) -> Optional[dict[int, int]]: ...
+    def begun(self) -> dict[int, int] | None: ...
     def readied(self, pipeline: int, iteration: int, now: float) -> None: ...
     def release(self, s: int, p: int, iteration: int, now: float) -> None: ...
     def begin(self, pipeline: int, iteration: int) -> bool: ...
@@ -66,7 +66,7 @@ class FlushedPlanner:
         """Pipeline-iterations started so far (left pipelines keep what they did)."""
         return self._done
 
-    def begun(self) -> Optional[dict[int, int]]:
+    def begun(self) -> dict[int, int] | None:
         return None  # a round per iteration: nothing is begun apart from its rounds
 
     def readied(self, pipeline: int, iteration: int, now: float) -> None:
@@ -156,7 +156,7 @@ class FlushedPlanner:
             return ahead
         return _fits_by(paces, max(last + pace for last, pace in paces.values()))
 
-    def _paces(self) -> Optional[dict[int, tuple[float, float]]]:
+    def _paces(self) -> dict[int, tuple[float, float]] | None:
         """Each live pipeline's (when it last reached its newest iteration, pace): its first
         stage's pace (its stages keep one pace over time); None while any is unknown."""
         try:

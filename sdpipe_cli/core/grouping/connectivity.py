@@ -15,7 +15,7 @@ only moves on when all its stages got their groups. cost_aware needs no token (s
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from sdpipe_cli.core.grouping.disjoint import DisjointSet
 from sdpipe_cli.core.grouping.state import RunState
@@ -39,10 +39,10 @@ class Connectivity:
     """Per stage, who must connect, and the token (classic) or the anchor (cost_aware)."""
 
     def __init__(self, run: RunState, *, connect_every: int, cost_aware: bool, max_group: int,
-                 suspect_after: Optional[float]):
+                 suspect_after: float | None):
         self.run, self.connect_every, self.cost_aware = run, connect_every, cost_aware
         self.max_group, self.suspect_after = max_group, suspect_after
-        self.token: Optional[int] = None  # the stage allowed to wait for connectivity
+        self.token: int | None = None  # the stage allowed to wait for connectivity
 
     def release(self, s: int) -> None:
         """Stage ``s`` no longer waits for connectivity: it gives the token back if it had it."""

@@ -5,7 +5,7 @@ they were last all connected (see :mod:`.connectivity`). Its own module because 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class DisjointSet:
@@ -36,7 +36,7 @@ class DisjointSet:
         """A new element, in the component of ``joining``."""
         self.parent[item] = self.find(joining)
 
-    def copy(self) -> "DisjointSet":
+    def copy(self) -> DisjointSet:
         out = DisjointSet([])
         out.parent, out.count = dict(self.parent), self.count
         return out

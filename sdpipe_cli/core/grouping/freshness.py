@@ -22,7 +22,7 @@ Pure: the policy calls :meth:`Freshness.shares` as it closes a round and :meth:`
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 STALE_RULES = ("average", "pull_weights", "pull")  # sync.stale
 

@@ -15,12 +15,11 @@ never becomes live halfway through one.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from sdpipe_cli.core.grouping.budget import Planner
 from sdpipe_cli.core.grouping.connectivity import Connectivity
 from sdpipe_cli.core.grouping.lineage import Lineage
 from sdpipe_cli.core.grouping.state import RunState
+
 
 class Membership:
     """Who left (and where it would go on from), and who waits to be healed at which stage."""
@@ -28,7 +27,7 @@ class Membership:
     def __init__(self, run: RunState, planner: Planner, links: Connectivity, lineage: Lineage):
         self.run, self.planner, self.links, self.lineage = run, planner, links, lineage
         self.resume_at: dict[int, int] = {}  # left pipeline -> the iteration it would go on from
-        self.healing: dict[int, dict[int, Optional[int]]] = {}  # p -> stage -> source (None: waits)
+        self.healing: dict[int, dict[int, int | None]] = {}  # p -> stage -> source (None: waits)
 
     def leave(self, pipeline: int) -> bool:
         """``pipeline`` is gone (failed or finished): forget it everywhere and unblock its peers.

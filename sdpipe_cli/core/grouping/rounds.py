@@ -12,8 +12,6 @@ parked at its target there.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from sdpipe_cli.core.grouping.budget import Planner
 from sdpipe_cli.core.grouping.connectivity import Connectivity
 from sdpipe_cli.core.grouping.freshness import Freshness
@@ -21,7 +19,6 @@ from sdpipe_cli.core.grouping.lineage import Lineage
 from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
 from sdpipe_cli.core.grouping.state import Decision, RunState
-
 
 # why a round closed, in its decision and its ``group`` line: every live replica was there
 # (``all``); the replicas its forecasts awaited came (``expected``); one of them had not by its
@@ -82,7 +79,7 @@ class RoundFormer:
         st = self.run.stages[s]
         return st.parked if st.global_pending else set()
 
-    def _close_global(self, s: int) -> Optional[Decision]:
+    def _close_global(self, s: int) -> Decision | None:
         run = self.run
         st = run.stages[s]
         arrived = self._at_global(s)
@@ -99,7 +96,7 @@ class RoundFormer:
             run.finished = run.final
         return decision
 
-    def _close_group(self, s: int) -> Optional[Decision]:
+    def _close_group(self, s: int) -> Decision | None:
         run = self.run
         st = run.stages[s]
         at_global = self._at_global(s)

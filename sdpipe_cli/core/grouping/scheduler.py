@@ -5,9 +5,11 @@ docstring for the rules and the modules beside this one for where each lives."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
+from sdpipe_cli.core.cadence import time_left
 from sdpipe_cli.core.grouping.async_budget import AsyncPlanner
 from sdpipe_cli.core.grouping.budget import FlushedPlanner, Planner
 from sdpipe_cli.core.grouping.connectivity import Connectivity
@@ -17,7 +19,6 @@ from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
 from sdpipe_cli.core.grouping.rounds import RoundFormer
 from sdpipe_cli.core.grouping.state import Decision, RunState, Snapshot, StageView
-from sdpipe_cli.core.cadence import time_left
 from sdpipe_cli.core.meetings import average_of, meetings_of
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
@@ -38,13 +39,13 @@ class GroupScheduler:
 
     def __init__(self, pipelines: int, stages: int, *, min_group: int = 2, window: float = 0.01,
                  window_min: float = 0.0005, window_max: float = 0.1, connect_every: int = 8,
-                 global_every: int = 0, total_iterations: Optional[int] = None,
-                 time_limit: Optional[float] = None, patience: float = 0.0,
+                 global_every: int = 0, total_iterations: int | None = None,
+                 time_limit: float | None = None, patience: float = 0.0,
                  policy: str = "classic", max_group: int = 0, twins: bool = False,
                  stale: str = "average",
-                 suspect_after: Optional[float] = None, evaluate_every: int = 0,
+                 suspect_after: float | None = None, evaluate_every: int = 0,
                  clock: Callable[[], float] = time.monotonic,
-                 rounds_per_iteration: Optional[int] = None):
+                 rounds_per_iteration: int | None = None):
         if rounds_per_iteration is not None and rounds_per_iteration < 1:
             raise ValueError("rounds_per_iteration must be >= 1")
         if pipelines < 1 or stages < 1 or connect_every < 1 or min_group < 1:
@@ -153,7 +154,7 @@ class GroupScheduler:
         self._run.stop_requested = True
         return self.tick()
 
-    def next_deadline(self) -> Optional[float]:
+    def next_deadline(self) -> float | None:
         """When :meth:`tick` must be called at the latest (None: only events can change anything)."""
         run = self._run
         times = self._rounds.deadlines()
@@ -167,7 +168,7 @@ class GroupScheduler:
         keep what they finished."""
         return self._planner.iterations_done()
 
-    def final_at(self, pipeline: int) -> Optional[int]:
+    def final_at(self, pipeline: int) -> int | None:
         """``pipeline``'s iteration of the run's last global sync, once its budget declared it
         (None before, for a pipeline not in it, and where the time limit or a stop ends the
         run: its budget then does not)."""
@@ -184,12 +185,12 @@ class GroupScheduler:
         replica is silent because the policy holds it, not because it hangs."""
         return [(s, p) for s, st in enumerate(self._run.stages) for p in st.waiting]
 
-    def expected(self, stage: int, pipeline: int) -> Optional[float]:
+    def expected(self, stage: int, pipeline: int) -> float | None:
         """When ``pipeline``'s replica of ``stage`` is forecast to be ready next (None: it is
         waiting now, or its compute time is not known yet); see :mod:`~sdpipe_cli.core.forecast`."""
         return self._run.forecast.expected(stage, pipeline)
 
-    def pace(self, stage: int, pipeline: int) -> Optional[float]:
+    def pace(self, stage: int, pipeline: int) -> float | None:
         """The replica's mean interval between ready signals (None: not known yet)."""
         return self._run.pace.get((stage, pipeline))
 
@@ -267,7 +268,7 @@ class AsyncGroupScheduler(GroupScheduler):
 
 
 def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monotonic,
-                evaluations: bool = True, units: Optional[int] = None,
+                evaluations: bool = True, units: int | None = None,
                 spent: float = 0.0) -> GroupScheduler:
     """The policy of a run config with ``sync=sdpipe`` and its plan (the grid, the budget): the
     scheduler process and the simulator (:mod:`sdpipe_cli.core.simulation`) build it here, so

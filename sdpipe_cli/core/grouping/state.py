@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 from sdpipe_cli.core.forecast import Forecast
 from sdpipe_cli.core.grouping.disjoint import DisjointSet
@@ -46,7 +47,7 @@ class Decision:
         return self.iterations[self.members.index(pipeline)]
 
 
-def gossip_peer(seed: int, stage: int, step: int, pipeline: int, pipelines: int) -> Optional[int]:
+def gossip_peer(seed: int, stage: int, step: int, pipeline: int, pipelines: int) -> int | None:
     """AD-PSGD's partner of ``pipeline`` in round ``step`` of ``stage`` (None: the odd one out).
 
     A random perfect matching that every replica derives from (seed, stage, step) alone, so both
@@ -65,8 +66,8 @@ class StageState:
 
     links: DisjointSet
     waiting: dict[int, tuple[int, float]] = field(default_factory=dict)  # p -> (iteration, arrival)
-    deadline: Optional[float] = None  # when the open round closes without everyone
-    window_end: Optional[float] = None  # the opener's window (None: no round open)
+    deadline: float | None = None  # when the open round closes without everyone
+    window_end: float | None = None  # the opener's window (None: no round open)
     horizon: float = 0.0  # with patience: how long the round may wait for ``expect``
     expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
     slowest_expected: float = 0.0  # cost_aware: the largest pace in ``expect``
@@ -82,7 +83,7 @@ class StageState:
     round_no: int = 0
     global_pending: bool = False
     connecting: bool = False  # past the window, waiting for the replicas that connect the rest
-    hold_until: Optional[float] = None  # cost_aware, connecting: when its anchor turns suspect
+    hold_until: float | None = None  # cost_aware, connecting: when its anchor turns suspect
     parked: set = field(default_factory=set)  # waiting at their iteration of the pending global sync
     # ``waiting`` less ``parked``: the replicas a group round may take, kept as events come (built
     # per event it would cost a pass over every waiting replica, P^2 in a run)
@@ -104,7 +105,7 @@ class RunState:
     the stages' rounds, the pending global sync and the clock."""
 
     def __init__(self, pipelines: int, stages: int, *, global_every: int,
-                 total_iterations: Optional[int], time_limit: Optional[float],
+                 total_iterations: int | None, time_limit: float | None,
                  evaluate_every: int = 0, clock: Callable[[], float] = time.monotonic):
         self.P, self.S = pipelines, stages
         self.evaluate_every = evaluate_every  # the workers' train.eval_every (0: none known)
@@ -148,8 +149,8 @@ class StageView(NamedTuple):
     rounds: int  # group rounds since the stage's replicas were last all connected
     updates: int  # their members, counted (cost_aware's measure of "due")
     components: int  # components of the live replicas since then
-    deadline: Optional[float]  # when the open round closes without everyone (None: none open)
-    fastest: Optional[int]  # the live replica with the shortest pace (None: nobody live)
+    deadline: float | None  # when the open round closes without everyone (None: none open)
+    fastest: int | None  # the live replica with the shortest pace (None: nobody live)
     waiting: dict[int, tuple[int, float]]  # replica -> (iteration, arrival), decision pending
     parked: frozenset[int]  # of those, the ones at their iteration of the pending global sync
     free: dict[int, tuple[int, float]]  # ``waiting`` less ``parked``: what a group round may take
@@ -159,7 +160,7 @@ class Snapshot(NamedTuple):
     """A copy of the policy's state between events, for tests, traces and tools: changing it
     changes nothing in the policy."""
 
-    token: Optional[int]  # classic: the stage allowed to wait for connectivity
+    token: int | None  # classic: the stage allowed to wait for connectivity
     live: frozenset[int]
     stages: tuple[StageView, ...]
     global_at: dict[int, int]  # pipeline -> its iteration of the pending global sync
@@ -167,4 +168,4 @@ class Snapshot(NamedTuple):
     finished: bool
     next_global: int  # iterations done at which the next periodic global sync is due
     last_ready: dict[int, tuple[int, ...]]  # pipeline -> each stage's last ready iteration
-    begun: Optional[dict[int, int]]  # asynchronous: iterations begun per pipeline (else None)
+    begun: dict[int, int] | None  # asynchronous: iterations begun per pipeline (else None)

@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision
 from sdpipe_cli.core.meetings import Meetings
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.segments import with_split
-from sdpipe_cli import checkpoint
 
 log = logging.getLogger("sdpipe.scheduler")
 
@@ -48,18 +49,18 @@ class Checkpoints:
         self.stand_ins: dict[int, dict[int, int]] = {}  # checkpoint id -> the others' iterations
         # global decisions per stage, or segment (policy.global_history)
         self.global_seen = [0] * plan.segments.count
-        self.global_checkpoint: dict[int, Optional[int]] = {}  # global index -> checkpoint id
+        self.global_checkpoint: dict[int, int | None] = {}  # global index -> checkpoint id
         self.cut: dict[int, tuple[int, int]] = {}  # pipeline -> (meeting, steps): a short block
         self.dropped: set[int] = set()  # checkpoints a failed global sync left unmade
 
-    def average(self, steps: dict[int, int]) -> int:
+    def mean_steps(self, steps: dict[int, int]) -> int:
         """Iterations of an average pipeline: how checkpoints are numbered in every sync mode."""
         return round(sum(steps.values()) / self.plan.pipelines)
 
     def resume(self, steps: dict[int, int]) -> None:
-        self.cadence.resume(self.average(steps))
+        self.cadence.resume(self.mean_steps(steps))
 
-    def at_global_sync(self, d: Decision, policy: Any) -> Optional[int]:
+    def at_global_sync(self, d: Decision, policy: Any) -> int | None:
         """The checkpoint taken right after global decision ``d`` (None: not one); the same
         id on every stage of that global sync."""
         g = self.global_seen[d.stage]
@@ -68,7 +69,7 @@ class Checkpoints:
             missing = self.missing_steps(d.members, policy)
             steps = {**missing, **{p: self.steps_after(p, k)
                                    for p, k in policy.global_history[g].items()}}
-            ckpt = self.cadence.at_global_sync(self.average(steps), d.stop, self.clock())
+            ckpt = self.cadence.at_global_sync(self.mean_steps(steps), d.stop, self.clock())
             self.global_checkpoint[g] = ckpt
             if ckpt is not None:
                 self.shards_from[ckpt] = set(d.members)
@@ -91,7 +92,7 @@ class Checkpoints:
         return {q: self.resume_step(q, policy)
                 for q in range(self.plan.pipelines) if q not in members}
 
-    def resume_step(self, p: int, policy: Any, unknown: Optional[int] = 0) -> Optional[int]:
+    def resume_step(self, p: int, policy: Any, unknown: int | None = 0) -> int | None:
         """The local step a left pipeline would go on from (the policy counts meetings)."""
         k = policy.resume_at.get(p)
         return unknown if k is None else self.meetings.steps(k)
@@ -138,7 +139,7 @@ class Checkpoints:
                 waiting.append(ckpt)
         return waiting
 
-    def _stand_in_source(self, q: int, present: list[int]) -> Optional[int]:
+    def _stand_in_source(self, q: int, present: list[int]) -> int | None:
         """A pipeline at the global sync whose shards can stand in for lost pipeline ``q``'s:
         every replica is alike there, but a shard holds its stage's blocks, so it must be of a
         pipeline split as ``q`` is."""
@@ -146,7 +147,7 @@ class Checkpoints:
         return next((p for p in present if partitions[p] == partitions[q]), None)
 
     def finalize(self, ckpt: int, live: bool, elapsed: float, metrics: Callable[[], dict]
-                 ) -> Optional[tuple[Path, dict[int, int]]]:
+                 ) -> tuple[Path, dict[int, int]] | None:
         """Finalize checkpoint ``ckpt`` if the shards of the pipelines at its global sync are in
         (``live=False``: replaying a dead scheduler's journal, which finalized it already where
         its staging folder is gone); its path and iterations per pipeline, or None."""

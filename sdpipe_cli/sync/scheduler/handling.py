@@ -7,24 +7,24 @@ recorded run's decisions under ``sync.replay``, and publishes each decision unde
 progress reports into a :class:`~sdpipe_cli.runtime.metrics.RunTracker` (``metrics.jsonl``,
 the snapshot the launcher shows), restarts and heals of pipelines, and the straggler watch.
 Checkpoints (:mod:`.checkpoints`), the health check (:mod:`.health`) and blocks that follow the
-wire (:mod:`.pacing`) are parts of their own; the loop and journal, :mod:`.process`'s.
-"""
+wire (:mod:`.pacing`) are parts of their own; the loop and journal, :mod:`.process`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from omegaconf import DictConfig
 
+from sdpipe_cli import checkpoint
 from sdpipe_cli.core.grouping import Decision, make_policy
 from sdpipe_cli.core.meetings import meetings_of
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli import checkpoint
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
 from sdpipe_cli.runtime.stragglers import StragglerWatch
@@ -34,8 +34,8 @@ from sdpipe_cli.sync.replay import load as load_recorded
 from sdpipe_cli.sync.scheduler.checkpoints import Checkpoints
 from sdpipe_cli.sync.scheduler.health import Health, WorkerHung
 from sdpipe_cli.sync.scheduler.pacing import pacing_of, wire_summary
-from sdpipe_cli.sync.wire_probe import settled
 from sdpipe_cli.sync.scheduler.replanning import Replanning
+from sdpipe_cli.sync.wire_probe import settled
 
 __all__ = ["Scheduler", "WorkerHung", "PUBLISH_S"]
 
@@ -68,7 +68,7 @@ class _Held:
 class _Muted:
     """``metrics.jsonl`` while replaying: the dead scheduler wrote those lines already."""
 
-    def write(self, record: Optional[dict]) -> None:
+    def write(self, record: dict | None) -> None:
         pass
 
     def close(self, failed: bool = False) -> None:
@@ -79,8 +79,8 @@ class Scheduler:
     """Event handling of one run; the store and the clock are injected."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, events, clock=time.monotonic,
-                 resume: Optional[Path] = None, live: bool = True,
-                 wire: Optional[protocol.MeetingChoice] = None):
+                 resume: Path | None = None, live: bool = True,
+                 wire: protocol.MeetingChoice | None = None):
         plan = RunPlan.of(cfg)
         P, S = plan.pipelines, plan.stages
         # ``live=False``: replaying a dead scheduler's journal; what it wrote is held back
@@ -88,12 +88,12 @@ class Scheduler:
         events = events if live else _Held(events)
         self.cfg, self.run_dir, self.events, self.clock = cfg, run_dir, events, clock
         self.grid = plan.grid
-        self.stop_seen: Optional[bool] = None  # the stop flag as the transport read it
+        self.stop_seen: bool | None = None  # the stop flag as the transport read it
         self.tracker = RunTracker(P, S, plan.budget, clock=clock,
                                   heartbeat_timeout=cfg.run.heartbeat_timeout)
         self.stragglers = StragglerWatch(cfg, plan) if cfg.fault.on_slowdown != "off" else None
         self.replanning = Replanning(cfg, plan) if cfg.fault.on_slowdown == "replan" else None
-        self.replan: Optional[dict] = None  # the re-plan this leg stops for (the next leg's split)
+        self.replan: dict | None = None  # the re-plan this leg stops for (the next leg's split)
         self.wire = wire  # the meetings this leg settled from its measured wire (pacing.py)
         self.pacing = pacing_of(wire, cfg) if mode(cfg.sync.name).group_policy else None
         meet = cfg if wire is None else settled(cfg, wire)  # the checkpoints keep cfg's 0/auto
@@ -134,7 +134,7 @@ class Scheduler:
     def _metrics(self) -> MetricsLog:
         return MetricsLog(self.run_dir / "metrics.jsonl", open_sinks(self.cfg, self.run_dir))
 
-    def go_live(self, replayed: int, last: Optional[float], restart: int = 1) -> None:
+    def go_live(self, replayed: int, last: float | None, restart: int = 1) -> None:
         """The journal is replayed: write again what the last batch's handling wrote to the
         store (the dead scheduler may have died before it did; a key the workers already took
         is never read again), and from now on write for real."""

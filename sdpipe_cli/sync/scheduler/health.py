@@ -12,7 +12,8 @@ replica's), the run fails with :class:`WorkerHung`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.runtime import protocol
@@ -38,7 +39,7 @@ class Health:
         self.started = clock()
         self.hung: set[int] = set()  # ranks named hung, until their pipeline is lost
 
-    def check(self, policy: Optional[Any]) -> bool:
+    def check(self, policy: Any | None) -> bool:
         """Look once; True when more workers are named hung (to be published). Raises
         :class:`WorkerHung` when the run itself is hung or did not start in time."""
         if policy is not None:

@@ -25,7 +25,8 @@ meeting repeats it.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from sdpipe_cli.core.blocks import BlockPlan
 from sdpipe_cli.core.meetings import meetings_of
@@ -42,7 +43,7 @@ class Pacing:
     pipeline-steps (``train.steps`` x P); ``pipelines``: P; ``most``: the longest block
     (``train.steps``)."""
 
-    def __init__(self, chosen: Optional[protocol.MeetingChoice], budget: int, pipelines: int,
+    def __init__(self, chosen: protocol.MeetingChoice | None, budget: int, pipelines: int,
                  most: int, every: int = 0):
         if chosen is None:
             self.pace = WirePace(1.0, "fp32", every, most, pipelines, {}, {}, {})
@@ -106,7 +107,7 @@ class Pacing:
         return out
 
 
-def wire_summary(chosen: protocol.MeetingChoice, pacing: Optional[Pacing]) -> dict[str, Any]:
+def wire_summary(chosen: protocol.MeetingChoice, pacing: Pacing | None) -> dict[str, Any]:
     """``summary.json``'s ``wire``: the start's choice, and the period at the end."""
     out = record(chosen)
     if pacing is not None:
@@ -114,7 +115,7 @@ def wire_summary(chosen: protocol.MeetingChoice, pacing: Optional[Pacing]) -> di
     return out
 
 
-def pacing_of(chosen: Optional[protocol.MeetingChoice], cfg) -> Optional[Pacing]:
+def pacing_of(chosen: protocol.MeetingChoice | None, cfg) -> Pacing | None:
     """The run's pacing: where its meetings follow the wire; or where they are apart at a
     period of their own (described links, ``sync.every`` set), for its last blocks; none where
     a replica may be healed (:func:`~sdpipe_cli.sync.wire_probe.blocks_allowed`)."""

@@ -15,8 +15,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -26,8 +26,7 @@ from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import write_summary
 from sdpipe_cli.runtime.trace import trace_path
-from sdpipe_cli.sync import journal
-from sdpipe_cli.sync import wire_probe
+from sdpipe_cli.sync import journal, wire_probe
 from sdpipe_cli.sync.journal import journal_path
 from sdpipe_cli.sync.scheduler.handling import Scheduler
 
@@ -45,10 +44,10 @@ class Ticker(threading.Thread):
         super().__init__(daemon=True, name="ticker")
         self.events = store.namespace(connect())
         self.cond = threading.Condition()
-        self.deadline: Optional[float] = None
+        self.deadline: float | None = None
         self.stopped = False
 
-    def wake_at(self, deadline: Optional[float]) -> None:
+    def wake_at(self, deadline: float | None) -> None:
         with self.cond:
             # Only a sooner deadline needs the thread now: a later one (or none) is seen when it
             # wakes for the one it sleeps towards, and it goes back to sleep without a tick. Waking
@@ -136,9 +135,9 @@ def act(scheduler: Scheduler, writer: journal.Journal, raw: list[str], now: floa
     return batch
 
 
-def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None,
-           now: Callable[[], float] = time.monotonic, path: Optional[Path] = None,
-           restart: int = 1, wire: Optional[protocol.MeetingChoice] = None) -> Scheduler:
+def replay(cfg: DictConfig, run_dir: Path, events, resume: Path | None = None,
+           now: Callable[[], float] = time.monotonic, path: Path | None = None,
+           restart: int = 1, wire: protocol.MeetingChoice | None = None) -> Scheduler:
     """A scheduler started again after the run's first died: the dead one's journal (``path``,
     default the first leg's) replayed, then live from moment ``now()`` on
     (:mod:`~sdpipe_cli.sync.journal`)."""
@@ -158,8 +157,8 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Optional[Path] = None
 
 
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
-          resume: Optional[Path] = None, restarted: int = 0,
-          config: str = "config.yaml", wire: Optional[dict] = None) -> Scheduler:
+          resume: Path | None = None, restarted: int = 0,
+          config: str = "config.yaml", wire: dict | None = None) -> Scheduler:
     """Run until every worker reported done; ``restarted``: how many times this leg's scheduler
     was started again after it died (it then replays its journal first: the leg's, named after
     ``config``); ``wire``: the meetings this leg settled from its measured wire (a

@@ -28,9 +28,8 @@ resharded (:mod:`sdpipe_cli.cli.run_loop`).
 from __future__ import annotations
 
 import math
-
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -72,7 +71,7 @@ class Replanning:
         self.own = mode(cfg.sync.name).segments  # pipelines may be split apart
         self.state_bytes = checkpoint_bytes(doc, cfg.train, plan.pipelines)
         self.budget_samples = plan.budget * self.batch
-        self.chosen: Optional[Proposal] = None
+        self.chosen: Proposal | None = None
         self.memory_of = (cfg, plan) if cfg.run.memory_check else None  # to check a new split
         # the splits the speeds of this leg's start call for (the profile's advice then)
         self.advised = called_for(scaled(self.base, self.slowed), self.own)
@@ -82,7 +81,7 @@ class Replanning:
         self.healing: set[int] = set()  # restarted on their new splits, until live again
         self.resplits = 0  # re-splits in place asked for in this leg
         # the last one, for the progress snapshot (``resplit``), which the launcher acts on
-        self.asked: Optional[dict[str, Any]] = None
+        self.asked: dict[str, Any] | None = None
 
     def resplit(self, live: frozenset[int]) -> list[int]:
         """The pipelines the chosen proposal re-splits in place, now asked for (none: the run
@@ -101,7 +100,7 @@ class Replanning:
                       "slowed": self.slowed_now()}
         return changed
 
-    def restarted(self, pipeline: int) -> Optional[list[int]]:
+    def restarted(self, pipeline: int) -> list[int] | None:
         """``pipeline`` came back on its new split (None: it was not to be re-split): its
         devices' slowdowns as of now are where its next baselines start from."""
         bounds = self.resplitting.pop(pipeline, None)
@@ -121,8 +120,8 @@ class Replanning:
             self.chosen, self.healing = None, set()
             self.advised = called_for(scaled(self.base, self.slowed), self.own)
 
-    def consider(self, own: dict[tuple[int, int], Optional[float]], samples_done: float,
-                 restart_s: float, policy: Any = None) -> Optional[Proposal]:
+    def consider(self, own: dict[tuple[int, int], float | None], samples_done: float,
+                 restart_s: float, policy: Any = None) -> Proposal | None:
         """After a straggler or recovered line, with every device's own slowdown now (``own``,
         None before its baseline): the proposal (None once one went). Predicted with the pace
         model of the group ``policy`` (sdpipe's), as it stands: how much slower than the
@@ -149,7 +148,7 @@ class Replanning:
             self.chosen = proposal
         return proposal
 
-    def over_memory(self, splits: list[list[int]]) -> Optional[str]:
+    def over_memory(self, splits: list[list[int]]) -> str | None:
         """Why ``splits`` would not fit a device's declared memory (None: it would, as far as
         is known before the stop; the next leg's launch checks the machine's too)."""
         if self.memory_of is None:
