@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sdpipe_cli.runtime.processes import LAZY_TORCH
+from sdpipe_cli.runtime.processes import LAZY_TORCH, WARM_UP
 from tests.helpers import kill_leftovers
 
 # Processes the tests start themselves (helpers.spawn_and_join, launcher.spawn) are forks of one
@@ -18,7 +18,7 @@ from tests.helpers import kill_leftovers
 # the few runs of transformers models.)
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main",
                                         "sdpipe_cli.sync.scheduler.process", "sdpipe_cli.sync.ps",
-                                        *LAZY_TORCH])
+                                        *LAZY_TORCH, *WARM_UP])
 
 
 # The key that seals the code a run's config names (sdpipe_cli.config.trust): one per test

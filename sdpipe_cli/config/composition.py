@@ -17,7 +17,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.config.schema import SYNC_CONFIGS, Config, ConfigError, DataConfig, ModelConfig, schema_for
+from sdpipe_cli.config.run_file import frozen_schema
+from sdpipe_cli.config.schema import SYNC_CONFIGS, Config, ConfigError, DataConfig, ModelConfig
 
 
 def config_dir() -> Path:
@@ -72,7 +73,7 @@ def compose(overrides: list[str]) -> DictConfig:
         GlobalHydra.instance().clear()
     _gather_kwargs(cfg)
     # Hydra lets ``+key=value`` add keys the schema does not have; the schema is the contract.
-    _reject_unknown_keys(cfg, _schema(cfg.sync.name), sync=cfg.sync.name)
+    _reject_unknown_keys(cfg, frozen_schema(cfg.sync.name), sync=cfg.sync.name)
     searched = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.searchpath=")]
     if searched:
         cfg.run.config_dirs = [d.removeprefix("file://") for d in searched[-1].strip("[]").split(",")
@@ -105,14 +106,6 @@ def mapping_settings() -> frozenset[str]:
 
     walk(OmegaConf.structured(Config), "")
     return frozenset(found)
-
-
-@functools.cache
-def _schema(sync: str) -> DictConfig:
-    """:func:`schema_for`, built once a sync mode (a sixth of a composition) and read-only."""
-    schema = schema_for(sync)
-    OmegaConf.set_readonly(schema, True)
-    return schema
 
 
 def _gather_kwargs(cfg: DictConfig) -> None:

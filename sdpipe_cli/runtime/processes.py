@@ -63,11 +63,13 @@ def _forking() -> bool:
 # Imported lazily by torch itself, so a child module's imports miss it: the first optimizer
 # built imports torch._dynamo (about 1.6 CPU-s).
 LAZY_TORCH = ("torch._dynamo",)
+# Imported last: builds what every child needs before it reads its config (see the module).
+WARM_UP = ("sdpipe_cli.runtime.warm_up",)
 
 
 def preload(modules: Sequence[str], env: dict[str, str]) -> None:
-    """Start the fork server, which imports ``modules`` (and :data:`LAZY_TORCH`), in
-    environment ``env``.
+    """Start the fork server, which imports ``modules`` (and :data:`LAZY_TORCH`, then
+    :data:`WARM_UP`), in environment ``env``.
 
     The server's environment matters for what libraries read when they load (OpenMP reads
     ``OMP_NUM_THREADS`` when torch is imported), and it is what ``/proc/PID/environ`` shows for
@@ -80,7 +82,7 @@ def preload(modules: Sequence[str], env: dict[str, str]) -> None:
 
     # first the guard that ends the server with its launcher, even while it imports the rest
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["sdpipe_cli.runtime.fork_server", *modules, *LAZY_TORCH])
+        ["sdpipe_cli.runtime.fork_server", *modules, *LAZY_TORCH, *WARM_UP])
     saved = dict(os.environ)
     os.environ.update(env)
     try:
