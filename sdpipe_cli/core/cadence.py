@@ -75,7 +75,7 @@ class Cadence:
     def checkpoint_time(self, since_save_s: float) -> bool:
         """A time-based checkpoint is wanted (the strategy decides whether replicas agree)."""
         minutes = self.checkpoint_minutes
-        return bool(minutes) and since_save_s >= minutes * 60
+        return minutes is not None and minutes > 0 and since_save_s >= minutes * 60
 
 
 class GlobalSyncCheckpoints:

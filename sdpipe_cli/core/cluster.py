@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -195,7 +196,7 @@ class Cluster:
         which is what it reads: a config node's every key costs microseconds, and a schedule of
         thousands of changes would cost seconds in every process; raises :class:`ClusterError`."""
         if OmegaConf.is_config(cluster):
-            cluster = OmegaConf.to_container(cluster, resolve=True)
+            cluster = cast(dict, OmegaConf.to_container(cluster, resolve=True))
         P, S = int(cluster["pipelines"]), stages
         nodes = list(cluster["nodes"])
         if nodes:
@@ -293,7 +294,7 @@ class Cluster:
     def change_points(self, device: Device) -> list[float]:
         """Where the device's speed may change: seconds of the run, or iterations of its
         pipeline for a change timed so (its speed changes during the run where any)."""
-        points = set()
+        points: set[float] = set()
         for c in self._changes_of.get(device.name, ()):
             edges = (c.start_step, c.end_step) if c.start_step is not None else (c.start, c.end)
             points.update(float(x) for x in edges if x is not None)
@@ -318,7 +319,7 @@ class Cluster:
         kind = "cross_node" if len(nodes) > 1 else "same_node"
         return self.links.get(kind, Link(kind))
 
-    def allreduce_s(self, ranks: Sequence[int], nbytes: int) -> float:
+    def allreduce_s(self, ranks: Sequence[int], nbytes: float) -> float:
         """Emulated time of a ring all-reduce of ``nbytes`` over ``ranks``.
 
         A ring moves 2(n-1)/n of the data through every member's link in 2(n-1) steps, so it

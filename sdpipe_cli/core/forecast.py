@@ -148,7 +148,7 @@ class Forecast:
     def _paused(self, stage: int, r: _Replica, now: float, due: float | None) -> None:
         """A ready signal after a known pause: learn the pause, not the compute time."""
         r.pausing, r.ahead = False, None
-        if r.busy is not None:
+        if r.busy is not None and r.released is not None:
             pause = max(0.0, now - r.released - r.busy)
             r.pause = pause if r.pause is None else r.pause + PAUSE_WEIGHT * (pause - r.pause)
             known, self._pause[stage] = self._pause[stage], pause
@@ -178,13 +178,14 @@ class Forecast:
         (:attr:`prior`); with neither, leave it among the stage's unknown ones."""
         busy, pause, r.ahead = r.busy, r.pause if r.pausing else 0.0, None
         prior = busy is None or pause is None
-        if busy is None and self._busy[stage] is not None:
-            busy, first = self._busy[stage]
+        known = self._busy[stage]
+        if busy is None and known is not None:
+            busy, first = known
             if first is not None and r.first is not None:
                 busy = max(0.0, busy + r.first - first)
         if pause is None:
             pause = self._pause[stage]
-        if busy is None or pause is None:
+        if busy is None or pause is None or r.released is None:
             self._unknown[stage].add(pipeline)
             return
         self._unknown[stage].discard(pipeline)

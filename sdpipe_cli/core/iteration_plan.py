@@ -20,10 +20,11 @@ class IterationPlan:
         fn = get_schedule(schedule)
         rows = tick_order(fn, stages, microbatches)
         order = sorted((t, s) for s, row in enumerate(rows) for t, a in enumerate(row) if a is not None)
-        position = {}
+        position: dict[tuple[Kind, int, int], int] = {}
         self.steps: list[tuple[int, bool, int]] = []  # (stage, backward, index of dependency)
         for t, s in order:
             action = rows[s][t]
+            assert action is not None  # order holds the ticks with an action
             backward = action.kind is Kind.B
             dep = ((Kind.B, s + 1, action.microbatch) if backward and s + 1 < stages else
                    (Kind.F, s - 1, action.microbatch) if not backward and s > 0 else None)

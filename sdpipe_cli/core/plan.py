@@ -143,7 +143,9 @@ class RunPlan:
 
     def ranks_on(self, node: str | None) -> list[int]:
         """The workers a launcher on ``node`` starts: all of them unless nodes are real."""
-        return self.cluster.ranks_on(node) if self.cluster.real else list(range(self.workers))
+        if not self.cluster.real:
+            return list(range(self.workers))
+        return [] if node is None else self.cluster.ranks_on(node)
 
     def for_sync(self, name: str) -> RunPlan:
         """This plan under sync mode ``name`` (the simulator's comparison rows)."""

@@ -89,17 +89,17 @@ def as_config(splits: Sequence[Sequence[int]], shared: Sequence[int]
               ) -> tuple[list[int], dict[int, list[int]]]:
     """Splits as a config gives them: ``pipeline.partition`` (``shared`` unless every pipeline
     has the same) and ``pipeline.partitions`` (the pipelines split otherwise)."""
-    splits = [[int(b) for b in bounds] for bounds in splits]
-    if _alike(splits):
-        return splits[0], {}
-    shared = [int(b) for b in shared]
-    return shared, {p: b for p, b in enumerate(splits) if b != shared}
+    each = [[int(b) for b in bounds] for bounds in splits]
+    if _alike(each):
+        return each[0], {}
+    common = [int(b) for b in shared]
+    return common, {p: b for p, b in enumerate(each) if b != common}
 
 
 def splits_field(splits: Sequence[Sequence[int]]) -> list:
     """Splits for a record: one list when every pipeline has it, else one per pipeline."""
-    splits = [list(b) for b in splits]
-    return splits[0] if _alike(splits) else splits
+    each = [list(b) for b in splits]
+    return each[0] if _alike(each) else each
 
 
 def _alike(splits: Sequence[Sequence[int]]) -> bool:
@@ -184,20 +184,20 @@ def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Seq
     may be split apart. ``in_place``: pipelines re-split while the others go on, so that
     moving stops only their share of the run, for a restart and a copy of their state from
     the others (:func:`move_cost`)."""
-    current = [[int(b) for b in bounds] for bounds in current]
+    now_split = [[int(b) for b in bounds] for bounds in current]
     wanted = called_for(block_ms, own)
-    kept = [p for p, (c, w, a) in enumerate(zip(current, wanted, advised)) if w == list(a) != c]
-    bounds = [c if p in kept else w for p, (c, w) in enumerate(zip(current, wanted))]
-    now = run_rate(block_ms, current, microbatches, batch_size, pace)
+    kept = [p for p, (c, w, a) in enumerate(zip(now_split, wanted, advised)) if w == list(a) != c]
+    bounds = [c if p in kept else w for p, (c, w) in enumerate(zip(now_split, wanted))]
+    now = run_rate(block_ms, now_split, microbatches, batch_size, pace)
     new = run_rate(block_ms, bounds, microbatches, batch_size, pace)
-    changed = sum(1 for c, b in zip(current, bounds) if c != b)
-    move_s = move_cost(restart_s, state_bytes, disk_bytes_per_s, changed, len(current),
+    changed = sum(1 for c, b in zip(now_split, bounds) if c != b)
+    move_s = move_cost(restart_s, state_bytes, disk_bytes_per_s, changed, len(now_split),
                        in_place)
     gain_s = samples_left / now - samples_left / new if now > 0 and new > 0 else 0.0
-    if bounds == current and kept:
+    if bounds == now_split and kept:
         go, reason = False, (f"{wanted[kept[0]]} is what the profile advised at the start too; "
-                             f"the run's own split {current[kept[0]]} was given")
-    elif bounds == current:
+                             f"the run's own split {now_split[kept[0]]} was given")
+    elif bounds == now_split:
         go, reason = False, "the split is already the one these speeds call for"
     elif new < MIN_GAIN * now:
         who = ("the slowest pipeline's pace" if math.isinf(pace) else
@@ -211,4 +211,4 @@ def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Seq
     else:
         go, reason = True, (f"predicted {new:.1f} samples/s against {now:.1f} now; saves "
                             f"{gain_s:.1f} s, moving costs {move_s:.1f} s")
-    return Proposal(current, bounds, now, new, move_s, gain_s, go, reason)
+    return Proposal(now_split, bounds, now, new, move_s, gain_s, go, reason)

@@ -93,8 +93,9 @@ class Segments:
         bounds = self.partitions[pipeline]
         first = bounds[stage - 1] if stage else 0
         stop = self.stop(k)
-        ends_stage = stop is None or (stage < len(bounds) and stop == bounds[stage])
-        return self.start(k) - first, None if ends_stage else stop - first
+        if stop is None or (stage < len(bounds) and stop == bounds[stage]):
+            return self.start(k) - first, None  # to the end of the stage
+        return self.start(k) - first, stop - first
 
 
 def partitions_of(pipeline: Any, pipelines: int) -> tuple[tuple[int, ...], ...]:

@@ -43,6 +43,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from sdpipe_cli.core import modes
 from sdpipe_cli.core.blocks import BlockPlan
@@ -160,7 +161,8 @@ class _Run:
         P, S = work.pipelines, work.stages
         self.P, self.S = P, S
         self.now = 0.0
-        self.policy = policy_factory(lambda: self.now) if self.mode.group_policy else None
+        self.policy = (policy_factory(lambda: self.now)
+                       if self.mode.group_policy and policy_factory is not None else None)
         self.plan = IterationPlan(work.schedule, S, work.microbatches)
         self.meetings = Meetings(work.every)  # sdpipe: the policy counts meetings
         # sdpipe with meetings apart: each pipeline's blocks, as the scheduler decides them
@@ -236,8 +238,9 @@ class _Run:
         slowdown, speeds, noise = w.slowdown[p] if w.slowdown else 1.0, self.speed[p], self.noise[p]
         for s in range(S):
             x = slowdown
-            if w.per_iteration and draws[s] is not None:
-                x *= draws[s].draw()
+            draw = draws[s]
+            if w.per_iteration and draw is not None:
+                x *= draw.draw()
             if w.jitter:
                 x *= math.exp(noise[s].gauss(0.0, w.jitter))
             speed = speeds[s]
@@ -257,8 +260,9 @@ class _Run:
                     t = arrival
             duration = cost[i] * scale[s]
             if slow:
-                if per_action and draws[s] is not None:
-                    duration *= draws[s].draw()
+                draw = draws[s]
+                if per_action and draw is not None:
+                    duration *= draw.draw()
                 device = self.devices[p][s]
                 if device.name in self.dynamic:
                     duration /= w.cluster.speed(device, t, self.iteration[p])
@@ -297,7 +301,7 @@ class _Run:
             return
         self.done[p] += 1
         self.finished_at[p] = max(self.synced[p])
-        if p in self.next_block:  # its meeting: its next block, as decided
+        if p in self.next_block and self.blocks is not None:  # its meeting: its next block, as decided
             self.blocks[p].went(k, self.next_block.pop(p))
             self.block_began[p] = self.finished_at[p]
         self.iteration[p] = k + 1
@@ -308,7 +312,7 @@ class _Run:
         if go:
             self._start_iteration(p)
 
-    def _allreduce_s(self, members: Sequence[int], s: int, nbytes: int) -> float:
+    def _allreduce_s(self, members: Sequence[int], s: int, nbytes: float) -> float:
         if len(members) < 2:
             return 0.0
         ranks = self.where[0][s].replicas(list(members))
@@ -351,7 +355,7 @@ class _Run:
         w = self.w
         self._step(p, s)
         exchange = self.mode.exchange
-        if exchange in ("local", "groups") or (exchange == "outer" and (k + 1) % w.local_steps):
+        if exchange in ("local", "groups") or (exchange == "outer" and (k + 1) % cast(int, w.local_steps)):
             self._synced(p, s, k, t, False)  # groups: the scheduler's decision syncs it
         elif exchange in ("everyone", "pairs", "outer"):
             arrived = self.barriers.setdefault((s, k), {})
@@ -402,7 +406,7 @@ class _Run:
         slowest = min(self.pushes[s])
         held = []
         for q, kq, at, stop in self.deferred[s]:
-            if self.pushes[s][q] - slowest <= w.staleness:
+            if self.pushes[s][q] - slowest <= cast(int, w.staleness):
                 self._synced(q, s, kq, max(at, t), stop)
             else:
                 held.append((q, kq, at, stop))
@@ -418,6 +422,7 @@ class _Run:
             done = self.block_plan.reported(p, k + 1, self.now)
             if done:
                 self.step_s[p] = (self.ready_at[(p, 0)] - self.block_began[p]) / done
+        assert self.policy is not None  # only group policies' modes send ready signals here
         self._decided(self.policy.ready(s, p, meeting))
         self.sched_free = self.now + self.w.event_s
 
@@ -461,6 +466,7 @@ class _Run:
             t = heap[0][0]
             if due is not None and due <= t:
                 self.now = max(due, self.sched_free)
+                assert policy is not None  # a deadline is the policy's
                 decisions = policy.tick()
                 self._decided(decisions)
                 after = due

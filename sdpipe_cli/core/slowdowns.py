@@ -176,8 +176,7 @@ class SlowdownDetector:
             return None
         # the peers' slowdowns since the leg began: a cause they share (a slowdown an earlier
         # leg found on one of them is that device's own)
-        peers = [(d.slowdown, d.carried) for d in (self.devices[(p, stage)]
-                                                   for p in range(self.pipelines) if p != pipeline)]
-        peers = [x / carried for x, carried in peers if x is not None]
+        others = (self.devices[(p, stage)] for p in range(self.pipelines) if p != pipeline)
+        peers = [d.slowdown / d.carried for d in others if d.slowdown is not None]
         shared = statistics.median(peers) if peers else 1.0
         return own / max(shared, 1.0)

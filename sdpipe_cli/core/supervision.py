@@ -340,7 +340,7 @@ class Supervision:
             self._killed.update(hung)
             return Kill(hung)
         failed = self._failures(obs)
-        dead = next((c for c in failed if c.name == "scheduler" and c.returncode < 0), None)
+        dead = next((c for c in failed if c.name == "scheduler" and (c.returncode or 0) < 0), None)
         if dead is not None and self.restarts is not None and not self._interrupted \
                 and self.restarts.take("scheduler", obs.now, self._elsewhere) is not None:
             return RespawnScheduler(self.restarts.used)
@@ -421,8 +421,9 @@ class Supervision:
 
     def _plan_restart(self, pipeline: int, now: float) -> bool:
         """Whether lost ``pipeline`` is started again (after its back-off), drawing on the budget."""
-        backoff = (self.restarts.take(pipeline, now, self._elsewhere)
-                   if self.restarts is not None else None)
+        if self.restarts is None:
+            return False
+        backoff = self.restarts.take(pipeline, now, self._elsewhere)
         if backoff is None:
             return False
         self._respawn[pipeline] = (now + backoff, self.restarts.used, backoff)
@@ -441,7 +442,7 @@ class Supervision:
         if not self.tolerate or any(c.pipeline is None for c in failed):
             return ()
         pipelines = self.pipelines or len({c.pipeline for c in obs.children if c.pipeline is not None})
-        hit = sorted({c.pipeline for c in failed})
+        hit = sorted({c.pipeline for c in failed if c.pipeline is not None})  # all of them (above)
         if len(self._lost | set(hit)) >= pipelines:
             return ()  # nobody would be left to go on
         return tuple((p, first_failure([c for c in failed if c.pipeline == p]).name) for p in hit)

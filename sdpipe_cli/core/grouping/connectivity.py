@@ -127,8 +127,8 @@ class Connectivity:
         return min(others, key=lambda q: (self._speed(s, q), q), default=fastest)
 
     def _suspect(self, s: int, q: int) -> bool:
-        due = self.run.forecast.expected(s, q)
-        return due is not None and self.run.clock() >= due + self.suspect_after  # as hold_until
+        due, after = self.run.forecast.expected(s, q), self.suspect_after
+        return due is not None and after is not None and self.run.clock() >= due + after  # as hold_until
 
     def may_go_on(self, s: int, members: set[int]) -> bool:
         """cost_aware: whether a round that is due to connect but does not may close anyway.
@@ -145,6 +145,7 @@ class Connectivity:
         if len(roots) > 1:
             return True
         anchor = self.anchor(s)
-        due = self.run.forecast.expected(s, anchor) if self.suspect_after is not None else None
-        st.hold_until = due + self.suspect_after if due is not None else None
+        after = self.suspect_after
+        due = self.run.forecast.expected(s, anchor) if after is not None else None
+        st.hold_until = due + after if due is not None and after is not None else None
         return st.links.find(anchor) in roots

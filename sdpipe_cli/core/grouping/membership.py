@@ -69,7 +69,7 @@ class Membership:
         for p in waiting:
             self.healing[p][s] = source
             if len(self.healing[p]) == self.run.S and None not in self.healing[p].values():
-                self._admit(p, self.healing.pop(p))
+                self._admit(p, {st: q for st, q in self.healing.pop(p).items() if q is not None})
         return healed
 
     def _admit(self, pipeline: int, sources: dict[int, int]) -> None:

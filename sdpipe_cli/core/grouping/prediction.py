@@ -98,8 +98,10 @@ class Prediction:
         """
         run = self.run
         st = run.stages[s]
-        st.horizon, st.expect, st.slowest_expected = st.window_end, frozenset(), 0.0
-        st.cap, st.drift = st.window_end, 0.0
+        window_end = st.window_end
+        assert window_end is not None  # the round opened its window first
+        st.horizon, st.expect, st.slowest_expected = window_end, frozenset(), 0.0
+        st.cap, st.drift = window_end, 0.0
         if not self.patience:
             return
         if st.round_no == 0:
@@ -126,7 +128,7 @@ class Prediction:
         # be longer than the forecasts are imprecise (a replica left alone, whose window grew,
         # waited for nobody up to window_max at each of its rounds)
         if band > 0:  # (nothing measured takes time: the window stays)
-            st.window_end = min(st.window_end, opened + band)
+            st.window_end = min(window_end, opened + band)
         behind = self._behind(s, own, band)
         reach = BEHIND_REACH * own if behind else band
         core = [(t, q) for t, q in awaited if t <= opened + reach + st.early]  # a prefix

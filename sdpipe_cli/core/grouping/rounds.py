@@ -112,7 +112,7 @@ class RoundFormer:
             st.window_end = opened + self.window[(s, opener)]
             self.prediction.open(s, opener, opened, ready, at_global)
         full = bool(self.max_group) and len(ready) >= self.max_group
-        members = self.links.pick(s, ready) if full else ready
+        members = self.links.pick(s, ready) if full else set(ready)
         # wait for the predicted replicas until they came or the horizon passed
         missing = st.expect.difference(members)
         if missing and at_global:

@@ -287,7 +287,8 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
     meet, share = meetings_of(y), y.wire_share
     evaluate = cfg.train.eval_every if evaluations else 0
     evaluate = meet.period(evaluate) if evaluate % meet.every == 0 else 0
-    policy, extra = GroupScheduler, {"evaluate_every": evaluate}
+    policy: type[GroupScheduler] = GroupScheduler
+    extra: dict[str, int] = {"evaluate_every": evaluate}
     if p.schedule in ASYNC_SCHEDULES:  # a round per update, drained global syncs
         rounds = updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
         policy, extra = AsyncGroupScheduler, {"rounds_per_iteration": rounds}
