@@ -35,7 +35,7 @@ SCHEMA: dict[str, dict[str, str]] = {
     "group": {"time": "number", "stage": "int", "round": "int", "members": "list",
               "iterations": "list", "size": "int", "group": "str", "stop": "bool",
               "twins": "bool", "max_wait_s": "number", "waits": "list", "every": "int",
-              "nexts": "list", "done_steps": "int", "reason": "str"},
+              "nexts": "list", "done_steps": "int", "reason": "str", "outside": "dict"},
     "consensus": {"stage": "int", "iteration": "int", "round": "int", "members": "list",
                   "consensus": "number?", "time": "number"},
     "wire": {"time": "number", "every": "int", "precision": "str", "iteration_s": "number",

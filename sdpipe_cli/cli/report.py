@@ -41,7 +41,7 @@ from sdpipe_cli import analysis
 from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core import modes
-from sdpipe_cli.core.grouping.rounds import REASONS
+from sdpipe_cli.core.grouping.rounds import LEFT_OUT, REASONS
 
 __all__ = ["Run", "load", "load_all", "labels", "report"]
 
@@ -285,12 +285,16 @@ def _throughput_figure(plt, runs: Sequence[Run]):
 
 def reasons(run: Run) -> dict[str, int]:
     """How many of the run's rounds closed for each reason (their ``group`` lines' ``reason``:
-    every live replica there, the awaited ones came, one was late, ...), in the policy's order."""
+    every live replica there, the awaited ones came, one was late, ...), then how many times a
+    live pipeline was left out of a round for each reason (``outside``, as ``out: late``, ...),
+    in the policy's order."""
     counts: dict[str, int] = {}
     for g in run.kind("group"):
-        if g.get("reason"):
-            counts[g["reason"]] = counts.get(g["reason"], 0) + 1
-    order = {r: i for i, r in enumerate(REASONS)}
+        whys = [g["reason"]] if g.get("reason") else []
+        whys += [f"out: {w}" for w in (g.get("outside") or {}).values()]
+        for why in whys:
+            counts[why] = counts.get(why, 0) + 1
+    order = {r: i for i, r in enumerate((*REASONS, *(f"out: {w}" for w in LEFT_OUT)))}
     return dict(sorted(counts.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 
 
@@ -309,7 +313,8 @@ def _groups_figure(plt, runs: Sequence[Run]):
         axes[2].bar([k + i * width for k in range(len(keys))], [counts.get(r, 0) for r in keys],
                     width, label=run.label)
     axes[2].set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], keys)
-    axes[2].set(xlabel="why the round closed", ylabel="rounds", title="rounds by reason")
+    axes[2].set(xlabel="why the round closed; why a pipeline was left out", ylabel="rounds",
+                title="rounds by reason")
     for run in grouped:
         for stage in sorted({g["stage"] for g in run.kind("group")}):
             gs = [g for g in run.kind("group") if g["stage"] == stage]

@@ -55,7 +55,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from sdpipe_cli.core.grouping import Decision, DisjointSet, GroupScheduler
-from sdpipe_cli.core.grouping.rounds import REASONS
+from sdpipe_cli.core.grouping.rounds import LEFT_OUT, REASONS
 from tests.policy_sim import Result, Sim, SimError, replay
 
 EPS = 1e-9
@@ -119,6 +119,11 @@ def check_well_formed(r: Result) -> None:
         # why it closed: a global sync says so, a round of every live replica says "all"
         assert d.reason in (("stop",) if d.stop else ("global",) if d.kind == "global"
                             else REASONS[:6]), d
+        # who it left out, and why: every live pipeline is in or out, never both
+        assert not {p for p, _ in d.outside} & set(d.members), d
+        assert all(why in LEFT_OUT for _, why in d.outside), d
+        assert d.kind == "group" or not d.outside, d
+        assert d.reason != "all" or all(why == "global" for _, why in d.outside), d
         assert d.round == next_round[d.stage], (d, next_round)
         next_round[d.stage] += 1
         for p, k in zip(d.members, d.iterations):
@@ -1470,3 +1475,8 @@ def test_every_decision_says_why_it_closed():
     assert partial <= {"all", "expected", "late", "window", "connected"}, partial
     capped = _sim([0.15] * 4, 0.5, policy="cost_aware", max_group=2)
     assert any(d.reason == "cap" for _, d in capped.decisions)
+    # and who each round left out: some ready past max_group (capped); the straggler,
+    # awaited and late, or computing and not awaited
+    assert any("capped" in dict(d.outside).values() for _, d in capped.decisions)
+    left = [dict(d.outside).get(3) for _, d in slow.decisions if d.kind == "group" and 3 not in d.members]
+    assert left and set(left) <= {"late", "busy", "global"} and "busy" in left, left

@@ -12,6 +12,8 @@ parked at its target there.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from sdpipe_cli.core.grouping.budget import Planner
 from sdpipe_cli.core.grouping.connectivity import Connectivity
 from sdpipe_cli.core.grouping.freshness import Freshness
@@ -26,6 +28,10 @@ from sdpipe_cli.core.grouping.state import Decision, RunState
 # there (``cap``); it was held until it merged another component (``connected``); a global sync
 # (``global``), the run's last (``stop``)
 REASONS = ("all", "expected", "late", "window", "cap", "connected", "global", "stop")
+# Why a live pipeline is not in a group round: awaited (forecast to come by the horizon) and not
+# there; ready but past ``max_group``; at its iteration of the pending global sync; not ready
+# and not awaited (still computing: a round does not wait for it).
+LEFT_OUT = ("late", "capped", "global", "busy")
 
 
 class RoundFormer:
@@ -132,7 +138,9 @@ class RoundFormer:
                 return None  # wait for the components that are left
             reason = self._why(full, held, missing, st.expect)
         members = set(members)
-        decision = self._emit(s, sorted(members), kind="group", stop=False, reason=reason)
+        outside = self._left_out(members, ready, st.expect, at_global)
+        decision = self._emit(s, sorted(members), kind="group", stop=False, reason=reason,
+                              outside=outside)
         self.links.merged(s, members)
         for p in members:
             key = (s, p)
@@ -152,8 +160,15 @@ class RoundFormer:
             return "late"
         return "expected" if expected else "window"
 
+    def _left_out(self, members: set[int], ready: Container[int], expected: frozenset,
+                  at_global: set[int]) -> tuple[tuple[int, str], ...]:
+        """Each live pipeline not in ``members``, with why (:data:`LEFT_OUT`)."""
+        return tuple((p, "global" if p in at_global else "capped" if p in ready
+                      else "late" if p in expected else "busy")
+                     for p in sorted(self.run.live - members))
+
     def _emit(self, s: int, members: list[int], kind: str, stop: bool,
-              reason: str = "") -> Decision:
+              reason: str = "", outside: tuple[tuple[int, str], ...] = ()) -> Decision:
         run = self.run
         st = run.stages[s]
         now = run.clock()
@@ -166,7 +181,7 @@ class RoundFormer:
         decision = Decision(stage=s, round=st.round_no, members=tuple(members),
                             iterations=tuple(st.waiting[p][0] for p in members),
                             waited=tuple(now - st.waiting[p][1] for p in members),
-                            kind=kind, stop=stop, heal=heal, twins=twins, reason=reason,
+                            kind=kind, stop=stop, heal=heal, twins=twins, reason=reason, outside=outside,
                             weight_shares=weight_shares, grad_shares=grad_shares)
         self.lineage.note(decision)
         self.freshness.note(s, members, done)

@@ -41,6 +41,8 @@ class Decision:
     weight_shares: tuple[float, ...] = ()
     grad_shares: tuple[float, ...] = ()
     reason: str = ""  # why the round closed (:data:`.rounds.REASONS`)
+    # each live pipeline the round left out, with why (:data:`.rounds.LEFT_OUT`), by pipeline
+    outside: tuple[tuple[int, str], ...] = ()
 
     def of(self, pipeline: int) -> int:
         """The iteration this decision answers for ``pipeline``."""

@@ -427,7 +427,7 @@ class Scheduler:
                 "kind": "group", "time": round(time.time() - self.t0, 4), "stage": d.stage,
                 "round": d.round, "group": d.kind, "members": list(d.members),
                 "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
-                "twins": d.twins, "done": done, "reason": d.reason,
+                "twins": d.twins, "done": done, "reason": d.reason, "outside": {str(q): w for q, w in d.outside},
                 "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]}
             if pacing is not None:  # meetings that follow the wire: blocks of their own
                 line.update(pacing.fields(nexts))
