@@ -28,12 +28,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli import checkpoint
 from sdpipe_cli.cli.supervisor import POLL_S, RUNNING, Child, Interrupted, Phase, Supervisor, quietly, stop_all
-from sdpipe_cli.config import trust
+from sdpipe_cli.config import derived, trust
 from sdpipe_cli.config.run_file import save_run_config
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.segments import with_split
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
 from sdpipe_cli.runtime.errors import WriteFailed, discard_reserves
@@ -67,6 +66,7 @@ class RunResult:
     trace: Path | None = None  # <run>/trace.json, with run.trace
     interrupted: bool = False  # Ctrl-C or SIGTERM came (also when a failure followed)
     bad_input: bool = False  # the failure was bad input a child found (a damaged checkpoint shard)
+    cfg: DictConfig | None = None  # the run's config as the launch left it (pipelines re-split)
 
 
 def _copy_config_dirs(cfg: DictConfig, run_dir: Path) -> None:
@@ -435,11 +435,7 @@ class Launch:
         slowdowns measured, ``fault.slowed``), written beside the others (``config.replan.yaml``,
         then ``config.replan-1.yaml``, ...: the run's history of its splits), is the one their
         new workers, and any worker started later, read."""
-        cfg = self.cfg
-        cfg.fault.slowed = slowed
-        for p, bounds in splits.items():
-            cfg.pipeline.partitions = with_split(cfg.pipeline.partitions, cfg.pipeline.partition,
-                                                 p, bounds)
+        self.cfg = self.result.cfg = cfg = derived.resplit(self.cfg, splits, slowed)
         path = _new_path(self.run_dir / "config.replan.yaml")
         cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
         save_run_config(cfg, path)

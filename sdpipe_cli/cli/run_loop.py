@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from sdpipe_cli.cli import display, resuming
+from sdpipe_cli.config import derived
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import run_lock
 from sdpipe_cli.runtime.errors import CheckpointError
@@ -93,7 +94,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
                                      spent=0.0 if first else time.monotonic() - began)
             if result.progress:  # the last snapshot: a device named in the run's last moments
                 shown.update(result.progress)
-        first = False
+        first, run_cfg = False, result.cfg or run_cfg  # re-split pipelines: later legs have their splits
         replaced = while_reporting(result)
         preparing = replaced if preparing is None else preparing
         replan = _replan_of(result)
@@ -119,7 +120,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
             result.failure += f" (train.time_limit={limit:g} s has passed: not restarted)"
             break
         left = None if limit is None else round(limit - (time.monotonic() - began), 4)
-        carry_slowdowns(run_cfg, result.progress)
+        run_cfg = carry_slowdowns(run_cfg, result.progress)
         reached = _reached(result.progress)
         # a crash loop fails where the last failure did; a run that got further made progress
         progressed, furthest = reached > furthest, max(furthest, reached)
@@ -190,13 +191,14 @@ def _replanned_leg(console: Console, stopped, replan: dict, holder: run_lock.Hol
         return None
 
 
-def carry_slowdowns(run_cfg, progress: dict | None) -> None:
+def carry_slowdowns(run_cfg, progress: dict | None):
     """``fault.on_slowdown=replan``: the leg after a failure starts from the slowdowns the failed
     one measured (its scheduler's last snapshot), as a re-plan's leg does, so a device that
     slowed down since the last re-plan is not taken for the device's own speed."""
     slowed = (progress or {}).get("slowed")
     if run_cfg.fault.on_slowdown == "replan" and isinstance(slowed, dict):
-        run_cfg.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
+        return derived.with_slowed(run_cfg, slowed)
+    return run_cfg
 
 
 def _reached(progress: dict | None) -> int:

@@ -20,9 +20,9 @@ reported in ``simulation.json``'s ``replan`` with the proposal; the console prin
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from sdpipe_cli.config import measurements
+from sdpipe_cli.config import derived, measurements
 from sdpipe_cli.core.grouping import make_policy
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
@@ -70,9 +70,9 @@ def replanned(cfg: DictConfig, work_of) -> dict | None:
            "without_samples_per_s": without.samples_per_s}
     if not proposal.go:
         return {**out, "with_s": without.wall_s, "with_samples_per_s": without.samples_per_s}
-    moved = OmegaConf.create(OmegaConf.to_container(slow_cfg, resolve=True))
-    moved.pipeline.partition, moved.pipeline.partitions = as_config(
-        proposal.bounds, cfg.pipeline.partition)
+    partition, partitions = as_config(proposal.bounds, cfg.pipeline.partition)
+    moved = derived.variant(slow_cfg, {"pipeline.partition": partition,
+                                       "pipeline.partitions": partitions})
     rest = _run(moved, plan, work_of)
     with_s = switch + proposal.move_s + (budget - done) / rest.samples_per_s
     return {**out, "switch_s": switch, "with_s": with_s, "with_samples_per_s": budget / with_s}
@@ -94,9 +94,7 @@ def _first_slowdown(plan: RunPlan, threshold: float):
 
 
 def _changes(cfg: DictConfig, changes: list) -> DictConfig:
-    other = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    other.cluster.changes = changes
-    return other
+    return derived.variant(cfg, {"cluster.changes": changes})
 
 
 def _run(cfg: DictConfig, plan: RunPlan, work_of) -> Result:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.config import measurements
+from sdpipe_cli.config import derived, measurements
 from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation
 from sdpipe_cli.core.cluster import EmulatedStragglers
 from sdpipe_cli.core.grouping import make_policy
@@ -198,8 +198,7 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
     limit = sum(solo.solo_rates())
     shared = None  # pipelines split apart (pipeline.partitions): one split for a mode without
     if cfg.pipeline.get("partitions"):  # segments, as it would have to run
-        one = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        one.pipeline.partitions = {}
+        one = derived.variant(cfg, {"pipeline.partitions": {}})
         shared = workload(one, RunPlan.of(one))
     rows = []
     for mode in modes:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdpipe_cli import checkpoint
+from sdpipe_cli.config import derived
 from sdpipe_cli.config.schema import objective
 from sdpipe_cli.core.cadence import Cadence
 from sdpipe_cli.core.loss_scale import LossScale
@@ -76,15 +77,15 @@ class Worker:
     def __init__(self, cfg: DictConfig, where: Placement, plan: RunPlan, device: torch.device,
                  events: dist.Store, groups: GroupCache, pipeline_groups: GroupCache,
                  resume: str | None = None, incarnation: int = 0, rank_offset: int = 0):
-        self.cfg, self.where, self.device, self.events = cfg, where, device, events
+        # a pipeline with a split of its own (pipeline.partitions) builds its stages from it
+        self.cfg = cfg = derived.for_pipeline(cfg, plan.partition_of(where.pipeline))
+        self.where, self.device, self.events = where, device, events
         self.incarnation, self.rank_offset = incarnation, rank_offset
         self._began = time.monotonic()
         self.traffic = groups.traffic  # what the sync sends, by link class (sync.traffic)
         self.t0 = store.run_clock(events)
         self.cadence = Cadence.from_config(cfg, store.limit_spent(events))
         p, s = where.pipeline, where.stage
-        # a pipeline with a split of its own (pipeline.partitions) builds its stages from it
-        cfg.pipeline.partition = plan.partition_of(p)
         self.module = models.build_stage_module(cfg, s).to(device)
         self.ties = TiedCopies(models.stage_ties(cfg, s), where, incarnation)
         self.optimizer = optim.build_optimizer(self.module.parameters(), cfg.train)

@@ -119,7 +119,9 @@ def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_other_goes_on(t
     sched.handle(protocol.Rejoin(rank=1, pipeline=0, stage=4, incarnation=0))  # stale: dropped
     sched.handle(protocol.Rejoin(rank=0, pipeline=0, stage=4, incarnation=1))
     assert (4, 0) in sched.rejoining and sched.restarts == 0  # a re-split is no restart
-    assert dict(sched.cfg.pipeline.partitions) == {0: [5]} and sched.cfg.fault.slowed["p0s1"] > 3
+    manifest_cfg = sched.checkpoints.cfg  # what the checkpoints' manifests record from now on
+    assert dict(manifest_cfg.pipeline.partitions) == {0: [5]} and manifest_cfg.fault.slowed["p0s1"] > 3
+    assert dict(sched.cfg.pipeline.partitions) == {}  # the run's config itself is left as it was
     assert sched.checkpoints.plan.partition_of(0) == [5]
     assert sched.replanning.partitions == [[5], [3]]
     sched.replanning.release(frozenset({1}))  # not healed yet: no other re-plan
@@ -188,11 +190,11 @@ def test_a_given_split_is_not_taken_back_for_a_slowdown_that_does_not_change_the
     snapshot = sched.summary()
     assert snapshot["slowed"] == {"p1s0": pytest.approx(1.6, rel=0.01)}
     cfg = compose(["fault.on_slowdown=replan", "+fault.slowed.p0s1=4.0"])
-    carry_slowdowns(cfg, snapshot)
-    assert dict(cfg.fault.slowed) == snapshot["slowed"]  # measured from the devices' own start
+    carried = carry_slowdowns(cfg, snapshot)
+    assert dict(carried.fault.slowed) == snapshot["slowed"]  # measured from the devices' own start
+    assert dict(cfg.fault.slowed) == {"p0s1": 4.0}  # a new config: the leg's own is left as it was
     warned = compose(["fault.on_slowdown=warn"])
-    carry_slowdowns(warned, snapshot)
-    assert dict(warned.fault.slowed) == {}
+    assert dict(carry_slowdowns(warned, snapshot).fault.slowed) == {}
 
 
 @pytest.mark.parametrize("sync, leg", [("allreduce", "pipeline.partition=[5]"),

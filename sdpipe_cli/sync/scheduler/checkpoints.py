@@ -25,11 +25,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli import checkpoint
+from sdpipe_cli.config import derived
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision
 from sdpipe_cli.core.meetings import Meetings
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.segments import with_split
 
 log = logging.getLogger("sdpipe.scheduler")
 
@@ -121,9 +121,7 @@ class Checkpoints:
         """``pipeline`` was re-split in place: checkpoints from now on hold its new split, and
         their manifests' config says so, with the slowdowns measured (``sdpipe resume`` goes on
         with both); the plan here is the run's from now on."""
-        p = self.cfg.pipeline
-        p.partitions = with_split(p.partitions, p.partition, pipeline, bounds)
-        self.cfg.fault.slowed = slowed
+        self.cfg = derived.resplit(self.cfg, {pipeline: bounds}, slowed)
         splits = list(self.plan.partitions)
         splits[pipeline] = tuple(int(b) for b in bounds)
         self.plan = replace(self.plan, partitions=tuple(splits))

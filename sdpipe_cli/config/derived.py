@@ -1,0 +1,61 @@
+"""A run's config as it is after something sdpipe decided: new configs, the old one untouched.
+
+The composed config is the user's; what sdpipe derives during a run reaches its processes as a
+config of its own, made here from the one before it, never by assigning to a config that other
+holders still read:
+
+- :func:`for_pipeline`: the config one pipeline's workers build their stages from, whose
+  ``pipeline.partition`` is that pipeline's own split (``pipeline.partitions``' entry, or the
+  shared one);
+- :func:`resplit`: the run's config once pipelines were re-split in place (the launcher's
+  ``config.replan.yaml`` for their new workers, the scheduler's checkpoint manifests), with the
+  slowdowns that made it (``fault.slowed``);
+- :func:`with_slowed`: the config of a leg that starts from the slowdowns an earlier leg
+  measured;
+- :func:`variant`: a resolved copy with some keys set, for the simulator's what-ifs (the run
+  with another split, other speed changes, one shared split).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli.core.segments import with_split
+
+__all__ = ["for_pipeline", "resplit", "variant", "with_slowed"]
+
+
+def for_pipeline(cfg: DictConfig, partition: Sequence[int]) -> DictConfig:
+    """``cfg`` as the workers of a pipeline split at ``partition`` read it."""
+    out = copy.deepcopy(cfg)
+    out.pipeline.partition = [int(b) for b in partition]
+    return out
+
+
+def resplit(cfg: DictConfig, splits: Mapping[int, Sequence[int]],
+            slowed: Mapping[str, float]) -> DictConfig:
+    """``cfg`` with each pipeline of ``splits`` split at its bounds and ``fault.slowed``."""
+    out = with_slowed(cfg, slowed)
+    for p, bounds in splits.items():
+        out.pipeline.partitions = with_split(out.pipeline.partitions, out.pipeline.partition,
+                                             p, bounds)
+    return out
+
+
+def with_slowed(cfg: DictConfig, slowed: Mapping[str, float]) -> DictConfig:
+    """``cfg`` whose ``fault.slowed`` is ``slowed``."""
+    out = copy.deepcopy(cfg)
+    out.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
+    return out
+
+
+def variant(cfg: DictConfig, values: Mapping[str, Any]) -> DictConfig:
+    """A resolved copy of ``cfg`` with each dotted key of ``values`` set."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for key, value in values.items():
+        OmegaConf.update(out, key, value, merge=False)
+    return out
