@@ -1,0 +1,31 @@
+"""A run's config.yaml read back by its children (config/run_file.py): libyaml's parser and a
+schema built once give what OmegaConf's own loader and a schema built anew gave."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
+
+from sdpipe_cli.config import run_file
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import SYNC_MODES, schema_for
+
+
+@pytest.mark.parametrize("sync", SYNC_MODES)
+def test_a_saved_config_reads_back_as_omegaconfs_loader_and_a_fresh_schema_read_it(tmp_path, sync):
+    cfg = compose([f"sync={sync}", "train.lr=1e-05", "pipeline.partitions={1: [2]}",
+                   "+fault.slowed.p0s1=4.0", "run.id='007'", "model.name='1e-3'"])
+    path = tmp_path / "config.yaml"
+    run_file.save_run_config(cfg, path)
+    got = run_file.load_run_config(path)
+    before = OmegaConf.merge(schema_for(sync), OmegaConf.load(path))
+    assert OmegaConf.to_yaml(got) == OmegaConf.to_yaml(before)
+    assert OmegaConf.get_type(got.sync) is OmegaConf.get_type(before.sync)
+    assert got.train.lr == 1e-05 and dict(got.pipeline.partitions) == {1: [2]}
+    assert got.run.id == "007" and got.model.name == "1e-3"  # strings stay strings
+    got.train.lr = 0.5  # a child's config is its own and writable
+    again = run_file.load_run_config(path)  # the shared schema was not changed by either
+    assert again.train.lr == 1e-05 and OmegaConf.is_readonly(run_file.frozen_schema(sync))
+    with pytest.raises(ReadonlyConfigError):
+        run_file.frozen_schema(sync).train.lr = 1.0
