@@ -58,7 +58,7 @@ def test_a_time_limit_ends_the_run_at_an_outer_step(tmp_path):
     """Replicas meet only at outer steps, so that is where they agree to stop: every pipeline
     ends at the same multiple of local_steps, with identical weights."""
     run = tmp_path / "run"
-    out = sdpipe("train", f"run.dir={run}", *BASE, "train.steps=100000", "train.time_limit=3",
+    out = sdpipe("train", f"run.dir={run}", *BASE, "train.steps=100000", "train.time_limit=3", "cluster.compute_ms=5",
                  "sync=diloco", "sync.local_steps=4")
     assert out.returncode == 0, out.stderr
     done = {m["pipeline"]: m["steps"] for m in metrics(run) if m["kind"] == "done"}

@@ -63,7 +63,7 @@ from tests.helpers import (
 TINY = ("model=mlp", "data=synthetic", "train.steps=4", "train.batch_size=8")
 LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8",
         "cluster.pipelines=2", "pipeline.stages=2", "checkpoint.every=0", "train.eval_every=0",
-        "run.timeout=20")
+        "run.timeout=20", "cluster.compute_ms=10")  # until stopped: sleeping, not spinning
 
 
 @dataclass

@@ -38,7 +38,8 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.multiprocess
 
-LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8")
+# runs that go on until they are stopped: modelled compute (sleeps), not two cores spinning
+LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8", "cluster.compute_ms=10")
 
 
 def test_checkpoints_are_complete_and_pruned(allreduce_2x2_run):

@@ -33,7 +33,8 @@ from tests.unit.test_failure_reports import fill, small_disk
 
 pytestmark = pytest.mark.multiprocess
 
-LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8")
+# runs that go on until they are stopped: modelled compute (sleeps), not two cores spinning
+LONG = ("model=mlp", "data=synthetic", "train.steps=100000", "train.batch_size=8", "cluster.compute_ms=10")
 
 
 def wait_for_training(run_dir: Path, proc, timeout: float = 120) -> None:

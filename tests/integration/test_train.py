@@ -69,7 +69,7 @@ def test_four_stage_gpipe_allreduce(run_dir):
 
 def test_time_limit_stops_every_pipeline_at_the_same_iteration(run_dir):
     out = sdpipe("train", f"run.dir={run_dir}", "sync=allreduce", "train.steps=100000",
-                 "train.time_limit=4", *FAST)
+                 "train.time_limit=4", "cluster.compute_ms=5", *FAST)
     assert out.returncode == 0, out.stderr
     done = metrics(run_dir, "done")
     steps = {d["steps"] for d in done}
@@ -78,7 +78,7 @@ def test_time_limit_stops_every_pipeline_at_the_same_iteration(run_dir):
 
 def test_time_limit_with_group_sync_ends_on_a_global_sync(run_dir):
     out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "train.steps=100000",
-                 "train.time_limit=4", *FAST)
+                 "train.time_limit=4", "cluster.compute_ms=5", *FAST)
     assert out.returncode == 0, out.stderr
     done = metrics(run_dir, "done")
     per_pipeline = {p: {d["steps"] for d in done if d["pipeline"] == p} for p in (0, 1)}
