@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 MANIFEST = "manifest.json"
 STAGING_PREFIX = ".staging-"
@@ -62,8 +62,8 @@ def of_run(run: os.PathLike | str, manifest: Mapping[str, Any]) -> bool:
     saved = Path(run) / "config.yaml"
     if not saved.is_file():
         return False
-    config = manifest.get("config") if isinstance(manifest.get("config"), Mapping) else {}
-    run_section = config.get("run") if isinstance(config.get("run"), Mapping) else {}
+    config: Mapping = manifest["config"] if isinstance(manifest.get("config"), Mapping) else {}
+    run_section: Mapping = config["run"] if isinstance(config.get("run"), Mapping) else {}
     wanted = run_section.get("id")
     if wanted is None:
         return True
@@ -73,7 +73,7 @@ def of_run(run: os.PathLike | str, manifest: Mapping[str, Any]) -> bool:
 
     yaml_bounds.check_file(saved, "the checkpoint's run folder")
     try:  # read as data: no interpolation is resolved
-        found = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)["run"]["id"]
+        found = cast(dict, OmegaConf.to_container(OmegaConf.load(saved), resolve=False))["run"]["id"]
     except Exception:  # noqa: BLE001 - an unreadable config.yaml is not this checkpoint's run
         return False
     return found == wanted

@@ -48,6 +48,12 @@ class Sync:
     # Keys of :meth:`state_dict` that hold one flat vector over the stage's parameters (in their
     # order): a resharded checkpoint cuts them into parameters and joins them again
     flat_state: tuple[str, ...] = ()
+    stop = False  # the run ended: a mode whose scheduler decides that sets it
+
+    def rejoin(self, module: nn.Module) -> int | None:
+        """A restarted replica takes its state from a live one (the iteration to go on from, or
+        None if the run ended first): only a mode that heals lost pipelines can."""
+        raise NotImplementedError(f"sync={self.name} does not restart a lost pipeline")
 
     @classmethod
     def build(cls, settings: Any, wiring: Wiring) -> Sync:

@@ -21,10 +21,12 @@ The asynchronous schedule has its own loop (:mod:`sdpipe_cli.training.async_loop
 from __future__ import annotations
 
 import time
+from typing import cast
 
 from sdpipe_cli.core.cadence import Throughput
 from sdpipe_cli.core.schedule import get_schedule
 from sdpipe_cli.pipeline import p2p
+from sdpipe_cli.pipeline.stage import FlushedStage
 from sdpipe_cli.training.worker import Worker
 
 __all__ = ["FlushedLoop"]
@@ -39,6 +41,8 @@ class FlushedLoop:
         self.actions = get_schedule(worker.cfg.pipeline.schedule)(
             w.stages, worker.cfg.pipeline.microbatches, w.stage)
         self._pending: list[p2p.Pending] = []
+        assert isinstance(worker.stage, FlushedStage)  # the worker builds its flushed stage
+        self.stage = worker.stage
 
     def train(self) -> None:
         w = self.w
@@ -56,7 +60,7 @@ class FlushedLoop:
             w.slowdown.new_iteration(step)
             inputs, targets = w.batch(step)
             w.optimizer.zero_grad(set_to_none=True)
-            loss = w.stage.run(self.actions, inputs, targets)
+            loss = self.stage.run(self.actions, inputs, targets)
             sync_s = w.update(step)
             self._wait_pending()
             w.memory.check()
@@ -78,10 +82,10 @@ class FlushedLoop:
             go = w.sync.should_continue(step, w.cadence.local_go(step, timed_out), timed_out)
             control = p2p.Control(go, step, go and w.time_checkpoint(), go and timed_out)
         else:
-            control = p2p.receive_control(where.prev_rank, step, w.device, stage=where.stage,
-                                          offset=w.rank_offset)
+            control = p2p.receive_control(cast(int, where.prev_rank), step, w.device,
+                                          stage=where.stage, offset=w.rank_offset)
         if not where.last:
-            self._pending.append(p2p.send_control(control, where.next_rank, w.device,
+            self._pending.append(p2p.send_control(control, cast(int, where.next_rank), w.device,
                                                   offset=w.rank_offset))
         return control
 

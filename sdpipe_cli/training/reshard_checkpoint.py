@@ -51,15 +51,15 @@ def plan_for(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictCon
     """The plan of resuming ``ckpt`` (of a run configured ``old``) as ``new``; ``train_steps``:
     the user's ``train.steps`` for the new layout, if given."""
     steps = {int(p): int(k) for p, k in manifest["steps"].items()}
-    positions = {}
+    found: dict[int, int] = {}
     grid = Grid(len(steps), int(old.pipeline.stages))
     for p in sorted(steps):  # the streams: the first stage's shard of each old pipeline
         state = checkpoint.load_shard(ckpt, str(grid.rank(p, 0)), manifest)
         data = state.get("data")
         if not isinstance(data, Mapping) or not isinstance(data.get("position"), int):
-            positions = None
             break
-        positions[p] = int(data["position"])
+        found[p] = int(data["position"])
+    positions = found if len(found) == len(steps) else None  # every stream's, or none
     samples = int(new.data.resolved.train) if positions is not None else None
     even = not strategy_class(new.sync.name).scheduled_checkpoints
     return reshard.plan(steps, int(old.train.steps), int(old.train.batch_size),
@@ -133,9 +133,9 @@ def _write_shards(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: Di
                                          dict(new_meta[s]), state["model"])
                 if "sync" in first_old:
                     state["sync"] = {**first_old["sync"], **{
-                        k: torch.cat([_find(flats[k], w, ties, ckpt, k).reshape(-1)
+                        k: torch.cat([_find(flat, w, ties, ckpt, k).reshape(-1)
                                       for w in new_names[s]])
-                        for k in flat_keys if flats[k] is not None}}
+                        for k in flat_keys if (flat := flats[k]) is not None}}
                 if (s == 0 or s == S_new - 1) and plan.positions is not None:
                     saved = shards[0].get("data", {})
                     state["data"] = {"position": plan.positions[q], "step": plan.steps[q],
@@ -196,9 +196,8 @@ def _optimizer_by_block(files: list[Path], shards: list[dict], names: list[list[
     table: dict[Where, Any] = {}
     for path, shard, order in zip(files, shards, names):
         found = shard.get("optimizer")
-        groups = found.get("param_groups") if isinstance(found, Mapping) else None
-        if not isinstance(groups, list) or len(groups) != 1 or not isinstance(
-                found.get("state"), Mapping):
+        if not isinstance(found, Mapping) or not isinstance(groups := found.get("param_groups"), list) \
+                or len(groups) != 1 or not isinstance(found.get("state"), Mapping):
             raise CheckpointError(path, "optimizer state is not one parameter group: cannot "
                                         "reshard it")
         for index, entry in found["state"].items():

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,9 @@ from sdpipe_cli.data import sources
 from sdpipe_cli.data.feed import Feed
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.model import models, optim
+from sdpipe_cli.model.boundary import Boundary
 from sdpipe_cli.pipeline import microbatches, validation
+from sdpipe_cli.pipeline.async_stage import AsyncStage
 from sdpipe_cli.pipeline.stage import FlushedStage
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.errors import CheckpointError, Diverged
@@ -102,7 +105,7 @@ class Worker:
         self.tracer = (Tracer(where.rank, f"rank {where.rank} (pipeline {p}, stage {s})",
                               lambda: time.time() - self.t0, cfg.run.trace_events)
                        if cfg.run.trace else None)
-        on_action = self.slowdown if self.slowdown.active else None
+        on_action: Callable[..., Any] | None = self.slowdown if self.slowdown.active else None
         before_send, before_action = link_delay(self.cluster, where.rank), None
         if self.tracer is not None:  # around the emulation's: a slow compute shows as compute
             on_action, before_send, before_action = self.tracer.hooks(on_action, before_send)
@@ -112,11 +115,12 @@ class Worker:
             on_action = self.busy
         self._busy_from = 0  # the iteration the busy time is summed from
         example = sources.example(cfg, plan.microbatch_size)[0]
-        boundaries = models.stage_boundaries(cfg, example, s)
+        boundaries: tuple[Boundary | None, ...] = models.stage_boundaries(cfg, example, s)
         low = models.AUTOCAST.get(str(cfg.train.precision))
         if low is not None:  # activations and their gradients travel in the low precision
             boundaries = tuple(None if b is None else b.with_floats(low) for b in boundaries)
-        self.stage = FlushedStage(
+        # the flushed stage; asynchronous 1F1B's loop puts an AsyncStage on its executor in its place
+        self.stage: FlushedStage | AsyncStage = FlushedStage(
             self.module, stage=s, num_stages=where.stages,
             prev_rank=where.prev_rank, next_rank=where.next_rank, boundaries=boundaries,
             device=device, loss_fn=models.loss_function(cfg.model), before_action=before_action,
@@ -431,6 +435,7 @@ class Worker:
     def emit(self, kind: str, **fields: Any) -> None:
         w = self.where
         now = round(time.time() - self.t0, 4)
+        message: protocol.Saved | protocol.Report
         if kind == "saved":
             message = protocol.Saved(w.rank, w.pipeline, w.stage, fields["checkpoint"],
                                      fields["step"], self.incarnation, now)
