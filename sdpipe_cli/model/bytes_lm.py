@@ -26,22 +26,13 @@ ARCHS = ("gpt", "mlp")
 INIT_STD = 0.02
 
 
-def _embedding(rows: int, dim: int) -> nn.Embedding:
-    """``nn.Embedding(rows, dim)``; on the meta device (shapes only) without its initialisation,
-    whose ``normal_`` there imports a second of torch's meta kernels at every launch for no
-    values. Elsewhere the default initialisation runs, so the RNG stream is the same."""
-    if torch.empty(0).is_meta:
-        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
-    return nn.Embedding(rows, dim)
-
-
 class Embedding(nn.Module):
     """Block 0: byte ids (B, T) -> token + learned position embeddings (B, T, d_model)."""
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, dropout: float):
         super().__init__()
-        self.tok = _embedding(vocab_size, d_model)
-        self.pos = _embedding(seq_len, d_model)
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
