@@ -22,7 +22,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from sdpipe_cli.core.segments import with_split
 
@@ -31,8 +31,9 @@ __all__ = ["for_pipeline", "resplit", "variant", "with_slowed"]
 
 def for_pipeline(cfg: DictConfig, partition: Sequence[int]) -> DictConfig:
     """``cfg`` as the workers of a pipeline split at ``partition`` read it."""
-    out = copy.deepcopy(cfg)
-    out.pipeline.partition = [int(b) for b in partition]
+    out = copy.deepcopy(cfg)  # read-only if ``cfg`` was (a child's): written here alone
+    with read_write(out):
+        out.pipeline.partition = [int(b) for b in partition]
     return out
 
 
@@ -40,16 +41,18 @@ def resplit(cfg: DictConfig, splits: Mapping[int, Sequence[int]],
             slowed: Mapping[str, float]) -> DictConfig:
     """``cfg`` with each pipeline of ``splits`` split at its bounds and ``fault.slowed``."""
     out = with_slowed(cfg, slowed)
-    for p, bounds in splits.items():
-        out.pipeline.partitions = with_split(out.pipeline.partitions, out.pipeline.partition,
-                                             p, bounds)
+    with read_write(out):
+        for p, bounds in splits.items():
+            out.pipeline.partitions = with_split(out.pipeline.partitions,
+                                                 out.pipeline.partition, p, bounds)
     return out
 
 
 def with_slowed(cfg: DictConfig, slowed: Mapping[str, float]) -> DictConfig:
     """``cfg`` whose ``fault.slowed`` is ``slowed``."""
     out = copy.deepcopy(cfg)
-    out.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
+    with read_write(out):
+        out.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
     return out
 
 

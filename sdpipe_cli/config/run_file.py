@@ -41,9 +41,13 @@ def save_run_config(cfg: DictConfig, path: Path) -> None:
 
 
 def load_child_config() -> tuple[Path, DictConfig]:
-    """For a child process: its run folder and the resolved config the launcher wrote for it."""
+    """For a child process: its run folder and the resolved config the launcher wrote for it,
+    read-only: a child reads its config, and what it derives is a new config
+    (:mod:`sdpipe_cli.config.derived`)."""
     run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
-    return run_dir, load_run_config(Path(os.environ.get("SDPIPE_CONFIG", run_dir / "config.yaml")))
+    cfg = load_run_config(Path(os.environ.get("SDPIPE_CONFIG", run_dir / "config.yaml")))
+    OmegaConf.set_readonly(cfg, True)
+    return run_dir, cfg
 
 
 def load_run_config(path: Path) -> DictConfig:

@@ -29,3 +29,21 @@ def test_a_saved_config_reads_back_as_omegaconfs_loader_and_a_fresh_schema_read_
     assert again.train.lr == 1e-05 and OmegaConf.is_readonly(run_file.frozen_schema(sync))
     with pytest.raises(ReadonlyConfigError):
         run_file.frozen_schema(sync).train.lr = 1.0
+
+
+def test_a_childs_config_is_read_only_and_what_it_derives_is_a_new_one(tmp_path, monkeypatch):
+    from sdpipe_cli.config import derived
+
+    saved = compose(["sync=sdpipe", "cluster.pipelines=3", "pipeline.partition=[3]"])  # resolved
+    run_file.save_run_config(saved, tmp_path / "config.yaml")
+    monkeypatch.setenv("SDPIPE_RUN_DIR", str(tmp_path))
+    monkeypatch.delenv("SDPIPE_CONFIG", raising=False)
+    _, cfg = run_file.load_child_config()
+    with pytest.raises(ReadonlyConfigError):
+        cfg.pipeline.partition = [1]
+    own = derived.for_pipeline(cfg, [2])
+    moved = derived.resplit(cfg, {1: [1]}, {"p1s0": 2.0})
+    assert list(own.pipeline.partition) == [2] and OmegaConf.is_readonly(own)
+    assert dict(moved.pipeline.partitions) == {1: [1]} and dict(moved.fault.slowed) == {"p1s0": 2.0}
+    assert list(cfg.pipeline.partition) == [3] and dict(cfg.pipeline.partitions) == {}
+    assert dict(cfg.fault.slowed) == {}  # the child's own config is as it was read
