@@ -24,7 +24,7 @@ def test_a_saved_config_reads_back_as_omegaconfs_loader_and_a_fresh_schema_read_
     assert OmegaConf.get_type(got.sync) is OmegaConf.get_type(before.sync)
     assert got.train.lr == 1e-05 and dict(got.pipeline.partitions) == {1: [2]}
     assert got.run.id == "007" and got.model.name == "1e-3"  # strings stay strings
-    got.train.lr = 0.5  # a child's config is its own and writable
+    got.train.lr = 0.5  # a config read back is a copy of its own (a child's: read-only, below)
     again = run_file.load_run_config(path)  # the shared schema was not changed by either
     assert again.train.lr == 1e-05 and OmegaConf.is_readonly(run_file.frozen_schema(sync))
     with pytest.raises(ReadonlyConfigError):
