@@ -94,7 +94,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
                                      spent=0.0 if first else time.monotonic() - began)
             if result.progress:  # the last snapshot: a device named in the run's last moments
                 shown.update(result.progress)
-        first, run_cfg = False, result.cfg or run_cfg  # re-split pipelines: later legs have their splits
+        first, run_cfg = False, run_cfg if result.cfg is None else result.cfg  # a re-split's, for later legs
         replaced = while_reporting(result)
         preparing = replaced if preparing is None else preparing
         replan = _replan_of(result)
