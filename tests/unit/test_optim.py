@@ -64,10 +64,11 @@ def test_eager_state_takes_the_same_steps_as_torchs_lazy_state(kind):
     b.load_state_dict(a.state_dict())
     ours = optim.build_optimizer(a.parameters(), cfg.train)
     if kind == "sgd":
-        lazy = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        lazy = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01,
+                               foreach=True)
     else:
         lazy = torch.optim.AdamW(b.parameters(), lr=0.05, betas=optim.ADAMW_BETAS,
-                                 weight_decay=0.01)
+                                 weight_decay=0.01, foreach=True)
     for k in range(4):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(k))
         for model, opt in ((a, ours), (b, lazy)):
