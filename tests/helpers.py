@@ -143,6 +143,14 @@ def sdpipe_beside(act, run_dir: Path, *args: str, timeout: float = RUN_TIMEOUT):
     return out, outcome.get("value")
 
 
+def interrupt_command(sig: int = signal.SIGINT) -> float:
+    """Send ``sig`` to this process, where :func:`sdpipe_beside` runs the command: what a Ctrl-C
+    (or a ``kill``) does to a launcher of its own, to a launcher in this process. Call it once the
+    run trains (the launcher's own handlers are in place); returns when it was sent."""
+    os.kill(os.getpid(), sig)
+    return time.monotonic()
+
+
 def sdpipe_popen(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     """The CLI in its own session (so signals the test sends reach only it); ``env`` adds to
     this process's environment."""

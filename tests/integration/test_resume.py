@@ -14,6 +14,7 @@ import io
 import os
 import shutil
 import signal
+import time
 
 import psutil
 import pytest
@@ -26,11 +27,13 @@ from sdpipe_cli.runtime import run_lock
 from tests.helpers import (
     digests,
     finish,
+    interrupt_command,
     listening_only_on_loopback,
     losses,
     metrics,
     run_processes,
     sdpipe,
+    sdpipe_beside,
     sdpipe_popen,
     training_lines,
     wait_for,
@@ -189,13 +192,17 @@ def test_group_sync_checkpoints_at_global_syncs_and_resumes_within_the_budget(ru
     """sdpipe on three pipelines: periodic checkpoints and the one a Ctrl-C leaves are taken at a
     global sync (replicas identical); resuming goes on from each pipeline's own iteration, keeps
     the run's budget (P x train.steps iterations in all) and again ends on a global sync."""
-    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.global_every=10",
-                        "cluster.pipelines=3", "train.eval_every=0", "checkpoint.every=10",
-                        "checkpoint.on_exit=true", *LONG)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and metrics(run_dir, "checkpoint"), proc,
-             what="a periodic checkpoint")
-    proc.send_signal(signal.SIGINT)
-    rc, err, _ = finish(proc, timeout=90)
+    def interrupt_after_a_checkpoint(command):
+        command.wait_for(lambda: (run_dir / "metrics.jsonl").exists()
+                         and metrics(run_dir, "checkpoint"), what="a periodic checkpoint")
+        interrupt_command()
+
+    # the launcher in this process: what is tested is the run's stop and resume, not its process
+    out, _ = sdpipe_beside(interrupt_after_a_checkpoint, run_dir, "train", f"run.dir={run_dir}",
+                           "sync=sdpipe", "sync.global_every=10", "cluster.pipelines=3",
+                           "train.eval_every=0", "checkpoint.every=10", "checkpoint.on_exit=true",
+                           *LONG, timeout=120)
+    rc, err = out.returncode, out.stderr
     assert rc == 130, err
     assert "stopped at a consistent point" in err
     done = metrics(run_dir, "done")
@@ -221,13 +228,17 @@ def test_ctrl_c_inside_a_long_meeting_block_stops_within_a_step(run_dir):
     """sdpipe with meetings far apart (``sync.every`` as long as the run): a Ctrl-C is acted on
     at the next step boundary, not at the block's end. Every replica meets at once in the run's
     last global sync, and the on-exit checkpoint there holds the steps each pipeline did."""
-    proc = sdpipe_popen("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.every=100000",
-                        "train.eval_every=0", "checkpoint.on_exit=true", *LONG)
-    wait_for(training_lines(run_dir, 2), proc, what="two train lines")
-    proc.send_signal(signal.SIGINT)
-    # the block alone would take several minutes: a stop only at its end fails the timeout
-    rc, err, _ = finish(proc, timeout=45)
+    def interrupt_in_the_block(command):
+        command.wait_for(training_lines(run_dir, 2), what="two train lines")
+        return interrupt_command()
+
+    out, sent = sdpipe_beside(interrupt_in_the_block, run_dir, "train", f"run.dir={run_dir}",
+                              "sync=sdpipe", "sync.every=100000", "train.eval_every=0",
+                              "checkpoint.on_exit=true", *LONG, timeout=120)
+    rc, err = out.returncode, out.stderr
     assert rc == 130 and "stopped at a consistent point" in err, err
+    # the block alone would take several minutes: a stop only at its end fails here
+    assert time.monotonic() - sent < 45
     done = metrics(run_dir, "done")
     for stage in (0, 1):  # the last global sync left every replica of a stage identical
         assert len({d["param_digest"] for d in done if d["stage"] == stage}) == 1

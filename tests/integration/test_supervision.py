@@ -19,6 +19,7 @@ from tests.helpers import (
     REPO,
     finish,
     free_port,
+    interrupt_command,
     listening_only_on_loopback,
     metrics,
     run_processes,
@@ -107,12 +108,14 @@ class _NoStore:
 
 
 def test_second_ctrl_c_stops_at_once(run_dir):
-    proc = sdpipe_popen("train", f"run.dir={run_dir}", *LONG)
-    wait_for_training(run_dir, proc)
-    proc.send_signal(signal.SIGINT)
-    proc.send_signal(signal.SIGINT)
-    rc, err, took = finish(proc, timeout=60)
-    assert rc == 130 and "interrupted" in err, err
+    """The launcher in this process (the first test's is a process of its own)."""
+    def twice(command):
+        command.wait_for(training_lines(run_dir), what="training")
+        interrupt_command()
+        interrupt_command()
+
+    out, _ = sdpipe_beside(twice, run_dir, "train", f"run.dir={run_dir}", *LONG, timeout=60)
+    assert out.returncode == 130 and "interrupted" in out.stderr, out.stderr
     assert not run_processes(run_dir)
 
 
