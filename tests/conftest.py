@@ -9,16 +9,35 @@ from pathlib import Path
 
 import pytest
 
+from sdpipe_cli.data import sources
 from sdpipe_cli.runtime.processes import LAZY_TORCH, WARM_UP
 from tests.helpers import kill_leftovers
 
-# Processes the tests start themselves (helpers.spawn_and_join, launcher.spawn) are forks of one
-# fork server per session, which imports torch once, as the launcher's does.
+# Processes the tests start (the runs of launchers in the test's process, helpers.spawn_and_join,
+# launcher.spawn) are forks of one fork server per session, which imports torch once, as a
+# launcher's does, and scikit-learn, which the digits' workers import (3.7 s of CPU each).
 # (Not transformers: a server holding it slowed every other run's children more than it saved
 # the few runs of transformers models.)
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "sdpipe_cli.training.main",
-                                        "sdpipe_cli.sync.scheduler.process", "sdpipe_cli.sync.ps",
-                                        *LAZY_TORCH, *WARM_UP])
+SHARED_PRELOAD = ["torch", "torch.distributed", "sdpipe_cli.training.main",
+                  "sdpipe_cli.sync.scheduler.process", "sdpipe_cli.sync.ps",
+                  *sources.IMPORTS["digits"], *LAZY_TORCH, *WARM_UP]
+multiprocessing.set_forkserver_preload(SHARED_PRELOAD)
+
+
+@pytest.fixture(scope="session")
+def shared_fork_server():
+    """Started before the session's first run: a launcher finds it running and keeps it (one
+    that started it would give it only its own run's imports)."""
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(SHARED_PRELOAD)
+    forkserver.ensure_running()
+
+
+@pytest.fixture(autouse=True)
+def _fork_server_for_runs(request):
+    if request.node.get_closest_marker("multiprocess"):
+        request.getfixturevalue("shared_fork_server")
 
 
 # The key that seals the code a run's config names (sdpipe_cli.config.trust): one per test

@@ -30,10 +30,14 @@ __all__ = ["for_pipeline", "resplit", "variant", "with_slowed"]
 
 
 def for_pipeline(cfg: DictConfig, partition: Sequence[int]) -> DictConfig:
-    """``cfg`` as the workers of a pipeline split at ``partition`` read it."""
+    """``cfg`` as the workers of a pipeline split at ``partition`` read it: ``cfg`` itself where
+    that is its split already (a run of one split; a deep copy was a tenth of a worker's start)."""
+    bounds = [int(b) for b in partition]
+    if OmegaConf.is_list(cfg.pipeline.partition) and list(cfg.pipeline.partition) == bounds:
+        return cfg
     out = copy.deepcopy(cfg)  # read-only if ``cfg`` was (a child's): written here alone
     with read_write(out):
-        out.pipeline.partition = [int(b) for b in partition]
+        out.pipeline.partition = bounds
     return out
 
 

@@ -153,7 +153,7 @@ def test_resnet_export_loads_strict_into_the_built_resnet_with_the_runs_accuracy
     from sdpipe_cli.model import resnet
 
     run = _train(tmp_path / "run", "model=resnet_cifar", "data=digits", "train=digits",
-                 "train.steps=12", "train.eval_every=0", "sync=sdpipe")
+                 "train.steps=4", "train.eval_every=0", "sync=sdpipe")
     out = sdpipe("export", str(run), "--out", str(tmp_path / "export"))
     assert out.returncode == 0, out.stderr[-3000:]
     model = resnet.build("resnet_cifar", num_classes=10)
