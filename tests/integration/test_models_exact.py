@@ -58,7 +58,7 @@ def test_cutting_a_model_into_stages_keeps_every_loss(tmp_path, model):
 
 def test_tied_copies_stay_bit_identical_under_group_sync(tmp_path):
     out = sdpipe("train", f"run.dir={tmp_path}", "model=bert_tiny", "data=synthetic", "sync=sdpipe",
-                 "train.steps=20", "train.eval_every=0", "train.batch_size=8",
+                 "train.steps=10", "train.eval_every=0", "train.batch_size=8",
                  "pipeline.stages=2", "run.save_final=true")
     assert out.returncode == 0, out.stderr[-3000:]
     for p in range(2):  # each stage's groups averaged its copy with other replicas; retied after
