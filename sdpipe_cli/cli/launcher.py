@@ -33,8 +33,10 @@ from sdpipe_cli.config.run_file import save_run_config
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.schedule import SPLIT_SCHEDULES
 from sdpipe_cli.data import sources
 from sdpipe_cli.model import models
+from sdpipe_cli.pipeline.executor import SPLIT_BACKWARD
 from sdpipe_cli.runtime import network, processes, protocol, store, trace
 from sdpipe_cli.runtime.errors import WriteFailed, discard_reserves
 from sdpipe_cli.runtime.metrics import write_summary
@@ -401,8 +403,9 @@ class Launch:
                                     self.master.port, self.config_path, self.resume)
         helpers = [SCHEDULER] if job.helpers and primary else []
         helpers += [PS] if spawner.servers and primary else []
-        processes.preload([job.worker, *helpers, *models.imports(cfg.model), *sources.imports(cfg)],
-                          spawner.base)
+        splits = [SPLIT_BACKWARD] if cfg.pipeline.schedule in SPLIT_SCHEDULES else []
+        processes.preload([job.worker, *helpers, *models.imports(cfg.model), *sources.imports(cfg),
+                           *splits], spawner.base)
         if job.helpers and primary:
             self.children.append(spawner.scheduler())
         for rank in run.ranks_on(cfg.run.node):

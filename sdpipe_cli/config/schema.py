@@ -175,8 +175,8 @@ class ClusterConfig:
 class PipelineConfig:
     stages: int = 2  # S: stages per pipeline
     microbatches: int = 4  # m: micro-batches per iteration
-    # 1f1b (PipeDream-Flush) | gpipe | async_1f1b (PipeDream: an update per micro-batch, weight
-    # stashing, no flush between iterations; drains only for evaluation, checkpoints, global syncs)
+    # 1f1b (PipeDream-Flush) | gpipe | zb_h1 (zero bubble: each backward as B, then W) | async_1f1b
+    # (PipeDream: an update per micro-batch, weight stashing, no flush between iterations)
     schedule: str = "1f1b"
     # async_1f1b only. null: PipeDream, an update per micro-batch, each forward's weights kept
     # until its backward (at most S - s versions on stage s). 2: PipeDream-2BW, gradients

@@ -27,6 +27,7 @@ from sdpipe_cli.core.cluster import MAX_SLOWDOWN
 from sdpipe_cli.core.meetings import SYNC_PRECISIONS
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
+from sdpipe_cli.core.schedule import SPLIT_SCHEDULES
 
 MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
 MAX_BATCH = 2**40  # train.batch_size: beyond it, a batch's element count overflows int64 tensors
@@ -143,6 +144,9 @@ def _validate_pipeline(cfg: DictConfig) -> None:
     if blocks is not None:
         validate_partition(p.partition, p.stages, blocks)
     validate_own_partitions(p, cfg.cluster.pipelines, blocks)
+    need(not (p.schedule in SPLIT_SCHEDULES and p.activation_checkpointing), "pipeline.schedule",
+         f"{p.schedule} splits each backward in two, which recomputing activations does not "
+         "support yet; use pipeline.activation_checkpointing=false or pipeline.schedule=1f1b")
     if p.weight_versions is not None:
         need(p.schedule == "async_1f1b", "pipeline.weight_versions",
              f"only applies to pipeline.schedule=async_1f1b (schedule is {p.schedule})")

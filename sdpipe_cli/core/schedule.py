@@ -36,7 +36,8 @@ flush until the segment ends; :func:`async_next` is its rule, one action at a ti
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -45,6 +46,7 @@ __all__ = [
     "Action",
     "Kind",
     "SCHEDULES",
+    "SPLIT_SCHEDULES",
     "ScheduleFn",
     "async_next",
     "async_one_f_one_b",
@@ -57,6 +59,7 @@ __all__ = [
     "stash_versions",
     "timeline",
     "updates_per_iteration",
+    "zero_bubble_h1",
 ]
 
 
@@ -68,7 +71,10 @@ class Kind(StrEnum):
     """
 
     F = "F"  # forward: the input (read, or received from the previous stage) through the blocks
-    B = "B"  # backward: the output's gradient (received, or of the loss) back through them
+    B = "B"  # backward: the output's gradient (received, or of the loss) back through them; in a
+    #          zero-bubble schedule, the input's gradient only (what the previous stage waits for)
+    W = "W"  # weight gradient (zero-bubble schedules): the parameters' part of a backward whose B
+    #          ran, which nobody waits for, so that it can fill the pipeline's idle ticks
 
 
 class _Action(NamedTuple):
@@ -123,7 +129,75 @@ def gpipe(stages: int, microbatches: int, stage: int) -> list[Action]:
     ]
 
 
-SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+def zero_bubble_h1(stages: int, microbatches: int, stage: int) -> list[Action]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) actions of ``stage``.
+
+    Each backward is split in two: ``B`` computes the gradient of the stage's input, which the
+    previous stage waits for, and ``W`` the gradients of the stage's parameters, which nobody
+    waits for. Gradients then travel back through the pipeline at the pace of ``B`` alone, and
+    the ``W`` of each micro-batch fills ticks its stage would otherwise spend waiting.
+
+    Memory: a stage starts a forward only while fewer than ``S - stage`` micro-batches wait for
+    their ``B`` (1F1B's activations, :func:`in_flight`) and fewer than ``S`` wait for their
+    ``W``, which keeps what its weight gradients need (a block's inputs): the pipeline's peak,
+    the first stage's, is 1F1B's, as ZB-H1's is.
+
+    The lists come from running every stage on a clock where each action takes one tick (as
+    :func:`tick_order` does), each stage taking at each tick the first of: the next ``B`` whose
+    gradient has arrived, the next ``F`` whose input has arrived (within the bounds above), the
+    oldest pending ``W``. Forwards and backwards stay in micro-batch order, so neighbours agree
+    on the order of their messages; where a ``W`` goes is the stage's own business. For ``S = 4,
+    m = 8`` (:func:`timeline`)::
+
+        stage 0: F0 F1 F2 F3 .  .  .  B0 W0 B1 F4 B2 W1 B3 F5 W2 F6 B4 W3 F7 W4 B5 W5 B6 W6 .  .  B7 W7
+        stage 1: .  F0 F1 F2 .  .  B0 F3 B1 W0 B2 F4 B3 W1 W2 F5 B4 F6 W3 W4 B5 F7 B6 W5 W6 .  B7 W7 .
+        stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 B3 F4 W1 W2 B4 F5 W3 F6 B5 W4 B6 F7 W5 W6 B7 W7 .  .
+        stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 F4 B4 W2 W3 F5 B5 F6 B6 W4 W5 F7 B7 W6 W7 .  .
+
+    29 ticks, where 1F1B with its backward as long as ``B`` and ``W`` together takes 33
+    (``tick_order(one_f_one_b, 4, 8, ticks={Kind.B: 2})``): 5 idle ticks per stage instead of 9.
+    """
+    _check(stages, microbatches, stage)
+    return list(_zero_bubble_h1(stages, microbatches)[stage])
+
+
+@functools.cache
+def _zero_bubble_h1(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    S, m = stages, microbatches
+    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, micro-batch) -> its tick
+    lists: list[list[Action]] = [[] for _ in range(S)]
+    count = [{Kind.F: 0, Kind.B: 0, Kind.W: 0} for _ in range(S)]
+    tick = 0
+
+    def before(kind: Kind, at: int, i: int) -> bool:
+        return done.get((kind, at, i), tick) < tick
+
+    while any(c[Kind.W] < m for c in count):
+        acted = False
+        for s in range(S):
+            c = count[s]
+            f, b, w = c[Kind.F], c[Kind.B], c[Kind.W]
+            if b < f and before(Kind.F, s, b) and (s == S - 1 or before(Kind.B, s + 1, b)):
+                kind, i = Kind.B, b
+            elif f < m and f - b < S - s and f - w < S and (s == 0 or before(Kind.F, s - 1, f)):
+                kind, i = Kind.F, f
+            elif w < b and before(Kind.B, s, w):
+                kind, i = Kind.W, w
+            else:
+                continue
+            done[(kind, s, i)] = tick
+            c[kind] += 1
+            lists[s].append(Action(kind, i))
+            acted = True
+        if not acted and tick > max(done.values(), default=0):  # nothing left to wait for
+            raise AssertionError(f"ZB-H1 construction stalled at tick {tick}")
+        tick += 1
+    return tuple(tuple(actions) for actions in lists)
+
+
+SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb_h1": zero_bubble_h1}
+# The schedules whose backward is split into B and W (the executor's input and weight parts).
+SPLIT_SCHEDULES = ("zb_h1",)
 
 
 def async_next(stages: int, stage: int, forwarded: int, backwarded: int,
@@ -199,10 +273,16 @@ def stash_versions(actions: list[Action]) -> dict[int, int]:
 
 def in_flight(actions: list[Action]) -> int:
     """The most micro-batches between their forward and their backward at once: whose
-    activations a stage holds together (1F1B: ``S - stage``; GPipe: all of them)."""
+    activations a stage holds together (1F1B: ``S - stage``; GPipe: all of them). A backward
+    split into ``B`` and ``W`` ends at its ``W``: until then the weights' gradients need what
+    the forward saved."""
+    split = any(action.kind is Kind.W for action in actions)
     most = held = 0
     for action in actions:
-        held += 1 if action.kind is Kind.F else -1
+        if action.kind is Kind.F:
+            held += 1
+        elif action.kind is (Kind.W if split else Kind.B):
+            held -= 1
         most = max(most, held)
     return most
 
@@ -258,40 +338,53 @@ def format_actions(actions: list[Action]) -> str:
     return " ".join(str(a) for a in actions)
 
 
-def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> list[list[Action | None]]:
-    """Run every stage's actions on a clock where each action takes one tick.
+def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int,
+               ticks: Mapping[Kind, int] | None = None) -> list[list[Action | None]]:
+    """Run every stage's actions on a clock where each action takes one tick (or ``ticks[kind]``).
 
-    Returns one row per stage, one entry per tick: the action run then, or None when the
-    stage is idle (waiting for a neighbour, or done). An action runs at the first tick at
-    which it is next in its stage's list and its inputs were produced at earlier ticks:
-    F(i) on s needs F(i) on s - 1; B(i) on s needs F(i) on s and B(i) on s + 1.
-    Raises ValueError if the stages' lists deadlock.
+    Returns one row per stage, one entry per tick: the action running then (an action of
+    several ticks fills as many entries), or None when the stage is idle (waiting for a
+    neighbour, or done). An action starts at the first tick at which it is next in its stage's
+    list and its inputs were finished: F(i) on s needs F(i) on s - 1; B(i) on s needs F(i) on s
+    and B(i) on s + 1; W(i) on s needs B(i) on s. Raises ValueError if the stages' lists
+    deadlock. (``ticks={Kind.B: 2}`` is a backward twice a forward's length; a zero-bubble
+    schedule's ``B`` and ``W`` then take one tick each.)
     """
     _check(stages, microbatches, 0)
+    length = {kind: 1 for kind in Kind} | dict(ticks or {})
     plans = [schedule_fn(stages, microbatches, s) for s in range(stages)]
-    done: dict[tuple, int] = {}  # (kind, stage, microbatch) -> tick it ran
+    finished: dict[tuple, int] = {}  # (kind, stage, microbatch) -> the tick it ended at
 
     def ready(action: Action, s: int, tick: int) -> bool:
         def ran(kind: Kind, at: int) -> bool:
-            return done.get((kind, at, action.microbatch), tick) < tick
+            return finished.get((kind, at, action.microbatch), tick + 1) <= tick
 
         if action.kind is Kind.F:
             return s == 0 or ran(Kind.F, s - 1)
+        if action.kind is Kind.W:
+            return ran(Kind.B, s)
         return ran(Kind.F, s) and (s == stages - 1 or ran(Kind.B, s + 1))
 
     rows: list[list[Action | None]] = [[] for _ in range(stages)]
     position = [0] * stages
+    running: list[Action | None] = [None] * stages
+    free_at = [0] * stages
     tick = 0
-    while any(position[s] < len(plans[s]) for s in range(stages)):
+    while any(position[s] < len(plans[s]) for s in range(stages)) or max(free_at) > tick:
         progressed = False
         for s in range(stages):
+            if free_at[s] > tick:  # still running an action of several ticks
+                rows[s].append(running[s])
+                progressed = True
+                continue
             action = plans[s][position[s]] if position[s] < len(plans[s]) else None
             if action is not None and ready(action, s, tick):
-                done[(action.kind, s, action.microbatch)] = tick
+                finished[(action.kind, s, action.microbatch)] = free_at[s] = tick + length[action.kind]
                 position[s] += 1
                 progressed = True
             else:
                 action = None
+            running[s] = action
             rows[s].append(action)
         if not progressed:
             raise ValueError(f"schedule deadlocks at tick {tick}: positions {position}")
@@ -299,13 +392,16 @@ def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> list[
     return rows
 
 
-def timeline(schedule_fn: ScheduleFn, stages: int, microbatches: int) -> str:
-    """ASCII table of :func:`tick_order`: one row per stage, one column per tick, ``.`` = idle."""
-    rows = tick_order(schedule_fn, stages, microbatches)
+def timeline(schedule_fn: ScheduleFn, stages: int, microbatches: int,
+             ticks: Mapping[Kind, int] | None = None) -> str:
+    """ASCII table of :func:`tick_order`: one row per stage, one column per tick, ``.`` = idle,
+    ``-`` = the action before it still running."""
+    rows = tick_order(schedule_fn, stages, microbatches, ticks)
     width = max(len(str(a)) for row in rows for a in row if a is not None)
     digits = len(str(stages - 1))
     lines = []
     for s, row in enumerate(rows):
-        cells = [(str(a) if a is not None else ".").ljust(width) for a in row]
+        cells = [("." if a is None else "-" if k and row[k - 1] is a else str(a)).ljust(width)
+                 for k, a in enumerate(row)]
         lines.append(f"stage {s:>{digits}}: " + " ".join(cells).rstrip())
     return "\n".join(lines)

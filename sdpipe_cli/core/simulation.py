@@ -191,9 +191,12 @@ class _Run:
                         for row in self.where]
         # Per pipeline, per action of the flushed iteration: its cost at speed 1 and the transfer
         # before it (the inner loop of _start_iteration runs P x steps x actions times).
-        self.action_s = [[(work.backward_s[p][s] if b else work.forward_s[p][s])
-                          for s, b, _ in self.plan.steps] for p in range(P)]
-        self.action_link = [[self.link_in[p][s][1 if b else 0] for s, b, _ in self.plan.steps]
+        self.action_s = [[(work.backward_s[p][s] * share if b else work.forward_s[p][s])
+                          for (s, b, _), share in zip(self.plan.steps, self.plan.share)]
+                         for p in range(P)]
+        # a W (a split backward's weights' part) receives nothing: no transfer before it
+        self.action_link = [[self.link_in[p][s][1 if b else 0] if share == 1.0 or dep >= 0 else 0.0
+                             for (s, b, dep), share in zip(self.plan.steps, self.plan.share)]
                             for p in range(P)]
         # the same for the fused plan, used when every action of a stage has the same scale
         self.fused_s = [[sum(costs[i] for i in m) for m in self.plan.members] for costs in self.action_s]

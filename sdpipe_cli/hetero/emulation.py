@@ -39,7 +39,7 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import emulation
 from sdpipe_cli.core.cluster import Cluster, Device, EmulatedStragglers
 from sdpipe_cli.core.partition import stage_ranges
-from sdpipe_cli.core.schedule import Action, Kind
+from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, Action, Kind
 
 __all__ = ["EmulatedStragglers", "EmulatedSlowdown", "make_slowdown", "link_delay", "MemoryLimit",
            "MemoryLimitExceeded"]
@@ -59,8 +59,9 @@ class EmulatedSlowdown:
                  backward_ms: float | None = None,
                  speed: Callable[[], float] = lambda: 1.0,
                  stragglers: EmulatedStragglers | None = None, per_iteration: bool = False,
-                 dynamic: bool = False):
+                 dynamic: bool = False, split_backward: bool = False):
         self.factor, self.sleep, self.speed, self.dynamic = factor, sleep, speed, dynamic
+        self.split_backward = split_backward  # the schedule runs each backward as B and W
         self.forward_s = (compute_ms or 0) / 1000.0
         self.backward_s = (backward_ms / 1000.0 if backward_ms is not None else 2 * self.forward_s)
         self.stragglers, self.per_iteration = stragglers, per_iteration
@@ -92,8 +93,16 @@ class EmulatedSlowdown:
         """Wall time the action must take."""
         factor = self.factor * straggle / self.speed()
         if self.modelled:
-            return (self.backward_s if action.kind is Kind.B else self.forward_s) * factor
+            return self.modelled_s(action) * factor
         return seconds * factor
+
+    def modelled_s(self, action: Action) -> float:
+        """The modelled compute of ``action`` at speed 1: a backward split into ``B`` and
+        ``W`` (a zero-bubble schedule) has each half of it, as the input's and the weights'
+        gradients are a matrix product each."""
+        if action.kind is Kind.F:
+            return self.forward_s
+        return self.backward_s / 2 if self.split_backward else self.backward_s
 
     def __call__(self, action: Action, seconds: float) -> None:
         self.actions += 1
@@ -138,7 +147,8 @@ def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
     slow = list(c.slowdown)
     hook = EmulatedSlowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
                     stragglers=stragglers, per_iteration=st.per == "iteration",
-                    dynamic=bool(cluster.change_points(device)))
+                    dynamic=bool(cluster.change_points(device)),
+                    split_backward=cfg.pipeline.schedule in SPLIT_SCHEDULES)
     hook.speed = lambda: cluster.speed(device, clock(), hook.step)
     return hook
 

@@ -26,9 +26,11 @@ and when a send may be waited on, is :mod:`sdpipe_cli.pipeline.p2p`'s.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,13 +43,29 @@ from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.model.boundary import Boundary, map_tensors
 from sdpipe_cli.pipeline.p2p import Link
 
-__all__ = ["Executor", "LossFn", "OnExecutor", "StageBoundaries"]
+__all__ = ["Deferred", "Executor", "LossFn", "OnExecutor", "SPLIT_BACKWARD", "StageBoundaries"]
+
+# torch's split of a backward into its input and weight parts; importing it takes seconds (its
+# package loads torch's whole pipelining), so a run of a zero-bubble schedule has its fork
+# server import it once for all workers (the launcher's preload), and no other run does.
+SPLIT_BACKWARD = "torch.distributed.pipelining._backward"
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Weights = Callable[[], Mapping[str, torch.Tensor]]
 # What a stage receives from the previous one and sends to the next (None at the ends); or one
 # tensor shape, the same at every boundary of the pipeline.
 StageBoundaries = tuple[Boundary | None, Boundary | None] | Sequence[int]
+
+
+@dataclass
+class Deferred:
+    """What a zero-bubble ``W`` needs of its micro-batch's ``B``: the gradients reaching the
+    stage's weights (``groups``, torch's split), or, on the first stage, the whole backward's
+    outputs and their gradients."""
+
+    outputs: list[torch.Tensor] | None = None
+    grads: Any = None
+    groups: list[dict[str, Any]] | None = None
 
 
 def device_timed(device_type: str, hook: Any) -> bool:
@@ -167,13 +185,7 @@ class Executor:
         return the input's gradient to send back (None on the first stage). ``weights()``, if
         given, gives the tensors the forward ran the blocks with."""
         self._before(action)
-        outputs, grads = [y], None
-        if not self.is_last:
-            buffer = self.link.receive(self.link.next_rank)
-            self.link.wait_delivered(action.microbatch)
-            pairs = [(t, g.to(t.dtype)) for t, g in zip(y, self.outgoing.grads().unpack(buffer))
-                     if t.requires_grad]
-            outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        outputs, grads = self._output_gradients(action, y)
         started = self._started()
         if weights is None:
             if outputs:
@@ -183,6 +195,51 @@ class Executor:
             dxs = self._stashed_backward(x, outputs, grads, weights())
         self._after(action, started)
         return None if dxs is None else self.incoming.grads().pack(dxs, self.device)
+
+    def backward_input(self, action: Action, x: list[torch.Tensor] | None, y: Any
+                       ) -> tuple[torch.Tensor | None, Deferred]:
+        """A zero-bubble schedule's ``B``: as :meth:`backward`, but only the input's gradient
+        (the message to send back, None on the first stage); the parameters' is left to
+        :meth:`backward_weight`, given what is returned with it. torch's own split of the
+        backward (``torch.distributed.pipelining``'s, which its zero-bubble schedules run)
+        keeps the gradients reaching each block's weights, so the ``W`` does not go through the
+        graph again. The first stage sends nothing back: its ``W`` is the whole backward."""
+        self._before(action)
+        outputs, grads = self._output_gradients(action, y)
+        started = self._started()
+        if x is None or not outputs:
+            deferred, message = Deferred(outputs, grads), None
+        else:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            dinputs, groups = importlib.import_module(SPLIT_BACKWARD).stage_backward_input(
+                outputs, grads, x, iter(params))
+            dxs = [d if d is not None else torch.zeros_like(t) for d, t in zip(dinputs, x)]
+            deferred, message = Deferred(groups=groups), self.incoming.grads().pack(dxs, self.device)
+        self._after(action, started)
+        return message, deferred
+
+    def backward_weight(self, action: Action, deferred: Deferred) -> None:
+        """A zero-bubble schedule's ``W``: add the parameter gradients of a micro-batch whose
+        ``B`` (:meth:`backward_input`) gave ``deferred`` to the live ``.grad``."""
+        self._before(action)
+        started = self._started()
+        if deferred.groups is not None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            importlib.import_module(SPLIT_BACKWARD).stage_backward_weight(iter(params), deferred.groups)
+        elif deferred.outputs:
+            torch.autograd.backward(deferred.outputs, deferred.grads)
+        self._after(action, started)
+
+    def _output_gradients(self, action: Action, y: Any) -> tuple[list[torch.Tensor], Any]:
+        """What a backward differentiates and by what: the loss on the last stage (None: by
+        one), else the outputs that need a gradient and theirs, received from the next stage."""
+        if self.is_last:
+            return [y], None
+        buffer = self.link.receive(self.link.next_rank)
+        self.link.wait_delivered(action.microbatch)
+        pairs = [(t, g.to(t.dtype)) for t, g in zip(y, self.outgoing.grads().unpack(buffer))
+                 if t.requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
 
     def send(self, action: Action, tensor: torch.Tensor, following: Action | None) -> None:
         """Send ``action``'s output (forward: to the next stage, backward: to the previous one);

@@ -200,13 +200,17 @@ class Link:
     # -- activations and gradients ------------------------------------------------------------
 
     def source(self, action: Action | None) -> int | None:
-        """The rank ``action`` receives from (None if it receives nothing)."""
-        if action is None:
+        """The rank ``action`` receives from (None if it receives nothing: a ``W`` works on
+        what its ``B`` received)."""
+        if action is None or action.kind is Kind.W:
             return None
         return self.prev_rank if action.kind is Kind.F else self.next_rank
 
     def destination(self, action: Action) -> int | None:
-        """The rank ``action``'s output goes to (None at the pipeline's ends)."""
+        """The rank ``action``'s output goes to (None at the pipeline's ends, and for a ``W``,
+        which sends nothing)."""
+        if action.kind is Kind.W:
+            return None
         return self.next_rank if action.kind is Kind.F else self.prev_rank
 
     def buffer(self, src: int) -> torch.Tensor:

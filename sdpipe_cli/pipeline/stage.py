@@ -1,4 +1,4 @@
-"""The flushed executor of one pipeline stage: runs one iteration's action list (1F1B, GPipe).
+"""The flushed executor of one pipeline stage: runs one iteration's action list (1F1B, GPipe, ZB-H1).
 
 Given an action list from :mod:`sdpipe_cli.core.schedule`, :meth:`FlushedStage.run` runs each
 action through the stage's :class:`~sdpipe_cli.pipeline.executor.Executor` (the compute of one
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sdpipe_cli.core.schedule import Action, Kind
-from sdpipe_cli.pipeline.executor import Executor, OnExecutor
+from sdpipe_cli.pipeline.executor import Deferred, Executor, OnExecutor
 
 __all__ = ["FlushedStage"]
 
@@ -52,6 +52,8 @@ class FlushedStage(OnExecutor):
         m = _check_actions(actions)
         ex.check_data(m, inputs, targets)
         stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # i -> (input, output)
+        split = any(a.kind is Kind.W for a in actions)  # a zero-bubble schedule: B, then W
+        deferred: dict[int, Deferred] = {}  # i -> what its W needs of its B
         total = None
         for index, action in enumerate(actions):
             i = action.microbatch
@@ -61,9 +63,15 @@ class FlushedStage(OnExecutor):
                     loss = y.detach() / ex.loss_scale if ex.loss_scale != 1 else y.detach()
                     total = loss if total is None else total + loss
                 stash[i] = (x, y)
+            elif action.kind is Kind.W:
+                ex.backward_weight(action, deferred.pop(i))
+                outgoing = None
             else:
                 x, y = stash.pop(i)
-                outgoing = ex.backward(action, x, y)
+                if split:
+                    outgoing, deferred[i] = ex.backward_input(action, x, y)
+                else:
+                    outgoing = ex.backward(action, x, y)
                 del x, y
             if outgoing is not None:
                 ex.send(action, outgoing, actions[index + 1] if index + 1 < len(actions) else None)
@@ -73,21 +81,24 @@ class FlushedStage(OnExecutor):
 
 def _check_actions(actions: list[Action]) -> int:
     """Number of micro-batches of ``actions``; ValueError unless F0..F(m-1) and B0..B(m-1) in
-    order with each B after its F (neighbours match messages by order)."""
-    forwarded = set()
+    order with each B after its F (neighbours match messages by order), and, in a zero-bubble
+    list, one W of each micro-batch after its B."""
+    done: dict[Kind, set[int]] = {Kind.F: set(), Kind.B: set(), Kind.W: set()}
+    needs = {Kind.B: Kind.F, Kind.W: Kind.B}
     for a in actions:
         if not isinstance(a.kind, Kind):
             raise ValueError(f"unknown action kind {a.kind!r} in {a}")
-        if a.kind is Kind.B and a.microbatch not in forwarded:
-            raise ValueError(f"{a} comes before F{a.microbatch}")
-        if a.kind is Kind.F:
-            forwarded.add(a.microbatch)
+        if a.kind in needs and a.microbatch not in done[needs[a.kind]]:
+            raise ValueError(f"{a} comes before {needs[a.kind].value}{a.microbatch}")
+        done[a.kind].add(a.microbatch)
     forwards = [a.microbatch for a in actions if a.kind is Kind.F]
     backwards = [a.microbatch for a in actions if a.kind is Kind.B]
+    weights = sorted(a.microbatch for a in actions if a.kind is Kind.W)
     m = len(forwards)
-    if m == 0 or forwards != list(range(m)) or backwards != list(range(m)):
+    if (m == 0 or forwards != list(range(m)) or backwards != list(range(m))
+            or weights not in ([], list(range(m)))):
         raise ValueError(
-            "actions must hold F0..F(m-1) and B0..B(m-1), each in micro-batch order, got "
-            + " ".join(str(a) for a in actions)
+            "actions must hold F0..F(m-1) and B0..B(m-1), each in micro-batch order (and W0..W(m-1) "
+            "or no W), got " + " ".join(str(a) for a in actions)
         )
     return m

@@ -1,7 +1,7 @@
 """Pipeline parallelism must not change the training math.
 
-One pipeline, the same seed and batches: splitting the model into 1, 2 or 4 stages, under 1F1B or
-GPipe, must give the same loss at every step, with the default gradient clipping (by the norm of
+One pipeline, the same seed and batches: splitting the model into 1, 2 or 4 stages, under 1F1B,
+GPipe or ZB-H1, must give the same loss at every step, with the default gradient clipping (by the norm of
 the whole model, summed over the stages) and AdamW. Per-stage clipping differed here by ~4e-4
 after a few steps; without clipping, the runs agree to float rounding.
 """
@@ -30,10 +30,14 @@ def losses(run_dir, *overrides: str) -> list[float]:
 
 
 def test_stages_and_schedules_give_the_same_losses(tmp_path):
+    """And ZB-H1, which runs each backward as two (the input's gradient, then the weights'),
+    does 1F1B's arithmetic: the same losses to 1e-6 (CPU: to the bit)."""
     reference = losses(tmp_path / "s1", "pipeline.stages=1")
     assert reference[-1] < reference[0]  # it trains
     for stages in (2, 4):
-        for schedule in ("1f1b", "gpipe"):
-            got = losses(tmp_path / f"s{stages}-{schedule}", f"pipeline.stages={stages}",
-                         f"pipeline.schedule={schedule}")
-            assert got == pytest.approx(reference, rel=0, abs=2e-5), (stages, schedule)
+        got = {}
+        for schedule in ("1f1b", "gpipe", "zb_h1"):
+            got[schedule] = losses(tmp_path / f"s{stages}-{schedule}", f"pipeline.stages={stages}",
+                                   f"pipeline.schedule={schedule}")
+            assert got[schedule] == pytest.approx(reference, rel=0, abs=2e-5), (stages, schedule)
+        assert got["zb_h1"] == pytest.approx(got["1f1b"], rel=0, abs=1e-6), stages

@@ -360,8 +360,18 @@ def test_empty_or_too_small_text_corpus_is_one_line_exit_2(tmp_path, capsys, con
 def test_async_schedule_is_a_valid_choice():
     validate(compose(["pipeline.schedule=async_1f1b"]))
     validate(compose(["pipeline.schedule=async_1f1b", "pipeline.weight_versions=2"]))
-    with pytest.raises(ConfigError, match="1f1b, gpipe, async_1f1b"):
+    validate(compose(["pipeline.schedule=zb_h1"]))
+    with pytest.raises(ConfigError, match="1f1b, gpipe, zb_h1, async_1f1b"):
         validate(compose(["pipeline.schedule=zigzag"]))
+
+
+def test_zero_bubble_with_recomputed_activations_is_one_line(tmp_path, capsys):
+    overrides = ["pipeline.schedule=zb_h1", "pipeline.activation_checkpointing=true",
+                 f"run.dir={tmp_path / 'run'}"]
+    assert main(["train", *overrides]) == 2
+    line = one_error_line(capsys.readouterr().err, "pipeline.schedule")
+    assert "use pipeline.activation_checkpointing=false" in line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("overrides, reason", [

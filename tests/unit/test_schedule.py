@@ -14,10 +14,12 @@ from sdpipe_cli.core.schedule import (
     format_actions,
     get_schedule,
     gpipe,
+    in_flight,
     one_f_one_b,
     stash_versions,
     tick_order,
     timeline,
+    zero_bubble_h1,
 )
 
 ONE_F_ONE_B_4x8 = [
@@ -68,7 +70,7 @@ def test_action_kind_is_an_enum_that_prints_its_letter():
     assert Action("B", 2).kind is Kind.B and isinstance(Action("B", 2).kind, Kind)
     assert {a: 1}[Action("F", 0)] == 1
     assert all(isinstance(x.kind, Kind) for x in one_f_one_b(3, 4, 1) + async_one_f_one_b(3, 6, 0))
-    assert [k.value for k in Kind] == ["F", "B"]
+    assert [k.value for k in Kind] == ["F", "B", "W"]
 
 
 @pytest.mark.parametrize("kind", ["X", "C", "f", "", None])
@@ -263,7 +265,53 @@ def test_async_timeline_table():
 def test_async_schedules_registry():
     assert get_schedule("async_1f1b") is async_one_f_one_b
     assert "async_1f1b" in ASYNC_SCHEDULES and "async_1f1b" not in SCHEDULES
-    with pytest.raises(ValueError, match="1f1b, gpipe, async_1f1b"):
+    with pytest.raises(ValueError, match="1f1b, gpipe, zb_h1, async_1f1b"):
         get_schedule("pipedream")
     with pytest.raises(ValueError):
         flushed(one_f_one_b, 0)
+
+
+# -- zero bubble (ZB-H1) ---------------------------------------------------------------------------
+
+def test_zb_h1_four_stages_eight_microbatches_fill_the_bubble_with_weight_gradients():
+    """The table of the schedule's docstring: 29 ticks where 1F1B, whose backward is B and W in
+    one, takes 33; and 1F1B's own table with its backward two ticks long."""
+    assert timeline(zero_bubble_h1, 4, 8) == "\n".join([
+        "stage 0: F0 F1 F2 F3 .  .  .  B0 W0 B1 F4 B2 W1 B3 F5 W2 F6 B4 W3 F7 W4 B5 W5 B6 W6 .  .  B7 W7",
+        "stage 1: .  F0 F1 F2 .  .  B0 F3 B1 W0 B2 F4 B3 W1 W2 F5 B4 F6 W3 W4 B5 F7 B6 W5 W6 .  B7 W7 .",
+        "stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 B3 F4 W1 W2 B4 F5 W3 F6 B5 W4 B6 F7 W5 W6 B7 W7 .  .",
+        "stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 F4 B4 W2 W3 F5 B5 F6 B6 W4 W5 F7 B7 W6 W7 .  .",
+    ])
+    assert timeline(one_f_one_b, 2, 2, ticks={Kind.B: 2}) == "\n".join([
+        "stage 0: F0 F1 .  .  B0 -  .  B1 -",
+        "stage 1: .  F0 B0 -  F1 B1 -  .  .",
+    ])
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_zb_h1_keeps_each_kind_in_order_and_the_memory_of_1f1b(shape):
+    """Forwards and backwards in micro-batch order (what neighbours match messages by), one W
+    of each micro-batch after its B; fewer than S - s micro-batches wait for their B (1F1B's
+    bound), at most S for their W (1F1B's peak, the first stage's)."""
+    S, m, s = shape
+    actions = zero_bubble_h1(S, m, s)
+    for kind in (Kind.F, Kind.B):
+        assert [a.microbatch for a in actions if a.kind is kind] == list(range(m))
+    assert sorted(a.microbatch for a in actions if a.kind is Kind.W) == list(range(m))
+    for i in range(m):
+        assert actions.index(Action("B", i)) < actions.index(Action("W", i))
+    assert _max_in_flight([a for a in actions if a.kind is not Kind.W]) <= min(S - s, m)
+    assert in_flight(actions) <= min(S, m) and in_flight(one_f_one_b(S, m, s)) == min(S - s, m)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 16))
+def test_zb_h1_takes_fewer_ticks_than_1f1b_with_the_same_work(S, m):
+    """With B and W a tick each and 1F1B's backward both (two ticks), ZB-H1 never takes longer,
+    and is shorter whenever there is a pipeline (1F1B: 3 (m + S - 1) ticks)."""
+    ours = len(tick_order(zero_bubble_h1, S, m)[0])
+    theirs = len(tick_order(one_f_one_b, S, m, ticks={Kind.B: 2})[0])
+    assert theirs == 3 * (m + S - 1)
+    assert ours <= theirs and (ours < theirs) == (S > 1)
+    assert ours >= 3 * m + (S - 1)  # the work, and the first forward's way down and back

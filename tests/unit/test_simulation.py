@@ -45,7 +45,21 @@ def test_a_solo_pipeline_takes_the_flushed_schedules_time(stages, schedule):
     assert r.solo_rates() == pytest.approx([cfg.train.batch_size / iteration] * 2)
 
 
-@pytest.mark.parametrize("stages, schedule", [(1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (4, "gpipe")])
+@pytest.mark.parametrize("stages, m", [(2, 4), (4, 8), (4, 3)])
+def test_a_solo_zero_bubble_pipeline_takes_its_timelines_time(stages, m):
+    """ZB-H1 (a backward as B and W, half each): an iteration takes its own tick order's
+    length, a forward a tick, fewer than 1F1B's 3 (m + S - 1) (tests/unit/test_schedule.py)."""
+    from sdpipe_cli.core.schedule import tick_order, zero_bubble_h1
+
+    cfg = config("cluster.pipelines=1", f"pipeline.stages={stages}", "pipeline.schedule=zb_h1",
+                 f"pipeline.microbatches={m}", "train.batch_size=24", "train.steps=5", "sync=none")
+    iteration = len(tick_order(zero_bubble_h1, stages, m)[0]) * 0.010
+    assert iteration < 3 * (m + stages - 1) * 0.010
+    assert run(cfg).finished_at == pytest.approx([5 * iteration])
+
+
+@pytest.mark.parametrize("stages, schedule", [(1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (4, "gpipe"),
+                                              (4, "zb_h1")])
 def test_fused_actions_time_an_iteration_as_the_actions_one_by_one(stages, schedule):
     """With one scale per stage and iteration the simulator times the fused plan (runs of a
     stage's actions that no other stage waits for, summed). Stragglers that never straggle

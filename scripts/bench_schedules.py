@@ -1,0 +1,125 @@
+"""Samples/s of one pipeline under each flushed schedule, beside what its own timeline predicts.
+
+Run it from the repository root after ``pip install -e .``::
+
+    python scripts/bench_schedules.py                        # S = 4, m = 8, 20 ms a forward, 3 repeats
+    python scripts/bench_schedules.py --repeats 1 --steps 6  # a smoke test
+
+The claim it checks: ZB-H1's split backward (``pipeline.schedule=zb_h1``) makes a pipeline's
+iteration shorter than 1F1B's by what its timeline says, no more, no less.
+
+**What runs.** ``sdpipe train`` of one pipeline (``sync=allreduce cluster.pipelines=1``) of S
+equal stages of the MLP (``model=mlp model.n_layers`` chosen so that each stage holds the same
+number of blocks) on modelled compute: every forward of a stage sleeps ``--forward-ms`` and every
+backward twice that (``cluster.compute_ms``), so that the run's time is the schedule's and not
+this machine's; ZB-H1's ``B`` and ``W`` take half a backward each. Each run is ``--warmup +
+--steps`` iterations; the schedules alternate ``--repeats`` times (their order flipped every
+other round), so that a change in the machine's load hits both alike.
+
+**What is measured.** The steady-state samples/s of the pipeline: the batch over each
+iteration's ``step_s`` (the last stage's clock, from its control message to its update), the
+median over the iterations after ``--warmup`` (``sdpipe_cli.analysis.steady_rates``'s rule).
+
+**What is predicted.** ``core.schedule.tick_order`` runs the same action lists on a clock of
+one tick per forward: 1F1B's backward two ticks, ZB-H1's ``B`` and ``W`` one each. An iteration
+then takes ``ticks x forward`` and the pipeline does ``batch / (ticks x forward)`` samples/s. The
+update, the flush's control messages and the p2p transfers are not in it: the measured rate is
+below the predicted one by their share, for both schedules alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _report  # noqa: E402
+import _runner  # noqa: E402
+
+from sdpipe_cli.analysis import read_metrics  # noqa: E402
+from sdpipe_cli.core.schedule import SCHEDULES, Kind, tick_order  # noqa: E402
+
+BACKWARD_TICKS = {"1f1b": {Kind.B: 2}, "gpipe": {Kind.B: 2}, "zb_h1": {}}
+
+
+def predicted_ticks(schedule: str, stages: int, microbatches: int) -> int:
+    """Ticks of one iteration, a forward one tick and a backward two (split: one and one)."""
+    rows = tick_order(SCHEDULES[schedule], stages, microbatches, BACKWARD_TICKS[schedule])
+    return len(rows[0])
+
+
+def measured_rate(run_dir: Path, warmup: int) -> float:
+    """The median over the iterations after ``warmup`` of batch / step_s (the last stage's)."""
+    train = [m for m in read_metrics(run_dir / "metrics.jsonl")
+             if m.get("kind") == "train" and "loss" in m and m["step"] > warmup]
+    batch = train[-1]["samples"] // train[-1]["step"]
+    return statistics.median(batch / m["step_s"] for m in train)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedules", default="1f1b,zb_h1")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--forward-ms", type=float, default=20.0)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--out", type=Path, default=None, help="run folders (default: a temporary one)")
+    parser.add_argument("--json", type=Path, default=None)
+    _report.add_markdown_option(parser)
+    args = parser.parse_args(argv)
+    schedules = args.schedules.split(",")
+    S, m = args.stages, args.microbatches
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench-schedules-"))
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["model=mlp", f"model.n_layers={2 * S - 2}", "data=synthetic", "sync=allreduce",
+              "cluster.pipelines=1", f"pipeline.stages={S}", f"pipeline.microbatches={m}",
+              f"train.batch_size={args.batch}", f"train.steps={args.warmup + args.steps}",
+              "train.eval_every=0", f"cluster.compute_ms={args.forward_ms}",
+              "fault.on_slowdown=off", "run.memory_check=false"]
+    rates: dict[str, list[float]] = {name: [] for name in schedules}
+    for r in range(args.repeats):
+        for name in (schedules if r % 2 == 0 else schedules[::-1]):
+            run_dir = out / f"{name}-{r}"
+            rc, _ = _runner.run_sdpipe([*common, f"pipeline.schedule={name}", f"run.dir={run_dir}"],
+                                       out / f"{name}-{r}.log", args.timeout)
+            if rc != 0:
+                print(f"{name} repeat {r}: exit {rc}: {_runner.error_line(out / f'{name}-{r}.log')}",
+                      file=sys.stderr)
+                return 1
+            rates[name].append(measured_rate(run_dir, args.warmup))
+            print(f"{name} repeat {r}: {rates[name][-1]:.1f} samples/s", file=sys.stderr)
+    rows = []
+    base = schedules[0]
+    for name in schedules:
+        ticks = predicted_ticks(name, S, m)
+        predicted = args.batch / (ticks * args.forward_ms / 1000)
+        median = statistics.median(rates[name])
+        rows.append({"schedule": name, "ticks": ticks, "predicted_samples_per_s": round(predicted, 1),
+                     "samples_per_s": [round(x, 1) for x in rates[name]], "median": round(median, 1),
+                     "of_predicted": round(median / predicted, 3),
+                     "vs_" + base: round(median / statistics.median(rates[base]), 3),
+                     "predicted_vs_" + base: round(predicted_ticks(base, S, m) / ticks, 3)})
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    header = (f"one pipeline, S={S}, m={m}, batch {args.batch}, modelled compute "
+              f"({args.forward_ms:g} ms a forward, twice that a backward), {args.repeats} repeats")
+    table = _report.rows_table([{**row, "samples_per_s": " ".join(map(str, row["samples_per_s"]))}
+                                for row in rows])
+    body = f"{header}\n\n{table}\n"
+    print(body)
+    if args.markdown:
+        _report.write_markdown(args.markdown, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
