@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 import tempfile
@@ -10,17 +11,22 @@ from pathlib import Path
 import pytest
 
 from sdpipe_cli.data import sources
+from sdpipe_cli.model import models
 from sdpipe_cli.runtime.processes import LAZY_TORCH, WARM_UP
 from tests.helpers import kill_leftovers
 
 # Processes the tests start (the runs of launchers in the test's process, helpers.spawn_and_join,
 # launcher.spawn) are forks of one fork server per session, which imports torch once, as a
-# launcher's does, and scikit-learn, which the digits' workers import (3.7 s of CPU each).
-# (Not transformers: a server holding it slowed every other run's children more than it saved
-# the few runs of transformers models.)
+# launcher's does, and what the workers of the suite's data sets and models import: scikit-learn
+# for the digits (3.7 s of CPU each), transformers' GPT-2 and BERT code (seconds each). Holding
+# them slows no other run's workers: a subset of mlp and BERT runs took 42-44 CPU-s with
+# transformers here against 53-56 without, alternately, twice.
+HF = sorted({name for names in models.IMPORTS.values() for name in names})
 SHARED_PRELOAD = ["torch", "torch.distributed", "sdpipe_cli.training.main",
                   "sdpipe_cli.sync.scheduler.process", "sdpipe_cli.sync.ps",
-                  *sources.IMPORTS["digits"], *LAZY_TORCH, *WARM_UP]
+                  *sources.IMPORTS["digits"],
+                  *(HF if importlib.util.find_spec("transformers") is not None else []),
+                  *LAZY_TORCH, *WARM_UP]
 multiprocessing.set_forkserver_preload(SHARED_PRELOAD)
 
 

@@ -153,14 +153,15 @@ BUILDERS: dict[str, Callable[[DictConfig], Blocks]] = {
     **{arch: _resnet for arch in RESNET_BLOCKS}, **{arch: _hf for arch in HF_ARCHS}}
 
 
+# Modules every worker of a model of these architectures imports: the fork server imports them
+# once for all (transformers' model code takes seconds of CPU per process).
+IMPORTS = {"gpt2": ["transformers.models.gpt2.modeling_gpt2", "transformers.masking_utils"],
+           "bert": ["transformers.models.bert.modeling_bert", "transformers.masking_utils"]}
+
+
 def imports(model_cfg: DictConfig) -> list[str]:
-    """Modules every worker of this model imports: the fork server imports them once for all
-    (transformers' model code takes seconds of CPU per process)."""
-    if model_cfg.arch == "gpt2":
-        return ["transformers.models.gpt2.modeling_gpt2", "transformers.masking_utils"]
-    if model_cfg.arch == "bert":
-        return ["transformers.models.bert.modeling_bert", "transformers.masking_utils"]
-    return []
+    """:data:`IMPORTS` of the model's architecture."""
+    return list(IMPORTS.get(str(model_cfg.arch), []))
 
 
 def build(model_cfg: DictConfig) -> Blocks:

@@ -50,11 +50,13 @@ from sdpipe_cli.sync.scheduler.handling import Scheduler
 from tests.helpers import (
     finish,
     free_port,
+    interrupt_command,
     kill_leftovers,
     metrics,
     one_error_line,
     run_processes,
     sdpipe,
+    sdpipe_beside,
     sdpipe_popen,
     training_lines,
     wait_for,
@@ -697,28 +699,41 @@ def test_a_checkpoint_copied_out_of_its_run_resumes_in_a_new_folder_beside_it(tm
 @pytest.mark.multiprocess
 def test_two_resumes_of_one_run_started_together_one_runs_the_other_is_refused(tmp_path, run_copy):
     """Both ask for a long run; the one that takes the run's lock trains, the other exits 2 naming
-    it at once; the run's metrics then hold one timeline."""
+    it at once; the run's metrics then hold one timeline. One resume is a launcher in this
+    process, the other a process of its own, started at the same moment: either may win."""
     before, trained = len(metrics(run_copy)), len(metrics(run_copy, "train"))
-    procs = [sdpipe_popen("resume", str(run_copy), "train.steps=100000", f"train.lr={lr}")
-             for lr in (0.003, 0.02)]
-    try:
-        deadline = time.monotonic() + 120
-        while all(p.poll() is None for p in procs):
-            assert time.monotonic() < deadline, "neither resume was refused"
-            time.sleep(0.2)
-        refused = next(p for p in procs if p.poll() is not None)
-        runner = next(p for p in procs if p is not refused)
-        code, err, _ = finish(refused, timeout=30)
-        assert code == 2, err
-        assert f"is in use by another launcher: pid {runner.pid}" in one_error_line(err, str(run_copy))
-        wait_for(training_lines(run_copy, trained + 4), runner, what="the other resume training")
-        runner.send_signal(signal.SIGINT)
-        code, err, _ = finish(runner, timeout=90)
-        assert code == 130, err
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+    long = ("train.steps=100000",)
+
+    def the_other(command):
+        proc = sdpipe_popen("resume", str(run_copy), *long, "train.lr=0.02")
+        try:
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and command.poll() is None:
+                assert time.monotonic() < deadline, "neither resume was refused"
+                time.sleep(0.2)
+            if proc.poll() is not None:  # refused: the resume in this process trains
+                code, err, _ = finish(proc, timeout=30)
+                command.wait_for(training_lines(run_copy, trained + 4), what="the other resume training")
+                interrupt_command()
+                return code, err, os.getpid(), None
+            # the resume in this process was refused: this one trains
+            wait_for(training_lines(run_copy, trained + 4), proc, what="the other resume training")
+            proc.send_signal(signal.SIGINT)
+            code, err, _ = finish(proc, timeout=90)
+            return None, None, proc.pid, (code, err)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    here, (code, err, runner, there) = sdpipe_beside(the_other, run_copy, "resume", str(run_copy),
+                                                     *long, "train.lr=0.003", timeout=180)
+    if there is None:  # the process was refused, this one ran until interrupted
+        assert here.returncode == 130, here.stderr
+    else:  # this one was refused, the process ran until interrupted
+        assert there[0] == 130, there[1]
+        code, err = here.returncode, here.stderr
+    assert code == 2, err
+    assert f"is in use by another launcher: pid {runner}" in one_error_line(err, str(run_copy))
     assert not kill_leftovers(run_copy) and not run_processes(run_copy)
     resumes = [line for line in metrics(run_copy)[before:] if line["kind"] == "resume"]
     assert len(resumes) == 1  # one leg appended

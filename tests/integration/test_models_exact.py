@@ -51,8 +51,8 @@ def test_cutting_a_model_into_stages_keeps_every_loss(tmp_path, model):
         more = ("pipeline.activation_checkpointing=true", "run.save_final=true") if stages == 2 else ()
         got = losses(tmp_path / f"s{stages}", *EXACT, *MODELS[model], f"pipeline.stages={stages}", *more)
         assert got == pytest.approx(reference, rel=0, abs=1e-5), stages
-    # each backward split in two (ZB-H1): BatchNorm's statistics, and the tied embeddings'
-    # gradients summed over their two stages, as 1F1B's
+    # each backward split in two (ZB-H1): BatchNorm's, and the tied embeddings' gradients
+    # summed over their two stages, as 1F1B's
     zero_bubble = losses(tmp_path / "zb", *EXACT, *MODELS[model], "pipeline.stages=2",
                          "pipeline.schedule=zb_h1")
     assert zero_bubble == pytest.approx(reference, rel=0, abs=1e-5)
