@@ -7,7 +7,7 @@ Pure: built from :mod:`~sdpipe_cli.core.schedule`'s action lists.
 
 from __future__ import annotations
 
-from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, Kind, get_schedule, tick_order
+from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, SPLIT_SHARE, Kind, get_schedule, tick_order
 
 __all__ = ["IterationPlan"]
 
@@ -22,8 +22,8 @@ class IterationPlan:
         order = sorted((t, s) for s, row in enumerate(rows) for t, a in enumerate(row) if a is not None)
         position: dict[tuple[Kind, int, int], int] = {}
         self.steps: list[tuple[int, bool, int]] = []  # (stage, backward, index of dependency)
-        # of the stage's backward time, what each backward action takes: all of it, or half for
-        # each of a split backward's B and W (a W waits for no transfer: its B is the stage's own)
+        # of the stage's backward time, what each backward action takes: all of it, or
+        # SPLIT_SHARE for each of a split backward's B and W (a W waits for no transfer)
         self.share: list[float] = []
         split = schedule in SPLIT_SCHEDULES
         for t, s in order:
@@ -34,7 +34,7 @@ class IterationPlan:
                    else (Kind.F, s - 1, action.microbatch) if not backward and s > 0 else None)
             position[(action.kind, s, action.microbatch)] = len(self.steps)
             self.steps.append((s, backward, position[dep] if dep is not None else -1))
-            self.share.append(0.5 if split and backward else 1.0)
+            self.share.append(SPLIT_SHARE if split and backward else 1.0)
         self.fused, self.members = self._fuse(self.steps)
 
     @staticmethod

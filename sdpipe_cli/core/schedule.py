@@ -48,6 +48,7 @@ __all__ = [
     "Kind",
     "SCHEDULES",
     "SPLIT_SCHEDULES",
+    "SPLIT_SHARE",
     "ScheduleFn",
     "async_next",
     "async_one_f_one_b",
@@ -197,8 +198,11 @@ def _zero_bubble_h1(stages: int, microbatches: int) -> tuple[tuple[Action, ...],
 
 
 SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb_h1": zero_bubble_h1}
-# The schedules whose backward is split into B and W (the executor's input and weight parts).
+# The schedules whose backward is split into B and W (the executor's input and weight parts),
+# and the share of a backward's time each of B and W takes where time is modelled (the simulator,
+# the emulated compute): the input's and the weights' gradients are a matrix product each.
 SPLIT_SCHEDULES = ("zb_h1",)
+SPLIT_SHARE = 0.5
 
 
 def async_next(stages: int, stage: int, forwarded: int, backwarded: int,

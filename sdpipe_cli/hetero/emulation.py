@@ -39,7 +39,7 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import emulation
 from sdpipe_cli.core.cluster import Cluster, Device, EmulatedStragglers
 from sdpipe_cli.core.partition import stage_ranges
-from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, Action, Kind
+from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, SPLIT_SHARE, Action, Kind
 
 __all__ = ["EmulatedStragglers", "EmulatedSlowdown", "make_slowdown", "link_delay", "MemoryLimit",
            "MemoryLimitExceeded"]
@@ -98,11 +98,11 @@ class EmulatedSlowdown:
 
     def modelled_s(self, action: Action) -> float:
         """The modelled compute of ``action`` at speed 1: a backward split into ``B`` and
-        ``W`` (a zero-bubble schedule) has each half of it, as the input's and the weights'
-        gradients are a matrix product each."""
+        ``W`` (a zero-bubble schedule) has :data:`~sdpipe_cli.core.schedule.SPLIT_SHARE` of it
+        each."""
         if action.kind is Kind.F:
             return self.forward_s
-        return self.backward_s / 2 if self.split_backward else self.backward_s
+        return self.backward_s * SPLIT_SHARE if self.split_backward else self.backward_s
 
     def __call__(self, action: Action, seconds: float) -> None:
         self.actions += 1
