@@ -24,7 +24,10 @@ median over the iterations after ``--warmup`` (``sdpipe_cli.analysis.steady_rate
 one tick per forward: 1F1B's backward two ticks, ZB-H1's ``B`` and ``W`` one each. An iteration
 then takes ``ticks x forward`` and the pipeline does ``batch / (ticks x forward)`` samples/s. The
 update, the flush's control messages and the p2p transfers are not in it: the measured rate is
-below the predicted one by their share, for both schedules alike.
+below the predicted one by their share, for both schedules alike. ``sdpipe simulate`` of the same
+overrides runs the same action lists on the same modelled compute, with those costs in: its
+samples/s is the second prediction (``simulated``), against which each schedule's measured rate
+should fall within a few per cent.
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ def predicted_ticks(schedule: str, stages: int, microbatches: int) -> int:
     """Ticks of one iteration, a forward one tick and a backward two (split: one and one)."""
     rows = tick_order(SCHEDULES[schedule], stages, microbatches, BACKWARD_TICKS[schedule])
     return len(rows[0])
+
+
+def simulated_rate(overrides: list[str], run_dir: Path, log: Path, timeout: float) -> float:
+    """``sdpipe simulate OVERRIDES``'s samples/s (the same run, its timeline from the same lists)."""
+    run = _runner.run_command("simulate", [*overrides, f"run.dir={run_dir}"], log, timeout)
+    run.check("sdpipe simulate")
+    return float(json.loads((run_dir / "simulation.json").read_text())["samples_per_s"])
 
 
 def measured_rate(run_dir: Path, warmup: int) -> float:
@@ -102,10 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in schedules:
         ticks = predicted_ticks(name, S, m)
         predicted = args.batch / (ticks * args.forward_ms / 1000)
+        simulated = simulated_rate([*common, f"pipeline.schedule={name}"], out / f"{name}-sim",
+                                   out / f"{name}-sim.log", args.timeout)
         median = statistics.median(rates[name])
         rows.append({"schedule": name, "ticks": ticks, "predicted_samples_per_s": round(predicted, 1),
+                     "simulated_samples_per_s": round(simulated, 1),
                      "samples_per_s": [round(x, 1) for x in rates[name]], "median": round(median, 1),
                      "of_predicted": round(median / predicted, 3),
+                     "of_simulated": round(median / simulated, 3),
                      "vs_" + base: round(median / statistics.median(rates[base]), 3),
                      "predicted_vs_" + base: round(predicted_ticks(base, S, m) / ticks, 3)})
     if args.json:

@@ -37,7 +37,6 @@ flush until the segment ends; :func:`async_next` is its rule, one action at a ti
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import NamedTuple
@@ -139,62 +138,42 @@ def zero_bubble_h1(stages: int, microbatches: int, stage: int) -> list[Action]:
     waits for. Gradients then travel back through the pipeline at the pace of ``B`` alone, and
     the ``W`` of each micro-batch fills ticks its stage would otherwise spend waiting.
 
-    Memory: a stage starts a forward only while fewer than ``S - stage`` micro-batches wait for
-    their ``B`` (1F1B's activations, :func:`in_flight`) and fewer than ``S`` wait for their
-    ``W``, which keeps what its weight gradients need (a block's inputs): the pipeline's peak,
-    the first stage's, is 1F1B's, as ZB-H1's is.
+    Stage ``s`` runs 1F1B's order of forwards and backwards (``S - s`` forwards, then a ``B``
+    before each further ``F``), and the ``W`` of each micro-batch ``s`` backwards after its ``B``;
+    the ``W`` still pending when the forwards run out close the list. The lag is what removes
+    the drain's bubble: the later a stage, the sooner in the cool-down its gradients must go on
+    to the stages before it, so it holds its ``W`` back and passes each gradient on the tick it
+    arrives; the first stage, which passes nothing on, runs each ``W`` right after its ``B``.
+    With ``F``, ``B`` and ``W`` a tick each and ``m >= S``, every stage is busy from its first
+    forward to the end but for ``S - 1`` ticks (the paper's bubble, ``(S - 1)(F + B - W)``), so
+    the iteration takes ``3 m + S - 1`` ticks, the least its work and the first forward's way
+    down and back allow. For ``S = 4, m = 8`` (:func:`timeline`)::
 
-    The lists come from running every stage on a clock where each action takes one tick (as
-    :func:`tick_order` does), each stage taking at each tick the first of: the next ``B`` whose
-    gradient has arrived, the next ``F`` whose input has arrived (within the bounds above), the
-    oldest pending ``W``. Forwards and backwards stay in micro-batch order, so neighbours agree
-    on the order of their messages; where a ``W`` goes is the stage's own business. For ``S = 4,
-    m = 8`` (:func:`timeline`)::
+        stage 0: F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
+        stage 1: .  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
+        stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
+        stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
 
-        stage 0: F0 F1 F2 F3 .  .  .  B0 W0 B1 F4 B2 W1 B3 F5 W2 F6 B4 W3 F7 W4 B5 W5 B6 W6 .  .  B7 W7
-        stage 1: .  F0 F1 F2 .  .  B0 F3 B1 W0 B2 F4 B3 W1 W2 F5 B4 F6 W3 W4 B5 F7 B6 W5 W6 .  B7 W7 .
-        stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 B3 F4 W1 W2 B4 F5 W3 F6 B5 W4 B6 F7 W5 W6 B7 W7 .  .
-        stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 F4 B4 W2 W3 F5 B5 F6 B6 W4 W5 F7 B7 W6 W7 .  .
+    27 ticks, where 1F1B with its backward as long as ``B`` and ``W`` together takes 33
+    (``tick_order(one_f_one_b, 4, 8, ticks={Kind.B: 2})``): 3 idle ticks per stage instead of 9.
 
-    29 ticks, where 1F1B with its backward as long as ``B`` and ``W`` together takes 33
-    (``tick_order(one_f_one_b, 4, 8, ticks={Kind.B: 2})``): 5 idle ticks per stage instead of 9.
+    Memory: forwards wait for their ``B`` as in 1F1B (fewer than ``S - s`` at once), and a
+    stage keeps what its weight gradients need (a block's inputs) for at most ``S`` micro-batches
+    (:func:`in_flight`): the pipeline's peak, the first stage's, is 1F1B's, as ZB-H1's is.
     """
     _check(stages, microbatches, stage)
-    return list(_zero_bubble_h1(stages, microbatches)[stage])
-
-
-@functools.cache
-def _zero_bubble_h1(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    S, m = stages, microbatches
-    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, micro-batch) -> its tick
-    lists: list[list[Action]] = [[] for _ in range(S)]
-    count = [{Kind.F: 0, Kind.B: 0, Kind.W: 0} for _ in range(S)]
-    tick = 0
-
-    def before(kind: Kind, at: int, i: int) -> bool:
-        return done.get((kind, at, i), tick) < tick
-
-    while any(c[Kind.W] < m for c in count):
-        acted = False
-        for s in range(S):
-            c = count[s]
-            f, b, w = c[Kind.F], c[Kind.B], c[Kind.W]
-            if b < f and before(Kind.F, s, b) and (s == S - 1 or before(Kind.B, s + 1, b)):
-                kind, i = Kind.B, b
-            elif f < m and f - b < S - s and f - w < S and (s == 0 or before(Kind.F, s - 1, f)):
-                kind, i = Kind.F, f
-            elif w < b and before(Kind.B, s, w):
-                kind, i = Kind.W, w
-            else:
-                continue
-            done[(kind, s, i)] = tick
-            c[kind] += 1
-            lists[s].append(Action(kind, i))
-            acted = True
-        if not acted:  # what every stage waits for is done already: it would wait forever
-            raise AssertionError(f"ZB-H1 construction stalled at tick {tick}")
-        tick += 1
-    return tuple(tuple(actions) for actions in lists)
+    warmup = min(stages - stage, microbatches)
+    actions = [Action(Kind.F, i) for i in range(warmup)]
+    forwarded, weighted = warmup, 0
+    for i in range(microbatches):
+        actions.append(Action(Kind.B, i))
+        if i >= stage:
+            actions.append(Action(Kind.W, weighted))
+            weighted += 1
+        if forwarded < microbatches:
+            actions.append(Action(Kind.F, forwarded))
+            forwarded += 1
+    return actions + [Action(Kind.W, i) for i in range(weighted, microbatches)]
 
 
 SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb_h1": zero_bubble_h1}
