@@ -1,13 +1,17 @@
-"""Samples/s of one sdpipe pipeline (1F1B) against torch.distributed.pipelining's Schedule1F1B.
+"""Samples/s of one sdpipe pipeline against torch.distributed.pipelining's own schedule of the same kind.
 
 Run it from the repository root after ``pip install -e .``::
 
     python scripts/bench_peer.py                  # S = 2, m = 4, batch 16: 3 pairs, 30 timed steps
     python scripts/bench_peer.py --stages 4 --microbatches 8 --batch 32
     python scripts/bench_peer.py --model-overrides "model=gpt_tiny model.n_layers=8"
+    python scripts/bench_peer.py --schedule zb_h1 --stages 4 --microbatches 8 --batch 32
     python scripts/bench_peer.py --pairs 1 --steps 5 --warmup 2 --out /tmp/bp   # a smoke test
 
-The claim it checks: on one pipeline, sdpipe's flushed 1F1B is at least as fast as PyTorch's own.
+The claim it checks: on one pipeline, sdpipe's flushed schedule is at least as fast as PyTorch's
+own: ``--schedule 1f1b`` (the default) against ``Schedule1F1B``, ``--schedule zb_h1`` against
+``ScheduleInterleavedZeroBubble`` with one stage per process (torch's zero-bubble schedule, its
+backward split into the input's and the weights' gradients as sdpipe's ``zb_h1`` splits it).
 
 **What runs.** Both sides train the project's byte-level GPT blocks
 (``sdpipe_cli.model.bytes_lm.build_blocks``) from one composed config (``--model-overrides`` plus
@@ -17,11 +21,12 @@ uniform partition (``core.partition.resolve("uniform", ...)``), on CPU with gloo
 per stage and one intra-op thread per process (``OMP_NUM_THREADS=1``, as sdpipe's CPU workers):
 
 * **sdpipe**: ``sdpipe train sync=allreduce cluster.pipelines=1 pipeline.stages=S
-  pipeline.microbatches=m train.batch_size=B train.grad_clip=0 train.warmup=0
+  pipeline.schedule=SCHEDULE pipeline.microbatches=m train.batch_size=B train.grad_clip=0 train.warmup=0
   train.schedule=constant data=synthetic cluster.device=cpu``, ``--warmup + --steps`` iterations.
 * **torch**: S processes spawned here; each keeps its slice as ``nn.Sequential``, wraps it in
-  ``FlushedStage(module, rank, S, device=cpu)`` (shapes inferred from the first micro-batch) and
-  runs ``Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)``: ``schedule.step(x)`` on
+  ``PipelineStage(module, rank, S, device=cpu)`` (shapes inferred from the first micro-batch) and
+  runs ``Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)`` (or
+  ``ScheduleInterleavedZeroBubble([stage], ...)``): ``schedule.step(x)`` on
   the first stage, ``schedule.step(target=y, losses=losses)`` on the last, ``schedule.step()`` in
   between, each with ``return_outputs=False`` (sdpipe does not gather the last stage's logits
   either); ``zero_grad`` before and ``optimizer.step()`` after on every stage.
@@ -77,6 +82,7 @@ def shared_overrides(args: argparse.Namespace) -> list[str]:
     """The overrides both sides are built from (the sdpipe side adds ``run.dir``)."""
     return [*shlex.split(args.model_overrides), "data=synthetic", "sync=allreduce",
             "cluster.pipelines=1", f"pipeline.stages={args.stages}",
+            f"pipeline.schedule={args.schedule}",
             f"pipeline.microbatches={args.microbatches}", f"train.batch_size={args.batch}",
             f"train.steps={args.warmup + args.steps}", "train.eval_every=0", "train.log_every=1",
             "train.grad_clip=0", "train.warmup=0", "train.schedule=constant", "cluster.device=cpu"]
@@ -116,8 +122,8 @@ def run_torch(args: argparse.Namespace, cfg_yaml: str) -> float:
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=torch_worker, daemon=True,
-                         args=(rank, args.stages, port, cfg_yaml, args.microbatches, args.warmup,
-                               args.steps, args.timeout, str(result)))
+                         args=(rank, args.stages, port, cfg_yaml, args.schedule, args.microbatches,
+                               args.warmup, args.steps, args.timeout, str(result)))
              for rank in range(args.stages)]
     for p in procs:
         p.start()
@@ -157,8 +163,8 @@ def wait_all(procs: list, deadline: float) -> str | None:
     return failed
 
 
-def torch_worker(rank: int, world: int, port: int, cfg_yaml: str, m: int, warmup: int, steps: int,
-                 timeout: float, result: str) -> None:
+def torch_worker(rank: int, world: int, port: int, cfg_yaml: str, schedule: str, m: int,
+                 warmup: int, steps: int, timeout: float, result: str) -> None:
     """Stage ``rank`` of the torch pipeline; the first stage writes the rate to ``result``."""
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, as sdpipe's launcher sets it
     import torch
@@ -170,7 +176,7 @@ def torch_worker(rank: int, world: int, port: int, cfg_yaml: str, m: int, warmup
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
     try:
-        step = make_step(cfg, rank, world, m)
+        step = make_step(cfg, rank, world, schedule, m)
         for _ in range(warmup):
             step()
         dist.barrier()
@@ -186,11 +192,11 @@ def torch_worker(rank: int, world: int, port: int, cfg_yaml: str, m: int, warmup
         dist.destroy_process_group()
 
 
-def make_step(cfg, rank: int, world: int, m: int):
+def make_step(cfg, rank: int, world: int, schedule_name: str, m: int):
     """One training iteration of stage ``rank``: schedule.step, then the optimizer's step."""
     import torch
     from torch import nn
-    from torch.distributed.pipelining import FlushedStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
 
     from sdpipe_cli.core.partition import resolve, stage_ranges
     from sdpipe_cli.model.bytes_lm import build_blocks
@@ -202,8 +208,11 @@ def make_step(cfg, rank: int, world: int, m: int):
     start, stop_ = stage_ranges(resolve("uniform", len(blocks), world, None), len(blocks))[rank]
     module = nn.Sequential(*blocks[start:stop_])
     module.train()
-    stage = FlushedStage(module, rank, world, device=torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)
+    stage = PipelineStage(module, rank, world, device=torch.device("cpu"))
+    if schedule_name == "zb_h1":
+        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=cross_entropy)
+    else:
+        schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)
     optimizer = build_optimizer(module.parameters(), cfg.train)
     shape = (int(cfg.train.batch_size), int(cfg.model.seq_len))
     first, last = rank == 0, rank == world - 1
@@ -227,7 +236,7 @@ def check(args: argparse.Namespace) -> None:
     if args.warmup < 1 or args.steps < 1:
         raise SystemExit("--warmup and --steps must be at least 1 (the first step pays set-up)")
     if args.microbatches < args.stages:
-        raise SystemExit("--microbatches must be at least --stages (Schedule1F1B needs it)")
+        raise SystemExit("--microbatches must be at least --stages (torch's schedules need it)")
     if args.batch % args.microbatches:
         raise SystemExit("--batch must be a multiple of --microbatches")
 
@@ -235,6 +244,7 @@ def check(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--schedule", choices=("1f1b", "zb_h1"), default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="timed iterations per run")
@@ -259,7 +269,7 @@ def main() -> int:
         else:
             peer.append(run_torch(args, cfg_yaml))
             sdpipe.append(sdpipe_side(args))
-    result = {"stages": args.stages, "microbatches": args.microbatches, "batch": args.batch,
+    result = {"schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches, "batch": args.batch,
               "steps": args.steps, "warmup": args.warmup, "model_overrides": args.model_overrides,
               "samples_per_s_sdpipe": [round(x, 1) for x in sdpipe],
               "samples_per_s_torch": [round(x, 1) for x in peer],
