@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from datetime import timedelta
 
 import pytest
@@ -16,7 +17,19 @@ from omegaconf import OmegaConf
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.blocks import closing_block, final_block
 from sdpipe_cli.core.meetings import BYTES, choose
-from sdpipe_cli.core.wire import WINDOW, Blocks, LinkFit, Measured, Probe, WirePace, decide, meeting_s, ring_bytes
+from sdpipe_cli.core.wire import (
+    RECENT,
+    SLUMP,
+    WINDOW,
+    Blocks,
+    LinkFit,
+    Measured,
+    Probe,
+    WirePace,
+    decide,
+    meeting_s,
+    ring_bytes,
+)
 from sdpipe_cli.sync import wire_probe
 from tests.unit.test_simulation import config
 
@@ -205,6 +218,10 @@ def test_a_replicas_blocks_are_as_long_as_each_decision_said(first, nexts, start
     assert meetings == list(range(start // first, start // first + len(nexts)))
 
 
+def _median_of(values):
+    return sorted(values)[len(values) // 2]
+
+
 def pace(every=2, mbit=200.0, step_s=0.18, members=4):
     links = {s: LinkFit(0.005, mbit * 1e6 / 8) for s in (0, 1)}
     return WirePace(0.1, "bf16", every, 300, members, links, {0: VALUES, 1: VALUES},
@@ -222,16 +239,38 @@ def rounds(wire: WirePace, mbit: float, n: int, stage: int = 0) -> list[int]:
 
 
 def test_the_period_rises_when_the_link_slows_and_falls_back_when_it_recovers():
-    """200 to 15 Mbit/s: the rule wants a period 13x longer; once half a window of rounds
-    (under two meetings of four members) is slow it is taken, and taken back as soon after the
-    recovery."""
+    """200 to 15 Mbit/s: the rule wants a period 13x longer; it is taken once most of one
+    meeting's rounds (four members) are slow, and taken back once half a window of rounds
+    (under two meetings) is fast again."""
     wire = pace()
     assert rounds(wire, 200, WINDOW)[-1] == 2  # the rounds calibrated against the probe
     slow = rounds(wire, 15, WINDOW)
     target = math.ceil((0.005 + ring_bytes(4, VALUES * 2) / (15e6 / 8)) / (0.1 * 0.18))
-    assert slow[-1] == target and slow.index(target) <= WINDOW // 2, slow
+    assert slow[-1] == target and slow.index(target) < RECENT, slow
     back = rounds(wire, 200, WINDOW)
     assert back[-1] == 2 and back.index(2) <= WINDOW // 2, back
+
+
+def test_a_link_that_slows_less_than_the_slump_is_followed_by_the_window():
+    """1.8x slower: not a drop, so not taken from one meeting's rounds; the window's median
+    takes it once half a window of rounds is slow."""
+    wire = pace(every=2, mbit=45)
+    before = rounds(wire, 45, WINDOW)[-1]
+    slowed = rounds(wire, 45 / (0.9 * SLUMP), WINDOW)
+    assert set(slowed[:RECENT]) == {before} and slowed[-1] > before, slowed
+
+
+def test_the_rounds_noise_on_a_steady_link_never_counts_as_a_drop():
+    """Rounds of one steady link measured anywhere between 7.5 and 16 Mbit/s (seen on 15
+    Mbit/s): the link is always the window's median, never the last few rounds'."""
+    rng = random.Random(0)
+    wire = pace(every=12, mbit=15)
+    moved = ring_bytes(4, VALUES * BYTES["bf16"])
+    for _ in range(500):
+        wire.round_done(0, moved, 0.005 + moved / (rng.uniform(7.5, 16) * 1e6 / 8))
+        if 0 in wire.calibration:
+            window = _median_of(wire.seen[0]) * wire.calibration[0]
+            assert wire.link(0).bytes_per_s == window
 
 
 def test_rounds_slower_than_the_probe_from_the_start_change_nothing_but_their_changes_do():
