@@ -4,6 +4,7 @@ Run it from the repository root after ``pip install -e .``::
 
     python scripts/bench_schedules.py                        # S = 4, m = 8, 20 ms a forward, 3 repeats
     python scripts/bench_schedules.py --repeats 1 --steps 6  # a smoke test
+    python scripts/bench_schedules.py --slow 1:0.5           # stage 1's device 2x slower, partition=auto
 
 The claim it checks: ZB-H1's split backward (``pipeline.schedule=zb_h1``) makes a pipeline's
 iteration shorter than 1F1B's by what its timeline says, no more, no less.
@@ -28,6 +29,14 @@ below the predicted one by their share, for both schedules alike. ``sdpipe simul
 overrides runs the same action lists on the same modelled compute, with those costs in: its
 samples/s is the second prediction (``simulated``), against which each schedule's measured rate
 should fall within a few per cent.
+
+**A slower device** (``--slow STAGE:SPEED``). The pipeline's devices are given in the cluster
+(``cluster.nodes``, the one at ``STAGE`` at ``SPEED``), the model has four blocks a stage, and
+compute is modelled from a profile (every block ``--forward-ms`` / 4 forward, twice that
+backward; ``cluster.emulation=modelled``) so that ``pipeline.partition=auto`` can balance the
+blocks over the devices' speeds, as a user's profiled run does. The stages are then uneven, so
+the tick model (one length per kind) predicts nothing and only ``sdpipe simulate``'s prediction,
+which times each stage's own actions, is given.
 """
 
 from __future__ import annotations
@@ -63,6 +72,37 @@ def simulated_rate(overrides: list[str], run_dir: Path, log: Path, timeout: floa
     return float(json.loads((run_dir / "simulation.json").read_text())["samples_per_s"])
 
 
+BLOCKS_PER_STAGE = 4  # with --slow: room for partition=auto to move blocks
+
+
+def write_profile(path: Path, blocks: int, microbatch: int, forward_ms: float) -> Path:
+    """A profile of one device at speed 1 (every device takes its times, over its speed):
+    ``forward_ms`` a stage of :data:`BLOCKS_PER_STAGE` blocks forward, twice that backward."""
+    block_ms = forward_ms / BLOCKS_PER_STAGE
+    path.write_text(json.dumps({
+        "format": "sdpipe-profile/1", "created": "2026-12-06T00:00:00", "torch": "-",
+        "model": {"name": "mlp", "blocks": blocks, "microbatch_size": microbatch,
+                  "block_params": [70_000] * blocks},
+        "cluster": {"name": "bench"}, "p2p": [], "allreduce": [],
+        "devices": [{"name": "local:0", "node": "local", "speed": 1.0, "rank": 0, "pipeline": 0,
+                     "stage": 0, "forward_ms": [block_ms] * blocks,
+                     "backward_ms": [2 * block_ms] * blocks, "peak_memory_mb": 1.0,
+                     "memory_source": "rss"}]}))
+    return path
+
+
+def slow_overrides(slow: str, stages: int, microbatch: int, forward_ms: float,
+                   out: Path) -> list[str]:
+    """``--slow STAGE:SPEED``: the devices, the profile and ``partition=auto``."""
+    stage, speed = slow.split(":")
+    speeds = [float(speed) if s == int(stage) else 1.0 for s in range(stages)]
+    devices = ", ".join(f"{{speed: {v}}}" for v in speeds)
+    blocks = BLOCKS_PER_STAGE * stages
+    profile = write_profile(out / "profile.json", blocks, microbatch, forward_ms)
+    return [f"model.n_layers={blocks - 2}", f"cluster.nodes=[{{name: local, devices: [{devices}]}}]",
+            f"profile={profile}", "pipeline.partition=auto", "cluster.emulation=modelled"]
+
+
 def measured_rate(run_dir: Path, warmup: int) -> float:
     """The median over the iterations after ``warmup`` of batch / step_s (the last stage's)."""
     train = [m for m in read_metrics(run_dir / "metrics.jsonl")
@@ -84,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=None, help="run folders (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--slow", default=None, metavar="STAGE:SPEED",
+                        help="one device slower (speed 0.5: twice the time), partition=auto")
     _report.add_markdown_option(parser)
     args = parser.parse_args(argv)
     schedules = args.schedules.split(",")
@@ -93,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     common = ["model=mlp", f"model.n_layers={2 * S - 2}", "data=synthetic", "sync=allreduce",
               "cluster.pipelines=1", f"pipeline.stages={S}", f"pipeline.microbatches={m}",
               f"train.batch_size={args.batch}", f"train.steps={args.warmup + args.steps}",
-              "train.eval_every=0", f"cluster.compute_ms={args.forward_ms}",
-              "fault.on_slowdown=off", "run.memory_check=false"]
+              "train.eval_every=0", "fault.on_slowdown=off", "run.memory_check=false"]
+    if args.slow:
+        common += slow_overrides(args.slow, S, args.batch // m, args.forward_ms, out)
+    else:
+        common.append(f"cluster.compute_ms={args.forward_ms}")
     rates: dict[str, list[float]] = {name: [] for name in schedules}
     for r in range(args.repeats):
         for name in (schedules if r % 2 == 0 else schedules[::-1]):
@@ -110,22 +155,29 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     base = schedules[0]
     for name in schedules:
-        ticks = predicted_ticks(name, S, m)
-        predicted = args.batch / (ticks * args.forward_ms / 1000)
+        ticks = None if args.slow else predicted_ticks(name, S, m)
+        predicted = None if ticks is None else args.batch / (ticks * args.forward_ms / 1000)
         simulated = simulated_rate([*common, f"pipeline.schedule={name}"], out / f"{name}-sim",
                                    out / f"{name}-sim.log", args.timeout)
         median = statistics.median(rates[name])
-        rows.append({"schedule": name, "ticks": ticks, "predicted_samples_per_s": round(predicted, 1),
+        rows.append({"schedule": name, "ticks": ticks,
+                     "predicted_samples_per_s": None if predicted is None else round(predicted, 1),
                      "simulated_samples_per_s": round(simulated, 1),
                      "samples_per_s": [round(x, 1) for x in rates[name]], "median": round(median, 1),
-                     "of_predicted": round(median / predicted, 3),
+                     "of_predicted": None if predicted is None else round(median / predicted, 3),
                      "of_simulated": round(median / simulated, 3),
                      "vs_" + base: round(median / statistics.median(rates[base]), 3),
-                     "predicted_vs_" + base: round(predicted_ticks(base, S, m) / ticks, 3)})
+                     "predicted_vs_" + base: (None if ticks is None
+                                              else round(predicted_ticks(base, S, m) / ticks, 3)),
+                     "simulated_vs_" + base: None})
+    for row in rows:
+        row["simulated_vs_" + base] = round(row["simulated_samples_per_s"]
+                                            / rows[0]["simulated_samples_per_s"], 3)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     header = (f"one pipeline, S={S}, m={m}, batch {args.batch}, modelled compute "
-              f"({args.forward_ms:g} ms a forward, twice that a backward), {args.repeats} repeats")
+              f"({args.forward_ms:g} ms a forward, twice that a backward), {args.repeats} repeats"
+              + (f"; stage:speed {args.slow}, partition=auto from a profile" if args.slow else ""))
     table = _report.rows_table([{**row, "samples_per_s": " ".join(map(str, row["samples_per_s"]))}
                                 for row in rows])
     body = f"{header}\n\n{table}\n"
