@@ -145,8 +145,9 @@ def _validate_pipeline(cfg: DictConfig) -> None:
         validate_partition(p.partition, p.stages, blocks)
     validate_own_partitions(p, cfg.cluster.pipelines, blocks)
     need(not (p.schedule in SPLIT_SCHEDULES and p.activation_checkpointing), "pipeline.schedule",
-         f"{p.schedule} splits each backward in two, which recomputing activations does not "
-         "support yet; use pipeline.activation_checkpointing=false or pipeline.schedule=1f1b")
+         f"{p.schedule} with recomputed activations would run each stage's forward again for "
+         "every weight group of every W; use pipeline.activation_checkpointing=false or "
+         "pipeline.schedule=1f1b")
     if p.weight_versions is not None:
         need(p.schedule == "async_1f1b", "pipeline.weight_versions",
              f"only applies to pipeline.schedule=async_1f1b (schedule is {p.schedule})")
