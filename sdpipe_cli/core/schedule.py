@@ -158,8 +158,12 @@ def zero_bubble_h1(stages: int, microbatches: int, stage: int) -> list[Action]:
     (``tick_order(one_f_one_b, 4, 8, ticks={Kind.B: 2})``): 3 idle ticks per stage instead of 9.
 
     Memory: forwards wait for their ``B`` as in 1F1B (fewer than ``S - s`` at once), and a
-    stage keeps what its weight gradients need (a block's inputs) for at most ``S`` micro-batches
-    (:func:`in_flight`): the pipeline's peak, the first stage's, is 1F1B's, as ZB-H1's is.
+    stage keeps what its weight gradients need for at most ``S`` micro-batches
+    (:func:`in_flight`): the first stage's count, 1F1B's peak, on every stage. In bytes a
+    micro-batch between its ``B`` and its ``W`` holds more than its forward saved (torch's split
+    keeps the graph and the gradients reaching the weights: 1.3-1.6x on gpt_tiny), so where a
+    later stage holds more layers than the first, the pipeline peaks above 1F1B's
+    (``scripts/bench_schedule_memory.py``).
     """
     _check(stages, microbatches, stage)
     warmup = min(stages - stage, microbatches)

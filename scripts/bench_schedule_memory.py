@@ -1,0 +1,184 @@
+"""Activation memory per pipeline stage under each flushed schedule: the peak of what a stage
+keeps alive while it runs its own action list.
+
+Run it from the repository root after ``pip install -e .``::
+
+    python scripts/bench_schedule_memory.py                                  # gpt_tiny, S = 4, m = 8
+    python scripts/bench_schedule_memory.py --model gpt2 --seq-len 128      # with the hf extra
+    python scripts/bench_schedule_memory.py --stages 2 --microbatches 4      # a smoke test
+
+The claim it checks: ZB-H1 (``pipeline.schedule=zb_h1``) keeps 1F1B's *peak* activation memory
+(the first stage's), while its later stages, which 1F1B lets hold fewer micro-batches
+(``S - s``), hold what the deferred weight gradients need for up to ``S``; and how much that is,
+measured, against the estimate (``run.memory_check``) which counts whole micro-batches.
+
+**What runs.** In this process, no training and no other process: the stage modules of the run
+the overrides describe (``model=... pipeline.stages=S pipeline.microbatches=m``, the partition
+resolved as training resolves it), one real micro-batch of the synthetic data, and each stage's
+input made as ``scripts/bench_memory.py`` makes it (the earlier stages' output under no_grad,
+received in the wire dtype). Then, for each schedule and stage, the stage's action list
+(``core.schedule``) is run in order, each action as the executor runs it: ``F`` the forward
+(the loss inside on the last stage); 1F1B's and GPipe's ``B`` the whole backward; ZB-H1's ``B``
+``stage_backward_input`` and its ``W`` ``stage_backward_weight`` (torch's split, the executor's).
+What a micro-batch's gradient would bring from the next stage is a random tensor of its output's
+shape.
+
+**What is measured.** Every tensor autograd saves goes through a
+``torch.autograd.graph.saved_tensors_hooks`` pack hook that counts its storage (once per
+storage, parameters excluded) until the tensor is freed (a ``weakref.finalize`` on it); the
+stage's input and output, which the executor keeps until the micro-batch's backward, count the
+same way. The figure is the peak of the live bytes over the list. It leaves out what
+``bench_memory.py`` leaves out (the allocator, temporaries inside one op, gradient buffers), the
+same for every schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import weakref
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
+import bench_memory  # noqa: E402  (its stage inputs and forward, the executor's two lines)
+from _report import mib  # noqa: E402
+
+SPLIT_BACKWARD = "torch.distributed.pipelining._backward"
+
+
+class Live:
+    """Bytes of distinct storages alive now, and the most at once."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded, self.count, self.size = excluded, {}, {}
+        self.now = self.peak = 0
+
+    def hold(self, t) -> None:
+        """Count ``t``'s storage until ``t`` is freed."""
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.excluded:
+            return
+        if self.count.get(ptr, 0) == 0:
+            self.size[ptr] = t.untyped_storage().nbytes()
+            self.now += self.size[ptr]
+            self.peak = max(self.peak, self.now)
+        self.count[ptr] = self.count.get(ptr, 0) + 1
+        weakref.finalize(t, self._free, ptr)
+
+    def _free(self, ptr: int) -> None:
+        self.count[ptr] -= 1
+        if self.count[ptr] == 0:
+            self.now -= self.size.pop(ptr)
+
+
+def run_stage(module, x, target, loss_fn, last: bool, actions) -> int:
+    """Peak live bytes of one stage running ``actions`` (every micro-batch gets ``x``)."""
+    import torch
+
+    split = importlib.import_module(SPLIT_BACKWARD)
+    params = [p for p in module.parameters() if p.requires_grad]
+    live = Live({p.untyped_storage().data_ptr() for p in params})
+
+    def pack(t):
+        live.hold(t)
+        return t
+
+    flight: dict[int, tuple] = {}  # micro-batch -> (input, output)
+    deferred: dict[int, object] = {}  # micro-batch -> what its W needs
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for action in actions:
+            i = action.microbatch
+            if action.kind == "F":
+                xi = bench_memory.as_received(x, None, "cpu")
+                y = bench_memory.forward(module, xi, target, loss_fn, last, None, False, "cpu")
+                for t in bench_memory.tensors_of(xi) + bench_memory.tensors_of(y):
+                    live.hold(t)
+                flight[i] = (xi, y)
+                continue
+            if action.kind == "W":
+                kind, held = deferred.pop(i)
+                if kind == "groups":
+                    split.stage_backward_weight(iter(params), held)
+                else:  # the first stage's whole backward
+                    torch.autograd.backward(*held)
+                del held
+                continue
+            xi, y = flight.pop(i)
+            outputs = [y] if last else [t for t in bench_memory.tensors_of(y) if t.requires_grad]
+            grads = None if last else [torch.randn_like(t) for t in outputs]
+            if any(a.kind == "W" for a in actions):  # a split backward: B now, W later
+                inputs = [t for t in bench_memory.tensors_of(xi) if t.requires_grad]
+                if inputs:
+                    deferred[i] = ("groups", split.stage_backward_input(outputs, grads, inputs,
+                                                                        iter(params))[1])
+                else:  # the first stage sends nothing back: its W is the whole backward
+                    deferred[i] = ("whole", (outputs, grads))
+            else:
+                torch.autograd.backward(outputs, grads)
+            del xi, y, outputs, grads
+    module.zero_grad(set_to_none=True)
+    return live.peak
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from omegaconf import OmegaConf
+
+    from sdpipe_cli.core.schedule import SCHEDULES, in_flight
+    from sdpipe_cli.data import sources
+    from sdpipe_cli.model import memory, models
+
+    args.batch, args.steps = args.microbatches * args.microbatch, 1
+    cfg = bench_memory.prepared(args)
+    S, m = args.stages, args.microbatches
+    modules = [models.build_stage_module(cfg, s).train() for s in range(S)]
+    loss_fn = models.loss_function(cfg.model)
+    x, target = bench_memory.microbatch(cfg, args.microbatch)
+    inputs = bench_memory.stage_inputs(modules, x, None, "cpu")
+    example = sources.example(cfg, args.microbatch, device="meta")[0]
+    rows = []
+    for name in args.schedules.split(","):
+        estimate = memory.estimate(OmegaConf.merge(cfg, {"pipeline": {"schedule": name}}), example)
+        for s, module in enumerate(modules):
+            actions = SCHEDULES[name](S, m, s)
+            peak = run_stage(module, inputs[s], target, loss_fn, s == S - 1, actions)
+            rows.append({"schedule": name, "stage": s, "in_flight": in_flight(actions),
+                         "peak_mb": mib(peak), "estimate_mb": None if estimate is None else
+                         mib(estimate[s].activations * estimate[s].in_flight)})
+    base = {r["stage"]: r["peak_mb"] for r in rows if r["schedule"] == rows[0]["schedule"]}
+    for r in rows:
+        r["vs_" + rows[0]["schedule"]] = round(r["peak_mb"] / base[r["stage"]], 3) if base[r["stage"]] else None
+    return {"model": args.model, "stages": S, "microbatches": m, "microbatch": args.microbatch,
+            "seq_len": args.seq_len, "rows": rows,
+            "max_over_stages": {name: max(r["peak_mb"] for r in rows if r["schedule"] == name)
+                                for name in args.schedules.split(",")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt_tiny")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatch", type=int, default=4, help="examples per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--schedules", default="1f1b,zb_h1,gpipe")
+    parser.add_argument("--json", type=Path, default=None)
+    _report.add_markdown_option(parser)
+    args = parser.parse_args(argv)
+    result = measure(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    header = (f"{args.model}, S={args.stages}, m={args.microbatches}, micro-batches of "
+              f"{args.microbatch} x {args.seq_len}: each stage's peak of live saved tensors, "
+              "input and output (MiB)")
+    body = f"{header}\n\n{_report.rows_table(result['rows'])}\n"
+    print(body)
+    if args.markdown:
+        _report.write_markdown(args.markdown, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
