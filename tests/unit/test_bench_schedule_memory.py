@@ -1,0 +1,42 @@
+"""scripts/bench_schedule_memory.py counts what a stage keeps alive, and frees it when it goes."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sdpipe_cli.core.schedule import gpipe, one_f_one_b, zero_bubble_h1
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+bench = importlib.import_module("bench_schedule_memory")
+
+
+def _stage():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)).train()
+
+
+def _peak(schedule, stages: int, m: int, stage: int) -> int:
+    x = torch.randn(8, 16)
+    return bench.run_stage(_stage(), x, None, None, False, schedule(stages, m, stage))
+
+
+def test_the_peak_grows_with_the_micro_batches_held_not_with_those_run():
+    """GPipe holds all m; 1F1B's stage s holds S - s whatever m is: the counter frees what the
+    backward releases (were nothing freed, 1F1B's peak would grow with m too)."""
+    one = _peak(gpipe, 4, 1, 0)
+    assert _peak(gpipe, 4, 6, 0) == 6 * one
+    assert _peak(one_f_one_b, 4, 6, 2) == _peak(one_f_one_b, 4, 12, 2) == 2 * one
+
+
+def test_a_micro_batch_awaiting_its_weight_gradient_holds_more_than_its_forward_saved():
+    """ZB-H1's middle stage holds S micro-batches between their forward and their W, each more
+    than a forward's tensors: torch's split keeps the graph and the gradients reaching the
+    weights."""
+    one = _peak(gpipe, 4, 1, 0)
+    held = _peak(zero_bubble_h1, 4, 8, 1)
+    assert held > 4 * one
