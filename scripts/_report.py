@@ -89,6 +89,13 @@ def write_markdown(path: Path, body: str, command: str | None = None) -> Path:
     return path
 
 
+def publish(body: str, markdown: Path | None) -> None:
+    """Print a result table, and write it stamped to ``markdown`` (``--markdown``) if given."""
+    print(body)
+    if markdown:
+        write_markdown(markdown, body)
+
+
 def add_markdown_option(parser: argparse.ArgumentParser, stdout_flag: bool = False) -> None:
     """``--markdown PATH``: also write the result table, stamped, to PATH. With ``stdout_flag``
     a bare ``--markdown`` keeps its older meaning (print the tables as Markdown; value ``-``)."""

@@ -274,9 +274,7 @@ def main() -> int:
         tables.append(f"### sync={sync} (planned: {' '.join(split)})\n\n"
                       + _report.rows_table(rows))
     body = "\n\n".join(tables) + "\n"
-    print(body)
-    if args.markdown:
-        _report.write_markdown(args.markdown, body)
+    _report.publish(body, args.markdown)
     return 0
 
 

@@ -174,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.microbatch} x {args.seq_len}: each stage's peak of live saved tensors, "
               "input and output (MiB)")
     body = f"{header}\n\n{_report.rows_table(result['rows'])}\n"
-    print(body)
-    if args.markdown:
-        _report.write_markdown(args.markdown, body)
+    _report.publish(body, args.markdown)
     return 0
 
 

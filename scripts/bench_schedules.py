@@ -181,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     table = _report.rows_table([{**row, "samples_per_s": " ".join(map(str, row["samples_per_s"]))}
                                 for row in rows])
     body = f"{header}\n\n{table}\n"
-    print(body)
-    if args.markdown:
-        _report.write_markdown(args.markdown, body)
+    _report.publish(body, args.markdown)
     return 0
 
 
