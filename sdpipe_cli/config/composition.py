@@ -13,7 +13,9 @@ import dataclasses
 import difflib
 import functools
 import re
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -97,7 +99,7 @@ def mapping_settings() -> frozenset[str]:
     found: set[str] = set()
 
     def walk(node: DictConfig, prefix: str) -> None:
-        for key in node.keys():
+        for key in cast("Iterable[str]", node.keys()):  # a dataclass node: its keys are fields
             child = node._get_node(key)
             if OmegaConf.get_type(node, key) is dict:
                 found.add(f"{prefix}{key}")
@@ -118,7 +120,7 @@ def _gather_kwargs(cfg: DictConfig) -> None:
         if node_cfg.get("arch" if key == "model" else "name") != "custom":
             continue
         known = set(OmegaConf.structured(schema).keys())
-        node = OmegaConf.to_container(node_cfg)
+        node = cast("dict[str, Any]", OmegaConf.to_container(node_cfg))  # a dataclass node
         extra = {k: node.pop(k) for k in list(node) if k not in known}
         if extra:
             node["kwargs"] = {**node.get("kwargs", {}), **extra}
@@ -129,7 +131,8 @@ def _gather_kwargs(cfg: DictConfig) -> None:
 
 def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "",
                          sync: str = "") -> None:
-    for key in cfg.keys():
+    # keys are str: the schema's dataclass fields and Hydra's overrides (free-form dicts not walked)
+    for key in cast("Iterable[str]", cfg.keys()):
         if key in schema and OmegaConf.is_missing(schema, key):
             continue
         name = f"{prefix}{key}"
@@ -140,7 +143,7 @@ def _reject_unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "",
             close = _closest(str(key), schema.keys())
             hint = f"did you mean '{prefix}{close}'? " if close else ""
             raise ConfigError(name, f"is not a setting of sdpipe ({hint}known here: "
-                                    f"{', '.join(schema.keys())})")
+                                    f"{', '.join(cast('Iterable[str]', schema.keys()))})")
         free_form = OmegaConf.get_type(schema, key) is dict  # Dict[str, Any]: model.hf, model.kwargs
         if isinstance(schema[key], DictConfig) and isinstance(cfg[key], DictConfig) and not free_form:
             _reject_unknown_keys(cfg[key], schema[key], f"{name}.", sync)
@@ -167,10 +170,11 @@ def _as_config_error(err: Exception) -> ConfigError:
     keyed = next((e for e in chain if isinstance(e, OmegaConfBaseException)
                   and getattr(e, "full_key", None)), None)
     if keyed is not None:
-        key = keyed.full_key
+        key = cast(str, keyed.full_key)  # picked for a full_key, which OmegaConf sets to a str
         reason = " ".join(str(getattr(keyed, "msg", None) or keyed).split("\n")[0].split())
         if isinstance(keyed, (ConfigKeyError, AttributeError)) or "not in" in reason:
-            sync = {c: n for n, c in SYNC_CONFIGS.items()}.get(getattr(keyed, "object_type", None))
+            modes: dict[type | None, str] = {c: n for n, c in SYNC_CONFIGS.items()}
+            sync = modes.get(getattr(keyed, "object_type", None))
             reason = _of_other_modes(key, sync or "") or f"is not a setting of sdpipe{_nearest(key)}"
         return ConfigError(key, reason + within)
     if "Ambiguous value for argument" in text:
@@ -211,7 +215,7 @@ def _unquotable(message: str) -> tuple[str, str] | None:
     return override[at], override.split("=", 1)[1]
 
 
-def _causes(err: BaseException) -> list[BaseException]:
+def _causes(err: BaseException | None) -> list[BaseException]:
     chain, seen = [], set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
@@ -62,7 +62,7 @@ def with_slowed(cfg: DictConfig, slowed: Mapping[str, float]) -> DictConfig:
 
 def variant(cfg: DictConfig, values: Mapping[str, Any]) -> DictConfig:
     """A resolved copy of ``cfg`` with each dotted key of ``values`` set."""
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    out = OmegaConf.create(cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True)))
     for key, value in values.items():
         OmegaConf.update(out, key, value, merge=False)
     return out

@@ -98,7 +98,7 @@ def _expand_one(item: str) -> list[str]:
         return [item]
     close = item.index("]", open_)
     head, body, tail = item[:open_], item[open_ + 1:close], item[close + 1:]
-    expanded = []
+    expanded: list[str] = []
     for part in body.split(","):
         m = _RANGE.match(part.strip())
         if not m:

@@ -114,11 +114,11 @@ class _Source:
                 continue
             if items and all(_is_dataclass_type(v) for _, v in items):
                 peers = tuple(v for _, v in items)
-                for name, cls in items:
-                    yield None, name, cls, peers
+                for option, cls in items:
+                    yield None, option, cls, peers
 
 
-def _is_dataclass_type(obj: Any) -> bool:
+def _is_dataclass_type(obj: Any) -> typing.TypeGuard[type]:
     return isinstance(obj, type) and dataclasses.is_dataclass(obj)
 
 
@@ -126,8 +126,8 @@ def _is_dataclass_type(obj: Any) -> bool:
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return dataclasses.MISSING
 
 
@@ -209,12 +209,13 @@ def _groups_section(config_root: Path | None) -> list[str]:
     """The YAML config groups: each option, the first sentence of its comment, the values it sets."""
     if config_root is None or not config_root.is_dir():
         return []
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     primary = config_root / "config.yaml"
     chosen: dict[str, str] = {}
     if primary.exists():
-        for entry in OmegaConf.load(primary).get("defaults", []):
+        # Hydra's primary config is a mapping
+        for entry in typing.cast(DictConfig, OmegaConf.load(primary)).get("defaults", []):
             if isinstance(entry, dict) or OmegaConf.is_dict(entry):
                 chosen.update({str(k): str(v) for k, v in dict(entry).items()})
     out = ["## Config groups", "",
@@ -235,9 +236,9 @@ def _groups_section(config_root: Path | None) -> list[str]:
                 if k == "defaults":  # Hydra's list: a sync mode's file extends its schema
                     continue
                 if OmegaConf.is_config(v):
-                    sets.append(f"`{k}` (see the file)")
+                    sets.append(f"`{k!s}` (see the file)")
                 else:
-                    sets.append(f"`{k}={_show(v)}`")
+                    sets.append(f"`{k!s}={_show(v)}`")
             name = f"**{path.stem}**" if chosen.get(group.name) == path.stem else path.stem
             # the first sentence (an "e.g." or "i.e." does not end one)
             first = re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.!?])\s", " ".join(about), maxsplit=1)[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +30,7 @@ def frozen_schema(sync: str) -> DictConfig:
 def typed(config: Any, sync: str) -> DictConfig:
     """``config`` (a mapping or a config) merged into the schema of ``sync``: a new config of
     its own, writable (merging copies the shared schema first)."""
-    merged = OmegaConf.merge(frozen_schema(sync), config)
+    merged = cast(DictConfig, OmegaConf.merge(frozen_schema(sync), config))
     OmegaConf.set_readonly(merged, None)
     return merged
 

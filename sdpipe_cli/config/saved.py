@@ -9,7 +9,7 @@ depth are bounded. Whether code it names may run is :mod:`~sdpipe_cli.config.tru
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -33,7 +33,7 @@ def typed(config: Any, where: str) -> DictConfig:
         raise ConfigError(where, "its config lacks sync.name: not an sdpipe run's")
     try:
         schema = schema_for(name)
-        return OmegaConf.merge(schema, _int_keys(config, schema))
+        return cast(DictConfig, OmegaConf.merge(schema, _int_keys(config, schema)))
     except (ConfigError, OmegaConfBaseException, ValueError, TypeError) as err:
         raise ConfigError(where, f"its config does not fit this sdpipe: "
                           f"{str(err).splitlines()[0]}") from None

@@ -123,8 +123,8 @@ def _check_file(path: Path, info: os.stat_result) -> None:
     if mode & 0o077:
         how = [what for what, bits in (("read", 0o044), ("written", 0o022), ("executed", 0o011))
                if mode & bits]
-        how = " and ".join([", ".join(how[:-1]), how[-1]] if len(how) > 1 else how)
-        raise _unusable(path, f"can be {how} by others (mode {mode:04o}): a key must be yours "
+        said = " and ".join([", ".join(how[:-1]), how[-1]] if len(how) > 1 else how)
+        raise _unusable(path, f"can be {said} by others (mode {mode:04o}): a key must be yours "
                         f"alone; {_remedy(path, f'chmod 600 {path} if it is a secret of yours')}")
 
 

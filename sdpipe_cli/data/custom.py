@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 import random
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -71,7 +71,7 @@ class _Part(Subset):
 
 
 def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    n = len(ds)  # type: ignore[arg-type]
+    n = len(ds)
     held = int(n * val_fraction)
     if held < 1 or held >= n:
         raise DataError("data.val_fraction", f"holds out {held} of {n} samples; the data set has no "
@@ -84,7 +84,9 @@ def open_custom(data_cfg: Any, seed: int) -> tuple[Dataset, Dataset, int | None]
     """The user's train and validation sets, and their number of classes if they say."""
     target = data_cfg.get("_target_")
     fn = import_callable(target, KEY)
-    kwargs = OmegaConf.to_container(data_cfg.kwargs, resolve=True) if data_cfg.get("kwargs") else {}
+    # data.kwargs is a dict[str, Any] node of the schema: its container is a dict of str keys
+    kwargs = cast("dict[str, Any]", OmegaConf.to_container(data_cfg.kwargs, resolve=True)
+                  if data_cfg.get("kwargs") else {})
     try:
         with rng_kept():
             draws = seed_of("data", seed)

@@ -42,7 +42,7 @@ class Feed:
         sources.check_same(self.splits, cfg.data.get("resolved"), "this process", "at launch")
         self.labels_only = not inputs and callable(getattr(self.splits.train, "target", None))
         self.workers = 0 if self.labels_only else sources.workers(cfg)
-        order = Order(len(self.splits.train), pipeline, pipelines, int(cfg.train.seed))  # type: ignore[arg-type]
+        order = Order(len(self.splits.train), pipeline, pipelines, int(cfg.train.seed))
         self.loader = Loader(self.splits.train, order, self.batch_size, workers=self.workers,
                              prefetch=int(cfg.data.prefetch), pin_memory=pin_memory,
                              labels_only=self.labels_only)

@@ -72,7 +72,7 @@ def rng_kept():
         torch.default_generator.set_state(saved[0])
         random.setstate(saved[1])
         if saved[2] is not None:
-            numpy.random.set_state(saved[2])  # type: ignore[union-attr]
+            numpy.random.set_state(saved[2])
 
 
 def _name(dataset: Dataset, index: int) -> str:
@@ -92,7 +92,7 @@ class _Keyed(Dataset):
 
     def __init__(self, dataset: Dataset, labels_only: bool = False):
         self.dataset = dataset
-        self.n = len(dataset)  # type: ignore[arg-type]
+        self.n = len(dataset)
         self.target = getattr(dataset, "target", None)
         self.labels_only = labels_only and callable(self.target)
 
@@ -254,7 +254,7 @@ def evaluation_batches(dataset: Dataset, count: int, batch_size: int, seed: int,
     """The validation batches: the data set's first ``count x batch_size`` samples in order (again
     from the start if the split is smaller), the same for every pipeline and every evaluation
     (their keys depend on the index only), so that losses compare across pipelines and time."""
-    n = len(dataset)  # type: ignore[arg-type]
+    n = len(dataset)
     plan = ([(i % n, seed_of("val", seed, i % n)) for i in range(b * batch_size, (b + 1) * batch_size)]
             for b in range(count))  # one batch's keys at a time: a long evaluation holds no more
     # a generator of its own: DataLoader draws a seed from one, the training RNG must not move

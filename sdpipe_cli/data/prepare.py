@@ -175,7 +175,7 @@ def _prepare_into(tmp: Path, resolved, tok: TextTokenizer, spec: str, text_key: 
     train, n_docs, n_bytes = _write_train(tmp, tok, docs, shard_tokens, ITEMSIZE[dtype], log)
     total = sum(e["tokens"] for e in train)
     train, val, n_val = _split_val(tmp, train, total, val_fraction, shard_tokens, ITEMSIZE[dtype])
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
         "tokenizer": {"spec": spec, "kind": tok.kind, "vocab_size": tok.vocab,

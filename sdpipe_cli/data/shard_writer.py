@@ -13,9 +13,13 @@ import os
 import sys
 from array import array
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 from sdpipe_cli.data.documents import COPY_CHUNK
 from sdpipe_cli.data.tokens import file_sha256
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
 
 
 def _typecode(itemsize: int) -> str:
@@ -30,8 +34,7 @@ class ShardWriter:
         self.folder, self.split, self.limit, self.itemsize = folder, split, shard_tokens, itemsize
         self.typecode = _typecode(itemsize)
         self.entries: list[dict] = []
-        self._file = None
-        self._hash = None
+        self._open: tuple[BinaryIO, HASH] | None = None  # the shard being written, its hash so far
 
     def write(self, ids: list[int] | bytes) -> None:
         """Append token ids; ``bytes`` are byte-valued ids (the ``bytes`` tokenizer)."""
@@ -49,24 +52,26 @@ class ShardWriter:
         """Append little-endian token bytes (a whole number of tokens)."""
         view = memoryview(data)
         while len(view):
-            if self._file is None:
+            if self._open is None:
                 name = f"{self.split}-{len(self.entries):05d}.bin"
-                self._file, self._hash = open(self.folder / name, "wb"), hashlib.sha256()
+                self._open = open(self.folder / name, "wb"), hashlib.sha256()
                 self.entries.append({"file": name, "tokens": 0, "sha256": ""})
             entry = self.entries[-1]
             take = min(len(view) // self.itemsize, self.limit - entry["tokens"]) * self.itemsize
-            self._file.write(view[:take])
-            self._hash.update(view[:take])
+            file, digest = self._open
+            file.write(view[:take])
+            digest.update(view[:take])
             entry["tokens"] += take // self.itemsize
             view = view[take:]
             if entry["tokens"] == self.limit:
                 self._close()
 
     def _close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self.entries[-1]["sha256"] = self._hash.hexdigest()
-            self._file = self._hash = None
+        if self._open is not None:
+            file, digest = self._open
+            file.close()
+            self.entries[-1]["sha256"] = digest.hexdigest()
+            self._open = None
 
     def close(self) -> list[dict]:
         self._close()
@@ -75,12 +80,12 @@ class ShardWriter:
     def discard(self) -> None:
         """Close the open shard after a failure, dropping a second error (a full disk's) so that
         the garbage collector does not report it again."""
-        if self._file is not None:
+        if self._open is not None:
             try:
-                self._file.close()
+                self._open[0].close()
             except OSError:
                 pass
-            self._file = self._hash = None
+            self._open = None
 
     @property
     def tokens(self) -> int:

@@ -234,7 +234,7 @@ def check_same(splits: Splits, resolved: Any, reader: str, recorded: str) -> boo
     before = resolved["read"]
     unrecorded = [k for k in CONTENT if k in splits.read and k not in before]
     now = {k: v for k, v in splits.read.items() if k not in unrecorded}
-    seen = {"train": len(splits.train), "val": len(splits.val), **now}  # type: ignore[arg-type]
+    seen = {"train": len(splits.train), "val": len(splits.val), **now}
     then = {"train": resolved["train"], "val": resolved["val"], **before}
     differs = [k for k in {**then, **seen} if seen.get(k) != then.get(k)]
     if differs:
@@ -278,11 +278,11 @@ def _zeros(spec: dict[str, Any], batch_size: int, device: str = "cpu") -> Any:
 def resolve(cfg: Any) -> dict[str, Any]:
     """Open the data once and describe it: ``data.resolved`` (see the module's docstring)."""
     splits = open_splits(cfg, verify=bool(cfg.data.verify))
-    if len(splits.train) == 0 or len(splits.val) == 0:  # type: ignore[arg-type]
-        empty = "training" if len(splits.train) == 0 else "validation"  # type: ignore[arg-type]
+    if len(splits.train) == 0 or len(splits.val) == 0:
+        empty = "training" if len(splits.train) == 0 else "validation"
         raise DataError("data.path" if cfg.data.path else "data", f"the {empty} split is empty")
     x, y = read_sample(splits.train, seed_of("probe", int(cfg.train.seed)))
-    out = {"train": len(splits.train), "val": len(splits.val),  # type: ignore[arg-type]
+    out = {"train": len(splits.train), "val": len(splits.val),
            "input": _spec(x, "input"), "target": _spec(y, "target"), "read": splits.read}
     if splits.classes is not None:
         out["classes"] = splits.classes

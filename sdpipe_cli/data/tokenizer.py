@@ -133,6 +133,7 @@ def train_tokenizer(tok: TextTokenizer, docs: Iterator[str]) -> None:
     texts of at most :data:`PIECE_CHARS` characters (its memory grows with the longest)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+    trainer: trainers.Trainer
     if tok.kind == "bpe":
         hf = Tokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
