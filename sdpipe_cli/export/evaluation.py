@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import psutil
 import torch
@@ -54,7 +55,8 @@ def with_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         else:
             dotlist.append(f"{key.lstrip('+~')}={value}")
     try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+        # a mapping merged into the DictConfig cfg: a DictConfig
+        cfg = cast(DictConfig, OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist)))
     except Exception as err:  # OmegaConf's errors name the key
         raise ConfigError(getattr(err, "full_key", None) or "overrides",
                           str(err).splitlines()[0]) from None

@@ -134,7 +134,7 @@ class _Saved:
         return self.tok.decode(ids)
 
 
-def _tokenizer(export: Export) -> object | None:
+def _tokenizer(export: Export) -> _Saved | _Bytes:
     if export.tokenizer == "tokenizer.json":
         return _Saved(export.folder)
     if export.tokenizer == "bytes":

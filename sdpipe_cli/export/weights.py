@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -122,10 +122,11 @@ def find(path: os.PathLike | str, which: str | None = None, trusted: bool = Fals
             raise CheckpointError(path, "has no complete checkpoint and no final/ with a manifest "
                                         "(train with checkpoint.every=N or run.save_final=true)")
         latest = _checkpoint(found, path) if found is not None else None
-        source = final if latest is None or (
+        # latest is None only when found is, and then final is set (refused above otherwise)
+        source = cast(Source, final) if latest is None or (
             final is not None and sum(final.steps.values()) >= sum(latest.steps.values())) else latest
-    trust.check(OmegaConf.to_container(source.config), str(source.path / checkpoint.MANIFEST),
-                trusted)
+    config = cast(dict[str, Any], OmegaConf.to_container(source.config))  # a DictConfig's: a dict
+    trust.check(config, str(source.path / checkpoint.MANIFEST), trusted)
     return source
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -59,7 +61,9 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
     doc = measurements.load(cfg.profile) if cfg.cluster.compute_ms is None else None
     # read once: a config lookup costs microseconds, and these loops run P x S times
     f = None if doc is not None else float(cfg.cluster.compute_ms) / 1e3
-    st = SimpleNamespace(**OmegaConf.to_container(cfg.cluster.stragglers, resolve=True))
+    # a structured node (StragglerConfig): a dict keyed by its field names
+    st = SimpleNamespace(**cast(dict[str, Any],
+                                OmegaConf.to_container(cfg.cluster.stragglers, resolve=True)))
     seed = cfg.train.seed
     for p in range(P):
         fwd_row, bwd_row = [], []
@@ -68,7 +72,8 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
                 fwd_row.append(f)
                 bwd_row.append(2 * f)
             else:
-                fwd, bwd = measurements.block_costs(doc, cluster.device(p, s).name, 1.0)
+                # f is None only when doc was read
+                fwd, bwd = measurements.block_costs(cast(dict, doc), cluster.device(p, s).name, 1.0)
                 fwd_row.append(sum(fwd[a:b]) / 1e3)
                 bwd_row.append(sum(bwd[a:b]) / 1e3)
         forward.append(fwd_row)
@@ -109,10 +114,10 @@ def _with_sync(cfg: DictConfig, sync: str, plan: RunPlan | None = None) -> DictC
     mode's servers; sdpipe's meetings chosen as a launch would (:func:`resolve_meetings`)."""
     if cfg.sync.name == sync:
         return cfg
-    other = OmegaConf.to_container(cfg, resolve=True)
-    other["sync"] = OmegaConf.to_container(OmegaConf.structured(SYNC_CONFIGS[sync]))
-    other["plan"] = (plan or RunPlan.of(cfg)).for_sync(sync).section()
-    other = OmegaConf.create(other)
+    values = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # cfg: a DictConfig
+    values["sync"] = OmegaConf.to_container(OmegaConf.structured(SYNC_CONFIGS[sync]))
+    values["plan"] = (plan or RunPlan.of(cfg)).for_sync(sync).section()
+    other = OmegaConf.create(values)
     resolve_meetings(other, plan)
     return other
 
@@ -207,8 +212,7 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
         base = shared if shared is not None and not mode_of(mode).segments else work
         result = solo if mode_of(mode).exchange == "local" else simulate(
             _for_sync(base, mode_cfg), mode,
-            lambda clock, c=mode_cfg: make_policy(c, plan, clock, evaluations=False,
-                                                  units=plan.stages))
+            functools.partial(make_policy, mode_cfg, plan, evaluations=False, units=plan.stages))
         rows.append(_row(result, limit, time.perf_counter() - begun))
     doc = {"format": FORMAT, **rows[0], "pipelines": cfg.cluster.pipelines,
            "stages": cfg.pipeline.stages, "solo_samples_per_s": solo.solo_rates(),

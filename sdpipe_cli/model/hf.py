@@ -255,14 +255,15 @@ def _load(kind: str, model_cls: type, folder: Path, overrides: dict, tie_embeddi
     """``model_cls`` loaded from ``folder`` with its saved tying, then untied if asked (see build_model)."""
     dropout = {key: overrides[key] for key in DROPOUT_KEYS[kind] if key in overrides}
     if torch.empty(0).is_meta:  # shapes only (the launcher's checks): the saved config, no weights
-        config = model_cls.config_class.from_pretrained(str(folder), local_files_only=True,
-                                                        use_cache=False, **dropout)
+        # model_cls: a transformers model class, typed ``type`` (transformers is imported lazily)
+        config = model_cls.config_class.from_pretrained(  # type: ignore[attr-defined]
+            str(folder), local_files_only=True, use_cache=False, **dropout)
         config._attn_implementation = attn
         model, info = model_cls(config), {"missing_keys": ()}
     else:
-        model, info = model_cls.from_pretrained(str(folder), local_files_only=True,
-                                                output_loading_info=True, attn_implementation=attn,
-                                                use_cache=False, **dropout)
+        model, info = model_cls.from_pretrained(  # type: ignore[attr-defined]  # as above
+            str(folder), local_files_only=True, output_loading_info=True,
+            attn_implementation=attn, use_cache=False, **dropout)
     config = model.config
     if info["missing_keys"]:
         missing = ", ".join(sorted(info["missing_keys"]))
@@ -332,12 +333,13 @@ def _one_line(error: BaseException) -> str:
 def _involves_torchvision(error: BaseException) -> bool:
     """Whether torchvision appears in the message or traceback of ``error`` or of any error behind it."""
     seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if "torchvision" in str(error) or any("torchvision" in frame.filename
-                                               for frame in traceback.extract_tb(error.__traceback__)):
+    link: BaseException | None = error  # the error, then each one behind it
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if "torchvision" in str(link) or any("torchvision" in frame.filename for frame
+                                              in traceback.extract_tb(link.__traceback__)):
             return True
-        error = error.__cause__ or error.__context__
+        link = link.__cause__ or link.__context__
     return False
 
 
@@ -349,9 +351,10 @@ def load_pretrained(folder: Path) -> nn.Module:
     if kind not in KINDS:
         raise ValueError(f"model: {folder} holds a {kind!r} model, not one of {', '.join(KINDS)}")
     _, model_cls = _import_hf(kind)
-    model, info = model_cls.from_pretrained(str(folder), local_files_only=True,
-                                            output_loading_info=True,
-                                            attn_implementation=ATTN_IMPLEMENTATION)
+    # model_cls: a transformers model class, typed ``type`` (transformers is imported lazily)
+    model, info = model_cls.from_pretrained(  # type: ignore[attr-defined]
+        str(folder), local_files_only=True, output_loading_info=True,
+        attn_implementation=ATTN_IMPLEMENTATION)
     wrong = sorted(info["missing_keys"]) + sorted(info["unexpected_keys"])
     if wrong:
         raise ValueError(f"{folder}: transformers loads it with missing or unexpected weights "

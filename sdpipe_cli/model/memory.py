@@ -154,9 +154,10 @@ def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int
                 continue
             if bounds not in estimates:
                 estimates[bounds] = estimate(cfg, example, bounds)
-            if estimates[bounds] is None:
+            split = estimates[bounds]
+            if split is None:
                 return None
-            need = estimates[bounds][s]
+            need = split[s]
             if need.total > placed.memory_gib * GIB:
                 return (f"stage {s} of pipeline {p} needs about {need.total / GIB:.2f} GiB "
                         f"({need.describe()}), but its device {placed.name} has "

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,8 @@ def hf_overrides(m: DictConfig) -> dict[str, Any]:
                 "hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
                 "num_attention_heads": m.n_heads, "intermediate_size": m.d_hidden,
                 "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout}
-    return {**base, **OmegaConf.to_container(m.hf, resolve=True)}
+    # the schema types model.hf as dict[str, Any]
+    return {**base, **cast(dict[str, Any], OmegaConf.to_container(m.hf, resolve=True))}
 
 
 def _custom(m: DictConfig) -> Blocks:
@@ -94,7 +95,8 @@ def _custom_parts(m: DictConfig) -> tuple[Any, list[nn.Module], list[str]]:
     """What the user's builder returned, and its blocks and their names."""
     target = m.get("_target_")
     fn = import_callable(target, "model._target_")
-    kwargs = OmegaConf.to_container(m.kwargs, resolve=True)
+    # the schema types model.kwargs as dict[str, Any]
+    kwargs = cast(dict[str, Any], OmegaConf.to_container(m.kwargs, resolve=True))
     returned = made = _call_builder(fn, target, kwargs)
     if hasattr(made, "pipeline_blocks") and callable(made.pipeline_blocks):
         made = made.pipeline_blocks()
@@ -238,7 +240,8 @@ def _holds(module: nn.Module, blocks: Sequence[nn.Module]) -> bool:
 @functools.lru_cache(maxsize=8)
 def _meta_blocks(model_yaml: str) -> Blocks:
     with torch.device("meta"):
-        return build(OmegaConf.create(model_yaml))
+        # the YAML of a model node (meta_blocks): a mapping
+        return build(cast(DictConfig, OmegaConf.create(model_yaml)))
 
 
 def meta_blocks(model_cfg: DictConfig) -> Blocks:
@@ -354,7 +357,8 @@ def loss_function(model_cfg: DictConfig) -> Callable[[Any, Any], torch.Tensor]:
         return cross_entropy
     if isinstance(loss, str) or not OmegaConf.is_dict(loss) or "_target_" not in loss:
         raise ConfigError("model.loss", f"is {loss!r}; use cross_entropy or a node with _target_")
-    kwargs = {k: v for k, v in OmegaConf.to_container(loss, resolve=True).items() if k != "_target_"}
+    node = cast(dict[str, Any], OmegaConf.to_container(loss, resolve=True))  # is_dict above
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
     fn = import_callable(loss.get("_target_"), "model.loss._target_")
     if isinstance(fn, type):
         try:
