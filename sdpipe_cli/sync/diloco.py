@@ -26,7 +26,7 @@ its next outer step where the interrupted one would have.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -88,24 +88,26 @@ class DilocoSync(Sync):
             return
         start = time.perf_counter()
         params = list(module.parameters())
-        if self.anchor.device != params[0].device:  # restored from a checkpoint, on the CPU
-            self.anchor = self.anchor.to(params[0].device)
+        anchor = cast(torch.Tensor, self.anchor)  # set by a resume, or by after_backward
+        if anchor.device != params[0].device:  # restored from a checkpoint, on the CPU
+            self.anchor = anchor.to(params[0].device)
             self.momentum = None if self.momentum is None else self.momentum.to(params[0].device)
             self.residual = None if self.residual is None else self.residual.to(params[0].device)
         outer_grad = self.anchor - flatten(params)
         buffers = statistics(module)
+        groups = cast(GroupCache, self.groups)  # None only with one replica, which never averages
         if len(self.replicas) > 1 and self.precision != "fp32":
             if self.residual is None:
                 self.residual = torch.zeros_like(outer_grad)
-            mean_of_changes(outer_grad, self.residual, self.groups, self.replicas, self.precision)
+            mean_of_changes(outer_grad, self.residual, groups, self.replicas, self.precision)
             if buffers:  # the running statistics are no change: averaged in float32
                 flat = flatten(buffers)
-                self.groups.all_reduce(flat, self.replicas)
+                groups.all_reduce(flat, self.replicas)
                 unflatten(flat / len(self.replicas), buffers)
         elif len(self.replicas) > 1:
             # one all-reduce: the outer gradient and the running statistics, averaged
             flat = torch.cat([outer_grad] + [b.reshape(-1).float() for b in buffers])
-            self.groups.all_reduce(flat, self.replicas)
+            groups.all_reduce(flat, self.replicas)
             flat /= len(self.replicas)
             outer_grad = flat[:outer_grad.numel()]
             if buffers:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -363,7 +363,8 @@ class GroupSync(Healing, Sync):
                     shares.append((len(params), decision.grad_shares[me]))
                 if decision.kind == "global" and self.optimizer is not None:
                     tensors += optim.state_tensors(self.optimizer, params)
-            payload = (unit.anchor.numel() * BYTES[self.precision] if changes
+            # changes: precision is not fp32, so after_backward set the unit's anchor
+            payload = (cast(torch.Tensor, unit.anchor).numel() * BYTES[self.precision] if changes
                        else sum(t.numel() * t.element_size() for t in tensors))
             anchor, residual = (unit.anchor, self._residual(unit)) if changes else (None, None)
             tag = f"r{decision.round}"

@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ class GroupCache:
         self.timeout = timedelta(seconds=timeout)
         self.delay = delay  # emulated network: seconds an all-reduce of N bytes over ranks takes
         self.traffic = traffic or Traffic()  # what this worker's collectives moved, by link
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[tuple[int, int], ...], Any] = {}  # by _key
 
     @staticmethod
     def _key(ranks: list[int], incarnations: list[int] | None) -> tuple[tuple[int, int], ...]:
@@ -175,6 +175,7 @@ def average_tensors(tensors: list[torch.Tensor], groups: GroupCache, ranks: list
         flat[weighted:] /= len(ranks)
         distance = None
         if consensus:
+            own = cast(torch.Tensor, own)  # the copy taken above whenever consensus is
             n = sum(t.numel() for t in tensors[:consensus])
             sums = torch.stack([(own[:n] - flat[:n]).pow(2).sum(), flat[:n].pow(2).sum()])
             groups.all_reduce(sums, ranks, incarnations=incarnations, tag=tag)  # n x ||w_mean||^2 too

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from torch import nn
 
 from sdpipe_cli.model import optim
 from sdpipe_cli.runtime import protocol, store
-from sdpipe_cli.sync.groups import flatten, statistics, unflatten
+from sdpipe_cli.sync.groups import GroupCache, flatten, statistics, unflatten
 
 __all__ = ["Healing"]
 
@@ -29,6 +30,32 @@ HEAL_POLL_S = 0.01  # how often a restarted replica looks for its units' heal an
 
 class Healing:
     """The healing half of :class:`~sdpipe_cli.sync.group_sync.GroupSync`."""
+
+    # What it uses of the group sync it is a part of (GroupSync sets them). A unit is a
+    # group_sync.Unit, unnamed here: group_sync imports this module.
+    if TYPE_CHECKING:
+        events: dist.Store
+        groups: GroupCache
+        units: list[Any]
+        rank: int
+        pipeline: int
+        stage: int
+        incarnation: int
+        optimizer: torch.optim.Optimizer | None
+        precision: str
+        stop: bool
+        _unsettled: Any
+        _done: int | None
+        _decided_at: int
+
+        def _clock(self) -> float: ...
+        def _ranks(self, unit: Any, pipelines: list[int]) -> list[int]: ...
+        def _follow(self, pipelines: list[int], incarnations: list[int]) -> None: ...
+        def _settle(self, module: nn.Module) -> None: ...
+        def _segment(self, unit: Any) -> dict[str, int]: ...
+        @staticmethod
+        def _replica(module: nn.Module) -> list[torch.Tensor]: ...
+
     def _state(self, unit, module: nn.Module) -> list[torch.Tensor]:
         """What a unit of a replica is: its weights and its optimizer's state, in a fixed order;
         with bf16 or int8 changes also the anchor they are taken from (a restarted replica's is filled
@@ -106,16 +133,18 @@ class Healing:
         if answer.stop:
             self.stop = True
             return answer.iteration
-        self._follow([answer.source], [answer.source_incarnation])
-        source = self._ranks(unit, [answer.source])[0]
+        # not a stop: it names its source and iteration (HealAnswer checks that it does)
+        giver, giver_incarnation = cast(int, answer.source), cast(int, answer.source_incarnation)
+        self._follow([giver], [giver_incarnation])
+        source = self._ranks(unit, [giver])[0]
         state = self._state(unit, module)
         flat = flatten(state)
         self.groups.broadcast(flat, [source, self.rank], source,
-                              [answer.source_incarnation, self.incarnation],
+                              [giver_incarnation, self.incarnation],
                               tag=f"heal{answer.round}")
         unflatten(flat, state)
         # the run's progress as of now; the steps from here count on from it (position)
-        self._done, self._decided_at = answer.done, answer.iteration - 1
+        self._done, self._decided_at = answer.done, cast(int, answer.iteration) - 1
         store.push(self.events, store.EVENTS, protocol.Report(
             "healed", self.rank, self.pipeline, self.stage, self._clock(), self.incarnation,
             {"source": answer.source, "iteration": answer.iteration,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -124,8 +124,10 @@ def settled(cfg: Any, chosen: Any) -> DictConfig:
     :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, or a recorded ``wire`` line). The
     run's own config keeps them unresolved (its checkpoints too: a resumed run measures again,
     its links may have changed)."""
-    get = chosen.get if isinstance(chosen, dict) else lambda k: getattr(chosen, k)
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    get: Callable[[str], Any] = (chosen.get if isinstance(chosen, dict)
+                                 else lambda k: getattr(chosen, k))
+    # a config, or its sync section, is a mapping: so is the copy
+    out = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
     sync = out.sync if "sync" in out else out
     sync.every, sync.precision = int(get("every")), str(get("precision"))
     return out

@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -91,6 +91,11 @@ class Checkpoints:
         """Pipelines not at a global sync (lost, or restarting): the iterations each has done."""
         return {q: self.resume_step(q, policy)
                 for q in range(self.plan.pipelines) if q not in members}
+
+    @overload
+    def resume_step(self, p: int, policy: Any, unknown: int = 0) -> int: ...
+    @overload
+    def resume_step(self, p: int, policy: Any, unknown: None) -> int | None: ...
 
     def resume_step(self, p: int, policy: Any, unknown: int | None = 0) -> int | None:
         """The local step a left pipeline would go on from (the policy counts meetings)."""

@@ -16,12 +16,12 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig
 
 from sdpipe_cli import checkpoint
-from sdpipe_cli.core.grouping import Decision, make_policy
+from sdpipe_cli.core.grouping import Decision, GroupScheduler, make_policy
 from sdpipe_cli.core.meetings import meetings_of
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
@@ -30,7 +30,7 @@ from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker
 from sdpipe_cli.runtime.stragglers import StragglerWatch
 from sdpipe_cli.runtime.trace import Tracer
 from sdpipe_cli.runtime.trackers import open_sinks
-from sdpipe_cli.sync.replay import load as load_recorded
+from sdpipe_cli.sync.replay import Recorded, load as load_recorded
 from sdpipe_cli.sync.scheduler.checkpoints import Checkpoints
 from sdpipe_cli.sync.scheduler.health import Health, WorkerHung
 from sdpipe_cli.sync.scheduler.pacing import pacing_of, wire_summary
@@ -48,7 +48,7 @@ class _Held:
     """The store, for a scheduler replaying its journal: reads go through, writes are held
     (those of the batch being replayed, for :meth:`Scheduler.go_live`)."""
 
-    def __init__(self, real):
+    def __init__(self, real: Any) -> None:
         self.store = real
         self.last_batch: dict[str, Any] = {}
 
@@ -223,7 +223,7 @@ class Scheduler:
         P, S = self.grid.pipelines, self.grid.stages
         key = store.PREFIX + store.EVENTS
         stage = getattr(event, "stage", self.grid.stage_of(event.rank))
-        if type(event) in (protocol.Ready, protocol.Rejoin):  # of what the rank averages
+        if type(event) is protocol.Ready or type(event) is protocol.Rejoin:  # of what it averages
             if not (0 <= event.pipeline < P and 0 <= stage < self.segments.count):
                 stage = -1
             elif event.incarnation < self.incarnation[event.pipeline]:
@@ -261,7 +261,7 @@ class Scheduler:
     def _replayed(self, event: protocol.Ready) -> None:
         """``sync.replay``: the recorded decision for this replica's round, at once (its members
         meet in the all-reduce, whenever each comes)."""
-        group = self.recorded.get((event.stage, event.pipeline, event.iteration))
+        group = cast(Recorded, self.recorded).get((event.stage, event.pipeline, event.iteration))
         if group is None:
             raise WorkerHung(f"sync.replay: the recorded run has no decision for stage "
                              f"{event.stage} of pipeline {event.pipeline} at iteration "
@@ -292,12 +292,12 @@ class Scheduler:
             self.restarts += 1
         else:  # its workers find it there from the first decision naming this incarnation
             store.put(self.events, store.split_key(p), protocol.Split(p, event.incarnation, split))
-            self.checkpoints.resplit(p, split, self.replanning.slowed_now())
+            self.checkpoints.resplit(p, split, cast(Replanning, self.replanning).slowed_now())
             self.segments = self.checkpoints.plan.segments  # the run's plan, with the new split
-            self.stragglers.carry(p, self.replanning.slowed)
+            cast(StragglerWatch, self.stragglers).carry(p, cast(Replanning, self.replanning).slowed)
         if self.stragglers is not None:
             self.stragglers.reset(p)
-        self.metrics.write(self.tracker.update(protocol.record(event)))
+        self.metrics.write(cast(dict[str, Any], self.tracker.update(protocol.record(event))))
 
     def _report(self, event: protocol.Report) -> None:
         record = event.record()
@@ -314,22 +314,22 @@ class Scheduler:
             self.metrics.write(line)
             self.published = 0.0  # the console says so at the next event
             if self.replanning is not None:
-                self._consider_replan(line)
+                self._consider_replan(line, self.replanning)
         self.heals += event.type == "healed"
 
-    def _consider_replan(self, straggler: dict) -> None:
+    def _consider_replan(self, straggler: dict, replanning: Replanning) -> None:
         """``fault.on_slowdown=replan``: what the measured speeds call for, recorded either way.
         When it pays, the re-split pipelines restart on their new splits while the others go on
         (in place), or the run stops at its next consistent point (as a graceful stop does,
         with a checkpoint) and the launcher goes on from there with the new split."""
         done = sum(state.samples for state in self.tracker.state.values())
-        self.replanning.release(self.policy.live if self.policy is not None else frozenset())
-        proposal = self.replanning.consider(self.stragglers.own_slowdowns(), done,
-                                            self.first_step or 0.0, self.policy)
+        replanning.release(self.policy.live if self.policy is not None else frozenset())
+        proposal = replanning.consider(cast(StragglerWatch, self.stragglers).own_slowdowns(), done,
+                                       self.first_step or 0.0, self.policy)
         if proposal is None:
             return
-        changed = (self.replanning.resplit(self.policy.live if self.policy is not None
-                                           else frozenset()) if proposal.go else [])
+        changed = (replanning.resplit(self.policy.live if self.policy is not None
+                                      else frozenset()) if proposal.go else [])
         where = {k: straggler[k] for k in ("device", "pipeline", "stage")}
         self.metrics.write({"kind": "replan", "time": round(time.time() - self.t0, 4), **where,
                             **proposal.record(), **({"in_place": changed} if changed else {})})
@@ -338,7 +338,7 @@ class Scheduler:
         if changed:
             self.publish_progress()  # the launcher restarts them on their new splits
         elif proposal.go:
-            self.replan = self.replanning.next_leg()
+            self.replan = replanning.next_leg()
             self.events.set(store.STOP_REQUESTED, "1")
 
     def _policy(self):
@@ -350,7 +350,7 @@ class Scheduler:
 
     def _lost(self, event: protocol.Lost) -> None:
         p = event.pipeline
-        self.metrics.write(self.tracker.update(protocol.record(event)))
+        self.metrics.write(cast(dict[str, Any], self.tracker.update(protocol.record(event))))
         log.warning("pipeline %d lost%s: %s", p, " (restarting)" if event.restart else "",
                     event.reason)
         if self.health.pipeline_lost(p):
@@ -378,7 +378,7 @@ class Scheduler:
 
     def _publish(self, decisions: list[Decision]) -> None:
         # the run's global progress, for the members' learning-rate schedule
-        done = self.policy.iterations_done() if decisions else None
+        done = cast(GroupScheduler, self.policy).iterations_done() if decisions else None
         pacing = self.pacing
         for d in decisions:
             nexts = (pacing.nexts(d.members, d.iterations, self.policy, self.t0, self.clock())
@@ -416,7 +416,7 @@ class Scheduler:
             # here, and a stamp after it would then be later than the read it caused
             published = self.tracer.clock() if self.tracer is not None else None
             self.events.multi_set(keys, values)
-            if self.tracer is not None:
+            if self.tracer is not None and published is not None:
                 self.tracer.span(f"{d.kind} {d.round}", "round", published - max(d.waited),
                                  published, "members", list(d.members), "iterations",
                                  list(d.iterations), "twins", d.twins, row=1 + d.stage)

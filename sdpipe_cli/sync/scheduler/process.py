@@ -88,7 +88,7 @@ BATCH = 512  # most events taken from the queue at once
 def next_batch(events) -> list[str]:
     """The next events, as popped: all that are queued (up to :data:`BATCH`), else the next
     one to come (blocking)."""
-    raw = []
+    raw: list[bytes | str] = []
     while len(raw) < BATCH:
         try:
             raw.append(events.queue_pop(store.EVENTS, block=False))
@@ -158,7 +158,7 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Path | None = None,
 
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
           resume: Path | None = None, restarted: int = 0,
-          config: str = "config.yaml", wire: dict | None = None) -> Scheduler:
+          config: str = "config.yaml", wire: protocol.MeetingChoice | None = None) -> Scheduler:
     """Run until every worker reported done; ``restarted``: how many times this leg's scheduler
     was started again after it died (it then replays its journal first: the leg's, named after
     ``config``); ``wire``: the meetings this leg settled from its measured wire (a

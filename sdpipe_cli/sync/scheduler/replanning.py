@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig
 
@@ -87,7 +87,7 @@ class Replanning:
         """The pipelines the chosen proposal re-splits in place, now asked for (none: the run
         stops instead). In place needs a plan for it, and a live pipeline left as it was to heal
         the others from."""
-        chosen = self.chosen
+        chosen = cast(Proposal, self.chosen)  # asked once a proposal went (consider chose it)
         changed = [p for p, (now, new) in enumerate(zip(chosen.current, chosen.bounds))
                    if list(now) != list(new)]
         if not (self.in_place and changed and set(live) - set(changed)
@@ -160,8 +160,9 @@ class Replanning:
     def next_leg(self) -> dict[str, Any]:
         """What the next leg takes from the re-plan that went: the splits (``pipeline.partition``
         for all, or ``pipeline.partitions`` for the pipelines split apart) and ``fault.slowed``."""
-        partition, partitions = as_config(self.chosen.bounds, self.shared)
-        return {"partition": partition, "partitions": partitions, "reason": self.chosen.reason,
+        chosen = cast(Proposal, self.chosen)  # asked once a proposal went (consider chose it)
+        partition, partitions = as_config(chosen.bounds, self.shared)
+        return {"partition": partition, "partitions": partitions, "reason": chosen.reason,
                 "slowed": self.slowed_now()}
 
     def slowed_now(self) -> dict[str, float]:
