@@ -43,11 +43,12 @@ the scheduler about it, while a later stage is still in the global round it drai
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
 from sdpipe_cli.core.schedule import Action, Kind, async_next
-from sdpipe_cli.pipeline.executor import Executor, OnExecutor
+from sdpipe_cli.pipeline.executor import Executor, OnExecutor, Weights
 from sdpipe_cli.pipeline.p2p import Control
 from sdpipe_cli.pipeline.stash import WeightStash
 
@@ -118,8 +119,9 @@ class AsyncStage(OnExecutor):
             if action.kind is Kind.F:
                 k, r = divmod(i, m)
                 inputs, targets = batches[start + k]
+                # cast: mypy cannot infer a lambda with a default against a no-argument type
                 x, y, outgoing = ex.forward(now, r, inputs, targets,
-                                            weights=lambda j=j: stash.acquire(j)[1])
+                                            weights=cast(Weights, lambda j=j: stash.acquire(j)[1]))
                 version = stash.get(j)[0]
                 if ex.is_last:
                     losses[j] = float(y.detach()) / ex.loss_scale
@@ -130,7 +132,8 @@ class AsyncStage(OnExecutor):
             else:
                 x, y = in_flight.pop(j)
                 version = stash.get(j)[0]
-                outgoing = ex.backward(now, x, y, weights=lambda j=j: stash.get(j)[1])
+                outgoing = ex.backward(now, x, y,
+                                       weights=cast(Weights, lambda j=j: stash.get(j)[1]))
                 stash.release(j)
                 del x, y
                 backwarded += 1

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -128,10 +128,11 @@ class Executor:
         self.loss_scale = 1.0  # fp16: the last stage multiplies the loss by it before backward
         if not (isinstance(boundaries, tuple) and len(boundaries) == 2
                 and all(b is None or isinstance(b, Boundary) for b in boundaries)):
-            same = Boundary.tensor(boundaries, dtype)
+            same = Boundary.tensor(cast(Sequence[int], boundaries), dtype)  # not a pair: a shape
             boundaries = (same, same)
-        self.incoming = None if self.is_first else boundaries[0]
-        self.outgoing = None if self.is_last else boundaries[1]
+        pair = cast("tuple[Boundary | None, Boundary | None]", boundaries)  # checked, or built
+        self.incoming = None if self.is_first else pair[0]
+        self.outgoing = None if self.is_last else pair[1]
         sizes = (0 if self.incoming is None else self.incoming.nbytes,
                  0 if self.outgoing is None else self.outgoing.grads().nbytes)
         self.link = Link(prev_rank, next_rank, sizes, self.device, group,
@@ -158,9 +159,11 @@ class Executor:
         self._before(action)
         x, leaves = self.input(index, inputs)
         started = self._started()  # compute only, not the wait for the input
-        tensors = None if weights is None else weights()
-        run = ((lambda v: self.module(v)) if tensors is None else
-               (lambda v: functional_call(self.module, tensors, (v,))))
+        # the stashed weights, if given: a recompute in the backward (activation checkpointing)
+        # calls ``run`` again, so nothing below may rebind the name
+        stashed = None if weights is None else weights()
+        run = ((lambda v: self.module(v)) if stashed is None else
+               (lambda v: functional_call(self.module, stashed, (v,))))
         with self._precision():
             y = checkpoint(run, x, use_reentrant=False) if self.checkpointing else run(x)
             if self.is_last:
@@ -172,9 +175,10 @@ class Executor:
             if self.loss_scale != 1:
                 y = y.float() * self.loss_scale
         else:
-            tensors = self.outgoing.flatten(y, f"stage {self.stage}'s output")
-            outgoing = self.outgoing.pack(tensors, self.device)
-            y = [tensors[i] for i in self.outgoing.differentiable()]
+            boundary = cast(Boundary, self.outgoing)  # set on every stage but the last
+            tensors = boundary.flatten(y, f"stage {self.stage}'s output")
+            outgoing = boundary.pack(tensors, self.device)
+            y = [tensors[i] for i in boundary.differentiable()]
         self._after(action, started)
         return leaves, y, outgoing
 
@@ -194,7 +198,8 @@ class Executor:
         else:
             dxs = self._stashed_backward(x, outputs, grads, weights())
         self._after(action, started)
-        return None if dxs is None else self.incoming.grads().pack(dxs, self.device)
+        # dxs is set only past the first stage, which has an incoming boundary
+        return None if dxs is None else cast(Boundary, self.incoming).grads().pack(dxs, self.device)
 
     def backward_input(self, action: Action, x: list[torch.Tensor] | None, y: Any
                        ) -> tuple[torch.Tensor | None, Deferred]:
@@ -214,7 +219,8 @@ class Executor:
             dinputs, groups = importlib.import_module(SPLIT_BACKWARD).stage_backward_input(
                 outputs, grads, x, iter(params))
             dxs = [d if d is not None else torch.zeros_like(t) for d, t in zip(dinputs, x)]
-            deferred, message = Deferred(groups=groups), self.incoming.grads().pack(dxs, self.device)
+            incoming = cast(Boundary, self.incoming)  # x is set: not the first stage
+            deferred, message = Deferred(groups=groups), incoming.grads().pack(dxs, self.device)
         self._after(action, started)
         return message, deferred
 
@@ -235,16 +241,19 @@ class Executor:
         one), else the outputs that need a gradient and theirs, received from the next stage."""
         if self.is_last:
             return [y], None
-        buffer = self.link.receive(self.link.next_rank)
+        # not the last stage: it has a next rank and an outgoing boundary
+        buffer = self.link.receive(cast(int, self.link.next_rank))
         self.link.wait_delivered(action.microbatch)
-        pairs = [(t, g.to(t.dtype)) for t, g in zip(y, self.outgoing.grads().unpack(buffer))
+        outgoing = cast(Boundary, self.outgoing)
+        pairs = [(t, g.to(t.dtype)) for t, g in zip(y, outgoing.grads().unpack(buffer))
                  if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
     def send(self, action: Action, tensor: torch.Tensor, following: Action | None) -> None:
         """Send ``action``'s output (forward: to the next stage, backward: to the previous one);
         ``following`` is the next action, whose receive the send may post."""
-        self.link.send(action, tensor, self.link.destination(action), following)
+        # an action with an output to send has a destination
+        self.link.send(action, tensor, cast(int, self.link.destination(action)), following)
         self.link.wait_gradients(keep=self.num_stages - self.stage)
 
     # -- evaluation ------------------------------------------------------------------------------
@@ -274,19 +283,22 @@ class Executor:
                 with self._precision():
                     y = self.module(self.input(i, inputs, requires_grad=False)[0])
                 if self.is_last:
-                    target = to_device(targets[i], self.device)
+                    # check_data: the last stage has its m targets
+                    target = to_device(cast(Sequence[Any], targets)[i], self.device)
                     with self._precision():
                         loss = self.loss_fn(y, target).float()
                     total = loss if total is None else total + loss
                     if observe is not None:
                         observe(y, target)
                 else:
-                    tensors = self.outgoing.flatten(y, f"stage {self.stage}'s output")
-                    self.link.send(Action(Kind.F, i), self.outgoing.pack(tensors, self.device),
-                                   self.link.next_rank, None)
+                    boundary = cast(Boundary, self.outgoing)  # set: not the last stage
+                    tensors = boundary.flatten(y, f"stage {self.stage}'s output")
+                    self.link.send(Action(Kind.F, i), boundary.pack(tensors, self.device),
+                                   cast(int, self.link.next_rank), None)
                     self.link.wait_sends(keep=self.num_stages - self.stage)
         self.link.wait_sends()
-        return float(total) / m if self.is_last else None
+        # the last stage's total is set: it summed m >= 1 losses
+        return float(cast(torch.Tensor, total)) / m if self.is_last else None
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -302,9 +314,10 @@ class Executor:
         received floating-point tensors that the backward differentiates (None on the first)."""
         if self.is_first:
             return to_device(inputs[i], self.device), None
-        tensors = self.incoming.unpack(self.link.receive(self.link.prev_rank))
-        leaves = [tensors[k].requires_grad_(requires_grad) for k in self.incoming.differentiable()]
-        return self.incoming.unflatten(tensors), leaves
+        incoming = cast(Boundary, self.incoming)  # set: not the first stage
+        tensors = incoming.unpack(self.link.receive(cast(int, self.link.prev_rank)))
+        leaves = [tensors[k].requires_grad_(requires_grad) for k in incoming.differentiable()]
+        return incoming.unflatten(tensors), leaves
 
     def _precision(self):
         """Autocast of the stage's compute (mixed precision), or nothing."""
@@ -330,7 +343,8 @@ class Executor:
         if self._start_event is not None:  # read at the iteration's end, without a wait here
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.on_action.timed(self._start_event, end)
+            # a hook that times on the device (device_timed) takes the events: its timed()
+            cast(Any, self.on_action).timed(self._start_event, end)
             self._start_event = None
             return
         # Before the send: an emulated slow device must also deliver its output late.
@@ -349,7 +363,7 @@ class Executor:
         wrt = inputs + [weights[n] for n in names]
         found = (torch.autograd.grad(outputs, wrt, grads, allow_unused=True) if outputs
                  else (None,) * len(wrt))
-        taken = set()  # autograd may return one tensor for several inputs: never share
+        taken: set[int] = set()  # autograd may return one tensor for several inputs: never share
         dxs = None
         if x is not None:
             dxs = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]

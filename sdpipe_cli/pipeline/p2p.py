@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -190,7 +190,7 @@ class Link:
         # Oldest first: the activation of micro-batch i is F(i), the gradient of its input B(i),
         # the control of iteration k ControlSend(k).
         self._sends: list[Pending] = []
-        self._posted: tuple[int, torch.Tensor, object] | None = None  # (src, buffer, work)
+        self._posted: tuple[int, torch.Tensor, dist.Work] | None = None  # (src, buffer, work)
 
     @property
     def idle(self) -> bool:
@@ -254,13 +254,15 @@ class Link:
 
     def send_control(self, control: Control) -> None:
         """Pass ``control`` on to the next stage; waited on like the activation it precedes."""
-        self._sends.append(send_control(control, self.next_rank, self.device, self.group,
-                                        self.rank_offset))
+        # only a stage with a next one passes the control on (AsyncStage._control)
+        self._sends.append(send_control(control, cast(int, self.next_rank), self.device,
+                                        self.group, self.rank_offset))
 
     def receive_control(self, step: int) -> Control:
         """Iteration ``step``'s control from the previous stage (blocking)."""
-        return receive_control(self.prev_rank, step, self.device, self.group, self.stage,
-                               self.rank_offset)
+        # only a stage with a previous one receives it (AsyncStage._control)
+        return receive_control(cast(int, self.prev_rank), step, self.device, self.group,
+                               self.stage, self.rank_offset)
 
     def pass_drained(self) -> None:
         """Return once the stages after this one passed the drained word; pass it on.

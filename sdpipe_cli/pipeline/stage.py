@@ -19,7 +19,7 @@ before :meth:`FlushedStage.run` with :func:`sdpipe_cli.pipeline.p2p.send_control
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -76,7 +76,8 @@ class FlushedStage(OnExecutor):
             if outgoing is not None:
                 ex.send(action, outgoing, actions[index + 1] if index + 1 < len(actions) else None)
         ex.link.wait_sends()
-        return float(total) if ex.is_last else None
+        # the last stage's total is set: _check_actions found m >= 1 forwards
+        return float(cast(torch.Tensor, total)) if ex.is_last else None
 
 
 def _check_actions(actions: list[Action]) -> int:

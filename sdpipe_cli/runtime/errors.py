@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sdpipe_cli.core.errors import BadInput
 
@@ -55,11 +55,12 @@ def os_error(err: BaseException) -> OSError | None:
     ``(os error N)`` names in its message (safetensors, tokenizers); None if there is none."""
     seen: set[int] = set()
     first = err
-    while err is not None and id(err) not in seen:
-        if isinstance(err, OSError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
+    link: BaseException | None = err  # err, then what it was raised from or while handling
+    while link is not None and id(link) not in seen:
+        if isinstance(link, OSError):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
     named = re.search(r"\(os error (\d+)\)", str(first))
     return OSError(int(named.group(1)), os.strerror(int(named.group(1)))) if named else None
 
@@ -161,7 +162,7 @@ def record(run_dir: Path, name: str, **identity: Any) -> Iterator[None]:
     except BaseException as err:
         if getattr(err, "_sdpipe_recorded", False):
             raise
-        err._sdpipe_recorded = True
+        cast(Any, err)._sdpipe_recorded = True  # our mark, on an exception of any class
         payload = {
             "message": f"{type(err).__name__}: {err}",
             "bad_input": isinstance(err, BadInput),  # the launcher then exits 2, as for its own

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import cast
 
 import psutil
 from omegaconf import DictConfig
@@ -53,7 +54,9 @@ def resolve(host: str) -> list[str]:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as err:
         raise AddressError(f"'{host}' does not resolve ({err})") from None
-    return list(dict.fromkeys(str(ipaddress.ip_address(i[4][0].split("%", 1)[0])) for i in infos))
+    # an IPv4 or IPv6 answer's address is a str (the (int, bytes) form is for builds without IPv6)
+    return list(dict.fromkeys(str(ipaddress.ip_address(cast(str, i[4][0]).split("%", 1)[0]))
+                              for i in infos))
 
 
 def check_local(host: str) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import io
 import multiprocessing
 import os
 import signal
@@ -37,7 +38,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 __all__ = ["ChildProcess", "die_with_parent", "preload", "read_pid", "start"]
 
@@ -160,7 +161,8 @@ def _become(module: str, env: dict[str, str], log_path: str) -> None:
     os.dup2(log, 2)
     os.close(null)
     os.close(log)
-    sys.stdout.reconfigure(line_buffering=True, write_through=True)
+    # the interpreter's own stdout, a text wrapper, now writing to the log
+    cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=True, write_through=True)
     os.environ.clear()
     os.environ.update(env)
     raise SystemExit(importlib.import_module(module).main())
@@ -171,7 +173,7 @@ class _Forked:
 
     def __init__(self, process: multiprocessing.process.BaseProcess):
         self._process = process
-        self.pid = process.pid
+        self.pid: int = cast(int, process.pid)  # set: start() is called first
 
     @property
     def returncode(self) -> int | None:

@@ -472,10 +472,10 @@ def _conform(value: Any, hint: Any, key: str, name: str) -> Any:
             return None
         raise _wrong(key, name, hint, value)
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key)
+        return _build(typing.cast(type, hint), value, key)  # a dataclass hint is its class
     if hint in _SCALARS:  # a bool is no number here, an int is a float
         if isinstance(value, _SCALARS[hint]) and (hint is bool or not isinstance(value, bool)):
-            return float(value) if hint is float else value
+            return float(typing.cast(float, value)) if hint is float else value  # int or float
         raise _wrong(key, name, hint, value)
     if origin is list and isinstance(value, list):
         return [_conform(v, args[0], key, f"{name}[{i}]") for i, v in enumerate(value)]

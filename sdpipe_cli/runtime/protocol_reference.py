@@ -27,11 +27,13 @@ END = "<!-- messages: end -->"
 def _key(cls: type) -> str:
     if cls in protocol.EVENTS.values() or cls is protocol.Report:
         return f"`{store.PREFIX}{store.EVENTS}` (queue)"
-    keys = {protocol.Group: store.decision_key("<s>", "<p>", "<k>", "<i>"),
-            protocol.BeginAnswer: store.begin_key("<p>", "<k>", "<i>"),
-            protocol.HealAnswer: store.heal_key("<s>", "<p>", "<i>"),
-            protocol.Hung: store.HUNG, protocol.Split: store.split_key("<p>"),
-            protocol.WireReport: store.wire_key("<rank>"), protocol.MeetingChoice: store.MEETINGS}
+    # placeholders where the key functions take ints: the table shows a key's shape
+    s, p, k, i, rank = typing.cast(list[typing.Any], ["<s>", "<p>", "<k>", "<i>", "<rank>"])
+    keys = {protocol.Group: store.decision_key(s, p, k, i),
+            protocol.BeginAnswer: store.begin_key(p, k, i),
+            protocol.HealAnswer: store.heal_key(s, p, i),
+            protocol.Hung: store.HUNG, protocol.Split: store.split_key(p),
+            protocol.WireReport: store.wire_key(rank), protocol.MeetingChoice: store.MEETINGS}
     return f"`{store.PREFIX}{keys[cls]}`"
 
 
@@ -65,7 +67,8 @@ def table() -> str:
     rows = ["| message | from -> to | store key | fields | what it says |",
             "|---|---|---|---|---|"]
     for cls, (sender, receiver) in protocol.ROUTES.items():
-        name = f"`{cls.type}`" if cls in protocol.EVENTS.values() else f"`{cls.__name__}`"
+        event: typing.Any = cls  # an event class has its ``type``, which ``type`` does not know
+        name = f"`{event.type}`" if cls in protocol.EVENTS.values() else f"`{cls.__name__}`"
         rows.append(f"| {name} | {sender} -> {receiver} | {_key(cls)} | {_fields(cls)} | "
                     f"{_what(cls)} |")
     progress = ", ".join(protocol.PROGRESS_FIELDS)

@@ -70,13 +70,13 @@ def sgd(module, window):
     module.zero_grad(set_to_none=True)
 
 
-def run_mode(rank, mode):
+def run_mode(rank, mode, checkpointing=False):
     M, window, versions, segments = MODES[mode]
     lo, hi = bounds(rank)
     module = nn.Sequential(*make_blocks()[lo:hi])
     stage = AsyncStage(Executor(
         module, rank, STAGES, rank - 1 if rank else None, rank + 1 if rank < STAGES - 1 else None,
-        (MB, SEQ, WIDTH), torch.device("cpu"), loss_fn), M, versions)
+        (MB, SEQ, WIDTH), torch.device("cpu"), loss_fn, checkpointing=checkpointing), M, versions)
     stage.trace = []
     ends = [end for _, end in segments]
     losses, drained = {}, []
@@ -113,7 +113,8 @@ def worker(rank, port, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=STAGES, timeout=datetime.timedelta(seconds=60))
     try:
-        results[rank] = {mode: run_mode(rank, mode) for mode in MODES}
+        results[rank] = {**{mode: run_mode(rank, mode) for mode in MODES},
+                         "pipedream-ckpt": run_mode(rank, "pipedream", checkpointing=True)}
     finally:
         dist.destroy_process_group()
 
@@ -200,6 +201,12 @@ def test_async_pipeline_stashes_versions_and_matches_pipedream():
         assert sorted(losses) == list(range(total)), mode
         for j, loss in losses.items():
             assert loss == pytest.approx(ref_losses[j], rel=1e-5, abs=1e-6), (mode, j)
+    # Recomputing each forward in its backward (activation checkpointing) runs the stashed
+    # weights again, not the live ones nor anything else: the same losses and weights, exactly.
+    assert results[STAGES - 1]["pipedream-ckpt"]["losses"] == results[STAGES - 1]["pipedream"]["losses"]
+    for s in range(STAGES):
+        for name, value in results[s]["pipedream-ckpt"]["weights"].items():
+            assert torch.equal(value, results[s]["pipedream"]["weights"][name]), (s, name)
 
 
 class AddTwo(nn.Module):
