@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
 
 from omegaconf import OmegaConf
 from rich.console import Console
@@ -66,7 +68,7 @@ def profile(overrides: Sequence[str], show_config: bool = False,
                       soft_wrap=True)
         return result.returncode
     try:
-        doc = document.load(result.run_dir / "profile.json")
+        doc = document.load(cast(Path, result.run_dir) / "profile.json")  # no failure: it was made
     except document.ProfileError as bad:  # every worker ended well, so this is a bug: say so
         console.print(f"sdpipe: error: the profile was not written: {bad}", markup=False,
                       highlight=False, soft_wrap=True)
@@ -180,6 +182,7 @@ def _place_by_job(cfg) -> None:
         OmegaConf.update(cfg, key, value, merge=False)
     if placed:
         shown = " ".join(f"{k}={v}" for k, v in placed.items() if k.startswith("run."))
+        job = cast(job_env.JobEnvironment, job)  # placed: infer() places nothing outside a job
         print(f"sdpipe: {job.describe()} of the job: {shown or 'hosts from the node names'}",
               file=sys.stderr, flush=True)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -205,7 +205,7 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: RunResult,
     Returns (the store's events, the run folder, the config's path, the launch time)."""
     # a key that cannot be had stops the launch before anything is written; the seal itself is
     # of the config as saved, with its run id and folder (code's arguments may name them)
-    trust.seal(OmegaConf.to_container(cfg, resolve=True))
+    trust.seal(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))  # a DictConfig's
     new_run = resume is None or fresh
     if new_run:  # a new run (from scratch, or resumed into a new folder), or one started again
         if run_dir is None:  # a new run; one resumed fresh got its id with its folder (resuming)
@@ -213,11 +213,11 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: RunResult,
         run_dir = run_dir or make_run_dir(cfg.run.dir)
         cfg.run.dir = str(run_dir.resolve()) if run.cluster.real else str(run_dir)
         config_path = _new_path(run_dir / "config.yaml")
-    else:
+    else:  # not a new run: resume is set
         run_dir = Path(cfg.run.dir)
-        config_path = _new_path(run_dir / f"config.resume-{resume.name}.yaml")
+        config_path = _new_path(run_dir / f"config.resume-{cast(Path, resume).name}.yaml")
     result.run_dir = run_dir
-    cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
+    cfg.run.code_seal = trust.seal(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))
     save_run_config(cfg, config_path)
     if resume is None:  # the user's own folders; a resumed config's come from its file
         _copy_config_dirs(cfg, run_dir)
@@ -349,7 +349,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
     previous = state.phase.install()
     try:
         state.open(run_dir, elapsed, spent)
-        on_folder(state.run_dir)  # the user can look at the logs from here on
+        on_folder(cast(Path, state.run_dir))  # open() set it: the user can look at the logs
         state.start()
         state.supervise()
     except Interrupted:
@@ -376,7 +376,10 @@ class Launch:
         self.phase = Phase("starting the store" if self.primary else
                            f"waiting for the first node's store at {store_host(cfg)}:"
                            f"{cfg.run.port}", on_phase)
-        self.events = self.master = self.run_dir = self.config_path = None
+        self.events: Any = None  # these four: set by open()
+        self.master: Any = None
+        self.run_dir: Path | None = None
+        self.config_path: Path | None = None
         self.launched = 0.0
 
     def open(self, run_dir: Path | None, elapsed: float, spent: float = 0.0) -> None:
@@ -398,9 +401,10 @@ class Launch:
         """Every process of this node: the scheduler and servers on the first, then the workers."""
         cfg, job, run, primary = self.cfg, self.job, self.run, self.primary
         self.phase.advance("starting the processes")
-        self.spawner = spawner = Spawner(job, run, self.run_dir)
-        spawner.base = _environment(cfg, run.workers + spawner.servers, self.run_dir,
-                                    self.master.port, self.config_path, self.resume)
+        run_dir, config_path = cast(Path, self.run_dir), cast(Path, self.config_path)  # open()'s
+        self.spawner = spawner = Spawner(job, run, run_dir)
+        spawner.base = _environment(cfg, run.workers + spawner.servers, run_dir,
+                                    self.master.port, config_path, self.resume)
         helpers = [SCHEDULER] if job.helpers and primary else []
         helpers += [PS] if spawner.servers and primary else []
         splits = [SPLIT_BACKWARD] if cfg.pipeline.schedule in SPLIT_SCHEDULES else []
@@ -421,9 +425,9 @@ class Launch:
         tolerate = job.helpers and cfg.fault.on_pipeline_loss in ("continue", "restart")
         restarts = (supervision.Restarts(cfg.fault.max_restarts, cfg.fault.restart_backoff)
                     if tolerate and cfg.fault.on_pipeline_loss == "restart" else None)
-        supervisor = Supervisor(
-            self.children, self.run_dir, self.events, self.on_progress, self.launched, tolerate,
-            graceful=job.graceful, workers=self.run.workers, phase=self.phase,
+        supervisor = Supervisor(  # self.run_dir: set by open()
+            self.children, cast(Path, self.run_dir), self.events, self.on_progress, self.launched,
+            tolerate, graceful=job.graceful, workers=self.run.workers, phase=self.phase,
             restarts=restarts, restart=self.spawner.pipeline, pipelines=self.run.pipelines,
             restart_scheduler=self.spawner.scheduler, on_resplit=self.resplit,
             # a stranded worker gives up at run.timeout; 10 s at least for a slow teardown (NCCL)
@@ -441,8 +445,9 @@ class Launch:
         then ``config.replan-1.yaml``, ...: the run's history of its splits), is the one their
         new workers, and any worker started later, read."""
         self.cfg = self.result.cfg = cfg = derived.resplit(self.cfg, splits, slowed)
-        path = _new_path(self.run_dir / "config.replan.yaml")
-        cfg.run.code_seal = trust.seal(OmegaConf.to_container(cfg, resolve=True))
+        path = _new_path(cast(Path, self.run_dir) / "config.replan.yaml")  # set by open()
+        cfg.run.code_seal = trust.seal(
+            cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))  # a DictConfig's
         save_run_config(cfg, path)
         self.spawner.workers_config = str(path.resolve())
 
@@ -467,8 +472,8 @@ class Launch:
                 print(f"sdpipe: warning: removed {staging}: a checkpoint save that did not "
                       "complete", file=sys.stderr, flush=True)
         self.phase.restore(previous)
-        if self.cfg.run.trace and result.run_dir is not None and self.primary:
-            result.trace = quietly(lambda: trace.merge(result.run_dir))
+        if self.cfg.run.trace and (run_dir := result.run_dir) is not None and self.primary:
+            result.trace = quietly(lambda: trace.merge(run_dir))
         if self.events is not None:
             try:
                 result.progress = quietly(lambda: store.read_progress(self.events, {})) or {}

@@ -13,6 +13,7 @@ found here raises :class:`~sdpipe_cli.config.schema.ConfigError` before a run fo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import psutil
 import torch
@@ -35,7 +36,8 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
     """Resolve what depends on this machine (device, partition, the profile's path) into a
     concrete run config; with ``pipeline.partition=auto`` also the plan that chose it, and
     where sdpipe's meetings were chosen from slow links, that choice."""
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # a copy, schema-free
+    # a copy, schema-free (a DictConfig's container is a dict, which makes a DictConfig)
+    cfg = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
     cluster = cluster_of(cfg)  # checked by validate()
     cfg.cluster.device = resolve_device(cfg, cluster)
     if cfg.profile:
@@ -65,7 +67,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
     models.check(cfg)
     for q, own in (cfg.pipeline.partitions or {}).items():  # each split, as its workers see it
         try:
-            models.check(OmegaConf.merge(cfg, {"pipeline": {"partition": own}}))
+            models.check(cast(DictConfig, OmegaConf.merge(cfg, {"pipeline": {"partition": own}})))
         except ConfigError as err:
             key = f"pipeline.partitions.{q}" if err.key == "pipeline.partition" else err.key
             raise ConfigError(key, err.reason) from None
@@ -97,12 +99,13 @@ def check_memory(cfg: DictConfig) -> None:
               for bounds in set(run.segments.partitions)}
     if None in splits.values():
         return
+    known = cast(dict[tuple[int, ...], list[memory.StageMemory]], splits)  # no None: just above
     grid, cluster, partitions = run.grid, run.cluster, run.segments.partitions
 
     def of(rank: int) -> memory.StageMemory:  # a worker, under its pipeline's own split
-        return splits[partitions[grid.pipeline_of(rank)]][grid.stage_of(rank)]
+        return known[partitions[grid.pipeline_of(rank)]][grid.stage_of(rank)]
 
-    stages = [e for estimates in splits.values() for e in estimates]
+    stages = [e for estimates in known.values() for e in estimates]
     ranks = run.ranks_on(cfg.run.node)
     fixes = ("lower train.batch_size, raise pipeline.microbatches or pipeline.stages, or set "
              "pipeline.activation_checkpointing=true (run.memory_check=false to try anyway)")
@@ -116,7 +119,7 @@ def check_memory(cfg: DictConfig) -> None:
         have = psutil.virtual_memory().available
         if need > have:
             # one worker of each stage fits: there are too many of them here, not too large ones
-            crowded = max(sum(e.total for e in estimates) for estimates in splits.values()) <= have
+            crowded = max(sum(e.total for e in estimates) for estimates in known.values()) <= have
             raise ConfigError(
                 "cluster.pipelines" if crowded else "train.batch_size",
                 f"the {len(ranks)} workers on this machine need about {need / memory.GIB:.1f} GiB "
@@ -129,10 +132,10 @@ def check_memory(cfg: DictConfig) -> None:
         if index is None or index >= torch.cuda.device_count():
             continue
         have = torch.cuda.get_device_properties(index).total_memory
-        need = of(r)
-        if need.total > have:
-            raise ConfigError("train.batch_size", f"a worker of stage {need.stage} needs about "
-                              f"{need.total / memory.GIB:.1f} GiB ({need.describe()}), but GPU "
+        worker = of(r)
+        if worker.total > have:
+            raise ConfigError("train.batch_size", f"a worker of stage {worker.stage} needs about "
+                              f"{worker.total / memory.GIB:.1f} GiB ({worker.describe()}), but GPU "
                               f"{index} has {have / memory.GIB:.1f} GiB; " + fixes)
 
 

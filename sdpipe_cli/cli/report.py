@@ -103,7 +103,7 @@ TIME_AXIS = "seconds since the first iteration began"
 def load_all(paths: Sequence[str | Path]) -> list[Run]:
     """Runs from run folders and sweep folders (``sdpipe train -m``: every run in it, in the
     sweep's order)."""
-    runs = []
+    runs: list[Run] = []
     for path in paths:
         folder = Path(path)
         inner = []

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
@@ -85,10 +85,11 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
     requested = _value("run.dir", overrides)
     fresh = home is None or requested is not None
     if not fresh:
-        _no_links(home)
-        holder.take(home)  # before reading what another launcher of this run may be writing
+        run = cast(Path, home)  # not fresh: the checkpoint lies in its run (home is not None)
+        _no_links(run)
+        holder.take(run)  # before reading what another launcher of this run may be writing
         ckpt = checkpoint.resolve(path)  # the newest complete checkpoint, now that it stays so
-        for skipped in checkpoint.damaged(home):
+        for skipped in checkpoint.damaged(run):
             console.print(f"sdpipe: warning: {skipped} has no readable manifest (cut short or "
                           "damaged): passed over, and kept", markup=False, highlight=False,
                           soft_wrap=True)
@@ -105,7 +106,7 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
         """The run folder the leg writes into; a new one is made (and locked) only now, once
         ``checked`` passed every check."""
         if not fresh:
-            return Path(home)
+            return Path(cast(Path, home))  # not fresh: home is not None
         from sdpipe_cli.cli import launcher
 
         preparing.check_memory(checked)
@@ -196,7 +197,7 @@ def _values(key: str, overrides: Sequence[str]) -> list[str]:
 
 def _value(key: str, overrides: Sequence[str]) -> str | None:
     """The (last) value ``overrides`` give ``key``; None if none, or empty."""
-    return (_values(key, overrides) or [None])[-1] or None
+    return (_values(key, overrides) or [""])[-1] or None
 
 
 def _given(key: str, overrides: Sequence[str]) -> bool:
@@ -235,8 +236,8 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
     # a mapping given (pipeline.partitions, fault.slowed) is the mapping, not added to the saved
     mappings = [i for i in dotlist if _key_of(i) in mapping_settings()]
     try:
-        merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(
-            [i for i in dotlist if i not in mappings]))
+        merged = cast(DictConfig, OmegaConf.merge(cfg, OmegaConf.from_dotlist(  # into a DictConfig
+            [i for i in dotlist if i not in mappings])))
         for item in mappings:
             key = _key_of(item)
             with open_dict(merged):

@@ -11,7 +11,9 @@ an interrupt cut only the report short (:class:`InterruptedAfterRun`, caught by 
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
+from typing import Any, cast
 
 from rich.console import Console
 
@@ -62,8 +64,6 @@ def run_with_restarts(run_cfg, console: Console, done: int = 0, from_checkpoint=
 
 def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: float, fresh: bool,
               holder: run_lock.Holder) -> int:
-    import time
-
     from sdpipe_cli.cli import launcher, preparing
     from sdpipe_cli.core.supervision import Restarts
 
@@ -74,7 +74,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
     # the first launch makes the run folder (or resumes in its own, or in the new one made for it)
     run_dir = Path(run_cfg.run.dir) if fresh else None
     started_from = from_checkpoint
-    preparing: dict | None = None  # the handlers before the first launch's report
+    preparing_handlers: dict | None = None  # the handlers before the first launch's report
     primary = launcher.is_primary(run_cfg)
 
     def first_folder(folder: Path) -> None:
@@ -96,7 +96,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
                 shown.update(result.progress)
         first, run_cfg = False, run_cfg if result.cfg is None else result.cfg  # a re-split's, for later legs
         replaced = while_reporting(result)
-        preparing = replaced if preparing is None else preparing
+        preparing_handlers = replaced if preparing_handlers is None else preparing_handlers
         replan = _replan_of(result)
         timed_out = limit is not None and time.monotonic() - began >= limit
         if replan and timed_out:
@@ -116,8 +116,9 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
         if (restarts is None or result.returncode != EXIT_FAILED or result.interrupted
                 or result.run_dir is None):
             break  # an interrupt is never restarted, nor a run stopped before its folder existed
-        if timed_out:
-            result.failure += f" (train.time_limit={limit:g} s has passed: not restarted)"
+        if timed_out:  # a failed launch (EXIT_FAILED) says why: its failure is set
+            result.failure = cast(str, result.failure) + (
+                f" (train.time_limit={limit:g} s has passed: not restarted)")
             break
         left = None if limit is None else round(limit - (time.monotonic() - began), 4)
         run_cfg = carry_slowdowns(run_cfg, result.progress)
@@ -138,7 +139,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
         display.summary(console, result, time.monotonic() - began, restarts.used if restarts else 0)
         return 0
     finally:  # reported: what comes next (a sweep's next job) is preparing again
-        for sig, handler in (preparing or {}).items():
+        for sig, handler in (preparing_handlers or {}).items():
             signal.signal(sig, handler)
 
 
@@ -219,8 +220,6 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
     do again: the last it reached minus the checkpoint's, and ``time_left``, what is left of
     ``train.time_limit`` for the legs to come).
     """
-    import time
-
     from sdpipe_cli import checkpoint
     from sdpipe_cli.cli import supervisor
     from sdpipe_cli.runtime.metrics import MetricsLog
@@ -229,6 +228,7 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
     if wait is None:
         failed.failure += f" (restarts used up: fault.max_restarts={restarts.limit})"
         return None
+    manifest: dict[str, Any]  # checkpoint.verify's
     ckpt, manifest = None, {"steps": {}}
     for candidate in resuming.restart_points(failed.run_dir, run_cfg, started_from):
         try:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sdpipe_cli.core import supervision
 from sdpipe_cli.runtime import processes, protocol, store
@@ -177,12 +177,12 @@ class Supervisor:
         ``on_resplit``), then each one's workers stopped and the scheduler told it is gone."""
         self.on_resplit({p: list(bounds) for p, bounds in action.splits}, dict(action.slowed))
         for p, bounds in action.splits:
-            mates = [c for c in self.children if c.pipeline == p]
+            mates = [c for c in self.children if c.pipeline == p]  # workers: each has a rank
             if p not in action.stopping or not mates:  # lost meanwhile, or on another node
                 continue
             stop_all(mates)
             store.push(self.events, store.EVENTS, protocol.Lost(
-                min(c.rank for c in mates), p, f"re-split to {list(bounds)}", True,
+                min(cast(int, c.rank) for c in mates), p, f"re-split to {list(bounds)}", True,
                 round(time.time() - self.since, 4)))
             print(f"sdpipe: re-planning pipeline {p} in place: its workers restart on the split "
                   f"{list(bounds)} and heal from the other pipelines, which go on",
@@ -199,8 +199,9 @@ class Supervisor:
 
     def _respawn_scheduler(self, action: supervision.RespawnScheduler, seen) -> None:
         assert self.restart_scheduler is not None, action
-        dead = self.by_name["scheduler"]
-        print(f"sdpipe: warning: the scheduler {supervision.ending(dead.proc.returncode)}; "
+        dead = self.by_name["scheduler"]  # the policy saw it exit: its returncode is set
+        print("sdpipe: warning: the scheduler "
+              f"{supervision.ending(cast(int, dead.proc.returncode))}; "
               f"starting it again (restart {action.restart} of "
               f"{self.restarts.limit if self.restarts else 0}); it replays its journal",
               file=sys.stderr, flush=True)
@@ -244,6 +245,7 @@ class Pauses:
     worker's gloo error. A failure after a long pause says that the pause came first."""
 
     LONG_S = 10.0  # a gap between polls this long is no slow poll
+    last: float | None  # the clock at the last poll (None before the first)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock, self.last, self.longest = clock, None, 0.0
@@ -312,11 +314,11 @@ def _lose_pipeline(failed: Child, pipeline: int, children: list[Child], run_dir:
                    since: float, restart: bool = False) -> None:
     """Stop every worker of ``pipeline``, which ``failed`` cost, and tell the scheduler to drop it
     (``restart``: until its new workers rejoin)."""
-    mates = [c for c in children if c.pipeline == pipeline]
+    mates = [c for c in children if c.pipeline == pipeline]  # workers, ``failed`` too: ranked
     stop_all(mates)
     reason = describe_failure(failed, run_dir, since)
-    store.push(events, store.EVENTS, protocol.Lost(failed.rank, pipeline, reason, restart,
-                                                   round(time.time() - since, 4)))
+    store.push(events, store.EVENTS, protocol.Lost(cast(int, failed.rank), pipeline, reason,
+                                                   restart, round(time.time() - since, 4)))
     then = "it will be restarted" if restart else "the others go on"
     print(f"sdpipe: warning: pipeline {pipeline} lost, {then}: {reason}",
           file=sys.stderr, flush=True)
@@ -351,7 +353,8 @@ def describe_failure(child: Child, run_dir: Path, since: float = 0.0) -> str:
     full = _disk_full(run_dir)
     if full and not err:  # it could write neither its error file nor its log: say why
         detail = f"{full} ({detail})"
-    return f"{child.role} {supervision.ending(child.proc.returncode)}: {detail} (log: {child.log_path})"
+    ended = supervision.ending(cast(int, child.proc.returncode))  # it failed: it has exited
+    return f"{child.role} {ended}: {detail} (log: {child.log_path})"
 
 
 WRITES_FAILED = ("WriteFailed:", "SaveFailed:")  # errors of a file the run could not write
