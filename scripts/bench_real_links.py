@@ -158,6 +158,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.variant = [variant(v) for v in DEFAULT_VARIANTS] if args.variant is None else args.variant
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     args.runs = args.runs or Path("runs/real_links") / stamp
+    if args.runs.is_dir() and any(args.runs.iterdir()):
+        # a launcher refuses a run folder that holds files, and the rows would read the old run's
+        p.error(f"--runs: {args.runs} already holds files; choose a new folder")
     args.out = args.out or args.runs / "real_links.md"
     return args
 

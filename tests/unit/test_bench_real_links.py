@@ -121,3 +121,14 @@ def test_without_root_it_says_so_in_one_line_and_makes_nothing(tmp_path):
         "bench_real_links: cannot run here: needs root to create network namespaces "
         f"(running as uid {65534 if os.geteuid() == 0 else os.geteuid()})"]
     assert not (tmp_path / "r").exists()
+
+
+def test_a_runs_folder_that_holds_files_is_refused_before_anything_runs(tmp_path, capsys):
+    """A launcher refuses a run folder that holds files, and the table would read that old
+    run's metrics as this one's: the script refuses the folder first."""
+    bench.parse_args(["--runs", str(tmp_path / "fresh")])
+    (tmp_path / "used" / "sdpipe_seed0").mkdir(parents=True)
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(["--runs", str(tmp_path / "used")])
+    assert refused.value.code == 2
+    assert "--runs:" in capsys.readouterr().err
