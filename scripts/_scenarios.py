@@ -17,6 +17,8 @@ And the cluster configs that carry their own heterogeneity (``configs/cluster/``
 :data:`HETERO_STATIC` (three pipelines, one on 3x slower devices), :data:`HETERO_RANDOM` (the
 ``random`` straggles on four pipelines), :data:`HETERO_MIXED` (two device generations on two nodes,
 a speed change, slow cross-node links) and :data:`SLOW_LINKS` (four machines over a slow link).
+Where compute is modelled from block costs (``partition=auto``, re-planning), :func:`write_profile`
+writes the profile of one device whose blocks all cost the same.
 A script's own name for a scenario may differ (``bench_policy.py``'s ``mixed`` is
 ``cluster=hetero_mixed``, its ``1124`` the ``mixed`` slowdown here): each keeps its names and the
 overrides it always gave, built here.
@@ -24,7 +26,9 @@ overrides it always gave, built here.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 SLOW = 3.0  # the straggler's slowdown, unless a script is told another
 MIXED = (2.0, 4.0)  # mixed: the slowdowns of the last pipelines, the others at speed 1
@@ -71,3 +75,18 @@ def overrides(scenario: str, pipelines: int, slow: float = SLOW) -> list[str]:
     when every factor is 1), then, for ``random``, its straggles."""
     extra = random_stragglers(slow) if scenario == "random" else []
     return [slowdown(slowdowns(scenario, pipelines, slow)), *extra]
+
+
+def write_profile(path: Path, model: str, blocks: int, microbatch: int, block_ms: float) -> Path:
+    """A profile of one device at speed 1, every other device taking its times over its speed:
+    each of ``model``'s ``blocks`` ``block_ms`` forward and twice that backward."""
+    path.write_text(json.dumps({
+        "format": "sdpipe-profile/1", "created": "2026-12-05T00:00:00", "torch": "-",
+        "model": {"name": model, "blocks": blocks, "microbatch_size": microbatch,
+                  "block_params": [70_000] * blocks},
+        "cluster": {"name": "bench"}, "p2p": [], "allreduce": [],
+        "devices": [{"name": "local:0", "node": "local", "speed": 1.0, "rank": 0, "pipeline": 0,
+                     "stage": 0, "forward_ms": [block_ms] * blocks,
+                     "backward_ms": [2 * block_ms] * blocks, "peak_memory_mb": 1.0,
+                     "memory_source": "rss"}]}))
+    return path

@@ -50,6 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  (sibling modules, not a package)
+import _scenarios  # noqa: E402
 from _runner import run_command, run_sdpipe  # noqa: E402
 
 from sdpipe_cli import analysis  # noqa: E402
@@ -60,21 +61,6 @@ P, S, BLOCKS, MICROBATCHES, BATCH = 4, 4, 16, 4, 16
 PIPELINE, STAGE, SPEED = 2, 1, 0.25  # local:9, pipeline 2's stage 1, slows to a quarter
 BASE = ["model=mlp", "model.n_layers=14", "data=synthetic", f"cluster.pipelines={P}",
         f"pipeline.stages={S}", "train.eval_every=0", "cluster.emulation=modelled"]
-
-
-def write_profile(out: Path, block_ms: float) -> Path:
-    """A profile of one device at speed 1 (every other device takes its times)."""
-    doc = {"format": "sdpipe-profile/1", "created": "2026-12-05T00:00:00", "torch": "-",
-           "model": {"name": "mlp", "blocks": BLOCKS, "microbatch_size": BATCH // MICROBATCHES,
-                     "block_params": [70_000] * BLOCKS},
-           "cluster": {"name": "bench"}, "p2p": [], "allreduce": [],
-           "devices": [{"name": "local:0", "node": "local", "speed": 1.0, "rank": 0,
-                        "pipeline": 0, "stage": 0, "forward_ms": [block_ms] * BLOCKS,
-                        "backward_ms": [2 * block_ms] * BLOCKS, "peak_memory_mb": 1.0,
-                        "memory_source": "rss"}]}
-    path = out / "profile.json"
-    path.write_text(json.dumps(doc))
-    return path
 
 
 def device(pipeline: int) -> str:
@@ -237,7 +223,8 @@ def main() -> int:
     _report.add_markdown_option(parser)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    profile = write_profile(args.out, args.block_ms)
+    profile = _scenarios.write_profile(args.out / "profile.json", "mlp", BLOCKS,
+                                       BATCH // MICROBATCHES, args.block_ms)
     if args.resume_check:
         print(resume_check(args.out, profile, args.steps, args.at, args.timeout))
         return 0

@@ -46,7 +46,7 @@ import _report  # noqa: E402
 import bench_memory  # noqa: E402  (its stage inputs and forward, the executor's two lines)
 from _report import mib  # noqa: E402
 
-SPLIT_BACKWARD = "torch.distributed.pipelining._backward"
+from sdpipe_cli.pipeline.executor import SPLIT_BACKWARD  # noqa: E402  (the split the executor runs)
 
 
 class Live:

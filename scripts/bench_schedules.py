@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _report  # noqa: E402
 import _runner  # noqa: E402
+import _scenarios  # noqa: E402
 
 from sdpipe_cli.analysis import read_metrics  # noqa: E402
 from sdpipe_cli.core.schedule import SCHEDULES, Kind, tick_order  # noqa: E402
@@ -75,22 +76,6 @@ def simulated_rate(overrides: list[str], run_dir: Path, log: Path, timeout: floa
 BLOCKS_PER_STAGE = 4  # with --slow: room for partition=auto to move blocks
 
 
-def write_profile(path: Path, blocks: int, microbatch: int, forward_ms: float) -> Path:
-    """A profile of one device at speed 1 (every device takes its times, over its speed):
-    ``forward_ms`` a stage of :data:`BLOCKS_PER_STAGE` blocks forward, twice that backward."""
-    block_ms = forward_ms / BLOCKS_PER_STAGE
-    path.write_text(json.dumps({
-        "format": "sdpipe-profile/1", "created": "2026-12-06T00:00:00", "torch": "-",
-        "model": {"name": "mlp", "blocks": blocks, "microbatch_size": microbatch,
-                  "block_params": [70_000] * blocks},
-        "cluster": {"name": "bench"}, "p2p": [], "allreduce": [],
-        "devices": [{"name": "local:0", "node": "local", "speed": 1.0, "rank": 0, "pipeline": 0,
-                     "stage": 0, "forward_ms": [block_ms] * blocks,
-                     "backward_ms": [2 * block_ms] * blocks, "peak_memory_mb": 1.0,
-                     "memory_source": "rss"}]}))
-    return path
-
-
 def slow_overrides(slow: str, stages: int, microbatch: int, forward_ms: float,
                    out: Path) -> list[str]:
     """``--slow STAGE:SPEED``: the devices, the profile and ``partition=auto``."""
@@ -98,7 +83,8 @@ def slow_overrides(slow: str, stages: int, microbatch: int, forward_ms: float,
     speeds = [float(speed) if s == int(stage) else 1.0 for s in range(stages)]
     devices = ", ".join(f"{{speed: {v}}}" for v in speeds)
     blocks = BLOCKS_PER_STAGE * stages
-    profile = write_profile(out / "profile.json", blocks, microbatch, forward_ms)
+    profile = _scenarios.write_profile(out / "profile.json", "mlp", blocks, microbatch,
+                                       forward_ms / BLOCKS_PER_STAGE)
     return [f"model.n_layers={blocks - 2}", f"cluster.nodes=[{{name: local, devices: [{devices}]}}]",
             f"profile={profile}", "pipeline.partition=auto", "cluster.emulation=modelled"]
 
