@@ -31,6 +31,7 @@ from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.schedule import SCHEDULES as FLUSHED
 from sdpipe_cli.runtime import network, run_lock
 from sdpipe_cli.runtime.errors import CheckpointError
 
@@ -62,6 +63,15 @@ class Leg:
 
 def resumable(key: str) -> bool:
     return key in RESUMABLE or key in _SPLIT or key.startswith("cluster.")
+
+
+def keeps_state(saved: DictConfig, key: str, value: str) -> bool:
+    """A change the saved state does not depend on by its value: one flushed schedule for
+    another (GPipe, 1F1B and ZB-H1 make the same update from the same weights and optimizer
+    state, and a checkpoint holds nothing else of them; asynchronous 1F1B keeps weight versions
+    of its own)."""
+    return (key == "pipeline.schedule" and saved.pipeline.schedule in FLUSHED
+            and value in FLUSHED)
 
 
 def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_lock.Holder,
@@ -218,9 +228,11 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
             cluster = item.split("=", 1)[1]
         elif key == "run.dir":
             continue  # where the leg goes on: set by prepare
-        elif not resumable(key):
+        elif not (resumable(key) or keeps_state(saved, key, item.split("=", 1)[1])):
             raise ConfigError(key, "cannot change when resuming: the saved state depends on it "
-                              f"(resume may change {', '.join(RESUMABLE + LAYOUT)}, and run.dir: a new folder)")
+                              f"(resume may change {', '.join(RESUMABLE + LAYOUT)}, "
+                              f"pipeline.schedule between {', '.join(FLUSHED)}, "
+                              "and run.dir: a new folder)")
         else:
             dotlist.append(item)
     cfg = saved.copy()

@@ -18,6 +18,7 @@ import time
 
 import psutil
 import pytest
+from omegaconf import OmegaConf
 from rich.console import Console
 
 from sdpipe_cli import checkpoint
@@ -82,6 +83,25 @@ def test_resuming_an_older_checkpoint_reproduces_the_losses_exactly_and_keeps_th
     assert [t.label for t in report.timelines(run)] == ["copy", "copy (resumed from step_10)"]
 
 
+def test_a_checkpoint_of_one_flushed_schedule_resumes_under_another_bit_for_bit(
+        allreduce_2x2_run, tmp_path):
+    """ZB-H1 makes 1F1B's update from the same weights and optimizer state, so a 1F1B run's
+    checkpoint resumes under it: the same losses and final weights as the run never stopped."""
+    copy = tmp_path / "copy"
+    shutil.copytree(allreduce_2x2_run, copy)
+    before = len(metrics(copy))
+    out = sdpipe("resume", str(copy / "checkpoints" / "step_10"), "pipeline.schedule=zb_h1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    [leg] = copy.glob("config.resume-step_10*.yaml")
+    assert OmegaConf.load(leg).pipeline.schedule == "zb_h1"
+    assert OmegaConf.load(copy / "config.yaml").pipeline.schedule == "1f1b"
+    reference = losses(metrics(allreduce_2x2_run))
+    continued = losses(metrics(copy)[before:])
+    assert sorted(continued) == [(p, k) for p in (0, 1) for k in range(11, 21)]
+    assert all(continued[key] == reference[key] for key in continued)  # bit-exact
+    assert digests(copy) == digests(allreduce_2x2_run)
+
+
 def test_a_damaged_newest_checkpoint_is_passed_over_and_kept(allreduce_2x2_run, tmp_path):
     """The newest checkpoint's manifest is garbage: resuming the run warns and goes on from the
     one before, leaving the damaged folder as it is. (Which checkpoint a resume starts from is
@@ -118,6 +138,8 @@ def resume_in_process(capsys, *argv: str) -> tuple[int, list[str]]:
     ("missing path", ("{missing}",), "does not exist"),
     ("unsafe override", ("{run}", "model.n_layers=2"), "model.n_layers: cannot change"),
     ("unsafe override (sync)", ("{run}", "sync.name=none"), "sync.name: cannot change"),
+    ("to the asynchronous schedule", ("{run}", "pipeline.schedule=async_1f1b"),
+     "pipeline.schedule: cannot change"),
     ("not key=value", ("{run}", "train.steps"), "train.steps"),
     ("wrong type", ("{run}", "train.steps=many"), "train.steps"),
 ])
