@@ -310,3 +310,21 @@ def test_async_policy_a_lost_pipeline_rejoins_at_its_last_finished_iteration():
     assert d.heal == ((1, 1),) and 1 in pol.live
     assert pol.snapshot().begun[1] == 1 and pol.snapshot().last_ready[1] == (1, 1)
     assert pol.begin(1, 1) == (False, []) and pol.iterations_done() == 4
+
+
+def test_async_policy_a_lost_pipeline_redoes_a_decided_iteration_it_never_reported():
+    """Both stages of pipeline 1 made both rounds of iterations 0 and 1, but its last stage
+    reported only iteration 0 before it was stopped: it goes on from iteration 1."""
+    for recorded, resume, done in ((None, 2, 4), (1, 1, 3)):
+        pol = AsyncGroupScheduler(2, 2, rounds_per_iteration=2, window=0.01, total_iterations=20,
+                                  clock=lambda: 0.0)
+        for k in (0, 1):
+            for p in (0, 1):
+                pol.begin(p, k)
+            for r in (2 * k, 2 * k + 1):
+                for s in (1, 0):
+                    for p in (0, 1):
+                        pol.ready(s, p, r)
+        assert pol.iterations_done() == 4
+        pol.leave(1, recorded)
+        assert pol.iterations_done() == done and pol.resume_at == {1: resume}, recorded

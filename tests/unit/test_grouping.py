@@ -537,6 +537,22 @@ def test_leave_gives_back_the_iterations_not_every_stage_finished():
     assert g.snapshot().last_ready[1] == (0, 0)
 
 
+
+def test_leave_does_not_count_a_decided_iteration_that_was_never_reported():
+    """Every stage of pipeline 1 got its decision for iteration 1, but the pipeline was stopped
+    before its last stage reported that iteration (its train line): iteration 1 is given back
+    and done again, so that each counted iteration has its record. Without ``recorded`` the
+    decisions alone would count it."""
+    for recorded, resume, done in ((None, 2, 4), (1, 1, 3), (2, 2, 4)):
+        g, _ = make(2, 2, window=0.01, connect_every=1)
+        for k in (0, 1):
+            for s in (1, 0):
+                for p in (0, 1):
+                    g.ready(s, p, k)
+        assert g.iterations_done() == 4
+        g.leave(1, recorded)
+        assert g.iterations_done() == done and g.resume_at == {1: resume}, recorded
+
 @SETTINGS
 @given(runs(global_every=st.just(0), steps=st.just(10_000)), st.integers(1, 20))
 def test_time_limit_ends_run_with_stop_global(sim, limit_tenths):

@@ -91,10 +91,13 @@ class AsyncPlanner:
         return False
 
     # -- departures, rejoining, resuming ---------------------------------------------------------
-    def give_back(self, pipeline: int) -> int:
+    def give_back(self, pipeline: int, recorded: int | None = None) -> int:
         """The budget counts iterations begun: a pipeline that left keeps those every stage
-        finished (all their rounds decided); it would go on from the next one."""
+        finished (all their rounds decided) and, given ``recorded``, its last stage reported;
+        it would go on from the next one."""
         finished = (min(self.run.decided[pipeline]) + 1) // self.rounds_per_iteration
+        if recorded is not None:
+            finished = min(finished, recorded)
         self._begun_total -= self._begun[pipeline] - finished
         self._begun[pipeline] = finished
         return finished

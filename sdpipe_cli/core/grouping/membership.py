@@ -29,16 +29,17 @@ class Membership:
         self.resume_at: dict[int, int] = {}  # left pipeline -> the iteration it would go on from
         self.healing: dict[int, dict[int, int | None]] = {}  # p -> stage -> source (None: waits)
 
-    def leave(self, pipeline: int) -> bool:
+    def leave(self, pipeline: int, recorded: int | None = None) -> bool:
         """``pipeline`` is gone (failed or finished): forget it everywhere and unblock its peers.
-        Its unfinished iterations are given back to the budget. Whether it was live."""
+        Its unfinished iterations (and, given ``recorded``, those its last stage did not report)
+        are given back to the budget. Whether it was live."""
         run = self.run
         self.healing.pop(pipeline, None)
         if pipeline not in run.live:
             return False
         run.live.discard(pipeline)
         run.forecast.forget(pipeline)
-        self.resume_at[pipeline] = self.planner.give_back(pipeline)
+        self.resume_at[pipeline] = self.planner.give_back(pipeline, recorded)
         self.lineage.forget(pipeline)
         target = run.global_at.pop(pipeline, None)
         for st in run.stages:

@@ -130,10 +130,12 @@ class GroupScheduler:
         last = self._planner.begin(pipeline, iteration)
         return last, self.tick()
 
-    def leave(self, pipeline: int) -> list[Decision]:
+    def leave(self, pipeline: int, recorded: int | None = None) -> list[Decision]:
         """``pipeline`` is gone (failed or finished): forget it everywhere and unblock its peers.
-        Its unfinished iterations are given back to the budget (see the package docstring)."""
-        return self.tick() if self._members.leave(pipeline) else []
+        Its unfinished iterations are given back to the budget (see the package docstring);
+        ``recorded``: the iterations its last stage reported, when known. A round decided just
+        before the pipeline was stopped is not an iteration done until it is reported."""
+        return self.tick() if self._members.leave(pipeline, recorded) else []
 
     def rejoin(self, stage: int, pipeline: int) -> list[Decision]:
         """Stage ``stage`` of ``pipeline``, which left, was restarted and waits for a source to

@@ -303,8 +303,7 @@ class Scheduler:
         record = event.record()
         if event.type == "healed":  # the restarted worker's clock may not be the run's yet
             record["time"] = round(time.time() - self.t0, 4)
-        line = self.tracker.update(record)
-        if line is not None:
+        if (line := self.tracker.update(record)) is not None:
             self.metrics.write(line)
         if self.first_step is None and event.type == "step":
             self.first_step = self.clock() - self.began
@@ -351,13 +350,14 @@ class Scheduler:
     def _lost(self, event: protocol.Lost) -> None:
         p = event.pipeline
         self.metrics.write(cast(dict[str, Any], self.tracker.update(protocol.record(event))))
-        log.warning("pipeline %d lost%s: %s", p, " (restarting)" if event.restart else "",
-                    event.reason)
+        log.warning("pipeline %d lost%s: %s", p, " (restarting)" if event.restart else "", event.reason)
         if self.health.pipeline_lost(p):
             self._name_hung()
         self.rejoining = {(s, q) for s, q in self.rejoining if q != p}
         if self.policy is not None:
-            self._publish(self.policy.leave(p))
+            # done at most up to its next train line due: a round decided but not written is redone
+            recorded = self.tracker.state[p].steps + self.cfg.train.log_every - 1
+            self._publish(self.policy.leave(p, self.meetings.meeting(recorded)))
         for ckpt in self.checkpoints.pipeline_lost(p, self.policy):  # its shards will not come
             self._finalize(ckpt)
 
