@@ -69,10 +69,44 @@ def test_a_restarted_replica_never_reads_a_decision_meant_for_its_dead_incarnati
     assert store.get_json(events, stale)["incarnations"] == [0, 0]  # the dead one's, unread
 
 
+
+@pytest.mark.parametrize("log_every, resumes_at", [(1, 1), (2, 2)])
+def test_a_pipeline_stopped_before_its_train_line_does_that_iteration_again(tmp_path, log_every,
+                                                                           resumes_at):
+    """Both stages of both pipelines were decided for iterations 0 and 1, but pipeline 0's last
+    stage wrote only iteration 0's train line before the pipeline was stopped (a re-split or a
+    failure between its round's decision and its report). It goes on from iteration 1, so that
+    the run's record has a line for each iteration the budget counts. With ``train.log_every=2``
+    no line was due after iteration 0, so iteration 1 counts."""
+    sched, events, now, _ = scheduler(tmp_path, "train.steps=20", f"train.log_every={log_every}")
+
+    def event(kind: str, stage: int, pipeline: int, **more) -> None:
+        where = {} if kind in ("lost", "restart") else {"stage": stage}
+        sched.handle(as_event(type=kind, rank=pipeline * S + stage, pipeline=pipeline,
+                              **where, **more))
+
+    for k in (0, 1):
+        for s in (1, 0):
+            for p in range(P):
+                event("ready", s, p, iteration=k)
+        for p in ((0, 1) if k == 0 else (1,)):  # pipeline 0 is stopped before its line for 1
+            event("step", 1, p, step=k + 1, samples=4 * k + 4, samples_per_s=10.0, step_s=0.1,
+                  loss=2.0, time=0.5)
+    event("lost", 1, 0, restart=True, reason="re-split")
+    event("restart", 0, 0, incarnation=1)
+    for s in range(S):
+        event("rejoin", s, 0, incarnation=1)
+    now[0] = 1.0
+    for s in (1, 0):
+        event("ready", s, 1, iteration=2)
+    for s in range(S):
+        assert store.get_json(events, store.heal_key(s, 0, 1))["iteration"] == resumes_at
+
 def test_async_answers_to_a_restarted_pipeline_name_its_incarnation(tmp_path):
-    """Asynchronous 1F1B (two rounds per iteration): pipeline 1 began iteration 1, and its last
-    stage made round 2 there, when it was lost. Restarted, it begins iteration 1 again and that
-    stage asks for round 2 again: both answers are new, the dead process's stay unread."""
+    """Asynchronous 1F1B (two rounds per iteration): pipeline 1 finished and reported iteration 0,
+    began iteration 1, and its last stage made round 2 there, when it was lost. Restarted, it
+    begins iteration 1 again and that stage asks for round 2 again: both answers are new, the
+    dead process's stay unread."""
     sched, events, now, _ = scheduler(tmp_path, "train.steps=10", "pipeline.schedule=async_1f1b",
                                       "pipeline.microbatches=2")
     assert sched.policy.rounds_per_iteration == 2
@@ -89,6 +123,8 @@ def test_async_answers_to_a_restarted_pipeline_name_its_incarnation(tmp_path):
         for s in (1, 0):
             for p in range(P):
                 event("ready", s, p, iteration=r)
+    for p in range(P):  # iteration 0 done: the last stage's train line
+        event("step", 1, p, step=1, samples=4, samples_per_s=10.0, step_s=0.1, loss=2.0, time=0.5)
     event("ready", 1, 1, iteration=2)
     event("ready", 1, 0, iteration=2)
     stale_begin, stale_round = store.begin_key(1, 1, 0), store.decision_key(1, 1, 2, 0)
