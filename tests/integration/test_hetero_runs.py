@@ -133,7 +133,9 @@ def _stage_wall_time(speed: float, microbatches: int, compute_ms: float) -> floa
 
 def test_modelled_speed_holds_in_wall_time_on_a_loaded_machine():
     """Speed 0.5 takes twice the wall time of speed 1.0 within 10 %, while busy processes
-    compete for the cores (more of them than there are cores)."""
+    compete for the cores (more of them than there are cores). Few long actions: each wake-up
+    on a loaded machine is late by a few milliseconds in both runs alike (60 actions of 10 ms
+    put the ratio at 1.73 under the suite's load), where the model is what is tested."""
     ctx = multiprocessing.get_context("forkserver")
     burners = [ctx.Process(target=_burn, args=(60.0,), daemon=True)
                for _ in range((os.cpu_count() or 2) + 1)]
@@ -143,12 +145,12 @@ def test_modelled_speed_holds_in_wall_time_on_a_loaded_machine():
     torch.set_num_threads(1)  # as in a worker: intra-op threads would fight the burners
     try:
         time.sleep(0.5)
-        fast, fast_over = _stage_wall_time(1.0, 30, 10.0)
-        slow, slow_over = _stage_wall_time(0.5, 30, 10.0)
+        fast, fast_over = _stage_wall_time(1.0, 10, 30.0)
+        slow, slow_over = _stage_wall_time(0.5, 10, 30.0)
     finally:
         torch.set_num_threads(threads)
         for b in burners:
             b.terminate()
             b.join(5)
     assert slow / fast == pytest.approx(2.0, rel=0.10), (fast, slow, fast_over, slow_over)
-    assert fast >= 30 * 0.030  # never faster than the model
+    assert fast >= 10 * 0.090  # never faster than the model (a forward 30 ms, a backward 60)
