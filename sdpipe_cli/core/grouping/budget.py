@@ -94,8 +94,8 @@ class FlushedPlanner:
     # -- departures, rejoining, resuming ---------------------------------------------------------
     def give_back(self, pipeline: int, recorded: int | None = None) -> int:
         """A pipeline left: its iterations count up to the last one every stage finished, and the
-        next is where it would go on from. ``recorded``: the iterations its last stage is known
-        to have finished and reported; an iteration whose rounds were decided but which was
+        next is where it would go on from. ``recorded``: at most this many count, those its record
+        covers (its last stage's reports); an iteration whose rounds were decided but which was
         stopped before its report is not counted, and is done again."""
         finished = min(self.run.decided[pipeline])
         if recorded is not None:
