@@ -110,7 +110,7 @@ class ProfilePhases:
     """One line per profiling phase as rank 0 reaches it (the phases take turns, see profiling)."""
 
     NAMES = {"blocks": "block forward/backward times", "p2p": "p2p latency and bandwidth",
-             "allreduce": "all-reduce of stage weights"}
+             "link": "links between nodes", "allreduce": "all-reduce of stage weights"}
 
     def __init__(self, console: Console):
         self.console, self.phase = console, None
@@ -124,7 +124,7 @@ class ProfilePhases:
 
 
 def profile_tables(console: Console, doc: dict, wall_s: float) -> None:
-    """profile.json as tables: devices, blocks, p2p, all-reduce."""
+    """profile.json as tables: devices, blocks, p2p, links between nodes, all-reduce."""
     m, c, devices = doc["model"], doc["cluster"], doc["devices"]
     table = Table(title=f"sdpipe profile: {m['name']}, micro-batch {m['microbatch_size']} x "
                   f"{m['seq_len']} tokens, P={c['pipelines']} S={c['stages']} on {c['device']} "
@@ -157,20 +157,10 @@ def profile_tables(console: Console, doc: dict, wall_s: float) -> None:
         console.print(f"(the first and the slowest of {len(devices)} devices; all of them in "
                       "profile.json)", highlight=False)
 
-    if doc["p2p"]:
-        table = Table(title=f"p2p between pipeline neighbours (bandwidth message "
-                      f"{doc['p2p'][0]['bytes'] / 2**20:g} MiB)")
-        for col in ("pair", "ranks", "link", "emulated", "latency ms", "bandwidth Gbit/s"):
-            table.add_column(col, justify="right" if col.endswith(("ms", "Gbit/s")) else "left")
-        for e in doc["p2p"]:
-            link = c["links"][e["link"]]  # what cluster.links emulated on this link class
-            emulated = [f"{link['latency_ms']:g} ms"] if link["latency_ms"] else []
-            if link["bandwidth_gbps"] is not None:
-                emulated.append(f"{link['bandwidth_gbps']:g} Gbit/s")
-            bw = "-" if e["bandwidth_gbps"] is None else f"{e['bandwidth_gbps']:.2f}"
-            table.add_row(f"{e['src']} -> {e['dst']}", f"{e['src_rank']} -> {e['dst_rank']}",
-                          e["link"], ", ".join(emulated) or "-", _ms(e["latency_ms"]), bw)
-        console.print(table)
+    for section, title, pair in (("p2p", "p2p between pipeline neighbours", ("src", "dst")),
+                                 ("links", "links between nodes", ("src_node", "dst_node"))):
+        if doc.get(section):  # links: absent from older profiles
+            console.print(_link_table(doc[section], c["links"], title, pair))
     if doc["allreduce"]:
         table = Table(title="all-reduce of a stage's weights (float32)")
         for col in ("stage", "group size", "ranks", "MiB", "ms"):
@@ -179,6 +169,23 @@ def profile_tables(console: Console, doc: dict, wall_s: float) -> None:
             table.add_row(str(e["stage"]), str(e["group_size"]), " ".join(map(str, e["ranks"])),
                           f"{e['bytes'] / 2**20:.2f}", _ms(e["ms"]))
         console.print(table)
+
+
+def _link_table(entries: list[dict], emulated_links: dict, title: str,
+                pair: tuple[str, str]) -> Table:
+    """Measured latency and bandwidth per pair (``pair``: the fields that name its ends)."""
+    table = Table(title=f"{title} (bandwidth message {entries[0]['bytes'] / 2**20:g} MiB)")
+    for col in ("pair", "ranks", "link", "emulated", "latency ms", "bandwidth Gbit/s"):
+        table.add_column(col, justify="right" if col.endswith(("ms", "Gbit/s")) else "left")
+    for e in entries:
+        link = emulated_links[e["link"]]  # what cluster.links emulated on this link class
+        emulated = [f"{link['latency_ms']:g} ms"] if link["latency_ms"] else []
+        if link["bandwidth_gbps"] is not None:
+            emulated.append(f"{link['bandwidth_gbps']:g} Gbit/s")
+        bw = "-" if e["bandwidth_gbps"] is None else f"{e['bandwidth_gbps']:.2f}"
+        table.add_row(f"{e[pair[0]]} -> {e[pair[1]]}", f"{e['src_rank']} -> {e['dst_rank']}",
+                      e["link"], ", ".join(emulated) or "-", _ms(e["latency_ms"]), bw)
+    return table
 
 
 def _ms(x: float) -> str:

@@ -17,8 +17,11 @@ milliseconds, sizes in bytes unless the name says otherwise)::
                      micro-batch size, emulated speed included), peak_memory_mb,
                      memory_source ("rss" | "cuda_max_allocated")}
     p2p[]           one per pair of pipeline neighbours: {src, dst (device names), src_rank,
-                     dst_rank, link ("same_node" | "cross_node"), latency_ms, bandwidth_gbps,
-                     bytes (of the bandwidth message)}
+                     dst_rank, src_node, dst_node, link ("same_node" | "cross_node"),
+                     latency_ms, bandwidth_gbps, bytes (of the bandwidth message)}
+    links[]         the same, one per pair of nodes (replicas of one stage where the two nodes
+                     hold some; beyond 8 nodes, each node with the first); empty on one node;
+                     absent from profiles written before it was measured
     allreduce[]     {stage, group_size (2..P), ranks[], bytes (the stage's weights), ms}
 
 Every time is the minimum over repeats (other processes on a shared machine only add time; see
@@ -86,8 +89,9 @@ def load(path: str | Path) -> dict:
                                f"{len(d['forward_ms'])} blocks, the model has {blocks}")
     if not doc["devices"]:
         raise ProfileError(f"'{path}' measured no device")
-    for section, fields in (("p2p", P2P_FIELDS), ("allreduce", ALLREDUCE_FIELDS)):
-        for n, entry in enumerate(doc[section]):
+    for section, fields in (("p2p", P2P_FIELDS), ("links", P2P_FIELDS),
+                            ("allreduce", ALLREDUCE_FIELDS)):
+        for n, entry in enumerate(doc.get(section, [])):
             lacking = [k for k in fields if k not in entry]
             if lacking:
                 raise ProfileError(f"'{path}': {section}[{n}] lacks {', '.join(lacking)}")

@@ -16,7 +16,10 @@ training will cost on its device, and rank 0 writes ``<run>/profile.json`` (the 
 3. **p2p**, for each pair of pipeline neighbours: a ping-pong of a 4-byte message (latency: half
    the shortest round trip) and a :data:`BANDWIDTH_BYTES` message acknowledged by the receiver
    (bandwidth: the extra bytes over the extra time, so that latency cancels out).
-4. **all-reduce**: for each stage s and group size k = 2..P, the replicas of stage s in pipelines
+4. **links between nodes**: the same two measurements between each pair of nodes (:func:`node_pairs`):
+   what the group rounds of a stage's replicas cross, so that a slow link between two machines
+   shows by name. Beyond :data:`MAX_NODES_PAIRED` nodes, each node's link to the first one.
+5. **all-reduce**: for each stage s and group size k = 2..P, the replicas of stage s in pipelines
    0..k-1 all-reduce a flat float32 tensor the size of stage s's weights (under the configured
    partition), through the same :class:`~sdpipe_cli.sync.strategies.GroupCache` as training.
 
@@ -72,6 +75,8 @@ BLOCK_BUDGET_S = 1.0
 COMM_REPEATS = 9  # timed repeats of a message or an all-reduce (fixed: both sides must agree)
 BANDWIDTH_BYTES = 4 * 2**20  # the bandwidth message: large enough that its transfer time dominates
 FORWARD, BACKWARD = Action(Kind.F, 0), Action(Kind.B, 0)
+# every pair of nodes up to this many (28 links); beyond, a star from the first node (N - 1)
+MAX_NODES_PAIRED = 8
 
 
 # -- the plan: the same on every rank -------------------------------------------------------------
@@ -81,10 +86,33 @@ def replica_groups(grid: Grid) -> list[tuple[int, list[int]]]:
             for s in range(grid.stages) for k in range(2, grid.pipelines + 1)]
 
 
-def turns(grid: Grid) -> list[tuple[str, list[int]]]:
-    """Every measurement as (phase, the ranks that take part), in the order they run."""
+def node_pairs(grid: Grid, node_of: Callable[[int], str]) -> list[tuple[int, int]]:
+    """Two ranks for each pair of nodes whose link is measured: replicas of one stage where the
+    two nodes hold some (what a group round crosses), else each node's lowest rank. Every pair
+    up to :data:`MAX_NODES_PAIRED` nodes; beyond, each node with the first (a slow node still
+    shows, in N - 1 measurements instead of N (N - 1) / 2)."""
+    lowest: dict[str, int] = {}
+    for r in range(grid.workers):
+        lowest.setdefault(node_of(r), r)
+    nodes = list(lowest)
+    wanted = {frozenset((a, b)) for i, a in enumerate(nodes) for b in nodes[i + 1:]
+              if len(nodes) <= MAX_NODES_PAIRED or a == nodes[0]}
+    replicas = [(grid.rank(p, s), grid.rank(q, s)) for s in range(grid.stages)
+                for p in range(grid.pipelines) for q in range(p + 1, grid.pipelines)]
+    found: dict[frozenset, tuple[int, int]] = {}
+    for a, b in replicas + [tuple(sorted(lowest[n] for n in pair)) for pair in wanted]:
+        key = frozenset((node_of(a), node_of(b)))
+        if key in wanted and key not in found:
+            found[key] = (a, b)
+    return sorted(found.values())
+
+
+def turns(grid: Grid, links: Sequence[tuple[int, int]] = ()) -> list[tuple[str, list[int]]]:
+    """Every measurement as (phase, the ranks that take part), in the order they run;
+    ``links``: the pairs of :func:`node_pairs`."""
     return ([("blocks", [r]) for r in range(grid.workers)]
             + [("p2p", list(pair)) for pair in grid.neighbour_pairs()]
+            + [("link", list(pair)) for pair in links]
             + [("allreduce", ranks) for _, ranks in replica_groups(grid)])
 
 
@@ -140,6 +168,8 @@ def assemble(cfg: DictConfig, results: Sequence[dict]) -> dict:
                     "device": cfg.cluster.device, "links": links},
         "devices": [r["device"] for r in ordered],
         "p2p": sorted((e for r in ordered for e in r["p2p"]), key=lambda e: e["src_rank"]),
+        "links": sorted((e for r in ordered for e in r["links"]),
+                        key=lambda e: (e["src_rank"], e["dst_rank"])),
         "allreduce": sorted((e for r in ordered for e in r["allreduce"]),
                             key=lambda e: (e["stage"], e["group_size"])),
     }
@@ -160,6 +190,7 @@ class Profiler:
         self.memory = MemoryLimit(self.placed, self.device)
         self.before_send = link_delay(self.cluster, self.where.rank)
         self.p2p: list[dict] = []
+        self.links: list[dict] = []  # between nodes
         self.allreduce: list[dict] = []
         self.forward_ms: list[float] = []
         self.backward_ms: list[float] = []
@@ -172,7 +203,8 @@ class Profiler:
 
     def run(self) -> dict:
         w = self.where
-        plan = turns(self.plan.grid)
+        plan = turns(self.plan.grid, node_pairs(self.plan.grid,
+                                                lambda r: self.cluster.device_of_rank(r).node))
         for n, (phase, members) in enumerate(plan):
             if w.rank == 0:
                 store.set_json(self.events, store.PROGRESS,
@@ -180,8 +212,9 @@ class Profiler:
             if w.rank in members:
                 if phase == "blocks":
                     self.measure_blocks()
-                elif phase == "p2p":
-                    self.measure_p2p(*members)
+                elif phase in ("p2p", "link"):
+                    src, dst = members
+                    self.measure_p2p(src, dst, self.p2p if phase == "p2p" else self.links)
                 else:
                     self.measure_allreduce(members)
                 self.memory.peak_mb()  # the RSS peak is sampled: after each of this rank's turns
@@ -191,7 +224,7 @@ class Profiler:
                            "forward_ms": self.forward_ms, "backward_ms": self.backward_ms,
                            "peak_memory_mb": round(self.memory.peak_mb(), 1),
                            "memory_source": "cuda_max_allocated" if self.memory.cuda else "rss"},
-                "p2p": self.p2p, "allreduce": self.allreduce}
+                "p2p": self.p2p, "links": self.links, "allreduce": self.allreduce}
 
     # -- 1. blocks ---------------------------------------------------------------------------------
     def measure_blocks(self) -> None:
@@ -232,7 +265,8 @@ class Profiler:
             self.before_send(dst, tensor)  # the emulated link's transfer time
         dist.send(tensor, dst)
 
-    def measure_p2p(self, src: int, dst: int) -> None:
+    def measure_p2p(self, src: int, dst: int, into: list[dict]) -> None:
+        """Latency and bandwidth from ``src`` to ``dst``, appended to ``into`` on ``src``."""
         me = self.where.rank
         ping = torch.zeros(1, dtype=torch.float32, device=self.device)
         bulk = torch.zeros(BANDWIDTH_BYTES // 4, dtype=torch.float32, device=self.device)
@@ -265,12 +299,13 @@ class Profiler:
         extra_s = big - rtt  # the bulk message's transfer minus the ping's: latency cancels
         extra_bytes = bulk.nbytes - ping.nbytes
         device = self.cluster.device_of_rank
-        self.p2p.append({"src": device(src).name, "dst": device(dst).name, "src_rank": src,
-                         "dst_rank": dst, "link": self.cluster.link(src, dst).kind,
-                         "latency_ms": round(rtt / 2 * 1000, 4),
-                         "bandwidth_gbps": round(extra_bytes * 8 / extra_s / 1e9, 4)
-                         if extra_s > 0 else None,
-                         "bytes": bulk.nbytes})
+        into.append({"src": device(src).name, "dst": device(dst).name, "src_rank": src,
+                     "dst_rank": dst, "src_node": device(src).node, "dst_node": device(dst).node,
+                     "link": self.cluster.link(src, dst).kind,
+                     "latency_ms": round(rtt / 2 * 1000, 4),
+                     "bandwidth_gbps": round(extra_bytes * 8 / extra_s / 1e9, 4)
+                     if extra_s > 0 else None,
+                     "bytes": bulk.nbytes})
 
     # -- 4. all-reduce -----------------------------------------------------------------------------
     def measure_allreduce(self, ranks: list[int]) -> None:

@@ -63,6 +63,11 @@ def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
     for e in doc["p2p"]:
         assert 20.0 <= e["latency_ms"] < 35.0, e
         assert 0.6 < e["bandwidth_gbps"] <= 1.0 and e["bytes"] == profiler.BANDWIDTH_BYTES, e
+    # Between the nodes: once, through stage 0's replicas, at the emulated 10 ms.
+    [link] = doc["links"]
+    assert (link["src_node"], link["dst_node"], link["src_rank"], link["dst_rank"],
+            link["link"]) == ("a", "b", 0, 2, "cross_node"), link
+    assert 10.0 <= link["latency_ms"] < 25.0 and link["bytes"] == profiler.BANDWIDTH_BYTES, link
     # Replicas are on different nodes: a ring of two costs two 10 ms latencies on top.
     counts = doc["model"]["block_params"]
     assert [(e["stage"], e["group_size"], e["ranks"], e["bytes"]) for e in doc["allreduce"]] == [
@@ -71,7 +76,7 @@ def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
     # No scheduler: only the workers ran, and the CLI printed the tables and the next step.
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {f"{r}.log" for r in range(4)}
     for text in ("sdpipe profile: gpt_tiny", "per block", "p2p between pipeline neighbours",
-                 "all-reduce of a stage's weights",
+                 "links between nodes", "a -> b", "all-reduce of a stage's weights",
                  f"sdpipe train pipeline.partition=auto profile={run_dir / 'profile.json'}"):
         assert text in out.stderr, text
 

@@ -26,6 +26,22 @@ def test_turns_cover_blocks_then_neighbours_then_replica_groups():
     assert profiler.turns(Grid(1, 1)) == [("blocks", [0])]  # nothing to send, nobody to average with
 
 
+def test_links_between_nodes_are_measured_once_per_pair_between_replicas_of_a_stage():
+    grid = Grid(4, 2)  # ranks p * 2 + s
+    one_node = profiler.node_pairs(grid, lambda r: "a")
+    assert one_node == [] and profiler.turns(Grid(3, 2), one_node) == profiler.turns(Grid(3, 2))
+    # a pipeline per node: each pair of nodes through stage 0's replicas, as group rounds cross
+    per_pipeline = profiler.node_pairs(grid, lambda r: "abcd"[r // 2])
+    assert per_pipeline == [(0, 2), (0, 4), (0, 6), (2, 4), (2, 6), (4, 6)]
+    # stages on nodes of their own: no stage has replicas on both, so their lowest ranks
+    assert profiler.node_pairs(grid, lambda r: "xy"[r % 2]) == [(0, 1)]
+    assert ("link", [0, 2]) in profiler.turns(grid, per_pipeline)
+    # past MAX_NODES_PAIRED nodes, each node with the first: N - 1 links, not N (N - 1) / 2
+    many = Grid(profiler.MAX_NODES_PAIRED + 2, 1)
+    star = profiler.node_pairs(many, lambda r: f"n{r}")
+    assert star == [(0, r) for r in range(1, many.pipelines)]
+
+
 def test_repeat_keeps_the_minimum_after_warmup_and_stops_on_budget():
     values = iter([100.0, 100.0, 5.0, 3.0, 9.0, 4.0, 8.0])  # two warm-ups, then timed repeats
     assert profiler.repeat(lambda: (next(values),), repeats=5, warmup=2) == [3.0]
@@ -57,6 +73,7 @@ def _results(cfg) -> list[dict]:
                     "p2p": [{"src": f"local:{rank}", "dst": f"local:{rank + 1}", "src_rank": rank,
                              "dst_rank": rank + 1, "link": "same_node", "latency_ms": 0.1,
                              "bandwidth_gbps": 10.0, "bytes": 4 << 20}] if rank % 2 == 0 else [],
+                    "links": [],  # one node
                     "allreduce": [{"stage": rank, "group_size": 2, "ranks": [rank, rank + 2],
                                    "bytes": 1000, "ms": 0.5}] if rank < 2 else []})
     return out[::-1]  # arrival order does not matter
@@ -82,6 +99,12 @@ def test_assembled_document_loads_and_drives_auto_partition(tmp_path):
 def test_load_names_a_missing_measurement(tmp_path):
     cfg, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu"]))
     doc = profiler.assemble(cfg, _results(cfg))
+    doc["links"] = [dict(doc["p2p"][0], link="cross_node")]
+    del doc["links"][0]["bandwidth_gbps"]
+    (tmp_path / "profile.json").write_text(json.dumps(doc))
+    with pytest.raises(measurements.ProfileError, match=r"links\[0\] lacks bandwidth_gbps"):
+        measurements.load(tmp_path)
+    del doc["links"]  # a profile written before links were measured still loads
     del doc["p2p"][1]["latency_ms"]
     (tmp_path / "profile.json").write_text(json.dumps(doc))
     with pytest.raises(measurements.ProfileError, match=r"p2p\[1\] lacks latency_ms"):
