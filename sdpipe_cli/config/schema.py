@@ -243,7 +243,7 @@ class SdpipeSyncConfig(SyncConfig):
     # several nodes and no link described, measured by the run and followed during it; 1 on one node
     every: int = 0
     # What a group round sends: each member's change since the last global sync, with error
-    # feedback, in fp32, bf16 or int8 (a float32 scale per chunk); auto: bf16 where a float32
+    # feedback, in fp32, bf16 or int8 (a float32 scale per chunk); auto: int8 where a float32
     # meeting every iteration would not fit sync.wire_share. Global syncs are exact (float32)
     precision: str = "auto"
     wire_share: float = 0.1  # the share of a replica's time the chosen sync.every lets meetings take

@@ -20,7 +20,7 @@ TWO_NODES = ("model=mlp", "data=synthetic", "cluster.pipelines=2", "pipeline.sta
 
 
 def test_replicas_on_two_nodes_measure_their_wire_and_meet_as_it_asks(tmp_path):
-    """A wire share so small that no link fits it: the run chooses bf16 changes and meetings
+    """A wire share so small that no link fits it: the run chooses int8 changes and meetings
     as far apart as its budget allows, from what it measured (one node's loopback here), and
     every worker and the scheduler's policy meet by that choice: group lines every H steps,
     the budget exact, the replicas identical after the final global sync."""
@@ -30,9 +30,9 @@ def test_replicas_on_two_nodes_measure_their_wire_and_meet_as_it_asks(tmp_path):
     assert out.returncode == 0, out.stderr
     said = out.stdout + out.stderr
     assert "the run measures them before its first meeting" in said
-    assert "links: measured" in said and "sync.every=6 sync.precision=bf16" in said
+    assert "links: measured" in said and "sync.every=6 sync.precision=int8" in said
     [wire] = metrics(run_dir, "wire")
-    assert (wire["every"], wire["precision"]) == (6, "bf16")  # capped at train.steps
+    assert (wire["every"], wire["precision"]) == (6, "int8")  # capped at train.steps
     assert [s["stage"] for s in wire["stages"]] == [0, 1]
     assert all(s["members"] == 2 and s["mbit_s"] > 0 for s in wire["stages"])
     summary = json.loads((run_dir / "summary.json").read_text())

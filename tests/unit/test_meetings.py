@@ -36,24 +36,29 @@ def test_periods_in_meetings_keep_never_and_are_at_least_one():
         Meetings(0)
 
 
+# a meeting's seconds per precision on a slow link: float32 2.5 iterations of 0.1 s
+SLOW = {"fp32": 0.25, "bf16": 0.125, "int8": 0.065}
+
+
 def test_where_a_float32_meeting_fits_the_budget_nothing_changes():
-    c = choose(iteration_s=0.1, round_s={"fp32": 0.005, "bf16": 0.003}, share=0.1)
+    c = choose(iteration_s=0.1, round_s={"fp32": 0.005, "bf16": 0.003, "int8": 0.002}, share=0.1)
     assert (c.every, c.precision) == (1, "fp32")
 
 
-def test_on_a_slow_link_bf16_and_the_fewest_steps_over_which_a_meeting_fits():
-    # a float32 meeting takes 2.5 iterations, a bfloat16 one 1.25: at 10 %, every 13 steps
-    c = choose(iteration_s=0.1, round_s={"fp32": 0.25, "bf16": 0.125}, share=0.1)
-    assert (c.every, c.precision) == (13, "bf16")
+def test_on_a_slow_link_int8_and_the_fewest_steps_over_which_a_meeting_fits():
+    # a float32 meeting takes 2.5 iterations, an int8 one 0.65: at 10 %, every 7 steps (a
+    # bfloat16 one, 1.25, would need 13)
+    c = choose(iteration_s=0.1, round_s=SLOW, share=0.1)
+    assert (c.every, c.precision) == (7, "int8")
     assert c.round_s / c.every > 0.1 * 0.1  # float32 would not have fitted at that period
-    assert 0.125 / 13 <= 0.1 * 0.1 < 0.125 / 12
-    assert "sync.every=13 sync.precision=bf16" in c.describe()
+    assert 0.065 / 7 <= 0.1 * 0.1 < 0.065 / 6
+    assert "sync.every=7 sync.precision=int8" in c.describe()
 
 
 @settings(max_examples=200, deadline=None)
 @given(iteration=st.floats(1e-4, 10), fp32=st.floats(0, 100), share=st.floats(0.01, 1))
 def test_the_choice_keeps_meetings_within_the_share_with_the_fewest_steps(iteration, fp32, share):
-    costs = {"fp32": fp32, "bf16": fp32 / 2}
+    costs = {"fp32": fp32, "bf16": fp32 / 2, "int8": fp32 / 4}
     c = choose(iteration, costs, share)
     assert costs[c.precision] / c.every <= share * iteration * (1 + 1e-6)
     if c.every > 1:  # one step fewer would not fit
@@ -62,18 +67,19 @@ def test_the_choice_keeps_meetings_within_the_share_with_the_fewest_steps(iterat
 
 
 def test_a_chosen_period_is_at_most_a_pipelines_share_of_the_budget():
-    # every 13 steps would fit the share; a run of 5 steps a pipeline meets after its 5th
-    slow = {"fp32": 0.25, "bf16": 0.125}
-    assert choose(0.1, slow, 0.1, most=5).every == 5
-    assert choose(0.1, slow, 0.1, most=50).every == 13
+    # every 7 steps would fit the share; a run of 5 steps a pipeline meets after its 5th
+    assert choose(0.1, SLOW, 0.1, most=5).every == 5
+    assert choose(0.1, SLOW, 0.1, most=50).every == 7
 
 
 def test_what_the_user_gave_is_kept():
-    slow = {"fp32": 0.25, "bf16": 0.125}
+    slow = SLOW
     assert (choose(0.1, slow, 0.1, every=4).every, choose(0.1, slow, 0.1, every=4).precision) \
-        == (4, "bf16")
+        == (4, "int8")
     c = choose(0.1, slow, 0.1, precision="fp32")
     assert (c.every, c.precision) == (25, "fp32")
+    c = choose(0.1, slow, 0.1, precision="bf16")
+    assert (c.every, c.precision) == (13, "bf16")
     with pytest.raises(ValueError):
         choose(0.0, slow, 0.1)
     with pytest.raises(ValueError):

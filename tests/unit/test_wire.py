@@ -72,12 +72,12 @@ def test_on_a_fast_wire_replicas_meet_every_iteration_in_float32():
     assert (made.every, made.precision) == (1, "fp32")
 
 
-def test_on_15_mbit_the_wire_asks_for_bf16_and_meetings_that_fit_the_share():
+def test_on_15_mbit_the_wire_asks_for_int8_and_meetings_that_fit_the_share():
     reports = [report(p, s, 0.15) for p in range(4) for s in range(2)]
     made = decide(reports, 0.1, most=100)
-    bf16 = 0.002 + ring_bytes(4, VALUES * BYTES["bf16"]) / (15e6 / 8)
-    assert made.precision == "bf16"
-    assert made.every == math.ceil(bf16 / (0.1 * 0.15))  # the fewest steps one meeting fits in
+    int8 = 0.002 + ring_bytes(4, VALUES * BYTES["int8"]) / (15e6 / 8)
+    assert made.precision == "int8"
+    assert made.every == math.ceil(int8 / (0.1 * 0.15))  # the fewest steps one meeting fits in
     assert decide(reports, 0.1, most=5).every == 5  # but never past a pipeline's budget
     assert decide(reports, 0.1, every=3).every == 3  # a pinned period is kept
     assert decide(reports, 0.1, precision="fp32").precision == "fp32"
@@ -137,7 +137,7 @@ def test_the_scheduler_settles_once_from_every_workers_report_and_a_restart_read
         wire_probe.report(events, rank, report(rank // 2, rank % 2, 0.15))
     chosen = wire_probe.settle(cfg, events, 8, timeout=5)
     settled = wire_probe.settled(cfg, chosen)
-    assert (settled.sync.every, settled.sync.precision) == (chosen.every, "bf16")
+    assert (settled.sync.every, settled.sync.precision) == (chosen.every, "int8")
     assert chosen.every > 1 and [s.stage for s in chosen.stages] == [0, 1]
     assert all(s.members == 4 and 9 < s.mbit_s < 21 for s in chosen.stages)
     assert (cfg.sync.every, cfg.sync.precision) == (0, "auto")  # the launcher's config is kept
