@@ -91,20 +91,19 @@ def node_pairs(grid: Grid, node_of: Callable[[int], str]) -> list[tuple[int, int
     two nodes hold some (what a group round crosses), else each node's lowest rank. Every pair
     up to :data:`MAX_NODES_PAIRED` nodes; beyond, each node with the first (a slow node still
     shows, in N - 1 measurements instead of N (N - 1) / 2)."""
-    lowest: dict[str, int] = {}
+    first: dict[tuple[int | None, str], int] = {}  # (stage or None: any, node) -> lowest rank
     for r in range(grid.workers):
-        lowest.setdefault(node_of(r), r)
-    nodes = list(lowest)
-    wanted = {frozenset((a, b)) for i, a in enumerate(nodes) for b in nodes[i + 1:]
-              if len(nodes) <= MAX_NODES_PAIRED or a == nodes[0]}
-    replicas = [(grid.rank(p, s), grid.rank(q, s)) for s in range(grid.stages)
-                for p in range(grid.pipelines) for q in range(p + 1, grid.pipelines)]
-    found: dict[frozenset, tuple[int, int]] = {}
-    for a, b in replicas + [tuple(sorted(lowest[n] for n in pair)) for pair in wanted]:
-        key = frozenset((node_of(a), node_of(b)))
-        if key in wanted and key not in found:
-            found[key] = (a, b)
-    return sorted(found.values())
+        first.setdefault((grid.stage_of(r), node_of(r)), r)
+        first.setdefault((None, node_of(r)), r)
+    nodes = [n for stage, n in first if stage is None]
+    pairs: list[tuple[int, int]] = []
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:] if len(nodes) <= MAX_NODES_PAIRED or i == 0 else ():
+            stage = next((s for s in range(grid.stages) if (s, a) in first and (s, b) in first),
+                         None)
+            x, y = first[(stage, a)], first[(stage, b)]
+            pairs.append((min(x, y), max(x, y)))
+    return sorted(pairs)
 
 
 def turns(grid: Grid, links: Sequence[tuple[int, int]] = ()) -> list[tuple[str, list[int]]]:
