@@ -121,6 +121,12 @@ SLUMP = 2.0
 # a new period is taken only when the current one puts more than STEADY x the share of a
 # replica's time on the wire, or less than the share / STEADY
 STEADY = 1.3
+# a stage's first WINDOW rounds calibrate its link against the probe: by a factor on the rate
+# where the probe's rate accounts for at least this share of their time (the bytes dominate),
+# else by a fixed cost per round (a fast link, where latencies, the decision, and int8's two
+# collectives and its quantizing dominate: a factor learned there made a 15 Mbit/s link, met
+# later, look 45 Mbit/s, and the period stayed at 2 to 3 where 6 fits)
+BYTES_BOUND = 0.5
 
 
 class WirePace:
@@ -137,7 +143,9 @@ class WirePace:
     taken on the probe's figure. So the first :data:`WINDOW` rounds of a stage set its
     calibration (the probe's rate over their median), and from then on its link is the median
     of its last :data:`WINDOW` rounds times that: a link that slows 13x makes the rounds 13x
-    slower, and the period follows once half a window of rounds is slow. (The fastest of 8
+    slower, and the period follows once half a window of rounds is slow. Where those first
+    rounds are mostly fixed costs (:data:`BYTES_BOUND`), the calibration is that cost instead,
+    taken off every later round before its rate. (The fastest of 8
     rounds instead followed the rounds' own noise, 7.5 to 16 Mbit/s on one link, to H = 23
     and back.) The compute is
     the fastest pipeline's latest seconds per step. :meth:`every` applies the start's rule
@@ -161,19 +169,34 @@ class WirePace:
         self.current = every
         self.probed = dict(links)
         self.values = dict(values)
-        self.seen: dict[int, list[float]] = {s: [] for s in links}
+        self.seen: dict[int, list[tuple[float, float]]] = {s: [] for s in links}  # (bytes, s)
         self.calibration: dict[int, float] = {}  # stage -> the probe's rate over its rounds'
+        self.overhead = {s: fit.latency_s for s, fit in links.items()}  # s off every round
         self.step_s = dict(step_s)
 
     def round_done(self, stage: int, moved: float, seconds: float) -> None:
         """A round of ``stage`` moved ``moved`` bytes through a member's link in ``seconds``."""
         if moved <= 0 or seconds <= 0 or stage not in self.seen:
             return
-        beyond = seconds - self.probed[stage].latency_s
-        rate = moved / beyond if beyond > 0 else moved / seconds
-        self.seen[stage] = (self.seen[stage] + [rate])[-WINDOW:]
+        self.seen[stage] = (self.seen[stage] + [(moved, seconds)])[-WINDOW:]
         if stage not in self.calibration and len(self.seen[stage]) == WINDOW:
-            self.calibration[stage] = self.probed[stage].bytes_per_s / _median(self.seen[stage])
+            self._calibrate(stage)
+
+    def _calibrate(self, stage: int) -> None:
+        """The stage's first window of rounds against the probe (see :data:`BYTES_BOUND`)."""
+        probe, window = self.probed[stage], self.seen[stage]
+        if _median([m / probe.bytes_per_s / t for m, t in window]) >= BYTES_BOUND:
+            self.calibration[stage] = probe.bytes_per_s / _median(self.rates(stage))
+        else:
+            self.overhead[stage] = max(probe.latency_s, _median(
+                [t - m / probe.bytes_per_s for m, t in window]))
+            self.calibration[stage] = 1.0
+
+    def rates(self, stage: int) -> list[float]:
+        """Bytes per second of the stage's window of rounds, their fixed cost taken off (at
+        most nine tenths of a round: a round quicker than that cost is a faster link)."""
+        cost = self.overhead[stage]
+        return [m / max(t - cost, 0.1 * t) for m, t in self.seen[stage]]
 
     def block_done(self, pipeline: int, steps: int, seconds: float) -> None:
         """``pipeline`` took ``seconds`` for its last ``steps`` local steps (its compute)."""
@@ -186,11 +209,11 @@ class WirePace:
         terms."""
         if stage not in self.calibration:
             return self.probed[stage]
-        rate = _median(self.seen[stage])
-        recent = _median(self.seen[stage][-RECENT:])
+        rates = self.rates(stage)
+        rate, recent = _median(rates), _median(rates[-RECENT:])
         if recent * SLUMP < rate:
             rate = recent
-        return LinkFit(self.probed[stage].latency_s, rate * self.calibration[stage])
+        return LinkFit(self.overhead[stage], rate * self.calibration[stage])
 
     def every(self) -> int:
         """The period the next blocks take (a pace with no link to follow keeps its own)."""

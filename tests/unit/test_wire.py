@@ -260,6 +260,30 @@ def test_a_link_that_slows_less_than_the_slump_is_followed_by_the_window():
     assert set(slowed[:RECENT]) == {before} and slowed[-1] > before, slowed
 
 
+def test_a_link_calibrated_where_rounds_are_fixed_costs_is_followed_when_it_slows():
+    """int8 rounds of 4 members at 200 Mbit/s take 25 ms, four fifths of it fixed (two
+    collectives' latencies, quantizing): calibrated as a factor on the rate, that made a
+    15 Mbit/s link met later look three times faster (H 2 to 3 where 6 fits). Calibrated as
+    that fixed cost, the period after the drop is the one the rule picks for 15 Mbit/s with it."""
+    links = {s: LinkFit(0.005, 200e6 / 8) for s in (0, 1)}
+    wire = WirePace(0.1, "int8", 1, 300, 4, links, {0: VALUES, 1: VALUES},
+                    {p: 0.18 for p in range(4)})
+    moved = ring_bytes(4, VALUES * BYTES["int8"])
+    fixed = 0.025 - moved / (200e6 / 8)
+    for _ in range(WINDOW):
+        wire.round_done(0, moved, 0.025)
+    assert wire.calibration[0] == 1.0 and wire.overhead[0] == pytest.approx(fixed)
+    assert wire.every() == 2  # 25 ms against 18 ms of a step's 10 %
+    periods = []
+    for _ in range(WINDOW):
+        wire.round_done(0, moved, fixed + moved / (15e6 / 8))
+        periods.append(wire.every())
+    assert periods[-1] == math.ceil((fixed + moved / (15e6 / 8)) / (0.1 * 0.18)), periods
+    for _ in range(WINDOW):
+        wire.round_done(0, moved, 0.025)
+    assert wire.every() == 2  # and back
+
+
 def test_the_rounds_noise_on_a_steady_link_never_counts_as_a_drop():
     """Rounds of one steady link measured anywhere between 7.5 and 16 Mbit/s (seen on 15
     Mbit/s): the link is always the window's median, never the last few rounds'."""
@@ -269,7 +293,7 @@ def test_the_rounds_noise_on_a_steady_link_never_counts_as_a_drop():
     for _ in range(500):
         wire.round_done(0, moved, 0.005 + moved / (rng.uniform(7.5, 16) * 1e6 / 8))
         if 0 in wire.calibration:
-            window = _median_of(wire.seen[0]) * wire.calibration[0]
+            window = _median_of(wire.rates(0)) * wire.calibration[0]
             assert wire.link(0).bytes_per_s == window
 
 
