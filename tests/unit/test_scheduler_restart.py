@@ -5,6 +5,7 @@ own answer rather than that stale one."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
+from sdpipe_cli.sync.scheduler import process
 from sdpipe_cli.sync.scheduler.handling import Scheduler
 from tests.helpers import event as as_event
 
@@ -101,6 +103,39 @@ def test_a_pipeline_stopped_before_its_train_line_does_that_iteration_again(tmp_
         event("ready", s, 1, iteration=2)
     for s in range(S):
         assert store.get_json(events, store.heal_key(s, 0, 1))["iteration"] == resumes_at
+
+def test_a_train_line_sent_before_the_loss_counts_though_read_in_the_same_batch(tmp_path):
+    """Pipeline 0's train line for iteration 1 and the launcher's word of its loss come in one
+    batch of the queue, the line first. Lost events are urgent, but the pipeline's own reports
+    sent before it are read before it (``process.in_order``): iteration 1 counts, and the
+    restarted pipeline goes on from 2 (read after the loss, it would redo 1 and write its line
+    twice)."""
+    sched, events, now, _ = scheduler(tmp_path, "train.steps=20")
+
+    def raw(kind: str, stage: int, pipeline: int, **more) -> str:
+        where = {} if kind in ("lost", "restart") else {"stage": stage}
+        return json.dumps({"type": kind, "rank": pipeline * S + stage, "pipeline": pipeline,
+                           **where, **more})
+
+    def step(p: int, k: int) -> str:
+        return raw("step", 1, p, step=k, samples=4 * k, samples_per_s=10.0, step_s=0.1,
+                   loss=2.0, time=0.5)
+
+    def batch(*raws: str) -> None:
+        for event in process.in_order(list(raws)):
+            sched.handle(event)
+
+    for k in (0, 1):
+        batch(*[raw("ready", s, p, iteration=k) for s in (1, 0) for p in range(P)])
+    batch(step(0, 1), step(1, 1), step(1, 2))
+    batch(step(0, 2), raw("lost", 1, 0, restart=True, reason="killed"))
+    batch(raw("restart", 0, 0, incarnation=1),
+          *[raw("rejoin", s, 0, incarnation=1) for s in range(S)])
+    now[0] = 1.0
+    batch(*[raw("ready", s, 1, iteration=2) for s in (1, 0)])
+    for s in range(S):
+        assert store.get_json(events, store.heal_key(s, 0, 1))["iteration"] == 2
+
 
 def test_async_answers_to_a_restarted_pipeline_name_its_incarnation(tmp_path):
     """Asynchronous 1F1B (two rounds per iteration): pipeline 1 finished and reported iteration 0,

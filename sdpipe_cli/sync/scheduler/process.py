@@ -103,9 +103,20 @@ def next_batch(events) -> list[str]:
 def in_order(raw: list[str]) -> list[protocol.Event]:
     """A batch decoded, urgent events first (the launcher's lost and restart events must not
     wait behind P x S arrivals, and a round of P x S arrivals is not decided behind P x S
-    metrics writes); the order is kept within each kind."""
+    metrics writes); the order is kept within each kind. Before them, the reports a pipeline
+    sent before the launcher's word of its loss: its last train line counts in the iterations
+    the loss leaves it (``Scheduler._lost``) rather than being read after it."""
     batch = [protocol.decode_event(r, store.PREFIX + store.EVENTS) for r in raw]
-    return sorted(batch, key=lambda e: e.type not in URGENT)
+    lost: dict[int, int] = {}  # pipeline -> where the batch first says it was lost
+    for i, e in enumerate(batch):
+        if isinstance(e, protocol.Lost):
+            lost.setdefault(e.pipeline, i)
+
+    def rank(i: int, e: protocol.Event) -> int:
+        if isinstance(e, protocol.Report) and i < lost.get(e.pipeline, -1):
+            return 0
+        return 1 if e.type in URGENT else 2
+    return [e for i, e in sorted(enumerate(batch), key=lambda ie: rank(*ie))]
 
 
 class BatchClock:
