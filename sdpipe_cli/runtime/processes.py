@@ -204,7 +204,12 @@ def start(module: str, log_path: Path, env: dict[str, str]) -> ChildProcess:
                 [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=die_with_parent)
-    log_path.with_suffix(".pid").write_text(f"{child.pid}\n")
+    # whole or absent (renamed into place): a reader (supervision, a user's script) never finds
+    # the file empty between its creation and its write
+    pid_path = log_path.with_suffix(".pid")
+    tmp = pid_path.with_name(f".{pid_path.name}.tmp")
+    tmp.write_text(f"{child.pid}\n")
+    os.replace(tmp, pid_path)
     return child
 
 
