@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from sdpipe_cli.analysis import SCHEMA, conforms
 from sdpipe_cli.config import measurements
 from sdpipe_cli.runtime.metrics import read_metrics
 from sdpipe_cli.runtime.processes import read_pid
@@ -217,7 +218,19 @@ def kill_leftovers(run_dir: Path) -> list[int]:
 
 
 def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
-    lines = read_metrics(Path(run_dir) / "metrics.jsonl")
+    """The run's metrics lines (of ``kind``), each checked against its record
+    (:mod:`sdpipe_cli.analysis.records`): every test that reads a run's lines fails on a kind or a
+    field the schema does not declare, or a value of another type."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = read_metrics(path)
+    for number, line in enumerate(lines, 1):
+        declared = SCHEMA.get(line["kind"])
+        assert declared is not None, f"{path}: line {number}: kind {line['kind']!r} has no record"
+        for name, value in line.items():
+            assert name == "kind" or name in declared, (
+                f"{path}: line {number}: a {line['kind']!r} line's {name!r} is not in its record")
+            assert name == "kind" or conforms(line["kind"], name, value), (
+                f"{path}: line {number}: {name!r} = {value!r} is not a {declared[name]}")
     return [m for m in lines if kind is None or m["kind"] == kind]
 
 

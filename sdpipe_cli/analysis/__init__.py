@@ -2,10 +2,11 @@
 
 Pure reading and arithmetic (no torch): ``sdpipe report``, the sweep table and the benchmark
 scripts under ``scripts/`` read runs here, so that a figure means the same wherever it is shown.
-:data:`SCHEMA` is the one documented schema of the lines (:mod:`sdpipe_cli.runtime.metrics` and
-the scheduler write them; docs/RUNS.md says what each field means), in ``reading.py`` with the
-reader and the clocks; the figures are in ``figures.py``. Times are seconds on the run's clock
-(from its launch) unless a function says otherwise.
+:mod:`.records` holds the one schema of the lines: a typed record class per kind, whose
+docstring says what each field means (docs/RUNS.md's table is generated from them), from which
+:data:`SCHEMA` comes and with which the scheduler (and :mod:`sdpipe_cli.runtime.metrics`) make
+lines; ``reading.py`` has the reader and the clocks; the figures are in ``figures.py``. Times
+are seconds on the run's clock (from its launch) unless a function says otherwise.
 
 The figures:
 
@@ -52,9 +53,6 @@ from sdpipe_cli.analysis.figures import (
     validation,
 )
 from sdpipe_cli.analysis.reading import (
-    CHECKED,
-    REQUIRED,
-    SCHEMA,
     Line,
     by_time,
     conforms,
@@ -66,9 +64,11 @@ from sdpipe_cli.analysis.reading import (
     read_metrics,
     timelines,
 )
+from sdpipe_cli.analysis.records import BY_KIND, CHECKED, RECORDS, REQUIRED, SCHEMA, Record
 
 __all__ = [
-    "CHECKED", "REQUIRED", "SAME_LOSS", "SCHEMA", "Line", "analyse", "by_time", "conforms", "consensus",
+    "BY_KIND", "CHECKED", "RECORDS", "REQUIRED", "SAME_LOSS", "SCHEMA", "Line", "Record", "analyse",
+    "by_time", "conforms", "consensus",
     "final_val_accuracy", "final_val_loss", "first_iteration_began", "first_train_time",
     "fraction_of_limit", "from_first_iteration", "iterations", "last_by_pipeline", "limit",
     "lowest_loss", "mean_group_size", "mean_loss", "of_kind", "outcome", "overrun_fraction", "pipelines",

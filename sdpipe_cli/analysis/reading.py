@@ -1,4 +1,5 @@
-"""Reading ``metrics.jsonl``: its schema, the one reader, the lines' kinds and the run's clocks.
+"""Reading ``metrics.jsonl``: the one reader (checking lines against :mod:`.records`, the
+schema), the lines' kinds and the run's clocks.
 
 Part of :mod:`sdpipe_cli.analysis` (import from there)."""
 
@@ -10,69 +11,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from sdpipe_cli.analysis.records import CHECKED, REQUIRED, SCHEMA
+
 Line = dict[str, Any]
 
-# kind -> field -> type: int, number (int or float), str, bool, list, dict, any; "?" = may be
-# null. What each means: docs/RUNS.md and runtime/metrics.py. Lines may carry more fields.
-_PIPE_STEP = {"step": "int", "time": "number", "pipeline": "int"}
-_ITERATION = {"step_s": "number", "compute_s": "number", "sync_s": "number", "straggled": "int",
-              "data_s": "number", "group_size": "int", "round": "int", "group_kind": "str",
-              "wait_s": "number", "comm_s": "number", "stash_versions": "int",
-              "stash_bytes": "int", "skipped_steps": "int", "sent_bytes": "int",
-              "recv_bytes": "int", "links": "list", "busy_s": "number",
-              "behind_s": "number", "behind_wait_s": "number"}
-_STRAGGLER = {"time": "number", "pipeline": "int", "stage": "int", "rank": "int", "device": "str",
-              "node": "str", "iteration": "int", "slower": "number", "busy_s": "number",
-              "baseline_s": "number"}
-SCHEMA: dict[str, dict[str, str]] = {
-    "train": {**_PIPE_STEP, "loss": "number?", "samples": "number", "samples_per_s": "number",
-              "lr": "number", **_ITERATION},
-    "data": {**_PIPE_STEP, "stage": "int", "step_s": "number", "data_s": "number"},
-    "unreadable": {"pipeline": "int", "stage": "int", "step": "int", "sample": "str",
-                   "error": "str"},
-    "eval": {**_PIPE_STEP, "val_loss": "number?", "samples": "number", "val_accuracy": "number?"},
-    "sync": {**_PIPE_STEP, "stage": "int", **_ITERATION},
-    "group": {"time": "number", "stage": "int", "round": "int", "members": "list",
-              "iterations": "list", "size": "int", "group": "str", "stop": "bool",
-              "twins": "bool", "max_wait_s": "number", "waits": "list", "every": "int",
-              "nexts": "list", "done_steps": "int", "reason": "str", "outside": "dict"},
-    "consensus": {"stage": "int", "iteration": "int", "round": "int", "members": "list",
-                  "consensus": "number?", "time": "number"},
-    "wire": {"time": "number", "every": "int", "precision": "str", "iteration_s": "number",
-             "round_s": "number", "share": "number", "stages": "list", "adapt": "bool"},
-    "pace": {"time": "number", "every": "int", "was": "int", "mbit_s": "number",
-             "step_s": "number"},
-    "checkpoint": {"step": "int", "time": "number", "steps": "dict", "path": "str"},
-    "checkpoint_dropped": {"step": "int", "time": "number", "reason": "str"},
-    "resume": {"time": "number", "checkpoint": "str", "steps": "dict", "at": "number"},
-    "lost": {"pipeline": "int", "time": "number", "reason": "str", "restart": "bool"},
-    "restart": {"pipeline": "int", "incarnation": "int", "restart": "int", "backoff_s": "number",
-                "time": "number", "reason": "str", "from_checkpoint": "int?", "redone": "dict"},
-    "heal": {"pipeline": "int", "stage": "int", "incarnation": "int", "source": "int",
-             "iteration": "int", "bytes": "int", "seconds": "number", "transfer_s": "number",
-             "time": "number"},
-    "straggler": _STRAGGLER,
-    "recovered": _STRAGGLER,
-    "replan": {"time": "number", "device": "str", "pipeline": "int", "stage": "int",
-               "partition": "list", "proposed": "list", "go": "bool", "rate_now": "number",
-               "rate_new": "number", "move_s": "number", "gain_s": "number", "reason": "str"},
-    "scheduler_restart": {"time": "number", "restart": "int", "replayed_batches": "int",
-                          "silent_s": "number?"},
-    "done": {"rank": "int", "pipeline": "int", "stage": "int", "time": "number", "steps": "int",
-             "param_digest": "str", "device": "str", "actions": "int", "straggled": "int",
-             "slowdown_overruns": "int", "peak_memory_mb": "number?", "healed": "bool",
-             "stash_bound": "int", "stash_peak_versions": "int", "stash_peak_bytes": "int",
-             "stash_copies": "int", "traffic": "dict", "wall_s": "number"},
-}
-# the fields a reader checks (those the figures read) and those a line of its kind must have
-CHECKED = {"train": ("time", "pipeline", "samples", "loss", "wait_s", "comm_s", "sync_s", "step_s",
-                     "samples_per_s"),
-           "sync": ("wait_s", "comm_s", "sync_s"), "eval": ("time", "val_loss", "val_accuracy"),
-           "group": ("time", "stage", "round", "size"),
-           "consensus": ("stage", "consensus", "time", "round"), "resume": ("time", "at"),
-           "straggler": ("time", "pipeline", "stage", "device")}
-REQUIRED = {"train": ("time", "pipeline", "samples"), "eval": ("time", "val_loss"),
-            "group": ("time", "stage", "round", "size"), "consensus": ("stage", "consensus")}
 _MEANING = {"int": "an integer", "number": "a number", "str": "a string", "bool": "true or false",
             "list": "a list", "dict": "an object", "any": "a value"}
 _TYPES = {"int": (int,), "number": (int, float), "str": (str,), "bool": (bool,), "list": (list,),

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from rich.console import Console
 
+from sdpipe_cli.analysis.records import RestartLine
 from sdpipe_cli.cli import display, resuming
 from sdpipe_cli.config import derived
 from sdpipe_cli.core.plan import RunPlan
@@ -247,11 +248,11 @@ def _next_leg(console: Console, failed, restarts, origin: float, run_cfg, starte
                   highlight=False, soft_wrap=True)
     log = MetricsLog(failed.run_dir / "metrics.jsonl")
     try:
-        log.write({"kind": "restart", "restart": restarts.used,
-                   "time": round(time.time() - origin, 4), "reason": failed.failure,
-                   "from_checkpoint": None if ckpt is None else manifest["step"],
-                   "redone": redone, "backoff_s": wait,
-                   **({} if time_left is None else {"time_left": time_left})})
+        log.write(RestartLine.line(restart=restarts.used, time=round(time.time() - origin, 4),
+                                   reason=failed.failure,
+                                   from_checkpoint=None if ckpt is None else manifest["step"],
+                                   redone=redone, backoff_s=wait,
+                                   **({} if time_left is None else {"time_left": time_left})))
     finally:
         log.close()
     phase = supervisor.Phase("waiting to restart")  # counts Ctrl-C and SIGTERM while nothing runs

@@ -5,49 +5,13 @@ Workers report what only they know (the loss lives on the last stage of each pip
 :class:`MetricsLog` appends one JSON object per line. The launcher shows the tracker's
 :meth:`RunTracker.snapshot`; nothing flows back from here to the workers.
 
-``metrics.jsonl`` lines have a ``kind``. Their fields and types are
-:data:`sdpipe_cli.analysis.SCHEMA`, the one schema: readers read the file with
+``metrics.jsonl`` lines have a ``kind``; each kind is a record class of
+:mod:`sdpipe_cli.analysis.records`, the one schema, whose docstring says what its fields mean
+(docs/RUNS.md's table is generated from them). Readers read the file with
 :func:`sdpipe_cli.analysis.read_metrics`, which checks it, and take every derived figure
-(samples/s of a run, solo rates, time to a loss ...) from that module. What the fields mean:
-- ``train``: ``step``, ``time`` (s since the run started), ``pipeline``, ``loss``, ``samples``
-  (cumulative samples of that pipeline), ``samples_per_s`` (that pipeline's, since the end of its
-  first iteration, which pays one-off set-up; waits and evaluations count), ``lr``, plus
-  ``step_s``, ``compute_s`` and ``sync_s`` (seconds of the last iteration on the last stage),
-  ``straggled`` (that worker's actions slowed by a random straggler so far);
-  ``data_s`` (seconds the stage waited for the loader's batch in that iteration);
-- ``data``: the first stage's own wait for its batch (where no ``sync`` line carries it):
-  ``step``, ``time``, ``pipeline``, ``stage``, ``step_s``, ``data_s``;
-- ``unreadable``: a sample the loader could not read, the first time a reading stage met it (it
-  was replaced by the next sample): ``pipeline``, ``stage``, ``step``, ``sample`` (its file),
-  ``error``;
-- ``eval``: ``step``, ``time``, ``pipeline``, ``val_loss``, ``samples`` (classifiers also
-  ``val_accuracy``, top-1);
-- ``sync`` (``sync=sdpipe``, stages other than the last, whose train lines carry the same):
-  ``step``, ``time``, ``pipeline``, ``stage``, ``group_size``, ``round``, ``group_kind``,
-  ``wait_s`` (ready signal to decision) and ``comm_s`` (the group all-reduce);
-- ``group``: one per scheduler decision: ``stage``, ``round``, ``members``, ``iterations``,
-  ``size``, ``group`` (group or global), ``stop``, ``max_wait_s``, ``waits`` (each member's);
-- ``lost``: a pipeline the launcher stopped after one of its workers failed: ``pipeline``,
-  ``reason``, ``restart`` (whether it is started again);
-- ``restart``, of a pipeline (``fault.on_pipeline_loss=restart``): a lost pipeline's processes
-  started again: ``pipeline``, ``incarnation`` (restarts of that pipeline), ``restart`` (restarts
-  in the run so far), ``backoff_s``, ``time``;
-- ``heal``: a restarted replica took a live replica's state: ``pipeline``, ``stage``, ``source``
-  (the pipeline it copied), ``iteration`` (where it goes on from), ``bytes``, ``seconds`` (from
-  its request to having the state), ``transfer_s`` (of which the transfer itself);
-- ``done``: one per worker at the end: ``pipeline``, ``stage``, ``steps``, ``param_digest``,
-  ``device`` (where it was placed), ``actions``, ``straggled``, ``slowdown_overruns`` (actions whose
-  real compute overran the modelled time), ``peak_memory_mb``, ``wall_s`` (its seconds alive)
-  and ``traffic``: per link class it crossed (``same_node``, ``cross_node``), the bytes its
-  sync sent and received and its seconds in sync collectives (:mod:`sdpipe_cli.sync.traffic`);
-- ``train`` and ``sync`` lines also carry ``sent_bytes``, ``recv_bytes`` and ``links``: the sync
-  traffic of that worker since its previous line;
-- ``restart``, of the whole run (``fault.on_failure=restart``; written by the CLI between two launches, while no
-  process of the run is running): ``restart`` (its number), ``time``, ``reason`` (the failure's
-  line), ``from_checkpoint`` (its step; null: the run starts again from scratch), ``redone``
-  (per pipeline, the iterations that will be done again: the last reached minus the
-  checkpoint's) and ``backoff_s``. The train lines of the redone iterations come twice, the
-  later ones after this line.
+(samples/s of a run, solo rates, time to a loss ...) from that module. A line made here from a
+worker's report carries the report's fields (a sync mode may add its own), which the records
+declare too.
 """
 
 from __future__ import annotations

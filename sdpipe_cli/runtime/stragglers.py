@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sdpipe_cli.analysis.records import BY_KIND
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.slowdowns import Change, SlowdownDetector, carried_of
 
@@ -103,6 +104,6 @@ class StragglerWatch:
                 "device": device.name, "node": device.node}
 
     def _line(self, change: Change, time: Any) -> dict[str, Any]:
-        return {"kind": change.kind, "time": time, **self._where(change.pipeline, change.stage),
-                "iteration": change.iteration, "slower": change.slower, "busy_s": change.busy_s,
-                "baseline_s": change.baseline_s}
+        return BY_KIND[change.kind].line(time=time, **self._where(change.pipeline, change.stage),
+                                         iteration=change.iteration, slower=change.slower,
+                                         busy_s=change.busy_s, baseline_s=change.baseline_s)

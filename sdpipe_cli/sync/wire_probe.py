@@ -31,6 +31,7 @@ from typing import Any, cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from sdpipe_cli.analysis.records import WireLine
 from sdpipe_cli.core.meetings import Choice
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
@@ -172,5 +173,5 @@ def record(chosen: protocol.MeetingChoice) -> dict:
 
 def line(chosen: protocol.MeetingChoice, time_s: float) -> dict:
     """The metrics line of the choice."""
-    return {"kind": "wire", "time": time_s, **{k: v for k, v in record(chosen).items()
-                                               if k != "describe"}}
+    return WireLine.line(time=time_s, **{k: v for k, v in record(chosen).items()
+                                         if k != "describe"})

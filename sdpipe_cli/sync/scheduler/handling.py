@@ -21,6 +21,7 @@ from typing import Any, cast
 from omegaconf import DictConfig
 
 from sdpipe_cli import checkpoint
+from sdpipe_cli.analysis import records
 from sdpipe_cli.core.grouping import Decision, GroupScheduler, make_policy
 from sdpipe_cli.core.meetings import meetings_of
 from sdpipe_cli.core.modes import mode
@@ -144,9 +145,9 @@ class Scheduler:
         self.live, self.metrics = True, self._metrics()
         self.scheduler_restarts = restart
         now = self.clock()
-        self.metrics.write({"kind": "scheduler_restart", "time": round(time.time() - self.t0, 4),
-                            "restart": restart, "replayed_batches": replayed,
-                            "silent_s": None if last is None else round(now - last, 4)})
+        self.metrics.write(records.SchedulerRestartLine.line(
+            time=round(time.time() - self.t0, 4), restart=restart, replayed_batches=replayed,
+            silent_s=None if last is None else round(now - last, 4)))
         self.publish_progress()
 
     def new_batch(self) -> None:
@@ -181,9 +182,8 @@ class Scheduler:
         # where this leg begins: readers of metrics.jsonl tell timelines apart by it (a leg
         # resumed from an older checkpoint goes back in iterations); ``at``: the checkpoint's
         # moment on the run clock, where its past ends
-        self.metrics.write({"kind": "resume", "time": round(time.time() - self.t0, 4),
-                            "checkpoint": ckpt.name, "steps": steps,
-                            "at": round(float(shard.get("elapsed", 0.0)), 4)})
+        self.metrics.write(records.ResumeLine.line(time=round(time.time() - self.t0, 4), checkpoint=ckpt.name,
+                           steps=steps, at=round(float(shard.get("elapsed", 0.0)), 4)))
 
     def handle(self, event: protocol.Event) -> None:
         """Act on one event; one from a process of a replaced incarnation is dropped."""
@@ -330,8 +330,8 @@ class Scheduler:
         changed = (replanning.resplit(self.policy.live if self.policy is not None
                                       else frozenset()) if proposal.go else [])
         where = {k: straggler[k] for k in ("device", "pipeline", "stage")}
-        self.metrics.write({"kind": "replan", "time": round(time.time() - self.t0, 4), **where,
-                            **proposal.record(), **({"in_place": changed} if changed else {})})
+        self.metrics.write(records.ReplanLine.line(time=round(time.time() - self.t0, 4), **where,
+                           **proposal.record(), **({"in_place": changed} if changed else {})))
         log.warning("re-plan after %s (%s): %s", straggler["device"], proposal.change(),
                     proposal.reason)
         if changed:
@@ -423,12 +423,12 @@ class Scheduler:
             for p in d.members:
                 self.rounds[d.stage][p] += 1
             self.group_sizes.append(len(d.members))
-            line = {
-                "kind": "group", "time": round(time.time() - self.t0, 4), "stage": d.stage,
-                "round": d.round, "group": d.kind, "members": list(d.members),
-                "iterations": list(d.iterations), "size": len(d.members), "stop": d.stop,
-                "twins": d.twins, "done": done, "reason": d.reason, "outside": {str(q): w for q, w in d.outside},
-                "max_wait_s": round(max(d.waited), 6), "waits": [round(w, 6) for w in d.waited]}
+            line: dict[str, Any] = dict(
+                time=round(time.time() - self.t0, 4), stage=d.stage, round=d.round, group=d.kind,
+                members=list(d.members), iterations=list(d.iterations), size=len(d.members),
+                stop=d.stop, twins=d.twins, done=done, reason=d.reason,
+                outside={str(q): w for q, w in d.outside}, max_wait_s=round(max(d.waited), 6),
+                waits=[round(w, 6) for w in d.waited])
             if pacing is not None:  # meetings that follow the wire: blocks of their own
                 line.update(pacing.fields(nexts))
             elif self.meetings.every > 1:  # iterations above count meetings of this many
@@ -438,7 +438,7 @@ class Scheduler:
             if d.weight_shares:  # a stale member counted less (sync.stale)
                 line["weight_shares"] = list(d.weight_shares)  # exact: a replay uses them
                 line["grad_shares"] = list(d.grad_shares)
-            self.metrics.write(line)
+            self.metrics.write(records.GroupLine.line(**line))
             for change in pacing.take_changes() if pacing is not None else ():
                 self.metrics.write(change)
 
@@ -449,8 +449,8 @@ class Scheduler:
         if event.dropped is not None:
             if self.checkpoints.drop(event.checkpoint, self.live):
                 reason = f"pipeline {event.pipeline}, stage {event.stage}: {event.dropped}"
-                self.metrics.write({"kind": "checkpoint_dropped", "step": event.checkpoint,
-                                    "time": round(time.time() - self.t0, 4), "reason": reason})
+                self.metrics.write(records.CheckpointDroppedLine.line(
+                    step=event.checkpoint, time=round(time.time() - self.t0, 4), reason=reason))
                 log.warning("checkpoint %d is not written: %s", event.checkpoint, reason)
             return
         self.checkpoints.shard_saved(event.checkpoint, event.rank, event.step)
@@ -462,8 +462,8 @@ class Scheduler:
         if done is None:
             return
         path, steps = done
-        self.metrics.write({"kind": "checkpoint", "step": ckpt, "time": round(elapsed, 4),
-                            "steps": steps, "path": str(path)})
+        self.metrics.write(records.CheckpointLine.line(step=ckpt, time=round(elapsed, 4),
+                                                       steps=steps, path=str(path)))
         log.info("checkpoint %s", path)
 
     def _name_hung(self) -> None:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from sdpipe_cli.analysis.records import PaceLine
 from sdpipe_cli.core.blocks import BlockPlan
 from sdpipe_cli.core.meetings import meetings_of
 from sdpipe_cli.core.wire import LinkFit, WirePace
@@ -90,9 +91,9 @@ class Pacing:
         """The period changes (the policy's budget is then counted again in meetings of the
         new length, as at every block decided)."""
         link = min((self.pace.link(s) for s in self.pace.values), key=lambda f: f.bytes_per_s)
-        self.changes.append({"kind": "pace", "time": now, "every": every, "was": self.every,
-                             "mbit_s": round(link.mbit_s, 3),
-                             "step_s": round(min(self.pace.step_s.values()), 6)})
+        self.changes.append(PaceLine.line(time=now, every=every, was=self.every,
+                                          mbit_s=round(link.mbit_s, 3),
+                                          step_s=round(min(self.pace.step_s.values()), 6)))
         self.every = every
 
     def done_steps(self) -> int:
