@@ -798,7 +798,7 @@ def test_validation():
     g.leave(1)
     with pytest.raises(ValueError):
         g.ready(1, 1, 0)
-    for bad in (dict(pipelines=0, stages=1), dict(pipelines=1, stages=0)):
+    for bad in (dict(pipelines=0, segments=1), dict(pipelines=1, segments=0)):
         with pytest.raises(ValueError):
             GroupScheduler(**bad)
     with pytest.raises(ValueError):

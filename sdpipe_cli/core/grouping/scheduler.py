@@ -29,15 +29,19 @@ POLICIES = ("cost_aware", "classic")
 class GroupScheduler:
     """The policy for all stages of a run. Feed it events; it returns the decisions they trigger.
 
-    Times are seconds from ``clock``. The transport calls :meth:`tick` no later than
-    :meth:`next_deadline`. ``evaluate_every``: the workers evaluate after every multiple of this
-    many of their iterations (``train.eval_every``), a pause the forecast expects.
-    ``rounds_per_iteration`` (asynchronous schedules only: a round per
-    update) picks the :class:`~sdpipe_cli.core.grouping.async_budget.AsyncPlanner`, whose global
-    syncs fall at drained points (:meth:`begin`); without it, the flushed schedules' planner.
+    ``segments``: the units groups form over, each on its own (:mod:`~sdpipe_cli.core.segments`:
+    a pipeline's stages, or finer pieces where pipelines are split differently); the policy's
+    ``stage`` arguments, decisions and state name a segment by its index (so do a ``group``
+    line's ``stage`` and the workers' sync units). Times are seconds from ``clock``. The
+    transport calls :meth:`tick` no later than :meth:`next_deadline`. ``evaluate_every``: the
+    workers evaluate after every multiple of this many of their iterations
+    (``train.eval_every``), a pause the forecast expects. ``rounds_per_iteration`` (asynchronous
+    schedules only: a round per update) picks the
+    :class:`~sdpipe_cli.core.grouping.async_budget.AsyncPlanner`, whose global syncs fall at
+    drained points (:meth:`begin`); without it, the flushed schedules' planner.
     """
 
-    def __init__(self, pipelines: int, stages: int, *, min_group: int = 2, window: float = 0.01,
+    def __init__(self, pipelines: int, segments: int, *, min_group: int = 2, window: float = 0.01,
                  window_min: float = 0.0005, window_max: float = 0.1, connect_every: int = 8,
                  global_every: int = 0, total_iterations: int | None = None,
                  time_limit: float | None = None, patience: float = 0.0,
@@ -48,8 +52,8 @@ class GroupScheduler:
                  rounds_per_iteration: int | None = None):
         if rounds_per_iteration is not None and rounds_per_iteration < 1:
             raise ValueError("rounds_per_iteration must be >= 1")
-        if pipelines < 1 or stages < 1 or connect_every < 1 or min_group < 1:
-            raise ValueError("pipelines, stages, connect_every and min_group must be >= 1")
+        if pipelines < 1 or segments < 1 or connect_every < 1 or min_group < 1:
+            raise ValueError("pipelines, segments, connect_every and min_group must be >= 1")
         if patience < 0:
             raise ValueError("patience must be >= 0")
         if policy not in POLICIES:
@@ -63,7 +67,7 @@ class GroupScheduler:
         # connect_every = 1 is all-reduce: every round waits for everyone, under either policy
         cost_aware = policy == "cost_aware" and connect_every > 1
         max_group = max_group if connect_every > 1 else 0  # all-reduce has no cap
-        run = RunState(pipelines, stages, global_every=global_every,
+        run = RunState(pipelines, segments, global_every=global_every,
                        total_iterations=total_iterations, time_limit=time_limit,
                        evaluate_every=evaluate_every, clock=clock)
         self._run = run
@@ -72,8 +76,8 @@ class GroupScheduler:
         self._planner: Planner = (
             FlushedPlanner(run, cost_aware=cost_aware) if rounds_per_iteration is None
             else AsyncPlanner(run, rounds_per_iteration=rounds_per_iteration))
-        self._lineage = Lineage(pipelines, stages, enabled=twins)
-        self._freshness = Freshness(pipelines, stages, stale)
+        self._lineage = Lineage(pipelines, segments, enabled=twins)
+        self._freshness = Freshness(pipelines, segments, stale)
         self._members = Membership(run, self._planner, self._links, self._lineage)
         prediction = Prediction(run, self._links, patience=patience, cost_aware=cost_aware,
                                 max_group=max_group)
@@ -265,8 +269,8 @@ class AsyncGroupScheduler(GroupScheduler):
     ``rounds_per_iteration`` of them per iteration, and global syncs at drained points
     (:mod:`~sdpipe_cli.core.grouping.async_budget` says why and how). Only the planner differs."""
 
-    def __init__(self, pipelines: int, stages: int, *, rounds_per_iteration: int = 1, **kwargs):
-        super().__init__(pipelines, stages, rounds_per_iteration=rounds_per_iteration, **kwargs)
+    def __init__(self, pipelines: int, segments: int, *, rounds_per_iteration: int = 1, **kwargs):
+        super().__init__(pipelines, segments, rounds_per_iteration=rounds_per_iteration, **kwargs)
 
 
 def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monotonic,
