@@ -20,7 +20,7 @@ from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync import journal
 from sdpipe_cli.sync.scheduler.handling import Scheduler
-from sdpipe_cli.sync.scheduler.process import BatchClock, act, replay
+from sdpipe_cli.sync.scheduler.process import BatchClock, act, next_batch, replay, take_over
 
 P, S = 3, 2
 
@@ -150,8 +150,9 @@ def test_a_torn_last_line_is_left_out_and_cut_before_appending(tmp_path):
     writer.close()
     with path.open("a") as f:
         f.write('{"t": 3.0, "stop": false, "events": ["{\\"ty')  # killed mid-line
-    started, batches = journal.read(path)
+    started, batches, unacted = journal.read(path)
     assert started == 1.5 and [b.t for b in batches] == [2.0, 2.5] and batches[1].stop
+    assert unacted == ()
     again = journal.Journal.resume(path)
     again.record(4.0, False, [])
     again.close()
@@ -177,3 +178,56 @@ def test_the_decoded_batch_is_what_the_store_gave(tmp_path):
     writer.close()
     assert [type(e) for e in batch] == [protocol.Ready, protocol.Tick]
     assert list(journal.read(journal.journal_path(tmp_path))[1][0].events) == raw
+
+
+def test_each_event_is_journaled_as_it_is_popped_and_its_batch_closes_them(tmp_path):
+    """next_batch writes every event the moment it pops it: a scheduler killed before it acts
+    leaves them in the journal, unacted; acting writes the line that closes them."""
+    cfg = config(tmp_path)
+    _, events = new_store()
+    sched = Scheduler(cfg, tmp_path, events, clock=BatchClock(0.0))
+    path = journal.journal_path(tmp_path)
+    writer = journal.Journal.create(path, 0.0)
+    sent = [ready(p, 0, 0) for p in range(P)]
+    for raw in sent:
+        events.queue_push(store.EVENTS, raw)
+    raw = next_batch(events, writer)
+    assert raw == sent and journal.read(path) == (0.0, [], tuple(sent))  # killed here: kept
+    act(sched, writer, raw, 0.5)
+    _, batches, unacted = journal.read(path)
+    assert [(b.t, b.events) for b in batches] == [(0.5, tuple(sent))] and unacted == ()
+    writer.close()
+
+
+def test_events_a_dead_scheduler_popped_and_never_acted_on_are_acted_on_by_the_next(tmp_path):
+    """The first scheduler acts on some batches, then pops a stage's last ready signals and is
+    killed before acting: the round they complete was never decided, and its replicas wait for
+    it. The scheduler started again replays the journal and then acts on those events first:
+    it publishes that round, as the first one would have."""
+    cfg = config(tmp_path)
+    _, first_events = new_store()
+    first = Scheduler(cfg, tmp_path, first_events, clock=BatchClock(0.0))
+    path = journal.journal_path(tmp_path)
+    writer = journal.Journal.create(path, 0.0)
+    act(first, writer, [ready(0, 0, 0)], 0.1)
+    for raw in (ready(1, 0, 0), ready(2, 0, 0)):  # popped, then the kill
+        writer.popped(raw)
+    writer.close()
+    assert decisions(first_events, 1) == {}  # the round of iteration 0 waits for them
+    _, second_events = new_store()
+    second, go_on = take_over(cfg, tmp_path, second_events, path, now=lambda: 0.11)
+    go_on.close()
+    decided = decisions(second_events, 1)
+    assert {key for key in decided if key.startswith("group/0/")} == {
+        f"group/0/{p}.0/0" for p in range(P)}
+    assert second.group_sizes == [P]
+    _, batches, unacted = journal.read(path)
+    assert batches[-1].events == (ready(1, 0, 0), ready(2, 0, 0)) and unacted == ()
+
+
+def test_a_batch_line_that_closes_other_events_than_were_popped_is_refused(tmp_path):
+    writer = journal.Journal.create(tmp_path / "j.journal", 0.0)
+    writer.popped(ready(0, 0, 0))
+    with pytest.raises(ValueError, match="closes 1 journaled"):
+        writer.record(1.0, False, [ready(0, 0, 0), ready(1, 0, 0)])
+    writer.close()

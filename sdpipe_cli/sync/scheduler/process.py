@@ -30,7 +30,8 @@ from sdpipe_cli.sync import journal, wire_probe
 from sdpipe_cli.sync.journal import journal_path
 from sdpipe_cli.sync.scheduler.handling import Scheduler
 
-__all__ = ["Ticker", "next_batch", "in_order", "BatchClock", "act", "replay", "serve", "main"]
+__all__ = ["Ticker", "next_batch", "in_order", "BatchClock", "act", "replay", "take_over", "serve",
+           "main"]
 
 log = logging.getLogger("sdpipe.scheduler")
 
@@ -85,19 +86,27 @@ URGENT = ("ready", "begin", "lost", "restart", "rejoin")
 BATCH = 512  # most events taken from the queue at once
 
 
-def next_batch(events) -> list[str]:
+def next_batch(events, writer: journal.Journal | None = None) -> list[str]:
     """The next events, as popped: all that are queued (up to :data:`BATCH`), else the next
-    one to come (blocking)."""
-    raw: list[bytes | str] = []
+    one to come (blocking); each journaled (``writer``) the moment it is popped, so that a
+    scheduler killed before it acts on them leaves them to the next (see the journal's note)."""
+    raw: list[str] = []
+
+    def popped(event: bytes | str) -> None:
+        # bytes that are not UTF-8 become a message that fails to decode, naming the queue
+        text = event.decode("utf-8", errors="replace") if isinstance(event, bytes) else event
+        if writer is not None:
+            writer.popped(text)
+        raw.append(text)
+
     while len(raw) < BATCH:
         try:
-            raw.append(events.queue_pop(store.EVENTS, block=False))
+            popped(events.queue_pop(store.EVENTS, block=False))
         except dist.QueueEmptyError:
             break
     if not raw:
-        raw.append(events.queue_pop(store.EVENTS))
-    # bytes that are not UTF-8 become a message that fails to decode, naming the queue
-    return [r.decode("utf-8", errors="replace") if isinstance(r, bytes) else r for r in raw]
+        popped(events.queue_pop(store.EVENTS))
+    return raw
 
 
 def in_order(raw: list[str]) -> list[protocol.Event]:
@@ -152,7 +161,7 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Path | None = None,
     """A scheduler started again after the run's first died: the dead one's journal (``path``,
     default the first leg's) replayed, then live from moment ``now()`` on
     (:mod:`~sdpipe_cli.sync.journal`)."""
-    started, batches = journal.read(path or journal_path(run_dir))
+    started, batches, _ = journal.read(path or journal_path(run_dir))  # the unacted: serve
     clock = BatchClock(started)
     scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, live=False,
                           wire=wire)
@@ -167,6 +176,19 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Path | None = None,
     return scheduler
 
 
+def take_over(cfg: DictConfig, run_dir: Path, events, path: Path, resume: Path | None = None,
+              restart: int = 1, wire: protocol.MeetingChoice | None = None,
+              now: Callable[[], float] = time.monotonic) -> tuple[Scheduler, journal.Journal]:
+    """The scheduler started again, live: its predecessor's journal at ``path`` replayed
+    (:func:`replay`), then the events that one popped and never acted on acted on, first."""
+    scheduler = replay(cfg, run_dir, events, resume, now=now, path=path, restart=restart,
+                       wire=wire)
+    writer = journal.Journal.resume(path)
+    if writer.unacted:
+        act(scheduler, writer, list(writer.unacted), now())
+    return scheduler, writer
+
+
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
           resume: Path | None = None, restarted: int = 0,
           config: str = "config.yaml", wire: protocol.MeetingChoice | None = None) -> Scheduler:
@@ -176,9 +198,7 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
     :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`), for the metrics and the summary."""
     path = journal_path(run_dir, config)
     if restarted:
-        scheduler = replay(cfg, run_dir, events, resume, path=path, restart=restarted,
-                           wire=wire)
-        writer = journal.Journal.resume(path)
+        scheduler, writer = take_over(cfg, run_dir, events, path, resume, restarted, wire)
     else:
         clock = BatchClock(time.monotonic())
         writer = journal.Journal.create(path, clock.now)
@@ -191,7 +211,7 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
     failed = True  # until every worker reported done
     try:
         while not scheduler.tracker.all_done():
-            raw = next_batch(events)
+            raw = next_batch(events, writer)
             popped = tracer.clock() if tracer is not None else 0.0
             batch = act(scheduler, writer, raw, time.monotonic())
             if scheduler.policy is not None:
