@@ -58,7 +58,33 @@ def _spec(hint: Any) -> str:
     return _SPECS[typing.get_origin(hint) or hint]
 
 
-class TrainLine(Record):
+class _Iteration(Record):
+    """What a stage's iteration reports, in the ``train`` line of a pipeline's last stage and
+    the ``sync`` lines of the others (not a kind of its own)."""
+
+    step_s: float
+    compute_s: float
+    sync_s: float
+    straggled: int
+    data_s: float
+    group_size: int
+    round: int
+    group_kind: str
+    wait_s: float
+    comm_s: float
+    stash_versions: int
+    stash_bytes: int
+    skipped_steps: int
+    sent_bytes: int
+    recv_bytes: int
+    links: list
+    busy_s: float
+    behind_s: float
+    behind_wait_s: float
+    loss_scale: float
+
+
+class TrainLine(_Iteration):
     """`pipeline`, `step`, `time`, `loss` (mean over the iteration's micro-batches), `samples`
     (cumulative, that pipeline), `samples_per_s` (that pipeline: samples since its first
     iteration ended, over the seconds since then, so one-off set-up is left out;
@@ -88,26 +114,6 @@ class TrainLine(Record):
     samples: float
     samples_per_s: float
     lr: float
-    step_s: float
-    compute_s: float
-    sync_s: float
-    straggled: int
-    data_s: float
-    group_size: int
-    round: int
-    group_kind: str
-    wait_s: float
-    comm_s: float
-    stash_versions: int
-    stash_bytes: int
-    skipped_steps: int
-    sent_bytes: int
-    recv_bytes: int
-    links: list
-    busy_s: float
-    behind_s: float
-    behind_wait_s: float
-    loss_scale: float
 
 
 class DataLine(Record):
@@ -152,7 +158,7 @@ class EvalLine(Record):
     val_accuracy: float | None
 
 
-class SyncLine(Record):
+class SyncLine(_Iteration):
     """`sync=sdpipe`/`adpsgd`, stages other than the last (whose `train` lines carry the same
     fields): `pipeline`, `stage`, `step`, `group_size`, `round`, `group_kind`, `wait_s` (ready
     signal to decision), `comm_s` (the group all-reduce); and, as in `train` lines, `time`,
@@ -166,26 +172,6 @@ class SyncLine(Record):
     time: float
     pipeline: int
     stage: int
-    step_s: float
-    compute_s: float
-    sync_s: float
-    straggled: int
-    data_s: float
-    group_size: int
-    round: int
-    group_kind: str
-    wait_s: float
-    comm_s: float
-    stash_versions: int
-    stash_bytes: int
-    skipped_steps: int
-    sent_bytes: int
-    recv_bytes: int
-    links: list
-    busy_s: float
-    behind_s: float
-    behind_wait_s: float
-    loss_scale: float
 
 
 class GroupLine(Record):
