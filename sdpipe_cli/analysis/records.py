@@ -4,9 +4,10 @@ A class names its kind's fields and their types; its docstring says what the lin
 each field means. From these come the reader's checks (:data:`SCHEMA`, :data:`CHECKED`,
 :data:`REQUIRED`: :func:`~sdpipe_cli.analysis.read_metrics`), the writers' lines
 (:meth:`Record.line` refuses a field its class does not declare), the table of docs/RUNS.md
-(:mod:`.records_reference`) and the suite's check of every line its runs write (``tests/helpers.py``). A line may lack a
-field its class declares (a sync mode that does not measure it, a run of an older version); the
-reader insists only on :attr:`Record.required`, and checks the types of :attr:`Record.checked`.
+(:mod:`.records_reference`) and the suite's check of every line its runs write
+(``tests/helpers.py``). A line may lack a field its class declares (a sync mode that does not
+measure it, a run of an older version); the reader insists only on :attr:`Record.required`, and
+checks the types of :attr:`Record.checked`.
 
 Part of :mod:`sdpipe_cli.analysis` (import from there).
 """
@@ -33,21 +34,32 @@ class Record:
 
     @classmethod
     def fields(cls) -> dict[str, str]:
-        """Each field's type spec (see :data:`SCHEMA`), in declaration order."""
-        return {name: _spec(hint) for name, hint in typing.get_type_hints(cls).items()
-                if name not in _CLASS_VARS}
+        """Each field's type spec (see :data:`SCHEMA`), in declaration order (a copy)."""
+        return dict(_fields_of(cls))
 
     @classmethod
     def line(cls, **values: Any) -> dict[str, Any]:
         """A line of this kind holding ``values``; a name the class does not declare is a
         writer's mistake, raised as TypeError."""
-        unknown = set(values) - set(cls.fields())
+        unknown = values.keys() - _fields_of(cls).keys()
         if unknown:
             raise TypeError(f"a {cls.kind!r} line has no field {', '.join(sorted(unknown))}")
         return {"kind": cls.kind, **values}
 
 
 _CLASS_VARS = {"kind", "required", "checked"}
+
+
+_FIELDS: dict[type, dict[str, str]] = {}  # each class's, read once (a line per decision)
+
+
+def _fields_of(record: type[Record]) -> dict[str, str]:
+    found = _FIELDS.get(record)
+    if found is None:
+        found = _FIELDS[record] = {
+            name: _spec(hint) for name, hint in typing.get_type_hints(record).items()
+            if name not in _CLASS_VARS}
+    return found
 
 
 def _spec(hint: Any) -> str:

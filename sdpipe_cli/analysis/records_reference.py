@@ -27,13 +27,13 @@ def table() -> str:
     return "\n".join(rows)
 
 
-
 SECTION = Section("records", "sdpipe_cli.analysis.records_reference", table)
 BEGIN, END, replaced = SECTION.begin, SECTION.end, SECTION.replaced
 
 
 def main(argv: list[str]) -> int:
     return SECTION.main(argv)
+
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

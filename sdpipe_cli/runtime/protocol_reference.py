@@ -75,13 +75,13 @@ def table() -> str:
     return "\n".join(rows)
 
 
-
 SECTION = Section("messages", "sdpipe_cli.runtime.protocol_reference", table)
 BEGIN, END, replaced = SECTION.begin, SECTION.end, SECTION.replaced
 
 
 def main(argv: list[str]) -> int:
     return SECTION.main(argv)
+
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))
