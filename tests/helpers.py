@@ -217,13 +217,18 @@ def kill_leftovers(run_dir: Path) -> list[int]:
     return [p.pid for p in leftovers]
 
 
+_CHECKED: dict[Path, int] = {}  # metrics.jsonl -> how many of its lines were checked
+
+
 def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
     """The run's metrics lines (of ``kind``), each checked against its record
     (:mod:`sdpipe_cli.analysis.records`): every test that reads a run's lines fails on a kind or a
     field the schema does not declare, or a value of another type."""
     path = Path(run_dir) / "metrics.jsonl"
     lines = read_metrics(path)
-    for number, line in enumerate(lines, 1):
+    # the file only grows: a test polling it checks each line once
+    seen = _CHECKED.get(path, 0) if len(lines) >= _CHECKED.get(path, 0) else 0
+    for number, line in enumerate(lines[seen:], seen + 1):
         declared = SCHEMA.get(line["kind"])
         assert declared is not None, f"{path}: line {number}: kind {line['kind']!r} has no record"
         for name, value in line.items():
@@ -231,6 +236,7 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
                 f"{path}: line {number}: a {line['kind']!r} line's {name!r} is not in its record")
             assert name == "kind" or conforms(line["kind"], name, value), (
                 f"{path}: line {number}: {name!r} = {value!r} is not a {declared[name]}")
+    _CHECKED[path] = len(lines)
     return [m for m in lines if kind is None or m["kind"] == kind]
 
 

@@ -90,3 +90,13 @@ def test_the_suite_s_check_fails_on_a_field_no_record_declares(tmp_path):
 def test_the_reader_still_refuses_a_checked_field_of_the_wrong_type(tmp_path):
     with pytest.raises(ConfigError, match="'samples' of a 'train' line should be a number"):
         read_metrics(_run_with(tmp_path, {**GOOD, "samples": "many"}))
+
+
+def test_a_polled_file_s_new_lines_are_checked_too(tmp_path):
+    """A test polling a growing run's lines checks each once: what was appended since is checked."""
+    run = _run_with(tmp_path, GOOD)
+    assert len(metrics(run)) == 1
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({**GOOD, "step": 2, "surprise": 1}) + "\n")
+    with pytest.raises(AssertionError, match="line 2: a 'train' line's 'surprise'"):
+        metrics(run)
