@@ -182,8 +182,9 @@ class Scheduler:
         # where this leg begins: readers of metrics.jsonl tell timelines apart by it (a leg
         # resumed from an older checkpoint goes back in iterations); ``at``: the checkpoint's
         # moment on the run clock, where its past ends
-        self.metrics.write(records.ResumeLine.line(time=round(time.time() - self.t0, 4), checkpoint=ckpt.name,
-                           steps=steps, at=round(float(shard.get("elapsed", 0.0)), 4)))
+        self.metrics.write(records.ResumeLine.line(
+            time=round(time.time() - self.t0, 4), checkpoint=ckpt.name, steps=steps,
+            at=round(float(shard.get("elapsed", 0.0)), 4)))
 
     def handle(self, event: protocol.Event) -> None:
         """Act on one event; one from a process of a replaced incarnation is dropped."""
@@ -330,8 +331,8 @@ class Scheduler:
         changed = (replanning.resplit(self.policy.live if self.policy is not None
                                       else frozenset()) if proposal.go else [])
         where = {k: straggler[k] for k in ("device", "pipeline", "stage")}
-        self.metrics.write(records.ReplanLine.line(time=round(time.time() - self.t0, 4), **where,
-                           **proposal.record(), **({"in_place": changed} if changed else {})))
+        self.metrics.write(records.ReplanLine.line(time=round(time.time() - self.t0, 4), **where, **proposal.record(),
+                                                   **({"in_place": changed} if changed else {})))
         log.warning("re-plan after %s (%s): %s", straggler["device"], proposal.change(),
                     proposal.reason)
         if changed:
@@ -462,8 +463,7 @@ class Scheduler:
         if done is None:
             return
         path, steps = done
-        self.metrics.write(records.CheckpointLine.line(step=ckpt, time=round(elapsed, 4),
-                                                       steps=steps, path=str(path)))
+        self.metrics.write(records.CheckpointLine.line(step=ckpt, time=round(elapsed, 4), steps=steps, path=str(path)))
         log.info("checkpoint %s", path)
 
     def _name_hung(self) -> None:

@@ -161,7 +161,7 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Path | None = None,
     """A scheduler started again after the run's first died: the dead one's journal (``path``,
     default the first leg's) replayed, then live from moment ``now()`` on
     (:mod:`~sdpipe_cli.sync.journal`)."""
-    started, batches, _ = journal.read(path or journal_path(run_dir))  # the unacted: serve
+    started, batches, _ = journal.read(path or journal_path(run_dir))  # the unacted: take_over
     clock = BatchClock(started)
     scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, live=False,
                           wire=wire)
