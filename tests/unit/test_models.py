@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -121,3 +123,23 @@ def test_heads_must_divide_width():
     with pytest.raises(ValueError, match="n_heads"):
         build_blocks(tiny("gpt", d_model=30, n_heads=4))
     build_blocks(tiny("mlp", d_model=30, n_heads=4))  # mlp has no heads
+
+
+def test_reading_the_shapes_skips_initialisation_and_its_imports():
+    """The launcher reads every model's block shapes on the meta device; an initialiser there
+    fills nothing, and ``normal_``'s meta version alone would import torch's compiler and sympy
+    (a second or more of every command's start). Each builder's shapes, and no such import."""
+    code = """
+import sys
+from omegaconf import OmegaConf
+from sdpipe_cli.config.schema import ModelConfig
+from sdpipe_cli.model.models import block_param_counts
+for arch in ("gpt", "mlp", "resnet_cifar"):
+    model = OmegaConf.structured(ModelConfig(arch=arch, vocab_size=256, seq_len=16, d_model=32,
+                                             num_classes=10))
+    counts = block_param_counts(model)
+    assert len(counts) > 3 and all(n > 0 for n in counts[1:]), (arch, counts)
+heavy = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
+assert not heavy, heavy
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
