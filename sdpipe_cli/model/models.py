@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.config.targets import import_callable
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model import bytes_lm
 from sdpipe_cli.model.boundary import Boundary, map_tensors
+from sdpipe_cli.model.shapes_only import ShapesOnly
 
 __all__ = ["build", "build_stage_module", "build_whole", "boundaries", "block_param_counts", "count_blocks",
            "loss_function", "tied_parameters"]
@@ -236,35 +236,9 @@ def _holds(module: nn.Module, blocks: Sequence[nn.Module]) -> bool:
     return held <= inside
 
 
-class _ShapesOnly(TorchFunctionMode):
-    """Random initialisers do nothing to a meta tensor, which has no values to fill.
-
-    They would cost nothing either, but for one: ``normal_``'s meta version lives in torch's
-    Python references, and its first call imports them with torch's compiler and sympy: 1.0-1.3
-    CPU-s (mlp, gpt_tiny) at the start of every command that reads a model's shapes (``sdpipe
-    train``, ``resume``, ``simulate``, ``profile``, ``export``), where building the blocks takes
-    ten milliseconds. Every builder's initialisation (its own, torch's defaults, Hugging Face's)
-    goes through ``torch.nn.init`` or the in-place random fills below, so they are passed over.
-    (A Hugging Face model imports the compiler with ``transformers`` anyway.)
-    """
-
-    FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.log_normal_,
-                       torch.Tensor.exponential_, torch.Tensor.cauchy_, torch.Tensor.geometric_,
-                       torch.Tensor.bernoulli_, torch.Tensor.random_})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        # torch.nn.init's functions come here whole, their tensor passed by name
-        kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor")
-        fills = func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init"
-        if fills and isinstance(target, torch.Tensor) and target.is_meta:
-            return target
-        return func(*args, **kwargs)
-
-
 @functools.lru_cache(maxsize=8)
 def _meta_blocks(model_yaml: str) -> Blocks:
-    with torch.device("meta"), _ShapesOnly():
+    with torch.device("meta"), ShapesOnly():
         # the YAML of a model node (meta_blocks): a mapping
         return build(cast(DictConfig, OmegaConf.create(model_yaml)))
 
