@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from sdpipe_cli.analysis import SCHEMA, conforms
+from sdpipe_cli.analysis import CHOICES, SCHEMA, conforms
 from sdpipe_cli.config import measurements
 from sdpipe_cli.runtime.metrics import read_metrics
 from sdpipe_cli.runtime.processes import read_pid
@@ -223,7 +223,8 @@ _CHECKED: dict[Path, int] = {}  # metrics.jsonl -> how many of its lines were ch
 def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
     """The run's metrics lines (of ``kind``), each checked against its record
     (:mod:`sdpipe_cli.analysis.records`): every test that reads a run's lines fails on a kind or a
-    field the schema does not declare, or a value of another type."""
+    field the schema does not declare, a value of another type, or a word its type does not name
+    (a ``group`` line's ``reason``)."""
     path = Path(run_dir) / "metrics.jsonl"
     lines = read_metrics(path)
     # the file only grows: a test polling it checks each line once
@@ -236,6 +237,11 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
                 f"{path}: line {number}: a {line['kind']!r} line's {name!r} is not in its record")
             assert name == "kind" or conforms(line["kind"], name, value), (
                 f"{path}: line {number}: {name!r} = {value!r} is not a {declared[name]}")
+            words = CHOICES.get(line["kind"], {}).get(name)
+            if words is not None and value is not None:
+                said = value.values() if isinstance(value, dict) else [value]
+                assert set(said) <= words, (
+                    f"{path}: line {number}: {name!r} = {value!r} is not one of {sorted(words)}")
     _CHECKED[path] = len(lines)
     return [m for m in lines if kind is None or m["kind"] == kind]
 

@@ -64,10 +64,10 @@ from sdpipe_cli.analysis.reading import (
     read_metrics,
     timelines,
 )
-from sdpipe_cli.analysis.records import BY_KIND, CHECKED, RECORDS, REQUIRED, SCHEMA, Record
+from sdpipe_cli.analysis.records import BY_KIND, CHECKED, CHOICES, RECORDS, REQUIRED, SCHEMA, Record
 
 __all__ = [
-    "BY_KIND", "CHECKED", "RECORDS", "REQUIRED", "SAME_LOSS", "SCHEMA", "Line", "Record", "analyse",
+    "BY_KIND", "CHECKED", "CHOICES", "RECORDS", "REQUIRED", "SAME_LOSS", "SCHEMA", "Line", "Record", "analyse",
     "by_time", "conforms", "consensus",
     "final_val_accuracy", "final_val_loss", "first_iteration_began", "first_train_time",
     "fraction_of_limit", "from_first_iteration", "iterations", "last_by_pipeline", "limit",

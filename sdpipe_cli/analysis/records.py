@@ -18,6 +18,8 @@ import types
 import typing
 from typing import Any, ClassVar
 
+from sdpipe_cli.core.grouping.state import LeftOut, Reason
+
 # a field's type as the reader checks it: int, number (int or float), str, bool, list, dict, any;
 # "?": may be null
 _SPECS = {int: "int", float: "number", str: "str", bool: "bool", list: "list", dict: "dict",
@@ -48,8 +50,6 @@ class Record:
 
 
 _CLASS_VARS = {"kind", "required", "checked"}
-
-
 _FIELDS: dict[type, dict[str, str]] = {}  # each class's, read once (a line per decision)
 
 
@@ -66,8 +66,21 @@ def _spec(hint: Any) -> str:
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
-        return _SPECS[typing.get_origin(inner) or inner] + "?"
+        return _spec(inner) + "?"
+    if typing.get_origin(hint) is typing.Literal:  # words (see choices_of)
+        return "str"
     return _SPECS[typing.get_origin(hint) or hint]
+
+
+def choices_of(record: type[Record]) -> dict[str, frozenset[str]]:
+    """The words a field may hold where its type names them (a ``Literal``, or dict values)."""
+    found = {}
+    for name, hint in typing.get_type_hints(record).items():
+        if typing.get_origin(hint) is dict:
+            hint = typing.get_args(hint)[1]
+        if typing.get_origin(hint) is typing.Literal:
+            found[name] = frozenset(typing.get_args(hint))
+    return found
 
 
 class _Iteration(Record):
@@ -221,8 +234,8 @@ class GroupLine(Record):
     every: int
     nexts: list
     done_steps: int
-    reason: str
-    outside: dict
+    reason: Reason
+    outside: dict[str, LeftOut]
     done: int | None
     heal: list
     weight_shares: list
@@ -481,4 +494,6 @@ SCHEMA: dict[str, dict[str, str]] = {r.kind: r.fields() for r in RECORDS}
 # the fields a reader checks where present (those the figures read), and those a line must have
 CHECKED: dict[str, tuple[str, ...]] = {r.kind: r.checked for r in RECORDS if r.checked}
 REQUIRED: dict[str, tuple[str, ...]] = {r.kind: r.required for r in RECORDS if r.required}
+# kind -> field -> its words, where its type names them (checked by the suite, not the reader)
+CHOICES: dict[str, dict[str, frozenset[str]]] = {r.kind: c for r in RECORDS if (c := choices_of(r))}
 

@@ -13,6 +13,7 @@ import pytest
 from sdpipe_cli.analysis import (
     BY_KIND,
     CHECKED,
+    CHOICES,
     RECORDS,
     REQUIRED,
     SCHEMA,
@@ -38,6 +39,21 @@ def test_runs_md_holds_the_generated_table():
 def test_every_field_is_said_in_its_kind_s_doc(record):
     named = set(re.findall(r"`([a-z_]+)`", record.__doc__ or ""))
     assert set(record.fields()) <= named, sorted(set(record.fields()) - named)
+
+
+@pytest.mark.parametrize("record", [r for r in RECORDS if r.kind in CHOICES], ids=lambda r: r.kind)
+def test_every_word_a_field_may_hold_is_said_in_its_kind_s_doc(record):
+    named = set(re.findall(r"`([a-z_]+)`", record.__doc__ or ""))
+    for words in CHOICES[record.kind].values():
+        assert words <= named, sorted(words - named)
+
+
+def test_the_words_of_a_decision_are_the_policy_s():
+    """A group line's reason and each left-out pipeline's why are typed by the policy's own words
+    (core/grouping/state.py), so a word the policy adds is one the suite's runs may write."""
+    from sdpipe_cli.core.grouping.state import LEFT_OUT, REASONS
+
+    assert CHOICES["group"] == {"reason": frozenset(REASONS), "outside": frozenset(LEFT_OUT)}
 
 
 def test_kinds_are_one_each_and_the_schema_is_theirs():
@@ -85,6 +101,15 @@ def test_the_suite_s_check_fails_on_a_field_no_record_declares(tmp_path):
         metrics(_run_with(tmp_path / "c", {"kind": "novel", "time": 1.0}))
     with pytest.raises(AssertionError, match="'lr' = 'fast' is not a number"):
         metrics(_run_with(tmp_path / "d", {**GOOD, "lr": "fast"}))
+    group = {"kind": "group", "time": 1.0, "stage": 0, "round": 1, "size": 2, "reason": "all",
+             "outside": {"2": "late"}}
+    assert metrics(_run_with(tmp_path / "e", group)) == [group]
+    with pytest.raises(AssertionError, match="'reason' = 'hunch' is not one of"):
+        metrics(_run_with(tmp_path / "f", {**group, "reason": "hunch"}))
+    with pytest.raises(AssertionError, match="'reason' = None is not a str"):
+        metrics(_run_with(tmp_path / "g", {**group, "reason": None}))
+    with pytest.raises(AssertionError, match="'outside' = .* is not one of"):
+        metrics(_run_with(tmp_path / "h", {**group, "outside": {"2": "asleep"}}))
 
 
 def test_the_reader_still_refuses_a_checked_field_of_the_wrong_type(tmp_path):

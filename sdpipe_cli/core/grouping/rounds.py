@@ -20,18 +20,9 @@ from sdpipe_cli.core.grouping.freshness import Freshness
 from sdpipe_cli.core.grouping.lineage import Lineage
 from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
-from sdpipe_cli.core.grouping.state import Decision, RunState
+from sdpipe_cli.core.grouping.state import LEFT_OUT, REASONS, Decision, LeftOut, Reason, RunState
 
-# why a round closed, in its decision and its ``group`` line: every live replica was there
-# (``all``); the replicas its forecasts awaited came (``expected``); one of them had not by its
-# horizon (``late``); nobody was awaited and its window passed (``window``); ``max_group`` were
-# there (``cap``); it was held until it merged another component (``connected``); a global sync
-# (``global``), the run's last (``stop``)
-REASONS = ("all", "expected", "late", "window", "cap", "connected", "global", "stop")
-# Why a live pipeline is not in a group round: awaited (forecast to come by the horizon) and not
-# there; ready but past ``max_group``; at its iteration of the pending global sync; not ready
-# and not awaited (still computing: a round does not wait for it).
-LEFT_OUT = ("late", "capped", "global", "busy")
+__all__ = ["LEFT_OUT", "REASONS", "RoundFormer"]
 
 
 class RoundFormer:
@@ -125,7 +116,7 @@ class RoundFormer:
             missing -= at_global
         st.deadline = max(st.window_end, st.horizon) if missing else st.window_end
         everyone = len(members) == len(run.live) - len(at_global)  # members: live, not at_global
-        reason = "all"
+        reason: Reason = "all"
         if not everyone:
             if now < st.deadline and not full:  # a full round does not wait for more
                 return None
@@ -150,7 +141,7 @@ class RoundFormer:
         return decision
 
     @staticmethod
-    def _why(full: bool, held: bool, missing: frozenset, expected: frozenset) -> str:
+    def _why(full: bool, held: bool, missing: frozenset, expected: frozenset) -> Reason:
         """Why a group round closed without every live replica (:data:`REASONS`)."""
         if full:
             return "cap"
@@ -161,14 +152,14 @@ class RoundFormer:
         return "expected" if expected else "window"
 
     def _left_out(self, members: set[int], ready: Container[int], expected: frozenset,
-                  at_global: set[int]) -> tuple[tuple[int, str], ...]:
+                  at_global: set[int]) -> tuple[tuple[int, LeftOut], ...]:
         """Each live pipeline not in ``members``, with why (:data:`LEFT_OUT`)."""
         return tuple((p, "global" if p in at_global else "capped" if p in ready
                       else "late" if p in expected else "busy")
                      for p in sorted(self.run.live - members))
 
-    def _emit(self, s: int, members: list[int], kind: str, stop: bool,
-              reason: str = "", outside: tuple[tuple[int, str], ...] = ()) -> Decision:
+    def _emit(self, s: int, members: list[int], kind: str, stop: bool, reason: Reason,
+              outside: tuple[tuple[int, LeftOut], ...] = ()) -> Decision:
         run = self.run
         st = run.stages[s]
         now = run.clock()

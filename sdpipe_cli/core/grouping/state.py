@@ -13,10 +13,23 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 from sdpipe_cli.core.forecast import Forecast
 from sdpipe_cli.core.grouping.disjoint import DisjointSet
+
+# Why a round closed, in its decision and its ``group`` line: every live replica was there
+# (``all``); the replicas its forecasts awaited came (``expected``); one of them had not by its
+# horizon (``late``); nobody was awaited and its window passed (``window``); ``max_group`` were
+# there (``cap``); it was held until it merged another component (``connected``); a global sync
+# (``global``), the run's last (``stop``).
+Reason = Literal["all", "expected", "late", "window", "cap", "connected", "global", "stop"]
+REASONS: tuple[Reason, ...] = get_args(Reason)
+# Why a live pipeline is not in a group round: awaited (forecast to come by the horizon) and not
+# there; ready but past ``max_group``; at its iteration of the pending global sync; not ready
+# and not awaited (still computing: a round does not wait for it).
+LeftOut = Literal["late", "capped", "global", "busy"]
+LEFT_OUT: tuple[LeftOut, ...] = get_args(LeftOut)
 
 
 @dataclass(frozen=True)
@@ -40,9 +53,9 @@ class Decision:
     # :mod:`.freshness`); empty: every member counts the same
     weight_shares: tuple[float, ...] = ()
     grad_shares: tuple[float, ...] = ()
-    reason: str = ""  # why the round closed (:data:`.rounds.REASONS`)
-    # each live pipeline the round left out, with why (:data:`.rounds.LEFT_OUT`), by pipeline
-    outside: tuple[tuple[int, str], ...] = ()
+    reason: Reason | None = None  # why the round closed (:data:`REASONS`); every policy says
+    # each live pipeline the round left out, with why (:data:`LEFT_OUT`), by pipeline
+    outside: tuple[tuple[int, LeftOut], ...] = ()
 
     def of(self, pipeline: int) -> int:
         """The iteration this decision answers for ``pipeline``."""
