@@ -5,7 +5,8 @@ raises or calls ``sys.exit()``, and a model whose blocks pass a floating dtype t
 weights cannot take (the meta device does not check dtypes, so the launcher's pre-check tries that
 block for real). Each is refused in the launcher, before any process starts; what works (a
 float64 activation into float64 weights, across a stage too; a block that casts what it gets;
-float64 cast to bf16 on the wire under ``train.precision=bf16``) still runs.
+float64 cast to bf16 on the wire under ``train.precision=bf16``) passes the pre-check (and trains
+across a stage: tests/integration/test_custom_dtypes.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import pytest
 
 from sdpipe_cli.cli.parsing import main
-from tests.helpers import metrics, one_error_line, sdpipe, user_module
+from tests.helpers import one_error_line, user_module
 
 NAME = "hostile_user_code"
 SOURCE = '''
@@ -221,10 +222,3 @@ def test_dtypes_that_work_pass_the_pre_check(code, tmp_path, model, extra):
     prepare(cfg)  # models.check among the rest; raises if refused
 
 
-@pytest.mark.multiprocess  # trains: the fast tier (-m 'not multiprocess') leaves it out
-def test_float64_across_a_stage_trains(code, tmp_path):
-    run = tmp_path / "run"
-    out = sdpipe("train", f"run.dir={run}", *MODEL, "pipeline.stages=2", "pipeline.partition=[2]",
-                 f"model._target_={code}.float64_weights_after_double")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert len(metrics(run, "train")) == 2
