@@ -69,7 +69,7 @@ class RunResult:
     trace: Path | None = None  # <run>/trace.json, with run.trace
     interrupted: bool = False  # Ctrl-C or SIGTERM came (also when a failure followed)
     bad_input: bool = False  # the failure was bad input a child found (a damaged checkpoint shard)
-    cfg: DictConfig | None = None  # the run's config as the launch left it (pipelines re-split)
+    cfg: DictConfig | None = None  # the config this launch wrote (its folder, id, seal; re-splits)
 
 
 def _copy_config_dirs(cfg: DictConfig, run_dir: Path) -> None:
@@ -181,9 +181,14 @@ def _join(cfg: DictConfig, plan: RunPlan, phase: Phase):
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     config_path = _new_path(run_dir / f"config.{cfg.run.node}.yaml")
     config_path.write_text(run["config"])
-    cfg.run.dir = str(run_dir)
     resume = Path(run["resume"]) if run["resume"] else None
     return master, events, run_dir, config_path, resume
+
+
+def _sealed(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with the seal of the code it names (:mod:`~sdpipe_cli.config.trust`)."""
+    return derived.with_run(cfg, code_seal=trust.seal(
+        cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))))  # a DictConfig's
 
 
 def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str]) -> Child:
@@ -202,22 +207,24 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: RunResult,
     names (:mod:`~sdpipe_cli.config.trust`) and, in a new folder, a new run id, and the run clock
     (and the ``spent`` seconds of ``train.time_limit``) in the store; with real nodes the
     config is published for the other nodes' launchers.
-    Returns (the store's events, the run folder, the config's path, the launch time)."""
+    Returns (the store's events, the run folder, the config's path, the launch time); the config
+    written is ``result.cfg``."""
     # a key that cannot be had stops the launch before anything is written; the seal itself is
     # of the config as saved, with its run id and folder (code's arguments may name them)
     trust.seal(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))  # a DictConfig's
     new_run = resume is None or fresh
     if new_run:  # a new run (from scratch, or resumed into a new folder), or one started again
-        if run_dir is None:  # a new run; one resumed fresh got its id with its folder (resuming)
-            cfg.run.id = uuid.uuid4().hex
+        # a new run gets an id; one resumed fresh got its id with its folder (resuming)
+        given = {"id": uuid.uuid4().hex} if run_dir is None else {}
         run_dir = run_dir or make_run_dir(cfg.run.dir)
-        cfg.run.dir = str(run_dir.resolve()) if run.cluster.real else str(run_dir)
+        cfg = derived.with_run(cfg, **given, dir=str(run_dir.resolve()) if run.cluster.real
+                               else str(run_dir))
         config_path = _new_path(run_dir / "config.yaml")
     else:  # not a new run: resume is set
         run_dir = Path(cfg.run.dir)
         config_path = _new_path(run_dir / f"config.resume-{cast(Path, resume).name}.yaml")
     result.run_dir = run_dir
-    cfg.run.code_seal = trust.seal(cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))
+    cfg = result.cfg = _sealed(cfg)
     save_run_config(cfg, config_path)
     if resume is None:  # the user's own folders; a resumed config's come from its file
         _copy_config_dirs(cfg, run_dir)
@@ -391,9 +398,11 @@ class Launch:
             self.events, self.run_dir, self.config_path, self.launched = _open_run(
                 cfg, self.run, self.master, self.result, run_dir, self.resume, elapsed, spent,
                 self.fresh)
+            self.cfg = cast(DictConfig, self.result.cfg)  # what _open_run wrote
         else:
             self.master, self.events, self.run_dir, self.config_path, self.resume = _join(
                 cfg, self.run, self.phase)
+            self.cfg = self.result.cfg = derived.with_run(cfg, dir=str(self.run_dir))
             self.result.run_dir = self.run_dir
             self.launched = float(self.events.get(store.T0))
 
@@ -444,10 +453,8 @@ class Launch:
         slowdowns measured, ``fault.slowed``), written beside the others (``config.replan.yaml``,
         then ``config.replan-1.yaml``, ...: the run's history of its splits), is the one their
         new workers, and any worker started later, read."""
-        self.cfg = self.result.cfg = cfg = derived.resplit(self.cfg, splits, slowed)
+        self.cfg = self.result.cfg = cfg = _sealed(derived.resplit(self.cfg, splits, slowed))
         path = _new_path(cast(Path, self.run_dir) / "config.replan.yaml")  # set by open()
-        cfg.run.code_seal = trust.seal(
-            cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)))  # a DictConfig's
         save_run_config(cfg, path)
         self.spawner.workers_config = str(path.resolve())
 

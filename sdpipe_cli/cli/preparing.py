@@ -34,8 +34,8 @@ from sdpipe_cli.model import memory, models
 def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
                                       meetings.Choice | None]:
     """Resolve what depends on this machine (device, partition, the profile's path) into a
-    concrete run config; with ``pipeline.partition=auto`` also the plan that chose it, and
-    where sdpipe's meetings were chosen from slow links, that choice."""
+    concrete run config, read-only; with ``pipeline.partition=auto`` also the plan that chose
+    it, and where sdpipe's meetings were chosen from slow links, that choice."""
     # a copy, schema-free (a DictConfig's container is a dict, which makes a DictConfig)
     cfg = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
     cluster = cluster_of(cfg)  # checked by validate()
@@ -83,6 +83,9 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
             raise ConfigError("sync.replay", "repeats a run without losses: use "
                               "fault.on_pipeline_loss=stop")
         load_recorded(cfg.sync.replay, cfg)
+    # prepared: from here on read; what a launch or a later leg derives is a config of its own
+    # (config/derived.py), so that no holder of this one sees it change
+    OmegaConf.set_readonly(cfg, True)
     return cfg, plan, choice
 
 

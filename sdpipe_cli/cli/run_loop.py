@@ -95,7 +95,8 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
                                      spent=0.0 if first else time.monotonic() - began)
             if result.progress:  # the last snapshot: a device named in the run's last moments
                 shown.update(result.progress)
-        first, run_cfg = False, run_cfg if result.cfg is None else result.cfg  # a re-split's, for later legs
+        # the config the launch wrote (its run id and folder, pipelines re-split): later legs'
+        first, run_cfg = False, run_cfg if result.cfg is None else result.cfg
         replaced = while_reporting(result)
         preparing_handlers = replaced if preparing_handlers is None else preparing_handlers
         replan = _replan_of(result)

@@ -13,7 +13,12 @@ holders still read:
 - :func:`with_slowed`: the config of a leg that starts from the slowdowns an earlier leg
   measured;
 - :func:`variant`: a resolved copy with some keys set, for the simulator's what-ifs (the run
-  with another split, other speed changes, one shared split).
+  with another split, other speed changes, one shared split);
+- :func:`with_run`: the config a launch writes into its run folder, with what the launch gave
+  it (``run.id``, ``run.dir``, ``run.code_seal``).
+
+The prepared config itself is read-only (:func:`~sdpipe_cli.cli.preparing.prepare`): each of
+these returns a new one, writable only while it is made.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from sdpipe_cli.core.segments import with_split
 
-__all__ = ["for_pipeline", "resplit", "variant", "with_slowed"]
+__all__ = ["for_pipeline", "resplit", "variant", "with_run", "with_slowed"]
 
 
 def for_pipeline(cfg: DictConfig, partition: Sequence[int]) -> DictConfig:
@@ -57,6 +62,15 @@ def with_slowed(cfg: DictConfig, slowed: Mapping[str, float]) -> DictConfig:
     out = copy.deepcopy(cfg)
     with read_write(out):
         out.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
+    return out
+
+
+def with_run(cfg: DictConfig, **run: Any) -> DictConfig:
+    """``cfg`` whose ``run`` section holds ``run`` (``id=``, ``dir=``, ``code_seal=``)."""
+    out = copy.deepcopy(cfg)
+    with read_write(out):
+        for key, value in run.items():
+            out.run[key] = value
     return out
 
 
