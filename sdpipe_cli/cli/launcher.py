@@ -185,12 +185,6 @@ def _join(cfg: DictConfig, plan: RunPlan, phase: Phase):
     return master, events, run_dir, config_path, resume
 
 
-def _sealed(cfg: DictConfig) -> DictConfig:
-    """``cfg`` with the seal of the code it names (:mod:`~sdpipe_cli.config.trust`)."""
-    return derived.with_run(cfg, code_seal=trust.seal(
-        cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))))  # a DictConfig's
-
-
 def spawn(module: str, name: str, role: str, run_dir: Path, env: dict[str, str]) -> Child:
     """Start ``module`` as the child ``name`` (see :mod:`sdpipe_cli.runtime.processes`)."""
     log_path = run_dir / "logs" / f"{name}.log"
@@ -224,7 +218,7 @@ def _open_run(cfg: DictConfig, run: RunPlan, master, result: RunResult,
         run_dir = Path(cfg.run.dir)
         config_path = _new_path(run_dir / f"config.resume-{cast(Path, resume).name}.yaml")
     result.run_dir = run_dir
-    cfg = result.cfg = _sealed(cfg)
+    cfg = result.cfg = derived.sealed(cfg)
     save_run_config(cfg, config_path)
     if resume is None:  # the user's own folders; a resumed config's come from its file
         _copy_config_dirs(cfg, run_dir)
@@ -453,7 +447,7 @@ class Launch:
         slowdowns measured, ``fault.slowed``), written beside the others (``config.replan.yaml``,
         then ``config.replan-1.yaml``, ...: the run's history of its splits), is the one their
         new workers, and any worker started later, read."""
-        self.cfg = self.result.cfg = cfg = _sealed(derived.resplit(self.cfg, splits, slowed))
+        self.cfg = self.result.cfg = cfg = derived.sealed(derived.resplit(self.cfg, splits, slowed))
         path = _new_path(cast(Path, self.run_dir) / "config.replan.yaml")  # set by open()
         save_run_config(cfg, path)
         self.spawner.workers_config = str(path.resolve())

@@ -25,7 +25,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 
-from sdpipe_cli.config import trust, yaml_bounds
+from sdpipe_cli.config import derived, trust, yaml_bounds
 from sdpipe_cli.config.composition import compose, mapping_settings
 from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
@@ -112,26 +112,26 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
     network.check_hosts(cfg)
     run_cfg = preparing.prepare(cfg)[0]
 
-    def destination(checked: DictConfig) -> Path:
-        """The run folder the leg writes into; a new one is made (and locked) only now, once
-        ``checked`` passed every check."""
+    def destination(checked: DictConfig) -> tuple[Path, DictConfig]:
+        """The run folder the leg writes into, and its config: a new folder is made (and
+        locked) only now, once ``checked`` passed every check, for a run of its own (a new
+        ``run.id``) from its checkpoint on."""
         if not fresh:
-            return Path(cast(Path, home))  # not fresh: home is not None
+            return Path(cast(Path, home)), checked  # not fresh: home is not None
         from sdpipe_cli.cli import launcher
 
         preparing.check_memory(checked)
         folder = launcher.make_run_dir(checked.run.dir)
         holder.take(folder)
-        checked.run.id = uuid.uuid4().hex  # a run of its own, from its resharded checkpoint on
         console.print(f"resuming {ckpt} in a new run folder, {folder}"
                       + (" (the checkpoint lies outside its run)" if home is None else ""),
                       highlight=False, soft_wrap=True)
-        return folder
+        return folder, derived.with_run(checked, id=uuid.uuid4().hex)
 
     if reshard.layout_of(saved) != reshard.layout_of(run_cfg):
         return _resharded(ckpt, manifest, saved, run_cfg, _given("train.steps", overrides),
                           console, destination, fresh)
-    destination(run_cfg)
+    _, run_cfg = destination(run_cfg)
     console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
                   highlight=False)
     return Leg(run_cfg, ckpt, manifest["elapsed"], sum(manifest["steps"].values()), fresh)
@@ -175,11 +175,13 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
 
     plan = reshard.plan_for(ckpt, manifest, old, new,
                             int(new.train.steps) if steps_given else None)
-    new.train.steps = plan.train_steps
-    known = RunPlan.of(new)
-    new.plan = RunPlan.resolve(new, known.cluster, known.blocks).section()  # its budget changed
+    new = derived.with_values(new, {"train.steps": plan.train_steps})
+    known = RunPlan.of(new)  # its budget changed
+    new = derived.with_values(new, {"plan": RunPlan.resolve(new, known.cluster,
+                                                            known.blocks).section()})
     preparing.check_memory(new)  # bad input: before the resharded checkpoint is written
-    folder = reshard.write(ckpt, manifest, old, new, plan, destination(new))
+    folder, new = destination(new)
+    folder = reshard.write(ckpt, manifest, old, new, plan, folder)
     before, after = reshard.layout_of(old), reshard.layout_of(new)
     console.print(f"resharded {ckpt}: {before.describe()} -> {after.describe()}; train.steps "
                   f"{old.train.steps} -> {plan.train_steps}",

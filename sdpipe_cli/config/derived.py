@@ -15,7 +15,8 @@ holders still read:
 - :func:`variant`: a resolved copy with some keys set, for the simulator's what-ifs (the run
   with another split, other speed changes, one shared split);
 - :func:`with_run`: the config a launch writes into its run folder, with what the launch gave
-  it (``run.id``, ``run.dir``, ``run.code_seal``).
+  it (``run.id``, ``run.dir``; :func:`sealed`: ``run.code_seal``); :func:`with_values`, any
+  keys set (a resharded leg's budget).
 
 The prepared config itself is read-only (:func:`~sdpipe_cli.cli.preparing.prepare`): each of
 these returns a new one, writable only while it is made.
@@ -29,9 +30,10 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from sdpipe_cli.config import trust
 from sdpipe_cli.core.segments import with_split
 
-__all__ = ["for_pipeline", "resplit", "variant", "with_run", "with_slowed"]
+__all__ = ["for_pipeline", "resplit", "sealed", "variant", "with_run", "with_slowed", "with_values"]
 
 
 def for_pipeline(cfg: DictConfig, partition: Sequence[int]) -> DictConfig:
@@ -67,10 +69,21 @@ def with_slowed(cfg: DictConfig, slowed: Mapping[str, float]) -> DictConfig:
 
 def with_run(cfg: DictConfig, **run: Any) -> DictConfig:
     """``cfg`` whose ``run`` section holds ``run`` (``id=``, ``dir=``, ``code_seal=``)."""
+    return with_values(cfg, {f"run.{key}": value for key, value in run.items()})
+
+
+def sealed(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with the seal of the code it names (``run.code_seal``: :mod:`.trust`)."""
+    return with_run(cfg, code_seal=trust.seal(
+        cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))))  # a DictConfig's
+
+
+def with_values(cfg: DictConfig, values: Mapping[str, Any]) -> DictConfig:
+    """``cfg`` with each dotted key of ``values`` set (read-only if ``cfg`` was)."""
     out = copy.deepcopy(cfg)
     with read_write(out):
-        for key, value in run.items():
-            out.run[key] = value
+        for key, value in values.items():
+            OmegaConf.update(out, key, value, merge=False)
     return out
 
 

@@ -1,7 +1,9 @@
 """A run's config is written only where a config is made: ``config/`` and each command's
 preparing step. Everywhere else it is read; what sdpipe derives during a run is a new config
 (:mod:`sdpipe_cli.config.derived`) or run state of its own, never an assignment to a config
-that other holders still read (a worker's pipeline split, a re-split, the slowdowns measured)."""
+that other holders still read (a worker's pipeline split, a re-split, the slowdowns measured, a
+launch's run id, folder and seal). Read statically here; at run time the prepared config is
+read-only, so a write the reading misses fails where it is made."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ PREPARING = {
     "config/": "composing, validating and deriving configs",
     "cli/preparing.py": "preparing a run's config (device, partition, plan, data)",
     "cli/commands.py": "placing a run by its job scheduler's environment (run.node, run.port)",
-    "cli/launcher.py": "the run folder and the seal",
     "cli/resuming.py": "preparing a resumed leg from its checkpoint's config",
     "cli/sweeping.py": "preparing a sweep job's config from Hydra's",
     "export/evaluation.py": "preparing sdpipe eval's config for other data",
@@ -78,3 +79,21 @@ def test_no_config_is_written_outside_where_configs_are_made():
         if lines:
             outside[name] = lines
     assert not outside, f"configs written outside config/ and the preparing steps: {outside}"
+
+
+def test_the_prepared_config_refuses_a_write_and_a_derived_one_leaves_it_as_it_was():
+    import pytest
+    from omegaconf.errors import ReadonlyConfigError
+
+    from sdpipe_cli.cli.preparing import prepare
+    from sdpipe_cli.config import derived
+    from sdpipe_cli.config.composition import compose
+
+    cfg = prepare(compose(["model=mlp", "data=synthetic"]))[0]
+    with pytest.raises(ReadonlyConfigError):
+        cfg.train.steps = 7
+    opened = derived.with_run(cfg, id="abc", dir="/tmp/elsewhere")
+    assert (opened.run.id, opened.run.dir) == ("abc", "/tmp/elsewhere")
+    assert cfg.run.id != "abc" and cfg.run.dir != "/tmp/elsewhere"
+    with pytest.raises(ReadonlyConfigError):
+        opened.run.id = "changed"  # a derived config is as read-only as the one it came from

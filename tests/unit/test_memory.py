@@ -9,6 +9,7 @@ import torch
 
 from sdpipe_cli.cli.preparing import check_memory, prepare
 from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.derived import with_values
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.cluster import Device
 from sdpipe_cli.core.schedule import async_one_f_one_b, gpipe, in_flight, one_f_one_b
@@ -88,7 +89,7 @@ def test_a_pipeline_split_its_own_way_is_estimated_by_its_own_split(monkeypatch)
                             "pipeline.partitions={1: [5]}")
     shared, own = memory.estimate(cfg, example), memory.estimate(cfg, example, [5])
     assert own[0].weights > shared[0].weights > shared[1].weights > own[1].weights
-    cfg.run.memory_check = True
+    cfg = with_values(cfg, {"run.memory_check": True})
     need_shared = 2 * sum(e.total for e in shared)
     need_own = sum(e.total for e in shared) + sum(e.total for e in own)
     assert need_own > need_shared
@@ -121,21 +122,20 @@ def test_an_evaluation_too_large_to_fit_is_refused_before_its_batch_is_made():
     from sdpipe_cli.export.evaluation import check_memory as check_eval
 
     cfg, _ = prepared("model=gpt_tiny", "data=synthetic")
-    cfg.run.memory_check = True  # as the run's own config has it
+    cfg = with_values(cfg, {"run.memory_check": True})  # as the run's own config has it
     cpu = torch.device("cpu")
     check_eval(cfg, cpu)
     size = cfg.train.batch_size
     one = memory.evaluation(cfg, sources.example(cfg, size, device="meta"),
                             sources.example(cfg, size // cfg.pipeline.microbatches, device="meta")[0])
-    cfg.train.batch_size = size * 1000
+    cfg = with_values(cfg, {"train.batch_size": size * 1000})
     more = memory.evaluation(cfg, sources.example(cfg, size * 1000, device="meta"),
                              sources.example(cfg, size * 1000 // cfg.pipeline.microbatches,
                                              device="meta")[0])
     assert more.batch == 1000 * one.batch and more.activations > 900 * one.activations
     assert more.weights == one.weights > 0
-    cfg.train.batch_size = 300_000_000
+    cfg = with_values(cfg, {"train.batch_size": 300_000_000})
     with pytest.raises(ConfigError, match="the evaluation needs about") as err:
         check_eval(cfg, cpu)
     assert err.value.key == "train.batch_size"
-    cfg.run.memory_check = False
-    check_eval(cfg, cpu)
+    check_eval(with_values(cfg, {"run.memory_check": False}), cpu)

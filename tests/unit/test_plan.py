@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.cli.preparing import prepare
 from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.derived import with_values
 from sdpipe_cli.config.run_file import load_run_config, save_run_config
 from sdpipe_cli.core.errors import BadInput
 from sdpipe_cli.core.plan import RunPlan
@@ -42,11 +43,11 @@ def test_a_config_that_was_not_prepared_has_no_plan():
 
 def test_a_plan_that_disagrees_with_its_cluster_is_refused():
     cfg, _, _ = prepare(compose(["model=mlp", "data=synthetic"]))
-    cfg.plan.placement = [["local:1", "local:0"], ["local:2", "local:3"]]
+    cfg = with_values(cfg, {"plan.placement": [["local:1", "local:0"], ["local:2", "local:3"]]})
     with pytest.raises(BadInput) as info:
         RunPlan.of(cfg)
     assert info.value.key == "plan.placement"
-    cfg.plan = {"pipelines": 2}
+    cfg = with_values(cfg, {"plan": {"pipelines": 2}})
     with pytest.raises(BadInput) as info:
         RunPlan.of(cfg)
     assert info.value.key == "plan"

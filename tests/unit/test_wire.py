@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
+from sdpipe_cli.config.derived import with_run
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core.blocks import closing_block, final_block
 from sdpipe_cli.core.meetings import BYTES, choose
@@ -341,7 +342,7 @@ def test_the_scheduler_gives_every_stage_of_a_pipeline_the_same_next_block(tmp_p
 
     cfg = config(*FOUR_NODES[:-3], "cluster.pipelines=2", "pipeline.stages=2", "train.steps=40",
                  "sync.global_every=0", "sync.min_group=1")
-    cfg.run.dir = str(tmp_path)
+    cfg = with_run(cfg, dir=str(tmp_path))
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=10))
     events = store.namespace(master)
