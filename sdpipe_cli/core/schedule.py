@@ -81,22 +81,26 @@ class Kind(StrEnum):
 class _Action(NamedTuple):
     kind: Kind
     microbatch: int
+    chunk: int = 0
 
 
 class Action(_Action):
-    """One unit of work of a stage: the forward (``F``) or backward (``B``) of a micro-batch.
+    """One unit of work of a stage: the forward (``F``) or backward (``B``) of a micro-batch, on
+    the stage's model chunk ``chunk`` (0 but in an interleaved schedule, whose stages hold several:
+    :mod:`sdpipe_cli.core.interleaved`).
 
     ``Action("F", 0)`` and ``Action(Kind.F, 0)`` are the same action: the kind is converted to
-    :class:`Kind` on construction, so an unknown kind is a ValueError where it is made.
+    :class:`Kind` on construction, so an unknown kind is a ValueError where it is made. Printed
+    ``F0``, and ``F0.1`` on chunk 1.
     """
 
     __slots__ = ()
 
-    def __new__(cls, kind: Kind | str, microbatch: int) -> Action:
-        return super().__new__(cls, Kind(kind), microbatch)
+    def __new__(cls, kind: Kind | str, microbatch: int, chunk: int = 0) -> Action:
+        return super().__new__(cls, Kind(kind), microbatch, chunk)
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.microbatch}"
+        return f"{self.kind.value}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 ScheduleFn = Callable[[int, int, int], list[Action]]
@@ -287,7 +291,7 @@ def flushed(schedule_fn: ScheduleFn, iterations: int) -> ScheduleFn:
 
     def repeated(stages: int, microbatches: int, stage: int) -> list[Action]:
         one = schedule_fn(stages, microbatches, stage)
-        return [Action(a.kind, k * microbatches + a.microbatch)
+        return [a._replace(microbatch=k * microbatches + a.microbatch)
                 for k in range(iterations) for a in one]
 
     return repeated
@@ -327,31 +331,36 @@ def format_actions(actions: list[Action]) -> str:
 
 
 def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int,
-               ticks: Mapping[Kind, int] | None = None) -> list[list[Action | None]]:
+               ticks: Mapping[Kind, int] | None = None,
+               chunks: int = 1) -> list[list[Action | None]]:
     """Run every stage's actions on a clock where each action takes one tick (or ``ticks[kind]``).
 
     Returns one row per stage, one entry per tick: the action running then (an action of
     several ticks fills as many entries), or None when the stage is idle (waiting for a
     neighbour, or done). An action starts at the first tick at which it is next in its stage's
     list and its inputs were finished: F(i) on s needs F(i) on s - 1; B(i) on s needs F(i) on s
-    and B(i) on s + 1; W(i) on s needs B(i) on s. Raises ValueError if the stages' lists
-    deadlock. (``ticks={Kind.B: 2}`` is a backward twice a forward's length; a zero-bubble
-    schedule's ``B`` and ``W`` then take one tick each.)
+    and B(i) on s + 1; W(i) on s needs B(i) on s. With ``chunks`` model chunks per stage (an
+    interleaved schedule), "s - 1" and "s + 1" are the virtual stages before and after the
+    action's own, ``chunk x stages + s``: chunk c of the last stage feeds chunk c + 1 of the
+    first. Raises ValueError if the stages' lists deadlock. (``ticks={Kind.B: 2}`` is a
+    backward twice a forward's length; a zero-bubble schedule's ``B`` and ``W`` then take one
+    tick each.)
     """
     _check(stages, microbatches, 0)
     length = {kind: 1 for kind in Kind} | dict(ticks or {})
     plans = [schedule_fn(stages, microbatches, s) for s in range(stages)]
-    finished: dict[tuple, int] = {}  # (kind, stage, microbatch) -> the tick it ended at
+    last = stages * chunks - 1  # the last virtual stage
+    finished: dict[tuple, int] = {}  # (kind, virtual stage, microbatch) -> the tick it ended at
 
-    def ready(action: Action, s: int, tick: int) -> bool:
-        def ran(kind: Kind, at: int) -> bool:
-            return finished.get((kind, at, action.microbatch), tick + 1) <= tick
+    def ready(action: Action, at: int, tick: int) -> bool:
+        def ran(kind: Kind, where: int) -> bool:
+            return finished.get((kind, where, action.microbatch), tick + 1) <= tick
 
         if action.kind is Kind.F:
-            return s == 0 or ran(Kind.F, s - 1)
+            return at == 0 or ran(Kind.F, at - 1)
         if action.kind is Kind.W:
-            return ran(Kind.B, s)
-        return ran(Kind.F, s) and (s == stages - 1 or ran(Kind.B, s + 1))
+            return ran(Kind.B, at)
+        return ran(Kind.F, at) and (at == last or ran(Kind.B, at + 1))
 
     rows: list[list[Action | None]] = [[] for _ in range(stages)]
     position = [0] * stages
@@ -366,8 +375,9 @@ def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int,
                 progressed = True
                 continue
             action = plans[s][position[s]] if position[s] < len(plans[s]) else None
-            if action is not None and ready(action, s, tick):
-                finished[(action.kind, s, action.microbatch)] = free_at[s] = tick + length[action.kind]
+            at = 0 if action is None else action.chunk * stages + s
+            if action is not None and ready(action, at, tick):
+                finished[(action.kind, at, action.microbatch)] = free_at[s] = tick + length[action.kind]
                 position[s] += 1
                 progressed = True
             else:
@@ -381,10 +391,10 @@ def tick_order(schedule_fn: ScheduleFn, stages: int, microbatches: int,
 
 
 def timeline(schedule_fn: ScheduleFn, stages: int, microbatches: int,
-             ticks: Mapping[Kind, int] | None = None) -> str:
+             ticks: Mapping[Kind, int] | None = None, chunks: int = 1) -> str:
     """ASCII table of :func:`tick_order`: one row per stage, one column per tick, ``.`` = idle,
     ``-`` = the action before it still running."""
-    rows = tick_order(schedule_fn, stages, microbatches, ticks)
+    rows = tick_order(schedule_fn, stages, microbatches, ticks, chunks)
     width = max(len(str(a)) for row in rows for a in row if a is not None)
     digits = len(str(stages - 1))
     lines = []

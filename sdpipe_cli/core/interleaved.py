@@ -1,0 +1,136 @@
+"""Interleaved 1F1B (Megatron-LM's virtual pipeline): each stage holds ``v`` model chunks.
+
+The model is cut into ``V = v x S`` pieces, *virtual stages*, laid out round-robin: stage ``s``
+holds chunks ``0 .. v - 1``, chunk ``c`` being virtual stage ``c x S + s``. A micro-batch goes
+forward through stages ``0 .. S - 1`` on chunk 0, then from the last stage back to the first for
+chunk 1, and so on; its backward takes the same way back. An action does ``1 / v`` of a stage's
+work, while the fill and the drain stay ``S - 1`` actions deep, so they cost ``1 / v`` of what
+they cost 1F1B: the bubble falls from ``(S - 1) / m`` of an iteration to ``(S - 1) / (v m)``, for
+``v`` times the point-to-point messages and a little more activation memory (below).
+
+The order on stage ``s`` (``m`` micro-batches, a multiple of ``S``): the ``k``-th forward is
+micro-batch ``(k // (S v)) S + k % S`` on chunk ``(k // S) % v`` (``S`` micro-batches through
+chunk 0, the same ``S`` through chunk 1, ..., then the next ``S``); the ``k``-th backward is the
+same micro-batch on chunk ``v - 1 - (k // S) % v``. Warm-up: ``S - s - 1 + (v - 1) S``
+forwards (all of them, if there are fewer), then one forward and one backward, then the
+remaining backwards: with ``v = 1``, 1F1B itself. (Megatron-LM warms up ``S - s - 1`` more
+forwards, to have work at hand while a gradient is on its way; with every action's time known
+and no transfer time (:func:`~sdpipe_cli.core.schedule.tick_order`) both take the same ticks,
+from ``S = 2`` to 8 and ``v = 2`` to 4, backwards 1 to 3 times a forward, and this one holds
+fewer activations.) For ``S = 4``, ``v = 2``, ``m = 8`` (``F3.1``: micro-batch 3's forward on
+chunk 1), the first and the last stage::
+
+    stage 0: F0 F1 F2 F3 F0.1 F1.1 F2.1 F3.1 B0.1 F4 B1.1 F5 B2.1 F6 B3.1 F7 B0 F4.1 B1 F5.1
+             B2 F6.1 B3 F7.1 B4.1 B5.1 B6.1 B7.1 B4 B5 B6 B7
+    stage 3: F0 F1 F2 F3 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3.1 B3.1 F4 B0 F5 B1 F6 B2 F7 B3 F4.1
+             B4.1 F5.1 B5.1 F6.1 B6.1 F7.1 B7.1 B4 B5 B6 B7
+
+With every chunk's action one tick (:func:`~sdpipe_cli.core.schedule.tick_order`, ``chunks=2``)
+the iteration takes 38 ticks, where 1F1B, whose actions are two ticks each, takes 44: 6 idle
+ticks per stage instead of 12 (``2 (S - 1)`` and ``2 v (S - 1)``), 1.16x the samples/s.
+
+Every stage runs its forwards in the same (micro-batch, chunk) order, and its backwards too, so
+two stages exchange messages in the same order on both sides (:func:`channel_of`,
+:func:`messages`): activations from virtual stage ``k`` to ``k + 1``, gradients back. The
+messages that cross from the last stage to the first (chunk ``c`` to ``c + 1``) and their
+gradients go over a *wrap* channel of their own: with two stages the same two processes are
+neighbours both ways, and on one channel an activation and a gradient could be posted in
+different orders by the two ends.
+
+Memory: stage ``s`` holds up to ``S - s + (v - 1) S`` chunks' activations at once
+(:func:`~sdpipe_cli.core.schedule.in_flight`), each ``1 / v`` of the stage's: ``S - s / v``
+stages' worth, against 1F1B's ``S - s``; the first stage's, the most, is 1F1B's.
+
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from sdpipe_cli.core.schedule import Action, Kind, ScheduleFn
+
+__all__ = ["Channel", "channel_of", "interleaved_1f1b", "messages", "virtual_stage", "warmup"]
+
+
+def virtual_stage(stage: int, chunk: int, stages: int) -> int:
+    """The piece of the model chunk ``chunk`` of ``stage`` holds."""
+    return chunk * stages + stage
+
+
+def warmup(stages: int, microbatches: int, stage: int, chunks: int) -> int:
+    """Forwards ``stage`` runs before its first backward."""
+    return min(stages - stage - 1 + (chunks - 1) * stages, microbatches * chunks)
+
+
+def _check(stages: int, microbatches: int, stage: int, chunks: int) -> None:
+    if stages < 1 or chunks < 1:
+        raise ValueError(f"stages and chunks must be >= 1, got {stages} and {chunks}")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage must be in [0, {stages}), got {stage}")
+    if microbatches < 1 or microbatches % stages:
+        raise ValueError(f"interleaving takes micro-batches in groups of the stages: "
+                         f"{microbatches} is not a multiple of {stages}")
+
+
+def interleaved_1f1b(chunks: int) -> ScheduleFn:
+    """The interleaved 1F1B schedule of stages holding ``chunks`` model chunks each: a function
+    ``(stages, microbatches, stage) -> list[Action]`` like the other schedules."""
+
+    def actions(stages: int, microbatches: int, stage: int) -> list[Action]:
+        _check(stages, microbatches, stage, chunks)
+        total = microbatches * chunks
+
+        def nth(kind: Kind, k: int) -> Action:
+            group, chunk = divmod(k, stages * chunks)[0], (k // stages) % chunks
+            microbatch = group * stages + k % stages
+            return Action(kind, microbatch, chunk if kind is Kind.F else chunks - 1 - chunk)
+
+        first = warmup(stages, microbatches, stage, chunks)
+        out = [nth(Kind.F, k) for k in range(first)]
+        for k in range(total - first):
+            out += [nth(Kind.F, first + k), nth(Kind.B, k)]
+        return out + [nth(Kind.B, k) for k in range(total - first, total)]
+
+    return actions
+
+
+class Channel(NamedTuple):
+    """Where a message goes: from stage ``src`` to stage ``dst``, on the wrap channel (between
+    the last stage's chunk ``c`` and the first stage's chunk ``c + 1``) or the pipeline's own."""
+
+    src: int
+    dst: int
+    wrap: bool
+
+
+def channel_of(lower: int, stages: int, gradient: bool) -> Channel:
+    """The channel of the message between virtual stages ``lower`` and ``lower + 1``: an
+    activation (up) or, with ``gradient``, its gradient (down)."""
+    below, above = lower % stages, (lower + 1) % stages
+    wrap = below == stages - 1
+    return Channel(above, below, wrap) if gradient else Channel(below, above, wrap)
+
+
+def messages(actions: list[Action], stage: int, stages: int,
+             chunks: int) -> tuple[list[tuple[Channel, Action]], list[tuple[Channel, Action]]]:
+    """What ``stage``'s ``actions`` send and receive, in order: (channel, the action whose output
+    it is) each. A forward sends its activation up unless it is on the last virtual stage and
+    receives one unless on the first; a backward the other way round."""
+    last = stages * chunks - 1
+    sent, received = [], []
+    for a in actions:
+        here = virtual_stage(stage, a.chunk, stages)
+        if a.kind is Kind.F:
+            if here < last:
+                sent.append((channel_of(here, stages, gradient=False), a))
+            if here > 0:
+                received.append((channel_of(here - 1, stages, gradient=False),
+                                 Action(Kind.F, a.microbatch, (here - 1) // stages)))
+        elif a.kind is Kind.B:
+            if here > 0:
+                sent.append((channel_of(here - 1, stages, gradient=True), a))
+            if here < last:
+                received.append((channel_of(here, stages, gradient=True),
+                                 Action(Kind.B, a.microbatch, (here + 1) // stages)))
+    return sent, received

@@ -1,0 +1,105 @@
+"""Interleaved 1F1B as pure action lists (sdpipe_cli/core/interleaved.py): every action once and
+in order, no deadlock, neighbours that post their messages in the same order on every channel,
+activations within the bound, and fewer idle ticks than 1F1B's."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sdpipe_cli.core.interleaved import channel_of, interleaved_1f1b, messages, virtual_stage
+from sdpipe_cli.core.schedule import Action, Kind, in_flight, one_f_one_b, tick_order
+
+layouts = st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 4)).map(
+    lambda t: (t[0], t[1], t[0] * t[2]))  # stages, chunks, micro-batches (groups of the stages)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts)
+def test_every_chunk_runs_each_micro_batch_forward_then_backward_in_order(layout):
+    stages, chunks, m = layout
+    for s in range(stages):
+        actions = interleaved_1f1b(chunks)(stages, m, s)
+        assert len(actions) == len(set(actions)) == 2 * m * chunks
+        for c in range(chunks):  # a chunk is a stage of a pipeline of its own: its order is 1F1B's
+            forwards = [a.microbatch for a in actions if a.chunk == c and a.kind is Kind.F]
+            backwards = [a.microbatch for a in actions if a.chunk == c and a.kind is Kind.B]
+            assert forwards == backwards == list(range(m))
+        done = set()
+        for a in actions:
+            assert a.kind is Kind.F or Action(Kind.F, a.microbatch, a.chunk) in done, (s, a)
+            done.add(a)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts, st.sampled_from([{}, {Kind.B: 2}, {Kind.F: 2, Kind.B: 3}]))
+def test_no_deadlock_and_fewer_idle_ticks_than_1f1b(layout, ticks):
+    """On a clock where a chunk's action takes its ticks (1F1B's, a whole stage's, ``chunks``
+    times as many), the iteration ends, no later than 1F1B's, and each stage is idle
+    ``(S - 1) (F + B)`` ticks: 1F1B's idle time over ``chunks``."""
+    stages, chunks, m = layout
+    rows = tick_order(interleaved_1f1b(chunks), stages, m, ticks, chunks)
+    f, b = ticks.get(Kind.F, 1), ticks.get(Kind.B, 1)
+    assert len(rows[0]) == m * chunks * (f + b) + (stages - 1) * (f + b)
+    whole = {Kind.F: f * chunks, Kind.B: b * chunks}
+    assert len(rows[0]) <= len(tick_order(one_f_one_b, stages, m, whole)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts)
+def test_both_ends_of_every_channel_post_its_messages_in_the_same_order(layout):
+    """Messages are matched by order on a channel (NCCL ignores tags): the sender's order of
+    each channel's messages is the receiver's, for activations, gradients and the wrap."""
+    stages, chunks, m = layout
+    sent, received = collections.defaultdict(list), collections.defaultdict(list)
+    for s in range(stages):
+        out, into = messages(interleaved_1f1b(chunks)(stages, m, s), s, stages, chunks)
+        for channel, what in out:
+            assert channel.src == s
+            sent[channel].append(what)
+        for channel, what in into:
+            assert channel.dst == s
+            received[channel].append(what)
+    assert sent == received
+    assert all(not c.wrap or (c.src, c.dst) in ((stages - 1, 0), (0, stages - 1)) for c in sent)
+    assert sum(len(v) for v in sent.values()) == 2 * m * (stages * chunks - 1)
+
+
+def test_two_stages_keep_activations_and_gradients_apart_on_the_wrap():
+    """With two stages, stage 0 sends stage 1 activations (chunk c to c) and gradients (chunk
+    c + 1 back to c): on one channel their orders at the two ends would differ."""
+    assert channel_of(virtual_stage(0, 0, 2), 2, gradient=False) == (0, 1, False)
+    assert channel_of(virtual_stage(1, 0, 2), 2, gradient=True) == (0, 1, True)
+    sent, received = messages(interleaved_1f1b(2)(2, 4, 0), 0, 2, 2)
+    kinds = {wrap: {a.kind for c, a in sent if c.dst == 1 and c.wrap == wrap} for wrap in (0, 1)}
+    assert kinds == {False: {Kind.F}, True: {Kind.B}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts)
+def test_a_stage_holds_at_most_1f1b_s_first_stage_worth_of_activations(layout):
+    stages, chunks, m = layout
+    for s in range(stages):
+        held = in_flight(interleaved_1f1b(chunks)(stages, m, s))
+        assert held <= min(stages - s + (chunks - 1) * stages, m * chunks)
+        assert held <= stages * chunks  # chunks hold 1 / chunks of a stage: 1F1B's S at most
+
+
+@pytest.mark.parametrize("stages,m", [(1, 3), (2, 4), (4, 8), (3, 9)])
+def test_one_chunk_is_1f1b(stages, m):
+    for s in range(stages):
+        assert interleaved_1f1b(1)(stages, m, s) == one_f_one_b(stages, m, s)
+
+
+def test_micro_batches_come_in_groups_of_the_stages():
+    with pytest.raises(ValueError, match="6 is not a multiple of 4"):
+        interleaved_1f1b(2)(4, 6, 0)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        interleaved_1f1b(0)(4, 8, 0)
+
+
+def test_an_action_prints_its_chunk():
+    assert str(Action(Kind.F, 3, 1)) == "F3.1" and str(Action(Kind.B, 2)) == "B2"
+    assert Action("F", 0) == Action(Kind.F, 0, 0)
