@@ -34,14 +34,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.model.boundary import Boundary, map_tensors
-from sdpipe_cli.pipeline.p2p import Link
+from sdpipe_cli.pipeline.p2p import NEXT, PREV, Groups, Link
 
 __all__ = ["Deferred", "Executor", "LossFn", "OnExecutor", "SPLIT_BACKWARD", "StageBoundaries"]
 
@@ -102,7 +101,7 @@ class Executor:
         device: torch.device,
         loss_fn: LossFn,
         dtype: torch.dtype = torch.float32,
-        group: dist.ProcessGroup | None = None,
+        group: Groups = None,
         before_action: Callable[[Action], None] | None = None,
         on_action: Callable[[Action, float], None] | None = None,
         before_send: Callable[[int, torch.Tensor], None] | None = None,
@@ -242,7 +241,7 @@ class Executor:
         if self.is_last:
             return [y], None
         # not the last stage: it has a next rank and an outgoing boundary
-        buffer = self.link.receive(cast(int, self.link.next_rank))
+        buffer = self.link.receive(NEXT)
         self.link.wait_delivered(action.microbatch)
         outgoing = cast(Boundary, self.outgoing)
         pairs = [(t, g.to(t.dtype)) for t, g in zip(y, outgoing.grads().unpack(buffer))
@@ -253,7 +252,7 @@ class Executor:
         """Send ``action``'s output (forward: to the next stage, backward: to the previous one);
         ``following`` is the next action, whose receive the send may post."""
         # an action with an output to send has a destination
-        self.link.send(action, tensor, cast(int, self.link.destination(action)), following)
+        self.link.send(action, tensor, cast(str, self.link.destination(action)), following)
         self.link.wait_gradients(keep=self.num_stages - self.stage)
 
     # -- evaluation ------------------------------------------------------------------------------
@@ -293,8 +292,8 @@ class Executor:
                 else:
                     boundary = cast(Boundary, self.outgoing)  # set: not the last stage
                     tensors = boundary.flatten(y, f"stage {self.stage}'s output")
-                    self.link.send(Action(Kind.F, i), boundary.pack(tensors, self.device),
-                                   cast(int, self.link.next_rank), None)
+                    self.link.send(Action(Kind.F, i), boundary.pack(tensors, self.device), NEXT,
+                                   None)
                     self.link.wait_sends(keep=self.num_stages - self.stage)
         self.link.wait_sends()
         # the last stage's total is set: it summed m >= 1 losses
@@ -315,7 +314,7 @@ class Executor:
         if self.is_first:
             return to_device(inputs[i], self.device), None
         incoming = cast(Boundary, self.incoming)  # set: not the first stage
-        tensors = incoming.unpack(self.link.receive(cast(int, self.link.prev_rank)))
+        tensors = incoming.unpack(self.link.receive(PREV))
         leaves = [tensors[k].requires_grad_(requires_grad) for k in incoming.differentiable()]
         return incoming.unflatten(tensors), leaves
 

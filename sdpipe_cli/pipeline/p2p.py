@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,10 @@ __all__ = [
     "Control",
     "ControlSend",
     "DRAINED_TAG",
+    "Groups",
     "Link",
+    "NEXT",
+    "PREV",
     "Pending",
     "TENSOR_TAG",
     "receive_control",
@@ -72,6 +75,7 @@ __all__ = [
 ]
 
 TENSOR_TAG = 0  # activations (forward) and gradients (backward)
+PREV, NEXT = "prev", "next"  # a link's two ends: towards the previous stage, and the next
 CONTROL_TAG = 7  # the per-iteration control message (forward)
 DRAINED_TAG = 8  # a stage and all after it made their last update of a segment (backward)
 
@@ -115,6 +119,8 @@ class ControlSend(NamedTuple):
 
 
 Sent = Action | ControlSend
+# the process group of both of a link's ends, or of each: (the prev end's, the next end's)
+Groups: TypeAlias = "dist.ProcessGroup | None | tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]"
 
 
 @dataclass
@@ -123,7 +129,7 @@ class Pending:
     the send is waited on, which happens exactly once)."""
 
     what: Sent
-    dst: int
+    dst: str  # the link's end it goes out of: PREV or NEXT
     works: list
     buffer: torch.Tensor
 
@@ -138,7 +144,7 @@ def send_control(control: Control, dst: int, device: torch.device,
     ``offset``: the global rank of the process group's rank 0 (see :class:`Link`)."""
     flag = control.tensor(device)
     work = dist.isend(flag, dst - offset, group=group, tag=CONTROL_TAG)
-    return Pending(ControlSend(control.step), dst, [work], flag)
+    return Pending(ControlSend(control.step), NEXT, [work], flag)
 
 
 def receive_control(src: int, step: int, device: torch.device,
@@ -158,10 +164,13 @@ def receive_control(src: int, step: int, device: torch.device,
 class Link:
     """One stage's point-to-point link with its neighbours: posts sends, receives, and waits.
 
-    ``prev_rank``/``next_rank`` are the neighbours' global ranks (None at the ends); an
-    activation or gradient is one flat ``uint8`` message on ``device``
-    (:class:`~sdpipe_cli.model.boundary.Boundary` packs and unpacks it), of
-    ``sizes = (bytes from prev_rank, bytes from next_rank)``.
+    ``prev_rank``/``next_rank`` are the neighbours' global ranks (None at the ends), the link's
+    two ends (:data:`PREV`, :data:`NEXT`); an activation or gradient is one flat ``uint8``
+    message on ``device`` (:class:`~sdpipe_cli.model.boundary.Boundary` packs and unpacks it),
+    of ``sizes = (bytes from prev_rank, bytes from next_rank)``. ``group`` carries both ends'
+    messages, or, given as a pair, ``(the prev end's, the next end's)``: an interleaved stage's
+    chunk whose neighbour is on the wrap channel (:mod:`sdpipe_cli.core.interleaved`) talks to it
+    in a group of its own, and with two stages both ends may be the same process.
     ``before_send(dst, tensor)`` is called before every activation or gradient send (the
     emulated network's delay). ``rank_offset``: the global rank of the process group's rank 0,
     when the group is the pipeline rather than the run (a restarted pipeline cannot rejoin a
@@ -176,21 +185,24 @@ class Link:
         next_rank: int | None,
         sizes: tuple[int, int],
         device: torch.device,
-        group: dist.ProcessGroup | None = None,
+        group: Groups = None,
         before_send: Callable[[int, torch.Tensor], None] | None = None,
         stage: int | None = None,
         rank_offset: int = 0,
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.rank_offset = rank_offset
-        self.sizes = {prev_rank: int(sizes[0]), next_rank: int(sizes[1])}
-        self.device, self.group = torch.device(device), group
+        self.ranks = {PREV: prev_rank, NEXT: next_rank}
+        self.sizes = {PREV: int(sizes[0]), NEXT: int(sizes[1])}
+        prev_group, next_group = group if isinstance(group, tuple) else (group, group)
+        self.groups: dict[str, dist.ProcessGroup | None] = {PREV: prev_group, NEXT: next_group}
+        self.device = torch.device(device)
         self.before_send = before_send
         self.stage = stage  # for messages only
         # Oldest first: the activation of micro-batch i is F(i), the gradient of its input B(i),
         # the control of iteration k ControlSend(k).
         self._sends: list[Pending] = []
-        self._posted: tuple[int, torch.Tensor, dist.Work] | None = None  # (src, buffer, work)
+        self._posted: tuple[str, torch.Tensor, dist.Work] | None = None  # (end, buffer, work)
 
     @property
     def idle(self) -> bool:
@@ -199,56 +211,62 @@ class Link:
 
     # -- activations and gradients ------------------------------------------------------------
 
-    def source(self, action: Action | None) -> int | None:
-        """The rank ``action`` receives from (None if it receives nothing: a ``W`` works on
+    def source(self, action: Action | None) -> str | None:
+        """The end ``action`` receives from (None if it receives nothing: a ``W`` works on
         what its ``B`` received)."""
         if action is None or action.kind is Kind.W:
             return None
-        return self.prev_rank if action.kind is Kind.F else self.next_rank
+        return PREV if action.kind is Kind.F else NEXT
 
-    def destination(self, action: Action) -> int | None:
-        """The rank ``action``'s output goes to (None at the pipeline's ends, and for a ``W``,
-        which sends nothing)."""
+    def destination(self, action: Action) -> str | None:
+        """The end ``action``'s output goes out of (None for a ``W``, which sends nothing; the
+        pipeline's first and last stage have no rank at their outer end)."""
         if action.kind is Kind.W:
             return None
-        return self.next_rank if action.kind is Kind.F else self.prev_rank
+        return NEXT if action.kind is Kind.F else PREV
 
-    def buffer(self, src: int) -> torch.Tensor:
-        """A buffer for the next message from ``src``."""
-        return torch.empty(self.sizes[src], dtype=torch.uint8, device=self.device)
+    def buffer(self, end: str) -> torch.Tensor:
+        """A buffer for the next message coming in at ``end``."""
+        return torch.empty(self.sizes[end], dtype=torch.uint8, device=self.device)
 
-    def receive(self, src: int) -> torch.Tensor:
-        """The next activation or gradient from ``src``: the posted receive if there is one."""
+    def _peer(self, end: str) -> int:
+        return cast(int, self.ranks[end]) - self.rank_offset  # an end used has a rank
+
+    def receive(self, end: str) -> torch.Tensor:
+        """The next activation or gradient coming in at ``end``: the posted receive if there is
+        one."""
         if self._posted is not None:
-            posted_src, buffer, work = self._posted
-            assert posted_src == src, (posted_src, src)
+            posted_end, buffer, work = self._posted
+            assert posted_end == end, (posted_end, end)
             self._posted = None
             work.wait()
             return buffer
-        buffer = self.buffer(src)
-        dist.recv(buffer, src=src - self.rank_offset, group=self.group, tag=TENSOR_TAG)
+        buffer = self.buffer(end)
+        dist.recv(buffer, src=self._peer(end), group=self.groups[end], tag=TENSOR_TAG)
         return buffer
 
-    def send(self, what: Action, tensor: torch.Tensor, dst: int, following: Action | None) -> None:
-        """Send without blocking; post ``following``'s receive with it if it comes from ``dst``."""
+    def send(self, what: Action, tensor: torch.Tensor, end: str, following: Action | None) -> None:
+        """Send out of ``end`` without blocking; post ``following``'s receive with it if it
+        comes in at the same end."""
         if self.before_send is not None:
-            self.before_send(dst, tensor)  # an emulated link's transfer time
-        if self.source(following) == dst:
+            self.before_send(cast(int, self.ranks[end]), tensor)  # an emulated link's time
+        peer, group = self._peer(end), self.groups[end]
+        if self.source(following) == end:
             assert self._posted is None, self._posted
-            buffer, peer = self.buffer(dst), dst - self.rank_offset
+            buffer = self.buffer(end)
             works = dist.batch_isend_irecv(
                 [
-                    dist.P2POp(dist.isend, tensor, peer, self.group, TENSOR_TAG),
-                    dist.P2POp(dist.irecv, buffer, peer, self.group, TENSOR_TAG),
+                    dist.P2POp(dist.isend, tensor, peer, group, TENSOR_TAG),
+                    dist.P2POp(dist.irecv, buffer, peer, group, TENSOR_TAG),
                 ]
             )
             # One handle per op (gloo), or a single one for both when the backend coalesces
             # (NCCL); either way the last is waited on by the receive.
-            self._posted = (dst, buffer, works[-1])
+            self._posted = (end, buffer, works[-1])
             works = works[:-1]
         else:
-            works = [dist.isend(tensor, dst - self.rank_offset, group=self.group, tag=TENSOR_TAG)]
-        self._sends.append(Pending(what, dst, works, tensor))
+            works = [dist.isend(tensor, peer, group=group, tag=TENSOR_TAG)]
+        self._sends.append(Pending(what, end, works, tensor))
 
     # -- the control message -------------------------------------------------------------------
 
@@ -256,12 +274,12 @@ class Link:
         """Pass ``control`` on to the next stage; waited on like the activation it precedes."""
         # only a stage with a next one passes the control on (AsyncStage._control)
         self._sends.append(send_control(control, cast(int, self.next_rank), self.device,
-                                        self.group, self.rank_offset))
+                                        self.groups[NEXT], self.rank_offset))
 
     def receive_control(self, step: int) -> Control:
         """Iteration ``step``'s control from the previous stage (blocking)."""
         # only a stage with a previous one receives it (AsyncStage._control)
-        return receive_control(cast(int, self.prev_rank), step, self.device, self.group,
+        return receive_control(cast(int, self.prev_rank), step, self.device, self.groups[PREV],
                                self.stage, self.rank_offset)
 
     def pass_drained(self) -> None:
@@ -273,9 +291,9 @@ class Link:
         """
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.next_rank is not None:
-            dist.recv(flag, src=self.next_rank - self.rank_offset, group=self.group, tag=DRAINED_TAG)
+            dist.recv(flag, src=self._peer(NEXT), group=self.groups[NEXT], tag=DRAINED_TAG)
         if self.prev_rank is not None:
-            dist.send(flag, self.prev_rank - self.rank_offset, group=self.group, tag=DRAINED_TAG)
+            dist.send(flag, self._peer(PREV), group=self.groups[PREV], tag=DRAINED_TAG)
 
     # -- waiting on sends -------------------------------------------------------------------------
 
@@ -295,7 +313,7 @@ class Link:
                      if entry.what == Action(Kind.F, microbatch)), None)
         if upto is None:
             return
-        delivered = [entry for entry in self._sends[: upto + 1] if entry.dst == self.next_rank]
+        delivered = [entry for entry in self._sends[: upto + 1] if entry.dst == NEXT]
         for entry in delivered:
             entry.wait()
         done_ids = {id(entry) for entry in delivered}

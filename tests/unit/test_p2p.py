@@ -54,7 +54,8 @@ def link_with(*entries):
     """A middle stage's link (previous rank 0, next rank 2) holding ``(what, dst)`` sends."""
     link = Link(0, 2, (4, 4), CPU, stage=1)
     for what, dst in entries:
-        link._sends.append(Pending(what, dst, [FakeWork()], torch.zeros(1)))
+        end = p2p.PREV if dst == 0 else p2p.NEXT
+        link._sends.append(Pending(what, end, [FakeWork()], torch.zeros(1)))
     return link
 
 
@@ -96,6 +97,18 @@ def test_gradient_sends_kept_up_to_the_bound_oldest_first():
 
 def test_link_directions():
     link = Link(0, 2, (4, 4), CPU)
-    assert link.source(Action("F", 0)) == 0 and link.source(Action("B", 0)) == 2
-    assert link.destination(Action("F", 0)) == 2 and link.destination(Action("B", 0)) == 0
+    assert link.source(Action("F", 0)) == p2p.PREV and link.source(Action("B", 0)) == p2p.NEXT
+    assert link.destination(Action("F", 0)) == p2p.NEXT
+    assert link.destination(Action("B", 0)) == p2p.PREV
+    assert link.ranks == {p2p.PREV: 0, p2p.NEXT: 2}
     assert link.source(None) is None and link.idle
+
+
+def test_with_two_stages_both_ends_may_be_one_process_in_two_groups():
+    """An interleaved chunk of the first of two stages: its previous and next virtual stages are
+    both on stage 1, the previous one across the wrap channel's group."""
+    pipeline, wrap = object(), object()
+    link = Link(1, 1, (4, 4), CPU, group=(wrap, pipeline))  # type: ignore[arg-type]
+    assert link.groups == {p2p.PREV: wrap, p2p.NEXT: pipeline}
+    assert Link(0, 2, (4, 4), CPU, group=pipeline).groups == {  # type: ignore[arg-type]
+        p2p.PREV: pipeline, p2p.NEXT: pipeline}
