@@ -41,7 +41,8 @@ Memory: stage ``s`` holds up to ``S - s + (v - 1) S`` chunks' activations at onc
 (:func:`~sdpipe_cli.core.schedule.in_flight`), each ``1 / v`` of the stage's: ``S - s / v``
 stages' worth, against 1F1B's ``S - s``; the first stage's, the most, is 1F1B's.
 
-Pure: no torch, no I/O.
+Pure: no torch, no I/O. :class:`~sdpipe_cli.pipeline.interleaved_stage.InterleavedStage` runs
+these lists (``scripts/bench_interleaved.py`` times them); no config setting reaches it yet.
 """
 
 from __future__ import annotations

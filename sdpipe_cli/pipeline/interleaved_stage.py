@@ -89,8 +89,9 @@ class InterleavedStage:
                 del x, y
             if outgoing is not None:
                 after = actions[index + 1] if index + 1 < len(actions) else None
-                same = after if after is not None and after.chunk == action.chunk else None
-                ex.link.send(action, outgoing, cast(str, ex.link.destination(action)), same)
+                receiver = self.chunks[after.chunk].link if after is not None else None
+                ex.link.send(action, outgoing, cast(str, ex.link.destination(action)), after,
+                             receiver)
         for ex in self.chunks:
             ex.link.wait_sends()
         return float(cast(torch.Tensor, total)) if self.holds_loss else None

@@ -245,15 +245,21 @@ class Link:
         dist.recv(buffer, src=self._peer(end), group=self.groups[end], tag=TENSOR_TAG)
         return buffer
 
-    def send(self, what: Action, tensor: torch.Tensor, end: str, following: Action | None) -> None:
+    def send(self, what: Action, tensor: torch.Tensor, end: str, following: Action | None,
+             receiver: Link | None = None) -> None:
         """Send out of ``end`` without blocking; post ``following``'s receive with it if it
-        comes in at the same end."""
+        comes from the same process in the same group. ``receiver``: the link ``following``
+        receives on, where it is another's (an interleaved stage's next action may be another
+        chunk's: the message is the next on that channel all the same)."""
         if self.before_send is not None:
             self.before_send(cast(int, self.ranks[end]), tensor)  # an emulated link's time
         peer, group = self._peer(end), self.groups[end]
-        if self.source(following) == end:
-            assert self._posted is None, self._posted
-            buffer = self.buffer(end)
+        receiver = self if receiver is None else receiver
+        source = receiver.source(following)
+        if (source is not None and receiver.ranks[source] == self.ranks[end]
+                and receiver.groups[source] is group):
+            assert receiver._posted is None, receiver._posted
+            buffer = receiver.buffer(source)
             works = dist.batch_isend_irecv(
                 [
                     dist.P2POp(dist.isend, tensor, peer, group, TENSOR_TAG),
@@ -262,7 +268,7 @@ class Link:
             )
             # One handle per op (gloo), or a single one for both when the backend coalesces
             # (NCCL); either way the last is waited on by the receive.
-            self._posted = (end, buffer, works[-1])
+            receiver._posted = (source, buffer, works[-1])
             works = works[:-1]
         else:
             works = [dist.isend(tensor, peer, group=group, tag=TENSOR_TAG)]

@@ -1,0 +1,150 @@
+"""One pipeline's iteration time under 1F1B and interleaved 1F1B, beside what each timeline predicts.
+
+Run it from the repository root after ``pip install -e .``::
+
+    python scripts/bench_interleaved.py                         # S = 4, m = 8, v = 2, 3 repeats
+    python scripts/bench_interleaved.py --chunks 3 --repeats 1  # three chunks a stage
+
+The claim it checks: with each stage's model cut into ``v`` chunks
+(:mod:`sdpipe_cli.core.interleaved`), an iteration takes what its timeline says, ``(S - 1)``
+idle actions per stage of ``1 / v`` the length of 1F1B's, so it is shorter than 1F1B's by their
+ticks' ratio.
+
+**What runs.** ``S`` gloo processes, one per stage, run the pipeline executors themselves
+(:class:`~sdpipe_cli.pipeline.stage.FlushedStage` for 1F1B,
+:class:`~sdpipe_cli.pipeline.interleaved_stage.InterleavedStage` for the interleaved schedule) on
+a model of ``S x v`` equal pieces: 1F1B's stage ``s`` holds pieces ``s v .. s v + v - 1``, the
+interleaved one's chunk ``c`` piece ``c S + s``. Compute is modelled: an action is padded with a
+sleep to ``--forward-ms`` per stage's worth of forward (a chunk's: ``1 / v`` of it), a backward
+twice that, so that the time is the schedule's and not this machine's. The schedules alternate
+``--repeats`` times, each ``--steps`` iterations after 2; every iteration starts on a barrier.
+Not yet through ``sdpipe train``: no config setting runs an interleaved schedule.
+
+**What is predicted.** :func:`~sdpipe_cli.core.schedule.tick_order` runs the same action lists
+on a clock of one tick per chunk's forward (two per backward); 1F1B's actions are ``v`` times as
+long. An iteration takes ``ticks x forward / v``; transfers and the barrier are not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sdpipe_cli.core.interleaved import interleaved_1f1b, virtual_stage  # noqa: E402
+from sdpipe_cli.core.schedule import Kind, one_f_one_b, tick_order  # noqa: E402
+from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage  # noqa: E402
+from sdpipe_cli.pipeline.stage import FlushedStage  # noqa: E402
+
+WIDTH, BATCH = 32, 32
+
+
+def piece() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+
+def loss_fn(y, t):
+    return ((y - t) ** 2).mean()
+
+
+def padded(seconds_for):
+    """An ``on_action`` hook that sleeps each action up to its modelled seconds."""
+    def hook(action, took):
+        time.sleep(max(0.0, seconds_for(action) - took))
+    return hook
+
+
+def worker(rank, args, port, out: str):
+    torch.set_num_threads(1)
+    stages, chunks, m = args.stages, args.chunks, args.microbatches
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=stages, timeout=datetime.timedelta(seconds=120))
+    wrap = dist.new_group(list(range(stages)))
+    torch.manual_seed(0)
+    pieces = [piece() for _ in range(stages * chunks)]
+    forward = args.forward_ms / 1000
+    shape = (BATCH // m, WIDTH)
+    data = list(torch.randn(BATCH, WIDTH).chunk(m)) if rank == 0 else None
+    targets = list(torch.randn(BATCH, WIDTH).chunk(m)) if rank == stages - 1 else None
+
+    def stage_seconds(action):
+        return forward * (2 if action.kind is Kind.B else 1)
+
+    flushed = FlushedStage(nn.Sequential(*pieces[rank * chunks:(rank + 1) * chunks]), rank, stages,
+                           rank - 1 if rank else None, rank + 1 if rank < stages - 1 else None,
+                           shape, torch.device("cpu"), loss_fn, on_action=padded(stage_seconds))
+    interleaved = InterleavedStage(
+        [pieces[virtual_stage(rank, c, stages)] for c in range(chunks)], rank, stages,
+        list(range(stages)), [shape] * chunks, torch.device("cpu"), loss_fn, wrap=wrap,
+        on_action=padded(lambda a: stage_seconds(a) / chunks))
+    runs = {"1f1b": (flushed, one_f_one_b(stages, m, rank)),
+            "interleaved": (interleaved, interleaved_1f1b(chunks)(stages, m, rank))}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.repeats):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            pipe, actions = runs[name]
+            for k in range(2 + args.steps):
+                dist.barrier()
+                began = time.perf_counter()
+                pipe.run(actions, data, targets)
+                took = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                if k >= 2:
+                    times[name].append(float(took))
+    if rank == 0:
+        result: dict = {name: statistics.median(t) for name, t in times.items()}
+        result["repeats"] = {name: [statistics.median(t[i * args.steps:(i + 1) * args.steps])
+                                    for i in range(args.repeats)] for name, t in times.items()}
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--forward-ms", type=float, default=20.0)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    s, v, m, forward = args.stages, args.chunks, args.microbatches, args.forward_ms
+    predicted = {
+        "1f1b": len(tick_order(one_f_one_b, s, m, {Kind.B: 2})[0]) * forward,
+        "interleaved": len(tick_order(interleaved_1f1b(v), s, m, {Kind.B: 2}, v)[0]) * forward / v,
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "times.json"
+        port = 29500 + (int(time.time() * 1000) % 20000)
+        mp.start_processes(worker, args=(args, port, str(out)), nprocs=s,
+                           start_method="forkserver")
+        measured = json.loads(out.read_text())
+    print(f"S={s}, m={m}, v={v}, forward {forward:g} ms a stage (backward twice), "
+          f"{args.repeats} repeats of {args.steps} iterations; ms per iteration")
+    print("| schedule | predicted | measured (median) | per repeat | of predicted | vs 1F1B |")
+    print("|---|---|---|---|---|---|")
+    for name in ("1f1b", "interleaved"):
+        ms = measured[name] * 1000
+        each = ", ".join(f"{x * 1000:.1f}" for x in measured["repeats"][name])
+        speedup = measured["1f1b"] / measured[name]
+        print(f"| {name} | {predicted[name]:.1f} | {ms:.1f} | {each} | "
+              f"{predicted[name] / ms:.3f} | {speedup:.3f} "
+              f"(predicted {predicted['1f1b'] / predicted[name]:.3f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
