@@ -1,6 +1,7 @@
 """InterleavedStage in real processes over gloo: an interleaved iteration (v chunks a stage) gives
 the unsplit model's loss and gradients, as 1F1B does, with two stages (each the other's
-neighbour both ways, across the wrap channel) and with four.
+neighbour both ways, across the wrap channel) and with four; and the project's own models (gpt,
+ResNet-20), trained a few steps on four stages of two chunks, end with 1F1B's losses and weights.
 
 One spawn per layout runs every (chunks, micro-batches) case, so process start-up is paid once;
 a hang fails the test after a timeout instead of blocking the suite.
@@ -8,7 +9,9 @@ a hang fails the test after a timeout instead of blocking the suite.
 
 from __future__ import annotations
 
+import copy
 import datetime
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdpipe_cli.core.interleaved import interleaved_1f1b, virtual_stage
-from sdpipe_cli.core.schedule import Action, Kind
+from sdpipe_cli.core.schedule import Action, Kind, one_f_one_b
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
+from sdpipe_cli.pipeline.stage import FlushedStage
 from tests.helpers import free_port, spawn_and_join
 
 pytestmark = pytest.mark.multiprocess
@@ -119,3 +123,112 @@ def test_run_refuses_a_chunk_out_of_order():
         pipe.run([Action(Kind.B, 0, 0), *bad[1:]], [torch.zeros(1)], [torch.zeros(1)])
     with pytest.raises(ValueError, match="outside"):
         pipe.run([*bad, Action(Kind.F, 0, 2)], [torch.zeros(1)], [torch.zeros(1)])
+
+
+# -- the project's own models, over several optimizer steps -----------------------------------------
+
+MODELS = {  # each cut into 8 virtual stages: four stages of two chunks
+    "gpt": dict(arch="gpt", vocab_size=256, seq_len=16, d_model=32, n_layers=6, n_heads=2,
+                d_hidden=64, dropout=0.0),
+    "resnet_cifar": dict(arch="resnet_cifar", num_classes=10),
+}
+STEPS, MICRO = 3, 4
+
+
+def model_batch(arch: str, seed: int):
+    g = torch.Generator().manual_seed(100 + seed)
+    if arch == "gpt":
+        tokens = torch.randint(0, 256, (8, 17), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def train_both(stage: int, stages: int, name: str, wrap) -> dict:
+    """One layout's run of 1F1B (stage ``s`` holds the model's ``s``-th quarter) and of
+    interleaved 1F1B (its chunks the ``s``-th and ``s + 4``-th eighths), each from the same
+    initial weights, AdamW, ``STEPS`` steps: this stage's losses and blocks' weights."""
+    from omegaconf import OmegaConf
+
+    from sdpipe_cli.config.schema import ModelConfig
+    from sdpipe_cli.core.partition import stage_ranges, uniform
+    from sdpipe_cli.model import models
+
+    cfg = OmegaConf.create({"model": OmegaConf.structured(ModelConfig(**MODELS[name]))})
+    arch = cfg.model.arch
+    torch.manual_seed(0)
+    blocks = models.build(cfg.model)[0]
+    loss_fn = models.loss_function(cfg.model)
+    example = model_batch(arch, 0)[0].chunk(MICRO)[0]
+    layouts = models.boundaries(cfg, example)  # what leaves each block but the last
+    n, chunks = len(blocks), 2
+
+    def pair(lo: int, hi: int):
+        return (layouts[lo - 1] if lo else None, layouts[hi - 1] if hi < n else None)
+
+    out: dict = {}
+    for kind in ("1f1b", "interleaved"):
+        mine = copy.deepcopy(blocks)
+        if kind == "1f1b":
+            lo, hi = stage_ranges(uniform(n, stages), n)[stage]
+            pipe: Any = FlushedStage(nn.Sequential(*mine[lo:hi]), stage, stages,
+                                     stage - 1 if stage else None,
+                                     stage + 1 if stage < stages - 1 else None, pair(lo, hi),
+                                     torch.device("cpu"), loss_fn)
+            held, actions = list(range(lo, hi)), one_f_one_b(stages, MICRO, stage)
+        else:
+            ranges = stage_ranges(uniform(n, stages * chunks), n)
+            mine_ranges = [ranges[virtual_stage(stage, c, stages)] for c in range(chunks)]
+            pipe = InterleavedStage([nn.Sequential(*mine[lo:hi]) for lo, hi in mine_ranges],
+                                    stage, stages, list(range(stages)),
+                                    [pair(lo, hi) for lo, hi in mine_ranges], torch.device("cpu"),
+                                    loss_fn, wrap=wrap)
+            held = [b for lo, hi in mine_ranges for b in range(lo, hi)]
+            actions = interleaved_1f1b(chunks)(stages, MICRO, stage)
+        params = [p for b in held for p in mine[b].parameters()]
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        losses = []
+        x, y = model_batch(arch, 0)  # one batch, learned a little more at each step
+        for _ in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            loss = pipe.run(actions, list(x.chunk(MICRO)) if stage == 0 else None,
+                            list(y.chunk(MICRO)) if stage == stages - 1 else None)
+            optimizer.step()
+            losses.append(loss)
+        out[kind] = {"losses": losses,
+                     "blocks": {b: {k: v.clone() for k, v in mine[b].state_dict().items()}
+                                for b in held}}
+    return out
+
+
+def model_worker(rank, stages, port, name):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=stages, timeout=datetime.timedelta(seconds=60))
+    try:
+        wrap = dist.new_group(list(range(stages)))
+        mine = train_both(rank, stages, name, wrap)
+        everyone: list = [None] * stages
+        dist.all_gather_object(everyone, mine)
+        if rank == stages - 1:
+            a, b = mine["1f1b"]["losses"], mine["interleaved"]["losses"]
+            assert all(abs(x - y) <= 1e-6 for x, y in zip(a, b)), (name, a, b)
+            assert a[-1] < a[0], (name, a)  # it trains
+        if rank == 0:
+            weights = {kind: {blk: w for part in everyone for blk, w in part[kind]["blocks"].items()}
+                       for kind in ("1f1b", "interleaved")}
+            assert weights["1f1b"].keys() == weights["interleaved"].keys()
+            for blk, state in weights["1f1b"].items():
+                for key, value in state.items():
+                    other = weights["interleaved"][blk][key]
+                    assert torch.allclose(value.float(), other.float(), atol=1e-6, rtol=0), (
+                        name, blk, key, (value.float() - other.float()).abs().max())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_project_s_models_train_as_under_1f1b(name):
+    """gpt (8 blocks) and ResNet-20 (11, BatchNorm's running statistics among the weights), four
+    stages of two chunks, three AdamW steps: the losses of 1F1B to 1e-6 and the same weights."""
+    spawn_and_join(model_worker, (4, free_port(), name), 4, JOIN_TIMEOUT_S,
+                   f"interleaved {name} on four stages")
