@@ -212,10 +212,8 @@ class SdpipeSyncConfig(SyncConfig):
     # Who waits for whom. cost_aware: a round waits only for predicted replicas about as fast as
     # its opener (a straggler waits for the fast ones, never the reverse), and a stage due to
     # connect holds only replicas outside the fastest replica's component; connect_every counts
-    # updates (x P). classic: a round waits for every predicted replica and a due round holds
-    # everyone until it connects, one stage at a time; connect_every counts rounds. classic keeps
-    # the replicas as close as all-reduce does, for fewer samples/s with mild stragglers (1.3x:
-    # 0.80 of the limit against 0.88, simulated; docs/results/notebook.md).
+    # updates (x P). classic: a round waits for every predicted replica, a due round holds all
+    # until it connects, connect_every counts rounds: all-reduce's drift, fewer samples/s (notebook)
     policy: str = "cost_aware"
     # Most replicas in one round (0: no cap; global syncs always include everyone). A round closes
     # as soon as this many are ready: it bounds a round's all-reduce (a ring pays 2(n-1)
