@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdpipe_cli.core.interleaved import interleaved_1f1b, virtual_stage
+from sdpipe_cli.core.partition import stage_ranges, uniform
 from sdpipe_cli.core.schedule import Action, Kind, one_f_one_b
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
 from sdpipe_cli.pipeline.stage import FlushedStage
@@ -50,20 +51,17 @@ def make_batch():
 
 
 def pieces(virtual: int) -> list[tuple[int, int]]:
-    """The blocks of each virtual stage, [lo, hi): the first ones take the remainder."""
-    size, extra = divmod(BLOCKS, virtual)
-    edges = [0]
-    for k in range(virtual):
-        edges.append(edges[-1] + size + (k < extra))
-    return list(zip(edges, edges[1:]))
+    """The blocks of each virtual stage, [lo, hi), as the partitioner cuts them uniformly."""
+    return stage_ranges(uniform(BLOCKS, virtual), BLOCKS)
 
 
 def reference():
+    """The unsplit model's loss on the whole batch and each block's gradients."""
     blocks = make_blocks()
-    tokens, targets = make_batch()
-    loss = loss_fn(nn.Sequential(*blocks)(tokens), targets)
-    loss.backward()
-    return loss.item(), [[p.grad.clone() for p in b.parameters()] for b in blocks]
+    inputs, targets = make_batch()
+    whole = loss_fn(nn.Sequential(*blocks)(inputs), targets)
+    whole.backward()
+    return whole.item(), [[p.grad.clone() for p in b.parameters()] for b in blocks]
 
 
 def check(stage, stages, errors, wrap):
@@ -150,7 +148,6 @@ def train_both(stage: int, stages: int, name: str, wrap) -> dict:
     from omegaconf import OmegaConf
 
     from sdpipe_cli.config.schema import ModelConfig
-    from sdpipe_cli.core.partition import stage_ranges, uniform
     from sdpipe_cli.model import models
 
     cfg = OmegaConf.create({"model": OmegaConf.structured(ModelConfig(**MODELS[name]))})
