@@ -20,6 +20,13 @@ twice that, so that the time is the schedule's and not this machine's. The sched
 ``--repeats`` times, each ``--steps`` iterations after 2; every iteration starts on a barrier.
 Not yet through ``sdpipe train``: no config setting runs an interleaved schedule.
 
+**Against torch** (``--against-torch``). The same pieces, real compute (no padding; pieces
+``--width`` wide), sdpipe's ``InterleavedStage`` against torch's own
+``ScheduleInterleaved1F1B`` over one ``PipelineStage`` per chunk (``stage_index`` its virtual
+stage), each step followed by AdamW's on every process; the two alternate ``--repeats`` times,
+``--steps`` timed steps after 2, timed on stage 0 between barriers. Its table: ms per step and
+samples/s, sdpipe over torch.
+
 **What is predicted.** :func:`~sdpipe_cli.core.schedule.tick_order` runs the same action lists
 on a clock of one tick per chunk's forward (two per backward); 1F1B's actions are ``v`` times as
 long. An iteration takes ``ticks x forward / v``; transfers and the barrier are not in it.
@@ -51,8 +58,8 @@ from sdpipe_cli.pipeline.stage import FlushedStage  # noqa: E402
 WIDTH, BATCH = 32, 32
 
 
-def piece() -> nn.Module:
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+def piece(width: int = WIDTH) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
 
 
 def loss_fn(y, t):
@@ -112,6 +119,81 @@ def worker(rank, args, port, out: str):
     dist.destroy_process_group()
 
 
+def peer_worker(rank, args, port, out: str):
+    """``--against-torch``: both sides' steps on this stage, timed on stage 0."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.set_num_threads(1)
+    stages, chunks, m, width = args.stages, args.chunks, args.microbatches, args.width
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=stages, timeout=datetime.timedelta(seconds=120))
+    wrap = dist.new_group(list(range(stages)))
+    torch.manual_seed(0)
+    pieces = {side: [piece(width) for _ in range(stages * chunks)] for side in ("sdpipe", "torch")}
+    mine = {side: [ps[virtual_stage(rank, c, stages)] for c in range(chunks)]
+            for side, ps in pieces.items()}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(args.batch, width, generator=g), torch.randn(args.batch, width, generator=g)
+    ours = InterleavedStage(mine["sdpipe"], rank, stages, list(range(stages)),
+                            [(args.batch // m, width)] * chunks, torch.device("cpu"), loss_fn,
+                            wrap=wrap)
+    actions = interleaved_1f1b(chunks)(stages, m, rank)
+    theirs = ScheduleInterleaved1F1B(
+        [PipelineStage(module, virtual_stage(rank, c, stages), stages * chunks,
+                       torch.device("cpu")) for c, module in enumerate(mine["torch"])],
+        n_microbatches=m, loss_fn=loss_fn)
+    optimizers = {side: torch.optim.AdamW([p for mod in mods for p in mod.parameters()], lr=1e-3)
+                  for side, mods in mine.items()}
+
+    def step(side: str) -> None:
+        optimizers[side].zero_grad(set_to_none=True)
+        if side == "sdpipe":
+            ours.run(actions, list(x.chunk(m)) if rank == 0 else None,
+                     list(y.chunk(m)) if rank == stages - 1 else None)
+        elif rank == 0:
+            theirs.step(x, return_outputs=False)
+        elif rank == stages - 1:
+            theirs.step(target=y, losses=[], return_outputs=False)
+        else:
+            theirs.step(return_outputs=False)
+        optimizers[side].step()
+
+    times: dict[str, list[float]] = {"sdpipe": [], "torch": []}
+    for r in range(args.repeats):
+        for side in (("sdpipe", "torch") if r % 2 == 0 else ("torch", "sdpipe")):
+            for _ in range(2):
+                step(side)
+            dist.barrier()
+            began = time.perf_counter()
+            for _ in range(args.steps):
+                step(side)
+            dist.barrier()
+            times[side].append((time.perf_counter() - began) / args.steps)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def against_torch(args) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "times.json"
+        port = 29500 + (int(time.time() * 1000) % 20000)
+        mp.start_processes(peer_worker, args=(args, port, str(out)), nprocs=args.stages,
+                           start_method="forkserver")
+        times = json.loads(out.read_text())
+    print(f"S={args.stages}, m={args.microbatches}, v={args.chunks}, batch {args.batch}, pieces "
+          f"{args.width} wide, real compute; {args.repeats} repeats of {args.steps} steps")
+    print("| side | ms per step (median) | per repeat | samples/s |")
+    print("|---|---|---|---|")
+    for side in ("sdpipe", "torch"):
+        ms = statistics.median(times[side]) * 1000
+        each = ", ".join(f"{t * 1000:.1f}" for t in times[side])
+        print(f"| {side} | {ms:.1f} | {each} | {args.batch / ms * 1000:.1f} |")
+    ratio = statistics.median(times["torch"]) / statistics.median(times["sdpipe"])
+    print(f"sdpipe over torch, samples/s: {ratio:.3f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, default=4)
@@ -120,7 +202,13 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-ms", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--against-torch", action="store_true",
+                        help="real compute, against torch's ScheduleInterleaved1F1B")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args(argv)
+    if args.against_torch:
+        return against_torch(args)
     s, v, m, forward = args.stages, args.chunks, args.microbatches, args.forward_ms
     predicted = {
         "1f1b": len(tick_order(one_f_one_b, s, m, {Kind.B: 2})[0]) * forward,
