@@ -47,6 +47,12 @@ class InterleavedStage:
                  device: torch.device, loss_fn: LossFn, group: dist.ProcessGroup | None = None,
                  wrap: dist.ProcessGroup | None = None, **kwargs: Any):
         chunks = len(modules)
+        if chunks > 1 and stages < 2:
+            raise ValueError("interleaving needs two stages or more: one stage holds its chunks "
+                             "as one module")
+        if chunks > 1 and stages == 2 and wrap is None:
+            raise ValueError("two stages of several chunks are each other's neighbours both "
+                             "ways: the wrap channel needs a process group of its own (wrap=)")
         last = stages * chunks - 1
         self.chunks: list[Executor] = []
         for c, module in enumerate(modules):

@@ -114,13 +114,20 @@ def test_interleaved_pipeline_matches_the_whole_model(stages):
 
 
 def test_run_refuses_a_chunk_out_of_order():
-    pipe = InterleavedStage([nn.Identity(), nn.Identity()], 0, 1, [0], [(1,), (1,)],
-                            torch.device("cpu"), loss_fn)
-    bad = [Action(Kind.F, 0, 1), Action(Kind.F, 0, 0), Action(Kind.B, 0, 1), Action(Kind.B, 0, 0)]
-    with pytest.raises(ValueError, match="comes before|must be"):
-        pipe.run([Action(Kind.B, 0, 0), *bad[1:]], [torch.zeros(1)], [torch.zeros(1)])
+    pipe = InterleavedStage([nn.Identity()], 0, 1, [0], [(1,)], torch.device("cpu"), loss_fn)
+    data = ([torch.zeros(1)], [torch.zeros(1)])
+    with pytest.raises(ValueError, match="comes before"):
+        pipe.run([Action(Kind.B, 0), Action(Kind.F, 0)], *data)
     with pytest.raises(ValueError, match="outside"):
-        pipe.run([*bad, Action(Kind.F, 0, 2)], [torch.zeros(1)], [torch.zeros(1)])
+        pipe.run([Action(Kind.F, 0), Action(Kind.B, 0), Action(Kind.F, 0, 1)], *data)
+
+
+def test_chunks_need_two_stages_and_with_two_a_wrap_group():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="two stages or more"):
+        InterleavedStage([nn.Identity(), nn.Identity()], 0, 1, [0], [(1,)] * 2, cpu, loss_fn)
+    with pytest.raises(ValueError, match="wrap channel needs a process group"):
+        InterleavedStage([nn.Identity(), nn.Identity()], 0, 2, [0, 1], [(1,)] * 2, cpu, loss_fn)
 
 
 # -- the project's own models, over several optimizer steps -----------------------------------------
