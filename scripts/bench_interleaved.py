@@ -174,13 +174,18 @@ def peer_worker(rank, args, port, out: str):
     dist.destroy_process_group()
 
 
-def against_torch(args) -> int:
+def spawned(fn, args) -> dict:
+    """``fn(rank, args, port, out)`` in one process per stage; what stage 0 wrote to ``out``."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "times.json"
         port = 29500 + (int(time.time() * 1000) % 20000)
-        mp.start_processes(peer_worker, args=(args, port, str(out)), nprocs=args.stages,
+        mp.start_processes(fn, args=(args, port, str(out)), nprocs=args.stages,
                            start_method="forkserver")
-        times = json.loads(out.read_text())
+        return json.loads(out.read_text())
+
+
+def against_torch(args) -> int:
+    times = spawned(peer_worker, args)
     print(f"S={args.stages}, m={args.microbatches}, v={args.chunks}, batch {args.batch}, pieces "
           f"{args.width} wide, real compute; {args.repeats} repeats of {args.steps} steps")
     print("| side | ms per step (median) | per repeat | samples/s |")
@@ -214,12 +219,7 @@ def main(argv=None) -> int:
         "1f1b": len(tick_order(one_f_one_b, s, m, {Kind.B: 2})[0]) * forward,
         "interleaved": len(tick_order(interleaved_1f1b(v), s, m, {Kind.B: 2}, v)[0]) * forward / v,
     }
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "times.json"
-        port = 29500 + (int(time.time() * 1000) % 20000)
-        mp.start_processes(worker, args=(args, port, str(out)), nprocs=s,
-                           start_method="forkserver")
-        measured = json.loads(out.read_text())
+    measured = spawned(worker, args)
     print(f"S={s}, m={m}, v={v}, forward {forward:g} ms a stage (backward twice), "
           f"{args.repeats} repeats of {args.steps} iterations; ms per iteration")
     print("| schedule | predicted | measured (median) | per repeat | of predicted | vs 1F1B |")
