@@ -61,10 +61,7 @@ def resplit(cfg: DictConfig, splits: Mapping[int, Sequence[int]],
 
 def with_slowed(cfg: DictConfig, slowed: Mapping[str, float]) -> DictConfig:
     """``cfg`` whose ``fault.slowed`` is ``slowed``."""
-    out = copy.deepcopy(cfg)
-    with read_write(out):
-        out.fault.slowed = {str(k): float(v) for k, v in slowed.items()}
-    return out
+    return with_values(cfg, {"fault.slowed": {str(k): float(v) for k, v in slowed.items()}})
 
 
 def with_run(cfg: DictConfig, **run: Any) -> DictConfig:
