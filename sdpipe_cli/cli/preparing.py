@@ -20,8 +20,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import measurements
+from sdpipe_cli.config.pipeline_checks import validate_own_partitions, validate_partition
 from sdpipe_cli.config.schema import ConfigError, num_classes, objective
-from sdpipe_cli.config.validation import validate_own_partitions, validate_partition
 from sdpipe_cli.core import meetings, partition
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.modes import mode
@@ -43,12 +43,14 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
     if cfg.profile:
         cfg.profile = str(Path(cfg.profile).expanduser().resolve())
     _resolve_data(cfg)
-    blocks, stages = models.count_blocks(cfg.model), cfg.pipeline.stages
-    if stages > blocks:
-        raise ConfigError("pipeline.stages", f"is {stages} but model {cfg.model.name} has only "
-                          f"{blocks} blocks; use at most {blocks} stages")
+    blocks, stages, chunks = models.count_blocks(cfg.model), cfg.pipeline.stages, cfg.pipeline.chunks
+    if stages * chunks > blocks:
+        key, many = (("pipeline.stages", f"{stages} stages") if chunks == 1
+                     else ("pipeline.chunks", f"{stages} stages of {chunks} chunks"))
+        raise ConfigError(key, f"{many} need {stages * chunks} blocks, but model "
+                          f"{cfg.model.name} has only {blocks}")
     if not isinstance(cfg.pipeline.partition, str):
-        validate_partition(cfg.pipeline.partition, stages, blocks)
+        validate_partition(cfg.pipeline.partition, stages, blocks, chunks=chunks)
     validate_own_partitions(cfg.pipeline, int(cfg.cluster.pipelines), blocks)
     counts = models.block_param_counts(cfg.model) if cfg.pipeline.partition == "params" else None
     plan = None
@@ -61,9 +63,10 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
     if cfg.pipeline.partition == "auto":
         block_ms = measurements.worker_block_ms(measurements.load(cfg.profile), cluster,
                                                 list(cfg.cluster.slowdown))
-        plan = partition.plan(partition.device_cost(block_ms), blocks, stages)
+        cost = partition.device_cost(block_ms)  # by stage; a chunk runs on its stage's devices
+        plan = partition.plan(lambda k, a, b: cost(k % stages, a, b), blocks, stages * chunks)
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
-        cfg.pipeline.partition, blocks, stages, counts)
+        cfg.pipeline.partition, blocks, stages * chunks, counts)
     models.check(cfg)
     for q, own in (cfg.pipeline.partitions or {}).items():  # each split, as its workers see it
         try:
@@ -99,11 +102,11 @@ def check_memory(cfg: DictConfig) -> None:
     run = RunPlan.of(cfg)
     example = sources.example(cfg, run.microbatch_size, device="meta")[0]
     splits = {bounds: memory.estimate(cfg, example, bounds)
-              for bounds in set(run.segments.partitions)}
+              for bounds in set(run.partitions)}
     if None in splits.values():
         return
     known = cast(dict[tuple[int, ...], list[memory.StageMemory]], splits)  # no None: just above
-    grid, cluster, partitions = run.grid, run.cluster, run.segments.partitions
+    grid, cluster, partitions = run.grid, run.cluster, run.partitions
 
     def of(rank: int) -> memory.StageMemory:  # a worker, under its pipeline's own split
         return known[partitions[grid.pipeline_of(rank)]][grid.stage_of(rank)]

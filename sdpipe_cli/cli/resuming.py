@@ -173,6 +173,11 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     from sdpipe_cli.cli import preparing
     from sdpipe_cli.training import reshard_checkpoint as reshard
 
+    before, after = reshard.layout_of(old), reshard.layout_of(new)
+    if max(before.chunks, after.chunks) > 1:
+        raise ConfigError("pipeline.chunks", f"resharding interleaved stages is not supported yet "
+                          f"({before.describe()} -> {after.describe()}); resume with the "
+                          "checkpoint's own layout")
     plan = reshard.plan_for(ckpt, manifest, old, new,
                             int(new.train.steps) if steps_given else None)
     new = derived.with_values(new, {"train.steps": plan.train_steps})
@@ -182,7 +187,6 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     preparing.check_memory(new)  # bad input: before the resharded checkpoint is written
     folder, new = destination(new)
     folder = reshard.write(ckpt, manifest, old, new, plan, folder)
-    before, after = reshard.layout_of(old), reshard.layout_of(new)
     console.print(f"resharded {ckpt}: {before.describe()} -> {after.describe()}; train.steps "
                   f"{old.train.steps} -> {plan.train_steps}",
                   highlight=False, soft_wrap=True)

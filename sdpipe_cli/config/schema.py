@@ -19,9 +19,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sdpipe_cli.core import grouping
 from sdpipe_cli.core.errors import BadInput
+from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, SCHEDULES as _FLUSHED
 
-SCHEDULES = (*_FLUSHED, *ASYNC_SCHEDULES)  # the registry is core.schedule
+SCHEDULES = (*_FLUSHED, *CHUNKED_SCHEDULES, *ASYNC_SCHEDULES)  # the registries are core's
 AVERAGES = ("weights_grads", "weights")  # sync.average (sdpipe)
 POLICIES = grouping.POLICIES  # sync.policy (sdpipe)
 STALE_RULES = grouping.STALE_RULES  # sync.stale (sdpipe)
@@ -176,14 +177,15 @@ class PipelineConfig:
     stages: int = 2  # S: stages per pipeline
     microbatches: int = 4  # m: micro-batches per iteration
     # 1f1b (PipeDream-Flush) | gpipe | zb_h1 (zero bubble: each backward as B, then W) | async_1f1b
-    # (PipeDream: an update per micro-batch, weight stashing, no flush between iterations)
+    # (PipeDream: an update per micro-batch, weight stashing, no flush between iterations) | interleaved_1f1b
     schedule: str = "1f1b"
+    chunks: int = 1  # interleaved_1f1b (Megatron's virtual pipeline): model chunks per stage
     # async_1f1b only. null: PipeDream, an update per micro-batch, each forward's weights kept
     # until its backward (at most S - s versions on stage s). 2: PipeDream-2BW, gradients
     # accumulated over an iteration and one update at its end (two versions; needs m >= S).
     weight_versions: Optional[int] = None
     # uniform | params (balance parameter counts) | auto (balance the measured block times of
-    # profile=PATH on this cluster's devices) | explicit list of S-1 block boundaries, e.g. [3]
+    # profile=PATH on this cluster's devices) | explicit list of S-1 (chunks x S - 1) block boundaries
     partition: Any = "uniform"
     # sdpipe: pipelines split their own way, {pipeline: boundaries}, e.g. {2: [5, 9, 12]}
     partitions: dict[int, list[int]] = field(default_factory=dict)
@@ -484,8 +486,7 @@ def num_classes(cfg: DictConfig) -> Optional[int]:
 
 
 def schema_for(sync: str) -> DictConfig:
-    """The typed schema of a run whose ``sync.name`` is ``sync`` (an unknown one keeps the base
-    :class:`SyncConfig`, and validation names the key)."""
+    """The typed schema of a run of ``sync.name`` ``sync`` (unknown: the base SyncConfig)."""
     schema = OmegaConf.structured(Config)
     schema.sync = OmegaConf.structured(SYNC_CONFIGS.get(sync, SyncConfig))
     return schema
@@ -493,8 +494,7 @@ def schema_for(sync: str) -> DictConfig:
 
 def emulation(cfg: DictConfig) -> str:
     """``measured`` or ``modelled``: what ``cluster.emulation=auto`` means for this config."""
-    mode = cfg.cluster.emulation
-    if mode == "auto":
+    if cfg.cluster.emulation == "auto":
         return "modelled" if cfg.cluster.compute_ms is not None else "measured"
-    return mode
+    return cfg.cluster.emulation
 

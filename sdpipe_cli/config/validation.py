@@ -17,28 +17,23 @@ import math
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config import schema
+from sdpipe_cli.config.checks import need
 from sdpipe_cli.config.local_files import refuse_special
+from sdpipe_cli.config.pipeline_checks import validate_pipeline
 from sdpipe_cli.config.schema import ConfigError, emulation, n_blocks, num_classes, objective
 from sdpipe_cli.config.yaml_bounds import MAX_ENTRIES
 from sdpipe_cli.core.cluster import MAX_SLOWDOWN
 from sdpipe_cli.core.meetings import SYNC_PRECISIONS
 from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
-from sdpipe_cli.core.schedule import SPLIT_SCHEDULES
 
 MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
 MAX_BATCH = 2**40  # train.batch_size: beyond it, a batch's element count overflows int64 tensors
 MAX_COMPUTE_MS = 60_000.0  # cluster.compute_ms: a minute; with MAX_SLOWDOWN, sleeps the clock can count
 MAX_OVERLAP = 1000  # sync.overlap: a round merged later than its next meeting is merged there
-
-
-def need(ok: bool, key: str, reason: str) -> None:
-    """Raise :class:`ConfigError` for ``key`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(key, reason)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -51,7 +46,7 @@ def validate(cfg: DictConfig) -> None:
     _validate_model(cfg)
     _validate_data(cfg)
     _validate_cluster_settings(cfg)
-    _validate_pipeline(cfg)
+    validate_pipeline(cfg)
     _validate_sync(cfg)
     _validate_train(cfg)
     _validate_checkpoint(cfg)
@@ -129,45 +124,6 @@ def _validate_cluster_settings(cfg: DictConfig) -> None:
          f"schedule has at most {MAX_ENTRIES:,}")
     for key in ("rtt_ms", "event_ms", "collective_ms", "p2p_ms", "jitter"):
         need(cfg.simulate[key] >= 0, f"simulate.{key}", "must be >= 0")
-
-
-def _validate_pipeline(cfg: DictConfig) -> None:
-    """``pipeline``: stages against the model's blocks, micro-batches, schedule, partition, weight versions."""
-    m, p = cfg.model, cfg.pipeline
-    blocks = n_blocks(m)  # custom models: checked once built (models.check)
-    need(p.stages >= 1, "pipeline.stages", "must be at least 1")
-    need(blocks is None or p.stages <= blocks, "pipeline.stages",
-         f"is {p.stages} but model {m.name} has only {blocks} blocks; use at most {blocks} stages")
-    need(p.microbatches >= 1, "pipeline.microbatches", "must be at least 1")
-    need(p.schedule in schema.SCHEDULES, "pipeline.schedule",
-         f"is '{p.schedule}'; choose one of {', '.join(schema.SCHEDULES)}")
-    if blocks is not None:
-        validate_partition(p.partition, p.stages, blocks)
-    validate_own_partitions(p, cfg.cluster.pipelines, blocks)
-    need(not (p.schedule in SPLIT_SCHEDULES and p.activation_checkpointing), "pipeline.schedule",
-         f"{p.schedule} with recomputed activations would run each stage's forward again for "
-         "every weight group of every W; use pipeline.activation_checkpointing=false or "
-         "pipeline.schedule=1f1b")
-    if p.weight_versions is not None:
-        need(p.schedule == "async_1f1b", "pipeline.weight_versions",
-             f"only applies to pipeline.schedule=async_1f1b (schedule is {p.schedule})")
-        need(p.weight_versions == 2, "pipeline.weight_versions",
-             f"is {p.weight_versions}; use 2 (PipeDream-2BW) or null (PipeDream: up to S - s)")
-        need(p.microbatches >= p.stages, "pipeline.weight_versions",
-             f"2 needs pipeline.microbatches >= pipeline.stages (m={p.microbatches}, "
-             f"S={p.stages}): micro-batches in flight must span at most two updates")
-
-
-def validate_own_partitions(p: DictConfig, pipelines: int, blocks: int | None) -> None:
-    """``pipeline.partitions``: pipelines of the run, each with S - 1 explicit boundaries (known
-    once the model is: ``blocks`` None checks only the pipelines)."""
-    for q, bounds in (p.partitions or {}).items():
-        key = f"pipeline.partitions.{q}"
-        need(0 <= q < pipelines, key, f"names pipeline {q}; the run has pipelines 0 to "
-             f"{pipelines - 1} (cluster.pipelines={pipelines})")
-        if blocks is not None:
-            need(not isinstance(bounds, str), key, "must be a list of block boundaries")
-            validate_partition(bounds, p.stages, blocks, key)
 
 
 def _validate_sync(cfg: DictConfig) -> None:
@@ -475,25 +431,3 @@ def _validate_cluster(cfg: DictConfig) -> None:
                         microbatch_size(cfg))
         except ProfileError as err:
             raise ConfigError("profile", str(err)) from None
-
-
-def validate_partition(partition: Any, stages: int, blocks: int,
-                       key: str = "pipeline.partition") -> None:
-    """``pipeline.partition`` (or a pipeline's own, ``key``) is a known name or S - 1 increasing
-    block boundaries."""
-    if isinstance(partition, str):
-        if partition not in schema.PARTITIONS:
-            raise ConfigError(key, f"is '{partition}'; choose {', '.join(schema.PARTITIONS)} "
-                              f"or a list of {stages - 1} block boundaries")
-        return
-    if not isinstance(partition, (list, ListConfig)) or not all(
-        isinstance(b, int) and not isinstance(b, bool) for b in partition
-    ):
-        raise ConfigError(key, "must be uniform, params, auto or a list of integer block boundaries")
-    bounds = list(partition)
-    if len(bounds) != stages - 1:
-        raise ConfigError(key, f"has {len(bounds)} boundaries; {stages} stages need {stages - 1}")
-    edges = [0, *bounds, blocks]
-    if any(a >= b for a, b in zip(edges, edges[1:])):
-        raise ConfigError(key, f"boundaries {bounds} must increase strictly within 1..{blocks - 1} "
-                          "so that no stage is empty")

@@ -41,17 +41,23 @@ Memory: stage ``s`` holds up to ``S - s + (v - 1) S`` chunks' activations at onc
 (:func:`~sdpipe_cli.core.schedule.in_flight`), each ``1 / v`` of the stage's: ``S - s / v``
 stages' worth, against 1F1B's ``S - s``; the first stage's, the most, is 1F1B's.
 
+A run asks for it with ``pipeline.schedule=interleaved_1f1b`` and ``pipeline.chunks=v``; its
+``pipeline.partition`` then cuts the model into the ``V`` virtual stages (``V - 1``
+boundaries), and :func:`stage_blocks` says which blocks each stage holds.
+
 Pure: no torch, no I/O. :class:`~sdpipe_cli.pipeline.interleaved_stage.InterleavedStage` runs
-these lists (``scripts/bench_interleaved.py`` times them); no config setting reaches it yet.
+these lists (``scripts/bench_interleaved.py`` times them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
-from sdpipe_cli.core.schedule import Action, Kind, ScheduleFn
+from sdpipe_cli.core.schedule import Action, Kind, ScheduleFn, get_schedule
 
-__all__ = ["Channel", "channel_of", "interleaved_1f1b", "messages", "virtual_stage", "warmup"]
+__all__ = ["CHUNKED_SCHEDULES", "Channel", "channel_of", "interleaved_1f1b", "messages",
+           "schedule_of", "stage_blocks", "virtual_stage", "warmup"]
 
 
 def virtual_stage(stage: int, chunk: int, stages: int) -> int:
@@ -135,3 +141,31 @@ def messages(actions: list[Action], stage: int, stages: int,
                 received.append((channel_of(here, stages, gradient=True),
                                  Action(Kind.B, a.microbatch, (here + 1) // stages)))
     return sent, received
+
+
+# The schedules whose stages hold several model chunks (``pipeline.chunks``).
+CHUNKED_SCHEDULES = ("interleaved_1f1b",)
+
+
+def schedule_of(name: str, chunks: int = 1) -> ScheduleFn:
+    """The schedule ``name`` of stages holding ``chunks`` model chunks: an interleaved one, or,
+    with one chunk, any of :func:`~sdpipe_cli.core.schedule.get_schedule`'s (interleaved 1F1B
+    of one chunk is 1F1B)."""
+    if name in CHUNKED_SCHEDULES:
+        return interleaved_1f1b(chunks)
+    if chunks != 1:
+        raise ValueError(f"schedule {name!r} runs one chunk a stage, not {chunks}")
+    return get_schedule(name)
+
+
+def stage_blocks(bounds: Sequence[int], blocks: int, stages: int) -> list[list[tuple[int, int]]]:
+    """For each of ``stages`` stages, the block ranges ``[(start, stop), ...]`` of its chunks in
+    chunk order, when ``bounds`` cuts ``blocks`` blocks into ``v x stages`` virtual stages (the
+    ``V - 1`` block indices where one starts). With ``S - 1`` bounds: one range per stage, the
+    partition's own."""
+    pieces = len(bounds) + 1
+    if stages < 1 or pieces % stages:
+        raise ValueError(f"{pieces} pieces of the model do not make {stages} stages of equal "
+                         "chunk counts")
+    edges = [0, *(int(b) for b in bounds), int(blocks)]
+    return [[(edges[k], edges[k + 1]) for k in range(s, pieces, stages)] for s in range(stages)]

@@ -105,9 +105,15 @@ class RunPlan:
         """What replicas average: the stages, or finer ranges where pipelines are split
         differently (:mod:`~sdpipe_cli.core.segments`). Before the partition is resolved (a
         config not prepared yet, which has no ``pipeline.partitions`` either), one per stage."""
-        if not self.partitions:
+        if not self.partitions or self.chunks > 1:  # interleaved: one split for all, by stage
             return Segments.of([tuple(range(1, self.stages))] * self.pipelines)
         return Segments.of(self.partitions, self.blocks if self.in_place else 0)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per stage (``pipeline.chunks``): the partition cuts the model into
+        ``chunks x stages`` virtual stages (:mod:`~sdpipe_cli.core.interleaved`)."""
+        return (len(self.partitions[0]) + 1) // self.stages if self.partitions else 1
 
     def partition_of(self, pipeline: int) -> list[int]:
         """Pipeline ``pipeline``'s partition: what its workers build their stages from."""

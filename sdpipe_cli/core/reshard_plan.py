@@ -37,21 +37,25 @@ __all__ = ["Layout", "Plan", "plan", "pieces", "data_position", "source_pipeline
 
 @dataclass(frozen=True)
 class Layout:
-    """``pipelines`` pipelines of ``len(partition) + 1`` stages over ``blocks`` blocks; ``own``:
-    the pipelines split their own way (``pipeline.partitions``), as (pipeline, boundaries)."""
+    """``pipelines`` pipelines of ``(len(partition) + 1) / chunks`` stages over ``blocks``
+    blocks; ``own``: the pipelines split their own way (``pipeline.partitions``), as (pipeline,
+    boundaries); ``chunks``: each stage's model chunks (interleaved stages, which
+    :func:`pieces` does not gather from or for yet)."""
 
     pipelines: int
     partition: tuple[int, ...]
     blocks: int
     own: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    chunks: int = 1
 
     @property
     def stages(self) -> int:
-        return len(self.partition) + 1
+        return (len(self.partition) + 1) // self.chunks
 
     def describe(self) -> str:
         own = "".join(f", pipeline {q}: {list(b)}" for q, b in self.own)
-        return f"P={self.pipelines} S={self.stages} partition {list(self.partition)}{own}"
+        chunks = f" of {self.chunks} chunks" if self.chunks > 1 else ""
+        return f"P={self.pipelines} S={self.stages}{chunks} partition {list(self.partition)}{own}"
 
     def partition_of(self, pipeline: int) -> tuple[int, ...]:
         return dict(self.own).get(pipeline, self.partition)

@@ -39,7 +39,7 @@ from sdpipe_cli import checkpoint
 from sdpipe_cli.config import trust
 from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.interleaved import stage_blocks
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.segments import Segments, partitions_of
 from sdpipe_cli.model import models
@@ -280,42 +280,45 @@ def _stages(source: Source) -> Iterator[dict[Where, list[torch.Tensor]]]:
     stage the config builds for its pipeline, and read once."""
     blocks, _ = models.meta_blocks(source.config.model)
     parts = [source.partition(p) for p in range(source.pipelines)]
-    ranges = [stage_ranges(list(bounds), len(blocks)) for bounds in parts]
-    for p, stages in enumerate(ranges):
-        if len(stages) != source.stages:
+    held = []  # each pipeline's stages' blocks, chunk after chunk (interleaved: several ranges)
+    for p, bounds in enumerate(parts):
+        try:
+            held.append([[b for lo, hi in chunks for b in range(lo, hi)]
+                         for chunks in stage_blocks(list(bounds), len(blocks), source.stages)])
+        except ValueError:
             raise CheckpointError(source.path, f"its config has {source.stages} stages but a "
-                                  f"partition of {len(stages)}" + (f" for pipeline {p}"
-                                                                  if parts[p] != parts[0] else ""))
+                                  f"partition of {len(bounds) + 1}" + (f" for pipeline {p}"
+                                                                      if parts[p] != parts[0] else "")
+                                  ) from None
     segments = Segments.of(parts)
     stage = [-1] * source.pipelines  # the stage of each pipeline whose shard is in memory
-    held: list[dict[Where, torch.Tensor]] = [{} for _ in range(source.pipelines)]
+    tables: list[dict[Where, torch.Tensor]] = [{} for _ in range(source.pipelines)]
     for k in range(segments.count):
         lo, stop = segments.start(k), segments.stop(k)
         hi = len(blocks) if stop is None else stop
         table: dict[Where, list[torch.Tensor]] = {}
         for p in range(source.pipelines):
-            s = segments.holder(p, k)
+            s = segments.holder(p, k) % source.stages  # interleaved: a chunk's stage
             if stage[p] != s:  # the stage before is done with: one shard per pipeline at a time
-                held[p] = {}
-                held[p], stage[p] = _shard(source, p, s, ranges[p][s], blocks), s
-            for where, value in held[p].items():
+                tables[p] = {}
+                tables[p], stage[p] = _shard(source, p, s, held[p][s], blocks), s
+            for where, value in tables[p].items():
                 if lo <= where[0] < hi:
                     table.setdefault(where, []).append(value)
         yield table
 
 
-def _shard(source: Source, pipeline: int, stage: int, span: tuple[int, int],
+def _shard(source: Source, pipeline: int, stage: int, held: Sequence[int],
            blocks: Sequence[torch.nn.Module]) -> dict[Where, torch.Tensor]:
-    """Stage ``stage`` of ``pipeline``, holding blocks ``span``, by (block, name), checked
-    against the blocks it must hold."""
-    lo, hi = span
-    expected = torch.nn.Sequential(*blocks[lo:hi]).state_dict()
+    """Stage ``stage`` of ``pipeline``, holding blocks ``held`` (in its module's order), by
+    (block, name), checked against the blocks it must hold."""
+    expected = torch.nn.Sequential(*(blocks[b] for b in held)).state_dict()
     path, found = source.shard(pipeline, stage)
     checkpoint.check_tensors(path, f"stage {stage}'s weights", expected, found)
     out: dict[Where, torch.Tensor] = {}
     for key, value in found.items():
         index, _, name = key.partition(".")
-        out[(lo + int(index), name)] = value
+        out[(held[int(index)], name)] = value
     return out
 
 

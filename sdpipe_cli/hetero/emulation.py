@@ -30,7 +30,7 @@ uses (:meth:`~sdpipe_cli.core.cluster.Cluster.allreduce_s`), slept by every memb
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import psutil
 import torch
@@ -38,7 +38,7 @@ import torch
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.schema import emulation
 from sdpipe_cli.core.cluster import Cluster, Device, EmulatedStragglers
-from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.interleaved import stage_blocks
 from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, SPLIT_SHARE, Action, Kind
 
 __all__ = ["EmulatedStragglers", "EmulatedSlowdown", "make_slowdown", "link_delay", "MemoryLimit",
@@ -51,7 +51,8 @@ class EmulatedSlowdown:
     ``factor`` is the static slow-down; ``speed()`` the device's speed now (it may change during
     the run, ``dynamic`` says it may); ``compute_ms``/``backward_ms`` the modelled cost of a forward/backward at speed 1
     (None: measured mode); ``stragglers`` draws the random factor, per micro-batch or, with
-    ``per_iteration``, once per :meth:`new_iteration`.
+    ``per_iteration``, once per :meth:`new_iteration`. ``chunk_ms``: an interleaved stage's
+    modelled (forward, backward) ms of each chunk, in place of ``compute_ms``/``backward_ms``.
     """
 
     def __init__(self, factor: float = 1.0, compute_ms: float | None = None,
@@ -59,11 +60,16 @@ class EmulatedSlowdown:
                  backward_ms: float | None = None,
                  speed: Callable[[], float] = lambda: 1.0,
                  stragglers: EmulatedStragglers | None = None, per_iteration: bool = False,
-                 dynamic: bool = False, split_backward: bool = False):
+                 dynamic: bool = False, split_backward: bool = False,
+                 chunk_ms: Sequence[tuple[float, float]] | None = None):
         self.factor, self.sleep, self.speed, self.dynamic = factor, sleep, speed, dynamic
         self.split_backward = split_backward  # the schedule runs each backward as B and W
         self.forward_s = (compute_ms or 0) / 1000.0
         self.backward_s = (backward_ms / 1000.0 if backward_ms is not None else 2 * self.forward_s)
+        self.chunk_s = [(f / 1000.0, b / 1000.0) for f, b in chunk_ms] if chunk_ms else None
+        if self.chunk_s:  # the stage's whole: what says the compute is modelled
+            self.forward_s, self.backward_s = (sum(c[0] for c in self.chunk_s),
+                                               sum(c[1] for c in self.chunk_s))
         self.stragglers, self.per_iteration = stragglers, per_iteration
         self._iteration_factor = 1.0
         self.step: int | None = None  # the iteration under way (new_iteration)
@@ -100,9 +106,11 @@ class EmulatedSlowdown:
         """The modelled compute of ``action`` at speed 1: a backward split into ``B`` and
         ``W`` (a zero-bubble schedule) has :data:`~sdpipe_cli.core.schedule.SPLIT_SHARE` of it
         each."""
+        forward_s, backward_s = (self.chunk_s[action.chunk] if self.chunk_s
+                                 else (self.forward_s, self.backward_s))
         if action.kind is Kind.F:
-            return self.forward_s
-        return self.backward_s * SPLIT_SHARE if self.split_backward else self.backward_s
+            return forward_s
+        return backward_s * SPLIT_SHARE if self.split_backward else backward_s
 
     def __call__(self, action: Action, seconds: float) -> None:
         self.actions += 1
@@ -135,20 +143,26 @@ def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
     c = cfg.cluster
     device = cluster.device(pipeline, stage)
     forward_ms = backward_ms = None
+    chunk_ms: list[tuple[float, float]] | None = None  # interleaved: each chunk's
     if emulation(cfg) == "modelled":
-        if c.compute_ms is not None:
+        chunks = int(cfg.pipeline.get("chunks", 1))
+        if c.compute_ms is not None:  # a stage's forward: its chunks share it
             forward_ms, backward_ms = float(c.compute_ms), 2.0 * float(c.compute_ms)
+            chunk_ms = [(forward_ms / chunks, backward_ms / chunks)] * chunks
         else:  # the stage's blocks, as the profile measured them, at speed 1.0
             fwd, bwd = measurements.block_costs(measurements.load(cfg.profile), device.name, 1.0)
-            start, stop = stage_ranges(list(cfg.pipeline.partition), len(fwd))[stage]
-            forward_ms, backward_ms = sum(fwd[start:stop]), sum(bwd[start:stop])
+            held = stage_blocks(list(cfg.pipeline.partition), len(fwd), cfg.pipeline.stages)[stage]
+            chunk_ms = [(sum(fwd[a:b]), sum(bwd[a:b])) for a, b in held]
+            forward_ms, backward_ms = sum(f for f, _ in chunk_ms), sum(b for _, b in chunk_ms)
+        if chunks == 1:
+            chunk_ms = None
     st = c.stragglers
     stragglers = EmulatedStragglers.of_device(st, cfg.train.seed, device.name)
     slow = list(c.slowdown)
     hook = EmulatedSlowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
                     stragglers=stragglers, per_iteration=st.per == "iteration",
                     dynamic=bool(cluster.change_points(device)),
-                    split_backward=cfg.pipeline.schedule in SPLIT_SCHEDULES)
+                    split_backward=cfg.pipeline.schedule in SPLIT_SCHEDULES, chunk_ms=chunk_ms)
     hook.speed = lambda: cluster.speed(device, clock(), hook.step)
     return hook
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from sdpipe_cli.config import measurements
-from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.interleaved import stage_blocks
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import Action, Kind
@@ -123,8 +123,8 @@ def fresh_input(value):
 def stage_weight_bytes(cfg: DictConfig, stage: int) -> int:
     """float32 bytes of stage ``stage``'s weights under the (resolved) partition."""
     counts = models.block_param_counts(cfg.model)
-    start, stop = stage_ranges(list(cfg.pipeline.partition), len(counts))[stage]
-    return 4 * sum(counts[start:stop])
+    held = stage_blocks(list(cfg.pipeline.partition), len(counts), cfg.pipeline.stages)[stage]
+    return 4 * sum(sum(counts[start:stop]) for start, stop in held)
 
 
 def repeat(once: Callable[[], Sequence[float]], repeats: int, warmup: int = WARMUP,

@@ -50,6 +50,9 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
     if cfg.pipeline.schedule in ASYNC_SCHEDULES:
         raise ConfigError("pipeline.schedule", f"'{cfg.pipeline.schedule}' cannot be simulated yet; "
                           "use 1f1b or gpipe")
+    if cfg.pipeline.get("chunks", 1) > 1:
+        raise ConfigError("pipeline.chunks", "interleaved stages cannot be simulated yet; use "
+                          "pipeline.chunks=1 (the same split's 1F1B)")
     if emulation(cfg) != "modelled":
         raise ConfigError("cluster.compute_ms", "simulate needs modelled compute: set "
                           "cluster.compute_ms or give profile=PATH")
@@ -142,7 +145,8 @@ def resolve_meetings(cfg: DictConfig, plan: RunPlan | None = None) -> Choice | N
             y.every, y.precision = int(recorded["every"]), str(recorded["precision"])
         return None  # left to the run's measured wire (sync/wire_probe.py) where still 0/auto
     if (not plan.cluster.links_emulated or emulation(cfg) != "modelled"
-            or cfg.pipeline.schedule in ASYNC_SCHEDULES):  # meetings need a flushed schedule
+            or cfg.pipeline.schedule in ASYNC_SCHEDULES  # meetings need a flushed schedule
+            or plan.chunks > 1):  # and one the simulator walks
         y.every, y.precision = y.every or 1, "fp32" if y.precision == "auto" else y.precision
         return None
     work = workload(cfg, plan)

@@ -33,9 +33,9 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from sdpipe_cli.core.interleaved import schedule_of, stage_blocks
 from sdpipe_cli.core.modes import mode
-from sdpipe_cli.core.partition import stage_ranges
-from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, get_schedule, in_flight
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, in_flight
 from sdpipe_cli.model.boundary import map_tensors
 from sdpipe_cli.model.models import meta_blocks
 from sdpipe_cli.model.optim import state_slots
@@ -81,17 +81,20 @@ def estimate(cfg: DictConfig, example: Any, partition: Sequence[int] | None = No
         return None
     slots = state_slots(t)
     sync_copies = mode(cfg.sync.name).sync_copies
-    schedule = get_schedule(p.schedule)
+    schedule = schedule_of(p.schedule, int(p.get("chunks", 1)))
     asynchronous = p.schedule in ASYNC_SCHEDULES
     out = []
     bounds = list(p.partition if partition is None else partition)
-    for s, (a, b) in enumerate(stage_ranges(bounds, len(blocks))):
-        params = sum(_nbytes(x) for block in blocks[a:b] for x in block.parameters())
-        buffers = sum(_nbytes(x) for block in blocks[a:b] for x in block.buffers())
+    for s, chunks in enumerate(stage_blocks(bounds, len(blocks), p.stages)):
+        mine = [blocks[i] for a, b in chunks for i in range(a, b)]
+        params = sum(_nbytes(x) for block in mine for x in block.parameters())
+        buffers = sum(_nbytes(x) for block in mine for x in block.buffers())
+        # what one micro-batch's forward keeps (of its largest chunk, when interleaved: the
+        # schedule counts each chunk's micro-batches in flight)
         if p.activation_checkpointing:
-            held = sum(inputs[a:b]) + max(saved[a:b], default=0)
+            held = max(sum(inputs[a:b]) + max(saved[a:b], default=0) for a, b in chunks)
         else:
-            held = sum(saved[a:b])
+            held = max(sum(saved[a:b]) for a, b in chunks)
         flying = in_flight(schedule(p.stages, p.microbatches, s))
         out.append(StageMemory(
             stage=s, weights=params + buffers, training=params * (1 + slots + sync_copies),
@@ -148,7 +151,7 @@ def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int
     estimates = {} if estimates is None else estimates
     for p, bounds in enumerate(partitions):
         bounds = tuple(int(b) for b in bounds)
-        for s in range(len(bounds) + 1):
+        for s in range(int(cfg.pipeline.stages)):
             placed = device(p, s)
             if placed.memory_gib is None:
                 continue

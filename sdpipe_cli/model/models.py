@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -37,13 +38,14 @@ from torch import nn
 
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.config.targets import import_callable
+from sdpipe_cli.core.interleaved import stage_blocks
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model import bytes_lm
 from sdpipe_cli.model.boundary import Boundary, map_tensors
 from sdpipe_cli.model.shapes_only import ShapesOnly
 
-__all__ = ["build", "build_stage_module", "build_whole", "boundaries", "block_param_counts", "count_blocks",
-           "loss_function", "tied_parameters"]
+__all__ = ["build", "build_stage_module", "build_whole", "boundaries", "block_param_counts", "chunk_slices",
+           "count_blocks", "loss_function", "tied_parameters"]
 
 Blocks = tuple[list[nn.Module], list[str]]
 IGNORE_INDEX = -100  # targets that take no part in the loss (masked LM: the unmasked tokens)
@@ -174,12 +176,19 @@ def build(model_cfg: DictConfig) -> Blocks:
     return blocks, names
 
 
-def build_stage_module(cfg: DictConfig, stage: int) -> nn.Module:
-    """Stage ``stage``'s blocks under ``pipeline.partition``."""
+def build_stage_module(cfg: DictConfig, stage: int) -> nn.Sequential:
+    """Stage ``stage``'s blocks under ``pipeline.partition``, chunk after chunk (see :func:`chunk_slices`)."""
     torch.manual_seed(cfg.train.seed)
     blocks, names = build(cfg.model)
-    start, stop = stage_ranges(list(cfg.pipeline.partition), len(blocks))[stage]
-    return nn.Sequential(*blocks[start:stop])
+    held = stage_blocks(list(cfg.pipeline.partition), len(blocks), cfg.pipeline.stages)[stage]
+    return nn.Sequential(*[blocks[i] for a, b in held for i in range(a, b)])
+
+
+def chunk_slices(cfg: DictConfig, stage: int) -> list[slice]:
+    """Where each of stage ``stage``'s chunks lies in its module (:func:`build_stage_module`)."""
+    sizes = [b - a for a, b in stage_blocks(list(cfg.pipeline.partition), count_blocks(cfg.model),
+                                            cfg.pipeline.stages)[stage]]
+    return [slice(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes))]
 
 
 def build_whole(model_cfg: DictConfig) -> tuple[nn.Module, list[nn.Module], list[str]]:
@@ -309,7 +318,8 @@ def activation_bytes(cfg: DictConfig, example: Any) -> int:
 
 def stage_boundaries(cfg: DictConfig, example: Any, stage: int
                      ) -> tuple[Boundary | None, Boundary | None]:
-    """What stage ``stage`` receives and sends (None at the pipeline's ends)."""
+    """What stage ``stage`` receives and sends (None at the pipeline's ends); interleaved, what
+    virtual stage ``stage`` (a chunk) does."""
     after = boundaries(cfg, example)
     ranges = stage_ranges(list(cfg.pipeline.partition), len(after) + 1)
     start, stop = ranges[stage]
@@ -379,15 +389,17 @@ def stage_ties(cfg: DictConfig, stage: int) -> list[tuple[tuple[int, ...], str]]
     """The shared parameters that stage ``stage`` holds a copy of while other stages hold
     theirs: for each, the stages that hold one, and its name in this stage's module."""
     blocks, _ = meta_blocks(cfg.model)
-    ranges = stage_ranges(list(cfg.pipeline.partition), len(blocks))
-    stage_of = {b: s for s, (lo, hi) in enumerate(ranges) for b in range(lo, hi)}
+    held = [[b for lo, hi in chunks for b in range(lo, hi)]
+            for chunks in stage_blocks(list(cfg.pipeline.partition), len(blocks),
+                                       int(cfg.pipeline.stages))]
+    stage_of = {b: s for s, mine in enumerate(held) for b in mine}
     out = []
     for places in tied_parameters(blocks):
         stages = tuple(sorted({stage_of[b] for b, _ in places}))
         mine = [(b, name) for b, name in places if stage_of[b] == stage]
         if len(stages) > 1 and mine:
             b, name = mine[0]
-            out.append((stages, f"{b - ranges[stage][0]}.{name}"))
+            out.append((stages, f"{held[stage].index(b)}.{name}"))  # its index in the module
     return out
 
 

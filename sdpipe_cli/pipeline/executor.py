@@ -394,6 +394,11 @@ class OnExecutor:
     def module(self) -> nn.Module:
         return self.executor.module
 
+    @property
+    def executors(self) -> list[Executor]:
+        """The executors this stage runs on (one; an interleaved stage has one per chunk)."""
+        return [self.executor]
+
     def forward_only(
         self,
         inputs: Sequence[Any] | None = None,

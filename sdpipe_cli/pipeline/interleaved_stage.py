@@ -102,10 +102,34 @@ class InterleavedStage:
             ex.link.wait_sends()
         return float(cast(torch.Tensor, total)) if self.holds_loss else None
 
-    def each(self, fn: Callable[[Executor], None]) -> None:
-        """``fn`` on every chunk's executor (set a loss scale, a hook)."""
-        for ex in self.chunks:
-            fn(ex)
+    @property
+    def executors(self) -> list[Executor]:
+        """The chunks' executors, in chunk order (set a loss scale on each)."""
+        return list(self.chunks)
+
+    def forward_only(self, inputs: Sequence[Any] | None = None,
+                     targets: Sequence[Any] | None = None, microbatches: int | None = None,
+                     observe: Callable[[Any, Any], None] | None = None) -> float | None:
+        """Every micro-batch forward through the chunks without autograd
+        (:meth:`~sdpipe_cli.pipeline.executor.Executor.forward_only`, one micro-batch at a time):
+        the mean loss where this stage computes it, else None.
+
+        Micro-batch by micro-batch, each through chunk 0, 1, ... in turn, every send waited on
+        before the next: a chunk that sent all its micro-batches before the next chunk took
+        any would wait across the wrap for a stage that waits for it. Evaluation is rare; it
+        gives up the pipelining for an order that cannot deadlock."""
+        known = inputs if self.chunks[0].is_first else targets if self.holds_loss else None
+        m = len(known) if known is not None else microbatches
+        if m is None or m < 1:
+            raise ValueError("forward_only needs microbatches >= 1")
+        total = 0.0
+        for i in range(m):
+            for ex in self.chunks:
+                loss = ex.forward_only(None if inputs is None or not ex.is_first else inputs[i:i + 1],
+                                       None if targets is None or not ex.is_last else targets[i:i + 1],
+                                       microbatches=1, observe=observe if ex.is_last else None)
+                total += loss or 0.0
+        return total / m if self.holds_loss else None
 
 
 def _check_actions(actions: list[Action], chunks: int) -> int:

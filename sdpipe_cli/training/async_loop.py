@@ -56,7 +56,8 @@ class AsyncLoop:
         self.m = p.microbatches
         # micro-batches per update: 1 (PipeDream) or m (2BW: one update per iteration)
         self.window = self.m // updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
-        self.stage = AsyncStage(worker.stage.executor, self.m, p.weight_versions)
+        (executor,) = worker.stage.executors  # one: validation refuses chunks here
+        self.stage = AsyncStage(executor, self.m, p.weight_versions)
         worker.stage = self.stage  # the worker's evaluations and checkpoints go through it too
         self.started = time.time()
         self.rate = Throughput(self.cfg.train.batch_size)

@@ -1,4 +1,5 @@
-"""A worker's training loop under a flushed schedule (``pipeline.schedule=1f1b`` or ``gpipe``).
+"""A worker's training loop under a flushed schedule (``pipeline.schedule=1f1b``, ``gpipe``,
+``zb_h1`` or ``interleaved_1f1b``).
 
 Per iteration:
 
@@ -24,8 +25,9 @@ import time
 from typing import cast
 
 from sdpipe_cli.core.cadence import Throughput
-from sdpipe_cli.core.schedule import get_schedule
+from sdpipe_cli.core.interleaved import schedule_of
 from sdpipe_cli.pipeline import p2p
+from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
 from sdpipe_cli.pipeline.stage import FlushedStage
 from sdpipe_cli.training.worker import Worker
 
@@ -38,10 +40,11 @@ class FlushedLoop:
     def __init__(self, worker: Worker):
         self.w = worker
         w = worker.where
-        self.actions = get_schedule(worker.cfg.pipeline.schedule)(
-            w.stages, worker.cfg.pipeline.microbatches, w.stage)
+        p = worker.cfg.pipeline
+        self.actions = schedule_of(p.schedule, p.chunks)(w.stages, p.microbatches, w.stage)
         self._pending: list[p2p.Pending] = []
-        assert isinstance(worker.stage, FlushedStage)  # the worker builds its flushed stage
+        # the worker builds its flushed stage (interleaved: one executor per chunk)
+        assert isinstance(worker.stage, (FlushedStage, InterleavedStage))
         self.stage = worker.stage
 
     def train(self) -> None:

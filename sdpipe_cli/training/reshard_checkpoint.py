@@ -43,7 +43,8 @@ def layout_of(cfg: DictConfig) -> reshard.Layout:
     base = tuple(int(b) for b in cfg.pipeline.partition)
     own = tuple((q, bounds) for q, bounds in enumerate(partitions_of(cfg.pipeline, pipelines))
                 if bounds != base)
-    return reshard.Layout(pipelines, base, models.count_blocks(cfg.model), own)
+    return reshard.Layout(pipelines, base, models.count_blocks(cfg.model), own,
+                          int(cfg.pipeline.get("chunks", 1)))
 
 
 def plan_for(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,

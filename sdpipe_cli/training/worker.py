@@ -31,6 +31,7 @@ from sdpipe_cli import checkpoint
 from sdpipe_cli.config import derived
 from sdpipe_cli.config.schema import objective
 from sdpipe_cli.core.cadence import Cadence
+from sdpipe_cli.core.interleaved import virtual_stage
 from sdpipe_cli.core.loss_scale import LossScale
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.plan import RunPlan
@@ -41,6 +42,7 @@ from sdpipe_cli.model import models, optim
 from sdpipe_cli.model.boundary import Boundary
 from sdpipe_cli.pipeline import microbatches, validation
 from sdpipe_cli.pipeline.async_stage import AsyncStage
+from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
 from sdpipe_cli.pipeline.stage import FlushedStage
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.errors import CheckpointError, Diverged
@@ -49,7 +51,10 @@ from sdpipe_cli.sync.strategies import GroupCache, make_sync
 from sdpipe_cli.training.busy import BusyTime
 from sdpipe_cli.training.tied import TiedCopies
 
-__all__ = ["Worker", "param_digest"]
+__all__ = ["PipelineStage", "Worker", "param_digest"]
+
+# what runs a worker's actions: flushed, interleaved, or (put in place by its loop) asynchronous
+PipelineStage = FlushedStage | InterleavedStage | AsyncStage
 
 log = logging.getLogger("sdpipe.worker")
 
@@ -114,19 +119,7 @@ class Worker:
         if self.busy is not None:
             on_action = self.busy
         self._busy_from = 0  # the iteration the busy time is summed from
-        example = sources.example(cfg, plan.microbatch_size)[0]
-        boundaries: tuple[Boundary | None, ...] = models.stage_boundaries(cfg, example, s)
-        low = models.AUTOCAST.get(str(cfg.train.precision))
-        if low is not None:  # activations and their gradients travel in the low precision
-            boundaries = tuple(None if b is None else b.with_floats(low) for b in boundaries)
-        # the flushed stage; asynchronous 1F1B's loop puts an AsyncStage on its executor in its place
-        self.stage: FlushedStage | AsyncStage = FlushedStage(
-            self.module, stage=s, num_stages=where.stages,
-            prev_rank=where.prev_rank, next_rank=where.next_rank, boundaries=boundaries,
-            device=device, loss_fn=models.loss_function(cfg.model), before_action=before_action,
-            on_action=on_action, before_send=before_send, rank_offset=rank_offset,
-            autocast=low, checkpointing=cfg.pipeline.activation_checkpointing,
-        )
+        self.stage: PipelineStage = self._pipeline_stage(plan, before_action, on_action, before_send)
         self.loss_scale = (LossScale(float(cfg.train.loss_scale)) if cfg.train.precision == "fp16"
                            else None)
         self.skipped = self.skipped_in_a_row = 0  # steps skipped for a non-finite gradient
@@ -138,6 +131,42 @@ class Worker:
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
         self._saved_step = self.start_step  # the step of the last checkpoint (or of the resume)
+
+    def _pipeline_stage(self, plan: RunPlan, before_action: Callable[..., Any] | None,
+                        on_action: Callable[..., Any] | None,
+                        before_send: Callable[..., Any] | None) -> PipelineStage:
+        """This worker's executor of a flushed schedule, with the hooks: a
+        :class:`FlushedStage`, or an :class:`InterleavedStage` with one executor per model chunk
+        (slices of :attr:`module`). Asynchronous 1F1B's loop puts an AsyncStage on the flushed
+        stage's executor in its place."""
+        cfg, where = self.cfg, self.where
+        example = sources.example(cfg, plan.microbatch_size)[0]
+        low = models.AUTOCAST.get(str(cfg.train.precision))
+
+        def boundaries(piece: int) -> tuple[Boundary | None, Boundary | None]:
+            pair = models.stage_boundaries(cfg, example, piece)
+            if low is None:
+                return pair
+            # activations and their gradients travel in the low precision
+            return (None if pair[0] is None else pair[0].with_floats(low),
+                    None if pair[1] is None else pair[1].with_floats(low))
+
+        common = dict(device=self.device, loss_fn=models.loss_function(cfg.model),
+                      before_action=before_action, on_action=on_action, before_send=before_send,
+                      rank_offset=self.rank_offset, autocast=low,
+                      checkpointing=cfg.pipeline.activation_checkpointing)
+        s, S = where.stage, where.stages
+        chunks = models.chunk_slices(cfg, s)
+        if len(chunks) == 1:
+            return FlushedStage(self.module, stage=s, num_stages=S, prev_rank=where.prev_rank,
+                                next_rank=where.next_rank, boundaries=boundaries(s), **common)
+        ranks = [where.rank - s + q for q in range(S)]  # this pipeline's, pipeline-major
+        # two stages are each other's neighbours both ways: the wrap channel needs its own group
+        wrap = (dist.new_group([r - self.rank_offset for r in ranks], use_local_synchronization=True)
+                if S == 2 else None)
+        return InterleavedStage([self.module[c] for c in chunks], s, S, ranks,
+                                [boundaries(virtual_stage(s, c, S)) for c in range(len(chunks))],
+                                wrap=wrap, **common)
 
     def rejoin(self) -> None:
         """A restarted worker: take this stage's state from a live replica, at the point the
@@ -180,7 +209,8 @@ class Worker:
     def _scaled(self) -> None:
         """fp16: the loss scale the last stage multiplies by for the coming backward."""
         if self.loss_scale is not None:
-            self.stage.executor.loss_scale = self.loss_scale.value
+            for executor in self.stage.executors:
+                executor.loss_scale = self.loss_scale.value
 
     def batch(self, step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
         """Iteration ``step``'s micro-batches this stage needs: inputs on the first stage, targets

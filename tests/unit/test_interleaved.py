@@ -9,8 +9,9 @@ import collections
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sdpipe_cli.core.interleaved import channel_of, interleaved_1f1b, messages, virtual_stage
-from sdpipe_cli.core.schedule import Action, Kind, in_flight, one_f_one_b, tick_order
+from sdpipe_cli.core.interleaved import channel_of, interleaved_1f1b, messages, schedule_of, stage_blocks, virtual_stage
+from sdpipe_cli.core.partition import uniform
+from sdpipe_cli.core.schedule import Action, Kind, gpipe, in_flight, one_f_one_b, tick_order
 
 layouts = st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 4)).map(
     lambda t: (t[0], t[1], t[0] * t[2]))  # stages, chunks, micro-batches (groups of the stages)
@@ -103,3 +104,36 @@ def test_micro_batches_come_in_groups_of_the_stages():
 def test_an_action_prints_its_chunk():
     assert str(Action(Kind.F, 3, 1)) == "F3.1" and str(Action(Kind.B, 2)) == "B2"
     assert Action("F", 0) == Action(Kind.F, 0, 0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(0, 6), st.randoms(use_true_random=False))
+def test_each_block_lies_on_the_stage_of_its_virtual_stage(stages, chunks, extra, rng):
+    """A partition of ``v S`` pieces: stage s holds pieces s, s + S, ... in chunk order, and
+    together the stages hold every block exactly once."""
+    blocks = stages * chunks + extra
+    bounds = sorted(rng.sample(range(1, blocks), stages * chunks - 1))
+    held = stage_blocks(bounds, blocks, stages)
+    assert len(held) == stages and all(len(ranges) == chunks for ranges in held)
+    edges = [0, *bounds, blocks]
+    for s, ranges in enumerate(held):
+        for c, (lo, hi) in enumerate(ranges):
+            k = virtual_stage(s, c, stages)
+            assert (lo, hi) == (edges[k], edges[k + 1])
+    every = sorted(b for ranges in held for lo, hi in ranges for b in range(lo, hi))
+    assert every == list(range(blocks))
+
+
+def test_one_chunk_a_stage_is_the_partition_itself():
+    assert stage_blocks([2, 5], 8, 3) == [[(0, 2)], [(2, 5)], [(5, 8)]]
+    assert stage_blocks(uniform(8, 4), 8, 2) == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    with pytest.raises(ValueError, match="3 pieces of the model do not make 2 stages"):
+        stage_blocks([1, 2], 4, 2)
+
+
+def test_a_schedule_by_name_and_chunks():
+    assert schedule_of("interleaved_1f1b", 1)(3, 6, 1) == one_f_one_b(3, 6, 1)
+    assert schedule_of("gpipe")(2, 4, 0) == gpipe(2, 4, 0)
+    assert {a.chunk for a in schedule_of("interleaved_1f1b", 3)(2, 4, 1)} == {0, 1, 2}
+    with pytest.raises(ValueError, match="runs one chunk a stage, not 2"):
+        schedule_of("1f1b", 2)

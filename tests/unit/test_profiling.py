@@ -109,3 +109,19 @@ def test_load_names_a_missing_measurement(tmp_path):
     (tmp_path / "profile.json").write_text(json.dumps(doc))
     with pytest.raises(measurements.ProfileError, match=r"p2p\[1\] lacks latency_ms"):
         measurements.load(tmp_path)
+
+
+def test_auto_partition_of_interleaved_stages_balances_the_v_times_s_pieces(tmp_path):
+    """With two chunks a stage the measured blocks are cut into four pieces, each timed on its
+    stage's devices (here all alike): the slowest piece costs less than uniform's."""
+    cfg, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu"]))
+    path = measurements.write(profiler.assemble(cfg, _results(cfg)), tmp_path)
+    auto, plan, _ = preparing.prepare(compose([
+        "model=mlp", "cluster.device=cpu", "pipeline.schedule=interleaved_1f1b",
+        "pipeline.chunks=2", "pipeline.partition=auto", f"profile={path}"]))
+    assert plan is not None and list(auto.pipeline.partition) == plan.bounds
+    assert len(plan.bounds) == 3 and len(plan.times) == 4
+    costs = [3 * (b + 1) for b in range(6)]  # a block's forward and backward ms at speed 1
+    edges = [0, *plan.bounds, 6]
+    assert plan.times == pytest.approx([sum(costs[a:b]) for a, b in zip(edges, edges[1:])])
+    assert max(plan.times) < max(plan.uniform_times)

@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 from sdpipe_cli.config.composition import compose, group_options
 from sdpipe_cli.config.schema import SCHEDULES, SYNC_CONFIGS
 from sdpipe_cli.core.placement import Placement
-from sdpipe_cli.core.schedule import get_schedule
 from sdpipe_cli.sync.strategies import make_sync
 
 
@@ -25,8 +24,12 @@ def test_every_sync_mode_is_an_option_with_its_own_settings_and_a_strategy():
 
 
 def test_every_schedule_name_has_a_schedule():
+    from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES, schedule_of
+
     for name in SCHEDULES:
-        assert callable(get_schedule(name))
+        chunks = 2 if name in CHUNKED_SCHEDULES else 1
+        actions = schedule_of(name, chunks)(2, 4, 0)
+        assert sorted({a.chunk for a in actions}) == list(range(chunks)), name
 
 
 def test_every_mode_is_one_entry_in_each_registry_and_they_agree():

@@ -1,0 +1,48 @@
+"""``sdpipe train pipeline.schedule=interleaved_1f1b pipeline.chunks=2``: the same arithmetic
+as 1F1B through the whole command, on four stages of two chunks of a transformer whose input
+and output embeddings are one weight (tied across the first and the last stage): the same loss at
+every step and the same validation loss, two pipelines averaging every step, and an export
+of the run whose weights are 1F1B's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import metrics, sdpipe
+
+pytestmark = pytest.mark.multiprocess
+
+GPT = ("model=gpt_tiny", "model.n_layers=6", "model.seq_len=32", "data=stdlib", "sync=allreduce",
+       "cluster.pipelines=2", "pipeline.stages=4", "pipeline.microbatches=4", "train.batch_size=8",
+       "train.steps=3", "train.eval_every=3", "data.eval_batches=2", "run.save_final=true")
+INTERLEAVED = ("pipeline.schedule=interleaved_1f1b", "pipeline.chunks=2")
+
+
+def _run(run, *overrides: str) -> list[float]:
+    out = sdpipe("train", f"run.dir={run}", *GPT, *overrides, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted((m for m in metrics(run, "train") if m["pipeline"] == 0), key=lambda m: m["step"])
+    return [m["loss"] for m in lines]
+
+
+def _export(run, out_dir) -> dict[str, torch.Tensor]:
+    out = sdpipe("export", str(run), "--out", str(out_dir), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = list(out_dir.glob("*.safetensors"))
+    assert len(found) == 1, list(out_dir.iterdir())
+    return load_file(found[0])
+
+
+def test_interleaved_runs_do_1f1b_s_arithmetic_and_export_the_same_model(tmp_path):
+    plain = _run(tmp_path / "1f1b")
+    interleaved = _run(tmp_path / "il", *INTERLEAVED)
+    assert len(plain) == 3 and plain[-1] < plain[0]
+    assert interleaved == pytest.approx(plain, rel=0, abs=1e-6)
+    val = [metrics(tmp_path / name, "eval")[-1]["val_loss"] for name in ("1f1b", "il")]
+    assert val[1] == pytest.approx(val[0], rel=0, abs=1e-6)
+    ours, theirs = _export(tmp_path / "il", tmp_path / "il-x"), _export(tmp_path / "1f1b", tmp_path / "x")
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)

@@ -1,0 +1,79 @@
+"""``pipeline.schedule=interleaved_1f1b`` with ``pipeline.chunks``: what a run accepts, what it
+refuses in one line (exit 2, nothing written), and what preparing it resolves (the partition
+into ``v x S`` pieces, the run plan's units, the memory estimate)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdpipe_cli.cli import preparing
+from sdpipe_cli.cli.parsing import main
+from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.config.validation import validate
+from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.data import sources
+from sdpipe_cli.model import memory, models
+from tests.helpers import one_error_line
+
+IL = ["model=mlp", "cluster.device=cpu", "pipeline.schedule=interleaved_1f1b", "pipeline.chunks=2"]
+
+
+@pytest.mark.parametrize("overrides, key, reason", [
+    (["pipeline.chunks=0"], "pipeline.chunks", "must be at least 1"),
+    (["model=mlp", "pipeline.chunks=2"], "pipeline.chunks",
+     "pipeline.schedule=1f1b runs one chunk a stage; use pipeline.schedule=interleaved_1f1b"),
+    (["model=mlp", "pipeline.schedule=async_1f1b", "pipeline.chunks=2"], "pipeline.chunks",
+     "async_1f1b runs one chunk a stage"),
+    ([*IL, "pipeline.microbatches=3", "train.batch_size=6"], "pipeline.microbatches",
+     "a multiple of pipeline.stages=2"),
+    ([*IL, "pipeline.stages=1"], "pipeline.chunks", "on one stage"),
+    ([*IL, "pipeline.chunks=4"], "pipeline.chunks", "8 pieces, but model mlp has 6 blocks; use at most 3"),
+    ([*IL, "pipeline.partition=[3]"], "pipeline.partition",
+     "has 1 boundaries; 2 stages of 2 chunks need 3"),
+    ([*IL, "+pipeline.partitions={1: [1, 2, 3]}"], "pipeline.partitions", "do not run interleaved yet"),
+    ([*IL, "fault.on_slowdown=replan", "profile=/nonexistent"], "fault.on_slowdown",
+     "replan does not re-split interleaved stages yet"),
+])
+def test_what_interleaving_refuses_is_one_line(overrides, key, reason, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=reason) as info:
+        validate(compose(overrides))
+    assert info.value.key == key
+    run = tmp_path / "run"
+    assert main(["train", *overrides, f"run.dir={run}"]) == 2
+    assert reason in one_error_line(capsys.readouterr().err, key)
+    assert not run.exists()
+
+
+def test_simulate_refuses_chunks_in_one_line(capsys):
+    assert main(["simulate", *IL, "cluster.compute_ms=5"]) == 2
+    assert "cannot be simulated yet" in one_error_line(capsys.readouterr().err, "pipeline.chunks")
+
+
+def test_a_prepared_run_cuts_the_model_into_v_times_s_pieces_and_syncs_by_stage():
+    cfg, _, _ = preparing.prepare(compose([*IL, "cluster.pipelines=3"]))
+    assert list(cfg.pipeline.partition) == [2, 4, 5]  # uniform over 4 pieces of 6 blocks
+    plan = RunPlan.of(cfg)
+    assert plan.chunks == 2 and plan.stages == 2
+    # the units of averaging are the stages: each holds the same two chunks in every pipeline
+    assert plan.segments.count == 2 and plan.segments.uniform
+    assert [len(models.build_stage_module(cfg, s)) for s in (0, 1)] == [3, 3]  # 0, 1, 4 | 2, 3, 5
+    assert models.chunk_slices(cfg, 0) == models.chunk_slices(cfg, 1) == [slice(0, 2), slice(2, 3)]
+    one, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu", "cluster.pipelines=3"]))
+    assert RunPlan.of(one).chunks == 1
+
+
+def test_the_memory_estimate_holds_each_stage_s_chunks():
+    """A stage's weights are its chunks' blocks; its activations, its largest chunk's for each
+    chunk-micro-batch the interleaved schedule holds at once (stage 0: 1F1B's first stage, S)."""
+    cfg, _, _ = preparing.prepare(compose(IL))
+    flat, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
+                                            "pipeline.partition=[2,4,5]", "pipeline.stages=4"]))
+    example = sources.example(cfg, RunPlan.of(cfg).microbatch_size, device="meta")[0]
+    chunked = memory.estimate(cfg, example)
+    pieces = memory.estimate(flat, example)
+    assert chunked is not None and pieces is not None
+    assert chunked[0].weights == pieces[0].weights + pieces[2].weights
+    assert chunked[1].weights == pieces[1].weights + pieces[3].weights
+    assert chunked[0].activations == max(pieces[0].activations, pieces[2].activations)
+    assert [e.in_flight for e in chunked] == [4, 3]  # S - s - 1 + (v - 1) S + 1
