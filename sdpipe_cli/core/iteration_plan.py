@@ -7,34 +7,46 @@ Pure: built from :mod:`~sdpipe_cli.core.schedule`'s action lists.
 
 from __future__ import annotations
 
-from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, SPLIT_SHARE, Kind, get_schedule, tick_order
+from sdpipe_cli.core.interleaved import schedule_of, virtual_stage
+from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, SPLIT_SHARE, Kind, tick_order
 
 __all__ = ["IterationPlan"]
 
 
 class IterationPlan:
     """One flushed iteration of a pipeline as a list of actions in an order that respects their
-    dependencies (the schedule's own tick order), with each action's dependency precomputed."""
+    dependencies (the schedule's own tick order), with each action's dependency precomputed.
 
-    def __init__(self, schedule: str, stages: int, microbatches: int):
-        fn = get_schedule(schedule)
-        rows = tick_order(fn, stages, microbatches)
+    With ``chunks`` model chunks a stage (an interleaved schedule), an action depends on the
+    neighbouring *virtual* stage's (:mod:`~sdpipe_cli.core.interleaved`), takes ``1 / chunks``
+    of its stage's time, and the messages between the last stage's chunk ``c`` and the first's
+    ``c + 1`` cross the *wrap* (:attr:`wraps`)."""
+
+    def __init__(self, schedule: str, stages: int, microbatches: int, chunks: int = 1):
+        fn = schedule_of(schedule, chunks)
+        rows = tick_order(fn, stages, microbatches, chunks=chunks)
         order = sorted((t, s) for s, row in enumerate(rows) for t, a in enumerate(row) if a is not None)
+        last = stages * chunks - 1
         position: dict[tuple[Kind, int, int], int] = {}
         self.steps: list[tuple[int, bool, int]] = []  # (stage, backward, index of dependency)
-        # of the stage's backward time, what each backward action takes: all of it, or
-        # SPLIT_SHARE for each of a split backward's B and W (a W waits for no transfer)
+        # of the stage's forward or backward time, what each action takes: 1 / chunks of it,
+        # and SPLIT_SHARE of that for each of a split backward's B and W (a W waits for no transfer)
         self.share: list[float] = []
+        self.wraps: list[bool] = []  # whether the action's input crosses from the last stage to the first
         split = schedule in SPLIT_SCHEDULES
         for t, s in order:
             action = rows[s][t]
             assert action is not None  # order holds the ticks with an action
             backward = action.kind is not Kind.F
-            dep = ((Kind.B, s + 1, action.microbatch) if action.kind is Kind.B and s + 1 < stages
-                   else (Kind.F, s - 1, action.microbatch) if not backward and s > 0 else None)
-            position[(action.kind, s, action.microbatch)] = len(self.steps)
+            k = virtual_stage(s, action.chunk, stages)
+            dep = ((Kind.B, k + 1, action.microbatch) if action.kind is Kind.B and k < last
+                   else (Kind.F, k - 1, action.microbatch) if not backward and k > 0 else None)
+            position[(action.kind, k, action.microbatch)] = len(self.steps)
             self.steps.append((s, backward, position[dep] if dep is not None else -1))
-            self.share.append(SPLIT_SHARE if split and backward else 1.0)
+            share = SPLIT_SHARE if split and backward else 1.0
+            self.share.append(share / chunks if chunks > 1 else share)
+            self.wraps.append((action.kind is Kind.F and s == 0 and action.chunk > 0)
+                              or (action.kind is Kind.B and s == stages - 1 and action.chunk < chunks - 1))
         self.fused, self.members = self._fuse(self.steps)
 
     @staticmethod

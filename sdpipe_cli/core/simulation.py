@@ -76,6 +76,7 @@ class Workload:
     stragglers: list[list[EmulatedStragglers | None]] = field(default_factory=list)  # [p][s]
     per_iteration: bool = False  # straggler draws per iteration (else per action)
     schedule: str = "1f1b"
+    chunks: int = 1  # model chunks a stage (an interleaved schedule)
     average: str = "weights_grads"  # sdpipe's payload: weights and gradients, or weights
     rtt_s: float = 0.0005  # worker <-> scheduler round trip through the store
     event_s: float = 0.0001  # the scheduler's handling of one event
@@ -163,7 +164,7 @@ class _Run:
         self.now = 0.0
         self.policy = (policy_factory(lambda: self.now)
                        if self.mode.group_policy and policy_factory is not None else None)
-        self.plan = IterationPlan(work.schedule, S, work.microbatches)
+        self.plan = IterationPlan(work.schedule, S, work.microbatches, work.chunks)
         self.meetings = Meetings(work.every)  # sdpipe: the policy counts meetings
         # sdpipe with meetings apart: each pipeline's blocks, as the scheduler decides them
         # (core.blocks), with what it decides them from: each block's steps and seconds
@@ -189,14 +190,18 @@ class _Run:
 
         self.link_in = [[(hop(x.prev_rank, x.rank), hop(x.next_rank, x.rank)) for x in row]
                         for row in self.where]
+        # interleaved: into the first stage from the last (forward), and back (backward)
+        wrap_in = [(hop(row[-1].rank, row[0].rank), hop(row[0].rank, row[-1].rank))
+                   for row in self.where]
         # Per pipeline, per action of the flushed iteration: its cost at speed 1 and the transfer
         # before it (the inner loop of _start_iteration runs P x steps x actions times).
-        self.action_s = [[(work.backward_s[p][s] * share if b else work.forward_s[p][s])
+        self.action_s = [[(work.backward_s[p][s] if b else work.forward_s[p][s]) * share
                           for (s, b, _), share in zip(self.plan.steps, self.plan.share)]
                          for p in range(P)]
-        # a W (a split backward's weights' part) receives nothing: no transfer before it
-        self.action_link = [[self.link_in[p][s][1 if b else 0] if share == 1.0 or dep >= 0 else 0.0
-                             for (s, b, dep), share in zip(self.plan.steps, self.plan.share)]
+        # an action that waits for no other stage (a W: a split backward's weights' part; the
+        # ends' own) receives nothing: no transfer before it
+        self.action_link = [[(wrap_in[p][b] if wrap else self.link_in[p][s][b]) if dep >= 0 else 0.0
+                             for (s, b, dep), wrap in zip(self.plan.steps, self.plan.wraps)]
                             for p in range(P)]
         # the same for the fused plan, used when every action of a stage has the same scale
         self.fused_s = [[sum(costs[i] for i in m) for m in self.plan.members] for costs in self.action_s]

@@ -25,9 +25,9 @@ from sdpipe_cli.config import derived, measurements
 from sdpipe_cli.config.schema import SYNC_CONFIGS, ConfigError, emulation
 from sdpipe_cli.core.cluster import EmulatedStragglers
 from sdpipe_cli.core.grouping import make_policy
+from sdpipe_cli.core.interleaved import stage_blocks
 from sdpipe_cli.core.meetings import BYTES, Choice, average_of, choose, meetings_of, precision_of
 from sdpipe_cli.core.modes import mode as mode_of
-from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
@@ -50,16 +50,13 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
     if cfg.pipeline.schedule in ASYNC_SCHEDULES:
         raise ConfigError("pipeline.schedule", f"'{cfg.pipeline.schedule}' cannot be simulated yet; "
                           "use 1f1b or gpipe")
-    if cfg.pipeline.get("chunks", 1) > 1:
-        raise ConfigError("pipeline.chunks", "interleaved stages cannot be simulated yet; use "
-                          "pipeline.chunks=1 (the same split's 1F1B)")
     if emulation(cfg) != "modelled":
         raise ConfigError("cluster.compute_ms", "simulate needs modelled compute: set "
                           "cluster.compute_ms or give profile=PATH")
     plan = plan or RunPlan.of(cfg)
     P, S, cluster = plan.pipelines, plan.stages, plan.cluster
     blocks = models.count_blocks(cfg.model)
-    ranges = stage_ranges(list(cfg.pipeline.partition), blocks)  # the sync's bytes per stage
+    held = stage_blocks(list(cfg.pipeline.partition), blocks, S)  # the sync's bytes per stage
     forward, backward = [], []
     doc = measurements.load(cfg.profile) if cfg.cluster.compute_ms is None else None
     # read once: a config lookup costs microseconds, and these loops run P x S times
@@ -70,27 +67,27 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
     seed = cfg.train.seed
     for p in range(P):
         fwd_row, bwd_row = [], []
-        for s, (a, b) in enumerate(stage_ranges(plan.partition_of(p), blocks)):  # its own
+        for s, chunks in enumerate(stage_blocks(plan.partition_of(p), blocks, S)):  # its own
             if f is not None:
                 fwd_row.append(f)
                 bwd_row.append(2 * f)
             else:
                 # f is None only when doc was read
                 fwd, bwd = measurements.block_costs(cast(dict, doc), cluster.device(p, s).name, 1.0)
-                fwd_row.append(sum(fwd[a:b]) / 1e3)
-                bwd_row.append(sum(bwd[a:b]) / 1e3)
+                fwd_row.append(sum(sum(fwd[a:b]) for a, b in chunks) / 1e3)
+                bwd_row.append(sum(sum(bwd[a:b]) for a, b in chunks) / 1e3)
         forward.append(fwd_row)
         backward.append(bwd_row)
     counts = models.block_param_counts(cfg.model)
     return Workload(
         cluster=cluster, microbatches=m, batch_size=cfg.train.batch_size, steps=cfg.train.steps,
         forward_s=forward, backward_s=backward,
-        stage_bytes=[sum(counts[a:b]) * FLOAT_BYTES for a, b in ranges],
+        stage_bytes=[sum(sum(counts[a:b]) for a, b in chunks) * FLOAT_BYTES for chunks in held],
         activation_bytes=models.activation_bytes(cfg, sources.example(cfg, plan.microbatch_size)[0]),
         slowdown=[float(x) for x in cfg.cluster.slowdown],
         stragglers=[[EmulatedStragglers.of_device(st, seed, cluster.device(p, s).name)
                      for s in range(S)] for p in range(P)],
-        per_iteration=st.per == "iteration", schedule=cfg.pipeline.schedule,
+        per_iteration=st.per == "iteration", schedule=cfg.pipeline.schedule, chunks=plan.chunks,
         rtt_s=cfg.simulate.rtt_ms / 1e3, event_s=cfg.simulate.event_ms / 1e3,
         collective_s=cfg.simulate.collective_ms / 1e3, p2p_s=cfg.simulate.p2p_ms / 1e3,
         jitter=cfg.simulate.jitter,
@@ -145,8 +142,7 @@ def resolve_meetings(cfg: DictConfig, plan: RunPlan | None = None) -> Choice | N
             y.every, y.precision = int(recorded["every"]), str(recorded["precision"])
         return None  # left to the run's measured wire (sync/wire_probe.py) where still 0/auto
     if (not plan.cluster.links_emulated or emulation(cfg) != "modelled"
-            or cfg.pipeline.schedule in ASYNC_SCHEDULES  # meetings need a flushed schedule
-            or plan.chunks > 1):  # and one the simulator walks
+            or cfg.pipeline.schedule in ASYNC_SCHEDULES):  # meetings need a flushed schedule
         y.every, y.precision = y.every or 1, "fp32" if y.precision == "auto" else y.precision
         return None
     work = workload(cfg, plan)

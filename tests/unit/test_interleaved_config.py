@@ -45,11 +45,6 @@ def test_what_interleaving_refuses_is_one_line(overrides, key, reason, tmp_path,
     assert not run.exists()
 
 
-def test_simulate_refuses_chunks_in_one_line(capsys):
-    assert main(["simulate", *IL, "cluster.compute_ms=5"]) == 2
-    assert "cannot be simulated yet" in one_error_line(capsys.readouterr().err, "pipeline.chunks")
-
-
 def test_a_prepared_run_cuts_the_model_into_v_times_s_pieces_and_syncs_by_stage():
     cfg, _, _ = preparing.prepare(compose([*IL, "cluster.pipelines=3"]))
     assert list(cfg.pipeline.partition) == [2, 4, 5]  # uniform over 4 pieces of 6 blocks

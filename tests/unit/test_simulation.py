@@ -58,15 +58,34 @@ def test_a_solo_zero_bubble_pipeline_takes_its_timelines_time(stages, m):
     assert run(cfg).finished_at == pytest.approx([5 * iteration])
 
 
+@pytest.mark.parametrize("stages, chunks, m", [(2, 2, 4), (4, 2, 8), (4, 3, 4)])
+def test_a_solo_interleaved_pipeline_takes_its_timelines_time(stages, chunks, m):
+    """Interleaved 1F1B: each chunk's action 1 / v of the stage's, its input from the virtual
+    stage before (the first stage's later chunks from the last stage): an iteration takes its
+    own tick order's length, a chunk's forward a tick and its backward two, shorter than
+    1F1B's 3 (m + S - 1) stage-forwards."""
+    from sdpipe_cli.core.interleaved import interleaved_1f1b
+    from sdpipe_cli.core.schedule import Kind, tick_order
+
+    cfg = config("cluster.pipelines=1", f"pipeline.stages={stages}", f"model.n_layers={stages * chunks}",
+                 "pipeline.schedule=interleaved_1f1b", f"pipeline.chunks={chunks}",
+                 f"pipeline.microbatches={m}", "train.batch_size=24", "train.steps=5", "sync=none")
+    ticks = len(tick_order(interleaved_1f1b(chunks), stages, m, {Kind.B: 2}, chunks=chunks)[0])
+    iteration = ticks * 0.010 / chunks
+    assert iteration < 3 * (m + stages - 1) * 0.010
+    assert run(cfg).finished_at == pytest.approx([5 * iteration])
+
+
 @pytest.mark.parametrize("stages, schedule", [(1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (4, "gpipe"),
-                                              (4, "zb_h1")])
+                                              (4, "zb_h1"), (4, "interleaved_1f1b")])
 def test_fused_actions_time_an_iteration_as_the_actions_one_by_one(stages, schedule):
     """With one scale per stage and iteration the simulator times the fused plan (runs of a
     stage's actions that no other stage waits for, summed). Stragglers that never straggle
     force the action-by-action path, with the same durations: the runs must agree, with
     slow-downs, jitter, links and sdpipe's rounds in play."""
+    chunks = ("pipeline.chunks=2", "model.n_layers=6") if schedule == "interleaved_1f1b" else ()
     common = ("cluster.pipelines=3", f"pipeline.stages={stages}", f"pipeline.schedule={schedule}",
-              "pipeline.microbatches=4", "train.steps=12", "cluster.slowdown=[1,1.7,3]",
+              *chunks, "pipeline.microbatches=4", "train.steps=12", "cluster.slowdown=[1,1.7,3]",
               "simulate.jitter=0.1", "simulate.p2p_ms=1", "simulate.rtt_ms=2",
               "simulate.collective_ms=3")
     fused = run(config(*common))
