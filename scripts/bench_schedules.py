@@ -6,14 +6,17 @@ Run it from the repository root after ``pip install -e .``::
     python scripts/bench_schedules.py --repeats 1 --steps 6  # a smoke test
     python scripts/bench_schedules.py --slow 1:0.5           # stage 1's device 2x slower, partition=auto
 
-The claim it checks: ZB-H1's split backward (``pipeline.schedule=zb_h1``) makes a pipeline's
+The claim it checks: ZB-H1's split backward (``pipeline.schedule=zb_h1``) and interleaving
+(``--schedules 1f1b,interleaved_1f1b``: ``pipeline.chunks=--chunks``) make a pipeline's
 iteration shorter than 1F1B's by what its timeline says, no more, no less.
 
 **What runs.** ``sdpipe train`` of one pipeline (``sync=allreduce cluster.pipelines=1``) of S
 equal stages of the MLP (``model=mlp model.n_layers`` chosen so that each stage holds the same
 number of blocks) on modelled compute: every forward of a stage sleeps ``--forward-ms`` and every
 backward twice that (``cluster.compute_ms``), so that the run's time is the schedule's and not
-this machine's; ZB-H1's ``B`` and ``W`` take half a backward each. Each run is ``--warmup +
+this machine's; ZB-H1's ``B`` and ``W`` take half a backward each; an interleaved
+stage's chunk ``1 / chunks`` of a stage's forward or backward (the model then has a block per
+piece, ``chunks x S``, for every schedule compared). Each run is ``--warmup +
 --steps`` iterations; the schedules alternate ``--repeats`` times (their order flipped every
 other round), so that a change in the machine's load hits both alike.
 
@@ -55,15 +58,23 @@ import _runner  # noqa: E402
 import _scenarios  # noqa: E402
 
 from sdpipe_cli.analysis import read_metrics  # noqa: E402
-from sdpipe_cli.core.schedule import SCHEDULES, Kind, tick_order  # noqa: E402
+from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES, schedule_of  # noqa: E402
+from sdpipe_cli.core.schedule import Kind, tick_order  # noqa: E402
 
-BACKWARD_TICKS = {"1f1b": {Kind.B: 2}, "gpipe": {Kind.B: 2}, "zb_h1": {}}
+BACKWARD_TICKS = {"1f1b": {Kind.B: 2}, "gpipe": {Kind.B: 2}, "zb_h1": {}, "interleaved_1f1b": {Kind.B: 2}}
 
 
-def predicted_ticks(schedule: str, stages: int, microbatches: int) -> int:
-    """Ticks of one iteration, a forward one tick and a backward two (split: one and one)."""
-    rows = tick_order(SCHEDULES[schedule], stages, microbatches, BACKWARD_TICKS[schedule])
-    return len(rows[0])
+def chunks_of(schedule: str, chunks: int) -> int:
+    return chunks if schedule in CHUNKED_SCHEDULES else 1
+
+
+def predicted_ticks(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """An iteration's length in stage-forwards: its ticks, a forward one tick and a backward two
+    (split: one and one), a tick being a chunk's share of a stage's forward (1 / chunks)."""
+    v = chunks_of(schedule, chunks)
+    rows = tick_order(schedule_of(schedule, v), stages, microbatches, BACKWARD_TICKS[schedule],
+                      chunks=v)
+    return len(rows[0]) / v
 
 
 def simulated_rate(overrides: list[str], run_dir: Path, log: Path, timeout: float) -> float:
@@ -100,6 +111,7 @@ def measured_rate(run_dir: Path, warmup: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedules", default="1f1b,zb_h1")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_1f1b)")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)
@@ -118,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     S, m = args.stages, args.microbatches
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-schedules-"))
     out.mkdir(parents=True, exist_ok=True)
-    common = ["model=mlp", f"model.n_layers={2 * S - 2}", "data=synthetic", "sync=allreduce",
+    pieces = S * max(chunks_of(name, args.chunks) for name in schedules)  # equal pieces for all
+    common = ["model=mlp", f"model.n_layers={max(2 * S, pieces) - 2}", "data=synthetic", "sync=allreduce",
               "cluster.pipelines=1", f"pipeline.stages={S}", f"pipeline.microbatches={m}",
               f"train.batch_size={args.batch}", f"train.steps={args.warmup + args.steps}",
               "train.eval_every=0", "fault.on_slowdown=off", "run.memory_check=false"]
@@ -126,11 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         common += slow_overrides(args.slow, S, args.batch // m, args.forward_ms, out)
     else:
         common.append(f"cluster.compute_ms={args.forward_ms}")
+    def own(name: str) -> list[str]:
+        return [f"pipeline.schedule={name}", f"pipeline.chunks={chunks_of(name, args.chunks)}"]
+
     rates: dict[str, list[float]] = {name: [] for name in schedules}
     for r in range(args.repeats):
         for name in (schedules if r % 2 == 0 else schedules[::-1]):
             run_dir = out / f"{name}-{r}"
-            rc, _ = _runner.run_sdpipe([*common, f"pipeline.schedule={name}", f"run.dir={run_dir}"],
+            rc, _ = _runner.run_sdpipe([*common, *own(name), f"run.dir={run_dir}"],
                                        out / f"{name}-{r}.log", args.timeout)
             if rc != 0:
                 print(f"{name} repeat {r}: exit {rc}: {_runner.error_line(out / f'{name}-{r}.log')}",
@@ -141,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     base = schedules[0]
     for name in schedules:
-        ticks = None if args.slow else predicted_ticks(name, S, m)
+        ticks = None if args.slow else predicted_ticks(name, S, m, args.chunks)
         predicted = None if ticks is None else args.batch / (ticks * args.forward_ms / 1000)
-        simulated = simulated_rate([*common, f"pipeline.schedule={name}"], out / f"{name}-sim",
+        simulated = simulated_rate([*common, *own(name)], out / f"{name}-sim",
                                    out / f"{name}-sim.log", args.timeout)
         median = statistics.median(rates[name])
         rows.append({"schedule": name, "ticks": ticks,
@@ -154,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                      "of_simulated": round(median / simulated, 3),
                      "vs_" + base: round(median / statistics.median(rates[base]), 3),
                      "predicted_vs_" + base: (None if ticks is None
-                                              else round(predicted_ticks(base, S, m) / ticks, 3)),
+                                              else round(predicted_ticks(base, S, m, args.chunks) / ticks, 3)),
                      "simulated_vs_" + base: None})
     for row in rows:
         row["simulated_vs_" + base] = round(row["simulated_samples_per_s"]

@@ -30,8 +30,9 @@ from sdpipe_cli.config.composition import compose, mapping_settings
 from sdpipe_cli.config.saved import typed
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
+from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES
 from sdpipe_cli.core.plan import RunPlan
-from sdpipe_cli.core.schedule import SCHEDULES as FLUSHED
+from sdpipe_cli.core.schedule import SCHEDULES
 from sdpipe_cli.runtime import network, run_lock
 from sdpipe_cli.runtime.errors import CheckpointError
 
@@ -46,7 +47,8 @@ RESUMABLE = ("train.steps", "train.time_limit", "train.eval_every", "train.log_e
              "checkpoint.every", "checkpoint.keep", "data.eval_batches", "data.num_workers",
              "data.prefetch", "data.verify", "fault.on_slowdown", "fault.slowed")
 # The layout, which a resume may change too: the checkpoint is resharded for it.
-_SPLIT = ("pipeline.stages", "pipeline.partition", "pipeline.partitions", "profile")
+_SPLIT = ("pipeline.stages", "pipeline.chunks", "pipeline.partition", "pipeline.partitions",
+          "profile")
 LAYOUT = ("cluster=NAME", "cluster.*", *_SPLIT)
 
 
@@ -65,10 +67,13 @@ def resumable(key: str) -> bool:
     return key in RESUMABLE or key in _SPLIT or key.startswith("cluster.")
 
 
+FLUSHED = (*SCHEDULES, *CHUNKED_SCHEDULES)  # each makes the same update from the same state
+
+
 def keeps_state(saved: DictConfig, key: str, value: str) -> bool:
     """A change the saved state does not depend on by its value: one flushed schedule for
-    another (GPipe, 1F1B and ZB-H1 make the same update from the same weights and optimizer
-    state, and a checkpoint holds nothing else of them; asynchronous 1F1B keeps weight versions
+    another (GPipe, 1F1B, ZB-H1 and interleaved 1F1B make the same update from the same weights
+    and optimizer state, and a checkpoint holds nothing else of them; asynchronous 1F1B keeps weight versions
     of its own)."""
     return (key == "pipeline.schedule" and saved.pipeline.schedule in FLUSHED
             and value in FLUSHED)
@@ -174,10 +179,6 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     from sdpipe_cli.training import reshard_checkpoint as reshard
 
     before, after = reshard.layout_of(old), reshard.layout_of(new)
-    if max(before.chunks, after.chunks) > 1:
-        raise ConfigError("pipeline.chunks", f"resharding interleaved stages is not supported yet "
-                          f"({before.describe()} -> {after.describe()}); resume with the "
-                          "checkpoint's own layout")
     plan = reshard.plan_for(ckpt, manifest, old, new,
                             int(new.train.steps) if steps_given else None)
     new = derived.with_values(new, {"train.steps": plan.train_steps})
@@ -223,7 +224,7 @@ def _given(key: str, overrides: Sequence[str]) -> bool:
 def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
     """``saved`` with the user's changes: ``cluster=NAME`` takes that cluster config (from
     sdpipe's configs and the run's ``--config-dir`` folders), then KEY=VALUE items apply. A new
-    ``pipeline.stages`` without a partition splits uniformly."""
+    ``pipeline.stages`` or ``pipeline.chunks`` without a partition splits uniformly."""
     dotlist = []
     cluster = None
     for item in overrides:
@@ -249,7 +250,8 @@ def apply_overrides(saved: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 yaml_bounds.check_folder(Path(folder), "run.config_dirs")
         search = [f"hydra.searchpath=[{','.join('file://' + d for d in dirs)}]"] if dirs else []
         cfg.cluster = compose([*search, f"cluster={cluster}"]).cluster
-    if _given("pipeline.stages", overrides) and not _given("pipeline.partition", overrides):
+    if ((_given("pipeline.stages", overrides) or _given("pipeline.chunks", overrides))
+            and not _given("pipeline.partition", overrides)):
         cfg.pipeline.partition = "uniform"
     # a mapping given (pipeline.partitions, fault.slowed) is the mapping, not added to the saved
     mappings = [i for i in dotlist if _key_of(i) in mapping_settings()]

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sdpipe_cli.core.partition import stage_ranges
+from sdpipe_cli.core.interleaved import stage_blocks
 
 __all__ = ["Layout", "Plan", "plan", "pieces", "data_position", "source_pipeline"]
 
@@ -39,8 +39,8 @@ __all__ = ["Layout", "Plan", "plan", "pieces", "data_position", "source_pipeline
 class Layout:
     """``pipelines`` pipelines of ``(len(partition) + 1) / chunks`` stages over ``blocks``
     blocks; ``own``: the pipelines split their own way (``pipeline.partitions``), as (pipeline,
-    boundaries); ``chunks``: each stage's model chunks (interleaved stages, which
-    :func:`pieces` does not gather from or for yet)."""
+    boundaries); ``chunks``: each stage's model chunks (interleaved stages: a stage holds
+    ``chunks`` ranges of blocks, :func:`~sdpipe_cli.core.interleaved.stage_blocks`)."""
 
     pipelines: int
     partition: tuple[int, ...]
@@ -60,12 +60,13 @@ class Layout:
     def partition_of(self, pipeline: int) -> tuple[int, ...]:
         return dict(self.own).get(pipeline, self.partition)
 
-    def ranges(self, pipeline: int = 0) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each stage's blocks in ``pipeline``."""
-        return stage_ranges(self.partition_of(pipeline), self.blocks)
+    def held(self, pipeline: int = 0) -> list[list[int]]:
+        """Each stage's blocks in ``pipeline``, in its module's order (chunk after chunk)."""
+        return [[b for lo, hi in chunks for b in range(lo, hi)]
+                for chunks in stage_blocks(self.partition_of(pipeline), self.blocks, self.stages)]
 
     def stage_of(self, block: int, pipeline: int = 0) -> int:
-        return next(s for s, (lo, hi) in enumerate(self.ranges(pipeline)) if lo <= block < hi)
+        return next(s for s, mine in enumerate(self.held(pipeline)) if block in mine)
 
 
 @dataclass(frozen=True)
@@ -92,15 +93,16 @@ def source_pipeline(new: int, old_pipelines: int) -> int:
 def pieces(old: Layout, new: Layout, source: int = 0, target: int = 0
            ) -> list[list[tuple[int, int, int]]]:
     """For each stage of new pipeline ``target``, where its blocks come from in old pipeline
-    ``source``: ``(old stage, first block, stop)`` runs, in block order."""
+    ``source``: ``(old stage, first block, stop)`` runs, in the new stage's module order (of
+    consecutive blocks on one old stage)."""
     if old.blocks != new.blocks:
         raise ValueError(f"the layouts split {old.blocks} and {new.blocks} blocks")
     out = []
-    for lo, hi in new.ranges(target):
+    for mine in new.held(target):
         runs: list[tuple[int, int, int]] = []
-        for b in range(lo, hi):
+        for b in mine:
             s = old.stage_of(b, source)
-            if runs and runs[-1][0] == s:
+            if runs and runs[-1][0] == s and runs[-1][2] == b:
                 runs[-1] = (s, runs[-1][1], b + 1)
             else:
                 runs.append((s, b, b + 1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,15 +110,15 @@ def _write_shards(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: Di
         ranks = Grid(before.pipelines, S_old).pipeline_ranks(src)
         shards = [checkpoint.load_shard(ckpt, str(r), manifest) for r in ranks]
         files = [ckpt / checkpoint.shard_name(str(r)) for r in ranks]
-        old_names = [_param_names(old, lo, hi) for lo, hi in before.ranges(src)]
-        model = _model_by_block(files, shards, before.ranges(src))
+        old_names = [_param_names(old, held) for held in before.held(src)]
+        model = _model_by_block(files, shards, before.held(src))
         optim = _optimizer_by_block(files, shards, old_names)
-        flats = {k: _flat_by_block(shards, before.ranges(src), old_names, k, old)
+        flats = {k: _flat_by_block(shards, before.held(src), old_names, k, old)
                  for k in flat_keys}
         for q in (q for q, p in sorted(plan.sources.items()) if p == src):
-            new_keys = [_stage_keys(new, lo, hi) for lo, hi in after.ranges(q)]
-            new_names = [_param_names(new, lo, hi) for lo, hi in after.ranges(q)]
-            new_meta = [_stage(new, lo, hi).state_dict() for lo, hi in after.ranges(q)]
+            new_keys = [_stage_keys(new, held) for held in after.held(q)]
+            new_names = [_param_names(new, held) for held in after.held(q)]
+            new_meta = [_stage(new, held).state_dict() for held in after.held(q)]
             for s, runs in enumerate(reshard.pieces(before, after, src, q)):
                 first_old = shards[runs[0][0]]
                 state: dict[str, Any] = {
@@ -149,24 +149,26 @@ def _write_shards(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: Di
 
 # -- naming tensors by block -----------------------------------------------------------------
 
-def _stage(cfg: DictConfig, lo: int, hi: int) -> nn.Module:
-    """The stage's module on the meta device (its names, shapes and order; no memory)."""
+def _stage(cfg: DictConfig, held: Sequence[int]) -> nn.Module:
+    """The module of a stage holding blocks ``held`` (in its order) on the meta device (its
+    names, shapes and order; no memory)."""
     blocks, _ = models.meta_blocks(cfg.model)
-    return nn.Sequential(*blocks[lo:hi])
+    return nn.Sequential(*(blocks[b] for b in held))
 
 
-def _split(lo: int, key: str) -> Where:
+def _split(held: Sequence[int], key: str) -> Where:
+    """A stage module's tensor ``key`` (``index.name``) as (the model's block, name)."""
     index, _, rest = key.partition(".")
-    return lo + int(index), rest
+    return held[int(index)], rest
 
 
-def _stage_keys(cfg: DictConfig, lo: int, hi: int) -> list[tuple[str, Where]]:
-    return [(k, _split(lo, k)) for k in _stage(cfg, lo, hi).state_dict()]
+def _stage_keys(cfg: DictConfig, held: Sequence[int]) -> list[tuple[str, Where]]:
+    return [(k, _split(held, k)) for k in _stage(cfg, held).state_dict()]
 
 
-def _param_names(cfg: DictConfig, lo: int, hi: int) -> list[Where]:
+def _param_names(cfg: DictConfig, held: Sequence[int]) -> list[Where]:
     """The stage's parameters in the optimizer's order (``module.parameters()``)."""
-    return [_split(lo, k) for k, _ in _stage(cfg, lo, hi).named_parameters()]
+    return [_split(held, k) for k, _ in _stage(cfg, held).named_parameters()]
 
 
 def _ties(cfg: DictConfig) -> dict[Where, tuple[Where, ...]]:
@@ -178,17 +180,18 @@ def _ties(cfg: DictConfig) -> dict[Where, tuple[Where, ...]]:
     return out
 
 
-def _model_by_block(files: list[Path], shards: list[dict], ranges: list[tuple[int, int]]
+def _model_by_block(files: list[Path], shards: list[dict], helds: list[list[int]]
                     ) -> dict[Where, Any]:
     table: dict[Where, Any] = {}
-    for path, (lo, _hi), shard in zip(files, ranges, shards):
+    for path, held, shard in zip(files, helds, shards):
         found = shard.get("model")
         if not isinstance(found, Mapping):
             raise CheckpointError(path, "lacks 'model'")
         for k, v in found.items():
-            if not isinstance(k, str) or not k.partition(".")[0].isdigit():
+            index = k.partition(".")[0] if isinstance(k, str) else ""
+            if not index.isdigit() or int(index) >= len(held):
                 raise CheckpointError(path, f"model holds {k!r}, not a block's tensor")
-            table[_split(lo, k)] = v
+            table[_split(held, k)] = v
     return table
 
 
@@ -209,18 +212,18 @@ def _optimizer_by_block(files: list[Path], shards: list[dict], names: list[list[
     return table
 
 
-def _flat_by_block(shards: list[dict], ranges: list[tuple[int, int]], names: list[list[Where]],
+def _flat_by_block(shards: list[dict], helds: list[list[int]], names: list[list[Where]],
                    key: str, cfg: DictConfig) -> dict[Where, torch.Tensor] | None:
     """A sync state's flat vector over each old stage's parameters, cut back into them."""
     table: dict[Where, torch.Tensor] = {}
-    for s, ((lo, hi), shard) in enumerate(zip(ranges, shards)):
+    for s, (held, shard) in enumerate(zip(helds, shards)):
         flat = shard.get("sync", {}).get(key)
         if flat is None:
             return None
-        params = dict(_stage(cfg, lo, hi).named_parameters())
+        params = {_split(held, k): p for k, p in _stage(cfg, held).named_parameters()}
         offset = 0
         for where in names[s]:
-            p = params[f"{where[0] - lo}.{where[1]}"]
+            p = params[where]
             table[where] = flat[offset:offset + p.numel()].reshape(p.shape)
             offset += p.numel()
     return table

@@ -72,6 +72,45 @@ def test_resharding_there_and_back_gives_back_every_tensor(allreduce_2x2_run, tm
     assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step_10"]  # only read
 
 
+def test_resharding_into_interleaved_stages_and_back_gives_back_every_tensor(allreduce_2x2_run,
+                                                                            tmp_path):
+    """P=2, S=2 (1F1B) -> S=2 of two chunks each (interleaved: stage 0 holds pieces 0 and 2
+    of four) -> the saved layout: every tensor comes back exactly."""
+    copy = copy_at_10(allreduce_2x2_run, tmp_path)
+    source = copy / "checkpoints" / "step_10"
+    partition = json.loads((source / "manifest.json").read_text())["partition"]
+    quiet = Console(file=io.StringIO())
+    holder = run_lock.Holder()
+    chunked = resuming.prepare(str(source), ["pipeline.schedule=interleaved_1f1b", "pipeline.chunks=2"],
+                               quiet, holder)
+    assert list(chunked.cfg.pipeline.partition) == [2, 4, 5]  # mlp: 6 blocks in 4 pieces
+    first = shards(chunked.checkpoint)["0"]["model"]
+    saved = shards(source)
+    assert same(first["2.mlp.fc.weight"], saved["1"]["model"]["1.mlp.fc.weight"])  # block 4, of stage 1
+    back = resuming.prepare(str(chunked.checkpoint), [
+        "pipeline.schedule=1f1b", "pipeline.chunks=1", f"pipeline.partition={partition}"], quiet, holder)
+    holder.release_all()
+    returned = shards(back.checkpoint)
+    assert saved.keys() == returned.keys()
+    for rank in saved:
+        for key in ("model", "optimizer", "rng", "step", "pipeline", "stage"):
+            assert same(saved[rank][key], returned[rank][key]), (rank, key)
+
+
+def test_a_run_resumed_interleaved_repeats_the_uninterrupted_run_s_losses(allreduce_2x2_run, tmp_path):
+    """Interleaving changes the order of the work, not the update: the run resumed at step 10
+    on stages of two chunks repeats steps 11-20 of the run that never stopped."""
+    copy = copy_at_10(allreduce_2x2_run, tmp_path)
+    before = len(metrics(copy))
+    out = sdpipe("resume", str(copy), "pipeline.schedule=interleaved_1f1b", "pipeline.chunks=2")
+    assert out.returncode == 0, out.stderr
+    continued = losses(metrics(copy)[before:])
+    reference = losses(metrics(allreduce_2x2_run))
+    assert sorted(continued) == [(p, k) for p in range(2) for k in range(11, 21)]
+    for key, loss in continued.items():
+        assert loss == pytest.approx(reference[key], rel=0, abs=1e-5), key
+
+
 def test_a_run_resumed_on_another_layout_goes_on_with_an_exact_budget(allreduce_2x2_run, tmp_path):
     copy = copy_at_10(allreduce_2x2_run, tmp_path)
     before = len(metrics(copy))

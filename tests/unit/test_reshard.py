@@ -13,11 +13,14 @@ from sdpipe_cli.data.sampling import Order
 
 @st.composite
 def layouts(draw, blocks=None):
+    """A layout, interleaved (several chunks a stage) or not."""
     blocks = blocks or draw(st.integers(1, 12))
     stages = draw(st.integers(1, blocks))
-    cuts = sorted(draw(st.sets(st.integers(1, blocks - 1), min_size=stages - 1,
-                               max_size=stages - 1))) if stages > 1 else []
-    return Layout(draw(st.integers(1, 8)), tuple(cuts), blocks)
+    chunks = draw(st.integers(1, blocks // stages)) if stages > 1 else 1
+    pieces = stages * chunks
+    cuts = sorted(draw(st.sets(st.integers(1, blocks - 1), min_size=pieces - 1,
+                               max_size=pieces - 1))) if pieces > 1 else []
+    return Layout(draw(st.integers(1, 8)), tuple(cuts), blocks, chunks=chunks)
 
 
 @given(st.data())
@@ -26,18 +29,25 @@ def test_every_block_of_a_new_stage_comes_from_the_old_stage_that_held_it(data):
     new = data.draw(layouts(blocks=old.blocks))
     got = pieces(old, new)
     assert len(got) == new.stages
-    for (lo, hi), runs in zip(new.ranges(), got):
+    for held, runs in zip(new.held(), got):
         blocks = [b for _, a, z in runs for b in range(a, z)]
-        assert blocks == list(range(lo, hi))  # each block once, in order
+        assert blocks == held  # each block once, in the new stage's order
         for s, a, z in runs:
-            olo, ohi = old.ranges()[s]
-            assert olo <= a < z <= ohi
+            assert set(range(a, z)) <= set(old.held()[s])
+
+
+def test_interleaved_stages_hold_their_chunks_blocks_in_chunk_order():
+    # 6 blocks in 4 pieces [0,1 | 2,3 | 4 | 5] on 2 stages: stage 0 holds pieces 0 and 2
+    chunked = Layout(2, (2, 4, 5), 6, chunks=2)
+    assert chunked.stages == 2 and chunked.held() == [[0, 1, 4], [2, 3, 5]]
+    assert pieces(Layout(2, (3,), 6), chunked) == [[(0, 0, 2), (1, 4, 5)], [(0, 2, 3), (1, 3, 4), (1, 5, 6)]]
+    assert "S=2 of 2 chunks" in chunked.describe()
 
 
 def test_pipelines_split_their_own_way_take_their_blocks_from_their_own_stages():
     # pipeline 1 split at [1] before, at [5] after; the others at [3] throughout
     old, new = Layout(2, (3,), 6, ((1, (1,)),)), Layout(2, (3,), 6, ((1, (5,)),))
-    assert old.ranges(1) == [(0, 1), (1, 6)] and new.ranges(0) == [(0, 3), (3, 6)]
+    assert old.held(1) == [[0], [1, 2, 3, 4, 5]] and new.held(0) == [[0, 1, 2], [3, 4, 5]]
     assert pieces(old, new, 1, 1) == [[(0, 0, 1), (1, 1, 5)], [(1, 5, 6)]]
     assert pieces(old, new, 0, 0) == [[(0, 0, 3)], [(1, 3, 6)]]
     assert pieces(old, new, 1, 0) == [[(0, 0, 1), (1, 1, 3)], [(1, 3, 6)]]
