@@ -6,15 +6,16 @@ runs on a few cores. The simulation drives the policy the scheduler process runs
 (:func:`~sdpipe_cli.core.grouping.make_policy`) through an injected clock, so the policy is the
 real one and only the workers' time is modelled. No process is started and nothing sleeps.
 
-The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPipe):
+The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPipe, ZB-H1,
+interleaved 1F1B, :class:`~sdpipe_cli.core.iteration_plan.IterationPlan`):
 
-* An action (one micro-batch's forward or backward) takes the stage's modelled time, times the
+* An action (one micro-batch's forward or backward) takes its share of the stage's modelled time, times the
   pipeline's slow-down and the worker's straggler draw, over its device's speed when the action
   starts, times a seeded log-normal ``jitter`` drawn per iteration (the spread of iteration
   times that real runs show). This is what modelled emulation makes real workers sleep
   (:mod:`sdpipe_cli.hetero.emulation`), with the same seeded straggler draws.
-* A forward also waits for the previous stage's forward of the micro-batch, a backward for the
-  next stage's backward, each plus the link's transfer of one activation and ``p2p_s``.
+* A forward also waits for the previous (virtual) stage's forward of the micro-batch, a backward
+  for the next one's backward, each plus the link's transfer of one activation and ``p2p_s``.
 * After its last backward the worker synchronizes, per mode:
   - ``sdpipe``: after every ``every``-th iteration (otherwise nothing), the ready signal reaches
     the scheduler after half a round trip. The scheduler handles one event at a time
@@ -181,31 +182,8 @@ class _Run:
         # per worker: its fixed speed (None: it changes during the run, looked up per action)
         self.speed = [[None if d.name in self.dynamic else d.speed for d in row]
                       for row in self.devices]
-        # transfer into stage s: from s - 1 (forward) and from s + 1 (backward)
         self.where = [[Placement.of(p, s, P, S) for s in range(S)] for p in range(P)]
-
-        def hop(src: int | None, dst: int) -> float:
-            return 0.0 if src is None else (
-                work.p2p_s + cl.link(src, dst).transfer_s(work.activation_bytes))
-
-        self.link_in = [[(hop(x.prev_rank, x.rank), hop(x.next_rank, x.rank)) for x in row]
-                        for row in self.where]
-        # interleaved: into the first stage from the last (forward), and back (backward)
-        wrap_in = [(hop(row[-1].rank, row[0].rank), hop(row[0].rank, row[-1].rank))
-                   for row in self.where]
-        # Per pipeline, per action of the flushed iteration: its cost at speed 1 and the transfer
-        # before it (the inner loop of _start_iteration runs P x steps x actions times).
-        self.action_s = [[(work.backward_s[p][s] if b else work.forward_s[p][s]) * share
-                          for (s, b, _), share in zip(self.plan.steps, self.plan.share)]
-                         for p in range(P)]
-        # an action that waits for no other stage (a W: a split backward's weights' part; the
-        # ends' own) receives nothing: no transfer before it
-        self.action_link = [[(wrap_in[p][b] if wrap else self.link_in[p][s][b]) if dep >= 0 else 0.0
-                             for (s, b, dep), wrap in zip(self.plan.steps, self.plan.wraps)]
-                            for p in range(P)]
-        # the same for the fused plan, used when every action of a stage has the same scale
-        self.fused_s = [[sum(costs[i] for i in m) for m in self.plan.members] for costs in self.action_s]
-        self.fused_link = [[links[m[0]] for m in self.plan.members] for links in self.action_link]
+        self._cost_actions()
         self.noise = [[random.Random(f"{work.seed}/jitter/{p}/{s}") for s in range(S)]
                       for p in range(P)]
         self.heap: list = []
@@ -235,6 +213,30 @@ class _Run:
         self.spread = [0.0, 0]  # sum and count of the first stage's spreads
 
     # -- workers --------------------------------------------------------------------------------
+
+    def _cost_actions(self) -> None:
+        """Per pipeline and action of the iteration: its cost at speed 1 and the transfer before
+        it (the inner loop of _start_iteration runs P x steps x actions times); the same fused."""
+        work, cl, P = self.w, self.w.cluster, self.P
+
+        def hop(src: int | None, dst: int) -> float:
+            return 0.0 if src is None else work.p2p_s + cl.link(src, dst).transfer_s(work.activation_bytes)
+
+        # transfer into stage s: from s - 1 (forward) and from s + 1 (backward)
+        self.link_in = [[(hop(x.prev_rank, x.rank), hop(x.next_rank, x.rank)) for x in row]
+                        for row in self.where]
+        wrap_in = [(hop(row[-1].rank, row[0].rank), hop(row[0].rank, row[-1].rank))  # interleaved
+                   for row in self.where]
+        self.action_s = [[(work.backward_s[p][s] if b else work.forward_s[p][s]) * share
+                          for (s, b, _), share in zip(self.plan.steps, self.plan.share)]
+                         for p in range(P)]
+        # an action that waits for no other stage (a W: a split backward's weights' part; the
+        # ends' own) receives nothing: no transfer before it
+        self.action_link = [[(wrap_in[p][b] if wrap else self.link_in[p][s][b]) if dep >= 0 else 0.0
+                             for (s, b, dep), wrap in zip(self.plan.steps, self.plan.wraps)]
+                            for p in range(P)]
+        self.fused_s = [[sum(costs[i] for i in m) for m in self.plan.members] for costs in self.action_s]
+        self.fused_link = [[links[m[0]] for m in self.plan.members] for links in self.action_link]
     def _start_iteration(self, p: int) -> None:
         """All stages of ``p`` are synced: compute its next iteration and post the ready signals."""
         w, S = self.w, self.S
