@@ -93,6 +93,8 @@ def key(precision: str, ckpt: bool) -> str:
 def overrides(args: argparse.Namespace, precision: str, ckpt: bool) -> list[str]:
     """The run's overrides: the same for the memory part and the real runs."""
     extra = ["model.vocab_size=50257"] if args.model == "gpt2" else []
+    if getattr(args, "layers", None):
+        extra.append(f"model.n_layers={args.layers}")
     return [f"model={args.model}", *extra, f"model.seq_len={args.seq_len}", "data=synthetic",
             "sync=allreduce", "cluster.pipelines=1", f"pipeline.stages={args.stages}",
             f"train.batch_size={args.batch}", f"pipeline.microbatches={args.microbatches}",

@@ -11,6 +11,9 @@ The claim it checks: ZB-H1 (``pipeline.schedule=zb_h1``) keeps 1F1B's *peak* act
 (the first stage's), while its later stages, which 1F1B lets hold fewer micro-batches
 (``S - s``), hold what the deferred weight gradients need for up to ``S``; and how much that is,
 measured, against the estimate (``run.memory_check``) which counts whole micro-batches.
+Interleaved 1F1B (``--chunks v``): stage ``s`` holds up to ``S - s + (v - 1) S`` micro-batches
+of a chunk (``1 / v`` of the stage's blocks) at once; the model is cut into ``v x S`` pieces
+for it (``--layers``: enough blocks), and the other schedules run on the same model.
 
 **What runs.** In this process, no training and no other process: the stage modules of the run
 the overrides describe (``model=... pipeline.stages=S pipeline.microbatches=m``, the partition
@@ -74,29 +77,31 @@ class Live:
             self.now -= self.size.pop(ptr)
 
 
-def run_stage(module, x, target, loss_fn, last: bool, actions) -> int:
-    """Peak live bytes of one stage running ``actions`` (every micro-batch gets ``x``)."""
+def run_stage(chunks, target, loss_fn, actions) -> int:
+    """Peak live bytes of one stage running ``actions``; ``chunks[c]``: chunk ``c``'s module, its
+    input (every micro-batch gets it) and whether it computes the loss (one chunk: the stage)."""
     import torch
 
     split = importlib.import_module(SPLIT_BACKWARD)
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for module, _, _ in chunks for p in module.parameters() if p.requires_grad]
     live = Live({p.untyped_storage().data_ptr() for p in params})
 
     def pack(t):
         live.hold(t)
         return t
 
-    flight: dict[int, tuple] = {}  # micro-batch -> (input, output)
+    flight: dict[tuple[int, int], tuple] = {}  # (chunk, micro-batch) -> (input, output)
     deferred: dict[int, object] = {}  # micro-batch -> what its W needs
+    splitting = any(a.kind == "W" for a in actions)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for action in actions:
-            i = action.microbatch
+            i, (module, x, last) = action.microbatch, chunks[action.chunk]
             if action.kind == "F":
                 xi = bench_memory.as_received(x, None, "cpu")
                 y = bench_memory.forward(module, xi, target, loss_fn, last, None, False, "cpu")
                 for t in bench_memory.tensors_of(xi) + bench_memory.tensors_of(y):
                     live.hold(t)
-                flight[i] = (xi, y)
+                flight[(action.chunk, i)] = (xi, y)
                 continue
             if action.kind == "W":
                 kind, held = deferred.pop(i)
@@ -106,10 +111,10 @@ def run_stage(module, x, target, loss_fn, last: bool, actions) -> int:
                     torch.autograd.backward(*held)
                 del held
                 continue
-            xi, y = flight.pop(i)
+            xi, y = flight.pop((action.chunk, i))
             outputs = [y] if last else [t for t in bench_memory.tensors_of(y) if t.requires_grad]
             grads = None if last else [torch.randn_like(t) for t in outputs]
-            if any(a.kind == "W" for a in actions):  # a split backward: B now, W later
+            if splitting:  # a split backward: B now, W later
                 inputs = [t for t in bench_memory.tensors_of(xi) if t.requires_grad]
                 if inputs:
                     deferred[i] = ("groups", split.stage_backward_input(outputs, grads, inputs,
@@ -119,31 +124,49 @@ def run_stage(module, x, target, loss_fn, last: bool, actions) -> int:
             else:
                 torch.autograd.backward(outputs, grads)
             del xi, y, outputs, grads
-    module.zero_grad(set_to_none=True)
+    for module, _, _ in chunks:
+        module.zero_grad(set_to_none=True)
     return live.peak
 
 
 def measure(args: argparse.Namespace) -> dict:
+    """Every schedule's stages on the same model, cut into ``chunks x S`` pieces where a
+    schedule interleaves (each piece's input made by the pieces before it)."""
+    import copy
+
     from omegaconf import OmegaConf
 
-    from sdpipe_cli.core.schedule import SCHEDULES, in_flight
+    from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES, schedule_of
+    from sdpipe_cli.core.schedule import in_flight
     from sdpipe_cli.data import sources
     from sdpipe_cli.model import memory, models
 
     args.batch, args.steps = args.microbatches * args.microbatch, 1
     cfg = bench_memory.prepared(args)
-    S, m = args.stages, args.microbatches
+    S, m, v = args.stages, args.microbatches, args.chunks
     modules = [models.build_stage_module(cfg, s).train() for s in range(S)]
     loss_fn = models.loss_function(cfg.model)
     x, target = bench_memory.microbatch(cfg, args.microbatch)
     inputs = bench_memory.stage_inputs(modules, x, None, "cpu")
+    flat = copy.copy(args)  # the same model in v x S stages: the interleaved run's pieces
+    flat.stages = S * v
+    pieces_cfg = bench_memory.prepared(flat)
+    pieces = [models.build_stage_module(pieces_cfg, k).train() for k in range(S * v)]
+    piece_inputs = bench_memory.stage_inputs(pieces, x, None, "cpu")
     example = sources.example(cfg, args.microbatch, device="meta")[0]
     rows = []
     for name in args.schedules.split(","):
-        estimate = memory.estimate(OmegaConf.merge(cfg, {"pipeline": {"schedule": name}}), example)
+        chunks = v if name in CHUNKED_SCHEDULES else 1
+        setting = {"schedule": name, "chunks": chunks}
+        if chunks > 1:
+            setting["partition"] = list(pieces_cfg.pipeline.partition)
+        estimate = memory.estimate(OmegaConf.merge(cfg, {"pipeline": setting}), example)
         for s, module in enumerate(modules):
-            actions = SCHEDULES[name](S, m, s)
-            peak = run_stage(module, inputs[s], target, loss_fn, s == S - 1, actions)
+            actions = schedule_of(name, chunks)(S, m, s)
+            held = ([(module, inputs[s], s == S - 1)] if chunks == 1 else
+                    [(pieces[c * S + s], piece_inputs[c * S + s], c * S + s == S * v - 1)
+                     for c in range(v)])
+            peak = run_stage(held, target, loss_fn, actions)
             rows.append({"schedule": name, "stage": s, "in_flight": in_flight(actions),
                          "peak_mb": mib(peak), "estimate_mb": None if estimate is None else
                          mib(estimate[s].activations * estimate[s].in_flight)})
@@ -151,7 +174,7 @@ def measure(args: argparse.Namespace) -> dict:
     for r in rows:
         r["vs_" + rows[0]["schedule"]] = round(r["peak_mb"] / base[r["stage"]], 3) if base[r["stage"]] else None
     return {"model": args.model, "stages": S, "microbatches": m, "microbatch": args.microbatch,
-            "seq_len": args.seq_len, "rows": rows,
+            "seq_len": args.seq_len, "chunks": v, "rows": rows,
             "max_over_stages": {name: max(r["peak_mb"] for r in rows if r["schedule"] == name)
                                 for name in args.schedules.split(",")}}
 
@@ -163,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--microbatch", type=int, default=4, help="examples per micro-batch")
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--schedules", default="1f1b,zb_h1,gpipe")
+    parser.add_argument("--schedules", default="1f1b,zb_h1,gpipe,interleaved_1f1b")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_1f1b)")
+    parser.add_argument("--layers", type=int, default=None, help="model.n_layers (default: the model's)")
     parser.add_argument("--json", type=Path, default=None)
     _report.add_markdown_option(parser)
     args = parser.parse_args(argv)

@@ -44,11 +44,12 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
         cfg.profile = str(Path(cfg.profile).expanduser().resolve())
     _resolve_data(cfg)
     blocks, stages, chunks = models.count_blocks(cfg.model), cfg.pipeline.stages, cfg.pipeline.chunks
+    if stages > blocks:
+        raise ConfigError("pipeline.stages", f"is {stages} but model {cfg.model.name} has only "
+                          f"{blocks} blocks; use at most {blocks} stages")
     if stages * chunks > blocks:
-        key, many = (("pipeline.stages", f"{stages} stages") if chunks == 1
-                     else ("pipeline.chunks", f"{stages} stages of {chunks} chunks"))
-        raise ConfigError(key, f"{many} need {stages * chunks} blocks, but model "
-                          f"{cfg.model.name} has only {blocks}")
+        raise ConfigError("pipeline.chunks", f"is {chunks}: {stages} stages of {chunks} chunks need "
+                          f"{stages * chunks} blocks, but model {cfg.model.name} has only {blocks}")
     if not isinstance(cfg.pipeline.partition, str):
         validate_partition(cfg.pipeline.partition, stages, blocks, chunks=chunks)
     validate_own_partitions(cfg.pipeline, int(cfg.cluster.pipelines), blocks)

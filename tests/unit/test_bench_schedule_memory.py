@@ -22,7 +22,7 @@ def _stage():
 
 def _peak(schedule, stages: int, m: int, stage: int) -> int:
     x = torch.randn(8, 16)
-    return bench.run_stage(_stage(), x, None, None, False, schedule(stages, m, stage))
+    return bench.run_stage([(_stage(), x, False)], None, None, schedule(stages, m, stage))
 
 
 def test_the_peak_grows_with_the_micro_batches_held_not_with_those_run():
@@ -40,3 +40,14 @@ def test_a_micro_batch_awaiting_its_weight_gradient_holds_more_than_its_forward_
     one = _peak(gpipe, 4, 1, 0)
     held = _peak(zero_bubble_h1, 4, 8, 1)
     assert held > 4 * one
+
+
+def test_an_interleaved_stage_holds_chunk_micro_batches_each_a_chunk_s_worth():
+    """Two chunks, each a stage's module here: stage 0 of S = 2 holds S + (v - 1) S = 4
+    chunk-micro-batches at once (1F1B's first stage: 2 of the stage's two-chunk worth)."""
+    from sdpipe_cli.core.interleaved import interleaved_1f1b
+
+    x = torch.randn(8, 16)
+    one = _peak(gpipe, 4, 1, 0)
+    chunks = [(_stage(), x, False), (_stage(), x, False)]
+    assert bench.run_stage(chunks, None, None, interleaved_1f1b(2)(2, 4, 0)) == 4 * one
