@@ -89,13 +89,16 @@ def estimate(cfg: DictConfig, example: Any, partition: Sequence[int] | None = No
         mine = [blocks[i] for a, b in chunks for i in range(a, b)]
         params = sum(_nbytes(x) for block in mine for x in block.parameters())
         buffers = sum(_nbytes(x) for block in mine for x in block.buffers())
-        # what one micro-batch's forward keeps (of its largest chunk, when interleaved: the
-        # schedule counts each chunk's micro-batches in flight)
+        # what one micro-batch's forward keeps, per chunk
         if p.activation_checkpointing:
-            held = max(sum(inputs[a:b]) + max(saved[a:b], default=0) for a, b in chunks)
+            kept = [sum(inputs[a:b]) + max(saved[a:b], default=0) for a, b in chunks]
         else:
-            held = max(sum(saved[a:b]) for a, b in chunks)
-        flying = in_flight(schedule(p.stages, p.microbatches, s))
+            kept = [sum(saved[a:b]) for a, b in chunks]
+        actions = schedule(p.stages, p.microbatches, s)
+        flying = in_flight(actions)
+        # interleaved: the most bytes held at once, each chunk's micro-batches at their own size
+        # (written as its mean over the micro-batches then in flight)
+        held = kept[0] if len(kept) == 1 else -(-_peak_bytes(actions, kept) // max(flying, 1))
         out.append(StageMemory(
             stage=s, weights=params + buffers, training=params * (1 + slots + sync_copies),
             activations=held, in_flight=flying, stashed=_stashed(p, flying) if asynchronous else 0,
@@ -166,6 +169,19 @@ def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int
                         f"({need.describe()}), but its device {placed.name} has "
                         f"{placed.memory_gib:g} GiB")
     return None
+
+
+def _peak_bytes(actions: Sequence[Any], kept: Sequence[int]) -> int:
+    """The most bytes ``actions`` hold at once when a forward on chunk ``c`` keeps ``kept[c]``
+    until its backward (:func:`~sdpipe_cli.core.schedule.in_flight`, weighed)."""
+    now = most = 0
+    for action in actions:
+        if action.kind == "F":
+            now += kept[action.chunk]
+        elif action.kind == "B":
+            now -= kept[action.chunk]
+        most = max(most, now)
+    return most
 
 
 def _stashed(p: DictConfig, flying: int) -> int:

@@ -11,6 +11,7 @@ from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
+from sdpipe_cli.core.interleaved import interleaved_1f1b
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.data import sources
 from sdpipe_cli.model import memory, models
@@ -59,8 +60,8 @@ def test_a_prepared_run_cuts_the_model_into_v_times_s_pieces_and_syncs_by_stage(
 
 
 def test_the_memory_estimate_holds_each_stage_s_chunks():
-    """A stage's weights are its chunks' blocks; its activations, its largest chunk's for each
-    chunk-micro-batch the interleaved schedule holds at once (stage 0: 1F1B's first stage, S)."""
+    """A stage's weights are its chunks' blocks; its activations, the most its chunks'
+    micro-batches hold at once under the interleaved schedule, each at its chunk's size."""
     cfg, _, _ = preparing.prepare(compose(IL))
     flat, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
                                             "pipeline.partition=[2,4,5]", "pipeline.stages=4"]))
@@ -70,5 +71,11 @@ def test_the_memory_estimate_holds_each_stage_s_chunks():
     assert chunked is not None and pieces is not None
     assert chunked[0].weights == pieces[0].weights + pieces[2].weights
     assert chunked[1].weights == pieces[1].weights + pieces[3].weights
-    assert chunked[0].activations == max(pieces[0].activations, pieces[2].activations)
-    assert [e.in_flight for e in chunked] == [4, 3]  # S - s - 1 + (v - 1) S + 1
+    assert [e.in_flight for e in chunked] == [4, 3]  # S - s + (v - 1) S
+    for s in (0, 1):  # each chunk's micro-batches at their own size, at the schedule's peak
+        kept = [pieces[s].activations, pieces[s + 2].activations]
+        now = peak = 0
+        for a in interleaved_1f1b(2)(2, 4, s):
+            now += kept[a.chunk] if a.kind == "F" else -kept[a.chunk]
+            peak = max(peak, now)
+        assert peak <= chunked[s].activations * chunked[s].in_flight < peak + chunked[s].in_flight
