@@ -2,12 +2,11 @@
 
 A class names its kind's fields and their types; its docstring says what the line is and what
 each field means. From these come the reader's checks (:data:`SCHEMA`, :data:`CHECKED`,
-:data:`REQUIRED`: :func:`~sdpipe_cli.analysis.read_metrics`), the writers' lines
-(:meth:`Record.line` refuses a field its class does not declare), the table of docs/RUNS.md
-(:mod:`.records_reference`) and the suite's check of every line its runs write
-(``tests/helpers.py``). A line may lack a field its class declares (a sync mode that does not
-measure it, a run of an older version); the reader insists only on :attr:`Record.required`, and
-checks the types of :attr:`Record.checked`.
+:data:`REQUIRED`: :func:`~sdpipe_cli.analysis.read_metrics`), the writers' lines (:meth:`Record.line`
+refuses a field its class does not declare), the table of docs/RUNS.md (:mod:`.records_reference`)
+and the suite's check of every line its runs write (``tests/helpers.py``). A line may lack a
+field its class declares (a sync mode that does not measure it, a run of an older version); the
+reader insists only on :attr:`Record.required`, and checks the types of :attr:`Record.checked`.
 
 Part of :mod:`sdpipe_cli.analysis` (import from there).
 """
@@ -18,7 +17,7 @@ import types
 import typing
 from typing import Any, ClassVar
 
-from sdpipe_cli.core.grouping.state import LeftOut, Reason
+from sdpipe_cli.core.grouping.state import Joined, LeftOut, Reason
 
 # a field's type as the reader checks it: int, number (int or float), str, bool, list, dict, any;
 # "?": may be null
@@ -209,7 +208,9 @@ class GroupLine(Record):
     `connected` held until it merged another component, `global`, `stop` the run's last global
     sync), `outside` (each live pipeline the round left out, by pipeline, with why: `late`
     awaited and not there by the horizon, `capped` there past `max_group`, `global` at its
-    iteration of the pending global sync, `busy` still computing and not awaited); `time`;
+    iteration of the pending global sync, `busy` still computing and not awaited), `inside`
+    (a group round's members, by pipeline, with why each is in: `opened` it opened the round,
+    `expected` the round awaited it and it came, `ready` it was there, not awaited); `time`;
     `done` (the pipeline-iterations begun in the run, the lr schedule's clock, which a replay
     takes from here); `every` (where meetings are H iterations apart: `iterations` count
     meetings of this many); where meetings follow the wire, `nexts` (each member's next block)
@@ -236,6 +237,7 @@ class GroupLine(Record):
     done_steps: int
     reason: Reason
     outside: dict[str, LeftOut]
+    inside: dict[str, Joined]
     done: int | None
     heal: list
     weight_shares: list
@@ -489,8 +491,7 @@ RECORDS: tuple[type[Record], ...] = (
     PaceLine, CheckpointLine, CheckpointDroppedLine, ResumeLine, LostLine, RestartLine, HealLine,
     StragglerLine, RecoveredLine, ReplanLine, SchedulerRestartLine, DoneLine)
 BY_KIND: dict[str, type[Record]] = {r.kind: r for r in RECORDS}
-# kind -> field -> type spec; what each field means: the classes' docstrings (docs/RUNS.md)
-SCHEMA: dict[str, dict[str, str]] = {r.kind: r.fields() for r in RECORDS}
+SCHEMA: dict[str, dict[str, str]] = {r.kind: r.fields() for r in RECORDS}  # kind -> field -> type
 # the fields a reader checks where present (those the figures read), and those a line must have
 CHECKED: dict[str, tuple[str, ...]] = {r.kind: r.checked for r in RECORDS if r.checked}
 REQUIRED: dict[str, tuple[str, ...]] = {r.kind: r.required for r in RECORDS if r.required}

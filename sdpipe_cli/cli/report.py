@@ -41,7 +41,7 @@ from sdpipe_cli import analysis
 from sdpipe_cli.config import yaml_bounds
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.core import modes
-from sdpipe_cli.core.grouping.rounds import LEFT_OUT, REASONS
+from sdpipe_cli.core.grouping.rounds import JOINED, LEFT_OUT, REASONS
 
 __all__ = ["Run", "load", "load_all", "labels", "report"]
 
@@ -285,16 +285,18 @@ def _throughput_figure(plt, runs: Sequence[Run]):
 
 def reasons(run: Run) -> dict[str, int]:
     """How many of the run's rounds closed for each reason (their ``group`` lines' ``reason``:
-    every live replica there, the awaited ones came, one was late, ...), then how many times a
-    live pipeline was left out of a round for each reason (``outside``, as ``out: late``, ...),
-    in the policy's order."""
+    every live replica there, the awaited ones came, one was late, ...), how many times a
+    pipeline was in a round for each reason (``inside``, as ``in: expected``, ...) and left out
+    of one (``outside``, as ``out: late``, ...), in the policy's order."""
     counts: dict[str, int] = {}
     for g in run.kind("group"):
         whys = [g["reason"]] if g.get("reason") else []
+        whys += [f"in: {w}" for w in (g.get("inside") or {}).values()]
         whys += [f"out: {w}" for w in (g.get("outside") or {}).values()]
         for why in whys:
             counts[why] = counts.get(why, 0) + 1
-    order = {r: i for i, r in enumerate((*REASONS, *(f"out: {w}" for w in LEFT_OUT)))}
+    order = {r: i for i, r in enumerate((*REASONS, *(f"in: {w}" for w in JOINED),
+                                         *(f"out: {w}" for w in LEFT_OUT)))}
     return dict(sorted(counts.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 
 

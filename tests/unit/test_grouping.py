@@ -55,7 +55,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from sdpipe_cli.core.grouping import Decision, DisjointSet, GroupScheduler
-from sdpipe_cli.core.grouping.rounds import LEFT_OUT, REASONS
+from sdpipe_cli.core.grouping.rounds import JOINED, LEFT_OUT, REASONS
 from tests.policy_sim import Result, Sim, SimError, replay
 
 EPS = 1e-9
@@ -124,6 +124,13 @@ def check_well_formed(r: Result) -> None:
         assert all(why in LEFT_OUT for _, why in d.outside), d
         assert d.kind == "group" or not d.outside, d
         assert d.reason != "all" or all(why == "global" for _, why in d.outside), d
+        # who is in, and why: a group round names every member once, its opener at most once
+        if d.kind == "group":
+            assert tuple(p for p, _ in d.inside) == d.members, d
+            assert all(why in JOINED for _, why in d.inside), d
+            assert sum(why == "opened" for _, why in d.inside) <= 1, d
+        else:
+            assert not d.inside, d
         assert d.round == next_round[d.stage], (d, next_round)
         next_round[d.stage] += 1
         for p, k in zip(d.members, d.iterations):
@@ -607,7 +614,7 @@ def test_group_closes_when_everyone_is_ready():
     clock.t = 0.006
     (d,) = g.ready(0, 2, 0)
     assert d == Decision(0, 1, (0, 1, 2), (0, 0, 0), (0.006, 0.002, 0.0), "group", False,
-                         reason="all")
+                         reason="all", inside=((0, "opened"), (1, "ready"), (2, "ready")))
     assert g.next_deadline() is None
 
 
@@ -1496,3 +1503,11 @@ def test_every_decision_says_why_it_closed():
     assert any("capped" in dict(d.outside).values() for _, d in capped.decisions)
     left = [dict(d.outside).get(3) for _, d in slow.decisions if d.kind == "group" and 3 not in d.members]
     assert left and set(left) <= {"late", "busy", "global"} and "busy" in left, left
+    # and who is in: every round has its opener; the equal replicas' full rounds wait for the
+    # others forecast with the opener; the straggler, when in, came awaited or by chance
+    assert all(list(dict(d.inside).values()).count("opened") == 1
+               for _, d in equal.decisions if d.kind == "group")
+    assert sum("expected" in dict(d.inside).values() for _, d in equal.decisions
+               if d.kind == "group") > 0.5 * len([d for _, d in equal.decisions if d.kind == "group"])
+    joined = {dict(d.inside)[3] for _, d in slow.decisions if d.kind == "group" and 3 in d.members}
+    assert joined and joined <= set(JOINED), joined

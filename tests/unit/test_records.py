@@ -49,11 +49,13 @@ def test_every_word_a_field_may_hold_is_said_in_its_kind_s_doc(record):
 
 
 def test_the_words_of_a_decision_are_the_policy_s():
-    """A group line's reason and each left-out pipeline's why are typed by the policy's own words
-    (core/grouping/state.py), so a word the policy adds is one the suite's runs may write."""
-    from sdpipe_cli.core.grouping.state import LEFT_OUT, REASONS
+    """A group line's reason and each member's and left-out pipeline's why are typed by the
+    policy's own words (core/grouping/state.py), so a word the policy adds is one the suite's
+    runs may write."""
+    from sdpipe_cli.core.grouping.state import JOINED, LEFT_OUT, REASONS
 
-    assert CHOICES["group"] == {"reason": frozenset(REASONS), "outside": frozenset(LEFT_OUT)}
+    assert CHOICES["group"] == {"reason": frozenset(REASONS), "outside": frozenset(LEFT_OUT),
+                                "inside": frozenset(JOINED)}
 
 
 def test_kinds_are_one_each_and_the_schema_is_theirs():

@@ -159,8 +159,11 @@ def test_rounds_are_counted_by_why_they_closed_in_the_policys_order(tmp_path):
     lines = [{**group, "reason": r} for r in ("late", "all", "all", "stop", "expected")]
     run = report.load(write_run(tmp_path / "r", SDPIPE, lines + [group]))  # an older line: none
     assert report.reasons(run) == {"all": 2, "expected": 1, "late": 1, "stop": 1}
-    outside = [{**group, "reason": "late", "outside": {"1": "late", "3": "busy"}},
-               {**group, "reason": "cap", "outside": {"2": "capped", "3": "busy"}}]
+    outside = [{**group, "reason": "late", "outside": {"1": "late", "3": "busy"},
+                "inside": {"0": "ready", "2": "opened"}},
+               {**group, "reason": "cap", "outside": {"2": "capped", "3": "busy"},
+                "inside": {"0": "opened", "1": "expected"}}]
     run = report.load(write_run(tmp_path / "o", SDPIPE, outside))
     assert list(report.reasons(run).items()) == [
-        ("late", 1), ("cap", 1), ("out: late", 1), ("out: capped", 1), ("out: busy", 2)]
+        ("late", 1), ("cap", 1), ("in: opened", 2), ("in: expected", 1), ("in: ready", 1),
+        ("out: late", 1), ("out: capped", 1), ("out: busy", 2)]

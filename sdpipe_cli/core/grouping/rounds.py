@@ -20,9 +20,19 @@ from sdpipe_cli.core.grouping.freshness import Freshness
 from sdpipe_cli.core.grouping.lineage import Lineage
 from sdpipe_cli.core.grouping.membership import Membership
 from sdpipe_cli.core.grouping.prediction import Prediction
-from sdpipe_cli.core.grouping.state import LEFT_OUT, REASONS, Decision, LeftOut, Reason, RunState
+from sdpipe_cli.core.grouping.state import (
+    JOINED,
+    LEFT_OUT,
+    REASONS,
+    Decision,
+    Joined,
+    LeftOut,
+    Reason,
+    RunState,
+    StageState,
+)
 
-__all__ = ["LEFT_OUT", "REASONS", "RoundFormer"]
+__all__ = ["JOINED", "LEFT_OUT", "REASONS", "RoundFormer"]
 
 
 class RoundFormer:
@@ -99,12 +109,12 @@ class RoundFormer:
         at_global = self._at_global(s)
         ready = st.free
         if not ready:
-            st.deadline, st.window_end, st.connecting = None, None, False
+            st.deadline, st.window_end, st.connecting, st.opener = None, None, False, None
             self.links.release(s)
             return None
         now = run.clock()
         if st.window_end is None:
-            opener = min(ready, key=lambda p: (ready[p][1], p))
+            opener = st.opener = min(ready, key=lambda p: (ready[p][1], p))
             opened = ready[opener][1]
             st.window_end = opened + self.window[(s, opener)]
             self.prediction.open(s, opener, opened, ready, at_global)
@@ -131,7 +141,7 @@ class RoundFormer:
         members = set(members)
         outside = self._left_out(members, ready, st.expect, at_global)
         decision = self._emit(s, sorted(members), kind="group", stop=False, reason=reason,
-                              outside=outside)
+                              outside=outside, inside=self._joined(members, st))
         self.links.merged(s, members)
         for p in members:
             key = (s, p)
@@ -158,8 +168,15 @@ class RoundFormer:
                       else "late" if p in expected else "busy")
                      for p in sorted(self.run.live - members))
 
+    @staticmethod
+    def _joined(members: set[int], st: StageState) -> tuple[tuple[int, Joined], ...]:
+        """Each member of a group round, with why it is in (:data:`JOINED`)."""
+        return tuple((p, "opened" if p == st.opener else "expected" if p in st.expect else "ready")
+                     for p in sorted(members))
+
     def _emit(self, s: int, members: list[int], kind: str, stop: bool, reason: Reason,
-              outside: tuple[tuple[int, LeftOut], ...] = ()) -> Decision:
+              outside: tuple[tuple[int, LeftOut], ...] = (),
+              inside: tuple[tuple[int, Joined], ...] = ()) -> Decision:
         run = self.run
         st = run.stages[s]
         now = run.clock()
@@ -173,7 +190,7 @@ class RoundFormer:
                             iterations=tuple(st.waiting[p][0] for p in members),
                             waited=tuple(now - st.waiting[p][1] for p in members),
                             kind=kind, stop=stop, heal=heal, twins=twins, reason=reason, outside=outside,
-                            weight_shares=weight_shares, grad_shares=grad_shares)
+                            inside=inside, weight_shares=weight_shares, grad_shares=grad_shares)
         self.lineage.note(decision)
         self.freshness.note(s, members, done)
         for q, _ in heal:
@@ -184,5 +201,5 @@ class RoundFormer:
             del st.waiting[p]
             st.parked.discard(p)
             st.free.pop(p, None)
-        st.deadline, st.window_end, st.connecting = None, None, False
+        st.deadline, st.window_end, st.connecting, st.opener = None, None, False, None
         return decision

@@ -30,6 +30,10 @@ REASONS: tuple[Reason, ...] = get_args(Reason)
 # and not awaited (still computing: a round does not wait for it).
 LeftOut = Literal["late", "capped", "global", "busy"]
 LEFT_OUT: tuple[LeftOut, ...] = get_args(LeftOut)
+# Why a pipeline is in a group round: it opened the round; the round awaited it (forecast to come
+# by the horizon) and it came; it was there when the round closed, not awaited.
+Joined = Literal["opened", "expected", "ready"]
+JOINED: tuple[Joined, ...] = get_args(Joined)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class Decision:
     reason: Reason | None = None  # why the round closed (:data:`REASONS`); every policy says
     # each live pipeline the round left out, with why (:data:`LEFT_OUT`), by pipeline
     outside: tuple[tuple[int, LeftOut], ...] = ()
+    # a group round's members, each with why it is in (:data:`JOINED`), by pipeline
+    inside: tuple[tuple[int, Joined], ...] = ()
 
     def of(self, pipeline: int) -> int:
         """The iteration this decision answers for ``pipeline``."""
@@ -83,6 +89,7 @@ class StageState:
     waiting: dict[int, tuple[int, float]] = field(default_factory=dict)  # p -> (iteration, arrival)
     deadline: float | None = None  # when the open round closes without everyone
     window_end: float | None = None  # the opener's window (None: no round open)
+    opener: int | None = None  # the replica that opened the round
     horizon: float = 0.0  # with patience: how long the round may wait for ``expect``
     expect: frozenset = frozenset()  # replicas predicted to be ready within the horizon
     slowest_expected: float = 0.0  # cost_aware: the largest pace in ``expect``

@@ -428,8 +428,8 @@ class Scheduler:
                 time=round(time.time() - self.t0, 4), stage=d.stage, round=d.round, group=d.kind,
                 members=list(d.members), iterations=list(d.iterations), size=len(d.members),
                 stop=d.stop, twins=d.twins, done=done, reason=d.reason,
-                outside={str(q): w for q, w in d.outside}, max_wait_s=round(max(d.waited), 6),
-                waits=[round(w, 6) for w in d.waited])
+                outside={str(q): w for q, w in d.outside}, inside={str(q): w for q, w in d.inside},
+                max_wait_s=round(max(d.waited), 6), waits=[round(w, 6) for w in d.waited])
             if pacing is not None:  # meetings that follow the wire: blocks of their own
                 line.update(pacing.fields(nexts))
             elif self.meetings.every > 1:  # iterations above count meetings of this many
