@@ -105,9 +105,10 @@ class RunPlan:
         """What replicas average: the stages, or finer ranges where pipelines are split
         differently (:mod:`~sdpipe_cli.core.segments`). Before the partition is resolved (a
         config not prepared yet, which has no ``pipeline.partitions`` either), one per stage."""
-        if not self.partitions or self.chunks > 1:  # interleaved: one split for all, by stage
+        alike = len(set(self.partitions)) == 1 and not self.in_place
+        if not self.partitions or (self.chunks > 1 and alike):  # interleaved alike: by stage
             return Segments.of([tuple(range(1, self.stages))] * self.pipelines)
-        return Segments.of(self.partitions, self.blocks if self.in_place else 0)
+        return Segments.of(self.partitions, self.blocks if self.in_place else 0, self.stages)
 
     @property
     def chunks(self) -> int:

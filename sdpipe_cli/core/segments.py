@@ -15,6 +15,11 @@ segments at every block as well (``grain``: the model's block count): a new spli
 holds whole segments, so the units of averaging, and every replica's rounds of them, stay as
 they were.
 
+Interleaved stages (``stages`` fewer than a partition's pieces: ``v`` chunks a stage, piece ``k``
+on stage ``k mod S``, :mod:`~sdpipe_cli.core.interleaved`) hold several ranges each: a segment
+lies on the stage of its piece, and its place in that stage's module (its chunks' blocks one
+after another) is counted over the chunks before its own.
+
 Pure: boundaries in, indices out. A partition is written as in :mod:`~sdpipe_cli.core.partition`
 (S - 1 block indices where a stage starts), so no block count is needed but for ``grain``.
 """
@@ -25,7 +30,7 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["Segments", "partitions_of", "with_split"]
 
@@ -37,20 +42,24 @@ class Segments:
 
     partitions: tuple[tuple[int, ...], ...]
     grain: int = 0
+    stages: int = 0  # stages of a pipeline; 0: one a piece of the partition (no interleaving)
 
     @classmethod
-    def of(cls, partitions: Sequence[Sequence[int]], grain: int = 0) -> Segments:
+    def of(cls, partitions: Sequence[Sequence[int]], grain: int = 0, stages: int = 0) -> Segments:
         parts = tuple(tuple(int(b) for b in bounds) for bounds in partitions)
         if not parts or len({len(b) for b in parts}) != 1:
             raise ValueError("every pipeline needs a partition into the same number of stages")
-        return cls(parts, int(grain))
+        if stages and (len(parts[0]) + 1) % stages:
+            raise ValueError(f"{len(parts[0]) + 1} pieces do not make {stages} stages of equal "
+                             "chunk counts")
+        return cls(parts, int(grain), 0 if stages == len(parts[0]) + 1 else int(stages))
 
     def resplit(self, pipeline: int, bounds: Sequence[int]) -> Segments:
         """These segments with ``pipeline`` split at ``bounds``: the same units when ``grain``
         cuts at every block."""
         parts = list(self.partitions)
         parts[pipeline] = tuple(int(b) for b in bounds)
-        return Segments.of(parts, self.grain)
+        return Segments.of(parts, self.grain, self.stages)
 
     @cached_property
     def cuts(self) -> tuple[int, ...]:
@@ -67,7 +76,8 @@ class Segments:
     def uniform(self) -> bool:
         """Whether the segments are the stages: every pipeline has the same partition, and it
         cuts wherever ``grain`` does."""
-        return len(set(self.partitions)) == 1 and self.cuts == self.partitions[0]
+        return (len(set(self.partitions)) == 1 and self.cuts == self.partitions[0]
+                and not self.stages)
 
     def start(self, k: int) -> int:
         """The first block of segment ``k``."""
@@ -78,24 +88,34 @@ class Segments:
         cuts = self.cuts
         return cuts[k] if k < len(cuts) else None
 
-    def holder(self, pipeline: int, k: int) -> int:
-        """The stage of ``pipeline`` that holds segment ``k``."""
+    def _piece(self, pipeline: int, k: int) -> int:
+        """The piece of ``pipeline``'s partition (its stage, unless interleaved) holding ``k``."""
         return bisect_right(self.partitions[pipeline], self.start(k))
 
+    def holder(self, pipeline: int, k: int) -> int:
+        """The stage of ``pipeline`` that holds segment ``k``."""
+        piece = self._piece(pipeline, k)
+        return piece % self.stages if self.stages else piece
+
     def held(self, pipeline: int, stage: int) -> list[int]:
-        """The segments stage ``stage`` of ``pipeline`` holds, in order (at least one)."""
+        """The segments stage ``stage`` of ``pipeline`` holds, in order (at least one): the
+        order of its module's blocks."""
         return [k for k in range(self.count) if self.holder(pipeline, k) == stage]
 
     def local(self, pipeline: int, k: int) -> tuple[int, int | None]:
-        """Segment ``k``'s blocks as a slice of its holder's blocks in ``pipeline``: (start,
-        stop), with stop None where the segment runs to the end of that stage."""
-        stage = self.holder(pipeline, k)
-        bounds = self.partitions[pipeline]
-        first = bounds[stage - 1] if stage else 0
-        stop = self.stop(k)
-        if stop is None or (stage < len(bounds) and stop == bounds[stage]):
-            return self.start(k) - first, None  # to the end of the stage
-        return self.start(k) - first, stop - first
+        """Segment ``k``'s blocks as a slice of its holder's blocks in ``pipeline`` (its
+        chunks', one after another): (start, stop), with stop None where the segment runs to
+        the end of that stage's blocks."""
+        bounds, piece = self.partitions[pipeline], self._piece(pipeline, k)
+        edges = [0, *bounds, None]
+        pieces, step = len(bounds) + 1, self.stages or len(bounds) + 1
+        before = sum(cast(int, edges[j + 1]) - cast(int, edges[j])
+                     for j in range(piece % step, piece, step))  # its stage's earlier chunks
+        first = cast(int, edges[piece])
+        start, stop = self.start(k) - first + before, self.stop(k)
+        if stop == edges[piece + 1] and piece + step >= pieces:
+            return start, None  # to the end of the stage's last chunk
+        return start, cast(int, stop) - first + before
 
 
 def partitions_of(pipeline: Any, pipelines: int) -> tuple[tuple[int, ...], ...]:

@@ -290,7 +290,7 @@ def _stages(source: Source) -> Iterator[dict[Where, list[torch.Tensor]]]:
                                   f"partition of {len(bounds) + 1}" + (f" for pipeline {p}"
                                                                       if parts[p] != parts[0] else "")
                                   ) from None
-    segments = Segments.of(parts)
+    segments = Segments.of(parts, stages=source.stages)
     stage = [-1] * source.pipelines  # the stage of each pipeline whose shard is in memory
     tables: list[dict[Where, torch.Tensor]] = [{} for _ in range(source.pipelines)]
     for k in range(segments.count):
@@ -298,7 +298,7 @@ def _stages(source: Source) -> Iterator[dict[Where, list[torch.Tensor]]]:
         hi = len(blocks) if stop is None else stop
         table: dict[Where, list[torch.Tensor]] = {}
         for p in range(source.pipelines):
-            s = segments.holder(p, k) % source.stages  # interleaved: a chunk's stage
+            s = segments.holder(p, k)
             if stage[p] != s:  # the stage before is done with: one shard per pipeline at a time
                 tables[p] = {}
                 tables[p], stage[p] = _shard(source, p, s, held[p][s], blocks), s

@@ -32,7 +32,8 @@ IL = ["model=mlp", "cluster.device=cpu", "pipeline.schedule=interleaved_1f1b", "
     ([*IL, "pipeline.chunks=4"], "pipeline.chunks", "8 pieces, but model mlp has 6 blocks; use at most 3"),
     ([*IL, "pipeline.partition=[3]"], "pipeline.partition",
      "has 1 boundaries; 2 stages of 2 chunks need 3"),
-    ([*IL, "+pipeline.partitions={1: [1, 2, 3]}"], "pipeline.partitions", "do not run interleaved yet"),
+    ([*IL, "pipeline.partitions={1: [1, 2]}"], "pipeline.partitions.1",
+     "has 2 boundaries; 2 stages of 2 chunks need 3"),
     ([*IL, "fault.on_slowdown=replan", "profile=/nonexistent"], "fault.on_slowdown",
      "replan does not re-split interleaved stages yet"),
 ])

@@ -98,3 +98,46 @@ def test_segments_per_block_stay_the_units_when_a_pipeline_is_split_anew(layout,
                 assert after.holder(q, k) == seg.holder(q, k)
     # the units are the stages only where every stage is one block and all pipelines agree
     assert seg.uniform == (len(set(seg.partitions)) == 1 and len(partitions[0]) == blocks - 1)
+
+
+@st.composite
+def interleaved_layouts(draw):
+    """Block count, stages, then 1-4 pipelines' partitions into ``v x S`` pieces each."""
+    stages, chunks = draw(st.integers(2, 4)), draw(st.integers(2, 3))
+    blocks = draw(st.integers(stages * chunks, 20))
+    pipelines = draw(st.integers(1, 4))
+    cuts = st.lists(st.integers(1, blocks - 1), min_size=stages * chunks - 1,
+                    max_size=stages * chunks - 1, unique=True).map(sorted)
+    return blocks, stages, [draw(cuts) for _ in range(pipelines)], draw(st.booleans())
+
+
+@given(interleaved_layouts())
+def test_interleaved_stages_hold_their_segments_in_their_module_s_order(layout):
+    """A stage of several chunks holds its blocks chunk after chunk (the worker's module): its
+    segments, in order, are slices of that list that tile it, each the segment's blocks."""
+    from sdpipe_cli.core.interleaved import stage_blocks
+
+    blocks, stages, partitions, per_block = layout
+    seg = Segments.of(partitions, blocks if per_block else 0, stages)
+    assert not seg.uniform
+    for p, bounds in enumerate(partitions):
+        for s, chunks in enumerate(stage_blocks(bounds, blocks, stages)):
+            module = [b for lo, hi in chunks for b in range(lo, hi)]
+            covered = []
+            for k in seg.held(p, s):
+                a, b = seg.local(p, k)
+                assert module[a:b] == list(range(seg.start(k), seg.stop(k) or blocks))
+                covered += module[a:b]
+            assert covered == module
+
+
+def test_one_split_of_interleaved_stages_is_not_the_stages():
+    """Pieces 0 and 2 lie on stage 0: four segments, two a stage, in the module's order."""
+    seg = Segments.of([[2, 4, 5]] * 2, stages=2)
+    assert seg.count == 4 and not seg.uniform
+    assert seg.held(0, 0) == [0, 2] and seg.held(1, 1) == [1, 3]
+    assert [seg.local(0, k) for k in (0, 2)] == [(0, 2), (2, None)]
+    assert [seg.local(0, k) for k in (1, 3)] == [(0, 2), (2, None)]
+    assert Segments.of([[2, 4, 5]] * 2, stages=4) == Segments.of([[2, 4, 5]] * 2)  # one chunk
+    with pytest.raises(ValueError, match="4 pieces do not make 3 stages"):
+        Segments.of([[2, 4, 5]], stages=3)
