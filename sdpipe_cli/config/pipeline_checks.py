@@ -51,8 +51,8 @@ def validate_pipeline(cfg: DictConfig) -> None:
 
 def _validate_chunks(cfg: DictConfig, blocks: int | None) -> None:
     """``pipeline.chunks``: an interleaved schedule's model chunks per stage, and what interleaving
-    needs (a stage before and after each chunk, micro-batches in groups of the stages) or does
-    not run with yet (re-splitting a slowed pipeline)."""
+    needs: a stage before and after each chunk, micro-batches in groups of the stages, a block
+    for every piece."""
     p, key = cfg.pipeline, "pipeline.chunks"
     need(p.chunks >= 1, key, f"is {p.chunks}; must be at least 1")
     if p.schedule in CHUNKED_SCHEDULES:
@@ -69,8 +69,6 @@ def _validate_chunks(cfg: DictConfig, blocks: int | None) -> None:
     need(blocks is None or p.chunks * p.stages <= blocks, key,
          f"is {p.chunks}: {p.chunks} x {p.stages} stages = {p.chunks * p.stages} pieces, but model "
          f"{cfg.model.name} has {blocks} blocks; use at most {(blocks or 0) // p.stages} chunks")
-    need(cfg.fault.on_slowdown != "replan", "fault.on_slowdown", "replan does not re-split "
-         "interleaved stages yet; use warn, or pipeline.chunks=1")
 
 
 def validate_own_partitions(p: DictConfig, pipelines: int, blocks: int | None) -> None:

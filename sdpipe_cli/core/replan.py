@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdpipe_cli.core.grouping.prediction import AWAIT_PACE_RATIO
-from sdpipe_cli.core.partition import device_cost, plan, stage_ranges
+from sdpipe_cli.core.interleaved import stage_blocks
+from sdpipe_cli.core.partition import device_cost, plan
 
 __all__ = ["Proposal", "as_config", "called_for", "move_cost", "pace_bound", "pipeline_ms",
            "run_rate", "propose", "scaled", "splits_field", "MIN_GAIN"]
@@ -118,10 +119,14 @@ def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],
                 microbatches: int) -> float:
     """One pipeline's iteration, in ms: the sum of its stages' times plus ``m - 1`` times its
     slowest, where ``block_ms[s][i]`` is block i's forward and backward time per micro-batch on
-    its stage s's device."""
-    blocks = len(block_ms[0])
-    times = [sum(block_ms[s][a:b]) for s, (a, b) in enumerate(stage_ranges(bounds, blocks))]
-    return sum(times) + (microbatches - 1) * max(times)
+    its stage s's device. Interleaved (``bounds`` cutting ``v x S`` pieces, a stage's time its
+    chunks'): the slowest stage's ``m`` micro-batches, plus the fill and drain through the
+    others, ``1 / v`` as long."""
+    stages = len(block_ms)
+    held = stage_blocks(bounds, len(block_ms[0]), stages)
+    times = [sum(sum(block_ms[s][a:b]) for a, b in chunks) for s, chunks in enumerate(held)]
+    chunks = (len(bounds) + 1) // stages
+    return (sum(times) - max(times)) / chunks + microbatches * max(times)
 
 
 def pace_bound(lock_step: bool, sync: Any = None) -> float:
@@ -150,13 +155,20 @@ def run_rate(block_ms: Sequence[Sequence[Sequence[float]]], splits: Sequence[Seq
             + sum(batch_size / t for t in times if t > pace * min(times)))
 
 
-def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool) -> list[list[int]]:
+def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool,
+               chunks: int = 1) -> list[list[int]]:
     """Each pipeline's split at these speeds: its own devices' best (``own``: the mode averages
-    per segment), else the best of one split for all (the partitioner of ``auto``)."""
+    per segment), else the best of one split for all (the partitioner of ``auto``); with
+    ``chunks`` a stage, into ``chunks x S`` pieces, each timed on its stage's devices."""
     blocks, stages = len(block_ms[0][0]), len(block_ms[0])
+
+    def best(rows: Sequence[Sequence[Sequence[float]]]) -> list[int]:
+        cost = device_cost(rows)
+        return plan(lambda k, a, b: cost(k % stages, a, b), blocks, stages * chunks).bounds
+
     if own:
-        return [plan(device_cost([rows]), blocks, stages).bounds for rows in block_ms]
-    return [plan(device_cost(block_ms), blocks, stages).bounds] * len(block_ms)
+        return [best([rows]) for rows in block_ms]
+    return [best(block_ms)] * len(block_ms)
 
 
 def move_cost(restart_s: float, state_bytes: float, bytes_per_s: float, changed: int,
@@ -185,7 +197,7 @@ def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Seq
     moving stops only their share of the run, for a restart and a copy of their state from
     the others (:func:`move_cost`)."""
     now_split = [[int(b) for b in bounds] for bounds in current]
-    wanted = called_for(block_ms, own)
+    wanted = called_for(block_ms, own, (len(now_split[0]) + 1) // len(block_ms[0]))
     kept = [p for p, (c, w, a) in enumerate(zip(now_split, wanted, advised)) if w == list(a) != c]
     bounds = [c if p in kept else w for p, (c, w) in enumerate(zip(now_split, wanted))]
     now = run_rate(block_ms, now_split, microbatches, batch_size, pace)

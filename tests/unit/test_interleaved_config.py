@@ -34,8 +34,6 @@ IL = ["model=mlp", "cluster.device=cpu", "pipeline.schedule=interleaved_1f1b", "
      "has 1 boundaries; 2 stages of 2 chunks need 3"),
     ([*IL, "pipeline.partitions={1: [1, 2]}"], "pipeline.partitions.1",
      "has 2 boundaries; 2 stages of 2 chunks need 3"),
-    ([*IL, "fault.on_slowdown=replan", "profile=/nonexistent"], "fault.on_slowdown",
-     "replan does not re-split interleaved stages yet"),
 ])
 def test_what_interleaving_refuses_is_one_line(overrides, key, reason, tmp_path, capsys):
     with pytest.raises(ConfigError, match=reason) as info:

@@ -27,6 +27,22 @@ def test_a_pipeline_takes_its_stages_once_and_its_slowest_m_minus_1_more_times()
     assert pipeline_ms(row, uniform(BLOCKS, S), M) == 28.0 + (M - 1) * 16.0
 
 
+def test_an_interleaved_pipeline_pays_its_fill_and_drain_a_chunk_at_a_time():
+    """Eight pieces of two blocks, two a stage: the same stage times (4, 16, 4, 4 ms), the
+    slowest stage's m micro-batches and the others once, halved; one chunk is 1F1B's formula."""
+    row = speeds({(0, 1): 0.25})[0]
+    assert pipeline_ms(row, uniform(BLOCKS, 2 * S), M) == M * 16.0 + 12.0 / 2
+
+
+def test_interleaved_splits_are_called_for_in_v_times_s_pieces_on_their_stages_devices():
+    """Piece k runs on stage k mod S: the pieces of the slowed stage 1 (1 and 5) get fewer
+    blocks than the others, and every pipeline's split has 2 S - 1 boundaries."""
+    [split, *rest] = called_for(speeds({(p, 1): 0.5 for p in range(P)}), own=False, chunks=2)
+    assert len(split) == 2 * S - 1 and all(r == split for r in rest)
+    sizes = [b - a for a, b in zip([0, *split], [*split, BLOCKS])]
+    assert max(sizes[1], sizes[5]) < min(sizes[k] for k in (2, 3, 6, 7)), sizes
+
+
 def test_lock_step_replans_a_slow_device_and_doubles_the_pace():
     block_ms = speeds({(2, 1): 0.25})
     proposal = propose(block_ms, EVEN, EVEN, M, BATCH, pace=LOCK_STEP, own=False,

@@ -146,7 +146,7 @@ class Checkpoints:
         """A pipeline at the global sync whose shards can stand in for lost pipeline ``q``'s:
         every replica is alike there, but a shard holds its stage's blocks, so it must be of a
         pipeline split as ``q`` is."""
-        partitions = self.plan.segments.partitions
+        partitions = self.plan.partitions
         return next((p for p in present if partitions[p] == partitions[q]), None)
 
     def finalize(self, ckpt: int, live: bool, elapsed: float, metrics: Callable[[], dict]

@@ -64,7 +64,7 @@ class Replanning:
         self.start = carried_of(cfg.fault.slowed, plan.pipelines, plan.stages)
         self.slowed = dict(self.start)
         self.threshold = float(cfg.fault.slowdown_threshold)
-        self.partitions = [list(b) for b in plan.segments.partitions]  # each pipeline's split
+        self.partitions = [list(b) for b in plan.partitions]  # each pipeline's split
         self.shared = [int(b) for b in cfg.pipeline.partition]  # theirs unless given their own
         self.microbatches, self.batch = int(cfg.pipeline.microbatches), int(cfg.train.batch_size)
         self.pace = pace_bound(mode(cfg.sync.name).paced_by_slowest, cfg.sync)
@@ -74,7 +74,8 @@ class Replanning:
         self.chosen: Proposal | None = None
         self.memory_of = (cfg, plan) if cfg.run.memory_check else None  # to check a new split
         # the splits the speeds of this leg's start call for (the profile's advice then)
-        self.advised = called_for(scaled(self.base, self.slowed), self.own)
+        self.chunks = plan.chunks
+        self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks)
         self.in_place = plan.in_place
         self.stages = plan.stages
         self.resplitting: dict[int, list[int]] = {}  # pipeline -> its new split, until restarted
@@ -118,7 +119,7 @@ class Replanning:
         if self.chosen is not None and not self.resplitting and self.healing <= set(live) \
                 and self.resplits:
             self.chosen, self.healing = None, set()
-            self.advised = called_for(scaled(self.base, self.slowed), self.own)
+            self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks)
 
     def consider(self, own: dict[tuple[int, int], float | None], samples_done: float,
                  restart_s: float, policy: Any = None) -> Proposal | None:
