@@ -11,7 +11,10 @@ Run it from the repository root after ``pip install -e .``::
 The claim it checks: on one pipeline, sdpipe's flushed schedule is at least as fast as PyTorch's
 own: ``--schedule 1f1b`` (the default) against ``Schedule1F1B``, ``--schedule zb_h1`` against
 ``ScheduleInterleavedZeroBubble`` with one stage per process (torch's zero-bubble schedule, its
-backward split into the input's and the weights' gradients as sdpipe's ``zb_h1`` splits it).
+backward split into the input's and the weights' gradients as sdpipe's ``zb_h1`` splits it),
+``--schedule interleaved_1f1b --chunks v`` against ``ScheduleInterleaved1F1B`` with ``v`` stages
+per process (chunk ``c`` of process ``s`` the piece ``c x S + s`` of ``v x S`` uniform pieces, as
+sdpipe's ``pipeline.chunks`` cuts them).
 
 **What runs.** Both sides train the project's byte-level GPT blocks
 (``sdpipe_cli.model.bytes_lm.build_blocks``) from one composed config (``--model-overrides`` plus
@@ -83,6 +86,7 @@ def shared_overrides(args: argparse.Namespace) -> list[str]:
     return [*shlex.split(args.model_overrides), "data=synthetic", "sync=allreduce",
             "cluster.pipelines=1", f"pipeline.stages={args.stages}",
             f"pipeline.schedule={args.schedule}",
+            f"pipeline.chunks={args.chunks if args.schedule == 'interleaved_1f1b' else 1}",
             f"pipeline.microbatches={args.microbatches}", f"train.batch_size={args.batch}",
             f"train.steps={args.warmup + args.steps}", "train.eval_every=0", "train.log_every=1",
             "train.grad_clip=0", "train.warmup=0", "train.schedule=constant", "cluster.device=cpu"]
@@ -196,24 +200,33 @@ def make_step(cfg, rank: int, world: int, schedule_name: str, m: int):
     """One training iteration of stage ``rank``: schedule.step, then the optimizer's step."""
     import torch
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
-    from sdpipe_cli.core.partition import resolve, stage_ranges
+    from sdpipe_cli.core.interleaved import stage_blocks
+    from sdpipe_cli.core.partition import resolve
     from sdpipe_cli.model.bytes_lm import build_blocks
     from sdpipe_cli.model.models import cross_entropy
     from sdpipe_cli.model.optim import build_optimizer
 
     torch.manual_seed(int(cfg.train.seed))  # as build_stage_module: every process builds it all
     blocks = build_blocks(cfg.model)
-    start, stop_ = stage_ranges(resolve("uniform", len(blocks), world, None), len(blocks))[rank]
-    module = nn.Sequential(*blocks[start:stop_])
-    module.train()
-    stage = PipelineStage(module, rank, world, device=torch.device("cpu"))
+    v = int(cfg.pipeline.chunks)  # interleaved: chunk c of this rank is piece c x world + rank
+    held = stage_blocks(resolve("uniform", len(blocks), world * v, None), len(blocks), world)[rank]
+    chunks = [nn.Sequential(*blocks[start:stop_]).train() for start, stop_ in held]
+    stages = [PipelineStage(chunk, c * world + rank, world * v, device=torch.device("cpu"))
+              for c, chunk in enumerate(chunks)]
     if schedule_name == "zb_h1":
-        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=cross_entropy)
+        schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=m, loss_fn=cross_entropy)
+    elif schedule_name == "interleaved_1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=cross_entropy)
     else:
-        schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=cross_entropy)
-    optimizer = build_optimizer(module.parameters(), cfg.train)
+        schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=cross_entropy)
+    optimizer = build_optimizer([p for chunk in chunks for p in chunk.parameters()], cfg.train)
     shape = (int(cfg.train.batch_size), int(cfg.model.seq_len))
     first, last = rank == 0, rank == world - 1
 
@@ -244,7 +257,8 @@ def check(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--schedule", choices=("1f1b", "zb_h1"), default="1f1b")
+    parser.add_argument("--schedule", choices=("1f1b", "zb_h1", "interleaved_1f1b"), default="1f1b")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_1f1b)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="timed iterations per run")
@@ -270,6 +284,7 @@ def main() -> int:
             peer.append(run_torch(args, cfg_yaml))
             sdpipe.append(sdpipe_side(args))
     result = {"schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches, "batch": args.batch,
+              "chunks": args.chunks if args.schedule == "interleaved_1f1b" else 1,
               "steps": args.steps, "warmup": args.warmup, "model_overrides": args.model_overrides,
               "samples_per_s_sdpipe": [round(x, 1) for x in sdpipe],
               "samples_per_s_torch": [round(x, 1) for x in peer],
