@@ -2,11 +2,9 @@
 
 The composed config is the user's; what sdpipe derives during a run reaches its processes as a
 config of its own, made here from the one before it, never by assigning to a config that other
-holders still read:
+holders still read. (A pipeline's own split is no config of its own: its workers take it from
+the run plan, ``RunPlan.partition_of``, and build from it.)
 
-- :func:`for_pipeline`: the config one pipeline's workers build their stages from, whose
-  ``pipeline.partition`` is that pipeline's own split (``pipeline.partitions``' entry, or the
-  shared one);
 - :func:`resplit`: the run's config once pipelines were re-split in place (the launcher's
   ``config.replan.yaml`` for their new workers, the scheduler's checkpoint manifests), with the
   slowdowns that made it (``fault.slowed``);
@@ -33,19 +31,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from sdpipe_cli.config import trust
 from sdpipe_cli.core.segments import with_split
 
-__all__ = ["for_pipeline", "resplit", "sealed", "variant", "with_run", "with_slowed", "with_values"]
-
-
-def for_pipeline(cfg: DictConfig, partition: Sequence[int]) -> DictConfig:
-    """``cfg`` as the workers of a pipeline split at ``partition`` read it: ``cfg`` itself where
-    that is its split already (a run of one split; a deep copy was a tenth of a worker's start)."""
-    bounds = [int(b) for b in partition]
-    if OmegaConf.is_list(cfg.pipeline.partition) and list(cfg.pipeline.partition) == bounds:
-        return cfg
-    out = copy.deepcopy(cfg)  # read-only if ``cfg`` was (a child's): written here alone
-    with read_write(out):
-        out.pipeline.partition = bounds
-    return out
+__all__ = ["resplit", "sealed", "variant", "with_run", "with_slowed", "with_values"]
 
 
 def resplit(cfg: DictConfig, splits: Mapping[int, Sequence[int]],

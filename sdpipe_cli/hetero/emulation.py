@@ -137,9 +137,10 @@ class EmulatedSlowdown:
         return {"actions": self.actions, "straggled": self.straggled, "overruns": self.overruns}
 
 
-def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
-                  clock: Callable[[], float]) -> EmulatedSlowdown:
-    """The hook for worker (pipeline, stage) of a run config; ``clock()`` is the run time in s."""
+def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int, clock: Callable[[], float],
+                  partition: Sequence[int] | None = None) -> EmulatedSlowdown:
+    """The hook for worker (pipeline, stage) of a run config; ``clock()`` is the run time in s;
+    ``partition``: the pipeline's split (default ``pipeline.partition``)."""
     c = cfg.cluster
     device = cluster.device(pipeline, stage)
     forward_ms = backward_ms = None
@@ -151,7 +152,8 @@ def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int,
             chunk_ms = [(forward_ms / chunks, backward_ms / chunks)] * chunks
         else:  # the stage's blocks, as the profile measured them, at speed 1.0
             fwd, bwd = measurements.block_costs(measurements.load(cfg.profile), device.name, 1.0)
-            held = stage_blocks(list(cfg.pipeline.partition), len(fwd), cfg.pipeline.stages)[stage]
+            bounds = list(cfg.pipeline.partition if partition is None else partition)
+            held = stage_blocks(bounds, len(fwd), cfg.pipeline.stages)[stage]
             chunk_ms = [(sum(fwd[a:b]), sum(bwd[a:b])) for a, b in held]
             forward_ms, backward_ms = sum(f for f, _ in chunk_ms), sum(b for _, b in chunk_ms)
         if chunks == 1:

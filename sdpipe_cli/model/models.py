@@ -1,8 +1,8 @@
 """What is trained: any model as an ordered list of blocks, its loss, and what crosses each stage.
 
-A pipeline stage owns a contiguous range of blocks, so a model here is a list of modules, each
-taking one value (a tensor, or a tuple or dict of tensors) and returning one. ``model.arch``
-picks the builder (the registry below):
+A pipeline stage owns a contiguous range of blocks (or, interleaved, one a chunk), so a model
+here is a list of modules, each taking one value (a tensor, or a tuple or dict of tensors) and
+returning one. ``model.arch`` picks the builder (the registry below):
 
 * ``gpt``, ``mlp``: the project's byte-level models (:mod:`sdpipe_cli.model.bytes_lm`);
 * ``resnet18``, ``resnet50``, ``resnet_cifar``: ResNets written in the project with
@@ -163,8 +163,7 @@ IMPORTS = {"gpt2": ["transformers.models.gpt2.modeling_gpt2", "transformers.mask
 
 
 def imports(model_cfg: DictConfig) -> list[str]:
-    """:data:`IMPORTS` of the model's architecture."""
-    return list(IMPORTS.get(str(model_cfg.arch), []))
+    return list(IMPORTS.get(str(model_cfg.arch), []))  # IMPORTS of the model's architecture
 
 
 def build(model_cfg: DictConfig) -> Blocks:
@@ -176,18 +175,25 @@ def build(model_cfg: DictConfig) -> Blocks:
     return blocks, names
 
 
-def build_stage_module(cfg: DictConfig, stage: int) -> nn.Sequential:
-    """Stage ``stage``'s blocks under ``pipeline.partition``, chunk after chunk (see :func:`chunk_slices`)."""
+Partition = Sequence[int] | None  # a pipeline's own split (RunPlan); None: pipeline.partition
+
+
+def _held(cfg: DictConfig, partition: Partition, blocks: int) -> list[list[tuple[int, int]]]:
+    bounds = cfg.pipeline.partition if partition is None else partition
+    return stage_blocks([int(b) for b in bounds], blocks, int(cfg.pipeline.stages))
+
+
+def build_stage_module(cfg: DictConfig, stage: int, partition: Partition = None) -> nn.Sequential:
+    """Stage ``stage``'s blocks, chunk after chunk (see :func:`chunk_slices`)."""
     torch.manual_seed(cfg.train.seed)
     blocks, names = build(cfg.model)
-    held = stage_blocks(list(cfg.pipeline.partition), len(blocks), cfg.pipeline.stages)[stage]
-    return nn.Sequential(*[blocks[i] for a, b in held for i in range(a, b)])
+    return nn.Sequential(*[blocks[i] for a, b in _held(cfg, partition, len(blocks))[stage]
+                           for i in range(a, b)])
 
 
-def chunk_slices(cfg: DictConfig, stage: int) -> list[slice]:
+def chunk_slices(cfg: DictConfig, stage: int, partition: Partition = None) -> list[slice]:
     """Where each of stage ``stage``'s chunks lies in its module (:func:`build_stage_module`)."""
-    sizes = [b - a for a, b in stage_blocks(list(cfg.pipeline.partition), count_blocks(cfg.model),
-                                            cfg.pipeline.stages)[stage]]
+    sizes = [b - a for a, b in _held(cfg, partition, count_blocks(cfg.model))[stage]]
     return [slice(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes))]
 
 
@@ -316,12 +322,13 @@ def activation_bytes(cfg: DictConfig, example: Any) -> int:
     return max((b.nbytes for b in boundaries(cfg, example)), default=0)
 
 
-def stage_boundaries(cfg: DictConfig, example: Any, stage: int
+def stage_boundaries(cfg: DictConfig, example: Any, stage: int, partition: Partition = None
                      ) -> tuple[Boundary | None, Boundary | None]:
     """What stage ``stage`` receives and sends (None at the pipeline's ends); interleaved, what
-    virtual stage ``stage`` (a chunk) does."""
+    piece ``stage`` (a chunk) does."""
     after = boundaries(cfg, example)
-    ranges = stage_ranges(list(cfg.pipeline.partition), len(after) + 1)
+    ranges = stage_ranges(list(cfg.pipeline.partition if partition is None else partition),
+                          len(after) + 1)
     start, stop = ranges[stage]
     return (after[start - 1] if start > 0 else None,
             after[stop - 1] if stop < len(after) + 1 else None)
@@ -378,36 +385,29 @@ def loss_function(model_cfg: DictConfig) -> Callable[[Any, Any], torch.Tensor]:
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
-# -- helpers ---------------------------------------------------------------------------------------
-
 def _split_key(message: str, default: str) -> tuple[str, str]:
     key, sep, reason = message.partition(": ")
     return (key, reason) if sep and key.startswith("model.") else (default, message)
 
 
-def stage_ties(cfg: DictConfig, stage: int) -> list[tuple[tuple[int, ...], str]]:
+def stage_ties(cfg: DictConfig, stage: int, partition: Partition = None) -> list[tuple[tuple[int, ...], str]]:
     """The shared parameters that stage ``stage`` holds a copy of while other stages hold
     theirs: for each, the stages that hold one, and its name in this stage's module."""
     blocks, _ = meta_blocks(cfg.model)
-    held = [[b for lo, hi in chunks for b in range(lo, hi)]
-            for chunks in stage_blocks(list(cfg.pipeline.partition), len(blocks),
-                                       int(cfg.pipeline.stages))]
+    held = [[b for lo, hi in chunks for b in range(lo, hi)] for chunks in _held(cfg, partition, len(blocks))]
     stage_of = {b: s for s, mine in enumerate(held) for b in mine}
     out = []
     for places in tied_parameters(blocks):
         stages = tuple(sorted({stage_of[b] for b, _ in places}))
         mine = [(b, name) for b, name in places if stage_of[b] == stage]
-        if len(stages) > 1 and mine:
-            b, name = mine[0]
-            out.append((stages, f"{held[stage].index(b)}.{name}"))  # its index in the module
+        if len(stages) > 1 and mine:  # named by its block's index in the stage's module
+            out.append((stages, f"{held[stage].index(mine[0][0])}.{mine[0][1]}"))
     return out
 
 
 def check(cfg: DictConfig) -> None:
-    """What only building the model shows, before any process starts (the launcher checked that
-    it builds and has enough blocks for the stages): each block takes what the one before it
-    returns, and its tied weights are possible here; the loss can be had. Raises
-    :class:`ConfigError`."""
+    """What only building the model shows, before any process starts: each block takes what the
+    one before it returns, its tied weights are possible here, the loss can be had (ConfigError)."""
     from sdpipe_cli.config.schema import ASYNC_SCHEDULES
     from sdpipe_cli.core.plan import microbatch_size
     from sdpipe_cli.data import sources
@@ -422,9 +422,9 @@ def check(cfg: DictConfig) -> None:
                               "point tensor to carry a gradient back; cut elsewhere")
     asynchronous = p.schedule in ASYNC_SCHEDULES
     if asynchronous and any(stage_ties(cfg, s) for s in range(p.stages)):
-        raise ConfigError("model.tie_embeddings", "tied weights on different stages need a "
-                              "flushed schedule (their copies are summed once per iteration); use "
-                              "pipeline.schedule=1f1b or model.tie_embeddings=false")
+        raise ConfigError("model.tie_embeddings", "tied weights on different stages need a flushed "
+                          "schedule (their copies are summed once per iteration); use "
+                          "pipeline.schedule=1f1b or model.tie_embeddings=false")
     if asynchronous and cfg.train.precision == "fp16":
         raise ConfigError("train.precision", "fp16's skip-or-step decision needs a flushed "
                           "schedule; use bf16 with async_1f1b")

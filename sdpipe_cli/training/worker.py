@@ -28,7 +28,6 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdpipe_cli import checkpoint
-from sdpipe_cli.config import derived
 from sdpipe_cli.config.schema import objective
 from sdpipe_cli.core.cadence import Cadence
 from sdpipe_cli.core.interleaved import virtual_stage
@@ -85,8 +84,9 @@ class Worker:
     def __init__(self, cfg: DictConfig, where: Placement, plan: RunPlan, device: torch.device,
                  events: dist.Store, groups: GroupCache, pipeline_groups: GroupCache,
                  resume: str | None = None, incarnation: int = 0, rank_offset: int = 0):
-        # a pipeline with a split of its own (pipeline.partitions) builds its stages from it
-        self.cfg = cfg = derived.for_pipeline(cfg, plan.partition_of(where.pipeline))
+        self.cfg = cfg
+        # what this pipeline's stages are built from: the run's split, or its own (the plan's)
+        self.partition = partition = plan.partition_of(where.pipeline)
         self.where, self.device, self.events = where, device, events
         self.incarnation, self.rank_offset = incarnation, rank_offset
         self._began = time.monotonic()
@@ -94,8 +94,8 @@ class Worker:
         self.t0 = store.run_clock(events)
         self.cadence = Cadence.from_config(cfg, store.limit_spent(events))
         p, s = where.pipeline, where.stage
-        self.module = models.build_stage_module(cfg, s).to(device)
-        self.ties = TiedCopies(models.stage_ties(cfg, s), where, incarnation)
+        self.module = models.build_stage_module(cfg, s, partition).to(device)
+        self.ties = TiedCopies(models.stage_ties(cfg, s, partition), where, incarnation)
         self.optimizer = optim.build_optimizer(self.module.parameters(), cfg.train)
         self.lr = cfg.train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
@@ -105,7 +105,8 @@ class Worker:
         self.pipeline_groups = pipeline_groups
         self.cluster = plan.cluster
         self.placed = self.cluster.device(p, s)
-        self.slowdown = make_slowdown(cfg, self.cluster, p, s, lambda: time.time() - self.t0)
+        self.slowdown = make_slowdown(cfg, self.cluster, p, s, lambda: time.time() - self.t0,
+                                      partition)
         self.memory = MemoryLimit(self.placed, device)
         self.tracer = (Tracer(where.rank, f"rank {where.rank} (pipeline {p}, stage {s})",
                               lambda: time.time() - self.t0, cfg.run.trace_events)
@@ -144,7 +145,7 @@ class Worker:
         low = models.AUTOCAST.get(str(cfg.train.precision))
 
         def boundaries(piece: int) -> tuple[Boundary | None, Boundary | None]:
-            pair = models.stage_boundaries(cfg, example, piece)
+            pair = models.stage_boundaries(cfg, example, piece, self.partition)
             if low is None:
                 return pair
             # activations and their gradients travel in the low precision
@@ -156,7 +157,7 @@ class Worker:
                       rank_offset=self.rank_offset, autocast=low,
                       checkpointing=cfg.pipeline.activation_checkpointing)
         s, S = where.stage, where.stages
-        chunks = models.chunk_slices(cfg, s)
+        chunks = models.chunk_slices(cfg, s, self.partition)
         if len(chunks) == 1:
             return FlushedStage(self.module, stage=s, num_stages=S, prev_rank=where.prev_rank,
                                 next_rank=where.next_rank, boundaries=boundaries(s), **common)
