@@ -50,10 +50,10 @@ from sdpipe_cli.sync.strategies import GroupCache, make_sync
 from sdpipe_cli.training.busy import BusyTime
 from sdpipe_cli.training.tied import TiedCopies
 
-__all__ = ["PipelineStage", "Worker", "param_digest"]
+__all__ = ["StageRunner", "Worker", "param_digest"]
 
 # what runs a worker's actions: flushed, interleaved, or (put in place by its loop) asynchronous
-PipelineStage = FlushedStage | InterleavedStage | AsyncStage
+StageRunner = FlushedStage | InterleavedStage | AsyncStage
 
 log = logging.getLogger("sdpipe.worker")
 
@@ -120,7 +120,7 @@ class Worker:
         if self.busy is not None:
             on_action = self.busy
         self._busy_from = 0  # the iteration the busy time is summed from
-        self.stage: PipelineStage = self._pipeline_stage(plan, before_action, on_action, before_send)
+        self.stage: StageRunner = self._pipeline_stage(plan, before_action, on_action, before_send)
         self.loss_scale = (LossScale(float(cfg.train.loss_scale)) if cfg.train.precision == "fp16"
                            else None)
         self.skipped = self.skipped_in_a_row = 0  # steps skipped for a non-finite gradient
@@ -135,7 +135,7 @@ class Worker:
 
     def _pipeline_stage(self, plan: RunPlan, before_action: Callable[..., Any] | None,
                         on_action: Callable[..., Any] | None,
-                        before_send: Callable[..., Any] | None) -> PipelineStage:
+                        before_send: Callable[..., Any] | None) -> StageRunner:
         """This worker's executor of a flushed schedule, with the hooks: a
         :class:`FlushedStage`, or an :class:`InterleavedStage` with one executor per model chunk
         (slices of :attr:`module`). Asynchronous 1F1B's loop puts an AsyncStage on the flushed
