@@ -126,6 +126,8 @@ def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],
     held = stage_blocks(bounds, len(block_ms[0]), stages)
     times = [sum(sum(block_ms[s][a:b]) for a, b in chunks) for s, chunks in enumerate(held)]
     chunks = (len(bounds) + 1) // stages
+    if chunks == 1:  # 1F1B's formula, as written, to the bit
+        return sum(times) + (microbatches - 1) * max(times)
     return (sum(times) - max(times)) / chunks + microbatches * max(times)
 
 

@@ -280,16 +280,16 @@ def _stages(source: Source) -> Iterator[dict[Where, list[torch.Tensor]]]:
     stage the config builds for its pipeline, and read once."""
     blocks, _ = models.meta_blocks(source.config.model)
     parts = [source.partition(p) for p in range(source.pipelines)]
+    chunks = int(source.config.pipeline.get("chunks", 1))
     held = []  # each pipeline's stages' blocks, chunk after chunk (interleaved: several ranges)
     for p, bounds in enumerate(parts):
-        try:
-            held.append([[b for lo, hi in chunks for b in range(lo, hi)]
-                         for chunks in stage_blocks(list(bounds), len(blocks), source.stages)])
-        except ValueError:
-            raise CheckpointError(source.path, f"its config has {source.stages} stages but a "
-                                  f"partition of {len(bounds) + 1}" + (f" for pipeline {p}"
-                                                                      if parts[p] != parts[0] else "")
-                                  ) from None
+        if len(bounds) + 1 != source.stages * chunks:
+            raise CheckpointError(source.path, f"its config has {source.stages} stages"
+                                  + (f" of {chunks} chunks" if chunks > 1 else "")
+                                  + f" but a partition of {len(bounds) + 1}"
+                                  + (f" for pipeline {p}" if parts[p] != parts[0] else ""))
+        held.append([[b for lo, hi in ranges for b in range(lo, hi)]
+                     for ranges in stage_blocks(list(bounds), len(blocks), source.stages)])
     segments = Segments.of(parts, stages=source.stages)
     stage = [-1] * source.pipelines  # the stage of each pipeline whose shard is in memory
     tables: list[dict[Where, torch.Tensor]] = [{} for _ in range(source.pipelines)]

@@ -27,6 +27,15 @@ def test_a_pipeline_takes_its_stages_once_and_its_slowest_m_minus_1_more_times()
     assert pipeline_ms(row, uniform(BLOCKS, S), M) == 28.0 + (M - 1) * 16.0
 
 
+@given(st.lists(st.floats(0.01, 10.0), min_size=2, max_size=4), st.integers(1, 12))
+def test_one_chunk_a_stage_keeps_1f1b_s_formula_to_the_bit(times, m):
+    """The re-plan decision compares predicted rates against thresholds: a run of one chunk a
+    stage must get exactly the figure it always got."""
+    row = [times] * len(times)  # a block's time, the same on every stage's device
+    stages = list(times)  # one block a stage
+    assert pipeline_ms(row, list(range(1, len(times))), m) == sum(stages) + (m - 1) * max(stages)
+
+
 def test_an_interleaved_pipeline_pays_its_fill_and_drain_a_chunk_at_a_time():
     """Eight pieces of two blocks, two a stage: the same stage times (4, 16, 4, 4 ms), the
     slowest stage's m micro-batches and the others once, halved; one chunk is 1F1B's formula."""
