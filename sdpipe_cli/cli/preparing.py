@@ -65,7 +65,8 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
         block_ms = measurements.worker_block_ms(measurements.load(cfg.profile), cluster,
                                                 list(cfg.cluster.slowdown))
         cost = partition.device_cost(block_ms)  # by stage; a chunk runs on its stage's devices
-        plan = partition.plan(lambda k, a, b: cost(k % stages, a, b), blocks, stages * chunks)
+        plan = (partition.plan(cost, blocks, stages) if chunks == 1
+                else partition.plan_chunks(cost, blocks, stages, chunks))
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages * chunks, counts)
     models.check(cfg)

@@ -49,7 +49,7 @@ from typing import Any
 
 from sdpipe_cli.core.grouping.prediction import AWAIT_PACE_RATIO
 from sdpipe_cli.core.interleaved import stage_blocks
-from sdpipe_cli.core.partition import device_cost, plan
+from sdpipe_cli.core.partition import device_cost, plan, plan_chunks
 
 __all__ = ["Proposal", "as_config", "called_for", "move_cost", "pace_bound", "pipeline_ms",
            "run_rate", "propose", "scaled", "splits_field", "MIN_GAIN"]
@@ -161,12 +161,13 @@ def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool,
                chunks: int = 1) -> list[list[int]]:
     """Each pipeline's split at these speeds: its own devices' best (``own``: the mode averages
     per segment), else the best of one split for all (the partitioner of ``auto``); with
-    ``chunks`` a stage, into ``chunks x S`` pieces, each timed on its stage's devices."""
+    ``chunks`` a stage, into ``chunks x S`` pieces (:func:`~sdpipe_cli.core.partition.plan_chunks`)."""
     blocks, stages = len(block_ms[0][0]), len(block_ms[0])
 
     def best(rows: Sequence[Sequence[Sequence[float]]]) -> list[int]:
         cost = device_cost(rows)
-        return plan(lambda k, a, b: cost(k % stages, a, b), blocks, stages * chunks).bounds
+        return (plan(cost, blocks, stages) if chunks == 1
+                else plan_chunks(cost, blocks, stages, chunks)).bounds
 
     if own:
         return [best([rows]) for rows in block_ms]
