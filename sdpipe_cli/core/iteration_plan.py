@@ -18,9 +18,10 @@ class IterationPlan:
     dependencies (the schedule's own tick order), with each action's dependency precomputed.
 
     With ``chunks`` model chunks a stage (an interleaved schedule), an action depends on the
-    neighbouring *virtual* stage's (:mod:`~sdpipe_cli.core.interleaved`), takes ``1 / chunks``
-    of its stage's time, and the messages between the last stage's chunk ``c`` and the first's
-    ``c + 1`` cross the *wrap* (:attr:`wraps`)."""
+    neighbouring *virtual* stage's (:mod:`~sdpipe_cli.core.interleaved`), runs on its chunk
+    (:attr:`chunk`, whose share of the stage's time the workload says), and the messages
+    between the last stage's chunk ``c`` and the first's ``c + 1`` cross the *wrap*
+    (:attr:`wraps`)."""
 
     def __init__(self, schedule: str, stages: int, microbatches: int, chunks: int = 1):
         fn = schedule_of(schedule, chunks)
@@ -29,9 +30,10 @@ class IterationPlan:
         last = stages * chunks - 1
         position: dict[tuple[Kind, int, int], int] = {}
         self.steps: list[tuple[int, bool, int]] = []  # (stage, backward, index of dependency)
-        # of the stage's forward or backward time, what each action takes: 1 / chunks of it,
-        # and SPLIT_SHARE of that for each of a split backward's B and W (a W waits for no transfer)
+        # of its chunk's forward or backward time, what each action takes: SPLIT_SHARE for each
+        # of a split backward's B and W (a W waits for no transfer), else all of it
         self.share: list[float] = []
+        self.chunk: list[int] = []  # the action's chunk (0 but in an interleaved schedule)
         self.wraps: list[bool] = []  # whether the action's input crosses from the last stage to the first
         split = schedule in SPLIT_SCHEDULES
         for t, s in order:
@@ -44,7 +46,8 @@ class IterationPlan:
             position[(action.kind, k, action.microbatch)] = len(self.steps)
             self.steps.append((s, backward, position[dep] if dep is not None else -1))
             share = SPLIT_SHARE if split and backward else 1.0
-            self.share.append(share / chunks if chunks > 1 else share)
+            self.share.append(share)
+            self.chunk.append(action.chunk)
             self.wraps.append((action.kind is Kind.F and s == 0 and action.chunk > 0)
                               or (action.kind is Kind.B and s == stages - 1 and action.chunk < chunks - 1))
         self.fused, self.members = self._fuse(self.steps)

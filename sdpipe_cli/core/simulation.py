@@ -1,19 +1,17 @@
 """A discrete-event simulation of a run's timing: the real group policy, modelled workers.
 
 A sync policy is judged by its samples/s against the heterogeneity limit, at scales and on
-clusters that a development machine cannot run, and without the CPU contention that blurs real
-runs on a few cores. The simulation drives the policy the scheduler process runs
-(:func:`~sdpipe_cli.core.grouping.make_policy`) through an injected clock, so the policy is the
-real one and only the workers' time is modelled. No process is started and nothing sleeps.
+clusters a development machine cannot run, without the CPU contention that blurs real runs.
+The simulation drives the scheduler's own policy (:func:`~sdpipe_cli.core.grouping.make_policy`)
+through an injected clock: only the workers' time is modelled; no process starts, nothing sleeps.
 
 The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPipe, ZB-H1,
 interleaved 1F1B, :class:`~sdpipe_cli.core.iteration_plan.IterationPlan`):
 
-* An action (one micro-batch's forward or backward) takes its share of the stage's modelled time, times the
-  pipeline's slow-down and the worker's straggler draw, over its device's speed when the action
-  starts, times a seeded log-normal ``jitter`` drawn per iteration (the spread of iteration
-  times that real runs show). This is what modelled emulation makes real workers sleep
-  (:mod:`sdpipe_cli.hetero.emulation`), with the same seeded straggler draws.
+* An action (one micro-batch's forward or backward, on its chunk) takes its share of the
+  stage's modelled time, times the pipeline's slow-down and the worker's straggler draw, over
+  its device's speed when it starts, times a seeded log-normal ``jitter`` per iteration: what
+  modelled emulation makes real workers sleep (:mod:`sdpipe_cli.hetero.emulation`).
 * A forward also waits for the previous (virtual) stage's forward of the micro-batch, a backward
   for the next one's backward, each plus the link's transfer of one activation and ``p2p_s``.
 * After its last backward the worker synchronizes, per mode:
@@ -22,13 +20,12 @@ interleaved 1F1B, :class:`~sdpipe_cli.core.iteration_plan.IterationPlan`):
     (``event_s`` each) and feeds it to the policy, which counts meetings. A decision reaches its
     members after another half round trip; then they all-reduce the stage's payload (a group
     round's in ``precision``; a global sync's in float32).
-  - ``allreduce`` and ``adpsgd``: each replica waits for every other at the same iteration (the
-    gradient all-reduce; AD-PSGD agrees on stopping with such a barrier), then all-reduces over
-    all replicas (AD-PSGD: averages with its partner).
-  - ``ps``: the gradients go to the stage's server, which serves one push at a time; the weights
-    come back. A replica more than ``staleness`` iterations ahead of the slowest waits.
-  - ``diloco``: nothing for ``local_steps - 1`` iterations, then, as ``allreduce``, every replica
-    waits for every other and all-reduces the stage's weights (their change, in ``precision``).
+  - ``allreduce`` and ``adpsgd``: each replica waits for every other at the same iteration,
+    then all-reduces over all replicas (AD-PSGD: averages with its partner).
+  - ``ps``: the gradients go to the stage's server, one push at a time; the weights come back.
+    A replica more than ``staleness`` iterations ahead of the slowest waits.
+  - ``diloco``: nothing for ``local_steps - 1`` iterations, then as ``allreduce`` on the
+    stage's weights (their change, in ``precision``).
   - ``none``: nothing.
 * The stage starts its next iteration when its sync is done. Workers do not evaluate here, so
   the policy is told of no evaluation pauses (``make_policy(..., evaluations=False)``).
@@ -78,6 +75,8 @@ class Workload:
     per_iteration: bool = False  # straggler draws per iteration (else per action)
     schedule: str = "1f1b"
     chunks: int = 1  # model chunks a stage (an interleaved schedule)
+    chunk_forward: list[list[list[float]]] = field(default_factory=list)  # [p][s][c]: a chunk's
+    chunk_backward: list[list[list[float]]] = field(default_factory=list)  # share (empty: 1 / v)
     average: str = "weights_grads"  # sdpipe's payload: weights and gradients, or weights
     rtt_s: float = 0.0005  # worker <-> scheduler round trip through the store
     event_s: float = 0.0001  # the scheduler's handling of one event
@@ -112,9 +111,7 @@ class Result:
     group_sizes: list[int]  # one entry per group round (all stages)
     batch_size: int
     global_sizes: list[int] = field(default_factory=list)  # sdpipe's global syncs
-    # the sync's traffic, as the workers' records count it (sdpipe_cli.sync.traffic): per link
-    # class, bytes all workers sent, and their seconds in sync collectives
-    sent_bytes: dict[str, float] = field(default_factory=dict)
+    sent_bytes: dict[str, float] = field(default_factory=dict)  # by link class (sync.traffic's)
     comm_s: float = 0.0
     stages: int = 1
     # how far the replicas of a stage drift apart (see _Run._step): the root mean square of
@@ -227,8 +224,11 @@ class _Run:
                         for row in self.where]
         wrap_in = [(hop(row[-1].rank, row[0].rank), hop(row[0].rank, row[-1].rank))  # interleaved
                    for row in self.where]
-        self.action_s = [[(work.backward_s[p][s] if b else work.forward_s[p][s]) * share
-                          for (s, b, _), share in zip(self.plan.steps, self.plan.share)]
+        even = [[[1.0 / work.chunks] * work.chunks] * self.S] * P  # chunks of equal shares
+        fshare, bshare = work.chunk_forward or even, work.chunk_backward or even
+        self.action_s = [[(work.backward_s[p][s] * bshare[p][s][c] if b
+                           else work.forward_s[p][s] * fshare[p][s][c]) * share
+                          for (s, b, _), c, share in zip(self.plan.steps, self.plan.chunk, self.plan.share)]
                          for p in range(P)]
         # an action that waits for no other stage (a W: a split backward's weights' part; the
         # ends' own) receives nothing: no transfer before it

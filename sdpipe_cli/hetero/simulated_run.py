@@ -65,19 +65,26 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
     st = SimpleNamespace(**cast(dict[str, Any],
                                 OmegaConf.to_container(cfg.cluster.stragglers, resolve=True)))
     seed = cfg.train.seed
+    shares: tuple[list, list] = ([], [])  # interleaved, from a profile: each chunk's share
     for p in range(P):
         fwd_row, bwd_row = [], []
+        shares[0].append([])
+        shares[1].append([])
         for s, chunks in enumerate(stage_blocks(plan.partition_of(p), blocks, S)):  # its own
             if f is not None:
                 fwd_row.append(f)
                 bwd_row.append(2 * f)
-            else:
-                # f is None only when doc was read
-                fwd, bwd = measurements.block_costs(cast(dict, doc), cluster.device(p, s).name, 1.0)
-                fwd_row.append(sum(sum(fwd[a:b]) for a, b in chunks) / 1e3)
-                bwd_row.append(sum(sum(bwd[a:b]) for a, b in chunks) / 1e3)
+                continue
+            # f is None only when doc was read
+            fwd, bwd = measurements.block_costs(cast(dict, doc), cluster.device(p, s).name, 1.0)
+            for times, row, share in ((fwd, fwd_row, shares[0][p]), (bwd, bwd_row, shares[1][p])):
+                each = [sum(times[a:b]) for a, b in chunks]
+                row.append(sum(each) / 1e3)
+                share.append([t / sum(each) if sum(each) else 1 / len(each) for t in each])
         forward.append(fwd_row)
         backward.append(bwd_row)
+    if f is not None or plan.chunks == 1:  # equal shares, or no chunks
+        shares = ([], [])
     counts = models.block_param_counts(cfg.model)
     return Workload(
         cluster=cluster, microbatches=m, batch_size=cfg.train.batch_size, steps=cfg.train.steps,
@@ -88,6 +95,7 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
         stragglers=[[EmulatedStragglers.of_device(st, seed, cluster.device(p, s).name)
                      for s in range(S)] for p in range(P)],
         per_iteration=st.per == "iteration", schedule=cfg.pipeline.schedule, chunks=plan.chunks,
+        chunk_forward=shares[0], chunk_backward=shares[1],
         rtt_s=cfg.simulate.rtt_ms / 1e3, event_s=cfg.simulate.event_ms / 1e3,
         collective_s=cfg.simulate.collective_ms / 1e3, p2p_s=cfg.simulate.p2p_ms / 1e3,
         jitter=cfg.simulate.jitter,

@@ -318,6 +318,34 @@ def test_a_simulated_interleaved_run_re_splits_its_pieces_around_the_slow_stage(
     assert replan["with_s"] < replan["without_s"]
 
 
+def test_uneven_chunks_take_their_own_share_of_their_stage_s_time(tmp_path):
+    """Interleaved stages timed from a profile: each chunk's actions take its own blocks' share
+    of the stage's time, as emulation sleeps them, not 1 / v each (stage 0 holds one block and
+    three, so a quarter and three quarters)."""
+    import json
+
+    from sdpipe_cli.core.simulation import _Run
+    from tests.helpers import make_doc
+
+    doc = make_doc({"local:0": (1.0, [2.0] * 8)}, model="mlp")
+    (tmp_path / "profile.json").write_text(json.dumps(doc))
+    base = [b for b in BASE if not b.startswith("cluster.compute_ms")]
+    cfg = prepare(compose([*base, "model.n_layers=6", "cluster.pipelines=1", "pipeline.stages=2",
+                           "pipeline.schedule=interleaved_1f1b", "pipeline.chunks=2",
+                           "pipeline.partition=[1,3,6]", "cluster.emulation=modelled",
+                           f"profile={tmp_path / 'profile.json'}", "sync=none"]))[0]
+    work = simulated_run.workload(cfg)
+    assert work.chunk_forward[0] == [[0.25, 0.75], [0.5, 0.5]]  # blocks [0] + [3,4,5]; [1,2] + [6,7]
+    assert work.chunk_backward == work.chunk_forward
+    run = _Run(work, "none", None)
+    costs = {}
+    for (stage, backward, _), chunk, cost in zip(run.plan.steps, run.plan.chunk, run.action_s[0]):
+        costs[(stage, backward, chunk)] = cost
+    assert costs[(0, False, 1)] == pytest.approx(3 * costs[(0, False, 0)])
+    assert costs[(0, False, 0)] + costs[(0, False, 1)] == pytest.approx(work.forward_s[0][0])
+    assert costs[(1, True, 0)] == pytest.approx(costs[(1, True, 1)])
+
+
 def test_no_replan_section_without_a_slowdown(tmp_path):
     assert "replan" not in simulated_run.run(_replan_config(tmp_path, "allreduce",
                                                            "cluster.changes=[]"))
