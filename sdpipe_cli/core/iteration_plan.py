@@ -7,6 +7,8 @@ Pure: built from :mod:`~sdpipe_cli.core.schedule`'s action lists.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sdpipe_cli.core.interleaved import schedule_of, virtual_stage
 from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, SPLIT_SHARE, Kind, tick_order
 
@@ -51,6 +53,18 @@ class IterationPlan:
             self.wraps.append((action.kind is Kind.F and s == 0 and action.chunk > 0)
                               or (action.kind is Kind.B and s == stages - 1 and action.chunk < chunks - 1))
         self.fused, self.members = self._fuse(self.steps)
+
+    def makespan(self, cost: Callable[[int, bool, int], float]) -> float:
+        """One iteration's length when the action of stage ``s`` on chunk ``c`` takes
+        ``cost(s, backward, c)`` and nothing else (no transfer, no sync): each action starts
+        once its stage is free and the action it waits for has ended."""
+        free: dict[int, float] = {}
+        ends: list[float] = []
+        for (s, backward, dep), c in zip(self.steps, self.chunk):
+            start = max(free.get(s, 0.0), ends[dep] if dep >= 0 else 0.0)
+            ends.append(start + cost(s, backward, c))
+            free[s] = ends[-1]
+        return max(ends, default=0.0)
 
     @staticmethod
     def _fuse(steps: list[tuple[int, bool, int]]

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdpipe_cli.core.grouping.prediction import AWAIT_PACE_RATIO
-from sdpipe_cli.core.interleaved import stage_blocks
+from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES, stage_blocks
+from sdpipe_cli.core.iteration_plan import IterationPlan
 from sdpipe_cli.core.partition import device_cost, plan, plan_chunks
 
 __all__ = ["Proposal", "as_config", "called_for", "move_cost", "pace_bound", "pipeline_ms",
@@ -119,16 +120,19 @@ def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],
                 microbatches: int) -> float:
     """One pipeline's iteration, in ms: the sum of its stages' times plus ``m - 1`` times its
     slowest, where ``block_ms[s][i]`` is block i's forward and backward time per micro-batch on
-    its stage s's device. Interleaved (``bounds`` cutting ``v x S`` pieces, a stage's time its
-    chunks'): the slowest stage's ``m`` micro-batches, plus the fill and drain through the
-    others, ``1 / v`` as long."""
+    its stage s's device. Interleaved (``bounds`` cutting ``v x S`` pieces): the schedule's own
+    timeline (:meth:`~sdpipe_cli.core.iteration_plan.IterationPlan.makespan`), each chunk's
+    action its blocks' time (a forward a third of it, a backward two thirds), since pieces of
+    unequal length leave bubbles no closed formula sees."""
     stages = len(block_ms)
     held = stage_blocks(bounds, len(block_ms[0]), stages)
-    times = [sum(sum(block_ms[s][a:b]) for a, b in chunks) for s, chunks in enumerate(held)]
     chunks = (len(bounds) + 1) // stages
     if chunks == 1:  # 1F1B's formula, as written, to the bit
+        times = [sum(sum(block_ms[s][a:b]) for a, b in ranges) for s, ranges in enumerate(held)]
         return sum(times) + (microbatches - 1) * max(times)
-    return (sum(times) - max(times)) / chunks + microbatches * max(times)
+    piece = [[sum(block_ms[s][a:b]) for a, b in ranges] for s, ranges in enumerate(held)]
+    iteration = IterationPlan(CHUNKED_SCHEDULES[0], stages, microbatches, chunks)
+    return iteration.makespan(lambda s, backward, c: piece[s][c] * (2 if backward else 1) / 3)
 
 
 def pace_bound(lock_step: bool, sync: Any = None) -> float:
@@ -158,16 +162,22 @@ def run_rate(block_ms: Sequence[Sequence[Sequence[float]]], splits: Sequence[Seq
 
 
 def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool,
-               chunks: int = 1) -> list[list[int]]:
+               chunks: int = 1, microbatches: int = 0) -> list[list[int]]:
     """Each pipeline's split at these speeds: its own devices' best (``own``: the mode averages
     per segment), else the best of one split for all (the partitioner of ``auto``); with
-    ``chunks`` a stage, into ``chunks x S`` pieces (:func:`~sdpipe_cli.core.partition.plan_chunks`)."""
+    ``chunks`` a stage, into ``chunks x S`` pieces (:func:`~sdpipe_cli.core.partition.plan_chunks`),
+    judged by their iteration's timeline with ``microbatches`` where that is given."""
     blocks, stages = len(block_ms[0][0]), len(block_ms[0])
 
     def best(rows: Sequence[Sequence[Sequence[float]]]) -> list[int]:
         cost = device_cost(rows)
-        return (plan(cost, blocks, stages) if chunks == 1
-                else plan_chunks(cost, blocks, stages, chunks)).bounds
+        if chunks == 1:
+            return plan(cost, blocks, stages).bounds
+
+        def judge(bounds: Sequence[int]) -> float:  # the slowest pipeline's interleaved iteration
+            return max(pipeline_ms(row, bounds, microbatches) for row in rows)
+
+        return plan_chunks(cost, blocks, stages, chunks, judge if microbatches else None).bounds
 
     if own:
         return [best([rows]) for rows in block_ms]
@@ -200,7 +210,7 @@ def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Seq
     moving stops only their share of the run, for a restart and a copy of their state from
     the others (:func:`move_cost`)."""
     now_split = [[int(b) for b in bounds] for bounds in current]
-    wanted = called_for(block_ms, own, (len(now_split[0]) + 1) // len(block_ms[0]))
+    wanted = called_for(block_ms, own, (len(now_split[0]) + 1) // len(block_ms[0]), microbatches)
     kept = [p for p, (c, w, a) in enumerate(zip(now_split, wanted, advised)) if w == list(a) != c]
     bounds = [c if p in kept else w for p, (c, w) in enumerate(zip(now_split, wanted))]
     now = run_rate(block_ms, now_split, microbatches, batch_size, pace)

@@ -61,7 +61,8 @@ def replanned(cfg: DictConfig, work_of) -> dict | None:
     base = measurements.worker_block_ms(doc, plan.cluster, list(cfg.cluster.slowdown))
     own = mode(cfg.sync.name).segments
     proposal = propose(scaled(base, {(p, s): before / after}), plan.partitions,
-                       called_for(base, own, plan.chunks), int(cfg.pipeline.microbatches), batch,
+                       called_for(base, own, plan.chunks, int(cfg.pipeline.microbatches)),
+                       int(cfg.pipeline.microbatches), batch,
                        pace_bound(mode(cfg.sync.name).paced_by_slowest, cfg.sync), own,
                        budget - done, RESTART_S,
                        checkpoint_bytes(doc, cfg.train, plan.pipelines), in_place=plan.in_place)

@@ -36,11 +36,20 @@ def test_one_chunk_a_stage_keeps_1f1b_s_formula_to_the_bit(times, m):
     assert pipeline_ms(row, list(range(1, len(times))), m) == sum(stages) + (m - 1) * max(stages)
 
 
-def test_an_interleaved_pipeline_pays_its_fill_and_drain_a_chunk_at_a_time():
-    """Eight pieces of two blocks, two a stage: the same stage times (4, 16, 4, 4 ms), the
-    slowest stage's m micro-batches and the others once, halved; one chunk is 1F1B's formula."""
-    row = speeds({(0, 1): 0.25})[0]
-    assert pipeline_ms(row, uniform(BLOCKS, 2 * S), M) == M * 16.0 + 12.0 / 2
+def test_an_interleaved_pipeline_is_timed_by_its_own_timeline():
+    """Eight equal pieces of two blocks, two a stage: the interleaved schedule's tick order, a
+    chunk's forward a third of its blocks' time and its backward two thirds; with stage 1 four
+    times slower, at least its m micro-batches' work, and less than 1F1B's formula gives the
+    same stages."""
+    from sdpipe_cli.core.interleaved import interleaved_1f1b
+    from sdpipe_cli.core.schedule import Kind, tick_order
+
+    even = speeds({})[0]
+    ticks = len(tick_order(interleaved_1f1b(2), S, M, {Kind.B: 2}, chunks=2)[0])
+    assert pipeline_ms(even, uniform(BLOCKS, 2 * S), M) == pytest.approx(ticks * 2.0 / 3)
+    slow = speeds({(0, 1): 0.25})[0]  # stages of 4, 16, 4 and 4 ms a micro-batch
+    got = pipeline_ms(slow, uniform(BLOCKS, 2 * S), M)
+    assert M * 16.0 <= got < 28.0 + (M - 1) * 16.0
 
 
 def test_interleaved_splits_are_called_for_in_v_times_s_pieces_on_their_stages_devices():

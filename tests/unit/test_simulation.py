@@ -309,13 +309,15 @@ def test_a_simulated_interleaved_run_re_splits_its_pieces_around_the_slow_stage(
     """Two chunks a stage: the split is into eight pieces, pieces 1 and 5 on stage 1 (device
     local:9, at a quarter of its speed from 30 s). Each piece needs a block, so the slow stage
     keeps two, at four times their cost: the re-split pays less than 1F1B's [5, 6, 11], which
-    gives it one (with_samples_per_s 1.03x without, against 1.15x), and is still taken."""
+    gives it one (with_samples_per_s 1.05x without, against 1.15x), and is still taken. The
+    split is judged by the schedule's own timeline: balancing only the stages' sums gave pieces
+    of 1 and 4 blocks on one stage, whose bubbles ate the gain (the simulated run no faster)."""
     replan = simulated_run.run(_replan_config(tmp_path, "allreduce", "pipeline.schedule=interleaved_1f1b",
                                               "pipeline.chunks=2"))["replan"]
     assert replan["go"] and replan["partition"] == [2, 4, 6, 8, 10, 12, 14]
     edges = [0, *replan["proposed"], 16]
     assert [edges[k + 1] - edges[k] for k in (1, 5)] == [1, 1]  # the slow stage's pieces
-    assert replan["with_s"] < replan["without_s"]
+    assert replan["with_s"] < 0.97 * replan["without_s"]
 
 
 def test_uneven_chunks_take_their_own_share_of_their_stage_s_time(tmp_path):

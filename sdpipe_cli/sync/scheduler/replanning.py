@@ -75,7 +75,8 @@ class Replanning:
         self.memory_of = (cfg, plan) if cfg.run.memory_check else None  # to check a new split
         # the splits the speeds of this leg's start call for (the profile's advice then)
         self.chunks = plan.chunks
-        self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks)
+        self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks,
+                                  self.microbatches)
         self.in_place = plan.in_place
         self.stages = plan.stages
         self.resplitting: dict[int, list[int]] = {}  # pipeline -> its new split, until restarted
@@ -119,7 +120,8 @@ class Replanning:
         if self.chosen is not None and not self.resplitting and self.healing <= set(live) \
                 and self.resplits:
             self.chosen, self.healing = None, set()
-            self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks)
+            self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks,
+                                      self.microbatches)
 
     def consider(self, own: dict[tuple[int, int], float | None], samples_done: float,
                  restart_s: float, policy: Any = None) -> Proposal | None:
