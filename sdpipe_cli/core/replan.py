@@ -42,6 +42,7 @@ No I/O and no clock.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,8 +132,14 @@ def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],
         times = [sum(sum(block_ms[s][a:b]) for a, b in ranges) for s, ranges in enumerate(held)]
         return sum(times) + (microbatches - 1) * max(times)
     piece = [[sum(block_ms[s][a:b]) for a, b in ranges] for s, ranges in enumerate(held)]
-    iteration = IterationPlan(CHUNKED_SCHEDULES[0], stages, microbatches, chunks)
-    return iteration.makespan(lambda s, backward, c: piece[s][c] * (2 if backward else 1) / 3)
+    return _interleaved(stages, microbatches, chunks).makespan(
+        lambda s, backward, c: piece[s][c] * (2 if backward else 1) / 3)
+
+
+@functools.lru_cache(maxsize=8)
+def _interleaved(stages: int, microbatches: int, chunks: int) -> IterationPlan:
+    """The interleaved iteration's plan (a split's search times hundreds of splits on it)."""
+    return IterationPlan(CHUNKED_SCHEDULES[0], stages, microbatches, chunks)
 
 
 def pace_bound(lock_step: bool, sync: Any = None) -> float:
