@@ -475,6 +475,23 @@ def test_a_failed_pipeline_never_blocks(sim, data):
                 assert victim not in d.members, d
 
 
+def test_full_rounds_do_not_wait_in_a_cycle_for_a_pipeline_healed_behind_the_others():
+    """connect_every=1: every round is to hold every live replica. Pipeline 0 fails at once and
+    is healed to iteration 0 while the others went on: stage 1's round (0 at iteration 0, 2 at
+    2) lacked pipeline 1, held at stage 2, whose round lacked pipeline 0, held at stage 1. A
+    round no longer waits for replicas that are all held at another stage (found by the
+    property test below; it deadlocked)."""
+    sim = Sim(P=3, S=3, durations=[[0.09], [0.091], [0.0025]], gaps=[0.001, 0.0, 0.0],
+              sched_kwargs={"min_group": 1, "window": 0.001, "window_min": 0.0001,
+                            "window_max": 0.01, "connect_every": 1, "global_every": 0,
+                            "total_iterations": 9, "evaluate_every": 0, "twins": True},
+              leave_at={0: 0.0}, rejoin_at={0: 0.0001})
+    r = run(sim)
+    check_well_formed(r)
+    check_end(r)
+    assert sum(r.completed.values()) >= 9
+
+
 @SETTINGS
 @given(runs(P=st.integers(2, 6), steps=st.integers(3, 12)), st.data())
 def test_a_restarted_pipeline_is_healed_and_the_budget_stays_exact(sim, data):

@@ -134,7 +134,8 @@ class RoundFormer:
             # a full round cannot hold everyone: merging two components is progress enough
             st.connecting = (self.links.must_connect(s) and not st.links.connected_with(members)
                              and not (self.cost_aware and self.links.may_go_on(s, members))
-                             and not (full and len(st.links.roots(members)) > 1))
+                             and not (full and len(st.links.roots(members)) > 1)
+                             and not self._held_elsewhere(s, members, at_global))
             if st.connecting:
                 return None  # wait for the components that are left
             reason = self._why(full, held, missing, st.expect)
@@ -149,6 +150,19 @@ class RoundFormer:
             self.window[key] = (min(self.window[key] * 2, self.window_max) if grow
                                 else max(self.window[key] * 0.9, self.window_min))
         return decision
+
+    def _held_elsewhere(self, s: int, members: set[int], at_global: set[int]) -> bool:
+        """Whether every live replica this round lacks is held at another stage: waiting there
+        for an iteration this stage has decided for it already, so that it comes here only once
+        that round closes. A round waiting to connect them would wait for a round that may be
+        waiting for its own members (a restarted pipeline healed to an earlier iteration than
+        the others': each stage's full round then lacks a replica held in the other's)."""
+        run = self.run
+        missing = run.live - members - at_global
+        return bool(missing) and all(
+            any(q in run.stages[t].waiting and run.decided[q][s] >= run.stages[t].waiting[q][0]
+                for t in range(len(run.stages)) if t != s)
+            for q in missing)
 
     @staticmethod
     def _why(full: bool, held: bool, missing: frozenset, expected: frozenset) -> Reason:
