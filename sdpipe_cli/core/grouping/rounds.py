@@ -152,15 +152,17 @@ class RoundFormer:
         return decision
 
     def _held_elsewhere(self, s: int, members: set[int], at_global: set[int]) -> bool:
-        """Whether every live replica this round lacks is held at another stage: waiting there
-        for an iteration this stage has decided for it already, so that it comes here only once
-        that round closes. A round waiting to connect them would wait for a round that may be
-        waiting for its own members (a restarted pipeline healed to an earlier iteration than
-        the others': each stage's full round then lacks a replica held in the other's)."""
+        """Whether every live replica this round lacks is held in another stage's round that
+        itself waits to connect: waiting there for an iteration this stage has decided for it
+        already, it comes here only once that round closes, which may wait for this round's own
+        members (a restarted pipeline healed to an earlier iteration than the others': each
+        stage's full round then lacks a replica held in the other's). Of such a cycle of holds
+        the round that looks second goes on."""
         run = self.run
         missing = run.live - members - at_global
         return bool(missing) and all(
-            any(q in run.stages[t].waiting and run.decided[q][s] >= run.stages[t].waiting[q][0]
+            any(q in run.stages[t].waiting and run.stages[t].connecting
+                and run.decided[q][s] >= run.stages[t].waiting[q][0]
                 for t in range(len(run.stages)) if t != s)
             for q in missing)
 
