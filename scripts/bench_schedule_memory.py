@@ -6,6 +6,7 @@ Run it from the repository root after ``pip install -e .``::
     python scripts/bench_schedule_memory.py                                  # gpt_tiny, S = 4, m = 8
     python scripts/bench_schedule_memory.py --model gpt2 --seq-len 128      # with the hf extra
     python scripts/bench_schedule_memory.py --stages 2 --microbatches 4      # a smoke test
+    python scripts/bench_schedule_memory.py --schedules 1f1b,zb_h1,gpipe,interleaved_1f1b --layers 6
 
 The claim it checks: ZB-H1 (``pipeline.schedule=zb_h1``) keeps 1F1B's *peak* activation memory
 (the first stage's), while its later stages, which 1F1B lets hold fewer micro-batches
@@ -148,14 +149,16 @@ def measure(args: argparse.Namespace) -> dict:
     loss_fn = models.loss_function(cfg.model)
     x, target = bench_memory.microbatch(cfg, args.microbatch)
     inputs = bench_memory.stage_inputs(modules, x, None, "cpu")
-    flat = copy.copy(args)  # the same model in v x S stages: the interleaved run's pieces
-    flat.stages = S * v
-    pieces_cfg = bench_memory.prepared(flat)
-    pieces = [models.build_stage_module(pieces_cfg, k).train() for k in range(S * v)]
-    piece_inputs = bench_memory.stage_inputs(pieces, x, None, "cpu")
+    names = args.schedules.split(",")
+    if any(name in CHUNKED_SCHEDULES for name in names):
+        flat = copy.copy(args)  # the same model in v x S stages: the interleaved run's pieces
+        flat.stages = S * v
+        pieces_cfg = bench_memory.prepared(flat)
+        pieces = [models.build_stage_module(pieces_cfg, k).train() for k in range(S * v)]
+        piece_inputs = bench_memory.stage_inputs(pieces, x, None, "cpu")
     example = sources.example(cfg, args.microbatch, device="meta")[0]
     rows = []
-    for name in args.schedules.split(","):
+    for name in names:
         chunks = v if name in CHUNKED_SCHEDULES else 1
         setting = {"schedule": name, "chunks": chunks}
         if chunks > 1:
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--microbatch", type=int, default=4, help="examples per micro-batch")
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--schedules", default="1f1b,zb_h1,gpipe,interleaved_1f1b")
+    parser.add_argument("--schedules", default="1f1b,zb_h1,gpipe",
+                        help="also interleaved_1f1b (the model needs chunks x stages blocks: --layers)")
     parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_1f1b)")
     parser.add_argument("--layers", type=int, default=None, help="model.n_layers (default: the model's)")
     parser.add_argument("--json", type=Path, default=None)
