@@ -35,7 +35,7 @@ from torch import nn
 
 from sdpipe_cli.core.interleaved import schedule_of, stage_blocks
 from sdpipe_cli.core.modes import mode
-from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, in_flight
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, Kind, in_flight
 from sdpipe_cli.model.boundary import map_tensors
 from sdpipe_cli.model.models import meta_blocks
 from sdpipe_cli.model.optim import state_slots
@@ -176,9 +176,9 @@ def _peak_bytes(actions: Sequence[Any], kept: Sequence[int]) -> int:
     until its backward (:func:`~sdpipe_cli.core.schedule.in_flight`, weighed)."""
     now = most = 0
     for action in actions:
-        if action.kind == "F":
+        if action.kind is Kind.F:
             now += kept[action.chunk]
-        elif action.kind == "B":
+        elif action.kind is Kind.B:
             now -= kept[action.chunk]
         most = max(most, now)
     return most
