@@ -176,10 +176,10 @@ class ClusterConfig:
 class PipelineConfig:
     stages: int = 2  # S: stages per pipeline
     microbatches: int = 4  # m: micro-batches per iteration
-    # 1f1b (PipeDream-Flush) | gpipe | zb_h1 (zero bubble: each backward as B, then W) | async_1f1b
-    # (PipeDream: an update per micro-batch, weight stashing, no flush between iterations) | interleaved_1f1b
+    # 1f1b (PipeDream-Flush) | gpipe | zb_h1 (zero bubble: each backward as B, then W) | async_1f1b (PipeDream:
+    # an update per micro-batch, weight stashing, no flush) | interleaved_1f1b | interleaved_zb (its B, then W)
     schedule: str = "1f1b"
-    chunks: int = 1  # interleaved_1f1b (Megatron's virtual pipeline): model chunks per stage
+    chunks: int = 1  # interleaved_1f1b, interleaved_zb (Megatron's virtual pipeline): model chunks per stage
     # async_1f1b only. null: PipeDream, an update per micro-batch, each forward's weights kept
     # until its backward (at most S - s versions on stage s). 2: PipeDream-2BW, gradients
     # accumulated over an iteration and one update at its end (two versions; needs m >= S).

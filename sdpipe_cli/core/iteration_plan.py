@@ -56,13 +56,14 @@ class IterationPlan:
 
     def makespan(self, cost: Callable[[int, bool, int], float]) -> float:
         """One iteration's length when the action of stage ``s`` on chunk ``c`` takes
-        ``cost(s, backward, c)`` and nothing else (no transfer, no sync): each action starts
-        once its stage is free and the action it waits for has ended."""
+        ``cost(s, backward, c)`` (a split backward's ``B`` and ``W`` each their :attr:`share`
+        of it) and nothing else (no transfer, no sync): each action starts once its stage is
+        free and the action it waits for has ended."""
         free: dict[int, float] = {}
         ends: list[float] = []
-        for (s, backward, dep), c in zip(self.steps, self.chunk):
+        for (s, backward, dep), c, share in zip(self.steps, self.chunk, self.share):
             start = max(free.get(s, 0.0), ends[dep] if dep >= 0 else 0.0)
-            ends.append(start + cost(s, backward, c))
+            ends.append(start + cost(s, backward, c) * share)
             free[s] = ends[-1]
         return max(ends, default=0.0)
 

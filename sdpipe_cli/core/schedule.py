@@ -188,7 +188,7 @@ SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb_h1"
 # The schedules whose backward is split into B and W (the executor's input and weight parts),
 # and the share of a backward's time each of B and W takes where time is modelled (the simulator,
 # the emulated compute): the input's and the weights' gradients are a matrix product each.
-SPLIT_SCHEDULES = ("zb_h1",)
+SPLIT_SCHEDULES = ("zb_h1", "interleaved_zb")
 SPLIT_SHARE = 0.5
 
 

@@ -173,12 +173,14 @@ def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int
 
 def _peak_bytes(actions: Sequence[Any], kept: Sequence[int]) -> int:
     """The most bytes ``actions`` hold at once when a forward on chunk ``c`` keeps ``kept[c]``
-    until its backward (:func:`~sdpipe_cli.core.schedule.in_flight`, weighed)."""
+    until its backward, or its ``W`` where the backward is split
+    (:func:`~sdpipe_cli.core.schedule.in_flight`, weighed)."""
+    ends = Kind.W if any(action.kind is Kind.W for action in actions) else Kind.B
     now = most = 0
     for action in actions:
         if action.kind is Kind.F:
             now += kept[action.chunk]
-        elif action.kind is Kind.B:
+        elif action.kind is ends:
             now -= kept[action.chunk]
         most = max(most, now)
     return most

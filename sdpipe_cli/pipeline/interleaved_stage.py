@@ -14,7 +14,10 @@ in one direction, posted in the same order at both ends.
 each chunk's ``.grad``. Sends are posted without blocking; a chunk waits on its activation sends
 up to micro-batch ``i`` once ``i``'s gradient came back (the receiver used them), and on the
 rest at the iteration's end: the one-chunk rule that bounds gradient sends in flight
-(``Link.wait_gradients``) assumes the previous stage runs nothing else between them.
+(``Link.wait_gradients``) assumes the previous stage runs nothing else between them. In a
+zero-bubble list (``interleaved_zb``) each chunk's backward is its ``B`` (the input's gradient,
+sent back) and, later, its ``W`` (the weights'), as
+:class:`~sdpipe_cli.pipeline.stage.FlushedStage` runs ZB-H1's.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import nn
 
 from sdpipe_cli.core.interleaved import virtual_stage
 from sdpipe_cli.core.schedule import Action, Kind
-from sdpipe_cli.pipeline.executor import Executor, LossFn, StageBoundaries
+from sdpipe_cli.pipeline.executor import Deferred, Executor, LossFn, StageBoundaries
 
 __all__ = ["InterleavedStage"]
 
@@ -80,6 +83,8 @@ class InterleavedStage:
         for ex in self.chunks:
             ex.check_data(m, inputs, targets)
         stash: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, i) -> (input, output)
+        split = any(a.kind is Kind.W for a in actions)  # interleaved zero bubble: B, then W
+        deferred: dict[tuple[int, int], Deferred] = {}  # (chunk, i) -> what its W needs of its B
         total = None
         for index, action in enumerate(actions):
             ex, key = self.chunks[action.chunk], (action.chunk, action.microbatch)
@@ -89,9 +94,15 @@ class InterleavedStage:
                     loss = y.detach() / ex.loss_scale if ex.loss_scale != 1 else y.detach()
                     total = loss if total is None else total + loss
                 stash[key] = (x, y)
+            elif action.kind is Kind.W:
+                ex.backward_weight(action, deferred.pop(key))
+                outgoing = None
             else:
                 x, y = stash.pop(key)
-                outgoing = ex.backward(action, x, y)
+                if split:
+                    outgoing, deferred[key] = ex.backward_input(action, x, y)
+                else:
+                    outgoing = ex.backward(action, x, y)
                 del x, y
             if outgoing is not None:
                 after = actions[index + 1] if index + 1 < len(actions) else None
@@ -135,20 +146,25 @@ class InterleavedStage:
 def _check_actions(actions: list[Action], chunks: int) -> int:
     """Micro-batches of an interleaved iteration's ``actions``; ValueError unless each chunk
     runs F0..F(m-1) and B0..B(m-1) in order, each B after its F (a chunk's neighbours match its
-    messages by order), and no ``W``."""
-    per = [[a for a in actions if a.chunk == c] for c in range(chunks)]
-    m = sum(1 for a in per[0] if a.kind is Kind.F)
-    for c, mine in enumerate(per):
-        forwards = [a.microbatch for a in mine if a.kind is Kind.F]
-        backwards = [a.microbatch for a in mine if a.kind is Kind.B]
-        done: set[int] = set()
-        for a in mine:
-            if a.kind is Kind.B and a.microbatch not in done:
-                raise ValueError(f"{a} comes before F{a.microbatch}.{c}")
-            done.add(a.microbatch)
-        if m == 0 or forwards != list(range(m)) or backwards != list(range(m)) or len(mine) != 2 * m:
-            raise ValueError(f"chunk {c}'s actions must be F0..F{m - 1} and B0..B{m - 1}, each in "
-                             "micro-batch order, got " + " ".join(str(a) for a in mine))
+    messages by order), and, in a zero-bubble list, one W of each micro-batch after its B."""
     if any(a.chunk >= chunks or a.chunk < 0 for a in actions):
         raise ValueError(f"an action names a chunk outside 0..{chunks - 1}")
+    split = any(a.kind is Kind.W for a in actions)
+    needs = {Kind.B: Kind.F, Kind.W: Kind.B}
+    m = sum(1 for a in actions if a.chunk == 0 and a.kind is Kind.F)
+    for c in range(chunks):
+        mine = [a for a in actions if a.chunk == c]
+        done: dict[Kind, set[int]] = {kind: set() for kind in Kind}
+        for a in mine:
+            if a.kind in needs and a.microbatch not in done[needs[a.kind]]:
+                raise ValueError(f"{a} comes before {needs[a.kind].value}{a.microbatch}.{c}")
+            done[a.kind].add(a.microbatch)
+        forwards = [a.microbatch for a in mine if a.kind is Kind.F]
+        backwards = [a.microbatch for a in mine if a.kind is Kind.B]
+        weights = sorted(a.microbatch for a in mine if a.kind is Kind.W)
+        if (m == 0 or forwards != list(range(m)) or backwards != list(range(m))
+                or weights != (list(range(m)) if split else [])):
+            raise ValueError(f"chunk {c}'s actions must be F0..F{m - 1} and B0..B{m - 1}, each in "
+                             "micro-batch order" + (f", and W0..W{m - 1}" if split else "")
+                             + ", got " + " ".join(str(a) for a in mine))
     return m

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import itertools
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from sdpipe_cli.core.interleaved import interleaved_1f1b, virtual_stage
+from sdpipe_cli.core.interleaved import interleaved_1f1b, interleaved_zero_bubble, virtual_stage
 from sdpipe_cli.core.partition import stage_ranges, uniform
 from sdpipe_cli.core.schedule import Action, Kind, one_f_one_b
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
@@ -32,6 +33,7 @@ VOCAB, WIDTH, BATCH, SEQ = 64, 16, 8, 4
 BLOCKS = 10  # embedding, 8 hidden, head: up to 8 virtual stages of at least one block
 TOL = 1e-5
 JOIN_TIMEOUT_S = 120
+SCHEDULES = (interleaved_1f1b, interleaved_zero_bubble)  # the second splits each backward: B, W
 
 
 def make_blocks():
@@ -67,31 +69,31 @@ def reference():
 def check(stage, stages, errors, wrap):
     ref_loss, ref_grads = reference()
     tokens, targets = make_batch()
-    for chunks in sorted({1, 2, 4 // stages + 1}):  # three chunks where the blocks allow
-        for m in (stages, 2 * stages):
-            tag = f"stage {stage}/{stages} v={chunks} m={m}"
-            blocks, ranges = make_blocks(), pieces(stages * chunks)
-            mine = [ranges[virtual_stage(stage, c, stages)] for c in range(chunks)]
-            seen = []
-            pipe = InterleavedStage(
-                [nn.Sequential(*blocks[lo:hi]) for lo, hi in mine], stage, stages,
-                list(range(stages)), [(BATCH // m, SEQ, WIDTH)] * chunks, torch.device("cpu"),
-                loss_fn, wrap=wrap, on_action=lambda a, _, seen=seen: seen.append(a))
-            actions = interleaved_1f1b(chunks)(stages, m, stage)
-            loss = pipe.run(actions, list(tokens.chunk(m)) if stage == 0 else None,
-                            list(targets.chunk(m)) if stage == stages - 1 else None)
-            if seen != actions:
-                errors.append(f"{tag}: the hooks saw {seen}")
-            last = stage == stages - 1
-            if last != (loss is not None) or (last and abs(loss - ref_loss) > TOL):
-                errors.append(f"{tag}: loss {loss}, expected {ref_loss if last else None}")
-            for lo, hi in mine:
-                for b in range(lo, hi):
-                    for p, want in zip(blocks[b].parameters(), ref_grads[b]):
-                        if p.grad is None or not torch.allclose(p.grad, want, atol=TOL, rtol=TOL):
-                            errors.append(f"{tag}: gradient of block {b} differs")
-            if not all(ex.link.idle for ex in pipe.chunks):
-                errors.append(f"{tag}: communication left in flight")
+    for chunks, m, schedule in itertools.product(sorted({1, 2, 4 // stages + 1}),  # three chunks
+                                                 (stages, 2 * stages), SCHEDULES):  # where they fit
+        tag = f"{schedule.__name__} stage {stage}/{stages} v={chunks} m={m}"
+        blocks, ranges = make_blocks(), pieces(stages * chunks)
+        mine = [ranges[virtual_stage(stage, c, stages)] for c in range(chunks)]
+        seen = []
+        pipe = InterleavedStage(
+            [nn.Sequential(*blocks[lo:hi]) for lo, hi in mine], stage, stages,
+            list(range(stages)), [(BATCH // m, SEQ, WIDTH)] * chunks, torch.device("cpu"),
+            loss_fn, wrap=wrap, on_action=lambda a, _, seen=seen: seen.append(a))
+        actions = schedule(chunks)(stages, m, stage)
+        loss = pipe.run(actions, list(tokens.chunk(m)) if stage == 0 else None,
+                        list(targets.chunk(m)) if stage == stages - 1 else None)
+        if seen != actions:
+            errors.append(f"{tag}: the hooks saw {seen}")
+        last = stage == stages - 1
+        if last != (loss is not None) or (last and abs(loss - ref_loss) > TOL):
+            errors.append(f"{tag}: loss {loss}, expected {ref_loss if last else None}")
+        for lo, hi in mine:
+            for b in range(lo, hi):
+                for p, want in zip(blocks[b].parameters(), ref_grads[b]):
+                    if p.grad is None or not torch.allclose(p.grad, want, atol=TOL, rtol=TOL):
+                        errors.append(f"{tag}: gradient of block {b} differs")
+        if not all(ex.link.idle for ex in pipe.chunks):
+            errors.append(f"{tag}: communication left in flight")
 
 
 def worker(rank, stages, port):
@@ -138,6 +140,7 @@ MODELS = {  # each cut into 8 virtual stages: four stages of two chunks
     "resnet_cifar": dict(arch="resnet_cifar", num_classes=10),
 }
 STEPS, MICRO = 3, 4
+INTERLEAVED = {"interleaved": interleaved_1f1b, "interleaved_zb": interleaved_zero_bubble}
 
 
 def model_batch(arch: str, seed: int):
@@ -150,7 +153,7 @@ def model_batch(arch: str, seed: int):
 
 def train_both(stage: int, stages: int, name: str, wrap) -> dict:
     """One layout's run of 1F1B (stage ``s`` holds the model's ``s``-th quarter) and of
-    interleaved 1F1B (its chunks the ``s``-th and ``s + 4``-th eighths), each from the same
+    interleaved 1F1B and zero bubble (its chunks the ``s``-th and ``s + 4``-th eighths), each from the same
     initial weights, AdamW, ``STEPS`` steps: this stage's losses and blocks' weights."""
     from omegaconf import OmegaConf
 
@@ -170,7 +173,7 @@ def train_both(stage: int, stages: int, name: str, wrap) -> dict:
         return (layouts[lo - 1] if lo else None, layouts[hi - 1] if hi < n else None)
 
     out: dict = {}
-    for kind in ("1f1b", "interleaved"):
+    for kind in ("1f1b", *INTERLEAVED):
         mine = copy.deepcopy(blocks)
         if kind == "1f1b":
             lo, hi = stage_ranges(uniform(n, stages), n)[stage]
@@ -187,7 +190,7 @@ def train_both(stage: int, stages: int, name: str, wrap) -> dict:
                                     [pair(lo, hi) for lo, hi in mine_ranges], torch.device("cpu"),
                                     loss_fn, wrap=wrap)
             held = [b for lo, hi in mine_ranges for b in range(lo, hi)]
-            actions = interleaved_1f1b(chunks)(stages, MICRO, stage)
+            actions = INTERLEAVED[kind](chunks)(stages, MICRO, stage)
         params = [p for b in held for p in mine[b].parameters()]
         optimizer = torch.optim.AdamW(params, lr=1e-3)
         losses = []
@@ -213,19 +216,20 @@ def model_worker(rank, stages, port, name):
         mine = train_both(rank, stages, name, wrap)
         everyone: list = [None] * stages
         dist.all_gather_object(everyone, mine)
-        if rank == stages - 1:
-            a, b = mine["1f1b"]["losses"], mine["interleaved"]["losses"]
-            assert all(abs(x - y) <= 1e-6 for x, y in zip(a, b)), (name, a, b)
-            assert a[-1] < a[0], (name, a)  # it trains
-        if rank == 0:
-            weights = {kind: {blk: w for part in everyone for blk, w in part[kind]["blocks"].items()}
-                       for kind in ("1f1b", "interleaved")}
-            assert weights["1f1b"].keys() == weights["interleaved"].keys()
-            for blk, state in weights["1f1b"].items():
-                for key, value in state.items():
-                    other = weights["interleaved"][blk][key]
-                    assert torch.allclose(value.float(), other.float(), atol=1e-6, rtol=0), (
-                        name, blk, key, (value.float() - other.float()).abs().max())
+        for kind in INTERLEAVED:
+            if rank == stages - 1:
+                a, b = mine["1f1b"]["losses"], mine[kind]["losses"]
+                assert all(abs(x - y) <= 1e-6 for x, y in zip(a, b)), (name, kind, a, b)
+                assert a[-1] < a[0], (name, a)  # it trains
+            if rank == 0:
+                weights = {k: {blk: w for part in everyone for blk, w in part[k]["blocks"].items()}
+                           for k in ("1f1b", kind)}
+                assert weights["1f1b"].keys() == weights[kind].keys()
+                for blk, state in weights["1f1b"].items():
+                    for key, value in state.items():
+                        other = weights[kind][blk][key]
+                        assert torch.allclose(value.float(), other.float(), atol=1e-6, rtol=0), (
+                            name, kind, blk, key, (value.float() - other.float()).abs().max())
     finally:
         dist.destroy_process_group()
 
@@ -233,6 +237,7 @@ def model_worker(rank, stages, port, name):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_project_s_models_train_as_under_1f1b(name):
     """gpt (8 blocks) and ResNet-20 (11, BatchNorm's running statistics among the weights), four
-    stages of two chunks, three AdamW steps: the losses of 1F1B to 1e-6 and the same weights."""
+    stages of two chunks, three AdamW steps, interleaved 1F1B and zero bubble: the losses of 1F1B
+    to 1e-6 and the same weights."""
     spawn_and_join(model_worker, (4, free_port(), name), 4, JOIN_TIMEOUT_S,
                    f"interleaved {name} on four stages")

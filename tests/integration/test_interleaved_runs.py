@@ -1,4 +1,4 @@
-"""``sdpipe train pipeline.schedule=interleaved_1f1b pipeline.chunks=2``: the same arithmetic
+"""``sdpipe train pipeline.schedule=interleaved_1f1b pipeline.chunks=2`` (and ``interleaved_zb``): the same arithmetic
 as 1F1B through the whole command, on four stages of two chunks of a transformer whose input
 and output embeddings are one weight (tied across the first and the last stage): the same loss at
 every step and the same validation loss, two pipelines averaging every step, and an export
@@ -36,16 +36,20 @@ def _export(run, out_dir) -> dict[str, torch.Tensor]:
 
 
 def test_interleaved_runs_do_1f1b_s_arithmetic_and_export_the_same_model(tmp_path):
+    """Interleaved 1F1B, and interleaved zero bubble (each chunk's backward split into B and W,
+    the tied embedding's W on the first and the last stage)."""
     plain = _run(tmp_path / "1f1b")
-    interleaved = _run(tmp_path / "il", *INTERLEAVED)
     assert len(plain) == 3 and plain[-1] < plain[0]
-    assert interleaved == pytest.approx(plain, rel=0, abs=1e-6)
-    val = [metrics(tmp_path / name, "eval")[-1]["val_loss"] for name in ("1f1b", "il")]
-    assert val[1] == pytest.approx(val[0], rel=0, abs=1e-6)
-    ours, theirs = _export(tmp_path / "il", tmp_path / "il-x"), _export(tmp_path / "1f1b", tmp_path / "x")
-    assert ours.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)
+    theirs = _export(tmp_path / "1f1b", tmp_path / "x")
+    val = metrics(tmp_path / "1f1b", "eval")[-1]["val_loss"]
+    for name, schedule in (("il", "interleaved_1f1b"), ("izb", "interleaved_zb")):
+        got = _run(tmp_path / name, *INTERLEAVED, f"pipeline.schedule={schedule}")
+        assert got == pytest.approx(plain, rel=0, abs=1e-6), schedule
+        assert metrics(tmp_path / name, "eval")[-1]["val_loss"] == pytest.approx(val, rel=0, abs=1e-6)
+        ours = _export(tmp_path / name, tmp_path / f"{name}-x")
+        assert ours.keys() == theirs.keys()
+        for key, tensor in theirs.items():
+            torch.testing.assert_close(ours[key], tensor, rtol=0, atol=1e-6, msg=f"{schedule}: {key}")
 
 
 OWN_BASE = ("model=gpt_tiny", "data=synthetic", "sync=sdpipe", "cluster.pipelines=2",

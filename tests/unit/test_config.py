@@ -361,7 +361,7 @@ def test_async_schedule_is_a_valid_choice():
     validate(compose(["pipeline.schedule=async_1f1b"]))
     validate(compose(["pipeline.schedule=async_1f1b", "pipeline.weight_versions=2"]))
     validate(compose(["pipeline.schedule=zb_h1"]))
-    with pytest.raises(ConfigError, match="1f1b, gpipe, zb_h1, interleaved_1f1b, async_1f1b"):
+    with pytest.raises(ConfigError, match="1f1b, gpipe, zb_h1, interleaved_1f1b, interleaved_zb, async_1f1b"):
         validate(compose(["pipeline.schedule=zigzag"]))
 
 

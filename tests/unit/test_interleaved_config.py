@@ -11,7 +11,7 @@ from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
-from sdpipe_cli.core.interleaved import interleaved_1f1b
+from sdpipe_cli.core.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.data import sources
 from sdpipe_cli.model import memory, models
@@ -34,6 +34,10 @@ IL = ["model=mlp", "cluster.device=cpu", "pipeline.schedule=interleaved_1f1b", "
      "has 1 boundaries; 2 stages of 2 chunks need 3"),
     ([*IL, "pipeline.partitions={1: [1, 2]}"], "pipeline.partitions.1",
      "has 2 boundaries; 2 stages of 2 chunks need 3"),
+    ([*IL, "pipeline.schedule=interleaved_zb", "pipeline.microbatches=3", "train.batch_size=6"],
+     "pipeline.microbatches", "interleaved_zb takes micro-batches in groups of the stages"),
+    ([*IL, "pipeline.schedule=interleaved_zb", "pipeline.activation_checkpointing=true"],
+     "pipeline.schedule", "interleaved_zb with recomputed activations"),
 ])
 def test_what_interleaving_refuses_is_one_line(overrides, key, reason, tmp_path, capsys):
     with pytest.raises(ConfigError, match=reason) as info:
@@ -78,3 +82,26 @@ def test_the_memory_estimate_holds_each_stage_s_chunks():
             now += kept[a.chunk] if a.kind == "F" else -kept[a.chunk]
             peak = max(peak, now)
         assert peak <= chunked[s].activations * chunked[s].in_flight < peak + chunked[s].in_flight
+
+
+def test_the_memory_estimate_of_interleaved_zero_bubble_holds_each_chunk_until_its_w():
+    """Under ``interleaved_zb`` a micro-batch chunk's activations live until its ``W`` (the
+    weights' gradient needs them): ``v S`` chunks on every stage, the peak weighed by chunk."""
+    cfg, _, _ = preparing.prepare(compose([*IL, "pipeline.schedule=interleaved_zb"]))
+    plain, _, _ = preparing.prepare(compose(IL))
+    example = sources.example(cfg, RunPlan.of(cfg).microbatch_size, device="meta")[0]
+    ours, theirs = memory.estimate(cfg, example), memory.estimate(plain, example)
+    assert ours is not None and theirs is not None
+    assert [e.in_flight for e in ours] == [4, 4] and [e.in_flight for e in theirs] == [4, 3]
+    assert [e.weights for e in ours] == [e.weights for e in theirs]
+    flat, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
+                                            "pipeline.partition=[2,4,5]", "pipeline.stages=4"]))
+    pieces = memory.estimate(flat, example)
+    assert pieces is not None
+    for s in (0, 1):
+        kept = [pieces[s].activations, pieces[s + 2].activations]
+        now = peak = 0
+        for a in interleaved_zero_bubble(2)(2, 4, s):
+            now += kept[a.chunk] if a.kind == "F" else -kept[a.chunk] if a.kind == "W" else 0
+            peak = max(peak, now)
+        assert peak <= ours[s].activations * ours[s].in_flight < peak + ours[s].in_flight
