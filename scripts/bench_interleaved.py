@@ -1,9 +1,11 @@
-"""One pipeline's iteration time under 1F1B and interleaved 1F1B, beside what each timeline predicts.
+"""One pipeline's iteration time under 1F1B, interleaved 1F1B and interleaved zero bubble, beside what
+each timeline predicts.
 
 Run it from the repository root after ``pip install -e .``::
 
     python scripts/bench_interleaved.py                         # S = 4, m = 8, v = 2, 3 repeats
     python scripts/bench_interleaved.py --chunks 3 --repeats 1  # three chunks a stage
+    python scripts/bench_interleaved.py --against-torch --schedule interleaved_zb
 
 The claim it checks: with each stage's model cut into ``v`` chunks
 (:mod:`sdpipe_cli.core.interleaved`), an iteration takes what its timeline says, ``(S - 1)``
@@ -14,22 +16,24 @@ ticks' ratio.
 (:class:`~sdpipe_cli.pipeline.stage.FlushedStage` for 1F1B,
 :class:`~sdpipe_cli.pipeline.interleaved_stage.InterleavedStage` for the interleaved schedule) on
 a model of ``S x v`` equal pieces: 1F1B's stage ``s`` holds pieces ``s v .. s v + v - 1``, the
-interleaved one's chunk ``c`` piece ``c S + s``. Compute is modelled: an action is padded with a
+interleaved ones' chunk ``c`` piece ``c S + s``. Compute is modelled: an action is padded with a
 sleep to ``--forward-ms`` per stage's worth of forward (a chunk's: ``1 / v`` of it), a backward
-twice that, so that the time is the schedule's and not this machine's. The schedules alternate
+twice that (interleaved zero bubble's ``B`` and ``W`` half of it each), so that the time is the
+schedule's and not this machine's. The schedules take turns
 ``--repeats`` times, each ``--steps`` iterations after 2; every iteration starts on a barrier.
-Not yet through ``sdpipe train``: no config setting runs an interleaved schedule.
 
 **Against torch** (``--against-torch``). The same pieces, real compute (no padding; pieces
 ``--width`` wide), sdpipe's ``InterleavedStage`` against torch's own
-``ScheduleInterleaved1F1B`` over one ``PipelineStage`` per chunk (``stage_index`` its virtual
-stage), each step followed by AdamW's on every process; the two alternate ``--repeats`` times,
-``--steps`` timed steps after 2, timed on stage 0 between barriers. Its table: ms per step and
-samples/s, sdpipe over torch.
+``ScheduleInterleaved1F1B`` (``--schedule interleaved_zb``: ``ScheduleInterleavedZeroBubble``)
+over one ``PipelineStage`` per chunk (``stage_index`` its virtual stage), each step followed
+by AdamW's on every process; the two alternate ``--repeats`` times, ``--steps`` timed steps
+after 2, timed on stage 0 between barriers. Its table: ms per step and samples/s, sdpipe over
+torch.
 
 **What is predicted.** :func:`~sdpipe_cli.core.schedule.tick_order` runs the same action lists
-on a clock of one tick per chunk's forward (two per backward); 1F1B's actions are ``v`` times as
-long. An iteration takes ``ticks x forward / v``; transfers and the barrier are not in it.
+on a clock of one tick per chunk's forward (two per backward, one per ``B`` and per ``W``);
+1F1B's actions are ``v`` times as long. An iteration takes ``ticks x forward / v``; transfers
+and the barrier are not in it.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sdpipe_cli.core.interleaved import interleaved_1f1b, virtual_stage  # noqa: E402
+from sdpipe_cli.core.interleaved import CHUNKED, interleaved_1f1b, interleaved_zero_bubble, virtual_stage  # noqa: E402
 from sdpipe_cli.core.schedule import Kind, one_f_one_b, tick_order  # noqa: E402
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage  # noqa: E402
 from sdpipe_cli.pipeline.stage import FlushedStage  # noqa: E402
@@ -89,6 +93,9 @@ def worker(rank, args, port, out: str):
     def stage_seconds(action):
         return forward * (2 if action.kind is Kind.B else 1)
 
+    def split_seconds(action):  # B and W: half a backward each
+        return forward
+
     flushed = FlushedStage(nn.Sequential(*pieces[rank * chunks:(rank + 1) * chunks]), rank, stages,
                            rank - 1 if rank else None, rank + 1 if rank < stages - 1 else None,
                            shape, torch.device("cpu"), loss_fn, on_action=padded(stage_seconds))
@@ -96,12 +103,17 @@ def worker(rank, args, port, out: str):
         [pieces[virtual_stage(rank, c, stages)] for c in range(chunks)], rank, stages,
         list(range(stages)), [shape] * chunks, torch.device("cpu"), loss_fn, wrap=wrap,
         on_action=padded(lambda a: stage_seconds(a) / chunks))
+    zero_bubble = InterleavedStage(
+        [pieces[virtual_stage(rank, c, stages)] for c in range(chunks)], rank, stages,
+        list(range(stages)), [shape] * chunks, torch.device("cpu"), loss_fn, wrap=wrap,
+        on_action=padded(lambda a: split_seconds(a) / chunks))
     runs = {"1f1b": (flushed, one_f_one_b(stages, m, rank)),
-            "interleaved": (interleaved, interleaved_1f1b(chunks)(stages, m, rank))}
+            "interleaved": (interleaved, interleaved_1f1b(chunks)(stages, m, rank)),
+            "interleaved_zb": (zero_bubble, interleaved_zero_bubble(chunks)(stages, m, rank))}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.repeats):
-        order = list(runs) if r % 2 == 0 else list(reversed(runs))
-        for name in order:
+        names = list(runs)
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each first in turn
             pipe, actions = runs[name]
             for k in range(2 + args.steps):
                 dist.barrier()
@@ -121,7 +133,7 @@ def worker(rank, args, port, out: str):
 
 def peer_worker(rank, args, port, out: str):
     """``--against-torch``: both sides' steps on this stage, timed on stage 0."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
     torch.set_num_threads(1)
     stages, chunks, m, width = args.stages, args.chunks, args.microbatches, args.width
@@ -137,8 +149,9 @@ def peer_worker(rank, args, port, out: str):
     ours = InterleavedStage(mine["sdpipe"], rank, stages, list(range(stages)),
                             [(args.batch // m, width)] * chunks, torch.device("cpu"), loss_fn,
                             wrap=wrap)
-    actions = interleaved_1f1b(chunks)(stages, m, rank)
-    theirs = ScheduleInterleaved1F1B(
+    actions = CHUNKED[args.schedule](chunks)(stages, m, rank)
+    peer = ScheduleInterleavedZeroBubble if args.schedule == "interleaved_zb" else ScheduleInterleaved1F1B
+    theirs = peer(
         [PipelineStage(module, virtual_stage(rank, c, stages), stages * chunks,
                        torch.device("cpu")) for c, module in enumerate(mine["torch"])],
         n_microbatches=m, loss_fn=loss_fn)
@@ -186,7 +199,7 @@ def spawned(fn, args) -> dict:
 
 def against_torch(args) -> int:
     times = spawned(peer_worker, args)
-    print(f"S={args.stages}, m={args.microbatches}, v={args.chunks}, batch {args.batch}, pieces "
+    print(f"{args.schedule}: S={args.stages}, m={args.microbatches}, v={args.chunks}, batch {args.batch}, pieces "
           f"{args.width} wide, real compute; {args.repeats} repeats of {args.steps} steps")
     print("| side | ms per step (median) | per repeat | samples/s |")
     print("|---|---|---|---|")
@@ -208,7 +221,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--against-torch", action="store_true",
-                        help="real compute, against torch's ScheduleInterleaved1F1B")
+                        help="real compute, against torch's schedule of the same kind")
+    parser.add_argument("--schedule", choices=tuple(CHUNKED), default="interleaved_1f1b",
+                        help="--against-torch: which interleaved schedule")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args(argv)
@@ -218,13 +233,14 @@ def main(argv=None) -> int:
     predicted = {
         "1f1b": len(tick_order(one_f_one_b, s, m, {Kind.B: 2})[0]) * forward,
         "interleaved": len(tick_order(interleaved_1f1b(v), s, m, {Kind.B: 2}, v)[0]) * forward / v,
+        "interleaved_zb": len(tick_order(interleaved_zero_bubble(v), s, m, None, v)[0]) * forward / v,
     }
     measured = spawned(worker, args)
     print(f"S={s}, m={m}, v={v}, forward {forward:g} ms a stage (backward twice), "
           f"{args.repeats} repeats of {args.steps} iterations; ms per iteration")
     print("| schedule | predicted | measured (median) | per repeat | of predicted | vs 1F1B |")
     print("|---|---|---|---|---|---|")
-    for name in ("1f1b", "interleaved"):
+    for name in predicted:
         ms = measured[name] * 1000
         each = ", ".join(f"{x * 1000:.1f}" for x in measured["repeats"][name])
         speedup = measured["1f1b"] / measured[name]

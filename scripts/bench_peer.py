@@ -14,7 +14,8 @@ own: ``--schedule 1f1b`` (the default) against ``Schedule1F1B``, ``--schedule zb
 backward split into the input's and the weights' gradients as sdpipe's ``zb_h1`` splits it),
 ``--schedule interleaved_1f1b --chunks v`` against ``ScheduleInterleaved1F1B`` with ``v`` stages
 per process (chunk ``c`` of process ``s`` the piece ``c x S + s`` of ``v x S`` uniform pieces, as
-sdpipe's ``pipeline.chunks`` cuts them).
+sdpipe's ``pipeline.chunks`` cuts them), and ``--schedule interleaved_zb --chunks v`` against
+``ScheduleInterleavedZeroBubble`` with the same ``v`` stages per process.
 
 **What runs.** Both sides train the project's byte-level GPT blocks
 (``sdpipe_cli.model.bytes_lm.build_blocks``) from one composed config (``--model-overrides`` plus
@@ -86,7 +87,7 @@ def shared_overrides(args: argparse.Namespace) -> list[str]:
     return [*shlex.split(args.model_overrides), "data=synthetic", "sync=allreduce",
             "cluster.pipelines=1", f"pipeline.stages={args.stages}",
             f"pipeline.schedule={args.schedule}",
-            f"pipeline.chunks={args.chunks if args.schedule == 'interleaved_1f1b' else 1}",
+            f"pipeline.chunks={chunks_of(args)}",
             f"pipeline.microbatches={args.microbatches}", f"train.batch_size={args.batch}",
             f"train.steps={args.warmup + args.steps}", "train.eval_every=0", "train.log_every=1",
             "train.grad_clip=0", "train.warmup=0", "train.schedule=constant", "cluster.device=cpu"]
@@ -220,7 +221,7 @@ def make_step(cfg, rank: int, world: int, schedule_name: str, m: int):
     chunks = [nn.Sequential(*blocks[start:stop_]).train() for start, stop_ in held]
     stages = [PipelineStage(chunk, c * world + rank, world * v, device=torch.device("cpu"))
               for c, chunk in enumerate(chunks)]
-    if schedule_name == "zb_h1":
+    if schedule_name in ("zb_h1", "interleaved_zb"):
         schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=m, loss_fn=cross_entropy)
     elif schedule_name == "interleaved_1f1b":
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=cross_entropy)
@@ -245,6 +246,13 @@ def make_step(cfg, rank: int, world: int, schedule_name: str, m: int):
 
 # -- main ------------------------------------------------------------------------------------------
 
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
+
+
+def chunks_of(args: argparse.Namespace) -> int:
+    return args.chunks if args.schedule in INTERLEAVED else 1
+
+
 def check(args: argparse.Namespace) -> None:
     if args.warmup < 1 or args.steps < 1:
         raise SystemExit("--warmup and --steps must be at least 1 (the first step pays set-up)")
@@ -257,8 +265,8 @@ def check(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--schedule", choices=("1f1b", "zb_h1", "interleaved_1f1b"), default="1f1b")
-    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_1f1b)")
+    parser.add_argument("--schedule", choices=("1f1b", "zb_h1", *INTERLEAVED), default="1f1b")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_*)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="timed iterations per run")
@@ -284,7 +292,7 @@ def main() -> int:
             peer.append(run_torch(args, cfg_yaml))
             sdpipe.append(sdpipe_side(args))
     result = {"schedule": args.schedule, "stages": args.stages, "microbatches": args.microbatches, "batch": args.batch,
-              "chunks": args.chunks if args.schedule == "interleaved_1f1b" else 1,
+              "chunks": chunks_of(args),
               "steps": args.steps, "warmup": args.warmup, "model_overrides": args.model_overrides,
               "samples_per_s_sdpipe": [round(x, 1) for x in sdpipe],
               "samples_per_s_torch": [round(x, 1) for x in peer],

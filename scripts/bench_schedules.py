@@ -7,14 +7,14 @@ Run it from the repository root after ``pip install -e .``::
     python scripts/bench_schedules.py --slow 1:0.5           # stage 1's device 2x slower, partition=auto
 
 The claim it checks: ZB-H1's split backward (``pipeline.schedule=zb_h1``) and interleaving
-(``--schedules 1f1b,interleaved_1f1b``: ``pipeline.chunks=--chunks``) make a pipeline's
+(``--schedules 1f1b,interleaved_1f1b,interleaved_zb``: ``pipeline.chunks=--chunks``) make a pipeline's
 iteration shorter than 1F1B's by what its timeline says, no more, no less.
 
 **What runs.** ``sdpipe train`` of one pipeline (``sync=allreduce cluster.pipelines=1``) of S
 equal stages of the MLP (``model=mlp model.n_layers`` chosen so that each stage holds the same
 number of blocks) on modelled compute: every forward of a stage sleeps ``--forward-ms`` and every
 backward twice that (``cluster.compute_ms``), so that the run's time is the schedule's and not
-this machine's; ZB-H1's ``B`` and ``W`` take half a backward each; an interleaved
+this machine's; ZB-H1's (and interleaved zero bubble's) ``B`` and ``W`` take half a backward each; an interleaved
 stage's chunk ``1 / chunks`` of a stage's forward or backward (the model then has a block per
 piece, ``chunks x S``, for every schedule compared). Each run is ``--warmup +
 --steps`` iterations; the schedules alternate ``--repeats`` times (their order flipped every
@@ -61,7 +61,8 @@ from sdpipe_cli.analysis import read_metrics  # noqa: E402
 from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES, schedule_of  # noqa: E402
 from sdpipe_cli.core.schedule import Kind, tick_order  # noqa: E402
 
-BACKWARD_TICKS = {"1f1b": {Kind.B: 2}, "gpipe": {Kind.B: 2}, "zb_h1": {}, "interleaved_1f1b": {Kind.B: 2}}
+BACKWARD_TICKS = {"1f1b": {Kind.B: 2}, "gpipe": {Kind.B: 2}, "zb_h1": {}, "interleaved_1f1b": {Kind.B: 2},
+                  "interleaved_zb": {}}
 
 
 def chunks_of(schedule: str, chunks: int) -> int:
@@ -111,7 +112,7 @@ def measured_rate(run_dir: Path, warmup: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedules", default="1f1b,zb_h1")
-    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_1f1b)")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_*)")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)
