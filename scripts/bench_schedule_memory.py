@@ -6,7 +6,7 @@ Run it from the repository root after ``pip install -e .``::
     python scripts/bench_schedule_memory.py                                  # gpt_tiny, S = 4, m = 8
     python scripts/bench_schedule_memory.py --model gpt2 --seq-len 128      # with the hf extra
     python scripts/bench_schedule_memory.py --stages 2 --microbatches 4      # a smoke test
-    python scripts/bench_schedule_memory.py --schedules 1f1b,zb_h1,gpipe,interleaved_1f1b --layers 6
+    python scripts/bench_schedule_memory.py --schedules 1f1b,zb_h1,gpipe,interleaved_1f1b,interleaved_zb --layers 6
 
 The claim it checks: ZB-H1 (``pipeline.schedule=zb_h1``) keeps 1F1B's *peak* activation memory
 (the first stage's), while its later stages, which 1F1B lets hold fewer micro-batches
@@ -14,7 +14,8 @@ The claim it checks: ZB-H1 (``pipeline.schedule=zb_h1``) keeps 1F1B's *peak* act
 measured, against the estimate (``run.memory_check``) which counts whole micro-batches.
 Interleaved 1F1B (``--chunks v``): stage ``s`` holds up to ``S - s + (v - 1) S`` micro-batches
 of a chunk (``1 / v`` of the stage's blocks) at once; the model is cut into ``v x S`` pieces
-for it (``--layers``: enough blocks), and the other schedules run on the same model.
+for it (``--layers``: enough blocks), and the other schedules run on the same model; interleaved
+zero bubble (``interleaved_zb``) up to ``v S`` on every stage, each until its ``W``.
 
 **What runs.** In this process, no training and no other process: the stage modules of the run
 the overrides describe (``model=... pipeline.stages=S pipeline.microbatches=m``, the partition
@@ -84,15 +85,15 @@ def run_stage(chunks, target, loss_fn, actions) -> int:
     import torch
 
     split = importlib.import_module(SPLIT_BACKWARD)
-    params = [p for module, _, _ in chunks for p in module.parameters() if p.requires_grad]
-    live = Live({p.untyped_storage().data_ptr() for p in params})
+    params = [[p for p in module.parameters() if p.requires_grad] for module, _, _ in chunks]
+    live = Live({p.untyped_storage().data_ptr() for mine in params for p in mine})
 
     def pack(t):
         live.hold(t)
         return t
 
     flight: dict[tuple[int, int], tuple] = {}  # (chunk, micro-batch) -> (input, output)
-    deferred: dict[int, object] = {}  # micro-batch -> what its W needs
+    deferred: dict[tuple[int, int], tuple] = {}  # (chunk, micro-batch) -> what its W needs
     splitting = any(a.kind == "W" for a in actions)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for action in actions:
@@ -105,9 +106,9 @@ def run_stage(chunks, target, loss_fn, actions) -> int:
                 flight[(action.chunk, i)] = (xi, y)
                 continue
             if action.kind == "W":
-                kind, held = deferred.pop(i)
+                kind, held = deferred.pop((action.chunk, i))
                 if kind == "groups":
-                    split.stage_backward_weight(iter(params), held)
+                    split.stage_backward_weight(iter(params[action.chunk]), held)
                 else:  # the first stage's whole backward
                     torch.autograd.backward(*held)
                 del held
@@ -118,10 +119,10 @@ def run_stage(chunks, target, loss_fn, actions) -> int:
             if splitting:  # a split backward: B now, W later
                 inputs = [t for t in bench_memory.tensors_of(xi) if t.requires_grad]
                 if inputs:
-                    deferred[i] = ("groups", split.stage_backward_input(outputs, grads, inputs,
-                                                                        iter(params))[1])
+                    deferred[(action.chunk, i)] = ("groups", split.stage_backward_input(
+                        outputs, grads, inputs, iter(params[action.chunk]))[1])
                 else:  # the first stage sends nothing back: its W is the whole backward
-                    deferred[i] = ("whole", (outputs, grads))
+                    deferred[(action.chunk, i)] = ("whole", (outputs, grads))
             else:
                 torch.autograd.backward(outputs, grads)
             del xi, y, outputs, grads
@@ -190,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatch", type=int, default=4, help="examples per micro-batch")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--schedules", default="1f1b,zb_h1,gpipe",
-                        help="also interleaved_1f1b (the model needs chunks x stages blocks: --layers)")
-    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_1f1b)")
+                        help="also interleaved_1f1b, interleaved_zb (the model needs chunks x stages blocks: "
+                             "--layers)")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks a stage (interleaved_*)")
     parser.add_argument("--layers", type=int, default=None, help="model.n_layers (default: the model's)")
     parser.add_argument("--json", type=Path, default=None)
     _report.add_markdown_option(parser)

@@ -51,3 +51,16 @@ def test_an_interleaved_stage_holds_chunk_micro_batches_each_a_chunk_s_worth():
     one = _peak(gpipe, 4, 1, 0)
     chunks = [(_stage(), x, False), (_stage(), x, False)]
     assert bench.run_stage(chunks, None, None, interleaved_1f1b(2)(2, 4, 0)) == 4 * one
+
+
+def test_an_interleaved_zero_bubble_stage_frees_each_chunk_s_micro_batch_at_its_w():
+    """Interleaved zero bubble: each chunk's micro-batch held from its F to its W (the W of
+    each chunk through its own weights), up to ``v S`` = 4 on every stage, each more than a
+    forward's tensors."""
+    from sdpipe_cli.core.interleaved import interleaved_zero_bubble
+
+    x = torch.randn(8, 16)
+    one = _peak(gpipe, 4, 1, 0)
+    chunks = [(_stage(), x, False), (_stage(), x, False)]
+    actions = interleaved_zero_bubble(2)(2, 4, 1)
+    assert 4 * one < bench.run_stage(chunks, None, None, actions) < 8 * one
