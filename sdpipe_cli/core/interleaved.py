@@ -65,7 +65,7 @@ from typing import NamedTuple
 
 from sdpipe_cli.core.schedule import Action, Kind, ScheduleFn, get_schedule, zero_bubble_h1
 
-__all__ = ["CHUNKED", "CHUNKED_SCHEDULES", "Channel", "channel_of", "interleaved_1f1b",
+__all__ = ["CHUNKED", "CHUNKED_SCHEDULES", "Channel", "channel_of", "forward_order", "interleaved_1f1b",
            "interleaved_zero_bubble", "messages", "nth", "schedule_of", "stage_blocks", "virtual_stage",
            "warmup", "zero_bubble_lists"]
 
@@ -97,6 +97,17 @@ def nth(kind: Kind, k: int, stages: int, chunks: int) -> Action:
     group, chunk = k // (stages * chunks), (k // stages) % chunks
     microbatch = group * stages + k % stages
     return Action(kind, microbatch, chunk if kind is Kind.F else chunks - 1 - chunk)
+
+
+def forward_order(microbatches: int, stages: int, chunks: int) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) in the order every stage runs an evaluation's forwards: the
+    training order's (:func:`nth`), ``S`` micro-batches through chunk 0, the same through
+    chunk 1, ..., then the next ``S``, the last group shorter where ``microbatches`` is not a
+    multiple of ``S``. A forward waits only for one before it in this order (its micro-batch's
+    on the chunk before, or the same place on the stage before), so stages that post their
+    sends and wait on them at the end cannot wait for each other in a cycle."""
+    return [(i, c) for start in range(0, microbatches, stages) for c in range(chunks)
+            for i in range(start, min(start + stages, microbatches))]
 
 
 def interleaved_1f1b(chunks: int) -> ScheduleFn:

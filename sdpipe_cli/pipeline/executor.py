@@ -277,27 +277,33 @@ class Executor:
             raise ValueError(f"stage {self.stage}: forward_only needs microbatches >= 1")
         self.check_data(m, inputs, targets)
         total = None
-        with torch.no_grad():
-            for i in range(m):
-                with self._precision():
-                    y = self.module(self.input(i, inputs, requires_grad=False)[0])
-                if self.is_last:
-                    # check_data: the last stage has its m targets
-                    target = to_device(cast(Sequence[Any], targets)[i], self.device)
-                    with self._precision():
-                        loss = self.loss_fn(y, target).float()
-                    total = loss if total is None else total + loss
-                    if observe is not None:
-                        observe(y, target)
-                else:
-                    boundary = cast(Boundary, self.outgoing)  # set: not the last stage
-                    tensors = boundary.flatten(y, f"stage {self.stage}'s output")
-                    self.link.send(Action(Kind.F, i), boundary.pack(tensors, self.device), NEXT,
-                                   None)
-                    self.link.wait_sends(keep=self.num_stages - self.stage)
+        for i in range(m):
+            loss = self.forward_one(i, inputs, targets, observe)
+            total = loss if total is None or loss is None else total + loss
+            self.link.wait_sends(keep=self.num_stages - self.stage)
         self.link.wait_sends()
         # the last stage's total is set: it summed m >= 1 losses
         return float(cast(torch.Tensor, total)) / m if self.is_last else None
+
+    def forward_one(self, i: int, inputs, targets,
+                    observe: Callable[[Any, Any], None] | None = None) -> torch.Tensor | None:
+        """Micro-batch ``i`` forward without autograd (:meth:`forward_only`'s step): its loss on
+        the last stage, else None, its output's send posted and left to the caller to wait on."""
+        with torch.no_grad():
+            with self._precision():
+                y = self.module(self.input(i, inputs, requires_grad=False)[0])
+            if self.is_last:
+                # the caller checked that the last stage has its targets
+                target = to_device(cast(Sequence[Any], targets)[i], self.device)
+                with self._precision():
+                    loss = self.loss_fn(y, target).float()
+                if observe is not None:
+                    observe(y, target)
+                return loss
+            boundary = cast(Boundary, self.outgoing)  # set: not the last stage
+            tensors = boundary.flatten(y, f"stage {self.stage}'s output")
+            self.link.send(Action(Kind.F, i), boundary.pack(tensors, self.device), NEXT, None)
+            return None
 
     # -- helpers ------------------------------------------------------------------------------------
 

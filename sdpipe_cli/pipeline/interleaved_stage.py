@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdpipe_cli.core.interleaved import virtual_stage
+from sdpipe_cli.core.interleaved import forward_order, virtual_stage
 from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.pipeline.executor import Deferred, Executor, LossFn, StageBoundaries
 
@@ -57,6 +57,7 @@ class InterleavedStage:
             raise ValueError("two stages of several chunks are each other's neighbours both "
                              "ways: the wrap channel needs a process group of its own (wrap=)")
         last = stages * chunks - 1
+        self.stages = stages
         self.chunks: list[Executor] = []
         for c, module in enumerate(modules):
             k = virtual_stage(stage, c, stages)
@@ -121,26 +122,27 @@ class InterleavedStage:
     def forward_only(self, inputs: Sequence[Any] | None = None,
                      targets: Sequence[Any] | None = None, microbatches: int | None = None,
                      observe: Callable[[Any, Any], None] | None = None) -> float | None:
-        """Every micro-batch forward through the chunks without autograd
-        (:meth:`~sdpipe_cli.pipeline.executor.Executor.forward_only`, one micro-batch at a time):
-        the mean loss where this stage computes it, else None.
-
-        Micro-batch by micro-batch, each through chunk 0, 1, ... in turn, every send waited on
-        before the next: a chunk that sent all its micro-batches before the next chunk took
-        any would wait across the wrap for a stage that waits for it. Evaluation is rare; it
-        gives up the pipelining for an order that cannot deadlock."""
+        """Every micro-batch forward through the chunks without autograd, pipelined as training
+        runs its forwards (:func:`~sdpipe_cli.core.interleaved.forward_order`): the mean loss
+        where this stage computes it, else None. Sends are posted and waited on at the end:
+        the order is the same on every stage and each forward waits only for one before it,
+        so no stage waits for another that waits for it (a chunk that waited on each send
+        before the next could, across the wrap)."""
         known = inputs if self.chunks[0].is_first else targets if self.holds_loss else None
         m = len(known) if known is not None else microbatches
         if m is None or m < 1:
             raise ValueError("forward_only needs microbatches >= 1")
-        total = 0.0
-        for i in range(m):
-            for ex in self.chunks:
-                loss = ex.forward_only(None if inputs is None or not ex.is_first else inputs[i:i + 1],
-                                       None if targets is None or not ex.is_last else targets[i:i + 1],
-                                       microbatches=1, observe=observe if ex.is_last else None)
-                total += loss or 0.0
-        return total / m if self.holds_loss else None
+        for ex in self.chunks:
+            ex.check_data(m, inputs, targets)
+        total = None
+        for i, c in forward_order(m, self.stages, len(self.chunks)):
+            ex = self.chunks[c]
+            loss = ex.forward_one(i, inputs, targets, observe)
+            if loss is not None:
+                total = loss if total is None else total + loss
+        for ex in self.chunks:
+            ex.link.wait_sends()
+        return float(cast(torch.Tensor, total)) / m if self.holds_loss else None
 
 
 def _check_actions(actions: list[Action], chunks: int) -> int:

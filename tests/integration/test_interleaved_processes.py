@@ -1,7 +1,8 @@
 """InterleavedStage in real processes over gloo: an interleaved iteration (v chunks a stage) gives
-the unsplit model's loss and gradients, as 1F1B does, with two stages (each the other's
-neighbour both ways, across the wrap channel) and with four; and the project's own models (gpt,
-ResNet-20), trained a few steps on four stages of two chunks, end with 1F1B's losses and weights.
+the unsplit model's loss and gradients, as 1F1B does, and its pipelined evaluation the loss,
+with two stages (each the other's neighbour both ways, across the wrap channel) and with four;
+and the project's own models (gpt, ResNet-20), trained a few steps on four stages of two
+chunks, end with 1F1B's losses and weights.
 
 One spawn per layout runs every (chunks, micro-batches) case, so process start-up is paid once;
 a hang fails the test after a timeout instead of blocking the suite.
@@ -92,6 +93,21 @@ def check(stage, stages, errors, wrap):
                 for p, want in zip(blocks[b].parameters(), ref_grads[b]):
                     if p.grad is None or not torch.allclose(p.grad, want, atol=TOL, rtol=TOL):
                         errors.append(f"{tag}: gradient of block {b} differs")
+        if not all(ex.link.idle for ex in pipe.chunks):
+            errors.append(f"{tag}: communication left in flight")
+    for chunks, m in itertools.product(sorted({2, 4 // stages + 1}), (2, BATCH)):  # 2 < S = 4: a short group
+        tag = f"evaluation stage {stage}/{stages} v={chunks} m={m}"
+        blocks, ranges = make_blocks(), pieces(stages * chunks)
+        pipe = InterleavedStage(
+            [nn.Sequential(*blocks[lo:hi]) for lo, hi in
+             (ranges[virtual_stage(stage, c, stages)] for c in range(chunks))], stage, stages,
+            list(range(stages)), [(BATCH // m, SEQ, WIDTH)] * chunks, torch.device("cpu"),
+            loss_fn, wrap=wrap)
+        loss = pipe.forward_only(list(tokens.chunk(m)) if stage == 0 else None,
+                                 list(targets.chunk(m)) if stage == stages - 1 else None, microbatches=m)
+        last = stage == stages - 1
+        if last != (loss is not None) or (last and abs(loss - ref_loss) > TOL):
+            errors.append(f"{tag}: loss {loss}, expected {ref_loss if last else None}")
         if not all(ex.link.idle for ex in pipe.chunks):
             errors.append(f"{tag}: communication left in flight")
 

@@ -9,7 +9,15 @@ import collections
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sdpipe_cli.core.interleaved import channel_of, interleaved_1f1b, messages, schedule_of, stage_blocks, virtual_stage
+from sdpipe_cli.core.interleaved import (
+    channel_of,
+    forward_order,
+    interleaved_1f1b,
+    messages,
+    schedule_of,
+    stage_blocks,
+    virtual_stage,
+)
 from sdpipe_cli.core.partition import uniform
 from sdpipe_cli.core.schedule import Action, Kind, gpipe, in_flight, one_f_one_b, tick_order
 
@@ -137,3 +145,19 @@ def test_a_schedule_by_name_and_chunks():
     assert {a.chunk for a in schedule_of("interleaved_1f1b", 3)(2, 4, 1)} == {0, 1, 2}
     with pytest.raises(ValueError, match="runs one chunk a stage, not 2"):
         schedule_of("1f1b", 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 20))
+def test_an_evaluation_s_forwards_each_wait_only_for_one_before_them(stages, chunks, m):
+    """Every (micro-batch, chunk) once; each one's input (the same micro-batch on the virtual
+    stage before) comes earlier in the order all stages share, so posting the sends and waiting
+    on them at the end cannot deadlock; with ``m`` a multiple of ``S``, training's order."""
+    order = forward_order(m, stages, chunks)
+    assert sorted(order) == [(i, c) for i in range(m) for c in range(chunks)]
+    place = {item: k for k, item in enumerate(order)}
+    for i, c in order:
+        assert c == 0 or place[(i, c - 1)] < place[(i, c)]
+    if m % stages == 0:
+        forwards = [a for a in interleaved_1f1b(chunks)(stages, m, 0) if a.kind is Kind.F]
+        assert order == [(a.microbatch, a.chunk) for a in forwards]
