@@ -6,6 +6,7 @@ Run it from the repository root after ``pip install -e .``::
     python scripts/bench_interleaved.py                         # S = 4, m = 8, v = 2, 3 repeats
     python scripts/bench_interleaved.py --chunks 3 --repeats 1  # three chunks a stage
     python scripts/bench_interleaved.py --against-torch --schedule interleaved_zb
+    python scripts/bench_interleaved.py --evaluation --forward-ms 10
 
 The claim it checks: with each stage's model cut into ``v`` chunks
 (:mod:`sdpipe_cli.core.interleaved`), an iteration takes what its timeline says, ``(S - 1)``
@@ -29,6 +30,12 @@ over one ``PipelineStage`` per chunk (``stage_index`` its virtual stage), each s
 by AdamW's on every process; the two alternate ``--repeats`` times, ``--steps`` timed steps
 after 2, timed on stage 0 between barriers. Its table: ms per step and samples/s, sdpipe over
 torch.
+
+**Evaluation** (``--evaluation``). ``InterleavedStage.forward_only``, which runs every stage's
+forwards in training's order and waits on its sends at the end, against each micro-batch
+through every chunk before the next (what it did before), on pieces whose forward waits
+``--forward-ms / v`` as on a device (the forward calls no hook to pad); predicted by
+``tick_order`` of each order's forwards, a tick a chunk's forward (pipelined: ``v m + S - 1``).
 
 **What is predicted.** :func:`~sdpipe_cli.core.schedule.tick_order` runs the same action lists
 on a clock of one tick per chunk's forward (two per backward, one per ``B`` and per ``W``);
@@ -54,8 +61,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sdpipe_cli.core.interleaved import CHUNKED, interleaved_1f1b, interleaved_zero_bubble, virtual_stage  # noqa: E402
-from sdpipe_cli.core.schedule import Kind, one_f_one_b, tick_order  # noqa: E402
+from sdpipe_cli.core.interleaved import CHUNKED, forward_order, interleaved_1f1b, interleaved_zero_bubble, virtual_stage  # noqa: E402
+from sdpipe_cli.core.schedule import Action, Kind, one_f_one_b, tick_order  # noqa: E402
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage  # noqa: E402
 from sdpipe_cli.pipeline.stage import FlushedStage  # noqa: E402
 
@@ -187,6 +194,71 @@ def peer_worker(rank, args, port, out: str):
     dist.destroy_process_group()
 
 
+class Waiting(nn.Module):
+    """A piece whose forward waits ``seconds`` as on a device (evaluation calls no hooks)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.inner = seconds, piece()
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return self.inner(x)
+
+
+def evaluation_worker(rank, args, port, out: str):
+    """``--evaluation``: ``InterleavedStage.forward_only`` (pipelined) against each micro-batch
+    through every chunk before the next, every send waited on at once."""
+    torch.set_num_threads(1)
+    stages, chunks, m = args.stages, args.chunks, args.microbatches
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=stages, timeout=datetime.timedelta(seconds=120))
+    wrap = dist.new_group(list(range(stages)))
+    pieces = [Waiting(args.forward_ms / 1000 / chunks) for _ in range(stages * chunks)]
+    pipe = InterleavedStage([pieces[virtual_stage(rank, c, stages)] for c in range(chunks)], rank,
+                            stages, list(range(stages)), [(BATCH // m, WIDTH)] * chunks,
+                            torch.device("cpu"), loss_fn, wrap=wrap)
+    data, targets = list(torch.randn(BATCH, WIDTH).chunk(m)), list(torch.randn(BATCH, WIDTH).chunk(m))
+    x, y = (data if rank == 0 else None), (targets if rank == stages - 1 else None)
+
+    def one_at_a_time():
+        for i in range(m):
+            for ex in pipe.chunks:
+                ex.forward_one(i, x, y)
+                ex.link.wait_sends()
+
+    runs = {"pipelined": lambda: pipe.forward_only(x, y, microbatches=m), "one_at_a_time": one_at_a_time}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.repeats):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            for k in range(2 + args.steps):
+                dist.barrier()
+                began = time.perf_counter()
+                runs[name]()
+                dist.barrier()
+                if k >= 2:
+                    times[name].append(time.perf_counter() - began)
+    if rank == 0:
+        Path(out).write_text(json.dumps({name: statistics.median(t) for name, t in times.items()}))
+    dist.destroy_process_group()
+
+
+def evaluation(args) -> int:
+    times = spawned(evaluation_worker, args)
+    s, v, m, forward = args.stages, args.chunks, args.microbatches, args.forward_ms
+    print(f"evaluation, S={s}, m={m}, v={v}, {forward:g} ms a stage's forward (waited, as on a "
+          f"device); ms per evaluation (median), predicted from the pieces' waits")
+    print("| order | predicted | measured |")
+    print("|---|---|---|")
+    orders = {"pipelined": lambda S, m, stage: [Action(Kind.F, i, c) for i, c in forward_order(m, S, v)],
+              "one_at_a_time": lambda S, m, stage: [Action(Kind.F, i, c) for i in range(m) for c in range(v)]}
+    predicted = {name: len(tick_order(fn, s, m, None, v)[0]) * forward / v for name, fn in orders.items()}
+    for name, t in times.items():
+        print(f"| {name} | {predicted[name]:.1f} | {t * 1000:.1f} |")
+    print(f"pipelined over one at a time: {times['one_at_a_time'] / times['pipelined']:.2f}x")
+    return 0
+
+
 def spawned(fn, args) -> dict:
     """``fn(rank, args, port, out)`` in one process per stage; what stage 0 wrote to ``out``."""
     with tempfile.TemporaryDirectory() as folder:
@@ -226,9 +298,13 @@ def main(argv=None) -> int:
                         help="--against-torch: which interleaved schedule")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--evaluation", action="store_true",
+                        help="the pipelined evaluation against one micro-batch at a time")
     args = parser.parse_args(argv)
     if args.against_torch:
         return against_torch(args)
+    if args.evaluation:
+        return evaluation(args)
     s, v, m, forward = args.stages, args.chunks, args.microbatches, args.forward_ms
     predicted = {
         "1f1b": len(tick_order(one_f_one_b, s, m, {Kind.B: 2})[0]) * forward,
