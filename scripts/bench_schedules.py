@@ -34,8 +34,9 @@ samples/s is the second prediction (``simulated``), against which each schedule'
 should fall within a few per cent.
 
 **A slower device** (``--slow STAGE:SPEED``). The pipeline's devices are given in the cluster
-(``cluster.nodes``, the one at ``STAGE`` at ``SPEED``), the model has four blocks a stage, and
-compute is modelled from a profile (every block ``--forward-ms`` / 4 forward, twice that
+(``cluster.nodes``, the one at ``STAGE`` at ``SPEED``), the model has four blocks a stage
+(``--blocks-per-stage``), and compute is modelled from a profile (every block ``--forward-ms``
+/ 4 forward, twice that
 backward; ``cluster.emulation=modelled``) so that ``pipeline.partition=auto`` can balance the
 blocks over the devices' speeds, as a user's profiled run does. The stages are then uneven, so
 the tick model (one length per kind) predicts nothing and only ``sdpipe simulate``'s prediction,
@@ -85,18 +86,16 @@ def simulated_rate(overrides: list[str], run_dir: Path, log: Path, timeout: floa
     return float(json.loads((run_dir / "simulation.json").read_text())["samples_per_s"])
 
 
-BLOCKS_PER_STAGE = 4  # with --slow: room for partition=auto to move blocks
-
-
 def slow_overrides(slow: str, stages: int, microbatch: int, forward_ms: float,
-                   out: Path) -> list[str]:
-    """``--slow STAGE:SPEED``: the devices, the profile and ``partition=auto``."""
+                   out: Path, per_stage: int = 4) -> list[str]:
+    """``--slow STAGE:SPEED``: the devices, the profile and ``partition=auto`` over
+    ``per_stage`` blocks a stage (room for it to move blocks)."""
     stage, speed = slow.split(":")
     speeds = [float(speed) if s == int(stage) else 1.0 for s in range(stages)]
     devices = ", ".join(f"{{speed: {v}}}" for v in speeds)
-    blocks = BLOCKS_PER_STAGE * stages
+    blocks = per_stage * stages
     profile = _scenarios.write_profile(out / "profile.json", "mlp", blocks, microbatch,
-                                       forward_ms / BLOCKS_PER_STAGE)
+                                       forward_ms / per_stage)
     return [f"model.n_layers={blocks - 2}", f"cluster.nodes=[{{name: local, devices: [{devices}]}}]",
             f"profile={profile}", "pipeline.partition=auto", "cluster.emulation=modelled"]
 
@@ -125,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--slow", default=None, metavar="STAGE:SPEED",
                         help="one device slower (speed 0.5: twice the time), partition=auto")
+    parser.add_argument("--blocks-per-stage", type=int, default=4,
+                        help="with --slow: the model's blocks over the stages (finer: more room to balance)")
     _report.add_markdown_option(parser)
     args = parser.parse_args(argv)
     schedules = args.schedules.split(",")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
               f"train.batch_size={args.batch}", f"train.steps={args.warmup + args.steps}",
               "train.eval_every=0", "fault.on_slowdown=off", "run.memory_check=false"]
     if args.slow:
-        common += slow_overrides(args.slow, S, args.batch // m, args.forward_ms, out)
+        common += slow_overrides(args.slow, S, args.batch // m, args.forward_ms, out, args.blocks_per_stage)
     else:
         common.append(f"cluster.compute_ms={args.forward_ms}")
     def own(name: str) -> list[str]:
