@@ -49,9 +49,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdpipe_cli.core.grouping.prediction import AWAIT_PACE_RATIO
-from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES, stage_blocks
+from sdpipe_cli.core.interleaved import CHUNKED, CHUNKED_SCHEDULES, stage_blocks
 from sdpipe_cli.core.iteration_plan import IterationPlan
 from sdpipe_cli.core.partition import device_cost, plan, plan_chunks
+from sdpipe_cli.core.schedule import SPLIT_SCHEDULES
 
 __all__ = ["Proposal", "as_config", "called_for", "move_cost", "pace_bound", "pipeline_ms",
            "run_rate", "propose", "scaled", "splits_field", "MIN_GAIN"]
@@ -118,28 +119,32 @@ def scaled(block_ms: Sequence[Sequence[Sequence[float]]],
 
 
 def pipeline_ms(block_ms: Sequence[Sequence[float]], bounds: Sequence[int],
-                microbatches: int) -> float:
+                microbatches: int, schedule: str = "1f1b") -> float:
     """One pipeline's iteration, in ms: the sum of its stages' times plus ``m - 1`` times its
     slowest, where ``block_ms[s][i]`` is block i's forward and backward time per micro-batch on
-    its stage s's device. Interleaved (``bounds`` cutting ``v x S`` pieces): the schedule's own
-    timeline (:meth:`~sdpipe_cli.core.iteration_plan.IterationPlan.makespan`), each chunk's
-    action its blocks' time (a forward a third of it, a backward two thirds), since pieces of
-    unequal length leave bubbles no closed formula sees."""
+    its stage s's device. Interleaved (``bounds`` cutting ``v x S`` pieces) or with a split
+    backward (``schedule`` zb_h1, interleaved_zb): the schedule's own timeline
+    (:meth:`~sdpipe_cli.core.iteration_plan.IterationPlan.makespan`), each chunk's action its
+    blocks' time (a forward a third of it, a backward two thirds, each of ``B`` and ``W`` half
+    that), since pieces of unequal length leave bubbles no closed formula sees, and a ``W``
+    fills some of them."""
     stages = len(block_ms)
     held = stage_blocks(bounds, len(block_ms[0]), stages)
     chunks = (len(bounds) + 1) // stages
-    if chunks == 1:  # 1F1B's formula, as written, to the bit
+    if chunks == 1 and schedule not in SPLIT_SCHEDULES:  # 1F1B's formula, as written, to the bit
         times = [sum(sum(block_ms[s][a:b]) for a, b in ranges) for s, ranges in enumerate(held)]
         return sum(times) + (microbatches - 1) * max(times)
     piece = [[sum(block_ms[s][a:b]) for a, b in ranges] for s, ranges in enumerate(held)]
-    return _interleaved(stages, microbatches, chunks).makespan(
+    own = schedule in CHUNKED or (schedule in SPLIT_SCHEDULES and chunks == 1)
+    timeline = schedule if own else CHUNKED_SCHEDULES[0]  # pieces without a chunked schedule named
+    return _timeline(timeline, stages, microbatches, chunks).makespan(
         lambda s, backward, c: piece[s][c] * (2 if backward else 1) / 3)
 
 
 @functools.lru_cache(maxsize=8)
-def _interleaved(stages: int, microbatches: int, chunks: int) -> IterationPlan:
-    """The interleaved iteration's plan (a split's search times hundreds of splits on it)."""
-    return IterationPlan(CHUNKED_SCHEDULES[0], stages, microbatches, chunks)
+def _timeline(schedule: str, stages: int, microbatches: int, chunks: int) -> IterationPlan:
+    """The iteration's plan (a split's search times hundreds of splits on it)."""
+    return IterationPlan(schedule, stages, microbatches, chunks)
 
 
 def pace_bound(lock_step: bool, sync: Any = None) -> float:
@@ -157,11 +162,11 @@ def pace_bound(lock_step: bool, sync: Any = None) -> float:
 
 
 def run_rate(block_ms: Sequence[Sequence[Sequence[float]]], splits: Sequence[Sequence[int]],
-             microbatches: int, batch_size: int, pace: float) -> float:
+             microbatches: int, batch_size: int, pace: float, schedule: str = "1f1b") -> float:
     """The run's predicted samples/s with pipeline p split at ``splits[p]`` (``block_ms[p][s][i]``:
     see :func:`pipeline_ms`): the pipelines within ``pace`` x the fastest one's iteration go at
     the slowest of them's pace (:func:`pace_bound`), the others at their own."""
-    times = [pipeline_ms(row, bounds, microbatches) / 1e3
+    times = [pipeline_ms(row, bounds, microbatches, schedule) / 1e3
              for row, bounds in zip(block_ms, splits)]
     together = [t for t in times if t <= pace * min(times)]
     return (len(together) * batch_size / max(together)
@@ -169,11 +174,12 @@ def run_rate(block_ms: Sequence[Sequence[Sequence[float]]], splits: Sequence[Seq
 
 
 def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool,
-               chunks: int = 1, microbatches: int = 0) -> list[list[int]]:
+               chunks: int = 1, microbatches: int = 0, schedule: str = "1f1b") -> list[list[int]]:
     """Each pipeline's split at these speeds: its own devices' best (``own``: the mode averages
     per segment), else the best of one split for all (the partitioner of ``auto``); with
     ``chunks`` a stage, into ``chunks x S`` pieces (:func:`~sdpipe_cli.core.partition.plan_chunks`),
-    judged by their iteration's timeline with ``microbatches`` where that is given."""
+    judged by their iteration's timeline under ``schedule`` with ``microbatches`` where that is
+    given."""
     blocks, stages = len(block_ms[0][0]), len(block_ms[0])
 
     def best(rows: Sequence[Sequence[Sequence[float]]]) -> list[int]:
@@ -182,7 +188,7 @@ def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool,
             return plan(cost, blocks, stages).bounds
 
         def judge(bounds: Sequence[int]) -> float:  # the slowest pipeline's interleaved iteration
-            return max(pipeline_ms(row, bounds, microbatches) for row in rows)
+            return max(pipeline_ms(row, bounds, microbatches, schedule) for row in rows)
 
         return plan_chunks(cost, blocks, stages, chunks, judge if microbatches else None).bounds
 
@@ -207,7 +213,7 @@ def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Seq
             advised: Sequence[Sequence[int]], microbatches: int, batch_size: int,
             pace: float, own: bool, samples_left: float, restart_s: float,
             state_bytes: float, disk_bytes_per_s: float = 200e6,
-            in_place: bool = False) -> Proposal:
+            in_place: bool = False, schedule: str = "1f1b") -> Proposal:
     """The re-plan the speeds in ``block_ms`` call for, with ``samples_left`` of the run's
     budget still to train and a checkpoint of ``state_bytes`` (weights and optimizer state of
     the whole run) to write and read back. ``current``: each pipeline's split now; ``advised``:
@@ -215,13 +221,15 @@ def propose(block_ms: Sequence[Sequence[Sequence[float]]], current: Sequence[Seq
     advice is kept while the advice stays); ``pace``: :func:`pace_bound`; ``own``: pipelines
     may be split apart. ``in_place``: pipelines re-split while the others go on, so that
     moving stops only their share of the run, for a restart and a copy of their state from
-    the others (:func:`move_cost`)."""
+    the others (:func:`move_cost`). Iterations are timed as ``schedule`` runs them
+    (:func:`pipeline_ms`)."""
     now_split = [[int(b) for b in bounds] for bounds in current]
-    wanted = called_for(block_ms, own, (len(now_split[0]) + 1) // len(block_ms[0]), microbatches)
+    wanted = called_for(block_ms, own, (len(now_split[0]) + 1) // len(block_ms[0]), microbatches,
+                        schedule)
     kept = [p for p, (c, w, a) in enumerate(zip(now_split, wanted, advised)) if w == list(a) != c]
     bounds = [c if p in kept else w for p, (c, w) in enumerate(zip(now_split, wanted))]
-    now = run_rate(block_ms, now_split, microbatches, batch_size, pace)
-    new = run_rate(block_ms, bounds, microbatches, batch_size, pace)
+    now = run_rate(block_ms, now_split, microbatches, batch_size, pace, schedule)
+    new = run_rate(block_ms, bounds, microbatches, batch_size, pace, schedule)
     changed = sum(1 for c, b in zip(now_split, bounds) if c != b)
     move_s = move_cost(restart_s, state_bytes, disk_bytes_per_s, changed, len(now_split),
                        in_place)

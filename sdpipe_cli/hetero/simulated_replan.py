@@ -60,12 +60,14 @@ def replanned(cfg: DictConfig, work_of) -> dict | None:
     doc = measurements.load(cfg.profile)
     base = measurements.worker_block_ms(doc, plan.cluster, list(cfg.cluster.slowdown))
     own = mode(cfg.sync.name).segments
+    schedule = str(cfg.pipeline.schedule)
     proposal = propose(scaled(base, {(p, s): before / after}), plan.partitions,
-                       called_for(base, own, plan.chunks, int(cfg.pipeline.microbatches)),
+                       called_for(base, own, plan.chunks, int(cfg.pipeline.microbatches), schedule),
                        int(cfg.pipeline.microbatches), batch,
                        pace_bound(mode(cfg.sync.name).paced_by_slowest, cfg.sync), own,
                        budget - done, RESTART_S,
-                       checkpoint_bytes(doc, cfg.train, plan.pipelines), in_place=plan.in_place)
+                       checkpoint_bytes(doc, cfg.train, plan.pipelines), in_place=plan.in_place,
+                       schedule=schedule)
     out = {"device": plan.cluster.device(p, s).name, "pipeline": p, "stage": s, "at": at,
            "speed": after, **proposal.record(), "without_s": without.wall_s,
            "without_samples_per_s": without.samples_per_s}

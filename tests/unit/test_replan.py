@@ -52,6 +52,30 @@ def test_an_interleaved_pipeline_is_timed_by_its_own_timeline():
     assert M * 16.0 <= got < 28.0 + (M - 1) * 16.0
 
 
+def test_a_split_backward_is_timed_by_its_schedule_s_timeline_not_1f1b_s():
+    """ZB-H1 and interleaved zero bubble: equal stages of 4 ms a micro-batch (F, B and W a
+    third each) take ``3 m + S - 1`` and ``3 v m + S - 1`` ticks of a third of a piece's time,
+    where 1F1B's formula says ``(m + S - 1)`` stage-times; with stage 1 four times slower, the
+    re-plan that gives it fewer blocks is predicted to pay under each schedule's own timeline
+    as under 1F1B's, by how much its timeline says."""
+    even = speeds({})[0]
+    one = pipeline_ms(even, uniform(BLOCKS, S), M)
+    assert one == (M + S - 1) * 4.0
+    assert pipeline_ms(even, uniform(BLOCKS, S), M, "zb_h1") == pytest.approx((3 * M + S - 1) * 4.0 / 3)
+    assert pipeline_ms(even, uniform(BLOCKS, 2 * S), M, "interleaved_zb") == pytest.approx(
+        (3 * 2 * M + S - 1) * 2.0 / 3)
+    block_ms = speeds({(0, 1): 0.25})
+    rates = {}
+    for schedule in ("1f1b", "zb_h1"):
+        proposal = propose(block_ms, EVEN, EVEN, M, BATCH, pace=ALONE, own=True, samples_left=1e6,
+                           restart_s=1.0, state_bytes=1e6, schedule=schedule)
+        assert proposal.go and proposal.bounds[0] != EVEN[0], (schedule, proposal.reason)
+        assert proposal.rate_now == pytest.approx(sum(BATCH * 1e3 / pipeline_ms(row, EVEN[0], M, schedule)
+                                                 for row in block_ms))
+        rates[schedule] = proposal.rate_now
+    assert rates["zb_h1"] > rates["1f1b"]  # the W fills some of the slow stage's bubbles
+
+
 def test_interleaved_splits_are_called_for_in_v_times_s_pieces_on_their_stages_devices():
     """Piece k runs on stage k mod S: the pieces of the slowed stage 1 (1 and 5) get fewer
     blocks than the others, and every pipeline's split has 2 S - 1 boundaries."""

@@ -74,9 +74,9 @@ class Replanning:
         self.chosen: Proposal | None = None
         self.memory_of = (cfg, plan) if cfg.run.memory_check else None  # to check a new split
         # the splits the speeds of this leg's start call for (the profile's advice then)
-        self.chunks = plan.chunks
+        self.chunks, self.schedule = plan.chunks, str(cfg.pipeline.schedule)  # its timeline
         self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks,
-                                  self.microbatches)
+                                  self.microbatches, self.schedule)
         self.in_place = plan.in_place
         self.stages = plan.stages
         self.resplitting: dict[int, list[int]] = {}  # pipeline -> its new split, until restarted
@@ -121,7 +121,7 @@ class Replanning:
                 and self.resplits:
             self.chosen, self.healing = None, set()
             self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks,
-                                      self.microbatches)
+                                      self.microbatches, self.schedule)
 
     def consider(self, own: dict[tuple[int, int], float | None], samples_done: float,
                  restart_s: float, policy: Any = None) -> Proposal | None:
@@ -143,7 +143,7 @@ class Replanning:
         proposal = propose(scaled(self.base, self.slowed), self.partitions, self.advised,
                            self.microbatches, self.batch, pace, self.own,
                            max(0.0, self.budget_samples - samples_done), restart_s,
-                           self.state_bytes, in_place=self.in_place)
+                           self.state_bytes, in_place=self.in_place, schedule=self.schedule)
         over = self.over_memory(proposal.bounds) if proposal.go else None
         if over is not None:
             proposal = replace(proposal, go=False, reason=f"the new split does not fit: {over}")
