@@ -96,9 +96,10 @@ def estimate(cfg: DictConfig, example: Any, partition: Sequence[int] | None = No
             kept = [sum(saved[a:b]) for a, b in chunks]
         actions = schedule(p.stages, p.microbatches, s)
         flying = in_flight(actions)
-        # interleaved: the most bytes held at once, each chunk's micro-batches at their own size
-        # (written as its mean over the micro-batches then in flight)
-        held = kept[0] if len(kept) == 1 else -(-_peak_bytes(actions, kept) // max(flying, 1))
+        # interleaved or split: the most bytes held at once, each chunk's micro-batches at their
+        # own size, those between B and W twice (written as its mean over those in flight)
+        plain = len(kept) == 1 and not any(a.kind is Kind.W for a in actions)
+        held = kept[0] if plain else -(-_peak_bytes(actions, kept) // max(flying, 1))
         out.append(StageMemory(
             stage=s, weights=params + buffers, training=params * (1 + slots + sync_copies),
             activations=held, in_flight=flying, stashed=_stashed(p, flying) if asynchronous else 0,
@@ -173,15 +174,19 @@ def over_device(cfg: DictConfig, example: Any, partitions: Sequence[Sequence[int
 
 def _peak_bytes(actions: Sequence[Any], kept: Sequence[int]) -> int:
     """The most bytes ``actions`` hold at once when a forward on chunk ``c`` keeps ``kept[c]``
-    until its backward, or its ``W`` where the backward is split
-    (:func:`~sdpipe_cli.core.schedule.in_flight`, weighed)."""
-    ends = Kind.W if any(action.kind is Kind.W for action in actions) else Kind.B
+    until its backward (:func:`~sdpipe_cli.core.schedule.in_flight`, weighed). Where the
+    backward is split, from its ``B`` to its ``W`` a micro-batch also holds the gradients that
+    reach its weights, each the size of a tensor its forward saved: twice ``kept[c]`` at most
+    (torch's split measured 1.3-1.6x on gpt_tiny, ``scripts/bench_schedule_memory.py``)."""
+    split = any(action.kind is Kind.W for action in actions)
     now = most = 0
     for action in actions:
         if action.kind is Kind.F:
             now += kept[action.chunk]
-        elif action.kind is ends:
-            now -= kept[action.chunk]
+        elif action.kind is Kind.B:
+            now += kept[action.chunk] if split else -kept[action.chunk]
+        elif action.kind is Kind.W:
+            now -= 2 * kept[action.chunk]
         most = max(most, now)
     return most
 

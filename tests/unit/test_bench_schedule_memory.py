@@ -64,3 +64,20 @@ def test_an_interleaved_zero_bubble_stage_frees_each_chunk_s_micro_batch_at_its_
     chunks = [(_stage(), x, False), (_stage(), x, False)]
     actions = interleaved_zero_bubble(2)(2, 4, 1)
     assert 4 * one < bench.run_stage(chunks, None, None, actions) < 8 * one
+
+
+def test_the_estimate_bounds_every_schedule_s_measured_peak_on_every_stage(tmp_path):
+    """``run.memory_check``'s estimate against what each stage measurably holds, gpt_tiny in
+    four stages (of two chunks for the interleaved schedules): the estimate is the upper bound
+    the check refuses runs by, also where a split backward holds more between its B and W than
+    its forward saved (it was under ZB-H1's last stage's peak when it counted a micro-batch's
+    forward only)."""
+    out = tmp_path / "memory.json"
+    assert bench.main(["--schedules", "1f1b,zb_h1,interleaved_1f1b,interleaved_zb", "--layers", "6",
+                       "--microbatch", "2", "--seq-len", "32", "--json", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 16
+    for row in rows:
+        assert row["peak_mb"] <= row["estimate_mb"], row

@@ -86,7 +86,9 @@ def test_the_memory_estimate_holds_each_stage_s_chunks():
 
 def test_the_memory_estimate_of_interleaved_zero_bubble_holds_each_chunk_until_its_w():
     """Under ``interleaved_zb`` a micro-batch chunk's activations live until its ``W`` (the
-    weights' gradient needs them): ``v S`` chunks on every stage, the peak weighed by chunk."""
+    weights' gradient needs them), and from its ``B`` it holds the gradients reaching its
+    weights too (counted as much again): ``v S`` chunks on every stage, the peak weighed by
+    chunk."""
     cfg, _, _ = preparing.prepare(compose([*IL, "pipeline.schedule=interleaved_zb"]))
     plain, _, _ = preparing.prepare(compose(IL))
     example = sources.example(cfg, RunPlan.of(cfg).microbatch_size, device="meta")[0]
@@ -102,6 +104,6 @@ def test_the_memory_estimate_of_interleaved_zero_bubble_holds_each_chunk_until_i
         kept = [pieces[s].activations, pieces[s + 2].activations]
         now = peak = 0
         for a in interleaved_zero_bubble(2)(2, 4, s):
-            now += kept[a.chunk] if a.kind == "F" else -kept[a.chunk] if a.kind == "W" else 0
+            now += kept[a.chunk] if a.kind in "FB" else -2 * kept[a.chunk]
             peak = max(peak, now)
         assert peak <= ours[s].activations * ours[s].in_flight < peak + ours[s].in_flight
