@@ -72,7 +72,7 @@ FLUSHED = (*SCHEDULES, *CHUNKED_SCHEDULES)  # each makes the same update from th
 
 def keeps_state(saved: DictConfig, key: str, value: str) -> bool:
     """A change the saved state does not depend on by its value: one flushed schedule for
-    another (GPipe, 1F1B, ZB-H1 and interleaved 1F1B make the same update from the same weights
+    another (GPipe, 1F1B, ZB-H1, interleaved 1F1B and zero bubble make the same update from the same weights
     and optimizer state, and a checkpoint holds nothing else of them; asynchronous 1F1B keeps weight versions
     of its own)."""
     return (key == "pipeline.schedule" and saved.pipeline.schedule in FLUSHED

@@ -6,7 +6,7 @@ The simulation drives the scheduler's own policy (:func:`~sdpipe_cli.core.groupi
 through an injected clock: only the workers' time is modelled; no process starts, nothing sleeps.
 
 The model of worker (pipeline p, stage s), for the flushed schedules (1F1B, GPipe, ZB-H1,
-interleaved 1F1B, :class:`~sdpipe_cli.core.iteration_plan.IterationPlan`):
+interleaved 1F1B and zero bubble, :class:`~sdpipe_cli.core.iteration_plan.IterationPlan`):
 
 * An action (one micro-batch's forward or backward, on its chunk) takes its share of the
   stage's modelled time, times the pipeline's slow-down and the worker's straggler draw, over

@@ -1,5 +1,5 @@
 """A worker's training loop under a flushed schedule (``pipeline.schedule=1f1b``, ``gpipe``,
-``zb_h1`` or ``interleaved_1f1b``).
+``zb_h1``, ``interleaved_1f1b`` or ``interleaved_zb``).
 
 Per iteration:
 

@@ -34,6 +34,7 @@ VOCAB, WIDTH, BATCH, SEQ = 64, 16, 8, 4
 BLOCKS = 10  # embedding, 8 hidden, head: up to 8 virtual stages of at least one block
 TOL = 1e-5
 JOIN_TIMEOUT_S = 120
+EVAL_BATCH = 12  # in 3, 6 or 12 micro-batches: groups of 2 or 4 stages, some with a shorter last one
 SCHEDULES = (interleaved_1f1b, interleaved_zero_bubble)  # the second splits each backward: B, W
 
 
@@ -47,10 +48,10 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def make_batch():
+def make_batch(size: int = BATCH):
     g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return (torch.randint(0, VOCAB, (size, SEQ), generator=g),
+            torch.randint(0, VOCAB, (size, SEQ), generator=g))
 
 
 def pieces(virtual: int) -> list[tuple[int, int]]:
@@ -95,13 +96,17 @@ def check(stage, stages, errors, wrap):
                         errors.append(f"{tag}: gradient of block {b} differs")
         if not all(ex.link.idle for ex in pipe.chunks):
             errors.append(f"{tag}: communication left in flight")
-    for chunks, m in itertools.product(sorted({2, 4 // stages + 1}), (2, BATCH)):  # 2 < S = 4: a short group
+    tokens, targets = make_batch(EVAL_BATCH)
+    with torch.no_grad():
+        ref_loss = loss_fn(nn.Sequential(*make_blocks())(tokens), targets).item()
+    # groups of S micro-batches, the last one shorter where m is not a multiple of S
+    for chunks, m in itertools.product(sorted({2, 4 // stages + 1}), (3, 6, EVAL_BATCH)):
         tag = f"evaluation stage {stage}/{stages} v={chunks} m={m}"
         blocks, ranges = make_blocks(), pieces(stages * chunks)
         pipe = InterleavedStage(
             [nn.Sequential(*blocks[lo:hi]) for lo, hi in
              (ranges[virtual_stage(stage, c, stages)] for c in range(chunks))], stage, stages,
-            list(range(stages)), [(BATCH // m, SEQ, WIDTH)] * chunks, torch.device("cpu"),
+            list(range(stages)), [(EVAL_BATCH // m, SEQ, WIDTH)] * chunks, torch.device("cpu"),
             loss_fn, wrap=wrap)
         loss = pipe.forward_only(list(tokens.chunk(m)) if stage == 0 else None,
                                  list(targets.chunk(m)) if stage == stages - 1 else None, microbatches=m)
