@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from sdpipe_cli.core.interleaved import forward_order, virtual_stage
 from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.pipeline.executor import Deferred, Executor, LossFn, StageBoundaries
+from sdpipe_cli.pipeline.p2p import EndGroup
 
 __all__ = ["InterleavedStage"]
 
@@ -42,13 +42,15 @@ class InterleavedStage:
     ``ranks[s]``: the global rank of stage ``s``; ``boundaries[c]``: what chunk ``c`` receives
     and sends (see :class:`~sdpipe_cli.pipeline.executor.Executor`); ``group`` carries the
     pipeline's messages and ``wrap`` those between its last stage and its first (a second group
-    of the same processes). ``kwargs`` go to each chunk's executor (hooks, precision, ...).
+    of the same processes), each one group or a :class:`~sdpipe_cli.pipeline.p2p.Directed` pair
+    (forward, backward), which NCCL needs: the worker passes pairs. ``kwargs`` go to each
+    chunk's executor (hooks, precision, ...).
     """
 
     def __init__(self, modules: Sequence[nn.Module], stage: int, stages: int,
                  ranks: Sequence[int], boundaries: Sequence[StageBoundaries],
-                 device: torch.device, loss_fn: LossFn, group: dist.ProcessGroup | None = None,
-                 wrap: dist.ProcessGroup | None = None, **kwargs: Any):
+                 device: torch.device, loss_fn: LossFn, group: EndGroup = None,
+                 wrap: EndGroup = None, **kwargs: Any):
         chunks = len(modules)
         if chunks > 1 and stages < 2:
             raise ValueError("interleaving needs two stages or more: one stage holds its chunks "

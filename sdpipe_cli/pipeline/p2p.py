@@ -40,6 +40,13 @@ A control is received blocking, but only where its sender posts it just before t
 the receiver needs next; receiving it needs nothing the receiver has not already sent, so it
 counts as part of that activation in the argument above.
 
+On NCCL a pair of processes in a group shares one stream, both directions, and its operations
+run in the order posted: a send whose receiver has its matching receive queued behind a send of
+its own to this process waits for ever, where gloo's two directions are independent. 1F1B's
+exchange above posts the two together; an interleaved stage, whose chunks talk to the same
+neighbours in several orders, gives each direction a group of its own (:class:`Directed`), so
+that each stream carries the messages of one direction, posted in the same order at both ends.
+
 Each handle is waited on exactly once (gloo hangs on a second wait of a receive, and its
 ``is_completed()`` stays False until ``wait()``, so it cannot be polled). When the action after a
 send receives from the peer just sent to (the exchange above), the send and that receive are
@@ -63,6 +70,8 @@ __all__ = [
     "CONTROL_TAG",
     "Control",
     "ControlSend",
+    "Directed",
+    "EndGroup",
     "DRAINED_TAG",
     "Groups",
     "Link",
@@ -119,8 +128,25 @@ class ControlSend(NamedTuple):
 
 
 Sent = Action | ControlSend
-# the process group of both of a link's ends, or of each: (the prev end's, the next end's)
-Groups: TypeAlias = "dist.ProcessGroup | None | tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]"
+
+
+class Directed(NamedTuple):
+    """An end's two process groups: one for the messages that travel forward (activations, the
+    control) and one for those that travel backward (gradients, the drained word). On NCCL
+    each group is a communicator of its own, and so a stream of its own for each pair of
+    processes: with both directions on one stream, a send queued ahead of a receive from the
+    same peer waits for that peer, whose own send may be queued ahead of the matching
+    receive; with one direction a stream, a pair's sends and receives are posted in the same
+    order at both ends and cannot wait for each other (see the module docstring)."""
+
+    forward: dist.ProcessGroup | None
+    backward: dist.ProcessGroup | None
+
+
+# An end's group: one for both directions, or :class:`Directed`; given once for both ends, or
+# as a pair (the prev end's, the next end's)
+EndGroup: TypeAlias = "dist.ProcessGroup | Directed | None"
+Groups: TypeAlias = "EndGroup | tuple[EndGroup, EndGroup]"
 
 
 @dataclass
@@ -194,8 +220,9 @@ class Link:
         self.rank_offset = rank_offset
         self.ranks = {PREV: prev_rank, NEXT: next_rank}
         self.sizes = {PREV: int(sizes[0]), NEXT: int(sizes[1])}
-        prev_group, next_group = group if isinstance(group, tuple) else (group, group)
-        self.groups: dict[str, dist.ProcessGroup | None] = {PREV: prev_group, NEXT: next_group}
+        prev_group, next_group = (group if isinstance(group, tuple) and not isinstance(group, Directed)
+                                  else (group, group))
+        self.groups: dict[str, EndGroup] = {PREV: prev_group, NEXT: next_group}
         self.device = torch.device(device)
         self.before_send = before_send
         self.stage = stage  # for messages only
@@ -232,6 +259,14 @@ class Link:
     def _peer(self, end: str) -> int:
         return cast(int, self.ranks[end]) - self.rank_offset  # an end used has a rank
 
+    def group(self, end: str, sending: bool) -> dist.ProcessGroup | None:
+        """The group of a message ``sending`` out of ``end`` (else coming in): what goes out of
+        the next end or comes in at the previous one travels forward."""
+        group = self.groups[end]
+        if isinstance(group, Directed):
+            return group.forward if (end == NEXT) == sending else group.backward
+        return group
+
     def receive(self, end: str) -> torch.Tensor:
         """The next activation or gradient coming in at ``end``: the posted receive if there is
         one."""
@@ -242,7 +277,7 @@ class Link:
             work.wait()
             return buffer
         buffer = self.buffer(end)
-        dist.recv(buffer, src=self._peer(end), group=self.groups[end], tag=TENSOR_TAG)
+        dist.recv(buffer, src=self._peer(end), group=self.group(end, sending=False), tag=TENSOR_TAG)
         return buffer
 
     def send(self, what: Action, tensor: torch.Tensor, end: str, following: Action | None,
@@ -253,11 +288,11 @@ class Link:
         chunk's: the message is the next on that channel all the same)."""
         if self.before_send is not None:
             self.before_send(cast(int, self.ranks[end]), tensor)  # an emulated link's time
-        peer, group = self._peer(end), self.groups[end]
+        peer, group = self._peer(end), self.group(end, sending=True)
         receiver = self if receiver is None else receiver
         source = receiver.source(following)
         if (source is not None and receiver.ranks[source] == self.ranks[end]
-                and receiver.groups[source] is group):
+                and receiver.group(source, sending=False) is group):
             assert receiver._posted is None, receiver._posted
             buffer = receiver.buffer(source)
             works = dist.batch_isend_irecv(
@@ -280,12 +315,12 @@ class Link:
         """Pass ``control`` on to the next stage; waited on like the activation it precedes."""
         # only a stage with a next one passes the control on (AsyncStage._control)
         self._sends.append(send_control(control, cast(int, self.next_rank), self.device,
-                                        self.groups[NEXT], self.rank_offset))
+                                        self.group(NEXT, sending=True), self.rank_offset))
 
     def receive_control(self, step: int) -> Control:
         """Iteration ``step``'s control from the previous stage (blocking)."""
         # only a stage with a previous one receives it (AsyncStage._control)
-        return receive_control(cast(int, self.prev_rank), step, self.device, self.groups[PREV],
+        return receive_control(cast(int, self.prev_rank), step, self.device, self.group(PREV, sending=False),
                                self.stage, self.rank_offset)
 
     def pass_drained(self) -> None:
@@ -297,9 +332,9 @@ class Link:
         """
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.next_rank is not None:
-            dist.recv(flag, src=self._peer(NEXT), group=self.groups[NEXT], tag=DRAINED_TAG)
+            dist.recv(flag, src=self._peer(NEXT), group=self.group(NEXT, sending=False), tag=DRAINED_TAG)
         if self.prev_rank is not None:
-            dist.send(flag, self._peer(PREV), group=self.groups[PREV], tag=DRAINED_TAG)
+            dist.send(flag, self._peer(PREV), group=self.group(PREV, sending=True), tag=DRAINED_TAG)
 
     # -- waiting on sends -------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from sdpipe_cli.model.boundary import Boundary
 from sdpipe_cli.pipeline import microbatches, validation
 from sdpipe_cli.pipeline.async_stage import AsyncStage
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
+from sdpipe_cli.pipeline.p2p import Directed
 from sdpipe_cli.pipeline.stage import FlushedStage
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.errors import CheckpointError, Diverged
@@ -162,12 +163,18 @@ class Worker:
             return FlushedStage(self.module, stage=s, num_stages=S, prev_rank=where.prev_rank,
                                 next_rank=where.next_rank, boundaries=boundaries(s), **common)
         ranks = [where.rank - s + q for q in range(S)]  # this pipeline's, pipeline-major
-        # two stages are each other's neighbours both ways: the wrap channel needs its own group
-        wrap = (dist.new_group([r - self.rank_offset for r in ranks], use_local_synchronization=True)
-                if S == 2 else None)
+
+        def pipeline_group() -> dist.ProcessGroup:
+            return dist.new_group([r - self.rank_offset for r in ranks], use_local_synchronization=True)
+
+        # gradients in a group of their own, so that on NCCL a pair's stream carries one
+        # direction (p2p.Directed); two stages are each other's neighbours both ways, so the
+        # wrap channel needs groups of its own too
+        group = Directed(forward=None, backward=pipeline_group())
+        wrap = Directed(pipeline_group(), pipeline_group()) if S == 2 else None
         return InterleavedStage([self.module[c] for c in chunks], s, S, ranks,
                                 [boundaries(virtual_stage(s, c, S)) for c in range(len(chunks))],
-                                wrap=wrap, **common)
+                                group=group, wrap=wrap, **common)
 
     def rejoin(self) -> None:
         """A restarted worker: take this stage's state from a live replica, at the point the

@@ -25,6 +25,7 @@ from sdpipe_cli.core.interleaved import interleaved_1f1b, interleaved_zero_bubbl
 from sdpipe_cli.core.partition import stage_ranges, uniform
 from sdpipe_cli.core.schedule import Action, Kind, one_f_one_b
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
+from sdpipe_cli.pipeline.p2p import Directed
 from sdpipe_cli.pipeline.stage import FlushedStage
 from tests.helpers import free_port, spawn_and_join
 
@@ -68,7 +69,8 @@ def reference():
     return whole.item(), [[p.grad.clone() for p in b.parameters()] for b in blocks]
 
 
-def check(stage, stages, errors, wrap):
+def check(stage, stages, errors, groups):
+    group, wrap = groups
     ref_loss, ref_grads = reference()
     tokens, targets = make_batch()
     for chunks, m, schedule in itertools.product(sorted({1, 2, 4 // stages + 1}),  # three chunks
@@ -80,7 +82,7 @@ def check(stage, stages, errors, wrap):
         pipe = InterleavedStage(
             [nn.Sequential(*blocks[lo:hi]) for lo, hi in mine], stage, stages,
             list(range(stages)), [(BATCH // m, SEQ, WIDTH)] * chunks, torch.device("cpu"),
-            loss_fn, wrap=wrap, on_action=lambda a, _, seen=seen: seen.append(a))
+            loss_fn, group=group, wrap=wrap, on_action=lambda a, _, seen=seen: seen.append(a))
         actions = schedule(chunks)(stages, m, stage)
         loss = pipe.run(actions, list(tokens.chunk(m)) if stage == 0 else None,
                         list(targets.chunk(m)) if stage == stages - 1 else None)
@@ -107,7 +109,7 @@ def check(stage, stages, errors, wrap):
             [nn.Sequential(*blocks[lo:hi]) for lo, hi in
              (ranges[virtual_stage(stage, c, stages)] for c in range(chunks))], stage, stages,
             list(range(stages)), [(EVAL_BATCH // m, SEQ, WIDTH)] * chunks, torch.device("cpu"),
-            loss_fn, wrap=wrap)
+            loss_fn, group=group, wrap=wrap)
         loss = pipe.forward_only(list(tokens.chunk(m)) if stage == 0 else None,
                                  list(targets.chunk(m)) if stage == stages - 1 else None, microbatches=m)
         last = stage == stages - 1
@@ -122,9 +124,12 @@ def worker(rank, stages, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=stages, timeout=datetime.timedelta(seconds=60))
     try:
-        wrap = dist.new_group(list(range(stages)))  # the wrap channel: the same processes
+        # as the worker makes them: a group for each direction (NCCL's streams), the wrap's too
+        everyone = list(range(stages))
+        groups = (Directed(None, dist.new_group(everyone)),
+                  Directed(dist.new_group(everyone), dist.new_group(everyone)))
         errors: list[str] = []
-        check(rank, stages, errors, wrap)
+        check(rank, stages, errors, groups)
         assert not errors, "\n".join(errors)
     finally:
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ from sdpipe_cli.core.interleaved import (
     channel_of,
     forward_order,
     interleaved_1f1b,
+    interleaved_zero_bubble,
     messages,
     schedule_of,
     stage_blocks,
@@ -161,3 +162,22 @@ def test_an_evaluation_s_forwards_each_wait_only_for_one_before_them(stages, chu
     if m % stages == 0:
         forwards = [a for a in interleaved_1f1b(chunks)(stages, m, 0) if a.kind is Kind.F]
         assert order == [(a.microbatch, a.chunk) for a in forwards]
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts)
+def test_with_a_group_for_each_direction_a_pair_of_processes_sends_one_way_in_each(layout):
+    """What NCCL needs of an interleaved stage (``pipeline/p2p.py``, ``Directed``): on NCCL a
+    pair of processes in one group shares one stream for both directions. The worker puts
+    activations and gradients in groups of their own, and with two stages the wrap's in two
+    more: then every message of a group between two processes goes the same way, under both
+    interleaved schedules (one group for both directions would carry both ways)."""
+    stages, chunks, m = layout
+    ways = collections.defaultdict(set)
+    for s in range(stages):
+        for schedule in (interleaved_1f1b, interleaved_zero_bubble):
+            sent, _ = messages(schedule(chunks)(stages, m, s), s, stages, chunks)
+            for channel, what in sent:
+                group = (channel.wrap and stages == 2, what.kind is Kind.B)
+                ways[(group, frozenset((channel.src, channel.dst)))].add((channel.src, channel.dst))
+    assert all(len(directions) == 1 for directions in ways.values()), dict(ways)
