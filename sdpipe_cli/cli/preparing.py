@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.pipeline_checks import validate_own_partitions, validate_partition
 from sdpipe_cli.config.schema import ConfigError, num_classes, objective
-from sdpipe_cli.core import meetings, partition
+from sdpipe_cli.core import meetings, partition, replan
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan, cluster_of, microbatch_size
@@ -65,8 +65,10 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
         block_ms = measurements.worker_block_ms(measurements.load(cfg.profile), cluster,
                                                 list(cfg.cluster.slowdown))
         cost = partition.device_cost(block_ms)  # by stage; a chunk runs on its stage's devices
+        # interleaved pieces judged by the iteration's timeline, as a re-plan judges them
         plan = (partition.plan(cost, blocks, stages) if chunks == 1
-                else partition.plan_chunks(cost, blocks, stages, chunks))
+                else partition.plan_chunks(cost, blocks, stages, chunks, replan.slowest_iteration(
+                    block_ms, int(cfg.pipeline.microbatches), str(cfg.pipeline.schedule))))
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages * chunks, counts)
     models.check(cfg)

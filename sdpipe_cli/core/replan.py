@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,7 @@ from sdpipe_cli.core.partition import device_cost, plan, plan_chunks
 from sdpipe_cli.core.schedule import SPLIT_SCHEDULES
 
 __all__ = ["Proposal", "as_config", "called_for", "move_cost", "pace_bound", "pipeline_ms",
-           "run_rate", "propose", "scaled", "splits_field", "MIN_GAIN"]
+           "run_rate", "propose", "scaled", "slowest_iteration", "splits_field", "MIN_GAIN"]
 
 MIN_GAIN = 1.05  # the least predicted gain of the run's samples/s that is worth a restart
 DISK_PASSES = 5  # the checkpoint written, read, written resharded, verified and loaded
@@ -186,15 +186,21 @@ def called_for(block_ms: Sequence[Sequence[Sequence[float]]], own: bool,
         cost = device_cost(rows)
         if chunks == 1:
             return plan(cost, blocks, stages).bounds
-
-        def judge(bounds: Sequence[int]) -> float:  # the slowest pipeline's interleaved iteration
-            return max(pipeline_ms(row, bounds, microbatches, schedule) for row in rows)
-
-        return plan_chunks(cost, blocks, stages, chunks, judge if microbatches else None).bounds
+        judge = slowest_iteration(rows, microbatches, schedule) if microbatches else None
+        return plan_chunks(cost, blocks, stages, chunks, judge).bounds
 
     if own:
         return [best([rows]) for rows in block_ms]
     return [best(block_ms)] * len(block_ms)
+
+
+def slowest_iteration(block_ms: Sequence[Sequence[Sequence[float]]], microbatches: int,
+                      schedule: str = "1f1b") -> Callable[[Sequence[int]], float]:
+    """What the interleaved partitioner lowers (``plan_chunks``'s ``judge``), at a run's start
+    (``partition=auto``) as at a re-plan: a split's slowest pipeline's iteration, on the
+    schedule's own timeline (:func:`pipeline_ms`); balancing the stages' sums alone leaves
+    pieces of one block and of four on a stage, and the bubbles between them."""
+    return lambda bounds: max(pipeline_ms(row, bounds, microbatches, schedule) for row in block_ms)
 
 
 def move_cost(restart_s: float, state_bytes: float, bytes_per_s: float, changed: int,

@@ -127,3 +127,28 @@ def test_auto_partition_of_interleaved_stages_balances_the_v_times_s_pieces(tmp_
     pieces = [sum(costs[a:b]) for a, b in zip(edges, edges[1:])]
     assert plan.times == pytest.approx([pieces[0] + pieces[2], pieces[1] + pieces[3]])
     assert max(plan.times) < max(plan.uniform_times)
+
+
+def test_auto_partition_of_interleaved_stages_is_judged_as_a_replan_judges_it(tmp_path):
+    """``partition=auto`` of interleaved stages on uneven devices (14 blocks, two stages at
+    half and a quarter speed): the split the re-planner would call for at these speeds
+    (``replan.called_for``: pieces judged by the iteration's timeline), here 1.11x quicker an
+    iteration than the split that balances the stages' sums only (``[7, 8, 12]``)."""
+    from sdpipe_cli.core import partition, replan
+    from sdpipe_cli.core.plan import RunPlan
+
+    model = ["model=mlp", "model.n_layers=12", "cluster.device=cpu"]
+    cfg, _, _ = preparing.prepare(compose(model))
+    path = measurements.write(profiler.assemble(cfg, _results(cfg)), tmp_path)
+    auto, plan, _ = preparing.prepare(compose([
+        *model, "pipeline.schedule=interleaved_zb", "pipeline.chunks=2", "pipeline.partition=auto",
+        f"profile={path}", "cluster.pipelines=1",
+        "cluster.nodes=[{name: n, devices: [{speed: 0.5}, {speed: 0.25}]}]"]))
+    block_ms = measurements.worker_block_ms(measurements.load(path), RunPlan.of(auto).cluster,
+                                            list(auto.cluster.slowdown))
+    m = int(auto.pipeline.microbatches)
+    wanted = replan.called_for(block_ms, own=False, chunks=2, microbatches=m, schedule="interleaved_zb")
+    assert plan is not None and list(auto.pipeline.partition) == plan.bounds == wanted[0]
+    sums = partition.plan_chunks(partition.device_cost(block_ms), 14, 2, 2).bounds  # unjudged
+    judge = replan.slowest_iteration(block_ms, m, "interleaved_zb")
+    assert judge(sums) > 1.1 * judge(plan.bounds)
