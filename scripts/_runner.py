@@ -23,6 +23,7 @@ import contextlib
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -145,6 +146,14 @@ def stop(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> tuple[str | Non
     except subprocess.TimeoutExpired:
         proc.wait()
         return None, None
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a script's own process group (the kernel's pick:
+    a port drawn from the clock collided with another run's on a busy machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def error_line(log_path: Path) -> str:

@@ -60,6 +60,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _runner  # noqa: E402
 
 from sdpipe_cli.core.interleaved import CHUNKED, forward_order, interleaved_1f1b, interleaved_zero_bubble, virtual_stage  # noqa: E402
 from sdpipe_cli.core.schedule import Action, Kind, one_f_one_b, tick_order  # noqa: E402
@@ -263,7 +266,7 @@ def spawned(fn, args) -> dict:
     """``fn(rank, args, port, out)`` in one process per stage; what stage 0 wrote to ``out``."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "times.json"
-        port = 29500 + (int(time.time() * 1000) % 20000)
+        port = _runner.free_port()
         mp.start_processes(fn, args=(args, port, str(out)), nprocs=args.stages,
                            start_method="forkserver")
         return json.loads(out.read_text())

@@ -67,7 +67,6 @@ import json
 import multiprocessing as mp
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -76,7 +75,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402
-from _runner import run_command  # noqa: E402
+from _runner import free_port, run_command  # noqa: E402
 
 DEFAULT_MODEL = "model=gpt_tiny model.d_model=128 model.n_layers=4 model.d_hidden=512 model.seq_len=64"
 GRACE_S = 20.0  # after SIGTERM, before SIGKILL, for the torch side's processes
@@ -136,12 +135,6 @@ def run_torch(args: argparse.Namespace, cfg_yaml: str) -> float:
     if failed:
         raise SystemExit(f"torch run: {failed}")
     return json.loads(result.read_text())["samples_per_s"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_all(procs: list, deadline: float) -> str | None:
