@@ -16,6 +16,7 @@ the caller passes the elapsed times.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Cadence", "GlobalSyncCheckpoints", "Throughput", "time_left"]
 
@@ -41,14 +42,13 @@ class Cadence:
     checkpoint_on_exit: bool = False  # also checkpoint where the run ends
 
     @classmethod
-    def from_config(cls, cfg, spent: float = 0.0) -> Cadence:
-        """The config's cadence, for a leg after earlier ones used ``spent`` seconds of the time
-        limit."""
-        return cls(steps=cfg.train.steps, eval_every=cfg.train.eval_every,
-                   log_every=cfg.train.log_every, checkpoint_every=cfg.checkpoint.every,
-                   checkpoint_minutes=cfg.checkpoint.every_minutes,
-                   time_limit=time_left(cfg.train.time_limit, spent),
-                   checkpoint_on_exit=cfg.checkpoint.on_exit)
+    def of(cls, train: Any, checkpoint: Any, spent: float = 0.0) -> Cadence:
+        """The cadence of a run's ``train`` and ``checkpoint`` sections, for a leg after earlier
+        ones used ``spent`` seconds of the time limit."""
+        return cls(steps=train.steps, eval_every=train.eval_every, log_every=train.log_every,
+                   checkpoint_every=checkpoint.every, checkpoint_minutes=checkpoint.every_minutes,
+                   time_limit=time_left(train.time_limit, spent),
+                   checkpoint_on_exit=checkpoint.on_exit)
 
     def timed_out(self, elapsed_s: float, stop_requested: bool = False) -> bool:
         """Whether the run must end now: its time limit passed, or the user asked to stop."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from sdpipe_cli.analysis.records import BY_KIND
+from sdpipe_cli.config.schema import FaultConfig
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.slowdowns import Change, SlowdownDetector, carried_of
 
@@ -26,14 +27,14 @@ NEWS_KEPT = 32  # the latest console lines a snapshot carries (the launcher read
 
 
 class StragglerWatch:
-    """Stragglers among a run's workers (``fault.on_slowdown=warn``)."""
+    """Stragglers among a run's workers (``fault.on_slowdown=warn``), judged by the run's
+    ``fault`` section."""
 
-    def __init__(self, cfg: Any, plan: RunPlan):
+    def __init__(self, fault: FaultConfig, plan: RunPlan):
         self.plan = plan
-        self.detector = SlowdownDetector(plan.pipelines, plan.stages,
-                                         float(cfg.fault.slowdown_threshold),
-                                         int(cfg.fault.slowdown_window),
-                                         carried=carried_of(cfg.fault.slowed, plan.pipelines,
+        self.detector = SlowdownDetector(plan.pipelines, plan.stages, fault.slowdown_threshold,
+                                         fault.slowdown_window,
+                                         carried=carried_of(fault.slowed, plan.pipelines,
                                                             plan.stages))
         self.news: list[dict[str, Any]] = []  # the console's lines, the latest NEWS_KEPT
         self.told = 0  # lines in all

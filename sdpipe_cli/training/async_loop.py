@@ -51,8 +51,8 @@ class AsyncLoop:
 
     def __init__(self, worker: Worker):
         self.w = worker
-        self.cfg = worker.cfg
-        p = self.cfg.pipeline
+        self.settings = worker.settings
+        p = self.settings.pipeline
         self.m = p.microbatches
         # micro-batches per update: 1 (PipeDream) or m (2BW: one update per iteration)
         self.window = self.m // updates_per_iteration(p.schedule, p.microbatches, p.weight_versions)
@@ -60,7 +60,7 @@ class AsyncLoop:
         self.stage = AsyncStage(executor, self.m, p.weight_versions)
         worker.stage = self.stage  # the worker's evaluations and checkpoints go through it too
         self.started = time.time()
-        self.rate = Throughput(self.cfg.train.batch_size)
+        self.rate = Throughput(self.settings.train.batch_size)
         self.ending = False  # the first stage decided that the run ends at the next drain
         self.segment = worker.start_step  # iteration at which the current segment began
         # The iteration being finished on this stage: loss, sync time, start.

@@ -40,7 +40,7 @@ class FlushedLoop:
     def __init__(self, worker: Worker):
         self.w = worker
         w = worker.where
-        p = worker.cfg.pipeline
+        p = worker.settings.pipeline
         self.actions = schedule_of(p.schedule, p.chunks)(w.stages, p.microbatches, w.stage)
         self._pending: list[p2p.Pending] = []
         # the worker builds its flushed stage (interleaved: one executor per chunk)
@@ -51,7 +51,7 @@ class FlushedLoop:
         w = self.w
         w.started()
         started = time.time()
-        rate = Throughput(w.cfg.train.batch_size)
+        rate = Throughput(w.settings.train.batch_size)
         step = w.start_step
         while True:
             control = self._agree(step, started)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import store
@@ -33,13 +34,14 @@ def own_group(cfg) -> bool:
 def main() -> int:
     with joined(own_group) as ctx:
         cfg = ctx.cfg
+        settings = settings_of(cfg)
         # A mode with a group timeout (sdpipe) gets its own store connection for its groups:
         # a member that died between its ready signal and the average must not stall the rest.
-        timeout = cfg.sync.get("group_timeout") or cfg.run.timeout
+        timeout = getattr(settings.sync, "group_timeout", None) or settings.run.timeout
         sync_groups = groups.for_worker(ctx, timeout)
         # apart even on the same connection: what the pipeline's stages exchange (the clipping
         # norm, tied weights) is not the sync's traffic, which sync_groups count
-        pipeline_groups = groups.for_worker(ctx, cfg.run.timeout)
+        pipeline_groups = groups.for_worker(ctx, settings.run.timeout)
         shared = store.namespace(ctx.client)
         # a restarted worker takes its state from a live replica (rejoin), not from the
         # checkpoint the leg began with, which may not even hold its blocks (a re-split)
@@ -49,13 +51,13 @@ def main() -> int:
                         rank_offset=ctx.rank_offset)
         # Waiting silently, a worker must not look hung (or never started) to the scheduler. A
         # restarted one counts itself in before it waits to be healed, which takes a round.
-        patience = min(cfg.run.timeout, cfg.run.heartbeat_timeout) / 2
+        patience = min(settings.run.timeout, settings.run.heartbeat_timeout) / 2
         if not store.start_together(shared, ctx.plan.pipelines * ctx.plan.stages, patience,
                                     wait=not ctx.incarnation):
             log.warning("not every worker was built within %g s; starting anyway", patience)
         if ctx.incarnation:
             worker.rejoin()
-        loop = AsyncLoop if cfg.pipeline.schedule in ASYNC_SCHEDULES else FlushedLoop
+        loop = AsyncLoop if settings.pipeline.schedule in ASYNC_SCHEDULES else FlushedLoop
         loop(worker).train()
     return 0
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from sdpipe_cli import checkpoint
 from sdpipe_cli.config.schema import objective
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.cadence import Cadence
 from sdpipe_cli.core.interleaved import virtual_stage
 from sdpipe_cli.core.loss_scale import LossScale
@@ -85,7 +86,11 @@ class Worker:
     def __init__(self, cfg: DictConfig, where: Placement, plan: RunPlan, device: torch.device,
                  events: dist.Store, groups: GroupCache, pipeline_groups: GroupCache,
                  resume: str | None = None, incarnation: int = 0, rank_offset: int = 0):
+        # ``cfg``, the record: what the model, its data and the emulation are built from;
+        # ``settings``, what this worker reads of it (train, run, fault, checkpoint, pipeline), typed
         self.cfg = cfg
+        self.settings = settings = settings_of(cfg)
+        train, run = settings.train, settings.run
         # what this pipeline's stages are built from: the run's split, or its own (the plan's)
         self.partition = partition = plan.partition_of(where.pipeline)
         self.where, self.device, self.events = where, device, events
@@ -93,14 +98,14 @@ class Worker:
         self._began = time.monotonic()
         self.traffic = groups.traffic  # what the sync sends, by link class (sync.traffic)
         self.t0 = store.run_clock(events)
-        self.cadence = Cadence.from_config(cfg, store.limit_spent(events))
+        self.cadence = Cadence.of(train, settings.checkpoint, store.limit_spent(events))
         p, s = where.pipeline, where.stage
         self.module = models.build_stage_module(cfg, s, partition).to(device)
         self.ties = TiedCopies(models.stage_ties(cfg, s, partition), where, incarnation)
-        self.optimizer = optim.build_optimizer(self.module.parameters(), cfg.train)
-        self.lr = cfg.train.lr  # the learning rate of the last update
+        self.optimizer = optim.build_optimizer(self.module.parameters(), train)
+        self.lr = train.lr  # the learning rate of the last update
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
-                              device=device, seed=cfg.train.seed, optimizer=self.optimizer,
+                              device=device, seed=train.seed, optimizer=self.optimizer,
                               incarnation=incarnation, steps=plan.steps,
                               segments=plan.segments)
         self.pipeline_groups = pipeline_groups
@@ -110,26 +115,26 @@ class Worker:
                                       partition)
         self.memory = MemoryLimit(self.placed, device)
         self.tracer = (Tracer(where.rank, f"rank {where.rank} (pipeline {p}, stage {s})",
-                              lambda: time.time() - self.t0, cfg.run.trace_events)
-                       if cfg.run.trace else None)
+                              lambda: time.time() - self.t0, run.trace_events)
+                       if run.trace else None)
         on_action: Callable[..., Any] | None = self.slowdown if self.slowdown.active else None
         before_send, before_action = link_delay(self.cluster, where.rank), None
         if self.tracer is not None:  # around the emulation's: a slow compute shows as compute
             on_action, before_send, before_action = self.tracer.hooks(on_action, before_send)
         # outermost: an emulated slow device's compute counts as its compute
-        self.busy = BusyTime(on_action) if cfg.fault.on_slowdown != "off" else None
+        self.busy = BusyTime(on_action) if settings.fault.on_slowdown != "off" else None
         if self.busy is not None:
             on_action = self.busy
         self._busy_from = 0  # the iteration the busy time is summed from
         self.stage: StageRunner = self._pipeline_stage(plan, before_action, on_action, before_send)
-        self.loss_scale = (LossScale(float(cfg.train.loss_scale)) if cfg.train.precision == "fp16"
+        self.loss_scale = (LossScale(train.loss_scale) if train.precision == "fp16"
                            else None)
         self.skipped = self.skipped_in_a_row = 0  # steps skipped for a non-finite gradient
         self.classify = objective(cfg) == "classify"
         self.feed = None
         if where.first or where.last:  # middle stages never touch data
             self.feed = Feed(cfg, p, where.pipelines, inputs=where.first, pin_memory=device.type == "cuda")
-        self.run_dir = Path(cfg.run.dir)
+        self.run_dir = Path(str(run.dir))
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
         self._saved_step = self.start_step  # the step of the last checkpoint (or of the resume)
@@ -143,7 +148,7 @@ class Worker:
         stage's executor in its place."""
         cfg, where = self.cfg, self.where
         example = sources.example(cfg, plan.microbatch_size)[0]
-        low = models.AUTOCAST.get(str(cfg.train.precision))
+        low = models.AUTOCAST.get(self.settings.train.precision)
 
         def boundaries(piece: int) -> tuple[Boundary | None, Boundary | None]:
             pair = models.stage_boundaries(cfg, example, piece, self.partition)
@@ -156,7 +161,7 @@ class Worker:
         common = dict(device=self.device, loss_fn=models.loss_function(cfg.model),
                       before_action=before_action, on_action=on_action, before_send=before_send,
                       rank_offset=self.rank_offset, autocast=low,
-                      checkpointing=cfg.pipeline.activation_checkpointing)
+                      checkpointing=self.settings.pipeline.activation_checkpointing)
         s, S = where.stage, where.stages
         chunks = models.chunk_slices(cfg, s, self.partition)
         if len(chunks) == 1:
@@ -212,7 +217,7 @@ class Worker:
     # -- data ---------------------------------------------------------------------------------
     def microbatches(self, x: Any) -> list[Any]:
         """``x`` (a tensor, or a tuple or dict of them) cut into the micro-batches, on the device."""
-        return microbatches.split(x, self.cfg.pipeline.microbatches, self.device)
+        return microbatches.split(x, self.settings.pipeline.microbatches, self.device)
 
     def _scaled(self) -> None:
         """fp16: the loss scale the last stage multiplies by for the coming backward."""
@@ -279,12 +284,12 @@ class Worker:
         # The norm of the whole gradient, for clipping and for the divergence guard: summed over
         # the pipeline's stages where they must agree (the clip factor, fp16's or skip's verdict;
         # a stop needs no agreement: a non-finite loss makes every stage's gradient non-finite).
-        t, ranks = self.cfg.train, self.where.pipeline_ranks()
+        t, ranks = self.settings.train, self.where.pipeline_ranks()
         agree = t.grad_clip > 0 or self.loss_scale is not None or t.on_nonfinite == "skip"
         over_stages = clip_over_pipeline and len(ranks) > 1 and agree
         with self._traced("clip", "update"):
             norm = optim.clip_gradients(
-                self.module.parameters(), self.cfg.train.grad_clip or float("inf"),
+                self.module.parameters(), t.grad_clip or float("inf"),
                 (lambda t: self.pipeline_groups.all_reduce(
                     t, ranks, incarnations=[self.incarnation] * len(ranks)))
                 if over_stages else None, exclude=self.ties.counted_elsewhere(self.module))
@@ -296,7 +301,7 @@ class Worker:
             if step:
                 self.skipped_in_a_row = 0
         # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
-        self.lr = optim.lr_at(self.sync.position(iteration), self.cfg.train)
+        self.lr = optim.lr_at(self.sync.position(iteration), self.settings.train)
         optim.set_lr(self.optimizer, self.lr)
         if self.sync.local_step and step:
             with self._traced("optimizer step", "update"):
@@ -319,7 +324,7 @@ class Worker:
             return True
         self.skipped += 1
         self.skipped_in_a_row += 1
-        t, w = self.cfg.train, self.where
+        t, w = self.settings.train, self.where
         where = f"at step {iteration + 1} (pipeline {w.pipeline}, stage {w.stage})"
         if t.on_nonfinite == "skip" and self.skipped_in_a_row <= t.max_skipped:
             log.warning("%s %s: step skipped (%d in a row)", what, where, self.skipped_in_a_row)
@@ -353,16 +358,16 @@ class Worker:
     def finish(self, step: int, **extra: Any) -> None:
         """The run ended after iteration ``step`` at a consistent point: the final checkpoint,
         evaluation and weights, and the ``done`` event (with ``extra`` fields)."""
-        cfg, w = self.cfg, self.where
+        settings, w = self.settings, self.where
         self.sync.finish()
-        if (cfg.checkpoint.on_exit and not self.sync.scheduled_checkpoints
+        if (settings.checkpoint.on_exit and not self.sync.scheduled_checkpoints
                 and step != self._saved_step):
             self.save(step, step)  # lock-step modes: every replica stopped at this step
         trained = step > self.start_step or not self.incarnation  # a restart may end unhealed
         if self.cadence.final_evaluation(step) and trained:
             self.evaluate(step)  # always once at the end of the run
-        if cfg.run.save_final:
-            final = Path(cfg.run.dir) / checkpoint.FINAL
+        if settings.run.save_final:
+            final = self.run_dir / checkpoint.FINAL
             final.mkdir(exist_ok=True)
             name = checkpoint.final_name(w.pipeline, w.stage)
             checkpoint.save_shard(final, name, {k: v.detach().cpu()
@@ -434,14 +439,14 @@ class Worker:
         batches = ([(None, None)] * count if self.feed is None else
                    ((b.inputs, b.targets) for b in self.feed.validation(count)))
         self.module.eval()
-        outcome = validation.validate(self.stage, batches, cfg.pipeline.microbatches,
+        outcome = validation.validate(self.stage, batches, self.settings.pipeline.microbatches,
                                       first=w.first, last=w.last, classify=self.classify,
                                       device=self.device)
         self.module.train()
         if outcome is not None:
             extra = {} if outcome.accuracy is None else {"val_accuracy": outcome.accuracy}
             self.emit("eval", step=step, val_loss=outcome.loss,
-                      samples=step * cfg.train.batch_size, **extra)
+                      samples=step * self.settings.train.batch_size, **extra)
 
     # -- events ----------------------------------------------------------------------------------
     def started(self) -> None:
@@ -465,7 +470,7 @@ class Worker:
             fields["skipped_steps"] = self.skipped
         if self.feed is not None:
             fields["data_s"] = round(self.feed.waited_s, 6)
-        self.emit("step", step=step, samples=step * self.cfg.train.batch_size,
+        self.emit("step", step=step, samples=step * self.settings.train.batch_size,
                   samples_per_s=rate, lr=self.lr, step_s=step_s, compute_s=step_s - sync_s,
                   sync_s=sync_s, straggled=self.slowdown.straggled, **extra,
                   **self.sync.stats(), **self.traffic.take(), **fields)

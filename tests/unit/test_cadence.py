@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from omegaconf import OmegaConf
 
+from sdpipe_cli.config.schema import CheckpointConfig, TrainConfig
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints, Throughput, time_left
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.model.optim import clip_gradients
@@ -44,10 +44,8 @@ def test_a_later_leg_has_what_earlier_legs_left_of_the_time_limit(limit, spent):
         return
     assert 0 < left <= limit  # never 0: that would mean no limit at all
     assert left == (limit - spent if spent < limit - 1e-3 else 1e-3)
-    cfg = OmegaConf.create({"train": {"steps": 5, "eval_every": 0, "log_every": 1,
-                                      "time_limit": limit},
-                            "checkpoint": {"every": 0, "every_minutes": None, "on_exit": False}})
-    cadence = Cadence.from_config(cfg, spent)
+    cadence = Cadence.of(TrainConfig(steps=5, eval_every=0, time_limit=limit), CheckpointConfig(),
+                         spent)
     assert cadence.timed_out(left) and (left < 1e-2 or not cadence.timed_out(left * 0.99))
 
 

@@ -45,3 +45,27 @@ def test_a_childs_config_is_read_only_and_what_it_derives_is_a_new_one(tmp_path,
     assert dict(moved.pipeline.partitions) == {1: [1]} and dict(moved.fault.slowed) == {"p1s0": 2.0}
     assert list(cfg.pipeline.partition) == [3] and dict(cfg.pipeline.partitions) == {}
     assert dict(cfg.fault.slowed) == {}  # the child's own config is as it was read
+
+
+@pytest.mark.parametrize("sync", ["sdpipe", "allreduce", "diloco"])
+def test_a_child_and_the_launcher_read_the_same_typed_sections(tmp_path, sync):
+    """What a child reads (its config typed when read) and what the launcher reads (its
+    prepared config, schema-free) are the same sections, each the schema's dataclass, the sync
+    section its mode's; a section is a copy: writing to it changes neither config."""
+    from sdpipe_cli.cli.preparing import prepare
+    from sdpipe_cli.config.schema import SYNC_CONFIGS, CheckpointConfig, FaultConfig, TrainConfig
+    from sdpipe_cli.config.settings import settings_of
+
+    prepared = prepare(compose([f"sync={sync}", "model=mlp", "data=synthetic", "train.lr=2e-3",
+                                "fault.slowdown_window=7", "checkpoint.keep=5"]))[0]
+    path = tmp_path / "config.yaml"
+    run_file.save_run_config(prepared, path)
+    child = run_file.load_run_config(path)
+    launcher, read = settings_of(prepared), settings_of(child)
+    assert launcher == read
+    assert isinstance(read.train, TrainConfig) and read.train.lr == 2e-3
+    assert isinstance(read.fault, FaultConfig) and read.fault.slowdown_window == 7
+    assert isinstance(read.checkpoint, CheckpointConfig) and read.checkpoint.keep == 5
+    assert type(read.sync) is SYNC_CONFIGS[sync] and read.sync.name == sync
+    read.train.lr = 1.0
+    assert child.train.lr == 2e-3 and prepared.train.lr == 2e-3 and settings_of(child).train.lr == 2e-3

@@ -10,6 +10,7 @@ import pytest
 from sdpipe_cli.cli import report
 from sdpipe_cli.cli.preparing import prepare
 from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime.metrics import scalars
 from sdpipe_cli.runtime.stragglers import StragglerWatch
@@ -22,7 +23,7 @@ NODES = ("cluster.nodes=[{name: a, devices: [{speed: 1.0}, {speed: 1.0}]}, "
 def watch():
     cfg = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=2",
                            "pipeline.stages=2", NODES, "fault.slowdown_window=3"]))[0]
-    return StragglerWatch(cfg, RunPlan.of(cfg))
+    return StragglerWatch(settings_of(cfg).fault, RunPlan.of(cfg))
 
 
 def step(p, s, k, busy):
@@ -76,7 +77,7 @@ def test_a_device_slow_before_the_re_plan_is_said_to_be_still_slow():
 
     cfg = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=2",
                            "pipeline.stages=2", NODES, "+fault.slowed.p1s0=4.0"]))[0]
-    carried = StragglerWatch(cfg, RunPlan.of(cfg))
+    carried = StragglerWatch(settings_of(cfg).fault, RunPlan.of(cfg))
     [entry] = carried.current()
     assert (entry["pipeline"], entry["stage"], entry["carried"]) == (1, 0, 4.0)
     out = io.StringIO()
@@ -112,7 +113,7 @@ def test_the_console_says_each_change_the_scheduler_decided_once():
     recovery. Each change is said once, however many snapshots repeat it."""
     cfg = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=2",
                            "pipeline.stages=2", NODES, "fault.slowdown_window=3"]))[0]
-    watch = StragglerWatch(cfg, RunPlan.of(cfg))
+    watch = StragglerWatch(settings_of(cfg).fault, RunPlan.of(cfg))
     snaps, kinds = [summary_of(watch)], []
     for k in range(1, 40):
         for p in (0, 1):
@@ -140,7 +141,7 @@ def test_a_device_slow_before_a_re_split_is_said_once_while_its_share_wanders():
     turns."""
     cfg = prepare(compose(["model=mlp", "data=synthetic", "cluster.pipelines=2",
                            "pipeline.stages=2", NODES, "+fault.slowed.p1s0=4.0"]))[0]
-    watch = StragglerWatch(cfg, RunPlan.of(cfg))
+    watch = StragglerWatch(settings_of(cfg).fault, RunPlan.of(cfg))
     snaps = [summary_of(watch)]
     for k in range(1, 120):
         for p in (0, 1):

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli import checkpoint
 from sdpipe_cli.config import derived
+from sdpipe_cli.config.schema import Config
 from sdpipe_cli.core.cadence import Cadence, GlobalSyncCheckpoints
 from sdpipe_cli.core.grouping import Decision
 from sdpipe_cli.core.meetings import Meetings
@@ -37,13 +38,19 @@ __all__ = ["Checkpoints"]
 
 
 class Checkpoints:
-    """A run's checkpoints as the scheduler sees them: due, partly written, finalized."""
+    """A run's checkpoints as the scheduler sees them: due, partly written, finalized.
 
-    def __init__(self, cfg: DictConfig, plan: RunPlan, run_dir: Path, meetings: Meetings,
-                 clock: Callable[[], float]):
+    ``cfg``: the run's record, which each manifest stores (and a re-split replaces, as the
+    next leg's); ``settings``: the same config typed, whose ``train`` and ``checkpoint``
+    sections set the cadence and how many are kept."""
+
+    def __init__(self, cfg: DictConfig, settings: Config, plan: RunPlan, run_dir: Path,
+                 meetings: Meetings, clock: Callable[[], float]):
         self.cfg, self.plan, self.run_dir, self.meetings, self.clock = (
             cfg, plan, run_dir, meetings, clock)
-        self.cadence = GlobalSyncCheckpoints(Cadence.from_config(cfg), clock())
+        self.keep = settings.checkpoint.keep
+        self.cadence = GlobalSyncCheckpoints(Cadence.of(settings.train, settings.checkpoint),
+                                             clock())
         self.saved: dict[int, dict[int, int]] = {}  # checkpoint id -> rank -> step
         self.shards_from: dict[int, set[int]] = {}  # checkpoint id -> pipelines that save a shard
         self.stand_ins: dict[int, dict[int, int]] = {}  # checkpoint id -> the others' iterations
@@ -183,7 +190,7 @@ class Checkpoints:
         checkpoint.save_shard(staging, "scheduler",
                               {"steps": steps, "elapsed": elapsed, "metrics": metrics()})
         path = checkpoint.finalize(
-            self.run_dir, ckpt, keep=self.cfg.checkpoint.keep,
+            self.run_dir, ckpt, keep=self.keep,
             expected=[str(r) for r in range(self.plan.workers)] + ["scheduler"],
             meta={"config": OmegaConf.to_container(self.cfg, resolve=True), "steps": steps,
                   "elapsed": elapsed, "partition": list(self.cfg.pipeline.partition),

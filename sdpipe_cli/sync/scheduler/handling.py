@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from sdpipe_cli import checkpoint
 from sdpipe_cli.analysis import records
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.grouping import Decision, GroupScheduler, make_policy
 from sdpipe_cli.core.meetings import meetings_of
 from sdpipe_cli.core.modes import mode
@@ -34,6 +35,7 @@ from sdpipe_cli.runtime.trackers import open_sinks
 from sdpipe_cli.sync.replay import Recorded, load as load_recorded
 from sdpipe_cli.sync.scheduler.checkpoints import Checkpoints
 from sdpipe_cli.sync.scheduler.health import Health, WorkerHung
+from sdpipe_cli.sync.scheduler.held import Held, Muted
 from sdpipe_cli.sync.scheduler.pacing import pacing_of, wire_summary
 from sdpipe_cli.sync.scheduler.replanning import Replanning
 from sdpipe_cli.sync.wire_probe import settled
@@ -43,37 +45,6 @@ __all__ = ["Scheduler", "WorkerHung", "PUBLISH_S"]
 log = logging.getLogger("sdpipe.scheduler")
 
 PUBLISH_S = 0.2  # how often the progress snapshot is refreshed
-
-
-class _Held:
-    """The store, for a scheduler replaying its journal: reads go through, writes are held
-    (those of the batch being replayed, for :meth:`Scheduler.go_live`)."""
-
-    def __init__(self, real: Any) -> None:
-        self.store = real
-        self.last_batch: dict[str, Any] = {}
-
-    def set(self, key: str, value: Any) -> None:
-        self.last_batch[key] = value
-
-    def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        self.last_batch.update(zip(keys, values))
-
-    def check(self, keys: list[str]) -> bool:
-        return self.store.check(keys)
-
-    def get(self, key: str) -> Any:
-        return self.store.get(key)
-
-
-class _Muted:
-    """``metrics.jsonl`` while replaying: the dead scheduler wrote those lines already."""
-
-    def write(self, record: dict | None) -> None:
-        pass
-
-    def close(self, failed: bool = False) -> None:
-        pass
 
 
 class Scheduler:
@@ -86,14 +57,18 @@ class Scheduler:
         P, S = plan.pipelines, plan.stages
         # ``live=False``: replaying a dead scheduler's journal; what it wrote is held back
         self.live = live
-        events = events if live else _Held(events)
+        events = events if live else Held(events)
+        # ``cfg``, the record: what the policy, re-planning, replay and the trackers are made
+        # from, and what checkpoints store; ``settings``, what this reads of it, typed
         self.cfg, self.run_dir, self.events, self.clock = cfg, run_dir, events, clock
+        self.settings = settings = settings_of(cfg)
+        run, fault = settings.run, settings.fault
         self.grid = plan.grid
         self.stop_seen: bool | None = None  # the stop flag as the transport read it
         self.tracker = RunTracker(P, S, plan.budget, clock=clock,
-                                  heartbeat_timeout=cfg.run.heartbeat_timeout)
-        self.stragglers = StragglerWatch(cfg, plan) if cfg.fault.on_slowdown != "off" else None
-        self.replanning = Replanning(cfg, plan) if cfg.fault.on_slowdown == "replan" else None
+                                  heartbeat_timeout=run.heartbeat_timeout)
+        self.stragglers = StragglerWatch(fault, plan) if fault.on_slowdown != "off" else None
+        self.replanning = Replanning(cfg, settings, plan) if fault.on_slowdown == "replan" else None
         self.replan: dict | None = None  # the re-plan this leg stops for (the next leg's split)
         self.wire = wire  # the meetings this leg settled from its measured wire (pacing.py)
         self.pacing = pacing_of(wire, cfg) if mode(cfg.sync.name).group_policy else None
@@ -106,7 +81,7 @@ class Scheduler:
                        if mode(cfg.sync.name).group_policy
                        and self.recorded is None else None)
         self.meetings = meetings_of(meet.sync)  # the policy counts them; checkpoints, steps
-        self.metrics = self._metrics() if live else _Muted()
+        self.metrics = self._metrics() if live else Muted()
         # what replicas average: the stages, or segments where pipelines are split differently
         self.segments = plan.segments
         self.rounds = [[0] * P for _ in range(self.segments.count)]  # rounds of each replica
@@ -115,13 +90,13 @@ class Scheduler:
         self.published = 0.0
         self.incarnation = [0] * P  # of each pipeline's processes: restarts so far
         self.rejoining: set[tuple[int, int]] = set()  # (stage, pipeline) waiting to be healed
-        self.health = Health(self.tracker, self.grid, cfg.run.heartbeat_timeout, cfg.run.timeout,
-                             cfg.fault.on_pipeline_loss != "stop", clock)
+        self.health = Health(self.tracker, self.grid, run.heartbeat_timeout, run.timeout,
+                             fault.on_pipeline_loss != "stop", clock)
         self.heals = self.restarts = 0
         self.heals_given = 0  # heals published so far: their order
         self.scheduler_restarts = 0  # times this leg's scheduler was started again (go_live)
-        self.checkpoints = Checkpoints(cfg, plan, run_dir, self.meetings, clock)
-        self.tracer = (self._tracer() if cfg.run.trace and self.policy is not None and live
+        self.checkpoints = Checkpoints(cfg, settings, plan, run_dir, self.meetings, clock)
+        self.tracer = (self._tracer() if run.trace and self.policy is not None and live
                        else None)
         if resume is not None:
             self._resume(resume)
@@ -152,7 +127,7 @@ class Scheduler:
 
     def new_batch(self) -> None:
         """Replaying: the next batch begins (only the last one's store writes are written again)."""
-        if isinstance(self.events, _Held):
+        if isinstance(self.events, Held):
             self.events.last_batch.clear()
 
     def _stop_asked(self) -> bool:
@@ -163,7 +138,8 @@ class Scheduler:
     def _tracer(self) -> Tracer:
         """The scheduler's track of ``trace.json``: row 0 the batches of events, row 1 + s the
         ready signals and rounds of stage s."""
-        tracer = Tracer(self.tracker.world_size, "scheduler", lambda: time.time() - self.t0, self.cfg.run.trace_events)
+        tracer = Tracer(self.tracker.world_size, "scheduler", lambda: time.time() - self.t0,
+                        self.settings.run.trace_events)
         unit = "stage" if self.segments.uniform else "segment"
         tracer.rows = {0: "events", **{1 + s: f"{unit} {s}" for s in range(self.segments.count)}}
         return tracer
@@ -173,7 +149,7 @@ class Scheduler:
         steps = {int(p): k for p, k in shard["steps"].items()}
         for p, k in steps.items():
             self.tracker.state[p].steps = k
-            self.tracker.state[p].samples = k * self.cfg.train.batch_size
+            self.tracker.state[p].samples = k * self.settings.train.batch_size
         if self.policy is not None:
             self.policy.resume({p: self.meetings.meeting(k) for p, k in steps.items()})
         if self.pacing is not None:  # blocks of their own: the steps, not the meetings
@@ -345,7 +321,7 @@ class Scheduler:
         """The group policy; an sdpipe event in a run without one cannot come from this run."""
         if self.policy is None:
             raise protocol.ProtocolError(store.PREFIX + store.EVENTS,
-                                         f"a group event in a run with sync={self.cfg.sync.name}")
+                                         f"a group event in a run with sync={self.settings.sync.name}")
         return self.policy
 
     def _lost(self, event: protocol.Lost) -> None:
@@ -357,7 +333,7 @@ class Scheduler:
         self.rejoining = {(s, q) for s, q in self.rejoining if q != p}
         if self.policy is not None:
             # done at most up to its next train line due: a round decided but not written is redone
-            recorded = self.tracker.state[p].steps + self.cfg.train.log_every - 1
+            recorded = self.tracker.state[p].steps + self.settings.train.log_every - 1
             self._publish(self.policy.leave(p, self.meetings.meeting(recorded)))
         for ckpt in self.checkpoints.pipeline_lost(p, self.policy):  # its shards will not come
             self._finalize(ckpt)

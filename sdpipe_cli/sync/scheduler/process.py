@@ -22,6 +22,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli import checkpoint
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import write_summary
@@ -234,20 +235,21 @@ def main() -> int:
     resume = os.environ.get("SDPIPE_RESUME")
     with child("scheduler", role="scheduler") as started:
         run_dir, cfg = started.run_dir, started.cfg
+        settings = settings_of(cfg)
 
         def connect():
             return connect_store(cfg)
 
         events = store.namespace(connect())
         # meetings left to the measured wire: settled before the policy, which counts them
-        workers = int(cfg.cluster.pipelines) * int(cfg.pipeline.stages)
-        wire = wire_probe.settle(cfg, events, workers, float(cfg.run.timeout))
+        workers = settings.cluster.pipelines * settings.pipeline.stages
+        wire = wire_probe.settle(cfg, events, workers, settings.run.timeout)
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None,
                           restarted=int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0")),
                           config=os.environ.get("SDPIPE_CONFIG", "config.yaml"), wire=wire)
         summary = scheduler.summary()
         write_summary(run_dir, summary)
-        if cfg.run.save_final:  # every worker wrote its weights there before it was done
+        if settings.run.save_final:  # every worker wrote its weights there before it was done
             steps = {str(p): state["steps"] for p, state in summary["pipelines"].items()}
             config = OmegaConf.to_container(cfg, resolve=True)
             if checkpoint.seal_final(run_dir, {"config": config, "steps": steps},

@@ -34,6 +34,7 @@ from typing import Any, cast
 from omegaconf import DictConfig
 
 from sdpipe_cli.config import measurements
+from sdpipe_cli.config.schema import Config, TrainConfig
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.replan import Proposal, as_config, called_for, pace_bound, propose, scaled
@@ -47,7 +48,7 @@ __all__ = ["Replanning", "checkpoint_bytes"]
 FLOAT_BYTES = 4
 
 
-def checkpoint_bytes(doc: dict, train: DictConfig, pipelines: int) -> float:
+def checkpoint_bytes(doc: dict, train: TrainConfig, pipelines: int) -> float:
     """What a checkpoint of the whole run holds, from a profile: every replica's weights and
     optimizer state (0 for an older profile without ``block_params``)."""
     params = sum(doc["model"].get("block_params") or [])
@@ -55,26 +56,30 @@ def checkpoint_bytes(doc: dict, train: DictConfig, pipelines: int) -> float:
 
 
 class Replanning:
-    """One leg's re-plan state: the measured slowdowns and the proposal that went, if any."""
+    """One leg's re-plan state: the measured slowdowns and the proposal that went, if any.
 
-    def __init__(self, cfg: DictConfig, plan: RunPlan):
-        doc = measurements.load(cfg.profile)
-        self.base = measurements.worker_block_ms(doc, plan.cluster, list(cfg.cluster.slowdown))
+    ``settings``: the run's config, typed, which this reads; ``cfg``: the same, the record,
+    which a new split's memory is estimated from and the sync section's bound on pace read."""
+
+    def __init__(self, cfg: DictConfig, settings: Config, plan: RunPlan):
+        fault, pipeline = settings.fault, settings.pipeline
+        doc = measurements.load(str(settings.profile))
+        self.base = measurements.worker_block_ms(doc, plan.cluster, list(settings.cluster.slowdown))
         # each device's slowdown when this leg began (earlier legs measured it), and now
-        self.start = carried_of(cfg.fault.slowed, plan.pipelines, plan.stages)
+        self.start = carried_of(fault.slowed, plan.pipelines, plan.stages)
         self.slowed = dict(self.start)
-        self.threshold = float(cfg.fault.slowdown_threshold)
+        self.threshold = fault.slowdown_threshold
         self.partitions = [list(b) for b in plan.partitions]  # each pipeline's split
-        self.shared = [int(b) for b in cfg.pipeline.partition]  # theirs unless given their own
-        self.microbatches, self.batch = int(cfg.pipeline.microbatches), int(cfg.train.batch_size)
-        self.pace = pace_bound(mode(cfg.sync.name).paced_by_slowest, cfg.sync)
-        self.own = mode(cfg.sync.name).segments  # pipelines may be split apart
-        self.state_bytes = checkpoint_bytes(doc, cfg.train, plan.pipelines)
+        self.shared = [int(b) for b in pipeline.partition]  # theirs unless given their own
+        self.microbatches, self.batch = pipeline.microbatches, settings.train.batch_size
+        self.pace = pace_bound(mode(settings.sync.name).paced_by_slowest, cfg.sync)
+        self.own = mode(settings.sync.name).segments  # pipelines may be split apart
+        self.state_bytes = checkpoint_bytes(doc, settings.train, plan.pipelines)
         self.budget_samples = plan.budget * self.batch
         self.chosen: Proposal | None = None
-        self.memory_of = (cfg, plan) if cfg.run.memory_check else None  # to check a new split
+        self.memory_of = (cfg, plan) if settings.run.memory_check else None  # to check a split
         # the splits the speeds of this leg's start call for (the profile's advice then)
-        self.chunks, self.schedule = plan.chunks, str(cfg.pipeline.schedule)  # its timeline
+        self.chunks, self.schedule = plan.chunks, pipeline.schedule  # its timeline
         self.advised = called_for(scaled(self.base, self.slowed), self.own, self.chunks,
                                   self.microbatches, self.schedule)
         self.in_place = plan.in_place

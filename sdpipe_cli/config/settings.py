@@ -1,0 +1,35 @@
+"""A run's config as typed sections: what a process reads, as the schema's own dataclasses.
+
+A process of a run holds its config in two forms, each for its own use:
+
+- the **record**: the ``DictConfig`` read from ``config.yaml`` (read-only), which a checkpoint's
+  manifest and ``final/`` store, and from which :mod:`.derived` makes the config of what comes
+  next (a re-split, a resumed leg);
+- the **settings**: the same values as a :class:`~sdpipe_cli.config.schema.Config`, each
+  section (``settings.train``, ``settings.fault``, ...) an instance of its dataclass, the sync
+  section the dataclass of its mode. A part that only reads takes the sections it reads, so its
+  signature says what it depends on and the type checker knows every key (``settings.train.stepz``
+  is an error before the code runs; ``cfg.train.stepz`` was one only when it ran).
+
+Made once per process (:func:`settings_of`); they are copies, so a part that holds them sees
+nothing another does to its own.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from omegaconf import DictConfig, OmegaConf
+
+from sdpipe_cli.config.run_file import typed
+from sdpipe_cli.config.schema import Config
+
+__all__ = ["settings_of"]
+
+
+def settings_of(cfg: DictConfig) -> Config:
+    """``cfg``'s values as the schema's dataclasses: a child's config (typed when it was read)
+    as it is, a prepared one (schema-free) typed by its sync mode's schema first."""
+    if OmegaConf.get_type(cfg) is not Config:
+        cfg = typed(cfg, str(cfg.sync.name))
+    return cast(Config, OmegaConf.to_object(cfg))
