@@ -31,6 +31,7 @@ from sdpipe_cli.cli.supervisor import POLL_S, RUNNING, Child, Interrupted, Phase
 from sdpipe_cli.config import derived, trust
 from sdpipe_cli.config.run_file import save_run_config
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core import supervision
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import SPLIT_SCHEDULES
@@ -361,22 +362,21 @@ def launch(cfg: DictConfig, on_progress: Callable[[dict], None] = lambda _: None
 
 
 class Launch:
-    """One launch: its config and plan, whether this launcher is the run's first, the store,
-    the run folder, the children, the interrupts (:class:`~sdpipe_cli.cli.supervisor.Phase`)
-    and the result, which every step fills in."""
+    """One launch: its config (what it reads of it typed, ``settings``, but for ``run.dir``:
+    the folder open() makes or joins) and plan, whether this launcher is the run's first, the
+    store, the run folder, the children, the interrupts and the result, which every step fills."""
 
     def __init__(self, cfg: DictConfig, job: Job, resume: Path | None, fresh: bool,
                  on_progress: Callable[[dict], None], on_phase: Callable[[str], None]):
         self.cfg, self.job, self.resume, self.fresh = cfg, job, resume, fresh
         self.on_progress = on_progress
-        self.run = RunPlan.of(cfg)
-        self.primary = is_primary(cfg)
         self.children: list[Child] = []
+        self.run, self.primary, self.settings = RunPlan.of(cfg), is_primary(cfg), settings_of(cfg)
         self.started = time.monotonic()
         self.result = RunResult(Path(cfg.run.dir) if resume is not None and not fresh else None, 0)
         self.phase = Phase("starting the store" if self.primary else
                            f"waiting for the first node's store at {store_host(cfg)}:"
-                           f"{cfg.run.port}", on_phase)
+                           f"{self.settings.run.port}", on_phase)
         self.events: Any = None  # these four: set by open()
         self.master: Any = None
         self.run_dir: Path | None = None
@@ -410,12 +410,12 @@ class Launch:
                                     self.master.port, config_path, self.resume)
         helpers = [SCHEDULER] if job.helpers and primary else []
         helpers += [PS] if spawner.servers and primary else []
-        splits = [SPLIT_BACKWARD] if cfg.pipeline.schedule in SPLIT_SCHEDULES else []
+        splits = [SPLIT_BACKWARD] if self.settings.pipeline.schedule in SPLIT_SCHEDULES else []
         processes.preload([job.worker, *helpers, *models.imports(cfg.model), *sources.imports(cfg),
                            *splits], spawner.base)
         if job.helpers and primary:
             self.children.append(spawner.scheduler())
-        for rank in run.ranks_on(cfg.run.node):
+        for rank in run.ranks_on(self.settings.run.node):
             self.children.append(spawner.worker(rank))
             self.phase.check()
         for stage in range(spawner.servers if primary else 0):
@@ -423,18 +423,18 @@ class Launch:
 
     def supervise(self) -> None:
         """Until every child is done, or the first failure; the result's code and failure."""
-        cfg, job, result = self.cfg, self.job, self.result
+        fault, job, result = self.settings.fault, self.job, self.result
         self.phase.advance("waiting for the workers to join")
-        tolerate = job.helpers and cfg.fault.on_pipeline_loss in ("continue", "restart")
-        restarts = (supervision.Restarts(cfg.fault.max_restarts, cfg.fault.restart_backoff)
-                    if tolerate and cfg.fault.on_pipeline_loss == "restart" else None)
+        tolerate = job.helpers and fault.on_pipeline_loss in ("continue", "restart")
+        restarts = (supervision.Restarts(fault.max_restarts, fault.restart_backoff)
+                    if tolerate and fault.on_pipeline_loss == "restart" else None)
         supervisor = Supervisor(  # self.run_dir: set by open()
             self.children, cast(Path, self.run_dir), self.events, self.on_progress, self.launched,
             tolerate, graceful=job.graceful, workers=self.run.workers, phase=self.phase,
             restarts=restarts, restart=self.spawner.pipeline, pipelines=self.run.pipelines,
             restart_scheduler=self.spawner.scheduler, on_resplit=self.resplit,
             # a stranded worker gives up at run.timeout; 10 s at least for a slow teardown (NCCL)
-            stranded_s=max(10.0, min(supervision.STRANDED_S, cfg.run.timeout / 2)))
+            stranded_s=max(10.0, min(supervision.STRANDED_S, self.settings.run.timeout / 2)))
         result.failure, interrupted, result.bad_input = supervisor.run()
         result.returncode = ((2 if result.bad_input else 1) if result.failure
                              else 130 if interrupted else 0)
@@ -473,7 +473,7 @@ class Launch:
                 print(f"sdpipe: warning: removed {staging}: a checkpoint save that did not "
                       "complete", file=sys.stderr, flush=True)
         self.phase.restore(previous)
-        if self.cfg.run.trace and (run_dir := result.run_dir) is not None and self.primary:
+        if self.settings.run.trace and (run_dir := result.run_dir) is not None and self.primary:
             result.trace = quietly(lambda: trace.merge(run_dir))
         if self.events is not None:
             try:

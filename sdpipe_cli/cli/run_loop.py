@@ -20,7 +20,9 @@ from rich.console import Console
 from sdpipe_cli.analysis.records import RestartLine
 from sdpipe_cli.cli import display, resuming
 from sdpipe_cli.config import derived
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.plan import RunPlan
+from sdpipe_cli.core.supervision import Restarts
 from sdpipe_cli.runtime import run_lock
 from sdpipe_cli.runtime.errors import CheckpointError
 
@@ -66,11 +68,11 @@ def run_with_restarts(run_cfg, console: Console, done: int = 0, from_checkpoint=
 def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: float, fresh: bool,
               holder: run_lock.Holder) -> int:
     from sdpipe_cli.cli import launcher, preparing
-    from sdpipe_cli.core.supervision import Restarts
 
     preparing.check_memory(run_cfg)  # bad input: before anything is written
-    restarts = (Restarts(run_cfg.fault.max_restarts, run_cfg.fault.restart_backoff)
-                if run_cfg.fault.on_failure == "restart" else None)
+    settings = settings_of(run_cfg)  # what the loop reads (typed): the legs' configs are derived
+    restarts = (Restarts(settings.fault.max_restarts, settings.fault.restart_backoff)
+                if settings.fault.on_failure == "restart" else None)
     began, origin = time.monotonic(), time.time() - elapsed  # origin: the run clock's zero
     # the first launch makes the run folder (or resumes in its own, or in the new one made for it)
     run_dir = Path(run_cfg.run.dir) if fresh else None
@@ -83,7 +85,7 @@ def _run_legs(run_cfg, console: Console, done: int, from_checkpoint, elapsed: fl
             holder.take(folder)
         shown.folder(folder)
 
-    first, limit = True, run_cfg.train.time_limit
+    first, limit = True, settings.train.time_limit
     furthest = done  # iterations: the most any leg reached
     while True:
         shown = display.ProgressDisplay(console, RunPlan.of(run_cfg).budget, done)
