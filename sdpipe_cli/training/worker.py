@@ -28,8 +28,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from sdpipe_cli import checkpoint
-from sdpipe_cli.config.schema import objective
-from sdpipe_cli.config.settings import settings_of
+from sdpipe_cli.config.schema import Config, objective
 from sdpipe_cli.core.cadence import Cadence
 from sdpipe_cli.core.interleaved import virtual_stage
 from sdpipe_cli.core.loss_scale import LossScale
@@ -72,7 +71,9 @@ def param_digest(module: nn.Module) -> str:
 class Worker:
     """Stage ``where.stage`` of pipeline ``where.pipeline``.
 
-    ``plan``: the run's (its cluster places this worker and emulates its speed and links).
+    ``cfg`` and ``settings``: the run's config as its record and typed
+    (:mod:`sdpipe_cli.config.settings`). ``plan``: the run's (its cluster places this worker and
+    emulates its speed and links).
     ``groups`` makes the sync strategy's communicators (sdpipe: with ``sync.group_timeout``);
     ``pipeline_groups`` the ones over this pipeline's stages (the global gradient norm), with
     ``run.timeout``: a stage whose group round fails on a lost member spends up to the group
@@ -83,13 +84,13 @@ class Worker:
     the default process group's rank 0 (see :mod:`sdpipe_cli.runtime.bootstrap`).
     """
 
-    def __init__(self, cfg: DictConfig, where: Placement, plan: RunPlan, device: torch.device,
-                 events: dist.Store, groups: GroupCache, pipeline_groups: GroupCache,
-                 resume: str | None = None, incarnation: int = 0, rank_offset: int = 0):
+    def __init__(self, cfg: DictConfig, settings: Config, where: Placement, plan: RunPlan,
+                 device: torch.device, events: dist.Store, groups: GroupCache,
+                 pipeline_groups: GroupCache, resume: str | None = None, incarnation: int = 0,
+                 rank_offset: int = 0):
         # ``cfg``, the record: what the model, its data and the emulation are built from;
-        # ``settings``, what this worker reads of it (train, run, fault, checkpoint, pipeline), typed
-        self.cfg = cfg
-        self.settings = settings = settings_of(cfg)
+        # ``settings``, the same typed: what this worker reads (train, run, fault, checkpoint, ...)
+        self.cfg, self.settings = cfg, settings
         train, run = settings.train, settings.run
         # what this pipeline's stages are built from: the run's split, or its own (the plan's)
         self.partition = partition = plan.partition_of(where.pipeline)
