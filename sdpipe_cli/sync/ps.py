@@ -24,6 +24,8 @@ from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector
 
 from sdpipe_cli.config.run_file import load_child_config
+from sdpipe_cli.config.schema import PsSyncConfig
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.model import optim
@@ -35,12 +37,16 @@ log = logging.getLogger("sdpipe.ps")
 
 
 class ParameterServer:
+    """Stage ``stage``'s server: its module built from ``cfg`` (the record), and what it reads of
+    the run typed (``settings``: the optimizer, the schedule, the staleness bound)."""
+
     def __init__(self, cfg: DictConfig, plan: RunPlan, stage: int):
         P, S = plan.pipelines, plan.stages
-        self.cfg, self.stage, self.P = cfg, stage, P
+        settings = settings_of(cfg)
+        self.train, self.stage, self.P = settings.train, stage, P
         self.module = build_stage_module(cfg, stage)
         self.params = list(self.module.parameters())
-        self.optimizer = optim.build_optimizer(self.params, cfg.train)
+        self.optimizer = optim.build_optimizer(self.params, self.train)
         self.numel = sum(p.numel() for p in self.params)
         # worker rank -> last pushed iteration
         self.clock = {r: -1 for r in plan.grid.stage_ranks(stage)}
@@ -51,11 +57,13 @@ class ParameterServer:
         # weight_versions=2), and the stages of one pipeline are up to S updates apart, which the
         # staleness bound must allow, or a stage held back would hold back its own pipeline's
         # stage that everyone waits for.
-        pipe = cfg.pipeline
+        pipe = settings.pipeline
         asynchronous = pipe.schedule in ASYNC_SCHEDULES
         self.per_iteration = updates_per_iteration(pipe.schedule, pipe.microbatches,
                                                    pipe.weight_versions)
-        self.staleness = cfg.sync.staleness * self.per_iteration + (S if asynchronous else 0)
+        sync = settings.sync
+        assert isinstance(sync, PsSyncConfig)  # servers are started for sync=ps only
+        self.staleness = sync.staleness * self.per_iteration + (S if asynchronous else 0)
         self.budget = plan.budget * self.per_iteration if stage == 0 else None
 
     def serve(self) -> None:
@@ -82,7 +90,7 @@ class ParameterServer:
             offset += p.numel()
         # The run's global progress (updates served over P), as sdpipe's groups use it: the
         # pushing worker's own iteration would decay fast pipelines early.
-        optim.set_lr(self.optimizer, optim.lr_at(self.pushes / self.P / self.per_iteration, self.cfg.train))
+        optim.set_lr(self.optimizer, optim.lr_at(self.pushes / self.P / self.per_iteration, self.train))
         self.optimizer.step()
 
     def _release(self) -> None:
