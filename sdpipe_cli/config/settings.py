@@ -11,8 +11,14 @@ A process of a run holds its config in two forms, each for its own use:
   signature says what it depends on and the type checker knows every key (``settings.train.stepz``
   is an error before the code runs; ``cfg.train.stepz`` was one only when it ran).
 
-Made once per process (:func:`settings_of`); they are copies, so a part that holds them sees
-nothing another does to its own.
+Made from the config a part is built from (:func:`settings_of`; a worker's process makes them
+once and hands them to its :class:`~sdpipe_cli.training.worker.Worker`): about 1.3 ms for a
+run's config here, 56 ms with a data set of 2,000 shards recorded in ``data.resolved``, against
+the 670 ms that reading such a config typed costs each child already. They are copies, so a part
+that holds them sees nothing another does to its own.
+
+Not every part reads settings yet: the sync strategies, the group policy, pacing, replay, the
+metrics sinks and the builders of the model, the data and the emulation still take the record.
 """
 
 from __future__ import annotations

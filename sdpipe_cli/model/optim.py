@@ -25,13 +25,14 @@ import math
 from collections.abc import Callable, Collection, Iterable
 
 import torch
+from omegaconf import DictConfig
 
 from sdpipe_cli.config.schema import TrainConfig
 
 ADAMW_BETAS = (0.9, 0.95)
 
 
-def lr_at(position: float, train: TrainConfig) -> float:
+def lr_at(position: float, train: TrainConfig | DictConfig) -> float:
     """Linear warm-up, then ``train.schedule``: cosine or linear decay to ``train.final_lr`` of
     the peak at ``train.steps``, step decay (x ``decay_factor`` every ``decay_every``
     iterations after the warm-up, the ResNet recipe's), or constant.
@@ -55,13 +56,13 @@ def lr_at(position: float, train: TrainConfig) -> float:
     return t.lr * (final + (1 - final) * shape)
 
 
-def state_slots(train: TrainConfig) -> int:
+def state_slots(train: TrainConfig | DictConfig) -> int:
     """Tensors of optimizer state per parameter: AdamW's two moments, SGD's momentum buffer or
     nothing (what the memory estimate and a checkpoint's size count)."""
     return 2 if train.optimizer != "sgd" else (1 if train.momentum else 0)
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[torch.nn.Parameter], train: TrainConfig | DictConfig) -> torch.optim.Optimizer:
     """``train.optimizer`` over ``params`` (``train``: the config's ``train`` section), its state
     already created (see the module's note).
 

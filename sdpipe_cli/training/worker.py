@@ -135,7 +135,7 @@ class Worker:
         self.feed = None
         if where.first or where.last:  # middle stages never touch data
             self.feed = Feed(cfg, p, where.pipelines, inputs=where.first, pin_memory=device.type == "cuda")
-        self.run_dir = Path(str(run.dir))
+        self.run_dir = Path(cfg.run.dir)  # the record's: the folder its launch made
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
         self._saved_step = self.start_step  # the step of the last checkpoint (or of the resume)

@@ -47,7 +47,7 @@ def test_a_childs_config_is_read_only_and_what_it_derives_is_a_new_one(tmp_path,
     assert dict(cfg.fault.slowed) == {}  # the child's own config is as it was read
 
 
-@pytest.mark.parametrize("sync", ["sdpipe", "allreduce", "diloco"])
+@pytest.mark.parametrize("sync", SYNC_MODES)
 def test_a_child_and_the_launcher_read_the_same_typed_sections(tmp_path, sync):
     """What a child reads (its config typed when read) and what the launcher reads (its
     prepared config, schema-free) are the same sections, each the schema's dataclass, the sync

@@ -48,7 +48,7 @@ __all__ = ["Replanning", "checkpoint_bytes"]
 FLOAT_BYTES = 4
 
 
-def checkpoint_bytes(doc: dict, train: TrainConfig, pipelines: int) -> float:
+def checkpoint_bytes(doc: dict, train: TrainConfig | DictConfig, pipelines: int) -> float:
     """What a checkpoint of the whole run holds, from a profile: every replica's weights and
     optimizer state (0 for an older profile without ``block_params``)."""
     params = sum(doc["model"].get("block_params") or [])
@@ -63,7 +63,7 @@ class Replanning:
 
     def __init__(self, cfg: DictConfig, settings: Config, plan: RunPlan):
         fault, pipeline = settings.fault, settings.pipeline
-        doc = measurements.load(str(settings.profile))
+        doc = measurements.load(cfg.profile)  # the launcher's path (validated, resolved)
         self.base = measurements.worker_block_ms(doc, plan.cluster, list(settings.cluster.slowdown))
         # each device's slowdown when this leg began (earlier legs measured it), and now
         self.start = carried_of(fault.slowed, plan.pipelines, plan.stages)
