@@ -71,15 +71,15 @@ class Scheduler:
         self.replanning = Replanning(cfg, settings, plan) if fault.on_slowdown == "replan" else None
         self.replan: dict | None = None  # the re-plan this leg stops for (the next leg's split)
         self.wire = wire  # the meetings this leg settled from its measured wire (pacing.py)
-        self.pacing = pacing_of(wire, cfg) if mode(cfg.sync.name).group_policy else None
+        grouped = mode(settings.sync.name).group_policy
+        self.pacing = pacing_of(wire, cfg) if grouped else None
         meet = cfg if wire is None else settled(cfg, wire)  # the checkpoints keep cfg's 0/auto
         self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
-        self.recorded = (load_recorded(cfg.sync.replay, cfg) if cfg.sync.get("replay")
-                         else None)  # sync.replay: a recorded run's decisions (sync/replay.py)
+        replay = getattr(settings.sync, "replay", None)  # a recorded run's decisions (replay.py)
+        self.recorded = load_recorded(replay, cfg) if replay else None
         self.policy = (make_policy(meet, plan, clock, spent=store.limit_spent(events),
                                    evaluations=self.pacing is None)  # blocks fall anywhere
-                       if mode(cfg.sync.name).group_policy
-                       and self.recorded is None else None)
+                       if grouped and self.recorded is None else None)
         self.meetings = meetings_of(meet.sync)  # the policy counts them; checkpoints, steps
         self.metrics = self._metrics() if live else Muted()
         # what replicas average: the stages, or segments where pipelines are split differently
