@@ -17,8 +17,9 @@ run's config here, 56 ms with a data set of 2,000 shards recorded in ``data.reso
 the 670 ms that reading such a config typed costs each child already. They are copies, so a part
 that holds them sees nothing another does to its own.
 
-Not every part reads settings yet: the sync strategies, the group policy, pacing, replay, the
-metrics sinks and the builders of the model, the data and the emulation still take the record.
+Not every part reads settings yet: the sync strategies, pacing, replay, the metrics sinks and
+the builders of the model, the data and the emulation still take the record. The group policy
+takes either: the scheduler builds it from its settings, the simulator from a config.
 """
 
 from __future__ import annotations

@@ -25,12 +25,14 @@ Pure: no I/O, no torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sdpipe_cli.core.modes import mode
 
-__all__ = ["Meetings", "Choice", "choose", "meetings_of", "precision_of", "average_of", "SYNC_PRECISIONS", "BYTES",
-           "INT8_CHUNK"]
+__all__ = ["Meetings", "Choice", "choose", "setting", "meetings_of", "precision_of", "average_of",
+           "SYNC_PRECISIONS", "BYTES", "INT8_CHUNK"]
 
 SYNC_PRECISIONS = ("auto", "fp32", "bf16", "int8")
 # int8 changes: one float32 scale (absmax / 127) per this many values. Finer chunks follow the
@@ -142,18 +144,27 @@ def choose(iteration_s: float, round_s: dict[str, float], share: float, every: i
     return Choice(every, precision, iteration_s, round_s["fp32"], share)
 
 
+def setting(section: Any, key: str, default: Any) -> Any:
+    """``section``'s ``key``, or ``default`` where it has none: a config's section (a mapping)
+    or the same section typed (a dataclass of :mod:`sdpipe_cli.config.schema`, which has the keys
+    of its own mode only)."""
+    if isinstance(section, Mapping):
+        return section.get(key, default)
+    return getattr(section, key, default)
+
+
 def meetings_of(sync) -> Meetings:
     """A run's meetings, from its ``sync`` section: ``every`` as the launcher resolved it; 0
     (left to choose, in a config nothing resolved: an older run) and a missing key are 1, as is
     every mode but sdpipe."""
-    return Meetings(max(1, int(sync.get("every", 1) or 1)) if mode(sync.name).meets else 1)
+    return Meetings(max(1, int(setting(sync, "every", 1) or 1)) if mode(sync.name).meets else 1)
 
 
 def precision_of(sync) -> str:
     """What a run's rounds send their changes in, from its ``sync`` section: sdpipe's group
     rounds and diloco's outer gradients, ``precision`` as resolved; ``auto`` left unresolved
     (and any other mode) is float32."""
-    chosen = sync.get("precision", "fp32") if mode(sync.name).low_precision else "fp32"
+    chosen = setting(sync, "precision", "fp32") if mode(sync.name).low_precision else "fp32"
     return "fp32" if chosen == "auto" else chosen
 
 
@@ -165,4 +176,4 @@ def average_of(sync) -> str:
     if mode(sync.name).group_policy and (meetings_of(sync).every > 1
                                          or precision_of(sync) != "fp32"):
         return "weights"
-    return sync.get("average", "weights_grads")
+    return setting(sync, "average", "weights_grads")

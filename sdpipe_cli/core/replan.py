@@ -51,6 +51,7 @@ from typing import Any
 from sdpipe_cli.core.grouping.prediction import AWAIT_PACE_RATIO
 from sdpipe_cli.core.interleaved import CHUNKED, CHUNKED_SCHEDULES, stage_blocks
 from sdpipe_cli.core.iteration_plan import IterationPlan
+from sdpipe_cli.core.meetings import setting
 from sdpipe_cli.core.partition import device_cost, plan, plan_chunks
 from sdpipe_cli.core.schedule import SPLIT_SCHEDULES
 
@@ -153,10 +154,10 @@ def pace_bound(lock_step: bool, sync: Any = None) -> float:
     ``sync.connect_every=1``); under sdpipe's forecasts, ``1 + sync.patience`` with the classic
     policy, and with cost_aware the replicas it holds alike (``AWAIT_PACE_RATIO``; the scheduler
     predicts with what it measures, ``GroupScheduler.tolerance``); none (1) where nobody waits."""
-    if lock_step or (sync is not None and int(sync.get("connect_every", 0) or 0) == 1):
+    if lock_step or (sync is not None and int(setting(sync, "connect_every", 0) or 0) == 1):
         return math.inf
-    patience = float(sync.get("patience", 0.0) or 0.0) if sync is not None else 0.0
-    if patience and sync.get("policy", "cost_aware") == "cost_aware":
+    patience = float(setting(sync, "patience", 0.0) or 0.0) if sync is not None else 0.0
+    if patience and setting(sync, "policy", "cost_aware") == "cost_aware":
         return AWAIT_PACE_RATIO
     return 1.0 + patience
 

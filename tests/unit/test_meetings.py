@@ -116,3 +116,21 @@ def test_with_meetings_apart_a_round_waits_at_most_the_wire_share_of_a_meeting()
     assert Meetings(1).patience(0.5, 0.1) == 0.5  # every iteration: sync.patience as it is
     assert Meetings(14).patience(0.5, 0.1) == 0.1  # 1.4 steps, not 7
     assert Meetings(14).patience(0.05, 0.1) == 0.05  # a smaller patience is kept
+
+
+@pytest.mark.parametrize("values", [{"every": 4, "precision": "fp32"},
+                                    {"every": 1, "precision": "int8"},
+                                    {"every": 1, "precision": "fp32", "average": "weights"}])
+def test_a_typed_sync_section_meets_as_its_config_and_its_plain_dict(values):
+    """The scheduler builds its policy from its typed settings, the simulator from a config: the
+    two forms of one section meet alike; a key a mode's dataclass lacks (allreduce has no
+    ``every``) is its default, as a missing key is."""
+    from sdpipe_cli.config.schema import AllReduceSyncConfig, SdpipeSyncConfig
+
+    section = {"name": "sdpipe", "average": "weights_grads", **values}
+    forms = (SdpipeSyncConfig(**section), OmegaConf.create(section))
+    got = [(meetings_of(f).every, precision_of(f), average_of(f)) for f in forms]
+    assert got[0] == got[1]
+    assert got[0][0] == values["every"] and got[0][1] == values["precision"]
+    lock_step = AllReduceSyncConfig()
+    assert (meetings_of(lock_step).every, precision_of(lock_step)) == (1, "fp32")

@@ -59,7 +59,7 @@ class Replanning:
     """One leg's re-plan state: the measured slowdowns and the proposal that went, if any.
 
     ``settings``: the run's config, typed, which this reads; ``cfg``: the same, the record,
-    which a new split's memory is estimated from and the sync section's bound on pace read."""
+    which a new split's memory is estimated from."""
 
     def __init__(self, cfg: DictConfig, settings: Config, plan: RunPlan):
         fault, pipeline = settings.fault, settings.pipeline
@@ -72,7 +72,7 @@ class Replanning:
         self.partitions = [list(b) for b in plan.partitions]  # each pipeline's split
         self.shared = [int(b) for b in pipeline.partition]  # theirs unless given their own
         self.microbatches, self.batch = pipeline.microbatches, settings.train.batch_size
-        self.pace = pace_bound(mode(settings.sync.name).paced_by_slowest, cfg.sync)
+        self.pace = pace_bound(mode(settings.sync.name).paced_by_slowest, settings.sync)
         self.own = mode(settings.sync.name).segments  # pipelines may be split apart
         self.state_bytes = checkpoint_bytes(doc, settings.train, plan.pipelines)
         self.budget_samples = plan.budget * self.batch
