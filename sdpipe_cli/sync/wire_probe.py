@@ -26,12 +26,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.analysis.records import WireLine
+from sdpipe_cli.config.schema import Config, SdpipeSyncConfig
 from sdpipe_cli.core.meetings import Choice
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
@@ -120,13 +121,22 @@ def settle(cfg: DictConfig, events, workers: int, timeout: float
     return store.read(events, store.MEETINGS, protocol.MeetingChoice)
 
 
-def settled(cfg: Any, chosen: Any) -> DictConfig:
+@overload
+def settled(cfg: Config, chosen: Any) -> Config: ...
+@overload
+def settled(cfg: DictConfig, chosen: Any) -> DictConfig: ...
+def settled(cfg: Any, chosen: Any) -> Any:
     """A copy of a config, or of its ``sync`` section, meeting as ``chosen`` says (a
-    :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, or a recorded ``wire`` line). The
-    run's own config keeps them unresolved (its checkpoints too: a resumed run measures again,
-    its links may have changed)."""
+    :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, or a recorded ``wire`` line); of a
+    run's settings (:mod:`sdpipe_cli.config.settings`, sdpipe's), settings. The run's own
+    config keeps them unresolved (its checkpoints too: a resumed run measures again, its links
+    may have changed)."""
     get: Callable[[str], Any] = (chosen.get if isinstance(chosen, dict)
                                  else lambda k: getattr(chosen, k))
+    if isinstance(cfg, Config):  # only sdpipe leaves its meetings to the wire (unresolved)
+        assert isinstance(cfg.sync, SdpipeSyncConfig)
+        return dataclasses.replace(cfg, sync=dataclasses.replace(
+            cfg.sync, every=int(get("every")), precision=str(get("precision"))))
     # a config, or its sync section, is a mapping: so is the copy
     out = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
     sync = out.sync if "sync" in out else out

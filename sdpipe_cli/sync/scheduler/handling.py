@@ -22,7 +22,6 @@ from omegaconf import DictConfig
 
 from sdpipe_cli import checkpoint
 from sdpipe_cli.analysis import records
-from sdpipe_cli.config.schema import SdpipeSyncConfig
 from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.grouping import Decision, GroupScheduler, make_policy
 from sdpipe_cli.core.meetings import meetings_of
@@ -39,6 +38,7 @@ from sdpipe_cli.sync.scheduler.health import Health, WorkerHung
 from sdpipe_cli.sync.scheduler.held import Held, Muted
 from sdpipe_cli.sync.scheduler.pacing import pacing_of, wire_summary
 from sdpipe_cli.sync.scheduler.replanning import Replanning
+from sdpipe_cli.sync.wire_probe import settled
 
 __all__ = ["Scheduler", "WorkerHung", "PUBLISH_S"]
 
@@ -73,11 +73,8 @@ class Scheduler:
         self.wire = wire  # the meetings this leg settled from its measured wire (pacing.py)
         grouped = mode(settings.sync.name).group_policy
         self.pacing = pacing_of(wire, cfg) if grouped else None
-        meet = settings  # the policy meets as the wire settled; checkpoints keep the record's 0/auto
-        if wire is not None:  # only sdpipe leaves its meetings to the wire (wire_probe.unresolved)
-            assert isinstance(settings.sync, SdpipeSyncConfig)
-            meet = dataclasses.replace(settings, sync=dataclasses.replace(
-                settings.sync, every=int(wire.every), precision=str(wire.precision)))
+        # the policy meets as the wire settled; the checkpoints keep the record's 0/auto
+        meet = settings if wire is None else settled(settings, wire)
         self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
         replay = getattr(settings.sync, "replay", None)  # a recorded run's decisions (replay.py)
         self.recorded = load_recorded(replay, cfg) if replay else None
