@@ -85,6 +85,9 @@ VARIANTS = {
     "sdpipe-mean": ["sync=sdpipe", "sync.stale=average"],
     "sdpipe-weights": ["sync=sdpipe", "sync.average=weights", "sync.stale=average"],
     "sdpipe-classic": ["sync=sdpipe", "sync.policy=classic"],
+    # a slower pipeline takes fewer micro-batches, to keep the others' pace (pipeline.balance)
+    "sdpipe-balance": ["sync=sdpipe", "pipeline.balance=speed"],
+    "allreduce-balance": ["sync=allreduce", "pipeline.balance=speed"],
     # sdpipe meeting every iteration in float32, whatever the links (the default before slow-link
     # meetings; the default still on clusters without emulated links)
     "sdpipe-every1": ["sync=sdpipe", "sync.every=1", "sync.precision=fp32"],

@@ -75,8 +75,9 @@ def steady_rates(lines: Iterable[Line]) -> dict[int, float]:
     train = of_kind(lines, "train")
     if not train:
         return {}
-    batch = train[-1]["samples"] // train[-1]["step"]
-    return {p: statistics.median(batch / m["step_s"] for m in train
+    last = {m["pipeline"]: m for m in train}
+    batch = {p: m["samples"] // m["step"] for p, m in last.items()}  # a pipeline's own (balance)
+    return {p: statistics.median(batch[p] / m["step_s"] for m in train
                                  if m["pipeline"] == p and m["step"] > 1)
             for p in pipelines(train)}
 

@@ -215,8 +215,8 @@ class GroupLine(Record):
     takes from here); `every` (where meetings are H iterations apart: `iterations` count
     meetings of this many); where meetings follow the wire, `nexts` (each member's next block)
     and `done_steps` (the run's pipeline-steps); `heal` (the restarted replicas the first member
-    heals: [pipeline, iteration]); `weight_shares` and `grad_shares` (each member's share where
-    a stale member counts less, `sync.stale`)"""
+    heals: [pipeline, iteration]); `weight_shares` and `grad_shares` (each member's share: a stale
+    member counts less, `sync.stale`; by samples, `pipeline.balance`; twins: grads only)"""
 
     kind: ClassVar[str] = "group"
     required: ClassVar[tuple[str, ...]] = ("time", "stage", "round", "size")

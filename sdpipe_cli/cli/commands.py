@@ -197,6 +197,14 @@ def run_config(cfg, console: Console):
         display.plan_table(console, plan)
     if choice is not None:
         console.print(f"slow links: {choice.describe()}", highlight=False, soft_wrap=True)
+    if run_cfg.pipeline.balance != "equal":
+        from sdpipe_cli.core.plan import RunPlan
+
+        shares = list(RunPlan.of(run_cfg).microbatches)
+        console.print(f"pipeline.balance={run_cfg.pipeline.balance}: micro-batches per pipeline "
+                      f"{shares}" + ("" if len(set(shares)) > 1 else
+                                     " (balancing would not pay at these speeds)"),
+                      highlight=False, soft_wrap=True)
     from sdpipe_cli.sync.wire_probe import unresolved
 
     if unresolved(run_cfg.sync):

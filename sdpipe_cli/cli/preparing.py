@@ -22,10 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.pipeline_checks import validate_own_partitions, validate_partition
 from sdpipe_cli.config.schema import ConfigError, num_classes, objective
-from sdpipe_cli.core import meetings, partition, replan
+from sdpipe_cli.core import balance, meetings, partition, replan
 from sdpipe_cli.core.cluster import Cluster
+from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.plan import RunPlan, cluster_of, microbatch_size
+from sdpipe_cli.core.slowdowns import carried_of
 from sdpipe_cli.data import sources
 from sdpipe_cli.hetero import simulated_run
 from sdpipe_cli.model import memory, models
@@ -78,7 +80,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
         except ConfigError as err:
             key = f"pipeline.partitions.{q}" if err.key == "pipeline.partition" else err.key
             raise ConfigError(key, err.reason) from None
-    cfg.plan = RunPlan.resolve(cfg, cluster, blocks).section()
+    cfg.plan = RunPlan.resolve(cfg, cluster, blocks, balance_of(cfg, cluster, blocks)).section()
     if cfg.fault.on_slowdown == "replan":  # the leg after a re-plan goes on from this checkpoint
         cfg.checkpoint.on_exit = True
     choice = simulated_run.resolve_meetings(cfg)  # sdpipe on slow links: how often replicas meet
@@ -94,6 +96,29 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
     # (config/derived.py), so that no holder of this one sees it change
     OmegaConf.set_readonly(cfg, True)
     return cfg, plan, choice
+
+
+def balance_of(cfg: DictConfig, cluster: Cluster, blocks: int) -> tuple[int, ...]:
+    """Each pipeline's micro-batches under ``pipeline.balance`` (:mod:`~sdpipe_cli.core.balance`),
+    judged by the speeds the run starts with: the profile's block times on each device where a
+    profile is given, else every block alike at the device's speed; ``cluster.slowdown`` on top,
+    and what earlier legs measured (``fault.slowed``: a leg after a re-plan shares the batch
+    anew). ``()`` (every pipeline ``pipeline.microbatches``) with ``balance=equal``."""
+    if cfg.pipeline.balance == "equal":
+        return ()
+    slowdown = list(cfg.cluster.slowdown) if cfg.cluster.slowdown else [1.0] * cluster.pipelines
+    if cfg.profile:
+        block_ms = measurements.worker_block_ms(measurements.load(cfg.profile), cluster, slowdown)
+    else:
+        block_ms = [[[float(slowdown[p]) / cluster.speed(cluster.device(p, s))] * blocks
+                     for s in range(cluster.stages)] for p in range(cluster.pipelines)]
+    block_ms = replan.scaled(block_ms, carried_of(cfg.fault.slowed, cluster.pipelines, cluster.stages))
+    plan = RunPlan.resolve(cfg, cluster, blocks)
+    schedule = str(cfg.pipeline.schedule)
+    grain = balance.grain_of(schedule in CHUNKED_SCHEDULES, plan.stages)
+    chosen = balance.decide(block_ms, plan.partitions, int(cfg.pipeline.microbatches), grain, schedule,
+                            replan.pace_bound(mode(cfg.sync.name).paced_by_slowest, cfg.sync))
+    return chosen.microbatches
 
 
 def check_memory(cfg: DictConfig) -> None:

@@ -183,8 +183,9 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
                             int(new.train.steps) if steps_given else None)
     new = derived.with_values(new, {"train.steps": plan.train_steps})
     known = RunPlan.of(new)  # its budget changed
-    new = derived.with_values(new, {"plan": RunPlan.resolve(new, known.cluster,
-                                                            known.blocks).section()})
+    new = derived.with_values(new, {"plan": RunPlan.resolve(
+        new, known.cluster, known.blocks,
+        preparing.balance_of(new, known.cluster, known.blocks)).section()})
     preparing.check_memory(new)  # bad input: before the resharded checkpoint is written
     folder, new = destination(new)
     folder = reshard.write(ckpt, manifest, old, new, plan, folder)

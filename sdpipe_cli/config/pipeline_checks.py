@@ -1,5 +1,5 @@
-"""The ``pipeline`` section's checks: stages against the model's blocks, micro-batches, the
-schedule and its chunks (interleaving), the partition, weight versions.
+"""The ``pipeline`` section's checks: stages against the model's blocks, micro-batches, their
+balance, the schedule and its chunks (interleaving), the partition, weight versions.
 
 Part of :func:`~sdpipe_cli.config.validation.validate`; the partition checks are also what the
 launcher runs once a partition name is resolved (``cli/preparing.py``).
@@ -14,8 +14,10 @@ from omegaconf import DictConfig, ListConfig
 from sdpipe_cli.config import schema
 from sdpipe_cli.config.checks import need
 from sdpipe_cli.config.schema import ConfigError, n_blocks
+from sdpipe_cli.core.balance import BALANCES
 from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES
-from sdpipe_cli.core.schedule import SPLIT_SCHEDULES
+from sdpipe_cli.core.modes import names_with
+from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, SPLIT_SCHEDULES
 
 __all__ = ["validate_own_partitions", "validate_partition", "validate_pipeline"]
 
@@ -32,6 +34,7 @@ def validate_pipeline(cfg: DictConfig) -> None:
     need(p.schedule in schema.SCHEDULES, "pipeline.schedule",
          f"is '{p.schedule}'; choose one of {', '.join(schema.SCHEDULES)}")
     _validate_chunks(cfg, blocks)
+    _validate_balance(cfg)
     if blocks is not None:
         validate_partition(p.partition, p.stages, blocks, chunks=p.chunks)
     validate_own_partitions(p, cfg.cluster.pipelines, blocks)
@@ -47,6 +50,21 @@ def validate_pipeline(cfg: DictConfig) -> None:
         need(p.microbatches >= p.stages, "pipeline.weight_versions",
              f"2 needs pipeline.microbatches >= pipeline.stages (m={p.microbatches}, "
              f"S={p.stages}): micro-batches in flight must span at most two updates")
+
+
+def _validate_balance(cfg: DictConfig) -> None:
+    """``pipeline.balance``: a known rule, under a mode that counts each pipeline by its samples
+    and a schedule with an iteration to share."""
+    p, key = cfg.pipeline, "pipeline.balance"
+    need(p.balance in BALANCES, key, f"is '{p.balance}'; choose one of {', '.join(BALANCES)}")
+    if p.balance == "equal":
+        return
+    need(cfg.sync.name in names_with("balances"), key,
+         f"{p.balance} needs a mode that counts each pipeline by its samples; sync={cfg.sync.name} "
+         f"does not: use sync={' or '.join(names_with('balances'))}, or pipeline.balance=equal")
+    need(p.schedule not in ASYNC_SCHEDULES, key,
+         f"{p.balance} shares an iteration's micro-batches, which {p.schedule} does not flush: use "
+         "a flushed schedule (1f1b), or pipeline.balance=equal")
 
 
 def _validate_chunks(cfg: DictConfig, blocks: int | None) -> None:

@@ -176,6 +176,9 @@ class ClusterConfig:
 class PipelineConfig:
     stages: int = 2  # S: stages per pipeline
     microbatches: int = 4  # m: micro-batches per iteration
+    # equal | speed: a pipeline up to ~2x slower takes fewer micro-batches, to keep the others' pace
+    # (from the leg's start speeds; its gradient counted by its samples; allreduce, sdpipe, none)
+    balance: str = "equal"
     # 1f1b (PipeDream-Flush) | gpipe | zb_h1 (zero bubble: each backward as B, then W) | async_1f1b (PipeDream:
     # an update per micro-batch, weight stashing, no flush) | interleaved_1f1b | interleaved_zb (its B, then W)
     schedule: str = "1f1b"
@@ -236,8 +239,7 @@ class SdpipeSyncConfig(SyncConfig):
     # weights do not count, its gradient does; average: every member counts the same (the
     # paper's mean). See docs/SYNC.md#stale-members-pull-the-groups-state.
     stale: str = "pull"
-    # within how many rounds (classic), or updates of an average replica (cost_aware), a stage's
-    # groups must connect all replicas
+    # within how many rounds (classic), or updates of an average replica (cost_aware), all replicas connect
     connect_every: int = 8
     global_every: int = 50  # all replicas average every this many iterations (0: only at the end)
     # Slow links (docs/SYNC.md#slow-links): meet after every this many local steps (<= train.steps),
@@ -414,8 +416,7 @@ class FaultConfig:
 class MetricsConfig:
     # Also write metrics.jsonl's numbers as TensorBoard scalars under <run>/tb (needs tensorboard)
     tensorboard: bool = False
-    # Also log the same scalars, and the config as params, to an MLflow file store under
-    # <run>/mlruns (needs mlflow)
+    # Also log the same scalars, and the config as params, to an MLflow store in <run>/mlruns (needs mlflow)
     mlflow: bool = False
     # off, or offline: also log the same scalars, and the config, to an offline Weights & Biases
     # run under <run>/wandb (uploaded only by wandb sync, later; needs wandb)
@@ -448,8 +449,7 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    # A profile.json from `sdpipe profile`: block costs for pipeline.partition=auto and for
-    # modelled emulation without cluster.compute_ms.
+    # A profile.json from `sdpipe profile`: block costs for partition=auto, emulation without compute_ms.
     profile: Optional[str] = None
     # Written by sdpipe when it prepares a run, not a setting: the topology, placement, budget
     # and micro-batch size every process of the run reads (core/plan.py); a value given is replaced.

@@ -44,14 +44,16 @@ class Mode:
     sync_copies: int = 2  # flat copies of a stage's weights its sync keeps (the memory estimate)
     paced_by_slowest: bool = False  # every round waits for the slowest pipeline (core.replan)
     segments: bool = False  # pipelines may be split their own way (core.segments)
+    balances: bool = False  # pipeline.balance: pipelines may take unequal shares of the batch,
+    #                         each counted by its samples (core.balance)
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("sdpipe", "groups of ready replicas chosen by the scheduler, global syncs now and then",
          group_policy=True, survives_loss=True, exchange="groups", shares_budget=True,
-         meets=True, low_precision=True, segments=True),
+         meets=True, low_precision=True, segments=True, balances=True),
     Mode("allreduce", "every replica of a stage averages gradients every iteration",
-         restart_run=True, paced_by_slowest=True),
+         restart_run=True, paced_by_slowest=True, balances=True),
     Mode("ps", "a parameter server per stage, stale-synchronous", servers=True, checkpoints=False,
          stop_together=False, cuda=False, exchange="server", shares_budget=True),
     Mode("adpsgd", "pairwise gossip of weights (AD-PSGD)", restart_run=True, exchange="pairs",
@@ -60,7 +62,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          restart_run=True, flushed_only=True, exchange="outer", low_precision=True,
          sync_copies=3, paced_by_slowest=True),  # its anchor and its outer momentum beside the all-reduce buffer
     Mode("none", "no sync: every pipeline trains its own replica", stop_together=False,
-         exchange="local", sync_copies=0, segments=True),
+         exchange="local", sync_copies=0, segments=True, balances=True),
 )}
 
 

@@ -74,6 +74,17 @@ def _in_place(cfg: Any, blocks: int) -> bool:
                 and precision_of(cfg.sync) == "fp32")
 
 
+def _shares(cfg: Any, pipelines: int, given: tuple[int, ...]) -> tuple[int, ...]:
+    """Each pipeline's micro-batches: ``given`` (the balance decided at preparation, which the
+    plan section records), else ``pipeline.microbatches`` for every pipeline."""
+    if not given:
+        return (int(cfg.pipeline.microbatches),) * pipelines
+    if len(given) != pipelines or not all(1 <= int(k) <= int(cfg.pipeline.microbatches) for k in given):
+        raise ValueError(f"plan.microbatches {list(given)} is not one count in 1..pipeline.microbatches "
+                         "per pipeline")
+    return tuple(int(k) for k in given)
+
+
 def microbatch_size(cfg: Any) -> int:
     """Samples per micro-batch: ``train.batch_size // pipeline.microbatches`` (validation
     refuses a batch that does not divide). Defined here only; before the plan exists (while
@@ -99,6 +110,22 @@ class RunPlan:
     # a re-plan re-splits pipelines while the others go on (fault.replan_in_place, sdpipe):
     # replicas average per block
     in_place: bool = False
+    # each pipeline's micro-batches per iteration: ``pipeline.microbatches`` for all unless
+    # ``pipeline.balance`` gave a slower pipeline fewer (core.balance); empty: not resolved
+    microbatches: tuple[int, ...] = ()
+
+    def microbatches_of(self, pipeline: int) -> int:
+        """Pipeline ``pipeline``'s micro-batches per iteration."""
+        return self.microbatches[pipeline]
+
+    def batch_of(self, pipeline: int) -> int:
+        """Samples of pipeline ``pipeline``'s iteration."""
+        return self.microbatches[pipeline] * self.microbatch_size
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the pipelines take unequal shares of the global batch."""
+        return len(set(self.microbatches)) > 1
 
     @cached_property
     def segments(self) -> Segments:
@@ -160,16 +187,19 @@ class RunPlan:
 
     # -- resolving and carrying ---------------------------------------------------------------
     @classmethod
-    def resolve(cls, cfg: Any, cluster: Cluster | None = None, blocks: int = 0) -> RunPlan:
+    def resolve(cls, cfg: Any, cluster: Cluster | None = None, blocks: int = 0,
+                microbatches: tuple[int, ...] = ()) -> RunPlan:
         """The plan of a checked config (``cluster``: its cluster, when already built;
-        ``blocks``: the model's, once known)."""
-        stages = int(cfg.pipeline.stages)
+        ``blocks``: the model's, once known; ``microbatches``: each pipeline's, where
+        ``pipeline.balance`` decided them, else ``pipeline.microbatches`` for all)."""
+        stages, pipelines = int(cfg.pipeline.stages), int(cfg.cluster.pipelines)
         cluster = cluster or cluster_of(cfg)
-        return cls(pipelines=int(cfg.cluster.pipelines), stages=stages,
+        return cls(pipelines=pipelines, stages=stages,
                    servers=_servers(stages, cfg.sync.name), steps=int(cfg.train.steps),
                    microbatch_size=microbatch_size(cfg),
                    placement=tuple(tuple(row) for row in cluster.placement), cluster=cluster,
-                   partitions=_partitions(cfg), blocks=blocks, in_place=_in_place(cfg, blocks))
+                   partitions=_partitions(cfg), blocks=blocks, in_place=_in_place(cfg, blocks),
+                   microbatches=_shares(cfg, pipelines, microbatches))
 
     def section(self) -> dict[str, Any]:
         """The config's ``plan`` section (what ``config.yaml`` shows; derived values included
@@ -177,7 +207,8 @@ class RunPlan:
         return {"pipelines": self.pipelines, "stages": self.stages, "servers": self.servers,
                 "steps": self.steps, "microbatch_size": self.microbatch_size,
                 "placement": [list(row) for row in self.placement], "blocks": self.blocks,
-                "workers": self.workers, "world_size": self.world_size, "budget": self.budget}
+                "workers": self.workers, "world_size": self.world_size, "budget": self.budget,
+                "microbatches": list(self.microbatches)}
 
     @classmethod
     def of(cls, cfg: Any) -> RunPlan:
@@ -195,7 +226,8 @@ class RunPlan:
             plan = cls(int(section["pipelines"]), int(section["stages"]), int(section["servers"]),
                        int(section["steps"]), int(section["microbatch_size"]),
                        tuple(tuple(str(d) for d in row) for row in section["placement"]), cluster,
-                       _partitions(cfg), blocks, _in_place(cfg, blocks))
+                       _partitions(cfg), blocks, _in_place(cfg, blocks),
+                       _shares(cfg, int(section["pipelines"]), tuple(section.get("microbatches") or ())))
         except (KeyError, TypeError, ValueError) as err:
             raise BadInput("plan", f"malformed ({err}); prepare the run again") from None
         if plan.placement != tuple(tuple(row) for row in cluster.placement):

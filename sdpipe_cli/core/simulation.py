@@ -40,113 +40,20 @@ import heapq
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import cast
 
 from sdpipe_cli.core import modes
 from sdpipe_cli.core.blocks import BlockPlan
-from sdpipe_cli.core.cluster import Cluster, EmulatedStragglers
 from sdpipe_cli.core.grouping import GroupScheduler, gossip_peer
 from sdpipe_cli.core.iteration_plan import IterationPlan
 from sdpipe_cli.core.meetings import BYTES, Meetings
 from sdpipe_cli.core.placement import Placement
+from sdpipe_cli.core.simulated import Result, Workload
 from sdpipe_cli.core.wire import Blocks
 
 __all__ = ["Workload", "Result", "simulate", "MODES"]
 
 MODES = tuple(modes.MODES)  # every mode has its transport below
-
-
-@dataclass
-class Workload:
-    """What a run asks of the cluster, in seconds and bytes (built from a config by
-    :mod:`sdpipe_cli.hetero.simulated_run`)."""
-
-    cluster: Cluster
-    microbatches: int
-    batch_size: int  # samples per pipeline-iteration
-    steps: int  # budget: P x steps pipeline-iterations
-    forward_s: list[list[float]]  # [p][s] one micro-batch at speed 1, before slow-downs
-    backward_s: list[list[float]]
-    stage_bytes: list[int]  # the weights of each stage
-    activation_bytes: int  # one micro-batch's activation between stages
-    slowdown: list[float] = field(default_factory=list)  # per pipeline; empty: all 1
-    stragglers: list[list[EmulatedStragglers | None]] = field(default_factory=list)  # [p][s]
-    per_iteration: bool = False  # straggler draws per iteration (else per action)
-    schedule: str = "1f1b"
-    chunks: int = 1  # model chunks a stage (an interleaved schedule)
-    chunk_forward: list[list[list[float]]] = field(default_factory=list)  # [p][s][c]: a chunk's
-    chunk_backward: list[list[list[float]]] = field(default_factory=list)  # share (empty: 1 / v)
-    average: str = "weights_grads"  # sdpipe's payload: weights and gradients, or weights
-    rtt_s: float = 0.0005  # worker <-> scheduler round trip through the store
-    event_s: float = 0.0001  # the scheduler's handling of one event
-    collective_s: float = 0.0003  # fixed cost of one collective call
-    p2p_s: float = 0.0  # fixed cost of one message between stages, on top of its link
-    jitter: float = 0.0  # sigma of a log-normal factor on a worker's iteration
-    staleness: int | None = None  # ps: sync.staleness (set by the modes that have it)
-    local_steps: int | None = None  # diloco: sync.local_steps, iterations between outer steps
-    every: int = 1  # sdpipe: iterations between a replica's meetings (sync.every)
-    precision: str = "fp32"  # sdpipe's group rounds, diloco's outer gradient (sync.precision)
-    overlap: int = 0  # sdpipe: steps a group round's average runs behind (sync.overlap)
-    seed: int = 0  # adpsgd's matchings
-
-    @property
-    def pipelines(self) -> int:
-        return self.cluster.pipelines
-
-    @property
-    def stages(self) -> int:
-        return self.cluster.stages
-
-
-@dataclass
-class Result:
-    """What a simulated run did. Times in seconds from its start."""
-
-    sync: str
-    iterations: list[int]  # per pipeline
-    finished_at: list[float]  # per pipeline: the end of its last iteration
-    busy_s: list[float]  # per pipeline: its first stage's compute time
-    wait_s: list[float]  # per pipeline: its first stage's time from ready to synced
-    group_sizes: list[int]  # one entry per group round (all stages)
-    batch_size: int
-    global_sizes: list[int] = field(default_factory=list)  # sdpipe's global syncs
-    sent_bytes: dict[str, float] = field(default_factory=dict)  # by link class (sync.traffic's)
-    comm_s: float = 0.0
-    stages: int = 1
-    # how far the replicas of a stage drift apart (see _Run._step): the root mean square of
-    # their distance from their mean, averaged over the first stage's steps; None for ps
-    consensus: float | None = None
-
-    @property
-    def sync_bytes_per_sample(self) -> float:
-        samples = sum(self.iterations) * self.batch_size
-        return sum(self.sent_bytes.values()) / samples if samples else 0.0
-
-    @property
-    def comm_share(self) -> float:
-        """The workers' seconds in sync collectives over their seconds alive (each pipeline's
-        workers alive until it finished)."""
-        alive = sum(self.finished_at) * self.stages
-        return self.comm_s / alive if alive else 0.0
-
-    @property
-    def wall_s(self) -> float:
-        return max(self.finished_at) if self.finished_at else 0.0
-
-    @property
-    def samples_per_s(self) -> float:
-        return sum(self.iterations) * self.batch_size / max(self.wall_s, 1e-12)
-
-    def solo_rates(self) -> list[float]:
-        """Each pipeline's own samples/s, over its own time: summed, the limit (``sync=none``)."""
-        return [k * self.batch_size / max(t, 1e-12) for k, t in zip(self.iterations, self.finished_at)]
-
-    @property
-    def mean_group_size(self) -> float:
-        """Over every round, global syncs included (as the scheduler's summary counts it)."""
-        sizes = self.group_sizes + self.global_sizes
-        return sum(sizes) / len(sizes) if sizes else 1.0
 
 
 class _Run:
@@ -162,7 +69,9 @@ class _Run:
         self.now = 0.0
         self.policy = (policy_factory(lambda: self.now)
                        if self.mode.group_policy and policy_factory is not None else None)
-        self.plan = IterationPlan(work.schedule, S, work.microbatches, work.chunks)
+        counts = work.shares or [work.microbatches] * P  # each pipeline's iteration, by its m
+        made = {k: IterationPlan(work.schedule, S, k, work.chunks) for k in set(counts)}
+        self.plans = [made[k] for k in counts]
         self.meetings = Meetings(work.every)  # sdpipe: the policy counts meetings
         # sdpipe with meetings apart: each pipeline's blocks, as the scheduler decides them
         # (core.blocks), with what it decides them from: each block's steps and seconds
@@ -228,15 +137,17 @@ class _Run:
         fshare, bshare = work.chunk_forward or even, work.chunk_backward or even
         self.action_s = [[(work.backward_s[p][s] * bshare[p][s][c] if b
                            else work.forward_s[p][s] * fshare[p][s][c]) * share
-                          for (s, b, _), c, share in zip(self.plan.steps, self.plan.chunk, self.plan.share)]
-                         for p in range(P)]
+                          for (s, b, _), c, share in zip(plan.steps, plan.chunk, plan.share)]
+                         for p, plan in enumerate(self.plans)]
         # an action that waits for no other stage (a W: a split backward's weights' part; the
         # ends' own) receives nothing: no transfer before it
         self.action_link = [[(wrap_in[p][b] if wrap else self.link_in[p][s][b]) if dep >= 0 else 0.0
-                             for (s, b, dep), wrap in zip(self.plan.steps, self.plan.wraps)]
-                            for p in range(P)]
-        self.fused_s = [[sum(costs[i] for i in m) for m in self.plan.members] for costs in self.action_s]
-        self.fused_link = [[links[m[0]] for m in self.plan.members] for links in self.action_link]
+                             for (s, b, dep), wrap in zip(plan.steps, plan.wraps)]
+                            for p, plan in enumerate(self.plans)]
+        self.fused_s = [[sum(costs[i] for i in m) for m in plan.members]
+                        for costs, plan in zip(self.action_s, self.plans)]
+        self.fused_link = [[links[m[0]] for m in plan.members]
+                           for links, plan in zip(self.action_link, self.plans)]
     def _start_iteration(self, p: int) -> None:
         """All stages of ``p`` are synced: compute its next iteration and post the ready signals."""
         w, S = self.w, self.S
@@ -257,9 +168,9 @@ class _Run:
             scale.append(x if speed is None else x / speed)
         slow = per_action or bool(self.dynamic)  # a scale per action, not per stage
         if slow:
-            steps, cost, link = self.plan.steps, self.action_s[p], self.action_link[p]
+            steps, cost, link = self.plans[p].steps, self.action_s[p], self.action_link[p]
         else:
-            steps, cost, link = self.plan.fused, self.fused_s[p], self.fused_link[p]
+            steps, cost, link = self.plans[p].fused, self.fused_s[p], self.fused_link[p]
         end = [0.0] * len(steps)
         busy = 0.0
         for i, (s, _, dep) in enumerate(steps):
@@ -491,7 +402,8 @@ class _Run:
                   else None)  # a parameter server's replicas hold its weights, not their own
         return Result(self.sync, list(self.done), list(self.finished_at), list(self.busy),
                       list(self.wait), list(self.groups), self.w.batch_size, list(self.globals),
-                      dict(self.sent), self.comm_s, self.S, spread)
+                      dict(self.sent), self.comm_s, self.S, spread,
+                      [k * self.w.batch_size // self.w.microbatches for k in self.w.shares])
 
 
 def simulate(work: Workload, sync: str,

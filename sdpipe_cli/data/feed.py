@@ -32,12 +32,14 @@ log = logging.getLogger("sdpipe.data")
 
 class Feed:
     """Pipeline ``pipeline`` of ``pipelines``' data, for a stage that needs the ``inputs`` (the
-    first) or only the targets (the last); ``pin_memory`` on CUDA."""
+    first) or only the targets (the last); ``pin_memory`` on CUDA. ``batch_size``: the samples
+    of its iterations (fewer than ``train.batch_size`` where ``pipeline.balance`` gave the
+    pipeline fewer micro-batches); validation batches are ``train.batch_size`` whatever it is."""
 
     def __init__(self, cfg: Any, pipeline: int, pipelines: int, *, inputs: bool = True,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, batch_size: int | None = None):
         self.cfg = cfg
-        self.batch_size = int(cfg.train.batch_size)
+        self.batch_size = int(batch_size or cfg.train.batch_size)
         self.splits = sources.open_splits(cfg)
         sources.check_same(self.splits, cfg.data.get("resolved"), "this process", "at launch")
         self.labels_only = not inputs and callable(getattr(self.splits.train, "target", None))
@@ -68,7 +70,8 @@ class Feed:
 
     def validation(self, count: int):
         """The fixed validation batches (see :func:`~sdpipe_cli.data.loader.evaluation_batches`)."""
-        for batch in evaluation_batches(self.splits.val, count, self.batch_size, int(self.cfg.train.seed),
+        for batch in evaluation_batches(self.splits.val, count, int(self.cfg.train.batch_size),
+                                        int(self.cfg.train.seed),
                                         self.workers, self.labels_only):
             self._note(batch)
             yield batch

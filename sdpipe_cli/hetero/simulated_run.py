@@ -92,6 +92,7 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
         stage_bytes=[sum(sum(counts[a:b]) for a, b in chunks) * FLOAT_BYTES for chunks in held],
         activation_bytes=models.activation_bytes(cfg, sources.example(cfg, plan.microbatch_size)[0]),
         slowdown=[float(x) for x in cfg.cluster.slowdown],
+        shares=list(plan.microbatches) if plan.balanced else [],
         stragglers=[[EmulatedStragglers.of_device(st, seed, cluster.device(p, s).name)
                      for s in range(S)] for p in range(P)],
         per_iteration=st.per == "iteration", schedule=cfg.pipeline.schedule, chunks=plan.chunks,

@@ -11,23 +11,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdpipe_cli.core import balance
 from sdpipe_cli.sync.base import Sync, Wiring
 from sdpipe_cli.sync.groups import GroupCache, statistics
 
 
 class AllReduceSync(Sync):
-    """Synchronous data parallelism over the stage's replica group (one flat all-reduce)."""
+    """Synchronous data parallelism over the stage's replica group (one flat all-reduce).
+
+    ``share``: this replica's part of the samples of an iteration, where pipelines take unequal
+    shares of the global batch (``pipeline.balance``): its mean gradient is weighted by it, so
+    that the sum is the mean gradient of every sample (``None``: the plain mean)."""
 
     name = "allreduce"
 
-    def __init__(self, groups: GroupCache, replicas: list[int], device: torch.device):
+    def __init__(self, groups: GroupCache, replicas: list[int], device: torch.device,
+                 share: float | None = None):
         self.groups, self.replicas, self.device = groups, replicas, device
         self.size = len(replicas)
+        self.share = share
 
     @classmethod
     def build(cls, settings: Any, wiring: Wiring) -> Sync:
         replicas = wiring.where.replicas()
-        return cls(wiring.groups, replicas, wiring.device) if len(replicas) > 1 else Sync()
+        shares = balance.shares(wiring.samples)
+        share = shares[wiring.where.pipeline] if shares else None
+        return cls(wiring.groups, replicas, wiring.device, share) if len(replicas) > 1 else Sync()
 
     def should_continue(self, step: int, local_go: bool, timed_out: bool) -> bool:
         if self.size == 1:  # one pipeline: nobody to agree with
@@ -52,8 +61,11 @@ class AllReduceSync(Sync):
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        if self.share is not None:
+            flat *= self.share
         self.groups.all_reduce(flat, self.replicas)
-        flat /= self.size
+        if self.share is None:
+            flat /= self.size
         offset = 0
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -18,9 +18,10 @@ class Wiring:
     """What a worker's strategy is built from besides its settings: the scheduler's store
     (``events``), the replica groups, the worker's place, its device, the run's seed, the
     optimizer whose state sdpipe's global syncs average, the pipeline's incarnation, the
-    run's ``train.steps`` (which a strategy that meets only now and then needs to end together)
-    and its segments (:mod:`~sdpipe_cli.core.segments`: what replicas average when pipelines
-    are split differently)."""
+    run's ``train.steps`` (which a strategy that meets only now and then needs to end together),
+    its segments (:mod:`~sdpipe_cli.core.segments`: what replicas average when pipelines
+    are split differently) and each pipeline's micro-batches per iteration (``samples``: what
+    its gradient counts by in a mean where ``pipeline.balance`` made them unequal)."""
 
     events: Any
     groups: Any  # sync.groups.GroupCache (None in tests of a single replica)
@@ -31,6 +32,7 @@ class Wiring:
     incarnation: int = 0
     steps: int = 0
     segments: Any | None = None  # core.segments.Segments
+    samples: tuple[int, ...] = ()  # each pipeline's micro-batches (core.plan.RunPlan.microbatches)
 
 
 class Sync:

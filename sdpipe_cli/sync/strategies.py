@@ -172,11 +172,13 @@ def strategy_class(name: str) -> type[Sync]:
 def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
               device: torch.device, seed: int = 0,
               optimizer: torch.optim.Optimizer | None = None, incarnation: int = 0,
-              steps: int = 0, segments: Segments | None = None) -> Sync:
+              steps: int = 0, segments: Segments | None = None,
+              samples: tuple[int, ...] = ()) -> Sync:
     """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
     whose state sdpipe's global syncs average, see :class:`GroupSync`; ``steps``: the run's
     ``train.steps``, which a strategy that meets only now and then needs to end together;
-    ``segments``: what replicas average, where pipelines are split differently): the mode's
-    class builds it (:meth:`Sync.build`)."""
-    wiring = Wiring(events, groups, where, device, seed, optimizer, incarnation, steps, segments)
+    ``segments``: what replicas average, where pipelines are split differently; ``samples``:
+    each pipeline's micro-batches an iteration): the mode's class builds it (:meth:`Sync.build`)."""
+    wiring = Wiring(events, groups, where, device, seed, optimizer, incarnation, steps, segments,
+                    samples)
     return strategy_class(settings.name).build(settings, wiring)

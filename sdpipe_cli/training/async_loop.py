@@ -60,7 +60,7 @@ class AsyncLoop:
         self.stage = AsyncStage(executor, self.m, p.weight_versions)
         worker.stage = self.stage  # the worker's evaluations and checkpoints go through it too
         self.started = time.time()
-        self.rate = Throughput(self.settings.train.batch_size)
+        self.rate = Throughput(worker.batch_size)
         self.ending = False  # the first stage decided that the run ends at the next drain
         self.segment = worker.start_step  # iteration at which the current segment began
         # The iteration being finished on this stage: loss, sync time, start.

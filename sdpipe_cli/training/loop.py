@@ -41,7 +41,7 @@ class FlushedLoop:
         self.w = worker
         w = worker.where
         p = worker.settings.pipeline
-        self.actions = schedule_of(p.schedule, p.chunks)(w.stages, p.microbatches, w.stage)
+        self.actions = schedule_of(p.schedule, p.chunks)(w.stages, worker.microbatch_count, w.stage)
         self._pending: list[p2p.Pending] = []
         # the worker builds its flushed stage (interleaved: one executor per chunk)
         assert isinstance(worker.stage, (FlushedStage, InterleavedStage))
@@ -51,7 +51,7 @@ class FlushedLoop:
         w = self.w
         w.started()
         started = time.time()
-        rate = Throughput(w.settings.train.batch_size)
+        rate = Throughput(w.batch_size)
         step = w.start_step
         while True:
             control = self._agree(step, started)

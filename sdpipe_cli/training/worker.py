@@ -101,6 +101,9 @@ class Worker:
         self.t0 = store.run_clock(events)
         self.cadence = Cadence.of(train, settings.checkpoint, store.limit_spent(events))
         p, s = where.pipeline, where.stage
+        # this pipeline's share of the global batch (pipeline.balance): micro-batches, samples
+        self.microbatch_count = plan.microbatches_of(p)
+        self.batch_size = self.microbatch_count * plan.microbatch_size
         self.module = models.build_stage_module(cfg, s, partition).to(device)
         self.ties = TiedCopies(models.stage_ties(cfg, s, partition), where, incarnation)
         self.optimizer = optim.build_optimizer(self.module.parameters(), train)
@@ -108,7 +111,7 @@ class Worker:
         self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
                               device=device, seed=train.seed, optimizer=self.optimizer,
                               incarnation=incarnation, steps=plan.steps,
-                              segments=plan.segments)
+                              segments=plan.segments, samples=plan.microbatches)
         self.pipeline_groups = pipeline_groups
         self.cluster = plan.cluster
         self.placed = self.cluster.device(p, s)
@@ -134,7 +137,8 @@ class Worker:
         self.classify = objective(cfg) == "classify"
         self.feed = None
         if where.first or where.last:  # middle stages never touch data
-            self.feed = Feed(cfg, p, where.pipelines, inputs=where.first, pin_memory=device.type == "cuda")
+            self.feed = Feed(cfg, p, where.pipelines, inputs=where.first, pin_memory=device.type == "cuda",
+                             batch_size=self.batch_size)
         self.run_dir = Path(cfg.run.dir)  # the record's: the folder its launch made
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
@@ -218,7 +222,7 @@ class Worker:
     # -- data ---------------------------------------------------------------------------------
     def microbatches(self, x: Any) -> list[Any]:
         """``x`` (a tensor, or a tuple or dict of them) cut into the micro-batches, on the device."""
-        return microbatches.split(x, self.settings.pipeline.microbatches, self.device)
+        return microbatches.split(x, self.microbatch_count, self.device)
 
     def _scaled(self) -> None:
         """fp16: the loss scale the last stage multiplies by for the coming backward."""
@@ -447,7 +451,7 @@ class Worker:
         if outcome is not None:
             extra = {} if outcome.accuracy is None else {"val_accuracy": outcome.accuracy}
             self.emit("eval", step=step, val_loss=outcome.loss,
-                      samples=step * self.settings.train.batch_size, **extra)
+                      samples=step * self.batch_size, **extra)
 
     # -- events ----------------------------------------------------------------------------------
     def started(self) -> None:
@@ -471,7 +475,7 @@ class Worker:
             fields["skipped_steps"] = self.skipped
         if self.feed is not None:
             fields["data_s"] = round(self.feed.waited_s, 6)
-        self.emit("step", step=step, samples=step * self.settings.train.batch_size,
+        self.emit("step", step=step, samples=step * self.batch_size,
                   samples_per_s=rate, lr=self.lr, step_s=step_s, compute_s=step_s - sync_s,
                   sync_s=sync_s, straggled=self.slowdown.straggled, **extra,
                   **self.sync.stats(), **self.traffic.take(), **fields)

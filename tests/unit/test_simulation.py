@@ -341,7 +341,7 @@ def test_uneven_chunks_take_their_own_share_of_their_stage_s_time(tmp_path):
     assert work.chunk_backward == work.chunk_forward
     run = _Run(work, "none", None)
     costs = {}
-    for (stage, backward, _), chunk, cost in zip(run.plan.steps, run.plan.chunk, run.action_s[0]):
+    for (stage, backward, _), chunk, cost in zip(run.plans[0].steps, run.plans[0].chunk, run.action_s[0]):
         costs[(stage, backward, chunk)] = cost
     assert costs[(0, False, 1)] == pytest.approx(3 * costs[(0, False, 0)])
     assert costs[(0, False, 0)] + costs[(0, False, 1)] == pytest.approx(work.forward_s[0][0])

@@ -17,6 +17,11 @@ pace differ by less (jitter moves a round by a fraction of an iteration), a stra
 slower by about (k - 1)(P - 1), so with P = 4 a 3x straggler is stale and a 2x one is not. The
 freshest member always counts, so every round has someone to average.
 
+Pipelines that take unequal shares of the global batch (``pipeline.balance=speed``,
+:mod:`~sdpipe_cli.core.balance`) count by their samples as well: a member's weight in the mean is
+its samples per iteration, zero where it is stale, so that a round of everyone averages the
+gradient of all their samples, as one of equal shares does.
+
 Pure: the policy calls :meth:`Freshness.shares` as it closes a round and :meth:`note` after.
 """
 
@@ -34,31 +39,39 @@ class Freshness:
     members' weights count 0, their gradients 1/k), ``pull`` (stale members count 0 in both).
     """
 
-    def __init__(self, pipelines: int, stages: int, rule: str = "average"):
+    def __init__(self, pipelines: int, stages: int, rule: str = "average",
+                 samples: Sequence[int] = ()):
         if rule not in STALE_RULES:
             raise ValueError(f"rule must be one of {', '.join(STALE_RULES)}")
+        if samples and (len(samples) != pipelines or min(samples) < 1):
+            raise ValueError("samples needs a positive count for every pipeline")
         self.P, self.rule = pipelines, rule
+        self.samples = tuple(samples) if len(set(samples)) > 1 else ()  # () : all alike
         self._last = {(s, p): 0 for s in range(stages) for p in range(pipelines)}
 
     def staleness(self, stage: int, members: Sequence[int], done: int) -> tuple[int, ...]:
         """Pipeline-iterations begun in the run since each member's last round at ``stage``."""
         return tuple(done - self._last[(stage, p)] for p in members)
 
-    def shares(self, stage: int, members: Sequence[int], done: int
+    def shares(self, stage: int, members: Sequence[int], done: int, twins: bool = False
                ) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """What each member's weights and gradient count in the round's averages (each sums to
-        1); ``((), ())`` when every member counts the same (the plain mean)."""
-        if self.rule == "average" or len(members) < 2:
+        1); ``((), ())`` when every member counts the same (the plain mean). ``twins``: the
+        members hold the same weights already, so only their gradients are averaged."""
+        if len(members) < 2:
             return (), ()
-        ages = self.staleness(stage, members, done)
-        freshest = min(ages)
-        counts = [age <= freshest + self.P for age in ages]
-        if all(counts):
+        sizes = [float(self.samples[p]) if self.samples else 1.0 for p in members]
+        if twins:
+            return (), _normed(sizes) if len(set(sizes)) > 1 else ()
+        if self.rule == "average":
+            counts = [True] * len(members)
+        else:
+            ages = self.staleness(stage, members, done)
+            counts = [age <= min(ages) + self.P for age in ages]
+        if all(counts) and len(set(sizes)) == 1:
             return (), ()
-        pushing = sum(counts)
-        weights = tuple(1.0 / pushing if c else 0.0 for c in counts)
-        grads = weights if self.rule == "pull" else tuple(1.0 / len(members) for _ in members)
-        return weights, grads
+        weights = _normed([n if c else 0.0 for n, c in zip(sizes, counts)])
+        return weights, weights if self.rule == "pull" else _normed(sizes)
 
     def note(self, stage: int, members: Sequence[int], done: int) -> None:
         """A round of ``members`` closed at ``done``: their replicas are that fresh now."""
@@ -73,3 +86,8 @@ class Freshness:
         """Everyone equal at ``done`` (a resume starts from a global sync)."""
         for key in self._last:
             self._last[key] = done
+
+
+def _normed(values: Sequence[float]) -> tuple[float, ...]:
+    total = sum(values)
+    return tuple(v / total for v in values)

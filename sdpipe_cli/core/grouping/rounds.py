@@ -201,7 +201,7 @@ class RoundFormer:
         heal = self.membership.heal(s, members[0]) if group else ()
         twins = group and self.lineage.alike(members)
         done = self.planner.iterations_done()
-        weight_shares, grad_shares = ((), ()) if twins else self.freshness.shares(s, members, done)
+        weight_shares, grad_shares = self.freshness.shares(s, members, done, twins)
         decision = Decision(stage=s, round=st.round_no, members=tuple(members),
                             iterations=tuple(st.waiting[p][0] for p in members),
                             waited=tuple(now - st.waiting[p][1] for p in members),

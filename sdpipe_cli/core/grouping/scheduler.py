@@ -5,7 +5,7 @@ docstring for the rules and the modules beside this one for where each lives."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -46,7 +46,7 @@ class GroupScheduler:
                  global_every: int = 0, total_iterations: int | None = None,
                  time_limit: float | None = None, patience: float = 0.0,
                  policy: str = "classic", max_group: int = 0, twins: bool = False,
-                 stale: str = "average",
+                 stale: str = "average", samples: Sequence[int] = (),
                  suspect_after: float | None = None, evaluate_every: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  rounds_per_iteration: int | None = None):
@@ -77,7 +77,7 @@ class GroupScheduler:
             FlushedPlanner(run, cost_aware=cost_aware) if rounds_per_iteration is None
             else AsyncPlanner(run, rounds_per_iteration=rounds_per_iteration))
         self._lineage = Lineage(pipelines, segments, enabled=twins)
-        self._freshness = Freshness(pipelines, segments, stale)
+        self._freshness = Freshness(pipelines, segments, stale, samples)
         self._members = Membership(run, self._planner, self._links, self._lineage)
         prediction = Prediction(run, self._links, patience=patience, cost_aware=cost_aware,
                                 max_group=max_group)
@@ -305,5 +305,6 @@ def make_policy(cfg: Any, plan: RunPlan, clock: Callable[[], float] = time.monot
         patience=meet.patience(y.patience, share), policy=y.policy, max_group=y.max_group,
         suspect_after=y.group_timeout,
         twins=average_of(y) == "weights_grads" and policy is GroupScheduler, stale=y.stale,
+        samples=plan.microbatches,
         total_iterations=meet.meetings(plan.budget),
         time_limit=time_left(cfg.train.time_limit, spent), clock=clock)

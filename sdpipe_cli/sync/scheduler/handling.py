@@ -85,6 +85,7 @@ class Scheduler:
         self.metrics = self._metrics() if live else Muted()
         # what replicas average: the stages, or segments where pipelines are split differently
         self.segments = plan.segments
+        self.batches = [plan.batch_of(p) for p in range(P)]  # samples an iteration
         self.rounds = [[0] * P for _ in range(self.segments.count)]  # rounds of each replica
         self.group_sizes: list[int] = []
         self.t0 = store.run_clock(events)  # the workers' time axis, for metrics lines
@@ -150,7 +151,7 @@ class Scheduler:
         steps = {int(p): k for p, k in shard["steps"].items()}
         for p, k in steps.items():
             self.tracker.state[p].steps = k
-            self.tracker.state[p].samples = k * self.settings.train.batch_size
+            self.tracker.state[p].samples = k * self.batches[p]
         if self.policy is not None:
             self.policy.resume({p: self.meetings.meeting(k) for p, k in steps.items()})
         if self.pacing is not None:  # blocks of their own: the steps, not the meetings
@@ -413,8 +414,9 @@ class Scheduler:
                 line["every"] = self.meetings.every
             if d.heal:  # the restarted replicas the first member heals: [pipeline, iteration]
                 line["heal"] = [list(h) for h in d.heal]
-            if d.weight_shares:  # a stale member counted less (sync.stale)
-                line["weight_shares"] = list(d.weight_shares)  # exact: a replay uses them
+            if d.weight_shares or d.grad_shares:  # a stale member counted less (sync.stale),
+                # or members by their samples (pipeline.balance); exact: a replay uses them
+                line["weight_shares"] = list(d.weight_shares)
                 line["grad_shares"] = list(d.grad_shares)
             self.metrics.write(records.GroupLine.line(**line))
             for change in pacing.take_changes() if pacing is not None else ():
