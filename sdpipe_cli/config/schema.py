@@ -177,7 +177,7 @@ class PipelineConfig:
     stages: int = 2  # S: stages per pipeline
     microbatches: int = 4  # m: micro-batches per iteration
     # equal | speed: a pipeline up to ~2x slower takes fewer micro-batches, to keep the others' pace
-    # (from the leg's start speeds; its gradient counted by its samples; allreduce, sdpipe, none)
+    # (from the leg's start speeds; its gradient counted by its samples; allreduce, sdpipe)
     balance: str = "equal"
     # 1f1b (PipeDream-Flush) | gpipe | zb_h1 (zero bubble: each backward as B, then W) | async_1f1b (PipeDream:
     # an update per micro-batch, weight stashing, no flush) | interleaved_1f1b | interleaved_zb (its B, then W)

@@ -62,7 +62,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          restart_run=True, flushed_only=True, exchange="outer", low_precision=True,
          sync_copies=3, paced_by_slowest=True),  # its anchor and its outer momentum beside the all-reduce buffer
     Mode("none", "no sync: every pipeline trains its own replica", stop_together=False,
-         exchange="local", sync_copies=0, segments=True, balances=True),
+         exchange="local", sync_copies=0, segments=True),
 )}
 
 

@@ -86,6 +86,10 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
         if get(key) != OmegaConf.select(cfg, key):
             raise ConfigError(KEY, f"{run} was recorded with {key}={get(key)}, this run has "
                                    f"{OmegaConf.select(cfg, key)}; replay needs the same")
+    shares = list(get("plan.microbatches") or [get("pipeline.microbatches")] * int(get("cluster.pipelines")))
+    if cfg.get("plan") and shares != list(cfg.plan.microbatches):  # pipeline.balance's shares
+        raise ConfigError(KEY, f"{run} was recorded with micro-batches per pipeline {shares}, this "
+                               f"run has {list(cfg.plan.microbatches)}; replay needs the same")
     if cfg.pipeline.schedule in ASYNC_SCHEDULES:
         raise ConfigError(KEY, "replays flushed schedules (1f1b, gpipe) only")
     # the recorded decisions count meetings of sync.every steps, and what a round sends decides

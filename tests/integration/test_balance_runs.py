@@ -4,6 +4,7 @@ processes: the weighted all-reduce's arithmetic, and runs under all-reduce and s
 from __future__ import annotations
 
 import datetime
+import shutil
 
 import pytest
 import torch
@@ -60,17 +61,29 @@ def test_the_weighted_all_reduce_is_the_mean_gradient_of_every_sample():
 
 
 RUN = ("model=mlp", "data=synthetic", "train.batch_size=8", "cluster.pipelines=3",
-       "cluster.slowdown=[1,1,1.3]", "pipeline.balance=speed", "train.steps=12", "train.eval_every=0")
+       "cluster.slowdown=[1,1,1.3]", "pipeline.balance=speed", "train.steps=12", "train.eval_every=0",
+       "checkpoint.every=6")
 
 
 @pytest.mark.parametrize("mode", ["allreduce", "sdpipe"])
-def test_a_slower_pipeline_takes_fewer_micro_batches_and_counts_by_them(mode, run_dir):
+def test_a_slower_pipeline_takes_fewer_micro_batches_and_counts_by_them(mode, run_dir, tmp_path):
     out = sdpipe("train", f"run.dir={run_dir}", f"sync={mode}", *RUN)
     assert out.returncode == 0, out.stderr
     assert "micro-batches per pipeline [4, 4, 3]" in out.stderr + out.stdout
     train = metrics(run_dir, "train")
     batch = {m["pipeline"]: m["samples"] / m["step"] for m in train}
     assert batch == {0: 8, 1: 8, 2: 6}  # 2 samples a micro-batch, 3 of them on the slow one
+    if mode == "allreduce":  # resumed, each pipeline goes on with its own share, bit for bit
+        copy = tmp_path / "copy"
+        shutil.copytree(run_dir, copy)
+        before = len(metrics(copy))
+        out = sdpipe("resume", str(copy / "checkpoints" / "step_6"))
+        assert out.returncode == 0, out.stderr[-2000:]
+        again = {(m["pipeline"], m["step"]): m["loss"] for m in metrics(copy)[before:]
+                 if m["kind"] == "train"}
+        first = {(m["pipeline"], m["step"]): m["loss"] for m in train}
+        assert sorted(again) == [(p, k) for p in range(3) for k in range(7, 13)]
+        assert all(again[key] == first[key] for key in again)
     if mode == "sdpipe":  # the rounds that hold the slow pipeline count each member by its samples
         counts = {0: 4, 1: 4, 2: 3}
         rounds = [g for g in metrics(run_dir, "group") if 2 in g["members"] and g["size"] > 1

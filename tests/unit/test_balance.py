@@ -123,7 +123,7 @@ MLP = ["model=mlp", "data=synthetic", "cluster.device=cpu", "cluster.pipelines=4
 
 @pytest.mark.parametrize("overrides, reason", [
     (["pipeline.balance=fast"], "is 'fast'; choose one of equal, speed"),
-    (["pipeline.balance=speed", "sync=ps"], "sync=ps does not: use sync=sdpipe or allreduce or none"),
+    (["pipeline.balance=speed", "sync=ps"], "sync=ps does not: use sync=sdpipe or allreduce"),
     (["pipeline.balance=speed", "pipeline.schedule=async_1f1b"], "async_1f1b does not flush"),
 ])
 def test_what_balance_refuses_is_one_line(overrides, reason, tmp_path, capsys):
