@@ -203,7 +203,7 @@ def run_config(cfg, console: Console):
         shares = list(RunPlan.of(run_cfg).microbatches)
         console.print(f"pipeline.balance={run_cfg.pipeline.balance}: micro-batches per pipeline "
                       f"{shares}" + ("" if len(set(shares)) > 1 else
-                                     " (balancing would not pay at these speeds)"),
+                                     " (no smaller share keeps the others' pace at these speeds)"),
                       highlight=False, soft_wrap=True)
     from sdpipe_cli.sync.wire_probe import unresolved
 

@@ -193,7 +193,7 @@ def _row(result: Result, limit: float, wall_clock_s: float) -> dict:
                 w / max(t, 1e-12) for w, t in zip(result.wait_s, result.finished_at)],
             "sync_bytes_per_sample": result.sync_bytes_per_sample,
             "cross_node_bytes_per_sample": (result.sent_bytes.get("cross_node", 0.0)
-                                            / max(sum(result.iterations) * result.batch_size, 1)),
+                                            / max(sum(result.samples()), 1)),
             "comm_share": result.comm_share, "consensus": result.consensus,
             "simulated_in_s": wall_clock_s}
 
@@ -208,7 +208,10 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
     started = time.perf_counter()
     plan = RunPlan.of(cfg)
     work = workload(cfg, plan)  # built once (P x S devices, draws, costs): only the sync settings differ
-    solo = simulate(_for_sync(work, _with_sync(cfg, "none", plan)), "none")
+    # the run's own shares (pipeline.balance) are its mode's; the limit and the other modes take
+    # equal ones, as they would run
+    equal = dataclasses.replace(work, shares=[])
+    solo = simulate(_for_sync(equal, _with_sync(cfg, "none", plan)), "none")
     limit = sum(solo.solo_rates())
     shared = None  # pipelines split apart (pipeline.partitions): one split for a mode without
     if cfg.pipeline.get("partitions"):  # segments, as it would have to run
@@ -218,10 +221,13 @@ def run(cfg: DictConfig, compare: Sequence[str] = ()) -> dict:
     for mode in modes:
         mode_cfg = _with_sync(cfg, mode, plan)
         begun = time.perf_counter()
-        base = shared if shared is not None and not mode_of(mode).segments else work
+        base = (shared if shared is not None and not mode_of(mode).segments
+                else work if mode == cfg.sync.name else equal)
+        own = plan if mode == cfg.sync.name else dataclasses.replace(
+            plan, microbatches=(int(cfg.pipeline.microbatches),) * plan.pipelines)
         result = solo if mode_of(mode).exchange == "local" else simulate(
             _for_sync(base, mode_cfg), mode,
-            functools.partial(make_policy, mode_cfg, plan, evaluations=False, units=plan.stages))
+            functools.partial(make_policy, mode_cfg, own, evaluations=False, units=plan.stages))
         rows.append(_row(result, limit, time.perf_counter() - begun))
     doc = {"format": FORMAT, **rows[0], "pipelines": cfg.cluster.pipelines,
            "stages": cfg.pipeline.stages, "solo_samples_per_s": solo.solo_rates(),

@@ -56,6 +56,12 @@ def test_sdpipe_keeps_a_pipeline_it_cannot_pace_on_its_own_way_and_all_reduce_ba
     assert _decide([1, 1, 1, 3]).microbatches == (4, 4, 4, 1)
 
 
+def test_a_pipeline_no_share_fits_but_within_the_pace_bound_is_waited_for_and_others_still_balance():
+    # 1.08x: 3 micro-batches run ahead, 4 are 8 % long (past SLACK) but within sdpipe's 1.1
+    got = _decide([1, 1, 1.08, 1.3], pace=AWAIT_PACE_RATIO)
+    assert got.microbatches == (4, 4, 4, 3) and got.why == "balanced"
+
+
 def test_a_share_that_costs_more_than_going_alone_is_not_taken():
     # eight stages: one micro-batch of the 1.9x pipeline fits the others' iteration, but its
     # pipeline then idles 7 slots of 8, and going alone with a whole batch is predicted 13 % faster
@@ -161,3 +167,38 @@ def test_the_plan_carries_each_pipeline_s_share_and_checks_it():
     bad["plan"]["microbatches"] = [4, 4, 9, 3]  # more than pipeline.microbatches
     with pytest.raises(BadInput, match="plan"):
         RunPlan.of(OmegaConf.create(bad))
+
+
+def test_all_reduce_is_built_with_its_pipeline_s_share():
+    import torch
+
+    from sdpipe_cli.core.placement import Placement
+    from sdpipe_cli.sync.allreduce import AllReduceSync
+    from sdpipe_cli.sync.base import Wiring
+
+    def share(p: int, samples: tuple[int, ...]):
+        wiring = Wiring(None, None, Placement.of(p, 0, 3, 2), torch.device("cpu"), samples=samples)
+        return AllReduceSync.build(None, wiring).share
+
+    assert share(0, (4, 4, 3)) == pytest.approx(4 / 11) and share(2, (4, 4, 3)) == pytest.approx(3 / 11)
+    assert share(0, (4, 4, 4)) is None  # equal shares: the plain mean
+
+
+def test_the_simulator_runs_each_pipeline_on_its_own_share():
+    import dataclasses
+
+    from sdpipe_cli.cli import preparing
+    from sdpipe_cli.config.composition import compose
+    from sdpipe_cli.core import simulation
+    from sdpipe_cli.hetero import simulated_run
+
+    cfg, _, _ = preparing.prepare(compose([*MLP, "cluster.compute_ms=10", "cluster.slowdown=[1,1,1,1.3]",
+                                           "train.batch_size=8", "train.steps=20", "sync=allreduce",
+                                           "pipeline.balance=speed"]))
+    work = simulated_run.workload(cfg)
+    assert work.shares == [4, 4, 4, 3]
+    balanced = simulation.simulate(work, "allreduce")
+    equal = simulation.simulate(dataclasses.replace(work, shares=[]), "allreduce")
+    assert balanced.samples() == [160, 160, 160, 120]  # 20 iterations of 4 and 3 micro-batches of 2
+    assert balanced.wall_s < 0.9 * equal.wall_s  # all-reduce no longer waits 30 % for the slow one
+    assert balanced.samples_per_s > equal.samples_per_s
