@@ -21,8 +21,8 @@ at the slowest one's pace, so every pace among the pipelines' iteration times is
 one giving the most samples per second taken. Under sdpipe the fastest pipelines set the pace
 (they never wait), and a share must not run ahead of it: a replica a little faster than
 the others drifts out of their phase and meets them by chance. A pipeline that no share
-keeps at the pace goes its own way with the whole batch, as without balance, where it is
-slower than the mode's pace bound (sdpipe's rounds tolerate it); and equal shares are kept when
+keeps at the pace takes the whole batch, as without balance: waited for within the mode's pace
+bound, else on its own way (sdpipe's rounds tolerate a far straggler); and equal shares are kept when
 that is predicted faster by more than :data:`ALONE_MARGIN`. Under sdpipe the integer shares
 fit some ratios only (with ``m = 4`` on two stages: 1.25-1.31x, 1.67-1.75x, 2.5-2.62x); a
 larger ``m`` fits more. All-reduce takes a share at every ratio.
@@ -91,9 +91,13 @@ def decide(block_ms: Sequence[Sequence[Sequence[float]]], splits: Sequence[Seque
     others under the run's mode (``inf`` in lock-step)."""
     P, m = len(block_ms), int(microbatches)
     options = list(range(grain, m + 1, grain)) or [m]
+    # each pipeline's iteration at each share, once (a timeline's makespan is not free, and the
+    # paces tried are up to P x m)
+    table = {(p, k): pipeline_ms(block_ms[p], splits[p], k, schedule)
+             for p in range(P) for k in {*options, m}}
 
     def time(p: int, k: int) -> float:
-        return pipeline_ms(block_ms[p], splits[p], k, schedule)
+        return table[(p, k)]
 
     full = [time(p, m) for p in range(P)]
     fastest = min(full)
