@@ -42,6 +42,9 @@ def test_a_replayed_run_repeats_the_recorded_losses_bit_for_bit(tmp_path):
      "was recorded with sync.every=1, this run has 4"),
     ("bf16 changes", ("sync.replay={recorded}", "sync.precision=bf16"),
      "was recorded with sync.precision=fp32, this run has bf16"),
+    ("other shares of the batch", ("sync.replay={recorded}", "cluster.slowdown=[1,1,1.3]",
+                                   "pipeline.balance=speed"),
+     "was recorded with micro-batches per pipeline [4, 4, 4], this run has [4, 4, 3]"),
     ("a member past the layout", ("sync.replay={seven}",),
      "metrics.jsonl:1: not a group decision this sdpipe can replay (ValueError: stage 0 or "
      "members [7] outside the 3 x 2 layout)"),
