@@ -57,7 +57,7 @@ def test_sdpipe_keeps_a_pipeline_it_cannot_pace_on_its_own_way_and_all_reduce_ba
 
 
 def test_a_pipeline_no_share_fits_but_within_the_pace_bound_is_waited_for_and_others_still_balance():
-    # 1.08x: 3 micro-batches run ahead, 4 are 8 % long (past SLACK) but within sdpipe's 1.1
+    # 1.08x: 3 micro-batches run ahead, 4 are 8 % long (past SLACK) but within sdpipe's pace bound
     got = _decide([1, 1, 1.08, 1.3], pace=AWAIT_PACE_RATIO)
     assert got.microbatches == (4, 4, 4, 3) and got.why == "balanced"
 

@@ -147,7 +147,7 @@ def test_sdpipe_resplits_the_pipelines_when_half_of_them_slowed_on_one_stage():
 def test_pace_bounds_of_the_modes():
     assert pace_bound(True) == math.inf
     # cost_aware (the default) waits only for replicas alike, within AWAIT_PACE_RATIO
-    assert pace_bound(False, {"patience": 0.5, "connect_every": 4}) == 1.1
+    assert pace_bound(False, {"patience": 0.5, "connect_every": 4}) == 1.15
     assert pace_bound(False, {"patience": 0.5, "connect_every": 4, "policy": "classic"}) == 1.5
     assert pace_bound(False, {"patience": 0.5, "connect_every": 1}) == math.inf
     assert pace_bound(False, {"patience": 0.0}) == 1.0 and pace_bound(False) == 1.0
