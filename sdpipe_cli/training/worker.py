@@ -103,7 +103,7 @@ class Worker:
         p, s = where.pipeline, where.stage
         # this pipeline's share of the global batch (pipeline.balance): micro-batches, samples
         self.microbatch_count = plan.microbatches_of(p)
-        self.batch_size = self.microbatch_count * plan.microbatch_size
+        self.batch_size = plan.batch_of(p)
         self.module = models.build_stage_module(cfg, s, partition).to(device)
         self.ties = TiedCopies(models.stage_ties(cfg, s, partition), where, incarnation)
         self.optimizer = optim.build_optimizer(self.module.parameters(), train)
