@@ -116,7 +116,8 @@ def test_sdpipe_re_splits_the_slowed_pipeline_in_place_while_the_others_go_on(tm
     assert len({(m["pipeline"], m["step"]) for m in train}) == 3 * steps  # the budget
     replans = [m for m in lines if m["kind"] == "replan"]
     [replan] = replans
-    assert replan["go"], replan["reason"]  # about 30 of 60 steps left, a pipeline at a quarter: saves 4x what moving costs
+    # about 30 of 60 steps left, a pipeline at a quarter: it saves 4x what moving costs
+    assert replan["go"], replan["reason"]
     assert replan["proposed"] == [[5], [3], [3]] and replan["in_place"] == [0]
     assert "re-planning pipeline 0 in place" in first_leg.stderr + out.stderr
     assert "restarted on its new split" in first_leg.stderr + out.stderr
