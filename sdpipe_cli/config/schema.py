@@ -153,7 +153,7 @@ class LinksConfig:
 @dataclass
 class ClusterConfig:
     name: str = "local"  # config option name, e.g. hetero_mixed
-    pipelines: int = 2  # P: data-parallel pipelines
+    pipelines: int = 2  # P: data-parallel pipelines (P x pipeline.stages: at most 16,384 workers)
     device: str = "auto"  # cpu | cuda | auto (cuda when available, one GPU per worker)
     host: str = "127.0.0.1"  # address the TCPStore binds to; keep it private (see docs/SECURITY.md)
     # Nodes and their devices; empty: one node "local" with one device of speed 1.0 per worker.

@@ -34,6 +34,11 @@ MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
 MAX_BATCH = 2**40  # train.batch_size: beyond it, a batch's element count overflows int64 tensors
 MAX_COMPUTE_MS = 60_000.0  # cluster.compute_ms: a minute; with MAX_SLOWDOWN, sleeps the clock can count
 MAX_OVERLAP = 1000  # sync.overlap: a round merged later than its next meeting is merged there
+# cluster.pipelines x pipeline.stages: one scheduler process takes every worker's ready signal each
+# iteration (p99 2 ms at 256 workers, scripts/bench_scheduler.py), so a run 64x that is past what it
+# serves; and the plan of a million workers took minutes and gigabytes to prepare before the
+# memory check could refuse it (100,000 pipelines: 40 s and 0.7 GB)
+MAX_WORKERS = 16_384
 
 
 def validate(cfg: DictConfig) -> None:
@@ -109,6 +114,10 @@ def _validate_cluster_settings(cfg: DictConfig) -> None:
     """``cluster``'s own numbers (pipelines, slow-downs, modelled compute, device) and ``simulate``'s."""
     c = cfg.cluster
     need(c.pipelines >= 1, "cluster.pipelines", "must be at least 1")
+    workers = c.pipelines * max(1, cfg.pipeline.stages)
+    need(workers <= MAX_WORKERS, "cluster.pipelines", f"is {c.pipelines:,}: {workers:,} workers "
+         f"with pipeline.stages={cfg.pipeline.stages}; sdpipe runs at most {MAX_WORKERS:,} (one "
+         "scheduler process serves them all)")
     if len(c.slowdown) > 0:
         need(len(c.slowdown) == c.pipelines, "cluster.slowdown",
              f"has {len(c.slowdown)} factors for {c.pipelines} pipelines; give one per pipeline")

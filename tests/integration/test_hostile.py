@@ -345,8 +345,11 @@ VALUE_ROWS = [
         "train.batch_size: is 100000000000000000000000; at most"),
     Row("batch of a trillion", train("train.batch_size=1000000000000"), 2,
         "train.batch_size: the 4 workers on this machine need about"),
-    Row("ten thousand pipelines", train("cluster.pipelines=10000"), 2,
-        "cluster.pipelines: the 20000 workers on this machine need"),
+    Row("two thousand pipelines", train("cluster.pipelines=2000"), 2,
+        "cluster.pipelines: the 4000 workers on this machine need"),
+    Row("a million pipelines", train("cluster.pipelines=1000000"), 2,
+        "cluster.pipelines: is 1,000,000: 2,000,000 workers with pipeline.stages=2; sdpipe runs "
+        "at most 16,384"),
     Row("home folder unquoted", train("data=text", "data.path=~/corpus"), 2,
         "data.path: Hydra's override grammar does not take '~'"),
     Row("alias bomb in a config folder", alias_bomb, 2, "expands to more than 100,000 values"),
