@@ -19,6 +19,10 @@ from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES
 from sdpipe_cli.core.modes import names_with
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, SPLIT_SCHEDULES
 
+# pipeline.microbatches: each worker holds its iteration's schedule as a list of actions, two per
+# micro-batch and chunk; 10^8 micro-batches held 4 GB before the first step
+MAX_MICROBATCHES = 65_536
+
 __all__ = ["validate_own_partitions", "validate_partition", "validate_pipeline"]
 
 
@@ -31,6 +35,8 @@ def validate_pipeline(cfg: DictConfig) -> None:
     need(blocks is None or p.stages <= blocks, "pipeline.stages",
          f"is {p.stages} but model {m.name} has only {blocks} blocks; use at most {blocks} stages")
     need(p.microbatches >= 1, "pipeline.microbatches", "must be at least 1")
+    need(p.microbatches <= MAX_MICROBATCHES, "pipeline.microbatches", f"is {p.microbatches:,}; an "
+         f"iteration takes at most {MAX_MICROBATCHES:,}")
     need(p.schedule in schema.SCHEDULES, "pipeline.schedule",
          f"is '{p.schedule}'; choose one of {', '.join(schema.SCHEDULES)}")
     _validate_chunks(cfg, blocks)

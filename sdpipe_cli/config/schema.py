@@ -65,7 +65,7 @@ class ModelConfig:
     vocab_size: int = 256  # token vocabulary (bytes: 256; mlm adds a mask token: at least 257)
     seq_len: int = 64  # tokens per sample (context length)
     d_model: int = 64  # width of the residual stream (gpt, mlp, gpt2, bert)
-    n_layers: int = 4  # transformer / MLP layers; the model has n_layers + 2 blocks
+    n_layers: int = 4  # transformer / MLP layers (at most 1,024); the model has n_layers + 2 blocks
     n_heads: int = 4  # attention heads (gpt, gpt2, bert)
     d_hidden: int = 256  # hidden width of each MLP
     dropout: float = 0.0  # dropout probability; 0 keeps pipelines bit-comparable
@@ -175,7 +175,7 @@ class ClusterConfig:
 @dataclass
 class PipelineConfig:
     stages: int = 2  # S: stages per pipeline
-    microbatches: int = 4  # m: micro-batches per iteration
+    microbatches: int = 4  # m: micro-batches per iteration (at most 65,536)
     # equal | speed: a pipeline up to ~2x slower takes fewer micro-batches, to keep the others' pace
     # (from the leg's start speeds; its gradient counted by its samples; allreduce, sdpipe)
     balance: str = "equal"

@@ -39,6 +39,9 @@ MAX_OVERLAP = 1000  # sync.overlap: a round merged later than its next meeting i
 # serves; and the plan of a million workers took minutes and gigabytes to prepare before the
 # memory check could refuse it (100,000 pipelines: 40 s and 0.7 GB)
 MAX_WORKERS = 16_384
+# model.n_layers: every worker builds and traces every block; 1,000 layers of the mlp took 30 s to
+# start one step, 100,000 held 2 GB for minutes before any check could run
+MAX_LAYERS = 1_024
 
 
 def validate(cfg: DictConfig) -> None:
@@ -290,6 +293,7 @@ def _validate_model(cfg: DictConfig) -> None:
     need(m.arch != "custom" or bool(m.get("_target_")), "model._target_",
          "model=custom needs the callable that builds it: model._target_=PKG.MODULE.FN")
     need(m.n_layers >= 1, "model.n_layers", "must be at least 1")
+    need(m.n_layers <= MAX_LAYERS, "model.n_layers", f"is {m.n_layers:,}; at most {MAX_LAYERS:,}")
     need(m.seq_len >= 1, "model.seq_len", "must be at least 1")
     need(m.d_model >= 1 and m.d_hidden >= 1, "model.d_model", "widths must be at least 1")
     if not image:

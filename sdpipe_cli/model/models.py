@@ -55,7 +55,12 @@ IGNORE_INDEX = -100  # targets that take no part in the loss (masked LM: the unm
 
 def _bytes_lm(m: DictConfig) -> Blocks:
     names = ["embedding", *(f"layer{i}" for i in range(1, int(m.n_layers) + 1)), "head"]
-    return bytes_lm.build_blocks(m), names
+    try:
+        return bytes_lm.build_blocks(m), names
+    except RuntimeError as err:  # sizes past what a tensor can hold, even on the meta device
+        raise ConfigError("model.d_model", f"the model cannot be built at these sizes (d_model "
+                          f"{m.d_model}, d_hidden {m.d_hidden}, vocab_size {m.vocab_size}, seq_len "
+                          f"{m.seq_len}): {_text(err)}") from None
 
 
 def _resnet(m: DictConfig) -> Blocks:

@@ -350,6 +350,12 @@ VALUE_ROWS = [
     Row("a million pipelines", train("cluster.pipelines=1000000"), 2,
         "cluster.pipelines: is 1,000,000: 2,000,000 workers with pipeline.stages=2; sdpipe runs "
         "at most 16,384"),
+    Row("a million layers", train("model.n_layers=1000000"), 2, "model.n_layers: is 1,000,000; at most 1,024"),
+    Row("a hundred million micro-batches", train("pipeline.microbatches=100000000",
+                                                 "train.batch_size=100000000"), 2,
+        "pipeline.microbatches: is 100,000,000; an iteration takes at most 65,536"),
+    Row("a model too wide for a tensor", train("model.d_model=10000000000", "model.d_hidden=10000000000"), 2,
+        "model.d_model: the model cannot be built at these sizes"),
     Row("home folder unquoted", train("data=text", "data.path=~/corpus"), 2,
         "data.path: Hydra's override grammar does not take '~'"),
     Row("alias bomb in a config folder", alias_bomb, 2, "expands to more than 100,000 values"),
