@@ -17,8 +17,10 @@ run's config here, 56 ms with a data set of 2,000 shards recorded in ``data.reso
 the 670 ms that reading such a config typed costs each child already. They are copies, so a part
 that holds them sees nothing another does to its own.
 
-Not every part reads settings yet: the sync strategies, pacing, replay, the metrics sinks and
-the builders of the model, the data and the emulation still take the record. The group policy
+The sync strategies take their mode's own section (``settings.sync``: a group sync reads
+``SdpipeSyncConfig.overlap``, not a key it may lack). Not every part reads settings yet: pacing,
+replay, the metrics sinks and the builders of the model, the data and the emulation still take
+the record. The group policy
 takes either: the scheduler builds it from its settings, the simulator from a config.
 """
 

@@ -5,12 +5,11 @@ that meet less often (``adpsgd``, ``diloco``), which is why it is a module of it
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdpipe_cli.config.schema import SyncConfig
 from sdpipe_cli.core import balance
 from sdpipe_cli.sync.base import Sync, Wiring
 from sdpipe_cli.sync.groups import GroupCache, statistics
@@ -32,7 +31,7 @@ class AllReduceSync(Sync):
         self.share = share
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> Sync:
+    def build(cls, settings: SyncConfig, wiring: Wiring) -> Sync:
         replicas = wiring.where.replicas()
         shares = balance.shares(wiring.samples)
         share = shares[wiring.where.pipeline] if shares else None

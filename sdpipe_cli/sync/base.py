@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from sdpipe_cli.config.schema import SyncConfig
+
 
 @dataclass(frozen=True)
 class Wiring:
@@ -58,8 +60,9 @@ class Sync:
         raise NotImplementedError(f"sync={self.name} does not restart a lost pipeline")
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> Sync:
-        """The strategy of the worker that ``wiring`` describes, for the run's ``sync``."""
+    def build(cls, settings: SyncConfig, wiring: Wiring) -> Sync:
+        """The strategy of the worker that ``wiring`` describes, for the run's ``sync`` settings
+        (the dataclass of its mode)."""
         return cls()
 
     def started(self) -> None:

@@ -31,6 +31,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from sdpipe_cli.config.schema import DilocoSyncConfig, SyncConfig
 from sdpipe_cli.core.meetings import precision_of
 from sdpipe_cli.sync.allreduce import AllReduceSync
 from sdpipe_cli.sync.base import Sync, Wiring
@@ -57,7 +58,8 @@ class DilocoSync(Sync):
         self._stats: dict[str, Any] = {}
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> DilocoSync:
+    def build(cls, settings: SyncConfig, wiring: Wiring) -> DilocoSync:
+        assert isinstance(settings, DilocoSyncConfig)  # strategy_class: diloco's own settings
         replicas = wiring.where.replicas()
         agree = AllReduceSync(wiring.groups, replicas, wiring.device) if len(replicas) > 1 else None
         return cls(wiring.groups, replicas, settings.local_steps, settings.outer_lr,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdpipe_cli.config.schema import SdpipeSyncConfig, SyncConfig
 from sdpipe_cli.core.meetings import BYTES, Meetings, average_of, meetings_of, precision_of
 from sdpipe_cli.core.placement import Grid
 from sdpipe_cli.core.segments import Segments
@@ -79,12 +80,13 @@ class GroupSync(Healing, Sync):
     mixes_weights = True
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> GroupSync:
+    def build(cls, settings: SyncConfig, wiring: Wiring) -> GroupSync:
+        assert isinstance(settings, SdpipeSyncConfig)  # strategy_class: sdpipe's own settings
         w = wiring.where
         sync = cls(wiring.events, w.rank, w.pipeline, w.stage, w.stages, w.pipelines,
                    wiring.groups, average_of(settings), wiring.optimizer, wiring.incarnation,
                    meetings_of(settings), precision_of(settings), wiring.segments,
-                   overlap_on(int(settings.get("overlap", 0)),
+                   overlap_on(settings.overlap,
                               getattr(wiring.groups, "backend", "")))
         if wire_probe.unresolved(settings):  # measured before the first meeting
             sync._unsettled = settings
@@ -117,7 +119,8 @@ class GroupSync(Healing, Sync):
         self._done: int | None = None  # pipeline-meetings begun, at the last decision
         self._decided_at = 0  # the local step of the last decision
         self._t0: float | None = None  # the run's time axis, for the reports; read when needed
-        self._unsettled: Any = None  # sync settings whose meetings the wire decides (wire_probe)
+        # sync settings whose meetings the wire decides (wire_probe)
+        self._unsettled: SdpipeSyncConfig | None = None
         self._began: float | None = None  # when the first iteration began (its compute)
         # meetings that follow the wire: this replica's blocks, the run's pipeline-steps at the
         # last decision, its last round (seconds, bytes through its link), when its block began
@@ -157,6 +160,7 @@ class GroupSync(Healing, Sync):
         report both, and meet as the scheduler then decides. A restarted replica (or one that
         only heals) reads the decision already made."""
         settings, self._unsettled = self._unsettled, None
+        assert settings is not None  # called only while unsettled
         timeout = getattr(self.events, "timeout", None)
         timeout = timeout.total_seconds() if timeout is not None else 300.0
         if self.incarnation == 0 and self.segments is None:

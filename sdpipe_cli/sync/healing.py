@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdpipe_cli.config.schema import SdpipeSyncConfig
 from sdpipe_cli.model import optim
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.sync.groups import GroupCache, flatten, statistics, unflatten
@@ -44,7 +45,7 @@ class Healing:
         optimizer: torch.optim.Optimizer | None
         precision: str
         stop: bool
-        _unsettled: Any
+        _unsettled: SdpipeSyncConfig | None
         _done: int | None
         _decided_at: int
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 
+from sdpipe_cli.config.schema import SyncConfig
 from sdpipe_cli.core.grouping import gossip_peer
 from sdpipe_cli.core.placement import Grid, Placement
 from sdpipe_cli.core.segments import Segments
@@ -65,7 +66,7 @@ class GossipSync(Sync):
     mixes_weights = True
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> Sync:
+    def build(cls, settings: SyncConfig, wiring: Wiring) -> Sync:
         w = wiring.where
         if w.pipelines == 1:
             return Sync()
@@ -119,7 +120,7 @@ class PSSync(Sync):
     HEADER_TAG, DATA_TAG = 11, 12  # distinct tags: the server receives headers from any source
 
     @classmethod
-    def build(cls, settings: Any, wiring: Wiring) -> PSSync:
+    def build(cls, settings: SyncConfig, wiring: Wiring) -> PSSync:
         traffic = wiring.groups.traffic if wiring.groups is not None else None
         return cls(wiring.where.server_rank(), wiring.device, traffic)
 
@@ -169,12 +170,13 @@ def strategy_class(name: str) -> type[Sync]:
     raise ValueError(f"sync.name: unknown strategy '{name}'")
 
 
-def make_sync(settings: Any, *, events: dist.Store, groups: GroupCache, where: Placement,
+def make_sync(settings: SyncConfig, *, events: dist.Store, groups: GroupCache, where: Placement,
               device: torch.device, seed: int = 0,
               optimizer: torch.optim.Optimizer | None = None, incarnation: int = 0,
               steps: int = 0, segments: Segments | None = None,
               samples: tuple[int, ...] = ()) -> Sync:
-    """The strategy of the worker at ``where`` for the run's ``sync`` settings (``optimizer``:
+    """The strategy of the worker at ``where`` for the run's ``sync`` settings (the dataclass of
+    its mode: :func:`~sdpipe_cli.config.settings.settings_of`; ``optimizer``:
     whose state sdpipe's global syncs average, see :class:`GroupSync`; ``steps``: the run's
     ``train.steps``, which a strategy that meets only now and then needs to end together;
     ``segments``: what replicas average, where pipelines are split differently; ``samples``:

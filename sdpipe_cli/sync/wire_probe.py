@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.analysis.records import WireLine
 from sdpipe_cli.config.schema import Config, SdpipeSyncConfig
-from sdpipe_cli.core.meetings import Choice
+from sdpipe_cli.core.meetings import Choice, setting
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.core.wire import Measured, Probe, decide
@@ -51,8 +51,8 @@ WAIT_POLL_S = 0.01
 
 def unresolved(sync: Any) -> bool:
     """Whether the launcher left this run's meetings to be measured (sdpipe only)."""
-    return mode(sync.name).meets and (int(sync.get("every", 1) or 0) == 0
-                                      or sync.get("precision") == "auto")
+    return mode(sync.name).meets and (int(setting(sync, "every", 1) or 0) == 0
+                                      or setting(sync, "precision", "fp32") == "auto")
 
 
 def probe(groups, ranks: Sequence[int], values: int) -> Probe:
@@ -122,17 +122,21 @@ def settle(cfg: DictConfig, events, workers: int, timeout: float
 
 
 @overload
+def settled(cfg: SdpipeSyncConfig, chosen: Any) -> SdpipeSyncConfig: ...
+@overload
 def settled(cfg: Config, chosen: Any) -> Config: ...
 @overload
 def settled(cfg: DictConfig, chosen: Any) -> DictConfig: ...
 def settled(cfg: Any, chosen: Any) -> Any:
     """A copy of a config, or of its ``sync`` section, meeting as ``chosen`` says (a
     :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, or a recorded ``wire`` line); of a
-    run's settings (:mod:`sdpipe_cli.config.settings`, sdpipe's), settings. The run's own
+    run's settings (:mod:`sdpipe_cli.config.settings`, sdpipe's), or of their ``sync``, settings. The run's own
     config keeps them unresolved (its checkpoints too: a resumed run measures again, its links
     may have changed)."""
     get: Callable[[str], Any] = (chosen.get if isinstance(chosen, dict)
                                  else lambda k: getattr(chosen, k))
+    if isinstance(cfg, SdpipeSyncConfig):
+        return dataclasses.replace(cfg, every=int(get("every")), precision=str(get("precision")))
     if isinstance(cfg, Config):  # only sdpipe leaves its meetings to the wire (unresolved)
         assert isinstance(cfg.sync, SdpipeSyncConfig)
         return dataclasses.replace(cfg, sync=dataclasses.replace(

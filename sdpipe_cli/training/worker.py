@@ -108,7 +108,7 @@ class Worker:
         self.ties = TiedCopies(models.stage_ties(cfg, s, partition), where, incarnation)
         self.optimizer = optim.build_optimizer(self.module.parameters(), train)
         self.lr = train.lr  # the learning rate of the last update
-        self.sync = make_sync(cfg.sync, events=events, groups=groups, where=where,
+        self.sync = make_sync(settings.sync, events=events, groups=groups, where=where,
                               device=device, seed=train.seed, optimizer=self.optimizer,
                               incarnation=incarnation, steps=plan.steps,
                               segments=plan.segments, samples=plan.microbatches)
