@@ -55,12 +55,7 @@ IGNORE_INDEX = -100  # targets that take no part in the loss (masked LM: the unm
 
 def _bytes_lm(m: DictConfig) -> Blocks:
     names = ["embedding", *(f"layer{i}" for i in range(1, int(m.n_layers) + 1)), "head"]
-    try:
-        return bytes_lm.build_blocks(m), names
-    except RuntimeError as err:  # sizes past what a tensor can hold, even on the meta device
-        raise ConfigError("model.d_model", f"the model cannot be built at these sizes (d_model "
-                          f"{m.d_model}, d_hidden {m.d_hidden}, vocab_size {m.vocab_size}, seq_len "
-                          f"{m.seq_len}): {_text(err)}") from None
+    return bytes_lm.build_blocks(m), names
 
 
 def _resnet(m: DictConfig) -> Blocks:
@@ -91,10 +86,6 @@ def hf_overrides(m: DictConfig) -> dict[str, Any]:
                 "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout}
     # the schema types model.hf as dict[str, Any]
     return {**base, **cast(dict[str, Any], OmegaConf.to_container(m.hf, resolve=True))}
-
-
-def _custom(m: DictConfig) -> Blocks:
-    return _custom_parts(m)[1:]
 
 
 def _custom_parts(m: DictConfig) -> tuple[Any, list[nn.Module], list[str]]:
@@ -157,7 +148,7 @@ def _text(err: BaseException) -> str:
 
 
 BUILDERS: dict[str, Callable[[DictConfig], Blocks]] = {
-    "gpt": _bytes_lm, "mlp": _bytes_lm, "custom": _custom,
+    "gpt": _bytes_lm, "mlp": _bytes_lm, "custom": lambda m: _custom_parts(m)[1:],
     **{arch: _resnet for arch in RESNET_BLOCKS}, **{arch: _hf for arch in HF_ARCHS}}
 
 
@@ -259,8 +250,10 @@ def _holds(module: nn.Module, blocks: Sequence[nn.Module]) -> bool:
 @functools.lru_cache(maxsize=8)
 def _meta_blocks(model_yaml: str) -> Blocks:
     with torch.device("meta"), ShapesOnly():
-        # the YAML of a model node (meta_blocks): a mapping
-        return build(cast(DictConfig, OmegaConf.create(model_yaml)))
+        try:  # the YAML of a model node (meta_blocks): a mapping
+            return build(cast(DictConfig, OmegaConf.create(model_yaml)))
+        except RuntimeError as err:  # sizes past what a tensor can hold, even on the meta device
+            raise ConfigError("model.d_model", f"the model cannot be built at these sizes: {_text(err)}") from None
 
 
 def meta_blocks(model_cfg: DictConfig) -> Blocks:
