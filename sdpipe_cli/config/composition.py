@@ -22,6 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.config.run_file import frozen_schema
 from sdpipe_cli.config.schema import SYNC_CONFIGS, Config, ConfigError, DataConfig, ModelConfig
 
+# an override's length: Hydra's parser takes about 0.3 ms a character (a list of 8,000 values took
+# 5 s, one of 60,000 over a minute); a config file's lists are read within bounds (yaml_bounds)
+MAX_OVERRIDE_CHARS = 10_000
+
 
 def config_dir() -> Path:
     """The YAML tree: packaged beside the code when installed, ``configs/`` in a source checkout."""
@@ -64,6 +68,11 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    for override in overrides:
+        if len(override) > MAX_OVERRIDE_CHARS:
+            raise ConfigError(override.partition("=")[0][:100], f"the override is {len(override):,} characters; "
+                              f"one has at most {MAX_OVERRIDE_CHARS:,} (put long lists in a config file: "
+                              "--config-dir)")
     register_schema()
     GlobalHydra.instance().clear()
     try:

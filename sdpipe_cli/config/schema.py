@@ -95,7 +95,7 @@ class DataConfig:
     mean: Optional[list[float]] = None  # images: per-channel normalisation (null: the data set's)
     std: Optional[list[float]] = None
     # background processes preparing batches per reading stage; null: 0 for data in memory,
-    # 2 for data decoded from files (image folders, CIFAR's augmentation, custom sets)
+    # 2 for data decoded from files (image folders, CIFAR's augmentation, custom sets); at most 64
     num_workers: Optional[int] = None
     prefetch: int = 2  # batches each background process prepares ahead
     verify: bool = True  # tokens: check every shard's SHA-256 against the manifest at start
@@ -140,8 +140,8 @@ class SpeedChangeConfig:
 
 @dataclass
 class LinkConfig:
-    latency_ms: float = 0.0  # one-way latency added to every message
-    bandwidth_gbps: Optional[float] = None  # Gbit/s; null: as fast as the real transport
+    latency_ms: float = 0.0  # one-way latency added to every message (at most an hour)
+    bandwidth_gbps: Optional[float] = None  # Gbit/s, at least 1e-6; null: as fast as the real transport
 
 
 @dataclass
@@ -354,7 +354,7 @@ class TrainConfig:
 class RunConfig:
     dir: Optional[str] = None  # run folder; default runs/<timestamp>
     port: int = 0  # TCPStore port; 0 picks a free one (real nodes under srun or torchrun: the job's)
-    timeout: float = 120.0  # seconds any rendezvous or collective may wait before failing
+    timeout: float = 120.0  # seconds any rendezvous or collective may wait before failing (1 to 1e6)
     heartbeat_timeout: float = 300.0  # seconds of silence after which a worker is declared hung
     save_final: bool = False  # write each replica's final weights to <run>/final/p<P>-s<S>.pt
     trace: bool = False  # record every worker's timeline to <run>/trace.json (Chrome trace: Perfetto)

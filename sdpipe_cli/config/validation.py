@@ -31,6 +31,13 @@ from sdpipe_cli.core.modes import mode, names_with
 from sdpipe_cli.core.plan import microbatch_size
 
 MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
+# run.timeout, run.heartbeat_timeout, sync.group_timeout: the store and the collectives take their
+# timeouts as 32-bit milliseconds (24.8 days); 1e300 s failed in the workers or named the store
+MAX_TIMEOUT_S = 1_000_000.0
+MAX_DATA_WORKERS = 64  # data.num_workers per training worker: a billion filled the machine's memory
+FLOAT32_MAX = 3.4028234663852886e38  # train.lr, sync.outer_lr: applied to float32 weights
+SEED_RANGE = (-(2**63), 2**64 - 1)  # train.seed: what torch's generators take
+MAX_SIMULATED = 1e6  # simulate.*: milliseconds, or jitter as a share of compute
 MAX_BATCH = 2**40  # train.batch_size: beyond it, a batch's element count overflows int64 tensors
 MAX_COMPUTE_MS = 60_000.0  # cluster.compute_ms: a minute; with MAX_SLOWDOWN, sleeps the clock can count
 MAX_OVERLAP = 1000  # sync.overlap: a round merged later than its next meeting is merged there
@@ -109,7 +116,8 @@ def _validate_data(cfg: DictConfig) -> None:
     need(d.mean is None or d.std is None or len(d.mean) == len(d.std), "data.std",
          "needs as many values as data.mean")
     need(d.std is None or all(v > 0 for v in d.std), "data.std", "must be positive")
-    need(d.num_workers is None or d.num_workers >= 0, "data.num_workers", "must be 0 or more")
+    need(d.num_workers is None or 0 <= d.num_workers <= MAX_DATA_WORKERS, "data.num_workers",
+         f"is {d.num_workers}; must be in 0..{MAX_DATA_WORKERS} (loader processes per worker)")
     need(d.prefetch >= 1, "data.prefetch", "must be at least 1")
 
 
@@ -117,10 +125,11 @@ def _validate_cluster_settings(cfg: DictConfig) -> None:
     """``cluster``'s own numbers (pipelines, slow-downs, modelled compute, device) and ``simulate``'s."""
     c = cfg.cluster
     need(c.pipelines >= 1, "cluster.pipelines", "must be at least 1")
-    workers = c.pipelines * max(1, cfg.pipeline.stages)
-    need(workers <= MAX_WORKERS, "cluster.pipelines", f"is {c.pipelines:,}: {workers:,} workers "
-         f"with pipeline.stages={cfg.pipeline.stages}; sdpipe runs at most {MAX_WORKERS:,} (one "
-         "scheduler process serves them all)")
+    stages = max(1, cfg.pipeline.stages)
+    need(c.pipelines * stages <= MAX_WORKERS, "pipeline.stages" if stages > c.pipelines else
+         "cluster.pipelines", f"{c.pipelines:,} pipelines of {stages:,} stages are "
+         f"{c.pipelines * stages:,} workers; sdpipe runs at most {MAX_WORKERS:,} (one scheduler "
+         "process serves them all)")
     if len(c.slowdown) > 0:
         need(len(c.slowdown) == c.pipelines, "cluster.slowdown",
              f"has {len(c.slowdown)} factors for {c.pipelines} pipelines; give one per pipeline")
@@ -135,7 +144,8 @@ def _validate_cluster_settings(cfg: DictConfig) -> None:
     need(len(c.changes) <= MAX_ENTRIES, "cluster.changes", f"has {len(c.changes):,} entries; a "
          f"schedule has at most {MAX_ENTRIES:,}")
     for key in ("rtt_ms", "event_ms", "collective_ms", "p2p_ms", "jitter"):
-        need(cfg.simulate[key] >= 0, f"simulate.{key}", "must be >= 0")
+        need(0 <= cfg.simulate[key] <= MAX_SIMULATED, f"simulate.{key}",
+             f"is {cfg.simulate[key]:g}; must be in [0, {MAX_SIMULATED:g}]")
 
 
 def _validate_sync(cfg: DictConfig) -> None:
@@ -174,7 +184,8 @@ def _validate_train(cfg: DictConfig) -> None:
          f"{t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}")
     for key in ("lr", "momentum", "weight_decay", "grad_clip", "loss_scale", "final_lr", "decay_factor"):
         need(math.isfinite(t[key]), f"train.{key}", f"must be a finite number, got {t[key]}")
-    need(t.lr >= 0, "train.lr", "must be >= 0")
+    need(0 <= t.lr <= FLOAT32_MAX, "train.lr", f"is {t.lr:g}; must be in [0, {FLOAT32_MAX:.3g}] (float32)")
+    need(SEED_RANGE[0] <= t.seed <= SEED_RANGE[1], "train.seed", f"is {t.seed}; must fit 64 bits")
     need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
     need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite",
          f"is '{t.on_nonfinite}'; choose stop or skip")
@@ -221,6 +232,8 @@ def _validate_run(cfg: DictConfig) -> None:
          "can take that long on a loaded machine)")
     need(cfg.run.heartbeat_timeout >= MIN_TIMEOUT_S, "run.heartbeat_timeout",
          f"must be at least {MIN_TIMEOUT_S:g} s")
+    for key in ("timeout", "heartbeat_timeout"):
+        need(cfg.run[key] <= MAX_TIMEOUT_S, f"run.{key}", f"is {cfg.run[key]:g} s; at most {MAX_TIMEOUT_S:g}")
     need(cfg.run.trace_events > 0, "run.trace_events", "must be at least 1")
     need(not cfg.metrics.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "metrics.tensorboard", "needs the tensorboard package: pip install tensorboard")
@@ -240,7 +253,8 @@ def _check_sdpipe(y: DictConfig) -> None:
          "need 0 < sync.window_min_ms <= sync.window_ms <= sync.window_max_ms")
     need(y.connect_every >= 1, "sync.connect_every", "must be at least 1 (1 = all-reduce)")
     need(y.global_every >= 0, "sync.global_every", "must be >= 0 (0: only at the end)")
-    need(y.group_timeout > 0, "sync.group_timeout", "must be positive seconds")
+    need(0 < y.group_timeout <= MAX_TIMEOUT_S, "sync.group_timeout",
+         f"is {y.group_timeout:g}; must be positive seconds, at most {MAX_TIMEOUT_S:g}")
     need(y.patience >= 0, "sync.patience", "must be >= 0 (0: the adaptive window alone)")
     need(y.max_group == 0 or y.max_group >= 2, "sync.max_group", "must be 0 (no cap) or at least 2")
     need(y.policy in schema.POLICIES, "sync.policy", f"is '{y.policy}'; choose one of {', '.join(schema.POLICIES)}")
@@ -264,7 +278,7 @@ def _check_ps(y: DictConfig) -> None:
 
 def _check_diloco(y: DictConfig) -> None:
     need(y.local_steps >= 1, "sync.local_steps", "must be at least 1")
-    need(math.isfinite(y.outer_lr) and y.outer_lr > 0, "sync.outer_lr",
+    need(math.isfinite(y.outer_lr) and 0 < y.outer_lr <= FLOAT32_MAX, "sync.outer_lr",
          f"must be a positive finite number, got {y.outer_lr}")
     need(math.isfinite(y.outer_momentum) and 0 <= y.outer_momentum < 1, "sync.outer_momentum",
          f"must be in [0, 1), got {y.outer_momentum}")
@@ -430,7 +444,11 @@ def _validate_cluster(cfg: DictConfig) -> None:
                           f"most {MAX_SLOWDOWN:g} (3.0 = three times slower)")
     if st.per not in ("microbatch", "iteration"):
         raise ConfigError("cluster.stragglers.per", f"is '{st.per}'; choose microbatch or iteration")
+    seen: set[str] = set()
     for name in st.devices:
+        if name in seen:
+            raise ConfigError("cluster.stragglers.devices", f"names {name} twice; name each device once")
+        seen.add(name)
         if name not in cluster.devices:
             raise ConfigError("cluster.stragglers.devices", f"no device '{name}' (devices: "
                               f"{', '.join(cluster.devices)})")

@@ -34,6 +34,10 @@ LOCAL = "local"
 # so, a sleep stays within what the clock can count (a speed of 1e-300 overflowed it) and a run
 # within a human lifetime.
 MAX_SLOWDOWN = 100.0
+# cluster.links: an emulated message sleeps latency + bytes / bandwidth; past an hour a sleep, or
+# a deadline computed from it, overflows the clock (a latency of 1e300 ms crashed the workers)
+MAX_LATENCY_MS = 3_600_000.0
+MIN_BANDWIDTH_GBPS = 1e-6  # 1 kbit/s
 
 
 @dataclass(frozen=True)
@@ -244,11 +248,12 @@ class Cluster:
         for kind in ("same_node", "cross_node"):
             link = cluster["links"][kind]
             latency, bandwidth = link["latency_ms"], link["bandwidth_gbps"]
-            if latency < 0:
-                raise ClusterError(f"cluster.links.{kind}.latency_ms", "must be >= 0")
-            if bandwidth is not None and not bandwidth > 0:
-                raise ClusterError(f"cluster.links.{kind}.bandwidth_gbps", "must be positive "
-                                   "(or null: not emulated)")
+            if not 0 <= latency <= MAX_LATENCY_MS:
+                raise ClusterError(f"cluster.links.{kind}.latency_ms", f"is {latency:g}; must be in "
+                                   f"[0, {MAX_LATENCY_MS:g}] (an hour)")
+            if bandwidth is not None and not bandwidth >= MIN_BANDWIDTH_GBPS:
+                raise ClusterError(f"cluster.links.{kind}.bandwidth_gbps", f"must be at least "
+                                   f"{MIN_BANDWIDTH_GBPS:g} (1 kbit/s; or null: not emulated)")
             links[kind] = Link(kind, latency / 1000.0, None if bandwidth is None else bandwidth * 1e9 / 8)
         hosts = {str(n["name"]): (None if n.get("host") is None else str(n["host"])) for n in nodes}
         return cls(devices, placement, changes, links, hosts)

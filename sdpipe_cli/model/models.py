@@ -253,7 +253,7 @@ def _meta_blocks(model_yaml: str) -> Blocks:
         try:  # the YAML of a model node (meta_blocks): a mapping
             return build(cast(DictConfig, OmegaConf.create(model_yaml)))
         except RuntimeError as err:  # sizes past what a tensor can hold, even on the meta device
-            raise ConfigError("model.d_model", f"the model cannot be built at these sizes: {_text(err)}") from None
+            raise ConfigError("model", f"cannot be built at these sizes: {_text(err)}") from None
 
 
 def meta_blocks(model_cfg: DictConfig) -> Blocks:
