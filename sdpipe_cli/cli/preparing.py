@@ -155,12 +155,16 @@ def check_memory(cfg: DictConfig) -> None:
         if need > have:
             # one worker of each stage fits: there are too many of them here, not too large ones
             crowded = max(sum(e.total for e in estimates) for estimates in known.values()) <= have
+            # the weights and their training state alone do not fit: no batch would
+            heavy = not crowded and sum(of(r).state for r in ranks) > have
             raise ConfigError(
-                "cluster.pipelines" if crowded else "train.batch_size",
+                "cluster.pipelines" if crowded else "model" if heavy else "train.batch_size",
                 f"the {len(ranks)} workers on this machine need about {need / memory.GIB:.1f} GiB "
                 f"(stage {worst.stage}: {worst.describe()}), but {have / memory.GIB:.1f} GiB is "
                 "available; " + ("run fewer pipelines (or stages) on this machine "
-                                 "(run.memory_check=false to try anyway)" if crowded else fixes))
+                                 "(run.memory_check=false to try anyway)" if crowded else
+                                 "its weights alone do not fit: a smaller model, or more stages on "
+                                 "more machines" if heavy else fixes))
         return
     for r in ranks:
         index = cluster.device_of_rank(r).index if cluster.real else r
@@ -169,7 +173,8 @@ def check_memory(cfg: DictConfig) -> None:
         have = torch.cuda.get_device_properties(index).total_memory
         worker = of(r)
         if worker.total > have:
-            raise ConfigError("train.batch_size", f"a worker of stage {worker.stage} needs about "
+            raise ConfigError("model" if worker.state > have else "train.batch_size",
+                              f"a worker of stage {worker.stage} needs about "
                               f"{worker.total / memory.GIB:.1f} GiB ({worker.describe()}), but GPU "
                               f"{index} has {have / memory.GIB:.1f} GiB; " + fixes)
 

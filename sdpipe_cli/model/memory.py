@@ -61,6 +61,11 @@ class StageMemory:
         return (self.weights * (1 + self.stashed) + self.training
                 + self.activations * self.in_flight + self.process)
 
+    @property
+    def state(self) -> int:
+        """What the worker holds whatever the batch: weights, gradients, optimizer state."""
+        return self.total - self.activations * self.in_flight
+
     def describe(self) -> str:
         return (f"weights {self.weights / GIB:.2f} GiB, gradients and optimizer "
                 f"{self.training / GIB:.2f} GiB, activations {self.activations / GIB:.2f} GiB "

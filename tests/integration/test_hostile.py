@@ -373,6 +373,8 @@ VALUE_ROWS = [
     Row("a hundred million micro-batches", train("pipeline.microbatches=100000000",
                                                  "train.batch_size=100000000"), 2,
         "pipeline.microbatches: is 100,000,000; an iteration takes at most 65,536"),
+    Row("a model whose weights alone do not fit", train("model.vocab_size=1000000000"), 2,
+        "model: the 4 workers on this machine need about"),
     Row("a model too wide for a tensor", train("model.d_model=10000000000", "model.d_hidden=10000000000"), 2,
         "model: cannot be built at these sizes"),
     Row("home folder unquoted", train("data=text", "data.path=~/corpus"), 2,
