@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.config.composition import compose, group_options
 from sdpipe_cli.config.schema import SCHEDULES, SYNC_CONFIGS
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.sync.strategies import make_sync
 
@@ -18,7 +19,8 @@ def test_every_sync_mode_is_an_option_with_its_own_settings_and_a_strategy():
     for name, node in SYNC_CONFIGS.items():
         cfg = compose([f"sync={name}"])
         assert OmegaConf.get_type(cfg.sync) is node and cfg.sync.name == name
-        strategy = make_sync(cfg.sync, events=None, groups=None, where=Placement(0, 2, 2),
+        # built from the typed section, as a worker builds it (settings_of(cfg).sync)
+        strategy = make_sync(settings_of(cfg).sync, events=None, groups=None, where=Placement(0, 2, 2),
                              device=torch.device("cpu"))
         assert strategy.name == name
 
