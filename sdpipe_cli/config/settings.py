@@ -20,8 +20,8 @@ that holds them sees nothing another does to its own.
 The sync strategies take their mode's own section (``settings.sync``: a group sync reads
 ``SdpipeSyncConfig.overlap``, not a key it may lack). Not every part reads settings yet: pacing,
 replay, the metrics sinks and the builders of the model, the data and the emulation still take
-the record. The group policy
-takes either: the scheduler builds it from its settings, the simulator from a config.
+the record. The group policy takes either: the scheduler builds it from its settings, the
+simulator from a config.
 """
 
 from __future__ import annotations
