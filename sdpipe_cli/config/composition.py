@@ -68,11 +68,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    for override in overrides:
-        if len(override) > MAX_OVERRIDE_CHARS:
-            raise ConfigError(override.partition("=")[0][:100], f"the override is {len(override):,} characters; "
-                              f"one has at most {MAX_OVERRIDE_CHARS:,} (put long lists in a config file: "
-                              "--config-dir)")
+    check_lengths(overrides)
     register_schema()
     GlobalHydra.instance().clear()
     try:
@@ -90,6 +86,16 @@ def compose(overrides: list[str]) -> DictConfig:
         cfg.run.config_dirs = [d.removeprefix("file://") for d in searched[-1].strip("[]").split(",")
                                if d.startswith("file://")]
     return cfg
+
+
+def check_lengths(overrides: Iterable[str]) -> None:
+    """ConfigError naming the first override longer than :data:`MAX_OVERRIDE_CHARS`, before
+    Hydra's parser spends minutes on it."""
+    for override in overrides:
+        if len(override) > MAX_OVERRIDE_CHARS:
+            raise ConfigError(override.partition("=")[0][:100], f"the override is {len(override):,} "
+                              f"characters; one has at most {MAX_OVERRIDE_CHARS:,} (put long lists in a "
+                              "config file: --config-dir)")
 
 
 def _adding(override: str) -> str:

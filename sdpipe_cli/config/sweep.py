@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sdpipe_cli.config.composition import check_lengths
 from sdpipe_cli.config.schema import ConfigError
 
 __all__ = ["Combination", "expand", "for_hydra", "multirun"]
@@ -39,6 +40,7 @@ def expand(overrides: Sequence[str]) -> list[Combination]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    check_lengths(overrides)
     parser = OverridesParser.create()
     axes: list[list[str]] = []
     swept: list[int] = []  # the axes written as sweeps

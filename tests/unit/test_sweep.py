@@ -41,3 +41,10 @@ def test_an_override_hydra_cannot_read_is_named():
     with pytest.raises(ConfigError) as err:
         expand(["train.lr=1e-3,,"])
     assert err.value.key == "train.lr"
+
+
+def test_an_override_too_long_for_the_parser_is_named_before_it_is_parsed():
+    """60,000 values took Hydra's parser over a minute; refused by length, at once."""
+    with pytest.raises(ConfigError) as err:
+        expand(["train.lr=1e-3,2e-3", "cluster.slowdown=[" + ",".join(["1"] * 60000) + "]"])
+    assert err.value.key == "cluster.slowdown" and "120,018 characters" in err.value.reason
