@@ -106,7 +106,10 @@ class Worker:
         self.batch_size = plan.batch_of(p)
         self.module = models.build_stage_module(cfg, s, partition).to(device)
         self.ties = TiedCopies(models.stage_ties(cfg, s, partition), where, incarnation)
-        self.optimizer = optim.build_optimizer(self.module.parameters(), train)
+        # the stage's parameters, listed once: the optimizer holds these very tensors, so they
+        # are the module's for the worker's life (what changes them copies into them)
+        self.params = list(self.module.parameters())
+        self.optimizer = optim.build_optimizer(self.params, train)
         self.lr = train.lr  # the learning rate of the last update
         self.sync = make_sync(settings.sync, events=events, groups=groups, where=where,
                               device=device, seed=train.seed, optimizer=self.optimizer,
@@ -272,14 +275,14 @@ class Worker:
         """
         round = iteration if round is None else round
         if self.loss_scale is not None:  # before any average: replicas may differ in scale
-            optim.scale_gradients(self.module.parameters(), 1.0 / self.loss_scale.value)
+            optim.scale_gradients(self.params, 1.0 / self.loss_scale.value)
         self.ties.reduce_gradients(self.module, self.pipeline_groups)
         own = True  # whether this replica's own gradient is finite (checked where groups mix it)
         if self.loss_scale is None and self.sync.mixes_weights:
-            own = self._finite_or_stop(optim.finite_gradients(self.module.parameters()), iteration,
+            own = self._finite_or_stop(optim.finite_gradients(self.params), iteration,
                                        "this replica's gradient is not finite")
             if not own:  # skipped: share nothing non-finite with the group, take no step
-                for p in self.module.parameters():
+                for p in self.params:
                     if p.grad is not None:
                         p.grad.zero_()
         start, clock = time.perf_counter(), time.time() - self.t0
@@ -294,7 +297,7 @@ class Worker:
         over_stages = clip_over_pipeline and len(ranks) > 1 and agree
         with self._traced("clip", "update"):
             norm = optim.clip_gradients(
-                self.module.parameters(), t.grad_clip or float("inf"),
+                self.params, t.grad_clip or float("inf"),
                 (lambda t: self.pipeline_groups.all_reduce(
                     t, ranks, incarnations=[self.incarnation] * len(ranks)))
                 if over_stages else None, exclude=self.ties.counted_elsewhere(self.module))
