@@ -57,14 +57,13 @@ class StageMemory:
     process: int  # the process itself
 
     @property
-    def total(self) -> int:
-        return (self.weights * (1 + self.stashed) + self.training
-                + self.activations * self.in_flight + self.process)
-
-    @property
     def state(self) -> int:
         """What the worker holds whatever the batch: weights, gradients, optimizer state."""
-        return self.total - self.activations * self.in_flight
+        return self.weights * (1 + self.stashed) + self.training + self.process
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations * self.in_flight
 
     def describe(self) -> str:
         return (f"weights {self.weights / GIB:.2f} GiB, gradients and optimizer "

@@ -130,8 +130,8 @@ def settled(cfg: DictConfig, chosen: Any) -> DictConfig: ...
 def settled(cfg: Any, chosen: Any) -> Any:
     """A copy of a config, or of its ``sync`` section, meeting as ``chosen`` says (a
     :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`, or a recorded ``wire`` line); of a
-    run's settings (:mod:`sdpipe_cli.config.settings`, sdpipe's), or of their ``sync``, settings. The run's own
-    config keeps them unresolved (its checkpoints too: a resumed run measures again, its links
+    run's settings (:mod:`sdpipe_cli.config.settings`, sdpipe's), or of their ``sync``, settings.
+    The run's own config keeps them unresolved (its checkpoints too: a resumed run measures again, its links
     may have changed)."""
     get: Callable[[str], Any] = (chosen.get if isinstance(chosen, dict)
                                  else lambda k: getattr(chosen, k))
@@ -139,8 +139,7 @@ def settled(cfg: Any, chosen: Any) -> Any:
         return dataclasses.replace(cfg, every=int(get("every")), precision=str(get("precision")))
     if isinstance(cfg, Config):  # only sdpipe leaves its meetings to the wire (unresolved)
         assert isinstance(cfg.sync, SdpipeSyncConfig)
-        return dataclasses.replace(cfg, sync=dataclasses.replace(
-            cfg.sync, every=int(get("every")), precision=str(get("precision"))))
+        return dataclasses.replace(cfg, sync=settled(cfg.sync, chosen))
     # a config, or its sync section, is a mapping: so is the copy
     out = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
     sync = out.sync if "sync" in out else out
