@@ -158,3 +158,22 @@ def test_a_sampled_digest_sees_names_sizes_and_the_sampled_blocks(tmp_path):
     small.write_bytes(b"x" * 1000)
     small.rename(tmp_path / "other.bin")
     assert sampled_digest([big, tmp_path / "other.bin"], tmp_path) != before
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 63, 64, 65, 1000, 40_001])
+@pytest.mark.parametrize("seed", [0, 7])
+def test_the_synthetic_chain_walked_a_run_at_a_time_is_the_chain_walked_byte_by_byte(n, seed):
+    """The table walk (several choices a step) gives the bytes of one successor per byte."""
+    import torch as t
+
+    from sdpipe_cli.data import corpus
+
+    g = t.Generator().manual_seed(seed)
+    alphabet = (32 + t.randperm(95, generator=g)[:5]).tolist()
+    successors = t.randint(0, 5, (5 * 3,), generator=g).tolist()  # 3 successors each
+    choices = t.randint(0, 3, (n,), generator=g)
+    state, expected = 0, bytearray()
+    for choice in choices.tolist():
+        state = successors[state * 3 + choice]
+        expected.append(alphabet[state])
+    assert corpus._walk(alphabet, successors, choices) == expected
