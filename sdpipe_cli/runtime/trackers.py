@@ -33,6 +33,8 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
+from sdpipe_cli.config.schema import MetricsConfig
+
 __all__ = ["Sink", "TensorBoard", "MLflow", "WandB", "open_sinks", "close_all", "flat_params",
            "step_axis", "PROJECT"]
 
@@ -192,10 +194,10 @@ class WandB:
             self._wandb.teardown()  # ends the wandb-core service process
 
 
-def open_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
-    """The trackers ``cfg.metrics`` asks for, opened for the run in ``run_dir``; if one cannot
-    be opened, those opened before it are closed and the error raised."""
-    metrics = cfg.metrics
+def open_sinks(metrics: MetricsConfig, run_dir: Path, record: DictConfig) -> list[Sink]:
+    """The trackers ``metrics`` asks for, opened for the run in ``run_dir``; MLflow and W&B log
+    ``record``, the run's config, as the run's parameters. If one cannot be opened, those
+    opened before it are closed and the error raised."""
     wanted: list[tuple[bool, Any]] = [
         (metrics.tensorboard, lambda: TensorBoard(run_dir / "tb")),
         (metrics.mlflow, lambda: MLflow(run_dir / "mlruns", run_dir.name, config())),
@@ -203,7 +205,7 @@ def open_sinks(cfg: DictConfig, run_dir: Path) -> list[Sink]:
     ]
 
     def config() -> dict[str, Any]:
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+        return OmegaConf.to_container(record, resolve=True)  # type: ignore[return-value]
 
     sinks: list[Sink] = []
     try:

@@ -104,19 +104,21 @@ def choice(events, timeout: float) -> protocol.MeetingChoice:
     return store.read(events, store.MEETINGS, protocol.MeetingChoice)
 
 
-def settle(cfg: DictConfig, events, workers: int, timeout: float
+def settle(settings: Config, events, workers: int, timeout: float
            ) -> protocol.MeetingChoice | None:
     """The scheduler's side: the meetings settled from every worker's report (or, started
     again, the choice already made); None where the launcher resolved them."""
-    if not unresolved(cfg.sync):
+    sync = settings.sync
+    if not unresolved(sync):
         return None
+    assert isinstance(sync, SdpipeSyncConfig)  # the one mode that leaves its meetings open
     if not events.check([store.MEETINGS]):
         _wait(events, [store.wire_key(r) for r in range(workers)], timeout)
         reports = [_measured(store.read(events, store.wire_key(r), protocol.WireReport))
                    for r in range(workers)]
-        made = decide(reports, float(cfg.sync.wire_share), int(cfg.sync.every),
-                      str(cfg.sync.precision), most=int(cfg.train.steps))
-        store.put(events, store.MEETINGS, _record(made, reports, follows(cfg, made)))
+        made = decide(reports, sync.wire_share, sync.every, sync.precision,
+                      most=settings.train.steps)
+        store.put(events, store.MEETINGS, _record(made, reports, follows(settings, made)))
         log.info("measured links: %s", made.describe())
     return store.read(events, store.MEETINGS, protocol.MeetingChoice)
 
@@ -147,22 +149,23 @@ def settled(cfg: Any, chosen: Any) -> Any:
     return out
 
 
-def follows(cfg: DictConfig, made: Choice) -> bool:
+def follows(settings: Config, made: Choice) -> bool:
     """Whether the meetings follow the wire during the run: where they are apart at the start
     (on a wire that already fits every iteration in float32, nothing changes), H was left to
     choose, and no replica is ever healed (a healed replica would need its block's length;
     ``fault.on_pipeline_loss=stop``, no re-split in place)."""
     apart = made.every > 1 or made.precision != "fp32"
-    return apart and int(cfg.sync.every) == 0 and blocks_allowed(cfg)
+    return apart and int(setting(settings.sync, "every", 1)) == 0 and blocks_allowed(settings)
 
 
-def blocks_allowed(cfg: DictConfig) -> bool:
+def blocks_allowed(settings: Config) -> bool:
     """Whether a run's blocks of local steps may differ in length (decided by the scheduler,
     ``Group.nexts``): not where a replica may be healed, which would need its block's length
     (``fault.on_pipeline_loss`` other than ``stop``, a re-split in place), nor under an
     asynchronous schedule (a round per update)."""
-    return (cfg.fault.on_pipeline_loss == "stop" and cfg.fault.on_slowdown != "replan"
-            and cfg.pipeline.schedule not in ASYNC_SCHEDULES)
+    fault = settings.fault
+    return (fault.on_pipeline_loss == "stop" and fault.on_slowdown != "replan"
+            and settings.pipeline.schedule not in ASYNC_SCHEDULES)
 
 
 def _record(made: Choice, reports: Sequence[Measured], adapt: bool) -> protocol.MeetingChoice:

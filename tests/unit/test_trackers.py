@@ -13,6 +13,7 @@ import pytest
 from sdpipe_cli.cli.parsing import main
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.runtime.metrics import MetricsLog, RunTracker, scalars
 from sdpipe_cli.runtime.trackers import QUIET, MLflow, WandB, flat_params, open_sinks
@@ -126,8 +127,12 @@ def test_wandb_offline_run_holds_the_scalars_on_their_steps_and_ends(tmp_path):
 
 
 def test_open_sinks_opens_what_the_config_asks_for(tmp_path):
-    assert open_sinks(compose([]), tmp_path) == []
-    sinks = open_sinks(compose(["metrics.mlflow=true"]), tmp_path)
+    def opened(overrides):
+        cfg = compose(overrides)
+        return open_sinks(settings_of(cfg).metrics, tmp_path, cfg)
+
+    assert opened([]) == []
+    sinks = opened(["metrics.mlflow=true"])
     assert [type(s).__name__ for s in sinks] == ["MLflow"]
     sinks[0].close()
     _, run = mlflow_run(tmp_path)

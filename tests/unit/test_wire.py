@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from sdpipe_cli.config.derived import with_run
 from sdpipe_cli.config.schema import ConfigError
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.blocks import closing_block, final_block
 from sdpipe_cli.core.meetings import BYTES, choose
 from sdpipe_cli.core.wire import (
@@ -136,7 +137,7 @@ def test_the_scheduler_settles_once_from_every_workers_report_and_a_restart_read
     cfg = config(*FOUR_NODES)
     for rank in range(8):
         wire_probe.report(events, rank, report(rank // 2, rank % 2, 0.15))
-    chosen = wire_probe.settle(cfg, events, 8, timeout=5)
+    chosen = wire_probe.settle(settings_of(cfg), events, 8, timeout=5)
     settled = wire_probe.settled(cfg, chosen)
     assert (settled.sync.every, settled.sync.precision) == (chosen.every, "int8")
     assert chosen.every > 1 and [s.stage for s in chosen.stages] == [0, 1]
@@ -145,7 +146,7 @@ def test_the_scheduler_settles_once_from_every_workers_report_and_a_restart_read
     assert wire_probe.choice(events, timeout=1) == chosen
     for rank in range(8):  # what a second scheduler finds has changed: the choice stands
         wire_probe.report(events, rank, report(rank // 2, rank % 2, 0.15, mbit=10_000))
-    assert wire_probe.settle(cfg, events, 8, timeout=5) == chosen
+    assert wire_probe.settle(settings_of(cfg), events, 8, timeout=5) == chosen
     line = wire_probe.line(chosen, 1.0)
     from sdpipe_cli.analysis import conforms
     assert all(conforms("wire", k, v) for k, v in line.items())
@@ -160,14 +161,14 @@ def test_a_damaged_report_is_one_line_naming_its_key(events):
         wire_probe.report(events, rank, report(rank // 2, rank % 2, 0.15))
     events.set("wire/5", '{"pipeline": 2, "stage": 1, "step_s": "fast"}')
     with pytest.raises(ProtocolError, match="wire/5"):
-        wire_probe.settle(cfg, events, 8, timeout=5)
+        wire_probe.settle(settings_of(cfg), events, 8, timeout=5)
 
 
 def test_a_missing_report_ends_the_wait_with_the_runs_failure(events):
     cfg = config(*FOUR_NODES)
     events.set("failed", "worker 3 died")
     with pytest.raises(RuntimeError, match="failed before its wire was measured"):
-        wire_probe.settle(cfg, events, 8, timeout=5)
+        wire_probe.settle(settings_of(cfg), events, 8, timeout=5)
 
 
 def test_a_replay_of_a_run_that_measured_meets_as_it_did(tmp_path):

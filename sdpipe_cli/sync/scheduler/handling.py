@@ -72,7 +72,7 @@ class Scheduler:
         self.replan: dict | None = None  # the re-plan this leg stops for (the next leg's split)
         self.wire = wire  # the meetings this leg settled from its measured wire (pacing.py)
         grouped = mode(settings.sync.name).group_policy
-        self.pacing = pacing_of(wire, cfg) if grouped else None
+        self.pacing = pacing_of(wire, settings) if grouped else None
         # the policy meets as the wire settled; the checkpoints keep the record's 0/auto
         meet = settings if wire is None else settled(settings, wire)
         self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
@@ -110,7 +110,8 @@ class Scheduler:
             protocol.Rejoin: self._rejoin, protocol.Report: self._report}
 
     def _metrics(self) -> MetricsLog:
-        return MetricsLog(self.run_dir / "metrics.jsonl", open_sinks(self.cfg, self.run_dir))
+        return MetricsLog(self.run_dir / "metrics.jsonl",
+                          open_sinks(self.settings.metrics, self.run_dir, self.cfg))
 
     def go_live(self, replayed: int, last: float | None, restart: int = 1) -> None:
         """The journal is replayed: write again what the last batch's handling wrote to the

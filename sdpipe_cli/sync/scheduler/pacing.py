@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sdpipe_cli.analysis.records import PaceLine
+from sdpipe_cli.config.schema import Config
 from sdpipe_cli.core.blocks import BlockPlan
 from sdpipe_cli.core.meetings import meetings_of
 from sdpipe_cli.core.wire import LinkFit, WirePace
@@ -116,14 +117,14 @@ def wire_summary(chosen: protocol.MeetingChoice, pacing: Pacing | None) -> dict[
     return out
 
 
-def pacing_of(chosen: protocol.MeetingChoice | None, cfg) -> Pacing | None:
+def pacing_of(chosen: protocol.MeetingChoice | None, settings: Config) -> Pacing | None:
     """The run's pacing: where its meetings follow the wire; or where they are apart at a
     period of their own (described links, ``sync.every`` set), for its last blocks; none where
     a replica may be healed (:func:`~sdpipe_cli.sync.wire_probe.blocks_allowed`)."""
-    P, steps = int(cfg.cluster.pipelines), int(cfg.train.steps)
+    P, steps = settings.cluster.pipelines, settings.train.steps
     if chosen is not None and chosen.adapt:
         return Pacing(chosen, P * steps, P, steps)
-    every = chosen.every if chosen is not None else meetings_of(cfg.sync).every
-    if every > 1 and blocks_allowed(cfg):
+    every = chosen.every if chosen is not None else meetings_of(settings.sync).every
+    if every > 1 and blocks_allowed(settings):
         return Pacing(None, P * steps, P, steps, every)
     return None

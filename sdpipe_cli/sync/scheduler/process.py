@@ -243,7 +243,7 @@ def main() -> int:
         events = store.namespace(connect())
         # meetings left to the measured wire: settled before the policy, which counts them
         workers = settings.cluster.pipelines * settings.pipeline.stages
-        wire = wire_probe.settle(cfg, events, workers, settings.run.timeout)
+        wire = wire_probe.settle(settings, events, workers, settings.run.timeout)
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None,
                           restarted=int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0")),
                           config=os.environ.get("SDPIPE_CONFIG", "config.yaml"), wire=wire)
