@@ -492,9 +492,10 @@ def schema_for(sync: str) -> DictConfig:
     return schema
 
 
-def emulation(cfg: DictConfig) -> str:
-    """``measured`` or ``modelled``: what ``cluster.emulation=auto`` means for this config."""
-    if cfg.cluster.emulation == "auto":
-        return "modelled" if cfg.cluster.compute_ms is not None else "measured"
-    return cfg.cluster.emulation
+def emulation(cluster: ClusterConfig | DictConfig) -> str:
+    """``measured`` or ``modelled``: what ``cluster.emulation=auto`` means for a run's
+    ``cluster`` section."""
+    if cluster.emulation == "auto":
+        return "modelled" if cluster.compute_ms is not None else "measured"
+    return str(cluster.emulation)
 

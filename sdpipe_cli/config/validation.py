@@ -429,7 +429,7 @@ def _validate_cluster(cfg: DictConfig) -> None:
         raise ConfigError("run.node", "is only for clusters of real nodes (cluster.nodes[*].host)")
     if c.emulation not in schema.EMULATIONS:
         raise ConfigError("cluster.emulation", f"is '{c.emulation}'; choose one of {', '.join(schema.EMULATIONS)}")
-    modelled = emulation(cfg) == "modelled"
+    modelled = emulation(cfg.cluster) == "modelled"
     if modelled and c.compute_ms is None and not cfg.profile:
         raise ConfigError("cluster.emulation", "modelled needs cluster.compute_ms or profile=PATH "
                           "(block times from `sdpipe profile`)")

@@ -36,7 +36,7 @@ import psutil
 import torch
 
 from sdpipe_cli.config import measurements
-from sdpipe_cli.config.schema import emulation
+from sdpipe_cli.config.schema import Config, emulation
 from sdpipe_cli.core.cluster import Cluster, Device, EmulatedStragglers
 from sdpipe_cli.core.interleaved import stage_blocks
 from sdpipe_cli.core.schedule import SPLIT_SCHEDULES, SPLIT_SHARE, Action, Kind
@@ -137,34 +137,36 @@ class EmulatedSlowdown:
         return {"actions": self.actions, "straggled": self.straggled, "overruns": self.overruns}
 
 
-def make_slowdown(cfg, cluster: Cluster, pipeline: int, stage: int, clock: Callable[[], float],
-                  partition: Sequence[int] | None = None) -> EmulatedSlowdown:
-    """The hook for worker (pipeline, stage) of a run config; ``clock()`` is the run time in s;
+def make_slowdown(settings: Config, cluster: Cluster, pipeline: int, stage: int,
+                  clock: Callable[[], float], partition: Sequence[int] | None = None
+                  ) -> EmulatedSlowdown:
+    """The hook for worker (pipeline, stage) of a run; ``clock()`` is the run time in s;
     ``partition``: the pipeline's split (default ``pipeline.partition``)."""
-    c = cfg.cluster
+    c, pipe = settings.cluster, settings.pipeline
     device = cluster.device(pipeline, stage)
     forward_ms = backward_ms = None
     chunk_ms: list[tuple[float, float]] | None = None  # interleaved: each chunk's
-    if emulation(cfg) == "modelled":
-        chunks = int(cfg.pipeline.get("chunks", 1))
+    if emulation(c) == "modelled":
+        chunks = pipe.chunks
         if c.compute_ms is not None:  # a stage's forward: its chunks share it
             forward_ms, backward_ms = float(c.compute_ms), 2.0 * float(c.compute_ms)
             chunk_ms = [(forward_ms / chunks, backward_ms / chunks)] * chunks
         else:  # the stage's blocks, as the profile measured them, at speed 1.0
-            fwd, bwd = measurements.block_costs(measurements.load(cfg.profile), device.name, 1.0)
-            bounds = list(cfg.pipeline.partition if partition is None else partition)
-            held = stage_blocks(bounds, len(fwd), cfg.pipeline.stages)[stage]
+            assert settings.profile is not None  # validation: modelled, no compute_ms, a profile
+            fwd, bwd = measurements.block_costs(measurements.load(settings.profile), device.name, 1.0)
+            bounds = list(pipe.partition if partition is None else partition)
+            held = stage_blocks(bounds, len(fwd), pipe.stages)[stage]
             chunk_ms = [(sum(fwd[a:b]), sum(bwd[a:b])) for a, b in held]
             forward_ms, backward_ms = sum(f for f, _ in chunk_ms), sum(b for _, b in chunk_ms)
         if chunks == 1:
             chunk_ms = None
     st = c.stragglers
-    stragglers = EmulatedStragglers.of_device(st, cfg.train.seed, device.name)
+    stragglers = EmulatedStragglers.of_device(st, settings.train.seed, device.name)
     slow = list(c.slowdown)
     hook = EmulatedSlowdown(slow[pipeline] if slow else 1.0, forward_ms, backward_ms=backward_ms,
                     stragglers=stragglers, per_iteration=st.per == "iteration",
                     dynamic=bool(cluster.change_points(device)),
-                    split_backward=cfg.pipeline.schedule in SPLIT_SCHEDULES, chunk_ms=chunk_ms)
+                    split_backward=pipe.schedule in SPLIT_SCHEDULES, chunk_ms=chunk_ms)
     hook.speed = lambda: cluster.speed(device, clock(), hook.step)
     return hook
 

@@ -50,7 +50,7 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
     if cfg.pipeline.schedule in ASYNC_SCHEDULES:
         raise ConfigError("pipeline.schedule", f"'{cfg.pipeline.schedule}' cannot be simulated yet; "
                           "use 1f1b or gpipe")
-    if emulation(cfg) != "modelled":
+    if emulation(cfg.cluster) != "modelled":
         raise ConfigError("cluster.compute_ms", "simulate needs modelled compute: set "
                           "cluster.compute_ms or give profile=PATH")
     plan = plan or RunPlan.of(cfg)
@@ -150,7 +150,7 @@ def resolve_meetings(cfg: DictConfig, plan: RunPlan | None = None) -> Choice | N
         if recorded is not None:  # a replay meets as its recording did
             y.every, y.precision = int(recorded["every"]), str(recorded["precision"])
         return None  # left to the run's measured wire (sync/wire_probe.py) where still 0/auto
-    if (not plan.cluster.links_emulated or emulation(cfg) != "modelled"
+    if (not plan.cluster.links_emulated or emulation(cfg.cluster) != "modelled"
             or cfg.pipeline.schedule in ASYNC_SCHEDULES):  # meetings need a flushed schedule
         y.every, y.precision = y.every or 1, "fp32" if y.precision == "auto" else y.precision
         return None

@@ -118,7 +118,7 @@ class Worker:
         self.pipeline_groups = pipeline_groups
         self.cluster = plan.cluster
         self.placed = self.cluster.device(p, s)
-        self.slowdown = make_slowdown(cfg, self.cluster, p, s, lambda: time.time() - self.t0,
+        self.slowdown = make_slowdown(settings, self.cluster, p, s, lambda: time.time() - self.t0,
                                       partition)
         self.memory = MemoryLimit(self.placed, device)
         self.tracer = (Tracer(where.rank, f"rank {where.rank} (pipeline {p}, stage {s})",

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sdpipe_cli.config.composition import compose
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.config.validation import validate
 from sdpipe_cli.core.cluster import Cluster, Device, SpeedChange
 from sdpipe_cli.core.schedule import Action, one_f_one_b
@@ -112,8 +113,8 @@ def test_make_slowdown_reads_the_cluster_and_the_profile(tmp_path):
                    "cluster.stragglers.probability=0.5", "cluster.stragglers.devices=[n:1]"])
     validate(cfg)
     cluster = Cluster.from_config(cfg.cluster, 2)
-    s0 = make_slowdown(cfg, cluster, 0, 0, clock=lambda: 0.0)
-    s1 = make_slowdown(cfg, cluster, 0, 1, clock=lambda: 0.0)
+    s0 = make_slowdown(settings_of(cfg), cluster, 0, 0, clock=lambda: 0.0)
+    s1 = make_slowdown(settings_of(cfg), cluster, 0, 1, clock=lambda: 0.0)
     # an unmeasured device: the profile's median at speed 1.0 (2 ms x 0.5) per block
     assert s0.forward_s == pytest.approx(2 * 0.001) and s0.backward_s == pytest.approx(2 * 0.002)
     assert s1.forward_s == pytest.approx(4 * 0.001) and s1.speed() == 0.5
