@@ -493,8 +493,7 @@ def schema_for(sync: str) -> DictConfig:
 
 
 def emulation(cluster: ClusterConfig | DictConfig) -> str:
-    """``measured`` or ``modelled``: what ``cluster.emulation=auto`` means for a run's
-    ``cluster`` section."""
+    """``measured`` or ``modelled``: what ``cluster.emulation=auto`` means for a ``cluster``."""
     if cluster.emulation == "auto":
         return "modelled" if cluster.compute_ms is not None else "measured"
     return str(cluster.emulation)
