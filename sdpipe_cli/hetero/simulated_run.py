@@ -127,33 +127,36 @@ def _with_sync(cfg: DictConfig, sync: str, plan: RunPlan | None = None) -> DictC
     values["sync"] = OmegaConf.to_container(OmegaConf.structured(SYNC_CONFIGS[sync]))
     values["plan"] = (plan or RunPlan.of(cfg)).for_sync(sync).section()
     other = OmegaConf.create(values)
-    resolve_meetings(other, plan)
-    return other
+    meetings, _ = resolve_meetings(other, plan)
+    return derived.with_values(other, {f"sync.{key}": value for key, value in meetings.items()})
 
 
-def resolve_meetings(cfg: DictConfig, plan: RunPlan | None = None) -> Choice | None:
-    """Write sdpipe's ``sync.every`` and ``sync.precision`` into ``cfg`` where they are left to
-    choose (0, ``auto``), from the cluster's emulated links (:func:`~sdpipe_cli.core.meetings.
-    choose`): the fastest pipeline's iteration, simulated alone for a few steps, against one
-    meeting of every replica of the costliest stage. Where no link is emulated, or compute is
-    not modelled (nothing to estimate an iteration from), every iteration in float32, as on
-    fast links; so too under an asynchronous schedule, whose rounds are per update. Returns the
-    choice made (None: nothing was left to choose from links)."""
+def resolve_meetings(cfg: DictConfig, plan: RunPlan | None = None
+                     ) -> tuple[dict[str, Any], Choice | None]:
+    """sdpipe's ``sync.every`` and ``sync.precision`` where ``cfg`` leaves them to choose (0,
+    ``auto``), from the cluster's emulated links (:func:`~sdpipe_cli.core.meetings.choose`):
+    the fastest pipeline's iteration, simulated alone for a few steps, against one meeting of
+    every replica of the costliest stage. Where no link is emulated, or compute is not modelled
+    (nothing to estimate an iteration from), every iteration in float32, as on fast links; so
+    too under an asynchronous schedule, whose rounds are per update. Returns the ``sync`` keys
+    to set (the caller makes the config: ``cli/preparing.py``) and the choice made (None:
+    nothing was left to choose from links)."""
     y = cfg.sync
     if not mode_of(y.name).meets or (y.every != 0 and y.precision != "auto"):
-        return None
+        return {}, None
     plan = plan or RunPlan.of(cfg)
     if not plan.cluster.links_emulated and measurable(cfg, plan):
+        values: dict[str, Any] = {}
         if y.precision == "auto" and cfg.fault.on_pipeline_loss == "restart":
-            y.precision = "fp32"  # a healed replica's anchor could miss a global sync
+            values["precision"] = "fp32"  # a healed replica's anchor could miss a global sync
         recorded = recorded_meetings(y.replay) if y.get("replay") else None  # sync/replay.py
         if recorded is not None:  # a replay meets as its recording did
-            y.every, y.precision = int(recorded["every"]), str(recorded["precision"])
-        return None  # left to the run's measured wire (sync/wire_probe.py) where still 0/auto
+            values = {"every": int(recorded["every"]), "precision": str(recorded["precision"])}
+        return values, None  # left to the run's measured wire (sync/wire_probe.py) where 0/auto
     if (not plan.cluster.links_emulated or emulation(cfg.cluster) != "modelled"
             or cfg.pipeline.schedule in ASYNC_SCHEDULES):  # meetings need a flushed schedule
-        y.every, y.precision = y.every or 1, "fp32" if y.precision == "auto" else y.precision
-        return None
+        return {"every": y.every or 1,
+                "precision": "fp32" if y.precision == "auto" else y.precision}, None
     work = workload(cfg, plan)
     probe = dataclasses.replace(work, steps=min(work.steps, 4), stragglers=copy.deepcopy(
         work.stragglers))
@@ -169,8 +172,7 @@ def resolve_meetings(cfg: DictConfig, plan: RunPlan | None = None) -> Choice | N
         precision = "fp32"  # a healed replica's anchor could miss a global sync (validation)
     choice = choose(iteration_s, round_s, float(y.wire_share), int(y.every), precision,
                     most=int(cfg.train.steps))
-    y.every, y.precision = choice.every, choice.precision
-    return choice
+    return {"every": choice.every, "precision": choice.precision}, choice
 
 
 def measurable(cfg: DictConfig, plan: RunPlan) -> bool:

@@ -26,12 +26,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast, overload
+from typing import Any, overload
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from sdpipe_cli.analysis.records import WireLine
+from sdpipe_cli.config import derived
 from sdpipe_cli.config.schema import Config, SdpipeSyncConfig
 from sdpipe_cli.core.meetings import Choice, setting
 from sdpipe_cli.core.modes import mode
@@ -143,10 +144,9 @@ def settled(cfg: Any, chosen: Any) -> Any:
         assert isinstance(cfg.sync, SdpipeSyncConfig)
         return dataclasses.replace(cfg, sync=settled(cfg.sync, chosen))
     # a config, or its sync section, is a mapping: so is the copy
-    out = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
-    sync = out.sync if "sync" in out else out
-    sync.every, sync.precision = int(get("every")), str(get("precision"))
-    return out
+    prefix = "sync." if "sync" in cfg else ""
+    return derived.variant(cfg, {f"{prefix}every": int(get("every")),
+                                 f"{prefix}precision": str(get("precision"))})
 
 
 def follows(settings: Config, made: Choice) -> bool:

@@ -28,36 +28,64 @@ SECTIONS = {"pipeline", "fault", "train", "data", "model", "sync", "cluster", "c
             "metrics", "profile", "plan"}
 
 
-def _writes_a_config(target: ast.expr) -> bool:
-    """``cfg.x = ``, ``self.cfg.x = ``, ``cfg["x"] = ``, or ``anything.<section>.<key> = ``."""
+def _chain(target: ast.expr) -> tuple[str | None, list[str]]:
+    """The root name and the attributes (``[]`` for a subscript) of ``a.b["c"].d``."""
     chain = []
     while isinstance(target, (ast.Attribute, ast.Subscript)):
         chain.append(target.attr if isinstance(target, ast.Attribute) else "[]")
         target = target.value
+    chain.reverse()
+    return (target.id if isinstance(target, ast.Name) else None), chain
+
+
+def _is_config(root: str | None, chain: list[str], aliases: set[str]) -> bool:
+    """``cfg...``, ``self.cfg...``, an alias of a config section, or ``anything.<section>...``."""
+    if root == "self" and chain and chain[0] in CONFIG_NAMES:
+        return True
+    return root in CONFIG_NAMES or root in aliases or (root != "self" and len(chain) >= 1
+                                                       and chain[0] in SECTIONS)
+
+
+def _writes_a_config(target: ast.expr, aliases: set[str]) -> bool:
+    """``cfg.x = ``, ``self.cfg.x = ``, ``cfg["x"] = ``, ``anything.<section>.<key> = ``, or
+    ``y.x = `` where ``y = cfg.sync`` (an alias of a section)."""
+    root, chain = _chain(target)
     if not chain:
         return False
-    chain.reverse()
-    root = target.id if isinstance(target, ast.Name) else None
     if root == "self" and chain[0] in CONFIG_NAMES:
         return len(chain) > 1
-    return root in CONFIG_NAMES or (root != "self" and len(chain) >= 2 and chain[0] in SECTIONS)
+    if root in CONFIG_NAMES or root in aliases:
+        return True
+    return root != "self" and len(chain) >= 2 and chain[0] in SECTIONS
+
+
+def _aliases(tree: ast.AST) -> set[str]:
+    """Names bound to a part of a config (``y = cfg.sync``, ``fault = self.cfg.fault``)."""
+    found = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)):
+            root, chain = _chain(node.value)
+            if chain and _is_config(root, chain, set()):
+                found.add(node.targets[0].id)
+    return found - CONFIG_NAMES
 
 
 def writes(tree: ast.AST) -> list[int]:
     """Lines that assign into a config, or update one in place (``OmegaConf.update``)."""
-    found = []
+    found, aliases = [], _aliases(tree)
     for node in ast.walk(tree):
         targets = (node.targets if isinstance(node, ast.Assign) else
                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
         flat = [t for target in targets
                 for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
-        if any(_writes_a_config(t) for t in flat):
+        if any(_writes_a_config(t, aliases) for t in flat):
             found.append(node.lineno)
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and node.func.attr in ("update", "merge_with")
                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "OmegaConf"):
             found.append(node.lineno)
-    return found
+    return sorted(found)
 
 
 def test_the_detector_sees_each_way_of_writing_a_config():
@@ -65,8 +93,9 @@ def test_the_detector_sees_each_way_of_writing_a_config():
             "moved.pipeline.partition, moved.pipeline.partitions = a, b\ncfg['x'] = 1\n"
             "OmegaConf.update(cfg, 'a', 1)\n"
             "self.run.live = set()\nx.y = 1\ncfg = other\nself.cfg = derived.resplit(cfg)\n"
-            "self.sync.stop = True\nconfig.tie_word_embeddings = False\n")
-    assert writes(ast.parse(code)) == [1, 2, 3, 4, 5, 6]
+            "self.sync.stop = True\nconfig.tie_word_embeddings = False\n"
+            "y = cfg.sync\ny.every, y.precision = 2, 'bf16'\nz = self.run\nz.x = 1\n")
+    assert writes(ast.parse(code)) == [1, 2, 3, 4, 5, 6, 14]
 
 
 def test_no_config_is_written_outside_where_configs_are_made():
