@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from sdpipe_cli.config import measurements
 from sdpipe_cli.config.pipeline_checks import validate_own_partitions, validate_partition
 from sdpipe_cli.config.schema import ConfigError, num_classes, objective
+from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core import balance, meetings, partition, replan
 from sdpipe_cli.core.cluster import Cluster
 from sdpipe_cli.core.interleaved import CHUNKED_SCHEDULES
@@ -93,7 +94,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
         if cfg.fault.on_pipeline_loss != "stop":
             raise ConfigError("sync.replay", "repeats a run without losses: use "
                               "fault.on_pipeline_loss=stop")
-        load_recorded(cfg.sync.replay, cfg)
+        load_recorded(cfg.sync.replay, settings_of(cfg))
     # prepared: from here on read; what a launch or a later leg derives is a config of its own
     # (config/derived.py), so that no holder of this one sees it change
     OmegaConf.set_readonly(cfg, True)

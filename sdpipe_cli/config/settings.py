@@ -20,9 +20,9 @@ that holds them sees nothing another does to its own.
 The sync strategies take their mode's own section (``settings.sync``: a group sync reads
 ``SdpipeSyncConfig.overlap``, not a key it may lack); the scheduler's pacing and its settling of
 the measured wire, and the emulation of a worker's device (``make_slowdown``), read settings;
-the metrics sinks take their section, and the record, which MLflow and W&B log. Not every part
-reads settings yet: replay's check and the builders of the model and the data still take the
-record. The group policy takes either: the scheduler builds it from its settings, the simulator
+the metrics sinks take their section, and the record, which MLflow and W&B log; replay's check
+of a recorded run against this one reads settings. The builders of the model and the data
+still take the record. The group policy takes either: the scheduler builds it from its settings, the simulator
 from a config.
 """
 

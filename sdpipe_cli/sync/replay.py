@@ -19,15 +19,16 @@ a pipeline is refused: its decisions name incarnations this run will not have.
 from __future__ import annotations
 
 import json
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from sdpipe_cli.analysis import read_metrics
 from sdpipe_cli.config import yaml_bounds
-from sdpipe_cli.config.schema import ConfigError
-from sdpipe_cli.core.meetings import average_of, meetings_of, precision_of
+from sdpipe_cli.config.schema import Config, ConfigError
+from sdpipe_cli.core.meetings import average_of, meetings_of, precision_of, setting
 from sdpipe_cli.core.modes import MODES, mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import protocol
@@ -40,8 +41,8 @@ _DISRUPTED = ("lost", "restart", "resume", "scheduler_restart")
 Recorded = dict[tuple[int, int, int], protocol.Group]  # (stage, pipeline, iteration) -> decision
 
 
-def load(path: str | Path, cfg: DictConfig) -> Recorded:
-    """The decisions of the recorded run at ``path``, for a run configured ``cfg``; a
+def load(path: str | Path, settings: Config) -> Recorded:
+    """The decisions of the recorded run at ``path``, for a run of ``settings``; a
     :class:`ConfigError` naming ``sync.replay`` if they cannot be replayed here."""
     run = Path(path).expanduser()
     config = run / "config.yaml"
@@ -53,7 +54,7 @@ def load(path: str | Path, cfg: DictConfig) -> Recorded:
         raise
     except Exception as err:  # noqa: BLE001 - any YAML or OmegaConf error
         raise ConfigError(KEY, f"{config} cannot be read: {str(err).splitlines()[0]}") from None
-    _same(saved, cfg, run)
+    _same(saved, settings, run)
     decisions: Recorded = {}
     metrics = run / "metrics.jsonl"
     lines = metrics.read_text(encoding="utf-8").splitlines() if metrics.is_file() else []
@@ -68,29 +69,33 @@ def load(path: str | Path, cfg: DictConfig) -> Recorded:
                                    "a run without losses, restarts or resumes can be replayed")
         if kind == "group":
             _add(decisions, line, f"{metrics}:{number}",
-                 (int(cfg.pipeline.stages), int(cfg.cluster.pipelines)))
+                 (settings.pipeline.stages, settings.cluster.pipelines))
     if not decisions:
         raise ConfigError(KEY, f"{metrics} holds no group decisions: not a sdpipe run that trained")
     return decisions
 
 
-def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
+def _same(saved: Any, settings: Config, run: Path) -> None:
     def get(key: str) -> Any:
         return OmegaConf.select(saved, key)
+
+    def ours(key: str) -> Any:
+        return attrgetter(key)(settings)
 
     if not (get("sync.name") in MODES and mode(get("sync.name")).group_policy):
         raise ConfigError(KEY, f"{run} was trained with sync={get('sync.name')}, not sdpipe: it "
                                "has no group decisions")
     layout = ("cluster.pipelines", "pipeline.stages", "pipeline.schedule", "pipeline.microbatches")
     for key in layout:
-        if get(key) != OmegaConf.select(cfg, key):
+        if get(key) != ours(key):
             raise ConfigError(KEY, f"{run} was recorded with {key}={get(key)}, this run has "
-                                   f"{OmegaConf.select(cfg, key)}; replay needs the same")
+                                   f"{ours(key)}; replay needs the same")
     shares = list(get("plan.microbatches") or [get("pipeline.microbatches")] * int(get("cluster.pipelines")))
-    if cfg.get("plan") and shares != list(cfg.plan.microbatches):  # pipeline.balance's shares
+    plan = settings.plan
+    if plan and shares != list(plan["microbatches"]):  # pipeline.balance's shares
         raise ConfigError(KEY, f"{run} was recorded with micro-batches per pipeline {shares}, this "
-                               f"run has {list(cfg.plan.microbatches)}; replay needs the same")
-    if cfg.pipeline.schedule in ASYNC_SCHEDULES:
+                               f"run has {list(plan['microbatches'])}; replay needs the same")
+    if settings.pipeline.schedule in ASYNC_SCHEDULES:
         raise ConfigError(KEY, "replays flushed schedules (1f1b, gpipe) only")
     # the recorded decisions count meetings of sync.every steps, and what a round sends decides
     # its arithmetic (a recording from before these keys met every step in float32)
@@ -102,15 +107,15 @@ def _same(saved: Any, cfg: DictConfig, run: Path) -> None:
         recorded = settled(recorded, measured)
     for key, of in (("sync.every", lambda y: meetings_of(y).every),
                     ("sync.precision", precision_of), ("sync.overlap", _overlap)):
-        if of(recorded) != of(cfg.sync):
+        if of(recorded) != of(settings.sync):
             raise ConfigError(KEY, f"{run} was recorded with {key}={of(recorded)}, this run has "
-                                   f"{of(cfg.sync)}; replay needs the same")
+                                   f"{of(settings.sync)}; replay needs the same")
 
 
 def _overlap(sync: Any) -> int:
     """How many steps late a run's rounds merge: only rounds that average weights after the
     step run behind (a recording from before the key merged in step)."""
-    return int(sync.get("overlap", 0)) if average_of(sync) == "weights" else 0
+    return int(setting(sync, "overlap", 0)) if average_of(sync) == "weights" else 0
 
 
 def recorded_meetings(run: str) -> dict | None:

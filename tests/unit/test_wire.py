@@ -188,10 +188,10 @@ def test_a_replay_of_a_run_that_measured_meets_as_it_did(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps(wire) + "\n" + json.dumps(group) + "\n")
     replaying = config(*FOUR_NODES, f"sync.replay={run}", "fault.on_pipeline_loss=stop")
     assert (replaying.sync.every, replaying.sync.precision) == (6, "bf16")
-    decisions = replay.load(run, replaying)
+    decisions = replay.load(run, settings_of(replaying))
     assert decisions[(0, 1, 0)].nexts == [6, 9] and decisions[(0, 1, 0)].done_steps == 12
     with pytest.raises(ConfigError, match="recorded with sync.every=6"):
-        replay.load(run, config(*FOUR_NODES, "sync.every=3", "sync.precision=bf16"))
+        replay.load(run, settings_of(config(*FOUR_NODES, "sync.every=3", "sync.precision=bf16")))
 
 
 # -- meetings that follow the wire during the run -------------------------------------------------

@@ -77,7 +77,7 @@ class Scheduler:
         meet = settings if wire is None else settled(settings, wire)
         self.began, self.first_step = clock(), None  # this leg's start-up: what a restart costs
         replay = getattr(settings.sync, "replay", None)  # a recorded run's decisions (replay.py)
-        self.recorded = load_recorded(replay, cfg) if replay else None
+        self.recorded = load_recorded(replay, settings) if replay else None
         self.policy = (make_policy(meet, plan, clock, spent=store.limit_spent(events),
                                    evaluations=self.pacing is None)  # blocks fall anywhere
                        if grouped and self.recorded is None else None)
