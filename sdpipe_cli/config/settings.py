@@ -12,10 +12,10 @@ A process of a run holds its config in two forms, each for its own use:
   is an error before the code runs; ``cfg.train.stepz`` was one only when it ran).
 
 Made from the config a part is built from (:func:`settings_of`; a worker's process makes them
-once and hands them to its :class:`~sdpipe_cli.training.worker.Worker`): about 1.3 ms for a
-run's config here, 56 ms with a data set of 2,000 shards recorded in ``data.resolved``, against
-the 670 ms that reading such a config typed costs each child already. They are copies, so a part
-that holds them sees nothing another does to its own.
+once and hands them to its :class:`~sdpipe_cli.training.worker.Worker`), field by field from
+the values (:mod:`.values`): under a millisecond for a run's config here. A child's record is
+built from the same values (:func:`~sdpipe_cli.config.run_file.load_child_config`). They are
+copies, so a part that holds them sees nothing another does to its own.
 
 The sync strategies take their mode's own section (``settings.sync``: a group sync reads
 ``SdpipeSyncConfig.overlap``, not a key it may lack); the scheduler's pacing and its settling of
@@ -28,19 +28,26 @@ from a config.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli.config.run_file import typed
 from sdpipe_cli.config.schema import Config
+from sdpipe_cli.config.values import settings_from
 
 __all__ = ["settings_of"]
 
 
 def settings_of(cfg: DictConfig) -> Config:
-    """``cfg``'s values as the schema's dataclasses: a child's config (typed when it was read)
-    as it is, a prepared one (schema-free) typed by its sync mode's schema first."""
-    if OmegaConf.get_type(cfg) is not Config:
-        cfg = typed(cfg, str(cfg.sync.name))
-    return cast(Config, OmegaConf.to_object(cfg))
+    """``cfg``'s values as the schema's dataclasses: a typed config's as they are; a schema-free
+    one's (a prepared config, a child's record) built from its values (:func:`settings_from`:
+    :mod:`.values`),
+    or, where they are not a whole run's config, typed by its sync mode's schema, which says
+    what is wrong."""
+    if OmegaConf.get_type(cfg) is Config:
+        return cast(Config, OmegaConf.to_object(cfg))
+    try:
+        return settings_from(cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True)))
+    except (TypeError, ValueError, KeyError):
+        return cast(Config, OmegaConf.to_object(typed(cfg, str(cfg.sync.name))))

@@ -1,24 +1,19 @@
-"""Imported last by the fork server (see :func:`~sdpipe_cli.runtime.processes.preload`): builds,
-once, what every child would otherwise build for itself before it can read its config.
+"""Imported last by the fork server (see :func:`~sdpipe_cli.runtime.processes.preload`): does,
+once, what every child would otherwise do for itself before it can read its config.
 
-Each child of a run reads the run's config typed by the schema of its sync mode
-(:func:`~sdpipe_cli.config.run_file.load_run_config`). Building that schema walks every dataclass
-of :mod:`sdpipe_cli.config.schema`: tens of milliseconds, paid by each of a run's P x S workers,
-its scheduler and its servers, and again by every restarted one. Built here, in the server, the
-schemas of every sync mode are in each forked child's memory already (shared copy-on-write, and
-read-only: a child merges its config into a copy). Then it freezes the garbage collector's view of
-everything the server holds (below).
+Each child of a run builds its settings from its config file's values through the schema's
+annotations (:func:`~sdpipe_cli.config.run_file.load_child_config`); the annotations read here
+are in each forked child's memory already (shared copy-on-write). Then it freezes the garbage
+collector's view of everything the server holds (below).
 """
 
 from __future__ import annotations
 
 import gc
 
-from sdpipe_cli.config.run_file import frozen_schema
-from sdpipe_cli.config.schema import SYNC_CONFIGS
+from sdpipe_cli.config.values import warm
 
-for _name in SYNC_CONFIGS:
-    frozen_schema(_name)
+warm()
 
 # Every child is a fork of this server: a full garbage collection in a child walks every object
 # imported here (torch's, and the rest: 430,000 of them), touching each one's header, so that the
