@@ -84,8 +84,8 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
     cfg.plan = RunPlan.resolve(cfg, cluster, blocks, balance_of(cfg, cluster, blocks)).section()
     if cfg.fault.on_slowdown == "replan":  # the leg after a re-plan goes on from this checkpoint
         cfg.checkpoint.on_exit = True
-    meetings, choice = simulated_run.resolve_meetings(cfg)  # sdpipe on slow links: how often
-    for key, value in meetings.items():  # replicas meet, and in what
+    resolved, choice = simulated_run.resolve_meetings(cfg)  # sdpipe on slow links: how often
+    for key, value in resolved.items():  # replicas meet, and in what
         cfg.sync[key] = value
     if cfg.sync.get("replay"):  # the recorded run must fit this one: before anything starts
         from sdpipe_cli.sync.replay import load as load_recorded

@@ -49,14 +49,18 @@ def load_child_config() -> tuple[Path, DictConfig]:
     (:mod:`sdpipe_cli.config.derived`).
 
     Built from the file's values through the schema's dataclasses
-    (:func:`~sdpipe_cli.config.values.settings_from`: each value as its field holds it), not
-    typed by merging into the schema: the same values (``tests/unit/test_settings.py``), for a
-    tenth of the CPU each child spent here (about 20 ms of a small worker's 170 to start and
-    end). The file is the launcher's own; a config from anywhere else is typed
-    (:mod:`~sdpipe_cli.config.saved`)."""
+    (:func:`~sdpipe_cli.config.values.settings_from`), not typed by merging into the schema:
+    the same values (``tests/unit/test_settings.py``) for about half the CPU each child spent
+    here (typing, 20-25 ms of a small worker's 170 to start and end; the settings, under 1 ms,
+    and the record made from them, about 12 ms in a forked child). A file whose values are not
+    all of their fields' types (the launcher writes none) is typed, as before; a config from
+    anywhere else is typed too (:mod:`~sdpipe_cli.config.saved`)."""
     run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
     values = read_run_file(Path(os.environ.get("SDPIPE_CONFIG", run_dir / "config.yaml")))
-    cfg = OmegaConf.create(dataclasses.asdict(settings_from(values)))
+    try:
+        cfg = OmegaConf.create(dataclasses.asdict(settings_from(values)))
+    except (TypeError, KeyError):  # not values of their types: typing converts them, or says why
+        cfg = _typed(values)
     OmegaConf.set_readonly(cfg, True)
     return run_dir, cfg
 
@@ -73,6 +77,9 @@ def read_run_file(path: Path) -> dict[str, Any]:
 
 def load_run_config(path: Path) -> DictConfig:
     """Read a run's resolved config back, typed by the schema (:func:`read_run_file`)."""
-    saved = read_run_file(path)
+    return _typed(read_run_file(path))
+
+
+def _typed(saved: Any) -> DictConfig:
     sync = saved.get("sync") if isinstance(saved, dict) else None
     return typed(saved, sync.get("name", "") if isinstance(sync, dict) else "")

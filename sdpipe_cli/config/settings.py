@@ -49,5 +49,5 @@ def settings_of(cfg: DictConfig) -> Config:
         return cast(Config, OmegaConf.to_object(cfg))
     try:
         return settings_from(cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True)))
-    except (TypeError, ValueError, KeyError):
+    except (TypeError, KeyError):  # not values of their types: typing converts them, or says why
         return cast(Config, OmegaConf.to_object(typed(cfg, str(cfg.sync.name))))

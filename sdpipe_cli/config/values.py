@@ -6,8 +6,9 @@ Typing it by merging it into the schema (:func:`~sdpipe_cli.config.run_file.type
 child about 20-25 ms of CPU here, a tenth of a small worker's start and end; building the
 dataclasses from the values directly takes under a millisecond and gives the same settings, value
 for value and type for type (``tests/unit/test_settings.py`` compares the two on every config
-group's option). Values of another type are converted as OmegaConf's nodes convert them (an int
-where a float goes, numbers as text); a value of another shape is a ``TypeError``.
+group's option). It takes values of their fields' types only (and an int where a float goes,
+which it makes one, as typing does): anything else is a ``TypeError``, and the caller types the
+values instead, which converts what OmegaConf's nodes convert and refuses the rest as before.
 """
 
 from __future__ import annotations
@@ -61,25 +62,24 @@ def _build(cls: type, values: Mapping[str, Any], chosen: Mapping[str, type] | No
 
 
 def _value(kind: Any, value: Any) -> Any:
-    """``value`` as a field annotated ``kind`` holds it in settings."""
+    """``value`` as a field annotated ``kind`` holds it in settings: of that type already (an
+    int where a float goes is made one, as typing does), else a ``TypeError``."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
         (kind,) = [a for a in args if a is not type(None)]  # the schema's unions are Optional[X]
         origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is Any:
+        return value
     if dataclasses.is_dataclass(kind):
         return _build(cast(type, kind), value)
-    if origin is list:
+    if origin is list and isinstance(value, list):
         return [_value(args[0], item) for item in value]
-    if origin is dict:
+    if origin is dict and isinstance(value, Mapping):
         return {_value(args[0], k): _value(args[1], v) for k, v in value.items()}
-    if isinstance(value, bool):
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(kind, type) and origin is None and type(value) is kind:
         return value
-    if kind is int and isinstance(value, float) and not value.is_integer():
-        raise TypeError(f"{value} is not an integer")  # OmegaConf's node refuses it too
-    if kind in (int, float) and isinstance(value, (int, float, str)):
-        return kind(value)  # as OmegaConf's nodes convert them: 1 -> 1.0, "3" -> 3
-    if kind is str and isinstance(value, (int, float)):
-        return str(value)
-    return value
+    raise TypeError(f"{value!r} is not a {kind}")
