@@ -22,8 +22,8 @@ The sync strategies take their mode's own section (``settings.sync``: a group sy
 the measured wire, and the emulation of a worker's device (``make_slowdown``), read settings;
 the metrics sinks take their section, and the record, which MLflow and W&B log; replay's check
 of a recorded run against this one reads settings. The builders of the model and the data
-still take the record. The group policy takes either: the scheduler builds it from its settings, the simulator
-from a config.
+still take the record. The group policy takes either: the scheduler builds it from its
+settings, the simulator from a config.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ __all__ = ["settings_of"]
 
 def settings_of(cfg: DictConfig) -> Config:
     """``cfg``'s values as the schema's dataclasses: a typed config's as they are; a schema-free
-    one's (a prepared config, a child's record) built from its values (:func:`settings_from`:
-    :mod:`.values`),
-    or, where they are not a whole run's config, typed by its sync mode's schema, which says
-    what is wrong."""
+    one's (a prepared config, a child's record) built from its values (:mod:`.values`), or,
+    where they are not all of their fields' types, typed by its sync mode's schema, which
+    converts them or says what is wrong."""
     if OmegaConf.get_type(cfg) is Config:
         return cast(Config, OmegaConf.to_object(cfg))
     try:

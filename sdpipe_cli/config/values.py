@@ -53,8 +53,8 @@ def warm() -> None:
 def _build(cls: type, values: Mapping[str, Any], chosen: Mapping[str, type] | None = None) -> Any:
     if not isinstance(values, Mapping):
         raise TypeError(f"{cls.__name__}: expected a mapping, got {type(values).__name__}")
-    hints, names = _hints(cls), {f.name for f in dataclasses.fields(cls)}
-    unknown = set(values) - names
+    hints = _hints(cls)  # a section's fields, by name
+    unknown = set(values) - hints.keys()
     if unknown:
         raise TypeError(f"{cls.__name__}: unknown keys {sorted(unknown)}")
     return cls(**{key: _value((chosen or {}).get(key, hints[key]), value)
