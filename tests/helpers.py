@@ -276,15 +276,25 @@ def training_lines(run_dir: Path, at_least: int = 1):
 
 
 def free_port(within: range | None = None) -> int:
-    """A port nothing listens on now (the kernel's pick, or one ``within`` a range)."""
-    for port in random.sample(within, min(len(within), 500)) if within else [0]:
+    """A port nothing listens on now, ``within`` a range or else below the kernel's ephemeral
+    ports: a client that dials a free ephemeral port before its server binds it can be given that
+    very port as its own and connect to itself, and the server then fails with EADDRINUSE."""
+    within = within or range(20000, max(_ephemeral_low(), 30000))
+    for port in random.sample(within, min(len(within), 500)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            return port
     raise AssertionError(f"no free port in {within}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def make_doc(devices: dict[str, tuple[float, list[float]]], model: str = "gpt_tiny",
