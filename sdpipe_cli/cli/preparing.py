@@ -74,14 +74,15 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
                     block_ms, int(cfg.pipeline.microbatches), str(cfg.pipeline.schedule))))
     cfg.pipeline.partition = plan.bounds if plan else partition.resolve(
         cfg.pipeline.partition, blocks, stages * chunks, counts)
-    models.check(cfg)
+    found = models.check(cfg)
     for q, own in (cfg.pipeline.partitions or {}).items():  # each split, as its workers see it
         try:
             models.check(cast(DictConfig, OmegaConf.merge(cfg, {"pipeline": {"partition": own}})))
         except ConfigError as err:
             key = f"pipeline.partitions.{q}" if err.key == "pipeline.partition" else err.key
             raise ConfigError(key, err.reason) from None
-    cfg.plan = RunPlan.resolve(cfg, cluster, blocks, balance_of(cfg, cluster, blocks)).section()
+    cfg.plan = RunPlan.resolve(cfg, cluster, blocks, balance_of(cfg, cluster, blocks),
+                               found.plain()).section()
     if cfg.fault.on_slowdown == "replan":  # the leg after a re-plan goes on from this checkpoint
         cfg.checkpoint.on_exit = True
     resolved, choice = simulated_run.resolve_meetings(cfg)  # sdpipe on slow links: how often

@@ -185,7 +185,7 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     known = RunPlan.of(new)  # its budget changed
     new = derived.with_values(new, {"plan": RunPlan.resolve(
         new, known.cluster, known.blocks,
-        preparing.balance_of(new, known.cluster, known.blocks)).section()})
+        preparing.balance_of(new, known.cluster, known.blocks), known.layout).section()})
     preparing.check_memory(new)  # bad input: before the resharded checkpoint is written
     folder, new = destination(new)
     folder = reshard.write(ckpt, manifest, old, new, plan, folder)

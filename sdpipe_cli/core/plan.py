@@ -19,6 +19,7 @@ however often it asks for the plan.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import Any
@@ -85,6 +86,10 @@ def _shares(cfg: Any, pipelines: int, given: tuple[int, ...]) -> tuple[int, ...]
     return tuple(int(k) for k in given)
 
 
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
 def microbatch_size(cfg: Any) -> int:
     """Samples per micro-batch: ``train.batch_size // pipeline.microbatches`` (validation
     refuses a batch that does not divide). Defined here only; before the plan exists (while
@@ -113,6 +118,9 @@ class RunPlan:
     # each pipeline's micro-batches per iteration: ``pipeline.microbatches`` for all unless
     # ``pipeline.balance`` gave a slower pipeline fewer (core.balance); empty: not resolved
     microbatches: tuple[int, ...] = ()
+    # the model's layout as plain values (model.layout.ModelLayout.plain: what crosses each
+    # cut, which weights are tied), found once by the launcher; None: each worker traces it
+    layout: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def microbatches_of(self, pipeline: int) -> int:
         """Pipeline ``pipeline``'s micro-batches per iteration."""
@@ -188,10 +196,11 @@ class RunPlan:
     # -- resolving and carrying ---------------------------------------------------------------
     @classmethod
     def resolve(cls, cfg: Any, cluster: Cluster | None = None, blocks: int = 0,
-                microbatches: tuple[int, ...] = ()) -> RunPlan:
+                microbatches: tuple[int, ...] = (), layout: Mapping[str, Any] | None = None) -> RunPlan:
         """The plan of a checked config (``cluster``: its cluster, when already built;
         ``blocks``: the model's, once known; ``microbatches``: each pipeline's, where
-        ``pipeline.balance`` decided them, else ``pipeline.microbatches`` for all)."""
+        ``pipeline.balance`` decided them, else ``pipeline.microbatches`` for all; ``layout``:
+        the model's, once found)."""
         stages, pipelines = int(cfg.pipeline.stages), int(cfg.cluster.pipelines)
         cluster = cluster or cluster_of(cfg)
         return cls(pipelines=pipelines, stages=stages,
@@ -199,7 +208,7 @@ class RunPlan:
                    microbatch_size=microbatch_size(cfg),
                    placement=tuple(tuple(row) for row in cluster.placement), cluster=cluster,
                    partitions=_partitions(cfg), blocks=blocks, in_place=_in_place(cfg, blocks),
-                   microbatches=_shares(cfg, pipelines, microbatches))
+                   microbatches=_shares(cfg, pipelines, microbatches), layout=layout)
 
     def section(self) -> dict[str, Any]:
         """The config's ``plan`` section (what ``config.yaml`` shows; derived values included
@@ -208,7 +217,8 @@ class RunPlan:
                 "steps": self.steps, "microbatch_size": self.microbatch_size,
                 "placement": [list(row) for row in self.placement], "blocks": self.blocks,
                 "workers": self.workers, "world_size": self.world_size, "budget": self.budget,
-                "microbatches": list(self.microbatches)}
+                "microbatches": list(self.microbatches),
+                **({"layout": dict(self.layout)} if self.layout else {})}
 
     @classmethod
     def of(cls, cfg: Any) -> RunPlan:
@@ -227,7 +237,8 @@ class RunPlan:
                        int(section["steps"]), int(section["microbatch_size"]),
                        tuple(tuple(str(d) for d in row) for row in section["placement"]), cluster,
                        _partitions(cfg), blocks, _in_place(cfg, blocks),
-                       _shares(cfg, int(section["pipelines"]), tuple(section.get("microbatches") or ())))
+                       _shares(cfg, int(section["pipelines"]), tuple(section.get("microbatches") or ())),
+                       _plain(section.get("layout")) or None)
         except (KeyError, TypeError, ValueError) as err:
             raise BadInput("plan", f"malformed ({err}); prepare the run again") from None
         if plan.placement != tuple(tuple(row) for row in cluster.placement):

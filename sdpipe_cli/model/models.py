@@ -39,9 +39,9 @@ from torch import nn
 from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
 from sdpipe_cli.config.targets import import_callable
 from sdpipe_cli.core.interleaved import stage_blocks
-from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model import bytes_lm
 from sdpipe_cli.model.boundary import Boundary, map_tensors
+from sdpipe_cli.model.layout import ModelLayout
 from sdpipe_cli.model.shapes_only import ShapesOnly
 
 __all__ = ["build", "build_stage_module", "build_whole", "boundaries", "block_param_counts", "chunk_slices",
@@ -187,9 +187,10 @@ def build_stage_module(cfg: DictConfig, stage: int, partition: Partition = None)
                            for i in range(a, b)])
 
 
-def chunk_slices(cfg: DictConfig, stage: int, partition: Partition = None) -> list[slice]:
-    """Where each of stage ``stage``'s chunks lies in its module (:func:`build_stage_module`)."""
-    sizes = [b - a for a, b in _held(cfg, partition, count_blocks(cfg.model))[stage]]
+def chunk_slices(cfg: DictConfig, stage: int, partition: Partition = None, blocks: int = 0) -> list[slice]:
+    """Where each of stage ``stage``'s chunks lies in its module (:func:`build_stage_module`)
+    (``blocks``: the model's, where known)."""
+    sizes = [b - a for a, b in _held(cfg, partition, blocks or count_blocks(cfg.model))[stage]]
     return [slice(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes))]
 
 
@@ -320,16 +321,11 @@ def activation_bytes(cfg: DictConfig, example: Any) -> int:
     return max((b.nbytes for b in boundaries(cfg, example)), default=0)
 
 
-def stage_boundaries(cfg: DictConfig, example: Any, stage: int, partition: Partition = None
-                     ) -> tuple[Boundary | None, Boundary | None]:
-    """What stage ``stage`` receives and sends (None at the pipeline's ends); interleaved, what
-    piece ``stage`` (a chunk) does."""
-    after = boundaries(cfg, example)
-    ranges = stage_ranges(list(cfg.pipeline.partition if partition is None else partition),
-                          len(after) + 1)
-    start, stop = ranges[stage]
-    return (after[start - 1] if start > 0 else None,
-            after[stop - 1] if stop < len(after) + 1 else None)
+def layout(cfg: DictConfig, example: Any, microbatch_size: int) -> ModelLayout:
+    """The model's :class:`ModelLayout` for micro-batches of ``microbatch_size`` samples, like
+    ``example`` (the plan carries the launcher's to the workers: :mod:`~sdpipe_cli.model.layout`)."""
+    return ModelLayout(microbatch_size, tuple(boundaries(cfg, example)),
+                       tuple(tied_parameters(meta_blocks(cfg.model)[0])))
 
 
 # -- tied parameters -----------------------------------------------------------------------------
@@ -388,30 +384,29 @@ def _split_key(message: str, default: str) -> tuple[str, str]:
     return (key, reason) if sep and key.startswith("model.") else (default, message)
 
 
-def stage_ties(cfg: DictConfig, stage: int, partition: Partition = None) -> list[tuple[tuple[int, ...], str]]:
+def stage_ties(cfg: DictConfig, stage: int, partition: Partition = None,
+               known: ModelLayout | None = None) -> list[tuple[tuple[int, ...], str]]:
     """The shared parameters that stage ``stage`` holds a copy of while other stages hold
-    theirs: for each, the stages that hold one, and its name in this stage's module."""
-    blocks, _ = meta_blocks(cfg.model)
-    held = [[b for lo, hi in chunks for b in range(lo, hi)] for chunks in _held(cfg, partition, len(blocks))]
-    stage_of = {b: s for s, mine in enumerate(held) for b in mine}
-    out = []
-    for places in tied_parameters(blocks):
-        stages = tuple(sorted({stage_of[b] for b, _ in places}))
-        mine = [(b, name) for b, name in places if stage_of[b] == stage]
-        if len(stages) > 1 and mine:  # named by its block's index in the stage's module
-            out.append((stages, f"{held[stage].index(mine[0][0])}.{mine[0][1]}"))
-    return out
+    theirs (:meth:`ModelLayout.stage_ties`), from the ``known`` layout or the model built on
+    the meta device."""
+    blocks, tied = (known.blocks, known.ties) if known else (
+        count_blocks(cfg.model), tuple(tied_parameters(meta_blocks(cfg.model)[0])))
+    return ModelLayout(0, (), tied).stage_ties(_held(cfg, partition, blocks), stage)
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: DictConfig) -> ModelLayout:
     """What only building the model shows, before any process starts: each block takes what the
-    one before it returns, its tied weights are possible here, the loss can be had (ConfigError)."""
+    one before it returns, its tied weights are possible here, the loss can be had (ConfigError).
+    Returns the layout it found, which the run's plan carries to the workers."""
     from sdpipe_cli.config.schema import ASYNC_SCHEDULES
     from sdpipe_cli.core.plan import microbatch_size
     from sdpipe_cli.data import sources
 
     p = cfg.pipeline
-    after = boundaries(cfg, sources.example(cfg, microbatch_size(cfg), device="meta")[0])
+    size = microbatch_size(cfg)
+    example = sources.example(cfg, size, device="meta")[0]
+    found = layout(cfg, example, size)
+    after = found.outputs
     names = block_names(cfg.model)
     for cut in p.partition:  # what a stage sends must carry a gradient back
         if not after[cut - 1].differentiable():
@@ -419,15 +414,16 @@ def check(cfg: DictConfig) -> None:
                               f"({names[cut - 1]}), whose output {after[cut - 1]} has no floating-"
                               "point tensor to carry a gradient back; cut elsewhere")
     asynchronous = p.schedule in ASYNC_SCHEDULES
-    if asynchronous and any(stage_ties(cfg, s) for s in range(p.stages)):
+    if asynchronous and any(stage_ties(cfg, s, known=found) for s in range(p.stages)):
         raise ConfigError("model.tie_embeddings", "tied weights on different stages need a flushed "
                           "schedule (their copies are summed once per iteration); use "
                           "pipeline.schedule=1f1b or model.tie_embeddings=false")
     if asynchronous and cfg.train.precision == "fp16":
         raise ConfigError("train.precision", "fp16's skip-or-step decision needs a flushed "
                           "schedule; use bf16 with async_1f1b")
-    check_dtypes(cfg, sources.example(cfg, microbatch_size(cfg), device="meta")[0], after)
+    check_dtypes(cfg, example, after)
     loss_function(cfg.model)  # a loss that does not import or build: here, not in every worker
+    return found
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision's compute dtypes

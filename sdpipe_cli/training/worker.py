@@ -39,6 +39,7 @@ from sdpipe_cli.data.feed import Feed
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.model import models, optim
 from sdpipe_cli.model.boundary import Boundary
+from sdpipe_cli.model.layout import from_plan
 from sdpipe_cli.pipeline import microbatches, validation
 from sdpipe_cli.pipeline.async_stage import AsyncStage
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
@@ -105,7 +106,10 @@ class Worker:
         self.microbatch_count = plan.microbatches_of(p)
         self.batch_size = plan.batch_of(p)
         self.module = models.build_stage_module(cfg, s, partition).to(device)
-        self.ties = TiedCopies(models.stage_ties(cfg, s, partition), where, incarnation)
+        # what crosses each cut, which weights are tied: as the launcher found them, or traced
+        self.layout = from_plan(plan.layout, plan.microbatch_size, plan.blocks) or models.layout(
+            cfg, sources.example(cfg, plan.microbatch_size)[0], plan.microbatch_size)
+        self.ties = TiedCopies(models.stage_ties(cfg, s, partition, self.layout), where, incarnation)
         # the stage's parameters, listed once: the optimizer holds these very tensors, so they
         # are the module's for the worker's life (what changes them copies into them)
         self.params = list(self.module.parameters())
@@ -155,11 +159,10 @@ class Worker:
         (slices of :attr:`module`). Asynchronous 1F1B's loop puts an AsyncStage on the flushed
         stage's executor in its place."""
         cfg, where = self.cfg, self.where
-        example = sources.example(cfg, plan.microbatch_size)[0]
         low = models.AUTOCAST.get(self.settings.train.precision)
 
         def boundaries(piece: int) -> tuple[Boundary | None, Boundary | None]:
-            pair = models.stage_boundaries(cfg, example, piece, self.partition)
+            pair = self.layout.stage_boundaries(piece, self.partition)
             if low is None:
                 return pair
             # activations and their gradients travel in the low precision
@@ -171,7 +174,7 @@ class Worker:
                       rank_offset=self.rank_offset, autocast=low,
                       checkpointing=self.settings.pipeline.activation_checkpointing)
         s, S = where.stage, where.stages
-        chunks = models.chunk_slices(cfg, s, self.partition)
+        chunks = models.chunk_slices(cfg, s, self.partition, self.layout.blocks)
         if len(chunks) == 1:
             return FlushedStage(self.module, stage=s, num_stages=S, prev_rank=where.prev_rank,
                                 next_rank=where.next_rank, boundaries=boundaries(s), **common)

@@ -13,7 +13,7 @@ from torch import nn
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import ConfigError
 from sdpipe_cli.config.validation import validate
-from sdpipe_cli.model import models
+from sdpipe_cli.model import layout, models
 
 
 @pytest.fixture
@@ -198,3 +198,67 @@ def test_a_cut_where_no_gradient_can_flow_back_is_refused(user_module):
         prepare(cfg)
     cfg.pipeline.partition = [2]
     prepare(cfg)  # after the embedding, floats flow
+
+
+# -- the layout the plan carries (model/layout.py) ------------------------------------------------
+
+def _carried_and_traced(cfg):
+    """A prepared run's carried layout (as a worker reads it back) and the one tracing finds."""
+    from sdpipe_cli.cli.preparing import prepare
+    from sdpipe_cli.core.plan import RunPlan
+    from sdpipe_cli.data import sources
+
+    prepared = prepare(cfg)[0]
+    plan = RunPlan.of(prepared)
+    carried = layout.from_plan(plan.layout, plan.microbatch_size, plan.blocks)
+    return carried, models.layout(prepared, sources.example(prepared, plan.microbatch_size)[0],
+                                  plan.microbatch_size), prepared
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=mlp", "data=synthetic", "pipeline.stages=2"],
+    ["model=gpt_tiny", "data=synthetic", "pipeline.stages=3", "model.tie_embeddings=true"],
+    ["model=bert_tiny", "data=synthetic", "pipeline.stages=2"],
+    ["model=gpt_tiny", "data=synthetic", "pipeline.stages=2", "pipeline.chunks=2",
+     "pipeline.schedule=interleaved_1f1b", "train.precision=bf16"],
+])
+def test_the_plan_carries_the_layout_every_worker_traced_before(overrides):
+    cfg = compose([*overrides, "cluster.pipelines=1"])
+    validate(cfg)
+    carried, traced, prepared = _carried_and_traced(cfg)
+    assert carried == traced and carried.outputs and carried.microbatch_size == 4
+    bounds = list(prepared.pipeline.partition)
+    for piece in range(len(bounds) + 1):  # what each piece receives and sends, as before
+        start = ([0, *bounds][piece])
+        stop = ([*bounds, carried.blocks][piece])
+        assert carried.stage_boundaries(piece, bounds) == (
+            traced.outputs[start - 1] if start else None,
+            traced.outputs[stop - 1] if stop < carried.blocks else None)
+
+
+def test_a_carried_layout_of_tuples_ints_and_ties_reads_back_and_gives_the_same_ties(user_module):
+    carried, traced, _ = _carried_and_traced(custom(f"{user_module}.as_list", "data=synthetic",
+                                                    "model.seq_len=4", "pipeline.stages=2"))
+    assert carried == traced and str(carried.outputs[0]) == "((4, 4) float32, (4,) int64)"
+    carried, traced, _ = _carried_and_traced(custom(f"{user_module}.int_cut", "data=synthetic",
+                                                    "model.seq_len=4", "pipeline.stages=2",
+                                                    "pipeline.partition=[2]"))
+    assert carried == traced and carried.outputs[0].specs[0].dtype == torch.int64
+    cfg = custom(f"{user_module}.tied", "pipeline.stages=3", "pipeline.partition=[1,2]")
+    known = models.layout(cfg, torch.zeros(2, 4, dtype=torch.long), 2)
+    again = layout.ModelLayout.of_plain(OmegaConf.to_container(OmegaConf.create(known.plain())))
+    assert again == known and again.ties == (((0, "weight"), (2, "weight")),)
+    for s in range(3):
+        assert models.stage_ties(cfg, s, known=again) == models.stage_ties(cfg, s)
+
+
+def test_a_layout_for_other_micro_batches_or_blocks_or_malformed_is_traced_again():
+    known = layout.ModelLayout(4, (models.Boundary.tensor([4, 8]),) * 2)
+    plain = known.plain()
+    assert layout.from_plan(plain, 4, 3) == known
+    assert layout.from_plan(plain, 8, 3) is None  # a resumed leg with larger micro-batches
+    assert layout.from_plan(plain, 4, 5) is None
+    assert layout.from_plan(None, 4, 3) is None  # a run prepared before plans carried one
+    for broken in ({**plain, "outputs": ['{"specs":[["float99",[4]]],"keys":null,"single":true}']},
+                   {**plain, "ties": "not json"}, {"microbatch_size": 4}):
+        assert layout.from_plan(broken, 4, 2) is None
