@@ -9,11 +9,18 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from sdpipe_cli.data import sources
 from sdpipe_cli.model import models
 from sdpipe_cli.runtime.processes import LAZY_TORCH, WARM_UP
 from tests.helpers import kill_leftovers
+
+# One intra-op thread in each test process, as the launcher gives its workers: the suite's three
+# test processes share two cores, and torch's threads (two in each) spin while they wait for work.
+# The unit tier (-m "not multiprocess") took 208 and 258 CPU-s so against 238 and 291 without,
+# alternately.
+torch.set_num_threads(1)
 
 # Processes the tests start (the runs of launchers in the test's process, helpers.spawn_and_join,
 # launcher.spawn) are forks of one fork server per session, which imports torch once, as a

@@ -123,6 +123,7 @@ def _sweep_order(path: Path) -> tuple[int, str]:
 
 
 IGNORED = ("run.dir", "run.port", "run.node", "profile")  # differ between runs, say nothing
+DERIVED = ("plan.layout.",)  # follow from settings that are shown under their own names
 
 
 def labels(runs: Sequence[Run], most: int = 4) -> list[str]:
@@ -132,7 +133,7 @@ def labels(runs: Sequence[Run], most: int = 4) -> list[str]:
     a consequence of one that differs (``sync.name``), and is left out, unless runs would
     otherwise share a label: two sdpipe runs beside an all-reduce one that differ only in
     ``sync.stale`` are told apart by it (and the all-reduce run's label does not mention it)."""
-    keys = sorted({k for r in runs for k in r.config} - set(IGNORED))
+    keys = sorted(k for k in {k for r in runs for k in r.config} - set(IGNORED) if not k.startswith(DERIVED))
     differing = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
     shown = [k for k in differing if all(r.config.get(k) is not None for r in runs)][:most]
 

@@ -9,7 +9,8 @@ finds them once, while it checks the model (:func:`sdpipe_cli.model.models.check
 run plan carries them to every process (``plan.layout``, :meth:`ModelLayout.plain`). Each
 worker used to trace the whole model again: a sixth of a small worker's start, and seconds of
 Python for a large model, in every worker. A plan without one (a run prepared before it was
-carried) or for another micro-batch size is traced again (:func:`from_plan` returns None).
+carried) or one that does not fit the plan beside it (another micro-batch size or block count:
+a file edited by hand) is traced again (:func:`from_plan` returns None).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class ModelLayout:
         (a run's ``config.yaml`` stays readable however deep the model)."""
         return {"microbatch_size": self.microbatch_size,
                 "outputs": [_encode(b) for b in self.outputs],
-                "ties": json.dumps([[list(place) for place in places] for places in self.ties])}
+                "ties": _json([[list(place) for place in places] for places in self.ties])}
 
     @classmethod
     def of_plain(cls, values: Mapping[str, Any]) -> ModelLayout:
@@ -83,7 +84,7 @@ class ModelLayout:
 
 def from_plan(carried: Mapping[str, Any] | None, microbatch_size: int, blocks: int) -> ModelLayout | None:
     """The layout a run's plan carries, if it is one for this micro-batch size and this many
-    blocks; None otherwise (not carried, malformed, or for other micro-batches): trace it."""
+    blocks; None otherwise (not carried, malformed, or not this plan's): trace it."""
     if not carried:
         return None
     try:
@@ -93,10 +94,16 @@ def from_plan(carried: Mapping[str, Any] | None, microbatch_size: int, blocks: i
     return layout if layout.microbatch_size == microbatch_size and layout.blocks == blocks else None
 
 
+def _json(value: Any) -> str:
+    """One line of JSON, ``$`` escaped (``\\u0024``, which JSON reads back as ``$``): a config's
+    string holding ``${`` is an interpolation to OmegaConf, and a dict key of a model's own may
+    hold one."""
+    return json.dumps(value, separators=(",", ":")).replace("$", "\\u0024")
+
+
 def _encode(b: Boundary) -> str:
     specs = [[str(s.dtype).removeprefix("torch."), list(s.shape)] for s in b.specs]
-    return json.dumps({"specs": specs, "keys": None if b.keys is None else list(b.keys),
-                       "single": b.single}, separators=(",", ":"))
+    return _json({"specs": specs, "keys": None if b.keys is None else list(b.keys), "single": b.single})
 
 
 def _decode(text: str) -> Boundary:

@@ -73,6 +73,22 @@ def user_module(tmp_path, monkeypatch):
         def int_cut():
             return [Ids(), nn.Embedding(64, 4), nn.Linear(4, 2)]
 
+        class Keyed(nn.Module):
+            def forward(self, x):
+                return {"h${x}": x.float(), "ids": x}
+
+        class Scaled(nn.Module):
+            def __init__(self, emb, width):
+                super().__init__()
+                self.emb, self.lin = emb, nn.Linear(1, width)
+            def forward(self, x):
+                x = x["h${x}"] if isinstance(x, dict) else x
+                return self.lin(x[..., :1] if x.dim() == 3 else x.unsqueeze(-1)) * self.emb.weight.sum()
+
+        def keyed_tied():
+            emb = nn.Embedding(4, 4)
+            return [Keyed(), Scaled(emb, 4), Scaled(emb, 256)]
+
         def my_loss(output, target, weight=1.0):
             return weight * torch.nn.functional.cross_entropy(output, target)
     '''))
@@ -250,6 +266,29 @@ def test_a_carried_layout_of_tuples_ints_and_ties_reads_back_and_gives_the_same_
     assert again == known and again.ties == (((0, "weight"), (2, "weight")),)
     for s in range(3):
         assert models.stage_ties(cfg, s, known=again) == models.stage_ties(cfg, s)
+
+
+def test_the_layout_a_child_reads_from_the_run_file_is_the_launchers(user_module, tmp_path, monkeypatch):
+    """The path a worker takes: the prepared config written as the launcher writes it, read back
+    as a child reads it (its settings from the file's values); a dict key holding ``${`` (an
+    interpolation to OmegaConf, were it written as it is) and a weight tied across stages."""
+    from sdpipe_cli.config import derived, run_file
+    from sdpipe_cli.core.plan import RunPlan
+
+    cfg = custom(f"{user_module}.tied", "pipeline.stages=3", "pipeline.partition=[1,2]",
+                 "data=synthetic", "model.seq_len=4")
+    carried, traced, prepared = _carried_and_traced(cfg)
+    assert carried == traced and carried.ties == (((0, "weight"), (2, "weight")),)
+    for built in (prepared, _carried_and_traced(custom(
+            f"{user_module}.keyed_tied", "data=synthetic", "model.seq_len=4", "pipeline.stages=2",
+            "pipeline.partition=[2]"))[2]):
+        run_file.save_run_config(derived.sealed(derived.with_run(built, dir=str(tmp_path))),
+                                 tmp_path / "config.yaml")
+        monkeypatch.setenv("SDPIPE_RUN_DIR", str(tmp_path))
+        plan = RunPlan.of(run_file.load_child_config()[1])
+        read = layout.from_plan(plan.layout, plan.microbatch_size, plan.blocks)
+        assert read is not None and read == layout.ModelLayout.of_plain(RunPlan.of(built).layout)
+    assert read.outputs[0].keys == ("h${x}", "ids") and read.ties
 
 
 def test_a_layout_for_other_micro_batches_or_blocks_or_malformed_is_traced_again():

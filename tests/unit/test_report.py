@@ -167,3 +167,15 @@ def test_rounds_are_counted_by_why_they_closed_in_the_policys_order(tmp_path):
     assert list(report.reasons(run).items()) == [
         ("late", 1), ("cap", 1), ("in: opened", 2), ("in: expected", 1), ("in: ready", 1),
         ("out: late", 1), ("out: capped", 1), ("out: busy", 2)]
+
+
+def test_the_models_layout_in_the_plan_is_no_label(tmp_path):
+    """A sweep over the batch size: the plan's layout (each boundary's shape) differs as well, and
+    sorts first, but follows from the settings that are shown."""
+    def config(batch, shape):
+        return (f"train:\n  batch_size: {batch}\nplan:\n  microbatch_size: {batch // 4}\n  layout:\n"
+                f"    microbatch_size: {batch // 4}\n    outputs:\n    - '{shape}'\nrun:\n  dir: /a\n")
+
+    runs = [report.load(write_run(tmp_path / str(b), config(b, f"[{b // 4},64]"), [])) for b in (8, 16)]
+    assert report.labels(runs) == ["plan.microbatch_size=2 train.batch_size=8",
+                                   "plan.microbatch_size=4 train.batch_size=16"]
