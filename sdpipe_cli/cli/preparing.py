@@ -77,7 +77,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
     found = models.check(cfg)
     for q, own in (cfg.pipeline.partitions or {}).items():  # each split, as its workers see it
         try:
-            models.check(cast(DictConfig, OmegaConf.merge(cfg, {"pipeline": {"partition": own}})))
+            models.check(cast(DictConfig, OmegaConf.merge(cfg, {"pipeline": {"partition": own}})), found)
         except ConfigError as err:
             key = f"pipeline.partitions.{q}" if err.key == "pipeline.partition" else err.key
             raise ConfigError(key, err.reason) from None

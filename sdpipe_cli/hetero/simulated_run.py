@@ -35,6 +35,7 @@ from sdpipe_cli.core.simulation import MODES, Result, Workload, simulate
 from sdpipe_cli.data import sources
 from sdpipe_cli.hetero.simulated_replan import replanned
 from sdpipe_cli.model import models
+from sdpipe_cli.model.layout import from_plan
 from sdpipe_cli.sync.replay import recorded_meetings
 
 __all__ = ["workload", "run", "FORMAT"]
@@ -90,7 +91,7 @@ def workload(cfg: DictConfig, plan: RunPlan | None = None) -> Workload:
         cluster=cluster, microbatches=m, batch_size=cfg.train.batch_size, steps=cfg.train.steps,
         forward_s=forward, backward_s=backward,
         stage_bytes=[sum(sum(counts[a:b]) for a, b in chunks) * FLOAT_BYTES for chunks in held],
-        activation_bytes=models.activation_bytes(cfg, sources.example(cfg, plan.microbatch_size)[0]),
+        activation_bytes=_activation_bytes(cfg, plan),
         slowdown=[float(x) for x in cfg.cluster.slowdown],
         shares=list(plan.microbatches) if plan.balanced else [],
         stragglers=[[EmulatedStragglers.of_device(st, seed, cluster.device(p, s).name)
@@ -116,6 +117,14 @@ def _sync_settings(cfg: DictConfig) -> dict:
            if key in cfg.sync}
     return {"average": average_of(cfg.sync), "every": meetings_of(cfg.sync).every,
             "precision": precision_of(cfg.sync), "staleness": None, "local_steps": None, **own}
+
+
+def _activation_bytes(cfg: DictConfig, plan: RunPlan) -> int:
+    """The largest message between two stages: from the layout the plan carries, else traced."""
+    known = from_plan(plan.layout, plan.microbatch_size, plan.blocks)
+    if known is None:
+        return models.activation_bytes(cfg, sources.example(cfg, plan.microbatch_size)[0])
+    return max((b.nbytes for b in known.outputs), default=0)
 
 
 def _with_sync(cfg: DictConfig, sync: str, plan: RunPlan | None = None) -> DictConfig:

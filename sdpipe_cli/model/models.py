@@ -394,10 +394,11 @@ def stage_ties(cfg: DictConfig, stage: int, partition: Partition = None,
     return ModelLayout(0, (), tied).stage_ties(_held(cfg, partition, blocks), stage)
 
 
-def check(cfg: DictConfig) -> ModelLayout:
+def check(cfg: DictConfig, known: ModelLayout | None = None) -> ModelLayout:
     """What only building the model shows, before any process starts: each block takes what the
     one before it returns, its tied weights are possible here, the loss can be had (ConfigError).
-    Returns the layout it found, which the run's plan carries to the workers."""
+    Returns the layout it found (or was given, ``known``, checking another split of the same
+    model), which the run's plan carries to the workers."""
     from sdpipe_cli.config.schema import ASYNC_SCHEDULES
     from sdpipe_cli.core.plan import microbatch_size
     from sdpipe_cli.data import sources
@@ -405,7 +406,7 @@ def check(cfg: DictConfig) -> ModelLayout:
     p = cfg.pipeline
     size = microbatch_size(cfg)
     example = sources.example(cfg, size, device="meta")[0]
-    found = layout(cfg, example, size)
+    found = known if known is not None and known.microbatch_size == size else layout(cfg, example, size)
     after = found.outputs
     names = block_names(cfg.model)
     for cut in p.partition:  # what a stage sends must carry a gradient back

@@ -243,6 +243,12 @@ def test_the_plan_carries_the_layout_every_worker_traced_before(overrides):
     validate(cfg)
     carried, traced, prepared = _carried_and_traced(cfg)
     assert carried == traced and carried.outputs and carried.microbatch_size == 4
+    from sdpipe_cli.core.plan import RunPlan
+    from sdpipe_cli.data import sources
+    from sdpipe_cli.hetero import simulated_run
+
+    assert simulated_run._activation_bytes(prepared, RunPlan.of(prepared)) == models.activation_bytes(
+        prepared, sources.example(prepared, 4)[0])  # the simulator's, read from the plan
     bounds = list(prepared.pipeline.partition)
     for piece in range(len(bounds) + 1):  # what each piece receives and sends, as before
         start = ([0, *bounds][piece])
