@@ -16,7 +16,8 @@ a file edited by hand) is traced again (:func:`from_plan` returns None).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,9 @@ import torch
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model.boundary import Boundary, TensorSpec
 
-__all__ = ["ModelLayout", "from_plan"]
+__all__ = ["ModelLayout", "carried_or_traced", "from_plan"]
+
+log = logging.getLogger("sdpipe.layout")
 
 Ties = tuple[tuple[tuple[int, str], ...], ...]  # per shared parameter: (block, name) of each holder
 
@@ -92,6 +95,17 @@ def from_plan(carried: Mapping[str, Any] | None, microbatch_size: int, blocks: i
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
     return layout if layout.microbatch_size == microbatch_size and layout.blocks == blocks else None
+
+
+def carried_or_traced(carried: Mapping[str, Any] | None, microbatch_size: int, blocks: int,
+                      trace: Callable[[], ModelLayout]) -> ModelLayout:
+    """The layout the plan carries (:func:`from_plan`), else ``trace()``'s, said in the log: a
+    worker of a run prepared before plans carried one traces the whole model, as it did then."""
+    known = from_plan(carried, microbatch_size, blocks)
+    if known is None:
+        log.info("the run's plan carries no layout of the model: traced it here")
+        known = trace()
+    return known
 
 
 def _json(value: Any) -> str:

@@ -39,7 +39,7 @@ from sdpipe_cli.data.feed import Feed
 from sdpipe_cli.hetero.emulation import MemoryLimit, link_delay, make_slowdown
 from sdpipe_cli.model import models, optim
 from sdpipe_cli.model.boundary import Boundary
-from sdpipe_cli.model.layout import from_plan
+from sdpipe_cli.model.layout import carried_or_traced
 from sdpipe_cli.pipeline import microbatches, validation
 from sdpipe_cli.pipeline.async_stage import AsyncStage
 from sdpipe_cli.pipeline.interleaved_stage import InterleavedStage
@@ -107,8 +107,8 @@ class Worker:
         self.batch_size = plan.batch_of(p)
         self.module = models.build_stage_module(cfg, s, partition).to(device)
         # what crosses each cut, which weights are tied: as the launcher found them, or traced
-        self.layout = from_plan(plan.layout, plan.microbatch_size, plan.blocks) or models.layout(
-            cfg, sources.example(cfg, plan.microbatch_size)[0], plan.microbatch_size)
+        self.layout = carried_or_traced(plan.layout, plan.microbatch_size, plan.blocks, lambda: models.layout(
+            cfg, sources.example(cfg, plan.microbatch_size)[0], plan.microbatch_size))
         self.ties = TiedCopies(models.stage_ties(cfg, s, partition, self.layout), where, incarnation)
         # the stage's parameters, listed once: the optimizer holds these very tensors, so they
         # are the module's for the worker's life (what changes them copies into them)

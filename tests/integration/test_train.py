@@ -41,6 +41,8 @@ def test_default_model_learns_on_stdlib_text(run_dir):
     assert cfg["sync"]["name"] == "sdpipe"
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"0.log", "1.log", "2.log",
                                                                   "3.log", "scheduler.log"}
+    # the workers took the model's layout from the plan; none traced the model again
+    assert not [p for p in (run_dir / "logs").glob("*.log") if "traced it here" in p.read_text()]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["iterations"] == 80 and summary["done"] == 4
     assert "sdpipe train: done" in out.stderr

@@ -297,9 +297,14 @@ def test_the_layout_a_child_reads_from_the_run_file_is_the_launchers(user_module
     assert read.outputs[0].keys == ("h${x}", "ids") and read.ties
 
 
-def test_a_layout_for_other_micro_batches_or_blocks_or_malformed_is_traced_again():
+def test_a_layout_for_other_micro_batches_or_blocks_or_malformed_is_traced_again(caplog):
     known = layout.ModelLayout(4, (models.Boundary.tensor([4, 8]),) * 2)
     plain = known.plain()
+    traced = layout.ModelLayout(4, (models.Boundary.tensor([4, 9]),) * 2)
+    caplog.set_level("INFO", logger="sdpipe.layout")
+    assert layout.carried_or_traced(plain, 4, 3, lambda: traced) == known and not caplog.records
+    assert layout.carried_or_traced(None, 4, 3, lambda: traced) == traced
+    assert "carries no layout" in caplog.text
     assert layout.from_plan(plain, 4, 3) == known
     assert layout.from_plan(plain, 8, 3) is None  # a resumed leg with larger micro-batches
     assert layout.from_plan(plain, 4, 5) is None
