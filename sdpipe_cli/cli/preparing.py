@@ -82,7 +82,7 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, partition.Plan | None,
             key = f"pipeline.partitions.{q}" if err.key == "pipeline.partition" else err.key
             raise ConfigError(key, err.reason) from None
     cfg.plan = RunPlan.resolve(cfg, cluster, blocks, balance_of(cfg, cluster, blocks),
-                               found.plain()).section()
+                               found.carried()).section()
     if cfg.fault.on_slowdown == "replan":  # the leg after a re-plan goes on from this checkpoint
         cfg.checkpoint.on_exit = True
     resolved, choice = simulated_run.resolve_meetings(cfg)  # sdpipe on slow links: how often

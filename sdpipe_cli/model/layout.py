@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sdpipe_cli.config.yaml_bounds import MAX_BYTES, MAX_ENTRIES
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model.boundary import Boundary, TensorSpec
 
@@ -76,6 +77,14 @@ class ModelLayout:
         return {"microbatch_size": self.microbatch_size,
                 "outputs": [_encode(b) for b in self.outputs],
                 "ties": _json([[list(place) for place in places] for places in self.ties])}
+
+    def carried(self) -> dict[str, Any] | None:
+        """:meth:`plain`, unless it would make the run's file one that sdpipe does not read back
+        (:mod:`~sdpipe_cli.config.yaml_bounds`: a list of more than ``MAX_ENTRIES``, a quarter
+        of a file's ``MAX_BYTES``): a model of over 10,000 blocks is traced by each worker."""
+        plain = self.plain()
+        chars = sum(len(o) for o in plain["outputs"]) + len(plain["ties"])
+        return plain if len(self.outputs) <= MAX_ENTRIES and chars <= MAX_BYTES // 4 else None
 
     @classmethod
     def of_plain(cls, values: Mapping[str, Any]) -> ModelLayout:

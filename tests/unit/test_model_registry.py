@@ -309,6 +309,8 @@ def test_a_layout_for_other_micro_batches_or_blocks_or_malformed_is_traced_again
     assert layout.from_plan(plain, 8, 3) is None  # a resumed leg with larger micro-batches
     assert layout.from_plan(plain, 4, 5) is None
     assert layout.from_plan(None, 4, 3) is None  # a run prepared before plans carried one
+    many = layout.ModelLayout(4, (models.Boundary.tensor([4, 8]),) * 10_001)
+    assert many.carried() is None and known.carried() == plain  # a list the run file's readers refuse
     for broken in ({**plain, "outputs": ['{"specs":[["float99",[4]]],"keys":null,"single":true}']},
                    {**plain, "ties": "not json"}, {"microbatch_size": 4}):
         assert layout.from_plan(broken, 4, 2) is None
