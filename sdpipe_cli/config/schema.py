@@ -466,12 +466,12 @@ def n_blocks(model: ModelConfig | DictConfig) -> Optional[int]:
     return int(model.n_layers) + 2
 
 
-def objective(cfg: DictConfig) -> str:
+def objective(cfg: Any) -> str:
     """What the targets are: ``model.objective``, or for ``auto`` what the data implies."""
     if cfg.model.objective != "auto":
         return cfg.model.objective
     if cfg.data.name == "custom":  # the model says what it is, or the data set's classes
-        resolved = cfg.data.get("resolved") or {}
+        resolved = getattr(cfg.data, "resolved", None) or {}
         classifier = cfg.model.arch in RESNET_BLOCKS or cfg.model.num_classes or resolved.get("classes")
         return "classify" if classifier else "clm"
     return "classify" if cfg.data.name in IMAGE_DATASETS else "clm"
@@ -481,7 +481,7 @@ def num_classes(cfg: DictConfig) -> Optional[int]:
     """Classes of a classifier: ``model.num_classes``, else the data set's."""
     if cfg.model.num_classes is not None:
         return int(cfg.model.num_classes)
-    resolved = cfg.data.get("resolved") or {}
+    resolved = getattr(cfg.data, "resolved", None) or {}
     return resolved.get("classes") or {"digits": 10, "cifar10": 10}.get(cfg.data.name)
 
 

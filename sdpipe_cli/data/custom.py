@@ -82,11 +82,13 @@ def _split(ds: Dataset, val_fraction: float, seed: int) -> tuple[Dataset, Datase
 
 def open_custom(data_cfg: Any, seed: int) -> tuple[Dataset, Dataset, int | None]:
     """The user's train and validation sets, and their number of classes if they say."""
-    target = data_cfg.get("_target_")
+    target = getattr(data_cfg, "_target_", None)
     fn = import_callable(target, KEY)
-    # data.kwargs is a dict[str, Any] node of the schema: its container is a dict of str keys
-    kwargs = cast("dict[str, Any]", OmegaConf.to_container(data_cfg.kwargs, resolve=True)
-                  if data_cfg.get("kwargs") else {})
+    # data.kwargs: a dict[str, Any] node of the schema (its container is a dict of str keys), or
+    # the settings' dict
+    given = getattr(data_cfg, "kwargs", None) or {}
+    kwargs = cast("dict[str, Any]", OmegaConf.to_container(given, resolve=True)
+                  if OmegaConf.is_config(given) else dict(given))
     try:
         with rng_kept():
             draws = seed_of("data", seed)

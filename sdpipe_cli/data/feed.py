@@ -41,7 +41,7 @@ class Feed:
         self.cfg = cfg
         self.batch_size = int(batch_size or cfg.train.batch_size)
         self.splits = sources.open_splits(cfg)
-        sources.check_same(self.splits, cfg.data.get("resolved"), "this process", "at launch")
+        sources.check_same(self.splits, getattr(cfg.data, "resolved", None), "this process", "at launch")
         self.labels_only = not inputs and callable(getattr(self.splits.train, "target", None))
         self.workers = 0 if self.labels_only else sources.workers(cfg)
         order = Order(len(self.splits.train), pipeline, pipelines, int(cfg.train.seed))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
 from sdpipe_cli.data.loader import read_sample
@@ -161,7 +162,7 @@ def _custom(cfg: Any) -> Splits:
     from sdpipe_cli.data.custom import open_custom
 
     train, val, classes = open_custom(cfg.data, int(cfg.train.seed))
-    return Splits(train, val, classes=classes, read={"target": str(cfg.data.get("_target_")),
+    return Splits(train, val, classes=classes, read={"target": str(getattr(cfg.data, "_target_", None)),
                                                      "samples": {"train": len(train), "val": len(val)}})
 
 
@@ -292,14 +293,18 @@ def resolve(cfg: Any) -> dict[str, Any]:
 
 
 def _resolved(cfg: Any) -> dict[str, Any]:
-    return cfg.data.get("resolved") or resolve(cfg)
+    return getattr(cfg.data, "resolved", None) or resolve(cfg)
 
 
 def fingerprint(cfg: Any, content: bool = True) -> str:
     """A short digest of what the run reads: a checkpoint keeps it, a resume compares it.
     ``content=False``: without the digests of the content, as an older sdpipe recorded it (a
     checkpoint of one is compared by sizes alone, and says nothing false)."""
-    read = {k: v for k, v in _resolved(cfg)["read"].items() if content or k not in CONTENT}
+    given = _resolved(cfg)["read"]
+    # as a config node, also when read from the typed settings: its nested values are written by
+    # their ``str`` (the digest every checkpoint so far holds), a plain dict's as JSON
+    node = given if OmegaConf.is_config(given) else OmegaConf.create(given)
+    read = {k: v for k, v in node.items() if content or k not in CONTENT}
     return hashlib.sha256(json.dumps(read, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

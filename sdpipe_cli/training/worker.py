@@ -89,8 +89,8 @@ class Worker:
                  device: torch.device, events: dist.Store, groups: GroupCache,
                  pipeline_groups: GroupCache, resume: str | None = None, incarnation: int = 0,
                  rank_offset: int = 0):
-        # ``cfg``, the record: what the model, its data and the emulation are built from;
-        # ``settings``, the same typed: what this worker reads (train, run, fault, checkpoint, ...)
+        # ``cfg``, the record: what the model is built from; ``settings``,
+        # the same typed: what this worker reads (its data, train, run, fault, checkpoint, ...)
         self.cfg, self.settings = cfg, settings
         train, run = settings.train, settings.run
         # what this pipeline's stages are built from: the run's split, or its own (the plan's)
@@ -141,12 +141,12 @@ class Worker:
         self.loss_scale = (LossScale(train.loss_scale) if train.precision == "fp16"
                            else None)
         self.skipped = self.skipped_in_a_row = 0  # steps skipped for a non-finite gradient
-        self.classify = objective(cfg) == "classify"
+        self.classify = objective(settings) == "classify"
         self.feed = None
         if where.first or where.last:  # middle stages never touch data
-            self.feed = Feed(cfg, p, where.pipelines, inputs=where.first, pin_memory=device.type == "cuda",
+            self.feed = Feed(settings, p, where.pipelines, inputs=where.first, pin_memory=device.type == "cuda",
                              batch_size=self.batch_size)
-        self.run_dir = Path(cfg.run.dir)  # the record's: the folder its launch made
+        self.run_dir = Path(str(settings.run.dir))  # the folder its launch made
         self._last_save = time.monotonic()
         self.start_step = self._restore(Path(resume)) if resume else 0
         self._saved_step = self.start_step  # the step of the last checkpoint (or of the resume)
@@ -445,8 +445,8 @@ class Worker:
     @torch.no_grad()
     def evaluate(self, step: int) -> None:
         """Validation loss of this pipeline's replica on the fixed validation batches."""
-        cfg, w = self.cfg, self.where
-        count = sources.val_count(cfg)
+        w = self.where
+        count = sources.val_count(self.settings)
         batches = ([(None, None)] * count if self.feed is None else
                    ((b.inputs, b.targets) for b in self.feed.validation(count)))
         self.module.eval()

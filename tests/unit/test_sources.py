@@ -76,6 +76,14 @@ USER = '''
     def empty(**kw):
         return []
 
+    def sized(size):
+        class Sized(Squares):
+            def __len__(self):
+                return size
+            def __getitem__(self, i):
+                return torch.full((3, 8, 8), float(i)), i % 2
+        return Sized()
+
     def broken(size):
         raise RuntimeError("no disk")
 
@@ -183,3 +191,34 @@ def test_a_process_that_sees_other_data_than_the_launcher_stops(user_module):
     c.data.resolved.train = 31  # as if another node's copy had one sample more
     with pytest.raises(DataError, match="this process reads other data than the run did"):
         Feed(c, 0, 2)
+
+
+def _batches(feed) -> list:
+    out = [feed.batch(step) for step in (1, 2)] + list(feed.validation(2))
+    feed.close()
+    return [(b.inputs, b.targets) for b in out]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["data=synthetic"], ["data.max_bytes=100000"], ["model=resnet_cifar", "data=digits"],
+    ["model=resnet_cifar", "data=custom", "data._target_=user_sets.sized", "+data.size=48",
+     "data.val_fraction=0.25"],
+])
+def test_a_worker_reads_the_same_data_from_its_settings_as_from_the_record(user_module, overrides):
+    """A worker's data comes from its typed settings (``config.settings``), not the config
+    record: the same batches, validation batches, count, objective and fingerprint, the custom
+    set's keyword arguments included."""
+    from sdpipe_cli.cli.preparing import prepare
+    from sdpipe_cli.config.schema import objective
+    from sdpipe_cli.config.settings import settings_of
+    from sdpipe_cli.config.validation import validate
+    from sdpipe_cli.data.feed import Feed
+
+    c = cfg(*overrides, "cluster.pipelines=2", "train.batch_size=8")
+    validate(c)
+    record = prepare(c)[0]
+    settings = settings_of(record)
+    assert objective(settings) == objective(record) and sources.val_count(settings) == sources.val_count(record)
+    assert sources.fingerprint(settings) == sources.fingerprint(record)
+    for (xa, ya), (xb, yb) in zip(_batches(Feed(record, 1, 2)), _batches(Feed(settings, 1, 2)), strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
