@@ -22,12 +22,15 @@ The sync strategies take their mode's own section (``settings.sync``: a group sy
 the measured wire, and the emulation of a worker's device (``make_slowdown``), read settings;
 the metrics sinks take their section, and the record, which MLflow and W&B log; replay's check
 of a recorded run against this one reads settings. The builders of the model and the data
-still take the record. The group policy takes either: the scheduler builds it from its
-settings, the simulator from a config.
+take either (a worker gives them its settings, the launcher its config: :func:`plain` reads a
+free-form value of either, ``model.kwargs`` or ``model.hf``); so does the group policy: the
+scheduler builds it from its settings, the simulator from a config.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
@@ -36,7 +39,7 @@ from sdpipe_cli.config.run_file import typed
 from sdpipe_cli.config.schema import Config
 from sdpipe_cli.config.values import settings_from
 
-__all__ = ["settings_of"]
+__all__ = ["plain", "settings_of"]
 
 
 def settings_of(cfg: DictConfig) -> Config:
@@ -50,3 +53,13 @@ def settings_of(cfg: DictConfig) -> Config:
         return settings_from(cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True)))
     except (TypeError, KeyError):  # not values of their types: typing converts them, or says why
         return cast(Config, OmegaConf.to_object(typed(cfg, str(cfg.sync.name))))
+
+
+def plain(value: Any) -> Any:
+    """A value of the record or of the settings as plain data: a config node's container
+    (resolved), a section's dict, or a copy of a dict or list of the settings."""
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return copy.deepcopy(value)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, ConfigError
+from sdpipe_cli.config.schema import HF_ARCHS, RESNET_BLOCKS, Config, ConfigError, ModelConfig
+from sdpipe_cli.config.settings import plain
 from sdpipe_cli.config.targets import import_callable
 from sdpipe_cli.core.interleaved import stage_blocks
 from sdpipe_cli.model import bytes_lm
@@ -53,18 +55,18 @@ IGNORE_INDEX = -100  # targets that take no part in the loss (masked LM: the unm
 
 # -- builders -------------------------------------------------------------------------------------
 
-def _bytes_lm(m: DictConfig) -> Blocks:
+def _bytes_lm(m: ModelSection) -> Blocks:
     names = ["embedding", *(f"layer{i}" for i in range(1, int(m.n_layers) + 1)), "head"]
     return bytes_lm.build_blocks(m), names
 
 
-def _resnet(m: DictConfig) -> Blocks:
+def _resnet(m: ModelSection) -> Blocks:
     from sdpipe_cli.model import resnet
 
-    return resnet.build(m.arch, num_classes=int(m.num_classes)).blocks()
+    return resnet.build(m.arch, num_classes=int(cast(int, m.num_classes))).blocks()  # checked
 
 
-def _hf(m: DictConfig) -> Blocks:
+def _hf(m: ModelSection) -> Blocks:
     from sdpipe_cli.model import hf
 
     try:
@@ -73,7 +75,7 @@ def _hf(m: DictConfig) -> Blocks:
         raise ConfigError(*_split_key(str(err), "model.arch")) from None
 
 
-def hf_overrides(m: DictConfig) -> dict[str, Any]:
+def hf_overrides(m: ModelSection) -> dict[str, Any]:
     """transformers config keys from the model's settings, then ``model.hf`` on top."""
     if m.arch == "gpt2":
         base = {"vocab_size": m.vocab_size, "n_positions": m.seq_len, "n_embd": m.d_model,
@@ -84,17 +86,15 @@ def hf_overrides(m: DictConfig) -> dict[str, Any]:
                 "hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
                 "num_attention_heads": m.n_heads, "intermediate_size": m.d_hidden,
                 "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout}
-    # the schema types model.hf as dict[str, Any]
-    return {**base, **cast(dict[str, Any], OmegaConf.to_container(m.hf, resolve=True))}
+    return {**base, **cast(dict[str, Any], plain(m.hf))}  # the schema's dict[str, Any]
 
 
-def _custom_parts(m: DictConfig) -> tuple[Any, list[nn.Module], list[str]]:
+def _custom_parts(m: ModelSection) -> tuple[Any, list[nn.Module], list[str]]:
     """What the user's builder returned, and its blocks and their names."""
-    target = m.get("_target_")
+    target = getattr(m, "_target_", None)
     fn = import_callable(target, "model._target_")
-    # the schema types model.kwargs as dict[str, Any]
-    kwargs = cast(dict[str, Any], OmegaConf.to_container(m.kwargs, resolve=True))
-    returned = made = _call_builder(fn, target, kwargs)
+    kwargs = cast(dict[str, Any], plain(m.kwargs))  # the schema's dict[str, Any]
+    returned = made = _call_builder(fn, str(target), kwargs)
     if hasattr(made, "pipeline_blocks") and callable(made.pipeline_blocks):
         made = made.pipeline_blocks()
     names: list[str] | None = None
@@ -147,7 +147,7 @@ def _text(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
-BUILDERS: dict[str, Callable[[DictConfig], Blocks]] = {
+BUILDERS: dict[str, Callable[[ModelSection], Blocks]] = {
     "gpt": _bytes_lm, "mlp": _bytes_lm, "custom": lambda m: _custom_parts(m)[1:],
     **{arch: _resnet for arch in RESNET_BLOCKS}, **{arch: _hf for arch in HF_ARCHS}}
 
@@ -158,11 +158,11 @@ IMPORTS = {"gpt2": ["transformers.models.gpt2.modeling_gpt2", "transformers.mask
            "bert": ["transformers.models.bert.modeling_bert", "transformers.masking_utils"]}
 
 
-def imports(model_cfg: DictConfig) -> list[str]:
+def imports(model_cfg: ModelSection) -> list[str]:
     return list(IMPORTS.get(str(model_cfg.arch), []))  # IMPORTS of the model's architecture
 
 
-def build(model_cfg: DictConfig) -> Blocks:
+def build(model_cfg: ModelSection) -> Blocks:
     """The whole model's blocks and their names, initialised from the caller's torch RNG (callers
     seed it first). Raises :class:`ConfigError` naming the key when it cannot be built."""
     blocks, names = BUILDERS[model_cfg.arch](model_cfg)
@@ -171,15 +171,17 @@ def build(model_cfg: DictConfig) -> Blocks:
     return blocks, names
 
 
+RunConfig = DictConfig | Config  # a run's config: its record, or its settings (a worker's)
+ModelSection = DictConfig | ModelConfig
 Partition = Sequence[int] | None  # a pipeline's own split (RunPlan); None: pipeline.partition
 
 
-def _held(cfg: DictConfig, partition: Partition, blocks: int) -> list[list[tuple[int, int]]]:
+def _held(cfg: RunConfig, partition: Partition, blocks: int) -> list[list[tuple[int, int]]]:
     bounds = cfg.pipeline.partition if partition is None else partition
     return stage_blocks([int(b) for b in bounds], blocks, int(cfg.pipeline.stages))
 
 
-def build_stage_module(cfg: DictConfig, stage: int, partition: Partition = None) -> nn.Sequential:
+def build_stage_module(cfg: RunConfig, stage: int, partition: Partition = None) -> nn.Sequential:
     """Stage ``stage``'s blocks, chunk after chunk (see :func:`chunk_slices`)."""
     torch.manual_seed(cfg.train.seed)
     blocks, names = build(cfg.model)
@@ -187,14 +189,14 @@ def build_stage_module(cfg: DictConfig, stage: int, partition: Partition = None)
                            for i in range(a, b)])
 
 
-def chunk_slices(cfg: DictConfig, stage: int, partition: Partition = None, blocks: int = 0) -> list[slice]:
+def chunk_slices(cfg: RunConfig, stage: int, partition: Partition = None, blocks: int = 0) -> list[slice]:
     """Where each of stage ``stage``'s chunks lies in its module (:func:`build_stage_module`)
     (``blocks``: the model's, where known)."""
     sizes = [b - a for a, b in _held(cfg, partition, blocks or count_blocks(cfg.model))[stage]]
     return [slice(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes))]
 
 
-def build_whole(model_cfg: DictConfig) -> tuple[nn.Module, list[nn.Module], list[str]]:
+def build_whole(model_cfg: ModelSection) -> tuple[nn.Module, list[nn.Module], list[str]]:
     """The model as one module, whose state dict is the model's under the names its own code
     gives it, and its blocks, which share that module's parameters (what ``sdpipe export``
     writes): the transformers model (``GPT2LMHeadModel``, ``BertForMaskedLM``), the ResNet with
@@ -218,7 +220,7 @@ def build_whole(model_cfg: DictConfig) -> tuple[nn.Module, list[nn.Module], list
     elif arch in RESNET_BLOCKS:
         from sdpipe_cli.model import resnet
 
-        whole = resnet.build(arch, num_classes=int(model_cfg.num_classes))
+        whole = resnet.build(arch, num_classes=int(cast(int, model_cfg.num_classes)))
         blocks, names = whole.blocks()
     else:
         made, (blocks, names) = None, ([], [])
@@ -249,35 +251,36 @@ def _holds(module: nn.Module, blocks: Sequence[nn.Module]) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_blocks(model_yaml: str) -> Blocks:
+def _meta_blocks(model_json: str) -> Blocks:
     with torch.device("meta"), ShapesOnly():
-        try:  # the YAML of a model node (meta_blocks): a mapping
-            return build(cast(DictConfig, OmegaConf.create(model_yaml)))
+        try:  # the JSON of a model section (meta_blocks): a mapping
+            return build(cast(DictConfig, OmegaConf.create(json.loads(model_json))))
         except RuntimeError as err:  # sizes past what a tensor can hold, even on the meta device
             raise ConfigError("model", f"cannot be built at these sizes: {_text(err)}") from None
 
 
-def meta_blocks(model_cfg: DictConfig) -> Blocks:
-    """The blocks built on the meta device (no memory, no initialisation cost); cached."""
-    return _meta_blocks(OmegaConf.to_yaml(model_cfg, resolve=True))
+def meta_blocks(model_cfg: Any) -> Blocks:
+    """The blocks built on the meta device (no memory, no initialisation cost); cached by the
+    section's values (the record's or the settings')."""
+    return _meta_blocks(json.dumps(plain(model_cfg), sort_keys=True, default=str))
 
 
-def count_blocks(model_cfg: DictConfig) -> int:
+def count_blocks(model_cfg: ModelSection) -> int:
     return len(meta_blocks(model_cfg)[0])
 
 
-def block_names(model_cfg: DictConfig) -> list[str]:
+def block_names(model_cfg: ModelSection) -> list[str]:
     return list(meta_blocks(model_cfg)[1])
 
 
-def block_param_counts(model_cfg: DictConfig) -> list[int]:
+def block_param_counts(model_cfg: ModelSection) -> list[int]:
     """Parameters per block, for balancing stages (a tied weight counts in each block)."""
     return [sum(p.numel() for p in block.parameters()) for block in meta_blocks(model_cfg)[0]]
 
 
 # -- stage boundaries --------------------------------------------------------------------------------
 
-def boundaries(cfg: DictConfig, example: Any) -> list[Boundary]:
+def boundaries(cfg: RunConfig, example: Any) -> list[Boundary]:
     """The layout after each block but the last, for an example micro-batch input (of the real
     shapes and dtypes), by a forward on the meta device; a model that reads values on the way
     (``.item()`` has no meta version) runs once for real, on the CPU, without touching the RNG
@@ -315,13 +318,13 @@ def _trace(blocks: Sequence[nn.Module], names: Sequence[str], value: Any) -> lis
     return out
 
 
-def activation_bytes(cfg: DictConfig, example: Any) -> int:
+def activation_bytes(cfg: RunConfig, example: Any) -> int:
     """Bytes of the largest message between two stages (the simulator's and the profile's
     activation size): a pipeline is as slow as its slowest link."""
     return max((b.nbytes for b in boundaries(cfg, example)), default=0)
 
 
-def layout(cfg: DictConfig, example: Any, microbatch_size: int) -> ModelLayout:
+def layout(cfg: RunConfig, example: Any, microbatch_size: int) -> ModelLayout:
     """The model's :class:`ModelLayout` for micro-batches of ``microbatch_size`` samples, like
     ``example`` (the plan carries the launcher's to the workers: :mod:`~sdpipe_cli.model.layout`)."""
     return ModelLayout(microbatch_size, tuple(boundaries(cfg, example)),
@@ -359,15 +362,15 @@ def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX)
 
 
-def loss_function(model_cfg: DictConfig) -> Callable[[Any, Any], torch.Tensor]:
+def loss_function(model_cfg: ModelSection) -> Callable[[Any, Any], torch.Tensor]:
     """``model.loss``: ``cross_entropy``, or a node whose ``_target_`` is a function (called with
     its other keys as keyword arguments) or a loss class (instantiated with them)."""
     loss = model_cfg.loss
     if loss == "cross_entropy":
         return cross_entropy
-    if isinstance(loss, str) or not OmegaConf.is_dict(loss) or "_target_" not in loss:
+    node = plain(loss)
+    if not isinstance(node, dict) or "_target_" not in node:
         raise ConfigError("model.loss", f"is {loss!r}; use cross_entropy or a node with _target_")
-    node = cast(dict[str, Any], OmegaConf.to_container(loss, resolve=True))  # is_dict above
     kwargs = {k: v for k, v in node.items() if k != "_target_"}
     fn = import_callable(loss.get("_target_"), "model.loss._target_")
     if isinstance(fn, type):
@@ -384,7 +387,7 @@ def _split_key(message: str, default: str) -> tuple[str, str]:
     return (key, reason) if sep and key.startswith("model.") else (default, message)
 
 
-def stage_ties(cfg: DictConfig, stage: int, partition: Partition = None,
+def stage_ties(cfg: RunConfig, stage: int, partition: Partition = None,
                known: ModelLayout | None = None) -> list[tuple[tuple[int, ...], str]]:
     """The shared parameters that stage ``stage`` holds a copy of while other stages hold
     theirs (:meth:`ModelLayout.stage_ties`), from the ``known`` layout or the model built on
@@ -394,7 +397,7 @@ def stage_ties(cfg: DictConfig, stage: int, partition: Partition = None,
     return ModelLayout(0, (), tied).stage_ties(_held(cfg, partition, blocks), stage)
 
 
-def check(cfg: DictConfig, known: ModelLayout | None = None) -> ModelLayout:
+def check(cfg: RunConfig, known: ModelLayout | None = None) -> ModelLayout:
     """What only building the model shows, before any process starts: each block takes what the
     one before it returns, its tied weights are possible here, the loss can be had (ConfigError).
     Returns the layout it found (or was given, ``known``, checking another split of the same
@@ -430,7 +433,7 @@ def check(cfg: DictConfig, known: ModelLayout | None = None) -> ModelLayout:
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision's compute dtypes
 
 
-def check_dtypes(cfg: DictConfig, example: Any, after: Sequence[Boundary]) -> None:
+def check_dtypes(cfg: RunConfig, example: Any, after: Sequence[Boundary]) -> None:
     """Each block with weights gets floating tensors it can take: the meta device does not check
     dtypes (a float64 activation into a float32 Linear runs there and fails in a worker). What a
     block gets is what the block before it returns, or at a stage's start under

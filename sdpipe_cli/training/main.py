@@ -46,7 +46,7 @@ def main() -> int:
         # a restarted worker takes its state from a live replica (rejoin), not from the
         # checkpoint the leg began with, which may not even hold its blocks (a re-split)
         resume = os.environ.get("SDPIPE_RESUME") if not ctx.incarnation else None
-        worker = Worker(cfg, settings, ctx.where, ctx.plan, ctx.device, shared, sync_groups,
+        worker = Worker(settings, ctx.where, ctx.plan, ctx.device, shared, sync_groups,
                         pipeline_groups, resume=resume, incarnation=ctx.incarnation,
                         rank_offset=ctx.rank_offset)
         # Waiting silently, a worker must not look hung (or never started) to the scheduler. A

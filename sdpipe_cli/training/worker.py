@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
 from sdpipe_cli import checkpoint
@@ -72,8 +71,8 @@ def param_digest(module: nn.Module) -> str:
 class Worker:
     """Stage ``where.stage`` of pipeline ``where.pipeline``.
 
-    ``cfg`` and ``settings``: the run's config as its record and typed
-    (:mod:`sdpipe_cli.config.settings`). ``plan``: the run's (its cluster places this worker and
+    ``settings``: the run's config, typed (:mod:`sdpipe_cli.config.settings`): what it builds
+    its stage, data and sync from. ``plan``: the run's (its cluster places this worker and
     emulates its speed and links).
     ``groups`` makes the sync strategy's communicators (sdpipe: with ``sync.group_timeout``);
     ``pipeline_groups`` the ones over this pipeline's stages (the global gradient norm), with
@@ -85,13 +84,11 @@ class Worker:
     the default process group's rank 0 (see :mod:`sdpipe_cli.runtime.bootstrap`).
     """
 
-    def __init__(self, cfg: DictConfig, settings: Config, where: Placement, plan: RunPlan,
+    def __init__(self, settings: Config, where: Placement, plan: RunPlan,
                  device: torch.device, events: dist.Store, groups: GroupCache,
                  pipeline_groups: GroupCache, resume: str | None = None, incarnation: int = 0,
                  rank_offset: int = 0):
-        # ``cfg``, the record: what the model is built from; ``settings``,
-        # the same typed: what this worker reads (its data, train, run, fault, checkpoint, ...)
-        self.cfg, self.settings = cfg, settings
+        self.settings = cfg = settings  # all it reads: model, data, train, run, fault, ...
         train, run = settings.train, settings.run
         # what this pipeline's stages are built from: the run's split, or its own (the plan's)
         self.partition = partition = plan.partition_of(where.pipeline)
@@ -158,7 +155,7 @@ class Worker:
         :class:`FlushedStage`, or an :class:`InterleavedStage` with one executor per model chunk
         (slices of :attr:`module`). Asynchronous 1F1B's loop puts an AsyncStage on the flushed
         stage's executor in its place."""
-        cfg, where = self.cfg, self.where
+        cfg, where = self.settings, self.where
         low = models.AUTOCAST.get(self.settings.train.precision)
 
         def boundaries(piece: int) -> tuple[Boundary | None, Boundary | None]:

@@ -314,3 +314,38 @@ def test_a_layout_for_other_micro_batches_or_blocks_or_malformed_is_traced_again
     for broken in ({**plain, "outputs": ['{"specs":[["float99",[4]]],"keys":null,"single":true}']},
                    {**plain, "ties": "not json"}, {"microbatch_size": 4}):
         assert layout.from_plan(broken, 4, 2) is None
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=gpt_tiny", "data=synthetic", "pipeline.stages=2"],
+    ["model=bert_tiny", "data=synthetic", "pipeline.stages=2", "model.hf={hidden_act: relu}"],
+    ["model=resnet_cifar", "data=digits", "pipeline.stages=2"],
+    ["model=custom", "model._target_=torch.nn.Sequential", "data=synthetic",
+     "model.loss={_target_: torch.nn.CrossEntropyLoss, label_smoothing: 0.1}"],
+])
+def test_a_worker_builds_the_same_stage_from_its_settings_as_from_the_record(overrides, user_module):
+    """A worker builds its stage, layout, ties and loss from its typed settings: the same
+    weights bit for bit as from the config record, the same blocks, the same loss."""
+    from sdpipe_cli.cli.preparing import prepare
+    from sdpipe_cli.config.settings import settings_of
+    from sdpipe_cli.data import sources
+
+    if "model=custom" in overrides:
+        overrides = [f"model._target_={user_module}.tied", "+model.kwargs.width=8",
+                     *[o for o in overrides if not o.startswith("model._target_")],
+                     "model.seq_len=4"]
+    cfg = compose([*overrides, "cluster.pipelines=1"])
+    validate(cfg)
+    record = prepare(cfg)[0]
+    settings = settings_of(record)
+    for s in range(2):
+        a, b = models.build_stage_module(record, s), models.build_stage_module(settings, s)
+        assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+        assert models.chunk_slices(record, s) == models.chunk_slices(settings, s)
+        assert models.stage_ties(record, s) == models.stage_ties(settings, s)
+    example = sources.example(record, 4)[0]
+    assert models.layout(record, example, 4) == models.layout(settings, sources.example(settings, 4)[0], 4)
+    output, target = torch.randn(4, 7), torch.randint(0, 7, (4,))
+    assert torch.equal(models.loss_function(record.model)(output, target),
+                       models.loss_function(settings.model)(output, target))
