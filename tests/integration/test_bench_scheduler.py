@@ -3,15 +3,15 @@ replicas, the JSON and Markdown results, and no process left behind."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import subprocess
 import sys
 
 import psutil
 import pytest
 
-from tests.helpers import REPO, finish
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,31 +19,36 @@ MARK = "SDPIPE_BENCH_SCHEDULER_TEST"  # in the environment of every process the 
 
 
 def marked(value: str) -> list[psutil.Process]:
+    """The live processes the script started (this one, which runs it, aside)."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(MARK) == value and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.pid != os.getpid() and proc.environ().get(MARK) == value \
+                    and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
 
 
-def test_tiny_run_reports_latency_and_cpu(tmp_path):
+def test_tiny_run_reports_latency_and_cpu(tmp_path, monkeypatch):
+    """The script's ``main`` in this process (an interpreter less); the scheduler it measures and
+    the process of replicas it drives are real processes of their own."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.setenv(MARK, str(tmp_path))  # inherited by every process the script starts
+    bench = importlib.import_module("bench_scheduler")
     results, table = tmp_path / "results.json", tmp_path / "table.md"
-    proc = subprocess.Popen(
-        [sys.executable, "scripts/bench_scheduler.py", "--pipelines", "4", "--stages", "2",
-         "--steps", "4", "--compute-ms", "10", "--processes", "1", "--timeout", "40",
-         "--out", str(tmp_path / "out"), "--json", str(results), "--markdown", str(table)],
-        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", MARK: str(tmp_path)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args = ["--pipelines", "4", "--stages", "2", "--steps", "4", "--compute-ms", "10", "--processes",
+            "1", "--timeout", "40", "--out", str(tmp_path / "out"), "--json", str(results),
+            "--markdown", str(table)]
+    monkeypatch.setattr(sys, "argv", ["scripts/bench_scheduler.py", *args])  # the results' stamp
     try:
-        rc, err, _ = finish(proc, timeout=60)  # kills the script's session on a hang
+        rc = bench.main(args)
     finally:
         left = marked(str(tmp_path))
         for p in left:
             p.kill()
-    assert rc == 0, err
+    assert rc == 0
     assert not left, f"processes left behind: {[p.pid for p in left]}"
 
     [r] = json.loads(results.read_text())

@@ -732,7 +732,7 @@ def test_two_resumes_of_one_run_started_together_one_runs_the_other_is_refused(t
     it at once; the run's metrics then hold one timeline. One resume is a launcher in this
     process, the other a process of its own, started at the same moment: either may win."""
     before, trained = len(metrics(run_copy)), len(metrics(run_copy, "train"))
-    long = ("train.steps=100000",)
+    long = ("train.steps=100000", "cluster.compute_ms=10")  # modelled: the winner idles while it waits
 
     def the_other(command):
         proc = sdpipe_popen("resume", str(run_copy), *long, "train.lr=0.02")

@@ -9,7 +9,6 @@ comparable between runs.
 
 from __future__ import annotations
 
-import signal
 import statistics
 import time
 
@@ -17,7 +16,7 @@ import pytest
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.hetero import profiler
-from tests.helpers import run_processes, sdpipe, sdpipe_popen
+from tests.helpers import interrupt_command, run_processes, sdpipe, sdpipe_beside
 
 pytestmark = pytest.mark.multiprocess
 
@@ -82,21 +81,20 @@ def test_profile_2x2_cpu_shows_emulated_speeds_and_links(run_dir):
 
 
 def test_ctrl_c_stops_a_profile_at_once(run_dir):
-    """A profile has no consistent point to wait for: the first Ctrl-C stops every process."""
-    proc = sdpipe_popen("profile", f"run.dir={run_dir}", "cluster.device=cpu", "model=mlp",
-                        "cluster.links.same_node.latency_ms=300")  # p2p alone would take > 30 s
-    deadline = time.monotonic() + 120
+    """A profile has no consistent point to wait for: the first Ctrl-C stops every process. (The
+    command runs in this process, as a profile's launcher with its own handlers, interrupted
+    from beside it.)"""
     last_blocks = run_dir / "logs" / "3.log"  # rank 3 measures its blocks last, then p2p starts
-    while not (last_blocks.exists() and "blocks:" in last_blocks.read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    signalled = time.monotonic()
-    try:
-        _, err = proc.communicate(timeout=60)
-    except Exception:
-        proc.kill()
-        raise
-    assert proc.returncode == 130 and "interrupted; all processes stopped" in err, err
+
+    def interrupt_after_blocks(command):
+        command.wait_for(lambda: last_blocks.exists() and "blocks:" in last_blocks.read_text(),
+                         timeout=120, what="rank 3's blocks")
+        return interrupt_command()
+
+    out, signalled = sdpipe_beside(interrupt_after_blocks, run_dir, "profile", f"run.dir={run_dir}",
+                                   "cluster.device=cpu", "model=mlp",
+                                   "cluster.links.same_node.latency_ms=300",  # p2p alone: > 30 s
+                                   timeout=120)
+    assert out.returncode == 130 and "interrupted; all processes stopped" in out.stderr, out.stderr
     assert time.monotonic() - signalled < 20
     assert not run_processes(run_dir) and not (run_dir / "profile.json").exists()
