@@ -50,6 +50,8 @@ __all__ = ["build", "build_stage_module", "build_whole", "boundaries", "block_pa
            "count_blocks", "loss_function", "tied_parameters"]
 
 Blocks = tuple[list[nn.Module], list[str]]
+RunConfig = DictConfig | Config  # a run's config: its record, or its settings (a worker's)
+ModelSection = DictConfig | ModelConfig
 IGNORE_INDEX = -100  # targets that take no part in the loss (masked LM: the unmasked tokens)
 
 
@@ -171,8 +173,6 @@ def build(model_cfg: ModelSection) -> Blocks:
     return blocks, names
 
 
-RunConfig = DictConfig | Config  # a run's config: its record, or its settings (a worker's)
-ModelSection = DictConfig | ModelConfig
 Partition = Sequence[int] | None  # a pipeline's own split (RunPlan); None: pipeline.partition
 
 
