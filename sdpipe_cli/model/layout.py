@@ -27,7 +27,7 @@ from sdpipe_cli.config.yaml_bounds import MAX_BYTES, MAX_ENTRIES
 from sdpipe_cli.core.partition import stage_ranges
 from sdpipe_cli.model.boundary import Boundary, TensorSpec
 
-__all__ = ["ModelLayout", "carried_or_traced", "from_plan"]
+__all__ = ["ModelLayout", "carried_or_traced", "from_plan", "stage_ties"]
 
 log = logging.getLogger("sdpipe.layout")
 
@@ -55,21 +55,6 @@ class ModelLayout:
         return (self.outputs[start - 1] if start > 0 else None,
                 self.outputs[stop - 1] if stop < self.blocks else None)
 
-    def stage_ties(self, held: Sequence[Sequence[tuple[int, int]]], stage: int
-                   ) -> list[tuple[tuple[int, ...], str]]:
-        """The shared parameters that stage ``stage`` holds a copy of while other stages hold
-        theirs, each stage holding the block ranges ``held[stage]``: for each, the stages that
-        hold one, and its name in this stage's module (its blocks in order, numbered from 0)."""
-        blocks_of = [[b for lo, hi in ranges for b in range(lo, hi)] for ranges in held]
-        stage_of = {b: s for s, mine in enumerate(blocks_of) for b in mine}
-        out = []
-        for places in self.ties:
-            stages = tuple(sorted({stage_of[b] for b, _ in places}))
-            mine = [(b, name) for b, name in places if stage_of[b] == stage]
-            if len(stages) > 1 and mine:
-                out.append((stages, f"{blocks_of[stage].index(mine[0][0])}.{mine[0][1]}"))
-        return out
-
     # -- carried in the plan ----------------------------------------------------------------------
     def plain(self) -> dict[str, Any]:
         """Plain values for the plan section: each boundary and the ties as one line of JSON
@@ -92,6 +77,22 @@ class ModelLayout:
         ties = tuple(tuple((int(b), str(name)) for b, name in places)
                      for places in json.loads(values["ties"]))
         return cls(int(values["microbatch_size"]), tuple(_decode(o) for o in values["outputs"]), ties)
+
+
+def stage_ties(ties: Ties, held: Sequence[Sequence[tuple[int, int]]], stage: int
+               ) -> list[tuple[tuple[int, ...], str]]:
+    """Of the parameters ``ties``, those that stage ``stage`` holds a copy of while other stages
+    hold theirs, each stage holding the block ranges ``held[stage]``: for each, the stages that
+    hold one, and its name in this stage's module (its blocks in order, numbered from 0)."""
+    blocks_of = [[b for lo, hi in ranges for b in range(lo, hi)] for ranges in held]
+    stage_of = {b: s for s, mine in enumerate(blocks_of) for b in mine}
+    out = []
+    for places in ties:
+        stages = tuple(sorted({stage_of[b] for b, _ in places}))
+        mine = [(b, name) for b, name in places if stage_of[b] == stage]
+        if len(stages) > 1 and mine:
+            out.append((stages, f"{blocks_of[stage].index(mine[0][0])}.{mine[0][1]}"))
+    return out
 
 
 def from_plan(carried: Mapping[str, Any] | None, microbatch_size: int, blocks: int) -> ModelLayout | None:

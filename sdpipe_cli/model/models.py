@@ -43,7 +43,7 @@ from sdpipe_cli.config.targets import import_callable
 from sdpipe_cli.core.interleaved import stage_blocks
 from sdpipe_cli.model import bytes_lm
 from sdpipe_cli.model.boundary import Boundary, map_tensors
-from sdpipe_cli.model.layout import ModelLayout
+from sdpipe_cli.model.layout import ModelLayout, stage_ties as layout_ties
 from sdpipe_cli.model.shapes_only import ShapesOnly
 
 __all__ = ["build", "build_stage_module", "build_whole", "boundaries", "block_param_counts", "chunk_slices",
@@ -390,11 +390,11 @@ def _split_key(message: str, default: str) -> tuple[str, str]:
 def stage_ties(cfg: RunConfig, stage: int, partition: Partition = None,
                known: ModelLayout | None = None) -> list[tuple[tuple[int, ...], str]]:
     """The shared parameters that stage ``stage`` holds a copy of while other stages hold
-    theirs (:meth:`ModelLayout.stage_ties`), from the ``known`` layout or the model built on
-    the meta device."""
+    theirs (:func:`~sdpipe_cli.model.layout.stage_ties`), from the ``known`` layout or the model
+    built on the meta device."""
     blocks, tied = (known.blocks, known.ties) if known else (
         count_blocks(cfg.model), tuple(tied_parameters(meta_blocks(cfg.model)[0])))
-    return ModelLayout(0, (), tied).stage_ties(_held(cfg, partition, blocks), stage)
+    return layout_ties(tied, _held(cfg, partition, blocks), stage)
 
 
 def check(cfg: RunConfig, known: ModelLayout | None = None) -> ModelLayout:
