@@ -12,12 +12,12 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from sdpipe_cli.config.schema import schema_for
+from sdpipe_cli.config.schema import Config, schema_for
 from sdpipe_cli.config.values import settings_from
 
 
@@ -43,7 +43,15 @@ def save_run_config(cfg: DictConfig, path: Path) -> None:
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
 
-def load_child_config() -> tuple[Path, DictConfig]:
+class ChildConfig(NamedTuple):
+    """A child's run folder, and its config as the read-only record and as settings."""
+
+    run_dir: Path
+    cfg: DictConfig
+    settings: Config
+
+
+def load_child_config() -> ChildConfig:
     """For a child process: its run folder and the resolved config the launcher wrote for it,
     read-only: a child reads its config, and what it derives is a new config
     (:mod:`sdpipe_cli.config.derived`).
@@ -54,15 +62,18 @@ def load_child_config() -> tuple[Path, DictConfig]:
     here (typing, 20-25 ms of a small worker's 170 to start and end; the settings, under 1 ms,
     and the record made from them, about 12 ms in a forked child). A file whose values are not
     all of their fields' types (the launcher writes none) is typed, as before; a config from
-    anywhere else is typed too (:mod:`~sdpipe_cli.config.saved`)."""
+    anywhere else is typed too (:mod:`~sdpipe_cli.config.saved`). The settings it built come
+    with the record, so that the child does not build them again."""
     run_dir = Path(os.environ["SDPIPE_RUN_DIR"])
     values = read_run_file(Path(os.environ.get("SDPIPE_CONFIG", run_dir / "config.yaml")))
     try:
-        cfg = OmegaConf.create(dataclasses.asdict(settings_from(values)))
+        settings = settings_from(values)
+        cfg = OmegaConf.create(dataclasses.asdict(settings))
     except (TypeError, KeyError):  # not values of their types: typing converts them, or says why
         cfg = _typed(values)
+        settings = cast(Config, OmegaConf.to_object(cfg))
     OmegaConf.set_readonly(cfg, True)
-    return run_dir, cfg
+    return ChildConfig(run_dir, cfg, settings)
 
 
 def read_run_file(path: Path) -> dict[str, Any]:

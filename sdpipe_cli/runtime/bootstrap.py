@@ -33,7 +33,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from sdpipe_cli.config.run_file import load_child_config
+from sdpipe_cli.config.run_file import ChildConfig, load_child_config
+from sdpipe_cli.config.schema import Config
 from sdpipe_cli.core.placement import Placement
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.runtime import store
@@ -44,14 +45,15 @@ __all__ = ["Child", "Joined", "child", "joined", "connect_store"]
 
 @dataclass(frozen=True)
 class Child:
-    """A started child: its run folder and the run's config."""
+    """A started child: its run folder and the run's config, as the record and as settings."""
 
     run_dir: Path
     cfg: DictConfig
+    settings: Config
 
 
 @contextmanager
-def child(name: str, label: str | None = None, loaded: tuple[Path, DictConfig] | None = None,
+def child(name: str, label: str | None = None, loaded: ChildConfig | None = None,
           **identity: Any) -> Iterator[Child]:
     """Logging as ``label`` (default ``name``), stack dumps on SIGUSR1, the run config (``loaded``
     if the caller already read it to name itself), and the error file ``name`` for any exception
@@ -59,9 +61,9 @@ def child(name: str, label: str | None = None, loaded: tuple[Path, DictConfig] |
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {label or name} %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1)
-    run_dir, cfg = loaded or load_child_config()
+    run_dir, cfg, settings = loaded or load_child_config()
     with record(run_dir, name, **identity):
-        yield Child(run_dir, cfg)
+        yield Child(run_dir, cfg, settings)
 
 
 def connect_store(cfg: DictConfig, timeout: float | None = None):
@@ -94,6 +96,7 @@ class Joined:
     """A worker that has joined the run's process group (see :func:`joined`)."""
 
     cfg: DictConfig
+    settings: Config  # the same config, typed
     run_dir: Path
     where: Placement
     plan: RunPlan  # the run's topology, placement, budget (resolved by the launcher)
@@ -135,5 +138,5 @@ def joined(pipeline_group: Callable[[DictConfig], bool] = lambda cfg: False) -> 
               record(started.run_dir, str(rank), **identity)):  # before the group is torn down
             logging.getLogger("sdpipe.worker").info(
                 "pipeline %d stage %d on %s", where.pipeline, where.stage, device)
-            yield Joined(cfg, started.run_dir, where, plan, device, client, backend, incarnation,
-                         offset)
+            yield Joined(cfg, started.settings, started.run_dir, where, plan, device, client, backend,
+                         incarnation, offset)

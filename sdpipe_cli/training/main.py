@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 
-from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import store
@@ -33,8 +32,7 @@ def own_group(cfg) -> bool:
 
 def main() -> int:
     with joined(own_group) as ctx:
-        cfg = ctx.cfg
-        settings = settings_of(cfg)
+        settings = ctx.settings
         # A mode with a group timeout (sdpipe) gets its own store connection for its groups:
         # a member that died between its ready signal and the average must not stall the rest.
         timeout = getattr(settings.sync, "group_timeout", None) or settings.run.timeout

@@ -38,7 +38,7 @@ def test_a_childs_config_is_read_only_and_what_it_derives_is_a_new_one(tmp_path,
     run_file.save_run_config(saved, tmp_path / "config.yaml")
     monkeypatch.setenv("SDPIPE_RUN_DIR", str(tmp_path))
     monkeypatch.delenv("SDPIPE_CONFIG", raising=False)
-    _, cfg = run_file.load_child_config()
+    cfg = run_file.load_child_config().cfg
     with pytest.raises(ReadonlyConfigError):
         cfg.pipeline.partition = [1]
     moved = derived.resplit(cfg, {1: [1]}, {"p1s0": 2.0})

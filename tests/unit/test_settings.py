@@ -105,17 +105,19 @@ def test_values_of_another_type_are_typed_instead_converted_or_refused_as_before
     if isinstance(expected, type):
         with pytest.raises(expected):
             run_file.load_child_config()
-    else:
-        same(OmegaConf.to_container(run_file.load_child_config()[1]),
-             OmegaConf.to_container(run_file.typed(values, "sdpipe")))
+    else:  # typed by the schema, and the settings the child reads the same as the record's
+        child = run_file.load_child_config()
+        same(OmegaConf.to_container(child.cfg), OmegaConf.to_container(run_file.typed(values, "sdpipe")))
+        assert child.settings == settings_of(child.cfg)
 
 
 def test_a_childs_record_is_read_only_and_built_from_the_file(tmp_path, monkeypatch):
     run_file.save_run_config(compose(["sync=sdpipe", *ODD]), tmp_path / "config.yaml")
     monkeypatch.setenv("SDPIPE_RUN_DIR", str(tmp_path))
     monkeypatch.delenv("SDPIPE_CONFIG", raising=False)
-    _, cfg = run_file.load_child_config()
+    _, cfg, settings = run_file.load_child_config()
     assert OmegaConf.is_readonly(cfg)
+    assert settings == settings_of(cfg)  # built once, with the record, and the same
     same(OmegaConf.to_container(cfg), OmegaConf.to_container(
         run_file.load_run_config(tmp_path / "config.yaml")))
 

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli import checkpoint
-from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import write_summary
@@ -234,8 +233,7 @@ def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
 def main() -> int:
     resume = os.environ.get("SDPIPE_RESUME")
     with child("scheduler", role="scheduler") as started:
-        run_dir, cfg = started.run_dir, started.cfg
-        settings = settings_of(cfg)
+        run_dir, cfg, settings = started.run_dir, started.cfg, started.settings
 
         def connect():
             return connect_store(cfg)
