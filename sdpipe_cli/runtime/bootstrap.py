@@ -66,14 +66,14 @@ def child(name: str, label: str | None = None, loaded: ChildConfig | None = None
         yield Child(run_dir, cfg, settings)
 
 
-def connect_store(cfg: DictConfig, timeout: float | None = None):
-    """A new connection to the launcher's store (``run.timeout`` unless ``timeout`` is given)."""
-    return store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         cfg.run.timeout if timeout is None else timeout)
+def connect_store(timeout: float):
+    """A new connection to the launcher's store, its operations bounded by ``timeout`` seconds
+    (the run's ``run.timeout``, or a collective's own)."""
+    return store.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
 
 
 @contextmanager
-def process_group(cfg: DictConfig, client, rank: int, world: int, device,
+def process_group(client, rank: int, world: int, device, timeout: float,
                   prefix: str = "") -> Iterator[str]:
     """Join the default process group (NCCL on a GPU, else gloo) through the store, its
     rendezvous under ``prefix``; yields the backend's name and destroys the group when the block
@@ -83,7 +83,7 @@ def process_group(cfg: DictConfig, client, rank: int, world: int, device,
     backend = "nccl" if device.type == "cuda" else "gloo"
     rendezvous = dist.PrefixStore(store.PG_PREFIX + prefix, client)
     dist.init_process_group(backend, store=rendezvous, rank=rank,
-                            world_size=world, timeout=timedelta(seconds=cfg.run.timeout),
+                            world_size=world, timeout=timedelta(seconds=timeout),
                             device_id=device if device.type == "cuda" else None)
     try:
         yield backend
@@ -108,35 +108,37 @@ class Joined:
 
 
 @contextmanager
-def joined(pipeline_group: Callable[[DictConfig], bool] = lambda cfg: False) -> Iterator[Joined]:
+def joined(pipeline_group: Callable[[Config], bool] = lambda settings: False) -> Iterator[Joined]:
     """Start a per-(pipeline, stage) worker, for training or profiling: :func:`child`, the device
     (one GPU per worker, or one CPU thread per ``OMP_NUM_THREADS``), the store and the default
-    process group: the whole run's, or, where ``pipeline_group(cfg)``, this pipeline
-    incarnation's."""
+    process group: the whole run's, or, where ``pipeline_group(settings)``, this pipeline
+    incarnation's. What it reads of the config, it reads typed; the plan comes from the record's
+    ``plan`` section, as the launcher wrote it."""
     import torch
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     incarnation = int(os.environ.get("SDPIPE_INCARNATION", "0"))
     loaded = load_child_config()
-    cfg = loaded[1]
-    where = Placement(rank, cfg.cluster.pipelines, cfg.pipeline.stages)
+    settings = loaded.settings
+    where = Placement(rank, settings.cluster.pipelines, settings.pipeline.stages)
     group_rank, size, prefix, offset = rank, world, "", 0
-    if pipeline_group(cfg):
+    if pipeline_group(settings):
         group_rank, size, offset = where.stage, where.stages, where.pipeline_ranks()[0]
         prefix = f"pipeline{where.pipeline}.{incarnation}/"
     identity = {"rank": rank, "pipeline": where.pipeline, "stage": where.stage}
     with child(str(rank), f"rank{rank}", loaded, **identity) as started:
-        plan = RunPlan.of(cfg)
-        if cfg.cluster.device == "cuda":
+        plan = RunPlan.of(started.cfg)
+        if settings.cluster.device == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        client = connect_store(cfg)
-        with (process_group(cfg, client, group_rank, size, device, prefix) as backend,
+        timeout = settings.run.timeout
+        client = connect_store(timeout)
+        with (process_group(client, group_rank, size, device, timeout, prefix) as backend,
               record(started.run_dir, str(rank), **identity)):  # before the group is torn down
             logging.getLogger("sdpipe.worker").info(
                 "pipeline %d stage %d on %s", where.pipeline, where.stage, device)
-            yield Joined(cfg, started.settings, started.run_dir, where, plan, device, client, backend,
+            yield Joined(started.cfg, settings, started.run_dir, where, plan, device, client, backend,
                          incarnation, offset)

@@ -285,8 +285,7 @@ def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 def for_worker(ctx: Joined, timeout: float) -> GroupCache:
     """A joined worker's communicators, with the emulated all-reduce time when links are
     emulated; a ``timeout`` other than ``run.timeout`` gets its own store connection."""
-    cfg = ctx.cfg
-    client = connect_store(cfg, timeout) if timeout != cfg.run.timeout else ctx.client
+    client = connect_store(timeout) if timeout != ctx.settings.run.timeout else ctx.client
     cluster = ctx.plan.cluster
     return GroupCache(dist.PrefixStore(store.PG_PREFIX, client), ctx.where.rank, ctx.backend,
                       timeout, delay=cluster.allreduce_s if cluster.links_emulated else None,

@@ -20,12 +20,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector
 
 from sdpipe_cli.config.run_file import load_child_config
-from sdpipe_cli.config.schema import PsSyncConfig
-from sdpipe_cli.config.settings import settings_of
+from sdpipe_cli.config.schema import Config, PsSyncConfig
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES, updates_per_iteration
 from sdpipe_cli.model import optim
@@ -37,14 +35,13 @@ log = logging.getLogger("sdpipe.ps")
 
 
 class ParameterServer:
-    """Stage ``stage``'s server: its module built from ``cfg`` (the record), and what it reads of
-    the run typed (``settings``: the optimizer, the schedule, the staleness bound)."""
+    """Stage ``stage``'s server: its module, the optimizer, the schedule and the staleness bound,
+    from the run's typed ``settings``."""
 
-    def __init__(self, cfg: DictConfig, plan: RunPlan, stage: int):
+    def __init__(self, settings: Config, plan: RunPlan, stage: int):
         P, S = plan.pipelines, plan.stages
-        settings = settings_of(cfg)
         self.train, self.stage, self.P = settings.train, stage, P
-        self.module = build_stage_module(cfg, stage)
+        self.module = build_stage_module(settings, stage)
         self.params = list(self.module.parameters())
         self.optimizer = optim.build_optimizer(self.params, self.train)
         self.numel = sum(p.numel() for p in self.params)
@@ -114,13 +111,13 @@ class ParameterServer:
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     loaded = load_child_config()
-    cfg = loaded[1]
-    plan = RunPlan.of(cfg)
+    plan, settings = RunPlan.of(loaded.cfg), loaded.settings
     stage = plan.server_stage(rank)
+    timeout = settings.run.timeout
     with child(f"ps{stage}", loaded=loaded, rank=rank, role="parameter server", stage=stage):
         torch.set_num_threads(1)
-        with process_group(cfg, connect_store(cfg), rank, world, torch.device("cpu")):
-            ParameterServer(cfg, plan, stage).serve()
+        with process_group(connect_store(timeout), rank, world, torch.device("cpu"), timeout):
+            ParameterServer(settings, plan, stage).serve()
     return 0
 
 

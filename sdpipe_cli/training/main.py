@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+from sdpipe_cli.config.schema import Config
 from sdpipe_cli.core.modes import mode
 from sdpipe_cli.core.schedule import ASYNC_SCHEDULES
 from sdpipe_cli.runtime import store
@@ -24,10 +25,10 @@ from sdpipe_cli.training.worker import Worker
 log = logging.getLogger("sdpipe.worker")
 
 
-def own_group(cfg) -> bool:
+def own_group(settings: Config) -> bool:
     """Whether a worker's process group is its pipeline: always, except with parameter servers,
     which talk to every worker (see :mod:`sdpipe_cli.runtime.bootstrap`)."""
-    return not mode(cfg.sync.name).servers
+    return not mode(settings.sync.name).servers
 
 
 def main() -> int:

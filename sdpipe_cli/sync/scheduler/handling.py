@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from sdpipe_cli import checkpoint
 from sdpipe_cli.analysis import records
+from sdpipe_cli.config.schema import Config
 from sdpipe_cli.config.settings import settings_of
 from sdpipe_cli.core.grouping import Decision, GroupScheduler, make_policy
 from sdpipe_cli.core.meetings import meetings_of
@@ -52,16 +53,17 @@ class Scheduler:
 
     def __init__(self, cfg: DictConfig, run_dir: Path, events, clock=time.monotonic,
                  resume: Path | None = None, live: bool = True,
-                 wire: protocol.MeetingChoice | None = None):
+                 wire: protocol.MeetingChoice | None = None, settings: Config | None = None):
         plan = RunPlan.of(cfg)
         P, S = plan.pipelines, plan.stages
         # ``live=False``: replaying a dead scheduler's journal; what it wrote is held back
         self.live = live
         events = events if live else Held(events)
         # ``cfg``, the record: what the policy, re-planning, replay and the trackers are made
-        # from, and what checkpoints store; ``settings``, what this reads of it, typed
+        # from, and what checkpoints store; ``settings``, what this reads of it, typed (the
+        # scheduler process's, built once from its run file; typed here when not given)
         self.cfg, self.run_dir, self.events, self.clock = cfg, run_dir, events, clock
-        self.settings = settings = settings_of(cfg)
+        self.settings = settings = settings_of(cfg) if settings is None else settings
         run, fault = settings.run, settings.fault
         self.grid = plan.grid
         self.stop_seen: bool | None = None  # the stop flag as the transport read it

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from sdpipe_cli import checkpoint
+from sdpipe_cli.config.schema import Config
 from sdpipe_cli.runtime import protocol, store
 from sdpipe_cli.runtime.bootstrap import child, connect_store
 from sdpipe_cli.runtime.metrics import write_summary
@@ -157,14 +158,15 @@ def act(scheduler: Scheduler, writer: journal.Journal, raw: list[str], now: floa
 
 def replay(cfg: DictConfig, run_dir: Path, events, resume: Path | None = None,
            now: Callable[[], float] = time.monotonic, path: Path | None = None,
-           restart: int = 1, wire: protocol.MeetingChoice | None = None) -> Scheduler:
+           restart: int = 1, wire: protocol.MeetingChoice | None = None,
+           settings: Config | None = None) -> Scheduler:
     """A scheduler started again after the run's first died: the dead one's journal (``path``,
     default the first leg's) replayed, then live from moment ``now()`` on
     (:mod:`~sdpipe_cli.sync.journal`)."""
     started, batches, _ = journal.read(path or journal_path(run_dir))  # the unacted: take_over
     clock = BatchClock(started)
     scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, live=False,
-                          wire=wire)
+                          wire=wire, settings=settings)
     for batch in batches:
         clock.now, scheduler.stop_seen = batch.t, batch.stop
         scheduler.new_batch()
@@ -178,11 +180,12 @@ def replay(cfg: DictConfig, run_dir: Path, events, resume: Path | None = None,
 
 def take_over(cfg: DictConfig, run_dir: Path, events, path: Path, resume: Path | None = None,
               restart: int = 1, wire: protocol.MeetingChoice | None = None,
-              now: Callable[[], float] = time.monotonic) -> tuple[Scheduler, journal.Journal]:
+              now: Callable[[], float] = time.monotonic,
+              settings: Config | None = None) -> tuple[Scheduler, journal.Journal]:
     """The scheduler started again, live: its predecessor's journal at ``path`` replayed
     (:func:`replay`), then the events that one popped and never acted on acted on, first."""
     scheduler = replay(cfg, run_dir, events, resume, now=now, path=path, restart=restart,
-                       wire=wire)
+                       wire=wire, settings=settings)
     writer = journal.Journal.resume(path)
     if writer.unacted:
         act(scheduler, writer, list(writer.unacted), now())
@@ -191,18 +194,22 @@ def take_over(cfg: DictConfig, run_dir: Path, events, path: Path, resume: Path |
 
 def serve(cfg: DictConfig, run_dir: Path, events, connect: Callable[[], object],
           resume: Path | None = None, restarted: int = 0,
-          config: str = "config.yaml", wire: protocol.MeetingChoice | None = None) -> Scheduler:
+          config: str = "config.yaml", wire: protocol.MeetingChoice | None = None,
+          settings: Config | None = None) -> Scheduler:
     """Run until every worker reported done; ``restarted``: how many times this leg's scheduler
     was started again after it died (it then replays its journal first: the leg's, named after
     ``config``); ``wire``: the meetings this leg settled from its measured wire (a
-    :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`), for the metrics and the summary."""
+    :class:`~sdpipe_cli.runtime.protocol.MeetingChoice`), for the metrics and the summary;
+    ``settings``: ``cfg`` typed, as the process read it from its run file."""
     path = journal_path(run_dir, config)
     if restarted:
-        scheduler, writer = take_over(cfg, run_dir, events, path, resume, restarted, wire)
+        scheduler, writer = take_over(cfg, run_dir, events, path, resume, restarted, wire,
+                                      settings=settings)
     else:
         clock = BatchClock(time.monotonic())
         writer = journal.Journal.create(path, clock.now)
-        scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, wire=wire)
+        scheduler = Scheduler(cfg, run_dir, events, clock=clock, resume=resume, wire=wire,
+                              settings=settings)
         if wire is not None:
             scheduler.metrics.write(wire_probe.line(wire, round(time.time() - scheduler.t0, 4)))
     ticker = Ticker(connect)
@@ -236,7 +243,7 @@ def main() -> int:
         run_dir, cfg, settings = started.run_dir, started.cfg, started.settings
 
         def connect():
-            return connect_store(cfg)
+            return connect_store(settings.run.timeout)
 
         events = store.namespace(connect())
         # meetings left to the measured wire: settled before the policy, which counts them
@@ -244,7 +251,8 @@ def main() -> int:
         wire = wire_probe.settle(settings, events, workers, settings.run.timeout)
         scheduler = serve(cfg, run_dir, events, connect, Path(resume) if resume else None,
                           restarted=int(os.environ.get("SDPIPE_SCHEDULER_RESTART", "0")),
-                          config=os.environ.get("SDPIPE_CONFIG", "config.yaml"), wire=wire)
+                          config=os.environ.get("SDPIPE_CONFIG", "config.yaml"), wire=wire,
+                          settings=settings)
         summary = scheduler.summary()
         write_summary(run_dir, summary)
         if settings.run.save_final:  # every worker wrote its weights there before it was done
