@@ -69,10 +69,11 @@ def test_async_sdpipe_syncs_every_update_and_ends_on_a_drained_global(run_dir, v
 
 @pytest.fixture(scope="module")
 def async_allreduce_run(tmp_path_factory):
-    """Async 1F1B with a gradient all-reduce per update, 12 steps, checkpoints at 6 and 12."""
+    """Async 1F1B with a gradient all-reduce per update, 6 steps, checkpoints at 3 and 6: each
+    iteration fills both stages' stashes, and 3 steps resumed are as exact a check as 6."""
     run_dir = tmp_path_factory.mktemp("async") / "run"
-    out = sdpipe("train", f"run.dir={run_dir}", "sync=allreduce", "train.steps=12",
-                 "checkpoint.every=6", "train.eval_every=0", *ASYNC)
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=allreduce", "train.steps=6",
+                 "checkpoint.every=3", "train.eval_every=0", *ASYNC)
     assert out.returncode == 0, out.stderr
     assert not run_processes(run_dir)
     return run_dir
@@ -81,8 +82,8 @@ def async_allreduce_run(tmp_path_factory):
 def test_async_allreduce_keeps_replicas_identical(async_allreduce_run):
     d = digests(async_allreduce_run)
     assert len(d) == 4 and d[(0, 0)] == d[(1, 0)] and d[(0, 1)] == d[(1, 1)]
-    assert {x["steps"] for x in metrics(async_allreduce_run, "done")} == {12}
-    assert [c["step"] for c in metrics(async_allreduce_run, "checkpoint")] == [6, 12]
+    assert {x["steps"] for x in metrics(async_allreduce_run, "done")} == {6}
+    assert [c["step"] for c in metrics(async_allreduce_run, "checkpoint")] == [3, 6]
     check_stash(async_allreduce_run)
 
 
@@ -91,14 +92,14 @@ def test_async_resume_reproduces_the_losses_exactly(async_allreduce_run, tmp_pat
     new segment there and gives the losses of the run that never stopped, bit for bit."""
     copy = tmp_path / "copy"
     shutil.copytree(async_allreduce_run, copy)
-    shutil.rmtree(copy / "checkpoints" / "step_12")
+    shutil.rmtree(copy / "checkpoints" / "step_6")
     before = len(metrics(copy))
     out = sdpipe("resume", str(copy))
     assert out.returncode == 0, out.stderr
     losses = {(m["pipeline"], m["step"]): m["loss"] for m in metrics(async_allreduce_run, "train")}
     resumed = {(m["pipeline"], m["step"]): m["loss"] for m in metrics(copy)[before:]
                if m["kind"] == "train"}
-    assert sorted(resumed) == [(p, k) for p in (0, 1) for k in range(7, 13)]
+    assert sorted(resumed) == [(p, k) for p in (0, 1) for k in range(4, 7)]
     assert all(resumed[key] == losses[key] for key in resumed)
     assert digests(copy) == digests(async_allreduce_run)
 

@@ -17,7 +17,7 @@ import yaml
 
 from sdpipe_cli import __version__
 from sdpipe_cli.cli.parsing import main
-from tests.helpers import REPO, one_error_line, sdpipe, sdpipe_process
+from tests.helpers import REPO, kill_leftovers, one_error_line, run_processes, sdpipe, sdpipe_process
 
 FOREIGN = "203.0.113.7"  # TEST-NET-3: never an address of this machine
 # A config that would train as little as possible, should a "bad input" ever get past the checks.
@@ -185,44 +185,55 @@ def test_bad_input_in_a_process_of_its_own_exits_2_with_one_line(tmp_path):
 
 
 def test_help_names_the_document():
-    out = sdpipe_process("profile", "--help", timeout=60)
+    out = sdpipe("profile", "--help", timeout=60)
     assert out.returncode == 0 and "profile.json" in out.stdout and "cluster" in out.stdout
 
 
 def test_cfg_prints_without_starting_anything(tmp_path):
-    out = sdpipe_process("train", "--cfg", f"run.dir={tmp_path / 'never'}")
+    out = sdpipe("train", "--cfg", f"run.dir={tmp_path / 'never'}")
     assert out.returncode == 0
     assert yaml.safe_load(out.stdout)["cluster"]["pipelines"] == 2
     assert not (tmp_path / "never").exists()
 
 
-@pytest.mark.multiprocess
-def test_an_interrupt_after_the_run_ended_keeps_its_exit_code(tmp_path, monkeypatch):
-    """SIGTERM while sdpipe prints the summary of a finished run: the run is done and nothing is
-    running, so the exit code is the run's (0), with one line saying so, not an interrupted
-    start-up's 130."""
+@pytest.fixture(scope="module")
+def reported_run(tmp_path_factory, shared_fork_server):
+    """One 2-step run (P = S = 1) for the two tests below, each of which reads its own part of it:
+    the status line's label at each step of the start-up (``phase``, recorded), and a SIGTERM
+    while the summary of the finished run is printed (sent by ``summary``, after the last phase).
+    Returns (the command's CompletedProcess, the labels, the run folder)."""
     import signal
 
     from sdpipe_cli.cli import display
 
-    monkeypatch.setattr(display, "summary", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
-    out = sdpipe("train", f"run.dir={tmp_path / 'run'}", "model=mlp", "data=synthetic",
-                 "train.steps=2", "cluster.pipelines=1", "pipeline.stages=1")
-    assert out.returncode == 0, out.stderr
-    assert "sdpipe: interrupted after the run ended; nothing is running" in out.stderr
-    assert (tmp_path / "run" / "summary.json").is_file()
+    run_dir = tmp_path_factory.mktemp("reported") / "run"
+    seen: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(display, "summary", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+        patch.setattr(display.ProgressDisplay, "phase", lambda self, what: seen.append(what))
+        out = sdpipe("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic",
+                     "train.steps=2", "cluster.pipelines=1", "pipeline.stages=1")
+    leftovers = kill_leftovers(run_dir)
+    assert not leftovers and not run_processes(run_dir), f"orphan processes: {leftovers}"
+    return out, seen, run_dir
 
 
 @pytest.mark.multiprocess
-def test_the_status_line_says_each_step_of_the_start_up(tmp_path, monkeypatch):
-    """Until training reports, the bar's label says what the launch waits for."""
-    from sdpipe_cli.cli import display
+def test_an_interrupt_after_the_run_ended_keeps_its_exit_code(reported_run):
+    """SIGTERM while sdpipe prints the summary of a finished run: the run is done and nothing is
+    running, so the exit code is the run's (0), with one line saying so, not an interrupted
+    start-up's 130."""
+    out, _, run_dir = reported_run
+    assert out.returncode == 0, out.stderr
+    assert "sdpipe: interrupted after the run ended; nothing is running" in out.stderr
+    assert (run_dir / "summary.json").is_file()
 
-    seen: list[str] = []
-    monkeypatch.setattr(display.ProgressDisplay, "phase", lambda self, what: seen.append(what))
-    out = sdpipe("train", f"run.dir={tmp_path / 'run'}", "model=mlp", "data=synthetic",
-                 "train.steps=2", "cluster.pipelines=1", "pipeline.stages=1")
+
+@pytest.mark.multiprocess
+def test_the_status_line_says_each_step_of_the_start_up(reported_run):
+    """Until training reports, the bar's label says what the launch waits for."""
+    out, seen, run_dir = reported_run
     assert out.returncode == 0, out.stderr
     assert seen == ["starting the store", "writing the run folder", "starting the processes",
                     "waiting for the workers to join"]
-    assert out.stderr.startswith(f"run folder: {tmp_path / 'run'} (logs: ")  # said first
+    assert out.stderr.startswith(f"run folder: {run_dir} (logs: ")  # said first

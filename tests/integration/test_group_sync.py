@@ -16,7 +16,7 @@ from sdpipe_cli.core.meetings import INT8_CHUNK
 from sdpipe_cli.model.models import build_stage_module
 from sdpipe_cli.sync import quantized
 from sdpipe_cli.sync.groups import GroupCache, average_changes, average_tensors
-from tests.helpers import free_port, make_doc, metrics, sdpipe, write_profile
+from tests.helpers import free_port, kill_leftovers, make_doc, metrics, sdpipe, write_profile
 
 pytestmark = pytest.mark.multiprocess
 
@@ -413,17 +413,29 @@ def test_four_pipelines_two_stages_converge_like_allreduce(allreduce_4x2_run, tm
     assert all(0 <= c["consensus"] < 0.5 for c in consensus)
 
 
+@pytest.fixture(scope="module")
+def meetings_4x2_run(tmp_path_factory):
+    """P4S2 meeting after every 4th step in bf16, a global sync and a checkpoint every 8 steps
+    (sync.wire_share=0.5 lets global syncs come that often): one run for the two tests below,
+    read-only (the resume works on a copy)."""
+    run_dir = tmp_path_factory.mktemp("meetings") / "run"
+    out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.every=4",
+                 "sync.precision=bf16", "sync.global_every=8", "sync.wire_share=0.5",
+                 "sync.overlap=0", "checkpoint.every=8", *P4S2)
+    leftovers = kill_leftovers(run_dir)
+    assert out.returncode == 0, out.stderr
+    assert not leftovers, f"orphan processes left by the run: {leftovers}"
+    return run_dir
+
+
 def test_meetings_every_four_steps_in_bf16_train_and_leave_the_replicas_identical(
-        allreduce_4x2_run, tmp_path):
+        allreduce_4x2_run, meetings_4x2_run):
     """sync.every=4, sync.precision=bf16: replicas meet after every 4th step only (the run's
     last blocks are cut to end together, core/blocks.py), a group round sends 2 bytes a value
     and a global sync 4 (exact), the loss falls about as all-reduce's, the budget is exact, and
     the final global sync leaves every replica of a stage identical. (That the anchor is alike
     on every member: the lr = 0 test above.)"""
-    run_dir = tmp_path / "run"
-    out = sdpipe("train", f"run.dir={run_dir}", "sync=sdpipe", "sync.every=4",
-                 "sync.precision=bf16", "sync.global_every=8", "sync.overlap=0", *P4S2)
-    assert out.returncode == 0, out.stderr
+    run_dir = meetings_4x2_run
     groups = metrics(run_dir, "group")
     assert groups and all(g["every"] == 4 for g in groups)
     met = [m for m in metrics(run_dir, "train") if "group_size" in m]
@@ -457,7 +469,8 @@ def _meet_every(every: int, met: list[dict], start: dict[int, int]) -> None:
         assert steps and steps[0] == (begin // every + 1) * every, (p, steps)
 
 
-def test_meetings_checkpoint_at_global_syncs_and_resume_to_the_exact_budget(tmp_path):
+def test_meetings_checkpoint_at_global_syncs_and_resume_to_the_exact_budget(meetings_4x2_run,
+                                                                           tmp_path):
     """sync.every=4: checkpoints fall on global syncs, which fall on meetings; the run ends on
     its exact budget; a resume from the first, with a larger budget, converts them back to
     meetings for the scheduler, meets again after every 4th step and ends on the exact new
@@ -466,10 +479,7 @@ def test_meetings_checkpoint_at_global_syncs_and_resume_to_the_exact_budget(tmp_
     at its end; the first checkpoint and a larger budget work for every timing.)"""
     import shutil
 
-    run = tmp_path / "run"
-    out = sdpipe("train", f"run.dir={run}", "sync=sdpipe", "sync.every=4", "sync.precision=bf16",
-                 "sync.global_every=8", "sync.wire_share=0.5", "checkpoint.every=8", *P4S2)
-    assert out.returncode == 0, out.stderr
+    run = meetings_4x2_run
     saved = metrics(run, "checkpoint")
     assert saved and sum(d["steps"] for d in metrics(run, "done") if d["stage"] == 0) == 4 * 20
     copy = tmp_path / "copy"

@@ -43,6 +43,8 @@ def test_without_matplotlib_one_line_says_how_to_install_it(allreduce_2x2_run, t
 
 
 def test_a_folder_that_is_not_a_run_is_one_line(tmp_path):
-    out = sdpipe_process("report", str(tmp_path), timeout=60)
+    """By ``main()`` in this process: the test above shows ``report``'s exit 2 in a process of
+    its own."""
+    out = sdpipe("report", str(tmp_path), timeout=60)
     assert out.returncode == 2
     one_error_line(out.stderr, str(tmp_path))
