@@ -321,7 +321,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | sgd
     lr: float = 3e-3  # peak learning rate
     momentum: float = 0.9  # sgd only
-    weight_decay: float = 0.0  # decoupled weight decay (AdamW) or L2 (SGD)
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW) or L2 (SGD); lr x weight_decay below 1
     warmup: int = 10  # linear warm-up iterations, then train.schedule
     # After the warm-up: cosine or linear decay to lr x final_lr at train.steps, step (x
     # decay_factor every decay_every iterations), or constant

@@ -187,6 +187,12 @@ def _validate_train(cfg: DictConfig) -> None:
     need(0 <= t.lr <= FLOAT32_MAX, "train.lr", f"is {t.lr:g}; must be in [0, {FLOAT32_MAX:.3g}] (float32)")
     need(SEED_RANGE[0] <= t.seed <= SEED_RANGE[1], "train.seed", f"is {t.seed}; must fit 64 bits")
     need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    # Both optimizers shrink every weight by the factor 1 - lr x weight_decay a step (AdamW's
+    # decoupled decay, SGD's L2 term); at 1 or more it zeroes or flips every weight each step, and
+    # the run diverges a few steps in. The schedules never go above train.lr.
+    need(t.lr * t.weight_decay < 1, "train.weight_decay",
+         f"is {t.weight_decay:g}: with train.lr={t.lr:g} each step would scale every weight by "
+         f"1 - lr x weight_decay = {1 - t.lr * t.weight_decay:.3g}; keep lr x weight_decay below 1")
     need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite",
          f"is '{t.on_nonfinite}'; choose stop or skip")
     need(t.max_skipped >= 1, "train.max_skipped", "must be at least 1")
