@@ -332,7 +332,7 @@ class TrainConfig:
     # fp32 | bf16 | fp16: autocast of each stage's compute, fp32 weights and optimizer state;
     # fp16 scales the loss (dynamic, one skip-or-step decision per pipeline and sync group)
     precision: str = "fp32"
-    loss_scale: float = 65536.0  # fp16: the initial loss scale (halved on overflow, doubled after 2000 good steps)
+    loss_scale: float = 65536.0  # fp16: the initial loss scale, <= 2**32 (halved on overflow, x2 after 2000 good steps)
     # Max norm of the whole model's gradient, summed over a pipeline's stages (per stage under
     # async_1f1b, whose stages update at different times); 0 disables
     grad_clip: float = 1.0

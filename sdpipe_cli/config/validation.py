@@ -35,6 +35,10 @@ MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
 # timeouts as 32-bit milliseconds (24.8 days); 1e300 s failed in the workers or named the store
 MAX_TIMEOUT_S = 1_000_000.0
 MAX_DATA_WORKERS = 64  # data.num_workers per training worker: a billion filled the machine's memory
+# fp16's initial loss scale: torch's GradScaler and sdpipe start at 2**16; each halving from above
+# is a skipped step (2**32: at most 16 more than the default's), and a gradient that needs more
+# than 2**32 to leave fp16's subnormals is under 2e-17. 1e300 skipped every step of a run.
+MAX_LOSS_SCALE = 2.0 ** 32
 FLOAT32_MAX = 3.4028234663852886e38  # train.lr, sync.outer_lr: applied to float32 weights
 SEED_RANGE = (-(2**63), 2**64 - 1)  # train.seed: what torch's generators take
 MAX_SIMULATED = 1e6  # simulate.*: milliseconds, or jitter as a share of compute
@@ -205,7 +209,9 @@ def _validate_train(cfg: DictConfig) -> None:
     need(0.0 <= t.final_lr <= 1.0, "train.final_lr", "must be in [0, 1] (a fraction of train.lr)")
     need(t.decay_every >= 1, "train.decay_every", "must be at least 1 iteration")
     need(0.0 < t.decay_factor <= 1.0, "train.decay_factor", "must be in (0, 1]")
-    need(t.loss_scale >= 1, "train.loss_scale", "must be at least 1")
+    need(1 <= t.loss_scale <= MAX_LOSS_SCALE, "train.loss_scale",
+         f"is {t.loss_scale:g}; must be in [1, 2**32]: fp16 halves a scale that overflows and skips "
+         "that step, so a larger start is steps skipped, not a better one")
     need(t.precision in schema.PRECISIONS, "train.precision",
          f"is '{t.precision}'; choose one of {', '.join(schema.PRECISIONS)}")
     need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")

@@ -25,9 +25,13 @@ class LossScale:
     minimum: float = 1.0
     good_steps: int = 0
     skipped: int = 0  # steps skipped so far
+    # the last verdict overflowed at the smallest scale: unscaled, the gradient is not finite
+    # either, and halving cannot help (the run has diverged; skipping on would skip forever)
+    exhausted: bool = False
 
     def update(self, finite: bool) -> bool:
         """Record one update's verdict; returns whether the optimizer steps."""
+        self.exhausted = not finite and self.value <= self.minimum
         if not finite:
             self.value = max(self.minimum, self.value / self.factor)
             self.good_steps = 0

@@ -303,11 +303,13 @@ class Worker:
                 if over_stages else None, exclude=self.ties.counted_elsewhere(self.module))
         if self.loss_scale is not None:
             step = self.loss_scale.update(math.isfinite(norm))
+            if self.loss_scale.exhausted:  # no scale left to halve: stop or skip as fp32 would
+                self._finite_or_stop(False, iteration, f"the gradient norm is {norm} at loss scale 1")
         else:  # lock-step replicas share a non-finite average: they all skip or stop alike
             step = self._finite_or_stop(math.isfinite(norm), iteration,
                                         f"the gradient norm is {norm}") and own
-            if step:
-                self.skipped_in_a_row = 0
+        if step:
+            self.skipped_in_a_row = 0
         # Lock-step modes are at ``iteration``; sdpipe follows the run's global progress.
         self.lr = optim.lr_at(self.sync.position(iteration), self.settings.train)
         optim.set_lr(self.optimizer, self.lr)

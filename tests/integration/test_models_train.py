@@ -120,3 +120,16 @@ def test_mixed_precision_trains_and_fp16_skips_together(tmp_path, precision):
             by.setdefault((m["pipeline"], m["step"]), set()).add((m["skipped_steps"], m["loss_scale"]))
         assert by and all(len(v) == 1 for v in by.values()), by
         assert max(m["skipped_steps"] for m in lines) > 0
+
+
+def test_fp16_overflowing_at_the_smallest_scale_stops_as_diverged(run_dir):
+    """A gradient that is not finite even unscaled (lr 1e30 blows the weights up at the first
+    step): fp16 halves its scale from 16 to 1, skipping those steps, and then stops as fp32 does
+    (``train.on_nonfinite=stop``) instead of skipping every step left and ending as done."""
+    out = sdpipe("train", f"run.dir={run_dir}", "model=mlp", "data=synthetic", "train.steps=40",
+                 "train.eval_every=0", "cluster.pipelines=1", "pipeline.stages=2",
+                 "train.precision=fp16", "train.loss_scale=16", "train.lr=1e30")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "training diverged: the gradient norm is nan at loss scale 1 at step " in out.stderr
+    steps = {m["step"] for m in metrics(run_dir, "train")}
+    assert steps and max(steps) < 10  # 4 halvings, then the stop: far from the 40 asked for

@@ -230,6 +230,8 @@ BAD = [
     pytest.param(["train.grad_clip=inf"], "train.grad_clip", id="clip-infinite"),
     pytest.param(["train.weight_decay=-1"], "train.weight_decay", id="weight-decay-negative"),
     pytest.param(["train.weight_decay=1e300"], "train.weight_decay", id="weight-decay-past-the-weights"),
+    pytest.param(["train.loss_scale=1e300"], "train.loss_scale", id="loss-scale-that-skips-every-step"),
+    pytest.param([f"train.loss_scale={2.0 ** 32 + 1}"], "train.loss_scale", id="loss-scale-past-2-32"),
     pytest.param(["train.optimizer=sgd", "train.lr=0.5", "train.weight_decay=2"], "train.weight_decay",
                  id="sgd-decay-past-the-weights"),
     pytest.param(["train.momentum=nan"], "train.momentum", id="momentum-nan"),
