@@ -54,13 +54,14 @@ from omegaconf import DictConfig
 
 from sdpipe_cli.config import measurements
 from sdpipe_cli.core.interleaved import stage_blocks
-from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.placement import Grid, Placement
 from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.core.schedule import Action, Kind
 from sdpipe_cli.data import sources
 from sdpipe_cli.hetero.emulation import EmulatedSlowdown, MemoryLimit, link_delay
 from sdpipe_cli.model import models
 from sdpipe_cli.model.boundary import map_tensors, tensors_of
+from sdpipe_cli.model.models import ModelSection
 from sdpipe_cli.pipeline.executor import to_device
 from sdpipe_cli.runtime import store
 from sdpipe_cli.runtime.bootstrap import Joined, joined
@@ -120,10 +121,11 @@ def fresh_input(value):
     return map_tensors(lambda t: t.detach().requires_grad_() if t.is_floating_point() else t, value)
 
 
-def stage_weight_bytes(cfg: DictConfig, stage: int) -> int:
-    """float32 bytes of stage ``stage``'s weights under the (resolved) partition."""
-    counts = models.block_param_counts(cfg.model)
-    held = stage_blocks(list(cfg.pipeline.partition), len(counts), cfg.pipeline.stages)[stage]
+def stage_weight_bytes(model: ModelSection, plan: RunPlan, pipeline: int, stage: int) -> int:
+    """float32 bytes of stage ``stage``'s weights in pipeline ``pipeline``, under its split as
+    the plan resolved it."""
+    counts = models.block_param_counts(model)
+    held = stage_blocks(plan.partition_of(pipeline), len(counts), plan.stages)[stage]
     return 4 * sum(sum(counts[start:stop]) for start, stop in held)
 
 
@@ -179,7 +181,7 @@ class Profiler:
     """One worker's measurements; :meth:`run` takes part in every turn and returns its results."""
 
     def __init__(self, ctx: Joined, groups: GroupCache):
-        self.cfg, self.where, self.device, self.groups = ctx.cfg, ctx.where, ctx.device, groups
+        self.settings, self.where, self.device, self.groups = ctx.settings, ctx.where, ctx.device, groups
         self.events = store.namespace(ctx.client)
         self.plan = ctx.plan
         self.cluster = ctx.plan.cluster
@@ -227,11 +229,11 @@ class Profiler:
 
     # -- 1. blocks ---------------------------------------------------------------------------------
     def measure_blocks(self) -> None:
-        cfg = self.cfg
-        torch.manual_seed(cfg.train.seed)
-        blocks = [b.to(self.device).train() for b in models.build(cfg.model)[0]]
-        loss_fn = models.loss_function(cfg.model)
-        inputs, targets = to_device(sources.example(cfg, self.plan.microbatch_size), self.device)
+        settings = self.settings
+        torch.manual_seed(settings.train.seed)
+        blocks = [b.to(self.device).train() for b in models.build(settings.model)[0]]
+        loss_fn = models.loss_function(settings.model)
+        inputs, targets = to_device(sources.example(settings, self.plan.microbatch_size), self.device)
         ins = [inputs]  # each block's input: the previous block's output on the example
         with torch.no_grad():
             for block in blocks[:-1]:
@@ -309,7 +311,9 @@ class Profiler:
     # -- 4. all-reduce -----------------------------------------------------------------------------
     def measure_allreduce(self, ranks: list[int]) -> None:
         stage = self.where.stage
-        nbytes = stage_weight_bytes(self.cfg, stage)
+        # the same size on every member: the first one's stage (pipelines may be split apart)
+        first = Placement(ranks[0], self.plan.pipelines, self.plan.stages).pipeline
+        nbytes = stage_weight_bytes(self.settings.model, self.plan, first, stage)
         flat = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
 
         def once() -> tuple[float]:
@@ -325,7 +329,7 @@ class Profiler:
 
 def main() -> int:
     with joined() as ctx:
-        profiler = Profiler(ctx, for_worker(ctx, ctx.cfg.run.timeout))
+        profiler = Profiler(ctx, for_worker(ctx, ctx.settings.run.timeout))
         events = profiler.events
         store.set_json(events, store.profile_key(ctx.where.rank), profiler.run())
         dist.barrier()  # every rank's results are in the store

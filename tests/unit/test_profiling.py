@@ -12,6 +12,7 @@ from sdpipe_cli.config import measurements
 from sdpipe_cli.config.composition import compose
 from sdpipe_cli.config.schema import n_blocks
 from sdpipe_cli.core.placement import Grid
+from sdpipe_cli.core.plan import RunPlan
 from sdpipe_cli.hetero import profiler
 from sdpipe_cli.model import models
 
@@ -55,9 +56,9 @@ def test_repeat_keeps_the_minimum_after_warmup_and_stops_on_budget():
 def test_stage_weights_follow_the_partition():
     cfg, _, _ = preparing.prepare(compose(["model=mlp", "cluster.device=cpu",
                                        "pipeline.partition=[1]"]))
-    counts = models.block_param_counts(cfg.model)
-    assert profiler.stage_weight_bytes(cfg, 0) == 4 * counts[0]
-    assert profiler.stage_weight_bytes(cfg, 1) == 4 * sum(counts[1:])
+    counts, plan = models.block_param_counts(cfg.model), RunPlan.of(cfg)
+    assert profiler.stage_weight_bytes(cfg.model, plan, 0, 0) == 4 * counts[0]
+    assert profiler.stage_weight_bytes(cfg.model, plan, 1, 1) == 4 * sum(counts[1:])
 
 
 def _results(cfg) -> list[dict]:
