@@ -240,7 +240,8 @@ def _add_sample(sub) -> None:
     sam.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="(default: 64)")
     sam.add_argument("--top-k", type=int, default=0, metavar="K",
                      help="sample among the K likeliest tokens; 0: greedy (default)")
-    sam.add_argument("--temperature", type=float, default=1.0, metavar="T", help="(default: 1.0)")
+    sam.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                     help="what the logits are divided by, 1e-4 to 1e4 (default: 1.0)")
     sam.add_argument("--seed", type=int, default=0, metavar="N", help="(default: 0)")
     sam.add_argument("--trust-code", action="store_true", help=TRUST_HELP)
 

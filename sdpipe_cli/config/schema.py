@@ -97,7 +97,7 @@ class DataConfig:
     # background processes preparing batches per reading stage; null: 0 for data in memory,
     # 2 for data decoded from files (image folders, CIFAR's augmentation, custom sets); at most 64
     num_workers: Optional[int] = None
-    prefetch: int = 2  # batches each background process prepares ahead
+    prefetch: int = 2  # batches each background process prepares ahead (at most 64)
     verify: bool = True  # tokens: check every shard's SHA-256 against the manifest at start
     # written by the launcher, never set by hand: what was read (paths, sizes, checksums), the
     # split sizes, a sample's shapes; config.yaml keeps it as the run's record of its data

@@ -35,6 +35,7 @@ MIN_TIMEOUT_S = 1.0  # run.timeout, run.heartbeat_timeout
 # timeouts as 32-bit milliseconds (24.8 days); 1e300 s failed in the workers or named the store
 MAX_TIMEOUT_S = 1_000_000.0
 MAX_DATA_WORKERS = 64  # data.num_workers per training worker: a billion filled the machine's memory
+MAX_PREFETCH = 64  # data.prefetch: 10**9 queued batches kept every worker from its first step
 # fp16's initial loss scale: torch's GradScaler and sdpipe start at 2**16; each halving from above
 # is a skipped step (2**32: at most 16 more than the default's), and a gradient that needs more
 # than 2**32 to leave fp16's subnormals is under 2e-17. 1e300 skipped every step of a run.
@@ -122,7 +123,8 @@ def _validate_data(cfg: DictConfig) -> None:
     need(d.std is None or all(v > 0 for v in d.std), "data.std", "must be positive")
     need(d.num_workers is None or 0 <= d.num_workers <= MAX_DATA_WORKERS, "data.num_workers",
          f"is {d.num_workers}; must be in 0..{MAX_DATA_WORKERS} (loader processes per worker)")
-    need(d.prefetch >= 1, "data.prefetch", "must be at least 1")
+    need(1 <= d.prefetch <= MAX_PREFETCH, "data.prefetch",
+         f"is {d.prefetch}; must be in 1..{MAX_PREFETCH} (batches each loader process prepares ahead)")
 
 
 def _validate_cluster_settings(cfg: DictConfig) -> None:

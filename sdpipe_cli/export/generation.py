@@ -23,6 +23,9 @@ __all__ = ["Settings", "check", "sample"]
 _SEEDS = range(-2**63, 2**64)
 
 
+TEMPERATURES = (1e-4, 1e4)  # --temperature: what the logits are divided by, kept finite
+
+
 @dataclass(frozen=True)
 class Settings:
     max_new_tokens: int = 64
@@ -35,8 +38,11 @@ class Settings:
             raise ConfigError("--max-new-tokens", f"must be at least 1, got {self.max_new_tokens}")
         if self.top_k < 0:
             raise ConfigError("--top-k", f"must be 0 (greedy) or more, got {self.top_k}")
-        if not self.temperature > 0:
-            raise ConfigError("--temperature", f"must be positive, got {self.temperature}")
+        low, high = TEMPERATURES
+        if not low <= self.temperature <= high:
+            raise ConfigError("--temperature", f"is {self.temperature:g}; must be in [{low:g}, {high:g}]: "
+                              "the logits are divided by it (1e-300 overflowed them; below the range "
+                              "is --top-k 0's greedy pick, above it a uniform pick among the top k)")
         if self.seed not in _SEEDS:
             raise ConfigError("--seed", f"must fit in 64 bits ({_SEEDS.start} to "
                               f"{_SEEDS.stop - 1}), got {self.seed}")
@@ -92,7 +98,8 @@ def _generate(model: nn.Module, ids: torch.Tensor, s: Settings, context: int) ->
 def _pick(logits: torch.Tensor, s: Settings) -> torch.Tensor:
     if s.top_k == 0:
         return logits.argmax(-1, keepdim=True)
-    top, index = torch.topk(logits / s.temperature, min(s.top_k, logits.shape[-1]))
+    top, index = torch.topk(logits, min(s.top_k, logits.shape[-1]))  # the k likeliest, unscaled
+    top = (top - top[..., :1]) / s.temperature
     choice = torch.multinomial(torch.softmax(top, -1), 1)
     return index.gather(-1, choice)
 

@@ -231,6 +231,7 @@ BAD = [
     pytest.param(["train.weight_decay=-1"], "train.weight_decay", id="weight-decay-negative"),
     pytest.param(["train.weight_decay=1e300"], "train.weight_decay", id="weight-decay-past-the-weights"),
     pytest.param(["train.loss_scale=1e300"], "train.loss_scale", id="loss-scale-that-skips-every-step"),
+    pytest.param(["data.num_workers=1", "data.prefetch=1000000000"], "data.prefetch", id="prefetch-unbounded"),
     pytest.param([f"train.loss_scale={2.0 ** 32 + 1}"], "train.loss_scale", id="loss-scale-past-2-32"),
     pytest.param(["train.optimizer=sgd", "train.lr=0.5", "train.weight_decay=2"], "train.weight_decay",
                  id="sgd-decay-past-the-weights"),
