@@ -136,6 +136,8 @@ def prepare(path: str, overrides: Sequence[str], console: Console, holder: run_l
     if reshard.layout_of(saved) != reshard.layout_of(run_cfg):
         return _resharded(ckpt, manifest, saved, run_cfg, _given("train.steps", overrides),
                           console, destination, fresh)
+    _left_to_train(RunPlan.of(run_cfg).budget, sum(manifest["steps"].values()), ckpt,
+                   "pipeline-iterations")
     _, run_cfg = destination(run_cfg)
     console.print(f"resuming {ckpt} (iterations per pipeline: {manifest['steps']})",
                   highlight=False)
@@ -172,6 +174,14 @@ def _beside(ckpt: Path) -> Path:
     return checkpoint.free_name(folder, "") if folder.exists() else folder
 
 
+def _left_to_train(budget: int, done: int, ckpt: Path, unit: str) -> None:
+    """A leg with nothing left of its budget would train nothing and then write a summary of no
+    steps over the run's own: refused, before anything is written."""
+    if done >= budget:
+        raise ConfigError("train.steps", f"leaves nothing to train: {ckpt} has done {done} of the "
+                          f"{budget} {unit} the budget allows; give a larger train.steps to go on")
+
+
 def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictConfig,
                steps_given: bool, console: Console, destination, fresh: bool) -> Leg:
     """``old``: the checkpoint's own (prepared) config; ``new``: the next leg's."""
@@ -182,6 +192,7 @@ def _resharded(ckpt: Path, manifest: dict[str, Any], old: DictConfig, new: DictC
     plan = reshard.plan_for(ckpt, manifest, old, new,
                             int(new.train.steps) if steps_given else None)
     new = derived.with_values(new, {"train.steps": plan.train_steps})
+    _left_to_train(plan.budget[1], plan.done[1], ckpt, "samples")
     known = RunPlan.of(new)  # its budget changed
     new = derived.with_values(new, {"plan": RunPlan.resolve(
         new, known.cluster, known.blocks,

@@ -259,13 +259,14 @@ def test_final_weights_of_a_resumed_run_are_its_last_legs(apart, tmp_path):
     """A resume on one pipeline leaves the first leg's p1-s*.pt in final/: they are not taken."""
     run = tmp_path / "run"
     shutil.copytree(apart, run)
-    out = sdpipe("resume", str(run), "cluster.pipelines=1", "train.steps=8")
+    # the 2 x 4 iterations done, on one pipeline: 4 more to 12
+    out = sdpipe("resume", str(run), "cluster.pipelines=1", "train.steps=12")
     assert out.returncode == 0, out.stderr[-3000:]
     assert (run / "final" / "p1-s0.pt").exists()  # the first leg's, stale
     out = sdpipe("export", str(run), "--out", str(tmp_path / "export"))
     assert out.returncode == 0 and "one pipeline" in out.stderr, out.stderr[-3000:]
     manifest = json.loads((tmp_path / "export" / "export.json").read_text())
-    assert manifest["source"]["kind"] == "final" and manifest["source"]["steps"] == {"0": 8}
+    assert manifest["source"]["kind"] == "final" and manifest["source"]["steps"] == {"0": 12}
     assert abs(_eval(tmp_path / "export") - _last_eval(run)["val_loss"]) < 1e-4
 
 

@@ -104,7 +104,7 @@ def shard_changed(change: Callable[[dict], None]) -> Callable[[Path, Path], list
         change(state)
         torch.save(state, newest / "0.pt")
         _rehash(newest, "0.pt")
-        return ["resume", str(run)]
+        return ["resume", str(run), "train.steps=30"]  # steps left to train, so workers load it
     return args
 
 

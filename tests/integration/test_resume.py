@@ -54,6 +54,24 @@ def test_checkpoints_are_complete_and_pruned(allreduce_2x2_run):
     assert [m["step"] for m in metrics(allreduce_2x2_run, "checkpoint")] == [10, 20]
 
 
+@pytest.mark.parametrize("overrides", [(), ("train.steps=15",), ("cluster.pipelines=1", "train.steps=20")],
+                         ids=["finished", "fewer-steps", "resharded"])
+def test_a_resume_that_leaves_nothing_to_train_is_refused_and_the_run_kept(allreduce_2x2_run,
+                                                                           tmp_path, overrides):
+    """A finished run resumed as it is, with fewer steps than it did, or resharded to a budget
+    its checkpoint already passed (1 pipeline x 20 steps of the 2 x 20 done) would train
+    nothing and write a summary of no steps over the run's own: one line naming train.steps,
+    exit 2, and the folder as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(allreduce_2x2_run, run)
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    out = sdpipe("resume", str(run), *overrides)
+    assert out.returncode == 2, out.stderr[-2000:]
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith("sdpipe: error: train.steps: leaves nothing to train: ")
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_resuming_an_older_checkpoint_reproduces_the_losses_exactly_and_keeps_the_newer_one(
         allreduce_2x2_run, tmp_path):
     """Resume step_10 of a finished run: it gives the same losses as the run never stopped, bit
