@@ -85,7 +85,10 @@ def _same(saved: Any, settings: Config, run: Path) -> None:
     if not (get("sync.name") in MODES and mode(get("sync.name")).group_policy):
         raise ConfigError(KEY, f"{run} was trained with sync={get('sync.name')}, not sdpipe: it "
                                "has no group decisions")
-    layout = ("cluster.pipelines", "pipeline.stages", "pipeline.schedule", "pipeline.microbatches")
+    # train.steps: the recorded stop flags end the replay where the recording ended, whatever
+    # this run's budget (another one was ignored: a run of 2 or 40 steps trained the recording's 4)
+    layout = ("cluster.pipelines", "pipeline.stages", "pipeline.schedule", "pipeline.microbatches",
+              "train.steps")
     for key in layout:
         if get(key) != ours(key):
             raise ConfigError(KEY, f"{run} was recorded with {key}={get(key)}, this run has "

@@ -45,6 +45,8 @@ def test_a_replayed_run_repeats_the_recorded_losses_bit_for_bit(tmp_path):
     ("other shares of the batch", ("sync.replay={recorded}", "cluster.slowdown=[1,1,1.3]",
                                    "pipeline.balance=speed"),
      "was recorded with micro-batches per pipeline [4, 4, 4], this run has [4, 4, 3]"),
+    ("another budget", ("sync.replay={recorded}", "train.steps=40"),
+     "was recorded with train.steps=20, this run has 40"),
     ("a member past the layout", ("sync.replay={seven}",),
      "metrics.jsonl:1: not a group decision this sdpipe can replay (ValueError: stage 0 or "
      "members [7] outside the 3 x 2 layout)"),
@@ -55,13 +57,13 @@ def test_a_recording_that_cannot_be_replayed_is_one_line(tmp_path, capsys, what,
         folder.mkdir()
         (folder / "config.yaml").write_text(
             "sync: {name: sdpipe}\ncluster: {pipelines: 3}\n"
-            "pipeline: {stages: 2, schedule: 1f1b, microbatches: 4}\n")
+            "pipeline: {stages: 2, schedule: 1f1b, microbatches: 4}\ntrain: {steps: 20}\n")
         (folder / "metrics.jsonl").write_text(
             '{"kind": "group", "stage": 0, "round": 1, "group": "group", "members": [MEMBER], '
             '"iterations": [0], "stop": false, "done": 3}\n'.replace("MEMBER", str(member)))
     empty = tmp_path / "empty"
     empty.mkdir()
-    rc = main(["train", f"run.dir={tmp_path / 'new'}", *RUN[:4],
+    rc = main(["train", f"run.dir={tmp_path / 'new'}", *RUN[:5],
                *[a.format(tmp=empty, recorded=recorded, seven=seven) for a in args]])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2, (what, lines)
