@@ -140,7 +140,7 @@ def replica(p: int, s: int, S: int, port: int, compute_s: float, timeout: float,
             break
         barrier.wait()  # the pipeline's next iteration needs every stage's group
     store.push(events, store.EVENTS, protocol.Report("done", **who, time=clock() - started,
-                                                     fields={"steps": k}))
+                                                     fields={"steps": k, "samples": 16 * k}))
 
 
 def replica_process(pipelines: list[int], S: int, slowdown: list[float], port: int,

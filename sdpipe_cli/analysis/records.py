@@ -450,8 +450,8 @@ class SchedulerRestartLine(Record):
 
 
 class DoneLine(Record):
-    """one per worker at the end: `rank`, `pipeline`, `stage`, `time`, `steps`, `param_digest`
-    (a hash of the stage's weights: replicas of a stage with equal digests are bit-identical); a
+    """one per worker at the end: `rank`, `pipeline`, `stage`, `time`, `steps`, `samples` (the
+    pipeline's), `param_digest` (a hash of the stage's weights: equal digests, bit-identical); a
     restarted worker's also `healed` (false: the run ended before it was healed); with
     `async_1f1b` also `stash_bound` (S - s, or 2 with 2BW), `stash_peak_versions`,
     `stash_peak_bytes` and `stash_copies` (weight copies made); every worker's `wall_s` (its
@@ -460,8 +460,7 @@ class DoneLine(Record):
     in sync collectives (waiting for the other members inside them included) and `calls`;
     `device` (where it was placed), `actions` (forwards and backwards run), `straggled`,
     `slowdown_overruns` (actions whose real compute overran the modelled time), `peak_memory_mb`
-    (`null` where not measured); with a loader `unreadable` (samples it could not read) and
-    `unreadable_reads`"""
+    (`null` where not measured); with a loader `unreadable` and `unreadable_reads`"""
 
     kind: ClassVar[str] = "done"
     rank: int
@@ -469,6 +468,7 @@ class DoneLine(Record):
     stage: int
     time: float
     steps: int
+    samples: int
     param_digest: str
     device: str
     actions: int

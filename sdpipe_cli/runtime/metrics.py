@@ -99,6 +99,8 @@ class RunTracker:
             return {"kind": "consensus", **_without(event, "type", "rank", "pipeline")}
         if kind == "done":
             self.done[rank] = event
+            if event["steps"] > pipe.steps:  # past its last train line (train.log_every)
+                pipe.steps, pipe.samples = event["steps"], event["samples"]
             return {"kind": "done", **_without(event, "type")}
         if kind == "lost":  # the launcher stopped this pipeline after one of its workers failed
             for r in range(pipe_index * self.stages, (pipe_index + 1) * self.stages):

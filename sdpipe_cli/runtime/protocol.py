@@ -155,7 +155,7 @@ REPORT_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                    "consensus": float | None}, {}),
     "healed": ({"source": int, "iteration": int}, {"bytes": int, "seconds": float}),
     "unreadable": ({"sample": str, "error": str, "step": int}, {}),
-    "done": ({"steps": int}, {}),
+    "done": ({"steps": int, "samples": int}, {}),
 }
 
 

@@ -389,7 +389,7 @@ class Worker:
             extra.update(unreadable=len(self.feed.seen_bad), unreadable_reads=self.feed.bad_reads)
         if self.incarnation:
             extra["healed"] = trained
-        self.emit("done", steps=step, param_digest=param_digest(self.module),
+        self.emit("done", steps=step, samples=step * self.batch_size, param_digest=param_digest(self.module),
                   device=self.placed.name, slowdown_overruns=self.slowdown.overruns,
                   actions=self.slowdown.actions, straggled=self.slowdown.straggled,
                   peak_memory_mb=round(self.memory.peak_mb(), 1),

@@ -303,7 +303,7 @@ def forged_done(events: dist.Store) -> None:
     for rank in range(4):
         events.queue_push(store.EVENTS, json.dumps({
             "type": "done", "rank": rank, "pipeline": rank // 2, "stage": rank % 2, "time": 1.0,
-            "steps": 1}))
+            "steps": 1, "samples": 8}))
 
 
 def long_run(*args: str) -> Callable[[Path, Path], list[str]]:

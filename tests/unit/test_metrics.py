@@ -41,7 +41,7 @@ def evaluate(rank, pipeline, stage, n, val_loss, batch=8, time=2.0):
 
 def done(rank, pipeline, stage, n, time=3.0):
     return {"type": "done", "rank": rank, "pipeline": pipeline, "stage": stage, "time": time,
-            "steps": n, "param_digest": f"digest{rank}"}
+            "steps": n, "samples": 4 * n, "param_digest": f"digest{rank}"}
 
 
 @pytest.fixture
@@ -68,6 +68,22 @@ def test_start_produces_no_line(tracker):
     assert snap["done"] == 0
     assert snap["iterations"] == 0
     assert snap["loss"] is None and snap["val_loss"] is None
+
+
+def test_iterations_past_the_last_logged_one_count_from_the_done_lines(tracker):
+    """train.log_every=3 over 8 iterations logs steps 3 and 6: the summary's count is the done
+    lines' 8 a pipeline (it said 6, and 0 with log_every past the run), the loss the last logged."""
+    for rank in range(4):
+        tracker.update(start(rank, rank // 2, rank % 2))
+    for n in (3, 6):
+        for p in (0, 1):
+            tracker.update(step(2 * p + 1, p, 1, n, loss=2.0 - n / 10))
+    assert tracker.snapshot()["iterations"] == 12
+    for rank in range(4):
+        tracker.update(done(rank, rank // 2, rank % 2, 8))
+    snap = tracker.snapshot()
+    assert snap["iterations"] == 16 and snap["samples"] == 2 * 4 * 8
+    assert snap["loss"] == pytest.approx(1.4)
 
 
 def test_last_stage_step_produces_train_line(tracker):
