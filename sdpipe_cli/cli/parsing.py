@@ -237,7 +237,7 @@ def _add_sample(sub) -> None:
                          description=SAMPLE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sam.add_argument("path", metavar="DIR", type=_user_path, help="an export (sdpipe export --out DIR)")
     sam.add_argument("--prompt", required=True, metavar="TEXT")
-    sam.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="(default: 64)")
+    sam.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most 1,000,000 (default: 64)")
     sam.add_argument("--top-k", type=int, default=0, metavar="K",
                      help="sample among the K likeliest tokens; 0: greedy (default)")
     sam.add_argument("--temperature", type=float, default=1.0, metavar="T",

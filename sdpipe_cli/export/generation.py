@@ -24,6 +24,7 @@ _SEEDS = range(-2**63, 2**64)
 
 
 TEMPERATURES = (1e-4, 1e4)  # --temperature: what the logits are divided by, kept finite
+MAX_NEW_TOKENS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,9 @@ class Settings:
     seed: int = 0
 
     def check(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError("--max-new-tokens", f"must be at least 1, got {self.max_new_tokens}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ConfigError("--max-new-tokens", f"is {self.max_new_tokens}; must be in "
+                              f"1..{MAX_NEW_TOKENS:,} (one forward a token: 10**9 would run for days)")
         if self.top_k < 0:
             raise ConfigError("--top-k", f"must be 0 (greedy) or more, got {self.top_k}")
         low, high = TEMPERATURES

@@ -187,7 +187,7 @@ def test_eval_changes_only_the_data_and_the_batch():
             evaluation.check_keys([bad])
 
 
-@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("top_k", -1),
+@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("max_new_tokens", 10**9), ("top_k", -1),
                                          ("temperature", 0.0), ("temperature", float("nan")),
                                          ("temperature", 1e-300), ("temperature", float("inf")),
                                          ("seed", 2**64), ("seed", -2**63 - 1)])
